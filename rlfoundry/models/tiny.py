@@ -1,0 +1,147 @@
+"""Tiny Hugging Face models and a character-level tokenizer, built locally.
+
+No machine this project runs on can reach a model hub, so tests, the default run and the
+benchmarks make their own model: a Qwen2 (or Llama) config from ``transformers`` and a
+character-level tokenizer from ``tokenizers``, saved as an ordinary HF directory so that every
+downstream code path (``from_pretrained``, chat templates, ``save_pretrained``) is the real one.
+
+    python -m rlfoundry.models.tiny --out /tmp/tiny-qwen2 [--hidden-size 64 --num-layers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, "<unk>"]
+
+# Qwen2-style ChatML template. The role names are spelled out character by character by this
+# tokenizer, which is fine: prompts stay a few dozen tokens long.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in character for each byte 0..255, in byte order.
+
+    Bytes that are printable Latin-1 stand for themselves; the others are shifted past 255
+    (the scheme of GPT-2's ``bytes_to_unicode``, which Qwen2's tokenizer also uses).
+    """
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
+
+def build_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with one token per byte plus ChatML special tokens.
+
+    It is the GPT-2/Qwen2 byte-level BPE scheme with an empty merge list, so any text round-trips
+    exactly (``decode(encode(s)) == s``), and ``AutoTokenizer`` may load it as a Qwen2 tokenizer
+    (which re-applies byte-level pre-tokenisation) without changing a single id.
+    """
+    alphabet = _byte_alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        bos_token=None,
+        unk_token="<unk>",
+        additional_special_tokens=[BOS_TOKEN],
+        padding_side="left",  # decoder-only generation pads prompts on the left
+    )
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    head: str = "causal_lm",
+):
+    """A randomly initialised model of the given family, sized for CPU tests.
+
+    ``head`` is ``causal_lm`` (policy), ``token_classification`` (critic: one value per token) or
+    ``sequence_classification`` (reward model: one score per sequence).
+    """
+    model_type = {"qwen2": "qwen2", "llama": "llama"}[arch]
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        num_labels=1,
+    )
+    torch.manual_seed(seed)
+    if head == "causal_lm":
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    cls = {
+        "token_classification": AutoModelForTokenClassification,
+        "sequence_classification": AutoModelForSequenceClassification,
+    }[head]
+    return cls.from_config(config, dtype=torch.float32)
+
+
+def save_tiny_model(out_dir: str | Path, **kwargs) -> Path:
+    """Build tokenizer + model and save both as one Hugging Face directory; returns the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    model = build_tiny_model(tok, **kwargs)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head", default="causal_lm", choices=["causal_lm", "token_classification", "sequence_classification"])
+    a = p.parse_args(argv)
+    path = save_tiny_model(
+        a.out, arch=a.arch, hidden_size=a.hidden_size, num_layers=a.num_layers,
+        num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, seed=a.seed, head=a.head,
+    )
+    print(f"saved tiny {a.arch} ({a.head}) to {path}")
+
+
+if __name__ == "__main__":
+    main()

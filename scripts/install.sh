@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install rlfoundry (editable) into the active Python, with optional extras: `bash scripts/install.sh test`.
+# On a machine with no torch, the CPU wheel goes in first so that no dependency pulls the
+# multi-GB CUDA build; a torch that is already installed is left exactly as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "[rlfoundry] no torch found: installing the CPU wheel torch==2.13.0"
+  "$PY" -m pip install --quiet "torch==2.13.0"
+else
+  echo "[rlfoundry] using installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
+fi
+extras=""
+if [ "$#" -gt 0 ]; then extras="[$(IFS=,; echo "$*")]"; fi
+"$PY" -m pip install --quiet -e ".${extras}"

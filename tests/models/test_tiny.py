@@ -1,0 +1,34 @@
+"""The locally built tokenizer and model behave like hub ones through the real HF code paths."""
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlfoundry.models.tiny import build_tokenizer
+
+
+def test_tokenizer_round_trips_any_text_and_reloads_with_same_ids(tiny_model_dir):
+    text = "Natalia sold 48/2 = 24 clips.\n#### 72 ½ \\frac{1}{2}"
+    built = build_tokenizer()
+    loaded = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = built(text)["input_ids"]
+    # one token per UTF-8 byte: "½" is two bytes
+    assert len(ids) == len(text.encode("utf-8"))
+    assert loaded(text)["input_ids"] == ids
+    assert loaded.decode(ids) == text
+
+
+def test_chat_template_and_special_tokens(tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+1?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 2
+    assert tokenizer.padding_side == "left"
+
+
+def test_saved_model_loads_and_is_deterministic(tiny_model_dir):
+    m1 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    m2 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    x = torch.tensor([[1, 50, 51, 52]])
+    torch.testing.assert_close(m1(x).logits, m2(x).logits, rtol=0, atol=0)
+    assert m1.config.vocab_size == 260
