@@ -1,0 +1,209 @@
+"""Small tensor utilities shared by the algorithms and the workers (verl's ``verl.utils.torch_functional``).
+
+Shapes: ``B`` sequences, ``T`` positions, ``V`` vocabulary.
+
+The log-prob and entropy functions never materialise a full (B, T, V) float32 copy of the logits:
+they walk the rows in blocks of at most ``CHUNK_ELEMENTS`` elements, upcast one block at a time,
+and keep only per-row statistics (log-sum-exp) for the backward pass, which recomputes the softmax
+block by block. The only (B, T, V) tensor they allocate is the gradient itself, in the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "entropy_from_logits",
+    "entropy_from_logits_with_chunking",
+    "logprobs_from_logits",
+    "logprobs_from_logits_naive",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]
+
+# Upper bound on the elements of one upcast block: 2**25 float32 values = 128 MiB.
+CHUNK_ELEMENTS = 2**25
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # log-sum-exp in bf16/fp16 loses whole units of log-prob; do the reductions in fp32 (fp64 stays fp64).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_blocks(lead: tuple[int, ...], max_rows: int) -> Iterator[tuple]:
+    """Index tuples into the leading dims, each selecting at most ``max_rows`` whole rows.
+
+    Indexing instead of reshaping keeps every block a view, even when the logits are a
+    non-contiguous slice such as ``logits[:, -T - 1 : -1]``.
+    """
+    if not lead:
+        yield ()
+        return
+    inner = math.prod(lead[1:])
+    if inner <= max_rows:
+        step = max(1, max_rows // max(inner, 1))
+        for start in range(0, lead[0], step):
+            yield (slice(start, start + step),)
+        return
+    for i in range(lead[0]):
+        for rest in _row_blocks(lead[1:], max_rows):
+            yield (i, *rest)
+
+
+def _blocks_for(logits: torch.Tensor, chunk_rows: int | None) -> Iterator[tuple]:
+    vocab = max(logits.shape[-1], 1)
+    rows = chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // vocab)
+    return _row_blocks(tuple(logits.shape[:-1]), rows)
+
+
+def _blockwise_logsumexp(logits: torch.Tensor, chunk_rows: int | None) -> torch.Tensor:
+    """(..., V) -> (...,) log-sum-exp in the compute dtype, one upcast block at a time."""
+    ctype = _compute_dtype(logits.dtype)
+    lse = torch.empty(logits.shape[:-1], dtype=ctype, device=logits.device)
+    for idx in _blocks_for(logits, chunk_rows):
+        lse[idx] = torch.logsumexp(logits[idx].to(ctype), dim=-1)
+    return lse
+
+
+class _LogProbsFromLogits(torch.autograd.Function):
+    """log p(label) = logit[label] - logsumexp(logits), with a block-wise backward.
+
+    d/dx_j = g * (1[j == label] - softmax(x)_j); the softmax is recomputed per block from the
+    saved log-sum-exp so nothing of size (B, T, V) is kept between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_rows):
+        lse = _blockwise_logsumexp(logits, chunk_rows)
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(lse.dtype)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk_rows = chunk_rows
+        return picked - lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in _blocks_for(logits, ctx.chunk_rows):
+            g = grad_out[idx].to(lse.dtype).unsqueeze(-1)
+            probs = torch.exp(logits[idx].to(lse.dtype) - lse[idx].unsqueeze(-1))
+            block = (-g * probs).scatter_add_(-1, labels[idx].unsqueeze(-1), g)
+            grad[idx] = block.to(logits.dtype)
+        return grad, None, None
+
+
+class _EntropyFromLogits(torch.autograd.Function):
+    """H = logsumexp(x) - sum_j p_j x_j, with dH/dx_j = -p_j (x_j - E_p[x]) computed block-wise."""
+
+    @staticmethod
+    def forward(ctx, logits, chunk_rows):
+        ctype = _compute_dtype(logits.dtype)
+        lse = torch.empty(logits.shape[:-1], dtype=ctype, device=logits.device)
+        entropy = torch.empty_like(lse)
+        for idx in _blocks_for(logits, chunk_rows):
+            x = logits[idx].to(ctype)
+            lse[idx] = torch.logsumexp(x, dim=-1)
+            probs = torch.exp(x - lse[idx].unsqueeze(-1))
+            entropy[idx] = lse[idx] - (probs * x).sum(-1)
+        ctx.save_for_backward(logits, lse, entropy)
+        ctx.chunk_rows = chunk_rows
+        return entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        logits, lse, entropy = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in _blocks_for(logits, ctx.chunk_rows):
+            x = logits[idx].to(lse.dtype)
+            probs = torch.exp(x - lse[idx].unsqueeze(-1))
+            mean_x = (lse[idx] - entropy[idx]).unsqueeze(-1)  # E_p[x] = lse - H
+            grad[idx] = (-grad_out[idx].to(lse.dtype).unsqueeze(-1) * probs * (x - mean_x)).to(logits.dtype)
+        return grad, None
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True, chunk_rows: int | None = None
+) -> torch.Tensor:
+    """Log-probability of ``labels`` under ``softmax(logits)``.
+
+    Args:
+        logits: (..., V), any float dtype, may be a non-contiguous view.
+        labels: (...,) int64 token ids.
+        inplace_backward: accepted for verl compatibility (its flash-attn path writes the gradient
+            into the logits buffer). Ignored: the logits are never overwritten, since other terms
+            (e.g. the entropy bonus) may still need them in backward.
+        chunk_rows: rows per upcast block; default keeps a block under ``CHUNK_ELEMENTS`` values.
+
+    Returns:
+        (...,) log-probs in float32 (float64 for float64 logits), whatever the logits' dtype.
+    """
+    del inplace_backward
+    return _LogProbsFromLogits.apply(logits, labels, chunk_rows)
+
+
+def logprobs_from_logits_naive(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Reference implementation: full log_softmax then gather. (..., V), (...,) -> (...,)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per row. (..., V) -> (...,) in float32 (float64 for float64)."""
+    return _EntropyFromLogits.apply(logits, chunk_rows)
+
+
+def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+    """verl's name for the chunked entropy: ``chunk_size`` rows per block. (..., V) -> (...,)."""
+    return _EntropyFromLogits.apply(logits, chunk_size)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is non-zero (weighted by ``mask``); NaN/inf outside the mask are ignored."""
+    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return (kept * mask).sum(dim=axis)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
+    """Mean of ``values`` over ``mask``; an empty mask gives 0.
+
+    verl adds 1e-8 to the count, which biases every mean by a relative 1e-8 / N; replacing a zero
+    count by 1 gives the same 0 for an empty mask and the exact mean otherwise.
+    """
+    count = mask.sum(dim=axis)
+    return masked_sum(values, mask, axis) / torch.where(count == 0, torch.ones_like(count), count)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over all masked elements (a scalar), Bessel-corrected when ``unbiased``."""
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if not unbiased:
+        return variance
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("masked_var: the mask selects no element; at least two are needed for an unbiased variance")
+    if count == 1:
+        raise ValueError(
+            "masked_var: the mask selects a single element, so the unbiased variance divides by zero; "
+            "use a larger batch (more valid tokens) or unbiased=False"
+        )
+    return variance * count / (count - 1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) with statistics over ``mask``; keeps the mean if not ``shift_mean``.
+
+    Applied element-wise to every position (masked ones included); callers mask the result.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
