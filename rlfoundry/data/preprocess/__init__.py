@@ -1,0 +1,10 @@
+"""Preprocessing scripts: public data sets and synthetic tasks -> verl-format parquet.
+
+    python -m rlfoundry.data.preprocess gsm8k      --input DIR_OR_FILE --output DIR
+    python -m rlfoundry.data.preprocess math       --input DIR_OR_FILE --output DIR [--data-source NAME]
+    python -m rlfoundry.data.preprocess arithmetic --output DIR [--seed 0 --digits 2 --ops +- ...]
+
+Each task module has ``add_arguments(parser)`` and ``run(args) -> {split: parquet path}``.
+"""
+
+TASKS = ("gsm8k", "math", "arithmetic")

@@ -1,0 +1,356 @@
+"""Prompt data sets in verl's parquet format, and the resumable loader that feeds the trainer.
+
+One row per prompt (the format verl's own preprocessing scripts write, so their files load as is):
+
+| column | type | example |
+|---|---|---|
+| ``data_source`` | str | ``"openai/gsm8k"`` (picks the reward function; ``data.reward_fn_key``) |
+| ``prompt`` | list of ``{"role", "content"}`` | ``[{"role": "user", "content": "..."}]`` (``data.prompt_key``) |
+| ``ability`` | str | ``"math"`` |
+| ``reward_model`` | ``{"style": "rule"|"model", "ground_truth": str}`` | |
+| ``extra_info`` | dict | ``{"split": "train", "index": 0, ...}`` |
+
+Any other column is passed through as a non-tensor column.
+
+Config keys read from ``data.*`` (verl's names): ``prompt_key`` ("prompt"), ``max_prompt_length``
+(512), ``truncation`` (``error`` | ``left`` | ``right`` | ``middle``; "error"),
+``filter_overlong_prompts`` (False), ``return_raw_chat`` (False), ``return_full_prompt`` (False),
+``reward_fn_key`` ("data_source"), ``shuffle`` (True), ``seed`` (1), plus two of ours:
+
+- ``apply_chat_template`` (True): render each prompt with the tokenizer's chat template (with the
+  generation prompt). False joins the message contents with newlines instead, for tokenizers and
+  base models that have no chat template.
+- ``apply_chat_template_kwargs`` ({}): extra keyword arguments for ``apply_chat_template``.
+
+The whole file is tokenised once, up front, with the fast tokenizer's batch call: filtering and the
+``truncation=error`` check then happen at start-up, not hours into a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset, Sampler, SequentialSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+
+class DataError(ValueError):
+    """A prompt data file or its configuration is unusable; the message says where and how to fix it."""
+
+
+def cfg_get(config: Any, key: str, default: Any = None) -> Any:
+    """``config.key`` for a DictConfig, a plain dict or any attribute object (dataclass, namespace)."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping) or hasattr(config, "get"):
+        value = config.get(key, default)
+    else:
+        value = getattr(config, key, default)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """The ``data.*`` keys RLHFDataset reads, resolved and checked once."""
+
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    truncation: str = "error"
+    filter_overlong_prompts: bool = False
+    return_raw_chat: bool = False
+    return_full_prompt: bool = False
+    reward_fn_key: str = "data_source"
+    apply_chat_template: bool = True
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Any) -> DatasetOptions:
+        names = cls.__dataclass_fields__
+        defaults = cls()
+        values = {name: cfg_get(config, name, getattr(defaults, name)) for name in names}
+        values["apply_chat_template_kwargs"] = dict(values["apply_chat_template_kwargs"])
+        values["max_prompt_length"] = int(values["max_prompt_length"])
+        opts = cls(**values)
+        if opts.truncation not in TRUNCATION_MODES:
+            raise DataError(f"data.truncation={opts.truncation!r} is not one of {TRUNCATION_MODES}")
+        if opts.max_prompt_length <= 0:
+            raise DataError(f"data.max_prompt_length must be positive, got {opts.max_prompt_length}")
+        return opts
+
+
+# ---- reading and checking files --------------------------------------------------------------
+
+
+def _expand_files(data_files: str | Path | Sequence[str | Path]) -> list[Path]:
+    """A path, a list of paths (ListConfig too), or a directory of ``*.parquet`` -> file paths."""
+    items = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
+    if not items:
+        raise DataError("no data files given (data.train_files / data.val_files is empty)")
+    paths: list[Path] = []
+    for item in items:
+        path = Path(str(item)).expanduser()
+        if path.is_dir():
+            found = sorted(path.glob("*.parquet"))
+            if not found:
+                raise DataError(f"directory {path} holds no *.parquet files")
+            paths.extend(found)
+        elif not path.exists():
+            raise DataError(
+                f"data file {path} does not exist; check data.train_files / data.val_files, or make one "
+                "with `python -m rlfoundry.data.preprocess <task> --output DIR`"
+            )
+        else:
+            paths.append(path)
+    return paths
+
+
+def _read_parquet(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DataError(
+            f"{path} is not a readable parquet file ({err}). Prompt data must be verl-format parquet; "
+            "convert jsonl with `python -m rlfoundry.data.preprocess gsm8k|math --input FILE --output DIR`"
+        ) from err
+
+
+def _check_columns(table: pa.Table, path: Path, opts: DatasetOptions) -> None:
+    for key, option in ((opts.prompt_key, "data.prompt_key"), (opts.reward_fn_key, "data.reward_fn_key")):
+        if key not in table.column_names:
+            raise DataError(
+                f"{path} has no column {key!r} ({option}); its columns are {table.column_names}. "
+                f"Set {option} to the right column or re-create the file with rlfoundry.data.preprocess"
+            )
+
+
+def _check_messages(prompt: Any, path: Path, row: int, prompt_key: str) -> list[dict]:
+    """The prompt must be a non-empty list of {"role": str, "content": str} dicts."""
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    ok = isinstance(prompt, list) and len(prompt) > 0
+    ok = ok and all(
+        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt
+    )
+    if not ok:
+        raise DataError(
+            f"{path}, row {row}: column {prompt_key!r} must be a list of chat messages "
+            f'[{{"role": ..., "content": ...}}], got {str(prompt)[:200]!r}. A plain-text prompt '
+            f'should be wrapped as [{{"role": "user", "content": text}}]'
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def load_tables(data_files: Any, opts: DatasetOptions) -> list[tuple[Path, pa.Table]]:
+    """Every data file as (path, Arrow table), with the prompt and reward_fn_key columns checked."""
+    tables = []
+    for path in _expand_files(data_files):
+        table = _read_parquet(path)
+        _check_columns(table, path, opts)
+        tables.append((path, table))
+    return tables
+
+
+# ---- rendering and token-level helpers -------------------------------------------------------
+
+
+def render_prompts(messages: list[list[dict]], tokenizer: Any, opts: DatasetOptions) -> list[str]:
+    """Prompt text as the policy sees it: chat template with generation prompt, or plain join."""
+    if not opts.apply_chat_template:
+        return ["\n".join(m["content"] for m in chat) for chat in messages]
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '?')}) has no chat "
+            "template; set data.apply_chat_template=False to join the message contents as plain text, or "
+            "use a tokenizer with a chat template"
+        )
+    kwargs = {"add_generation_prompt": True, "tokenize": False, **opts.apply_chat_template_kwargs}
+    return list(tokenizer.apply_chat_template(messages, **kwargs))
+
+
+def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
+    """Cut ``ids`` to ``max_length``: left keeps the end, right the start, middle both ends."""
+    if len(ids) <= max_length:
+        return ids
+    if mode == "left":
+        return ids[-max_length:]
+    if mode == "right":
+        return ids[:max_length]
+    if mode == "middle":
+        head = max_length // 2
+        return ids[:head] + ids[len(ids) - (max_length - head) :]
+    raise DataError(f"prompt has {len(ids)} tokens > max_prompt_length={max_length} with truncation={mode!r}")
+
+
+def left_pad(ids: list[int], max_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of length ``max_length``, padding on the left (decoder-only generation)."""
+    n_pad = max_length - len(ids)
+    input_ids = torch.tensor([pad_id] * n_pad + list(ids), dtype=torch.long)
+    mask = torch.cat([torch.zeros(n_pad, dtype=torch.long), torch.ones(len(ids), dtype=torch.long)])
+    return input_ids, mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens; pads before them get 0 (they are masked anyway)."""
+    return torch.clamp(attention_mask.long().cumsum(-1) - 1, min=0)
+
+
+# ---- the data set ----------------------------------------------------------------------------
+
+
+class RLHFDataset(Dataset):
+    """verl-format parquet prompts, tokenised once, left-padded to ``data.max_prompt_length``.
+
+    ``dataset[i]`` is a dict: ``input_ids``, ``attention_mask``, ``position_ids`` (1-D tensors of
+    length max_prompt_length), ``raw_prompt_ids`` (list, unpadded, for rollout engines that take
+    token lists), ``index`` (``extra_info["index"]`` or 0), every other parquet column except the
+    prompt, ``raw_prompt`` (the messages) when ``data.return_raw_chat`` and ``full_prompts`` (the
+    rendered text) when ``data.return_full_prompt``.
+    """
+
+    def __init__(self, data_files: Any, tokenizer: Any, config: Any = None, processor: Any = None) -> None:
+        if processor is not None:
+            raise NotImplementedError("multimodal prompts (a processor) are not supported yet; pass processor=None")
+        self.tokenizer = tokenizer
+        self.options = DatasetOptions.from_config(config)
+        # Rows stay in Arrow (compact, converted per item); only the token ids are materialised.
+        self.tables = load_tables(data_files, self.options)
+        where, messages = self._all_prompts()
+        texts = render_prompts(messages, tokenizer, self.options)
+        token_ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        self._keep(where, texts, token_ids)
+        logger.info("RLHFDataset: %d prompts from %s", len(self), data_files)
+
+    def _all_prompts(self) -> tuple[list[tuple[int, int]], list[list[dict]]]:
+        """(table index, row index) and the checked chat messages of every row of every file."""
+        where, messages, key = [], [], self.options.prompt_key
+        for t, (path, table) in enumerate(self.tables):
+            for i, prompt in enumerate(table.column(key).to_pylist()):
+                messages.append(_check_messages(prompt, path, i, key))
+                where.append((t, i))
+        return where, messages
+
+    def _keep(self, where: list[tuple[int, int]], texts: list[str], token_ids: list[list[int]]) -> None:
+        """Drop over-long prompts when asked, enforce truncation=error, refuse an empty result."""
+        limit = self.options.max_prompt_length
+        lengths = np.array([len(ids) for ids in token_ids], dtype=np.int64)
+        if self.options.filter_overlong_prompts:
+            keep = np.flatnonzero(lengths <= limit)
+            logger.info("filter_overlong_prompts dropped %d of %d prompts", len(where) - len(keep), len(where))
+        else:
+            keep = np.arange(len(where))
+            if self.options.truncation == "error":
+                self._raise_if_overlong(where, lengths)
+        if len(keep) == 0:
+            files = [str(path) for path, _ in self.tables]
+            raise DataError(
+                f"no prompts left in {files} ({len(where)} rows before filtering): every prompt is longer than "
+                f"data.max_prompt_length={limit}. Raise data.max_prompt_length or set "
+                "data.filter_overlong_prompts=False with data.truncation=left|right|middle"
+            )
+        self.where = np.asarray(where, dtype=np.int64).reshape(-1, 2)[keep]
+        self.texts = [texts[i] for i in keep] if self.options.return_full_prompt else None
+        # One flat int array + offsets instead of a Python list per prompt: ~4 bytes per token.
+        self.offsets = np.concatenate([[0], np.cumsum(lengths[keep])])
+        flat = (t for i in keep for t in token_ids[i])
+        self.flat_ids = np.fromiter(flat, dtype=np.int64, count=int(self.offsets[-1]))
+
+    def _raise_if_overlong(self, where: list[tuple[int, int]], lengths: np.ndarray) -> None:
+        limit = self.options.max_prompt_length
+        over = np.flatnonzero(lengths > limit)
+        if len(over) == 0:
+            return
+        table, row = where[over[0]]
+        raise DataError(
+            f"{self.tables[table][0]}, row {row}: prompt is {lengths[over[0]]} tokens, longer than "
+            f"data.max_prompt_length={limit} ({len(over)} of {len(lengths)} prompts are). With data.truncation=error "
+            "this is refused; raise data.max_prompt_length, set data.filter_overlong_prompts=True to drop them, "
+            "or set data.truncation=left|right|middle"
+        )
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __getitem__(self, item: int) -> dict:
+        opts = self.options
+        table, row_index = self.where[item]
+        path, arrow = self.tables[table]
+        row = arrow.slice(int(row_index), 1).to_pylist()[0]
+        messages = _check_messages(row.pop(opts.prompt_key), path, int(row_index), opts.prompt_key)
+        ids = self.flat_ids[self.offsets[item] : self.offsets[item + 1]].tolist()
+        ids = truncate_ids(ids, opts.max_prompt_length, opts.truncation)
+        input_ids, attention_mask = left_pad(ids, opts.max_prompt_length, self.tokenizer.pad_token_id)
+        row.update(input_ids=input_ids, attention_mask=attention_mask, raw_prompt_ids=ids)
+        row["position_ids"] = position_ids_from_mask(attention_mask)
+        if opts.return_raw_chat:
+            row["raw_prompt"] = messages
+        if opts.return_full_prompt:
+            row["full_prompts"] = self.texts[item]
+        extra = row.get("extra_info")
+        row["index"] = extra.get("index", 0) if isinstance(extra, Mapping) else 0
+        return row
+
+
+def collate_fn(data_list: list[dict]) -> dict:
+    """Batch dict: tensors stacked along a new first dim, everything else an object array of B entries."""
+    if not data_list:
+        raise ValueError("collate_fn got an empty batch")
+    batch: dict[str, Any] = {}
+    for key in data_list[0]:
+        values = [item[key] for item in data_list]
+        if isinstance(values[0], torch.Tensor):
+            batch[key] = torch.stack(values)
+        else:
+            column = np.empty(len(values), dtype=object)
+            column[:] = values  # slice assignment keeps lists/dicts as single objects, not ragged arrays
+            batch[key] = column
+    return batch
+
+
+# ---- sampling and loading ---------------------------------------------------------------------
+
+
+def create_rl_sampler(data_config: Any, dataset: Dataset) -> Sampler:
+    """Seeded random order when ``data.shuffle`` (default True), else file order.
+
+    torchdata's RandomSampler is a drop-in for torch's that also checkpoints its generator state,
+    so a loader restored from ``state_dict()`` replays the same order, across epochs too.
+    """
+    if not cfg_get(data_config, "shuffle", True):
+        return SequentialSampler(dataset)
+    generator = torch.Generator()
+    generator.manual_seed(int(cfg_get(data_config, "seed", 1)))
+    return RandomSampler(dataset, generator=generator)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 1,
+    num_workers: int = 0,
+    drop_last: bool = True,
+) -> StatefulDataLoader:
+    """A resumable loader: save ``loader.state_dict()`` in the checkpoint, ``load_state_dict`` it back."""
+    sampler = create_rl_sampler({"shuffle": shuffle, "seed": seed}, dataset)
+    return StatefulDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+    )

@@ -1,0 +1,95 @@
+"""Load a user's reward function from a Python file (``custom_reward_function.*``, verl's keys).
+
+    custom_reward_function:
+      path: /abs/or/relative/my_reward.py   # null: use default_compute_score
+      name: compute_score                   # function in that file
+      reward_kwargs: {}                     # extra keyword arguments bound to every call
+
+The function is called like ``default_compute_score(data_source=..., solution_str=...,
+ground_truth=..., extra_info=...)`` and returns a float or a dict with a ``score`` key.
+
+The loaded function is wrapped in ``FileRewardFunction``, which pickles as (path, name, kwargs)
+and re-imports the file in the process that calls it: reward pool workers started with spawn or
+forkserver cannot unpickle a function whose module exists only in the driver's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+
+class RewardFunctionError(ValueError):
+    """The custom reward function could not be loaded; the message names the file and function."""
+
+
+def _load_module(path: Path):
+    # A name derived from the path keeps two different reward files from clobbering each other.
+    module_name = "rlfoundry_custom_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardFunctionError(f"custom_reward_function.path={path} is not a loadable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise RewardFunctionError(f"importing custom reward file {path} failed: {type(err).__name__}: {err}") from err
+    return module
+
+
+class FileRewardFunction:
+    """A picklable handle on ``name`` in the Python file ``path``, called with ``kwargs`` bound."""
+
+    def __init__(self, path: str | Path, name: str = "compute_score", kwargs: dict | None = None) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self.name = name
+        self.kwargs = dict(kwargs or {})
+        self._fn: Callable | None = None
+
+    def load(self) -> Callable:
+        if self._fn is None:
+            if not self.path.is_file():
+                raise RewardFunctionError(
+                    f"custom reward file {self.path} does not exist (custom_reward_function.path)"
+                )
+            fn = getattr(_load_module(self.path), self.name, None)
+            if not callable(fn):
+                raise RewardFunctionError(
+                    f"custom reward file {self.path} has no function {self.name!r} "
+                    "(custom_reward_function.name); define it or set the right name"
+                )
+            self._fn = fn
+        return self._fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **{**self.kwargs, **kwargs})
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "name": self.name, "kwargs": self.kwargs, "_fn": None}
+
+    def __repr__(self) -> str:
+        return f"FileRewardFunction({str(self.path)!r}, {self.name!r})"
+
+
+def load_custom_reward_fn(config: Any) -> FileRewardFunction | None:
+    """The function named by ``config.custom_reward_function``, loaded now (errors surface at start-up)."""
+    section = _get(config, "custom_reward_function")
+    path = _get(section, "path")
+    if not path:
+        return None
+    fn = FileRewardFunction(path, _get(section, "name") or "compute_score", dict(_get(section, "reward_kwargs") or {}))
+    fn.load()
+    return fn
+
+
+def _get(config: Any, key: str) -> Any:
+    if config is None:
+        return None
+    return config.get(key) if hasattr(config, "get") else getattr(config, key, None)

@@ -1,0 +1,66 @@
+"""``default_compute_score``: pick the rule scorer for a sample by its ``data_source``.
+
+Same signature as verl's, so a custom reward function written for verl can wrap or replace it.
+Add a data set by adding its name to ``SCORERS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rlfoundry.rewards import arithmetic, gsm8k
+from rlfoundry.rewards import math as math_scorer
+
+ARITHMETIC_DATA_SOURCE = "rlfoundry/arithmetic"
+
+SCORERS: dict[str, Callable[..., float]] = {
+    "openai/gsm8k": gsm8k.compute_score,
+    "lighteval/MATH": math_scorer.compute_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_scorer.compute_score,
+    "HuggingFaceH4/MATH-500": math_scorer.compute_score,
+    ARITHMETIC_DATA_SOURCE: arithmetic.compute_score,
+}
+
+
+class UnknownDataSourceError(KeyError):
+    """No built-in scorer for this data_source; the message lists the known ones."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message and hide the newlines
+        return str(self.args[0])
+
+
+def check_data_sources(data_sources: Any) -> None:
+    """Raise UnknownDataSourceError if any of ``data_sources`` has no built-in scorer."""
+    unknown = sorted({str(s) for s in data_sources} - SCORERS.keys())
+    if unknown:
+        raise UnknownDataSourceError(
+            f"no built-in reward function for data_source {unknown}; known: {sorted(SCORERS)}. "
+            "Point custom_reward_function.path (and .name) at a Python file with your own compute_score"
+        )
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    **kwargs: Any,
+) -> float | dict:
+    """Score one response with the built-in scorer of its data set."""
+    check_data_sources([data_source])
+    return SCORERS[data_source](solution_str, ground_truth, **kwargs)
+
+
+def batch_default_compute_score(
+    data_sources: list[str],
+    solution_strs: list[str],
+    ground_truths: list[str],
+    extra_infos: list[dict | None],
+    **kwargs: Any,
+) -> list[float | dict]:
+    """``default_compute_score`` over lists: the default scorer of the ``batch`` reward manager."""
+    check_data_sources(data_sources)
+    return [
+        default_compute_score(s, r, g, e, **kwargs)
+        for s, r, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)
+    ]

@@ -1,0 +1,455 @@
+"""Reward managers: a batch of rollouts (DataProto) -> ``token_level_scores`` (B, Tr).
+
+Same interface as verl's (``manager(data, return_dict=False)``), so recipes port over:
+
+- ``naive``: one ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` call per
+  sample (``default_compute_score`` unless ``custom_reward_function.path`` is set).
+- ``batch``: one call ``compute_score(data_sources=, solution_strs=, ground_truths=, extra_infos=)``
+  for the whole batch, returning one score (or dict) per sample.
+- ``dapo``: ``naive`` plus DAPO's soft overlong penalty (Yu et al. 2025, "DAPO", sec. 3.4): a
+  response longer than ``max_resp_len - overlong_buffer.len`` loses ``penalty_factor`` x the fraction
+  of the buffer it used.
+
+The score goes on the last valid response token (``response_mask``, else the response part of
+``attention_mask``); every other position is 0. With ``return_dict=True`` the result is
+``{"reward_tensor", "reward_extra_info": {name: list of B}, "reward_metrics": {...}}``; extra info
+holds every key of dict-valued scores (a failed sample gets NaN for numeric keys, None otherwise).
+
+Robustness: samples are scored in a ``ScoringPool`` of worker processes with a per-sample timeout.
+A sample whose scorer raises, times out, kills its process, or returns no finite number gets
+``failure_score`` and is counted in ``reward_metrics["reward/errors"]`` (and per kind in
+``reward/errors/<kind>``); the first failure's traceback is logged once per manager. An unknown
+``data_source`` with the default scorer is a configuration error and raises before scoring.
+
+Model rewards: when the batch already holds ``rm_scores`` (written by ``RewardModelWorker``),
+``rm_combine="replace"`` (verl's behaviour, the default) returns them as the scores without calling
+the rule scorer; ``rm_combine="add"`` returns rule score + model score (both sit on the last
+response token, so the sum is per sequence).
+
+Config (``load_reward_manager``):
+
+| key | default | meaning |
+|---|---|---|
+| ``reward_model.reward_manager`` | naive | naive, batch or dapo |
+| ``reward_model.reward_kwargs.timeout_s`` | 30 | per-sample timeout (the batch manager's one call gets timeout_s x B) |
+| ``reward_model.reward_kwargs.failure_score`` | 0.0 | score of a sample whose scorer failed |
+| ``reward_model.reward_kwargs.num_workers`` | min(4, CPUs) | scorer processes; 0 scores in the driver (no timeout or crash isolation; breakpoints work) |
+| ``reward_model.reward_kwargs.pool_min_batch`` | 1 | batches smaller than this are scored in the driver |
+| ``reward_model.reward_kwargs.mp_start_method`` | forkserver | or spawn |
+| ``reward_model.reward_kwargs.rm_combine`` | replace | replace or add (see above) |
+| ``reward_model.overlong_buffer.{enable,len,penalty_factor,log}`` | off | dapo only; uses ``data.max_response_length`` |
+| ``custom_reward_function.{path,name,reward_kwargs}`` | null | see ``rlfoundry.rewards.custom`` |
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import math
+import os
+import pickle
+from collections import defaultdict
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.rewards.custom import load_custom_reward_fn
+from rlfoundry.rewards.default import batch_default_compute_score, check_data_sources, default_compute_score
+from rlfoundry.rewards.pool import Outcome, ScoringPool, call_safely
+
+logger = logging.getLogger(__name__)
+
+ERROR_KINDS = ("exception", "timeout", "crash", "bad_return")
+RM_COMBINE_MODES = ("replace", "add")
+
+
+@dataclass
+class Sample:
+    """One row as the scorer sees it."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: Any
+    extra_info: Any
+    response_length: int
+
+
+@dataclass
+class Scored:
+    """A sample's final score, its extra metrics and, if it failed, why."""
+
+    score: float
+    extras: dict
+    error: str | None = None
+    detail: str = ""
+
+
+# ---- batch plumbing (pure functions) ---------------------------------------------------------
+
+
+def response_lengths(data: DataProto) -> torch.Tensor:
+    """(B,) number of valid response tokens: ``response_mask`` if present, else the mask's tail."""
+    batch = data.batch
+    if "response_mask" in batch.keys():
+        return batch["response_mask"].sum(-1).long()
+    width = batch["responses"].shape[-1]
+    return batch["attention_mask"][:, -width:].sum(-1).long()
+
+
+def decode_samples(data: DataProto, tokenizer: Any, reward_fn_key: str) -> list[Sample]:
+    """Decode each valid response (special tokens dropped) and pair it with its ground truth."""
+    lengths = response_lengths(data).tolist()
+    responses = data.batch["responses"]
+    texts = tokenizer.batch_decode([responses[i, :n].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True)
+    nt = data.non_tensor_batch
+    if reward_fn_key not in nt or "reward_model" not in nt:
+        raise KeyError(
+            f"batch lacks non-tensor column {reward_fn_key!r} (data.reward_fn_key) or 'reward_model'; "
+            f"it has {sorted(nt)}. Rows must come from a verl-format RLHFDataset"
+        )
+    extra = nt.get("extra_info", np.full(len(texts), None, dtype=object))
+    return [
+        Sample(str(nt[reward_fn_key][i]), texts[i], _ground_truth(nt["reward_model"][i]), extra[i], lengths[i])
+        for i in range(len(texts))
+    ]
+
+
+def _ground_truth(reward_model: Any) -> Any:
+    return reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+
+
+def interpret(outcome: Outcome, failure_score: float) -> Scored:
+    """Turn what the scorer returned into a Scored; anything but a finite number is a failure."""
+    if outcome.error is not None:
+        return Scored(failure_score, {}, outcome.error, outcome.detail)
+    value = outcome.value
+    extras = dict(value) if isinstance(value, dict) else {}
+    raw = extras.get("score") if isinstance(value, dict) else value
+    if isinstance(raw, (Real, np.number, np.bool_)) and math.isfinite(float(raw)):
+        return Scored(float(raw), extras)
+    detail = f"scorer returned {value!r:.200}; expected a finite number or a dict with a numeric 'score'"
+    return Scored(failure_score, {}, "bad_return", detail)
+
+
+def place_scores(scores: list[float], lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, width) zeros with each score on its sequence's last valid response token."""
+    tensor = torch.zeros(len(scores), width, dtype=torch.float32)
+    last = torch.clamp(lengths - 1, min=0)  # an empty response still gets its score somewhere (masked out later)
+    tensor[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
+    return tensor
+
+
+def extra_info_columns(scored: list[Scored]) -> dict[str, list]:
+    """``{key: list of B}`` over every key any sample reported; missing -> NaN (numeric) or None."""
+    keys = list(dict.fromkeys(k for s in scored for k in s.extras))
+    columns = {}
+    for key in keys:
+        present = [s.extras[key] for s in scored if key in s.extras]
+        numeric = all(isinstance(v, (Real, np.number)) for v in present)
+        fill = float("nan") if numeric else None
+        columns[key] = [s.extras.get(key, fill) for s in scored]
+    return columns
+
+
+def error_metrics(scored: list[Scored]) -> dict[str, int]:
+    kinds = [s.error for s in scored if s.error is not None]
+    metrics = {"reward/errors": len(kinds)}
+    metrics.update({f"reward/errors/{kind}": kinds.count(kind) for kind in ERROR_KINDS})
+    return metrics
+
+
+# ---- managers --------------------------------------------------------------------------------
+
+REWARD_MANAGERS: dict[str, type] = {}
+
+
+def register_reward_manager(name: str) -> Callable[[type], type]:
+    """Class decorator: make a manager available as ``reward_model.reward_manager=<name>``."""
+
+    def add(cls: type) -> type:
+        if name in REWARD_MANAGERS and REWARD_MANAGERS[name] is not cls:
+            raise ValueError(f"reward manager {name!r} is already registered as {REWARD_MANAGERS[name]!r}")
+        REWARD_MANAGERS[name] = cls
+        return cls
+
+    return add
+
+
+def get_reward_manager_cls(name: str) -> type:
+    if name not in REWARD_MANAGERS:
+        raise ValueError(f"unknown reward_model.reward_manager={name!r}; choose one of {sorted(REWARD_MANAGERS)}")
+    return REWARD_MANAGERS[name]
+
+
+class RuleRewardManager:
+    """Shared plumbing of the rule-based managers; subclasses change how samples are scored."""
+
+    default_compute_score: Callable = staticmethod(default_compute_score)
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int = 0,
+        compute_score: Callable | None = None,
+        reward_fn_key: str = "data_source",
+        *,
+        timeout_s: float = 30.0,
+        failure_score: float = 0.0,
+        num_workers: int | None = None,
+        pool_min_batch: int = 1,
+        mp_start_method: str | None = None,
+        rm_combine: str = "replace",
+    ) -> None:
+        if rm_combine not in RM_COMBINE_MODES:
+            raise ValueError(f"rm_combine={rm_combine!r} must be one of {RM_COMBINE_MODES}")
+        self.tokenizer, self.num_examine, self.reward_fn_key = tokenizer, num_examine, reward_fn_key
+        self.compute_score = compute_score or self.default_compute_score
+        self.uses_default_scorer = compute_score is None
+        self.timeout_s, self.failure_score = float(timeout_s), float(failure_score)
+        self.num_workers = min(4, os.cpu_count() or 1) if num_workers is None else int(num_workers)
+        self.pool_min_batch, self.mp_start_method, self.rm_combine = pool_min_batch, mp_start_method, rm_combine
+        self._pool: ScoringPool | None = None
+        self._in_process_only = self.num_workers <= 0
+        self._logged_first_error = False
+        self.last_metrics: dict[str, int] = error_metrics([])
+
+    def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict:
+        width = data.batch["responses"].shape[-1]
+        rm_scores = data.batch["rm_scores"] if "rm_scores" in data.batch.keys() else None
+        if rm_scores is not None and self.rm_combine == "replace":
+            return self._result(rm_scores, [], return_dict)
+        samples = decode_samples(data, self.tokenizer, self.reward_fn_key)
+        if self.uses_default_scorer:
+            check_data_sources(s.data_source for s in samples)
+        scored = [interpret(o, self.failure_score) for o in self.score_samples(samples)]
+        self.postprocess(samples, scored)
+        tensor = place_scores([s.score for s in scored], torch.tensor([s.response_length for s in samples]), width)
+        if rm_scores is not None:
+            tensor = tensor + rm_scores.to(tensor.dtype)
+        self._report_errors(samples, scored)
+        self._examine(data, samples, scored)
+        return self._result(tensor, scored, return_dict)
+
+    def score_samples(self, samples: list[Sample]) -> list[Outcome]:
+        """One Outcome per sample (naive: one scorer call each)."""
+        calls = [
+            {"data_source": s.data_source, "solution_str": s.solution_str,
+             "ground_truth": s.ground_truth, "extra_info": s.extra_info}
+            for s in samples
+        ]
+        return self.run_calls(calls)
+
+    def postprocess(self, samples: list[Sample], scored: list[Scored]) -> None:
+        """Hook for score shaping after scoring (dapo's overlong penalty)."""
+
+    def run_calls(self, calls: list[dict], timeout_s: float | None = None) -> list[Outcome]:
+        """Run compute_score(**call) for each call, in the pool when worthwhile, else in the driver."""
+        if self._in_process_only or len(calls) < self.pool_min_batch or not self._ensure_pool():
+            return [call_safely(self.compute_score, call) for call in calls]
+        return self._pool.map(calls, timeout_s)
+
+    def _ensure_pool(self) -> bool:
+        if self._pool is None and not self._in_process_only:
+            try:
+                pickle.dumps(self.compute_score)
+            except Exception as err:  # noqa: BLE001 - any pickling failure means "cannot ship it"
+                logger.warning(
+                    "reward function %r cannot be pickled (%s); scoring in the driver process without "
+                    "timeouts. Use a module-level function or custom_reward_function.path", self.compute_score, err,
+                )
+                self._in_process_only = True
+                return False
+            self._pool = ScoringPool(self.compute_score, self.num_workers, self.timeout_s, self.mp_start_method)
+        return self._pool is not None
+
+    def _result(self, tensor: torch.Tensor, scored: list[Scored], return_dict: bool) -> torch.Tensor | dict:
+        self.last_metrics = error_metrics(scored)
+        if not return_dict:
+            return tensor
+        return {"reward_tensor": tensor, "reward_extra_info": extra_info_columns(scored),
+                "reward_metrics": dict(self.last_metrics)}
+
+    def _report_errors(self, samples: list[Sample], scored: list[Scored]) -> None:
+        failed = [i for i, s in enumerate(scored) if s.error is not None]
+        if not failed:
+            return
+        first = failed[0]
+        if not self._logged_first_error:
+            self._logged_first_error = True
+            logger.warning(
+                "reward function failed (%s) on sample %d (data_source=%s); it gets failure_score=%g. "
+                "Later failures are only counted in reward/errors.\n%s",
+                scored[first].error, first, samples[first].data_source, self.failure_score, scored[first].detail,
+            )
+        kinds = {k: v for k, v in error_metrics(scored).items() if v and k != "reward/errors"}
+        logger.warning("reward: %d of %d samples failed %s", len(failed), len(scored), kinds)
+
+    def _examine(self, data: DataProto, samples: list[Sample], scored: list[Scored]) -> None:
+        """Print up to ``num_examine`` samples per data source, verl style, for eyeballing."""
+        if self.num_examine <= 0:
+            return
+        shown: dict[str, int] = defaultdict(int)
+        for i, (sample, result) in enumerate(zip(samples, scored)):
+            if shown[sample.data_source] >= self.num_examine:
+                continue
+            shown[sample.data_source] += 1
+            print("[prompt]", self._prompt_text(data, i))
+            print("[response]", sample.solution_str)
+            print("[ground_truth]", sample.ground_truth)
+            print("[score]", result.score, *(f"[{k}] {v}" for k, v in result.extras.items() if k != "score"))
+
+    def _prompt_text(self, data: DataProto, i: int) -> str:
+        if "prompts" not in data.batch.keys():
+            return "<no prompts in batch>"
+        prompt = data.batch["prompts"][i]
+        n_valid = int(data.batch["attention_mask"][i, : prompt.shape[-1]].sum())
+        return self.tokenizer.decode(prompt[prompt.shape[-1] - n_valid :].tolist(), skip_special_tokens=True)
+
+    def __getstate__(self) -> dict:
+        # A copy shipped to another process (e.g. a Ray task) starts its own pool on first use.
+        return {**self.__dict__, "_pool": None}
+
+    def close(self) -> None:
+        """Stop the worker processes (also happens at interpreter exit: they are daemons)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down modules
+            pass
+
+
+@register_reward_manager("naive")
+class NaiveRewardManager(RuleRewardManager):
+    """One scorer call per sample (verl's default)."""
+
+
+@register_reward_manager("batch")
+class BatchRewardManager(RuleRewardManager):
+    """One scorer call for the whole batch.
+
+    The scorer is called as ``compute_score(data_sources=, solution_strs=, ground_truths=,
+    extra_infos=)`` and returns one float or dict per sample.
+
+    For scorers that are faster vectorised (a remote judge, a batched model). The call gets
+    ``timeout_s`` x B; if it fails, every sample in the batch gets ``failure_score``.
+    """
+
+    default_compute_score = staticmethod(batch_default_compute_score)
+
+    def score_samples(self, samples: list[Sample]) -> list[Outcome]:
+        call = {
+            "data_sources": [s.data_source for s in samples],
+            "solution_strs": [s.solution_str for s in samples],
+            "ground_truths": [s.ground_truth for s in samples],
+            "extra_infos": [s.extra_info for s in samples],
+        }
+        (outcome,) = self.run_calls([call], timeout_s=self.timeout_s * max(1, len(samples)))
+        if outcome.error is not None:
+            return [outcome] * len(samples)
+        values = outcome.value
+        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(samples):
+            size = len(values) if hasattr(values, "__len__") else "?"
+            detail = (
+                f"batch scorer returned a {type(values).__name__} of length {size}; "
+                f"expected a list of {len(samples)}"
+            )
+            return [Outcome(error="bad_return", detail=detail)] * len(samples)
+        return [Outcome(value=v) for v in values]
+
+
+@register_reward_manager("dapo")
+class DAPORewardManager(RuleRewardManager):
+    """Naive scoring plus DAPO's soft overlong punishment; float scores are also logged as ``acc``."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int = 0,
+        compute_score: Callable | None = None,
+        reward_fn_key: str = "data_source",
+        max_resp_len: int | None = None,
+        overlong_buffer_cfg: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, **kwargs)
+        cfg = overlong_buffer_cfg
+        self.overlong_enable = bool(_get(cfg, "enable", False))
+        self.overlong_len = int(_get(cfg, "len", 0) or 0)
+        self.overlong_penalty = float(_get(cfg, "penalty_factor", 1.0))
+        self.overlong_log = bool(_get(cfg, "log", False))
+        self.max_resp_len = max_resp_len
+        if self.overlong_enable and (max_resp_len is None or not 0 < self.overlong_len <= max_resp_len):
+            raise ValueError(
+                f"dapo overlong_buffer.len={self.overlong_len} must be in (0, max_resp_len={max_resp_len}] "
+                "(max_resp_len comes from data.max_response_length)"
+            )
+
+    def overlong_reward(self, response_length: int) -> float:
+        """0 up to max_resp_len - len, then falling linearly to -penalty_factor at max_resp_len."""
+        expected = self.max_resp_len - self.overlong_len
+        return min(-(response_length - expected) / self.overlong_len * self.overlong_penalty, 0.0)
+
+    def postprocess(self, samples: list[Sample], scored: list[Scored]) -> None:
+        for sample, result in zip(samples, scored):
+            if result.error is not None:
+                continue  # a failed sample keeps exactly failure_score
+            if "score" not in result.extras:
+                result.extras["acc"] = result.score
+            if self.overlong_enable:
+                penalty = self.overlong_reward(sample.response_length)
+                result.score += penalty
+                if self.overlong_log:
+                    result.extras.update(overlong_reward=penalty, overlong=penalty < 0)
+
+
+# ---- building from config --------------------------------------------------------------------
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
+
+
+def _check_kwargs(cls: type, kwargs: dict) -> None:
+    """Unknown reward_kwargs -> an error naming the nearest valid key."""
+    valid = set()
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            valid |= set(inspect.signature(klass.__init__).parameters)
+    valid -= {"self", "args", "kwargs", "tokenizer", "num_examine", "compute_score", "reward_fn_key"}
+    for key in kwargs:
+        if key not in valid:
+            near = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(
+                f"unknown reward_model.reward_kwargs key {key!r} for {cls.__name__}{hint} (valid: {sorted(valid)})"
+            )
+
+
+def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwargs: Any) -> RuleRewardManager:
+    """Build the manager named by ``reward_model.reward_manager`` from the full config.
+
+    ``kwargs`` override ``reward_model.reward_kwargs``; a custom reward file replaces the default
+    scorer; dapo gets ``max_resp_len`` = ``data.max_response_length`` and ``reward_model.overlong_buffer``.
+    """
+    rm_config = _get(config, "reward_model")
+    name = _get(rm_config, "reward_manager", "naive")
+    cls = get_reward_manager_cls(name)
+    options = {**dict(_get(rm_config, "reward_kwargs", {})), **kwargs}
+    if issubclass(cls, DAPORewardManager):
+        options.setdefault("max_resp_len", _get(_get(config, "data"), "max_response_length"))
+        options.setdefault("overlong_buffer_cfg", _get(rm_config, "overlong_buffer"))
+    _check_kwargs(cls, options)
+    reward_fn_key = _get(_get(config, "data"), "reward_fn_key", "data_source")
+    return cls(tokenizer, num_examine, load_custom_reward_fn(config), reward_fn_key, **options)
