@@ -1,0 +1,144 @@
+"""Base class of every worker role: rank, world size, device and the torch.distributed group.
+
+A worker group starts each rank with these environment variables (torchrun's names, so FSDP2 and
+torch.distributed read them too):
+
+| variable | meaning |
+|---|---|
+| ``RANK``, ``WORLD_SIZE`` | global rank of this process and number of ranks in its group |
+| ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` | rank among this group's processes on this node, and their count |
+| ``MASTER_ADDR``, ``MASTER_PORT`` | rank 0's node address and a free port, for the rendezvous |
+| ``RLFOUNDRY_WORKER_GROUP`` | the group's name (the role), used in log and error messages |
+| ``RLFOUNDRY_DEVICE`` | optional override: ``cpu`` or ``cuda`` |
+| ``RLFOUNDRY_DIST_TIMEOUT_S`` | optional default timeout of every collective, seconds (600) |
+
+Several roles colocated in one process (see ``create_colocated_worker_cls``) are several
+``Worker`` instances reading the same variables, so they share one process group:
+``init_distributed`` only creates it once per process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_DIST_TIMEOUT_S = 600.0
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now. Someone else may take it before you bind it: for the worker groups'
+    own rendezvous, rank 0 binds its store at construction instead (see _serve_rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# Rank 0's rendezvous store, opened when the worker is built (see _serve_rendezvous). One per
+# process: roles colocated in the process share it, as they share the process group.
+_STORE: dist.TCPStore | None = None
+
+
+def _serve_rendezvous(addr: str, timeout_s: float) -> int:
+    """Open the torch.distributed store on ``addr`` now and return its port.
+
+    Picking a free port and binding it later (at init_process_group) loses races: Ray starts worker
+    processes that grab ephemeral ports in between. So rank 0 binds at construction and keeps the
+    socket; binding to ``addr`` (not every interface) keeps a local run on loopback.
+    """
+    global _STORE
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((addr, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    _STORE = dist.TCPStore(
+        addr, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return port
+
+
+def _default_timeout_s() -> float:
+    return float(os.environ.get("RLFOUNDRY_DIST_TIMEOUT_S", DEFAULT_DIST_TIMEOUT_S))
+
+
+def _node_ip() -> str:
+    """This node's address as Ray sees it (other nodes reach rank 0 through it); loopback otherwise."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    wanted = os.environ.get("RLFOUNDRY_DEVICE", "").strip().lower()
+    if wanted not in ("", "cpu", "cuda"):
+        raise ValueError(f"RLFOUNDRY_DEVICE must be 'cpu' or 'cuda', got {wanted!r}")
+    if wanted == "cpu" or (wanted == "" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("RLFOUNDRY_DEVICE=cuda but CUDA is not available in this worker process")
+    # Ray shows each GPU actor only its own GPU (index 0); torchrun-style launches show all of them.
+    count = torch.cuda.device_count()
+    return torch.device("cuda", local_rank if local_rank < count else 0)
+
+
+class Worker:
+    """Subclasses call ``super().__init__()`` first, then ``self.init_distributed()`` before FSDP2."""
+
+    def __init__(self):
+        env = os.environ
+        self.rank = int(env.get("RANK", "0"))
+        self.world_size = int(env.get("WORLD_SIZE", "1"))
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        self.group_name = env.get("RLFOUNDRY_WORKER_GROUP", "worker")
+        if self.rank == 0 and not env.get("MASTER_ADDR"):
+            # Rank 0 opens the rendezvous point; the group reads it back and gives it to the others.
+            env["MASTER_ADDR"] = _node_ip()
+            env["MASTER_PORT"] = str(_serve_rendezvous(env["MASTER_ADDR"], _default_timeout_s()))
+        self.device = _pick_device(self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def init_distributed(self, timeout_s: float | None = None) -> None:
+        """Join the process group of this worker group (once per process; gloo on CPU, NCCL on CUDA).
+
+        Every collective on the group fails after ``timeout_s`` instead of hanging when a peer died.
+        """
+        if dist.is_initialized():
+            return
+        timeout = datetime.timedelta(seconds=_default_timeout_s() if timeout_s is None else timeout_s)
+        # On CUDA keep a gloo backend for CPU tensors too (offloaded state, object collectives).
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        if self.rank == 0 and _STORE is not None:
+            _STORE.set_timeout(timeout)
+            store = _STORE
+        else:  # other ranks (or a torchrun-style launch) connect to rank 0's store by address
+            addr, port = self.get_master_addr_port()
+            store = dist.TCPStore(addr, int(port), is_master=self.rank == 0, timeout=timeout)
+        dist.init_process_group(
+            backend=backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+
+    def get_master_addr_port(self) -> tuple[str, str]:
+        return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+
+    def get_worker_info(self) -> dict:
+        """Where this rank runs; used by tests and for debugging placement."""
+        info = {"rank": self.rank, "pid": os.getpid(), "hostname": socket.gethostname(), "device": str(self.device)}
+        try:
+            import ray
+
+            if ray.is_initialized():
+                info["node_id"] = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return info
