@@ -1,0 +1,314 @@
+"""``ActorRolloutRefWorker``: the hybrid worker holding the policy, its rollout engine and the reference.
+
+One class, several roles (verl's hybrid engine): ``actor``, ``rollout``, ``ref``,
+``actor_rollout`` and ``actor_rollout_ref``. The actor and the HF rollout share one FSDP2 module, so
+generation always sees the latest weights without a copy; the reference is a separate frozen model
+loaded from the same path, built only when the role includes ``ref``.
+
+Driver-facing methods (dispatch mode in brackets):
+
+| method | in | out |
+|---|---|---|
+| ``init_model`` [ONE_TO_ALL] | — | — |
+| ``generate_sequences`` [DP_COMPUTE_PROTO] | prompts, one row each | B·n rows (see ``HFRollout``) |
+| ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr) |
+| ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
+| ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
+| ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
+
+``config`` is the ``actor_rollout_ref`` subtree with verl's keys; it is read, never modified.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.single_controller.base import Dispatch, Worker, register
+from rlfoundry.workers import fsdp_utils as fu
+from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+from rlfoundry.workers.fsdp_utils import cfg_get
+from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
+
+__all__ = ["ActorRolloutRefWorker", "ROLES"]
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def _on_device(data: DataProto, device: torch.device) -> DataProto:
+    """A shallow copy of ``data`` on ``device`` with its own meta_info.
+
+    ``DataProto.to`` moves in place, and with the in-process back end ``data`` is the driver's own
+    object: the worker must neither move nor annotate it.
+    """
+    batch = data.batch.to(device) if data.batch is not None else None
+    return DataProto(batch=batch, non_tensor_batch=dict(data.non_tensor_batch), meta_info=dict(data.meta_info))
+
+
+def _per_rank(global_rows: int, world_size: int, what: str) -> int:
+    if global_rows % world_size != 0 or global_rows < world_size:
+        raise ValueError(
+            f"{what} = {global_rows} rows cannot be split evenly over {world_size} data-parallel ranks; "
+            f"make it a multiple of the number of ranks"
+        )
+    return global_rows // world_size
+
+
+class ActorRolloutRefWorker(Worker):
+    """Policy (FSDP2 + AdamW), HF rollout on the same module, and a frozen reference, per role."""
+
+    def __init__(self, config: Any, role: str):
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.config = config
+        self.role = role
+        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self._rollout_cls = get_rollout_class(str(cfg_get(self._rollout_cfg, "name", "hf"))) if self._is_rollout else None
+        self.actor_sizes = self._actor_batch_sizes() if self._is_actor else None
+        self.actor: DataParallelPPOActor | None = None
+        self.rollout: BaseRollout | None = None
+        self.ref_policy: DataParallelPPOActor | None = None
+        self.optimizer = self.lr_scheduler = None
+
+    # ---- config views ------------------------------------------------------------------
+
+    @property
+    def _actor_cfg(self) -> Any:
+        return cfg_get(self.config, "actor", {})
+
+    @property
+    def _rollout_cfg(self) -> Any:
+        return cfg_get(self.config, "rollout", {})
+
+    @property
+    def _ref_cfg(self) -> Any:
+        return cfg_get(self.config, "ref", {})
+
+    @property
+    def _model_cfg(self) -> Any:
+        return cfg_get(self.config, "model", {})
+
+    def _actor_batch_sizes(self) -> ActorBatchSizes:
+        """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
+        actor, n = self._actor_cfg, int(cfg_get(self._rollout_cfg, "n", 1))
+        mini = _per_rank(int(cfg_get(actor, "ppo_mini_batch_size", 1)) * n, self.world_size,
+                         f"actor.ppo_mini_batch_size × rollout.n ({cfg_get(actor, 'ppo_mini_batch_size')} × {n})")
+        micro = int(cfg_get(actor, "ppo_micro_batch_size_per_gpu", 1))
+        if not cfg_get(actor, "use_dynamic_bsz", False) and mini % micro != 0:
+            raise ValueError(
+                f"per-rank mini-batch of {mini} rows (ppo_mini_batch_size × rollout.n / {self.world_size} ranks) "
+                f"is not a multiple of actor.ppo_micro_batch_size_per_gpu={micro}"
+            )
+        return ActorBatchSizes(mini, micro, int(cfg_get(actor, "ppo_max_token_len_per_gpu", 16384)))
+
+    # ---- building ----------------------------------------------------------------------
+
+    def _build_module(self, fsdp_cfg: Any, trainable: bool) -> torch.nn.Module:
+        model_cfg = self._model_cfg
+        module = fu.load_hf_model(
+            cfg_get(model_cfg, "path"),
+            model_kind="causal_lm",
+            torch_dtype=cfg_get(fsdp_cfg, "model_dtype", "fp32"),
+            trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)),
+            override_config=dict(cfg_get(model_cfg, "override_config", {}) or {}),
+            enable_gradient_checkpointing=trainable and bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
+        )
+        if not trainable:
+            module.requires_grad_(False)
+            module.eval()
+        mixed = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
+        return fu.apply_fsdp2(
+            module,
+            self.device,
+            param_dtype=cfg_get(mixed, "param_dtype"),
+            reduce_dtype=cfg_get(mixed, "reduce_dtype"),
+            param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
+            reshard_after_forward=bool(cfg_get(fsdp_cfg, "reshard_after_forward", True)),
+        )
+
+    def _build_optimizer(self, module: torch.nn.Module) -> None:
+        optim_cfg = cfg_get(self._actor_cfg, "optim", {})
+        self.optimizer = fu.build_optimizer(module, optim_cfg)
+        self.lr_scheduler = fu.build_lr_scheduler(self.optimizer, optim_cfg)
+        self._offload_optimizer_if_asked()
+
+    def _build_rollout(self, module: torch.nn.Module) -> BaseRollout:
+        from transformers import GenerationConfig
+
+        eos = [self.tokenizer.eos_token_id]
+        try:
+            gen_eos = GenerationConfig.from_pretrained(fu.resolve_model_path(cfg_get(self._model_cfg, "path"))).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+            gen_eos = None
+        eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        eos_ids = sorted({int(e) for e in eos if e is not None})
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
+        return self._rollout_cls(module, self._rollout_cfg, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Load, shard and wire up everything this role needs. Collective over the group."""
+        from transformers import AutoTokenizer
+
+        self.init_distributed()
+        path = fu.check_model_dir(cfg_get(self._model_cfg, "path"))  # a bad path fails before any loading
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=bool(cfg_get(self._model_cfg, "trust_remote_code", False))
+        )
+        seed = int(cfg_get(self._rollout_cfg, "seed", 0))
+        rmpad = bool(cfg_get(self._model_cfg, "use_remove_padding", False))
+        if self._is_actor or self._is_rollout:
+            module = self._build_module(cfg_get(self._actor_cfg, "fsdp_config", {}), trainable=self._is_actor)
+            if self._is_actor:
+                self._build_optimizer(module)
+            self.actor = DataParallelPPOActor(
+                self._actor_cfg, module, self.optimizer, self.actor_sizes, seed=seed, use_remove_padding=rmpad
+            )
+            if self._is_rollout:
+                self.rollout = self._build_rollout(module)
+        if self._is_ref:
+            ref_module = self._build_module(cfg_get(self._ref_cfg, "fsdp_config", {}), trainable=False)
+            self.ref_policy = DataParallelPPOActor(self._ref_cfg, ref_module, use_remove_padding=rmpad)
+
+    # ---- data methods ------------------------------------------------------------------
+
+    def _require(self, part: Any, what: str) -> None:
+        if part is None:
+            raise RuntimeError(f"{what} is not available for role {self.role!r} (or init_model was not called)")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """n samples per prompt from the current policy (contract: ``HFRollout.generate_sequences``)."""
+        self._require(self.rollout, "generate_sequences")
+        return self.rollout.generate_sequences(_on_device(prompts, self.device)).to("cpu")
+
+    def _log_prob_kwargs(self, cfg: Any, data: DataProto) -> dict[str, Any]:
+        dynamic = bool(cfg_get(cfg, "log_prob_use_dynamic_bsz", False))
+        return {
+            "micro_batch_size": int(cfg_get(cfg, "log_prob_micro_batch_size_per_gpu", 1)),
+            "max_token_len": int(cfg_get(cfg, "log_prob_max_token_len_per_gpu", 16384)) if dynamic else None,
+            "temperature": float(data.meta_info.get("temperature", cfg_get(self._rollout_cfg, "temperature", 1.0))),
+        }
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` (B, Tr) of the responses under the current policy.
+
+        Uses ``rollout.log_prob_*`` micro-batching and ``meta_info["temperature"]`` (default:
+        ``rollout.temperature``), so the numbers match what the rollout sampled with.
+        """
+        self._require(self.actor, "compute_log_prob")
+        data = _on_device(data, self.device)
+        kwargs = self._log_prob_kwargs(self._rollout_cfg, data)
+        log_prob, entropy = self.actor.compute_log_prob(data, calculate_entropy=True, **kwargs)
+        out = DataProto.from_dict(
+            tensors={"old_log_probs": log_prob, "entropys": entropy},
+            meta_info={"temperature": kwargs["temperature"]},
+        )
+        return out.to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling)."""
+        self._require(self.ref_policy, "compute_ref_log_prob")
+        data = _on_device(data, self.device)
+        kwargs = self._log_prob_kwargs(self._ref_cfg, data)
+        log_prob, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False, **kwargs)
+        return DataProto.from_dict(tensors={"ref_log_prob": log_prob}).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """One training step's PPO update; then the lr schedule steps and the rollout is told.
+
+        Returns an empty DataProto whose ``meta_info["metrics"]`` has verl's ``actor/*`` metrics
+        (lists with one value per optimiser step) and ``actor/lr`` (the lr this step used).
+        """
+        self._require(self.optimizer, "update_actor")
+        data = _on_device(data, self.device)
+        data.meta_info.setdefault("temperature", float(cfg_get(self._rollout_cfg, "temperature", 1.0)))
+        self._load_optimizer_if_offloaded()
+        metrics = self.actor.update_policy(data)
+        metrics["actor/lr"] = float(self.lr_scheduler.get_last_lr()[0])
+        with warnings.catch_warnings():
+            # The schedule counts training steps, also ones whose optimiser step was skipped for a
+            # non-finite gradient; torch warns about exactly that order, which is intended here.
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
+            self.lr_scheduler.step()
+        self._offload_optimizer_if_asked()
+        if self.rollout is not None:
+            self.rollout.on_actor_update()
+        return DataProto(meta_info={"metrics": metrics})
+
+    # ---- optimiser offload (GPU only) --------------------------------------------------
+
+    def _optimizer_offload_on(self) -> bool:
+        fsdp_cfg = cfg_get(self._actor_cfg, "fsdp_config", {})
+        return self.device.type == "cuda" and bool(cfg_get(fsdp_cfg, "optimizer_offload", False))
+
+    def _offload_optimizer_if_asked(self) -> None:
+        if self.optimizer is not None and self._optimizer_offload_on():
+            fu.offload_optimizer(self.optimizer)
+
+    def _load_optimizer_if_offloaded(self) -> None:
+        if self.optimizer is not None and self._optimizer_offload_on():
+            fu.load_optimizer(self.optimizer, self.device)
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def _extra_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"role": self.role}
+        if self.actor is not None:
+            state["actor"] = self.actor.state_dict()
+        if self.rollout is not None:
+            state["rollout"] = self.rollout.state_dict()
+        return state
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        """Sharded model + optimiser + scheduler + RNG (+ actor/rollout counters) to ``local_path``.
+
+        ``local_path`` is this role's directory, e.g. ``D/global_step_N/actor``. With
+        ``max_ckpt_to_keep``, this role's directories in older *finalised* steps beyond that count
+        are removed (verl's ``max_actor_ckpt_to_keep``); whole-step retention is the trainer's job.
+        """
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        self._require(self.actor, "save_checkpoint")
+        self._load_optimizer_if_offloaded()
+        extra = {**self._extra_state(), "global_step": int(global_step)}
+        ckpt.save_checkpoint(local_path, self.actor.module, self.optimizer, self.lr_scheduler, extra_state=extra)
+        self._offload_optimizer_if_asked()
+        path = Path(local_path)
+        if max_ckpt_to_keep and self.rank == 0 and re.fullmatch(r"global_step_\d+", path.parent.name):
+            ckpt.remove_old_checkpoints(path.parent.parent, max_ckpt_to_keep, component=path.name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str) -> dict[str, Any]:
+        """Restore what ``save_checkpoint`` wrote; returns its extra state (``global_step`` …)."""
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        self._require(self.actor, "load_checkpoint")
+        self._load_optimizer_if_offloaded()
+        extra = ckpt.load_checkpoint(local_path, self.actor.module, self.optimizer, self.lr_scheduler)
+        self._offload_optimizer_if_asked()
+        if "actor" in extra:
+            self.actor.load_state_dict(extra["actor"])
+        if self.rollout is not None and "rollout" in extra:
+            self.rollout.load_state_dict(extra["rollout"])
+        return extra
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_hf_model(self, path: str) -> None:
+        """Full safetensors weights + config + tokenizer at ``path``, loadable by ``from_pretrained``."""
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        self._require(self.actor, "save_hf_model")
+        ckpt.save_hf_model(self.actor.module, self.tokenizer, path)

@@ -1,0 +1,95 @@
+"""The rollout engine interface: what the hybrid worker needs from any generation back end.
+
+An engine turns one row per prompt into ``n`` sampled responses per prompt (contract in
+``hf_rollout.HFRollout.generate_sequences``) and learns about new actor weights through
+``sync_weights``/``on_actor_update``. The HF engine shares the actor's module, so syncing is free;
+an engine that keeps its own copy of the weights (vLLM, SGLang) overrides ``sync_weights`` to load
+the actor's state dict after every update, and the trainer never knows the difference.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.workers.fsdp_utils import cfg_get
+
+__all__ = ["BaseRollout", "SamplingParams", "resolve_sampling_params", "ENGINE_ONLY_KEYS"]
+
+# Rollout config keys that only an engine with its own weights/memory manager reads. The HF engine
+# accepts and ignores them, so one YAML serves every engine.
+ENGINE_ONLY_KEYS = (
+    "gpu_memory_utilization", "tensor_model_parallel_size", "max_num_batched_tokens", "max_num_seqs",
+    "enforce_eager", "free_cache_engine", "load_format", "dtype", "enable_chunked_prefill",
+    "disable_log_stats", "max_model_len", "engine_kwargs", "mode",
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One generation call's settings after config, ``val_kwargs`` and ``meta_info`` are merged."""
+
+    n: int = 1
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # <= 0 disables (verl/vLLM write -1, HF writes 0)
+    response_length: int = 512
+
+    @property
+    def greedy(self) -> bool:
+        return (not self.do_sample) or self.temperature <= 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature the reported log-probs use: the sampling one, or 1 when it is 0 (greedy)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+_SAMPLING_KEYS = ("n", "do_sample", "temperature", "top_p", "top_k")
+
+
+def resolve_sampling_params(config: Any, meta_info: Mapping[str, Any] | None) -> SamplingParams:
+    """Merge rollout config < ``val_kwargs`` (when ``meta_info["validate"]``) < explicit meta_info keys."""
+    meta = dict(meta_info or {})
+    values = {k: cfg_get(config, k, getattr(SamplingParams, k)) for k in _SAMPLING_KEYS}
+    values["response_length"] = cfg_get(config, "response_length", SamplingParams.response_length)
+    if meta.get("validate", False):
+        val_kwargs = cfg_get(config, "val_kwargs", {})
+        values.update({k: cfg_get(val_kwargs, k) for k in _SAMPLING_KEYS if cfg_get(val_kwargs, k) is not None})
+    values.update({k: meta[k] for k in (*_SAMPLING_KEYS, "response_length") if meta.get(k) is not None})
+    params = SamplingParams(
+        n=int(values["n"]), do_sample=bool(values["do_sample"]), temperature=float(values["temperature"]),
+        top_p=float(values["top_p"]), top_k=int(values["top_k"]), response_length=int(values["response_length"]),
+    )
+    if params.n < 1 or params.response_length < 1:
+        raise ValueError(f"rollout n and response_length must be >= 1, got n={params.n}, "
+                         f"response_length={params.response_length}")
+    return params
+
+
+class BaseRollout(ABC):
+    """A generation engine. Subclasses implement ``generate_sequences``."""
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """One row per prompt in, ``n`` interleaved rows per prompt out (see HFRollout)."""
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Load new actor weights. Engines that share the actor's module have nothing to do."""
+
+    def on_actor_update(self) -> None:
+        """Called by the worker after every optimiser step of the actor."""
+        self.sync_weights(None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Engine state a checkpoint must keep (e.g. the sampling RNG position)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""

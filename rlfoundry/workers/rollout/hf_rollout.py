@@ -1,0 +1,366 @@
+"""Hugging Face rollout engine: our own KV-cached sampling loop over the actor's module.
+
+Why not ``model.generate``: RL rollouts want per-token log-probs of what was sampled, n samples
+per prompt from one prefill, and finished sequences dropped from the batch instead of being decoded
+as padding until the longest one ends. A 60-line loop does exactly that and nothing else.
+
+The engine holds no copy of the weights: it calls the (possibly FSDP2-sharded) module the actor
+trains, so ``sync_weights`` is a no-op. Under FSDP2 the parameters are gathered once per call
+(``fsdp_utils.inference_unsharded``) rather than once per token, and FSDP's per-forward hooks are
+skipped while decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.workers.fsdp_utils import cfg_get, inference_unsharded
+from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
+
+__all__ = ["HFRollout", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
+
+# Finished rows are dropped from the KV cache once they are at least this fraction of the rows
+# still in it: dropping copies the whole cache, so on a GPU doing it for every single finished
+# row would cost more than decoding a few dead rows for a few steps.
+_COMPACT_FRACTION = 0.125
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. (N, V) -> (N, V).
+
+    Nucleus keeps the smallest set of most likely tokens whose probability reaches ``top_p``
+    (Holtzman et al., 2020); the most likely token always survives.
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # mass strictly before each token; a token is dropped once that mass already reaches top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from (N, V) probabilities with a single uniform per row.
+
+    The first index whose cumulative probability exceeds u·total: exact inverse-CDF sampling,
+    and on CPU about 10× faster than ``torch.multinomial`` (which draws V exponentials per row).
+    ``right=True`` keeps zero-probability tokens unreachable even when u is exactly 0.
+    """
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return picked.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row and its log-prob. logits (N, V) -> tokens (N,), log-probs (N,) fp32.
+
+    The reported log-prob is under softmax(logits / T), *before* top-k/top-p filtering: that is the
+    distribution the actor's ``compute_log_prob`` scores (it applies the same temperature and no
+    filtering), so the two agree exactly when top_p=1 and top_k is off. With filtering on, the
+    true sampling probability is renormalised over the kept set and differs from this value.
+    """
+    scaled = logits.float()
+    if params.logprob_temperature != 1.0:
+        scaled = scaled / params.logprob_temperature
+    lse = torch.logsumexp(scaled, dim=-1)
+    if params.greedy:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        filtered = filter_logits(scaled, params.top_k, params.top_p)
+        # unfiltered: reuse the log-normaliser instead of a second softmax pass
+        probs = torch.exp(scaled - lse.unsqueeze(-1)) if filtered is scaled else torch.softmax(filtered, dim=-1)
+        tokens = _inverse_cdf_sample(probs, generator)
+    return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+
+
+def response_mask_from_lengths(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(N,) response lengths (EOS included) -> (N, width) int mask, 1 for the first ``length`` tokens."""
+    return (torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
+
+
+def _seed_for_call(seed: int, rank: int, call: int) -> int:
+    """A well-mixed 63-bit seed per (config seed, dp rank, call number): resumable from the counter."""
+    return int(np.random.SeedSequence([seed, rank, call]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, set)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _preallocated_layer_class():
+    """A KV-cache layer with room for the whole rollout allocated once (None if HF's API differs).
+
+    HF's ``DynamicLayer`` concatenates every step, copying the whole cache each time: O(T²)
+    memory traffic over a rollout. Here a step writes its column in place and the layer exposes
+    views of the filled prefix. Built lazily so an older transformers simply keeps DynamicCache.
+    """
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity, self.length = capacity, 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args) -> None:
+            super().lazy_initialization(key_states, value_states)
+            b, h = key_states.shape[:2]
+            self.key_buf = key_states.new_empty(b, h, self.capacity, key_states.shape[-1])
+            self.value_buf = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+
+        def _refresh_views(self) -> None:
+            self.keys = self.key_buf[:, :, : self.length]
+            self.values = self.value_buf[:, :, : self.length]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            self.key_buf[:, :, self.length : end] = key_states
+            self.value_buf[:, :, self.length : end] = value_states
+            self.length = end
+            self._refresh_views()
+            return self.keys, self.values
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.is_initialized:
+                self.key_buf = self.key_buf.repeat_interleave(repeats, dim=0)
+                self.value_buf = self.value_buf.repeat_interleave(repeats, dim=0)
+                self._refresh_views()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.key_buf, self.value_buf = self.key_buf[indices], self.value_buf[indices]
+                self._refresh_views()
+
+    return PreallocatedLayer
+
+
+_PreallocatedLayer = _preallocated_layer_class()
+
+
+def _new_kv_cache(config: Any, capacity: int):
+    """HF's DynamicCache, with its full-attention layers preallocated to ``capacity`` positions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    layers = getattr(cache, "layers", None)
+    if _PreallocatedLayer is not None and layers and all(type(l).__name__ == "DynamicLayer" for l in layers):
+        cache.layers = [_PreallocatedLayer(capacity) for _ in layers]
+    return cache
+
+
+class _DecodeState:
+    """The rows still being decoded: their output row, KV cache, mask, next position and liveness.
+
+    The attention mask is allocated once at its final width (prompt + response, ones after the
+    prompt); each step reads a growing prefix of it instead of concatenating a column.
+    """
+
+    def __init__(self, cache, full_mask: torch.Tensor, width: int, next_pos: torch.Tensor):
+        n = full_mask.shape[0]
+        self.cache = cache
+        self.rows = torch.arange(n, device=full_mask.device)  # output row of each cache row
+        self.full_mask, self.width = full_mask, width
+        self.next_pos = next_pos
+        self.alive = torch.ones(n, dtype=torch.bool, device=full_mask.device)
+
+    def advance(self) -> torch.Tensor:
+        """The mask for the next one-token step (cache length + 1)."""
+        self.width += 1
+        return self.full_mask[:, : self.width]
+
+    def compact_if_worth_it(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Drop finished rows once there are enough of them; returns ``tokens`` for the kept rows."""
+        dead = int((~self.alive).sum())
+        if dead < max(1, math.ceil(_COMPACT_FRACTION * len(self.rows))):
+            return tokens
+        keep = self.alive.nonzero().squeeze(1)
+        self.cache.batch_select_indices(keep)
+        self.rows, self.full_mask, self.next_pos = self.rows[keep], self.full_mask[keep], self.next_pos[keep]
+        self.alive = self.alive[keep]
+        return tokens[keep]
+
+
+class HFRollout(BaseRollout):
+    """KV-cached batched sampling with a Hugging Face causal LM (the actor's own module).
+
+    Args:
+        module: the causal LM (plain or FSDP2-wrapped) the actor trains.
+        config: the ``actor_rollout_ref.rollout`` subtree (n, temperature, top_p, top_k, do_sample,
+            response_length, val_kwargs, seed; other engines' keys are ignored).
+        pad_token_id / eos_token_id: from the tokenizer / generation config; ``meta_info`` may
+            override both per call (verl's trainer sends them).
+        rank: data-parallel rank, mixed into the sampling seed so ranks draw independently.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Any,
+        pad_token_id: int,
+        eos_token_id: int | Sequence[int],
+        rank: int = 0,
+    ):
+        self.module = module
+        self.config = config
+        self.pad_token_id = int(pad_token_id)
+        self.eos_token_ids = _as_id_list(eos_token_id)
+        self.rank = rank
+        self.seed = int(cfg_get(config, "seed", 0))
+        self.calls = 0  # generate_sequences calls so far; with the seed it fixes the next draws
+
+    # ---- checkpointable state ------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "calls": self.calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.seed, self.calls = int(state["seed"]), int(state["calls"])
+
+    def _next_generator(self, device: torch.device) -> torch.Generator:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_seed_for_call(self.seed, self.rank, self.calls))
+        self.calls += 1
+        return gen
+
+    # ---- public entry point --------------------------------------------------------------
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample ``n`` responses per prompt.
+
+        Input: one row per prompt; ``input_ids``, ``attention_mask``, ``position_ids`` (B, Tp),
+        left-padded; any non-tensor columns (``uid`` …). ``meta_info`` may set ``n``,
+        ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``response_length``,
+        ``eos_token_id``, ``pad_token_id``, and ``validate=True`` (use ``rollout.val_kwargs``).
+
+        Output: B·n rows, prompt i's samples at rows i·n … i·n+n-1, non-tensor columns repeated
+        the same way, ``meta_info`` passed through, and tensors
+        ``prompts`` (B·n, Tp); ``responses`` (B·n, Tr) right-padded with the pad id, Tr =
+        response_length exactly; ``input_ids``/``attention_mask``/``position_ids`` (B·n, Tp+Tr);
+        ``response_mask`` (B·n, Tr) 1 up to and including EOS; ``rollout_log_probs`` (B·n, Tr)
+        log-probs of the sampled tokens under softmax(logits / T) (0 after EOS).
+        """
+        params = resolve_sampling_params(self.config, prompts.meta_info)
+        pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
+        eos_ids = _as_id_list(prompts.meta_info.get("eos_token_id")) or self.eos_token_ids
+        if cfg_get(self.config, "ignore_eos", False):
+            eos_ids = []  # benchmarking mode (verl/vLLM ``ignore_eos``): always response_length tokens
+        batch = prompts.batch
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        position_ids = batch["position_ids"] if "position_ids" in batch.keys() else None
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        generator = self._next_generator(input_ids.device)
+        with torch.no_grad(), _eval_mode(self.module), inference_unsharded(self.module):
+            responses, log_probs, lengths = self._decode(
+                input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids
+            )
+        return self._assemble(prompts, params, responses, log_probs, lengths, position_ids)
+
+    # ---- the decode loop -----------------------------------------------------------------
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """One model call; returns only the last position's logits (N, V)."""
+        out = self.module(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # never materialise (N, T, V) logits for the prompt
+        )
+        return out.logits[:, -1, :]
+
+    def _prefill(self, input_ids, attention_mask, position_ids, n: int, response_length: int):
+        """Run each prompt once, then repeat its cache and logits for its n samples."""
+        cache = _new_kv_cache(getattr(self.module, "config", None), input_ids.shape[1] + response_length)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        mask = attention_mask.repeat_interleave(n, dim=0)
+        full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], response_length)], dim=1)
+        next_pos = position_ids[:, -1].repeat_interleave(n, dim=0) + 1
+        return logits, _DecodeState(cache, full_mask, mask.shape[1], next_pos)
+
+    def _decode(self, input_ids, attention_mask, position_ids, params: SamplingParams, generator, pad_id, eos_ids):
+        """Sample until every row hit EOS or ``response_length``; finished rows leave the batch."""
+        total, width, device = input_ids.shape[0] * params.n, params.response_length, input_ids.device
+        responses = torch.full((total, width), pad_id, dtype=torch.long, device=device)
+        log_probs = torch.zeros((total, width), dtype=torch.float32, device=device)
+        lengths = torch.full((total,), width, dtype=torch.long, device=device)
+        eos = torch.tensor(eos_ids or [-1], device=device)
+        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width)
+        for t in range(width):
+            tokens, token_lp = sample_tokens(logits, params, generator)
+            live_rows = state.rows[state.alive]
+            responses[live_rows, t] = tokens[state.alive]
+            log_probs[live_rows, t] = token_lp[state.alive]
+            finished = state.alive & torch.isin(tokens, eos)
+            lengths[state.rows[finished]] = t + 1
+            state.alive &= ~finished
+            if t == width - 1 or not bool(state.alive.any()):
+                break
+            tokens = state.compact_if_worth_it(tokens)
+            tokens = tokens.masked_fill(~state.alive, pad_id)  # dead rows still in the cache
+            logits = self._forward(tokens.unsqueeze(1), state.advance(), state.next_pos.unsqueeze(1), state.cache)
+            state.next_pos = state.next_pos + 1
+        return responses, log_probs, lengths
+
+    # ---- output --------------------------------------------------------------------------
+
+    def _assemble(self, prompts: DataProto, params, responses, log_probs, lengths, position_ids) -> DataProto:
+        n, width = params.n, params.response_length
+        prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
+        prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
+        prompt_pos = position_ids.repeat_interleave(n, dim=0)
+        response_mask = response_mask_from_lengths(lengths, width)
+        steps = torch.arange(1, width + 1, device=prompt_pos.device).unsqueeze(0)
+        tensors = {
+            "prompts": prompt_ids,
+            "responses": responses,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
+            "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], dim=1),
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+        }
+        non_tensors = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(prompts.meta_info))
+
+
+class _eval_mode:
+    """Put a module in eval mode for the block (no dropout while sampling) and restore it after."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.was_training = module, module.training
+
+    def __enter__(self):
+        self.module.eval()
+        return self.module
+
+    def __exit__(self, *exc):
+        self.module.train(self.was_training)
+        return False

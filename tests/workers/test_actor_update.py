@@ -1,0 +1,187 @@
+"""The PPO actor update: invariance to micro-batch size, token budget and dp ranks; skipped NaN steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.workers import fsdp_utils as fu
+from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+from tests.workers import full_params, local_worker, make_prompts, one_thread, worker_config  # noqa: F401
+
+TEXTS = ["hello world", "a", "the quick brown fox", "12+7="]
+# 4 prompts x n=2 = 8 rows; ppo_mini_batch_size=2 prompts -> 2 optimiser steps per update, so the
+# second Adam step also depends on the size of the first gradient, not only on its sign.
+BASE = ["actor.ppo_mini_batch_size=2", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01"]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir, tokenizer) -> DataProto:
+    """A scored batch as the trainer hands it to update_actor (8 rows, some ending at EOS)."""
+    group = local_worker(worker_config(tiny_model_dir))
+    prompts = make_prompts(tokenizer, TEXTS)
+    prompts.meta_info["eos_token_id"] = list(range(0, 260, 7))  # varied response lengths
+    data = group.generate_sequences(prompts)
+    data.meta_info = {"temperature": 1.0}
+    data = data.union(group.compute_log_prob(data)).union(group.compute_ref_log_prob(data))
+    gen = torch.Generator().manual_seed(0)
+    mask = data.batch["response_mask"]
+    data.batch["advantages"] = torch.randn(mask.shape, generator=gen) * mask
+    assert len(set(mask.sum(-1).tolist())) > 1
+    return data
+
+
+def _update(model_dir, batch, overrides):
+    group = local_worker(worker_config(model_dir, BASE + overrides), role="actor")
+    metrics = group.update_actor(batch).meta_info["metrics"]
+    return full_params(group.worker.actor.module), metrics
+
+
+def _assert_same_update(a, b, atol=1e-5):
+    params_a, metrics_a = a
+    params_b, metrics_b = b
+    for name in params_a:
+        torch.testing.assert_close(params_a[name], params_b[name], atol=atol, rtol=0, msg=name)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_micro_batch_1_vs_4_gives_the_same_update(tiny_model_dir, batch):
+    one = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=1"])
+    four = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=4"])
+    _assert_same_update(one, four)
+    before = full_params(local_worker(worker_config(tiny_model_dir), role="ref").worker.ref_policy.module)
+    moved = max((one[0][k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-4  # the update did something, so equality is not vacuous
+    assert len(one[1]["actor/grad_norm"]) == 2  # two mini-batches, two optimiser steps
+
+
+def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, batch):
+    fixed = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=4"])
+    # 40 tokens: a few rows per micro-batch, packed by length in another order
+    dynamic = _update(tiny_model_dir, batch, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40"])
+    _assert_same_update(fixed, dynamic)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_gradient_is_exactly_micro_batch_invariant(tiny_model_dir, batch, mode):
+    """With SGD(lr=1) and no clipping the weight change is minus the gradient: compare it directly."""
+    cfg = worker_config(tiny_model_dir, BASE + [f"actor.loss_agg_mode={mode}", "actor.grad_clip=0"]).actor
+
+    def grad_step(sizes: ActorBatchSizes, dynamic: bool) -> dict[str, torch.Tensor]:
+        module = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+        before = full_params(module)
+        actor_cfg = cfg.copy()
+        actor_cfg.use_dynamic_bsz = dynamic
+        actor = DataParallelPPOActor(actor_cfg, module, torch.optim.SGD(module.parameters(), lr=1.0), sizes)
+        actor.update_policy(batch)
+        return {k: before[k] - v for k, v in full_params(module).items()}
+
+    reference = grad_step(ActorBatchSizes(mini_batch_size=8, micro_batch_size=8), False)
+    for sizes, dynamic in [(ActorBatchSizes(8, 1), False), (ActorBatchSizes(8, 3), False),
+                           (ActorBatchSizes(8, 1, max_token_len=45), True)]:
+        for name, grad in grad_step(sizes, dynamic).items():
+            torch.testing.assert_close(grad, reference[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_log_probs_do_not_depend_on_micro_batching(tiny_model_dir, batch):
+    group = local_worker(worker_config(tiny_model_dir), role="actor")
+    actor = group.worker.actor
+    whole, ent_whole = actor.compute_log_prob(batch, calculate_entropy=True, micro_batch_size=8)
+    single, ent_single = actor.compute_log_prob(batch, calculate_entropy=True, micro_batch_size=1)
+    packed, ent_packed = actor.compute_log_prob(batch, calculate_entropy=True, max_token_len=40)
+    for other, ent in [(single, ent_single), (packed, ent_packed)]:
+        torch.testing.assert_close(other, whole, atol=1e-5, rtol=0)  # order restored after packing
+        torch.testing.assert_close(ent, ent_whole, atol=1e-5, rtol=0)
+
+
+def test_remove_padding_gives_the_same_log_probs_and_update(tiny_model_dir, batch):
+    padded = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=4"])
+    packed = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=4", "model.use_remove_padding=true"])
+    _assert_same_update(padded, packed)
+    group = local_worker(worker_config(tiny_model_dir, ["model.use_remove_padding=true"]), role="actor_rollout_ref")
+    out = group.compute_log_prob(batch)
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(out.batch["old_log_probs"][mask], batch.batch["old_log_probs"][mask], atol=1e-5, rtol=0)
+    ref = group.compute_ref_log_prob(batch).batch["ref_log_prob"]
+    torch.testing.assert_close(ref[mask], batch.batch["ref_log_prob"][mask], atol=1e-5, rtol=0)
+
+
+def test_nan_advantage_skips_the_step_and_keeps_the_weights(tiny_model_dir, batch):
+    group = local_worker(worker_config(tiny_model_dir, ["actor.ppo_mini_batch_size=4"]), role="actor")
+    before = full_params(group.worker.actor.module)
+    poisoned = batch.select(deepcopy=True)
+    poisoned.batch["advantages"][0, 0] = float("nan")
+    metrics = group.update_actor(poisoned).meta_info["metrics"]
+    assert metrics["actor/grad_norm_nonfinite_skips"] == [1.0]
+    after = full_params(group.worker.actor.module)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # the next, healthy batch trains normally (no NaN left behind in grads or optimiser state)
+    group.update_actor(batch)
+    assert all(torch.isfinite(v).all() for v in full_params(group.worker.actor.module).values())
+
+
+def test_update_without_optimizer_role_is_a_clear_error(tiny_model_dir, batch):
+    group = local_worker(worker_config(tiny_model_dir), role="rollout")
+    with pytest.raises(RuntimeError, match="update_actor is not available for role 'rollout'"):
+        group.update_actor(batch)
+
+
+# ---- two real ranks ----------------------------------------------------------------------
+
+_RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    from rlfoundry.single_controller import init_ray
+
+    # Ray's processes inherit this process's environment. The in-process workers above left their
+    # rendezvous address in it; Ray ranks inheriting it would try to rendezvous on the port this
+    # process's own gloo group already holds. Start Ray from a clean environment.
+    saved = {k: os.environ.pop(k) for k in _RENDEZVOUS_VARS if k in os.environ}
+    try:
+        started = init_ray(address="local", num_cpus=2) if not ray.is_initialized() else False
+    finally:
+        os.environ.update(saved)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+def test_two_rank_update_equals_one_rank_update(tiny_model_dir, batch, ray_cluster, tmp_path):
+    """Ray actors, FSDP2 over gloo: the mini-batch split over 2 ranks gives the 1-rank update.
+
+    One mini-batch of all 8 rows (4 prompts x n=2): with several mini-batches the ranks' row
+    slices would form *different* mini-batches than one rank's consecutive rows (verl semantics).
+    """
+    from rlfoundry.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+
+    cfg = worker_config(tiny_model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2"])
+    pool = RayResourcePool(process_on_nodes=[2], name_prefix="actor2")
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), call_timeout_s=300)
+    try:
+        group.init_model()
+        two = group.update_actor(batch).meta_info["metrics"]
+        group.update_actor(batch)  # a second Adam step weighs the two gradients' sizes, not just signs
+        group.save_hf_model(str(tmp_path / "two"))
+    finally:
+        group.shutdown()
+        pool.remove()
+    local = local_worker(cfg, role="actor")
+    one = local.update_actor(batch).meta_info["metrics"]
+    local.update_actor(batch)
+    local.save_hf_model(str(tmp_path / "one"))
+    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0, msg=name)
+    # every rank reports the all-reduced mini-batch numbers: the merged lists repeat them per rank
+    assert two["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"] * 2, rel=1e-4)
+    assert two["actor/pg_loss"] == pytest.approx(one["actor/pg_loss"] * 2, rel=1e-4, abs=1e-6)

@@ -1,0 +1,287 @@
+"""Checkpoints: exact round trip, crash-safety of every write, retention, safe loading, HF export."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlfoundry.workers import fsdp_utils
+from rlfoundry.workers.utils import checkpoint as ckpt
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-rank gloo group (FSDP2 needs one). Left up: later in-process worker groups reuse it."""
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _fsdp_policy(model_dir: Path):
+    model = fsdp_utils.load_hf_model(model_dir, "causal_lm")
+    fsdp_utils.apply_fsdp2(model, "cpu")
+    optim = fsdp_utils.build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
+    sched = fsdp_utils.build_lr_scheduler(optim, {"lr_warmup_steps": 4, "warmup_style": "cosine"}, total_training_steps=20)
+    return model, optim, sched
+
+
+def _train_step(model, optim, sched, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 200, (2, 10), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    sched.step()
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _logits(model: nn.Module) -> torch.Tensor:
+    ids = torch.arange(5, 25).view(2, 10)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_save_load_gives_identical_outputs_and_next_step(process_group, tiny_model_dir, tmp_path):
+    model, optim, sched = _fsdp_policy(tiny_model_dir)
+    _train_step(model, optim, sched, seed=1)
+    path = ckpt.save_checkpoint(tmp_path / "global_step_1" / "actor", model, optim, sched,
+                                extra_state={"global_step": 1, "kl_coef": torch.tensor(0.05)})
+    random_after_save = (torch.rand(3), random.random(), np.random.rand())
+    logits_before = _logits(model)
+    _train_step(model, optim, sched, seed=2)
+    expected = _full_params(model)
+
+    fresh, fresh_optim, fresh_sched = _fsdp_policy(tiny_model_dir)
+    torch.manual_seed(999), random.seed(999), np.random.seed(999)  # RNG must come from the checkpoint
+    extra = ckpt.load_checkpoint(path, fresh, fresh_optim, fresh_sched)
+    assert extra["global_step"] == 1 and torch.equal(extra["kl_coef"], torch.tensor(0.05))
+    torch_draw, py_draw, np_draw = random_after_save
+    assert torch.equal(torch.rand(3), torch_draw) and random.random() == py_draw and np.random.rand() == np_draw
+    torch.testing.assert_close(_logits(fresh), logits_before, atol=0, rtol=0)
+    _train_step(fresh, fresh_optim, fresh_sched, seed=2)  # needs Adam moments + step count to match
+    for name, value in _full_params(fresh).items():
+        torch.testing.assert_close(value, expected[name], atol=0, rtol=0, msg=name)
+    assert fresh_sched.get_last_lr() == sched.get_last_lr()
+
+
+def test_loading_an_incomplete_directory_is_an_error(tmp_path):
+    (tmp_path / "critic").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.load_checkpoint(tmp_path / "critic", nn.Linear(2, 2))
+
+
+# ---- crash safety -----------------------------------------------------------------------------
+
+
+def _save_step(root: Path, step: int, model: nn.Module, optim) -> None:
+    """What the trainer does at a save: each role, then trainer state, then the pointer."""
+    ckpt.save_checkpoint(root / f"global_step_{step}" / "critic", model, optim, extra_state={"step": step})
+    ckpt.save_trainer_state(root / f"global_step_{step}" / "data.pt", {"global_step": step})
+    ckpt.write_latest_checkpointed_iteration(root, step)
+
+
+def _linear(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+class _Crash(Exception):
+    """Stands in for SIGKILL: nothing after the injection point runs, no clean-up either."""
+
+
+def _crash_when(target, predicate):
+    def wrapper(*args, **kwargs):
+        if predicate(*args):
+            raise _Crash(f"injected crash at {args[0]}")
+        return target(*args, **kwargs)
+
+    return wrapper
+
+
+CRASH_POINTS = {
+    # name: (function in the checkpoint module to wrap, which call of it crashes)
+    "writing DCP shards": ("dcp", None),
+    "component marker": ("_atomic_write_bytes", lambda p, *_: Path(p).name == ckpt.COMPONENT_MARKER),
+    "rename into place": ("replace", lambda src, *_: str(src).endswith("critic.tmp")),
+    "trainer state": ("_atomic_write_bytes", lambda p, *_: Path(p).name == "data.pt"),
+    "step marker": ("_atomic_write_bytes", lambda p, *_: Path(p).name == ckpt.STEP_MARKER),
+    "latest pointer": ("_atomic_write_bytes", lambda p, *_: Path(p).name == ckpt.LATEST_FILE),
+}
+
+
+@pytest.mark.parametrize("point", list(CRASH_POINTS))
+def test_crash_anywhere_in_a_save_leaves_the_previous_checkpoint_current(process_group, tmp_path, monkeypatch, point):
+    model, optim = _linear()
+    _save_step(tmp_path, 1, model, optim)
+    name, predicate = CRASH_POINTS[point]
+    with monkeypatch.context() as m:
+        if name == "dcp":
+            m.setattr(ckpt.dcp, "save", lambda *a, **k: (_ for _ in ()).throw(_Crash("in DCP")))
+        elif name == "replace":
+            m.setattr(ckpt.os, "replace", _crash_when(os.replace, predicate))
+        else:
+            m.setattr(ckpt, name, _crash_when(getattr(ckpt, name), predicate))
+        with pytest.raises(_Crash):
+            _save_step(tmp_path, 2, model, optim)
+
+    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    assert (tmp_path / ckpt.LATEST_FILE).read_text() == "1"
+    assert ckpt.load_checkpoint(tmp_path / "global_step_1" / "critic", *_linear(seed=1))["step"] == 1
+    # Start-up clean-up removes the debris, and the next save succeeds.
+    ckpt.cleanup_partial_checkpoints(tmp_path)
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))
+    _save_step(tmp_path, 2, model, optim)
+    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_2")
+
+
+def test_partial_step_directories_are_ignored_and_cleaned(process_group, tmp_path):
+    model, optim = _linear()
+    _save_step(tmp_path, 1, model, optim)
+    # step 2: the critic crashed mid-save (only a .tmp dir); step 3: the critic finished but the
+    # trainer never finalised the step; step 4: a role directory without its marker.
+    (tmp_path / "global_step_2" / "critic.tmp").mkdir(parents=True)
+    ckpt.save_checkpoint(tmp_path / "global_step_3" / "critic", model, optim)
+    (tmp_path / "global_step_4" / "actor").mkdir(parents=True)
+    (tmp_path / ckpt.LATEST_FILE).write_text("4")  # a pointer that lies (hand-edited, other tool)
+    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    (tmp_path / ckpt.LATEST_FILE).write_text("garbage")
+    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    (tmp_path / ckpt.LATEST_FILE).unlink()
+    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    with pytest.raises(RuntimeError, match="not complete"):
+        ckpt.write_latest_checkpointed_iteration(tmp_path, 4)
+
+    removed = ckpt.cleanup_partial_checkpoints(tmp_path)
+    assert sorted(Path(p).name for p in removed) == ["global_step_2", "global_step_3", "global_step_4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]
+    assert ckpt.find_latest_ckpt_path(tmp_path / "missing") is None
+
+
+def test_latest_pointer_is_replaced_atomically(tmp_path, monkeypatch):
+    (tmp_path / "global_step_7").mkdir()
+    ckpt.save_trainer_state(tmp_path / "global_step_7" / "data.pt", {"global_step": 7})
+    ckpt.write_latest_checkpointed_iteration(tmp_path, 7)
+    (tmp_path / "global_step_8").mkdir()
+    ckpt.save_trainer_state(tmp_path / "global_step_8" / "data.pt", {"global_step": 8})
+    # Crash between writing the new content and the rename: readers still see the old pointer whole.
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.os, "replace", _crash_when(os.replace, lambda src, dst: Path(dst).name == ckpt.LATEST_FILE))
+        with pytest.raises(_Crash):
+            ckpt.write_latest_checkpointed_iteration(tmp_path, 8)
+    assert (tmp_path / ckpt.LATEST_FILE).read_text() == "7"
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert leftovers and all(ckpt.LATEST_FILE in n for n in leftovers)  # the staged copy, not the file
+    ckpt.write_latest_checkpointed_iteration(tmp_path, 8)
+    assert (tmp_path / ckpt.LATEST_FILE).read_text() == "8"
+    marker = json.loads((tmp_path / "global_step_8" / ckpt.STEP_MARKER).read_text())
+    assert marker["files"] == ["data.pt"] and marker["global_step"] == 8
+
+
+# ---- retention -------------------------------------------------------------------------------
+
+
+def test_remove_old_checkpoints_keeps_the_newest_complete(process_group, tmp_path):
+    model, optim = _linear()
+    for step in (1, 2, 3, 4):
+        ckpt.save_checkpoint(tmp_path / f"global_step_{step}" / "actor", model, optim)
+        _save_step(tmp_path, step, model, optim)
+    ckpt.save_checkpoint(tmp_path / "global_step_5" / "critic", model, optim)  # not finalised yet
+
+    assert ckpt.remove_old_checkpoints(tmp_path, None) == []
+    removed = ckpt.remove_old_checkpoints(tmp_path, max_to_keep=1, component="actor")
+    assert [Path(p).parent.name for p in removed] == ["global_step_1", "global_step_2", "global_step_3"]
+    assert all((tmp_path / f"global_step_{s}" / "critic").is_dir() for s in (1, 2, 3))
+    assert not ckpt.is_complete_step_dir(tmp_path / "global_step_3")  # lost a role: not resumable
+
+    removed = ckpt.remove_old_checkpoints(tmp_path, max_to_keep=2)
+    assert [Path(p).name for p in removed] == ["global_step_1", "global_step_2"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step_3", "global_step_4", "global_step_5"]
+    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_4")
+
+
+# ---- safe loading ----------------------------------------------------------------------------
+
+
+class _Payload:
+    """Unpickling this runs code (creates a directory): what a crafted checkpoint would do."""
+
+    def __init__(self, witness: Path):
+        self.witness = witness
+
+    def __reduce__(self):
+        return (os.makedirs, (str(self.witness),))
+
+
+def test_loading_never_runs_pickled_code(process_group, tmp_path):
+    model, optim = _linear()
+    path = ckpt.save_checkpoint(tmp_path / "critic", model, optim)
+    witness = tmp_path / "code-ran"
+
+    torch.save({"x": _Payload(witness)}, path / "extra_state.pt")
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        ckpt.load_checkpoint(path, *_linear())
+
+    metadata = path / "dcp" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Payload(witness)))
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        ckpt.load_checkpoint(path, *_linear())
+
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        ckpt.save_trainer_state(tmp_path / "data.pt", {"sampler": _Payload(witness)})
+    assert not (tmp_path / "data.pt").exists()
+    assert not witness.exists()
+
+
+def test_trainer_state_round_trip(tmp_path):
+    state = {"global_step": 3, "dataloader": {"epoch": 1, "order": [2, 0, 1]}, "kl": torch.tensor([0.1]), "tag": None}
+    ckpt.save_trainer_state(tmp_path / "data.pt", state)
+    loaded = ckpt.load_trainer_state(tmp_path / "data.pt")
+    assert loaded["dataloader"] == state["dataloader"] and torch.equal(loaded["kl"], state["kl"])
+
+
+# ---- Hugging Face export ---------------------------------------------------------------------
+
+
+def test_save_hf_model_loads_with_from_pretrained(process_group, tiny_model_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, optim, sched = _fsdp_policy(tiny_model_dir)
+    _train_step(model, optim, sched, seed=3)  # exported weights must be the trained ones
+    out = ckpt.save_hf_model(model, tokenizer, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert any(out.glob("*.safetensors")) and not (tmp_path / "hf.tmp").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(reloaded), _logits(model), atol=1e-6, rtol=1e-6)
+    assert AutoTokenizer.from_pretrained(out).encode("12+3") == tokenizer.encode("12+3")
+
+
+def test_a_checkpoint_alone_exports_to_hf(process_group, tiny_critic_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    model = fsdp_utils.load_hf_model(tiny_critic_dir, "token_classification")
+    fsdp_utils.apply_fsdp2(model, "cpu")
+    path = ckpt.save_checkpoint(tmp_path / "global_step_1" / "critic", model, tokenizer=tokenizer)
+    out = ckpt.export_hf_from_checkpoint(path, tmp_path / "exported")
+    reloaded = AutoModelForTokenClassification.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(reloaded), _logits(model.eval()), atol=1e-6, rtol=1e-6)
+    assert (out / "tokenizer.json").is_file()

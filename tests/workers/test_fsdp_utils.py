@@ -1,0 +1,119 @@
+"""FSDP2 plumbing: model loading errors, sharding layout, grad-norm, LR schedules by hand."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from rlfoundry.workers import fsdp_utils as fu
+from tests.workers import local_worker, one_thread, worker_config  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """World size 1 over gloo, as Worker.init_distributed makes it (shared if one already exists)."""
+    if not dist.is_initialized():
+        from rlfoundry.single_controller.base.worker import find_free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+# ---- LR schedule -------------------------------------------------------------------------
+
+def _lrs(optim_cfg: dict, steps: int, total: int | None = None) -> list[float]:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = fu.build_lr_scheduler(opt, optim_cfg, total)
+    out = []
+    for _ in range(steps):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_then_cosine_by_hand():
+    # warm-up 2 steps: 0, 1/2; then progress p = (s - 2) / (10 - 2) and
+    # lr = 0.1 + 0.9 * (1 + cos(pi p)) / 2: s=2 -> 1, s=6 (p=1/2) -> 0.55, s=10 (p=1) -> 0.1, held after.
+    lrs = _lrs({"lr_warmup_steps": 2, "warmup_style": "cosine", "min_lr_ratio": 0.1}, 12, total=10)
+    assert lrs[:3] == pytest.approx([0.0, 0.5, 1.0])
+    assert lrs[6] == pytest.approx(0.55)
+    assert lrs[4] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
+    assert lrs[10] == pytest.approx(0.1) and lrs[11] == pytest.approx(0.1)
+
+
+def test_warmup_ratio_constant_and_no_decay_without_total():
+    # ratio 0.25 of 8 steps = 2 warm-up steps, then constant 1 (verl's lr_scheduler_type name)
+    assert _lrs({"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.25, "lr_scheduler_type": "constant"}, 4, 8) == \
+        pytest.approx([0.0, 0.5, 1.0, 1.0])
+    # total_training_steps -1 / None: cosine cannot know where to end, so it does not decay
+    assert _lrs({"warmup_style": "cosine", "total_training_steps": -1}, 3) == pytest.approx([1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="constant' or 'cosine"):
+        _lrs({"warmup_style": "linear"}, 1)
+
+
+# ---- loading -----------------------------------------------------------------------------
+
+def test_missing_model_path_names_the_path_and_the_fix(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model.*does not exist.*model.path"):
+        fu.load_hf_model(missing)
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(FileNotFoundError, match="not-a-model.*not a Hugging Face model directory.*config.json"):
+        fu.load_hf_model(tmp_path / "not-a-model")
+
+
+def test_worker_with_bad_model_path_fails_clearly(tmp_path):
+    cfg = worker_config(tmp_path, [f"model.path={tmp_path / 'nowhere'}"])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        local_worker(cfg)
+
+
+def test_token_classification_is_a_one_value_head(tiny_critic_dir):
+    model = fu.load_hf_model(tiny_critic_dir, model_kind="token_classification")
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1)
+
+
+# ---- sharding ----------------------------------------------------------------------------
+
+def test_fsdp2_wraps_each_layer_and_keeps_outputs_and_grad_norm(tiny_model_dir, process_group):
+    plain = fu.load_hf_model(tiny_model_dir)
+    sharded = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    assert isinstance(sharded, FSDPModule)
+    assert all(isinstance(layer, FSDPModule) for layer in sharded.model.layers)
+    x = torch.tensor([[3, 9, 27, 81, 12], [4, 5, 6, 7, 8]])
+    for model in (plain, sharded):
+        model(input_ids=x).logits.square().mean().backward()
+    torch.testing.assert_close(sharded(input_ids=x).logits, plain(input_ids=x).logits)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]).item()
+    norm = fu.clip_grad_norm_(sharded.parameters(), max_norm=expected / 2)
+    assert isinstance(norm, float) and norm == pytest.approx(expected, rel=1e-5)
+    # clipped to half: the norm measured again is max_norm
+    assert fu.clip_grad_norm_(sharded.parameters(), max_norm=None) == pytest.approx(expected / 2, rel=1e-4)
+
+
+def test_unsharded_gathers_once_and_reshards_after(tiny_model_dir, process_group):
+    model = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    weight = lambda: model.model.layers[0].mlp.up_proj.weight  # noqa: E731
+    x = torch.tensor([[1, 2, 3]])
+    before = model(input_ids=x).logits
+    with fu.unsharded(model):
+        assert not hasattr(weight(), "full_tensor")  # plain parameters for the whole block
+        torch.testing.assert_close(model(input_ids=x).logits, before)
+        assert not hasattr(weight(), "full_tensor")  # a forward did not reshard them
+    assert hasattr(weight(), "full_tensor")  # sharded DTensor again
+
+
+def test_nonfinite_grad_norm_is_reported_not_clipped(tiny_model_dir, process_group):
+    model = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    model(input_ids=torch.tensor([[1, 2]])).logits.sum().backward()
+    first = next(p for p in model.parameters() if p.grad is not None)
+    first.grad.to_local().view(-1)[0] = float("nan")
+    assert math.isnan(fu.clip_grad_norm_(model.parameters(), max_norm=1.0))

