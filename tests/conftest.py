@@ -6,11 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tiny models on a 2-core machine: one intra-op thread per process is faster than two threads
+# fighting over the cores (and Ray workers / reward pools add processes of their own).
+torch.set_num_threads(int(os.environ.get("RLFOUNDRY_TEST_THREADS", "1")))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
