@@ -229,6 +229,10 @@ class RLHFDataset(Dataset):
         # Rows stay in Arrow (compact, converted per item); only the token ids are materialised.
         self.tables = load_tables(data_files, self.options)
         where, messages = self._all_prompts()
+        if not messages:  # else the chat template fails on "an empty conversation", naming no file
+            files = [str(path) for path, _ in self.tables]
+            raise DataError(f"{files} hold no rows: the data set is empty. Point data.train_files / "
+                            "data.val_files at parquet files with at least data.train_batch_size prompts.")
         texts = render_prompts(messages, tokenizer, self.options)
         token_ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         self._keep(where, texts, token_ids)

@@ -17,6 +17,7 @@ to float rounding, whatever the micro-batch size and however many ranks share th
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from rlfoundry.workers.utils.padding import pack_padded_batch
 from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
 
 __all__ = ["DataParallelPPOActor", "ActorBatchSizes"]
+
+logger = logging.getLogger(__name__)
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -296,6 +299,7 @@ class DataParallelPPOActor:
             self.optimizer.step()
         else:
             self.nonfinite_skips += 1
+            logger.warning("actor: non-finite gradient norm (%s); optimiser step skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
@@ -323,7 +327,7 @@ class DataParallelPPOActor:
         ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
         ``actor/grad_norm``, ``actor/entropy`` (only when ``entropy_coeff`` ≠ 0; otherwise the
         trainer takes it from ``compute_log_prob``), ``actor/kl_loss`` (with ``use_kl_loss``), and
-        ``actor/grad_norm_nonfinite_skips`` (steps skipped in this call). Every value is the
+        ``actor/nan_skipped`` (steps skipped in this call). Every value is the
         mini-batch-wide number, all-reduced, so it is the same on every rank.
         """
         if self.optimizer is None:
@@ -338,7 +342,7 @@ class DataParallelPPOActor:
             for k, v in self._update_mini_batch(mini, temperature, use_dynamic_bsz).items():
                 metrics.setdefault(k, []).append(v)
         self.update_calls += 1
-        metrics["actor/grad_norm_nonfinite_skips"] = [float(self.nonfinite_skips - skips_before)]
+        metrics["actor/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]
         return metrics
 
     # ---- checkpointable state --------------------------------------------------------------

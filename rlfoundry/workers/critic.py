@@ -35,7 +35,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,12 @@ from torch import nn
 from rlfoundry.algos import core_algos
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
+from rlfoundry.utils import faults
 from rlfoundry.utils.torch_functional import masked_mean
 from rlfoundry.workers import fsdp_utils
 from rlfoundry.workers.fsdp_utils import cfg_get
 from rlfoundry.workers.utils import checkpoint as ckpt
+from rlfoundry.workers.utils import oom
 from rlfoundry.workers.utils.padding import forward_logits
 from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
 
@@ -257,7 +259,7 @@ class DataParallelPPOCritic:
         Needs the forward keys plus ``response_mask``, ``values`` (rollout-time critic) and
         ``returns``. Returns ``{metric: [one value per optimiser step]}``: ``critic/vf_loss``,
         ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/grad_norm``, and
-        ``critic/grad_norm_nonfinite_skips`` (steps skipped in this call).
+        ``critic/nan_skipped`` (steps skipped in this call).
         """
         if self.optimizer is None:
             raise RuntimeError("update_critic needs an optimiser")
@@ -270,7 +272,7 @@ class DataParallelPPOCritic:
             for k, v in self._update_mini_batch(mini, dynamic).items():
                 metrics.setdefault(k, []).append(v)
         self.update_calls += 1
-        metrics["critic/grad_norm_nonfinite_skips"] = [float(self.nonfinite_skips - skips_before)]
+        metrics["critic/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]
         return metrics
 
     # ---- checkpointable state --------------------------------------------------------------
@@ -458,7 +460,17 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """Adds ``values`` (B, Tr) for this rank's rows."""
         critic = self._require_model()
-        values = critic.compute_values(data.to(self.device))
+        data = data.to(self.device)
+        dynamic = bool(cfg_get(self.config, "use_dynamic_bsz", False))
+        field = "forward_max_token_len" if dynamic else "forward_micro_batch_size"
+        floor = int(data.batch["attention_mask"].sum(-1).max()) if dynamic else 1
+
+        def run(size: int) -> torch.Tensor:
+            critic.sizes = replace(critic.sizes, **{field: size})  # an OOM-lowered size stays lowered
+            return critic.compute_values(data)
+
+        values = oom.backoff_of(self).run("compute_values", getattr(critic.sizes, field) or len(data), run, floor=floor,
+                                          unit="tokens" if dynamic else "rows")
         return DataProto.from_dict(tensors={"values": values.cpu()})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -466,7 +478,13 @@ class CriticWorker(Worker):
         """One PPO critic update over this rank's rows; metrics in ``meta_info["metrics"]``."""
         critic = self._require_model()
         self._load_optimizer()
-        metrics = critic.update_critic(data.to(self.device))
+        data = data.to(self.device)
+
+        def update() -> dict[str, list[float]]:
+            faults.inject("update_critic", tensors=data.batch, nan_key="returns")  # tests only (utils/faults.py)
+            return critic.update_critic(data)
+
+        metrics = oom.update_or_explain_oom("critic", update, micro_batch_size=critic.sizes.micro_batch_size)
         self._offload_optimizer()
         metrics["critic/lr"] = [float(self.lr_scheduler.get_last_lr()[0])]  # the lr this update used
         with warnings.catch_warnings():

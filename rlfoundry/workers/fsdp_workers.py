@@ -30,10 +30,12 @@ import torch
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
+from rlfoundry.utils import faults
 from rlfoundry.workers import fsdp_utils as fu
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.fsdp_utils import cfg_get
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
+from rlfoundry.workers.utils import oom
 
 __all__ = ["ActorRolloutRefWorker", "ROLES"]
 
@@ -188,7 +190,15 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """n samples per prompt from the current policy (contract: ``HFRollout.generate_sequences``)."""
         self._require(self.rollout, "generate_sequences")
-        return self.rollout.generate_sequences(_on_device(prompts, self.device)).to("cpu")
+        prompts = _on_device(prompts, self.device)
+        # On OOM: fewer prompts per engine call, kept for the rest of the run (workers/utils/oom.py)
+        out = oom.backoff_of(self).run("generate_sequences", len(prompts), lambda rows: self._generate(prompts, rows))
+        return out.to("cpu")
+
+    def _generate(self, prompts: DataProto, rows: int) -> DataProto:
+        if rows >= len(prompts):
+            return self.rollout.generate_sequences(prompts)
+        return DataProto.concat([self.rollout.generate_sequences(part) for part in prompts.split(rows)])
 
     def _log_prob_kwargs(self, cfg: Any, data: DataProto) -> dict[str, Any]:
         dynamic = bool(cfg_get(cfg, "log_prob_use_dynamic_bsz", False))
@@ -197,6 +207,18 @@ class ActorRolloutRefWorker(Worker):
             "max_token_len": int(cfg_get(cfg, "log_prob_max_token_len_per_gpu", 16384)) if dynamic else None,
             "temperature": float(data.meta_info.get("temperature", cfg_get(self._rollout_cfg, "temperature", 1.0))),
         }
+
+    def _log_prob_with_backoff(self, name: str, policy: DataParallelPPOActor, data: DataProto,
+                               kwargs: dict[str, Any], calculate_entropy: bool) -> tuple[torch.Tensor, Any]:
+        """``policy.compute_log_prob``; on OOM the micro-batch (or token budget) halves and stays halved."""
+        key = "micro_batch_size" if kwargs["max_token_len"] is None else "max_token_len"
+        floor = 1 if key == "micro_batch_size" else int(data.batch["attention_mask"].sum(-1).max())
+
+        def run(size: int):
+            return policy.compute_log_prob(data, calculate_entropy=calculate_entropy, **{**kwargs, key: size})
+
+        unit = "rows" if key == "micro_batch_size" else "tokens"
+        return oom.backoff_of(self).run(name, kwargs[key], run, floor=floor, unit=unit)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -208,7 +230,7 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.actor, "compute_log_prob")
         data = _on_device(data, self.device)
         kwargs = self._log_prob_kwargs(self._rollout_cfg, data)
-        log_prob, entropy = self.actor.compute_log_prob(data, calculate_entropy=True, **kwargs)
+        log_prob, entropy = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, True)
         out = DataProto.from_dict(
             tensors={"old_log_probs": log_prob, "entropys": entropy},
             meta_info={"temperature": kwargs["temperature"]},
@@ -221,7 +243,7 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.ref_policy, "compute_ref_log_prob")
         data = _on_device(data, self.device)
         kwargs = self._log_prob_kwargs(self._ref_cfg, data)
-        log_prob, _ = self.ref_policy.compute_log_prob(data, calculate_entropy=False, **kwargs)
+        log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -235,7 +257,8 @@ class ActorRolloutRefWorker(Worker):
         data = _on_device(data, self.device)
         data.meta_info.setdefault("temperature", float(cfg_get(self._rollout_cfg, "temperature", 1.0)))
         self._load_optimizer_if_offloaded()
-        metrics = self.actor.update_policy(data)
+        metrics = oom.update_or_explain_oom("actor", lambda: self._update_policy(data),
+                                            micro_batch_size=self.actor_sizes.micro_batch_size)
         metrics["actor/lr"] = float(self.lr_scheduler.get_last_lr()[0])
         with warnings.catch_warnings():
             # The schedule counts training steps, also ones whose optimiser step was skipped for a
@@ -246,6 +269,10 @@ class ActorRolloutRefWorker(Worker):
         if self.rollout is not None:
             self.rollout.on_actor_update()
         return DataProto(meta_info={"metrics": metrics})
+
+    def _update_policy(self, data: DataProto) -> dict[str, list[float]]:
+        faults.inject("update_actor", tensors=data.batch, nan_key="advantages")  # tests only (utils/faults.py)
+        return self.actor.update_policy(data)
 
     # ---- optimiser offload (GPU only) --------------------------------------------------
 

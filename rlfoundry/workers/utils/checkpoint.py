@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from rlfoundry.utils import faults
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -147,13 +149,15 @@ def _safe_torch_load(path: Path) -> Any:
         ) from e
 
 
-def _rename_then_delete(path: Path) -> None:
+def _rename_then_delete(path: Path, fault_point: str | None = None) -> None:
     """Delete a directory so that a crash midway leaves only ``*.tmp`` debris (cleaned later)."""
     doomed = path.with_name(f"{path.name}.deleting{TMP_SUFFIX}")
     if doomed.exists():
         shutil.rmtree(doomed)
     os.replace(path, doomed)
     _fsync_dir(path.parent)
+    if fault_point:
+        faults.inject(fault_point)  # tests: a crash mid-delete (utils/faults.py)
     shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -381,6 +385,7 @@ def save_checkpoint(
         dcp.save(state, storage_writer=FileSystemWriter(str(staging / "dcp")), process_group=process_group)
     _atomic_torch_save(get_rng_state(), staging / "rng" / f"rank_{_rank(process_group)}.pt")
     _barrier(process_group)
+    faults.inject("save.staged")  # tests: a crash before the role directory is published
     error = None
     if _rank(process_group) == 0:
         meta = {
@@ -396,6 +401,7 @@ def save_checkpoint(
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = e
     _broadcast_error(error, process_group)
+    faults.inject("save.published")  # tests: a crash after this role, before the others
     return path
 
 
@@ -569,6 +575,7 @@ def save_trainer_state(path: str | os.PathLike, state: dict) -> None:
     except ValueError:
         path.unlink()
         raise
+    faults.inject("save.trainer_state")  # tests: a crash before the step is marked complete
 
 
 def load_trainer_state(path: str | os.PathLike) -> dict:
@@ -640,6 +647,7 @@ def write_latest_checkpointed_iteration(default_local_dir: str | os.PathLike, st
         raise RuntimeError(f"cannot mark step {step} complete: {step_dir} is empty")
     marker = {"global_step": int(step), "components": dirs, "files": files, "saved_at": time.time()}
     _atomic_write_bytes(step_dir / STEP_MARKER, json.dumps(marker, indent=2).encode())
+    faults.inject("save.step_marked")  # tests: a crash between the step marker and the pointer
     _atomic_write_bytes(root / LATEST_FILE, str(int(step)).encode())
     return step_dir
 
@@ -695,7 +703,7 @@ def remove_old_checkpoints(
     removed = []
     for step_dir in finalised[: max(0, len(finalised) - max_to_keep)]:
         target = step_dir if component is None else step_dir / component
-        _rename_then_delete(target)
+        _rename_then_delete(target, fault_point="save.pruning")
         removed.append(str(target))
     return removed
 

@@ -1,0 +1,111 @@
+"""The ``rlfoundry`` command: ``train | preprocess | export | report | sft``.
+
+    rlfoundry train [key=value ...]              PPO/GRPO training (same as python -m rlfoundry.trainer.main_ppo)
+    rlfoundry preprocess <task> --output DIR     write a data set as verl-format parquet
+    rlfoundry export <checkpoint_dir> <hf_dir>   sharded actor checkpoint -> Hugging Face model directory
+    rlfoundry report <run_dir>                   plot a run's metrics.jsonl (PNG + HTML)
+    rlfoundry sft [key=value ...]                supervised fine-tuning
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# subcommand -> module whose ``main(argv) -> int`` runs it
+_SUBCOMMANDS = {
+    "train": "rlfoundry.trainer.main_ppo",
+    "preprocess": "rlfoundry.data.preprocess.__main__",
+    "report": "rlfoundry.trainer.report",
+    "sft": "rlfoundry.trainer.sft_trainer",
+}
+
+
+class ExportError(RuntimeError):
+    """The export source is not a checkpoint this tool can read."""
+
+
+def find_actor_checkpoint(path: str | os.PathLike) -> Path:
+    """Accept a run directory (newest complete step), a ``global_step_N`` dir, or its ``actor`` dir."""
+    from rlfoundry.workers.utils.checkpoint import find_latest_ckpt_path, is_complete_step_dir
+
+    p = Path(path).expanduser()
+    if p.name == "actor" and p.parent.name.startswith("global_step_"):
+        p = p.parent
+    if not p.name.startswith("global_step_"):
+        latest = find_latest_ckpt_path(p)
+        if latest is None:
+            raise ExportError(f"{p} holds no complete checkpoint (expected global_step_N/ directories "
+                              "written by the trainer, or a path to one of them).")
+        p = Path(latest)
+    if not is_complete_step_dir(p) or not (p / "actor").is_dir():
+        raise ExportError(f"{p} is not a complete checkpoint with an actor/ directory.")
+    return p
+
+
+def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path:
+    """Load the actor's sharded checkpoint into one in-process worker and write it with ``save_pretrained``.
+
+    The run's resolved config (saved in the step's ``data.pt``) says which base model to build; DCP
+    reshards whatever number of ranks saved it onto this single process.
+    """
+    from omegaconf import OmegaConf
+
+    from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup
+    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+    from rlfoundry.workers.utils.checkpoint import load_trainer_state
+
+    step_dir = find_actor_checkpoint(checkpoint_dir)
+    state = load_trainer_state(step_dir / "data.pt")
+    if "config" not in state:
+        raise ExportError(f"{step_dir / 'data.pt'} has no saved config; it was not written by rlfoundry's trainer.")
+    cfg = OmegaConf.create(state["config"])
+    os.environ.setdefault("RLFOUNDRY_DEVICE", "cpu")
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor"),
+                             name_prefix="export")
+    group.init_model()
+    group.load_checkpoint(str(step_dir / "actor"))
+    group.save_hf_model(str(hf_dir))
+    return Path(hf_dir)
+
+
+def _export_main(argv: Sequence[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rlfoundry export", description=export.__doc__)
+    parser.add_argument("checkpoint_dir", help="run dir, global_step_N dir, or global_step_N/actor")
+    parser.add_argument("hf_dir", help="output Hugging Face model directory")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint_dir, args.hf_dir)
+    except ExportError as e:
+        print(f"rlfoundry export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint_dir} -> {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0 if argv else 1
+    command, rest = argv[0], argv[1:]
+    if command == "export":
+        return _export_main(rest)
+    if command not in _SUBCOMMANDS:
+        import difflib
+
+        hint = difflib.get_close_matches(command, [*_SUBCOMMANDS, "export"], n=1)
+        extra = f" Did you mean '{hint[0]}'?" if hint else ""
+        print(f"rlfoundry: unknown command '{command}'.{extra}\n{__doc__}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(_SUBCOMMANDS[command])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Packaged trainer configs (YAML) and their typed schema (``schema.py``)."""

@@ -1,0 +1,721 @@
+"""Load, validate and resolve the PPO trainer config — once, at start-up.
+
+    cfg = load_config(["data.train_batch_size=64", "trainer.logger=['console','wandb']"])
+    resolved = resolve_config(cfg, steps_per_epoch=len(train_loader), cuda_available=...)
+
+Three steps, each a function:
+
+1. ``load_config``: typed schema (``rlfoundry/config/schema.py``) ← packaged YAML defaults ←
+   optional overlay YAML ← command-line overrides in Hydra's syntax (``key=value``, ``+key=value``
+   under open dicts, ``++key=value``, lists ``[a,b]``). A wrong type, an unknown key (with the
+   closest valid key) or a bad value is a ``ConfigError`` whose message names the key.
+2. ``validate_config``: cross-key rules (batch-size arithmetic, gae needs a critic, choices ...);
+   every problem is collected so one run reports them all.
+3. ``resolve_config`` (pure): fills what depends on the run — device, worker back end, estimator,
+   micro-batch sizes from deprecated keys, model paths, data files, total training steps — and
+   returns a resolved, read-only copy. Nothing mutates the config afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import fnmatch
+import os
+import typing
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlfoundry.config.schema import PPOConfig
+
+__all__ = [
+    "CONFIG_DIR",
+    "ConfigError",
+    "NoEffectKeyWarning",
+    "NO_EFFECT_KEYS",
+    "Override",
+    "check_startup_paths",
+    "is_hf_model_dir",
+    "load_config",
+    "parse_overrides",
+    "resolve_asset_path",
+    "resolve_config",
+    "schema_keys",
+    "use_critic",
+    "validate_config",
+    "world_size",
+]
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+ASSET_SCHEME = "rlfoundry://"
+SUPPORTED_LOGGERS = ("console", "file", "tensorboard", "wandb")
+# verl tracking back ends we recognise but do not ship: dropped with the no-effect warning.
+IGNORED_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake a person can fix; the message says which key and how."""
+
+
+class NoEffectKeyWarning(UserWarning):
+    """A verl key that rlfoundry accepts for compatibility but does not act on."""
+
+
+# ───────────────────────────── keys with no effect / choices ─────────────────────────────
+
+# verl keys that are accepted so verl command lines run unchanged, but change nothing here.
+# fnmatch patterns over full dotted keys; setting any of them gives ONE warning naming them all.
+NO_EFFECT_KEYS: tuple[str, ...] = (
+    "data.tokenizer", "data.use_shm", "data.image_key", "data.video_key",
+    "data.filter_overlong_prompts_workers", "data.custom_cls.*", "data.sampler.*",
+    "actor_rollout_ref.hybrid_engine",
+    "actor_rollout_ref.model.use_shm", "actor_rollout_ref.model.enable_activation_offload",
+    "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.use_fused_kernels",
+    "actor_rollout_ref.model.fused_kernel_options*", "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.exclude_modules", "actor_rollout_ref.model.lora_alpha",
+    "*.use_torch_compile", "*.ulysses_sequence_parallel_size", "*.entropy_from_logits_with_chunking",
+    "*.entropy_checkpointing", "*.profiler.*", "*.fsdp_config.grad_offload", "*.fsdp_config.wrap_policy*",
+    "*.fsdp_config.forward_prefetch", "*.fsdp_config.fsdp_size", "*.fsdp_config.offload_policy",
+    "*.checkpoint.*", "critic.model.use_shm", "critic.model.enable_activation_offload",
+    "critic.model.lora_alpha", "critic.model.target_modules",
+    "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
+    "actor_rollout_ref.rollout.use_fire_sampling", "actor_rollout_ref.rollout.micro_batch_size",
+    "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.agent*",
+    "actor_rollout_ref.rollout.trace*", "actor_rollout_ref.rollout.multi_turn*",
+    "actor_rollout_ref.rollout.calculate_log_probs",
+    "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
+    "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion*",
+    "algorithm.use_pf_ppo", "algorithm.pf_ppo*",
+    "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
+    "trainer.val_generations_to_log_to_wandb", "trainer.log_val_generations",
+    "trainer.rollout_data_dir", "trainer.validation_data_dir", "trainer.esi_redundant_time",
+    "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",
+    "trainer.ray_wait_register_center_timeout", "trainer.use_legacy_worker_impl",
+    "ray_init.timeline_json_file",
+)
+
+# Engine knobs that only the vLLM rollout reads: no effect (and a warning) with rollout.name=hf.
+VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
+    f"actor_rollout_ref.rollout.{k}"
+    for k in ("dtype", "gpu_memory_utilization", "enforce_eager", "free_cache_engine", "load_format",
+              "layered_summon", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len",
+              "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "engine_kwargs*",
+              "update_weights_bucket_megabytes", "ignore_eos")
+)
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.truncation": ("error", "left", "right", "middle"),
+    "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
+    "actor_rollout_ref.ref.strategy": ("fsdp", "fsdp2"),
+    "critic.strategy": ("fsdp", "fsdp2"),
+    "actor_rollout_ref.rollout.name": ("hf", "vllm"),
+    "actor_rollout_ref.actor.loss_agg_mode": (
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"),
+    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
+    "critic.optim.warmup_style": ("constant", "cosine"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "trainer.device": ("cuda", "cpu", "auto"),
+    "trainer.worker_backend": ("local", "ray", "auto"),
+}
+
+
+# ───────────────────────────────────── schema walking ─────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class _KeyInfo:
+    type: Any  # the annotation (int, Optional[int], Dict[str, Any] ...)
+    is_open: bool  # a dict/Any node under which arbitrary sub-keys are allowed
+
+
+def schema_keys(cls: type = PPOConfig, prefix: str = "") -> dict[str, _KeyInfo]:
+    """Every dotted key of the schema (inner nodes too) → its annotation and openness."""
+    out: dict[str, _KeyInfo] = {}
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        key, hint = f"{prefix}{f.name}", hints[f.name]
+        if is_dataclass(hint):
+            out[key] = _KeyInfo(hint, False)
+            out.update(schema_keys(hint, key + "."))
+        else:
+            origin = typing.get_origin(hint)
+            out[key] = _KeyInfo(hint, hint is Any or origin is dict)
+    return out
+
+
+_SCHEMA: dict[str, _KeyInfo] = schema_keys()
+
+
+def _open_ancestor(key: str) -> str | None:
+    """The open-dict key that ``key`` lies under (``model.override_config.x`` → ``...override_config``)."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:i])
+        info = _SCHEMA.get(head)
+        if info is not None and info.is_open:
+            return head
+    return None
+
+
+def _closest_key(key: str) -> str | None:
+    """The valid key nearest to a misspelt one: difflib over the full dotted names, then over leaf names."""
+    leaves = [k for k in _SCHEMA if not key.startswith(k + ".")]  # never suggest the key's own parent
+    match = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
+    if match:
+        return match[0]
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in leaves if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.0)[0]
+    by_leaf = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in leaves], n=1, cutoff=0.75)
+    if by_leaf:
+        return difflib.get_close_matches(key, [k for k in leaves if k.endswith("." + by_leaf[0])], n=1, cutoff=0.0)[0]
+    return None
+
+
+def _unknown_key_error(key: str, source: str) -> ConfigError:
+    hint = _closest_key(key)
+    did_you_mean = f" Did you mean '{hint}'?" if hint else ""
+    return ConfigError(
+        f"Unknown config key '{key}' ({source}).{did_you_mean} "
+        f"`rlfoundry train --help` lists the keys; `+key=value` adds keys only under open dicts "
+        f"such as actor_rollout_ref.model.override_config or reward_model.reward_kwargs."
+    )
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    names = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
+    if hint in names:
+        return names[hint]
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return "a list, e.g. [a,b]"
+    if origin is dict:
+        return "a mapping, e.g. {a: 1}"
+    return str(hint)
+
+
+# ───────────────────────────────────── overrides ─────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class Override:
+    key: str
+    value: Any
+    kind: str  # "set" | "add" (+key) | "force_add" (++key) | "delete" (~key)
+    text: str  # as the user typed it, for messages
+
+
+def _parse_one(text: str) -> Override:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        (ov,) = OverridesParser.create().parse_overrides([text])
+    except OverrideParseException:
+        # A value outside Hydra's grammar (e.g. an unexpanded '~/data/x.parquet'): keep it as a string.
+        prefix, sep, raw = text.partition("=")
+        if not sep or not prefix.lstrip("+~"):
+            raise ConfigError(f"Cannot read the override '{text}': expected key=value, e.g. trainer.total_epochs=2.") from None
+        kind = "force_add" if prefix.startswith("++") else "add" if prefix.startswith("+") else "set"
+        return Override(prefix.lstrip("+"), raw, kind, text)
+    if ov.is_sweep_override():
+        raise ConfigError(f"'{text}' looks like a Hydra sweep (comma-separated values); for a list write [a,b].")
+    kind = "delete" if ov.is_delete() else "force_add" if ov.is_force_add() else "add" if ov.is_add() else "set"
+    value = None if kind == "delete" else ov.value()
+    return Override(ov.key_or_group, value, kind, text)
+
+
+def parse_overrides(args: Sequence[str]) -> list[Override]:
+    """Hydra-syntax ``key=value`` strings → ``Override`` records (values typed: 1e-6 → float, null → None)."""
+    return [_parse_one(a) for a in args]
+
+
+def _check_key(ov: Override) -> None:
+    """Reject unknown keys before touching the config, so the message can name the closest key."""
+    if ov.key in _SCHEMA:
+        if ov.kind == "delete" and _open_ancestor(ov.key) is None:
+            raise ConfigError(f"'{ov.text}': '{ov.key}' is part of the schema and cannot be deleted; set it to null instead.")
+        return
+    if _open_ancestor(ov.key) is None:
+        raise _unknown_key_error(ov.key, f"from '{ov.text}'")
+
+
+def _apply(cfg: DictConfig, ov: Override) -> None:
+    _check_key(ov)
+    try:
+        if ov.kind == "delete":
+            parent_key, _, leaf = ov.key.rpartition(".")
+            parent = OmegaConf.select(cfg, parent_key)
+            if parent is not None and leaf in parent:
+                parent.pop(leaf)
+            return
+        OmegaConf.update(cfg, ov.key, ov.value, merge=False, force_add=True)
+    except OmegaConfBaseException as e:
+        raise _type_error(ov.key, ov.value, f"from '{ov.text}'") from e
+
+
+def _type_error(key: str, value: Any, source: str) -> ConfigError:
+    info = _SCHEMA.get(key)
+    expected = _type_name(info.type) if info else "another type"
+    return ConfigError(f"Config key '{key}' ({source}): value {value!r} is not valid; expected {expected}.")
+
+
+# ───────────────────────────────────── loading ─────────────────────────────────────
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaf values of a plain (container) dict by dotted key; open dicts are walked too."""
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _merge_yaml(cfg: DictConfig, path: Path, what: str) -> list[str]:
+    """Merge a YAML file into the typed config key by key (same checks as the command line).
+
+    Returns the dotted keys it set. A Hydra ``defaults:`` list is ignored: overlays always sit on
+    the packaged ppo_trainer.yaml.
+    """
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    raw.pop("defaults", None)
+    raw.pop("hydra", None)
+    keys = []
+    for key, value in _flatten(raw).items():
+        _apply(cfg, Override(key, value, "set", f"{what} {path}: {key}"))
+        keys.append(key)
+    return keys
+
+
+def _find_config_file(name: str, config_path: str | None) -> Path:
+    """``--config-name`` lookup: an explicit path, ``config_path/name[.yaml]``, or a packaged config."""
+    candidates = [Path(name)]
+    base = Path(config_path) if config_path else CONFIG_DIR
+    candidates += [base / name, base / f"{name}.yaml", CONFIG_DIR / f"{name}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    packaged = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"Config file '{name}' not found (looked in {base}); packaged configs: {packaged}.")
+
+
+def load_config(
+    overrides: Sequence[str] = (), config_name: str | None = None, config_path: str | None = None
+) -> DictConfig:
+    """Schema ← packaged defaults ← overlay ``config_name`` ← ``overrides``; then validate. Unresolved."""
+    cfg = OmegaConf.structured(PPOConfig)
+    OmegaConf.set_struct(cfg, True)
+    _merge_yaml(cfg, CONFIG_DIR / "ppo_trainer.yaml", "packaged defaults")
+    user_keys: list[str] = []
+    if config_name and Path(config_name).stem != "ppo_trainer":
+        user_keys += _merge_yaml(cfg, _find_config_file(config_name, config_path), "config file")
+    parsed = parse_overrides(overrides)
+    for ov in parsed:
+        _apply(cfg, ov)
+    user_keys += [ov.key for ov in parsed]
+    _prefer_user_deprecated_keys(cfg, user_keys)
+    _warn_no_effect(cfg, user_keys)
+    validate_config(cfg)
+    return cfg
+
+
+# verl's deprecated global micro-batch keys and the per-rank keys that replaced them.
+_DEPRECATED_MICRO = {
+    f"{role}.{old}": f"{role}.{old}_per_gpu"
+    for role, old in (("actor_rollout_ref.actor", "ppo_micro_batch_size"), ("critic", "ppo_micro_batch_size"),
+                      ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
+                      ("actor_rollout_ref.ref", "log_prob_micro_batch_size"), ("reward_model", "micro_batch_size"))
+}
+
+
+def _prefer_user_deprecated_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
+    """An old script's global micro-batch key replaces our per-rank *default* (not a per-rank key it also set)."""
+    for old, new in _DEPRECATED_MICRO.items():
+        if old in user_keys and new not in user_keys:
+            OmegaConf.update(cfg, new, None, merge=False)
+
+
+def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:
+    vllm = OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") == "vllm"
+    return NO_EFFECT_KEYS if vllm else NO_EFFECT_KEYS + VLLM_ONLY_KEYS
+
+
+def no_effect_keys_set(cfg: DictConfig, keys: Sequence[str]) -> list[str]:
+    """The keys among ``keys`` (as the user set them) that have no effect here, in first-seen order."""
+    patterns = _no_effect_patterns(cfg)
+    hits = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    return list(dict.fromkeys(hits))
+
+
+def _warn_no_effect(cfg: DictConfig, keys: Sequence[str]) -> None:
+    hits = no_effect_keys_set(cfg, keys)
+    dropped = [x for x in _loggers(cfg) if x in IGNORED_LOGGERS]
+    if dropped:
+        hits.append(f"trainer.logger entries {dropped}")
+    if hits:
+        warnings.warn(
+            "These verl settings are accepted but have no effect in rlfoundry: " + ", ".join(hits) + ".",
+            NoEffectKeyWarning,
+            stacklevel=3,
+        )
+
+
+# ───────────────────────────────────── validation ─────────────────────────────────────
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Worker ranks of one role: nnodes × n_gpus_per_node (on CPU, processes per node)."""
+    return int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+
+
+def _loggers(cfg: DictConfig) -> list[str]:
+    value = cfg.trainer.logger
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(x) for x in value]
+
+
+def adv_estimator(cfg: DictConfig) -> str:
+    """``algorithm.adv_estimator``; null means gae when a critic model is given (verl's PPO), else grpo."""
+    est = cfg.algorithm.adv_estimator
+    if est is not None:
+        return str(est)
+    return "gae" if cfg.critic.model.path is not None or cfg.critic.enable else "grpo"
+
+
+def use_critic(cfg: DictConfig) -> bool:
+    """The critic runs when ``critic.enable`` says so, or (enable null) exactly for gae."""
+    enable = cfg.critic.enable
+    return bool(enable) if enable is not None else adv_estimator(cfg) == "gae"
+
+
+def need_reference_policy(cfg: DictConfig) -> bool:
+    """A frozen reference model is needed for a KL term: in the reward or in the actor loss."""
+    return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
+
+
+def _check_choices(cfg: DictConfig) -> list[str]:
+    errors = []
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+        if value is not None and value not in allowed:
+            hint = difflib.get_close_matches(str(value), allowed, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            errors.append(f"{key}={value!r} is not one of {list(allowed)}{extra}.")
+    for name in _loggers(cfg):
+        if name not in SUPPORTED_LOGGERS + IGNORED_LOGGERS:
+            errors.append(f"trainer.logger entry {name!r} is not one of {list(SUPPORTED_LOGGERS)}.")
+    return errors
+
+
+def _check_estimator(cfg: DictConfig) -> list[str]:
+    from rlfoundry.algos import core_algos
+
+    est = adv_estimator(cfg)
+    known = sorted(core_algos.ADV_ESTIMATOR_REGISTRY)
+    errors = []
+    if est not in known:
+        hint = difflib.get_close_matches(est, known, n=1)
+        extra = f" Did you mean '{hint[0]}'?" if hint else ""
+        errors.append(f"algorithm.adv_estimator={est!r} is not a registered estimator ({known}).{extra}")
+    if est == "gae" and cfg.critic.enable is False:
+        errors.append("algorithm.adv_estimator=gae needs the critic, but critic.enable=False.")
+    if use_critic(cfg) and cfg.critic.model.path is None:
+        errors.append(
+            f"algorithm.adv_estimator={est} needs a critic model: set critic.model.path to an HF model "
+            "directory (often the actor's, e.g. critic.model.path=rlfoundry://arithmetic-policy), "
+            "or choose a critic-free estimator such as algorithm.adv_estimator=grpo."
+        )
+    return errors
+
+
+def _check_role_batches(role: str, mini: int, micro: int | None, n: int, ws: int, dynamic: bool) -> list[str]:
+    """One role's mini/micro batch arithmetic (verl semantics: mini in prompts, micro per rank in samples)."""
+    samples = mini * n
+    if samples % ws:
+        return [f"{role}.ppo_mini_batch_size={mini} × rollout.n={n} = {samples} samples per mini-batch "
+                f"cannot be split evenly over {ws} ranks (nnodes × n_gpus_per_node)."]
+    per_rank = samples // ws
+    if dynamic or micro is None:
+        return []
+    if micro <= 0 or per_rank % micro:
+        return [f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} samples each "
+                f"rank gets per mini-batch ({role}.ppo_mini_batch_size={mini} × rollout.n={n} / {ws} ranks); "
+                f"choose a divisor of {per_rank}."]
+    return []
+
+
+def _check_batch_sizes(cfg: DictConfig) -> list[str]:
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    actor, n, ws = arr.actor, int(arr.rollout.n), world_size(cfg)
+    errors = []
+    if data.train_batch_size <= 0 or n <= 0 or ws <= 0:
+        return [f"data.train_batch_size={data.train_batch_size}, rollout.n={n} and nnodes × n_gpus_per_node={ws} must be positive."]
+    total = data.train_batch_size * n
+    if total % ws:
+        errors.append(f"data.train_batch_size={data.train_batch_size} × rollout.n={n} = {total} samples per step "
+                      f"cannot be split evenly over {ws} ranks (nnodes × n_gpus_per_node).")
+    roles = [("actor_rollout_ref.actor", actor)] + ([("critic", cfg.critic)] if use_critic(cfg) else [])
+    for role, node in roles:
+        mini = int(node.ppo_mini_batch_size)
+        if mini <= 0 or data.train_batch_size % mini:
+            errors.append(f"data.train_batch_size={data.train_batch_size} is not a multiple of {role}.ppo_mini_batch_size="
+                          f"{mini}; every optimizer step should see the same number of prompts.")
+            continue
+        for old in ("ppo_micro_batch_size",):
+            if node[old] is not None and node[old + "_per_gpu"] is not None:
+                errors.append(f"Set only one of {role}.{old} (deprecated, global) and {role}.{old}_per_gpu.")
+        micro = _micro_per_gpu(node.ppo_micro_batch_size, node.ppo_micro_batch_size_per_gpu, ws)
+        errors += _check_role_batches(role, mini, micro, n, ws, bool(node.use_dynamic_bsz))
+    return errors
+
+
+def _micro_per_gpu(global_micro: int | None, per_gpu: int | None, ws: int) -> int | None:
+    """verl's deprecated global micro-batch sizes mean ``global // world size`` per rank."""
+    if per_gpu is not None or global_micro is None:
+        return per_gpu
+    return max(1, int(global_micro) // ws)
+
+
+def _check_lengths_and_numbers(cfg: DictConfig) -> list[str]:
+    data, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
+    errors = []
+    seq = data.max_prompt_length + data.max_response_length
+    if arr.actor.use_dynamic_bsz and arr.actor.ppo_max_token_len_per_gpu < seq:
+        errors.append(f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={arr.actor.ppo_max_token_len_per_gpu} is below "
+                      f"one full sequence (data.max_prompt_length + data.max_response_length = {seq}).")
+    for key in ("data.max_prompt_length", "data.max_response_length", "trainer.total_epochs",
+                "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.rollout.val_kwargs.n"):
+        if OmegaConf.select(cfg, key) <= 0:
+            errors.append(f"{key}={OmegaConf.select(cfg, key)} must be positive.")
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        if not 0.0 <= OmegaConf.select(cfg, key) <= 1.0:
+            errors.append(f"{key}={OmegaConf.select(cfg, key)} must lie in [0, 1].")
+    if arr.rollout.do_sample and arr.rollout.temperature <= 0:
+        errors.append(f"actor_rollout_ref.rollout.temperature={arr.rollout.temperature} must be > 0 when sampling (do_sample=True).")
+    if cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps <= 0:
+        errors.append(f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be positive (or null).")
+    if alg.kl_ctrl.type == "adaptive" and alg.kl_ctrl.horizon <= 0:
+        errors.append(f"algorithm.kl_ctrl.horizon={alg.kl_ctrl.horizon} must be positive for the adaptive controller.")
+    return errors + _check_reliability_numbers(cfg.trainer)
+
+
+def _check_reliability_numbers(trainer: DictConfig) -> list[str]:
+    errors = []
+    if trainer.worker_call_timeout_s is not None and trainer.worker_call_timeout_s <= 0:
+        errors.append(f"trainer.worker_call_timeout_s={trainer.worker_call_timeout_s} must be positive (or null: no limit).")
+    if trainer.dist_timeout_s <= 0:
+        errors.append(f"trainer.dist_timeout_s={trainer.dist_timeout_s} must be positive.")
+    if trainer.max_consecutive_nan_steps < 0:
+        errors.append(f"trainer.max_consecutive_nan_steps={trainer.max_consecutive_nan_steps} must be >= 0 (0: never stop).")
+    return errors
+
+
+def _check_unsupported(cfg: DictConfig) -> list[str]:
+    arr, errors = cfg.actor_rollout_ref, []
+    if arr.model.lora_rank > 0 or cfg.critic.model.lora_rank > 0:
+        errors.append("LoRA (model.lora_rank > 0) is not supported yet; remove the lora_rank override.")
+    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn.enable"):
+        errors.append("Multi-turn rollout (actor_rollout_ref.rollout.multi_turn.enable=True) is not supported.")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>.")
+    backend, ws = cfg.trainer.worker_backend, world_size(cfg)
+    if backend == "local" and ws != 1:
+        errors.append(f"trainer.worker_backend=local runs one in-process rank, but nnodes × n_gpus_per_node = {ws}; "
+                      "use trainer.worker_backend=ray (or auto).")
+    return errors
+
+
+def _soft_warnings(cfg: DictConfig) -> None:
+    est, n = adv_estimator(cfg), cfg.actor_rollout_ref.rollout.n
+    if est in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo") and n < 2:
+        warnings.warn(f"algorithm.adv_estimator={est} compares the {n} sample(s) of each prompt: with "
+                      f"actor_rollout_ref.rollout.n={n} every advantage is zero. Use rollout.n >= 2.", stacklevel=3)
+    if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
+        warnings.warn("Both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL term is applied twice.",
+                      stacklevel=3)
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Cross-key checks; raises one ``ConfigError`` that lists every problem found."""
+    try:
+        errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
+                  + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg))
+    except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
+        raise ConfigError(f"Config cannot be evaluated: {e}") from e
+    if errors:
+        bullet = "\n  - "
+        raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))
+    _soft_warnings(cfg)
+
+
+# ───────────────────────────────────── resolution ─────────────────────────────────────
+
+
+def resolve_asset_path(path: str | None) -> str | None:
+    """``rlfoundry://name`` → the packaged asset directory ``rlfoundry/assets/name``; others unchanged."""
+    if path is None or not str(path).startswith(ASSET_SCHEME):
+        return None if path is None else os.path.expanduser(str(path))
+    return str(ASSETS_DIR / str(path)[len(ASSET_SCHEME):])
+
+
+def resolve_config(
+    cfg: DictConfig,
+    *,
+    steps_per_epoch: int,
+    cuda_available: bool,
+    train_files: Any = None,
+    val_files: Any = None,
+    run_dir: str | None = None,
+) -> DictConfig:
+    """A resolved, read-only copy of ``cfg`` with every run-dependent value filled in (pure).
+
+    Args:
+        steps_per_epoch: batches per epoch of the train loader (``len(loader)``).
+        cuda_available: whether a CUDA device is visible (for ``trainer.device=auto``).
+        train_files / val_files: data files to use when ``data.*_files`` is null (the synthetic task).
+        run_dir: the run directory to record when ``trainer.run_dir`` is null.
+    """
+    if steps_per_epoch <= 0:
+        raise ConfigError("The training data yields no full batch: it has fewer prompts than "
+                          f"data.train_batch_size={cfg.data.train_batch_size}. Lower the batch size or add data.")
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    trainer, ws = out.trainer, world_size(cfg)
+    trainer.device = _resolve_device(cfg.trainer.device, cuda_available)
+    trainer.worker_backend = cfg.trainer.worker_backend if cfg.trainer.worker_backend != "auto" else (
+        "local" if ws == 1 else "ray")
+    trainer.logger = [x for x in _loggers(cfg) if x in SUPPORTED_LOGGERS]
+    out.algorithm.adv_estimator = adv_estimator(cfg)
+    out.critic.enable = use_critic(cfg)
+    _resolve_micro_batches(out, ws)
+    _resolve_paths(out, train_files, val_files, run_dir)
+    total = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+    trainer.total_training_steps = int(total)
+    out.actor_rollout_ref.actor.optim.total_training_steps = int(total)
+    out.critic.optim.total_training_steps = int(total)
+    OmegaConf.resolve(out)
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
+def _resolve_device(device: str, cuda_available: bool) -> str:
+    if device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu (or auto).")
+    return device
+
+
+def _resolve_micro_batches(out: DictConfig, ws: int) -> None:
+    """Deprecated global micro-batch keys → per-rank keys; missing log-prob sizes fall back to the actor's."""
+    arr = out.actor_rollout_ref
+    actor = arr.actor
+    actor.ppo_micro_batch_size_per_gpu = _micro_per_gpu(actor.ppo_micro_batch_size, actor.ppo_micro_batch_size_per_gpu, ws)
+    for node in (arr.rollout, arr.ref):
+        per_gpu = _micro_per_gpu(node.log_prob_micro_batch_size, node.log_prob_micro_batch_size_per_gpu, ws)
+        node.log_prob_micro_batch_size_per_gpu = per_gpu or actor.ppo_micro_batch_size_per_gpu
+    critic = out.critic
+    critic.ppo_micro_batch_size_per_gpu = _micro_per_gpu(critic.ppo_micro_batch_size, critic.ppo_micro_batch_size_per_gpu, ws)
+    rm = out.reward_model
+    rm.micro_batch_size_per_gpu = _micro_per_gpu(rm.micro_batch_size, rm.micro_batch_size_per_gpu, ws)
+
+
+def _resolve_paths(out: DictConfig, train_files: Any, val_files: Any, run_dir: str | None) -> None:
+    arr = out.actor_rollout_ref
+    arr.model.path = resolve_asset_path(arr.model.path)
+    out.critic.model.path = resolve_asset_path(out.critic.model.path)
+    out.reward_model.model.path = resolve_asset_path(out.reward_model.model.path)
+    for node, key in ((out.critic.model, "tokenizer_path"), (out.reward_model.model, "input_tokenizer"),
+                      (out.data, "tokenizer")):
+        value = OmegaConf.select(node, key)
+        if isinstance(value, str):
+            node[key] = resolve_asset_path(value)
+    if out.data.train_files is None:
+        out.data.train_files = train_files
+    if out.data.val_files is None:
+        out.data.val_files = val_files
+    if out.trainer.run_dir is None:
+        out.trainer.run_dir = run_dir or out.trainer.default_local_dir
+
+
+# ───────────────────────────────────── start-up file checks ─────────────────────────────────────
+
+
+def is_hf_model_dir(path: str | Path) -> bool:
+    """An HF model directory has a ``config.json`` and weights (safetensors or a torch bin)."""
+    p = Path(path)
+    weights = list(p.glob("*.safetensors")) + list(p.glob("pytorch_model*.bin")) + list(p.glob("*.safetensors.index.json"))
+    return p.is_dir() and (p / "config.json").is_file() and bool(weights)
+
+
+def _check_model(key: str, path: str | None) -> list[str]:
+    if path is None:
+        return []
+    resolved = resolve_asset_path(path)
+    if is_hf_model_dir(resolved):
+        return []
+    if str(path).startswith(ASSET_SCHEME):
+        return [f"{key}={path}: the packaged model is missing at {resolved}. Reinstall rlfoundry, or build it with "
+                f"`rlfoundry sft` (see README), or point {key} at a local Hugging Face model directory."]
+    why = "does not exist" if not Path(resolved).exists() else "is not a Hugging Face model directory (needs config.json and *.safetensors)"
+    return [f"{key}={path} {why}. Models are loaded from local directories only (no hub downloads): "
+            f"save one with `save_pretrained(dir)` or `huggingface-cli download <repo> --local-dir dir`."]
+
+
+def check_startup_paths(cfg: DictConfig) -> None:
+    """File-system checks that need no model loading: model dirs, resume checkpoint, custom reward file."""
+    errors = _check_model("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
+    if use_critic(cfg):
+        errors += _check_model("critic.model.path", cfg.critic.model.path)
+    if cfg.reward_model.enable:
+        errors += _check_model("reward_model.model.path", cfg.reward_model.model.path)
+    errors += _check_resume(cfg)
+    errors += _check_rollout_engine(cfg.actor_rollout_ref.rollout.name)
+    crf = cfg.custom_reward_function
+    if crf.path is not None and not Path(os.path.expanduser(crf.path)).is_file():
+        errors.append(f"custom_reward_function.path={crf.path} does not exist.")
+    if errors:
+        bullet = "\n  - "
+        raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))
+
+
+def _check_resume(cfg: DictConfig) -> list[str]:
+    if cfg.trainer.resume_mode != "resume_path" or not cfg.trainer.resume_from_path:
+        return []
+    path = Path(os.path.expanduser(cfg.trainer.resume_from_path))
+    if path.name.startswith("global_step_") and (path / "actor").is_dir():
+        return []
+    return [f"trainer.resume_from_path={cfg.trainer.resume_from_path} holds no checkpoint: expected a "
+            f".../global_step_N directory with an actor/ folder inside (as written by trainer.save_freq)."]
+
+
+def _check_rollout_engine(name: str) -> list[str]:
+    """An engine that is not installed fails here, not in a worker after the models are loaded."""
+    if name == "hf":  # always there; skip importing torch just to say so
+        return []
+    from rlfoundry.workers.rollout import get_rollout_class
+
+    try:
+        get_rollout_class(str(name))
+    except (ImportError, ValueError, NotImplementedError) as e:
+        return [str(e)]
+    return []

@@ -1,0 +1,343 @@
+"""PPO/GRPO training entry point: ``python -m rlfoundry.trainer.main_ppo [key=value ...]``.
+
+Same command line as verl's ``verl.trainer.main_ppo`` (Hydra-style dotted overrides; optional
+``--config-name NAME`` for a packaged or user YAML overlay, ``--config-path DIR``). With no
+arguments it runs the demo: GRPO on the built-in arithmetic task with the shipped tiny policy.
+
+Start-up order: config (typed, validated) → file checks → run directory → data (the synthetic
+task's parquet is generated into ``<run_dir>/data`` when ``data.train_files`` is null) →
+tokenizer → datasets and loaders → resolved config (total steps known) → reward functions →
+worker groups (in-process or Ray) → ``RayPPOTrainer.fit()``.
+
+A mistake in the config or the data ends the run with exit code 2 and one paragraph saying what
+and how to fix it — no traceback (set ``RLFOUNDRY_DEBUG=1`` to get one).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from rlfoundry.trainer.config import (
+    ConfigError,
+    check_startup_paths,
+    load_config,
+    need_reference_policy,
+    resolve_asset_path,
+    resolve_config,
+    schema_keys,
+)
+
+# Nothing heavy at module level: reward-pool processes (spawn/forkserver) re-import the main
+# module, so a top-level `import torch` here cost every scorer process seconds of start-up.
+if TYPE_CHECKING:
+    from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
+
+USAGE = """usage: rlfoundry train [--config-name NAME] [--config-path DIR] [key=value ...]
+
+Trains with verl's config keys, e.g.
+  rlfoundry train                                     # the demo: GRPO on synthetic arithmetic, CPU
+  rlfoundry train --config-name arithmetic_ppo        # the same task with PPO + critic (GAE)
+  rlfoundry train data.train_files=~/data/gsm8k/train.parquet data.val_files=~/data/gsm8k/test.parquet \\
+      actor_rollout_ref.model.path=/models/Qwen2.5-0.5B-Instruct trainer.device=cuda
+
+Options:
+  --config-name NAME   overlay YAML (packaged: {packaged}) on the defaults
+  --config-path DIR    directory to look up --config-name in
+  --cfg job            print the resolved config and exit
+  --help-keys          list every config key with its type
+"""
+
+
+# ───────────────────────────────────── argument handling ─────────────────────────────────────
+
+
+def _split_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Separate ``--option value`` / ``--option=value`` flags from ``key=value`` overrides."""
+    flags, overrides, it = {}, [], iter(argv)
+    for arg in it:
+        if arg.startswith("--"):
+            name, sep, value = arg[2:].partition("=")
+            if name in ("help", "help-keys"):
+                flags[name] = "1"
+            elif name in ("config-name", "config-path", "cfg"):
+                flags[name] = value if sep else next(it, "")
+            else:
+                raise ConfigError(f"Unknown option '{arg}'. Config keys are given without dashes: key=value.")
+        elif arg == "-h":
+            flags["help"] = "1"
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def _usage() -> str:
+    from rlfoundry.trainer.config import CONFIG_DIR
+
+    # sft_trainer.yaml configures `rlfoundry sft`, not an overlay of ppo_trainer.yaml
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem not in ("ppo_trainer", "sft_trainer"))
+    return USAGE.format(packaged=", ".join(names))
+
+
+def _keys_help() -> str:
+    from rlfoundry.trainer.config import _type_name
+
+    lines = [f"{k}  ({_type_name(info.type)}{', open' if info.is_open else ''})"
+             for k, info in schema_keys().items() if not isinstance(info.type, type) or not hasattr(info.type, "__dataclass_fields__")]
+    return "\n".join(lines)
+
+
+# ───────────────────────────────────── data and tokenizer ─────────────────────────────────────
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """Where metrics, plots and generated data go: ``trainer.run_dir`` or the checkpoint directory."""
+    return Path(os.path.expanduser(cfg.trainer.run_dir or cfg.trainer.default_local_dir))
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before training, not at the first checkpoint, when the run directory cannot be written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"Cannot write to the run directory {path} ({e.strerror}); set trainer.default_local_dir "
+                          "(and trainer.run_dir) to a writable directory.") from e
+
+
+def prepare_synthetic_data(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
+    """With ``data.train_files`` null, write the synthetic task's train/test parquet (seeded) into ``run_dir/data``.
+
+    The files are a pure function of ``data.synthetic.*``, so a resumed run regenerates identical
+    files (or reuses them) and the loader state in the checkpoint still points at the same rows.
+    """
+    if cfg.data.train_files is not None:
+        return None, None
+    syn = cfg.data.synthetic
+    if syn.task != "arithmetic":
+        raise ConfigError(f"data.synthetic.task={syn.task!r}: the only built-in task is 'arithmetic'.")
+    from rlfoundry.data.preprocess.arithmetic import generate_splits, make_row
+    from rlfoundry.data.preprocess.common import write_splits
+
+    out = run_dir / "data" / f"arithmetic_seed{syn.seed}_{syn.train_size}_{syn.val_size}"
+    if not (out / "train.parquet").is_file() or not (out / "test.parquet").is_file():
+        write_splits(generate_splits(syn.train_size, syn.val_size, seed=syn.seed), out, make_row)
+    val = str(out / "test.parquet") if cfg.data.val_files is None else None
+    return str(out / "train.parquet"), val
+
+
+def load_tokenizer(cfg: DictConfig) -> Any:
+    """The policy's tokenizer (or ``data.tokenizer``); no pad token → EOS, with a warning (as verl)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_asset_path(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+    trust = bool(cfg.actor_rollout_ref.model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"The tokenizer at {path} has neither a pad nor an EOS token; add one to tokenizer_config.json.")
+        warnings.warn(f"The tokenizer at {path} has no pad token; using EOS ({tokenizer.eos_token!r}) for padding.",
+                      stacklevel=2)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_files: Any) -> tuple[Any, Any]:
+    """Train loader (seeded, resumable, drop_last) and validation loader (whole set as one batch)."""
+    from rlfoundry.data import RLHFDataset, build_dataloader
+
+    data = cfg.data
+    train_ds = RLHFDataset(train_files, tokenizer, config=data)
+    train = build_dataloader(train_ds, batch_size=int(data.train_batch_size), shuffle=bool(data.shuffle),
+                             seed=int(data.seed), num_workers=int(data.dataloader_num_workers), drop_last=True)
+    if val_files is None:
+        return train, None
+    val_ds = RLHFDataset(val_files, tokenizer, config=data)
+    val = build_dataloader(val_ds, batch_size=int(data.val_batch_size or len(val_ds)),
+                           shuffle=bool(data.validation_shuffle), seed=int(data.seed), drop_last=False)
+    return train, val
+
+
+# ───────────────────────────────────── workers ─────────────────────────────────────
+
+
+def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
+    """Role name → worker class with init args. Every role shares one process per rank (colocated)."""
+    from rlfoundry.single_controller.base import ClassWithInitArgs
+    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+
+    role = "actor_rollout_ref" if need_reference_policy(cfg) else "actor_rollout"
+    classes = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role=role)}
+    if cfg.critic.enable:
+        from rlfoundry.workers.critic import CriticWorker
+
+        classes["critic"] = ClassWithInitArgs(CriticWorker, config=cfg.critic, rollout_n=int(cfg.actor_rollout_ref.rollout.n))
+    if cfg.reward_model.enable:
+        from rlfoundry.workers.reward_model import RewardModelWorker
+
+        classes["rm"] = ClassWithInitArgs(RewardModelWorker, config=cfg.reward_model)
+    return classes
+
+
+def local_factory(cfg: DictConfig):
+    """In-process back end: world size 1, the workers live in this process (breakpoints work)."""
+    from rlfoundry.single_controller import LocalWorkerGroup, create_colocated_worker_cls
+
+    def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
+        os.environ["RLFOUNDRY_DEVICE"] = cfg.trainer.device
+        os.environ["RLFOUNDRY_DIST_TIMEOUT_S"] = str(cfg.trainer.dist_timeout_s)
+        return LocalWorkerGroup(create_colocated_worker_cls(classes), name_prefix="global_pool").spawn(classes.keys())
+
+    return build
+
+
+def ray_factory(cfg: DictConfig):
+    """Ray back end: one pool of nnodes × n_gpus_per_node processes, every role colocated in each."""
+    from rlfoundry.single_controller import (
+        RayClassWithInitArgs,
+        RayWorkerGroup,
+        ResourcePoolManager,
+        Role,
+        create_colocated_worker_cls,
+        init_ray,
+    )
+
+    def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
+        trainer = cfg.trainer
+        env = {"RLFOUNDRY_DEVICE": trainer.device, "RLFOUNDRY_DIST_TIMEOUT_S": str(trainer.dist_timeout_s)}
+        init_ray(num_cpus=cfg.ray_init.get("num_cpus"), runtime_env={"env_vars": env})
+        manager = ResourcePoolManager({"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)},
+                                      {Role.ActorRollout: "global_pool"}, use_gpu=trainer.device == "cuda")
+        manager.create_resource_pool()
+        ray_classes = {k: RayClassWithInitArgs(c.cls, *c.args, **c.kwargs) for k, c in classes.items()}
+        group = RayWorkerGroup(manager.get_resource_pool(Role.ActorRollout), create_colocated_worker_cls(ray_classes),
+                               name_prefix="global_pool", call_timeout_s=trainer.worker_call_timeout_s)
+        return group.spawn(classes.keys())
+
+    return build
+
+
+# ───────────────────────────────────── the run ─────────────────────────────────────
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_trainer(cfg: DictConfig):
+    """Everything up to a trainer with its workers started (tests call this too)."""
+    import torch
+
+    from rlfoundry.rewards import load_reward_manager
+    from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    check_startup_paths(cfg)
+    run_dir = run_dir_of(cfg)
+    _check_writable(run_dir)
+    _check_writable(Path(os.path.expanduser(cfg.trainer.default_local_dir)))
+    syn_train, syn_val = prepare_synthetic_data(cfg, run_dir)
+    tokenizer = load_tokenizer(cfg)
+    train_files = cfg.data.train_files if cfg.data.train_files is not None else syn_train
+    val_files = cfg.data.val_files if cfg.data.val_files is not None else syn_val
+    train_loader, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files)
+    resolved = resolve_config(cfg, steps_per_epoch=len(train_loader), cuda_available=torch.cuda.is_available(),
+                              train_files=syn_train, val_files=syn_val, run_dir=str(run_dir))
+    seed_everything(int(resolved.trainer.seed))
+    _import_external_lib(resolved)
+    reward_fn = load_reward_manager(resolved, tokenizer, num_examine=0)
+    val_reward_fn = load_reward_manager(resolved, tokenizer, num_examine=1)
+    factory = local_factory(resolved) if resolved.trainer.worker_backend == "local" else ray_factory(resolved)
+    trainer = RayPPOTrainer(resolved, tokenizer, factory, worker_classes(resolved), reward_fn, val_reward_fn,
+                            train_loader, val_loader)
+    trainer.init_workers()
+    return trainer
+
+
+def _import_external_lib(cfg: DictConfig) -> None:
+    """``model.external_lib``: a module to import first (it registers custom model classes with HF)."""
+    lib = cfg.actor_rollout_ref.model.external_lib
+    if lib:
+        import importlib
+
+        importlib.import_module(lib)
+
+
+def run(argv: Sequence[str]) -> dict:
+    """Parse, validate, build and train; returns the trainer's summary. Raises on errors."""
+    flags, overrides = _split_args(argv)
+    if "help" in flags:
+        print(_usage())
+        return {}
+    if "help-keys" in flags:
+        print(_keys_help())
+        return {}
+    cfg = load_config(overrides, config_name=flags.get("config-name"), config_path=flags.get("config-path"))
+    if flags.get("cfg"):
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg))
+        return {}
+    return build_trainer(cfg).fit()
+
+
+# User mistakes: a message, not a traceback. Everything else is a bug and keeps its traceback.
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConfigError]
+    for module, name in (("rlfoundry.data", "DataError"), ("rlfoundry.rewards", "RewardFunctionError"),
+                         ("rlfoundry.rewards", "UnknownDataSourceError")):
+        try:
+            types.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def _run_error_types() -> tuple[type[BaseException], ...]:
+    """Errors that end a started run with a message (exit 3): NaN streak, OOM, failed save, dead worker."""
+    from rlfoundry.single_controller.base import WorkerGroupError
+    from rlfoundry.utils.errors import RunAbortedError
+
+    return RunAbortedError, WorkerGroupError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.simplefilter("default")  # show each distinct warning once
+    try:
+        run(argv)
+    except _user_error_types() as e:
+        if os.environ.get("RLFOUNDRY_DEBUG"):
+            raise
+        kind = type(e).__name__
+        print(f"\nrlfoundry: {kind}: {e}\n(set RLFOUNDRY_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 2
+    except _run_error_types() as e:  # the run stopped on purpose, or a worker died / hung: say why
+        if os.environ.get("RLFOUNDRY_DEBUG"):
+            raise
+        print(f"\nrlfoundry: {type(e).__name__}: {e}\n(set RLFOUNDRY_DEBUG=1 for a traceback)", file=sys.stderr)
+        from rlfoundry.utils.errors import EXIT_RUN_ABORTED
+
+        return EXIT_RUN_ABORTED
+    except KeyboardInterrupt:
+        print("\nrlfoundry: interrupted; the last complete checkpoint is kept (resume with trainer.resume_mode=auto).",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

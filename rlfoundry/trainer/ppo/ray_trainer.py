@@ -1,0 +1,555 @@
+"""The PPO trainer: one driver loop over worker groups (verl's ``RayPPOTrainer``, FSDP path).
+
+The step reads top to bottom like the algorithm box (see DESIGN.md):
+
+    generate → reward → old log-probs → ref log-probs → values → KL-in-reward → advantages
+             → critic update → actor update (the rollout shares the actor's weights)
+
+Each phase is one method timed by ``marked_timer``; variants (ReMax's greedy baseline, KL in the
+reward vs in the loss, critic warm-up) live inside the phase they change. ``apply_kl_penalty`` and
+``compute_advantage`` are pure functions of the batch. The worker groups come from a factory, so
+the same trainer runs on the in-process back end and on Ray.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlfoundry.algos import core_algos
+from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
+from rlfoundry.trainer.config import need_reference_policy, world_size
+from rlfoundry.trainer.metric_utils import (
+    compute_data_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+    marked_timer,
+    process_validation_metrics,
+    reduce_metrics,
+)
+from rlfoundry.utils.torch_functional import masked_mean
+
+__all__ = ["RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalty", "balance_batch", "compute_advantage"]
+
+# (role name → worker class with init args) → (role name → worker group view); see main_ppo.
+WorkerGroupFactory = Callable[[dict[str, ClassWithInitArgs]], dict[str, WorkerGroup]]
+TRAINER_STATE_FILE = "data.pt"  # the name verl uses for the trainer/loader state
+
+
+# ───────────────────────────────────── pure phase functions ─────────────────────────────────────
+
+
+def apply_kl_penalty(data: DataProto, kl_ctrl: Any, kl_penalty: str = "kl") -> tuple[DataProto, dict[str, float]]:
+    """token_level_rewards = token_level_scores − β·KL(old ‖ ref) per response token (Ziegler et al. 2019).
+
+    Reads ``token_level_scores``, ``old_log_probs``, ``ref_log_prob``, ``response_mask`` (B, Tr);
+    writes ``token_level_rewards``. β is ``kl_ctrl.value`` *before* this step's update; the
+    controller is then updated with the batch-mean sequence KL (mean over tokens, then sequences)
+    and ``n_steps`` = B, as verl does. Returns the batch and ``actor/reward_kl_penalty{,_coeff}``.
+    """
+    mask = data.batch["response_mask"].to(data.batch["token_level_scores"].dtype)
+    kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty=kl_penalty) * mask
+    beta = float(kl_ctrl.value)
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * kld
+    current_kl = float(masked_mean(kld, mask, axis=-1).mean().item())
+    kl_ctrl.update(current_kl=current_kl, n_steps=len(data))
+    return data, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def compute_advantage(
+    data: DataProto,
+    adv_estimator: str,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    num_repeat: int = 1,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+) -> DataProto:
+    """``advantages`` and ``returns`` (B, Tr) from any registered estimator, called with one kwargs set.
+
+    Every estimator takes ``**kwargs``, so the same call serves all of them: ``values`` (GAE),
+    ``index`` = ``uid`` (group baselines), ``reward_baselines`` (ReMax) are passed when the batch
+    has them. ``num_repeat`` is kept for verl's signature (groups come from ``uid``).
+    """
+    fn = core_algos.get_adv_estimator_fn(adv_estimator)
+    tensors = data.batch
+    kwargs: dict[str, Any] = {
+        "token_level_rewards": tensors["token_level_rewards"],
+        "response_mask": tensors["response_mask"],
+        "gamma": gamma,
+        "lam": lam,
+        "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo,
+        "config": config if config is not None else {"gamma": gamma, "lam": lam},
+    }
+    for key in ("values", "reward_baselines"):
+        if key in tensors.keys():
+            kwargs[key] = tensors[key]
+    if "uid" in data.non_tensor_batch:
+        kwargs["index"] = data.non_tensor_batch["uid"]
+    advantages, returns = fn(**kwargs)
+    data.batch["advantages"] = advantages
+    data.batch["returns"] = returns
+    return data
+
+
+def balance_batch(data: DataProto, world_size: int) -> tuple[DataProto, dict[str, float]]:
+    """Reorder rows so each dp rank's contiguous chunk gets a similar token count (verl's balance_batch).
+
+    Karmarkar–Karp partitioning into ``world_size`` equal-size parts over per-row token counts;
+    a no-op for one rank. Row order inside the batch does not change any estimator (groups come from
+    ``uid``), only which rank computes which row.
+    """
+    from rlfoundry.workers.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+    seqlens = data.batch["attention_mask"].sum(-1).tolist()
+    if world_size <= 1:
+        return data, {}
+    parts = get_seqlen_balanced_partitions(seqlens, k_partitions=world_size, equal_size=True)
+    order = [i for part in parts for i in part]
+    data.reorder(torch.tensor(order))
+    sums = [sum(seqlens[i] for i in part) for part in parts]
+    return data, {"training/seqlen_max_rank_tokens": float(max(sums)), "training/seqlen_min_rank_tokens": float(min(sums))}
+
+
+def reward_result_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """Step metrics from a reward manager's ``return_dict`` result.
+
+    ``reward_metrics`` (``reward/errors``, ``reward/errors/<kind>``: counts of failed samples) pass
+    through as they are; each numeric ``reward_extra_info`` column becomes ``reward/<key>``, its
+    NaN-mean: a sample whose scorer failed carries NaN there (its score is already counted as an
+    error), and one failure must not turn the whole column's metric into NaN.
+    """
+    metrics = {k: float(v) for k, v in result.get("reward_metrics", {}).items()}
+    for key, values in result.get("reward_extra_info", {}).items():
+        column = _numeric_column(values)
+        if column is not None and not np.isnan(column).all():
+            metrics[f"reward/{key}"] = float(np.nanmean(column))
+    return metrics
+
+
+def _numeric_column(values: Any) -> np.ndarray | None:
+    """``values`` as a float array when every entry is a number (bools count), else None."""
+    if len(values) == 0 or not all(isinstance(v, (int, float, bool, np.number)) for v in values):
+        return None
+    return np.asarray(values, dtype=np.float64)
+
+
+def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                               mask: torch.Tensor) -> dict[str, float]:
+    """|p_rollout − p_actor| per valid token (verl's ``training/rollout_probs_diff_*``).
+
+    The rollout engine and the actor should score a sampled token alike; a gap means the engine
+    samples from another distribution (stale weights, other dtype, top-k/top-p filtering), which
+    makes the PPO ratio off-policy without anyone noticing. All (B, Tr).
+    """
+    valid = mask.bool()
+    if not valid.any():
+        return {}
+    diff = (rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs()[valid]
+    return {"training/rollout_probs_diff_max": float(diff.max()), "training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}
+
+
+def compute_response_mask(data: DataProto) -> torch.Tensor:
+    """1 on response tokens up to and including EOS: the response part of ``attention_mask``."""
+    response_length = data.batch["responses"].shape[-1]
+    return data.batch["attention_mask"][:, -response_length:]
+
+
+# ───────────────────────────────────────── the trainer ─────────────────────────────────────────
+
+
+@dataclass
+class _RunState:
+    """What the loop carries between steps; saved in the checkpoint (with the loader state)."""
+
+    global_steps: int = 0
+    first_val: dict[str, float] = field(default_factory=dict)
+    last_val: dict[str, float] = field(default_factory=dict)
+    resumed_from: str | None = None
+    last_ckpt: str | None = None
+
+
+class RayPPOTrainer:
+    """Driver of PPO-family training. ``config`` is the resolved, read-only config (see ``resolve_config``)."""
+
+    def __init__(
+        self,
+        config: DictConfig,
+        tokenizer: Any,
+        worker_group_factory: WorkerGroupFactory,
+        worker_classes: dict[str, ClassWithInitArgs],
+        reward_fn: Callable,
+        val_reward_fn: Callable,
+        train_dataloader: Any,
+        val_dataloader: Any = None,
+    ) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
+        self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
+        self._factory, self._worker_classes = worker_group_factory, worker_classes
+        self.use_critic = bool(config.critic.enable)
+        self.use_rm = bool(config.reward_model.enable)
+        self.use_reference_policy = need_reference_policy(config)
+        self.world_size = world_size(config)
+        self.total_training_steps = int(config.trainer.total_training_steps)
+        self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
+        self.state = _RunState()
+        self.tracker = None
+
+    # ---- workers -------------------------------------------------------------------------------
+
+    def init_workers(self) -> None:
+        """Start the worker groups (all roles colocated, one process per rank) and load the models."""
+        groups = self._factory(self._worker_classes)
+        self.actor_rollout_wg = groups["actor_rollout"]
+        self.critic_wg = groups.get("critic")
+        self.rm_wg = groups.get("rm")
+        for wg in (self.actor_rollout_wg, self.critic_wg, self.rm_wg):
+            if wg is not None:
+                wg.init_model()
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Train until ``total_training_steps``; validate, checkpoint and log on the way. Returns the summary."""
+        from rlfoundry.trainer.reliability import NonFiniteGuard, log_extra
+        from rlfoundry.utils.profiler import StepProfiler
+
+        start = time.time()
+        self._load_checkpoint()
+        self.tracker = self._make_tracker()
+        # Not on resume: the checkpoint holds the first validation, and an extra generation pass here
+        # would move the sampling RNG, so step k+1 would differ from the uninterrupted run's.
+        if self.val_dataloader is not None and self.config.trainer.val_before_train and not self.state.resumed_from:
+            self._log_validation()
+        if self.config.trainer.val_only:
+            return self._finish(start)
+        profiler = StepProfiler(self.config.trainer.profile_steps, Path(self.config.trainer.run_dir) / "profile")
+        nan_guard = NonFiniteGuard(self.config.trainer.max_consecutive_nan_steps)
+        for epoch, batch_dict in self._batches():
+            self.state.global_steps += 1
+            step = self.state.global_steps
+            with profiler.step(step):
+                metrics = self.train_step(batch_dict)
+            metrics |= {"training/global_step": step, "training/epoch": epoch}
+            self.tracker.log(metrics, step=step)  # before the checkpoint: see trainer/reliability.py
+            nan_guard.check(metrics, step)
+            log_extra(self.tracker, self._maybe_validate_and_save(step), step)
+        return self._finish(start)
+
+    def _done(self) -> bool:
+        return self.state.global_steps >= self.total_training_steps
+
+    def _batches(self) -> Iterator[tuple[int, dict]]:
+        """(epoch, batch) until the step budget is spent, continuing a restored loader mid-epoch.
+
+        Driven by the step count, not the epoch count: a loader restored from a checkpoint taken
+        exactly at an epoch boundary may yield nothing on its first pass (verl then skipped a whole
+        epoch); here that empty pass simply rolls over into the next epoch.
+        """
+        steps_per_epoch = len(self.train_dataloader)
+        empty_passes = 0
+        while self.state.global_steps < self.total_training_steps:
+            yielded = False
+            for batch_dict in self.train_dataloader:
+                yielded = True
+                yield self.state.global_steps // steps_per_epoch, batch_dict
+                if self.state.global_steps >= self.total_training_steps:
+                    return
+            empty_passes = 0 if yielded else empty_passes + 1
+            if empty_passes > 1:
+                raise RuntimeError("the training data loader yields no batches")
+
+    def _maybe_validate_and_save(self, step: int) -> dict[str, float]:
+        from rlfoundry.trainer.reliability import checkpoint_save_guard
+
+        trainer, last = self.config.trainer, step >= self.total_training_steps
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        if self.val_dataloader is not None and trainer.test_freq > 0 and (last or step % trainer.test_freq == 0):
+            with marked_timer("testing", timing):
+                metrics |= self._validate()
+            self.state.last_val = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+        if trainer.save_freq > 0 and (last or step % trainer.save_freq == 0):
+            with marked_timer("save_checkpoint", timing), checkpoint_save_guard(self._ckpt_root(), step):
+                self._save_checkpoint()
+        return metrics | {f"timing_s/{k}": v for k, v in timing.items()}
+
+    # ---- one training step ---------------------------------------------------------------------
+
+    def train_step(self, batch_dict: dict) -> dict[str, float]:
+        """One PPO step on one batch of prompts; returns the step's metrics."""
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        with marked_timer("step", timing):
+            batch = self._generate(batch_dict, timing)
+            batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702 - one line per phase
+            batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
+            batch = self._ref_log_prob(batch, timing)
+            batch = self._values(batch, timing)
+            batch, m = self._advantage(batch, timing); metrics |= m  # noqa: E702
+            metrics |= self._update_critic(batch, timing)
+            metrics |= self._update_actor(batch, timing)
+        metrics |= compute_data_metrics(batch, use_critic=self.use_critic)
+        metrics |= compute_timing_metrics(batch, timing)
+        metrics |= compute_throughout_metrics(batch, timing, n_gpus=self.world_size)
+        return metrics
+
+    def _generate(self, batch_dict: dict, timing: dict) -> DataProto:
+        """Sample n responses per prompt (interleaved rows); ReMax also scores a greedy baseline."""
+        prompts = DataProto.from_single_dict(batch_dict)
+        # one id per prompt: its n samples share it, so group estimators (GRPO, RLOO ...) find them
+        prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+        with marked_timer("gen", timing):
+            batch = self.actor_rollout_wg.generate_sequences(prompts)
+            if self.config.algorithm.adv_estimator == "remax":
+                batch.batch["reward_baselines"] = self._greedy_baseline(prompts)
+        if "response_mask" not in batch.batch.keys():
+            batch.batch["response_mask"] = compute_response_mask(batch)
+        batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+        if self.config.trainer.balance_batch:
+            batch, _ = balance_batch(batch, self.world_size)
+        return batch
+
+    def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
+        """ReMax (Li et al. 2023): the reward of the greedy response, repeated for the prompt's n samples."""
+        greedy_in = DataProto.from_dict(
+            tensors=dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch),
+            meta_info={"do_sample": False, "n": 1},
+        )
+        greedy = self.actor_rollout_wg.generate_sequences(greedy_in)
+        if "response_mask" not in greedy.batch.keys():
+            greedy.batch["response_mask"] = compute_response_mask(greedy)
+        scores = self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
+        return scores.repeat_interleave(int(self.config.actor_rollout_ref.rollout.n))
+
+    def _reward(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """``token_level_scores`` from the reward model (when enabled) and/or the reward function."""
+        with marked_timer("reward", timing):
+            if self.use_rm:
+                batch = batch.union(self.rm_wg.compute_rm_score(batch))
+            result = self.reward_fn(batch, return_dict=True)
+        batch.batch["token_level_scores"] = result["reward_tensor"]
+        return batch, reward_result_metrics(result)
+
+    def _old_log_prob(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """``old_log_probs`` under the policy that sampled; ``actor/entropy`` from the same pass."""
+        with marked_timer("old_log_prob", timing):
+            out = self.actor_rollout_wg.compute_log_prob(batch)
+        mask = batch.batch["response_mask"]
+        entropy = core_algos.agg_loss(out.batch["entropys"], mask, self.config.actor_rollout_ref.actor.loss_agg_mode)
+        out.pop(batch_keys=["entropys"])
+        metrics = {"actor/entropy": float(entropy.item())}
+        if "rollout_log_probs" in batch.batch.keys():
+            metrics |= rollout_probs_diff_metrics(batch.batch["rollout_log_probs"], out.batch["old_log_probs"], mask)
+        return batch.union(out), metrics
+
+    def _ref_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
+        """``ref_log_prob`` under the frozen reference, only when a KL term needs it."""
+        if not self.use_reference_policy:
+            return batch
+        with marked_timer("ref", timing):
+            return batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+
+    def _values(self, batch: DataProto, timing: dict) -> DataProto:
+        if not self.use_critic:
+            return batch
+        with marked_timer("values", timing):
+            return batch.union(self.critic_wg.compute_values(batch))
+
+    def _advantage(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """Rewards (scores, minus β·KL when the KL is in the reward), then the estimator's advantages."""
+        alg, metrics = self.config.algorithm, {}
+        with marked_timer("adv", timing):
+            if alg.use_kl_in_reward:
+                batch, metrics = apply_kl_penalty(batch, self.kl_ctrl, kl_penalty=alg.kl_penalty)
+            else:
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            batch = compute_advantage(
+                batch, alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
+                num_repeat=int(self.config.actor_rollout_ref.rollout.n),
+                norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg,
+            )
+        return batch, metrics
+
+    def _update_critic(self, batch: DataProto, timing: dict) -> dict[str, float]:
+        if not self.use_critic:
+            return {}
+        with marked_timer("update_critic", timing):
+            out = self.critic_wg.update_critic(batch)
+        return reduce_metrics(out.meta_info["metrics"])
+
+    def _update_actor(self, batch: DataProto, timing: dict) -> dict[str, float]:
+        """The PPO update; skipped during the critic warm-up (the critic learns values first)."""
+        if self.state.global_steps <= self.config.trainer.critic_warmup:
+            return {}
+        with marked_timer("update_actor", timing):
+            out = self.actor_rollout_wg.update_actor(batch)
+        return reduce_metrics(out.meta_info["metrics"])
+
+    # ---- validation ----------------------------------------------------------------------------
+
+    def _validate(self) -> dict[str, float]:
+        """Generate with ``rollout.val_kwargs`` over the validation set; ``val-core/<source>/reward/mean@N``."""
+        sources, prompts, infos = [], [], {"reward": []}
+        errors: dict[str, float] = {}
+        for batch_dict in self.val_dataloader:
+            batch = self._val_generate(DataProto.from_single_dict(batch_dict))
+            result = self.val_reward_fn(batch, return_dict=True)
+            infos["reward"] += result["reward_tensor"].sum(-1).tolist()
+            for key, values in result.get("reward_extra_info", {}).items():
+                infos.setdefault(key, []).extend(list(values))
+            for key, count in result.get("reward_metrics", {}).items():  # failed-sample counts: summed
+                errors[f"val-aux/{key}"] = errors.get(f"val-aux/{key}", 0.0) + float(count)
+            sources += list(batch.non_tensor_batch.get("data_source", ["unknown"] * len(batch)))
+            prompts += self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
+        infos = {k: v for k, v in infos.items() if len(v) == len(sources)}
+        return process_validation_metrics(sources, prompts, infos, seed=int(self.config.trainer.seed)) | errors
+
+    def _val_generate(self, prompts: DataProto) -> DataProto:
+        """Pad to a multiple of the rank count (validation sets need not divide), generate, unpad."""
+        val_n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
+        prompts.meta_info.update({"validate": True, "n": val_n})
+        prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+        padded, pad = pad_dataproto_to_divisor(prompts, self.world_size)
+        out = self.actor_rollout_wg.generate_sequences(padded)
+        out = unpad_dataproto(out, pad * val_n)
+        if "response_mask" not in out.batch.keys():
+            out.batch["response_mask"] = compute_response_mask(out)
+        return out
+
+    def _log_validation(self) -> None:
+        metrics = self._validate()
+        core = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+        self.state.last_val = core
+        if not self.state.first_val:
+            self.state.first_val = core
+        self.tracker.log(metrics, step=self.state.global_steps)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def _ckpt_root(self) -> Path:
+        return Path(self.config.trainer.default_local_dir)
+
+    def _save_checkpoint(self) -> None:
+        """Workers' shards, then the trainer state, then — last, atomically — the ``latest`` pointer.
+
+        Old checkpoints beyond ``max_*_ckpt_to_keep`` are removed only after the new one is complete.
+        """
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        step, trainer = self.state.global_steps, self.config.trainer
+        step_dir = self._ckpt_root() / f"global_step_{step}"
+        self.actor_rollout_wg.save_checkpoint(str(step_dir / "actor"), global_step=step)
+        if self.use_critic:
+            self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=step)
+        ckpt.save_trainer_state(step_dir / TRAINER_STATE_FILE, self._trainer_state())
+        ckpt.write_latest_checkpointed_iteration(self._ckpt_root(), step)
+        self.state.last_ckpt = str(step_dir)
+        ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_actor_ckpt_to_keep, component="actor")
+        if self.use_critic:
+            ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_critic_ckpt_to_keep, component="critic")
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "global_step": self.state.global_steps,
+            "dataloader": self.train_dataloader.state_dict(),
+            "kl_coef": float(self.kl_ctrl.value),
+            "first_val": dict(self.state.first_val),
+            "config": OmegaConf.to_yaml(self.config),  # lets `rlfoundry export` rebuild the model
+        }
+
+    def _resume_path(self) -> str | None:
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        trainer = self.config.trainer
+        if trainer.resume_mode == "disable":
+            return None
+        ckpt.cleanup_partial_checkpoints(self._ckpt_root())  # debris of a save killed half-way
+        if trainer.resume_mode == "auto":
+            return ckpt.find_latest_ckpt_path(self._ckpt_root())
+        path = Path(trainer.resume_from_path).expanduser()
+        if not ckpt.is_complete_step_dir(path):
+            raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
+                                    "(no step marker or a role directory is unfinished); pick another global_step_N.")
+        return str(path)
+
+    def _load_checkpoint(self) -> None:
+        """Restore workers, loader position, KL coefficient and step from the chosen checkpoint (if any)."""
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        path = self._resume_path()
+        if path is None:
+            return
+        self.actor_rollout_wg.load_checkpoint(str(Path(path) / "actor"))
+        if self.use_critic:
+            self.critic_wg.load_checkpoint(str(Path(path) / "critic"))
+        state = ckpt.load_trainer_state(Path(path) / TRAINER_STATE_FILE)
+        self.state.global_steps = int(state["global_step"])
+        self.train_dataloader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.value = float(state["kl_coef"])
+        self.state.first_val = dict(state.get("first_val", {}))
+        self.state.resumed_from = path
+        print(f"[rlfoundry] resumed from {path} (global step {self.state.global_steps})", flush=True)
+
+    # ---- tracking and summary ------------------------------------------------------------------
+
+    def _make_tracker(self) -> Any:
+        from rlfoundry.utils.tracking import Tracking
+
+        trainer = self.config.trainer
+        return Tracking(
+            project_name=trainer.project_name, experiment_name=trainer.experiment_name,
+            default_backend=list(trainer.logger), config=OmegaConf.to_container(self.config),
+            run_dir=trainer.run_dir, total_training_steps=self.total_training_steps,
+            resume_step=self.state.global_steps if self.state.resumed_from else None,
+        )
+
+    def _finish(self, start: float) -> dict[str, Any]:
+        """Close the trackers, draw the report and print where everything is."""
+        self.tracker.finish()
+        summary = {
+            "global_step": self.state.global_steps,
+            "wall_time_s": time.time() - start,
+            "val_start": self.state.first_val,
+            "val_end": self.state.last_val,
+            "checkpoint": self.state.last_ckpt or self.state.resumed_from,
+            "metrics": str(self.tracker.metrics_path) if self.tracker.metrics_path else None,
+            "plot": self._write_plot(),
+        }
+        print(format_summary(summary), flush=True)
+        return summary
+
+    def _write_plot(self) -> str | None:
+        try:
+            from rlfoundry.trainer.report import write_report
+
+            return str(write_report(self.config.trainer.run_dir)["png"])
+        except Exception as e:  # noqa: BLE001 - a missing plot must not fail a finished run
+            print(f"[rlfoundry] no plot: {e}", flush=True)
+            return None
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run box: validation start → end per headline metric, time, and where files went."""
+    lines = ["", "=" * 72, f"rlfoundry: finished at step {summary['global_step']} in {summary['wall_time_s']:.0f} s"]
+    start, end = summary["val_start"], summary["val_end"]
+    for key in sorted(set(start) | set(end)):
+        a, b = start.get(key), end.get(key)
+        fa = f"{a:.3f}" if a is not None else "  -  "
+        fb = f"{b:.3f}" if b is not None else "  -  "
+        lines.append(f"  {key}: {fa} -> {fb}")
+    for what in ("checkpoint", "metrics", "plot"):
+        lines.append(f"  {what:<10} {summary[what] or '(none)'}")
+    lines.append("=" * 72)
+    return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""Errors that stop a run on purpose, with a message that says what to change.
+
+``main_ppo`` prints them as one paragraph and exits with ``EXIT_RUN_ABORTED`` (config mistakes,
+found before training, exit with 2). Raised from worker processes, they reach the driver wrapped
+by Ray in a class that still subclasses them, so one ``except RunAbortedError`` catches both.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXIT_RUN_ABORTED", "RunAbortedError", "NonFiniteLossError", "TrainingOutOfMemoryError",
+           "CheckpointSaveError"]
+
+EXIT_RUN_ABORTED = 3
+
+
+class RunAbortedError(RuntimeError):
+    """Training cannot usefully continue; the last complete checkpoint is kept."""
+
+
+class NonFiniteLossError(RunAbortedError):
+    """Too many consecutive steps had a NaN/Inf loss or gradient (every one of them was skipped)."""
+
+
+class TrainingOutOfMemoryError(RunAbortedError):
+    """Out of memory in an update, or in a forward pass already down to its smallest micro-batch."""
+
+
+class CheckpointSaveError(RunAbortedError):
+    """Writing a checkpoint failed (disk full, permissions ...); the previous one is intact."""

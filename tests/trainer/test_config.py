@@ -1,0 +1,404 @@
+"""Config loading, validation and resolution (rlfoundry.trainer.config): every user-facing error
+names the key (and the closest key / the numbers), verl command lines parse, resolution is exact."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlfoundry.trainer.config import (
+    CONFIG_DIR,
+    ConfigError,
+    NoEffectKeyWarning,
+    check_startup_paths,
+    load_config,
+    resolve_config,
+    schema_keys,
+)
+
+
+def _load(*overrides: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config(list(overrides))
+
+
+def _leaf_keys(node, prefix=""):
+    out = set()
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        out |= _leaf_keys(v, key + ".") if isinstance(v, dict) and v else {key}
+    return out
+
+
+# ───────────────────────────── schema vs packaged YAML ─────────────────────────────
+
+
+def test_packaged_yaml_lists_exactly_the_schema_keys():
+    yaml_keys = _leaf_keys(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml")))
+    schema = schema_keys()
+    open_nodes = {k for k, info in schema.items() if info.is_open}
+    # a key under an open dict (e.g. wrap_policy.min_num_params) counts as its open parent
+    yaml_norm = {next((o for o in open_nodes if k.startswith(o + ".")), k) for k in yaml_keys}
+    schema_leaves = {k for k, info in schema.items() if not hasattr(info.type, "__dataclass_fields__")}
+    assert yaml_norm - schema_leaves == set()
+    assert schema_leaves - yaml_norm == set()
+
+
+def test_defaults_are_the_demo_run():
+    cfg = _load()
+    assert cfg.data.train_files is None and cfg.data.synthetic.task == "arithmetic"
+    assert cfg.actor_rollout_ref.model.path == "rlfoundry://arithmetic-policy"
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.trainer.device == "auto"
+    r = resolve_config(cfg, steps_per_epoch=40, cuda_available=False)
+    assert r.algorithm.adv_estimator == "grpo" and r.critic.enable is False
+    assert r.trainer.device == "cpu" and r.trainer.worker_backend == "local"
+    assert r.actor_rollout_ref.model.path.endswith("rlfoundry/assets/arithmetic-policy")
+
+
+# ───────────────────────────── overrides ─────────────────────────────
+
+
+def test_overrides_are_typed_like_verl_users_type_them():
+    cfg = _load(
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "trainer.logger=['console','wandb']",
+        "+actor_rollout_ref.model.override_config.attention_dropout=0.1",
+        "data.max_response_length=32",
+        "trainer.total_training_steps=null",
+        "data.truncation='left'",
+    )
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-6)
+    assert list(cfg.trainer.logger) == ["console", "wandb"]
+    assert cfg.actor_rollout_ref.model.override_config.attention_dropout == 0.1
+    assert cfg.trainer.total_training_steps is None and cfg.data.truncation == "left"
+    # interpolated defaults follow the override (rollout.response_length: ${data.max_response_length})
+    assert cfg.actor_rollout_ref.rollout.response_length == 32
+
+
+def test_logger_may_be_a_single_name():
+    r = resolve_config(_load("trainer.logger=console"), steps_per_epoch=1, cuda_available=False)
+    assert list(r.trainer.logger) == ["console"]
+
+
+def test_unexpanded_tilde_path_is_kept_as_a_string():
+    cfg = _load("data.train_files=~/data/gsm8k/train.parquet")
+    assert cfg.data.train_files == "~/data/gsm8k/train.parquet"
+
+
+# ───────────────────────────── errors that name the key ─────────────────────────────
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    with pytest.raises(ConfigError) as e:
+        load_config(["data.train_batch_size=abc"])
+    msg = str(e.value)
+    assert "data.train_batch_size" in msg and "'abc'" in msg and "integer" in msg
+
+
+@pytest.mark.parametrize(
+    "override, closest",
+    [
+        ("actor_rollout_ref.actor.ppo_mini_batchsize=4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        ("actor_rollout_ref.rollout.temprature=0.7", "actor_rollout_ref.rollout.temperature"),
+        ("algorithm.kl_ctrl.kl_coeff=0.01", "algorithm.kl_ctrl.kl_coef"),
+        ("trainer.total_epoch=3", "trainer.total_epochs"),
+    ],
+)
+def test_unknown_key_names_the_closest_valid_key(override, closest):
+    with pytest.raises(ConfigError) as e:
+        load_config([override])
+    assert override.split("=")[0] in str(e.value)
+    assert f"Did you mean '{closest}'" in str(e.value)
+
+
+def test_plus_cannot_add_keys_outside_open_dicts():
+    with pytest.raises(ConfigError, match="Unknown config key 'trainer.my_flag'"):
+        load_config(["+trainer.my_flag=1"])
+
+
+def test_bad_choice_is_named_with_the_options():
+    with pytest.raises(ConfigError, match=r"trainer.resume_mode='autoo'.*did you mean 'auto'"):
+        load_config(["trainer.resume_mode=autoo"])
+
+
+def test_unregistered_estimator_suggests_the_nearest():
+    with pytest.raises(ConfigError, match="Did you mean 'grpo'"):
+        load_config(["algorithm.adv_estimator=gpro"])
+
+
+def test_gae_without_a_critic_model_is_an_error():
+    with pytest.raises(ConfigError, match="adv_estimator=gae needs a critic model: set critic.model.path"):
+        load_config(["algorithm.adv_estimator=gae"])
+
+
+def test_null_estimator_means_gae_when_a_critic_is_given():
+    # verl's default estimator is gae, and verl's PPO scripts set critic.model.path without naming it
+    r = resolve_config(_load("critic.model.path=/some/critic"), steps_per_epoch=1, cuda_available=False)
+    assert r.algorithm.adv_estimator == "gae" and r.critic.enable is True
+
+
+# ───────────────────────────── batch-size arithmetic ─────────────────────────────
+
+
+def test_micro_batch_that_does_not_divide_shows_the_numbers():
+    # 8 prompts x n=8 = 64 samples per mini-batch over 2 ranks = 32 per rank; 5 does not divide 32
+    with pytest.raises(ConfigError) as e:
+        load_config(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
+                     "trainer.worker_backend=ray"])
+    msg = str(e.value)
+    assert "ppo_micro_batch_size_per_gpu=5" in msg and "32 samples each rank" in msg
+    assert "ppo_mini_batch_size=8" in msg and "rollout.n=8" in msg and "2 ranks" in msg
+
+
+def test_train_batch_not_split_over_ranks_shows_the_numbers():
+    # 3 prompts x n=1 = 3 samples cannot be split over 2 ranks
+    with pytest.raises(ConfigError) as e:
+        load_config(["data.train_batch_size=3", "actor_rollout_ref.rollout.n=1",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=3", "trainer.n_gpus_per_node=2"])
+    assert "data.train_batch_size=3 × rollout.n=1 = 3 samples per step" in str(e.value)
+    assert "2 ranks" in str(e.value)
+
+
+def test_mini_batch_must_divide_train_batch():
+    with pytest.raises(ConfigError, match=r"data.train_batch_size=16 is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=6"):
+        load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=6"])
+
+
+def test_critic_batch_sizes_are_checked_too():
+    with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size_per_gpu=7"):
+        load_config(["critic.model.path=/x", "critic.ppo_micro_batch_size_per_gpu=7"])
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ConfigError, match=r"2 config problem"):
+        load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=6", "trainer.resume_mode=resume_path"])
+
+
+def test_local_backend_with_several_ranks_is_an_error():
+    with pytest.raises(ConfigError, match="worker_backend=local runs one in-process rank"):
+        load_config(["trainer.worker_backend=local", "trainer.n_gpus_per_node=2"])
+
+
+# ───────────────────────────── no-effect keys ─────────────────────────────
+
+
+def test_no_effect_keys_give_exactly_one_warning_naming_them():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config([
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.rollout.enable_chunked_prefill=False",
+            "trainer.val_generations_to_log_to_wandb=10",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",  # set twice: still named once
+        ])
+    ours = [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert len(ours) == 1
+    text = str(ours[0].message)
+    assert text.count("actor_rollout_ref.actor.ulysses_sequence_parallel_size") == 1
+    assert "actor_rollout_ref.rollout.enable_chunked_prefill" in text
+    assert "trainer.val_generations_to_log_to_wandb" in text
+
+
+def test_effective_keys_give_no_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(["actor_rollout_ref.actor.optim.lr=1e-6", "trainer.total_epochs=2"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+
+
+def test_vllm_engine_keys_have_effect_only_with_vllm():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(["actor_rollout_ref.rollout.gpu_memory_utilization=0.4"])
+        load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"])
+    ours = [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert len(ours) == 1 and "gpu_memory_utilization" in str(ours[0].message)
+
+
+# ───────────────────────────── resolution ─────────────────────────────
+
+
+def test_total_steps_are_loader_length_times_epochs_in_every_copy():
+    # 7 batches per epoch x 3 epochs = 21 steps, written where the workers' schedulers read it
+    r = resolve_config(_load("trainer.total_epochs=3"), steps_per_epoch=7, cuda_available=False)
+    assert r.trainer.total_training_steps == 21
+    assert r.actor_rollout_ref.actor.optim.total_training_steps == 21
+    assert r.critic.optim.total_training_steps == 21
+
+
+def test_explicit_total_steps_win():
+    r = resolve_config(_load("trainer.total_training_steps=5", "trainer.total_epochs=3"), steps_per_epoch=7,
+                       cuda_available=False)
+    assert r.actor_rollout_ref.actor.optim.total_training_steps == 5
+
+
+def test_resolution_is_pure_and_read_only():
+    cfg = _load()
+    r = resolve_config(cfg, steps_per_epoch=4, cuda_available=False, train_files="/d/train.parquet")
+    assert cfg.actor_rollout_ref.actor.optim.total_training_steps == -1  # input untouched
+    assert cfg.data.train_files is None and r.data.train_files == "/d/train.parquet"
+    with pytest.raises(Exception):
+        r.trainer.total_epochs = 9
+
+
+def test_deprecated_global_micro_batch_sizes_become_per_rank():
+    # verl's old ppo_micro_batch_size=64 is global: 64 / (1 node x 8 ranks) = 8 per rank
+    cfg = _load("trainer.n_gpus_per_node=8", "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size=128")
+    r = resolve_config(cfg, steps_per_epoch=1, cuda_available=True)
+    assert r.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8
+    assert r.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 16
+    assert r.trainer.worker_backend == "ray" and r.trainer.device == "cuda"
+
+
+def test_cuda_requested_without_cuda_is_an_error():
+    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA device"):
+        resolve_config(_load("trainer.device=cuda"), steps_per_epoch=1, cuda_available=False)
+
+
+def test_too_little_data_for_one_batch_is_an_error():
+    with pytest.raises(ConfigError, match="fewer prompts than data.train_batch_size=16"):
+        resolve_config(_load(), steps_per_epoch=0, cuda_available=False)
+
+
+# ───────────────────────────── start-up file checks ─────────────────────────────
+
+
+def test_model_path_that_is_not_an_hf_dir_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path=.*empty is not a Hugging Face model directory"):
+        check_startup_paths(_load(f"actor_rollout_ref.model.path={tmp_path / 'empty'}"))
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        check_startup_paths(_load(f"actor_rollout_ref.model.path={tmp_path / 'nope'}"))
+
+
+def test_resume_path_without_checkpoint_is_an_error(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.resume_from_path=.* holds no checkpoint"):
+        check_startup_paths(_load(f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.resume_mode=resume_path",
+                                  f"trainer.resume_from_path={tmp_path}"))
+
+
+def test_missing_custom_reward_file_is_named(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"custom_reward_function.path=.*reward.py does not exist"):
+        check_startup_paths(_load(f"actor_rollout_ref.model.path={tiny_model_dir}",
+                                  f"custom_reward_function.path={tmp_path / 'reward.py'}"))
+
+
+# ───────────────────────────── verl command lines ─────────────────────────────
+
+# verl docs/start/quickstart.rst (PPO on GSM8K, Qwen2.5-0.5B-Instruct), with local paths.
+VERL_QUICKSTART = """
+data.train_files={data}/train.parquet
+data.val_files={data}/test.parquet
+data.train_batch_size=256
+data.max_prompt_length=512
+data.max_response_length=512
+actor_rollout_ref.model.path={model}
+actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.ppo_mini_batch_size=64
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+actor_rollout_ref.rollout.tensor_model_parallel_size=1
+actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+critic.optim.lr=1e-5
+critic.model.path={model}
+critic.ppo_micro_batch_size_per_gpu=4
+algorithm.kl_ctrl.kl_coef=0.001
+trainer.logger=console
+trainer.val_before_train=False
+trainer.n_gpus_per_node=1
+trainer.nnodes=1
+trainer.save_freq=10
+trainer.test_freq=10
+trainer.total_epochs=15
+"""
+
+# The older quickstart (verl <= 0.2 keys: global micro-batch sizes, grad_offload).
+VERL_LEGACY_QUICKSTART = """
+data.train_files={data}/train.parquet
+data.val_files={data}/test.parquet
+data.train_batch_size=1024
+data.val_batch_size=1312
+data.max_prompt_length=512
+data.max_response_length=512
+actor_rollout_ref.model.path={model}
+actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.ppo_micro_batch_size=64
+actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.grad_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.micro_batch_size=256
+actor_rollout_ref.rollout.log_prob_micro_batch_size=128
+actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+actor_rollout_ref.ref.log_prob_micro_batch_size=128
+actor_rollout_ref.ref.fsdp_config.param_offload=True
+critic.optim.lr=1e-5
+critic.model.path={model}
+critic.model.enable_gradient_checkpointing=False
+critic.ppo_micro_batch_size=64
+critic.model.fsdp_config.param_offload=False
+critic.model.fsdp_config.grad_offload=False
+critic.model.fsdp_config.optimizer_offload=False
+algorithm.kl_ctrl.kl_coef=0.001
+trainer.critic_warmup=0
+trainer.logger=['console','wandb']
+trainer.project_name='verl_example_gsm8k'
+trainer.experiment_name='deepseek_llm_7b_function_rm'
+trainer.n_gpus_per_node=8
+trainer.nnodes=1
+trainer.save_freq=-1
+trainer.total_epochs=15
+"""
+
+
+def _cmdline(text: str, model: Path) -> list[str]:
+    return [line.format(data="/data/gsm8k", model=model) for line in text.split()]
+
+
+def test_verl_quickstart_command_line_parses_with_verl_meaning(tiny_model_dir):
+    cfg = _load(*_cmdline(VERL_QUICKSTART, tiny_model_dir), "actor_rollout_ref.rollout.n=1")
+    r = resolve_config(cfg, steps_per_epoch=29, cuda_available=False)
+    assert r.algorithm.adv_estimator == "gae" and r.critic.enable  # verl's default algorithm: PPO + critic
+    assert r.trainer.total_training_steps == 29 * 15
+    assert r.critic.ppo_mini_batch_size == 64 and r.critic.rollout_n == 1
+    assert r.actor_rollout_ref.rollout.response_length == 512
+
+
+def test_verl_legacy_quickstart_command_line_parses(tiny_model_dir):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(_cmdline(VERL_LEGACY_QUICKSTART, tiny_model_dir) + ["actor_rollout_ref.rollout.n=1"])
+    no_effect = [str(w.message) for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert len(no_effect) == 1 and "grad_offload" in no_effect[0] and "micro_batch_size" in no_effect[0]
+    r = resolve_config(cfg, steps_per_epoch=7, cuda_available=True)
+    assert r.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8  # 64 global / 8 ranks
+    assert r.critic.ppo_micro_batch_size_per_gpu == 8
+    assert list(r.trainer.logger) == ["console", "wandb"]
+
+
+# ───────────────────────────── the entry point ─────────────────────────────
+
+
+def test_main_exits_2_with_a_paragraph_not_a_traceback(capsys):
+    from rlfoundry.trainer.main_ppo import main
+
+    assert main(["trainer.totl_epochs=2"]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean 'trainer.total_epochs'" in err and "Traceback" not in err
+
+
+def test_main_reports_a_model_path_that_is_not_a_model(capsys, tmp_path):
+    from rlfoundry.trainer.main_ppo import main
+
+    assert main([f"actor_rollout_ref.model.path={tmp_path}", f"trainer.default_local_dir={tmp_path / 'run'}"]) == 2
+    assert "is not a Hugging Face model directory" in capsys.readouterr().err

@@ -1,0 +1,130 @@
+"""Tracking back ends: the JSON-lines record, resume semantics, TensorBoard events, console, wandb."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rlfoundry.utils.tracking import Tracking, read_metrics_jsonl
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_file_backend_one_record_per_step(tmp_path):
+    t = Tracking("p", "e", default_backend=[], run_dir=tmp_path, config={"lr": 0.1})
+    t.log({"critic/score/mean": torch.tensor(0.5), "actor/lr": np.float32(0.25), "flag": True}, step=1)
+    # flushed each step: readable before finish()
+    assert _lines(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5, "actor/lr": 0.25, "flag": 1}]
+    t.log({"val-core/s/reward/mean@1": 0.75}, step=1)  # validation after training metrics: same record
+    t.log({"critic/score/mean": 0.6}, step=2)
+    t.finish()
+    records = _lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0] == {"step": 1, "critic/score/mean": 0.5, "actor/lr": 0.25, "flag": 1,
+                          "val-core/s/reward/mean@1": 0.75}
+    assert json.loads((tmp_path / "run_config.json").read_text()) == {"lr": 0.1}
+
+
+def test_non_finite_and_non_scalar_values(tmp_path):
+    t = Tracking("p", "e", default_backend="file", run_dir=tmp_path)
+    with pytest.warns(UserWarning, match="not a scalar"):
+        t.log({"a": float("nan"), "b": float("inf"), "c": torch.ones(3), "d": "text"}, step=0)
+    t.finish()
+    raw = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in raw and "Infinity" not in raw  # strict JSON
+    assert _lines(tmp_path / "metrics.jsonl") == [{"step": 0, "a": "nan", "b": "inf", "d": "text"}]
+    (record,) = read_metrics_jsonl(tmp_path / "metrics.jsonl")
+    assert math.isnan(record["a"]) and record["b"] == math.inf and "c" not in record
+
+
+def test_resume_drops_steps_after_the_checkpoint(tmp_path):
+    first = Tracking("p", "e", default_backend=[], run_dir=tmp_path)
+    for step in range(0, 6):  # val at 0, train 1..5; the checkpoint was at step 3, then a crash
+        first.log({"x": float(step)}, step=step)
+    first.finish()
+    resumed = Tracking("p", "e", default_backend=[], run_dir=tmp_path, resume_step=3)
+    resumed.log({"val": 1.0}, step=3)  # val_before_train on resume logs at the checkpoint step
+    for step in range(4, 7):
+        resumed.log({"x": 10.0 * step}, step=step)
+    resumed.finish()
+    records = _lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6]
+    assert records[3] == {"step": 3, "x": 3.0, "val": 1.0}
+    assert [r["x"] for r in records[4:]] == [40.0, 50.0, 60.0]
+
+
+def test_fresh_run_in_used_dir_keeps_old_record_aside(tmp_path):
+    Tracking("p", "e", default_backend=[], run_dir=tmp_path).log({"x": 1.0}, step=1)
+    t = Tracking("p", "e", default_backend=[], run_dir=tmp_path)
+    t.log({"x": 2.0}, step=1)
+    t.finish()
+    assert _lines(tmp_path / "metrics.jsonl") == [{"step": 1, "x": 2.0}]
+    assert _lines(tmp_path / "metrics.jsonl.bak") == [{"step": 1, "x": 1.0}]
+
+
+def test_file_is_always_on_unless_disabled(tmp_path):
+    t = Tracking("p", "e", default_backend="console", run_dir=tmp_path)
+    assert t.backend_names == ["console", "file"]
+    t.finish()
+    t = Tracking("p", "e", default_backend="console", run_dir=tmp_path / "x", always_file=False)
+    assert t.metrics_path is None
+    t.finish()
+
+
+def test_tensorboard_event_file_has_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracking("p", "e", default_backend=["tensorboard"], run_dir=tmp_path, config={"a": 1})
+    t.log({"critic/score/mean": 0.25, "note": "skip me"}, step=1)
+    t.log({"critic/score/mean": 0.5}, step=2)
+    t.finish()
+    (event_file,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(event_file.parent))
+    acc.Reload()
+    events = acc.Scalars("critic/score/mean")
+    assert [(e.step, e.value) for e in events] == [(1, 0.25), (2, 0.5)]
+    assert "note" not in acc.Tags()["scalars"]
+
+
+def test_console_line_and_progress(tmp_path, capsys):
+    t = Tracking("p", "exp", default_backend="console", run_dir=tmp_path, total_training_steps=4)
+    t.log({"critic/score/mean": 0.5, "val-core/rlfoundry/arithmetic/acc/mean@1": 0.8,
+           "actor/entropy": 1.25, "perf/throughput": 1234.5, "junk/x": 3}, step=1)
+    out = capsys.readouterr()
+    assert "step 1/4 | score 0.5 | val 0.8 | ent 1.25 | tok/s 1234" in out.out
+    assert "junk" not in out.out and "eta" in out.out
+    t.set_total_steps(8)
+    assert t.logger["console"].bar.total == 8 and t.logger["console"].bar.n == 1
+    t.finish()
+
+
+def test_unknown_backend_names_the_closest(tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'tensorboard'"):
+        Tracking("p", "e", default_backend=["console", "tensorbord"], run_dir=tmp_path)
+    with pytest.raises(ValueError, match="mlflow"):
+        Tracking("p", "e", default_backend="mlflow", run_dir=tmp_path)
+
+
+def test_wandb_missing_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(ImportError, match="pip install wandb"):
+        Tracking("p", "e", default_backend="wandb", run_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = Tracking("p", "e", default_backend="wandb", run_dir=tmp_path)
+    t.log({"critic/score/mean": 0.5}, step=1)
+    t.finish()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "offline run directory not written"
+    assert _lines(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5}]
