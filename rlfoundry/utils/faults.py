@@ -7,7 +7,8 @@ A spec is ``point[@N][>M][:action]``:
 - ``>M``      fire only when the pass runs with a (micro-)batch size above M (OOM-retry tests);
 - ``action``  ``kill`` (SIGKILL this process, the default), ``oom`` (raise ``torch.OutOfMemoryError``),
               ``enospc`` (raise ``OSError(ENOSPC)``), ``hang`` (sleep for ever), ``nan`` (fill the
-              caller's tensor ``nan_key`` with NaN).
+              caller's tensor with NaN: ``advantages`` in ``update_actor``, ``returns`` in
+              ``update_critic``).
 
 Points: the checkpoint save path ``save.staged`` (a role's shards written, not yet published),
 ``save.published`` (role directory renamed into place), ``save.trainer_state`` (``data.pt``
