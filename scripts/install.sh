@@ -14,3 +14,8 @@ fi
 extras=""
 if [ "$#" -gt 0 ]; then extras="[$(IFS=,; echo "$*")]"; fi
 "$PY" -m pip install --quiet -e ".${extras}"
+# pyenv only sees new console scripts after a rehash (plain `pip` triggers it, `python -m pip` does not)
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
+if ! command -v rlfoundry >/dev/null 2>&1; then
+  echo "[rlfoundry] note: the 'rlfoundry' command is not on PATH; use '$PY -m rlfoundry' instead" >&2
+fi
