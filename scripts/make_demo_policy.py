@@ -1,16 +1,17 @@
 """Make the packaged demo policy ``rlfoundry/assets/arithmetic-policy`` from scratch, reproducibly.
 
 1. build a tiny Qwen2 from a config (``rlfoundry.models.tiny.save_tiny_model``, seeded);
-2. supervised fine-tune it with ``rlfoundry sft`` on the built-in arithmetic task (seeded), briefly on
-   purpose: the default ``rlfoundry train`` run should start from a policy that knows the answer
-   format and part of the arithmetic, so that GRPO has visible headroom to close;
-3. copy the final HF directory into the package and measure it on the RL demo's validation split.
+2. supervised fine-tune it with ``rlfoundry sft`` on the built-in arithmetic task (seeded). The SFT
+   answers mix two styles, the bare number and "The answer is N.", so the policy knows the
+   arithmetic but often states it in a form the exact-integer verifier rejects: the default
+   ``rlfoundry train`` run starts near 50% and GRPO has a real gap to close;
+3. copy the final HF directory into the package, measure it on the RL demo's validation split and
+   write the numbers and the recipe into the asset's README.md.
 
-    python scripts/make_demo_policy.py                      # the shipped policy
+    python scripts/make_demo_policy.py                      # the shipped policy (~15 min, 1 CPU core)
     python scripts/make_demo_policy.py --eval-only DIR      # greedy / sampled accuracy of any policy
 
-On a busy machine run it with OMP_NUM_THREADS=1: a tiny model gains nothing from a second thread,
-and contended OpenMP threads spin (10x slower here).
+Runs single-threaded (see ``main``): a tiny model gains nothing from a second thread.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ SFT_OVERRIDES = [
     "optim.lr=2e-3",
     "optim.warmup_steps_ratio=0.05",
     "optim.lr_scheduler=cosine",
-    "trainer.total_training_steps=1500",
+    "trainer.total_training_steps=2000",
     "trainer.seed=1",
     "trainer.device=cpu",
     "trainer.logger=[console,file]",
@@ -123,14 +124,21 @@ def _write_card(out_dir: Path, scores: dict[str, float], steps: int | None) -> N
     """A README next to the weights: what they are, how they were made, how good they are."""
     recipe = SFT_OVERRIDES + ([f"trainer.total_training_steps={steps}"] if steps else [])
     size_mb = sum(p.stat().st_size for p in out_dir.iterdir()) / 1e6
+    pct = {k: f"{v:.1%}" for k, v in scores.items() if k != "n_problems"}
     (out_dir / "README.md").write_text(
         "# arithmetic-policy: the demo policy of `rlfoundry train`\n\n"
-        f"Tiny Qwen2 ({MODEL}), byte-level tokenizer, {size_mb:.1f} MB. Supervised fine-tuned briefly on the\n"
-        "built-in `rlfoundry/arithmetic` task (2-digit `+`/`-`), so that RL has headroom to close.\n\n"
-        "Made by `python scripts/make_demo_policy.py` (SFT overrides below). Accuracy on the RL demo's\n"
-        f"validation split (seed 0, {scores['n_problems']} problems):\n\n"
-        f"- greedy: {scores['greedy_acc']:.1%}\n- sampled, T=1: {scores['sampled_acc']:.1%}\n"
-        f"- pass@8 at T=1: {scores['pass@8']:.1%}\n\n```\n" + "\n".join(recipe) + "\n```\n"
+        f"A tiny Qwen2 (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, byte-level tokenizer, "
+        f"{size_mb:.1f} MB) made by\n`python scripts/make_demo_policy.py`: built from a config, then "
+        "`rlfoundry sft` on the built-in\n`rlfoundry/arithmetic` task (2-digit `+`/`-`) with the overrides "
+        "below.\n\nThe SFT answers come in two styles, the bare number (what the task's exact-integer "
+        "verifier\naccepts) and the sentence \"The answer is N.\" (a quarter of the additions, three "
+        "quarters of\nthe subtractions). So the policy knows the arithmetic but often states a "
+        "subtraction result in\nthe rejected form: RL with the verifier's reward has a real gap to "
+        "close.\n\n"
+        f"Measured on the RL demo's validation split (data.synthetic seed 0, {scores['n_problems']} problems):\n\n"
+        f"| greedy accuracy | sampled (T=1) accuracy | pass@8 (T=1) | greedy, number right in any form |\n"
+        f"|---|---|---|---|\n| {pct['greedy_acc']} | {pct['sampled_acc']} | {pct['pass@8']} | "
+        f"{pct['greedy_number_acc']} |\n\n```\n" + "\n".join(recipe) + "\n```\n"
     )
     (out_dir / "demo_policy_eval.json").write_text(json.dumps(scores, indent=2) + "\n")
 
@@ -142,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="override the SFT step count (experiments)")
     parser.add_argument("--eval-only", type=Path, default=None, help="only evaluate this HF directory")
     args = parser.parse_args(argv)
+    # One thread: the same weights on any machine (thread count changes float summation order), and
+    # faster for a model this small on a shared CPU.
+    torch.set_num_threads(1)
     if args.eval_only is not None:
         print(json.dumps(evaluate_policy(args.eval_only, demo_validation_problems()), indent=2))
         return 0

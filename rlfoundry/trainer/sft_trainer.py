@@ -422,6 +422,10 @@ class SFTTrainer:
         from rlfoundry.workers.fsdp_utils import resolve_model_path
 
         path = resolve_model_path(self.config.model.partial_pretrain)
+        if not (path / "config.json").is_file():  # else transformers tries the hub and says "repo id"
+            raise SFTConfigError(f"model.partial_pretrain={self.config.model.partial_pretrain!r} is not a local "
+                                 "Hugging Face model directory (no config.json); no hub downloads happen here "
+                                 "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
         if self.config.data.chat_template:
             tokenizer.chat_template = self.config.data.chat_template
@@ -556,7 +560,13 @@ class SFTTrainer:
         from rlfoundry.workers.utils.checkpoint import save_hf_model
 
         path = self.run_dir / f"global_step_{step}"
-        save_hf_model(self.model, self.tokenizer, path)
+        config = self.model.config
+        # Training runs without a KV cache; the exported model is for inference, where it wants one.
+        config.use_cache = True
+        try:
+            save_hf_model(self.model, self.tokenizer, path)
+        finally:
+            config.use_cache = False
         if self.rank == 0:
             _write_text_atomically(self.run_dir / "latest_checkpointed_iteration.txt", str(step))
             self._remove_old_checkpoints()

@@ -141,12 +141,13 @@ def test_main_runs_end_to_end_with_jsonl_and_tracking(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) + "\n" for i in range(32)))
     run_dir = tmp_path / "run"
     args = _overrides(tiny_model_dir, run_dir, f"data.train_files={data}", f"data.val_files={data}",
-                      "data.prompt_key=q", "data.response_key=a", "trainer.total_epochs=2")
+                      "data.prompt_key=q", "data.response_key=a", "trainer.total_epochs=2", "trainer.profile_steps=[2]")
     assert main(args) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # 32 rows / 16 per step x 2 epochs
     assert "val/loss" in records[-1] and {"train/loss", "train/lr"} <= records[0].keys()
     assert AutoModelForCausalLM.from_pretrained(run_dir / "global_step_4") is not None
+    assert [p.name for p in (run_dir / "profile").iterdir()] == ["sft_rank0_step2.pt.trace.json"]
 
 
 # --------------------------------------------------------------------------- data and config errors
