@@ -1,0 +1,107 @@
+"""Benchmark runner: rlfoundry through its real entry point (``rlfoundry.trainer.main_ppo.main``).
+
+The workload becomes verl-style overrides (``overrides(w, prepared, run_dir)``; print them with
+``python -m benchmarks.rlfoundry_grpo --print-overrides`` to rerun by hand as
+``python -m rlfoundry.trainer.main_ppo <overrides>``). One step = one mini-batch of P prompts × n
+samples = one optimiser step; micro-batches are the whole batch, as in the other frameworks.
+
+Timing: ``RayPPOTrainer.train_step`` is wrapped in this process only, to stamp the wall clock at
+the start and end of every step (the trainer's own ``timing_s/*`` phase times are recorded too).
+The step-to-step interval the benchmark reports therefore also includes what ``fit()`` does
+between steps (logging, data loading).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def overrides(w, prepared, run_dir: Path) -> list[str]:
+    """The workload as ``key=value`` overrides of ``rlfoundry/config/ppo_trainer.yaml``."""
+    rows = w.samples_per_step // w.rlfoundry_workers  # micro-batch = a rank's whole share
+    return [
+        f"data.train_files={prepared.train_file}",
+        f"data.train_batch_size={w.prompts_per_step}",
+        f"data.max_prompt_length={w.max_prompt_length}",
+        f"data.max_response_length={w.max_response_length}",
+        "data.shuffle=false",
+        f"actor_rollout_ref.model.path={prepared.model_dir}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={w.prompts_per_step}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows}",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        f"actor_rollout_ref.actor.optim.lr={w.lr}",
+        f"actor_rollout_ref.actor.optim.weight_decay={w.weight_decay}",
+        "actor_rollout_ref.actor.optim.warmup_style=constant",
+        f"actor_rollout_ref.actor.clip_ratio={w.clip_ratio}",
+        f"actor_rollout_ref.actor.clip_ratio_low={w.clip_ratio}",
+        f"actor_rollout_ref.actor.clip_ratio_high={w.clip_ratio}",
+        f"actor_rollout_ref.actor.grad_clip={w.grad_clip}",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.actor.entropy_coeff=0.0",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        f"actor_rollout_ref.rollout.n={w.n}",
+        f"actor_rollout_ref.rollout.temperature={w.temperature}",
+        "actor_rollout_ref.rollout.top_p=1.0",
+        "actor_rollout_ref.rollout.top_k=-1",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={rows}",
+        f"actor_rollout_ref.rollout.seed={w.seed}",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        f"trainer.total_training_steps={w.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.device=cpu",
+        "trainer.logger=[file]",
+        f"trainer.seed={w.seed}",
+        f"trainer.worker_backend={w.rlfoundry_backend}",
+        f"trainer.n_gpus_per_node={w.rlfoundry_workers}",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        *w.rlfoundry_overrides,
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show = "--print-overrides" in argv
+    argv = [a for a in argv if a != "--print-overrides"]
+
+    from benchmarks.common import StepClock, runner_args
+
+    w, prepared, out, args = runner_args(argv, "rlfoundry runner")
+    run_dir = Path(args.work_dir) / "rlfoundry-run"
+    cli = overrides(w, prepared, run_dir)
+    if show:
+        print("python -m rlfoundry.trainer.main_ppo \\\n    " + " \\\n    ".join(cli))
+        return
+
+    from rlfoundry.trainer import main_ppo
+    from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    clock = StepClock("rlfoundry")
+    untimed = RayPPOTrainer.train_step
+
+    def timed_train_step(self, batch_dict):
+        clock.step_begin()
+        metrics = untimed(self, batch_dict)
+        samples = w.samples_per_step
+        phases = {k.split("/", 1)[1]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")}
+        clock.step_end(round(float(metrics["response_length/mean"]) * samples), samples,
+                       float(metrics["critic/score/mean"]), phases)
+        return metrics
+
+    RayPPOTrainer.train_step = timed_train_step
+    code = main_ppo.main(cli)
+    if code != 0:
+        raise SystemExit(code)
+    clock.info = {"overrides": cli}
+    clock.save(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Benchmark runner: TRL's ``GRPOTrainer`` on the shared workload (``benchmarks.common.Workload``).
+
+Settings are chosen so that one TRL step is the benchmark's GRPO step and nothing more:
+
+- one step = P prompts × n samples: ``per_device_train_batch_size = P·n``,
+  ``gradient_accumulation_steps = 1`` (so ``generation_batch_size = P·n``, one generation and one
+  optimiser step per step), ``num_generations = n``, ``num_iterations = 1`` (one PPO epoch; TRL
+  then reuses sg(log pi) as the old log-probs, as the floor does);
+- the same loss: ``loss_type="dapo"`` normalises the token sum by the number of valid tokens in the
+  whole step, i.e. rlfoundry's ``token-mean``; ``epsilon`` = clip ratio; ``scale_rewards="group"``;
+- no KL (``beta=0``: no reference model), no entropy bonus;
+- the same optimiser: AdamW (TRL's default implementation), betas (0.9, 0.999), weight decay,
+  constant LR, grad-norm clip;
+- fp32 on CPU (TRL defaults to bf16 and gradient checkpointing: both switched off, as in the other
+  frameworks), prompts in file order (``shuffle_dataset=False``), no logging, no checkpoints.
+
+Per-step stamps come from a ``TrainerCallback`` (on_step_begin / on_step_end); generated tokens and
+rewards are counted inside the reward function, which TRL calls once per step with all P·n samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+
+def build_config(w, output_dir: str):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=w.samples_per_step,
+        gradient_accumulation_steps=1,
+        num_generations=w.n,
+        max_completion_length=w.max_response_length,
+        temperature=w.temperature, top_p=1.0, top_k=0,
+        learning_rate=w.lr, weight_decay=w.weight_decay, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=w.grad_clip,
+        num_iterations=1, beta=0.0, epsilon=w.clip_ratio, loss_type="dapo", scale_rewards="group",
+        max_steps=w.steps, num_train_epochs=1, shuffle_dataset=False, seed=w.seed, data_seed=w.seed,
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, activation_checkpointing=False,
+        report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True, log_completions=False,
+        dataloader_num_workers=0, remove_unused_columns=False,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from benchmarks.common import StepClock, load_prompts, runner_args
+    from rlfoundry.rewards.arithmetic import compute_score
+
+    w, prepared, out, args = runner_args(argv, "TRL GRPOTrainer runner")
+    rows = load_prompts(prepared.train_file)
+    dataset = Dataset.from_dict({"prompt": [m for m, _ in rows], "ground_truth": [g for _, g in rows]})
+    clock = StepClock("trl")
+    step: dict = {}
+
+    def arithmetic_reward(completions, ground_truth, completion_ids, **_):
+        """The task's scorer; also counts this step's generated tokens (EOS included, as TRL keeps it)."""
+        scores = [compute_score(c[0]["content"] if isinstance(c, list) else c, g)
+                  for c, g in zip(completions, ground_truth)]
+        step["tokens"] = step.get("tokens", 0) + sum(len(ids) for ids in completion_ids)
+        step["samples"] = step.get("samples", 0) + len(scores)
+        step["reward_sum"] = step.get("reward_sum", 0.0) + sum(scores)
+        return scores
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Times generation and generation+scoring (the rest of the step is the update)."""
+
+        def _generate_single_turn(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate_single_turn(*a, **k)
+            finally:
+                step["gen"] = step.get("gen", 0.0) + time.perf_counter() - t0
+
+        def _generate_and_score_completions(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(*a, **k)
+            finally:
+                step["gen_and_score"] = step.get("gen_and_score", 0.0) + time.perf_counter() - t0
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            step.clear()
+            step["t0"] = time.perf_counter()
+            clock.step_begin()
+
+        def on_step_end(self, *_, **__):
+            total = time.perf_counter() - step["t0"]
+            gen, scored = step.get("gen", 0.0), step.get("gen_and_score", 0.0)
+            phases = {"gen": gen, "reward+adv": scored - gen, "update_actor": total - scored, "step": total}
+            samples = step.get("samples", 0)
+            clock.step_end(step.get("tokens", 0), samples, step.get("reward_sum", 0.0) / max(samples, 1), phases)
+
+    tokenizer = AutoTokenizer.from_pretrained(prepared.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype="float32")
+    config = build_config(w, str(args.work_dir / "trl-out"))
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer.train()
+    clock.info = {"optim": str(trainer.args.optim), "generation_batch_size": trainer.args.generation_batch_size,
+                  "activation_checkpointing": bool(getattr(trainer.model, "is_activation_checkpointing", False)),
+                  "dtype": str(next(trainer.model.parameters()).dtype)}
+    clock.save(out)
+
+
+if __name__ == "__main__":
+    main()
