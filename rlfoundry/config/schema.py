@@ -181,6 +181,8 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     ppo_epochs: int = 1
     shuffle: bool = False
+    # old_log_probs := the HF rollout's sampling log-probs (skips compute_log_prob); see trainer/config.py
+    use_rollout_log_probs: bool = False
     ulysses_sequence_parallel_size: int = 1
     data_loader_seed: Optional[int] = None
     entropy_from_logits_with_chunking: bool = False

@@ -544,6 +544,31 @@ def _check_unsupported(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def _check_rollout_log_prob_reuse(cfg: DictConfig) -> list[str]:
+    """``actor.use_rollout_log_probs``: only where the sampling log-probs *are* the old log-probs.
+
+    The HF engine scores samples with the actor's own module (same temperature, before top-p/top-k),
+    so its log-probs equal a recomputed ``compute_log_prob`` to float rounding; vLLM's may not. One
+    epoch in one mini-batch keeps the update on the sampling policy, so the ``actor/entropy`` the
+    update reports in place of the skipped pass is still the sampling distribution's.
+    """
+    arr, key = cfg.actor_rollout_ref, "actor_rollout_ref.actor.use_rollout_log_probs=true"
+    if not arr.actor.use_rollout_log_probs:
+        return []
+    errors = []
+    if arr.rollout.name != "hf":
+        errors.append(f"{key} needs actor_rollout_ref.rollout.name=hf (got {arr.rollout.name}): only the HF engine's "
+                      "log-probs are the actor's own; set use_rollout_log_probs=false.")
+    if arr.actor.ppo_epochs != 1:
+        errors.append(f"{key} needs actor_rollout_ref.actor.ppo_epochs=1 (got {arr.actor.ppo_epochs}); "
+                      "set ppo_epochs=1 or use_rollout_log_probs=false.")
+    mini, batch = arr.actor.ppo_mini_batch_size, cfg.data.train_batch_size
+    if mini != batch:
+        errors.append(f"{key} needs one mini-batch per step: actor_rollout_ref.actor.ppo_mini_batch_size={mini} "
+                      f"!= data.train_batch_size={batch}; set ppo_mini_batch_size={batch} or use_rollout_log_probs=false.")
+    return errors
+
+
 def _soft_warnings(cfg: DictConfig) -> None:
     est, n = adv_estimator(cfg), cfg.actor_rollout_ref.rollout.n
     if est in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo") and n < 2:
@@ -558,7 +583,7 @@ def validate_config(cfg: DictConfig) -> None:
     """Cross-key checks; raises one ``ConfigError`` that lists every problem found."""
     try:
         errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
-                  + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg))
+                  + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg))
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     if errors:

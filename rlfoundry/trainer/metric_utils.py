@@ -113,7 +113,9 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
         metrics |= _stats("critic/values", values)
         metrics["critic/vf_explained_var"] = _explained_variance(tensors["returns"][response_mask].float(), values)
     metrics |= _length_metrics("response_length", response_len, response_mask.shape[-1])
-    metrics |= _length_metrics("prompt_length", prompt_len, prompt_mask.shape[-1])
+    # the prompt budget, not the batch's width: the trainer trims prompt padding to the longest prompt
+    max_prompt = int(batch.meta_info.get("max_prompt_length", prompt_mask.shape[-1]))
+    metrics |= _length_metrics("prompt_length", prompt_len, max_prompt)
     return metrics
 
 

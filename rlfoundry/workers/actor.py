@@ -129,13 +129,14 @@ class DataParallelPPOActor:
     # ---- forward --------------------------------------------------------------------------
 
     def _forward_micro_batch(
-        self, micro: DataProto, temperature: float, calculate_entropy: bool
+        self, micro: DataProto, temperature: float, calculate_entropy: bool, entropy_grad: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Response log-probs (b, Tr) and optionally entropies (b, Tr) of one micro-batch.
 
         Only positions that predict a response token go through the LM head (``logits_to_keep``):
         prompt logits are never computed. Logits are divided by the sampling temperature, as the
         rollout did. With ``use_remove_padding`` the padding is not computed either.
+        ``entropy_grad=False``: the entropy is only a metric, computed without a graph.
         """
         if self.use_remove_padding:
             logits, labels, scatter = self._packed_response_logits(micro.batch)
@@ -144,7 +145,10 @@ class DataParallelPPOActor:
         if temperature != 1.0:
             logits = logits / temperature
         log_probs = scatter(logprobs_from_logits(logits, labels))
-        entropy = scatter(entropy_from_logits(logits)) if calculate_entropy else None
+        entropy = None
+        if calculate_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = scatter(entropy_from_logits(logits))
         return entropy, log_probs
 
     def _padded_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -264,14 +268,20 @@ class DataParallelPPOActor:
             info["loss_scale_factor"] = float(scale)
         return info
 
-    def _micro_loss(self, micro: DataProto, temperature: float, info: dict[str, Any]):
-        """Total loss of one micro-batch (to backpropagate as is), its loss metrics and ratio metrics."""
+    def _micro_loss(self, micro: DataProto, temperature: float, info: dict[str, Any], entropy_metric: bool = False):
+        """Total loss of one micro-batch (to backpropagate as is), its loss metrics and ratio metrics.
+
+        ``entropy_metric``: report ``actor/entropy`` even when it is not in the loss (the trainer
+        skipped the old-log-prob pass that normally measures it); computed without a graph then.
+        """
         cfg = self.config
         batch = micro.batch
         mask = batch["response_mask"]
         mode = str(cfg_get(cfg, "loss_agg_mode", "token-mean"))
         entropy_coeff = float(cfg_get(cfg, "entropy_coeff", 0.0))
-        entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=entropy_coeff != 0)
+        in_loss = entropy_coeff != 0
+        entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=in_loss or entropy_metric,
+                                                      entropy_grad=in_loss)
         loss_fn = core_algos.get_policy_loss_fn(str(cfg_get(cfg_get(cfg, "policy_loss", {}), "loss_mode", "vanilla")))
         weights = batch["rollout_is_weights"] if "rollout_is_weights" in batch.keys() else None
         pg_loss, ratios = loss_fn(
@@ -283,7 +293,8 @@ class DataParallelPPOActor:
         loss, losses = pg_loss, {"actor/pg_loss": float(pg_loss.detach())}
         if entropy is not None:
             entropy_agg = core_algos.agg_loss(entropy, mask, mode, dp_size=self.dp_size, **agg)
-            loss = loss - entropy_coeff * entropy_agg
+            if in_loss:
+                loss = loss - entropy_coeff * entropy_agg
             losses["actor/entropy"] = float(entropy_agg.detach())
         if cfg_get(cfg, "use_kl_loss", False):
             kld = core_algos.kl_penalty(log_prob, batch["ref_log_prob"], str(cfg_get(cfg, "kl_loss_type", "low_var_kl")))
@@ -303,7 +314,8 @@ class DataParallelPPOActor:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _update_mini_batch(self, mini: DataProto, temperature: float, use_dynamic_bsz: bool) -> dict[str, float]:
+    def _update_mini_batch(self, mini: DataProto, temperature: float, use_dynamic_bsz: bool,
+                           entropy_metric: bool = False) -> dict[str, float]:
         info = self._global_batch_info(mini)
         stats = _MiniBatchStats()
         max_len = self.sizes.max_token_len if use_dynamic_bsz else None
@@ -311,7 +323,7 @@ class DataParallelPPOActor:
         for micro in micros:
             empty = len(micro) == 0  # token budgeting may leave a rank one short; FSDP still needs the pass
             micro = _zero_loss_row(mini) if empty else micro
-            loss, losses, ratios = self._micro_loss(micro, temperature, info)
+            loss, losses, ratios = self._micro_loss(micro, temperature, info, entropy_metric)
             loss.backward()  # summed over micro-batches: agg_loss already divided by the global count
             stats.add(losses, ratios, 0.0 if empty else float(micro.batch["response_mask"].sum()))
         metrics = stats.reduce(self.dp_size, self.dp_group)
@@ -325,8 +337,9 @@ class DataParallelPPOActor:
         ``ref_log_prob`` with ``use_kl_loss``); ``meta_info["temperature"]`` as in
         ``compute_log_prob``. Returns ``{metric: [one value per optimiser step]}`` with verl's names:
         ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
-        ``actor/grad_norm``, ``actor/entropy`` (only when ``entropy_coeff`` ≠ 0; otherwise the
-        trainer takes it from ``compute_log_prob``), ``actor/kl_loss`` (with ``use_kl_loss``), and
+        ``actor/grad_norm``, ``actor/entropy`` (when ``entropy_coeff`` ≠ 0 or
+        ``meta_info["calculate_entropy"]``; otherwise the trainer takes it from
+        ``compute_log_prob``), ``actor/kl_loss`` (with ``use_kl_loss``), and
         ``actor/nan_skipped`` (steps skipped in this call). Every value is the
         mini-batch-wide number, all-reduced, so it is the same on every rank.
         """
@@ -334,12 +347,13 @@ class DataParallelPPOActor:
             raise RuntimeError("update_policy called on an actor without an optimiser (a reference policy?)")
         temperature = float(data.meta_info["temperature"])
         use_dynamic_bsz = bool(cfg_get(self.config, "use_dynamic_bsz", False))
+        entropy_metric = bool(data.meta_info.get("calculate_entropy", False))
         data = data.select(batch_keys=self._select_keys(data))
         self.module.train()
         skips_before = self.nonfinite_skips
         metrics: dict[str, list[float]] = {}
         for mini in self._mini_batches(data):
-            for k, v in self._update_mini_batch(mini, temperature, use_dynamic_bsz).items():
+            for k, v in self._update_mini_batch(mini, temperature, use_dynamic_bsz, entropy_metric).items():
                 metrics.setdefault(k, []).append(v)
         self.update_calls += 1
         metrics["actor/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]

@@ -139,3 +139,22 @@ def test_rollout_probs_diff_only_counts_valid_tokens():
     m = rollout_probs_diff_metrics(rollout, actor, torch.tensor([[1, 0]]))
     assert m["training/rollout_probs_diff_max"] == pytest.approx(0.25)
     assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.25)
+
+
+def test_trim_prompt_padding_drops_only_columns_every_prompt_pads():
+    from rlfoundry.trainer.ppo.ray_trainer import trim_prompt_padding
+
+    # two left-padded prompts of lengths 2 and 3 in width 5: the first 2 columns are pad for both
+    mask = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]])
+    data = DataProto.from_dict(
+        {"input_ids": torch.arange(10).view(2, 5), "attention_mask": mask,
+         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        non_tensors={"uid": ["a", "b"]}, meta_info={"k": 1},
+    )
+    out = trim_prompt_padding(data)
+    assert out.batch["input_ids"].tolist() == [[2, 3, 4], [7, 8, 9]]
+    assert out.batch["attention_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert out.batch["position_ids"].tolist() == [[0, 0, 1], [0, 1, 2]]
+    assert list(out.non_tensor_batch["uid"]) == ["a", "b"] and out.meta_info == {"k": 1}
+    # a batch whose longest prompt fills the width is returned as it is
+    assert trim_prompt_padding(out) is out

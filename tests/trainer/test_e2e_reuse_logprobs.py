@@ -1,0 +1,99 @@
+"""``actor.use_rollout_log_probs``: the HF engine's sampling log-probs stand in for the old-log-prob pass.
+
+On-policy, one epoch, one mini-batch, the rollout's log-probs are the actor's recomputed ones to
+float rounding, so a run with the pass skipped must train exactly like one without the skip: same
+metrics (``actor/entropy`` included, now reported by the update), same final weights. And the
+config must refuse the switch wherever that equality does not hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfoundry.trainer.config import ConfigError, load_config
+from tests.trainer import _e2e as E
+
+pytestmark = pytest.mark.slow
+
+REUSE = "actor_rollout_ref.actor.use_rollout_log_probs=true"
+METRICS = ("actor/pg_loss", "actor/entropy", "critic/score/mean", "actor/grad_norm", "response_length/mean")
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    # the in-process back end keeps the worker object: colocated roles -> the actor's (FSDP2) module
+    module = trainer.actor_rollout_wg.worker.workers["actor_rollout"].actor.module
+    full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731 - DTensor under FSDP2
+    return {k: full(v).detach().clone() for k, v in module.state_dict().items()}
+
+
+def _run(model, run_dir, reward, *extra):
+    # The dense scorer gives non-zero advantages, so the weights move (~lr per Adam step). lr stays
+    # small: Adam's early steps are ~lr·g/|g|, so float rounding in a near-zero gradient component
+    # can move that weight by up to ~lr (at lr=1e-2: 3e-4), whichever log-probs were used.
+    return E.train(E.tiny_overrides(model, run_dir, f"custom_reward_function.path={reward}",
+                                    "actor_rollout_ref.actor.optim.lr=1e-4", *extra), keep_trainer=True)
+
+
+@pytest.mark.parametrize("variant", [
+    pytest.param((), id="grpo"),
+    # entropy in the loss (the update computes it with a graph) and a KL loss against the reference
+    pytest.param(("actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.use_kl_loss=true"),
+                 id="grpo-entropy-kl_loss"),
+])
+def test_skipping_the_old_log_prob_pass_trains_identically(tiny_model_dir, tmp_path, variant):
+    reward = E.write_reward_file(tmp_path)
+    off = _run(tiny_model_dir, tmp_path / "off", reward, *variant)
+    on = _run(tiny_model_dir, tmp_path / "on", reward, *variant, REUSE)
+
+    for step in (1, 2):
+        a, b = off.step(step), on.step(step)
+        for key in METRICS:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (step, key)
+        assert "timing_s/old_log_prob" in a and "timing_s/old_log_prob" not in b
+    for a, b in zip(off.batches, on.batches):
+        # what the update trained on: the rollout's numbers, equal to the recomputed ones
+        torch.testing.assert_close(b["old_log_probs"], b["rollout_log_probs"], rtol=0, atol=0)
+        mask = a["response_mask"].bool()
+        torch.testing.assert_close(b["old_log_probs"][mask], a["old_log_probs"][mask], rtol=1e-5, atol=1e-5)
+
+    w_off, w_on = _weights(off.trainer), _weights(on.trainer)
+    for name, w in w_off.items():
+        torch.testing.assert_close(w_on[name], w, rtol=1e-5, atol=1e-5, msg=name)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert max((w_off[k] - base[k]).abs().max().item() for k in base if k in w_off) > 5e-5
+
+
+# ───────────────────────────── config: only where the numbers are the same ─────────────────────────────
+
+
+def _refused(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config([REUSE, "actor_rollout_ref.actor.ppo_mini_batch_size=16", *overrides])
+    return str(e.value)
+
+
+def test_allowed_with_hf_one_epoch_one_mini_batch():
+    cfg = load_config([REUSE, "actor_rollout_ref.actor.ppo_mini_batch_size=16"])
+    assert cfg.actor_rollout_ref.actor.use_rollout_log_probs is True
+
+
+def test_refused_with_vllm():
+    msg = _refused("actor_rollout_ref.rollout.name=vllm")
+    assert "needs actor_rollout_ref.rollout.name=hf (got vllm)" in msg
+
+
+def test_refused_with_several_epochs():
+    msg = _refused("actor_rollout_ref.actor.ppo_epochs=2")
+    assert "needs actor_rollout_ref.actor.ppo_epochs=1 (got 2)" in msg
+
+
+def test_refused_with_several_mini_batches():
+    msg = _refused("actor_rollout_ref.actor.ppo_mini_batch_size=8")  # the demo's 16 prompts / 8
+    assert "ppo_mini_batch_size=8 != data.train_batch_size=16" in msg and "set ppo_mini_batch_size=16" in msg
+
+
+def test_off_by_default_and_the_demo_is_not_forced():
+    assert load_config([]).actor_rollout_ref.actor.use_rollout_log_probs is False
