@@ -255,15 +255,19 @@ class RayPPOTrainer:
             return self._finish(start)
         profiler = StepProfiler(self.config.trainer.profile_steps, Path(self.config.trainer.run_dir) / "profile")
         nan_guard = NonFiniteGuard(self.config.trainer.max_consecutive_nan_steps)
-        for epoch, batch_dict in self._batches():
-            self.state.global_steps += 1
-            step = self.state.global_steps
-            with profiler.step(step):
-                metrics = self.train_step(batch_dict)
-            metrics |= {"training/global_step": step, "training/epoch": epoch}
-            self.tracker.log(metrics, step=step)  # before the checkpoint: see trainer/reliability.py
-            nan_guard.check(metrics, step)
-            log_extra(self.tracker, self._maybe_validate_and_save(step), step)
+        try:
+            for epoch, batch_dict in self._batches():
+                self.state.global_steps += 1
+                step = self.state.global_steps
+                with profiler.step(step):
+                    metrics = self.train_step(batch_dict)
+                metrics |= {"training/global_step": step, "training/epoch": epoch}
+                self.tracker.log(metrics, step=step)  # before the checkpoint: see trainer/reliability.py
+                nan_guard.check(metrics, step)
+                log_extra(self.tracker, self._maybe_validate_and_save(step), step)
+        except BaseException:
+            self.tracker.finish()  # a run that stops on purpose still closes its metrics file
+            raise
         return self._finish(start)
 
     def _done(self) -> bool:
