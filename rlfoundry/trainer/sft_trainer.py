@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import difflib
 import importlib
-import json
 import math
 import os
 import random
@@ -193,23 +192,11 @@ def validate_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
 
 def _read_rows(path: Path) -> list[dict]:
     """Rows of a parquet, jsonl or json (list of objects) file."""
+    from rlfoundry.data.preprocess.common import read_records
+
     if not path.is_file():
         raise SFTDataError(f"data file {str(path)!r} does not exist; check data.train_files / data.val_files")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise SFTDataError(f"{path}, line {n}: not valid JSON ({e}); expected one object per line") from e
-    return rows
+    return read_records(path, error=SFTDataError)
 
 
 def _field(row: Mapping, key: str, dict_keys: Sequence[str] | None, where: str, config_key: str) -> Any:

@@ -17,8 +17,10 @@ class PreprocessError(RuntimeError):
     """Preprocessing cannot go on; ``__main__`` prints the message and exits non-zero."""
 
 
-def read_records(path: Path) -> list[dict]:
-    """Rows of a jsonl file, a JSON list, or a parquet file."""
+def read_records(path: Path, error: type[Exception] = None) -> list[dict]:
+    """Rows of a jsonl file, a JSON list, or a parquet file; a bad jsonl line raises ``error``
+    (``PreprocessError`` by default) naming the file and line."""
+    error = error or PreprocessError
     if path.suffix == ".parquet":
         return pq.read_table(path).to_pylist()
     text = path.read_text(encoding="utf-8")
@@ -30,7 +32,7 @@ def read_records(path: Path) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise PreprocessError(f"{path}, line {n}: not valid JSON ({err})") from err
+                raise error(f"{path}, line {n}: not valid JSON ({err}); expected one object per line") from err
     return rows
 
 
