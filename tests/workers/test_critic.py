@@ -202,6 +202,9 @@ def _rank_main(rank: int, port: int, cfg: dict, data: DataProto, ckpt_path: str)
     # What DP_COMPUTE_PROTO does: rank r gets the r-th contiguous chunk.
     worker.update_critic(data.chunk(2)[rank])
     worker.save_checkpoint(ckpt_path, global_step=1)
+    # Leave the group before the process exits: gloo's threads torn down at interpreter exit can
+    # abort the process ("terminate called without an active exception"), failing the spawn.
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
