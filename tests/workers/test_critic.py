@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -193,11 +193,22 @@ def test_save_load_then_identical_next_update(tiny_critic_dir, tmp_path):
 # ---- two data-parallel ranks -----------------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int, cfg: dict, data: DataProto, ckpt_path: str) -> None:
+def _rank_main(rank: int, rendezvous_file: str, cfg: dict, data: DataProto, ckpt_path: str) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RLFOUNDRY_DEVICE": "cpu"})
+                       "RLFOUNDRY_DEVICE": "cpu"})
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
     torch.set_num_threads(1)
+    # Rank 0's Worker opens its rendezvous store on a port it already holds (no pick-then-bind race
+    # with the other processes of a full test run); rank 1 learns the address from a file.
+    if rank == 1:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _wait_for_rendezvous(rendezvous_file)
     worker = CriticWorker(cfg, rollout_n=2)
+    if rank == 0:
+        tmp = rendezvous_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{os.environ['MASTER_ADDR']} {os.environ['MASTER_PORT']}")
+        os.replace(tmp, rendezvous_file)
     worker.init_model()
     # What DP_COMPUTE_PROTO does: rank r gets the r-th contiguous chunk.
     worker.update_critic(data.chunk(2)[rank])
@@ -205,6 +216,16 @@ def _rank_main(rank: int, port: int, cfg: dict, data: DataProto, ckpt_path: str)
     # Leave the group before the process exits: gloo's threads torn down at interpreter exit can
     # abort the process ("terminate called without an active exception"), failing the spawn.
     torch.distributed.destroy_process_group()
+
+
+def _wait_for_rendezvous(path: str, timeout_s: float = 120.0) -> tuple[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not publish its rendezvous address in {path}")
+        time.sleep(0.05)
+    addr, port = open(path).read().split()
+    return addr, port
 
 
 @pytest.mark.slow
@@ -215,11 +236,8 @@ def test_two_ranks_give_the_same_update_as_one(tiny_critic_dir, tmp_path):
     cfg = _config(tiny_critic_dir, ppo_mini_batch_size=4, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=14)
     single = _critic(cfg)
     data = _with_values(single, _rollout_batch(seed=5))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     path = str(tmp_path / "global_step_1" / "critic")
-    mp.spawn(_rank_main, args=(port, cfg, data, path), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(str(tmp_path / "rendezvous"), cfg, data, path), nprocs=2, join=True)
 
     single.update_critic(data)
     from_two_ranks = _critic(cfg)
