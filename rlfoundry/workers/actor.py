@@ -34,6 +34,7 @@ from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_
 from rlfoundry.workers.fsdp_utils import cfg_get, clip_grad_norm_
 from rlfoundry.workers.utils.padding import pack_padded_batch
 from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
+from rlfoundry.workers.utils.update import global_batch_info, iter_mini_batches
 
 __all__ = ["DataParallelPPOActor", "ActorBatchSizes"]
 
@@ -245,24 +246,15 @@ class DataParallelPPOActor:
         return keys
 
     def _mini_batches(self, data: DataProto) -> Iterator[DataProto]:
-        mini = self.sizes.mini_batch_size or len(data)
-        if len(data) % mini != 0:
-            raise ValueError(
-                f"this rank received {len(data)} rows, not a multiple of its mini-batch of {mini} rows "
-                f"(ppo_mini_batch_size × rollout.n / dp size); make train_batch_size a multiple of ppo_mini_batch_size"
-            )
-        epochs = int(cfg_get(self.config, "ppo_epochs", 1))
-        shuffle = bool(cfg_get(self.config, "shuffle", False))
-        seed = _mix_seed(self.seed, self.update_calls)
-        return data.make_iterator(mini, epochs, seed=seed, dataloader_kwargs={"shuffle": shuffle})
+        return iter_mini_batches(
+            data, self.sizes.mini_batch_size or len(data), int(cfg_get(self.config, "ppo_epochs", 1)),
+            bool(cfg_get(self.config, "shuffle", False)), _mix_seed(self.seed, self.update_calls),
+            "(ppo_mini_batch_size × rollout.n / dp size); make train_batch_size a multiple of ppo_mini_batch_size",
+        )
 
     def _global_batch_info(self, mini: DataProto) -> dict[str, Any]:
         """Token and sequence counts of the whole mini-batch over all dp ranks (agg_loss contract)."""
-        mask = mini.batch["response_mask"]
-        counts = torch.tensor([mask.sum(), (mask.sum(-1) > 0).sum()], dtype=torch.float64)
-        if self.dp_size > 1:
-            dist.all_reduce(counts, group=self.dp_group)
-        info = {"dp_size": self.dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
+        info = global_batch_info(mini.batch["response_mask"], self.dp_size, self.dp_group)
         scale = cfg_get(self.config, "loss_scale_factor")
         if scale is not None:
             info["loss_scale_factor"] = float(scale)

@@ -55,6 +55,7 @@ from rlfoundry.workers.utils import checkpoint as ckpt
 from rlfoundry.workers.utils import oom
 from rlfoundry.workers.utils.padding import forward_logits
 from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
+from rlfoundry.workers.utils.update import global_batch_info, iter_mini_batches
 
 logger = logging.getLogger(__name__)
 
@@ -195,25 +196,17 @@ class DataParallelPPOCritic:
     # ---- update ---------------------------------------------------------------------------
 
     def _mini_batches(self, data: DataProto) -> Iterator[DataProto]:
-        mini = self.sizes.mini_batch_size or len(data)
-        if len(data) % mini != 0:
-            raise ValueError(
-                f"this critic rank received {len(data)} rows, not a multiple of its mini-batch of {mini} rows "
-                "(critic.ppo_mini_batch_size × rollout_n / dp size); make data.train_batch_size a multiple "
-                "of critic.ppo_mini_batch_size"
-            )
-        epochs = int(cfg_get(self.config, "ppo_epochs", 1))
-        shuffle = bool(cfg_get(self.config, "shuffle", False))
         seed = int(np.random.SeedSequence([self.seed, self.update_calls]).generate_state(1)[0])
-        return data.make_iterator(mini, epochs, seed=seed, dataloader_kwargs={"shuffle": shuffle})
+        return iter_mini_batches(
+            data, self.sizes.mini_batch_size or len(data), int(cfg_get(self.config, "ppo_epochs", 1)),
+            bool(cfg_get(self.config, "shuffle", False)), seed,
+            "(critic.ppo_mini_batch_size × rollout_n / dp size); make data.train_batch_size a multiple "
+            "of critic.ppo_mini_batch_size",
+        )
 
     def _global_batch_info(self, mini: DataProto) -> dict[str, Any]:
         """Valid tokens and sequences of the whole mini-batch on all ranks (agg_loss contract)."""
-        mask = mini.batch["response_mask"]
-        counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
-        if self.dp_size > 1:
-            dist.all_reduce(counts, group=self.dp_group)
-        return {"dp_size": self.dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
+        return global_batch_info(mini.batch["response_mask"], self.dp_size, self.dp_group)
 
     def _micro_loss(self, micro: DataProto, info: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         batch = micro.batch

@@ -1,0 +1,34 @@
+"""Plumbing shared by the actor's and the critic's PPO updates (both iterate mini-batches the same way)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlfoundry.protocol import DataProto
+
+
+def iter_mini_batches(data: DataProto, mini: int, epochs: int, shuffle: bool, seed: int, fix_hint: str) -> Iterator[DataProto]:
+    """``epochs`` passes over ``data`` in mini-batches of ``mini`` rows, shuffled with ``seed``.
+
+    ``fix_hint`` completes the error for a rank whose rows do not divide into mini-batches (it names
+    the config keys of the role: actor or critic).
+    """
+    if len(data) % mini != 0:
+        raise ValueError(f"this rank received {len(data)} rows, not a multiple of its mini-batch of {mini} rows {fix_hint}")
+    return data.make_iterator(mini, epochs, seed=seed, dataloader_kwargs={"shuffle": shuffle})
+
+
+def global_batch_info(response_mask: torch.Tensor, dp_size: int, dp_group: Any = None) -> dict[str, Any]:
+    """Valid tokens and sequences of the whole mini-batch over all dp ranks (``agg_loss``'s contract).
+
+    Every micro-batch normalises by these mini-batch-wide counts, so the summed gradient does not
+    depend on the micro-batch size or on how many ranks share the mini-batch.
+    """
+    counts = torch.tensor([float(response_mask.sum()), float((response_mask.sum(-1) > 0).sum())], dtype=torch.float64)
+    if dp_size > 1:
+        dist.all_reduce(counts, group=dp_group)
+    return {"dp_size": dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
