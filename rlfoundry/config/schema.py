@@ -232,6 +232,7 @@ class RolloutConfig:
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.5
     ignore_eos: bool = False
+    fused_decode: bool = True  # rlfoundry (hf rollout): lean one-token step for Llama-family models
     enforce_eager: bool = True
     free_cache_engine: bool = True
     load_format: str = "dummy_dtensor"

@@ -22,6 +22,7 @@ from torch import nn
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.workers.fsdp_utils import cfg_get, inference_unsharded
+from rlfoundry.workers.rollout.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
 
 __all__ = ["HFRollout", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
@@ -305,6 +306,14 @@ class HFRollout(BaseRollout):
         next_pos = position_ids[:, -1].repeat_interleave(n, dim=0) + 1
         return logits, _DecodeState(cache, full_mask, mask.shape[1], next_pos)
 
+    def _decode_step(self, state: _DecodeState, max_positions: int):
+        """The one-token step: ``FusedDecoder`` where it reproduces the model, else the HF forward."""
+        preallocated = all(hasattr(layer, "key_buf") for layer in getattr(state.cache, "layers", []) or [None])
+        if cfg_get(self.config, "fused_decode", True) and preallocated and \
+                unsupported_reason(self.module, state.full_mask.shape[1]) is None:
+            return FusedDecoder(self.module, max_positions).step
+        return lambda tokens, pos, mask, cache: self._forward(tokens.unsqueeze(1), mask, pos.unsqueeze(1), cache)
+
     def _decode(self, input_ids, attention_mask, position_ids, params: SamplingParams, generator, pad_id, eos_ids):
         """Sample until every row hit EOS or ``response_length``; finished rows leave the batch."""
         total, width, device = input_ids.shape[0] * params.n, params.response_length, input_ids.device
@@ -313,6 +322,7 @@ class HFRollout(BaseRollout):
         lengths = torch.full((total,), width, dtype=torch.long, device=device)
         eos = torch.tensor(eos_ids or [-1], device=device)
         logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width)
+        step = self._decode_step(state, int(position_ids.max()) + width + 1)
         for t in range(width):
             tokens, token_lp = sample_tokens(logits, params, generator)
             live_rows = state.rows[state.alive]
@@ -325,7 +335,7 @@ class HFRollout(BaseRollout):
                 break
             tokens = state.compact_if_worth_it(tokens)
             tokens = tokens.masked_fill(~state.alive, pad_id)  # dead rows still in the cache
-            logits = self._forward(tokens.unsqueeze(1), state.advance(), state.next_pos.unsqueeze(1), state.cache)
+            logits = step(tokens, state.next_pos, state.advance(), state.cache)
             state.next_pos = state.next_pos + 1
         return responses, log_probs, lengths
 
