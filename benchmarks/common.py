@@ -19,8 +19,16 @@ parent then reports:
   - generated tokens/s and samples/s over the same window (tokens = response tokens up to and
     including EOS, as each framework produced them);
   - peak RSS: ``ru_maxrss`` of the runner process from ``os.wait4`` (the process and any
-    descendants it waited for), and the peak of the summed RSS of its whole process tree, sampled
-    every 0.1 s with psutil (counts Ray workers, which are not waited-for children);
+    descendants it waited for);
+  - tree PSS and tree RSS: peaks of the summed PSS (``Pss:`` of ``/proc/<pid>/smaps_rollup``) and of
+    the summed RSS over the runner's whole process tree (counts reward-pool and Ray workers, which
+    are not waited-for children); RSS every 0.1 s, PSS as often as ``_PSS_DUTY`` allows. PSS
+    divides each shared page among the processes that map it, so the tree's PSS counts libtorch's
+    pages once where summed RSS counts them once per process; tree PSS is the memory figure to compare. Where smaps_rollup cannot be
+    read (not Linux) a process's RSS stands in, and the row's ``tree_pss_source`` says so. The
+    parent never imports torch, transformers, numpy or pyarrow (``prepare`` runs in a child), so no
+    page of a framework's libraries is shared with, and charged to, the harness (other torch
+    processes on the machine would be: measure on a quiet one);
   - reward: mean score over the first and over the last quarter of the steps (at least one step).
 """
 
@@ -39,6 +47,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +184,24 @@ def warm_start(model_dir: Path, steps: int, seed: int = 0, batch: int = 64, lr: 
 
 
 def prepare(w: Workload, work_dir: Path = DEFAULT_WORK_DIR) -> Prepared:
+    """``prepare_in_process`` in a child process, for the harness parent.
+
+    Building the model imports torch and writing the parquet pyarrow; if the parent mapped them, a
+    framework process would share those pages with it and PSS would charge part of them to the
+    parent, making every framework's tree PSS look smaller than it is.
+    """
+    code = ("import dataclasses, json, sys; from pathlib import Path; "
+            "from benchmarks.common import Workload, prepare_in_process; "
+            "p = prepare_in_process(Workload.from_json(json.loads(sys.argv[1])), Path(sys.argv[2])); "
+            "print(json.dumps(dataclasses.asdict(p)))")
+    cmd = [sys.executable, "-c", code, json.dumps(w.to_json()), str(work_dir)]
+    done = subprocess.run(cmd, env=_with_repo_on_path(dict(os.environ)), stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"preparing the workload failed (exit {done.returncode}; its error is above)")
+    return Prepared(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def prepare_in_process(w: Workload, work_dir: Path = DEFAULT_WORK_DIR) -> Prepared:
     """Build (or reuse) the model directory and the prompt parquet of ``w`` under ``work_dir``."""
     from rlfoundry.data.preprocess.arithmetic import generate_splits, make_row
     from rlfoundry.data.preprocess.common import write_splits
@@ -259,7 +286,7 @@ def runner_args(argv: Sequence[str] | None, description: str) -> tuple[Workload,
         workload, prepared = Workload.from_json(spec["workload"]), Prepared(**spec["prepared"])
     else:
         workload = Workload()
-        prepared = prepare(workload)
+        prepared = prepare_in_process(workload)  # a standalone runner is not measured from outside
     if args.work_dir is None:
         args.work_dir = DEFAULT_WORK_DIR / "standalone"
     import torch
@@ -279,16 +306,45 @@ def _child_env(w: Workload) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore", "WANDB_DISABLED": "true", "DISABLE_MLFLOW_INTEGRATION": "TRUE",
     })
+    return _with_repo_on_path(env)
+
+
+def _with_repo_on_path(env: dict[str, str]) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 
-class _TreeRssSampler(threading.Thread):
-    """Peak of the summed RSS over a process and all its descendants, polled every ``period`` s."""
+def _pss_bytes(pid: int) -> int | None:
+    """``Pss:`` of ``/proc/<pid>/smaps_rollup`` in bytes; None where the kernel does not give it."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# Reading smaps_rollup walks the process's page tables (~15 ms per resident GB here), so PSS is read
+# at most this fraction of the time: every sample for small trees, every ~0.7 s for a 2.3 GB one,
+# which keeps the sampler from eating into a 2-core machine's second core. RSS (statm) is ~free.
+_PSS_DUTY = 0.05
+
+
+class _TreeMemorySampler(threading.Thread):
+    """Peaks of the summed RSS and of the summed PSS of a process and all its descendants.
+
+    RSS is polled every ``period`` s, PSS as often as ``_PSS_DUTY`` allows. A process whose PSS
+    cannot be read (not Linux, another user's process) counts its RSS instead and sets
+    ``pss_fallback``, so the figure errs high, never low.
+    """
 
     def __init__(self, pid: int, period: float = 0.1):
         super().__init__(daemon=True)
-        self.pid, self.period, self.peak = pid, period, 0
+        self.pid, self.period = pid, period
+        self.peak_rss = self.peak_pss = 0
+        self.pss_fallback = False
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -298,23 +354,54 @@ class _TreeRssSampler(threading.Thread):
             root = psutil.Process(self.pid)
         except psutil.NoSuchProcess:
             return
+        next_pss = 0.0
         while not self._halt.is_set():
-            total = 0
             try:
-                for proc in [root, *root.children(recursive=True)]:
-                    try:
-                        total += proc.memory_info().rss
-                    except (psutil.NoSuchProcess, psutil.AccessDenied):
-                        pass
+                tree = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            self.peak = max(self.peak, total)
+            self.peak_rss = max(self.peak_rss, self._rss_sum(tree))
+            if time.monotonic() >= next_pss:
+                started = time.monotonic()
+                self.peak_pss = max(self.peak_pss, self._pss_sum(tree))
+                next_pss = started + (time.monotonic() - started) / _PSS_DUTY
             self._halt.wait(self.period)
 
-    def stop(self) -> int:
+    @staticmethod
+    def _rss_sum(tree: list) -> int:
+        import psutil
+
+        total = 0
+        for proc in tree:
+            try:
+                total += proc.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return total
+
+    def _pss_sum(self, tree: list) -> int:
+        import psutil
+
+        total = 0
+        for proc in tree:
+            pss = _pss_bytes(proc.pid)
+            if pss is None:  # unreadable, exited, or a zombie: an exited process counts nothing
+                try:
+                    rss = proc.memory_info().rss if proc.is_running() else 0
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    rss = 0
+                pss, self.pss_fallback = rss, self.pss_fallback or rss > 0
+            total += pss
+        return total
+
+    def stop(self) -> "_TreeMemorySampler":
         self._halt.set()
         self.join(timeout=2)
-        return self.peak
+        return self
+
+    @property
+    def pss_source(self) -> str:
+        return "rss (smaps_rollup unreadable)" if self.pss_fallback else "smaps_rollup"
 
 
 def run_framework(framework: str, w: Workload, prepared: Prepared, run_dir: Path,
@@ -328,15 +415,16 @@ def run_framework(framework: str, w: Workload, prepared: Prepared, run_dir: Path
     launched = time.time()
     with open(log, "w", encoding="utf-8") as log_fh:
         proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=_child_env(w), stdout=log_fh, stderr=subprocess.STDOUT)
-        sampler = _TreeRssSampler(proc.pid)
+        sampler = _TreeMemorySampler(proc.pid)
         sampler.start()
         status, rusage = _wait_with_timeout(proc, timeout_s)
-        tree_peak = sampler.stop()
+        sampler.stop()
     finished = time.time()
     returncode = os.waitstatus_to_exitcode(status) if status is not None else -9
     row: dict[str, Any] = {"framework": framework, "returncode": returncode, "total_wall_s": finished - launched,
                            "peak_rss_mb": rusage.ru_maxrss / 1024 if rusage else float("nan"),
-                           "peak_tree_rss_mb": tree_peak / 2**20, "log": str(log)}
+                           "peak_tree_rss_mb": sampler.peak_rss / 2**20, "peak_tree_pss_mb": sampler.peak_pss / 2**20,
+                           "tree_pss_source": sampler.pss_source, "log": str(log)}
     if returncode != 0 or not out.is_file():
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
         row["error"] = f"{framework} exited with {returncode}; log tail:\n{tail}"
@@ -410,13 +498,14 @@ def interleaved_runs(frameworks: Sequence[str], w: Workload, prepared: Prepared,
                 print(f"[bench] {row['error']}", file=sys.stderr, flush=True)
             else:
                 print(f"[bench]   {fw}: {row['step_s']:.3f} s/step, {row['gen_tokens_per_s']:.0f} tok/s, "
-                      f"{row['samples_per_s']:.1f} samples/s, peak {row['peak_rss_mb']:.0f} MB", flush=True)
+                      f"{row['samples_per_s']:.1f} samples/s, peak {row['peak_rss_mb']:.0f} MB, "
+                      f"tree PSS {row['peak_tree_pss_mb']:.0f} MB (RSS {row['peak_tree_rss_mb']:.0f})", flush=True)
             rows[fw].append(row)
     return rows
 
 
 MEDIAN_KEYS = ("step_s", "step_inner_s", "startup_s", "gen_tokens_per_s", "samples_per_s", "gen_tokens_per_step",
-               "peak_rss_mb", "peak_tree_rss_mb", "reward_first", "reward_last")
+               "peak_rss_mb", "peak_tree_rss_mb", "peak_tree_pss_mb", "reward_first", "reward_last")
 
 
 def median_row(runs: list[dict]) -> dict[str, Any]:
@@ -426,6 +515,7 @@ def median_row(runs: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {"ok_runs": len(ok)}
     for key in MEDIAN_KEYS:
         out[key] = statistics.median(r[key] for r in ok)
+    out["tree_pss_source"] = ", ".join(sorted({r.get("tree_pss_source", "smaps_rollup") for r in ok}))
     phase_names = sorted({n for r in ok for n in r.get("phases_s", {})})
     if phase_names:
         out["phases_s"] = {n: statistics.median(r.get("phases_s", {}).get(n, 0.0) for r in ok) for n in phase_names}
@@ -445,23 +535,23 @@ def paired_ratios(num: list[dict], den: list[dict], key: str = "samples_per_s") 
 
 def environment() -> dict[str, Any]:
     """Machine, versions, load and revision: what a reader needs to trust (or redo) the figures."""
-    import torch
-    import transformers
-
+    # versions from the package metadata: importing torch here would map it into the harness parent
     env: dict[str, Any] = {
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "torch": _version("torch"), "transformers": _version("transformers"),
         "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
         "load_avg_1_5_15_at_start": _LOAD_AT_START, "load_avg_1_5_15_at_end": list(os.getloadavg()), "command": " ".join(["python", "-m", *_module_argv()]),
     }
-    try:
-        import trl
-
-        env["trl"] = trl.__version__
-    except ImportError:
-        env["trl"] = None
+    env["trl"] = _version("trl")
     env["git"] = _git_revision()
     return env
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _module_argv() -> list[str]:

@@ -37,7 +37,7 @@ COLUMNS = [
     ("tok/step", "gen_tokens_per_step", ".0f"), ("gen tok/s", "gen_tokens_per_s", ".0f"),
     ("samples/s", "samples_per_s", ".2f"), ("time x", "time_growth", ".2f"), ("tokens x", "token_growth", ".2f"),
     ("cost/tokens", "cost_per_token_growth", ".2f"), ("peak RSS MB", "peak_rss_mb", ".0f"),
-    ("tree RSS MB", "peak_tree_rss_mb", ".0f"),
+    ("tree RSS MB", "peak_tree_rss_mb", ".0f"), ("tree PSS MB", "peak_tree_pss_mb", ".0f"),
 ]
 
 

@@ -150,6 +150,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = True
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
+    use_shared_prompt: bool = True  # rlfoundry: the n samples of a prompt share one prompt forward
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -417,7 +418,7 @@ class TrainerConfig:
     ray_wait_register_center_timeout: int = 300
     device: str = "cuda"  # cuda | cpu | auto
     use_legacy_worker_impl: str = "auto"
-    worker_backend: str = "auto"  # rlfoundry: local | ray | auto
+    worker_backend: str = "auto"  # rlfoundry: local | process | ray | auto
     seed: int = 1  # rlfoundry: torch/numpy seed of the driver and of each worker
     run_dir: Optional[str] = None  # rlfoundry: metrics, plots, synthetic data; null -> default_local_dir
     worker_call_timeout_s: Optional[float] = None  # rlfoundry: limit of one worker call (Ray back end); null: none

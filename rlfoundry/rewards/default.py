@@ -21,6 +21,13 @@ SCORERS: dict[str, Callable[..., float]] = {
     ARITHMETIC_DATA_SOURCE: arithmetic.compute_score,
 }
 
+# Sources whose scorer finishes in bounded time on any response: string and regex code with no
+# nested quantifiers (gsm8k also clips the text to its tail first), no sympy. A scorer process pool
+# (~190 MB, seconds to start) would protect against nothing here, so with reward_kwargs.num_workers
+# unset the reward manager scores batches made only of these in the driver. MATH is absent on
+# purpose: math-verify/sympy can hang on adversarial LaTeX and needs the pool's per-sample timeout.
+IN_DRIVER_SOURCES: frozenset[str] = frozenset({ARITHMETIC_DATA_SOURCE, "openai/gsm8k"})
+
 
 class UnknownDataSourceError(KeyError):
     """No built-in scorer for this data_source; the message lists the known ones."""

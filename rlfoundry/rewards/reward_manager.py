@@ -15,11 +15,13 @@ The score goes on the last valid response token (``response_mask``, else the res
 ``{"reward_tensor", "reward_extra_info": {name: list of B}, "reward_metrics": {...}}``; extra info
 holds every key of dict-valued scores (a failed sample gets NaN for numeric keys, None otherwise).
 
-Robustness: samples are scored in a ``ScoringPool`` of worker processes with a per-sample timeout.
-A sample whose scorer raises, times out, kills its process, or returns no finite number gets
-``failure_score`` and is counted in ``reward_metrics["reward/errors"]`` (and per kind in
-``reward/errors/<kind>``); the first failure's traceback is logged once per manager. An unknown
-``data_source`` with the default scorer is a configuration error and raises before scoring.
+Robustness: samples are scored in a ``ScoringPool`` of worker processes with a per-sample timeout,
+except, by default, batches that only hold data sources whose built-in scorer finishes in bounded
+time (``IN_DRIVER_SOURCES``: arithmetic, gsm8k), which the driver scores itself. A sample whose
+scorer raises, times out, kills its process, or returns no finite number gets ``failure_score``
+and is counted in ``reward_metrics["reward/errors"]`` (and per kind in ``reward/errors/<kind>``);
+the first failure's traceback is logged once per manager. An unknown ``data_source`` with the
+default scorer is a configuration error and raises before scoring.
 
 Model rewards: when the batch already holds ``rm_scores`` (written by ``RewardModelWorker``),
 ``rm_combine="replace"`` (verl's behaviour, the default) returns them as the scores without calling
@@ -33,7 +35,7 @@ Config (``load_reward_manager``):
 | ``reward_model.reward_manager`` | naive | naive, batch or dapo |
 | ``reward_model.reward_kwargs.timeout_s`` | 30 | per-sample timeout (the batch manager's one call gets timeout_s x B) |
 | ``reward_model.reward_kwargs.failure_score`` | 0.0 | score of a sample whose scorer failed |
-| ``reward_model.reward_kwargs.num_workers`` | min(4, CPUs) | scorer processes; 0 scores in the driver (no timeout or crash isolation; breakpoints work) |
+| ``reward_model.reward_kwargs.num_workers`` | null | scorer processes; 0 scores in the driver (no timeout or crash isolation; breakpoints work); null: the driver scores a batch whose every data_source is in ``IN_DRIVER_SOURCES`` when the scorer is the built-in one, else min(4, CPUs) processes |
 | ``reward_model.reward_kwargs.pool_min_batch`` | 1 | batches smaller than this are scored in the driver |
 | ``reward_model.reward_kwargs.mp_start_method`` | forkserver | or spawn |
 | ``reward_model.reward_kwargs.rm_combine`` | replace | replace or add (see above) |
@@ -59,7 +61,12 @@ import torch
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.rewards.custom import load_custom_reward_fn
-from rlfoundry.rewards.default import batch_default_compute_score, check_data_sources, default_compute_score
+from rlfoundry.rewards.default import (
+    IN_DRIVER_SOURCES,
+    batch_default_compute_score,
+    check_data_sources,
+    default_compute_score,
+)
 from rlfoundry.rewards.pool import Outcome, ScoringPool, call_safely
 
 logger = logging.getLogger(__name__)
@@ -215,6 +222,8 @@ class RuleRewardManager:
         self.pool_min_batch, self.mp_start_method, self.rm_combine = pool_min_batch, mp_start_method, rm_combine
         self._pool: ScoringPool | None = None
         self._in_process_only = self.num_workers <= 0
+        # with num_workers unset, bounded-time built-in scorers skip the pool (see _bounded_time)
+        self._driver_when_bounded = num_workers is None and self.uses_default_scorer
         self._logged_first_error = False
         self.last_metrics: dict[str, int] = error_metrics([])
 
@@ -249,9 +258,21 @@ class RuleRewardManager:
 
     def run_calls(self, calls: list[dict], timeout_s: float | None = None) -> list[Outcome]:
         """Run compute_score(**call) for each call, in the pool when worthwhile, else in the driver."""
-        if self._in_process_only or len(calls) < self.pool_min_batch or not self._ensure_pool():
+        in_driver = self._in_process_only or len(calls) < self.pool_min_batch or self._bounded_time(calls)
+        if in_driver or not self._ensure_pool():
             return [call_safely(self.compute_score, call) for call in calls]
         return self._pool.map(calls, timeout_s)
+
+    def _bounded_time(self, calls: list[dict]) -> bool:
+        """Whether the default scorer, unasked for a pool, only meets sources in IN_DRIVER_SOURCES.
+
+        The default scorers take ``data_source`` (naive, dapo) or ``data_sources`` (batch), so the
+        calls themselves say which scorer code will run.
+        """
+        if not self._driver_when_bounded:
+            return False
+        sources = [src for call in calls for src in call.get("data_sources", [call.get("data_source")])]
+        return all(src in IN_DRIVER_SOURCES for src in sources)
 
     def _ensure_pool(self) -> bool:
         if self._pool is None and not self._in_process_only:

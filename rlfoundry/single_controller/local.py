@@ -14,8 +14,10 @@ from rlfoundry.single_controller.base.decorator import Execute, RankCalls
 from rlfoundry.single_controller.base.worker_group import ClassWithInitArgs, WorkerGroup, bind_worker_methods
 
 
-def _set_rank_zero_env(name: str) -> None:
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+def set_rank_env(name: str, rank: int = 0, world_size: int = 1) -> None:
+    """The torchrun-style variables of a rank hosted by this (driver) process."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
     os.environ["RLFOUNDRY_WORKER_GROUP"] = name
     # Without a live process group, the worker (rank 0) opens a fresh rendezvous on loopback; a
     # group made by an earlier local worker group stays, with its address.
@@ -31,7 +33,7 @@ class LocalWorkerGroup(WorkerGroup):
         self.name = name_prefix
         self.world_size = 1
         self.worker_cls = cls_with_init.cls
-        _set_rank_zero_env(name_prefix)
+        set_rank_env(name_prefix)
         self.worker = cls_with_init()
         bind_worker_methods(self)
 

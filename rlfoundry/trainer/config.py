@@ -125,7 +125,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "critic.optim.warmup_style": ("constant", "cosine"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("cuda", "cpu", "auto"),
-    "trainer.worker_backend": ("local", "ray", "auto"),
+    "trainer.worker_backend": ("local", "process", "ray", "auto"),
 }
 
 
@@ -540,7 +540,10 @@ def _check_unsupported(cfg: DictConfig) -> list[str]:
     backend, ws = cfg.trainer.worker_backend, world_size(cfg)
     if backend == "local" and ws != 1:
         errors.append(f"trainer.worker_backend=local runs one in-process rank, but nnodes × n_gpus_per_node = {ws}; "
-                      "use trainer.worker_backend=ray (or auto).")
+                      "use trainer.worker_backend=process (one machine) or ray (or auto).")
+    if backend == "process" and int(cfg.trainer.nnodes) != 1:
+        errors.append(f"trainer.worker_backend=process runs on one machine, but trainer.nnodes={cfg.trainer.nnodes}; "
+                      "use trainer.worker_backend=ray for several nodes.")
     return errors
 
 

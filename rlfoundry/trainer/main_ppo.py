@@ -200,6 +200,21 @@ def local_factory(cfg: DictConfig):
     return build
 
 
+def process_factory(cfg: DictConfig):
+    """One machine without Ray: rank 0 in this process, n_gpus_per_node - 1 spawned processes."""
+    from rlfoundry.single_controller import create_colocated_worker_cls
+    from rlfoundry.single_controller.process import ProcessWorkerGroup
+
+    def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
+        os.environ["RLFOUNDRY_DEVICE"] = cfg.trainer.device
+        os.environ["RLFOUNDRY_DIST_TIMEOUT_S"] = str(cfg.trainer.dist_timeout_s)
+        group = ProcessWorkerGroup(create_colocated_worker_cls(classes), int(cfg.trainer.n_gpus_per_node),
+                                   name_prefix="global_pool", call_timeout_s=cfg.trainer.worker_call_timeout_s)
+        return group.spawn(classes.keys())
+
+    return build
+
+
 def ray_factory(cfg: DictConfig):
     """Ray back end: one pool of nnodes × n_gpus_per_node processes, every role colocated in each."""
     from rlfoundry.single_controller import (
@@ -260,7 +275,7 @@ def build_trainer(cfg: DictConfig):
     _import_external_lib(resolved)
     reward_fn = load_reward_manager(resolved, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(resolved, tokenizer, num_examine=1)
-    factory = local_factory(resolved) if resolved.trainer.worker_backend == "local" else ray_factory(resolved)
+    factory = {"local": local_factory, "process": process_factory, "ray": ray_factory}[resolved.trainer.worker_backend](resolved)
     trainer = RayPPOTrainer(resolved, tokenizer, factory, worker_classes(resolved), reward_fn, val_reward_fn,
                             train_loader, val_loader)
     trainer.init_workers()

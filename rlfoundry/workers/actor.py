@@ -104,6 +104,9 @@ class DataParallelPPOActor:
         seed: base seed of the mini-batch shuffling.
         use_remove_padding: run forwards on the real tokens only, packed into one row
             (``model.use_remove_padding``; see ``workers/utils/padding.py``).
+        use_shared_prompt: rows with the same prompt (the n samples of a GRPO group) run that prompt
+            once and attend to its shared KV cache (``model.use_shared_prompt``); taken per
+            micro-batch only when it computes fewer tokens than the padded/packed forward.
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class DataParallelPPOActor:
         dp_group: Any = None,
         seed: int = 0,
         use_remove_padding: bool = False,
+        use_shared_prompt: bool = False,
     ):
         self.config = config
         self.module = module
@@ -124,6 +128,7 @@ class DataParallelPPOActor:
         self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.seed = seed
         self.use_remove_padding = use_remove_padding
+        self.use_shared_prompt = use_shared_prompt
         self.update_calls = 0  # update_policy calls so far: seeds the shuffle, kept in checkpoints
         self.nonfinite_skips = 0  # optimiser steps skipped for a non-finite grad norm, ever
 
@@ -139,7 +144,10 @@ class DataParallelPPOActor:
         rollout did. With ``use_remove_padding`` the padding is not computed either.
         ``entropy_grad=False``: the entropy is only a metric, computed without a graph.
         """
-        if self.use_remove_padding:
+        groups = self._prompt_groups(micro.batch) if self.use_shared_prompt else None
+        if groups is not None:
+            logits, labels, scatter = self._shared_prompt_response_logits(micro.batch, *groups)
+        elif self.use_remove_padding:
             logits, labels, scatter = self._packed_response_logits(micro.batch)
         else:
             logits, labels, scatter = self._padded_response_logits(micro.batch)
@@ -161,6 +169,44 @@ class DataParallelPPOActor:
         )
         # position t predicts token t+1: the response logits are the ones just before each token
         return out.logits[:, :-1, :], responses, lambda values: values
+
+    def _prompt_groups(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(one row per distinct prompt, group of each row), or None when sharing saves no tokens.
+
+        Tokens computed: shared = distinct prompts x Tp + rows x Tr; otherwise rows x (Tp + Tr)
+        padded, or the real tokens only when packing.
+        """
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        rows, tp = ids.shape[0], ids.shape[1] - batch["responses"].shape[1]
+        # the mask too: a pad id may also be a real token (pad = eos in many tokenizers)
+        uniq, group = torch.unique(torch.cat([ids[:, :tp], mask[:, :tp]], dim=1), dim=0, return_inverse=True)
+        shared = uniq.shape[0] * tp + rows * (mask.shape[1] - tp)
+        other = int(mask.sum()) if self.use_remove_padding else mask.numel()
+        if shared >= other:
+            return None
+        first = torch.empty(uniq.shape[0], dtype=torch.long, device=ids.device)
+        first[group] = torch.arange(rows, device=ids.device)  # any row of each group
+        return first, group
+
+    def _shared_prompt_response_logits(self, batch, first: torch.Tensor, group: torch.Tensor):
+        """Each distinct prompt runs once; its rows continue from its KV cache (with gradients).
+
+        The prompt forward's last logits predict every row's first response token; the response
+        forward gives the rest. Same math as one forward over prompt + response per row.
+        """
+        from transformers import DynamicCache
+
+        width = batch["responses"].shape[1]
+        tp = batch["input_ids"].shape[1] - width
+        ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+        cache = DynamicCache(config=getattr(self.module, "config", None))
+        head = self.module(input_ids=ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(group)  # differentiable gather: each row gets its prompt's keys/values
+        tail = self.module(input_ids=batch["responses"], attention_mask=mask, position_ids=pos[:, tp:],
+                           past_key_values=cache, use_cache=True, logits_to_keep=width)
+        logits = torch.cat([head.logits[group], tail.logits[:, :-1]], dim=1)
+        return logits, batch["responses"], lambda values: values
 
     def _packed_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Real tokens only, packed into one row; logits only where a real token predicts a response.

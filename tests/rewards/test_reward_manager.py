@@ -126,6 +126,44 @@ def test_default_scorer_in_pool_on_mixed_sources(tok) -> None:
     manager.close()
 
 
+@pytest.mark.parametrize("manager_name", ["naive", "batch", "dapo"])
+def test_bounded_time_sources_are_scored_in_the_driver_by_default(tok, manager_name) -> None:
+    sources = ["rlfoundry/arithmetic", "openai/gsm8k", "rlfoundry/arithmetic", "openai/gsm8k"]
+    batch = make_batch(tok, ["85", "#### 1,2", "7", "#### 3"], ["85", "12", "8", "4"], sources)
+    config = OmegaConf.create({"data": {"max_response_length": TR},
+                               "reward_model": {"reward_manager": manager_name, "reward_kwargs": {}}})
+    manager = load_reward_manager(config, tok)
+    assert last_token_scores(manager(batch), batch) == [1.0, 1.0, 0.0, 0.0]
+    assert manager._pool is None  # no scorer processes were started
+
+
+EXACT_MATCH_SCORER = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth)
+'''
+
+
+@pytest.mark.parametrize("case", ["math_in_batch", "explicit_num_workers", "custom_scorer"])
+def test_pool_is_used_unless_every_sample_is_bounded_time(tok, tmp_path: Path, case) -> None:
+    responses, truths = ["85", "\\boxed{.5}", "7"], ["85", "\\frac12", "8"]
+    sources = ["rlfoundry/arithmetic", "HuggingFaceH4/MATH-500", "rlfoundry/arithmetic"]
+    rm: dict = {"reward_manager": "naive", "reward_kwargs": {}}
+    custom = {"path": None}
+    if case != "math_in_batch":  # arithmetic only: the pool comes from the config, not the data
+        responses, truths, sources = ["85", "7"], ["85", "8"], ["rlfoundry/arithmetic"] * 2
+    if case == "explicit_num_workers":
+        rm["reward_kwargs"] = {"num_workers": 2}
+    if case == "custom_scorer":
+        (tmp_path / "exact.py").write_text(EXACT_MATCH_SCORER)
+        custom = {"path": str(tmp_path / "exact.py")}
+    manager = load_reward_manager(OmegaConf.create({"reward_model": rm, "custom_reward_function": custom}), tok)
+    batch = make_batch(tok, responses, truths, sources)
+    expected = [1.0, 1.0, 0.0] if case == "math_in_batch" else [1.0, 0.0]
+    assert last_token_scores(manager(batch), batch) == expected
+    assert manager._pool is not None
+    manager.close()
+
+
 def test_unknown_data_source_is_a_config_error(tok) -> None:
     batch = make_batch(tok, ["1"], ["1"], ["nobody/knows"])
     with pytest.raises(UnknownDataSourceError, match="nobody/knows.*openai/gsm8k"):

@@ -242,5 +242,5 @@ def test_backend_is_chosen_by_name():
     assert isinstance(group, LocalWorkerGroup) and group.name == "critic"
     with pytest.raises(ValueError, match="needs a resource pool"):
         create_worker_group("ray", ClassWithInitArgs(Doubler))
-    with pytest.raises(ValueError, match="must be one of \\('local', 'ray'\\), got 'mpi'"):
+    with pytest.raises(ValueError, match="must be one of \\('local', 'process', 'ray'\\), got 'mpi'"):
         create_worker_group("mpi", ClassWithInitArgs(Doubler))

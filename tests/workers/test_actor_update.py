@@ -111,6 +111,27 @@ def test_remove_padding_gives_the_same_log_probs_and_update(tiny_model_dir, batc
     torch.testing.assert_close(ref[mask], batch.batch["ref_log_prob"][mask], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("micro", [2, 4])
+def test_shared_prompt_forward_gives_the_same_log_probs_and_update(tiny_model_dir, batch, micro):
+    """Each prompt once + its rows from the shared KV cache == one padded forward per row."""
+    shared_cfg = ["model.use_shared_prompt=true", f"actor.ppo_micro_batch_size_per_gpu={micro}"]
+    group = local_worker(worker_config(tiny_model_dir, shared_cfg), role="actor_rollout_ref")
+    assert group.worker.actor._prompt_groups(batch.batch) is not None, "the batch should take the shared path"
+    out = group.compute_log_prob(batch)
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(out.batch["old_log_probs"][mask], batch.batch["old_log_probs"][mask], atol=1e-5, rtol=0)
+    ref = group.compute_ref_log_prob(batch).batch["ref_log_prob"]
+    torch.testing.assert_close(ref[mask], batch.batch["ref_log_prob"][mask], atol=1e-5, rtol=0)
+    padded = _update(tiny_model_dir, batch, [f"actor.ppo_micro_batch_size_per_gpu={micro}"])
+    _assert_same_update(padded, _update(tiny_model_dir, batch, shared_cfg))
+
+
+def test_shared_prompt_is_skipped_when_it_saves_nothing(tiny_model_dir, batch):
+    actor = local_worker(worker_config(tiny_model_dir, ["model.use_shared_prompt=true"]), role="actor").worker.actor
+    one_per_prompt = batch.select_idxs(torch.arange(0, len(batch), 2))  # n=1: every prompt distinct
+    assert actor._prompt_groups(one_per_prompt.batch) is None
+
+
 def test_nan_advantage_skips_the_step_and_keeps_the_weights(tiny_model_dir, batch):
     group = local_worker(worker_config(tiny_model_dir, ["actor.ppo_mini_batch_size=4"]), role="actor")
     before = full_params(group.worker.actor.module)

@@ -1,0 +1,270 @@
+"""The multi-process back end without Ray: rank 0 in the driver, ranks 1…W-1 in spawned processes.
+
+For one machine (a multi-core CPU box, or one GPU node) Ray's own processes — GCS, raylet,
+agents, one Python worker per actor, each importing Ray — cost more memory and start-up than the
+work needs. Here the driver hosts rank 0 itself (as ``LocalWorkerGroup`` does) and starts W-1
+plain ``spawn`` processes, each building the same worker class and answering calls over a pipe.
+The ranks form a torch.distributed group exactly as on Ray, so FSDP2 and every collective run
+unchanged; the dispatch → execute → collect core is the shared one in ``base/worker_group.py``.
+
+Messages go over ``multiprocessing`` pipes between this process and the ones it spawned (pickled
+by the standard library's connection, which hands tensors over in shared memory), never from files.
+A call sends each remote rank its arguments first, then runs rank 0 in the driver (so collectives
+meet), then collects the replies in rank order. A rank that dies raises ``WorkerDiedError`` (the
+group is unusable after it); ``call_timeout_s`` bounds a call (``WorkerCallTimeout``). Remote
+processes ignore Ctrl-C (the driver handles it) and exit when the driver's end of their pipe closes,
+so a killed driver leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from rlfoundry.single_controller.base.colocate import create_colocated_worker_cls
+from rlfoundry.single_controller.base.decorator import Execute, RankCalls
+from rlfoundry.single_controller.base.worker import Worker
+from rlfoundry.single_controller.base.worker_group import (
+    ClassWithInitArgs,
+    WorkerCallTimeout,
+    WorkerDiedError,
+    WorkerGroup,
+    bind_worker_methods,
+)
+from rlfoundry.single_controller.local import set_rank_env
+
+__all__ = ["ProcessWorkerGroup", "threads_per_rank"]
+
+_LOCAL = "local"  # the handle of rank 0's call, whose result is already in hand
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads for each rank so that the ranks together use every core once.
+
+    An explicit ``OMP_NUM_THREADS`` wins; otherwise torch would give every process all the cores
+    and W processes would fight over them.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _portable(cls_with_init: ClassWithInitArgs) -> tuple:
+    """What a spawned process needs to build the worker: a colocated class is rebuilt from its roles
+    there (the fused class is made at run time and cannot be pickled by reference)."""
+    roles = getattr(cls_with_init.cls, "colocated_roles", None)
+    if roles is None:
+        return ("plain", cls_with_init.cls, cls_with_init.args, cls_with_init.kwargs)
+    (inits,) = cls_with_init.args
+    return ("colocated", {role: (roles[role], *inits[role]) for role in inits})
+
+
+def _build(spec: tuple):
+    if spec[0] == "plain":
+        _, cls, args, kwargs = spec
+        return cls(*args, **kwargs)
+    fused = create_colocated_worker_cls({r: ClassWithInitArgs(c, *a, **k) for r, (c, a, k) in spec[1].items()})
+    return fused()
+
+
+def _error_reply(err: BaseException) -> tuple:
+    """("err", exception, traceback text); an exception that cannot be pickled travels as text."""
+    text = traceback.format_exc()
+    try:
+        pickle.dumps(err)
+        return ("err", err, text)
+    except Exception:  # noqa: BLE001 - anything unpicklable is described instead
+        return ("err", RuntimeError(f"{type(err).__name__}: {err}"), text)
+
+
+def _rank_main(conn: Connection, spec: tuple, env: dict[str, str], threads: int) -> None:
+    """A remote rank: build the worker, then answer (method, args, kwargs) until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        worker = _build(spec)
+        conn.send(("ok", None))
+    except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send(_error_reply(err))
+        return
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:  # the driver closed the pipe or died
+            return
+        if method is None:
+            return
+        try:
+            reply = ("ok", getattr(worker, method)(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001
+            reply = _error_reply(err)
+        conn.send(reply)
+
+
+def _check_no_other_group(world_size: int) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"this process already belongs to a torch.distributed group of {dist.get_world_size()} rank(s), "
+            f"so it cannot host rank 0 of a {world_size}-rank group; pass host_rank_zero=False (every rank "
+            "spawned) or start the run in a fresh process"
+        )
+
+
+class ProcessWorkerGroup(WorkerGroup):
+    """``world_size`` ranks on this machine: rank 0 in this process, the others spawned.
+
+    ``group.worker`` is rank 0's worker object (breakpoints in its methods stop the driver).
+    A process belongs to at most one torch.distributed group, so a driver that already joined one
+    (an earlier group of another size, a test process) passes ``host_rank_zero=False``: then every
+    rank is spawned and the driver only dispatches.
+    """
+
+    def __init__(
+        self,
+        cls_with_init: ClassWithInitArgs,
+        world_size: int,
+        name_prefix: str = "process",
+        call_timeout_s: float | None = None,
+        start_timeout_s: float = 300,
+        host_rank_zero: bool = True,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not issubclass(cls_with_init.cls, Worker):
+            raise TypeError(f"{cls_with_init.cls.__name__} must subclass rlfoundry.single_controller.Worker")
+        self.name, self.world_size, self.worker_cls = name_prefix, world_size, cls_with_init.cls
+        self.call_timeout_s = call_timeout_s
+        self._procs: dict[int, Any] = {}
+        self._conns: dict[int, Connection] = {}
+        self.worker = None
+        try:
+            self._start(cls_with_init, host_rank_zero, start_timeout_s)
+        except BaseException:
+            self.shutdown(timeout_s=5)  # no orphaned or zombie ranks when a constructor fails
+            raise
+        bind_worker_methods(self)
+
+    def _start(self, cls_with_init: ClassWithInitArgs, host_rank_zero: bool, start_timeout_s: float) -> None:
+        world_size = self.world_size
+        threads, spec = threads_per_rank(world_size), _portable(cls_with_init)
+        if host_rank_zero:
+            _check_no_other_group(world_size)
+            import torch
+
+            torch.set_num_threads(threads)
+            set_rank_env(self.name, 0, world_size)
+            self.worker = cls_with_init()  # rank 0 opens the rendezvous; its address is now in os.environ
+            master = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT")}
+        else:
+            # rank 0 opens the rendezvous in its own process and tells us where
+            self._start_rank(0, spec, threads, {"MASTER_ADDR": "", "MASTER_PORT": ""}, start_timeout_s)
+            addr, port = self._call_remote(0, "get_master_addr_port", start_timeout_s)
+            master = {"MASTER_ADDR": addr, "MASTER_PORT": port}
+        for rank in range(1, world_size):
+            self._start_rank(rank, spec, threads, master, None)
+        self._get(list(range(1, world_size)), "__init__", start_timeout_s)  # every constructor ran
+
+    def _start_rank(self, rank: int, spec: tuple, threads: int, master: dict, wait_s: float | None) -> None:
+        """Spawn one rank; with ``wait_s``, wait until its worker is built."""
+        ctx = mp.get_context("spawn")
+        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(self.world_size), "RLFOUNDRY_WORKER_GROUP": self.name, **master}
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_rank_main, args=(child, spec, env, threads), daemon=True,
+                           name=f"{self.name}-rank{rank}")
+        proc.start()
+        child.close()
+        self._procs[rank], self._conns[rank] = proc, parent
+        if wait_s is not None:
+            self._get([rank], "__init__", wait_s)
+
+    def _call_remote(self, rank: int, method: str, timeout_s: float | None = None):
+        self._send(rank, (method, (), {}))
+        return self._get([rank], method, timeout_s)[0]
+
+    # --- back-end interface ----------------------------------------------------------------
+
+    def _execute(self, method: str, calls: RankCalls, execute_mode: Execute) -> list:
+        ranks = range(self.world_size) if execute_mode is Execute.ALL else range(1)
+        remote = [r for r in ranks if r in self._conns]
+        for rank in remote:
+            self._send(rank, (method, calls.args[rank], calls.kwargs[rank]))
+        if self.worker is None:
+            return remote
+        try:
+            local = ("ok", getattr(self.worker, method)(*calls.args[0], **calls.kwargs[0]))
+        except Exception as err:  # noqa: BLE001 - raised in _get, after the other ranks answered
+            local = ("err", err, None)
+        return [(_LOCAL, local), *remote]
+
+    def _get(self, handles: list, method: str, timeout_s: float | None = None) -> list:
+        """Results in rank order; raises rank 0's error only after the remote ranks answered."""
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        remote = [h for h in handles if not isinstance(h, tuple)]
+        replies = dict(self._receive(remote, method, deadline, timeout_s))
+        results = []
+        for h in handles:
+            rank, reply = (0, h[1]) if isinstance(h, tuple) else (h, replies[h])
+            if reply[0] == "err":
+                err = reply[1]
+                if reply[2]:
+                    err.add_note(f"raised in worker group {self.name!r} rank {rank}, method {method!r}:\n{reply[2]}")
+                raise err
+            results.append(reply[1])
+        return results
+
+    def _send(self, rank: int, message: tuple) -> None:
+        try:
+            self._conns[rank].send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError) as err:
+            raise WorkerDiedError(self.name, rank, message[0], err) from err
+
+    def _receive(self, ranks: list[int], method: str, deadline: float | None, timeout_s: float | None):
+        """(rank, reply) for each of ``ranks`` as they arrive; a dead process is a WorkerDiedError."""
+        pending = {self._conns[r]: r for r in ranks}
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([*pending, *(self._procs[r].sentinel for r in pending.values())], timeout=left)
+            if not ready:
+                raise WorkerCallTimeout(self.name, sorted(pending.values()), method, timeout_s)
+            for conn, rank in list(pending.items()):
+                if conn in ready or conn.poll():  # a reply, even from a process that exited since
+                    del pending[conn]
+                    yield rank, self._read(conn, rank, method)
+                elif self._procs[rank].sentinel in ready:
+                    code = self._procs[rank].exitcode
+                    raise WorkerDiedError(self.name, rank, method, RuntimeError(f"process exit code {code}"))
+
+    def _read(self, conn: Connection, rank: int, method: str) -> tuple:
+        try:
+            return conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as err:
+            raise WorkerDiedError(self.name, rank, method, err) from err
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the remote ranks to exit, then kill whatever is left."""
+        for conn in self._conns.values():
+            try:
+                conn.send((None, (), {}))
+            except OSError:
+                pass
+        for proc in self._procs.values():
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns.values():
+            conn.close()
+        self._procs, self._conns = {}, {}

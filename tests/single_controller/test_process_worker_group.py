@@ -1,0 +1,229 @@
+"""ProcessWorkerGroup: real spawned processes, real gloo, the same dispatch semantics as Ray's group.
+
+The pytest process may already hold a torch.distributed group (in-process worker tests), so these
+groups spawn every rank (``host_rank_zero=False``); the driver-hosted rank 0 that training uses is
+exercised in a fresh interpreter by ``test_driver_hosted_rank_zero_trains_like_one_rank``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.single_controller import (
+    ClassWithInitArgs,
+    Dispatch,
+    Execute,
+    Worker,
+    WorkerCallTimeout,
+    WorkerDiedError,
+    create_colocated_worker_cls,
+    create_worker_group,
+    register,
+)
+from rlfoundry.single_controller.process import ProcessWorkerGroup, threads_per_rank
+from tests.workers.test_actor_update import batch  # noqa: F401 (fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Probe(Worker):
+    def __init__(self, offset: int = 0):
+        super().__init__()
+        self.offset = offset
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self, tag):
+        return self.rank, self.world_size, tag, os.getpid(), torch.get_num_threads()
+
+    @register(Dispatch.ALL_TO_ALL)
+    def take(self, item):
+        return self.rank, item
+
+    @register(Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
+    def only_rank_zero_runs(self):
+        return self.rank
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def double(self, data: DataProto) -> DataProto:
+        y = data.batch["x"] * 2 + self.offset
+        return DataProto.from_single_dict({"y": y, "rank": torch.full_like(y, self.rank)},
+                                          meta_info={"metrics": {"rows": len(data)}})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce_sum(self, value: float):
+        self.init_distributed(timeout_s=60)
+        t = torch.tensor([value * (self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, rank: int):
+        if self.rank == rank:
+            raise KeyError("no such column")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return os.getpid()
+
+
+class Critic(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
+
+
+class Broken(Worker):
+    def __init__(self):
+        super().__init__()
+        if self.rank == 1:
+            raise FileNotFoundError("model path /nope does not exist")
+
+
+def five_rows() -> DataProto:
+    return DataProto.from_single_dict({"x": torch.tensor([10, 11, 12, 13, 14])})
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    group = ProcessWorkerGroup(ClassWithInitArgs(Probe, offset=1), 2, name_prefix="probe", host_rank_zero=False)
+    yield group
+    group.shutdown()
+
+
+def test_dispatch_modes_and_ranks_in_their_own_processes(two_ranks):
+    who = two_ranks.whoami("t")
+    assert [w[:3] for w in who] == [(0, 2, "t"), (1, 2, "t")]
+    assert len({w[3] for w in who} | {os.getpid()}) == 3  # two fresh processes, not the driver
+    assert {w[4] for w in who} == {threads_per_rank(2)}
+    assert two_ranks.take(["a", "b"]) == [(0, "a"), (1, "b")]
+    assert two_ranks.only_rank_zero_runs() == 0
+
+
+def test_dp_compute_proto_splits_pads_and_unpads_in_order(two_ranks):
+    out = two_ranks.double(five_rows())
+    assert out.batch["y"].tolist() == [21, 23, 25, 27, 29]
+    assert out.batch["rank"].tolist() == [0, 0, 0, 1, 1]
+    assert out.meta_info == {"metrics": {"rows": [3, 3]}}
+
+
+def test_gloo_all_reduce_across_the_ranks(two_ranks):
+    assert two_ranks.all_reduce_sum(1.5) == [4.5, 4.5]  # 1.5 * 1 + 1.5 * 2
+
+
+def test_remote_exception_keeps_type_and_names_rank_then_group_goes_on(two_ranks):
+    with pytest.raises(KeyError) as err:
+        two_ranks.fail_on(1)
+    assert any("worker group 'probe' rank 1, method 'fail_on'" in n for n in err.value.__notes__)
+    assert two_ranks.fail_on(5) == [0, 1]  # the pipes stayed in step
+
+
+def test_colocated_roles_share_each_rank_process():
+    fused = create_colocated_worker_cls({"actor": ClassWithInitArgs(Probe), "critic": ClassWithInitArgs(Critic)})
+    group = ProcessWorkerGroup(fused, 2, name_prefix="pool", host_rank_zero=False)
+    try:
+        roles = group.spawn({"actor", "critic"})
+        actor_pids = [w[3] for w in roles["actor"].whoami("x")]
+        assert roles["critic"].pid() == actor_pids and len(set(actor_pids)) == 2
+        assert roles["actor"].all_reduce_sum(1.0) == [3.0, 3.0]
+    finally:
+        group.shutdown()
+
+
+def test_factory_builds_it_by_name_and_refuses_a_second_group_size_in_one_process():
+    from rlfoundry.single_controller import LocalWorkerGroup
+
+    if not dist.is_initialized():  # join a 1-rank group here, as an in-process worker does
+        LocalWorkerGroup(ClassWithInitArgs(Probe)).all_reduce_sum(1.0)
+    with pytest.raises(RuntimeError, match=r"already belongs to a torch.distributed group of 1 rank\(s\)"):
+        create_worker_group("process", ClassWithInitArgs(Probe), resource_pool=2)
+
+
+def test_constructor_error_names_the_rank():
+    with pytest.raises(FileNotFoundError, match="/nope") as err:
+        ProcessWorkerGroup(ClassWithInitArgs(Broken), 2, name_prefix="rm", host_rank_zero=False)
+    assert any("'rm' rank 1, method '__init__'" in n for n in err.value.__notes__)
+
+
+def test_timeout_and_killed_rank_raise_fast_naming_the_rank():
+    group = ProcessWorkerGroup(ClassWithInitArgs(Probe), 2, name_prefix="critic", host_rank_zero=False,
+                               call_timeout_s=0.5)
+    try:
+        with pytest.raises(WorkerCallTimeout, match=r"'critic' ranks \[0, 1\] did not finish 'sleep' within 0.5 s"):
+            group.sleep(2)
+        time.sleep(2)
+        group.call_timeout_s = None
+        pids = group.sleep(0)
+        pending = group.execute_all_async("sleep", 30)
+        start = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match="worker group 'critic' rank 1 died while running 'sleep'"):
+            pending.get()
+        assert time.monotonic() - start < 10
+    finally:
+        group.shutdown()
+
+
+_DRIVER_SCRIPT = r"""
+import json, os, sys, torch
+from rlfoundry.single_controller import ClassWithInitArgs
+from rlfoundry.single_controller.process import ProcessWorkerGroup
+from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+sys.path.insert(0, {repo!r})
+from tests.workers import worker_config
+from tests.workers.test_actor_update import BASE
+from rlfoundry.protocol import DataProto
+model_dir, batch_dir, out_dir = sys.argv[1:4]
+cfg = worker_config(model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2",
+                                        "model.use_shared_prompt=true"])
+group = ProcessWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), 2, name_prefix="actor")
+group.init_model()
+batch = DataProto.load_from_disk(batch_dir)
+metrics = group.update_actor(batch).meta_info["metrics"]
+group.update_actor(batch)
+group.save_hf_model(out_dir)
+pids = group.execute_all("get_worker_info")
+print(json.dumps({{"grad_norm": metrics["actor/grad_norm"], "pids": [p["pid"] for p in pids], "driver": os.getpid()}}))
+group.shutdown()
+"""
+
+
+def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp_path):
+    """The trainer's layout (rank 0 in the driver, rank 1 spawned): two Adam steps over 2 ranks give
+    the weights of the same steps on one in-process rank (there with one padded forward per row,
+    here with FSDP2 over 2 ranks and the shared-prompt forward: two forwards before each backward)."""
+    from safetensors.torch import load_file
+
+    from tests.workers import local_worker, worker_config
+    from tests.workers.test_actor_update import BASE
+
+    batch.save_to_disk(tmp_path / "batch")
+    script = _DRIVER_SCRIPT.format(repo=str(REPO))
+    run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path / "batch"),
+                          str(tmp_path / "two")],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["pids"][0] == report["driver"] and report["pids"][1] != report["driver"]
+    cfg = worker_config(tiny_model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2"])
+    local = local_worker(cfg, role="actor")
+    one = local.update_actor(batch).meta_info["metrics"]
+    local.update_actor(batch)
+    local.save_hf_model(str(tmp_path / "one"))
+    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0, msg=name)
+    assert report["grad_norm"] == pytest.approx(one["actor/grad_norm"] * 2, rel=1e-4)
