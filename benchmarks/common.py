@@ -298,9 +298,11 @@ def runner_args(argv: Sequence[str] | None, description: str) -> tuple[Workload,
 # ───────────────────────────────────── in the parent: one run ─────────────────────────────────────
 
 
-def _child_env(w: Workload) -> dict[str, str]:
+def _child_env(w: Workload, framework: str = "") -> dict[str, str]:
     env = dict(os.environ)
-    threads = str(w.threads)
+    # every framework gets the same cores: rlfoundry's ranks split them (one process per rank)
+    workers = w.rlfoundry_workers if framework == "rlfoundry" else 1
+    threads = str(max(1, w.threads // workers))
     env.update({
         "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -414,7 +416,7 @@ def run_framework(framework: str, w: Workload, prepared: Prepared, run_dir: Path
     cmd = [sys.executable, "-m", RUNNERS[framework], "--spec", str(spec), "--out", str(out), "--work-dir", str(run_dir)]
     launched = time.time()
     with open(log, "w", encoding="utf-8") as log_fh:
-        proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=_child_env(w), stdout=log_fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=_child_env(w, framework), stdout=log_fh, stderr=subprocess.STDOUT)
         sampler = _TreeMemorySampler(proc.pid)
         sampler.start()
         status, rusage = _wait_with_timeout(proc, timeout_s)
@@ -627,6 +629,10 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: Workload = Workload(
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="models, data and run directories")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before a single run is killed")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--rlfoundry-backend", default=defaults.rlfoundry_backend, choices=["local", "process", "ray"],
+                   help="rlfoundry's trainer.worker_backend")
+    p.add_argument("--rlfoundry-workers", type=int, default=defaults.rlfoundry_workers,
+                   help="rlfoundry ranks (trainer.n_gpus_per_node); they share --threads between them")
     p.add_argument("--rlfoundry-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for the rlfoundry run (repeatable), e.g. to measure a knob")
 
@@ -635,4 +641,5 @@ def workload_from_args(a: argparse.Namespace, **changes: Any) -> Workload:
     return Workload(steps=a.steps, warmup_steps=a.warmup_steps, prompts_per_step=a.prompts_per_step, n=a.n,
                     lr=a.lr, hidden_size=a.hidden_size, num_layers=a.num_layers, model_path=a.model_path,
                     warm_start_steps=a.warm_start_steps,
-                    threads=a.threads, rlfoundry_overrides=tuple(a.rlfoundry_override)).replace(**changes)
+                    threads=a.threads, rlfoundry_backend=a.rlfoundry_backend, rlfoundry_workers=a.rlfoundry_workers,
+                    rlfoundry_overrides=tuple(a.rlfoundry_override)).replace(**changes)

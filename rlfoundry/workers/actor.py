@@ -31,7 +31,7 @@ from torch import nn
 from rlfoundry.algos import core_algos
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
-from rlfoundry.workers.fsdp_utils import cfg_get, clip_grad_norm_
+from rlfoundry.workers.fsdp_utils import accumulate_unsharded, cfg_get, clip_grad_norm_
 from rlfoundry.workers.utils.padding import pack_padded_batch
 from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
 from rlfoundry.workers.utils.update import global_batch_info, iter_mini_batches
@@ -358,12 +358,14 @@ class DataParallelPPOActor:
         stats = _MiniBatchStats()
         max_len = self.sizes.max_token_len if use_dynamic_bsz else None
         micros, _ = self._micro_batches(mini, self.sizes.micro_batch_size, max_len)
-        for micro in micros:
-            empty = len(micro) == 0  # token budgeting may leave a rank one short; FSDP still needs the pass
-            micro = _zero_loss_row(mini) if empty else micro
-            loss, losses, ratios = self._micro_loss(micro, temperature, info, entropy_metric)
-            loss.backward()  # summed over micro-batches: agg_loss already divided by the global count
-            stats.add(losses, ratios, 0.0 if empty else float(micro.batch["response_mask"].sum()))
+        with accumulate_unsharded(self.module) as before_backward:
+            for i, micro in enumerate(micros):
+                empty = len(micro) == 0  # token budgeting may leave a rank one short; FSDP still needs the pass
+                micro = _zero_loss_row(mini) if empty else micro
+                loss, losses, ratios = self._micro_loss(micro, temperature, info, entropy_metric)
+                before_backward(i == len(micros) - 1)
+                loss.backward()  # summed over micro-batches: agg_loss already divided by the global count
+                stats.add(losses, ratios, 0.0 if empty else float(micro.batch["response_mask"].sum()))
         metrics = stats.reduce(self.dp_size, self.dp_group)
         metrics["actor/grad_norm"] = self._optimizer_step()
         return metrics

@@ -187,7 +187,7 @@ from tests.workers.test_actor_update import BASE
 from rlfoundry.protocol import DataProto
 model_dir, batch_dir, out_dir = sys.argv[1:4]
 cfg = worker_config(model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2",
-                                        "model.use_shared_prompt=true"])
+                                        "model.use_shared_prompt=true", "actor.fsdp_config.reshard_after_forward=false"])
 group = ProcessWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), 2, name_prefix="actor")
 group.init_model()
 batch = DataProto.load_from_disk(batch_dir)
@@ -203,7 +203,8 @@ group.shutdown()
 def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp_path):
     """The trainer's layout (rank 0 in the driver, rank 1 spawned): two Adam steps over 2 ranks give
     the weights of the same steps on one in-process rank (there with one padded forward per row,
-    here with FSDP2 over 2 ranks and the shared-prompt forward: two forwards before each backward)."""
+    here with FSDP2 over 2 ranks, the shared-prompt forward (two forwards before each backward) and
+    parameters kept gathered with gradients reduced once per mini-batch of 2 micro-batches)."""
     from safetensors.torch import load_file
 
     from tests.workers import local_worker, worker_config
