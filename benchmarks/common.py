@@ -98,11 +98,13 @@ class Workload:
     steps: int = 4
     warmup_steps: int = 1
     seed: int = 1
-    threads: int = 1  # torch intra-op threads of each framework process (OMP_NUM_THREADS)
+    # torch intra-op threads per framework (OMP_NUM_THREADS): the whole 2-core machine for each;
+    # rlfoundry's ranks split them (2 ranks x 1 thread), TRL and the floor run 2 threads in one process
+    threads: int = 2
     # rlfoundry only: worker back end and processes (trainer.worker_backend / trainer.n_gpus_per_node),
     # and any extra key=value overrides (to measure a knob, e.g. a rollout option)
-    rlfoundry_backend: str = "local"
-    rlfoundry_workers: int = 1
+    rlfoundry_backend: str = "process"
+    rlfoundry_workers: int = 2
     rlfoundry_overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

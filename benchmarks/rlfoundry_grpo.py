@@ -62,6 +62,10 @@ def overrides(w, prepared, run_dir: Path) -> list[str]:
         f"trainer.n_gpus_per_node={w.rlfoundry_workers}",
         f"trainer.run_dir={run_dir}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        # speed settings (same math): the sampler's log-probs are pi_old (one epoch, on-policy), and
+        # each rank keeps its parameters gathered through the update (one gradient reduction)
+        "actor_rollout_ref.actor.use_rollout_log_probs=true",
+        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
         *w.rlfoundry_overrides,
     ]
 
