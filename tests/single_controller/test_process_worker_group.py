@@ -205,10 +205,8 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     the weights of the same steps on one in-process rank (there with one padded forward per row,
     here with FSDP2 over 2 ranks, the shared-prompt forward (two forwards before each backward) and
     parameters kept gathered with gradients reduced once per mini-batch of 2 micro-batches)."""
-    from safetensors.torch import load_file
-
-    from tests.workers import local_worker, worker_config
-    from tests.workers.test_actor_update import BASE
+    from tests.workers import worker_config
+    from tests.workers.test_actor_update import BASE, two_updates_on_one_rank_match
 
     batch.save_to_disk(tmp_path / "batch")
     script = _DRIVER_SCRIPT.format(repo=str(REPO))
@@ -220,11 +218,5 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["pids"][0] == report["driver"] and report["pids"][1] != report["driver"]
     cfg = worker_config(tiny_model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2"])
-    local = local_worker(cfg, role="actor")
-    one = local.update_actor(batch).meta_info["metrics"]
-    local.update_actor(batch)
-    local.save_hf_model(str(tmp_path / "one"))
-    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0, msg=name)
+    one = two_updates_on_one_rank_match(cfg, batch, tmp_path / "one", tmp_path / "two")
     assert report["grad_norm"] == pytest.approx(one["actor/grad_norm"] * 2, rel=1e-4)

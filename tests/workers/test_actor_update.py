@@ -196,13 +196,20 @@ def test_two_rank_update_equals_one_rank_update(tiny_model_dir, batch, ray_clust
     finally:
         group.shutdown()
         pool.remove()
-    local = local_worker(cfg, role="actor")
-    one = local.update_actor(batch).meta_info["metrics"]
-    local.update_actor(batch)
-    local.save_hf_model(str(tmp_path / "one"))
-    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0, msg=name)
+    one = two_updates_on_one_rank_match(cfg, batch, tmp_path / "one", tmp_path / "two")
     # every rank reports the all-reduced mini-batch numbers: the merged lists repeat them per rank
     assert two["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"] * 2, rel=1e-4)
     assert two["actor/pg_loss"] == pytest.approx(one["actor/pg_loss"] * 2, rel=1e-4, abs=1e-6)
+
+
+def two_updates_on_one_rank_match(cfg, batch, out_dir, other_dir) -> dict:
+    """Two updates on one in-process rank, saved to ``out_dir``; asserts the weights equal the HF
+    export in ``other_dir`` (made by the same two updates elsewhere). Returns the first update's metrics."""
+    local = local_worker(cfg, role="actor")
+    one = local.update_actor(batch).meta_info["metrics"]
+    local.update_actor(batch)
+    local.save_hf_model(str(out_dir))
+    w1, w2 = load_file(out_dir / "model.safetensors"), load_file(other_dir / "model.safetensors")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0, msg=name)
+    return one
