@@ -107,7 +107,10 @@ def _rank_main(conn: Connection, spec: tuple, env: dict[str, str], threads: int)
             reply = ("ok", getattr(worker, method)(*args, **kwargs))
         except BaseException as err:  # noqa: BLE001
             reply = _error_reply(err)
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except Exception as err:  # noqa: BLE001 - e.g. a result that cannot be pickled
+            conn.send(_error_reply(err))
 
 
 def _check_no_other_group(world_size: int) -> None:
