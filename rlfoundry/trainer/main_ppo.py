@@ -188,13 +188,18 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
     return classes
 
 
+def _export_worker_env(cfg: DictConfig) -> None:
+    """Ranks hosted by (or spawned from) this process read their device and timeout from the env."""
+    os.environ["RLFOUNDRY_DEVICE"] = cfg.trainer.device
+    os.environ["RLFOUNDRY_DIST_TIMEOUT_S"] = str(cfg.trainer.dist_timeout_s)
+
+
 def local_factory(cfg: DictConfig):
     """In-process back end: world size 1, the workers live in this process (breakpoints work)."""
     from rlfoundry.single_controller import LocalWorkerGroup, create_colocated_worker_cls
 
     def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
-        os.environ["RLFOUNDRY_DEVICE"] = cfg.trainer.device
-        os.environ["RLFOUNDRY_DIST_TIMEOUT_S"] = str(cfg.trainer.dist_timeout_s)
+        _export_worker_env(cfg)
         return LocalWorkerGroup(create_colocated_worker_cls(classes), name_prefix="global_pool").spawn(classes.keys())
 
     return build
@@ -206,8 +211,7 @@ def process_factory(cfg: DictConfig):
     from rlfoundry.single_controller.process import ProcessWorkerGroup
 
     def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
-        os.environ["RLFOUNDRY_DEVICE"] = cfg.trainer.device
-        os.environ["RLFOUNDRY_DIST_TIMEOUT_S"] = str(cfg.trainer.dist_timeout_s)
+        _export_worker_env(cfg)
         group = ProcessWorkerGroup(create_colocated_worker_cls(classes), int(cfg.trainer.n_gpus_per_node),
                                    name_prefix="global_pool", call_timeout_s=cfg.trainer.worker_call_timeout_s)
         return group.spawn(classes.keys())
@@ -275,7 +279,8 @@ def build_trainer(cfg: DictConfig):
     _import_external_lib(resolved)
     reward_fn = load_reward_manager(resolved, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(resolved, tokenizer, num_examine=1)
-    factory = {"local": local_factory, "process": process_factory, "ray": ray_factory}[resolved.trainer.worker_backend](resolved)
+    factories = {"local": local_factory, "process": process_factory, "ray": ray_factory}
+    factory = factories[resolved.trainer.worker_backend](resolved)
     trainer = RayPPOTrainer(resolved, tokenizer, factory, worker_classes(resolved), reward_fn, val_reward_fn,
                             train_loader, val_loader)
     trainer.init_workers()
