@@ -3,7 +3,8 @@
 The workload becomes verl-style overrides (``overrides(w, prepared, run_dir)``; print them with
 ``python -m benchmarks.rlfoundry_grpo --print-overrides`` to rerun by hand as
 ``python -m rlfoundry.trainer.main_ppo <overrides>``). One step = one mini-batch of P prompts × n
-samples = one optimiser step; micro-batches are the whole batch, as in the other frameworks.
+samples = one optimiser step. Micro-batches: rows of similar response length within a token budget
+(``TOKEN_BUDGET``, padding counted); the other frameworks run the whole batch at once.
 
 Timing: ``RayPPOTrainer.train_step`` is wrapped in this process only, to stamp the wall clock at
 the start and end of every step (the trainer's own ``timing_s/*`` phase times are recorded too).
@@ -16,6 +17,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+
+# Tokens (padding included) per update micro-batch: with length-sorted micro-batches this caps
+# activation memory and lets short responses skip the padding of long ones.
+TOKEN_BUDGET = 2048
 
 
 def overrides(w, prepared, run_dir: Path) -> list[str]:
@@ -62,10 +68,13 @@ def overrides(w, prepared, run_dir: Path) -> list[str]:
         f"trainer.n_gpus_per_node={w.rlfoundry_workers}",
         f"trainer.run_dir={run_dir}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
-        # speed settings (same math): the sampler's log-probs are pi_old (one epoch, on-policy), and
-        # each rank keeps its parameters gathered through the update (one gradient reduction)
+        # speed settings (same math): the sampler's log-probs are pi_old (one epoch, on-policy),
+        # each rank keeps its parameters gathered through the update (one gradient reduction), and
+        # micro-batches hold rows of similar response length within a token budget (padding counted)
         "actor_rollout_ref.actor.use_rollout_log_probs=true",
         "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max(TOKEN_BUDGET, w.max_prompt_length + w.max_response_length)}",
         *w.rlfoundry_overrides,
     ]
 

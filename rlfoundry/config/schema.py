@@ -419,6 +419,7 @@ class TrainerConfig:
     device: str = "cuda"  # cuda | cpu | auto
     use_legacy_worker_impl: str = "auto"
     worker_backend: str = "auto"  # rlfoundry: local | process | ray | auto
+    process_start_method: str = "auto"  # rlfoundry: process back end: auto | fork | spawn
     seed: int = 1  # rlfoundry: torch/numpy seed of the driver and of each worker
     run_dir: Optional[str] = None  # rlfoundry: metrics, plots, synthetic data; null -> default_local_dir
     worker_call_timeout_s: Optional[float] = None  # rlfoundry: limit of one worker call (Ray back end); null: none

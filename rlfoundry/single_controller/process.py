@@ -1,9 +1,18 @@
-"""The multi-process back end without Ray: rank 0 in the driver, ranks 1…W-1 in spawned processes.
+"""The multi-process back end without Ray: rank 0 in the driver, ranks 1…W-1 in child processes.
 
 For one machine (a multi-core CPU box, or one GPU node) Ray's own processes — GCS, raylet,
 agents, one Python worker per actor, each importing Ray — cost more memory and start-up than the
 work needs. Here the driver hosts rank 0 itself (as ``LocalWorkerGroup`` does) and starts W-1
-plain ``spawn`` processes, each building the same worker class and answering calls over a pipe.
+plain child processes, each building the same worker class and answering calls over a pipe.
+
+Start method (``start_method``): ``fork`` children share the driver's already-imported torch and
+transformers pages copy-on-write (about 300 MB of private memory per rank otherwise, most of the
+cost of a rank on a small model); ``spawn`` children import everything afresh. ``auto`` forks
+only where that is safe: Linux, one intra-op thread per rank (GNU OpenMP's thread pool does not
+survive a fork: a child that runs a parallel region with more threads hangs), and a driver with
+no CUDA context, torch.distributed group or Ray runtime yet. Children are started before rank 0's
+worker exists, so no model, process group or CUDA state is ever inherited; each receives its
+environment (rendezvous address included) as its first message.
 The ranks form a torch.distributed group exactly as on Ray, so FSDP2 and every collective run
 unchanged; the dispatch → execute → collect core is the shared one in ``base/worker_group.py``.
 
@@ -18,13 +27,16 @@ so a killed driver leaves no orphans.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
+from collections.abc import Callable
 from typing import Any
 
 from rlfoundry.single_controller.base.colocate import create_colocated_worker_cls
@@ -39,7 +51,9 @@ from rlfoundry.single_controller.base.worker_group import (
 )
 from rlfoundry.single_controller.local import set_rank_env
 
-__all__ = ["ProcessWorkerGroup", "threads_per_rank"]
+__all__ = ["ProcessWorkerGroup", "START_METHODS", "threads_per_rank"]
+
+START_METHODS = ("auto", "fork", "spawn")
 
 _LOCAL = "local"  # the handle of rank 0's call, whose result is already in hand
 
@@ -83,14 +97,24 @@ def _error_reply(err: BaseException) -> tuple:
         return ("err", RuntimeError(f"{type(err).__name__}: {err}"), text)
 
 
-def _rank_main(conn: Connection, spec: tuple, env: dict[str, str], threads: int) -> None:
-    """A remote rank: build the worker, then answer (method, args, kwargs) until the pipe closes."""
+def _rank_main(conn: Connection, spec: tuple, threads: int, inherited: list[Connection]) -> None:
+    """A remote rank: take its env, build the worker, then answer (method, args, kwargs) until the
+    pipe closes. ``inherited``: pipe ends a forked child holds by accident (the driver's ends of its
+    own and earlier ranks' pipes); closed, or a dead driver would never look like EOF to anyone."""
+    for other in inherited:
+        other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(env)
     import torch
 
     torch.set_num_threads(threads)
     try:
+        message = conn.recv()
+    except EOFError:  # the driver gave up before this rank was needed
+        return
+    if message[0] != "__init__":
+        return
+    try:
+        os.environ.update(message[1][0])
         worker = _build(spec)
         conn.send(("ok", None))
     except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
@@ -113,6 +137,37 @@ def _rank_main(conn: Connection, spec: tuple, env: dict[str, str], threads: int)
             conn.send(_error_reply(err))
 
 
+def resolve_start_method(requested: str, threads: int) -> str:
+    """``fork`` or ``spawn`` for ``requested`` (one of ``START_METHODS``); see the module docstring."""
+    if requested not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {requested!r}")
+    unsafe = _fork_hazards(threads)
+    if requested == "fork" and unsafe:
+        raise RuntimeError(f"cannot fork worker ranks: {unsafe}; use start_method='spawn' (or 'auto')")
+    if requested == "auto":
+        return "spawn" if unsafe else "fork"
+    return requested
+
+
+def _fork_hazards(threads: int) -> str | None:
+    """Why forking this process now would be unsafe, or None."""
+    import torch
+    import torch.distributed as dist
+
+    if "fork" not in mp.get_all_start_methods():
+        return "this platform has no fork"
+    if threads != 1:
+        return f"{threads} intra-op threads per rank (GNU OpenMP's pool does not survive a fork)"
+    if torch.cuda.is_initialized():
+        return "this process already holds a CUDA context"
+    if dist.is_initialized():
+        return "this process already belongs to a torch.distributed group"
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return "this process runs a Ray driver"
+    return None
+
+
 def _check_no_other_group(world_size: int) -> None:
     import torch.distributed as dist
 
@@ -130,7 +185,11 @@ class ProcessWorkerGroup(WorkerGroup):
     ``group.worker`` is rank 0's worker object (breakpoints in its methods stop the driver).
     A process belongs to at most one torch.distributed group, so a driver that already joined one
     (an earlier group of another size, a test process) passes ``host_rank_zero=False``: then every
-    rank is spawned and the driver only dispatches.
+    rank is a child process and the driver only dispatches.
+
+    ``start_method``: ``auto`` | ``fork`` | ``spawn`` (module docstring). ``preload``: called in
+    this process just before forking, to import what every rank's worker will import (the model's
+    code, say), so that the ranks share those pages instead of each importing a private copy.
     """
 
     def __init__(
@@ -141,6 +200,8 @@ class ProcessWorkerGroup(WorkerGroup):
         call_timeout_s: float | None = None,
         start_timeout_s: float = 300,
         host_rank_zero: bool = True,
+        start_method: str = "auto",
+        preload: Callable[[], None] | None = None,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -152,17 +213,24 @@ class ProcessWorkerGroup(WorkerGroup):
         self._conns: dict[int, Connection] = {}
         self.worker = None
         try:
-            self._start(cls_with_init, host_rank_zero, start_timeout_s)
+            self._start(cls_with_init, host_rank_zero, start_timeout_s, start_method, preload)
         except BaseException:
             self.shutdown(timeout_s=5)  # no orphaned or zombie ranks when a constructor fails
             raise
         bind_worker_methods(self)
 
-    def _start(self, cls_with_init: ClassWithInitArgs, host_rank_zero: bool, start_timeout_s: float) -> None:
+    def _start(self, cls_with_init: ClassWithInitArgs, host_rank_zero: bool, start_timeout_s: float,
+               start_method: str, preload: Callable[[], None] | None) -> None:
         world_size = self.world_size
         threads, spec = threads_per_rank(world_size), _portable(cls_with_init)
         if host_rank_zero:
             _check_no_other_group(world_size)
+        self.start_method = resolve_start_method(start_method, threads)
+        if preload is not None and self.start_method == "fork":
+            preload()
+        for rank in range(1 if host_rank_zero else 0, world_size):  # before rank 0 exists: nothing of it is forked
+            self._start_rank(rank, spec, threads)
+        if host_rank_zero:
             import torch
 
             torch.set_num_threads(threads)
@@ -171,26 +239,34 @@ class ProcessWorkerGroup(WorkerGroup):
             master = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT")}
         else:
             # rank 0 opens the rendezvous in its own process and tells us where
-            self._start_rank(0, spec, threads, {"MASTER_ADDR": "", "MASTER_PORT": ""}, start_timeout_s)
+            self._init_rank(0, {"MASTER_ADDR": "", "MASTER_PORT": ""})
+            self._get([0], "__init__", start_timeout_s)
             addr, port = self._call_remote(0, "get_master_addr_port", start_timeout_s)
             master = {"MASTER_ADDR": addr, "MASTER_PORT": port}
         for rank in range(1, world_size):
-            self._start_rank(rank, spec, threads, master, None)
+            self._init_rank(rank, master)
         self._get(list(range(1, world_size)), "__init__", start_timeout_s)  # every constructor ran
 
-    def _start_rank(self, rank: int, spec: tuple, threads: int, master: dict, wait_s: float | None) -> None:
-        """Spawn one rank; with ``wait_s``, wait until its worker is built."""
-        ctx = mp.get_context("spawn")
-        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(self.world_size), "RLFOUNDRY_WORKER_GROUP": self.name, **master}
+    def _start_rank(self, rank: int, spec: tuple, threads: int) -> None:
+        """Start one rank's process; it waits for its environment (``_init_rank``) before building."""
+        ctx = mp.get_context(self.start_method)
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_rank_main, args=(child, spec, env, threads), daemon=True,
+        # a forked child inherits every open pipe end of this process; it closes the drivers' ones
+        inherited = [*self._conns.values(), parent] if self.start_method == "fork" else []
+        proc = ctx.Process(target=_rank_main, args=(child, spec, threads, inherited), daemon=True,
                            name=f"{self.name}-rank{rank}")
+        if self.start_method == "fork":
+            # Objects alive now are shared copy-on-write; the collector would otherwise write to
+            # every one of them in the child (and copy its page) on its first full collection.
+            gc.freeze()
         proc.start()
         child.close()
         self._procs[rank], self._conns[rank] = proc, parent
-        if wait_s is not None:
-            self._get([rank], "__init__", wait_s)
+
+    def _init_rank(self, rank: int, master: dict[str, str]) -> None:
+        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(self.world_size), "RLFOUNDRY_WORKER_GROUP": self.name, **master}
+        self._send(rank, ("__init__", (env,), {}))
 
     def _call_remote(self, rank: int, method: str, timeout_s: float | None = None):
         self._send(rank, (method, (), {}))

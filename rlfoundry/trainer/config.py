@@ -126,6 +126,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("cuda", "cpu", "auto"),
     "trainer.worker_backend": ("local", "process", "ray", "auto"),
+    "trainer.process_start_method": ("auto", "fork", "spawn"),
 }
 
 

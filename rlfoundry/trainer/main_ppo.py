@@ -194,6 +194,14 @@ def _export_worker_env(cfg: DictConfig) -> None:
     os.environ["RLFOUNDRY_DIST_TIMEOUT_S"] = str(cfg.trainer.dist_timeout_s)
 
 
+def _preload(cfg: DictConfig) -> None:
+    """Before the process back end forks its ranks: the policy model's code, imported once here."""
+    from rlfoundry.workers.fsdp_utils import import_model_code
+
+    model = cfg.actor_rollout_ref.model
+    import_model_code(model.path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+
+
 def local_factory(cfg: DictConfig):
     """In-process back end: world size 1, the workers live in this process (breakpoints work)."""
     from rlfoundry.single_controller import LocalWorkerGroup, create_colocated_worker_cls
@@ -206,14 +214,15 @@ def local_factory(cfg: DictConfig):
 
 
 def process_factory(cfg: DictConfig):
-    """One machine without Ray: rank 0 in this process, n_gpus_per_node - 1 spawned processes."""
+    """One machine without Ray: rank 0 in this process, n_gpus_per_node - 1 child processes."""
     from rlfoundry.single_controller import create_colocated_worker_cls
     from rlfoundry.single_controller.process import ProcessWorkerGroup
 
     def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
         _export_worker_env(cfg)
         group = ProcessWorkerGroup(create_colocated_worker_cls(classes), int(cfg.trainer.n_gpus_per_node),
-                                   name_prefix="global_pool", call_timeout_s=cfg.trainer.worker_call_timeout_s)
+                                   name_prefix="global_pool", call_timeout_s=cfg.trainer.worker_call_timeout_s,
+                                   start_method=cfg.trainer.process_start_method, preload=lambda: _preload(cfg))
         return group.spawn(classes.keys())
 
     return build

@@ -33,7 +33,12 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from rlfoundry.workers.fsdp_utils import accumulate_unsharded, cfg_get, clip_grad_norm_
 from rlfoundry.workers.utils.padding import pack_padded_batch
-from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
+from rlfoundry.workers.utils.seqlen_balancing import (
+    all_reduce_ints,
+    length_sorted_micro_batches,
+    rearrange_micro_batches,
+    restore_order,
+)
 from rlfoundry.workers.utils.update import global_batch_info, iter_mini_batches
 
 __all__ = ["DataParallelPPOActor", "ActorBatchSizes"]
@@ -135,29 +140,34 @@ class DataParallelPPOActor:
     # ---- forward --------------------------------------------------------------------------
 
     def _forward_micro_batch(
-        self, micro: DataProto, temperature: float, calculate_entropy: bool, entropy_grad: bool = True
+        self, micro: DataProto, temperature: float, calculate_entropy: bool, entropy_grad: bool = True,
+        shared_prompt: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Response log-probs (b, Tr) and optionally entropies (b, Tr) of one micro-batch.
 
         Only positions that predict a response token go through the LM head (``logits_to_keep``):
-        prompt logits are never computed. Logits are divided by the sampling temperature, as the
+        prompt logits are never computed, nor any column after the micro-batch's longest response.
+        Outputs are 0 wherever the response is padding, so they do not depend on micro-batching. Logits are divided by the sampling temperature, as the
         rollout did. With ``use_remove_padding`` the padding is not computed either.
         ``entropy_grad=False``: the entropy is only a metric, computed without a graph.
+        ``shared_prompt``: this micro-batch's entry of ``_shared_prompt_plan``.
         """
-        groups = self._prompt_groups(micro.batch) if self.use_shared_prompt else None
+        batch, full_width = _trim_response_padding(micro.batch)
+        groups = self._prompt_groups(batch) if shared_prompt else None
         if groups is not None:
-            logits, labels, scatter = self._shared_prompt_response_logits(micro.batch, *groups)
+            logits, labels, scatter = self._shared_prompt_response_logits(batch, *groups)
         elif self.use_remove_padding:
-            logits, labels, scatter = self._packed_response_logits(micro.batch)
+            logits, labels, scatter = self._packed_response_logits(batch)
         else:
-            logits, labels, scatter = self._padded_response_logits(micro.batch)
+            logits, labels, scatter = self._padded_response_logits(batch)
         if temperature != 1.0:
             logits = logits / temperature
-        log_probs = scatter(logprobs_from_logits(logits, labels))
+        padding = _response_padding(micro.batch)
+        log_probs = _pad_width(scatter(logprobs_from_logits(logits, labels)), full_width).masked_fill(padding, 0.0)
         entropy = None
         if calculate_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = scatter(entropy_from_logits(logits))
+                entropy = _pad_width(scatter(entropy_from_logits(logits)), full_width).masked_fill(padding, 0.0)
         return entropy, log_probs
 
     def _padded_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -170,19 +180,55 @@ class DataParallelPPOActor:
         # position t predicts token t+1: the response logits are the ones just before each token
         return out.logits[:, :-1, :], responses, lambda values: values
 
+    def _shared_prompt_plan(self, micros: list[DataProto]) -> list[bool]:
+        """Per micro-batch, whether to take the shared-prompt path; the same on every rank.
+
+        The shared path runs the model twice before a backward: ranks on different paths would
+        pair FSDP's gathers and reductions wrongly and hang. One all-reduce (MIN) settles all the
+        micro-batches of a call, before any compute, so no rank waits on another there.
+        """
+        if not self.use_shared_prompt:
+            return [False] * len(micros)
+        wanted = [len(m) > 0 and self._prompt_groups(_trim_response_padding(m.batch)[0]) is not None for m in micros]
+        if self.dp_size > 1:
+            wanted = [bool(w) for w in all_reduce_ints([int(w) for w in wanted], dist.ReduceOp.MIN, self._group_if_dist())]
+        return wanted
+
+    @staticmethod
+    def _distinct_prompts(batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        tp = ids.shape[1] - batch["responses"].shape[1]
+        # the mask too: a pad id may also be a real token (pad = eos in many tokenizers)
+        return torch.unique(torch.cat([ids[:, :tp], mask[:, :tp]], dim=1), dim=0, return_inverse=True)
+
+    @staticmethod
+    def _shared_tokens(batch, distinct: int) -> int:
+        rows, width = batch["responses"].shape
+        return distinct * (batch["input_ids"].shape[1] - width) + rows * width
+
+    def _unshared_tokens(self, batch) -> int:
+        mask = batch["attention_mask"]
+        return int(mask.sum()) if self.use_remove_padding else mask.numel()
+
+    def _forward_tokens(self, batch) -> int:
+        """Tokens one micro-batch's forward computes (after trimming, on its cheaper path)."""
+        if len(batch["input_ids"]) == 0:
+            return 0
+        batch, _ = _trim_response_padding(batch)
+        unshared = self._unshared_tokens(batch)
+        if not self.use_shared_prompt:
+            return unshared
+        return min(unshared, self._shared_tokens(batch, self._distinct_prompts(batch)[0].shape[0]))
+
     def _prompt_groups(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(one row per distinct prompt, group of each row), or None when sharing saves no tokens.
 
         Tokens computed: shared = distinct prompts x Tp + rows x Tr; otherwise rows x (Tp + Tr)
         padded, or the real tokens only when packing.
         """
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        rows, tp = ids.shape[0], ids.shape[1] - batch["responses"].shape[1]
-        # the mask too: a pad id may also be a real token (pad = eos in many tokenizers)
-        uniq, group = torch.unique(torch.cat([ids[:, :tp], mask[:, :tp]], dim=1), dim=0, return_inverse=True)
-        shared = uniq.shape[0] * tp + rows * (mask.shape[1] - tp)
-        other = int(mask.sum()) if self.use_remove_padding else mask.numel()
-        if shared >= other:
+        ids, rows = batch["input_ids"], batch["input_ids"].shape[0]
+        uniq, group = self._distinct_prompts(batch)
+        if self._shared_tokens(batch, uniq.shape[0]) >= self._unshared_tokens(batch):
             return None
         first = torch.empty(uniq.shape[0], dtype=torch.long, device=ids.device)
         first[group] = torch.arange(rows, device=ids.device)  # any row of each group
@@ -240,10 +286,33 @@ class DataParallelPPOActor:
     def _micro_batches(
         self, data: DataProto, micro_batch_size: int | None, max_token_len: int | None
     ) -> tuple[list[DataProto], list[list[int]] | None]:
-        """Fixed-size micro-batches, or token-budget ones (same count on every rank) plus their order."""
+        """Fixed-size micro-batches, or token-budget ones (same count on every rank) plus their order.
+
+        Every micro-batch is cut after its own longest response. When the forward pads, a token
+        budget groups rows of similar length and counts the padding (``length_sorted_micro_batches``);
+        fixed-size micro-batches take the rows longest response first when that computes fewer tokens
+        than the given order (which keeps a prompt's n samples together for the shared-prompt
+        forward). Packed forwards compute no padding: rows keep their order, budgets count real tokens.
+        """
+        group = self._group_if_dist()
+        if max_token_len is not None and self.use_remove_padding:
+            return rearrange_micro_batches(data, max_token_len=max_token_len, dp_group=group)
         if max_token_len is not None:
-            return rearrange_micro_batches(data, max_token_len=max_token_len, dp_group=self._group_if_dist())
-        return data.split(micro_batch_size or len(data)), None
+            width = data.batch["input_ids"].shape[-1] - data.batch["responses"].shape[-1]
+            parts = length_sorted_micro_batches(_response_lengths(data.batch).tolist(), width, max_token_len, group)
+        else:
+            size = micro_batch_size or len(data)
+            if size >= len(data) or self.use_remove_padding:
+                return data.split(size), None
+            order = _longest_response_first(data.batch)
+            parts = [order[i: i + size] for i in range(0, len(order), size)]
+            in_order = data.split(size)
+            by_length = [data.select_idxs(part) for part in parts]
+            if sum(map(self._forward_tokens, (m.batch for m in by_length))) >= \
+                    sum(map(self._forward_tokens, (m.batch for m in in_order))):
+                return in_order, None
+            return by_length, parts
+        return [data.select_idxs(part) for part in parts], parts
 
     def _group_if_dist(self) -> Any:
         return (self.dp_group if self.dp_group is not None else dist.group.WORLD) if self.dp_size > 1 else None
@@ -271,9 +340,11 @@ class DataParallelPPOActor:
         log_probs, entropies = [], []
         was_training = self.module.training
         self.module.eval()
+        plan = self._shared_prompt_plan(micros)
         with torch.no_grad():
-            for micro in micros:
-                entropy, lp = self._forward_micro_batch(_nonempty(micro, data), temperature, calculate_entropy)
+            for micro, shared in zip(micros, plan):
+                entropy, lp = self._forward_micro_batch(_nonempty(micro, data), temperature, calculate_entropy,
+                                                        shared_prompt=shared)
                 log_probs.append(lp[: len(micro)])
                 entropies.append(entropy[: len(micro)] if entropy is not None else None)
         self.module.train(was_training)
@@ -306,7 +377,8 @@ class DataParallelPPOActor:
             info["loss_scale_factor"] = float(scale)
         return info
 
-    def _micro_loss(self, micro: DataProto, temperature: float, info: dict[str, Any], entropy_metric: bool = False):
+    def _micro_loss(self, micro: DataProto, temperature: float, info: dict[str, Any], entropy_metric: bool = False,
+                    shared_prompt: bool = False):
         """Total loss of one micro-batch (to backpropagate as is), its loss metrics and ratio metrics.
 
         ``entropy_metric``: report ``actor/entropy`` even when it is not in the loss (the trainer
@@ -319,7 +391,7 @@ class DataParallelPPOActor:
         entropy_coeff = float(cfg_get(cfg, "entropy_coeff", 0.0))
         in_loss = entropy_coeff != 0
         entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=in_loss or entropy_metric,
-                                                      entropy_grad=in_loss)
+                                                      entropy_grad=in_loss, shared_prompt=shared_prompt)
         loss_fn = core_algos.get_policy_loss_fn(str(cfg_get(cfg_get(cfg, "policy_loss", {}), "loss_mode", "vanilla")))
         weights = batch["rollout_is_weights"] if "rollout_is_weights" in batch.keys() else None
         pg_loss, ratios = loss_fn(
@@ -358,11 +430,12 @@ class DataParallelPPOActor:
         stats = _MiniBatchStats()
         max_len = self.sizes.max_token_len if use_dynamic_bsz else None
         micros, _ = self._micro_batches(mini, self.sizes.micro_batch_size, max_len)
+        plan = self._shared_prompt_plan(micros)
         with accumulate_unsharded(self.module) as before_backward:
-            for i, micro in enumerate(micros):
+            for i, (micro, shared) in enumerate(zip(micros, plan)):
                 empty = len(micro) == 0  # token budgeting may leave a rank one short; FSDP still needs the pass
                 micro = _zero_loss_row(mini) if empty else micro
-                loss, losses, ratios = self._micro_loss(micro, temperature, info, entropy_metric)
+                loss, losses, ratios = self._micro_loss(micro, temperature, info, entropy_metric, shared)
                 before_backward(i == len(micros) - 1)
                 loss.backward()  # summed over micro-batches: agg_loss already divided by the global count
                 stats.add(losses, ratios, 0.0 if empty else float(micro.batch["response_mask"].sum()))
@@ -423,6 +496,41 @@ def _zero_loss_row(mini: DataProto) -> DataProto:
     row = mini[:1].select(deepcopy=True)  # a copy: the mini-batch itself must keep its mask
     row.batch["response_mask"] = torch.zeros_like(row.batch["response_mask"])
     return row
+
+
+def _response_lengths(batch) -> torch.Tensor:
+    """Real tokens per response (B,): responses are right-padded, so the mask is a prefix of ones."""
+    tp = batch["input_ids"].shape[-1] - batch["responses"].shape[-1]
+    return batch["attention_mask"][:, tp:].sum(-1)
+
+
+def _response_padding(batch) -> torch.Tensor:
+    """(B, Tr) True where the response is padding."""
+    return batch["attention_mask"][:, batch["input_ids"].shape[-1] - batch["responses"].shape[-1]:] == 0
+
+
+def _longest_response_first(batch) -> list[int]:
+    return torch.argsort(_response_lengths(batch), descending=True, stable=True).tolist()
+
+
+def _trim_response_padding(batch) -> tuple[Any, int]:
+    """The model inputs cut after the longest response in ``batch``, and the uncut width.
+
+    The columns cut only hold padding, and the logits they would produce only predict padding:
+    no log-prob the loss reads changes.
+    """
+    full = batch["responses"].shape[-1]
+    width = max(1, int(_response_lengths(batch).max())) if batch["responses"].shape[0] else full
+    if width >= full:
+        return batch, full
+    cut = full - width
+    trimmed = {k: batch[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+    return trimmed, full
+
+
+def _pad_width(values: torch.Tensor, width: int) -> torch.Tensor:
+    """(b, w) -> (b, width), zeros after column w."""
+    return values if values.shape[-1] == width else torch.nn.functional.pad(values, (0, width - values.shape[-1]))
 
 
 def _restore(values: torch.Tensor, order: list[list[int]] | None) -> torch.Tensor:

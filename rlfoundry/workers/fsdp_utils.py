@@ -163,6 +163,27 @@ def load_hf_model(
     return model
 
 
+def import_model_code(path: str | Path, model_kind: str = "causal_lm", trust_remote_code: bool = False) -> None:
+    """Import, without loading weights, the code ``load_hf_model`` and FSDP2 will run for ``path``.
+
+    An empty model is built on the meta device (no memory), which imports its modeling module and
+    whatever transformers pulls in with it. A worker back end that forks its ranks calls this in
+    the driver first, so the ranks share those modules' pages with it copy-on-write (about 50 MB a
+    rank for a Qwen2) instead of importing private copies. Remote code is not run here.
+    """
+    import safetensors.torch  # noqa: F401 - the weights loader
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if trust_remote_code:
+        return
+    config = AutoConfig.from_pretrained(check_model_dir(path))
+    auto = AutoModelForTokenClassification if model_kind == "token_classification" else AutoModelForCausalLM
+    with torch.device("meta"):
+        auto.from_config(config, attn_implementation="sdpa")
+
+
 # --------------------------------------------------------------------------- FSDP2
 
 def get_decoder_layers(module: nn.Module) -> list[nn.Module]:

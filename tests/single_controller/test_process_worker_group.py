@@ -78,6 +78,12 @@ class Probe(Worker):
         time.sleep(seconds)
         return os.getpid()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def private_mb(self):
+        """Memory only this process maps (Linux): what a rank really adds to the machine."""
+        fields = dict(line.split(":", 1) for line in open("/proc/self/smaps_rollup").read().splitlines()[1:])
+        return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) / 1024
+
 
 class Critic(Worker):
     @register(Dispatch.ONE_TO_ALL)
@@ -185,38 +191,139 @@ sys.path.insert(0, {repo!r})
 from tests.workers import worker_config
 from tests.workers.test_actor_update import BASE
 from rlfoundry.protocol import DataProto
-model_dir, batch_dir, out_dir = sys.argv[1:4]
-cfg = worker_config(model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2",
+model_dir, batch_dir, out_dir, micro, start_method = sys.argv[1:6]
+cfg = worker_config(model_dir, BASE + ["actor.ppo_mini_batch_size=4", f"actor.ppo_micro_batch_size_per_gpu={{micro}}",
                                         "model.use_shared_prompt=true", "actor.fsdp_config.reshard_after_forward=false"])
-group = ProcessWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), 2, name_prefix="actor")
+group = ProcessWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), 2, name_prefix="actor",
+                           start_method=start_method)
 group.init_model()
 batch = DataProto.load_from_disk(batch_dir)
 metrics = group.update_actor(batch).meta_info["metrics"]
 group.update_actor(batch)
 group.save_hf_model(out_dir)
 pids = group.execute_all("get_worker_info")
-print(json.dumps({{"grad_norm": metrics["actor/grad_norm"], "pids": [p["pid"] for p in pids], "driver": os.getpid()}}))
+print(json.dumps({{"grad_norm": metrics["actor/grad_norm"], "pids": [p["pid"] for p in pids], "driver": os.getpid(),
+                  "start_method": group.start_method}}))
 group.shutdown()
 """
 
 
-def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp_path):
-    """The trainer's layout (rank 0 in the driver, rank 1 spawned): two Adam steps over 2 ranks give
-    the weights of the same steps on one in-process rank (there with one padded forward per row,
-    here with FSDP2 over 2 ranks, the shared-prompt forward (two forwards before each backward) and
-    parameters kept gathered with gradients reduced once per mini-batch of 2 micro-batches)."""
+_FORK_SCRIPT = r"""
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+import torch, transformers.modeling_utils
+from rlfoundry.single_controller import ClassWithInitArgs
+from rlfoundry.single_controller.process import ProcessWorkerGroup
+from tests.single_controller.test_process_worker_group import Probe
+mode = sys.argv[1]
+if mode == "memory":
+    private = {{}}
+    for method in ("fork", "spawn"):
+        group = ProcessWorkerGroup(ClassWithInitArgs(Probe), 2, name_prefix=method, start_method=method)
+        private[group.start_method] = group.private_mb()[1]
+        group.shutdown()
+    print(json.dumps(private))
+else:  # orphans: every rank forked, then this driver is killed
+    group = ProcessWorkerGroup(ClassWithInitArgs(Probe), 3, host_rank_zero=False, start_method="fork")
+    print(json.dumps([pid for *_, pid, _ in group.whoami("x")]), flush=True)
+    time.sleep(600)
+"""
+
+
+def _fork_script(mode: str, **kwargs):
+    cmd = [sys.executable, "-c", _FORK_SCRIPT.format(repo=str(REPO)), mode]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc")
+def test_forked_rank_shares_the_drivers_imported_libraries():
+    """A forked rank maps torch/transformers' memory copy-on-write from the driver; a spawned one
+    imports private copies (~150 MB of torch alone)."""
+    out, err = _fork_script("memory").communicate(timeout=240)
+    private = json.loads(out.strip().splitlines()[-1]) if out.strip() else pytest.fail(err[-3000:])
+    assert private["fork"] < 80 < private["spawn"], private
+    assert private["spawn"] - private["fork"] > 100, private
+
+
+def test_forked_ranks_exit_when_the_driver_is_killed():
+    """Forked children inherit the driver's ends of every pipe; each closes them, or a dead driver's
+    pipes would never read as closed and the ranks would live on as orphans."""
+    proc = _fork_script("orphans")
+    try:
+        line = proc.stdout.readline()
+        pids = json.loads(line) if line.strip() else pytest.fail(proc.stderr.read()[-3000:])
+        assert len(set(pids)) == 3 and proc.pid not in pids
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), "ranks outlived their driver"
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie already exited; only its parent (gone) could reap it
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_start_method_auto_forks_only_where_it_is_safe(monkeypatch):
+    from rlfoundry.single_controller.process import resolve_start_method
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert resolve_start_method("auto", 1) == "fork"
+    assert resolve_start_method("auto", 2) == "spawn"  # GNU OpenMP's pool does not survive a fork
+    assert resolve_start_method("spawn", 1) == "spawn"
+    with pytest.raises(RuntimeError, match="cannot fork worker ranks: 4 intra-op threads.*start_method='spawn'"):
+        resolve_start_method("fork", 4)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert resolve_start_method("auto", 1) == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="already belongs to a torch.distributed group"):
+        resolve_start_method("fork", 1)
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        resolve_start_method("forkserver", 1)
+
+
+# Rows (4 prompts x n=2; rows 2i, 2i+1 share prompt i; rank r gets rows 4r..4r+3) and micro-batch:
+# "paired": both ranks see each prompt twice, 2 micro-batches accumulate; "mixed": rank 0 sees two
+# prompts twice (shared-prompt path: two forwards) while rank 1's four prompts are distinct (one
+# padded forward would do), so the ranks must agree on the path or FSDP's collectives hang.
+_ROWS = {"paired": ([0, 1, 2, 3, 4, 5, 6, 7], 2), "mixed": ([0, 1, 2, 3, 4, 6, 1, 3], 4)}
+
+
+@pytest.mark.parametrize("rows,start_method", [("paired", "fork"), ("mixed", "spawn")])
+def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp_path, rows, start_method):
+    """The trainer's layout (rank 0 in the driver, rank 1 a child process): two Adam steps over 2
+    ranks give the weights of the same steps on one in-process rank (there with one padded forward
+    per row, here with FSDP2 over 2 ranks, the shared-prompt forward (two forwards before each
+    backward) and parameters kept gathered with gradients reduced once per mini-batch)."""
     from tests.workers import worker_config
     from tests.workers.test_actor_update import BASE, two_updates_on_one_rank_match
 
+    index, micro = _ROWS[rows]
+    batch = batch.select_idxs(index)
     batch.save_to_disk(tmp_path / "batch")
     script = _DRIVER_SCRIPT.format(repo=str(REPO))
     run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path / "batch"),
-                          str(tmp_path / "two")],
+                          str(tmp_path / "two"), str(micro), start_method],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "RLFOUNDRY_DIST_TIMEOUT_S": "60"})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["pids"][0] == report["driver"] and report["pids"][1] != report["driver"]
+    assert report["start_method"] == start_method
     cfg = worker_config(tiny_model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2"])
     one = two_updates_on_one_rank_match(cfg, batch, tmp_path / "one", tmp_path / "two")
     assert report["grad_norm"] == pytest.approx(one["actor/grad_norm"] * 2, rel=1e-4)

@@ -99,6 +99,25 @@ def test_log_probs_do_not_depend_on_micro_batching(tiny_model_dir, batch):
         torch.testing.assert_close(ent, ent_whole, atol=1e-5, rtol=0)
 
 
+def test_micro_batches_go_longest_first_and_are_cut_after_their_longest_response(tiny_model_dir, batch):
+    """Padding after a micro-batch's longest response is never computed; outputs are 0 there."""
+    actor = local_worker(worker_config(tiny_model_dir), role="actor").worker.actor
+    widths: list[int] = []
+    hook = actor.module.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]),
+                                                  with_kwargs=True)
+    try:
+        log_probs, _ = actor.compute_log_prob(batch, micro_batch_size=2)
+    finally:
+        hook.remove()
+    lengths = batch.batch["response_mask"].sum(-1)
+    tp = batch.batch["prompts"].shape[1]
+    ordered = sorted(lengths.tolist(), reverse=True)
+    assert widths == [tp + ordered[i] for i in range(0, len(ordered), 2)]
+    assert min(widths) < batch.batch["input_ids"].shape[1]  # something was cut
+    padding = batch.batch["response_mask"] == 0
+    assert torch.all(log_probs[padding] == 0) and torch.all(log_probs[~padding] < 0)
+
+
 def test_remove_padding_gives_the_same_log_probs_and_update(tiny_model_dir, batch):
     padded = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=4"])
     packed = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=4", "model.use_remove_padding=true"])
@@ -116,7 +135,9 @@ def test_shared_prompt_forward_gives_the_same_log_probs_and_update(tiny_model_di
     """Each prompt once + its rows from the shared KV cache == one padded forward per row."""
     shared_cfg = ["model.use_shared_prompt=true", f"actor.ppo_micro_batch_size_per_gpu={micro}"]
     group = local_worker(worker_config(tiny_model_dir, shared_cfg), role="actor_rollout_ref")
-    assert group.worker.actor._prompt_groups(batch.batch) is not None, "the batch should take the shared path"
+    actor = group.worker.actor
+    micros, _ = actor._micro_batches(batch, micro, None)
+    assert all(actor._shared_prompt_plan(micros)), "every micro-batch should take the shared path"
     out = group.compute_log_prob(batch)
     mask = batch.batch["response_mask"].bool()
     torch.testing.assert_close(out.batch["old_log_probs"][mask], batch.batch["old_log_probs"][mask], atol=1e-5, rtol=0)

@@ -144,7 +144,7 @@ class _ThreadGroup:
 def test_dp_ranks_agree_on_micro_batch_count(monkeypatch):
     # Rank 0 fits in one micro-batch of 16 tokens, rank 1 needs three (3 rows of 10): both use 3.
     group = _ThreadGroup(2)
-    monkeypatch.setattr(sb, "_all_reduce_int", lambda value, op, g: g.all_reduce(value, op))
+    monkeypatch.setattr(sb, "all_reduce_int", lambda value, op, g: g.all_reduce(value, op))
     lengths = {0: [4, 4, 4], 1: [10, 10, 10]}
     results: dict[int, tuple] = {}
 
@@ -164,3 +164,54 @@ def test_dp_ranks_agree_on_micro_batch_count(monkeypatch):
         assert max(sums) <= 16
     # Without a group each rank keeps its own count.
     assert len(rearrange_micro_batches(_batch(lengths[0]), 16)[0]) == 1
+
+
+# ---- length-sorted micro-batches for padded forwards ------------------------------------------
+
+
+def test_length_sorted_micro_batches_hand_example():
+    # prompt width 2; budget 20 padded tokens. Longest first: rows 1 (8), 3 (6), 0 (3), 4 (2), 2 (1).
+    # [1, 3]: 2 rows x (2 + 8) = 20 fits, a third would cost 30; [0, 4, 2]: 3 x (2 + 3) = 15.
+    parts = sb.length_sorted_micro_batches([3, 8, 1, 6, 2], prompt_width=2, max_token_len=20)
+    assert parts == [[1, 3], [0, 4, 2]]
+    # padded cost 20 + 15 = 35 tokens; balanced-by-real-tokens parts padded to the batch's longest
+    # response (8) would cost 5 x 10 = 50.
+    assert sum(len(p) * (2 + [3, 8, 1, 6, 2][p[0]]) for p in parts) == 35
+
+
+def test_length_sorted_micro_batches_reject_a_row_over_budget():
+    with pytest.raises(ValueError, match="exceeds the micro-batch token budget 9.*ppo_max_token_len_per_gpu"):
+        sb.length_sorted_micro_batches([3, 8], prompt_width=2, max_token_len=9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=40), st.integers(0, 8), st.integers(0, 60))
+def test_property_length_sorted_parts_fit_cover_and_are_fewest(lengths, prompt, slack):
+    budget = prompt + max(lengths) + slack
+    parts = sb.length_sorted_micro_batches(lengths, prompt, budget)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    for p in parts:
+        assert len(p) * (prompt + max(lengths[i] for i in p)) <= budget
+    # fewest: no two neighbouring parts (in longest-first order) could have been one
+    for a, b in zip(parts, parts[1:]):
+        assert (len(a) + len(b)) * (prompt + lengths[a[0]]) > budget
+
+
+def test_length_sorted_ranks_agree_on_the_count(monkeypatch):
+    # rank 0: one part of 4 rows; rank 1: three parts -> rank 0 splits its costliest part until 3
+    group = _ThreadGroup(2)
+    monkeypatch.setattr(sb, "all_reduce_int", lambda value, op, g: g.all_reduce(value, op))
+    lengths = {0: [2, 2, 2, 2], 1: [10, 10, 10]}
+    results: dict[int, list] = {}
+
+    def rank(r: int) -> None:
+        results[r] = sb.length_sorted_micro_batches(lengths[r], 0, 16, dp_group=group)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results[1] == [[0], [1], [2]]
+    assert len(results[0]) == 3 and sorted(i for p in results[0] for i in p) == [0, 1, 2, 3]
+    assert sorted(len(p) for p in results[0]) == [1, 1, 2]

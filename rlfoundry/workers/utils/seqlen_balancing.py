@@ -2,9 +2,11 @@
 
 Two users:
 
-- workers (``use_dynamic_bsz``): :func:`rearrange_micro_batches` packs the rows of a batch into
-  micro-batches whose *real* token count (``attention_mask.sum(-1)``) stays within
-  ``max_token_len``, so a forward pass costs about the same whatever the response lengths;
+- workers (``use_dynamic_bsz``): with packed forwards (``use_remove_padding``),
+  :func:`rearrange_micro_batches` packs the rows of a batch into micro-batches whose *real* token
+  count (``attention_mask.sum(-1)``) stays within ``max_token_len``, so a forward pass costs about
+  the same whatever the response lengths; with padded forwards, :func:`length_sorted_micro_batches`
+  groups rows of similar response length so that little padding is computed;
   :func:`restore_order` puts per-row outputs back in the caller's row order.
 - the trainer (``trainer.balance_batch``): :func:`get_seqlen_balanced_partitions` splits a batch
   into ``dp`` equal-sized groups with similar token totals, so no rank waits on a straggler.
@@ -41,6 +43,9 @@ __all__ = [
     "get_reverse_idx",
     "restore_order",
     "num_micro_batches_for_budget",
+    "length_sorted_micro_batches",
+    "all_reduce_int",
+    "all_reduce_ints",
 ]
 
 
@@ -150,12 +155,18 @@ def _partition_within_budget(seqlens: list[int], k: int, budget: int) -> list[li
     return parts if _within_budget(parts, seqlens, budget) else None
 
 
-def _all_reduce_int(value: int, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> int:
+def all_reduce_int(value: int, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> int:
+    """One integer reduced over ``group`` (e.g. MAX of micro-batch counts)."""
+    return all_reduce_ints([value], op, group)[0]
+
+
+def all_reduce_ints(values: Sequence[int], op: dist.ReduceOp, group: dist.ProcessGroup | None) -> list[int]:
+    """Integers reduced element-wise over ``group`` in one collective."""
     # On NCCL the tensor must live on the GPU; gloo wants CPU. Pick by the group's backend.
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
     dist.all_reduce(t, op=op, group=group)
-    return int(t.item())
+    return t.tolist()
 
 
 def num_micro_batches_for_budget(
@@ -179,18 +190,58 @@ def num_micro_batches_for_budget(
     synced = dp_group is not None
     while True:
         if dp_group is not None:
-            k = _all_reduce_int(k, dist.ReduceOp.MAX, dp_group)
+            k = all_reduce_int(k, dist.ReduceOp.MAX, dp_group)
         parts = _partition_within_budget(seqlens, k, max_token_len)
         # Rows are never split, so with more micro-batches than rows some stay empty (allowed
         # only when other ranks need that many).
         fits = parts is not None or k >= len(seqlens)
-        all_fit = _all_reduce_int(int(fits), dist.ReduceOp.MIN, dp_group) if synced else int(fits)
+        all_fit = all_reduce_int(int(fits), dist.ReduceOp.MIN, dp_group) if synced else int(fits)
         if all_fit:
             if parts is None:
                 parts = [[i] for i in range(len(seqlens))] + [[] for _ in range(k - len(seqlens))]
             return k, parts
         if not fits:
             k += 1
+
+
+def length_sorted_micro_batches(
+    response_lengths: Sequence[int], prompt_width: int, max_token_len: int, dp_group: dist.ProcessGroup | None = None
+) -> list[list[int]]:
+    """Micro-batches for a padded forward that is cut after each micro-batch's longest response.
+
+    Such a micro-batch costs rows × (prompt_width + its longest response) tokens, padding
+    included, so rows of similar length belong together. Rows are taken longest response first
+    and each micro-batch takes as many as fit ``max_token_len`` at the width of its first row: in
+    that order no split has fewer micro-batches. Ranks of ``dp_group`` agree on the count (the
+    largest, since FSDP may run collectives per micro-batch): a rank with fewer splits its
+    costliest micro-batch in two until it has as many (empty ones once it runs out of rows).
+    Returns lists of row indices, longest responses first.
+    """
+    lengths = [int(n) for n in response_lengths]
+    widest = prompt_width + max(lengths, default=0)
+    if widest > max_token_len:
+        raise ValueError(
+            f"a sequence of {widest} tokens (prompt + response) exceeds the micro-batch token budget {max_token_len}; "
+            "raise ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu to at least "
+            "max_prompt_length + max_response_length"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and (len(parts[-1]) + 1) * (prompt_width + lengths[parts[-1][0]]) <= max_token_len:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    k = len(parts) if dp_group is None else all_reduce_int(max(len(parts), 1), dist.ReduceOp.MAX, dp_group)
+    cost = lambda part: len(part) * (prompt_width + lengths[part[0]]) if part else 0  # noqa: E731
+    while len(parts) < k:
+        big = max(range(len(parts)), key=lambda j: cost(parts[j]), default=None)
+        if big is None or len(parts[big]) < 2:
+            parts.append([])
+            continue
+        half = len(parts[big]) // 2
+        parts[big: big + 1] = [parts[big][:half], parts[big][half:]]
+    return parts
 
 
 def _take_rows(batch: Batch, idx: list[int]) -> Batch:
