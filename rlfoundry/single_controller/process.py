@@ -16,7 +16,7 @@ environment (rendezvous address included) as its first message.
 The ranks form a torch.distributed group exactly as on Ray, so FSDP2 and every collective run
 unchanged; the dispatch → execute → collect core is the shared one in ``base/worker_group.py``.
 
-Messages go over ``multiprocessing`` pipes between this process and the ones it spawned (pickled
+Messages go over ``multiprocessing`` pipes between this process and its child ranks (pickled
 by the standard library's connection, which hands tensors over in shared memory), never from files.
 A call sends each remote rank its arguments first, then runs rank 0 in the driver (so collectives
 meet), then collects the replies in rank order. A rank that dies raises ``WorkerDiedError`` (the
@@ -174,8 +174,8 @@ def _check_no_other_group(world_size: int) -> None:
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise RuntimeError(
             f"this process already belongs to a torch.distributed group of {dist.get_world_size()} rank(s), "
-            f"so it cannot host rank 0 of a {world_size}-rank group; pass host_rank_zero=False (every rank "
-            "spawned) or start the run in a fresh process"
+            f"so it cannot host rank 0 of a {world_size}-rank group; pass host_rank_zero=False (every rank in "
+            "a child process) or start the run in a fresh process"
         )
 
 

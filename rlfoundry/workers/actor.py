@@ -147,8 +147,9 @@ class DataParallelPPOActor:
 
         Only positions that predict a response token go through the LM head (``logits_to_keep``):
         prompt logits are never computed, nor any column after the micro-batch's longest response.
-        Outputs are 0 wherever the response is padding, so they do not depend on micro-batching. Logits are divided by the sampling temperature, as the
-        rollout did. With ``use_remove_padding`` the padding is not computed either.
+        Outputs are 0 wherever the response is padding, so they do not depend on micro-batching.
+        Logits are divided by the sampling temperature, as the rollout did. With
+        ``use_remove_padding`` the padding is not computed either.
         ``entropy_grad=False``: the entropy is only a metric, computed without a graph.
         ``shared_prompt``: this micro-batch's entry of ``_shared_prompt_plan``.
         """
