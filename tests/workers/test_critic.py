@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -213,9 +214,13 @@ def _rank_main(rank: int, rendezvous_file: str, cfg: dict, data: DataProto, ckpt
     # What DP_COMPUTE_PROTO does: rank r gets the r-th contiguous chunk.
     worker.update_critic(data.chunk(2)[rank])
     worker.save_checkpoint(ckpt_path, global_step=1)
-    # Leave the group before the process exits: gloo's threads torn down at interpreter exit can
-    # abort the process ("terminate called without an active exception"), failing the spawn.
+    # Leave the group, then skip the interpreter's teardown: gloo's threads destroyed there can
+    # abort the process ("terminate called without an active exception", seen in ~1 of 3 full
+    # suite runs), failing the spawn although the rank's work is done and on disk.
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _wait_for_rendezvous(path: str, timeout_s: float = 120.0) -> tuple[str, str]:
