@@ -226,8 +226,12 @@ class ProcessWorkerGroup(WorkerGroup):
         if host_rank_zero:
             _check_no_other_group(world_size)
         self.start_method = resolve_start_method(start_method, threads)
-        if preload is not None and self.start_method == "fork":
-            preload()
+        if self.start_method == "fork":
+            if preload is not None:
+                preload()
+            # Objects alive now are shared copy-on-write; the collector would otherwise write to
+            # every one of them in a child (and copy its page) on its first full collection.
+            gc.freeze()
         for rank in range(1 if host_rank_zero else 0, world_size):  # before rank 0 exists: nothing of it is forked
             self._start_rank(rank, spec, threads)
         if host_rank_zero:
@@ -255,10 +259,6 @@ class ProcessWorkerGroup(WorkerGroup):
         inherited = [*self._conns.values(), parent] if self.start_method == "fork" else []
         proc = ctx.Process(target=_rank_main, args=(child, spec, threads, inherited), daemon=True,
                            name=f"{self.name}-rank{rank}")
-        if self.start_method == "fork":
-            # Objects alive now are shared copy-on-write; the collector would otherwise write to
-            # every one of them in the child (and copy its page) on its first full collection.
-            gc.freeze()
         proc.start()
         child.close()
         self._procs[rank], self._conns[rank] = proc, parent

@@ -39,7 +39,7 @@ from rlfoundry.workers.utils.seqlen_balancing import (
     rearrange_micro_batches,
     restore_order,
 )
-from rlfoundry.workers.utils.update import global_batch_info, iter_mini_batches
+from rlfoundry.workers.utils.update import UpdateCounters, global_batch_info, iter_mini_batches
 
 __all__ = ["DataParallelPPOActor", "ActorBatchSizes"]
 
@@ -95,7 +95,7 @@ class _MiniBatchStats:
         return out
 
 
-class DataParallelPPOActor:
+class DataParallelPPOActor(UpdateCounters):
     """Log-probs and PPO updates for one data-parallel rank.
 
     Args:
@@ -464,23 +464,10 @@ class DataParallelPPOActor:
         entropy_metric = bool(data.meta_info.get("calculate_entropy", False))
         data = data.select(batch_keys=self._select_keys(data))
         self.module.train()
-        skips_before = self.nonfinite_skips
-        metrics: dict[str, list[float]] = {}
-        for mini in self._mini_batches(data):
-            for k, v in self._update_mini_batch(mini, temperature, use_dynamic_bsz, entropy_metric).items():
-                metrics.setdefault(k, []).append(v)
-        self.update_calls += 1
-        metrics["actor/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]
-        return metrics
-
-    # ---- checkpointable state --------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, int]:
-        return {"update_calls": self.update_calls, "nonfinite_skips": self.nonfinite_skips}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.update_calls = int(state.get("update_calls", 0))
-        self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
+        return self._run_mini_batches(
+            self._mini_batches(data),
+            lambda mini: self._update_mini_batch(mini, temperature, use_dynamic_bsz, entropy_metric), "actor",
+        )
 
 
 def _mix_seed(seed: int, call: int) -> int:

@@ -55,7 +55,7 @@ from rlfoundry.workers.utils import checkpoint as ckpt
 from rlfoundry.workers.utils import oom
 from rlfoundry.workers.utils.padding import forward_logits
 from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
-from rlfoundry.workers.utils.update import global_batch_info, iter_mini_batches
+from rlfoundry.workers.utils.update import UpdateCounters, global_batch_info, iter_mini_batches
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class _MiniBatchStats:
         return out
 
 
-class DataParallelPPOCritic:
+class DataParallelPPOCritic(UpdateCounters):
     """Values and clipped value-loss updates for one data-parallel rank.
 
     Args:
@@ -259,23 +259,8 @@ class DataParallelPPOCritic:
         dynamic = bool(cfg_get(self.config, "use_dynamic_bsz", False))
         data = data.select(batch_keys=list(_UPDATE_KEYS))
         self.module.train()
-        skips_before = self.nonfinite_skips
-        metrics: dict[str, list[float]] = {}
-        for mini in self._mini_batches(data):
-            for k, v in self._update_mini_batch(mini, dynamic).items():
-                metrics.setdefault(k, []).append(v)
-        self.update_calls += 1
-        metrics["critic/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]
-        return metrics
-
-    # ---- checkpointable state --------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, int]:
-        return {"update_calls": self.update_calls, "nonfinite_skips": self.nonfinite_skips}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.update_calls = int(state.get("update_calls", 0))
-        self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
+        return self._run_mini_batches(self._mini_batches(data), lambda mini: self._update_mini_batch(mini, dynamic),
+                                      "critic")
 
 
 def _response_mask(data: DataProto) -> torch.Tensor:

@@ -233,7 +233,10 @@ def length_sorted_micro_batches(
         else:
             parts.append([i])
     k = len(parts) if dp_group is None else all_reduce_int(max(len(parts), 1), dist.ReduceOp.MAX, dp_group)
-    cost = lambda part: len(part) * (prompt_width + lengths[part[0]]) if part else 0  # noqa: E731
+
+    def cost(part: list[int]) -> int:
+        return len(part) * (prompt_width + lengths[part[0]]) if part else 0
+
     while len(parts) < k:
         big = max(range(len(parts)), key=lambda j: cost(parts[j]), default=None)
         if big is None or len(parts[big]) < 2:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,3 +32,34 @@ def global_batch_info(response_mask: torch.Tensor, dp_size: int, dp_group: Any =
     if dp_size > 1:
         dist.all_reduce(counts, group=dp_group)
     return {"dp_size": dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
+
+
+class UpdateCounters:
+    """The update state an actor or critic keeps in checkpoints, and the loop that advances it.
+
+    ``update_calls`` (update calls so far) seeds the next call's mini-batch shuffle, so a resumed
+    run draws the same mini-batches; ``nonfinite_skips`` counts optimiser steps skipped for a
+    non-finite gradient norm, ever.
+    """
+
+    update_calls: int = 0
+    nonfinite_skips: int = 0
+
+    def _run_mini_batches(self, minis: Iterable[DataProto], update_one: Callable[[DataProto], dict[str, float]],
+                          role: str) -> dict[str, list[float]]:
+        """``{metric: [one value per mini-batch]}`` plus ``<role>/nan_skipped`` for this call."""
+        skips_before = self.nonfinite_skips
+        metrics: dict[str, list[float]] = {}
+        for mini in minis:
+            for k, v in update_one(mini).items():
+                metrics.setdefault(k, []).append(v)
+        self.update_calls += 1
+        metrics[f"{role}/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]
+        return metrics
+
+    def state_dict(self) -> dict[str, int]:
+        return {"update_calls": self.update_calls, "nonfinite_skips": self.nonfinite_skips}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.update_calls = int(state.get("update_calls", 0))
+        self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
