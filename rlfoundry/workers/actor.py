@@ -31,7 +31,7 @@ from torch import nn
 from rlfoundry.algos import core_algos
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
-from rlfoundry.workers.fsdp_utils import accumulate_unsharded, cfg_get, clip_grad_norm_
+from rlfoundry.workers.fsdp_utils import accumulate_unsharded, cfg_get, clip_grad_norm_, continued_forward
 from rlfoundry.workers.utils.padding import pack_padded_batch
 from rlfoundry.workers.utils.seqlen_balancing import (
     all_reduce_ints,
@@ -250,8 +250,9 @@ class DataParallelPPOActor(UpdateCounters):
         head = self.module(input_ids=ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.batch_select_indices(group)  # differentiable gather: each row gets its prompt's keys/values
-        tail = self.module(input_ids=batch["responses"], attention_mask=mask, position_ids=pos[:, tp:],
-                           past_key_values=cache, use_cache=True, logits_to_keep=width)
+        with continued_forward(self.module):  # one gather and one reduction per unit, not two
+            tail = self.module(input_ids=batch["responses"], attention_mask=mask, position_ids=pos[:, tp:],
+                               past_key_values=cache, use_cache=True, logits_to_keep=width)
         logits = torch.cat([head.logits[group], tail.logits[:, :-1]], dim=1)
         return logits, batch["responses"], lambda values: values
 

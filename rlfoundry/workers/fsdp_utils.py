@@ -302,6 +302,28 @@ def accumulate_unsharded(module: nn.Module) -> Iterator[Callable[[bool], None]]:
             u.set_reshard_after_backward(True, recurse=False)
 
 
+@contextlib.contextmanager
+def continued_forward(module: nn.Module) -> Iterator[None]:
+    """A second forward of ``module`` that continues the first one's graph, seen by FSDP2 as one.
+
+    FSDP2 prepares backward in every forward: a second call before the backward (the shared-prompt
+    forward runs the prompts, then the responses on their KV cache) makes each unit reduce-scatter
+    its gradients once per call, reshard in between and all-gather again for the rest of the
+    backward: twice the collectives, milliseconds each on gloo. When every unit keeps its
+    parameters gathered after forward (``reshard_after_forward=False``) the second call needs none
+    of FSDP2's hooks: its gradients accumulate into the gathered parameters and the first call's
+    post-backward reduces both, once, after both graphs are done (a unit's post-backward runs when
+    its input gradients are complete, which the continuation feeds). Units that reshard after
+    forward need the hooks to gather again, and keep them.
+    """
+    units = fsdp_modules(module)
+    if not units or any(_reshard_after_forward(u) for u in units):
+        yield
+        return
+    with _fsdp_forward_hooks_paused(units):
+        yield
+
+
 def _is_fsdp_hook(hook: Any) -> bool:
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 

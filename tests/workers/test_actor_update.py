@@ -234,3 +234,31 @@ def two_updates_on_one_rank_match(cfg, batch, out_dir, other_dir) -> dict:
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0, msg=name)
     return one
+
+
+def _fsdp_collectives(model_dir, batch, overrides) -> tuple[tuple, dict[str, int]]:
+    """The update, and how many times FSDP2 gathered and reduced each unit during it."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    group = local_worker(worker_config(model_dir, BASE + overrides), role="actor")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        metrics = group.update_actor(batch).meta_info["metrics"]
+    counts = Counter(e.name for e in prof.events() if e.name.startswith(("FSDP::all_gather", "FSDP::post_backward_reduce")))
+    return (full_params(group.worker.actor.module), metrics), dict(counts)
+
+
+def test_shared_prompt_gathers_and_reduces_each_unit_once_per_mini_batch(tiny_model_dir, batch):
+    """Its second model call (responses on the prompts' cache) would otherwise make every FSDP unit
+    reduce-scatter twice and all-gather again in backward; the update must not change."""
+    kept = ["actor.fsdp_config.reshard_after_forward=false", "actor.ppo_micro_batch_size_per_gpu=2"]
+    shared, counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=true"])
+    padded, padded_counts = _fsdp_collectives(tiny_model_dir, batch, kept)
+    _assert_same_update(padded, shared)
+    units = [name for name in counts if name.startswith("FSDP::post_backward_reduce")]
+    assert len(units) >= 3, counts  # the decoder layers and the root
+    mini_batches = len(shared[1]["actor/grad_norm"])
+    assert mini_batches == 2
+    assert counts == padded_counts, (counts, padded_counts)
+    assert all(counts[name] == mini_batches for name in units), counts
