@@ -27,6 +27,7 @@ so a killed driver leaves no orphans.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import multiprocessing as mp
 import os
@@ -56,6 +57,19 @@ __all__ = ["ProcessWorkerGroup", "START_METHODS", "threads_per_rank"]
 START_METHODS = ("auto", "fork", "spawn")
 
 _LOCAL = "local"  # the handle of rank 0's call, whose result is already in hand
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """The handle of one remote call: its rank and its place among the calls sent to that rank.
+
+    A rank answers its calls in order on its pipe, so the n-th reply read belongs to the n-th call
+    sent; a reply read while waiting for another call (an earlier future not collected yet) is
+    kept for its own ``get``, and one of a call that timed out is dropped when it arrives.
+    """
+
+    rank: int
+    index: int
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -211,6 +225,10 @@ class ProcessWorkerGroup(WorkerGroup):
         self.call_timeout_s = call_timeout_s
         self._procs: dict[int, Any] = {}
         self._conns: dict[int, Connection] = {}
+        self._sent: dict[int, int] = {}  # calls sent to each rank (replies come back in that order)
+        self._received: dict[int, int] = {}  # replies read from each rank
+        self._early: dict[_Call, tuple] = {}  # replies read before their call was collected
+        self._abandoned: set[_Call] = set()  # calls that timed out: their replies are dropped
         self.worker = None
         try:
             self._start(cls_with_init, host_rank_zero, start_timeout_s, start_method, preload)
@@ -243,13 +261,11 @@ class ProcessWorkerGroup(WorkerGroup):
             master = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT")}
         else:
             # rank 0 opens the rendezvous in its own process and tells us where
-            self._init_rank(0, {"MASTER_ADDR": "", "MASTER_PORT": ""})
-            self._get([0], "__init__", start_timeout_s)
+            self._get([self._init_rank(0, {"MASTER_ADDR": "", "MASTER_PORT": ""})], "__init__", start_timeout_s)
             addr, port = self._call_remote(0, "get_master_addr_port", start_timeout_s)
             master = {"MASTER_ADDR": addr, "MASTER_PORT": port}
-        for rank in range(1, world_size):
-            self._init_rank(rank, master)
-        self._get(list(range(1, world_size)), "__init__", start_timeout_s)  # every constructor ran
+        inits = [self._init_rank(rank, master) for rank in range(1, world_size)]
+        self._get(inits, "__init__", start_timeout_s)  # every constructor ran
 
     def _start_rank(self, rank: int, spec: tuple, threads: int) -> None:
         """Start one rank's process; it waits for its environment (``_init_rank``) before building."""
@@ -263,22 +279,19 @@ class ProcessWorkerGroup(WorkerGroup):
         child.close()
         self._procs[rank], self._conns[rank] = proc, parent
 
-    def _init_rank(self, rank: int, master: dict[str, str]) -> None:
+    def _init_rank(self, rank: int, master: dict[str, str]) -> _Call:
         env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(self.world_size), "RLFOUNDRY_WORKER_GROUP": self.name, **master}
-        self._send(rank, ("__init__", (env,), {}))
+        return self._send(rank, ("__init__", (env,), {}))
 
     def _call_remote(self, rank: int, method: str, timeout_s: float | None = None):
-        self._send(rank, (method, (), {}))
-        return self._get([rank], method, timeout_s)[0]
+        return self._get([self._send(rank, (method, (), {}))], method, timeout_s)[0]
 
     # --- back-end interface ----------------------------------------------------------------
 
     def _execute(self, method: str, calls: RankCalls, execute_mode: Execute) -> list:
         ranks = range(self.world_size) if execute_mode is Execute.ALL else range(1)
-        remote = [r for r in ranks if r in self._conns]
-        for rank in remote:
-            self._send(rank, (method, calls.args[rank], calls.kwargs[rank]))
+        remote = [self._send(r, (method, calls.args[r], calls.kwargs[r])) for r in ranks if r in self._conns]
         if self.worker is None:
             return remote
         try:
@@ -291,11 +304,11 @@ class ProcessWorkerGroup(WorkerGroup):
         """Results in rank order; raises rank 0's error only after the remote ranks answered."""
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        remote = [h for h in handles if not isinstance(h, tuple)]
+        remote = [h for h in handles if isinstance(h, _Call)]
         replies = dict(self._receive(remote, method, deadline, timeout_s))
         results = []
         for h in handles:
-            rank, reply = (0, h[1]) if isinstance(h, tuple) else (h, replies[h])
+            rank, reply = (h.rank, replies[h]) if isinstance(h, _Call) else (0, h[1])
             if reply[0] == "err":
                 err = reply[1]
                 if reply[2]:
@@ -304,29 +317,46 @@ class ProcessWorkerGroup(WorkerGroup):
             results.append(reply[1])
         return results
 
-    def _send(self, rank: int, message: tuple) -> None:
+    def _send(self, rank: int, message: tuple) -> _Call:
         try:
             self._conns[rank].send(message)
         except (BrokenPipeError, ConnectionResetError, OSError) as err:
             raise WorkerDiedError(self.name, rank, message[0], err) from err
+        call = _Call(rank, self._sent.get(rank, 0))
+        self._sent[rank] = call.index + 1
+        return call
 
-    def _receive(self, ranks: list[int], method: str, deadline: float | None, timeout_s: float | None):
-        """(rank, reply) for each of ``ranks`` as they arrive; a dead process is a WorkerDiedError."""
-        pending = {self._conns[r]: r for r in ranks}
+    def _receive(self, calls: list[_Call], method: str, deadline: float | None, timeout_s: float | None):
+        """(call, reply) for each of ``calls`` as they arrive; a dead process is a WorkerDiedError."""
+        pending = {}
+        for call in calls:
+            if call in self._early:
+                yield call, self._early.pop(call)
+            else:
+                pending[self._conns[call.rank]] = call
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([*pending, *(self._procs[r].sentinel for r in pending.values())], timeout=left)
+            ready = wait([*pending, *(self._procs[c.rank].sentinel for c in pending.values())], timeout=left)
             if not ready:
-                raise WorkerCallTimeout(self.name, sorted(pending.values()), method, timeout_s)
-            for conn, rank in list(pending.items()):
+                self._abandoned.update(pending.values())
+                raise WorkerCallTimeout(self.name, sorted(c.rank for c in pending.values()), method, timeout_s)
+            for conn, call in list(pending.items()):
                 if conn in ready or conn.poll():  # a reply, even from a process that exited since
-                    del pending[conn]
-                    yield rank, self._read(conn, rank, method)
-                elif self._procs[rank].sentinel in ready:
-                    code = self._procs[rank].exitcode
-                    raise WorkerDiedError(self.name, rank, method, RuntimeError(f"process exit code {code}"))
+                    got = _Call(call.rank, self._received.get(call.rank, 0))
+                    reply = self._read_reply(conn, call.rank, method)
+                    self._received[call.rank] = got.index + 1
+                    if got == call:
+                        del pending[conn]
+                        yield call, reply
+                    elif got in self._abandoned:
+                        self._abandoned.discard(got)
+                    else:
+                        self._early[got] = reply
+                elif self._procs[call.rank].sentinel in ready:
+                    code = self._procs[call.rank].exitcode
+                    raise WorkerDiedError(self.name, call.rank, method, RuntimeError(f"process exit code {code}"))
 
-    def _read(self, conn: Connection, rank: int, method: str) -> tuple:
+    def _read_reply(self, conn: Connection, rank: int, method: str) -> tuple:
         try:
             return conn.recv()
         except (EOFError, ConnectionResetError, OSError) as err:
@@ -347,3 +377,4 @@ class ProcessWorkerGroup(WorkerGroup):
         for conn in self._conns.values():
             conn.close()
         self._procs, self._conns = {}, {}
+        self._sent, self._received, self._early, self._abandoned = {}, {}, {}, set()

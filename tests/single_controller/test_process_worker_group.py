@@ -74,6 +74,11 @@ class Probe(Worker):
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def echo_after(self, value, seconds):
+        time.sleep(seconds)
+        return value
+
+    @register(Dispatch.ONE_TO_ALL)
     def sleep(self, seconds):
         time.sleep(seconds)
         return os.getpid()
@@ -178,6 +183,26 @@ def test_timeout_and_killed_rank_raise_fast_naming_the_rank():
         with pytest.raises(WorkerDiedError, match="worker group 'critic' rank 1 died while running 'sleep'"):
             pending.get()
         assert time.monotonic() - start < 10
+    finally:
+        group.shutdown()
+
+
+def test_late_reply_of_a_timed_out_call_is_not_taken_for_the_next_one():
+    """Replies come back in order on each rank's pipe: the answer to a call that timed out arrives
+    later and must be dropped, and futures collected out of order each get their own answer."""
+    group = ProcessWorkerGroup(ClassWithInitArgs(Probe), 2, name_prefix="p", host_rank_zero=False,
+                               call_timeout_s=0.3)
+    try:
+        with pytest.raises(WorkerCallTimeout):
+            group.execute_all("echo_after", "late", 1.0)
+        time.sleep(1.5)  # the late replies are in the pipes now
+        assert group.execute_all("echo_after", "next", 0.0) == ["next", "next"]
+        group.call_timeout_s = None
+        first = group.execute_all_async("echo_after", "first", 0.2)
+        second = group.execute_all_async("echo_after", "second", 0.0)
+        assert second.get() == ["second", "second"]
+        assert first.get() == ["first", "first"]
+        assert group.execute_all("echo_after", "last", 0.0) == ["last", "last"]
     finally:
         group.shutdown()
 
