@@ -352,3 +352,16 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     cfg = worker_config(tiny_model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2"])
     one = two_updates_on_one_rank_match(cfg, batch, tmp_path / "one", tmp_path / "two")
     assert report["grad_norm"] == pytest.approx(one["actor/grad_norm"] * 2, rel=1e-4)
+
+
+def test_rank_zero_outside_ray_does_not_import_ray():
+    """The process back end's driver hosts rank 0; importing Ray there only to learn that no Ray
+    runtime is up cost the run ~30-60 MB of memory."""
+    code = ("import os, sys\n"
+            "os.environ.pop('MASTER_ADDR', None)\n"
+            "from rlfoundry.single_controller.base.worker import Worker\n"
+            "Worker()\n"
+            "print(os.environ['MASTER_ADDR'], 'ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+    assert out.stdout.split() == ["127.0.0.1", "False"], out.stderr[-2000:]
