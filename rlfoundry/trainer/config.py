@@ -107,7 +107,7 @@ VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
     for k in ("dtype", "gpu_memory_utilization", "enforce_eager", "free_cache_engine", "load_format",
               "layered_summon", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len",
               "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "engine_kwargs*",
-              "update_weights_bucket_megabytes", "ignore_eos")
+              "update_weights_bucket_megabytes")
 )
 
 CHOICES: dict[str, tuple[str, ...]] = {

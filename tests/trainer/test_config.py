@@ -206,7 +206,9 @@ def test_no_effect_keys_give_exactly_one_warning_naming_them():
 def test_effective_keys_give_no_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_config(["actor_rollout_ref.actor.optim.lr=1e-6", "trainer.total_epochs=2"])
+        # rollout.ignore_eos is read by the HF rollout as well as by vLLM
+        load_config(["actor_rollout_ref.actor.optim.lr=1e-6", "trainer.total_epochs=2",
+                     "actor_rollout_ref.rollout.ignore_eos=true"])
     assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
 
 

@@ -73,6 +73,15 @@ def test_eos_stops_and_masks_through_eos(group, prompts, tokenizer):
     assert torch.equal(b["position_ids"][:, tp:], last[:, None] + torch.arange(1, 13))
 
 
+def test_ignore_eos_always_samples_the_full_response_length(tiny_model_dir, prompts):
+    """verl/vLLM's benchmarking knob: the EOS ids that stop the test above stop nothing here."""
+    group = local_worker(worker_config(tiny_model_dir, ["rollout.ignore_eos=true"]))
+    eos = list(range(0, 260, 3))
+    out = group.generate_sequences(_with_meta(prompts, n=3, eos_token_id=eos))
+    assert (out.batch["response_mask"] == 1).all()
+    assert any(int(t) in eos for t in out.batch["responses"].flatten())  # EOS ids were sampled, and passed
+
+
 def test_n_samples_are_interleaved_and_columns_repeated(group, prompts):
     out = group.generate_sequences(_with_meta(prompts, n=3))
     b = out.batch
