@@ -372,7 +372,12 @@ def _reshard_after_forward(unit: FSDPModule) -> bool:
 # --------------------------------------------------------------------------- optimiser + schedule
 
 def build_optimizer(module: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, from verl's ``optim`` keys (lr, betas, weight_decay, eps)."""
+    """AdamW over the trainable parameters, from verl's ``optim`` keys (lr, betas, weight_decay, eps).
+
+    ``foreach=True``: torch picks it by itself only on GPUs; on CPU it would loop over the
+    parameters, and with FSDP2 every op of that loop is a DTensor dispatch (~6 ms per step for the
+    benchmark's 0.66 M-parameter model against ~2 ms; the same numbers bit for bit).
+    """
     betas = tuple(float(b) for b in cfg_get(optim_cfg, "betas", (0.9, 0.999)))
     params = [p for p in module.parameters() if p.requires_grad]
     return torch.optim.AdamW(
@@ -381,6 +386,7 @@ def build_optimizer(module: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
         betas=betas,  # type: ignore[arg-type]
         weight_decay=float(cfg_get(optim_cfg, "weight_decay", 1e-2)),
         eps=float(cfg_get(optim_cfg, "eps", 1e-8)),
+        foreach=True,
     )
 
 
