@@ -69,10 +69,12 @@ def overrides(w, prepared, run_dir: Path) -> list[str]:
         f"trainer.run_dir={run_dir}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         # speed settings (same math): the sampler's log-probs are pi_old (one epoch, on-policy),
-        # each rank keeps its parameters gathered through the update (one gradient reduction), and
-        # micro-batches hold rows of similar response length within a token budget (padding counted)
+        # each rank holds the whole 0.66 M-parameter model (fsdp_size=1: plain data parallelism,
+        # no gathers, gradients all-reduced once per update), and micro-batches hold rows of
+        # similar response length within a token budget (padding counted)
         "actor_rollout_ref.actor.use_rollout_log_probs=true",
         "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max(TOKEN_BUDGET, w.max_prompt_length + w.max_response_length)}",
         *w.rlfoundry_overrides,

@@ -82,7 +82,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.model.exclude_modules", "actor_rollout_ref.model.lora_alpha",
     "*.use_torch_compile", "*.ulysses_sequence_parallel_size", "*.entropy_from_logits_with_chunking",
     "*.entropy_checkpointing", "*.profiler.*", "*.fsdp_config.grad_offload", "*.fsdp_config.wrap_policy*",
-    "*.fsdp_config.forward_prefetch", "*.fsdp_config.fsdp_size", "*.fsdp_config.offload_policy",
+    "*.fsdp_config.forward_prefetch", "*.fsdp_config.offload_policy",
     "*.checkpoint.*", "critic.model.use_shm", "critic.model.enable_activation_offload",
     "critic.model.lora_alpha", "critic.model.target_modules",
     "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",

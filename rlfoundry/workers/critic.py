@@ -390,6 +390,7 @@ class CriticWorker(Worker):
             param_dtype=cfg_get(mp, "param_dtype"), reduce_dtype=cfg_get(mp, "reduce_dtype"),
             param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
             reshard_after_forward=bool(cfg_get(fsdp_cfg, "reshard_after_forward", True)),
+            fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
         )
 
     def _load_tokenizer(self) -> Any:

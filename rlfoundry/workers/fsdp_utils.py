@@ -204,6 +204,30 @@ def _ensure_process_group(device: torch.device) -> None:
         )
 
 
+def device_mesh(device_type: str, fsdp_size: int = -1) -> Any:
+    """The ranks' mesh for FSDP2, from verl's ``fsdp_config.fsdp_size``.
+
+    -1 (or >= the world size): one dimension, every parameter sharded over all ranks. Otherwise
+    ``(world / fsdp_size, fsdp_size)`` named ("ddp", "fsdp"): hybrid sharding, each group of
+    ``fsdp_size`` ranks shards the model and the groups replicate it; gradients are
+    reduce-scattered within a group and all-reduced across groups. ``fsdp_size=1`` is plain data
+    parallelism: no all-gathers at all, one all-reduce per unit per mini-batch, at the price of a
+    whole copy of the weights, gradients and optimiser state on every rank (fine for small models;
+    on a multi-node GPU cluster, the node's GPU count keeps the gathers on fast links).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if fsdp_size == 0 or fsdp_size < -1:
+        raise ValueError(f"fsdp_config.fsdp_size must be -1 (shard over all ranks) or >= 1, got {fsdp_size}")
+    if fsdp_size == -1 or fsdp_size >= world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    if world % fsdp_size:
+        raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} does not divide the {world} ranks of this worker "
+                         f"group; use a divisor of {world} or -1")
+    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
 def apply_fsdp2(
     module: nn.Module,
     device: torch.device | str,
@@ -212,22 +236,23 @@ def apply_fsdp2(
     param_offload: bool = False,
     reshard_after_forward: bool = True,
     mesh: Any = None,
+    fsdp_size: int = -1,
 ) -> nn.Module:
     """Shard ``module`` in place with FSDP2: each decoder layer is its own unit, then the root.
 
     Mixed precision defaults to bf16 parameters with fp32 gradient reduction on CUDA and plain fp32
     on CPU (CPU bf16 matmuls are slow and would break the fp32 invariance tests). Parameter CPU
     offload is honoured only on GPU: on a CPU-only run the parameters already live on the host.
+    ``fsdp_size`` (verl's ``fsdp_config.fsdp_size``) picks the mesh when ``mesh`` is None: see
+    ``device_mesh``.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     device = torch.device(device)
     _ensure_process_group(device)
     on_gpu = device.type == "cuda"
     param_dtype = resolve_dtype(param_dtype, torch.bfloat16 if on_gpu else torch.float32)
     reduce_dtype = resolve_dtype(reduce_dtype, torch.float32)
     if mesh is None:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = device_mesh(device.type, fsdp_size)
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,

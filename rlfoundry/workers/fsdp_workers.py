@@ -134,6 +134,7 @@ class ActorRolloutRefWorker(Worker):
             reduce_dtype=cfg_get(mixed, "reduce_dtype"),
             param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
             reshard_after_forward=bool(cfg_get(fsdp_cfg, "reshard_after_forward", True)),
+            fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
         )
 
     def _build_optimizer(self, module: torch.nn.Module) -> None:

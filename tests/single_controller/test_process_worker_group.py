@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 import torch
 import torch.distributed as dist
 
@@ -216,9 +217,10 @@ sys.path.insert(0, {repo!r})
 from tests.workers import worker_config
 from tests.workers.test_actor_update import BASE
 from rlfoundry.protocol import DataProto
-model_dir, batch_dir, out_dir, micro, start_method = sys.argv[1:6]
+model_dir, batch_dir, out_dir, micro, start_method, fsdp_size = sys.argv[1:7]
 cfg = worker_config(model_dir, BASE + ["actor.ppo_mini_batch_size=4", f"actor.ppo_micro_batch_size_per_gpu={{micro}}",
-                                        "model.use_shared_prompt=true", "actor.fsdp_config.reshard_after_forward=false"])
+                                        "model.use_shared_prompt=true", "actor.fsdp_config.reshard_after_forward=false",
+                                        f"actor.fsdp_config.fsdp_size={{fsdp_size}}"])
 group = ProcessWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), 2, name_prefix="actor",
                            start_method=start_method)
 group.init_model()
@@ -226,9 +228,12 @@ batch = DataProto.load_from_disk(batch_dir)
 metrics = group.update_actor(batch).meta_info["metrics"]
 group.update_actor(batch)
 group.save_hf_model(out_dir)
+group.save_checkpoint(out_dir + "-ckpt")
 pids = group.execute_all("get_worker_info")
+weight = group.worker.actor.module.lm_head.weight  # rank 0's DTensor
 print(json.dumps({{"grad_norm": metrics["actor/grad_norm"], "pids": [p["pid"] for p in pids], "driver": os.getpid(),
-                  "start_method": group.start_method}}))
+                  "start_method": group.start_method, "mesh": list(weight.device_mesh.shape),
+                  "local_rows": weight.to_local().shape[0], "rows": weight.shape[0]}}))
 group.shutdown()
 """
 
@@ -328,12 +333,15 @@ def test_start_method_auto_forks_only_where_it_is_safe(monkeypatch):
 _ROWS = {"paired": ([0, 1, 2, 3, 4, 5, 6, 7], 2), "mixed": ([0, 1, 2, 3, 4, 6, 1, 3], 4)}
 
 
-@pytest.mark.parametrize("rows,start_method", [("paired", "fork"), ("mixed", "spawn")])
-def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp_path, rows, start_method):
+@pytest.mark.parametrize("rows,start_method,fsdp_size", [("paired", "fork", -1), ("mixed", "spawn", -1),
+                                                         ("paired", "fork", 1)])
+def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp_path, rows, start_method, fsdp_size):
     """The trainer's layout (rank 0 in the driver, rank 1 a child process): two Adam steps over 2
     ranks give the weights of the same steps on one in-process rank (there with one padded forward
     per row, here with FSDP2 over 2 ranks, the shared-prompt forward (two forwards before each
-    backward) and parameters kept gathered with gradients reduced once per mini-batch)."""
+    backward) and parameters kept gathered with gradients reduced once per mini-batch).
+    ``fsdp_size=1``: the ranks replicate the weights (a (2, 1) mesh, gradients all-reduced); its
+    checkpoint loads into one rank's plain FSDP mesh."""
     from tests.workers import worker_config
     from tests.workers.test_actor_update import BASE, two_updates_on_one_rank_match
 
@@ -342,7 +350,7 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     batch.save_to_disk(tmp_path / "batch")
     script = _DRIVER_SCRIPT.format(repo=str(REPO))
     run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path / "batch"),
-                          str(tmp_path / "two"), str(micro), start_method],
+                          str(tmp_path / "two"), str(micro), start_method, str(fsdp_size)],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "RLFOUNDRY_DIST_TIMEOUT_S": "60"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -352,6 +360,19 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     cfg = worker_config(tiny_model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2"])
     one = two_updates_on_one_rank_match(cfg, batch, tmp_path / "one", tmp_path / "two")
     assert report["grad_norm"] == pytest.approx(one["actor/grad_norm"] * 2, rel=1e-4)
+    replicated = fsdp_size == 1
+    assert report["mesh"] == ([2, 1] if replicated else [2])
+    assert report["local_rows"] == (report["rows"] if replicated else report["rows"] // 2)
+    if replicated:  # the (2, 1) checkpoint reshards into one rank's mesh: same weights as its HF export
+        from rlfoundry.workers.utils.checkpoint import load_checkpoint
+        from tests.workers import full_params, local_worker
+
+        local = local_worker(cfg, role="actor")
+        load_checkpoint(str(tmp_path / "two-ckpt"), local.worker.actor.module, local.worker.optimizer)
+        weights = full_params(local.worker.actor.module)
+        exported = load_file(tmp_path / "two" / "model.safetensors")
+        for name, value in exported.items():
+            torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=name)
 
 
 def test_rank_zero_outside_ray_does_not_import_ray():

@@ -137,3 +137,12 @@ def test_nonfinite_grad_norm_is_reported_not_clipped(tiny_model_dir, process_gro
     first = next(p for p in model.parameters() if p.grad is not None)
     first.grad.to_local().view(-1)[0] = float("nan")
     assert math.isnan(fu.clip_grad_norm_(model.parameters(), max_norm=1.0))
+
+
+def test_device_mesh_from_fsdp_size(process_group):
+    """-1 or a size >= the world: one sharding dimension; 0 is refused with the key's name."""
+    for size in (-1, 1, 8):
+        mesh = fu.device_mesh("cpu", size)
+        assert mesh.mesh_dim_names == ("fsdp",) and tuple(mesh.shape) == (1,)
+    with pytest.raises(ValueError, match=r"fsdp_config.fsdp_size must be -1 .* or >= 1, got 0"):
+        fu.device_mesh("cpu", 0)
