@@ -20,7 +20,8 @@ Messages go over ``multiprocessing`` pipes between this process and its child ra
 by the standard library's connection, which hands tensors over in shared memory), never from files.
 A call sends each remote rank its arguments first, then runs rank 0 in the driver (so collectives
 meet), then collects the replies in rank order. A rank that dies raises ``WorkerDiedError`` (the
-group is unusable after it); ``call_timeout_s`` bounds a call (``WorkerCallTimeout``). Remote
+group is unusable after it); ``call_timeout_s`` bounds a call (``WorkerCallTimeout``; the group
+stays usable, and the late replies of that call are dropped when they arrive). Remote
 processes ignore Ctrl-C (the driver handles it) and exit when the driver's end of their pipe closes,
 so a killed driver leaves no orphans.
 """
