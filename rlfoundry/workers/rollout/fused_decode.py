@@ -8,7 +8,8 @@ step does the same arithmetic with about fifteen tensor ops per layer:
 - q/k/v and gate/up projections are each one matrix product over weights concatenated once per
   ``generate_sequences`` call (the same dot products as the separate ``nn.Linear`` s);
 - RoPE reads a cos/sin table built once per call by the model's own rotary module (so every
-  static RoPE variant — default, linear, llama3, yarn — is whatever HF computes);
+  static RoPE variant — default, linear, llama3, yarn — is whatever HF computes), and rotates q
+  and k together with one ``roll`` (bit-identical to HF's ``rotate_half``);
 - keys/values are written in place into the preallocated cache that the HF prefill filled.
 
 Everything else (prefill, sampling, dropping finished rows) stays in ``hf_rollout``. Models it does
@@ -65,9 +66,9 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * xf.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with ``signed_sin`` = sin, first half negated."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class _Layer:
@@ -107,7 +108,10 @@ class FusedDecoder:
         positions = torch.arange(max_positions, device=self.lm_head.weight.device).unsqueeze(0)
         probe = torch.empty(1, device=positions.device, dtype=self.dtype)
         cos, sin = module.model.rotary_emb(probe, positions)
-        self.cos, self.sin = cos[0], sin[0]  # (P, d)
+        # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated), bit for bit:
+        # one roll instead of two slices, a negation and a concatenation per rotation
+        half = self.head_dim // 2
+        self.cos, self.signed_sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # (P, d)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens, positions (N,); mask (N, L) 1 = attend, covering the cache plus this token.
@@ -118,7 +122,7 @@ class FusedDecoder:
         n, length = tokens.shape[0], mask.shape[1]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(tokens)  # (N, H)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (N, 1, d)
+        cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)  # (N, 1, d)
         # the mask as an additive bias in the layout of the score products below (built once per step)
         bias = torch.zeros(n, 1, 1, length, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill_((mask == 0).view(n, 1, 1, length), float("-inf"))
@@ -126,19 +130,19 @@ class FusedDecoder:
         for layer, kv in zip(self.layers, cache.layers):
             h = _rms_norm(x, layer.in_norm)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
-            q = qkv[:, : hq * d].view(n, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            if layer.q_norm is None:  # q and k rotated together: they are adjacent in qkv
+                qk = _rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
+                q, k = qk[:, :hq], qk[:, hq:]
+            else:
+                q = _rope(layer.q_norm(qkv[:, : hq * d].view(n, hq, d)), cos, sin)
+                k = _rope(layer.k_norm(qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)), cos, sin)
             kv.key_buf[:, :, length - 1] = k
             kv.value_buf[:, :, length - 1] = v
             keys, values = kv.key_buf[:, :, :length], kv.value_buf[:, :, :length]
             # grouped-query attention without repeating the keys: (N*Hkv, g, d) x (N*Hkv, d, L); the
             # scale and the mask ride in the product (one kernel instead of three)
-            scores = torch.baddbmm(bias, q.view(n * hkv, hq // hkv, d), keys.flatten(0, 1).transpose(1, 2),
+            scores = torch.baddbmm(bias, q.reshape(n * hkv, hq // hkv, d), keys.flatten(0, 1).transpose(1, 2),
                                    alpha=layer.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
             attn = torch.bmm(probs.to(values.dtype), values.flatten(0, 1)).reshape(n, hq * d)
