@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller import (
