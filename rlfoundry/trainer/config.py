@@ -91,6 +91,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.trace*", "actor_rollout_ref.rollout.multi_turn*",
     "actor_rollout_ref.rollout.calculate_log_probs",
     "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
+    "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
     "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion*",
     "algorithm.use_pf_ppo", "algorithm.pf_ppo*",
     "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",

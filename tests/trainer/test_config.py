@@ -208,7 +208,8 @@ def test_effective_keys_give_no_warning():
         warnings.simplefilter("always")
         # rollout.ignore_eos is read by the HF rollout as well as by vLLM
         load_config(["actor_rollout_ref.actor.optim.lr=1e-6", "trainer.total_epochs=2",
-                     "actor_rollout_ref.rollout.ignore_eos=true"])
+                     "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
+                     "critic.model.fsdp_config.fsdp_size=1"])
     assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
 
 
