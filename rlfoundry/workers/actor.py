@@ -141,7 +141,7 @@ class DataParallelPPOActor(UpdateCounters):
 
     def _forward_micro_batch(
         self, micro: DataProto, temperature: float, calculate_entropy: bool, entropy_grad: bool = True,
-        shared_prompt: bool = False,
+        prompt_groups: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Response log-probs (b, Tr) and optionally entropies (b, Tr) of one micro-batch.
 
@@ -151,12 +151,11 @@ class DataParallelPPOActor(UpdateCounters):
         Logits are divided by the sampling temperature, as the rollout did. With
         ``use_remove_padding`` the padding is not computed either.
         ``entropy_grad=False``: the entropy is only a metric, computed without a graph.
-        ``shared_prompt``: this micro-batch's entry of ``_shared_prompt_plan``.
+        ``prompt_groups``: this micro-batch's entry of ``_shared_prompt_plan`` (None: no sharing).
         """
         batch, full_width = _trim_response_padding(micro.batch)
-        groups = self._prompt_groups(batch) if shared_prompt else None
-        if groups is not None:
-            logits, labels, scatter = self._shared_prompt_response_logits(batch, *groups)
+        if prompt_groups is not None:
+            logits, labels, scatter = self._shared_prompt_response_logits(batch, *prompt_groups)
         elif self.use_remove_padding:
             logits, labels, scatter = self._packed_response_logits(batch)
         else:
@@ -181,19 +180,21 @@ class DataParallelPPOActor(UpdateCounters):
         # position t predicts token t+1: the response logits are the ones just before each token
         return out.logits[:, :-1, :], responses, lambda values: values
 
-    def _shared_prompt_plan(self, micros: list[DataProto]) -> list[bool]:
-        """Per micro-batch, whether to take the shared-prompt path; the same on every rank.
+    def _shared_prompt_plan(self, micros: list[DataProto]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per micro-batch, its prompt groups (``_prompt_groups``) when it takes the shared-prompt
+        path, else None; the path is the same on every rank.
 
         The shared path runs the model twice before a backward: ranks on different paths would
         pair FSDP's gathers and reductions wrongly and hang. One all-reduce (MIN) settles all the
         micro-batches of a call, before any compute, so no rank waits on another there.
         """
         if not self.use_shared_prompt:
-            return [False] * len(micros)
-        wanted = [len(m) > 0 and self._prompt_groups(_trim_response_padding(m.batch)[0]) is not None for m in micros]
+            return [None] * len(micros)
+        groups = [self._prompt_groups(_trim_response_padding(m.batch)[0]) if len(m) > 0 else None for m in micros]
         if self.dp_size > 1:
-            wanted = [bool(w) for w in all_reduce_ints([int(w) for w in wanted], dist.ReduceOp.MIN, self._group_if_dist())]
-        return wanted
+            agreed = all_reduce_ints([int(g is not None) for g in groups], dist.ReduceOp.MIN, self._group_if_dist())
+            groups = [g if ok else None for g, ok in zip(groups, agreed)]
+        return groups
 
     @staticmethod
     def _distinct_prompts(batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,9 +345,9 @@ class DataParallelPPOActor(UpdateCounters):
         self.module.eval()
         plan = self._shared_prompt_plan(micros)
         with torch.no_grad():
-            for micro, shared in zip(micros, plan):
+            for micro, groups in zip(micros, plan):
                 entropy, lp = self._forward_micro_batch(_nonempty(micro, data), temperature, calculate_entropy,
-                                                        shared_prompt=shared)
+                                                        prompt_groups=groups)
                 log_probs.append(lp[: len(micro)])
                 entropies.append(entropy[: len(micro)] if entropy is not None else None)
         self.module.train(was_training)
@@ -380,7 +381,7 @@ class DataParallelPPOActor(UpdateCounters):
         return info
 
     def _micro_loss(self, micro: DataProto, temperature: float, info: dict[str, Any], entropy_metric: bool = False,
-                    shared_prompt: bool = False):
+                    prompt_groups: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Total loss of one micro-batch (to backpropagate as is), its loss metrics and ratio metrics.
 
         ``entropy_metric``: report ``actor/entropy`` even when it is not in the loss (the trainer
@@ -393,7 +394,7 @@ class DataParallelPPOActor(UpdateCounters):
         entropy_coeff = float(cfg_get(cfg, "entropy_coeff", 0.0))
         in_loss = entropy_coeff != 0
         entropy, log_prob = self._forward_micro_batch(micro, temperature, calculate_entropy=in_loss or entropy_metric,
-                                                      entropy_grad=in_loss, shared_prompt=shared_prompt)
+                                                      entropy_grad=in_loss, prompt_groups=prompt_groups)
         loss_fn = core_algos.get_policy_loss_fn(str(cfg_get(cfg_get(cfg, "policy_loss", {}), "loss_mode", "vanilla")))
         weights = batch["rollout_is_weights"] if "rollout_is_weights" in batch.keys() else None
         pg_loss, ratios = loss_fn(
@@ -434,10 +435,10 @@ class DataParallelPPOActor(UpdateCounters):
         micros, _ = self._micro_batches(mini, self.sizes.micro_batch_size, max_len)
         plan = self._shared_prompt_plan(micros)
         with accumulate_unsharded(self.module) as before_backward:
-            for i, (micro, shared) in enumerate(zip(micros, plan)):
+            for i, (micro, groups) in enumerate(zip(micros, plan)):
                 empty = len(micro) == 0  # token budgeting may leave a rank one short; FSDP still needs the pass
                 micro = _zero_loss_row(mini) if empty else micro
-                loss, losses, ratios = self._micro_loss(micro, temperature, info, entropy_metric, shared)
+                loss, losses, ratios = self._micro_loss(micro, temperature, info, entropy_metric, groups)
                 before_backward(i == len(micros) - 1)
                 loss.backward()  # summed over micro-batches: agg_loss already divided by the global count
                 stats.add(losses, ratios, 0.0 if empty else float(micro.batch["response_mask"].sum()))
