@@ -151,6 +151,7 @@ class ModelConfig:
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
     use_shared_prompt: bool = True  # rlfoundry: the n samples of a prompt share one prompt forward
+    cpu_linear: str = "onednn"  # rlfoundry: fp32 nn.Linear on the CPU through oneDNN (or "aten": torch's default)
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -285,6 +286,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = True
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
+    cpu_linear: str = "onednn"  # rlfoundry: see ModelConfig.cpu_linear
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
     lora_rank: int = 0
@@ -328,6 +330,7 @@ class RewardModelModelConfig:
     external_lib: Optional[str] = None
     use_remove_padding: bool = False
     use_fused_kernels: bool = False
+    cpu_linear: str = "onednn"  # rlfoundry: see ModelConfig.cpu_linear
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
 

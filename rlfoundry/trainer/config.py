@@ -128,6 +128,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("cuda", "cpu", "auto"),
     "trainer.worker_backend": ("local", "process", "ray", "auto"),
     "trainer.process_start_method": ("auto", "fork", "spawn"),
+    "actor_rollout_ref.model.cpu_linear": ("onednn", "aten"),
+    "critic.model.cpu_linear": ("onednn", "aten"),
+    "reward_model.model.cpu_linear": ("onednn", "aten"),
 }
 
 

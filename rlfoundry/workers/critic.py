@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfoundry.algos import core_algos
+from rlfoundry.models.cpu_linear import use_cpu_linear
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.utils import faults
@@ -384,6 +385,7 @@ class CriticWorker(Worker):
         )
         if zero_init_new_value_head(module, Path(path).expanduser()):
             logger.info("critic: %s has no value head; created one initialised to zero", path)
+        use_cpu_linear(module, str(cfg_get(model_cfg, "cpu_linear", "onednn")), self.device)
         mp = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
         return fsdp_utils.apply_fsdp2(
             module, self.device,

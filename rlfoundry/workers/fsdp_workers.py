@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rlfoundry.models.cpu_linear import use_cpu_linear
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.utils import faults
@@ -126,6 +127,7 @@ class ActorRolloutRefWorker(Worker):
         if not trainable:
             module.requires_grad_(False)
             module.eval()
+        use_cpu_linear(module, str(cfg_get(model_cfg, "cpu_linear", "onednn")), self.device)
         mixed = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
         return fu.apply_fsdp2(
             module,

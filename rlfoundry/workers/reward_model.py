@@ -9,6 +9,7 @@ Config (the ``reward_model`` subtree, verl's keys):
 | ``model.input_tokenizer`` | null | the *policy's* tokenizer path; when its vocabulary or chat template differs from the RM's, responses are decoded and re-tokenised (below) |
 | ``model.trust_remote_code`` | False | passed to ``from_pretrained`` |
 | ``model.fsdp_config.model_dtype`` | fp32 | weights dtype (bf16 on GPUs) |
+| ``model.cpu_linear`` | onednn | fp32 linear layers on the CPU through oneDNN, or ``aten`` (``rlfoundry/models/cpu_linear.py``) |
 | ``micro_batch_size_per_gpu`` | 16 | rows per forward pass |
 | ``max_length`` | batch width | token budget of a re-tokenised sequence; longer ones lose their *start* (the score is read at the end) |
 
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.models.cpu_linear import use_cpu_linear
 from rlfoundry.protocol import DataProto
 from rlfoundry.rewards.reward_manager import place_scores, response_lengths
 from rlfoundry.single_controller.base import Dispatch, Worker, register
@@ -83,6 +85,7 @@ class RewardModelWorker(Worker):
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
         if model.config.num_labels != 1:
             raise ValueError(f"reward model {path} has num_labels={model.config.num_labels}; a reward model needs 1")
+        use_cpu_linear(model, str(cfg_get(model_cfg, "cpu_linear", "onednn")), self.device)
         self.model = model.to(self.device).eval()
         source = cfg_get(model_cfg, "input_tokenizer")
         if source:

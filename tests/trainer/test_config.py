@@ -125,6 +125,11 @@ def test_bad_choice_is_named_with_the_options():
         load_config(["trainer.resume_mode=autoo"])
 
 
+def test_cpu_linear_backend_is_checked_with_its_options():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.cpu_linear='mkl' is not one of \['onednn', 'aten'\]"):
+        load_config(["actor_rollout_ref.model.cpu_linear=mkl"])
+
+
 def test_unregistered_estimator_suggests_the_nearest():
     with pytest.raises(ConfigError, match="Did you mean 'grpo'"):
         load_config(["algorithm.adv_estimator=gpro"])

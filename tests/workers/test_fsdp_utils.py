@@ -85,7 +85,7 @@ def test_token_classification_is_a_one_value_head(tiny_critic_dir):
 
 def test_fsdp2_wraps_each_layer_and_keeps_outputs_and_grad_norm(tiny_model_dir, process_group):
     plain = fu.load_hf_model(tiny_model_dir)
-    sharded = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    sharded = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu", layer_units=True)
     assert isinstance(sharded, FSDPModule)
     assert all(isinstance(layer, FSDPModule) for layer in sharded.model.layers)
     x = torch.tensor([[3, 9, 27, 81, 12], [4, 5, 6, 7, 8]])
@@ -97,6 +97,21 @@ def test_fsdp2_wraps_each_layer_and_keeps_outputs_and_grad_norm(tiny_model_dir, 
     assert isinstance(norm, float) and norm == pytest.approx(expected, rel=1e-5)
     # clipped to half: the norm measured again is max_norm
     assert fu.clip_grad_norm_(sharded.parameters(), max_norm=None) == pytest.approx(expected / 2, rel=1e-4)
+
+
+def test_unsharded_cpu_model_is_one_unit_with_one_gradient_reduction(tiny_model_dir, process_group):
+    """Nothing to shard (one rank here; fsdp_size=1 on many): per-layer units would only add one
+    blocking gradient reduction each on the CPU, so the root is the only unit."""
+    from torch.profiler import profile
+
+    model = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    assert isinstance(model, FSDPModule)
+    assert not any(isinstance(layer, FSDPModule) for layer in model.model.layers)
+    with profile() as prof:
+        model(input_ids=torch.tensor([[3, 9, 27, 81, 12]])).logits.square().mean().backward()
+    reductions = [e.name for e in prof.events() if e.name.startswith("FSDP::post_backward_reduce")]
+    assert reductions == ["FSDP::post_backward_reduce"], reductions
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_optimizer_steps_sharded_weights_exactly_like_plain_adamw(tiny_model_dir, process_group):

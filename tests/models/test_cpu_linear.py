@@ -1,0 +1,106 @@
+"""oneDNN fp32 linear layers: same numbers as nn.Linear, oneDNN only where it was asked for and pays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import profile
+
+from rlfoundry.models.cpu_linear import OneDNNLinear, linear, onednn_available, use_cpu_linear
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+ONEDNN_OP = "mkldnn::_linear_pointwise"
+
+
+def _onednn_calls(fn) -> int:
+    with profile() as prof:
+        fn()
+    return sum(e.name == ONEDNN_OP for e in prof.events())
+
+
+def _grads(layer: nn.Module, x: torch.Tensor, weights: torch.Tensor):
+    """Output and gradients of sum(weights * layer(x)): a non-uniform upstream gradient."""
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    (out * weights).sum().backward()
+    return out.detach(), x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_and_backward_match_float64_and_run_on_onednn(bias):
+    torch.manual_seed(0)
+    ref = nn.Linear(128, 256, bias=bias)
+    layer = nn.Linear(128, 256, bias=bias)
+    layer.load_state_dict(ref.state_dict())
+    assert use_cpu_linear(layer, "onednn", "cpu") == 1 and type(layer) is OneDNNLinear
+    x, w = torch.randn(4, 96, 128), torch.randn(4, 96, 256)  # 384 rows x 128 x 256: 12.6M MACs, above the cut
+    # forward, dx and dW each on oneDNN (db is a plain sum)
+    assert _onednn_calls(lambda: _grads(layer, x, w)) == 3
+    got = _grads(layer, x, w)
+    exact = _grads(ref.double(), x.double(), w.double())
+    for name, a, b in zip(("out", "dx", "dW", "db"), got, exact):
+        if b is not None:
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4, msg=name)
+
+
+@needs_onednn
+def test_strided_and_broadcast_upstream_gradients():
+    """Autograd hands backward expanded (stride-0) and sliced gradients; oneDNN must read them right."""
+    torch.manual_seed(1)
+    ref, layer = nn.Linear(64, 512), nn.Linear(64, 512)
+    layer.load_state_dict(ref.state_dict())
+    use_cpu_linear(layer, "onednn", "cpu")
+    x = torch.randn(300, 64)
+    for loss in (lambda y: y.sum(), lambda y: y[::3, :7].square().sum(), lambda y: (y.t() * torch.arange(300.0)).sum()):
+        grads = []
+        for m in (ref, layer):
+            xi = x.clone().requires_grad_(True)
+            m.zero_grad()
+            loss(m(xi)).backward()
+            grads.append((xi.grad, m.weight.grad, m.bias.grad))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-3)
+
+
+def test_small_products_other_dtypes_and_aten_keep_torchs_path_bit_for_bit():
+    torch.manual_seed(2)
+    layer = nn.Linear(64, 64)
+    use_cpu_linear(layer, "onednn", "cpu")
+    small = torch.randn(8, 64)  # 32k MACs: oneDNN's call cost would exceed its gain
+    assert _onednn_calls(lambda: layer(small)) == 0
+    assert torch.equal(layer(small), F.linear(small, layer.weight, layer.bias))
+    big64 = torch.randn(2048, 64, dtype=torch.float64)  # fp32 only
+    w64 = layer.weight.double()
+    assert _onednn_calls(lambda: linear(big64, w64)) == 0
+    assert torch.equal(linear(big64, w64), F.linear(big64, w64))
+    untouched = nn.Linear(64, 64)
+    assert use_cpu_linear(untouched, "aten", "cpu") == 0 and type(untouched) is nn.Linear
+    assert use_cpu_linear(untouched, "onednn", "cuda") == 0 and type(untouched) is nn.Linear  # GPUs: cuBLAS
+
+
+def test_unknown_backend_names_the_key_and_the_choices():
+    with pytest.raises(ValueError, match=r"model.cpu_linear must be one of \['onednn', 'aten'\], got 'mkl'"):
+        use_cpu_linear(nn.Linear(2, 2), "mkl", "cpu")
+
+
+@needs_onednn
+def test_hf_model_keeps_its_parameters_and_outputs(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    swapped = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = dict(swapped.named_parameters())
+    n_linear = sum(type(m) is nn.Linear for m in plain.modules())
+    assert use_cpu_linear(swapped, "onednn", "cpu") == n_linear > 0
+    assert dict(swapped.named_parameters()) == before  # the same tensors under the same names
+    assert list(swapped.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(3, 250, (16, 40))
+    calls = _onednn_calls(lambda: swapped(input_ids=ids))
+    assert calls > 0
+    torch.testing.assert_close(swapped(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
