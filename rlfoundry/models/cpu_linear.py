@@ -8,9 +8,13 @@ to float rounding (``benchmarks/README.md`` has the measurement). The layers her
 forward and both backward products with ``torch.ops.mkldnn._linear_pointwise``, the oneDNN linear
 that Inductor's CPU back end calls.
 
-oneDNN costs ~10 µs more per call, so products under ``_MIN_MACS`` multiply-adds (one-token decode
-steps, short prompts) keep torch's default path, as do other dtypes, autocast, non-CPU tensors and
-DTensors: the swap never changes what a layer computes, only which library multiplies.
+oneDNN compiles (JIT) and caches a kernel, with a scratchpad, for every matrix shape it meets:
+~0.6-3 MB each, and ~0.6 ms to build. Training shapes change with every micro-batch's token count,
+so each call here multiplies a block of exactly 512 or 128 rows (the last one zero-padded; a
+leftover under 64 rows goes to torch's default path): a handful of kernels per model, built once.
+Products with fewer than 128 rows (one-token decode steps, short prompts), other dtypes,
+autocast, non-CPU tensors and DTensors keep torch's default path: the swap never changes what a
+layer computes, only which library multiplies.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from torch import nn
 __all__ = ["BACKENDS", "OneDNNLinear", "linear", "onednn_available", "use_cpu_linear"]
 
 BACKENDS = ("onednn", "aten")
-# Below ~2M multiply-adds oneDNN's fixed call cost outweighs its faster kernel (measured: 64x128x256
-# is 29 µs vs 42 µs on MKL, 32x128x64 is 14 µs vs 7 µs).
-_MIN_MACS = 1 << 21
+# Rows per oneDNN call: whole 512-row blocks, then 128-row blocks for the rest, the last one
+# zero-padded; fewer than 64 rows left over go to torch's default path. 512 keeps the kernels'
+# scratchpads small; one call per block costs ~15 % of the one-call speed-up in copies
+# (1472 x 128 -> 256 forward: 482 µs in blocks, 407 µs in one call, 922 µs on MKL), and a 128-row
+# block still runs 1.7x MKL (46 vs 80 µs at 128 x 128 -> 256).
+_BIG, _SMALL, _LEFTOVER = 512, 128, 64
 
 
 def onednn_available() -> bool:
@@ -37,9 +44,58 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.numel() // max(1, x.shape[-1])
-    return rows * weight.shape[0] * weight.shape[1] >= _MIN_MACS
+def _plan(total: int) -> list[tuple[int, int, int]]:
+    """Cover ``total`` rows with (start, rows, block) pieces: block = the oneDNN call's row count
+    (rows < block: zero-padded), or 0 for a leftover under ``_LEFTOVER`` rows on torch's path."""
+    pieces, start = [], 0
+    while total - start >= _BIG or total - start > _BIG - _SMALL:
+        pieces.append((start, min(_BIG, total - start), _BIG))
+        start += _BIG
+    while total - start >= _LEFTOVER:
+        pieces.append((start, min(_SMALL, total - start), _SMALL))
+        start += _SMALL
+    if start < total:
+        pieces.append((start, total - start, 0))
+    return pieces
+
+
+def _block(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """(r, c) -> (block, c): ``rows`` then zeros (``rows`` itself when it fills the block)."""
+    if rows.shape[0] == block:
+        return rows
+    out = rows.new_zeros(block, rows.shape[1])
+    out[: rows.shape[0]] = rows
+    return out
+
+
+def _matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out (M, N) = x (M, K) Wᵀ + bias, block by block; returns ``out``."""
+    for start, rows, block in _plan(x.shape[0]):
+        part = x[start: start + rows]
+        if block:
+            out[start: start + rows] = _onednn(_block(part, block), weight, bias)[:rows]
+        else:
+            out[start: start + rows] = F.linear(part, weight, bias)
+    return out
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """gradᵀ x (N, K), summed over the rows block by block (oneDNN adds each block into the sum)."""
+    total = None
+    for start, rows, block in _plan(x.shape[0]):
+        g, xs = grad[start: start + rows], x[start: start + rows]
+        if not block:
+            total = g.t() @ xs if total is None else total + g.t() @ xs
+        elif total is None:
+            total = _onednn(_block(g, block).t(), _block(xs, block).t(), None)
+        else:
+            total = torch.ops.mkldnn._linear_pointwise.binary(
+                _block(g, block).t(), total, _block(xs, block).t(), None, "add")
+    return total
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
 def _plain_fp32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -56,28 +112,29 @@ class _OneDNNLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn(x, weight, bias)
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])  # filled in place: the output is no view
+        _matmul_rows(_rows(x), weight, bias, out.view(-1, weight.shape[0]))
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
+        grad2 = _rows(grad)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn(grad, weight.t(), None)
-        grad2 = grad.reshape(-1, grad.shape[-1])
+            grad_x = x.new_empty(x.shape)
+            _matmul_rows(grad2, weight.t(), None, grad_x.view(-1, x.shape[-1]))
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
-            # the sum runs over the rows: worth oneDNN's call cost only when there are many of them
-            grad_w = _onednn(grad2.t(), x2.t(), None) if _worth_it(x, weight) else grad2.t() @ x2
+            grad_w = _weight_grad(grad2, _rows(x))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2.sum(0)
         return grad_x, grad_w, grad_b
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, on oneDNN for plain fp32 CPU tensors when the product is large enough."""
-    if (_plain_fp32_cpu(x, weight, bias) and _worth_it(x, weight)
+    """``F.linear``, on oneDNN for plain fp32 CPU tensors with at least ``_SMALL`` rows."""
+    if (x.numel() >= _SMALL * x.shape[-1] and _plain_fp32_cpu(x, weight, bias)
             and not torch.is_autocast_enabled("cpu") and onednn_available()):
         return _OneDNNLinearFunction.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -14,10 +14,15 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch bui
 ONEDNN_OP = "mkldnn::_linear_pointwise"
 
 
-def _onednn_calls(fn) -> int:
-    with profile() as prof:
+def _onednn_shapes(fn) -> list[tuple]:
+    """The operand shapes of every oneDNN linear call ``fn`` makes."""
+    with profile(record_shapes=True) as prof:
         fn()
-    return sum(e.name == ONEDNN_OP for e in prof.events())
+    return [tuple(tuple(s) for s in e.input_shapes[:3]) for e in prof.events() if e.name == ONEDNN_OP]
+
+
+def _onednn_calls(fn) -> int:
+    return len(_onednn_shapes(fn))
 
 
 def _grads(layer: nn.Module, x: torch.Tensor, weights: torch.Tensor):
@@ -31,15 +36,19 @@ def _grads(layer: nn.Module, x: torch.Tensor, weights: torch.Tensor):
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
-def test_forward_and_backward_match_float64_and_run_on_onednn(bias):
+# 1200 rows: 2 x 512 + 128 + 48 (torch's path); 1400: 2 x 512 + 2 x 128 + 120 padded to 128
+@pytest.mark.parametrize("rows", [1200, 1400])
+def test_forward_and_backward_match_float64_and_run_on_onednn(bias, rows):
     torch.manual_seed(0)
     ref = nn.Linear(128, 256, bias=bias)
     layer = nn.Linear(128, 256, bias=bias)
     layer.load_state_dict(ref.state_dict())
     assert use_cpu_linear(layer, "onednn", "cpu") == 1 and type(layer) is OneDNNLinear
-    x, w = torch.randn(4, 96, 128), torch.randn(4, 96, 256)  # 384 rows x 128 x 256: 12.6M MACs, above the cut
-    # forward, dx and dW each on oneDNN (db is a plain sum)
-    assert _onednn_calls(lambda: _grads(layer, x, w)) == 3
+    x, w = torch.randn(4, rows // 4, 128), torch.randn(4, rows // 4, 256)
+    shapes = _onednn_shapes(lambda: _grads(layer, x, w))
+    blocks = {1200: 3, 1400: 5}[rows]
+    assert len(shapes) == 3 * blocks  # forward, dx and dW, block by block (db is a plain sum)
+    assert all(512 in call[0] or 128 in call[0] for call in shapes), shapes  # a block of 512 or 128 rows
     got = _grads(layer, x, w)
     exact = _grads(ref.double(), x.double(), w.double())
     for name, a, b in zip(("out", "dx", "dW", "db"), got, exact):
@@ -49,29 +58,44 @@ def test_forward_and_backward_match_float64_and_run_on_onednn(bias):
 
 
 @needs_onednn
+def test_changing_row_counts_reuse_the_same_few_kernel_shapes():
+    """oneDNN builds and keeps a kernel (~0.6-3 MB) per shape: token counts change every micro-batch,
+    the shapes it sees must not."""
+    layer = nn.Linear(64, 96)
+    use_cpu_linear(layer, "onednn", "cpu")
+    seen = set()
+    for rows in range(128, 3000, 37):
+        x = torch.randn(rows, 64, requires_grad=True)
+        seen.update(_onednn_shapes(lambda: layer(x).square().sum().backward()))
+    # forward (x, W, b), dx (dy, Wᵀ), dW (dyᵀ, xᵀ) and its accumulating variant, at 512 and 128 rows
+    assert len({call[:2] for call in seen}) <= 8, sorted(seen)
+
+
+@needs_onednn
 def test_strided_and_broadcast_upstream_gradients():
     """Autograd hands backward expanded (stride-0) and sliced gradients; oneDNN must read them right."""
     torch.manual_seed(1)
     ref, layer = nn.Linear(64, 512), nn.Linear(64, 512)
     layer.load_state_dict(ref.state_dict())
     use_cpu_linear(layer, "onednn", "cpu")
-    x = torch.randn(300, 64)
-    for loss in (lambda y: y.sum(), lambda y: y[::3, :7].square().sum(), lambda y: (y.t() * torch.arange(300.0)).sum()):
+    ref.double()
+    x = torch.randn(1300, 64)
+    for loss in (lambda y: y.sum(), lambda y: y[::3, :7].square().sum(), lambda y: (y.t() * torch.arange(1300.0)).sum()):
         grads = []
-        for m in (ref, layer):
-            xi = x.clone().requires_grad_(True)
+        for m, xi in ((ref, x.double()), (layer, x)):
+            xi = xi.clone().requires_grad_(True)
             m.zero_grad()
             loss(m(xi)).backward()
             grads.append((xi.grad, m.weight.grad, m.bias.grad))
-        for a, b in zip(*grads):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-3)
+        for exact, got in zip(*grads):
+            assert (got.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
 
 
 def test_small_products_other_dtypes_and_aten_keep_torchs_path_bit_for_bit():
     torch.manual_seed(2)
     layer = nn.Linear(64, 64)
     use_cpu_linear(layer, "onednn", "cpu")
-    small = torch.randn(8, 64)  # 32k MACs: oneDNN's call cost would exceed its gain
+    small = torch.randn(127, 64)  # under one 128-row block
     assert _onednn_calls(lambda: layer(small)) == 0
     assert torch.equal(layer(small), F.linear(small, layer.weight, layer.bias))
     big64 = torch.randn(2048, 64, dtype=torch.float64)  # fp32 only
@@ -99,7 +123,7 @@ def test_hf_model_keeps_its_parameters_and_outputs(tiny_model_dir):
     assert use_cpu_linear(swapped, "onednn", "cpu") == n_linear > 0
     assert dict(swapped.named_parameters()) == before  # the same tensors under the same names
     assert list(swapped.state_dict()) == list(plain.state_dict())
-    ids = torch.randint(3, 250, (16, 40))
+    ids = torch.randint(3, 250, (16, 64))  # 1024 rows: two blocks
     calls = _onednn_calls(lambda: swapped(input_ids=ids))
     assert calls > 0
     torch.testing.assert_close(swapped(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
