@@ -12,7 +12,7 @@ oneDNN compiles (JIT) and caches a kernel, with a scratchpad, for every matrix s
 ~0.6-3 MB each, and ~0.6 ms to build. Training shapes change with every micro-batch's token count,
 so each call here multiplies a block of exactly 512 or 128 rows (the last one zero-padded; a
 leftover under 64 rows goes to torch's default path): a handful of kernels per model, built once.
-Products with fewer than 128 rows (one-token decode steps, short prompts), other dtypes,
+Products under 256 rows or 8M multiply-adds (decode steps, short prompts, narrow layers), other dtypes,
 autocast, non-CPU tensors and DTensors keep torch's default path: the swap never changes what a
 layer computes, only which library multiplies.
 """
@@ -32,6 +32,10 @@ BACKENDS = ("onednn", "aten")
 # (1472 x 128 -> 256 forward: 482 µs in blocks, 407 µs in one call, 922 µs on MKL), and a 128-row
 # block still runs 1.7x MKL (46 vs 80 µs at 128 x 128 -> 256).
 _BIG, _SMALL, _LEFTOVER = 512, 128, 64
+# Each oneDNN call here costs ~15-40 µs more than MKL's in Python, padding and copies: measured over
+# forward + backward, 1472 x 128 -> 256 takes 1.8 ms against 3.0 ms on MKL, but 200 x 128 -> 256
+# (6.6M multiply-adds) 455 against 419 µs, and 1472 x 128 -> 64 (12M) only breaks even.
+_MIN_ROWS, _MIN_MACS = 256, 1 << 23
 
 
 def onednn_available() -> bool:
@@ -132,9 +136,14 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def _worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // max(1, x.shape[-1])
+    return rows >= _MIN_ROWS and rows * weight.shape[0] * weight.shape[1] >= _MIN_MACS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, on oneDNN for plain fp32 CPU tensors with at least ``_SMALL`` rows."""
-    if (x.numel() >= _SMALL * x.shape[-1] and _plain_fp32_cpu(x, weight, bias)
+    """``F.linear``, on oneDNN for plain fp32 CPU tensors when the product is large enough to gain."""
+    if (_worth_it(x, weight) and _plain_fp32_cpu(x, weight, bias)
             and not torch.is_autocast_enabled("cpu") and onednn_available()):
         return _OneDNNLinearFunction.apply(x, weight, bias)
     return F.linear(x, weight, bias)
