@@ -1,12 +1,12 @@
 """fp32 linear layers on the CPU through oneDNN (``model.cpu_linear=onednn``, the default).
 
-Why: torch sends an fp32 ``nn.Linear`` on the CPU to MKL's sgemm. On AMD EPYC (Zen) cores MKL does
-not take its AVX-512 code path and runs at ~100 GFLOP/s per core on the training shapes of the
-benchmark model, where oneDNN (also in every x86 torch wheel, the library behind torch's CPU
-convolutions) reaches ~240 GFLOP/s with the same fp32 arithmetic: no down-conversion, results equal
-to float rounding (``benchmarks/README.md`` has the measurement). The layers here compute the
-forward and both backward products with ``torch.ops.mkldnn._linear_pointwise``, the oneDNN linear
-that Inductor's CPU back end calls.
+Why: torch sends an fp32 ``nn.Linear`` on the CPU to MKL's sgemm. On this project's AMD EPYC (Zen)
+cores that runs the benchmark model's training products at 103-106 GFLOP/s per core, where oneDNN
+(built into torch's x86 wheels; Inductor's CPU back end calls the same op) reaches 191-220, and
+~230 against ~107 at Qwen2.5-0.5B shapes, with the same fp32 arithmetic: no down-conversion,
+results equal to float rounding (``python -m benchmarks.cpu_linear``). The layers here compute the
+forward and both backward products with ``torch.ops.mkldnn._linear_pointwise``. On a CPU where
+MKL is as fast, ``model.cpu_linear=aten`` keeps torch's path.
 
 oneDNN compiles (JIT) and caches a kernel, with a scratchpad, for every matrix shape it meets:
 ~0.6-3 MB each, and ~0.6 ms to build. Training shapes change with every micro-batch's token count,
