@@ -84,17 +84,13 @@ def _matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """gradᵀ x (N, K), summed over the rows block by block (oneDNN adds each block into the sum)."""
+    """gradᵀ x (N, K), summed over the rows block by block (the (N, K) sums are small: adding them
+    costs less than the extra kernels oneDNN would keep for accumulating in place)."""
     total = None
     for start, rows, block in _plan(x.shape[0]):
         g, xs = grad[start: start + rows], x[start: start + rows]
-        if not block:
-            total = g.t() @ xs if total is None else total + g.t() @ xs
-        elif total is None:
-            total = _onednn(_block(g, block).t(), _block(xs, block).t(), None)
-        else:
-            total = torch.ops.mkldnn._linear_pointwise.binary(
-                _block(g, block).t(), total, _block(xs, block).t(), None, "add")
+        part = _onednn(_block(g, block).t(), _block(xs, block).t(), None) if block else g.t() @ xs
+        total = part if total is None else total.add_(part)
     return total
 
 
