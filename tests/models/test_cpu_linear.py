@@ -67,8 +67,8 @@ def test_changing_row_counts_reuse_the_same_few_kernel_shapes():
     for rows in range(128, 3000, 37):
         x = torch.randn(rows, 64, requires_grad=True)
         seen.update(_onednn_shapes(lambda: layer(x).square().sum().backward()))
-    # forward (x, W, b), dx (dy, Wᵀ), dW (dyᵀ, xᵀ) and its accumulating variant, at 512 and 128 rows
-    assert len({call[:2] for call in seen}) <= 8, sorted(seen)
+    # forward (x, W, b), dx (dy, Wᵀ) and dW (dyᵀ, xᵀ), each at 512 and 128 rows
+    assert len({call[:2] for call in seen}) <= 6, sorted(seen)
 
 
 @needs_onednn
@@ -95,7 +95,7 @@ def test_small_products_other_dtypes_and_aten_keep_torchs_path_bit_for_bit():
     torch.manual_seed(2)
     layer = nn.Linear(64, 64)
     use_cpu_linear(layer, "onednn", "cpu")
-    small = torch.randn(127, 64)  # under one 128-row block
+    small = torch.randn(255, 64)  # under 256 rows: oneDNN's fixed costs would exceed its gain
     assert _onednn_calls(lambda: layer(small)) == 0
     assert torch.equal(layer(small), F.linear(small, layer.weight, layer.bias))
     big64 = torch.randn(2048, 64, dtype=torch.float64)  # fp32 only
