@@ -132,6 +132,13 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def _cpu_autocast_on() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4 has no device argument
+        return torch.is_autocast_cpu_enabled()
+
+
 def _worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // max(1, x.shape[-1])
     return rows >= _MIN_ROWS and rows * weight.shape[0] * weight.shape[1] >= _MIN_MACS
@@ -140,7 +147,7 @@ def _worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, on oneDNN for plain fp32 CPU tensors when the product is large enough to gain."""
     if (_worth_it(x, weight) and _plain_fp32_cpu(x, weight, bias)
-            and not torch.is_autocast_enabled("cpu") and onednn_available()):
+            and not _cpu_autocast_on() and onednn_available()):
         return _OneDNNLinearFunction.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -102,6 +102,11 @@ def test_small_products_other_dtypes_and_aten_keep_torchs_path_bit_for_bit():
     w64 = layer.weight.double()
     assert _onednn_calls(lambda: linear(big64, w64)) == 0
     assert torch.equal(linear(big64, w64), F.linear(big64, w64))
+    big = torch.randn(2048, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the dtype: torch's path
+        assert _onednn_calls(lambda: layer(big)) == 0
+        assert layer(big).dtype == torch.bfloat16
+    assert _onednn_calls(lambda: layer(big)) == 4  # outside autocast: oneDNN, four 512-row blocks
     untouched = nn.Linear(64, 64)
     assert use_cpu_linear(untouched, "aten", "cpu") == 0 and type(untouched) is nn.Linear
     assert use_cpu_linear(untouched, "onednn", "cuda") == 0 and type(untouched) is nn.Linear  # GPUs: cuBLAS
