@@ -340,8 +340,9 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     ranks give the weights of the same steps on one in-process rank (there with one padded forward
     per row, here with FSDP2 over 2 ranks, the shared-prompt forward (two forwards before each
     backward) and parameters kept gathered with gradients reduced once per mini-batch).
-    ``fsdp_size=1``: the ranks replicate the weights (a (2, 1) mesh, gradients all-reduced); its
-    checkpoint loads into one rank's plain FSDP mesh."""
+    ``fsdp_size=1``: the ranks replicate the weights (a (2, 1) mesh, gradients all-reduced). Either
+    way the checkpoint (sharded with per-layer units, or replicated in one unit) loads into one
+    rank's mesh, where the model is a single unit."""
     from tests.workers import worker_config
     from tests.workers.test_actor_update import BASE, two_updates_on_one_rank_match
 
@@ -363,16 +364,16 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     replicated = fsdp_size == 1
     assert report["mesh"] == ([2, 1] if replicated else [2])
     assert report["local_rows"] == (report["rows"] if replicated else report["rows"] // 2)
-    if replicated:  # the (2, 1) checkpoint reshards into one rank's mesh: same weights as its HF export
-        from rlfoundry.workers.utils.checkpoint import load_checkpoint
-        from tests.workers import full_params, local_worker
+    # the 2-rank checkpoint reshards into one rank's single-unit mesh: the weights of its HF export
+    from rlfoundry.workers.utils.checkpoint import load_checkpoint
+    from tests.workers import full_params, local_worker
 
-        local = local_worker(cfg, role="actor")
-        load_checkpoint(str(tmp_path / "two-ckpt"), local.worker.actor.module, local.worker.optimizer)
-        weights = full_params(local.worker.actor.module)
-        exported = load_file(tmp_path / "two" / "model.safetensors")
-        for name, value in exported.items():
-            torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=name)
+    local = local_worker(cfg, role="actor")
+    load_checkpoint(str(tmp_path / "two-ckpt"), local.worker.actor.module, local.worker.optimizer)
+    weights = full_params(local.worker.actor.module)
+    exported = load_file(tmp_path / "two" / "model.safetensors")
+    for name, value in exported.items():
+        torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=name)
 
 
 def test_rank_zero_outside_ray_does_not_import_ray():
