@@ -19,6 +19,8 @@ layer computes, only which library multiplies.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +40,7 @@ _BIG, _SMALL, _LEFTOVER = 512, 128, 64
 _MIN_ROWS, _MIN_MACS = 256, 1 << 23
 
 
+@functools.cache  # a property of the torch build, asked on every linear call
 def onednn_available() -> bool:
     """True when this torch build has oneDNN and its fp32 linear op."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
