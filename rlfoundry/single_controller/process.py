@@ -16,8 +16,11 @@ environment (rendezvous address included) as its first message.
 The ranks form a torch.distributed group exactly as on Ray, so FSDP2 and every collective run
 unchanged; the dispatch → execute → collect core is the shared one in ``base/worker_group.py``.
 
-Messages go over ``multiprocessing`` pipes between this process and its child ranks (pickled
-by the standard library's connection, which hands tensors over in shared memory), never from files.
+Messages go over ``multiprocessing`` pipes between this process and its child ranks, never from
+files. Tensors of up to ``_INLINE_BYTES`` travel inside the message (``_MessagePickler``); larger
+ones in shared memory, as the standard library's connection sends them once torch is imported.
+Shared memory costs a file descriptor handed over on a connection of its own per tensor (~0.25 ms
+each): a batch of a dozen small tensors took ~3 ms to reach a rank that way, ~0.5 ms inline.
 A call sends each remote rank its arguments first, then runs rank 0 in the driver (so collectives
 meet), then collects the replies in rank order. A rank that dies raises ``WorkerDiedError`` (the
 group is unusable after it); ``call_timeout_s`` bounds a call (``WorkerCallTimeout``; the group
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -38,6 +42,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +63,40 @@ __all__ = ["ProcessWorkerGroup", "START_METHODS", "threads_per_rank"]
 START_METHODS = ("auto", "fork", "spawn")
 
 _LOCAL = "local"  # the handle of rank 0's call, whose result is already in hand
+# CPU tensors up to this size are copied into the message; larger ones go through shared memory
+_INLINE_BYTES = 1 << 20
+
+
+def _tensor_from_bytes(data: bytes, dtype, shape: tuple[int, ...]):
+    import torch
+
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _MessagePickler(ForkingPickler):
+    """``ForkingPickler`` (shared memory for tensors, fds for pipes) with small CPU tensors inline.
+
+    A tensor that does not need grad is sent by value, as its bytes: only its own elements, also
+    when it is a view of a larger batch (the shared-memory path moves the whole storage).
+    """
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if (torch is None or type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.requires_grad
+                or obj.layout is not torch.strided or obj.is_quantized or obj.numel() * obj.element_size() > _INLINE_BYTES):
+            return NotImplemented
+        plain = obj.resolve_conj().resolve_neg().contiguous()
+        data = plain.view(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b""
+        return _tensor_from_bytes, (data, obj.dtype, tuple(obj.shape))
+
+
+def _send_message(conn: Connection, message: Any) -> None:
+    """``conn.send(message)`` with ``_MessagePickler``; the other end reads it with ``conn.recv()``."""
+    buf = io.BytesIO()
+    _MessagePickler(buf, pickle.HIGHEST_PROTOCOL).dump(message)
+    conn.send_bytes(buf.getbuffer())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +186,7 @@ def _rank_main(conn: Connection, spec: tuple, threads: int, inherited: list[Conn
         except BaseException as err:  # noqa: BLE001
             reply = _error_reply(err)
         try:
-            conn.send(reply)
+            _send_message(conn, reply)
         except Exception as err:  # noqa: BLE001 - e.g. a result that cannot be pickled
             conn.send(_error_reply(err))
 
@@ -320,7 +359,7 @@ class ProcessWorkerGroup(WorkerGroup):
 
     def _send(self, rank: int, message: tuple) -> _Call:
         try:
-            self._conns[rank].send(message)
+            _send_message(self._conns[rank], message)
         except (BrokenPipeError, ConnectionResetError, OSError) as err:
             raise WorkerDiedError(self.name, rank, message[0], err) from err
         call = _Call(rank, self._sent.get(rank, 0))

@@ -32,7 +32,7 @@ from rlfoundry.single_controller import (
     create_worker_group,
     register,
 )
-from rlfoundry.single_controller.process import ProcessWorkerGroup, threads_per_rank
+from rlfoundry.single_controller.process import _INLINE_BYTES, ProcessWorkerGroup, _MessagePickler, threads_per_rank
 from tests.workers.test_actor_update import batch  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,6 +129,31 @@ def test_dp_compute_proto_splits_pads_and_unpads_in_order(two_ranks):
     assert out.batch["y"].tolist() == [21, 23, 25, 27, 29]
     assert out.batch["rank"].tolist() == [0, 0, 0, 1, 1]
     assert out.meta_info == {"metrics": {"rows": [3, 3]}}
+
+
+def _pickled_size(obj) -> int:
+    import io
+    import pickle
+
+    buf = io.BytesIO()
+    _MessagePickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.tell()
+
+
+def test_tensors_cross_the_pipe_exactly_small_ones_inside_the_message(two_ranks):
+    odd = [torch.tensor(3.5), torch.zeros(0, 4), torch.arange(10)[::3], torch.tensor([True, False, True]),
+           torch.randn(4, 6, dtype=torch.bfloat16).t(), torch.randn(3, dtype=torch.complex64).conj(),
+           torch.randn(700, 700)]  # the last one (1.9 MB) goes through shared memory
+    for rank, back in two_ranks.take([odd, odd]):
+        for sent, got in zip(odd, back):
+            assert (got.dtype, got.shape, got.is_conj()) == (sent.dtype, sent.shape, False)
+            assert torch.equal(got, sent.resolve_conj())
+    # inline: a view sends its own elements only, not the batch it is cut from
+    batch = torch.randn(4096, 128)
+    assert 64 * 128 * 4 < _pickled_size(batch[:64]) < 64 * 128 * 4 + 512
+    # past the inline size: a shared-memory handle, not the bytes
+    big = torch.randn(_INLINE_BYTES // 4 + 1)
+    assert _pickled_size(big) < 4096
 
 
 def test_gloo_all_reduce_across_the_ranks(two_ranks):
