@@ -427,6 +427,7 @@ class TrainerConfig:
     run_dir: Optional[str] = None  # rlfoundry: metrics, plots, synthetic data; null -> default_local_dir
     worker_call_timeout_s: Optional[float] = None  # rlfoundry: limit of one worker call (Ray back end); null: none
     dist_timeout_s: float = 600.0  # rlfoundry: timeout of every torch.distributed collective
+    tune_malloc: bool = True  # rlfoundry: glibc malloc in worker processes keeps freed memory (utils/malloc.py)
     max_consecutive_nan_steps: int = 3  # rlfoundry: stop after this many NaN/Inf-skipped steps in a row; 0: never
 
 

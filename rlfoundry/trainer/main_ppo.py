@@ -189,9 +189,15 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
 
 
 def _export_worker_env(cfg: DictConfig) -> None:
-    """Ranks hosted by (or spawned from) this process read their device and timeout from the env."""
-    os.environ["RLFOUNDRY_DEVICE"] = cfg.trainer.device
-    os.environ["RLFOUNDRY_DIST_TIMEOUT_S"] = str(cfg.trainer.dist_timeout_s)
+    """Ranks hosted by (or spawned from) this process read their device, timeout and malloc setting
+    from the env (``_worker_env``)."""
+    os.environ.update(_worker_env(cfg))
+
+
+def _worker_env(cfg: DictConfig) -> dict[str, str]:
+    trainer = cfg.trainer
+    return {"RLFOUNDRY_DEVICE": trainer.device, "RLFOUNDRY_DIST_TIMEOUT_S": str(trainer.dist_timeout_s),
+            "RLFOUNDRY_TUNE_MALLOC": "1" if trainer.tune_malloc else "0"}
 
 
 def _preload(cfg: DictConfig) -> None:
@@ -241,8 +247,7 @@ def ray_factory(cfg: DictConfig):
 
     def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
         trainer = cfg.trainer
-        env = {"RLFOUNDRY_DEVICE": trainer.device, "RLFOUNDRY_DIST_TIMEOUT_S": str(trainer.dist_timeout_s)}
-        init_ray(num_cpus=cfg.ray_init.get("num_cpus"), runtime_env={"env_vars": env})
+        init_ray(num_cpus=cfg.ray_init.get("num_cpus"), runtime_env={"env_vars": _worker_env(cfg)})
         manager = ResourcePoolManager({"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)},
                                       {Role.ActorRollout: "global_pool"}, use_gpu=trainer.device == "cuda")
         manager.create_resource_pool()

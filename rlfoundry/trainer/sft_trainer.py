@@ -375,6 +375,10 @@ class SFTTrainer:
 
     def __init__(self, config: DictConfig) -> None:
         self.config = config
+        if config.trainer.get("tune_malloc", True):
+            from rlfoundry.utils.malloc import tune_malloc
+
+            tune_malloc()
         self.device = _pick_device(config.trainer.device)
         self._owns_group = _init_distributed(self.device)
         try:

@@ -11,6 +11,7 @@ torch.distributed read them too):
 | ``RLFOUNDRY_WORKER_GROUP`` | the group's name (the role), used in log and error messages |
 | ``RLFOUNDRY_DEVICE`` | optional override: ``cpu`` or ``cuda`` |
 | ``RLFOUNDRY_DIST_TIMEOUT_S`` | optional default timeout of every collective, seconds (600) |
+| ``RLFOUNDRY_TUNE_MALLOC`` | ``1``: glibc malloc keeps freed memory (``rlfoundry.utils.malloc``) |
 
 Several roles colocated in one process (see ``create_colocated_worker_cls``) are several
 ``Worker`` instances reading the same variables, so they share one process group:
@@ -26,6 +27,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from rlfoundry.utils.malloc import tune_malloc_from_env
 
 DEFAULT_DIST_TIMEOUT_S = 600.0
 
@@ -101,6 +104,7 @@ class Worker:
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
         self.group_name = env.get("RLFOUNDRY_WORKER_GROUP", "worker")
+        tune_malloc_from_env()
         if self.rank == 0 and not env.get("MASTER_ADDR"):
             # Rank 0 opens the rendezvous point; the group reads it back and gives it to the others.
             env["MASTER_ADDR"] = _node_ip()
