@@ -151,6 +151,7 @@ class ModelConfig:
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
     use_shared_prompt: bool = True  # rlfoundry: the n samples of a prompt share one prompt forward
+    fused_forward: bool = True  # rlfoundry: the shared-prompt forward as one pass of our own where it reproduces HF's
     cpu_linear: str = "onednn"  # rlfoundry: fp32 nn.Linear on the CPU through oneDNN (or "aten": torch's default)
     lora_rank: int = 0
     lora_alpha: int = 16

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfoundry.algos import core_algos
+from rlfoundry.models import fused_forward
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 from rlfoundry.workers.fsdp_utils import accumulate_unsharded, cfg_get, clip_grad_norm_, continued_forward
@@ -112,6 +113,9 @@ class DataParallelPPOActor(UpdateCounters):
         use_shared_prompt: rows with the same prompt (the n samples of a GRPO group) run that prompt
             once and attend to its shared KV cache (``model.use_shared_prompt``); taken per
             micro-batch only when it computes fewer tokens than the padded/packed forward.
+        use_fused_forward: run that shared-prompt forward as one pass of our own over the model's
+            weights where it reproduces the model (``model.fused_forward``; see
+            ``rlfoundry/models/fused_forward.py``), else through the HF forward.
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class DataParallelPPOActor(UpdateCounters):
         seed: int = 0,
         use_remove_padding: bool = False,
         use_shared_prompt: bool = False,
+        use_fused_forward: bool = False,
     ):
         self.config = config
         self.module = module
@@ -134,6 +139,7 @@ class DataParallelPPOActor(UpdateCounters):
         self.seed = seed
         self.use_remove_padding = use_remove_padding
         self.use_shared_prompt = use_shared_prompt
+        self.use_fused_forward = use_fused_forward
         self.update_calls = 0  # update_policy calls so far: seeds the shuffle, kept in checkpoints
         self.nonfinite_skips = 0  # optimiser steps skipped for a non-finite grad norm, ever
 
@@ -247,6 +253,10 @@ class DataParallelPPOActor(UpdateCounters):
         width = batch["responses"].shape[1]
         tp = batch["input_ids"].shape[1] - width
         ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+        if self.use_fused_forward and fused_forward.unsupported_reason(self.module, ids.shape[1]) is None:
+            logits = fused_forward.shared_prompt_logits(self.module, ids[first, :tp], mask[first, :tp],
+                                                        pos[first, :tp], batch["responses"], pos[:, tp:], group)
+            return logits, batch["responses"], lambda values: values
         cache = DynamicCache(config=getattr(self.module, "config", None))
         head = self.module(input_ids=ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
                            past_key_values=cache, use_cache=True, logits_to_keep=1)

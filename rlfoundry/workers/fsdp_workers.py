@@ -173,20 +173,21 @@ class ActorRolloutRefWorker(Worker):
         # a KV cache cannot be shared under gradient checkpointing (HF turns use_cache off there)
         shared = bool(cfg_get(self._model_cfg, "use_shared_prompt", False)) and not bool(
             cfg_get(self._model_cfg, "enable_gradient_checkpointing", False))
+        fused = bool(cfg_get(self._model_cfg, "fused_forward", True))
         if self._is_actor or self._is_rollout:
             module = self._build_module(cfg_get(self._actor_cfg, "fsdp_config", {}), trainable=self._is_actor)
             if self._is_actor:
                 self._build_optimizer(module)
             self.actor = DataParallelPPOActor(
                 self._actor_cfg, module, self.optimizer, self.actor_sizes, seed=seed, use_remove_padding=rmpad,
-                use_shared_prompt=shared,
+                use_shared_prompt=shared, use_fused_forward=fused,
             )
             if self._is_rollout:
                 self.rollout = self._build_rollout(module)
         if self._is_ref:
             ref_module = self._build_module(cfg_get(self._ref_cfg, "fsdp_config", {}), trainable=False)
             self.ref_policy = DataParallelPPOActor(self._ref_cfg, ref_module, use_remove_padding=rmpad,
-                                                   use_shared_prompt=shared)
+                                                   use_shared_prompt=shared, use_fused_forward=fused)
 
     # ---- data methods ------------------------------------------------------------------
 

@@ -161,3 +161,29 @@ def test_device_mesh_from_fsdp_size(process_group):
         assert mesh.mesh_dim_names == ("fsdp",) and tuple(mesh.shape) == (1,)
     with pytest.raises(ValueError, match=r"fsdp_config.fsdp_size must be -1 .* or >= 1, got 0"):
         fu.device_mesh("cpu", 0)
+
+
+def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(tiny_model_dir, process_group):
+    """Through the root unit's own hooks the fused pass gathers and reduces like the HF forward; with
+    per-layer units those layers' hooks would be skipped, so it declines."""
+    from omegaconf import OmegaConf
+
+    from rlfoundry.models import fused_forward
+    from rlfoundry.workers.actor import DataParallelPPOActor
+    from tests.models.test_fused_forward import _batch
+
+    per_layer = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu", layer_units=True)
+    assert "FSDP units below the root" in fused_forward.unsupported_reason(per_layer, 20)
+    batch = _batch(per_layer.config.vocab_size)
+    grads = {}
+    for name, model in (("fsdp", fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")),
+                        ("plain", fu.load_hf_model(tiny_model_dir))):
+        assert fused_forward.unsupported_reason(model, 20) is None
+        actor = DataParallelPPOActor(OmegaConf.create({}), model, use_shared_prompt=True, use_fused_forward=True)
+        first, group = actor._prompt_groups(batch)
+        logits, _, _ = actor._shared_prompt_response_logits(batch, first, group)
+        logits.square().mean().backward()
+        grads[name] = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                       for k, p in model.named_parameters()}
+    for key, grad in grads["plain"].items():
+        torch.testing.assert_close(grads["fsdp"][key], grad, atol=1e-6, rtol=1e-5, msg=key)

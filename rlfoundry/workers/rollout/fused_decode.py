@@ -19,56 +19,14 @@ logits with HF's token by token.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlfoundry.models.llama_ops import rms_norm, rope, signed_sin, unsupported_reason
+
 __all__ = ["FusedDecoder", "unsupported_reason"]
-
-_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
-
-
-def _rope_type(config: Any) -> str:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return str(params.get("rope_type", params.get("type", "default")))
-
-
-def unsupported_reason(module: nn.Module, capacity: int) -> str | None:
-    """None when ``FusedDecoder`` reproduces ``module``'s forward; otherwise why it does not."""
-    config = getattr(module, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {_MODEL_TYPES}"
-    if not hasattr(module, "lm_head") or not hasattr(getattr(module, "model", None), "layers"):
-        return "not a *ForCausalLM with .model.layers and .lm_head"
-    if _rope_type(config) not in _STATIC_ROPE:
-        return f"RoPE type {_rope_type(config)!r} depends on the sequence length"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return "sliding-window layers"
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and capacity > window:
-        return f"sequences ({capacity}) longer than the sliding window ({window})"
-    if getattr(config, "mlp_bias", False):
-        return "MLP biases"
-    if model_type == "qwen3" and not hasattr(module.model.layers[0].self_attn, "q_norm"):
-        return "qwen3 without q_norm/k_norm"
-    return None
-
-
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """HF's RMSNorm: in fp32, then back to the input dtype before the weight."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * xf.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` with ``signed_sin`` = sin, first half negated."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class _Layer:
@@ -108,10 +66,7 @@ class FusedDecoder:
         positions = torch.arange(max_positions, device=self.lm_head.weight.device).unsqueeze(0)
         probe = torch.empty(1, device=positions.device, dtype=self.dtype)
         cos, sin = module.model.rotary_emb(probe, positions)
-        # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated), bit for bit:
-        # one roll instead of two slices, a negation and a concatenation per rotation
-        half = self.head_dim // 2
-        self.cos, self.signed_sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # (P, d)
+        self.cos, self.signed_sin = cos[0], signed_sin(sin[0])  # (P, d)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens, positions (N,); mask (N, L) 1 = attend, covering the cache plus this token.
@@ -128,15 +83,15 @@ class FusedDecoder:
         bias = bias.masked_fill_((mask == 0).view(n, 1, 1, length), float("-inf"))
         bias = bias.expand(n, hkv, hq // hkv, length).reshape(n * hkv, hq // hkv, length)
         for layer, kv in zip(self.layers, cache.layers):
-            h = _rms_norm(x, layer.in_norm)
+            h = rms_norm(x, layer.in_norm)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
             if layer.q_norm is None:  # q and k rotated together: they are adjacent in qkv
-                qk = _rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
+                qk = rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]
             else:
-                q = _rope(layer.q_norm(qkv[:, : hq * d].view(n, hq, d)), cos, sin)
-                k = _rope(layer.k_norm(qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)), cos, sin)
+                q = rope(layer.q_norm(qkv[:, : hq * d].view(n, hq, d)), cos, sin)
+                k = rope(layer.k_norm(qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)), cos, sin)
             kv.key_buf[:, :, length - 1] = k
             kv.value_buf[:, :, length - 1] = v
             keys, values = kv.key_buf[:, :, :length], kv.value_buf[:, :, :length]
@@ -147,10 +102,10 @@ class FusedDecoder:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
             attn = torch.bmm(probs.to(values.dtype), values.flatten(0, 1)).reshape(n, hq * d)
             x = x + F.linear(attn, layer.o_w, layer.o_b)
-            h = _rms_norm(x, layer.post_norm)
+            h = rms_norm(x, layer.post_norm)
             gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
             x = x + F.linear(layer.act(gate) * up, layer.down_w)
         for kv in cache.layers:
             kv.length = length
             kv._refresh_views()
-        return F.linear(_rms_norm(x, self.norm), self.lm_head.weight, getattr(self.lm_head, "bias", None))
+        return F.linear(rms_norm(x, self.norm), self.lm_head.weight, getattr(self.lm_head, "bias", None))
