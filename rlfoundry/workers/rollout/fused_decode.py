@@ -19,7 +19,6 @@ logits with HF's token by token.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
