@@ -119,7 +119,8 @@ def _expand_files(data_files: str | Path | Sequence[str | Path]) -> list[Path]:
 
 def _read_parquet(path: Path) -> pa.Table:
     try:
-        return pq.read_table(path)
+        with pq.ParquetFile(path) as parquet:  # not read_table: that imports pyarrow.dataset and pandas (~45 MB)
+            return parquet.read()
     except (pa.ArrowInvalid, OSError) as err:
         raise DataError(
             f"{path} is not a readable parquet file ({err}). Prompt data must be verl-format parquet; "

@@ -197,3 +197,15 @@ def test_file_written_like_verls_gsm8k_script_loads_unchanged(shared_data: Path,
     assert len(ds) == 4
     assert ds[0]["reward_model"] == {"style": "rule", "ground_truth": "18"}
     assert _valid_text(tokenizer, ds[0]).endswith(suffix + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_loading_prompts_does_not_import_pandas(gsm8k_dir: Path) -> None:
+    """``pq.read_table`` would pull in pyarrow.dataset and pandas: ~45 MB in the driver, for nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from rlfoundry.data.rl_dataset import _read_parquet; "
+            f"t = _read_parquet(Path({str(gsm8k_dir / 'test.parquet')!r})); "
+            "print(t.num_rows, 'pandas' in sys.modules, 'pyarrow.dataset' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1319", "False", "False"]

@@ -22,7 +22,8 @@ def read_records(path: Path, error: type[Exception] = None) -> list[dict]:
     (``PreprocessError`` by default) naming the file and line."""
     error = error or PreprocessError
     if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
+        with pq.ParquetFile(path) as parquet:  # read_table would import pyarrow.dataset and pandas
+            return parquet.read().to_pylist()
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json" and text.lstrip().startswith("["):
         return json.loads(text)
