@@ -8,8 +8,9 @@ same again in backward. On a small model on a CPU that machinery costs as much a
 Here the prompt tokens and the response tokens are one set of rows for every matrix product, so a
 layer is:
 
-- one RMSNorm, one product for q/k/v and one for gate/up (weights concatenated per call, so the
-  gradients flow back to the separate ``nn.Linear`` weights), one for o and one for down;
+- RMSNorm, one product for q/k/v (weights concatenated per call, so the gradients flow back to the
+  separate ``nn.Linear`` weights), then o, gate, up and down as in HF (one gate/up product was no
+  faster: its halves are strided, and SiLU and the product after it ran slower on them);
 - RoPE from the model's own rotary module (any static variant HF supports), q and k rotated
   together with one ``roll``;
 - two attention calls: prompts over themselves (causal, left padding masked) and responses over
@@ -44,21 +45,19 @@ def unsupported_reason(module: nn.Module, length: int = 0) -> str | None:
     ``length`` tokens; otherwise why not."""
     from rlfoundry.workers.fsdp_utils import fsdp_modules
 
-    inner = module
-    config = getattr(inner, "config", None)
-    reason = _family_reason(inner, capacity=length)
+    reason = _family_reason(module, capacity=length)
     if reason is not None:
         return reason
-    if any(getattr(m, "gradient_checkpointing", False) for m in inner.model.layers):
+    if any(getattr(m, "gradient_checkpointing", False) for m in module.model.layers):
         return "gradient checkpointing"
-    if inner.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+    if module.training and float(getattr(module.config, "attention_dropout", 0.0) or 0.0) > 0:
         return "attention dropout in training"
-    units = fsdp_modules(inner)
-    if units and units != [inner]:
+    units = fsdp_modules(module)
+    if units and units != [module]:
         return "FSDP units below the root (each would need its own hooks)"
-    if "forward" in vars(inner):
+    if "forward" in vars(module):
         return "the module's forward is already replaced"
-    for layer in inner.model.layers:
+    for layer in module.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             if type(proj) not in (nn.Linear, OneDNNLinear):
