@@ -36,6 +36,7 @@ from torch import nn
 from rlfoundry.models.cpu_linear import OneDNNLinear, linear as onednn_linear
 from rlfoundry.models.llama_ops import rms_norm, rope, signed_sin
 from rlfoundry.models.llama_ops import unsupported_reason as _family_reason
+from rlfoundry.workers.fsdp_utils import fsdp_modules
 
 __all__ = ["shared_prompt_logits", "unsupported_reason"]
 
@@ -43,8 +44,6 @@ __all__ = ["shared_prompt_logits", "unsupported_reason"]
 def unsupported_reason(module: nn.Module, length: int = 0) -> str | None:
     """None when ``shared_prompt_logits`` reproduces ``module``'s forward over sequences of up to
     ``length`` tokens; otherwise why not."""
-    from rlfoundry.workers.fsdp_utils import fsdp_modules
-
     reason = _family_reason(module, capacity=length)
     if reason is not None:
         return reason
