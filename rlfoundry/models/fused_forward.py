@@ -109,8 +109,13 @@ class _Pass:
         def heads(x: torch.Tensor, rows: int, t: int) -> torch.Tensor:
             return x.view(rows, t, x.shape[1], self.d).transpose(1, 2)
 
-        qp, kp, vp = heads(q[:n_p], u, tp), heads(k[:n_p], u, tp), heads(v[:n_p], u, tp)
-        qr, kr, vr = heads(q[n_p:], b, tr), heads(k[n_p:], b, tr), heads(v[n_p:], b, tr)
+        def prompt_and_response(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # split, not two slices: a slice's backward zero-fills a full-size gradient per piece
+            # and adds the pieces up; a split's backward is one concatenation
+            x_p, x_r = x.split([n_p, x.shape[0] - n_p])
+            return heads(x_p, u, tp), heads(x_r, b, tr)
+
+        (qp, qr), (kp, kr), (vp, vr) = prompt_and_response(q), prompt_and_response(k), prompt_and_response(v)
         gqa = self.hq != self.hkv
         out_p = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=self.prompt_attn_mask, scale=scaling,
                                                enable_gqa=gqa)
@@ -128,13 +133,13 @@ def _layer(x: torch.Tensor, layer: nn.Module, p: _Pass, onednn: bool) -> torch.T
     h = rms_norm(x, layer.input_layernorm)
     qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     qkv = _linear(h, qkv_w, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), onednn)
-    v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
     if getattr(attn, "q_norm", None) is None:  # q and k rotated together: adjacent in qkv
-        qk = p.rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d))
-        q, k = qk[:, :hq], qk[:, hq:]
+        qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=1)
+        q, k = p.rope(qk.view(-1, hq + hkv, d)).split([hq, hkv], dim=1)
     else:
-        q = p.rope(attn.q_norm(qkv[:, : hq * d].view(-1, hq, d)))
-        k = p.rope(attn.k_norm(qkv[:, hq * d: (hq + hkv) * d].view(-1, hkv, d)))
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+        q, k = p.rope(attn.q_norm(q.view(-1, hq, d))), p.rope(attn.k_norm(k.view(-1, hkv, d)))
+    v = v.view(-1, hkv, d)
     x = x + _linear(p.attention(q, k, v, float(attn.scaling)), attn.o_proj.weight, attn.o_proj.bias, onednn)
     h = rms_norm(x, layer.post_attention_layernorm)
     gate, up = _linear(h, mlp.gate_proj.weight, None, onednn), _linear(h, mlp.up_proj.weight, None, onednn)
@@ -149,12 +154,13 @@ def _forward(inner: nn.Module, prompt_ids, prompt_mask, prompt_pos, responses, r
         x = _layer(x, layer, p, onednn)
     # the logits that predict response tokens: each prompt's last position (its rows' first token),
     # then every response position but the last
-    last = x[: p.prompt_rows].view(p.u, p.tp, -1)[:, -1]
-    body = x[p.prompt_rows:].view(p.b, p.tr, -1)[:, :-1].reshape(-1, x.shape[-1])
+    prompt_x, response_x = x.split([p.prompt_rows, x.shape[0] - p.prompt_rows])
+    last = prompt_x.view(p.u, p.tp, -1)[:, -1]
+    body = response_x.view(p.b, p.tr, -1)[:, :-1].reshape(-1, x.shape[-1])
     h = rms_norm(torch.cat([last, body]), inner.model.norm)
     logits = _linear(h, inner.lm_head.weight, getattr(inner.lm_head, "bias", None), onednn)
-    first = logits[: p.u][group].unsqueeze(1)
-    return torch.cat([first, logits[p.u:].view(p.b, p.tr - 1, -1)], dim=1)
+    first, rest = logits.split([p.u, logits.shape[0] - p.u])
+    return torch.cat([first[group].unsqueeze(1), rest.view(p.b, p.tr - 1, -1)], dim=1)
 
 
 @contextlib.contextmanager
