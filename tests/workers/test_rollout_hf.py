@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlfoundry.workers.rollout import get_rollout_class, resolve_sampling_params
-from rlfoundry.workers.rollout.hf_rollout import filter_logits
+from rlfoundry.workers.rollout.base import SamplingParams
+from rlfoundry.workers.rollout.hf_rollout import filter_logits, sample_tokens
 from tests.workers import local_worker, make_prompts, one_thread, worker_config  # noqa: F401 (fixture)
 
 TEXTS = ["hello world", "a", "the quick brown fox", "12+7="]
@@ -133,6 +134,32 @@ def test_filter_logits_top_k_and_top_p_by_hand():
     assert keep(-1, 0.5) == [True, False, False, False]  # 0.5 already reaches top_p
     assert keep(0, 0.6) == [True, True, False, False]  # mass before token 2 is 0.75 >= 0.6
     assert keep(0, 1.0) == [True] * 4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sample_tokens_draws_from_softmax_and_reports_its_log_prob(temperature):
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])  # the last token can never be drawn
+    draws = 40_000
+    logits = torch.log(probs).expand(draws, -1) * temperature  # softmax(logits / T) = probs
+    generator = torch.Generator().manual_seed(0)
+    tokens, log_prob = sample_tokens(logits, SamplingParams(temperature=temperature), generator)
+    freq = torch.bincount(tokens, minlength=6).double() / draws
+    # 4 standard errors of a binomial frequency at p = 0.4 over 40k draws is 0.0098
+    assert torch.allclose(freq, probs.double(), atol=0.01), freq
+    assert freq[-1] == 0
+    expected = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(log_prob, expected, atol=1e-6, rtol=0)
+
+
+def test_sample_tokens_filtered_and_greedy_report_unfiltered_log_probs():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]])).expand(4000, -1)
+    full = torch.log_softmax(logits, dim=-1)
+    tokens, log_prob = sample_tokens(logits, SamplingParams(top_k=2), torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}  # only the top 2 are drawn, about 2:1
+    assert 0.62 < (tokens == 0).double().mean() < 0.71
+    torch.testing.assert_close(log_prob, full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), atol=1e-6, rtol=0)
+    tokens, log_prob = sample_tokens(logits[:1], SamplingParams(do_sample=False), None)
+    assert tokens.tolist() == [0] and abs(float(log_prob) - float(full[0, 0])) < 1e-6
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

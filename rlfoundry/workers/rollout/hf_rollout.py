@@ -52,17 +52,16 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from (N, V) probabilities with a single uniform per row.
+def _sample_from_cdf(cdf: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from (N, V) cumulative (unnormalised) probabilities with a single uniform per row.
 
-    The first index whose cumulative probability exceeds u·total: exact inverse-CDF sampling,
-    and on CPU about 10× faster than ``torch.multinomial`` (which draws V exponentials per row).
+    The first index whose cumulative mass exceeds u·total: exact inverse-CDF sampling, and on CPU
+    about 10× faster than ``torch.multinomial`` (which draws V exponentials per row).
     ``right=True`` keeps zero-probability tokens unreachable even when u is exactly 0.
     """
-    cdf = probs.cumsum(dim=-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return picked.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    return picked.squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def sample_tokens(
@@ -78,14 +77,20 @@ def sample_tokens(
     scaled = logits.float()
     if params.logprob_temperature != 1.0:
         scaled = scaled / params.logprob_temperature
-    lse = torch.logsumexp(scaled, dim=-1)
-    if params.greedy:
-        tokens = scaled.argmax(dim=-1)
+    filtered = None if params.greedy else filter_logits(scaled, params.top_k, params.top_p)
+    if filtered is None:
+        tokens, lse = scaled.argmax(dim=-1), torch.logsumexp(scaled, dim=-1)
+    elif filtered is not scaled:
+        tokens = _sample_from_cdf(torch.softmax(filtered, dim=-1).cumsum(dim=-1), generator)
+        lse = torch.logsumexp(scaled, dim=-1)
     else:
-        filtered = filter_logits(scaled, params.top_k, params.top_p)
-        # unfiltered: reuse the log-normaliser instead of a second softmax pass
-        probs = torch.exp(scaled - lse.unsqueeze(-1)) if filtered is scaled else torch.softmax(filtered, dim=-1)
-        tokens = _inverse_cdf_sample(probs, generator)
+        # unfiltered (the RL default): one exponential pass gives both the CDF to sample from and
+        # the log-normaliser, logsumexp = max + log(total mass); a decode step is short enough
+        # that the kernels saved show
+        shift = scaled.amax(dim=-1, keepdim=True)
+        cdf = (scaled - shift).exp_().cumsum_(dim=-1)
+        tokens = _sample_from_cdf(cdf, generator)
+        lse = (shift + cdf[:, -1:].log()).squeeze(-1)
     return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
 
 
@@ -173,34 +178,64 @@ def _new_kv_cache(config: Any, capacity: int):
 
 
 class _DecodeState:
-    """The rows still being decoded: their output row, KV cache, mask, next position and liveness.
+    """The rows still in the KV cache: their output row, mask, next position, liveness, and what
+    they sampled so far.
 
-    The attention mask is allocated once at its final width (prompt + response, ones after the
-    prompt); each step reads a growing prefix of it instead of concatenating a column.
+    Tokens and log-probs are written per cache row, one column a step, and copied to their output
+    rows once, when a row leaves the cache (``compact_if_worth_it``) or at the end (``flush``): a
+    step writes two columns instead of scattering the live rows into the outputs. The attention
+    mask is allocated once at its final width (prompt + response, ones after the prompt); each step
+    reads a growing prefix of it instead of concatenating a column.
     """
 
-    def __init__(self, cache, full_mask: torch.Tensor, width: int, next_pos: torch.Tensor):
-        n = full_mask.shape[0]
+    def __init__(self, cache, full_mask: torch.Tensor, width: int, next_pos: torch.Tensor, response_length: int):
+        n, device = full_mask.shape[0], full_mask.device
         self.cache = cache
-        self.rows = torch.arange(n, device=full_mask.device)  # output row of each cache row
+        self.rows = torch.arange(n, device=device)  # output row of each cache row
         self.full_mask, self.width = full_mask, width
         self.next_pos = next_pos
-        self.alive = torch.ones(n, dtype=torch.bool, device=full_mask.device)
+        self.alive = torch.ones(n, dtype=torch.bool, device=device)
+        # columns past a row's length are never read (``flush`` callers mask them)
+        self.tokens = torch.empty((n, response_length), dtype=torch.long, device=device)
+        self.log_probs = torch.empty((n, response_length), dtype=torch.float32, device=device)
+        self.lengths = torch.full((n,), response_length, dtype=torch.long, device=device)
 
     def advance(self) -> torch.Tensor:
         """The mask for the next one-token step (cache length + 1)."""
         self.width += 1
         return self.full_mask[:, : self.width]
 
-    def compact_if_worth_it(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Drop finished rows once there are enough of them; returns ``tokens`` for the kept rows."""
-        dead = int((~self.alive).sum())
+    def record(self, t: int, tokens: torch.Tensor, token_lp: torch.Tensor, eos: torch.Tensor) -> int:
+        """Store step ``t``'s samples; live rows that sampled an EOS id end with length t + 1.
+        Returns how many rows are still live."""
+        self.tokens[:, t] = tokens
+        self.log_probs[:, t] = token_lp
+        finished = torch.isin(tokens, eos).logical_and_(self.alive)
+        self.lengths.masked_fill_(finished, t + 1)
+        self.alive.logical_and_(finished.logical_not_())
+        return int(self.alive.sum())
+
+    def flush(self, responses: torch.Tensor, log_probs: torch.Tensor, lengths: torch.Tensor,
+              which: torch.Tensor | None = None) -> None:
+        """Copy the cache rows ``which`` (all when None) to their output rows."""
+        if which is None:
+            responses[self.rows], log_probs[self.rows], lengths[self.rows] = self.tokens, self.log_probs, self.lengths
+            return
+        rows = self.rows[which]
+        responses[rows], log_probs[rows], lengths[rows] = self.tokens[which], self.log_probs[which], self.lengths[which]
+
+    def compact_if_worth_it(self, tokens: torch.Tensor, live: int, outputs: tuple) -> torch.Tensor:
+        """Drop finished rows (flushed to ``outputs`` first) once there are enough of them; returns
+        ``tokens`` for the rows kept."""
+        dead = len(self.rows) - live
         if dead < max(1, math.ceil(_COMPACT_FRACTION * len(self.rows))):
             return tokens
+        self.flush(*outputs, which=~self.alive)
         keep = self.alive.nonzero().squeeze(1)
         self.cache.batch_select_indices(keep)
         self.rows, self.full_mask, self.next_pos = self.rows[keep], self.full_mask[keep], self.next_pos[keep]
-        self.alive = self.alive[keep]
+        self.alive, self.tokens, self.log_probs = self.alive[keep], self.tokens[keep], self.log_probs[keep]
+        self.lengths = self.lengths[keep]
         return tokens[keep]
 
 
@@ -304,7 +339,7 @@ class HFRollout(BaseRollout):
         mask = attention_mask.repeat_interleave(n, dim=0)
         full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], response_length)], dim=1)
         next_pos = position_ids[:, -1].repeat_interleave(n, dim=0) + 1
-        return logits, _DecodeState(cache, full_mask, mask.shape[1], next_pos)
+        return logits, _DecodeState(cache, full_mask, mask.shape[1], next_pos, response_length)
 
     def _decode_step(self, state: _DecodeState, max_positions: int):
         """The one-token step: ``FusedDecoder`` where it reproduces the model, else the HF forward."""
@@ -317,27 +352,26 @@ class HFRollout(BaseRollout):
     def _decode(self, input_ids, attention_mask, position_ids, params: SamplingParams, generator, pad_id, eos_ids):
         """Sample until every row hit EOS or ``response_length``; finished rows leave the batch."""
         total, width, device = input_ids.shape[0] * params.n, params.response_length, input_ids.device
-        responses = torch.full((total, width), pad_id, dtype=torch.long, device=device)
-        log_probs = torch.zeros((total, width), dtype=torch.float32, device=device)
-        lengths = torch.full((total,), width, dtype=torch.long, device=device)
+        # every output row is written once, by ``flush``; positions after a row's EOS are masked below
+        responses = torch.empty((total, width), dtype=torch.long, device=device)
+        log_probs = torch.empty((total, width), dtype=torch.float32, device=device)
+        lengths = torch.empty((total,), dtype=torch.long, device=device)
+        outputs = (responses, log_probs, lengths)
         eos = torch.tensor(eos_ids or [-1], device=device)
         logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width)
         step = self._decode_step(state, int(position_ids.max()) + width + 1)
         for t in range(width):
             tokens, token_lp = sample_tokens(logits, params, generator)
-            live_rows = state.rows[state.alive]
-            responses[live_rows, t] = tokens[state.alive]
-            log_probs[live_rows, t] = token_lp[state.alive]
-            finished = state.alive & torch.isin(tokens, eos)
-            lengths[state.rows[finished]] = t + 1
-            state.alive &= ~finished
-            if t == width - 1 or not bool(state.alive.any()):
+            live = state.record(t, tokens, token_lp, eos)
+            if t == width - 1 or live == 0:
                 break
-            tokens = state.compact_if_worth_it(tokens)
-            tokens = tokens.masked_fill(~state.alive, pad_id)  # dead rows still in the cache
+            tokens = state.compact_if_worth_it(tokens, live, outputs)
+            tokens = torch.where(state.alive, tokens, pad_id)  # finished rows still in the cache
             logits = step(tokens, state.next_pos, state.advance(), state.cache)
             state.next_pos = state.next_pos + 1
-        return responses, log_probs, lengths
+        state.flush(*outputs)
+        valid = response_mask_from_lengths(lengths, width).bool()
+        return responses.masked_fill_(~valid, pad_id), log_probs.masked_fill_(~valid, 0.0), lengths
 
     # ---- output --------------------------------------------------------------------------
 
