@@ -32,11 +32,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from rlfoundry.models.cpu_linear import OneDNNLinear, linear as onednn_linear
 from rlfoundry.models.llama_ops import rms_norm, rope, signed_sin
 from rlfoundry.models.llama_ops import unsupported_reason as _family_reason
-from rlfoundry.workers.fsdp_utils import fsdp_modules
 
 __all__ = ["shared_prompt_logits", "unsupported_reason"]
 
@@ -51,7 +51,7 @@ def unsupported_reason(module: nn.Module, length: int = 0) -> str | None:
         return "gradient checkpointing"
     if module.training and float(getattr(module.config, "attention_dropout", 0.0) or 0.0) > 0:
         return "attention dropout in training"
-    units = fsdp_modules(module)
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if units and units != [module]:
         return "FSDP units below the root (each would need its own hooks)"
     if "forward" in vars(module):

@@ -411,7 +411,7 @@ class SFTTrainer:
     def _build_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        from rlfoundry.workers.fsdp_utils import resolve_model_path
+        from rlfoundry.engines.fsdp.utils import resolve_model_path
 
         path = resolve_model_path(self.config.model.partial_pretrain)
         if not (path / "config.json").is_file():  # else transformers tries the hub and says "repo id"
@@ -461,7 +461,7 @@ class SFTTrainer:
 
     def _build_model(self) -> torch.nn.Module:
         from rlfoundry.models.cpu_linear import use_cpu_linear
-        from rlfoundry.workers.fsdp_utils import apply_fsdp2, load_hf_model
+        from rlfoundry.engines.fsdp.utils import apply_fsdp2, load_hf_model
 
         m, fsdp = self.config.model, self.config.model.fsdp_config
         model = load_hf_model(m.partial_pretrain, "causal_lm", torch_dtype=fsdp.model_dtype,
@@ -472,7 +472,7 @@ class SFTTrainer:
                            param_offload=fsdp.offload_params, reshard_after_forward=fsdp.reshard_after_forward)
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
-        from rlfoundry.workers.fsdp_utils import build_lr_scheduler, build_optimizer
+        from rlfoundry.engines.fsdp.utils import build_lr_scheduler, build_optimizer
 
         o = self.config.optim
         # verl's SFT key names -> the RL actor's (what fsdp_utils reads).
@@ -521,7 +521,7 @@ class SFTTrainer:
         return self._optimizer_step(self._all_reduce(nll_total) / global_tokens, global_tokens)
 
     def _optimizer_step(self, loss: torch.Tensor, tokens: torch.Tensor) -> dict[str, float]:
-        from rlfoundry.workers.fsdp_utils import clip_grad_norm_
+        from rlfoundry.engines.fsdp.utils import clip_grad_norm_
 
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.optim.clip_grad)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (before the scheduler moves it)

@@ -1,5 +1,5 @@
 """Workers that hold models: actor/rollout/reference (hybrid), critic, reward model.
 
 Import the submodule you need (``rlfoundry.workers.fsdp_workers``, ``rlfoundry.workers.critic`` …);
-this package imports nothing heavy so that ``import rlfoundry.workers.fsdp_utils`` stays cheap.
+this package imports nothing heavy so that importing one worker stays cheap.
 """

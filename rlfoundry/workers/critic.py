@@ -2,9 +2,9 @@
 
 Two classes, one role:
 
-- :class:`DataParallelPPOCritic` — the algorithm for one data-parallel rank: a (possibly FSDP2)
-  value module and its optimiser in, values and updates out. No worker, Ray or config-tree code.
-- :class:`CriticWorker` — the ``Worker`` that builds the model from the ``critic`` config
+- :class:`DataParallelPPOCritic` — the clipped value loss, brought to a training engine
+  (``engines/``) that runs the forward passes, micro-batches and optimiser steps.
+- :class:`CriticWorker` — the ``Worker`` that builds the engine from the ``critic`` config
   subtree and exposes ``init_model``, ``compute_values``, ``update_critic``,
   ``save_checkpoint``, ``load_checkpoint`` and ``save_hf_model`` to the driver.
 
@@ -32,31 +32,25 @@ not depend on the micro-batch size or the number of ranks.
 from __future__ import annotations
 
 import logging
-import math
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rlfoundry.algos import core_algos
-from rlfoundry.models.cpu_linear import use_cpu_linear
+from rlfoundry.engines import oom
+from rlfoundry.engines.base import GlobalBatchInfo, LossOutput, MicroBatching, TrainingEngine, Values
+from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+from rlfoundry.engines.fsdp.forward import MODEL_INPUTS
+from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.utils import faults
 from rlfoundry.utils.torch_functional import masked_mean
-from rlfoundry.workers import fsdp_utils
-from rlfoundry.workers.fsdp_utils import cfg_get
-from rlfoundry.workers.utils import checkpoint as ckpt
-from rlfoundry.workers.utils import oom
-from rlfoundry.workers.utils.padding import forward_logits
-from rlfoundry.workers.utils.seqlen_balancing import rearrange_micro_batches, restore_order
-from rlfoundry.workers.utils.update import UpdateCounters, global_batch_info, iter_mini_batches
+from rlfoundry.workers.utils.device import on_device
+from rlfoundry.workers.utils.plan import ppo_update_plan
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +62,7 @@ __all__ = [
     "zero_init_new_value_head",
 ]
 
-_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
-_UPDATE_KEYS = (*_MODEL_INPUTS, "response_mask", "values", "returns")
+_UPDATE_KEYS = (*MODEL_INPUTS, "response_mask", "values", "returns")
 
 
 @dataclass(frozen=True)
@@ -83,93 +76,26 @@ class CriticBatchSizes:
     forward_max_token_len: int = 32768  # token budget per compute_values micro-batch
 
 
-class _MiniBatchStats:
-    """One mini-batch's metrics, made split- and rank-independent by one all-reduce.
-
-    vf_loss pieces are already divided by the global token count, so they are summed;
-    clip fraction and mean prediction are weighted by each micro-batch's valid tokens.
-    """
-
-    WEIGHTED = ("critic/vf_clipfrac", "critic/vpred_mean")
-
-    def __init__(self) -> None:
-        self.vf_loss = 0.0
-        self.weighted = dict.fromkeys(self.WEIGHTED, 0.0)
-        self.tokens = 0.0
-
-    def add(self, vf_loss: float, ratios: dict[str, float], tokens: float) -> None:
-        self.vf_loss += vf_loss
-        for k in self.WEIGHTED:
-            self.weighted[k] += ratios[k] * tokens
-        self.tokens += tokens
-
-    def reduce(self, dp_size: int, group: Any) -> dict[str, float]:
-        values = torch.tensor([self.vf_loss, *self.weighted.values(), self.tokens], dtype=torch.float64)
-        if dp_size > 1:
-            dist.all_reduce(values, group=group)
-        # each rank's loss carries a factor dp_size (agg_loss contract); summing over ranks undoes it
-        out = {"critic/vf_loss": float(values[0]) / dp_size}
-        total = max(float(values[-1]), 1.0)
-        out.update({k: float(values[1 + i]) / total for i, k in enumerate(self.WEIGHTED)})
-        return out
-
-
-class DataParallelPPOCritic(UpdateCounters):
-    """Values and clipped value-loss updates for one data-parallel rank.
+class DataParallelPPOCritic:
+    """Values and clipped value-loss updates of one value model on one data-parallel rank.
 
     Args:
         config: the ``critic`` config subtree (``cliprange_value``, ``loss_agg_mode``,
-            ``grad_clip``, ``ppo_epochs``, ``shuffle``, ``use_dynamic_bsz``,
-            ``model.use_remove_padding``).
-        module: the value model (plain or FSDP2), returning ``logits`` of shape (B, T, 1).
-        optimizer: its optimiser.
+            ``ppo_epochs``, ``shuffle``, ``use_dynamic_bsz``).
+        engine: the training engine holding the value model and its optimiser.
         sizes: per-rank batch sizes.
-        dp_group: the data-parallel process group (None: the default group when initialised).
         seed: base seed of the mini-batch shuffling.
     """
 
-    def __init__(
-        self,
-        config: Any,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        sizes: CriticBatchSizes | None = None,
-        dp_group: Any = None,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, config: Any, engine: TrainingEngine, sizes: CriticBatchSizes | None = None, seed: int = 0):
         self.config = config
-        self.module = module
-        self.optimizer = optimizer
+        self.engine = engine
         self.sizes = sizes or CriticBatchSizes()
-        self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.seed = seed
-        self.use_remove_padding = bool(cfg_get(cfg_get(config, "model", {}), "use_remove_padding", False))
-        self.update_calls = 0  # seeds the shuffle; saved in checkpoints
-        self.nonfinite_skips = 0  # optimiser steps skipped for a non-finite grad norm, ever
 
-    # ---- forward --------------------------------------------------------------------------
-
-    def _forward_micro_batch(self, micro: DataProto) -> torch.Tensor:
-        """Values (b, Tr) of one micro-batch; see the module docstring for the alignment."""
-        batch = micro.batch
-        width = batch["responses"].shape[-1]
-        logits = forward_logits(
-            self.module, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-            use_remove_padding=self.use_remove_padding,
-        )
-        return logits[:, -width - 1 : -1, 0].float()
-
-    def _group_if_dist(self) -> Any:
-        return (self.dp_group if self.dp_group is not None else dist.group.WORLD) if self.dp_size > 1 else None
-
-    def _micro_batches(
-        self, data: DataProto, micro_batch_size: int, max_token_len: int | None
-    ) -> tuple[list[DataProto], list[list[int]] | None]:
-        """Fixed-size micro-batches, or token-budget ones (same count on every rank) and their order."""
-        if max_token_len is not None:
-            return rearrange_micro_batches(data, max_token_len=max_token_len, dp_group=self._group_if_dist())
-        return data.split(micro_batch_size or len(data)), None
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
 
     def compute_values(self, data: DataProto) -> torch.Tensor:
         """Values (B, Tr) for the response positions, zero after the response ends.
@@ -179,40 +105,15 @@ class DataParallelPPOCritic(UpdateCounters):
         with ``use_dynamic_bsz``, ``forward_max_token_len_per_gpu`` (rows back in input order).
         """
         dynamic = bool(cfg_get(self.config, "use_dynamic_bsz", False))
-        max_len = self.sizes.forward_max_token_len if dynamic else None
-        inputs = data.select(batch_keys=list(_MODEL_INPUTS))
-        micros, order = self._micro_batches(inputs, self.sizes.forward_micro_batch_size, max_len)
-        was_training = self.module.training
-        self.module.eval()
-        with torch.no_grad():
-            # An empty micro-batch (possible with token budgets across ranks) still runs a forward
-            # on a stand-in row so FSDP's collectives line up; its output is dropped.
-            outs = [self._forward_micro_batch(m if len(m) else inputs[:1])[: len(m)] for m in micros]
-        self.module.train(was_training)
-        values = torch.cat(outs)
-        values = values if order is None else restore_order(values, order)
+        micro = MicroBatching(self.sizes.forward_micro_batch_size, self.sizes.forward_max_token_len if dynamic else None)
+        values = self.engine.infer_batch(data.select(batch_keys=list(MODEL_INPUTS)), Values(), micro)["values"]
         # Values past the end of a response belong to no state; keep them out of GAE and metrics.
         return values * _response_mask(data).to(values.dtype)
 
-    # ---- update ---------------------------------------------------------------------------
-
-    def _mini_batches(self, data: DataProto) -> Iterator[DataProto]:
-        seed = int(np.random.SeedSequence([self.seed, self.update_calls]).generate_state(1)[0])
-        return iter_mini_batches(
-            data, self.sizes.mini_batch_size or len(data), int(cfg_get(self.config, "ppo_epochs", 1)),
-            bool(cfg_get(self.config, "shuffle", False)), seed,
-            "(critic.ppo_mini_batch_size × rollout_n / dp size); make data.train_batch_size a multiple "
-            "of critic.ppo_mini_batch_size",
-        )
-
-    def _global_batch_info(self, mini: DataProto) -> dict[str, Any]:
-        """Valid tokens and sequences of the whole mini-batch on all ranks (agg_loss contract)."""
-        return global_batch_info(mini.batch["response_mask"], self.dp_size, self.dp_group)
-
-    def _micro_loss(self, micro: DataProto, info: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        batch = micro.batch
-        mask = batch["response_mask"]
-        vpreds = self._forward_micro_batch(micro)
+    def value_loss(self, outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo) -> LossOutput:
+        """PPO's clipped value loss of one micro-batch; ``critic/vf_loss`` summed, clip fraction and
+        mean prediction token-weighted."""
+        mask, vpreds = batch["response_mask"], outputs["values"]
         vf_loss, vf_clipfrac = core_algos.compute_value_loss(
             vpreds=vpreds, returns=batch["returns"], values=batch["values"], response_mask=mask,
             cliprange_value=float(cfg_get(self.config, "cliprange_value", 0.5)),
@@ -220,32 +121,7 @@ class DataParallelPPOCritic(UpdateCounters):
             **info,
         )
         ratios = {"critic/vf_clipfrac": float(vf_clipfrac), "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
-        return vf_loss, ratios
-
-    def _optimizer_step(self) -> float:
-        """Clip and step; a non-finite grad norm skips the step so NaN never reaches the weights."""
-        grad_norm = fsdp_utils.clip_grad_norm_(self.module.parameters(), cfg_get(self.config, "grad_clip", 1.0))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            self.nonfinite_skips += 1
-            logger.warning("critic: non-finite gradient norm (%s); optimiser step skipped", grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def _update_mini_batch(self, mini: DataProto, dynamic: bool) -> dict[str, float]:
-        info = self._global_batch_info(mini)
-        stats = _MiniBatchStats()
-        micros, _ = self._micro_batches(mini, self.sizes.micro_batch_size, self.sizes.max_token_len if dynamic else None)
-        for micro in micros:
-            empty = len(micro) == 0
-            micro = _zero_loss_row(mini) if empty else micro  # keeps FSDP collectives in step
-            loss, ratios = self._micro_loss(micro, info)
-            loss.backward()  # summed over micro-batches: agg_loss already divided by the global count
-            stats.add(float(loss.detach()), ratios, 0.0 if empty else float(micro.batch["response_mask"].sum()))
-        metrics = stats.reduce(self.dp_size, self.dp_group)
-        metrics["critic/grad_norm"] = self._optimizer_step()
-        return metrics
+        return LossOutput(vf_loss, {"critic/vf_loss": float(vf_loss.detach())}, ratios)
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """``ppo_epochs`` passes of mini-batch value-loss steps over ``data``; metrics per step.
@@ -255,13 +131,12 @@ class DataParallelPPOCritic(UpdateCounters):
         ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/grad_norm``, and
         ``critic/nan_skipped`` (steps skipped in this call).
         """
-        if self.optimizer is None:
-            raise RuntimeError("update_critic needs an optimiser")
-        dynamic = bool(cfg_get(self.config, "use_dynamic_bsz", False))
-        data = data.select(batch_keys=list(_UPDATE_KEYS))
-        self.module.train()
-        return self._run_mini_batches(self._mini_batches(data), lambda mini: self._update_mini_batch(mini, dynamic),
-                                      "critic")
+        plan = ppo_update_plan(
+            self.config, self.sizes, self.seed,
+            "(critic.ppo_mini_batch_size × rollout_n / dp size); make data.train_batch_size a multiple "
+            "of critic.ppo_mini_batch_size",
+        )
+        return self.engine.train_batch(data.select(batch_keys=list(_UPDATE_KEYS)), Values(), self.value_loss, plan)
 
 
 def _response_mask(data: DataProto) -> torch.Tensor:
@@ -270,13 +145,6 @@ def _response_mask(data: DataProto) -> torch.Tensor:
     if "response_mask" in batch.keys():
         return batch["response_mask"]
     return batch["attention_mask"][:, -batch["responses"].shape[-1] :]
-
-
-def _zero_loss_row(mini: DataProto) -> DataProto:
-    """One row of ``mini`` with its response mask zeroed: a forward/backward adding no gradient."""
-    row = mini[:1]
-    row.batch["response_mask"] = torch.zeros_like(row.batch["response_mask"])
-    return row
 
 
 # ==== the worker ================================================================================
@@ -361,7 +229,7 @@ class CriticWorker(Worker):
         # Validate now: a bad batch-size combination should fail at start-up, not mid-run.
         self.sizes = resolve_critic_batch_sizes(config, self.rollout_n, self.world_size)
         self.critic: DataParallelPPOCritic | None = None
-        self.lr_scheduler: Any = None
+        self.engine: FSDPEngine | None = None
         self.tokenizer: Any = None
 
     # ---- model --------------------------------------------------------------------------------
@@ -370,30 +238,32 @@ class CriticWorker(Worker):
         model_cfg = cfg_get(self.config, "model", {})
         return cfg_get(model_cfg, "fsdp_config", None) or cfg_get(self.config, "fsdp_config", {})
 
-    def _build_module(self) -> nn.Module:
-        model_cfg = cfg_get(self.config, "model", {})
-        fsdp_cfg = self._fsdp_config()
-        path = str(cfg_get(model_cfg, "path"))
-        overrides = {"classifier_dropout": 0.0, **dict(cfg_get(model_cfg, "override_config", {}) or {})}
-        module = fsdp_utils.load_hf_model(
-            Path(path).expanduser(),
+    def _engine_config(self) -> FSDPEngineConfig:
+        model_cfg, fsdp_cfg = cfg_get(self.config, "model", {}), self._fsdp_config()
+        mixed = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
+        return FSDPEngineConfig(
+            path=str(Path(str(cfg_get(model_cfg, "path"))).expanduser()),
             model_kind="token_classification",
-            torch_dtype=cfg_get(fsdp_cfg, "model_dtype", "fp32"),
+            dtype=str(cfg_get(fsdp_cfg, "model_dtype", "fp32")),
             trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)),
-            override_config=overrides,
-            enable_gradient_checkpointing=bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
-        )
-        if zero_init_new_value_head(module, Path(path).expanduser()):
-            logger.info("critic: %s has no value head; created one initialised to zero", path)
-        use_cpu_linear(module, str(cfg_get(model_cfg, "cpu_linear", "onednn")), self.device)
-        mp = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
-        return fsdp_utils.apply_fsdp2(
-            module, self.device,
-            param_dtype=cfg_get(mp, "param_dtype"), reduce_dtype=cfg_get(mp, "reduce_dtype"),
+            # dropout would make values, and hence GAE, random, and break micro-batch invariance
+            override_config={"classifier_dropout": 0.0, **dict(cfg_get(model_cfg, "override_config", {}) or {})},
+            gradient_checkpointing=bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
+            param_dtype=cfg_get(mixed, "param_dtype"), reduce_dtype=cfg_get(mixed, "reduce_dtype"),
             param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
+            optimizer_offload=bool(cfg_get(fsdp_cfg, "optimizer_offload", False)),
             reshard_after_forward=bool(cfg_get(fsdp_cfg, "reshard_after_forward", True)),
             fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
+            optim=cfg_get(self.config, "optim", {}),
+            grad_clip=cfg_get(self.config, "grad_clip", 1.0),
+            cpu_kernels=str(cfg_get(model_cfg, "cpu_kernels", "auto")),
+            use_remove_padding=bool(cfg_get(model_cfg, "use_remove_padding", False)),
         )
+
+    def _zero_new_head(self, module: nn.Module) -> None:
+        path = cfg_get(cfg_get(self.config, "model", {}), "path")
+        if zero_init_new_value_head(module, Path(str(path)).expanduser()):
+            logger.info("critic: %s has no value head; created one initialised to zero", path)
 
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -409,31 +279,16 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Join the process group, load + shard the value model, build AdamW and the lr schedule."""
+        """Join the process group, build the value model's engine (model, AdamW, LR schedule)."""
         self.init_distributed()
-        module = self._build_module()
-        optim_cfg = cfg_get(self.config, "optim", {})
-        optimizer = fsdp_utils.build_optimizer(module, optim_cfg)
-        self.lr_scheduler = fsdp_utils.build_lr_scheduler(optimizer, optim_cfg)
-        self.critic = DataParallelPPOCritic(self.config, module, optimizer, self.sizes, seed=self.seed)
+        self.engine = FSDPEngine.build(self._engine_config(), self.device, role="critic", prepare=self._zero_new_head)
+        self.critic = DataParallelPPOCritic(self.config, self.engine, self.sizes, seed=self.seed)
         self.tokenizer = self._load_tokenizer()
-        self._offload_optimizer()
 
     def _require_model(self) -> DataParallelPPOCritic:
         if self.critic is None:
             raise RuntimeError("CriticWorker.init_model() must be called before using the critic")
         return self.critic
-
-    def _optimizer_offload(self) -> bool:
-        return self.device.type == "cuda" and bool(cfg_get(self._fsdp_config(), "optimizer_offload", False))
-
-    def _offload_optimizer(self) -> None:
-        if self._optimizer_offload():
-            fsdp_utils.offload_optimizer(self._require_model().optimizer)
-
-    def _load_optimizer(self) -> None:
-        if self._optimizer_offload():
-            fsdp_utils.load_optimizer(self._require_model().optimizer, self.device)
 
     # ---- driver-facing methods ----------------------------------------------------------------
 
@@ -441,7 +296,7 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """Adds ``values`` (B, Tr) for this rank's rows."""
         critic = self._require_model()
-        data = data.to(self.device)
+        data = on_device(data, self.device)
         dynamic = bool(cfg_get(self.config, "use_dynamic_bsz", False))
         field = "forward_max_token_len" if dynamic else "forward_micro_batch_size"
         floor = int(data.batch["attention_mask"].sum(-1).max()) if dynamic else 1
@@ -458,21 +313,16 @@ class CriticWorker(Worker):
     def update_critic(self, data: DataProto) -> DataProto:
         """One PPO critic update over this rank's rows; metrics in ``meta_info["metrics"]``."""
         critic = self._require_model()
-        self._load_optimizer()
-        data = data.to(self.device)
+        self.engine.onload()
+        data = on_device(data, self.device)
 
         def update() -> dict[str, list[float]]:
             faults.inject("update_critic", tensors=data.batch, nan_key="returns")  # tests only (utils/faults.py)
             return critic.update_critic(data)
 
         metrics = oom.update_or_explain_oom("critic", update, micro_batch_size=critic.sizes.micro_batch_size)
-        self._offload_optimizer()
-        metrics["critic/lr"] = [float(self.lr_scheduler.get_last_lr()[0])]  # the lr this update used
-        with warnings.catch_warnings():
-            # The schedule follows training steps even when every optimiser step was skipped
-            # (non-finite grads); torch would warn that it saw no optimizer.step().
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-            self.lr_scheduler.step()
+        self.engine.offload()
+        metrics["critic/lr"] = [self.engine.step_lr_scheduler()]  # the lr this update used
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -484,24 +334,17 @@ class CriticWorker(Worker):
         but retention is the trainer's job: it may only delete old steps once the *whole* new
         step (actor, critic, trainer state) is complete, which a single worker cannot know.
         """
-        critic = self._require_model()
-        extra = {"global_step": int(global_step), "critic": critic.state_dict()}
-        path = ckpt.save_checkpoint(local_path, critic.module, critic.optimizer, self.lr_scheduler, extra,
-                                    tokenizer=self.tokenizer)
-        return str(path)
+        self._require_model()
+        return self.engine.save_checkpoint(local_path, {"global_step": int(global_step)}, tokenizer=self.tokenizer)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> int:
         """Restore what ``save_checkpoint`` wrote; returns the saved global step."""
-        critic = self._require_model()
-        self._load_optimizer()
-        extra = ckpt.load_checkpoint(local_path, critic.module, critic.optimizer, self.lr_scheduler)
-        self._offload_optimizer()
-        critic.load_state_dict(extra.get("critic", {}))
-        return int(extra.get("global_step", 0))
+        self._require_model()
+        return int(self.engine.load_checkpoint(local_path).get("global_step", 0))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str) -> str:
         """Export the full value model (+ tokenizer) as a Hugging Face directory."""
-        critic = self._require_model()
-        return str(ckpt.save_hf_model(critic.module, self.tokenizer, path))
+        self._require_model()
+        return self.engine.save_hf_model(path, self.tokenizer)

@@ -22,35 +22,25 @@ Driver-facing methods (dispatch mode in brackets):
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlfoundry.models.cpu_linear import use_cpu_linear
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.utils import faults
-from rlfoundry.workers import fsdp_utils as fu
+from rlfoundry.engines.fsdp import utils as fu
+from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
-from rlfoundry.workers.fsdp_utils import cfg_get
+from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
-from rlfoundry.workers.utils import oom
+from rlfoundry.workers.utils.device import on_device
+from rlfoundry.engines import oom
 
 __all__ = ["ActorRolloutRefWorker", "ROLES"]
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
-
-
-def _on_device(data: DataProto, device: torch.device) -> DataProto:
-    """A shallow copy of ``data`` on ``device`` with its own meta_info.
-
-    ``DataProto.to`` moves in place, and with the in-process back end ``data`` is the driver's own
-    object: the worker must neither move nor annotate it.
-    """
-    batch = data.batch.to(device) if data.batch is not None else None
-    return DataProto(batch=batch, non_tensor_batch=dict(data.non_tensor_batch), meta_info=dict(data.meta_info))
 
 
 def _per_rank(global_rows: int, world_size: int, what: str) -> int:
@@ -79,7 +69,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor: DataParallelPPOActor | None = None
         self.rollout: BaseRollout | None = None
         self.ref_policy: DataParallelPPOActor | None = None
-        self.optimizer = self.lr_scheduler = None
+        self.engine: FSDPEngine | None = None
 
     # ---- config views ------------------------------------------------------------------
 
@@ -114,36 +104,29 @@ class ActorRolloutRefWorker(Worker):
 
     # ---- building ----------------------------------------------------------------------
 
-    def _build_module(self, fsdp_cfg: Any, trainable: bool) -> torch.nn.Module:
+    def _engine_config(self, fsdp_cfg: Any, trainable: bool) -> FSDPEngineConfig:
         model_cfg = self._model_cfg
-        module = fu.load_hf_model(
-            cfg_get(model_cfg, "path"),
-            model_kind="causal_lm",
-            torch_dtype=cfg_get(fsdp_cfg, "model_dtype", "fp32"),
+        mixed = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
+        return FSDPEngineConfig(
+            path=str(cfg_get(model_cfg, "path")),
+            trainable=trainable,
+            dtype=str(cfg_get(fsdp_cfg, "model_dtype", "fp32")),
             trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)),
             override_config=dict(cfg_get(model_cfg, "override_config", {}) or {}),
-            enable_gradient_checkpointing=trainable and bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
-        )
-        if not trainable:
-            module.requires_grad_(False)
-            module.eval()
-        use_cpu_linear(module, str(cfg_get(model_cfg, "cpu_linear", "onednn")), self.device)
-        mixed = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
-        return fu.apply_fsdp2(
-            module,
-            self.device,
-            param_dtype=cfg_get(mixed, "param_dtype"),
-            reduce_dtype=cfg_get(mixed, "reduce_dtype"),
+            gradient_checkpointing=bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
+            param_dtype=cfg_get(mixed, "param_dtype"), reduce_dtype=cfg_get(mixed, "reduce_dtype"),
             param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
+            optimizer_offload=bool(cfg_get(fsdp_cfg, "optimizer_offload", False)),
             reshard_after_forward=bool(cfg_get(fsdp_cfg, "reshard_after_forward", True)),
             fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
+            optim=cfg_get(self._actor_cfg, "optim", {}) if trainable else None,
+            grad_clip=cfg_get(self._actor_cfg, "grad_clip", 1.0),
+            cpu_kernels=str(cfg_get(model_cfg, "cpu_kernels", "auto")),
+            use_remove_padding=bool(cfg_get(model_cfg, "use_remove_padding", False)),
+            # a KV cache cannot be shared under gradient checkpointing (HF turns use_cache off there)
+            use_shared_prompt=bool(cfg_get(model_cfg, "use_shared_prompt", True))
+            and not bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
         )
-
-    def _build_optimizer(self, module: torch.nn.Module) -> None:
-        optim_cfg = cfg_get(self._actor_cfg, "optim", {})
-        self.optimizer = fu.build_optimizer(module, optim_cfg)
-        self.lr_scheduler = fu.build_lr_scheduler(self.optimizer, optim_cfg)
-        self._offload_optimizer_if_asked()
 
     def _build_rollout(self, module: torch.nn.Module) -> BaseRollout:
         from transformers import GenerationConfig
@@ -169,25 +152,20 @@ class ActorRolloutRefWorker(Worker):
             path, trust_remote_code=bool(cfg_get(self._model_cfg, "trust_remote_code", False))
         )
         seed = int(cfg_get(self._rollout_cfg, "seed", 0))
-        rmpad = bool(cfg_get(self._model_cfg, "use_remove_padding", False))
-        # a KV cache cannot be shared under gradient checkpointing (HF turns use_cache off there)
-        shared = bool(cfg_get(self._model_cfg, "use_shared_prompt", False)) and not bool(
-            cfg_get(self._model_cfg, "enable_gradient_checkpointing", False))
-        fused = bool(cfg_get(self._model_cfg, "fused_forward", True))
         if self._is_actor or self._is_rollout:
-            module = self._build_module(cfg_get(self._actor_cfg, "fsdp_config", {}), trainable=self._is_actor)
-            if self._is_actor:
-                self._build_optimizer(module)
-            self.actor = DataParallelPPOActor(
-                self._actor_cfg, module, self.optimizer, self.actor_sizes, seed=seed, use_remove_padding=rmpad,
-                use_shared_prompt=shared, use_fused_forward=fused,
-            )
+            self.engine = FSDPEngine.build(self._engine_config(cfg_get(self._actor_cfg, "fsdp_config", {}), self._is_actor),
+                                           self.device, role="actor")
+            self.actor = DataParallelPPOActor(self._actor_cfg, self.engine, self.actor_sizes, seed=seed)
             if self._is_rollout:
-                self.rollout = self._build_rollout(module)
+                self.rollout = self._build_rollout(self.engine.module)
         if self._is_ref:
-            ref_module = self._build_module(cfg_get(self._ref_cfg, "fsdp_config", {}), trainable=False)
-            self.ref_policy = DataParallelPPOActor(self._ref_cfg, ref_module, use_remove_padding=rmpad,
-                                                   use_shared_prompt=shared, use_fused_forward=fused)
+            ref_engine = FSDPEngine.build(self._engine_config(cfg_get(self._ref_cfg, "fsdp_config", {}), False),
+                                          self.device, role="ref")
+            self.ref_policy = DataParallelPPOActor(self._ref_cfg, ref_engine)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.engine.optimizer if self.engine is not None else None
 
     # ---- data methods ------------------------------------------------------------------
 
@@ -199,7 +177,7 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """n samples per prompt from the current policy (contract: ``HFRollout.generate_sequences``)."""
         self._require(self.rollout, "generate_sequences")
-        prompts = _on_device(prompts, self.device)
+        prompts = on_device(prompts, self.device)
         # On OOM: fewer prompts per engine call, kept for the rest of the run (workers/utils/oom.py)
         out = oom.backoff_of(self).run("generate_sequences", len(prompts), lambda rows: self._generate(prompts, rows))
         return out.to("cpu")
@@ -237,7 +215,7 @@ class ActorRolloutRefWorker(Worker):
         ``rollout.temperature``), so the numbers match what the rollout sampled with.
         """
         self._require(self.actor, "compute_log_prob")
-        data = _on_device(data, self.device)
+        data = on_device(data, self.device)
         kwargs = self._log_prob_kwargs(self._rollout_cfg, data)
         log_prob, entropy = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, True)
         out = DataProto.from_dict(
@@ -250,7 +228,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling)."""
         self._require(self.ref_policy, "compute_ref_log_prob")
-        data = _on_device(data, self.device)
+        data = on_device(data, self.device)
         kwargs = self._log_prob_kwargs(self._ref_cfg, data)
         log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob}).to("cpu")
@@ -263,18 +241,13 @@ class ActorRolloutRefWorker(Worker):
         (lists with one value per optimiser step) and ``actor/lr`` (the lr this step used).
         """
         self._require(self.optimizer, "update_actor")
-        data = _on_device(data, self.device)
+        data = on_device(data, self.device)
         data.meta_info.setdefault("temperature", float(cfg_get(self._rollout_cfg, "temperature", 1.0)))
-        self._load_optimizer_if_offloaded()
+        self.engine.onload()
         metrics = oom.update_or_explain_oom("actor", lambda: self._update_policy(data),
                                             micro_batch_size=self.actor_sizes.micro_batch_size)
-        metrics["actor/lr"] = float(self.lr_scheduler.get_last_lr()[0])
-        with warnings.catch_warnings():
-            # The schedule counts training steps, also ones whose optimiser step was skipped for a
-            # non-finite gradient; torch warns about exactly that order, which is intended here.
-            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
-            self.lr_scheduler.step()
-        self._offload_optimizer_if_asked()
+        metrics["actor/lr"] = self.engine.step_lr_scheduler()
+        self.engine.offload()
         if self.rollout is not None:
             self.rollout.on_actor_update()
         return DataProto(meta_info={"metrics": metrics})
@@ -283,33 +256,17 @@ class ActorRolloutRefWorker(Worker):
         faults.inject("update_actor", tensors=data.batch, nan_key="advantages")  # tests only (utils/faults.py)
         return self.actor.update_policy(data)
 
-    # ---- optimiser offload (GPU only) --------------------------------------------------
-
-    def _optimizer_offload_on(self) -> bool:
-        fsdp_cfg = cfg_get(self._actor_cfg, "fsdp_config", {})
-        return self.device.type == "cuda" and bool(cfg_get(fsdp_cfg, "optimizer_offload", False))
-
-    def _offload_optimizer_if_asked(self) -> None:
-        if self.optimizer is not None and self._optimizer_offload_on():
-            fu.offload_optimizer(self.optimizer)
-
-    def _load_optimizer_if_offloaded(self) -> None:
-        if self.optimizer is not None and self._optimizer_offload_on():
-            fu.load_optimizer(self.optimizer, self.device)
-
     # ---- checkpoints -------------------------------------------------------------------
 
     def _extra_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"role": self.role}
-        if self.actor is not None:
-            state["actor"] = self.actor.state_dict()
         if self.rollout is not None:
             state["rollout"] = self.rollout.state_dict()
         return state
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        """Sharded model + optimiser + scheduler + RNG (+ actor/rollout counters) to ``local_path``.
+        """Sharded model + optimiser + scheduler + RNG (+ engine/rollout counters) to ``local_path``.
 
         ``local_path`` is this role's directory, e.g. ``D/global_step_N/actor``. With
         ``max_ckpt_to_keep``, this role's directories in older *finalised* steps beyond that count
@@ -318,10 +275,7 @@ class ActorRolloutRefWorker(Worker):
         from rlfoundry.workers.utils import checkpoint as ckpt
 
         self._require(self.actor, "save_checkpoint")
-        self._load_optimizer_if_offloaded()
-        extra = {**self._extra_state(), "global_step": int(global_step)}
-        ckpt.save_checkpoint(local_path, self.actor.module, self.optimizer, self.lr_scheduler, extra_state=extra)
-        self._offload_optimizer_if_asked()
+        self.engine.save_checkpoint(local_path, {**self._extra_state(), "global_step": int(global_step)})
         path = Path(local_path)
         if max_ckpt_to_keep and self.rank == 0 and re.fullmatch(r"global_step_\d+", path.parent.name):
             ckpt.remove_old_checkpoints(path.parent.parent, max_ckpt_to_keep, component=path.name)
@@ -329,14 +283,8 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote; returns its extra state (``global_step`` …)."""
-        from rlfoundry.workers.utils import checkpoint as ckpt
-
         self._require(self.actor, "load_checkpoint")
-        self._load_optimizer_if_offloaded()
-        extra = ckpt.load_checkpoint(local_path, self.actor.module, self.optimizer, self.lr_scheduler)
-        self._offload_optimizer_if_asked()
-        if "actor" in extra:
-            self.actor.load_state_dict(extra["actor"])
+        extra = self.engine.load_checkpoint(local_path)
         if self.rollout is not None and "rollout" in extra:
             self.rollout.load_state_dict(extra["rollout"])
         return extra
@@ -344,7 +292,5 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str) -> None:
         """Full safetensors weights + config + tokenizer at ``path``, loadable by ``from_pretrained``."""
-        from rlfoundry.workers.utils import checkpoint as ckpt
-
         self._require(self.actor, "save_hf_model")
-        ckpt.save_hf_model(self.actor.module, self.tokenizer, path)
+        self.engine.save_hf_model(path, self.tokenizer)

@@ -9,7 +9,7 @@ Config (the ``reward_model`` subtree, verl's keys):
 | ``model.input_tokenizer`` | null | the *policy's* tokenizer path; when its vocabulary or chat template differs from the RM's, responses are decoded and re-tokenised (below) |
 | ``model.trust_remote_code`` | False | passed to ``from_pretrained`` |
 | ``model.fsdp_config.model_dtype`` | fp32 | weights dtype (bf16 on GPUs) |
-| ``model.cpu_linear`` | onednn | fp32 linear layers on the CPU through oneDNN, or ``aten`` (``rlfoundry/models/cpu_linear.py``) |
+| ``model.cpu_kernels`` | auto | CPU speed-ups (``auto``: on the CPU only; ``off``: the plain path), ``rlfoundry/models/cpu_kernels.py`` |
 | ``micro_batch_size_per_gpu`` | 16 | rows per forward pass |
 | ``max_length`` | batch width | token budget of a re-tokenised sequence; longer ones lose their *start* (the score is read at the end) |
 
@@ -39,11 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlfoundry.models.cpu_linear import use_cpu_linear
 from rlfoundry.protocol import DataProto
 from rlfoundry.rewards.reward_manager import place_scores, response_lengths
 from rlfoundry.single_controller.base import Dispatch, Worker, register
-from rlfoundry.workers.fsdp_utils import cfg_get, check_model_dir, resolve_dtype
+from rlfoundry.engines.base import MicroBatching
+from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+from rlfoundry.engines.fsdp.utils import cfg_get, check_model_dir
+from rlfoundry.workers.utils.device import on_device
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +71,37 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.config = config
         self.model: nn.Module | None = None
+        self.engine: FSDPEngine | None = None
         self.tokenizer: Any = None
         self.input_tokenizer: Any = None
         self.retokenize = False
 
+    def _engine_config(self, path: str) -> FSDPEngineConfig:
+        model_cfg = cfg_get(self.config, "model", {})
+        fsdp_cfg = cfg_get(model_cfg, "fsdp_config", {})
+        return FSDPEngineConfig(
+            path=path, model_kind="sequence_classification", trainable=False,
+            dtype=str(cfg_get(fsdp_cfg, "model_dtype", "fp32")),
+            trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)),
+            param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
+            fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
+            cpu_kernels=str(cfg_get(model_cfg, "cpu_kernels", "auto")),
+        )
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
+        self.init_distributed()
         model_cfg = cfg_get(self.config, "model", {})
         path = check_model_dir(cfg_get(model_cfg, "path"))
         remote = bool(cfg_get(model_cfg, "trust_remote_code", False))
+        labels = AutoConfig.from_pretrained(path, trust_remote_code=remote).num_labels
+        if labels != 1:  # checked before any weights load
+            raise ValueError(f"reward model {path} has num_labels={labels}; a reward model needs 1")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
-        dtype = resolve_dtype(cfg_get(cfg_get(model_cfg, "fsdp_config", {}), "model_dtype", "fp32"))
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, trust_remote_code=remote)
-        if model.config.num_labels != 1:
-            raise ValueError(f"reward model {path} has num_labels={model.config.num_labels}; a reward model needs 1")
-        use_cpu_linear(model, str(cfg_get(model_cfg, "cpu_linear", "onednn")), self.device)
-        self.model = model.to(self.device).eval()
+        self.engine = FSDPEngine.build(self._engine_config(str(path)), self.device, role="reward_model")
+        self.model = self.engine.module
         source = cfg_get(model_cfg, "input_tokenizer")
         if source:
             self.input_tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=remote)
@@ -141,31 +156,31 @@ class RewardModelWorker(Worker):
 
     # ---- scoring -----------------------------------------------------------------------------
 
-    @torch.no_grad()
     def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         micro = int(cfg_get(self.config, "micro_batch_size_per_gpu", 16))
-        scores = [
-            self._forward(input_ids[i : i + micro].to(self.device), attention_mask[i : i + micro].to(self.device))
-            for i in range(0, len(input_ids), micro)
-        ]
-        return torch.cat(scores).float().cpu()
+        data = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attention_mask})
+        data = on_device(data, self.device)
+        out = self.engine.infer_batch(data, _last_token_scores, MicroBatching(size=micro))
+        return out["scores"].float().cpu()
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(b,) scores of one micro-batch, read at each row's last real token."""
-        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        accepted = inspect.signature(self.model.forward).parameters  # encoder classifiers lack some
-        if "position_ids" in accepted:
-            kwargs["position_ids"] = _position_ids(attention_mask)
-        if "use_cache" in accepted:
-            kwargs["use_cache"] = False
-        head = getattr(self.model, "score", None)
-        if not isinstance(head, nn.Module):
-            return self.model(**kwargs).logits[:, 0]
-        captured: list[torch.Tensor] = []
-        handle = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
-        try:
-            self.model(**kwargs)
-        finally:
-            handle.remove()
-        per_token = captured[0][..., 0]  # (b, T): the head applied to every position
-        return per_token[torch.arange(len(per_token)), _last_token_index(attention_mask)]
+
+def _last_token_scores(model: nn.Module, micro: Any) -> dict[str, torch.Tensor]:
+    """(b,) scores of one micro-batch, read at each row's last real token."""
+    input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    accepted = inspect.signature(model.forward).parameters  # encoder classifiers lack some
+    if "position_ids" in accepted:
+        kwargs["position_ids"] = _position_ids(attention_mask)
+    if "use_cache" in accepted:
+        kwargs["use_cache"] = False
+    head = getattr(model, "score", None)
+    if not isinstance(head, nn.Module):
+        return {"scores": model(**kwargs).logits[:, 0]}
+    captured: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        model(**kwargs)
+    finally:
+        handle.remove()
+    per_token = captured[0][..., 0]  # (b, T): the head applied to every position
+    return {"scores": per_token[torch.arange(len(per_token)), _last_token_index(attention_mask)]}

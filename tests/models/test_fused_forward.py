@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from rlfoundry.engines.fsdp.forward import CausalLMForward
 from rlfoundry.models import fused_forward
+from rlfoundry.models.cpu_kernels import fused_shared_prompt_logits
 from rlfoundry.models.cpu_linear import use_cpu_linear
-from rlfoundry.workers.actor import DataParallelPPOActor
 from tests.workers.test_fused_decode import _model
 
 
@@ -34,8 +34,14 @@ def _batch(vocab: int, prompts: int = 3, n: int = 4, tp: int = 9, tr: int = 11) 
                       batch_size=[rows])
 
 
+def _lm(model: nn.Module, fused: bool) -> CausalLMForward:
+    """The engine's shared-prompt forward, one pass (``fused``) or HF's two calls."""
+    return CausalLMForward(model, dp_size=1, dp_group=None, use_remove_padding=False, use_shared_prompt=True,
+                           shared_prompt_logits=fused_shared_prompt_logits if fused else None)
+
+
 def _logits_and_grads(model: nn.Module, batch: TensorDict, fused: bool):
-    actor = DataParallelPPOActor(OmegaConf.create({}), model, use_shared_prompt=True, use_fused_forward=fused)
+    actor = _lm(model, fused)
     first, group = actor._prompt_groups(batch)
     model.zero_grad(set_to_none=True)
     logits, _, _ = actor._shared_prompt_response_logits(batch, first, group)
@@ -134,7 +140,7 @@ def test_what_it_does_not_reproduce_takes_the_hf_path():
 def test_forward_is_restored_after_the_call_even_on_error():
     model = _model("qwen2")
     batch = _batch(97)
-    actor = DataParallelPPOActor(OmegaConf.create({}), model, use_shared_prompt=True, use_fused_forward=True)
+    actor = _lm(model, True)
     first, group = actor._prompt_groups(batch)
     actor._shared_prompt_response_logits(batch, first, group)
     assert "forward" not in vars(model)

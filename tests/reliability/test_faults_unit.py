@@ -12,7 +12,7 @@ from rlfoundry.trainer.reliability import NonFiniteGuard, checkpoint_save_guard
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import CheckpointSaveError, NonFiniteLossError, TrainingOutOfMemoryError
 from rlfoundry.workers.utils import checkpoint as ckpt
-from rlfoundry.workers.utils.oom import MicroBatchBackoff, update_or_explain_oom
+from rlfoundry.engines.oom import MicroBatchBackoff, update_or_explain_oom
 
 
 def test_fault_specs_parse_and_bad_ones_are_errors():
@@ -48,7 +48,7 @@ def test_backoff_halves_until_it_fits_logs_and_keeps_the_size(caplog):
         return size
 
     backoff = MicroBatchBackoff()
-    with caplog.at_level(logging.WARNING, logger="rlfoundry.workers.utils.oom"):
+    with caplog.at_level(logging.WARNING, logger="rlfoundry.engines.oom"):
         assert backoff.run("compute_log_prob", 8, pass_that_fits_at_2) == 2
     assert calls == [8, 4, 2]  # 8 → 4 → 2
     assert "compute_log_prob ran out of memory with 8 rows per micro-batch; retrying with 4" in caplog.text

@@ -74,7 +74,7 @@ def test_oom_in_forward_passes_retries_with_half_the_micro_batch_and_keeps_it(
                      "critic.ppo_micro_batch_size_per_gpu=2", "critic.forward_micro_batch_size_per_gpu=4",
                      "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4")
     trainer = build_trainer(load_config(argv))
-    with caplog.at_level(logging.WARNING, logger="rlfoundry.workers.utils.oom"):
+    with caplog.at_level(logging.WARNING, logger="rlfoundry.engines.oom"):
         summary = trainer.fit()
     assert summary["global_step"] == 2
     for name, first in (("generate_sequences", 2), ("compute_log_prob", 4), ("compute_ref_log_prob", 4),

@@ -14,7 +14,9 @@ from rlfoundry.protocol import DataProto
 def worker_config(model_dir: Path, overrides: list[str] | None = None) -> DictConfig:
     """A small ``actor_rollout_ref`` subtree with verl's keys; ``overrides`` are dotted ``key=value``."""
     base: dict[str, Any] = {
-        "model": {"path": str(model_dir), "use_remove_padding": False, "enable_gradient_checkpointing": False},
+        # cpu_kernels=off: the plain HF/FSDP2 path (what GPUs run) is the reference the invariance tests use
+        "model": {"path": str(model_dir), "use_remove_padding": False, "enable_gradient_checkpointing": False,
+                  "use_shared_prompt": False, "cpu_kernels": "off"},
         "actor": {
             "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 4, "use_dynamic_bsz": False,
             "ppo_max_token_len_per_gpu": 4096, "ppo_epochs": 1, "shuffle": False,

@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.workers import fsdp_utils as fu
+from rlfoundry.engines.fsdp import utils as fu
+from rlfoundry.engines.base import MicroBatching
+from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 from tests.workers import full_params, local_worker, make_prompts, one_thread, worker_config  # noqa: F401
 
@@ -77,7 +79,9 @@ def test_gradient_is_exactly_micro_batch_invariant(tiny_model_dir, batch, mode):
         before = full_params(module)
         actor_cfg = cfg.copy()
         actor_cfg.use_dynamic_bsz = dynamic
-        actor = DataParallelPPOActor(actor_cfg, module, torch.optim.SGD(module.parameters(), lr=1.0), sizes)
+        engine = FSDPEngine(module, FSDPEngineConfig(path=str(tiny_model_dir), grad_clip=cfg.grad_clip), "cpu",
+                            optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
+        actor = DataParallelPPOActor(actor_cfg, engine, sizes)
         actor.update_policy(batch)
         return {k: before[k] - v for k, v in full_params(module).items()}
 
@@ -101,7 +105,7 @@ def test_log_probs_do_not_depend_on_micro_batching(tiny_model_dir, batch):
 
 def test_micro_batches_go_longest_first_and_are_cut_after_their_longest_response(tiny_model_dir, batch):
     """Padding after a micro-batch's longest response is never computed; outputs are 0 there."""
-    actor = local_worker(worker_config(tiny_model_dir), role="actor").worker.actor
+    actor = local_worker(worker_config(tiny_model_dir, ["model.use_shared_prompt=false"]), role="actor").worker.actor
     widths: list[int] = []
     hook = actor.module.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]),
                                                   with_kwargs=True)
@@ -136,21 +140,21 @@ def test_shared_prompt_forward_gives_the_same_log_probs_and_update(tiny_model_di
     shared_cfg = ["model.use_shared_prompt=true", f"actor.ppo_micro_batch_size_per_gpu={micro}"]
     group = local_worker(worker_config(tiny_model_dir, shared_cfg), role="actor_rollout_ref")
     actor = group.worker.actor
-    micros, _ = actor._micro_batches(batch, micro, None)
-    assert all(actor._shared_prompt_plan(micros)), "every micro-batch should take the shared path"
+    micros, _ = actor.engine.lm.micro_batches(batch, MicroBatching(micro))
+    assert all(actor.engine.lm.shared_prompt_plan(micros)), "every micro-batch should take the shared path"
     out = group.compute_log_prob(batch)
     mask = batch.batch["response_mask"].bool()
     torch.testing.assert_close(out.batch["old_log_probs"][mask], batch.batch["old_log_probs"][mask], atol=1e-5, rtol=0)
     ref = group.compute_ref_log_prob(batch).batch["ref_log_prob"]
     torch.testing.assert_close(ref[mask], batch.batch["ref_log_prob"][mask], atol=1e-5, rtol=0)
-    padded = _update(tiny_model_dir, batch, [f"actor.ppo_micro_batch_size_per_gpu={micro}"])
+    padded = _update(tiny_model_dir, batch, [f"actor.ppo_micro_batch_size_per_gpu={micro}", "model.use_shared_prompt=false"])
     _assert_same_update(padded, _update(tiny_model_dir, batch, shared_cfg))
 
 
 def test_shared_prompt_is_skipped_when_it_saves_nothing(tiny_model_dir, batch):
     actor = local_worker(worker_config(tiny_model_dir, ["model.use_shared_prompt=true"]), role="actor").worker.actor
     one_per_prompt = batch.select_idxs(torch.arange(0, len(batch), 2))  # n=1: every prompt distinct
-    assert actor._prompt_groups(one_per_prompt.batch) is None
+    assert actor.engine.lm._prompt_groups(one_per_prompt.batch) is None
 
 
 def test_nan_advantage_skips_the_step_and_keeps_the_weights(tiny_model_dir, batch):
@@ -252,9 +256,11 @@ def _fsdp_collectives(model_dir, batch, overrides) -> tuple[tuple, dict[str, int
 def test_shared_prompt_gathers_and_reduces_each_unit_once_per_mini_batch(tiny_model_dir, batch):
     """Its second model call (responses on the prompts' cache) would otherwise make every FSDP unit
     reduce-scatter twice and all-gather again in backward; the update must not change."""
-    kept = ["actor.fsdp_config.reshard_after_forward=false", "actor.ppo_micro_batch_size_per_gpu=2"]
+    # the hook pausing that makes this possible is one of the CPU kernels (models/cpu_kernels.py)
+    kept = ["actor.fsdp_config.reshard_after_forward=false", "actor.ppo_micro_batch_size_per_gpu=2",
+            "model.cpu_kernels=auto"]
     shared, counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=true"])
-    padded, padded_counts = _fsdp_collectives(tiny_model_dir, batch, kept)
+    padded, padded_counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=false"])
     _assert_same_update(padded, shared)
     units = [name for name in counts if name.startswith("FSDP::post_backward_reduce")]
     assert len(units) >= 1, counts  # the root (on one CPU rank it is the only unit: apply_fsdp2)
@@ -264,18 +270,20 @@ def test_shared_prompt_gathers_and_reduces_each_unit_once_per_mini_batch(tiny_mo
     assert all(counts[name] == mini_batches for name in units), counts
 
 
-def test_cpu_linear_backends_give_the_same_update(tiny_model_dir, batch):
-    """``model.cpu_linear`` picks the library that multiplies, never the numbers (to fp32 rounding)."""
+def test_cpu_kernels_give_the_same_update_as_the_plain_path(tiny_model_dir, batch):
+    """``model.cpu_kernels=auto`` (oneDNN linears, the fused shared-prompt forward, one FSDP unit)
+    changes how the update is computed, never the numbers (to fp32 rounding)."""
     from torch import nn
 
     from rlfoundry.models.cpu_linear import OneDNNLinear, onednn_available
 
     kinds = {}
-    for backend in ("onednn", "aten"):
-        group = local_worker(worker_config(tiny_model_dir, BASE + [f"model.cpu_linear={backend}"]), role="actor")
-        kinds[backend] = {type(m) for m in group.worker.actor.module.modules() if isinstance(m, nn.Linear)}
+    for setting in ("auto", "off"):
+        group = local_worker(worker_config(tiny_model_dir, BASE + [f"model.cpu_kernels={setting}",
+                                                                   "model.use_shared_prompt=true"]), role="actor")
+        kinds[setting] = {type(m) for m in group.worker.actor.module.modules() if isinstance(m, nn.Linear)}
         metrics = group.update_actor(batch).meta_info["metrics"]
-        kinds[backend + "_update"] = (full_params(group.worker.actor.module), metrics)
-    assert kinds["aten"] == {nn.Linear}
-    assert kinds["onednn"] == ({OneDNNLinear} if onednn_available() else {nn.Linear})
-    _assert_same_update(kinds["onednn_update"], kinds["aten_update"])
+        kinds[setting + "_update"] = (full_params(group.worker.actor.module), metrics)
+    assert kinds["off"] == {nn.Linear}
+    assert kinds["auto"] == ({OneDNNLinear} if onednn_available() else {nn.Linear})
+    _assert_same_update(kinds["auto_update"], kinds["off_update"])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlfoundry.workers import fsdp_utils
+from rlfoundry.engines.fsdp import utils as fsdp_utils
 from rlfoundry.workers.utils import checkpoint as ckpt
 
 

@@ -333,7 +333,7 @@ def run(rank, model_dir, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
-    from rlfoundry.workers import fsdp_utils as fu
+    from rlfoundry.engines.fsdp import utils as fu
     from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout
     from tests.workers import make_prompts
 

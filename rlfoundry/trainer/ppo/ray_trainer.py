@@ -108,7 +108,7 @@ def balance_batch(data: DataProto, world_size: int) -> tuple[DataProto, dict[str
     a no-op for one rank. Row order inside the batch does not change any estimator (groups come from
     ``uid``), only which rank computes which row.
     """
-    from rlfoundry.workers.utils.seqlen_balancing import get_seqlen_balanced_partitions
+    from rlfoundry.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
     seqlens = data.batch["attention_mask"].sum(-1).tolist()
     if world_size <= 1:

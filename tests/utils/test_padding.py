@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlfoundry.utils.torch_functional import logprobs_from_logits
-from rlfoundry.workers.fsdp_utils import load_hf_model
-from rlfoundry.workers.utils.padding import (
+from rlfoundry.engines.fsdp.utils import load_hf_model
+from rlfoundry.utils.padding import (
     forward_logits,
     pack_padded_batch,
     packed_next_token_ids,

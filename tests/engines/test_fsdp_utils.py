@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from rlfoundry.workers import fsdp_utils as fu
+from rlfoundry.engines.fsdp import utils as fu
 from tests.workers import local_worker, one_thread, worker_config  # noqa: F401 (fixture)
 
 
@@ -166,11 +166,8 @@ def test_device_mesh_from_fsdp_size(process_group):
 def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(tiny_model_dir, process_group):
     """Through the root unit's own hooks the fused pass gathers and reduces like the HF forward; with
     per-layer units those layers' hooks would be skipped, so it declines."""
-    from omegaconf import OmegaConf
-
     from rlfoundry.models import fused_forward
-    from rlfoundry.workers.actor import DataParallelPPOActor
-    from tests.models.test_fused_forward import _batch
+    from tests.models.test_fused_forward import _batch, _lm
 
     per_layer = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu", layer_units=True)
     assert "FSDP units below the root" in fused_forward.unsupported_reason(per_layer, 20)
@@ -179,7 +176,7 @@ def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(ti
     for name, model in (("fsdp", fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")),
                         ("plain", fu.load_hf_model(tiny_model_dir))):
         assert fused_forward.unsupported_reason(model, 20) is None
-        actor = DataParallelPPOActor(OmegaConf.create({}), model, use_shared_prompt=True, use_fused_forward=True)
+        actor = _lm(model, True)
         first, group = actor._prompt_groups(batch)
         logits, _, _ = actor._shared_prompt_response_logits(batch, first, group)
         logits.square().mean().backward()

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.workers.utils import seqlen_balancing as sb
-from rlfoundry.workers.utils.seqlen_balancing import (
+from rlfoundry.utils import seqlen_balancing as sb
+from rlfoundry.utils.seqlen_balancing import (
     get_reverse_idx,
     get_seqlen_balanced_partitions,
     rearrange_micro_batches,

@@ -1,0 +1,270 @@
+"""The FSDP2 training engine: one Hugging Face model, sharded with ``fully_shard``, on the ranks of
+one worker group (see ``engines/base.py`` for the contract).
+
+Building: ``load_hf_model`` → CPU kernels when on (``models/cpu_kernels.py``) → ``apply_fsdp2`` →
+AdamW + LR schedule (trainable models only). Updates: mini-batches from ``engines/loop.py``, each
+cut into micro-batches whose gradients accumulate (with one gather and one reduction per
+mini-batch where the units keep their parameters gathered), then clip + step, or skip the step
+when the gradient norm is not finite. Checkpoints: ``torch.distributed.checkpoint`` shards with an
+atomic publish (``workers/utils/checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlfoundry.engines.base import (
+    LogProbs,
+    LossFn,
+    MicroBatching,
+    Output,
+    TrainingEngine,
+    UpdatePlan,
+    Values,
+)
+from rlfoundry.engines.fsdp import utils as fu
+from rlfoundry.engines.fsdp.forward import (
+    MODEL_INPUTS,
+    CausalLMForward,
+    plain_context,
+    plain_micro_batches,
+    restore,
+    value_forward,
+)
+from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, iter_mini_batches, mix_seed, zero_loss_row
+from rlfoundry.models import cpu_kernels
+from rlfoundry.protocol import DataProto
+
+__all__ = ["FSDPEngine", "FSDPEngineConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FSDPEngineConfig:
+    """What the FSDP engine needs, resolved by the role's worker from its typed config subtree."""
+
+    path: str
+    model_kind: str = "causal_lm"  # causal_lm | token_classification (critic) | sequence_classification
+    trainable: bool = True
+    dtype: str = "fp32"
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)
+    gradient_checkpointing: bool = False
+    param_dtype: str | None = None  # FSDP mixed precision; None: bf16 on GPUs, fp32 on the CPU
+    reduce_dtype: str | None = None
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    optim: Any = None  # the role's ``optim`` subtree (lr, betas, warm-up ...); None: frozen model
+    grad_clip: float | None = 1.0
+    cpu_kernels: str = "auto"
+    use_remove_padding: bool = False
+    use_shared_prompt: bool = False
+
+
+class FSDPEngine(TrainingEngine):
+    """See the module docstring. ``role`` names the model in metrics (``<role>/grad_norm``) and logs."""
+
+    def __init__(self, module: nn.Module, config: FSDPEngineConfig, device: torch.device | str, role: str = "actor",
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None, dp_group: Any = None):
+        """Wrap an already built (and sharded) ``module``; ``FSDPEngine.build`` makes one from an HF path."""
+        self.config, self.device, self.role = config, torch.device(device), role
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.cpu_kernels = cpu_kernels.enabled(config.cpu_kernels, self.device)
+        self._module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
+        self.lm = CausalLMForward(
+            module, self.dp_size, dp_group, config.use_remove_padding, config.use_shared_prompt,
+            cpu_kernels.fused_shared_prompt_logits if self.cpu_kernels else None,
+            fu.continued_forward if self.cpu_kernels else plain_context,
+        )
+
+    @classmethod
+    def build(cls, config: FSDPEngineConfig, device: torch.device | str, role: str = "actor", dp_group: Any = None,
+              prepare: Callable[[nn.Module], None] | None = None) -> FSDPEngine:
+        """Load ``config.path``, shard it, and give it AdamW + its LR schedule when trainable.
+
+        ``prepare`` runs on the loaded model before sharding (the critic zeroes a fresh value head).
+        """
+        device = torch.device(device)
+        module = _build_module(config, device, prepare)
+        optimizer = lr_scheduler = None
+        if config.trainable and config.optim is not None:
+            optimizer = fu.build_optimizer(module, config.optim)
+            lr_scheduler = fu.build_lr_scheduler(optimizer, config.optim)
+        engine = cls(module, config, device, role, optimizer, lr_scheduler, dp_group)
+        engine.offload()
+        return engine
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def _micro_batches(self, data: DataProto, output: Output, micro: MicroBatching):
+        if isinstance(output, LogProbs):
+            return self.lm.micro_batches(data, micro)
+        return plain_micro_batches(data, micro, self.lm.group_if_dist())
+
+    def _plan(self, micros: list[DataProto], output: Output) -> list[Any]:
+        if isinstance(output, LogProbs):
+            return self.lm.shared_prompt_plan(micros)
+        return [None] * len(micros)
+
+    def _forward(self, micro: Any, output: Output, plan_entry: Any) -> dict[str, torch.Tensor]:
+        if isinstance(output, LogProbs):
+            return self.lm(micro, output, plan_entry)
+        if isinstance(output, Values):
+            return value_forward(self._module, micro, self.config.use_remove_padding)
+        return output(self._module, micro)
+
+    def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
+        inputs = data.select(batch_keys=[k for k in MODEL_INPUTS if k in data.batch.keys()])
+        micros, order = self._micro_batches(inputs, output, micro)
+        plan = self._plan(micros, output)
+        was_training = self._module.training
+        self._module.eval()
+        outs: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for m, entry in zip(micros, plan):
+                # An empty micro-batch (token budgets across ranks) still runs a forward on a
+                # stand-in row so FSDP's collectives line up; its output is dropped.
+                for k, v in self._forward((m if len(m) else inputs[:1]).batch, output, entry).items():
+                    outs.setdefault(k, []).append(v[: len(m)])
+        self._module.train(was_training)
+        return {k: restore(torch.cat(v), order) for k, v in outs.items()}
+
+    # ---- update -------------------------------------------------------------------------------
+
+    def train_batch(self, data: DataProto, output: Output, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, list[float]]:
+        if self.optimizer is None:
+            raise RuntimeError(f"{self.role}: train_batch on a model built without an optimiser (a reference?)")
+        self._module.train()
+        minis = iter_mini_batches(data, plan.mini_batch_size or len(data), plan.epochs, plan.shuffle,
+                                  mix_seed(plan.seed, self.update_calls), plan.fix_hint)
+        skips_before = self.nonfinite_skips
+        metrics: dict[str, list[float]] = {}
+        for mini in minis:
+            for k, v in self._train_mini_batch(mini, output, loss_fn, plan).items():
+                metrics.setdefault(k, []).append(v)
+        self.update_calls += 1
+        metrics[f"{self.role}/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]
+        return metrics
+
+    def _train_mini_batch(self, mini: DataProto, output: Output, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
+        info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)
+        stats = MiniBatchStats()
+        micros, _ = self._micro_batches(mini, output, plan.micro)
+        entries = self._plan(micros, output)
+        with fu.accumulate_unsharded(self._module) as before_backward:
+            for i, (micro, entry) in enumerate(zip(micros, entries)):
+                empty = len(micro) == 0
+                micro = zero_loss_row(mini, plan.mask_key) if empty else micro
+                out = loss_fn(self._forward(micro.batch, output, entry), micro.batch, info)
+                before_backward(i == len(micros) - 1)
+                out.loss.backward()  # summed over micro-batches: the loss already divided by the global count
+                stats.add(out, 0.0 if empty else float(micro.batch[plan.mask_key].sum()))
+        metrics = stats.reduce(self.dp_size, self.dp_group)
+        metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
+        return metrics
+
+    def _optimizer_step(self) -> float:
+        """Clip and step; a non-finite grad norm skips the step (weights and moments untouched)."""
+        grad_norm = fu.clip_grad_norm_(self._module.parameters(), self.config.grad_clip)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.nonfinite_skips += 1
+            logger.warning("%s: non-finite gradient norm (%s); optimiser step skipped", self.role, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def step_lr_scheduler(self) -> float:
+        lr = float(self.lr_scheduler.get_last_lr()[0])
+        with warnings.catch_warnings():
+            # The schedule counts training steps, also ones whose optimiser step was skipped for a
+            # non-finite gradient; torch warns about exactly that order, which is intended here.
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step.*")
+            self.lr_scheduler.step()
+        return lr
+
+    # ---- offload ------------------------------------------------------------------------------
+
+    def _optimizer_offload_on(self) -> bool:
+        return self.optimizer is not None and self.device.type == "cuda" and self.config.optimizer_offload
+
+    def offload(self) -> None:
+        if self._optimizer_offload_on():
+            fu.offload_optimizer(self.optimizer)
+
+    def onload(self) -> None:
+        if self._optimizer_offload_on():
+            fu.load_optimizer(self.optimizer, self.device)
+
+    # ---- checkpoints and weights --------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        self.onload()
+        try:
+            out = ckpt.save_checkpoint(path, self._module, self.optimizer, self.lr_scheduler,
+                                       extra_state={**extra, "engine": self.counters()}, tokenizer=tokenizer)
+        finally:
+            self.offload()
+        return str(out)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        self.onload()
+        try:
+            extra = ckpt.load_checkpoint(path, self._module, self.optimizer, self.lr_scheduler)
+        finally:
+            self.offload()
+        self.load_counters(extra.get("engine") or extra.get(self.role, {}))  # older checkpoints: under the role
+        return extra
+
+    def save_hf_model(self, path: str, tokenizer: Any = None) -> str:
+        from rlfoundry.workers.utils import checkpoint as ckpt
+
+        return str(ckpt.save_hf_model(self._module, tokenizer, path))
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """FSDP2 keeps HF's parameter names; each DTensor shard set is gathered one at a time."""
+        with torch.no_grad():
+            for name, param in self._module.named_parameters():
+                full = param.full_tensor() if hasattr(param, "full_tensor") else param
+                yield name, full.detach()
+
+
+def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable[[nn.Module], None] | None) -> nn.Module:
+    module = fu.load_hf_model(
+        cfg.path, model_kind=cfg.model_kind, torch_dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+        override_config=cfg.override_config, enable_gradient_checkpointing=cfg.trainable and cfg.gradient_checkpointing,
+    )
+    if not cfg.trainable:
+        module.requires_grad_(False)
+        module.eval()
+    if prepare is not None:
+        prepare(module)
+    fast = cpu_kernels.enabled(cfg.cpu_kernels, device)
+    if fast:
+        cpu_kernels.apply_cpu_kernels(module, device)
+    return fu.apply_fsdp2(
+        module, device, param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype, param_offload=cfg.param_offload,
+        reshard_after_forward=cfg.reshard_after_forward, fsdp_size=cfg.fsdp_size,
+        layer_units=None if fast else True,  # the plain path keeps FSDP2's per-layer units, as on GPUs
+    )

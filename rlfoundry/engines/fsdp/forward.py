@@ -1,0 +1,306 @@
+"""Forward passes of the FSDP engine: response log-probs of a causal LM and values of a critic, and
+how a batch is cut into micro-batches for them.
+
+Causal-LM log-probs take one of three forwards per micro-batch, all the same math:
+
+- padded: the (b, Tp+Tr) rows as they are;
+- packed (``model.use_remove_padding``): real tokens only, laid end to end (``utils/padding.py``);
+- shared prompt (``model.use_shared_prompt``): each distinct prompt (the n samples of a GRPO group)
+  runs once and its rows continue from its KV cache; taken per micro-batch only when it computes
+  fewer tokens, and agreed across ranks first (ranks on different paths would pair FSDP's
+  collectives wrongly).
+
+Only positions that predict a response token go through the LM head (``logits_to_keep``), and each
+micro-batch is cut after its own longest response: the columns cut hold padding only, and the
+outputs come back zero there, so nothing depends on micro-batching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlfoundry.engines.base import LogProbs, MicroBatching
+from rlfoundry.protocol import DataProto
+from rlfoundry.utils.padding import forward_logits, pack_padded_batch
+from rlfoundry.utils.seqlen_balancing import (
+    all_reduce_ints,
+    length_sorted_micro_batches,
+    rearrange_micro_batches,
+    restore_order,
+)
+from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+__all__ = ["CausalLMForward", "MODEL_INPUTS", "restore", "value_forward", "plain_micro_batches"]
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+# (module, prompt ids, prompt mask, prompt positions, responses, response positions, group of each row)
+SharedPromptLogits = Callable[..., torch.Tensor]
+
+
+class CausalLMForward:
+    """Response log-probs (and entropies) of one causal LM, and its micro-batch plan.
+
+    ``shared_prompt_logits``: the one-pass shared-prompt forward chosen when the model was built
+    (``models/fused_forward.py`` with CPU kernels on), or None for the HF two-call forward.
+    ``continued_forward``: the context that runs the HF second call inside the first one's FSDP
+    scope (``engines/fsdp/utils.py``), or a plain one.
+    """
+
+    def __init__(self, module: nn.Module, dp_size: int, dp_group: Any, use_remove_padding: bool,
+                 use_shared_prompt: bool, shared_prompt_logits: SharedPromptLogits | None = None,
+                 continued_forward: Any = None):
+        self.module = module
+        self.dp_size, self.dp_group = dp_size, dp_group
+        self.use_remove_padding = use_remove_padding
+        self.use_shared_prompt = use_shared_prompt
+        self.shared_prompt_logits = shared_prompt_logits
+        self.continued_forward = continued_forward or plain_context
+
+    def group_if_dist(self) -> Any:
+        return (self.dp_group if self.dp_group is not None else dist.group.WORLD) if self.dp_size > 1 else None
+
+    # ---- one micro-batch ------------------------------------------------------------------
+
+    def __call__(self, micro: Any, spec: LogProbs, prompt_groups: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """``log_probs`` (b, Tr) and, if asked, ``entropy`` (b, Tr); zero wherever the response is padding."""
+        batch, full_width = trim_response_padding(micro)
+        if prompt_groups is not None:
+            logits, labels, scatter = self._shared_prompt_response_logits(batch, *prompt_groups)
+        elif self.use_remove_padding:
+            logits, labels, scatter = self._packed_response_logits(batch)
+        else:
+            logits, labels, scatter = self._padded_response_logits(batch)
+        if spec.temperature != 1.0:
+            logits = logits / spec.temperature
+        padding = _response_padding(micro)
+        out = {"log_probs": _pad_width(scatter(logprobs_from_logits(logits, labels)), full_width).masked_fill(padding, 0.0)}
+        if spec.entropy:
+            with torch.set_grad_enabled(spec.entropy_grad and torch.is_grad_enabled()):
+                out["entropy"] = _pad_width(scatter(entropy_from_logits(logits)), full_width).masked_fill(padding, 0.0)
+        return out
+
+    def _padded_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        responses = batch["responses"]
+        width = responses.shape[-1]
+        out = self.module(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"], use_cache=False, logits_to_keep=width + 1,
+        )
+        # position t predicts token t+1: the response logits are the ones just before each token
+        return out.logits[:, :-1, :], responses, _identity
+
+    def _shared_prompt_response_logits(self, batch, first: torch.Tensor, group: torch.Tensor):
+        """Each distinct prompt runs once; its rows continue from its KV cache (with gradients).
+
+        The prompt forward's last logits predict every row's first response token; the response
+        forward gives the rest. Same math as one forward over prompt + response per row.
+        """
+        from transformers import DynamicCache
+
+        width = batch["responses"].shape[1]
+        tp = batch["input_ids"].shape[1] - width
+        ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+        if self.shared_prompt_logits is not None:
+            logits = self.shared_prompt_logits(self.module, ids[first, :tp], mask[first, :tp], pos[first, :tp],
+                                               batch["responses"], pos[:, tp:], group)
+            if logits is not None:
+                return logits, batch["responses"], _identity
+        cache = DynamicCache(config=getattr(self.module, "config", None))
+        head = self.module(input_ids=ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(group)  # differentiable gather: each row gets its prompt's keys/values
+        with self.continued_forward(self.module):
+            tail = self.module(input_ids=batch["responses"], attention_mask=mask, position_ids=pos[:, tp:],
+                               past_key_values=cache, use_cache=True, logits_to_keep=width)
+        logits = torch.cat([head.logits[group], tail.logits[:, :-1]], dim=1)
+        return logits, batch["responses"], _identity
+
+    def _packed_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Real tokens only, packed into one row; logits only where a real token predicts a response.
+
+        From the second slot after EOS on, a response slot's predictor is itself padding and not in
+        the pack: its log-prob (and entropy) come back as 0. Those slots are masked out anyway.
+        """
+        input_ids, responses = batch["input_ids"], batch["responses"]
+        rows, seqlen = input_ids.shape
+        width = responses.shape[-1]
+        packed = pack_padded_batch(input_ids, batch["attention_mask"], batch["position_ids"])
+        grid_to_packed = torch.full((rows * seqlen,), -1, dtype=torch.long, device=input_ids.device)
+        grid_to_packed[packed.indices] = torch.arange(packed.indices.numel(), device=input_ids.device)
+        predictors = (torch.arange(rows, device=input_ids.device) * seqlen).unsqueeze(1) + (
+            seqlen - width - 1 + torch.arange(width, device=input_ids.device)
+        )
+        where = grid_to_packed[predictors]  # (rows, Tr) packed index of each response predictor, -1 if padding
+        valid = where >= 0
+        out = self.module(
+            input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+            use_cache=False, logits_to_keep=where[valid],
+        )
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            full = values.new_zeros((rows, width))
+            full[valid] = values
+            return full
+
+        return out.logits[0], responses[valid], scatter
+
+    # ---- the micro-batch plan ----------------------------------------------------------------
+
+    def micro_batches(self, data: DataProto, micro: MicroBatching) -> tuple[list[DataProto], list[list[int]] | None]:
+        """Fixed-size micro-batches, or token-budget ones (same count on every rank) plus their order.
+
+        When the forward pads, a token budget groups rows of similar length and counts the padding
+        (``length_sorted_micro_batches``); fixed-size micro-batches take the rows longest response
+        first when that computes fewer tokens than the given order (which keeps a prompt's n
+        samples together for the shared-prompt forward). Packed forwards compute no padding: rows
+        keep their order, budgets count real tokens.
+        """
+        group = self.group_if_dist()
+        if micro.max_token_len is not None and self.use_remove_padding:
+            return rearrange_micro_batches(data, max_token_len=micro.max_token_len, dp_group=group)
+        if micro.max_token_len is not None:
+            width = data.batch["input_ids"].shape[-1] - data.batch["responses"].shape[-1]
+            parts = length_sorted_micro_batches(_response_lengths(data.batch).tolist(), width, micro.max_token_len, group)
+            return [data.select_idxs(part) for part in parts], parts
+        size = micro.size or len(data)
+        if size >= len(data) or self.use_remove_padding:
+            return data.split(size), None
+        order = _longest_response_first(data.batch)
+        parts = [order[i: i + size] for i in range(0, len(order), size)]
+        in_order = data.split(size)
+        by_length = [data.select_idxs(part) for part in parts]
+        if sum(map(self._forward_tokens, (m.batch for m in by_length))) >= \
+                sum(map(self._forward_tokens, (m.batch for m in in_order))):
+            return in_order, None
+        return by_length, parts
+
+    def shared_prompt_plan(self, micros: list[DataProto]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per micro-batch, its prompt groups when it takes the shared-prompt path, else None.
+
+        The shared path runs the model twice before a backward: ranks on different paths would
+        pair FSDP's gathers and reductions wrongly and hang. One all-reduce (MIN) settles all the
+        micro-batches of a call, before any compute, so no rank waits on another there.
+        """
+        if not self.use_shared_prompt:
+            return [None] * len(micros)
+        groups = [self._prompt_groups(trim_response_padding(m.batch)[0]) if len(m) > 0 else None for m in micros]
+        if self.dp_size > 1:
+            agreed = all_reduce_ints([int(g is not None) for g in groups], dist.ReduceOp.MIN, self.group_if_dist())
+            groups = [g if ok else None for g, ok in zip(groups, agreed)]
+        return groups
+
+    @staticmethod
+    def _distinct_prompts(batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        tp = ids.shape[1] - batch["responses"].shape[1]
+        # the mask too: a pad id may also be a real token (pad = eos in many tokenizers)
+        return torch.unique(torch.cat([ids[:, :tp], mask[:, :tp]], dim=1), dim=0, return_inverse=True)
+
+    @staticmethod
+    def _shared_tokens(batch, distinct: int) -> int:
+        rows, width = batch["responses"].shape
+        return distinct * (batch["input_ids"].shape[1] - width) + rows * width
+
+    def _unshared_tokens(self, batch) -> int:
+        mask = batch["attention_mask"]
+        return int(mask.sum()) if self.use_remove_padding else mask.numel()
+
+    def _forward_tokens(self, batch) -> int:
+        """Tokens one micro-batch's forward computes (after trimming, on its cheaper path)."""
+        if len(batch["input_ids"]) == 0:
+            return 0
+        batch, _ = trim_response_padding(batch)
+        unshared = self._unshared_tokens(batch)
+        if not self.use_shared_prompt:
+            return unshared
+        return min(unshared, self._shared_tokens(batch, self._distinct_prompts(batch)[0].shape[0]))
+
+    def _prompt_groups(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(one row per distinct prompt, group of each row), or None when sharing saves no tokens.
+
+        Tokens computed: shared = distinct prompts x Tp + rows x Tr; otherwise rows x (Tp + Tr)
+        padded, or the real tokens only when packing.
+        """
+        ids, rows = batch["input_ids"], batch["input_ids"].shape[0]
+        uniq, group = self._distinct_prompts(batch)
+        if self._shared_tokens(batch, uniq.shape[0]) >= self._unshared_tokens(batch):
+            return None
+        first = torch.empty(uniq.shape[0], dtype=torch.long, device=ids.device)
+        first[group] = torch.arange(rows, device=ids.device)  # any row of each group
+        return first, group
+
+
+def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool) -> dict[str, torch.Tensor]:
+    """``values`` (b, Tr) of a one-label token classifier.
+
+    For a row ``[prompt (Tp) | response (Tr)]`` the value of response token t is the head output at
+    position ``Tp - 1 + t``: the state after the prompt and t response tokens, before token t.
+    """
+    width = micro["responses"].shape[-1]
+    logits = forward_logits(module, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+                            use_remove_padding=use_remove_padding)
+    return {"values": logits[:, -width - 1: -1, 0].float()}
+
+
+def plain_micro_batches(data: DataProto, micro: MicroBatching, group: Any) -> tuple[list[DataProto], list[list[int]] | None]:
+    """Fixed-size micro-batches in row order, or token-budget ones (same count on every rank) and their order."""
+    if micro.max_token_len is not None:
+        return rearrange_micro_batches(data, max_token_len=micro.max_token_len, dp_group=group)
+    return data.split(micro.size or len(data)), None
+
+
+def restore(values: torch.Tensor, order: list[list[int]] | None) -> torch.Tensor:
+    """Rows back in the input order after a reordering micro-batch plan."""
+    return values if order is None else restore_order(values, order)
+
+
+@contextlib.contextmanager
+def plain_context(module: nn.Module) -> Iterator[None]:
+    """The HF second call with FSDP2's hooks as they are (the reference path)."""
+    yield
+
+
+def _identity(values: torch.Tensor) -> torch.Tensor:
+    return values
+
+
+def _response_lengths(batch) -> torch.Tensor:
+    """Real tokens per response (B,): responses are right-padded, so the mask is a prefix of ones."""
+    tp = batch["input_ids"].shape[-1] - batch["responses"].shape[-1]
+    return batch["attention_mask"][:, tp:].sum(-1)
+
+
+def _response_padding(batch) -> torch.Tensor:
+    """(B, Tr) True where the response is padding."""
+    return batch["attention_mask"][:, batch["input_ids"].shape[-1] - batch["responses"].shape[-1]:] == 0
+
+
+def _longest_response_first(batch) -> list[int]:
+    return torch.argsort(_response_lengths(batch), descending=True, stable=True).tolist()
+
+
+def trim_response_padding(batch) -> tuple[Any, int]:
+    """The model inputs cut after the longest response in ``batch``, and the uncut width.
+
+    The columns cut only hold padding, and the logits they would produce only predict padding:
+    no log-prob the loss reads changes.
+    """
+    full = batch["responses"].shape[-1]
+    width = max(1, int(_response_lengths(batch).max())) if batch["responses"].shape[0] else full
+    if width >= full:
+        return batch, full
+    cut = full - width
+    trimmed = {k: batch[k][..., :-cut] for k in MODEL_INPUTS}
+    return trimmed, full
+
+
+def _pad_width(values: torch.Tensor, width: int) -> torch.Tensor:
+    """(b, w) -> (b, width), zeros after column w."""
+    return values if values.shape[-1] == width else torch.nn.functional.pad(values, (0, width - values.shape[-1]))

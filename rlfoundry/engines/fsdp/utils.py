@@ -1,0 +1,521 @@
+"""FSDP2 plumbing shared by the actor, reference and critic workers.
+
+Functions, not a base class: each worker composes what it needs (DESIGN.md, house style 2).
+
+- ``load_hf_model``      HF directory -> ``nn.Module`` (causal LM or one-label token classifier)
+- ``apply_fsdp2``        ``fully_shard`` each decoder layer, then the root
+- ``build_optimizer`` / ``build_lr_scheduler``   AdamW + warm-up/constant/cosine (verl keys)
+- ``clip_grad_norm_``    works on FSDP2 DTensor gradients, returns a plain float
+- ``offload_optimizer`` / ``load_optimizer``     move AdamW state between host and device (GPU)
+- ``unsharded``          context manager: gather the parameters once for many forwards (rollout)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = [
+    "cfg_get",
+    "resolve_model_path",
+    "check_model_dir",
+    "load_hf_model",
+    "apply_fsdp2",
+    "get_decoder_layers",
+    "build_optimizer",
+    "build_lr_scheduler",
+    "lr_lambda",
+    "clip_grad_norm_",
+    "offload_optimizer",
+    "load_optimizer",
+    "unsharded",
+    "inference_unsharded",
+    "fsdp_modules",
+    "resolve_dtype",
+    "default_device",
+]
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a dict, an OmegaConf node or a dataclass; ``default`` when absent or None.
+
+    Workers receive config subtrees from different places (typed config objects from the trainer,
+    plain dicts in tests), so reading goes through one tolerant accessor.
+    """
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping) or hasattr(cfg, "get") and not hasattr(cfg, "__dataclass_fields__"):
+        value = cfg.get(key, default)
+    else:
+        value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """Map verl's dtype spellings (``bf16``, ``fp32``, ``bfloat16`` …) to a ``torch.dtype``."""
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def default_device() -> torch.device:
+    """The local accelerator when there is one (``LOCAL_RANK`` picks it), else the CPU."""
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- model loading
+
+PACKAGED_SCHEME = "rlfoundry://"
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A local directory for ``path``; ``rlfoundry://NAME`` names a model shipped in ``rlfoundry/assets``."""
+    text = str(path)
+    if text.startswith(PACKAGED_SCHEME):
+        return Path(__file__).resolve().parents[1] / "assets" / text[len(PACKAGED_SCHEME):]
+    return Path(text).expanduser()
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """The resolved directory of ``path``; a message naming the path and the fix if it is no HF model."""
+    p = resolve_model_path(path)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist. Set actor_rollout_ref.model.path (or "
+            f"critic.model.path) to a local Hugging Face model directory containing config.json; "
+            f"no hub downloads happen here (build a tiny one with `python -m rlfoundry.models.tiny --out DIR`)."
+        )
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} is not a Hugging Face model directory (no config.json in it). "
+            f"Point the model path at the directory written by `save_pretrained` (config.json + "
+            f"*.safetensors), or build one with `python -m rlfoundry.models.tiny --out DIR`."
+        )
+    return p
+
+
+def load_hf_model(
+    path: str | Path,
+    model_kind: str = "causal_lm",
+    torch_dtype: str | torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    override_config: Mapping[str, Any] | None = None,
+    enable_gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """Load a model from a local HF directory on the CPU.
+
+    ``model_kind`` is ``causal_lm`` (policy, reference), ``token_classification`` (critic: one
+    value per token; ``num_labels`` is forced to 1) or ``sequence_classification`` (reward model). ``override_config`` entries replace config
+    fields before the weights load (verl's ``model.override_config``). The model stays on the CPU;
+    ``apply_fsdp2`` moves it. ``attn_implementation`` defaults to SDPA, which needs no extra package.
+    """
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    p = check_model_dir(path)
+    config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
+    for key, value in dict(override_config or {}).items():
+        setattr(config, key, value)
+    classes = {"causal_lm": AutoModelForCausalLM, "token_classification": AutoModelForTokenClassification,
+               "sequence_classification": AutoModelForSequenceClassification}
+    if model_kind not in classes:
+        raise ValueError(f"model_kind must be one of {sorted(classes)}, got {model_kind!r}")
+    if model_kind == "token_classification":
+        config.num_labels = 1
+    model = classes[model_kind].from_pretrained(
+        p,
+        config=config,
+        dtype=resolve_dtype(torch_dtype),
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation or "sdpa",
+    )
+    if enable_gradient_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2's hooks; the reentrant flavour does not.
+        # transformers >= 5.x renamed the switch; older versions only have the first name.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # training forwards must not build KV caches; rollout asks explicitly
+    return model
+
+
+def import_model_code(path: str | Path, model_kind: str = "causal_lm", trust_remote_code: bool = False) -> None:
+    """Import, without loading weights, the code ``load_hf_model`` and FSDP2 will run for ``path``.
+
+    An empty model is built on the meta device (no memory), which imports its modeling module and
+    whatever transformers pulls in with it. A worker back end that forks its ranks calls this in
+    the driver first, so the ranks share those modules' pages with it copy-on-write (about 50 MB a
+    rank for a Qwen2) instead of importing private copies. Remote code is not run here.
+    """
+    import safetensors.torch  # noqa: F401 - the weights loader
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if trust_remote_code:
+        return
+    config = AutoConfig.from_pretrained(check_model_dir(path))
+    auto = AutoModelForTokenClassification if model_kind == "token_classification" else AutoModelForCausalLM
+    with torch.device("meta"):
+        auto.from_config(config, attn_implementation="sdpa")
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+def get_decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: HF's ``_no_split_modules`` classes, else ModuleList items."""
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in module.modules() if type(m).__name__ in names]
+    if layers:
+        return layers
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "apply_fsdp2 needs torch.distributed initialised (even with one rank). Call "
+            "Worker.init_distributed() first, or dist.init_process_group('gloo') on CPU."
+        )
+
+
+def device_mesh(device_type: str, fsdp_size: int = -1) -> Any:
+    """The ranks' mesh for FSDP2, from verl's ``fsdp_config.fsdp_size``.
+
+    -1 (or >= the world size): one dimension, every parameter sharded over all ranks. Otherwise
+    ``(world / fsdp_size, fsdp_size)`` named ("ddp", "fsdp"): hybrid sharding, each group of
+    ``fsdp_size`` ranks shards the model and the groups replicate it; gradients are
+    reduce-scattered within a group and all-reduced across groups. ``fsdp_size=1`` is plain data
+    parallelism: no all-gathers at all, one all-reduce per unit per mini-batch, at the price of a
+    whole copy of the weights, gradients and optimiser state on every rank (fine for small models;
+    on a multi-node GPU cluster, the node's GPU count keeps the gathers on fast links).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if fsdp_size == 0 or fsdp_size < -1:
+        raise ValueError(f"fsdp_config.fsdp_size must be -1 (shard over all ranks) or >= 1, got {fsdp_size}")
+    if fsdp_size == -1 or fsdp_size >= world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    if world % fsdp_size:
+        raise ValueError(f"fsdp_config.fsdp_size={fsdp_size} does not divide the {world} ranks of this worker "
+                         f"group; use a divisor of {world} or -1")
+    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def apply_fsdp2(
+    module: nn.Module,
+    device: torch.device | str,
+    param_dtype: torch.dtype | str | None = None,
+    reduce_dtype: torch.dtype | str | None = None,
+    param_offload: bool = False,
+    reshard_after_forward: bool = True,
+    mesh: Any = None,
+    fsdp_size: int = -1,
+    layer_units: bool | None = None,
+) -> nn.Module:
+    """Shard ``module`` in place with FSDP2: each decoder layer is its own unit, then the root.
+
+    Mixed precision defaults to bf16 parameters with fp32 gradient reduction on CUDA and plain fp32
+    on CPU (CPU bf16 matmuls are slow and would break the fp32 invariance tests). Parameter CPU
+    offload is honoured only on GPU: on a CPU-only run the parameters already live on the host.
+    ``fsdp_size`` (verl's ``fsdp_config.fsdp_size``) picks the mesh when ``mesh`` is None: see
+    ``device_mesh``.
+
+    ``layer_units`` (None: decide): on the CPU with unsharded parameters (a shard group of one rank:
+    ``fsdp_size=1``, or a single rank) the root is the only unit. Per-layer units there save no
+    memory and cannot overlap their gradient all-reduces with compute (gloo collectives block), so
+    one all-reduce of all gradients replaces one per layer (~7 % off a 2-rank CPU update).
+    """
+    device = torch.device(device)
+    _ensure_process_group(device)
+    on_gpu = device.type == "cuda"
+    param_dtype = resolve_dtype(param_dtype, torch.bfloat16 if on_gpu else torch.float32)
+    reduce_dtype = resolve_dtype(reduce_dtype, torch.float32)
+    if mesh is None:
+        mesh = device_mesh(device.type, fsdp_size)
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    }
+    if param_offload and on_gpu:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    else:
+        module.to(device)
+    if layer_units is None:
+        layer_units = on_gpu or mesh.size(-1) > 1  # the last mesh dimension is the one that shards
+    for layer in get_decoder_layers(module) if layer_units else []:
+        fully_shard(layer, **kwargs)
+        layer._rlf_reshard_after_forward = bool(reshard_after_forward)
+    fully_shard(module, **kwargs)
+    module._rlf_reshard_after_forward = bool(reshard_after_forward)
+    return module
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """Every FSDP2 unit inside ``module`` (root last), for bulk unshard/reshard."""
+    return [m for m in reversed(list(module.modules())) if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def unsharded(module: nn.Module) -> Iterator[nn.Module]:
+    """Gather all parameters once and keep them gathered across many forwards.
+
+    Autoregressive decoding calls forward once per token; letting FSDP2 all-gather and free every
+    layer on every call would dominate small-model generation. Inside this block every unit is
+    unsharded and told not to reshard after forward; on exit the previous behaviour is restored and
+    the memory freed. A module without FSDP is yielded unchanged.
+    """
+    units = fsdp_modules(module)
+    previous = [_reshard_after_forward(u) for u in units]
+    try:
+        for u in units:
+            u.set_reshard_after_forward(False, recurse=False)
+        handles = [u.unshard(async_op=True) for u in units]
+        for h in handles:
+            if h is not None:
+                h.wait()
+        yield module
+    finally:
+        for u, prev in zip(units, previous):
+            u.set_reshard_after_forward(prev, recurse=False)
+            u.reshard()
+
+
+@contextlib.contextmanager
+def accumulate_unsharded(module: nn.Module) -> Iterator[Callable[[bool], None]]:
+    """Gradient accumulation over micro-batches with one gather and one reduction per mini-batch.
+
+    For units built with ``reshard_after_forward=False`` (``fsdp_config.reshard_after_forward``):
+    parameters stay gathered from the first micro-batch's forward to the last one's backward, and
+    gradients accumulate unsharded on each rank; only the last backward reduce-scatters them (FSDP2's
+    equivalent of DDP's ``no_sync``). Without it every micro-batch pays an all-gather per unit in
+    forward and backward plus a reduce-scatter — on gloo, milliseconds of latency each. Yields
+    ``before_backward(last)``, to call before each micro-batch's backward. Units that reshard after
+    forward (the memory-lean default) are left alone.
+    """
+    units = [u for u in fsdp_modules(module) if not _reshard_after_forward(u)]
+
+    def before_backward(last: bool) -> None:
+        for u in units:
+            u.set_requires_gradient_sync(last, recurse=False)
+            u.set_reshard_after_backward(last, recurse=False)
+
+    try:
+        yield before_backward
+    finally:
+        for u in units:
+            u.set_requires_gradient_sync(True, recurse=False)
+            u.set_reshard_after_backward(True, recurse=False)
+
+
+@contextlib.contextmanager
+def continued_forward(module: nn.Module) -> Iterator[None]:
+    """A second forward of ``module`` that continues the first one's graph, seen by FSDP2 as one.
+
+    FSDP2 prepares backward in every forward: a second call before the backward (the shared-prompt
+    forward runs the prompts, then the responses on their KV cache) makes each unit reduce-scatter
+    its gradients once per call, reshard in between and all-gather again for the rest of the
+    backward: twice the collectives, milliseconds each on gloo. When every unit keeps its
+    parameters gathered after forward (``reshard_after_forward=False``) the second call needs none
+    of FSDP2's hooks: its gradients accumulate into the gathered parameters and the first call's
+    post-backward reduces both, once, after both graphs are done (a unit's post-backward runs when
+    its input gradients are complete, which the continuation feeds). Units that reshard after
+    forward need the hooks to gather again, and keep them.
+    """
+    units = fsdp_modules(module)
+    if not units or any(_reshard_after_forward(u) for u in units):
+        yield
+        return
+    with _fsdp_forward_hooks_paused(units):
+        yield
+
+
+def _is_fsdp_hook(hook: Any) -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return isinstance(getattr(hook, "__self__", None), FSDPState)
+
+
+@contextlib.contextmanager
+def _fsdp_forward_hooks_paused(units: list[FSDPModule]) -> Iterator[None]:
+    """Detach FSDP2's own forward hooks from ``units`` for the block; other hooks stay."""
+    saved = [(u._forward_pre_hooks.copy(), u._forward_hooks.copy()) for u in units]
+    try:
+        for unit in units:
+            for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
+                for key in [k for k, h in hooks.items() if _is_fsdp_hook(h)]:
+                    del hooks[key]
+        yield
+    finally:
+        for unit, (pre, post) in zip(units, saved):
+            unit._forward_pre_hooks.clear()
+            unit._forward_pre_hooks.update(pre)  # original order: FSDP's pre-hook is prepended
+            unit._forward_hooks.clear()
+            unit._forward_hooks.update(post)
+
+
+@contextlib.contextmanager
+def inference_unsharded(module: nn.Module) -> Iterator[nn.Module]:
+    """``unsharded`` plus FSDP2's per-forward hooks skipped: for many small no-grad forwards.
+
+    With every unit gathered and waited on, FSDP2's forward hooks have nothing left to do under
+    ``no_grad`` except bookkeeping (re-checking the unshard, casting floating-point inputs to
+    ``param_dtype`` — decoding feeds integer ids and masks only — and preparing backward). On a
+    small model that bookkeeping is 20-40% of a decode step, so generation runs without it.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError("inference_unsharded skips FSDP's autograd hooks: use it under torch.no_grad()")
+    with unsharded(module):
+        with _fsdp_forward_hooks_paused(fsdp_modules(module)):
+            yield module
+
+
+def _reshard_after_forward(unit: FSDPModule) -> bool:
+    """The setting ``apply_fsdp2`` gave this unit (recorded there: FSDP2 has no public getter)."""
+    return bool(getattr(unit, "_rlf_reshard_after_forward", True))
+
+
+# --------------------------------------------------------------------------- optimiser + schedule
+
+def build_optimizer(module: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, from verl's ``optim`` keys (lr, betas, weight_decay, eps).
+
+    ``foreach=True``: torch picks it by itself only on GPUs; on CPU it would loop over the
+    parameters, and with FSDP2 every op of that loop is a DTensor dispatch (~6 ms per step for the
+    benchmark's 0.66 M-parameter model against ~2 ms; the same numbers bit for bit).
+    """
+    betas = tuple(float(b) for b in cfg_get(optim_cfg, "betas", (0.9, 0.999)))
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params,
+        lr=float(cfg_get(optim_cfg, "lr", 1e-6)),
+        betas=betas,  # type: ignore[arg-type]
+        weight_decay=float(cfg_get(optim_cfg, "weight_decay", 1e-2)),
+        eps=float(cfg_get(optim_cfg, "eps", 1e-8)),
+        foreach=True,
+    )
+
+
+def _total_steps(optim_cfg: Any, total_training_steps: int | None) -> int | None:
+    total = total_training_steps if total_training_steps is not None else cfg_get(optim_cfg, "total_training_steps")
+    return int(total) if total is not None and int(total) > 0 else None
+
+
+def _warmup_steps(optim_cfg: Any, total: int | None) -> int:
+    """``lr_warmup_steps`` when positive, else ``lr_warmup_steps_ratio`` × total steps (verl rule)."""
+    steps = cfg_get(optim_cfg, "lr_warmup_steps", -1)
+    if steps is not None and int(steps) > 0:
+        return int(steps)
+    ratio = float(cfg_get(optim_cfg, "lr_warmup_steps_ratio", 0.0))
+    return int(ratio * total) if total is not None else 0
+
+
+def lr_lambda(
+    step: int, warmup: int, total: int | None, style: str, min_lr_ratio: float, num_cycles: float = 0.5
+) -> float:
+    """Multiplier of the base lr after ``step`` optimiser steps.
+
+    Warm-up is linear from 0 (HF/verl convention: step 0 has factor 0). After warm-up, ``constant``
+    stays at 1; ``cosine`` follows min + (1 - min)·½(1 + cos(2π·num_cycles·progress)), which with
+    the default ``num_cycles`` 0.5 is half a cosine from 1 down to ``min_lr_ratio`` at ``total``.
+    Without a known total (None/-1) there is no decay.
+    """
+    if step < warmup:
+        return step / max(1, warmup)
+    if style == "constant" or total is None:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    cosine = 0.5 * (1.0 + math.cos(2.0 * math.pi * num_cycles * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim_cfg: Any, total_training_steps: int | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up then constant or cosine, from ``lr_scheduler_type`` (verl ≥0.5) or ``warmup_style``."""
+    total = _total_steps(optim_cfg, total_training_steps)
+    warmup = _warmup_steps(optim_cfg, total)
+    style = str(cfg_get(optim_cfg, "lr_scheduler_type", None) or cfg_get(optim_cfg, "warmup_style", "constant"))
+    if style not in ("constant", "cosine"):
+        raise ValueError(f"optim.lr_scheduler_type/warmup_style must be 'constant' or 'cosine', got {style!r}")
+    min_ratio = float(cfg_get(optim_cfg, "min_lr_ratio", 0.0))
+    cycles = float(cfg_get(optim_cfg, "num_cycles", 0.5))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_lambda, warmup=warmup, total=total, style=style, min_lr_ratio=min_ratio, num_cycles=cycles
+    ))
+
+
+# --------------------------------------------------------------------------- gradients
+
+def clip_grad_norm_(parameters: Any, max_norm: float | None) -> float:
+    """Total L2 grad norm over (possibly DTensor-sharded) parameters; clips when ``max_norm`` > 0.
+
+    With FSDP2 the per-parameter norms are DTensors, so the total is reduced across ranks before it
+    is read back as a float. A non-finite norm is returned as is and nothing is clipped: the caller
+    skips the optimiser step instead (scaling by NaN would poison the weights).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    norm = float(total)
+    if max_norm is not None and max_norm > 0 and math.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+    return norm
+
+
+# --------------------------------------------------------------------------- optimiser offload
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Move AdamW moments to host memory between updates (``fsdp_config.optimizer_offload``)."""
+    _move_optimizer_state(optimizer, "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Bring AdamW moments back to ``device`` before ``optimizer.step``."""
+    _move_optimizer_state(optimizer, device)

@@ -1,0 +1,88 @@
+"""Back-end-independent pieces of the update loop, shared by every engine.
+
+- ``iter_mini_batches``: epochs × mini-batches of a rank's rows, seeded per update call;
+- ``global_batch_info``: the mini-batch-wide token / sequence counts (one all-reduce);
+- ``MiniBatchStats``: a mini-batch's metrics made split- and rank-independent (one all-reduce);
+- ``zero_loss_row``: a stand-in micro-batch that adds no gradient, for a rank left one short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlfoundry.engines.base import GlobalBatchInfo, LossOutput
+from rlfoundry.protocol import DataProto
+
+__all__ = ["MiniBatchStats", "global_batch_info", "iter_mini_batches", "mix_seed", "zero_loss_row"]
+
+
+def mix_seed(seed: int, call: int) -> int:
+    """A shuffle seed per update call: resumed runs (same ``call``) draw the same mini-batches."""
+    return int(np.random.SeedSequence([seed, call]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def iter_mini_batches(data: DataProto, mini: int, epochs: int, shuffle: bool, seed: int, fix_hint: str) -> Iterator[DataProto]:
+    """``epochs`` passes over ``data`` in mini-batches of ``mini`` rows, shuffled with ``seed``.
+
+    ``fix_hint`` completes the error for a rank whose rows do not divide into mini-batches (it names
+    the config keys of the role).
+    """
+    if len(data) % mini != 0:
+        raise ValueError(f"this rank received {len(data)} rows, not a multiple of its mini-batch of {mini} rows {fix_hint}")
+    return data.make_iterator(mini, epochs, seed=seed, dataloader_kwargs={"shuffle": shuffle})
+
+
+def global_batch_info(mask: torch.Tensor, dp_size: int, dp_group: Any = None) -> GlobalBatchInfo:
+    """Counted tokens and sequences of the whole mini-batch over all dp ranks (``agg_loss``'s contract).
+
+    Every micro-batch normalises by these mini-batch-wide counts, so the summed gradient does not
+    depend on the micro-batch size or on how many ranks share the mini-batch.
+    """
+    counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
+    if dp_size > 1:
+        dist.all_reduce(counts, group=dp_group)
+    return GlobalBatchInfo(dp_size=dp_size, batch_num_tokens=counts[0].item(), global_batch_size=counts[1].item())
+
+
+class MiniBatchStats:
+    """Accumulates one mini-batch's ``LossOutput`` metrics (see its docstring for the two kinds)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, out: LossOutput, tokens: float) -> None:
+        for k, v in out.summed.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        for k, v in out.weighted.items():
+            self.weighted[k] = self.weighted.get(k, 0.0) + float(v) * tokens
+        self.tokens += tokens
+
+    def reduce(self, dp_size: int, group: Any) -> dict[str, float]:
+        summed, weighted = sorted(self.sums), sorted(self.weighted)  # same loss on every rank: same keys
+        values = torch.tensor([*(self.sums[k] for k in summed), *(self.weighted[k] for k in weighted), self.tokens],
+                              dtype=torch.float64)
+        if dp_size > 1:
+            dist.all_reduce(values, group=group)
+        # each rank's losses carry a factor dp_size (agg_loss contract); the rank sum undoes it
+        out = {k: float(values[i]) / dp_size for i, k in enumerate(summed)}
+        total, offset = max(float(values[-1]), 1.0), len(summed)
+        out.update({k: float(values[offset + i]) / total for i, k in enumerate(weighted)})
+        return out
+
+
+def zero_loss_row(mini: DataProto, mask_key: str) -> DataProto:
+    """One row of ``mini`` with its mask zeroed: a forward/backward that adds no gradient.
+
+    Token budgets may leave a rank one micro-batch short; FSDP (and any collective back end) still
+    needs that rank to run the pass.
+    """
+    row = mini[:1].select(deepcopy=True)  # a copy: the mini-batch itself must keep its mask
+    row.batch[mask_key] = torch.zeros_like(row.batch[mask_key])
+    return row
