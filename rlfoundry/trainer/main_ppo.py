@@ -202,7 +202,7 @@ def _worker_env(cfg: DictConfig) -> dict[str, str]:
 
 def _preload(cfg: DictConfig) -> None:
     """Before the process back end forks its ranks: the policy model's code, imported once here."""
-    from rlfoundry.engines.fsdp.utils import import_model_code
+    from rlfoundry.models.hf import import_model_code
 
     model = cfg.actor_rollout_ref.model
     import_model_code(model.path, trust_remote_code=bool(model.get("trust_remote_code", False)))

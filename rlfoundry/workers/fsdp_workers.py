@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from rlfoundry.models.hf import check_model_dir, resolve_model_path
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.utils import faults
-from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.engines.fsdp.utils import cfg_get
@@ -133,7 +133,7 @@ class ActorRolloutRefWorker(Worker):
 
         eos = [self.tokenizer.eos_token_id]
         try:
-            gen_eos = GenerationConfig.from_pretrained(fu.resolve_model_path(cfg_get(self._model_cfg, "path"))).eos_token_id
+            gen_eos = GenerationConfig.from_pretrained(resolve_model_path(cfg_get(self._model_cfg, "path"))).eos_token_id
         except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
             gen_eos = None
         eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
@@ -147,7 +147,7 @@ class ActorRolloutRefWorker(Worker):
         from transformers import AutoTokenizer
 
         self.init_distributed()
-        path = fu.check_model_dir(cfg_get(self._model_cfg, "path"))  # a bad path fails before any loading
+        path = check_model_dir(cfg_get(self._model_cfg, "path"))  # a bad path fails before any loading
         self.tokenizer = AutoTokenizer.from_pretrained(
             path, trust_remote_code=bool(cfg_get(self._model_cfg, "trust_remote_code", False))
         )

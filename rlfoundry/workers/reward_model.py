@@ -44,7 +44,8 @@ from rlfoundry.rewards.reward_manager import place_scores, response_lengths
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.engines.base import MicroBatching
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
-from rlfoundry.engines.fsdp.utils import cfg_get, check_model_dir
+from rlfoundry.engines.fsdp.utils import cfg_get
+from rlfoundry.models.hf import check_model_dir
 from rlfoundry.workers.utils.device import on_device
 
 logger = logging.getLogger(__name__)

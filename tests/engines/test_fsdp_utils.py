@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from rlfoundry.engines.fsdp import utils as fu
+from rlfoundry.models.hf import load_hf_model
 from tests.workers import local_worker, one_thread, worker_config  # noqa: F401 (fixture)
 
 
@@ -64,10 +65,10 @@ def test_warmup_ratio_constant_and_no_decay_without_total():
 def test_missing_model_path_names_the_path_and_the_fix(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model.*does not exist.*model.path"):
-        fu.load_hf_model(missing)
+        load_hf_model(missing)
     (tmp_path / "not-a-model").mkdir()
     with pytest.raises(FileNotFoundError, match="not-a-model.*not a Hugging Face model directory.*config.json"):
-        fu.load_hf_model(tmp_path / "not-a-model")
+        load_hf_model(tmp_path / "not-a-model")
 
 
 def test_worker_with_bad_model_path_fails_clearly(tmp_path):
@@ -77,15 +78,15 @@ def test_worker_with_bad_model_path_fails_clearly(tmp_path):
 
 
 def test_token_classification_is_a_one_value_head(tiny_critic_dir):
-    model = fu.load_hf_model(tiny_critic_dir, model_kind="token_classification")
+    model = load_hf_model(tiny_critic_dir, model_kind="token_classification")
     assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1)
 
 
 # ---- sharding ----------------------------------------------------------------------------
 
 def test_fsdp2_wraps_each_layer_and_keeps_outputs_and_grad_norm(tiny_model_dir, process_group):
-    plain = fu.load_hf_model(tiny_model_dir)
-    sharded = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu", layer_units=True)
+    plain = load_hf_model(tiny_model_dir)
+    sharded = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu", layer_units=True)
     assert isinstance(sharded, FSDPModule)
     assert all(isinstance(layer, FSDPModule) for layer in sharded.model.layers)
     x = torch.tensor([[3, 9, 27, 81, 12], [4, 5, 6, 7, 8]])
@@ -104,7 +105,7 @@ def test_unsharded_cpu_model_is_one_unit_with_one_gradient_reduction(tiny_model_
     blocking gradient reduction each on the CPU, so the root is the only unit."""
     from torch.profiler import profile
 
-    model = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    model = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")
     assert isinstance(model, FSDPModule)
     assert not any(isinstance(layer, FSDPModule) for layer in model.model.layers)
     with profile() as prof:
@@ -117,8 +118,8 @@ def test_unsharded_cpu_model_is_one_unit_with_one_gradient_reduction(tiny_model_
 def test_optimizer_steps_sharded_weights_exactly_like_plain_adamw(tiny_model_dir, process_group):
     """build_optimizer's vectorised AdamW over DTensor shards == torch's default AdamW on a plain
     copy, bit for bit (weight decay, betas and eps from verl's keys)."""
-    plain = fu.load_hf_model(tiny_model_dir)
-    sharded = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    plain = load_hf_model(tiny_model_dir)
+    sharded = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")
     cfg = {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.8, 0.9], "eps": 1e-6}
     optimizers = [fu.build_optimizer(sharded, cfg),
                   torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6)]
@@ -131,11 +132,11 @@ def test_optimizer_steps_sharded_weights_exactly_like_plain_adamw(tiny_model_dir
     full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
     for name, value in plain.state_dict().items():
         assert torch.equal(full[name], value), name
-    assert not torch.equal(full["lm_head.weight"], fu.load_hf_model(tiny_model_dir).lm_head.weight)
+    assert not torch.equal(full["lm_head.weight"], load_hf_model(tiny_model_dir).lm_head.weight)
 
 
 def test_unsharded_gathers_once_and_reshards_after(tiny_model_dir, process_group):
-    model = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    model = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")
     weight = lambda: model.model.layers[0].mlp.up_proj.weight  # noqa: E731
     x = torch.tensor([[1, 2, 3]])
     before = model(input_ids=x).logits
@@ -147,7 +148,7 @@ def test_unsharded_gathers_once_and_reshards_after(tiny_model_dir, process_group
 
 
 def test_nonfinite_grad_norm_is_reported_not_clipped(tiny_model_dir, process_group):
-    model = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+    model = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")
     model(input_ids=torch.tensor([[1, 2]])).logits.sum().backward()
     first = next(p for p in model.parameters() if p.grad is not None)
     first.grad.to_local().view(-1)[0] = float("nan")
@@ -169,12 +170,12 @@ def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(ti
     from rlfoundry.models import fused_forward
     from tests.models.test_fused_forward import _batch, _lm
 
-    per_layer = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu", layer_units=True)
+    per_layer = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu", layer_units=True)
     assert "FSDP units below the root" in fused_forward.unsupported_reason(per_layer, 20)
     batch = _batch(per_layer.config.vocab_size)
     grads = {}
-    for name, model in (("fsdp", fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")),
-                        ("plain", fu.load_hf_model(tiny_model_dir))):
+    for name, model in (("fsdp", fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")),
+                        ("plain", load_hf_model(tiny_model_dir))):
         assert fused_forward.unsupported_reason(model, 20) is None
         actor = _lm(model, True)
         first, group = actor._prompt_groups(batch)

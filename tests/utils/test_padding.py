@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlfoundry.utils.torch_functional import logprobs_from_logits
-from rlfoundry.engines.fsdp.utils import load_hf_model
+from rlfoundry.models.hf import load_hf_model
 from rlfoundry.utils.padding import (
     forward_logits,
     pack_padded_batch,

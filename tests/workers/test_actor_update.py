@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.engines.fsdp import utils as fu
+from rlfoundry.models.hf import load_hf_model
 from rlfoundry.engines.base import MicroBatching
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
@@ -75,7 +76,7 @@ def test_gradient_is_exactly_micro_batch_invariant(tiny_model_dir, batch, mode):
     cfg = worker_config(tiny_model_dir, BASE + [f"actor.loss_agg_mode={mode}", "actor.grad_clip=0"]).actor
 
     def grad_step(sizes: ActorBatchSizes, dynamic: bool) -> dict[str, torch.Tensor]:
-        module = fu.apply_fsdp2(fu.load_hf_model(tiny_model_dir), "cpu")
+        module = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")
         before = full_params(module)
         actor_cfg = cfg.copy()
         actor_cfg.use_dynamic_bsz = dynamic

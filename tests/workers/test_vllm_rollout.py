@@ -334,10 +334,11 @@ def run(rank, model_dir, port, out_dir):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from rlfoundry.engines.fsdp import utils as fu
+from rlfoundry.models.hf import load_hf_model
     from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout
     from tests.workers import make_prompts
 
-    module = fu.apply_fsdp2(fu.load_hf_model(model_dir), "cpu")  # each rank holds half of every weight
+    module = fu.apply_fsdp2(load_hf_model(model_dir), "cpu")  # each rank holds half of every weight
     cfg = OmegaConf.create({"dtype": "float32", "load_format": "dummy_dtensor", "prompt_length": 24,
                             "response_length": 8, "max_num_seqs": 8, "n": 1, "do_sample": False})
     engine = VLLMRollout(module, cfg, pad_token_id=0, eos_token_id=2, rank=rank)

@@ -42,6 +42,7 @@ from rlfoundry.engines.fsdp.forward import (
 )
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, iter_mini_batches, mix_seed, zero_loss_row
 from rlfoundry.models import cpu_kernels
+from rlfoundry.models.hf import load_hf_model
 from rlfoundry.protocol import DataProto
 
 __all__ = ["FSDPEngine", "FSDPEngineConfig"]
@@ -251,7 +252,7 @@ class FSDPEngine(TrainingEngine):
 
 
 def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable[[nn.Module], None] | None) -> nn.Module:
-    module = fu.load_hf_model(
+    module = load_hf_model(
         cfg.path, model_kind=cfg.model_kind, torch_dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
         override_config=cfg.override_config, enable_gradient_checkpointing=cfg.trainable and cfg.gradient_checkpointing,
     )

@@ -1,8 +1,5 @@
-"""FSDP2 plumbing shared by the actor, reference and critic workers.
+"""FSDP2 plumbing of the FSDP engine (and of the HF rollout that runs on its module).
 
-Functions, not a base class: each worker composes what it needs (DESIGN.md, house style 2).
-
-- ``load_hf_model``      HF directory -> ``nn.Module`` (causal LM or one-label token classifier)
 - ``apply_fsdp2``        ``fully_shard`` each decoder layer, then the root
 - ``build_optimizer`` / ``build_lr_scheduler``   AdamW + warm-up/constant/cosine (verl keys)
 - ``clip_grad_norm_``    works on FSDP2 DTensor gradients, returns a plain float
@@ -16,7 +13,6 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -24,11 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from rlfoundry.models.hf import check_model_dir, load_hf_model, resolve_dtype, resolve_model_path  # noqa: F401
+
 __all__ = [
     "cfg_get",
-    "resolve_model_path",
-    "check_model_dir",
-    "load_hf_model",
     "apply_fsdp2",
     "get_decoder_layers",
     "build_optimizer",
@@ -40,15 +35,8 @@ __all__ = [
     "unsharded",
     "inference_unsharded",
     "fsdp_modules",
-    "resolve_dtype",
     "default_device",
 ]
-
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
 
 
 def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -66,18 +54,6 @@ def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
-    """Map verl's dtype spellings (``bf16``, ``fp32``, ``bfloat16`` …) to a ``torch.dtype``."""
-    if dtype is None:
-        return default
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
-
-
 def default_device() -> torch.device:
     """The local accelerator when there is one (``LOCAL_RANK`` picks it), else the CPU."""
     if torch.cuda.is_available():
@@ -85,109 +61,6 @@ def default_device() -> torch.device:
 
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-# --------------------------------------------------------------------------- model loading
-
-PACKAGED_SCHEME = "rlfoundry://"
-
-
-def resolve_model_path(path: str | Path) -> Path:
-    """A local directory for ``path``; ``rlfoundry://NAME`` names a model shipped in ``rlfoundry/assets``."""
-    text = str(path)
-    if text.startswith(PACKAGED_SCHEME):
-        return Path(__file__).resolve().parents[1] / "assets" / text[len(PACKAGED_SCHEME):]
-    return Path(text).expanduser()
-
-
-def check_model_dir(path: str | Path) -> Path:
-    """The resolved directory of ``path``; a message naming the path and the fix if it is no HF model."""
-    p = resolve_model_path(path)
-    if not p.exists():
-        raise FileNotFoundError(
-            f"model path {str(path)!r} does not exist. Set actor_rollout_ref.model.path (or "
-            f"critic.model.path) to a local Hugging Face model directory containing config.json; "
-            f"no hub downloads happen here (build a tiny one with `python -m rlfoundry.models.tiny --out DIR`)."
-        )
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model path {str(path)!r} is not a Hugging Face model directory (no config.json in it). "
-            f"Point the model path at the directory written by `save_pretrained` (config.json + "
-            f"*.safetensors), or build one with `python -m rlfoundry.models.tiny --out DIR`."
-        )
-    return p
-
-
-def load_hf_model(
-    path: str | Path,
-    model_kind: str = "causal_lm",
-    torch_dtype: str | torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
-    override_config: Mapping[str, Any] | None = None,
-    enable_gradient_checkpointing: bool = False,
-    attn_implementation: str | None = None,
-) -> nn.Module:
-    """Load a model from a local HF directory on the CPU.
-
-    ``model_kind`` is ``causal_lm`` (policy, reference), ``token_classification`` (critic: one
-    value per token; ``num_labels`` is forced to 1) or ``sequence_classification`` (reward model). ``override_config`` entries replace config
-    fields before the weights load (verl's ``model.override_config``). The model stays on the CPU;
-    ``apply_fsdp2`` moves it. ``attn_implementation`` defaults to SDPA, which needs no extra package.
-    """
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
-
-    p = check_model_dir(path)
-    config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
-    for key, value in dict(override_config or {}).items():
-        setattr(config, key, value)
-    classes = {"causal_lm": AutoModelForCausalLM, "token_classification": AutoModelForTokenClassification,
-               "sequence_classification": AutoModelForSequenceClassification}
-    if model_kind not in classes:
-        raise ValueError(f"model_kind must be one of {sorted(classes)}, got {model_kind!r}")
-    if model_kind == "token_classification":
-        config.num_labels = 1
-    model = classes[model_kind].from_pretrained(
-        p,
-        config=config,
-        dtype=resolve_dtype(torch_dtype),
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation or "sdpa",
-    )
-    if enable_gradient_checkpointing:
-        # Non-reentrant checkpointing composes with FSDP2's hooks; the reentrant flavour does not.
-        # transformers >= 5.x renamed the switch; older versions only have the first name.
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False  # training forwards must not build KV caches; rollout asks explicitly
-    return model
-
-
-def import_model_code(path: str | Path, model_kind: str = "causal_lm", trust_remote_code: bool = False) -> None:
-    """Import, without loading weights, the code ``load_hf_model`` and FSDP2 will run for ``path``.
-
-    An empty model is built on the meta device (no memory), which imports its modeling module and
-    whatever transformers pulls in with it. A worker back end that forks its ranks calls this in
-    the driver first, so the ranks share those modules' pages with it copy-on-write (about 50 MB a
-    rank for a Qwen2) instead of importing private copies. Remote code is not run here.
-    """
-    import safetensors.torch  # noqa: F401 - the weights loader
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-    if trust_remote_code:
-        return
-    config = AutoConfig.from_pretrained(check_model_dir(path))
-    auto = AutoModelForTokenClassification if model_kind == "token_classification" else AutoModelForCausalLM
-    with torch.device("meta"):
-        auto.from_config(config, attn_implementation="sdpa")
 
 
 # --------------------------------------------------------------------------- FSDP2
