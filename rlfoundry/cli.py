@@ -55,6 +55,7 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path
     from omegaconf import OmegaConf
 
     from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup
+    from rlfoundry.single_controller.base.worker import WorkerRuntime
     from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
     from rlfoundry.workers.utils.checkpoint import load_trainer_state
 
@@ -63,9 +64,10 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path
     if "config" not in state:
         raise ExportError(f"{step_dir / 'data.pt'} has no saved config; it was not written by rlfoundry's trainer.")
     cfg = OmegaConf.create(state["config"])
-    os.environ.setdefault("RLFOUNDRY_DEVICE", "cpu")
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor"),
-                             name_prefix="export")
+    # the export runs on the CPU: DCP reshards any saved layout onto this one process
+    worker = ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="actor",
+                               runtime=WorkerRuntime(device="cpu"))
+    group = LocalWorkerGroup(worker, name_prefix="export")
     group.init_model()
     group.load_checkpoint(str(step_dir / "actor"))
     group.save_hf_model(str(hf_dir))

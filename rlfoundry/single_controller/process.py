@@ -130,15 +130,16 @@ def _portable(cls_with_init: ClassWithInitArgs) -> tuple:
     roles = getattr(cls_with_init.cls, "colocated_roles", None)
     if roles is None:
         return ("plain", cls_with_init.cls, cls_with_init.args, cls_with_init.kwargs)
-    (inits,) = cls_with_init.args
-    return ("colocated", {role: (roles[role], *inits[role]) for role in inits})
+    inits, runtime = cls_with_init.args
+    return ("colocated", {role: (roles[role], *inits[role]) for role in inits}, runtime)
 
 
 def _build(spec: tuple):
     if spec[0] == "plain":
         _, cls, args, kwargs = spec
         return cls(*args, **kwargs)
-    fused = create_colocated_worker_cls({r: ClassWithInitArgs(c, *a, **k) for r, (c, a, k) in spec[1].items()})
+    fused = create_colocated_worker_cls({r: ClassWithInitArgs(c, *a, **k) for r, (c, a, k) in spec[1].items()},
+                                        runtime=spec[2])
     return fused()
 
 

@@ -39,6 +39,7 @@ from rlfoundry.trainer.config import (
 # module, so a top-level `import torch` here cost every scorer process seconds of start-up.
 if TYPE_CHECKING:
     from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
+    from rlfoundry.single_controller.base.worker import WorkerRuntime
 
 USAGE = """usage: rlfoundry train [--config-name NAME] [--config-path DIR] [key=value ...]
 
@@ -188,16 +189,13 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
     return classes
 
 
-def _export_worker_env(cfg: DictConfig) -> None:
-    """Ranks hosted by (or spawned from) this process read their device, timeout and malloc setting
-    from the env (``_worker_env``)."""
-    os.environ.update(_worker_env(cfg))
+def _runtime(cfg: DictConfig) -> WorkerRuntime:
+    """What every rank's process needs from ``trainer.*`` before its roles are built."""
+    from rlfoundry.single_controller.base.worker import WorkerRuntime
 
-
-def _worker_env(cfg: DictConfig) -> dict[str, str]:
     trainer = cfg.trainer
-    return {"RLFOUNDRY_DEVICE": trainer.device, "RLFOUNDRY_DIST_TIMEOUT_S": str(trainer.dist_timeout_s),
-            "RLFOUNDRY_TUNE_MALLOC": "1" if trainer.tune_malloc else "0"}
+    return WorkerRuntime(device=trainer.device, dist_timeout_s=float(trainer.dist_timeout_s),
+                         tune_malloc=bool(trainer.tune_malloc))
 
 
 def _preload(cfg: DictConfig) -> None:
@@ -213,8 +211,8 @@ def local_factory(cfg: DictConfig):
     from rlfoundry.single_controller import LocalWorkerGroup, create_colocated_worker_cls
 
     def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
-        _export_worker_env(cfg)
-        return LocalWorkerGroup(create_colocated_worker_cls(classes), name_prefix="global_pool").spawn(classes.keys())
+        return LocalWorkerGroup(create_colocated_worker_cls(classes, _runtime(cfg)),
+                                name_prefix="global_pool").spawn(classes.keys())
 
     return build
 
@@ -225,8 +223,7 @@ def process_factory(cfg: DictConfig):
     from rlfoundry.single_controller.process import ProcessWorkerGroup
 
     def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
-        _export_worker_env(cfg)
-        group = ProcessWorkerGroup(create_colocated_worker_cls(classes), int(cfg.trainer.n_gpus_per_node),
+        group = ProcessWorkerGroup(create_colocated_worker_cls(classes, _runtime(cfg)), int(cfg.trainer.n_gpus_per_node),
                                    name_prefix="global_pool", call_timeout_s=cfg.trainer.worker_call_timeout_s,
                                    start_method=cfg.trainer.process_start_method, preload=lambda: _preload(cfg))
         return group.spawn(classes.keys())
@@ -247,12 +244,13 @@ def ray_factory(cfg: DictConfig):
 
     def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
         trainer = cfg.trainer
-        init_ray(num_cpus=cfg.ray_init.get("num_cpus"), runtime_env={"env_vars": _worker_env(cfg)})
+        init_ray(num_cpus=cfg.ray_init.get("num_cpus"))
         manager = ResourcePoolManager({"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)},
                                       {Role.ActorRollout: "global_pool"}, use_gpu=trainer.device == "cuda")
         manager.create_resource_pool()
         ray_classes = {k: RayClassWithInitArgs(c.cls, *c.args, **c.kwargs) for k, c in classes.items()}
-        group = RayWorkerGroup(manager.get_resource_pool(Role.ActorRollout), create_colocated_worker_cls(ray_classes),
+        group = RayWorkerGroup(manager.get_resource_pool(Role.ActorRollout),
+                               create_colocated_worker_cls(ray_classes, _runtime(cfg)),
                                name_prefix="global_pool", call_timeout_s=trainer.worker_call_timeout_s)
         return group.spawn(classes.keys())
 

@@ -24,11 +24,10 @@ import ctypes
 import os
 import sys
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "ENV_VAR", "tune_malloc", "tune_malloc_from_env"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_malloc"]
 
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD = 128 << 20  # at most this much freed memory is kept per process
-ENV_VAR = "RLFOUNDRY_TUNE_MALLOC"  # "1": worker processes apply ``tune_malloc`` when they start
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
 _done = False
 
@@ -57,8 +56,3 @@ def tune_malloc() -> bool:
         return False
     _done = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     return _done
-
-
-def tune_malloc_from_env() -> bool:
-    """``tune_malloc()`` when ``RLFOUNDRY_TUNE_MALLOC=1`` (what the trainer exports to its workers)."""
-    return os.environ.get(ENV_VAR, "") == "1" and tune_malloc()

@@ -47,6 +47,7 @@ from rlfoundry.engines.fsdp.forward import MODEL_INPUTS
 from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
+from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.utils import faults
 from rlfoundry.utils.torch_functional import masked_mean
 from rlfoundry.workers.utils.device import on_device
@@ -221,8 +222,9 @@ class CriticWorker(Worker):
         seed: base seed of the mini-batch shuffle.
     """
 
-    def __init__(self, config: Any, rollout_n: int | None = None, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, config: Any, rollout_n: int | None = None, seed: int = 0,
+                 runtime: WorkerRuntime | None = None) -> None:
+        super().__init__(runtime)
         self.config = config
         self.rollout_n = int(rollout_n if rollout_n is not None else cfg_get(config, "rollout_n", 1))
         self.seed = seed

@@ -30,6 +30,7 @@ import torch
 from rlfoundry.models.hf import check_model_dir, resolve_model_path
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
+from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.utils import faults
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
@@ -55,8 +56,8 @@ def _per_rank(global_rows: int, world_size: int, what: str) -> int:
 class ActorRolloutRefWorker(Worker):
     """Policy (FSDP2 + AdamW), HF rollout on the same module, and a frozen reference, per role."""
 
-    def __init__(self, config: Any, role: str):
-        super().__init__()
+    def __init__(self, config: Any, role: str, runtime: WorkerRuntime | None = None):
+        super().__init__(runtime)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = config

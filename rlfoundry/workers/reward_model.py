@@ -42,6 +42,7 @@ from torch import nn
 from rlfoundry.protocol import DataProto
 from rlfoundry.rewards.reward_manager import place_scores, response_lengths
 from rlfoundry.single_controller.base import Dispatch, Worker, register
+from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.engines.base import MicroBatching
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.engines.fsdp.utils import cfg_get
@@ -68,8 +69,8 @@ def _last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 class RewardModelWorker(Worker):
     """Loads the RM on ``init_model``; ``compute_rm_score`` returns ``rm_scores`` per row."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__()
+    def __init__(self, config: Any, runtime: WorkerRuntime | None = None) -> None:
+        super().__init__(runtime)
         self.config = config
         self.model: nn.Module | None = None
         self.engine: FSDPEngine | None = None

@@ -111,16 +111,14 @@ def test_failed_save_removes_the_partial_step_and_names_the_intact_one(tmp_path)
 
 def test_timeouts_are_config_keys_that_reach_the_workers(monkeypatch, tiny_model_dir):
     from rlfoundry.single_controller.base import ClassWithInitArgs, Dispatch, Worker, register
-    from rlfoundry.single_controller.base.worker import _default_timeout_s
     from rlfoundry.trainer.config import ConfigError, load_config, validate_config
     from rlfoundry.trainer.main_ppo import local_factory
 
     class Probe(Worker):
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def dist_timeout(self):
-            return _default_timeout_s()  # what init_distributed() would use for every collective
+            return self.runtime.dist_timeout_s  # what init_distributed() uses for every collective
 
-    monkeypatch.setenv("RLFOUNDRY_DIST_TIMEOUT_S", "600")  # restored after the test
     cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.device=cpu",
                        "trainer.dist_timeout_s=42", "trainer.worker_call_timeout_s=7"])
     assert cfg.trainer.worker_call_timeout_s == 7  # handed to RayWorkerGroup(call_timeout_s=...) by ray_factory

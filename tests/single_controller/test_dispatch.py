@@ -221,18 +221,16 @@ def test_a_recorded_ray_start_cluster_is_joined_only_while_it_runs(monkeypatch):
     assert _existing_cluster(None) is None
 
 
-def test_device_follows_rlfoundry_device(monkeypatch):
+def test_device_follows_trainer_device():
     from rlfoundry.single_controller.base.worker import _pick_device
 
-    monkeypatch.setenv("RLFOUNDRY_DEVICE", "cpu")
-    assert _pick_device(0) == torch.device("cpu")
-    monkeypatch.setenv("RLFOUNDRY_DEVICE", "tpu")
-    with pytest.raises(ValueError, match="must be 'cpu' or 'cuda'"):
-        _pick_device(0)
+    assert _pick_device(0, "cpu") == torch.device("cpu")
+    assert _pick_device(0, "auto") == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"trainer.device must be one of \['auto', 'cpu', 'cuda'\], got 'tpu'"):
+        _pick_device(0, "tpu")
     if not torch.cuda.is_available():
-        monkeypatch.setenv("RLFOUNDRY_DEVICE", "cuda")
         with pytest.raises(RuntimeError, match="CUDA is not available"):
-            _pick_device(0)
+            _pick_device(0, "cuda")
 
 
 def test_backend_is_chosen_by_name():

@@ -236,6 +236,7 @@ def test_late_reply_of_a_timed_out_call_is_not_taken_for_the_next_one():
 _DRIVER_SCRIPT = r"""
 import json, os, sys, torch
 from rlfoundry.single_controller import ClassWithInitArgs
+from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.single_controller.process import ProcessWorkerGroup
 from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
 sys.path.insert(0, {repo!r})
@@ -246,7 +247,8 @@ model_dir, batch_dir, out_dir, micro, start_method, fsdp_size = sys.argv[1:7]
 cfg = worker_config(model_dir, BASE + ["actor.ppo_mini_batch_size=4", f"actor.ppo_micro_batch_size_per_gpu={{micro}}",
                                         "model.use_shared_prompt=true", "actor.fsdp_config.reshard_after_forward=false",
                                         f"actor.fsdp_config.fsdp_size={{fsdp_size}}"])
-group = ProcessWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), 2, name_prefix="actor",
+group = ProcessWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor", WorkerRuntime(dist_timeout_s=60)), 2,
+                           name_prefix="actor",
                            start_method=start_method)
 group.init_model()
 batch = DataProto.load_from_disk(batch_dir)
@@ -378,7 +380,7 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path / "batch"),
                           str(tmp_path / "two"), str(micro), start_method, str(fsdp_size)],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "RLFOUNDRY_DIST_TIMEOUT_S": "60"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["pids"][0] == report["driver"] and report["pids"][1] != report["driver"]

@@ -120,7 +120,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Set in this (driver) process by the in-process worker group for its own gloo group; a child
 # process that inherits them would try to rendezvous on the same port (EADDRINUSE).
 _RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "RLFOUNDRY_WORKER_GROUP", "RLFOUNDRY_DEVICE", "RLFOUNDRY_DEBUG")
+                   "RLFOUNDRY_WORKER_GROUP", "RLFOUNDRY_DEBUG")
 
 
 def subprocess_env() -> dict[str, str]:

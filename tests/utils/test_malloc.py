@@ -14,9 +14,9 @@ from rlfoundry.utils import malloc
 glibc = pytest.mark.skipif(malloc._glibc() is None, reason="needs glibc (Linux)")
 
 _PROBE = textwrap.dedent("""
-    import ctypes, resource, torch
-    from rlfoundry.utils.malloc import tune_malloc_from_env
-    tuned = tune_malloc_from_env()
+    import ctypes, resource, sys, torch
+    from rlfoundry.utils.malloc import tune_malloc
+    tuned = tune_malloc() if sys.argv[1] == "1" else False
     libc = ctypes.CDLL(None)
     libc.sbrk.restype = ctypes.c_void_p
     block = torch.empty(4 << 20)  # 16 MB: an activation of a mid-sized model
@@ -40,8 +40,7 @@ _PROBE = textwrap.dedent("""
 
 
 def _probe(tune: str) -> tuple[bool, bool, bool, int]:
-    env = {**os.environ, malloc.ENV_VAR: tune}
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _PROBE, tune], capture_output=True, text=True, check=True)
     tuned, on_heap, kept, faults = out.stdout.split()
     return tuned == "True", on_heap == "True", kept == "True", int(faults)
 
@@ -57,22 +56,23 @@ def test_tuned_process_keeps_freed_blocks_instead_of_faulting_them_back():
 
 
 @glibc
-def test_workers_apply_it_from_the_trainer_env():
+def test_workers_apply_it_from_their_runtime():
     code = textwrap.dedent("""
-        from rlfoundry.single_controller.base.worker import Worker
+        import sys
+        from rlfoundry.single_controller.base.worker import Worker, WorkerRuntime
         from rlfoundry.utils import malloc
-        Worker()
+        Worker(WorkerRuntime(device="cpu", tune_malloc=sys.argv[1] == "1"))
         print(malloc._done)
     """)
     for value, expected in (("1", "True"), ("0", "False")):
-        env = {**os.environ, malloc.ENV_VAR: value, "RLFOUNDRY_DEVICE": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+        out = subprocess.run([sys.executable, "-c", code, value], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.split()[-1] == expected
 
 
-def test_trainer_exports_its_setting_to_the_workers():
+def test_trainer_hands_its_setting_to_the_workers():
     from rlfoundry.trainer.config import load_config
-    from rlfoundry.trainer.main_ppo import _worker_env
+    from rlfoundry.trainer.main_ppo import _runtime
 
-    assert _worker_env(load_config())[malloc.ENV_VAR] == "1"  # on by default
-    assert _worker_env(load_config(["trainer.tune_malloc=false"]))[malloc.ENV_VAR] == "0"
+    assert _runtime(load_config()).tune_malloc is True  # on by default
+    assert _runtime(load_config(["trainer.tune_malloc=false"])).tune_malloc is False

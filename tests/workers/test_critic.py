@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import ClassWithInitArgs
 from rlfoundry.single_controller.local import LocalWorkerGroup
+from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.workers.critic import CriticWorker
 
 TP, TR = 4, 6  # prompt and response widths
@@ -195,8 +196,7 @@ def test_save_load_then_identical_next_update(tiny_critic_dir, tmp_path):
 
 
 def _rank_main(rank: int, rendezvous_file: str, cfg: dict, data: DataProto, ckpt_path: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                       "RLFOUNDRY_DEVICE": "cpu"})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"})
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     torch.set_num_threads(1)
@@ -204,7 +204,7 @@ def _rank_main(rank: int, rendezvous_file: str, cfg: dict, data: DataProto, ckpt
     # with the other processes of a full test run); rank 1 learns the address from a file.
     if rank == 1:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _wait_for_rendezvous(rendezvous_file)
-    worker = CriticWorker(cfg, rollout_n=2)
+    worker = CriticWorker(cfg, rollout_n=2, runtime=WorkerRuntime(device="cpu"))
     if rank == 0:
         tmp = rendezvous_file + ".tmp"
         with open(tmp, "w") as f:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 from rlfoundry.single_controller.base.decorator import register, registered_methods
-from rlfoundry.single_controller.base.worker import Worker
+from rlfoundry.single_controller.base.worker import Worker, WorkerRuntime, roles_inherit
 from rlfoundry.single_controller.base.worker_group import ClassWithInitArgs
 
 
@@ -23,11 +23,13 @@ def _forward(role: str, name: str):
     return method
 
 
-def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs]) -> ClassWithInitArgs:
+def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs],
+                                runtime: WorkerRuntime | None = None) -> ClassWithInitArgs:
     """One worker class holding an instance of each role's class; returns it with its init args.
 
     The result has the type of the inputs (``ClassWithInitArgs`` or ``RayClassWithInitArgs``, whose
-    Ray options are taken from the first role), so it works with both back ends.
+    Ray options are taken from the first role), so it works with both back ends. ``runtime`` (the
+    run's device, timeouts, malloc setting) is set for each rank's process before any role is built.
     """
     if not class_dict:
         raise ValueError("create_colocated_worker_cls needs at least one role")
@@ -37,11 +39,12 @@ def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs]) -> Cla
     class ColocatedWorker(Worker):
         colocated_roles = roles
 
-        def __init__(self, role_inits: dict):
-            super().__init__()  # sets the rendezvous env that every role below reads
+        def __init__(self, role_inits: dict, runtime: WorkerRuntime | None = None):
+            super().__init__(runtime)  # sets the rendezvous env and the runtime every role below reads
             # Roles are built in the given order, so an earlier role (the actor) exists when a later
             # one is constructed; they share the process, its device and its process group.
-            self.workers = {role: roles[role](*a, **k) for role, (a, k) in role_inits.items()}
+            with roles_inherit(self.runtime):
+                self.workers = {role: roles[role](*a, **k) for role, (a, k) in role_inits.items()}
 
     for role, cls in roles.items():
         for name, spec in registered_methods(cls).items():
@@ -51,5 +54,5 @@ def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs]) -> Cla
 
     # A copy of the first role's wrapper keeps its type and back-end options (Ray runtime env).
     fused_init = copy.copy(next(iter(class_dict.values())))
-    fused_init.cls, fused_init.args, fused_init.kwargs = ColocatedWorker, (inits,), {}
+    fused_init.cls, fused_init.args, fused_init.kwargs = ColocatedWorker, (inits, runtime), {}
     return fused_init

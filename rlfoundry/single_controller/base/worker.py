@@ -9,28 +9,54 @@ torch.distributed read them too):
 | ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` | rank among this group's processes on this node, and their count |
 | ``MASTER_ADDR``, ``MASTER_PORT`` | rank 0's node address and a free port, for the rendezvous |
 | ``RLFOUNDRY_WORKER_GROUP`` | the group's name (the role), used in log and error messages |
-| ``RLFOUNDRY_DEVICE`` | optional override: ``cpu`` or ``cuda`` |
-| ``RLFOUNDRY_DIST_TIMEOUT_S`` | optional default timeout of every collective, seconds (600) |
-| ``RLFOUNDRY_TUNE_MALLOC`` | ``1``: glibc malloc keeps freed memory (``rlfoundry.utils.malloc``) |
 
-Several roles colocated in one process (see ``create_colocated_worker_cls``) are several
-``Worker`` instances reading the same variables, so they share one process group:
-``init_distributed`` only creates it once per process.
+The run's settings for the process (device, collective timeout, malloc tuning) arrive as a
+``WorkerRuntime`` init argument, not through the environment. Several roles colocated in one
+process (see ``create_colocated_worker_cls``) are several ``Worker`` instances: the roles inherit
+the colocated worker's runtime, and they share one process group (``init_distributed`` only
+creates it once per process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from rlfoundry.utils.malloc import tune_malloc_from_env
+from rlfoundry.utils.malloc import tune_malloc
 
 DEFAULT_DIST_TIMEOUT_S = 600.0
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class WorkerRuntime:
+    """Process-wide settings a worker group hands its ranks (from ``trainer.*``)."""
+
+    device: str = "auto"  # trainer.device: auto (cuda when available) | cpu | cuda
+    dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S  # trainer.dist_timeout_s: limit of every collective
+    tune_malloc: bool = False  # trainer.tune_malloc: glibc keeps freed memory (utils/malloc.py)
+
+
+_inherited: WorkerRuntime | None = None  # set while a colocated worker builds its roles
+
+
+@contextlib.contextmanager
+def roles_inherit(runtime: WorkerRuntime) -> Iterator[None]:
+    """Workers built inside the block without a runtime of their own take ``runtime``."""
+    global _inherited
+    saved, _inherited = _inherited, runtime
+    try:
+        yield
+    finally:
+        _inherited = saved
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -65,10 +91,6 @@ def _serve_rendezvous(addr: str, timeout_s: float) -> int:
     return port
 
 
-def _default_timeout_s() -> float:
-    return float(os.environ.get("RLFOUNDRY_DIST_TIMEOUT_S", DEFAULT_DIST_TIMEOUT_S))
-
-
 def _node_ip() -> str:
     """This node's address as Ray sees it (other nodes reach rank 0 through it); loopback otherwise.
 
@@ -81,35 +103,39 @@ def _node_ip() -> str:
     return "127.0.0.1"
 
 
-def _pick_device(local_rank: int) -> torch.device:
-    wanted = os.environ.get("RLFOUNDRY_DEVICE", "").strip().lower()
-    if wanted not in ("", "cpu", "cuda"):
-        raise ValueError(f"RLFOUNDRY_DEVICE must be 'cpu' or 'cuda', got {wanted!r}")
-    if wanted == "cpu" or (wanted == "" and not torch.cuda.is_available()):
+def _pick_device(local_rank: int, wanted: str = "auto") -> torch.device:
+    if wanted not in DEVICES:
+        raise ValueError(f"trainer.device must be one of {list(DEVICES)}, got {wanted!r}")
+    if wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("RLFOUNDRY_DEVICE=cuda but CUDA is not available in this worker process")
+        raise RuntimeError("trainer.device=cuda but CUDA is not available in this worker process")
     # Ray shows each GPU actor only its own GPU (index 0); torchrun-style launches show all of them.
     count = torch.cuda.device_count()
     return torch.device("cuda", local_rank if local_rank < count else 0)
 
 
 class Worker:
-    """Subclasses call ``super().__init__()`` first, then ``self.init_distributed()`` before FSDP2."""
+    """Subclasses call ``super().__init__()`` first, then ``self.init_distributed()`` before FSDP2.
 
-    def __init__(self):
+    ``runtime``: given by the worker group (``create_colocated_worker_cls``); None: the process's.
+    """
+
+    def __init__(self, runtime: WorkerRuntime | None = None):
+        self.runtime = runtime or _inherited or WorkerRuntime()
         env = os.environ
         self.rank = int(env.get("RANK", "0"))
         self.world_size = int(env.get("WORLD_SIZE", "1"))
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
         self.group_name = env.get("RLFOUNDRY_WORKER_GROUP", "worker")
-        tune_malloc_from_env()
+        if self.runtime.tune_malloc:
+            tune_malloc()
         if self.rank == 0 and not env.get("MASTER_ADDR"):
             # Rank 0 opens the rendezvous point; the group reads it back and gives it to the others.
             env["MASTER_ADDR"] = _node_ip()
-            env["MASTER_PORT"] = str(_serve_rendezvous(env["MASTER_ADDR"], _default_timeout_s()))
-        self.device = _pick_device(self.local_rank)
+            env["MASTER_PORT"] = str(_serve_rendezvous(env["MASTER_ADDR"], self.runtime.dist_timeout_s))
+        self.device = _pick_device(self.local_rank, self.runtime.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -120,7 +146,7 @@ class Worker:
         """
         if dist.is_initialized():
             return
-        timeout = datetime.timedelta(seconds=_default_timeout_s() if timeout_s is None else timeout_s)
+        timeout = datetime.timedelta(seconds=self.runtime.dist_timeout_s if timeout_s is None else timeout_s)
         # On CUDA keep a gloo backend for CPU tensors too (offloaded state, object collectives).
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         if self.rank == 0 and _STORE is not None:
