@@ -40,9 +40,9 @@ def enabled(setting: Any, device: torch.device | str) -> bool:
 
 def apply_cpu_kernels(module: nn.Module, device: torch.device | str) -> int:
     """Swap the model's fp32 linear layers for oneDNN ones; returns how many were swapped."""
-    from rlfoundry.models.cpu_linear import use_cpu_linear
+    from rlfoundry.models.cpu_linear import use_onednn_linear
 
-    return use_cpu_linear(module, "onednn", device)
+    return use_onednn_linear(module, device)
 
 
 def fused_shared_prompt_logits(module: nn.Module, prompt_ids: torch.Tensor, *rest: Any) -> torch.Tensor | None:

@@ -1,20 +1,17 @@
-"""fp32 linear layers on the CPU through oneDNN (``model.cpu_linear=onednn``, the default).
+"""fp32 linear layers on the CPU through oneDNN: one of the CPU kernels (``models/cpu_kernels.py``).
 
-Why: torch sends an fp32 ``nn.Linear`` on the CPU to MKL's sgemm. On this project's AMD EPYC (Zen)
-cores that runs the benchmark model's training products at 103-106 GFLOP/s per core, where oneDNN
-(built into torch's x86 wheels; Inductor's CPU back end calls the same op) reaches 191-220, and
-~230 against ~107 at Qwen2.5-0.5B shapes, with the same fp32 arithmetic: no down-conversion,
-results equal to float rounding (``python -m benchmarks.cpu_linear``). The layers here compute the
-forward and both backward products with ``torch.ops.mkldnn._linear_pointwise``. On a CPU where
-MKL is as fast, ``model.cpu_linear=aten`` keeps torch's path.
+Why: torch sends an fp32 ``nn.Linear`` on the CPU to MKL's sgemm; oneDNN (built into torch's x86
+wheels) runs the same fp32 products about twice as fast on this project's CPUs, at the benchmark
+shapes and at Qwen2.5-0.5B's (``python -m benchmarks.cpu_linear``; figures in benchmarks/README.md).
+The layers here compute the forward and both backward products with
+``torch.ops.mkldnn._linear_pointwise``; results equal torch's to float rounding.
 
-oneDNN compiles (JIT) and caches a kernel, with a scratchpad, for every matrix shape it meets:
-~0.6-3 MB each, and ~0.6 ms to build. Training shapes change with every micro-batch's token count,
-so each call here multiplies a block of exactly 512 or 128 rows (the last one zero-padded; a
-leftover under 64 rows goes to torch's default path): a handful of kernels per model, built once.
-Products under 256 rows or 8M multiply-adds (decode steps, short prompts, narrow layers), other dtypes,
-autocast, non-CPU tensors and DTensors keep torch's default path: the swap never changes what a
-layer computes, only which library multiplies.
+oneDNN builds and caches a kernel for every matrix shape it meets, and training shapes change with
+every micro-batch's token count, so products are cut into row blocks of fixed sizes (a handful of
+kernels per model, built once). Small products (decode steps, short prompts, narrow layers), other
+dtypes, autocast, non-CPU tensors and DTensors keep torch's default path, where the extra Python
+and copies would cost more than oneDNN saves: the swap never changes what a layer computes, only
+which library multiplies.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BACKENDS", "OneDNNLinear", "linear", "onednn_available", "use_cpu_linear"]
+__all__ = ["OneDNNLinear", "linear", "onednn_available", "use_onednn_linear"]
 
-BACKENDS = ("onednn", "aten")
 # Rows per oneDNN call: whole 512-row blocks, then 128-row blocks for the rest, the last one
 # zero-padded; fewer than 64 rows left over go to torch's default path. 512 keeps the kernels'
 # scratchpads small; one call per block costs ~15 % of the one-call speed-up in copies
@@ -162,15 +158,10 @@ class OneDNNLinear(nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
-def use_cpu_linear(module: nn.Module, backend: str, device: torch.device | str) -> int:
-    """Route ``module``'s ``nn.Linear`` layers to ``backend`` when it runs on the CPU; returns how many.
-
-    ``onednn``: every plain ``nn.Linear`` becomes a ``OneDNNLinear`` in place (its class changes,
-    nothing else). ``aten``, a GPU device, or a torch build without oneDNN: the module is untouched.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"model.cpu_linear must be one of {list(BACKENDS)}, got {backend!r}")
-    if backend != "onednn" or torch.device(device).type != "cpu" or not onednn_available():
+def use_onednn_linear(module: nn.Module, device: torch.device | str) -> int:
+    """Make ``module``'s plain ``nn.Linear`` layers ``OneDNNLinear`` in place (their class changes,
+    nothing else) when it runs on the CPU of a torch build with oneDNN; returns how many."""
+    if torch.device(device).type != "cpu" or not onednn_available():
         return 0
     swapped = 0
     for layer in module.modules():

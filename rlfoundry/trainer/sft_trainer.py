@@ -460,14 +460,15 @@ class SFTTrainer:
         return int(total) if total is not None else per_epoch * self.config.trainer.total_epochs
 
     def _build_model(self) -> torch.nn.Module:
-        from rlfoundry.models.cpu_linear import use_cpu_linear
+        from rlfoundry.models.cpu_linear import use_onednn_linear
         from rlfoundry.engines.fsdp.utils import apply_fsdp2, load_hf_model
 
         m, fsdp = self.config.model, self.config.model.fsdp_config
         model = load_hf_model(m.partial_pretrain, "causal_lm", torch_dtype=fsdp.model_dtype,
                               trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
                               enable_gradient_checkpointing=m.enable_gradient_checkpointing)
-        use_cpu_linear(model, m.cpu_linear, self.device)
+        if m.cpu_linear == "onednn":
+            use_onednn_linear(model, self.device)
         return apply_fsdp2(model, self.device, param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype,
                            param_offload=fsdp.offload_params, reshard_after_forward=fsdp.reshard_after_forward)
 

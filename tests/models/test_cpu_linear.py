@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import profile
 
-from rlfoundry.models.cpu_linear import OneDNNLinear, linear, onednn_available, use_cpu_linear
+from rlfoundry.models.cpu_linear import OneDNNLinear, linear, onednn_available, use_onednn_linear
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 ONEDNN_OP = "mkldnn::_linear_pointwise"
@@ -43,7 +43,7 @@ def test_forward_and_backward_match_float64_and_run_on_onednn(bias, rows):
     ref = nn.Linear(128, 256, bias=bias)
     layer = nn.Linear(128, 256, bias=bias)
     layer.load_state_dict(ref.state_dict())
-    assert use_cpu_linear(layer, "onednn", "cpu") == 1 and type(layer) is OneDNNLinear
+    assert use_onednn_linear(layer, "cpu") == 1 and type(layer) is OneDNNLinear
     x, w = torch.randn(4, rows // 4, 128), torch.randn(4, rows // 4, 256)
     shapes = _onednn_shapes(lambda: _grads(layer, x, w))
     blocks = {1200: 3, 1400: 5}[rows]
@@ -62,7 +62,7 @@ def test_changing_row_counts_reuse_the_same_few_kernel_shapes():
     """oneDNN builds and keeps a kernel (~0.6-3 MB) per shape: token counts change every micro-batch,
     the shapes it sees must not."""
     layer = nn.Linear(64, 96)
-    use_cpu_linear(layer, "onednn", "cpu")
+    use_onednn_linear(layer, "cpu")
     seen = set()
     for rows in range(128, 3000, 37):
         x = torch.randn(rows, 64, requires_grad=True)
@@ -77,7 +77,7 @@ def test_strided_and_broadcast_upstream_gradients():
     torch.manual_seed(1)
     ref, layer = nn.Linear(64, 512), nn.Linear(64, 512)
     layer.load_state_dict(ref.state_dict())
-    use_cpu_linear(layer, "onednn", "cpu")
+    use_onednn_linear(layer, "cpu")
     ref.double()
     x = torch.randn(1300, 64)
     for loss in (lambda y: y.sum(), lambda y: y[::3, :7].square().sum(), lambda y: (y.t() * torch.arange(1300.0)).sum()):
@@ -94,7 +94,7 @@ def test_strided_and_broadcast_upstream_gradients():
 def test_small_products_other_dtypes_and_aten_keep_torchs_path_bit_for_bit():
     torch.manual_seed(2)
     layer = nn.Linear(64, 64)
-    use_cpu_linear(layer, "onednn", "cpu")
+    use_onednn_linear(layer, "cpu")
     small = torch.randn(255, 64)  # under 256 rows: oneDNN's fixed costs would exceed its gain
     assert _onednn_calls(lambda: layer(small)) == 0
     assert torch.equal(layer(small), F.linear(small, layer.weight, layer.bias))
@@ -108,13 +108,7 @@ def test_small_products_other_dtypes_and_aten_keep_torchs_path_bit_for_bit():
         assert layer(big).dtype == torch.bfloat16
     assert _onednn_calls(lambda: layer(big)) == 4  # outside autocast: oneDNN, four 512-row blocks
     untouched = nn.Linear(64, 64)
-    assert use_cpu_linear(untouched, "aten", "cpu") == 0 and type(untouched) is nn.Linear
-    assert use_cpu_linear(untouched, "onednn", "cuda") == 0 and type(untouched) is nn.Linear  # GPUs: cuBLAS
-
-
-def test_unknown_backend_names_the_key_and_the_choices():
-    with pytest.raises(ValueError, match=r"model.cpu_linear must be one of \['onednn', 'aten'\], got 'mkl'"):
-        use_cpu_linear(nn.Linear(2, 2), "mkl", "cpu")
+    assert use_onednn_linear(untouched, "cuda") == 0 and type(untouched) is nn.Linear  # GPUs: cuBLAS
 
 
 @needs_onednn
@@ -125,7 +119,7 @@ def test_hf_model_keeps_its_parameters_and_outputs(tiny_model_dir):
     swapped = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     before = dict(swapped.named_parameters())
     n_linear = sum(type(m) is nn.Linear for m in plain.modules())
-    assert use_cpu_linear(swapped, "onednn", "cpu") == n_linear > 0
+    assert use_onednn_linear(swapped, "cpu") == n_linear > 0
     assert dict(swapped.named_parameters()) == before  # the same tensors under the same names
     assert list(swapped.state_dict()) == list(plain.state_dict())
     ids = torch.randint(3, 250, (16, 64))  # 1024 rows: two blocks

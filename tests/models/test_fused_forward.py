@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from rlfoundry.engines.fsdp.forward import CausalLMForward
 from rlfoundry.models import fused_forward
 from rlfoundry.models.cpu_kernels import fused_shared_prompt_logits
-from rlfoundry.models.cpu_linear import use_cpu_linear
+from rlfoundry.models.cpu_linear import use_onednn_linear
 from tests.workers.test_fused_decode import _model
 
 
@@ -99,7 +99,7 @@ def test_onednn_linear_layers_match_hf(monkeypatch):
                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
-    use_cpu_linear(model, "onednn", "cpu")
+    use_onednn_linear(model, "cpu")
     calls = []
     original = cpu_linear._onednn
     monkeypatch.setattr(cpu_linear, "_onednn", lambda *a: calls.append(1) or original(*a))
