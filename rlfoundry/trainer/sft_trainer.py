@@ -4,7 +4,7 @@
 The prompt goes through the tokenizer's chat template (with the generation prompt); the response
 gets EOS appended; the loss is the token-mean negative log-likelihood of the response tokens only,
 over the whole global batch, so the update does not depend on the micro-batch size or rank count.
-The model is sharded with the same FSDP2 plumbing as the RL workers (``workers/fsdp_utils``), one
+The model is sharded with the same FSDP2 plumbing as the RL workers (``engines/fsdp/utils.py``), one
 rank in-process or several under ``torchrun``; checkpoints are Hugging Face directories.
 
     rlfoundry sft model.partial_pretrain=DIR data.train_files=train.parquet data.val_files=test.parquet

@@ -140,7 +140,8 @@ class ActorRolloutRefWorker(Worker):
         eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         eos_ids = sorted({int(e) for e in eos if e is not None})
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
-        return self._rollout_cls(module, self._rollout_cfg, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank)
+        return self._rollout_cls(module, self._rollout_cfg, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
+                                 cpu_kernels=self.engine.cpu_kernels)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

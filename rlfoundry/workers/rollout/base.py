@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.workers.fsdp_utils import cfg_get
+from rlfoundry.engines.fsdp.utils import cfg_get
 
 __all__ = ["BaseRollout", "SamplingParams", "resolve_sampling_params", "ENGINE_ONLY_KEYS"]
 

@@ -6,8 +6,9 @@ as padding until the longest one ends. A 60-line loop does exactly that and noth
 
 The engine holds no copy of the weights: it calls the (possibly FSDP2-sharded) module the actor
 trains, so ``sync_weights`` is a no-op. Under FSDP2 the parameters are gathered once per call
-(``fsdp_utils.inference_unsharded``) rather than once per token, and FSDP's per-forward hooks are
-skipped while decoding.
+(``engines/fsdp/utils.unsharded``) rather than once per token. With the CPU kernels on
+(``model.cpu_kernels``), FSDP's per-forward hooks are also skipped while decoding and Llama-family
+models take a lean one-token step (``fused_decode.py``); both are tested against this plain path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.workers.fsdp_utils import cfg_get, inference_unsharded
+from rlfoundry.engines.fsdp.utils import cfg_get, inference_unsharded, unsharded
 from rlfoundry.workers.rollout.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
 
@@ -249,6 +250,8 @@ class HFRollout(BaseRollout):
         pad_token_id / eos_token_id: from the tokenizer / generation config; ``meta_info`` may
             override both per call (verl's trainer sends them).
         rank: data-parallel rank, mixed into the sampling seed so ranks draw independently.
+        cpu_kernels: the resolved ``model.cpu_kernels`` switch (on only on the CPU): the fused decode
+            step and FSDP hook skipping; off is the plain HF forward.
     """
 
     def __init__(
@@ -258,8 +261,11 @@ class HFRollout(BaseRollout):
         pad_token_id: int,
         eos_token_id: int | Sequence[int],
         rank: int = 0,
+        cpu_kernels: bool = False,
     ):
         self.module = module
+        self.cpu_kernels = cpu_kernels
+        self._gathered = inference_unsharded if cpu_kernels else unsharded
         self.config = config
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = _as_id_list(eos_token_id)
@@ -309,7 +315,7 @@ class HFRollout(BaseRollout):
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         generator = self._next_generator(input_ids.device)
-        with torch.no_grad(), _eval_mode(self.module), inference_unsharded(self.module):
+        with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
             responses, log_probs, lengths = self._decode(
                 input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids
             )
@@ -344,7 +350,7 @@ class HFRollout(BaseRollout):
     def _decode_step(self, state: _DecodeState, max_positions: int):
         """The one-token step: ``FusedDecoder`` where it reproduces the model, else the HF forward."""
         preallocated = all(hasattr(layer, "key_buf") for layer in getattr(state.cache, "layers", []) or [None])
-        if cfg_get(self.config, "fused_decode", True) and preallocated and \
+        if self.cpu_kernels and preallocated and \
                 unsupported_reason(self.module, state.full_mask.shape[1]) is None:
             return FusedDecoder(self.module, max_positions).step
         return lambda tokens, pos, mask, cache: self._forward(tokens.unsqueeze(1), mask, pos.unsqueeze(1), cache)

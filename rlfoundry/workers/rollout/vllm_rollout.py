@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.workers.fsdp_utils import cfg_get
+from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
 
 __all__ = ["VLLMRollout", "vLLMRollout", "build_engine_kwargs", "hf_parameter_name", "iter_full_parameters",
@@ -351,6 +351,7 @@ class VLLMRollout(BaseRollout):
         model_path: str | None = None,
         trust_remote_code: bool = False,
         hf_overrides: Mapping[str, Any] | None = None,
+        cpu_kernels: bool = False,  # accepted for the common signature: vLLM runs its own kernels
     ):
         self.module, self.config, self.rank = module, config, rank
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), _as_id_list(eos_token_id)
