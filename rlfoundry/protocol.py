@@ -28,7 +28,7 @@ __all__ = [
 
 _FORMAT = "rlfoundry.DataProto"
 _FORMAT_VERSION = 1
-_TENSOR_FILE = "batch.safetensors"
+_TENSOR_FILE = "batch.safetensors"  # the directory format of earlier versions (still loaded)
 _JSON_FILE = "data.json"
 # Marks a JSON object that encodes a non-JSON value (tuple, numpy array or scalar).
 _TAG = "__rlfoundry_type__"
@@ -625,28 +625,29 @@ class DataProto:
     # ---- persistence -----------------------------------------------------------------------
 
     def save_to_disk(self, path: str | os.PathLike) -> None:
-        """Save to directory ``path``: ``batch.safetensors`` (tensors) and ``data.json`` (rest).
+        """Save to one file at ``path`` (verl writes ``batch.pt``; the name is the caller's).
 
-        No pickle, so loading cannot run code. Non-tensor values may be str, int, float, bool,
-        None, list, tuple, dict with str keys, and numpy arrays/scalars of those; anything else is a
-        TypeError naming the key, raised before any file is written.
+        The file is safetensors: the tensors, with everything else (non-tensor columns, meta_info)
+        as JSON in its metadata header. No pickle, so loading cannot run code. Non-tensor values may
+        be str, int, float, bool, None, list, tuple, dict with str keys, and numpy arrays/scalars of
+        those; anything else is a TypeError naming the key, raised before anything is written.
         """
         from safetensors.torch import save_file
 
-        payload = self._json_payload()
+        header = {_FORMAT: json.dumps(self._json_payload())}
+        tensors = self._flat_tensors()
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _write_atomically(path, lambda p: save_file(tensors, p, metadata=header))
+
+    def _flat_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {}
-        if self.batch is not None:
-            for key, value in self.batch.items():
-                if not isinstance(value, torch.Tensor) or isinstance(value, TensorDict):
-                    raise TypeError(
-                        f"batch[{key!r}] is a {type(value).__name__}; save_to_disk stores flat tensors only"
-                    )
-                # clone: safetensors refuses tensors that share storage (views from slice/chunk).
-                tensors[key] = value.detach().to("cpu").contiguous().clone()
-        os.makedirs(path, exist_ok=True)
-        _write_atomically(os.path.join(path, _TENSOR_FILE), lambda p: save_file(tensors, p))
-        text = json.dumps(payload)
-        _write_atomically(os.path.join(path, _JSON_FILE), lambda p: _write_text(p, text))
+        for key, value in (self.batch.items() if self.batch is not None else []):
+            if not isinstance(value, torch.Tensor) or isinstance(value, TensorDict):
+                raise TypeError(f"batch[{key!r}] is a {type(value).__name__}; save_to_disk stores flat tensors only")
+            # clone: safetensors refuses tensors that share storage (views from slice/chunk).
+            tensors[key] = value.detach().to("cpu").contiguous().clone()
+        return tensors
 
     def _json_payload(self) -> dict:
         return {
@@ -664,20 +665,24 @@ class DataProto:
 
     @staticmethod
     def load_from_disk(path: str | os.PathLike) -> DataProto:
-        """Load a DataProto written by ``save_to_disk`` (tensors come back on CPU)."""
-        from safetensors.torch import load_file
+        """Load what ``save_to_disk`` wrote (tensors come back on the CPU).
 
-        with open(os.path.join(path, _JSON_FILE), encoding="utf-8") as f:
-            payload = json.load(f)
-        if payload.get("format") != _FORMAT:
-            raise ValueError(f"{path} does not hold a DataProto written by save_to_disk")
-        tensors = load_file(os.path.join(path, _TENSOR_FILE))
-        batch = None
-        if payload["batch_size"] is not None:
-            batch = TensorDict(tensors, batch_size=[payload["batch_size"]])
-        non_tensors = {key: _decode_array(value) for key, value in payload["non_tensor_batch"].items()}
-        meta_info = {key: _decode(value) for key, value in payload["meta_info"].items()}
-        return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=meta_info)
+        A directory holding ``batch.safetensors`` + ``data.json`` (the format before one-file saves)
+        loads too.
+        """
+        from safetensors import SafetensorError, safe_open
+
+        if os.path.isdir(path):
+            return _load_directory(path)
+        try:
+            with safe_open(os.fspath(path), framework="pt") as f:
+                text = (f.metadata() or {}).get(_FORMAT)
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"{path} does not hold a DataProto written by save_to_disk ({e})") from None
+        if text is None:
+            raise ValueError(f"{path} does not hold a DataProto written by save_to_disk (no {_FORMAT} header)")
+        return _from_payload(json.loads(text), tensors, path)
 
     def print_size(self, prefix: str = "") -> None:
         """Print the memory held by tensors and by non-tensor arrays, in GB."""
@@ -688,9 +693,26 @@ class DataProto:
               f"size of non_tensor_batch: {array_bytes / 1024**3:.6f} GB")
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+def _load_directory(path: str | os.PathLike) -> DataProto:
+    """The directory format: ``batch.safetensors`` (tensors) and ``data.json`` (the rest)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, _JSON_FILE), encoding="utf-8") as f:
+        payload = json.load(f)
+    if payload.get("format") != _FORMAT:
+        raise ValueError(f"{path} does not hold a DataProto written by save_to_disk")
+    return _from_payload(payload, load_file(os.path.join(path, _TENSOR_FILE)), path)
+
+
+def _from_payload(payload: dict, tensors: dict[str, torch.Tensor], path: Any) -> DataProto:
+    if payload.get("format") != _FORMAT:
+        raise ValueError(f"{path} does not hold a DataProto written by save_to_disk")
+    batch = None
+    if payload["batch_size"] is not None:
+        batch = TensorDict(tensors, batch_size=[payload["batch_size"]])
+    non_tensors = {key: _decode_array(value) for key, value in payload["non_tensor_batch"].items()}
+    meta_info = {key: _decode(value) for key, value in payload["meta_info"].items()}
+    return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=meta_info)
 
 
 def _check_same_keys(data: list[DataProto]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
 import tempfile
 
@@ -11,6 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tensordict import TensorDict
 
 from rlfoundry.protocol import (
@@ -432,16 +436,15 @@ def test_pad_then_chunk_across_ranks():
 # ---- save / load ------------------------------------------------------------------------------
 
 
-def _assert_safe_files(path):
-    """Only a safetensors file (8-byte length + JSON header) and a JSON file; nothing pickled."""
-    files = sorted(p.name for p in path.iterdir())
-    assert files == ["batch.safetensors", "data.json"]
-    raw = (path / "batch.safetensors").read_bytes()
-    (header_len,) = struct.unpack("<Q", raw[:8])
-    assert isinstance(json.loads(raw[8 : 8 + header_len]), dict)
-    json.loads((path / "data.json").read_text())
-    for name in files:
-        assert not (path / name).read_bytes().startswith(b"\x80"), f"{name} looks like a pickle"
+def _assert_safe_file(path):
+    """One safetensors file (8-byte length + JSON header, the DataProto's JSON in its metadata); no pickle."""
+    assert path.is_file()
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])  # a pickle would not parse as length + JSON header
+    header = json.loads(raw[8 : 8 + header_len])
+    assert json.loads(header["__metadata__"]["rlfoundry.DataProto"])["format"] == "rlfoundry.DataProto"
+    with safe_open(str(path), framework="pt") as f:  # the tensors parse as plain safetensors
+        assert set(f.keys()) == {k for k in header if k != "__metadata__"}
 
 
 def test_save_load_round_trip(tmp_path):
@@ -453,9 +456,9 @@ def test_save_load_round_trip(tmp_path):
         strs=np.array(["a", "bb", "c", "d"]),
         nested=np.array([np.array([1, 2]), np.float32(0.5), np.int64(3), "x"], dtype=object),
     )
-    data.save_to_disk(tmp_path / "dp")
-    _assert_safe_files(tmp_path / "dp")
-    loaded = DataProto.load_from_disk(tmp_path / "dp")
+    data.save_to_disk(tmp_path / "batch.pt")
+    _assert_safe_file(tmp_path / "batch.pt")
+    loaded = DataProto.load_from_disk(tmp_path / "batch.pt")
     assert_same(loaded, data)
     nested = loaded.non_tensor_batch["nested"]
     assert nested[0].dtype == np.int64 and type(nested[1]) is np.float32 and type(nested[2]) is np.int64
@@ -464,11 +467,36 @@ def test_save_load_round_trip(tmp_path):
 
 def test_save_load_view_and_no_tensors(tmp_path):
     view = make_batch(6).chunk(2)[1]  # tensors share storage with the parent
-    view.save_to_disk(tmp_path / "view")
-    assert_same(DataProto.load_from_disk(tmp_path / "view"), view)
+    view.save_to_disk(tmp_path / "view.pt")
+    assert_same(DataProto.load_from_disk(tmp_path / "view.pt"), view)
     columns_only = DataProto.from_dict(non_tensors={"uid": ["a", "b"]}, meta_info={"k": "v"})
-    columns_only.save_to_disk(tmp_path / "cols")
-    assert_same(DataProto.load_from_disk(tmp_path / "cols"), columns_only)
+    columns_only.save_to_disk(tmp_path / "cols.pt")
+    assert_same(DataProto.load_from_disk(tmp_path / "cols.pt"), columns_only)
+
+
+def test_the_saved_file_can_be_copied_and_loaded_under_another_name(tmp_path):
+    """verl's scripts save to batch.pt and copy the file; a directory would break shutil.copy."""
+    data = make_batch(3, meta_info={"step": 7})
+    data.save_to_disk(tmp_path / "out" / "batch.pt")  # the parent directory is created
+    shutil.copy(tmp_path / "out" / "batch.pt", tmp_path / "elsewhere.pt")
+    assert_same(DataProto.load_from_disk(tmp_path / "elsewhere.pt"), data)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["batch.pt"]  # no temp file left
+
+
+def test_the_directory_format_of_earlier_versions_still_loads(tmp_path):
+    """batch.safetensors (tensors) + data.json (format tag, batch size, columns, meta) in a directory."""
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file({"x": torch.arange(3.0)}, str(old / "batch.safetensors"))
+    (old / "data.json").write_text(json.dumps({
+        "format": "rlfoundry.DataProto", "version": 1, "batch_size": 3,
+        "non_tensor_batch": {"uid": {"__rlfoundry_type__": "ndarray", "dtype": "object", "shape": [3],
+                                     "items": ["a", "b", "c"]}},
+        "meta_info": {"temperature": 0.5},
+    }))
+    loaded = DataProto.load_from_disk(old)
+    assert torch.equal(loaded.batch["x"], torch.arange(3.0)) and len(loaded) == 3
+    assert loaded.non_tensor_batch["uid"].tolist() == ["a", "b", "c"] and loaded.meta_info == {"temperature": 0.5}
 
 
 @pytest.mark.parametrize(
@@ -487,14 +515,20 @@ def test_save_refuses_unsafe_values_naming_key_and_writes_nothing(tmp_path, wher
     else:
         data.meta_info["bad"] = value
     with pytest.raises(TypeError, match=name):
-        data.save_to_disk(tmp_path / "dp")
-    assert not (tmp_path / "dp").exists()
+        data.save_to_disk(tmp_path / "batch.pt")
+    assert not list(tmp_path.iterdir())
 
 
-def test_load_rejects_foreign_directory(tmp_path):
+def test_load_rejects_foreign_files_and_directories(tmp_path):
     (tmp_path / "data.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(ValueError, match="does not hold a DataProto"):
         DataProto.load_from_disk(tmp_path)
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "weights.safetensors"))  # safetensors, not ours
+    with pytest.raises(ValueError, match="does not hold a DataProto.*no rlfoundry.DataProto header"):
+        DataProto.load_from_disk(tmp_path / "weights.safetensors")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="does not hold a DataProto"):
+        DataProto.load_from_disk(tmp_path / "notes.txt")
 
 
 # ---- property tests ---------------------------------------------------------------------------
@@ -539,6 +573,6 @@ def test_repeat_property(n, times):
 def test_save_load_json_values_property(values, meta):
     data = DataProto.from_dict({"x": torch.arange(len(values))}, {"v": values}, {"m": meta})
     with tempfile.TemporaryDirectory() as tmp:
-        data.save_to_disk(tmp)
-        loaded = DataProto.load_from_disk(tmp)
+        data.save_to_disk(os.path.join(tmp, "batch.pt"))
+        loaded = DataProto.load_from_disk(os.path.join(tmp, "batch.pt"))
     assert loaded.non_tensor_batch["v"].tolist() == values and loaded.meta_info == {"m": meta}

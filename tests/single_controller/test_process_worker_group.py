@@ -375,9 +375,9 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
 
     index, micro = _ROWS[rows]
     batch = batch.select_idxs(index)
-    batch.save_to_disk(tmp_path / "batch")
+    batch.save_to_disk(tmp_path / "batch.pt")
     script = _DRIVER_SCRIPT.format(repo=str(REPO))
-    run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path / "batch"),
+    run = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path / "batch.pt"),
                           str(tmp_path / "two"), str(micro), start_method, str(fsdp_size)],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
