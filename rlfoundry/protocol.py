@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -274,10 +275,22 @@ def _decode_array(obj: dict) -> np.ndarray:
 
 
 def _write_atomically(path: str, write) -> None:
-    # Write beside the target, then rename, so a crash never leaves a half-written file.
-    tmp = path + ".tmp"
-    write(tmp)
-    os.replace(tmp, path)
+    """``write(tmp)`` beside ``path``, then rename: readers see the old file or the new, never half.
+
+    The temporary name is unique, so two writers to one path do not share it, and it is removed
+    when ``write`` fails.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,10 +339,11 @@ class DataProto:
                                                                   repeats share it)
     ================================================  ==========  ====================================
 
-    Differences from verl, on purpose: ``save_to_disk`` writes a directory of safetensors + JSON
-    instead of a pickle; ``make_iterator`` shuffles unless ``dataloader_kwargs={"shuffle": False}``
-    and keeps non-tensor columns; ``select(deepcopy=True)`` also clones tensors; derived
-    DataProtos get a shallow copy of ``meta_info`` rather than the same dict object.
+    Differences from verl, on purpose: ``save_to_disk`` writes one safetensors file (non-tensor
+    columns and ``meta_info`` as JSON in its header) instead of a pickle; ``make_iterator``
+    shuffles unless ``dataloader_kwargs={"shuffle": False}`` and keeps non-tensor columns;
+    ``select(deepcopy=True)`` also clones tensors; derived DataProtos get a shallow copy of
+    ``meta_info`` rather than the same dict object.
     """
 
     batch: TensorDict | None = None
@@ -632,13 +646,20 @@ class DataProto:
         be str, int, float, bool, None, list, tuple, dict with str keys, and numpy arrays/scalars of
         those; anything else is a TypeError naming the key, raised before anything is written.
         """
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
-        header = {_FORMAT: json.dumps(self._json_payload())}
+        text = json.dumps(self._json_payload())
         tensors = self._flat_tensors()
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        _write_atomically(path, lambda p: save_file(tensors, p, metadata=header))
+        try:
+            _write_atomically(path, lambda p: save_file(tensors, p, metadata={_FORMAT: text}))
+        except SafetensorError as e:  # e.g. "header too large": safetensors caps its header (100 MB)
+            raise ValueError(
+                f"save_to_disk({path!r}) failed: {e}; the non-tensor columns and meta_info take "
+                f"{len(text.encode()) / 1e6:.1f} MB of JSON in the safetensors header"
+            ) from e
 
     def _flat_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {}
@@ -682,7 +703,7 @@ class DataProto:
             raise ValueError(f"{path} does not hold a DataProto written by save_to_disk ({e})") from None
         if text is None:
             raise ValueError(f"{path} does not hold a DataProto written by save_to_disk (no {_FORMAT} header)")
-        return _from_payload(json.loads(text), tensors, path)
+        return _from_payload(_checked(json.loads(text), path), tensors)
 
     def print_size(self, prefix: str = "") -> None:
         """Print the memory held by tensors and by non-tensor arrays, in GB."""
@@ -698,15 +719,17 @@ def _load_directory(path: str | os.PathLike) -> DataProto:
     from safetensors.torch import load_file
 
     with open(os.path.join(path, _JSON_FILE), encoding="utf-8") as f:
-        payload = json.load(f)
-    if payload.get("format") != _FORMAT:
-        raise ValueError(f"{path} does not hold a DataProto written by save_to_disk")
-    return _from_payload(payload, load_file(os.path.join(path, _TENSOR_FILE)), path)
+        payload = _checked(json.load(f), path)
+    return _from_payload(payload, load_file(os.path.join(path, _TENSOR_FILE)))
 
 
-def _from_payload(payload: dict, tensors: dict[str, torch.Tensor], path: Any) -> DataProto:
-    if payload.get("format") != _FORMAT:
+def _checked(payload: Any, path: Any) -> dict:
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise ValueError(f"{path} does not hold a DataProto written by save_to_disk")
+    return payload
+
+
+def _from_payload(payload: dict, tensors: dict[str, torch.Tensor]) -> DataProto:
     batch = None
     if payload["batch_size"] is not None:
         batch = TensorDict(tensors, batch_size=[payload["batch_size"]])

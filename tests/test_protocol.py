@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tensordict import TensorDict
 
@@ -484,19 +484,56 @@ def test_the_saved_file_can_be_copied_and_loaded_under_another_name(tmp_path):
 
 
 def test_the_directory_format_of_earlier_versions_still_loads(tmp_path):
-    """batch.safetensors (tensors) + data.json (format tag, batch size, columns, meta) in a directory."""
-    old = tmp_path / "old"
+    """Before one-file saves, save_to_disk(path) made a directory: batch.safetensors (the tensors,
+    no metadata) and data.json (format tag, version, batch size, tagged-JSON columns and meta)."""
+    old = tmp_path / "batch"
     old.mkdir()
-    save_file({"x": torch.arange(3.0)}, str(old / "batch.safetensors"))
+    tensors = {"input_ids": torch.arange(6).view(3, 2), "bf16": torch.tensor([0.5, 1.0, 1.5], dtype=torch.bfloat16),
+               "mask": torch.tensor([True, False, True])}
+    save_file(tensors, str(old / "batch.safetensors"))
     (old / "data.json").write_text(json.dumps({
         "format": "rlfoundry.DataProto", "version": 1, "batch_size": 3,
-        "non_tensor_batch": {"uid": {"__rlfoundry_type__": "ndarray", "dtype": "object", "shape": [3],
-                                     "items": ["a", "b", "c"]}},
-        "meta_info": {"temperature": 0.5},
+        "non_tensor_batch": {
+            "uid": {"__rlfoundry_type__": "ndarray", "dtype": "|O", "shape": [3], "items": ["a", "b", "c"]},
+            "extra_info": {"__rlfoundry_type__": "ndarray", "dtype": "|O", "shape": [3], "items": [
+                {"ground_truth": "1"}, {"__rlfoundry_type__": "tuple", "items": ["t", 1]},
+                {"__rlfoundry_type__": "scalar", "dtype": "<f4", "value": 0.5}]},
+            "index": {"__rlfoundry_type__": "ndarray", "dtype": "<i4", "shape": [3], "items": [0, 1, 2]},
+        },
+        "meta_info": {"temperature": 0.5, "eos": {"__rlfoundry_type__": "tuple", "items": [1, 2]}},
     }))
+    expected = DataProto.from_dict(
+        tensors,
+        {"uid": np.array(["a", "b", "c"], dtype=object),
+         "extra_info": np.array([{"ground_truth": "1"}, ("t", 1), np.float32(0.5)], dtype=object),
+         "index": np.arange(3, dtype=np.int32)},
+        {"temperature": 0.5, "eos": (1, 2)},
+    )
     loaded = DataProto.load_from_disk(old)
-    assert torch.equal(loaded.batch["x"], torch.arange(3.0)) and len(loaded) == 3
-    assert loaded.non_tensor_batch["uid"].tolist() == ["a", "b", "c"] and loaded.meta_info == {"temperature": 0.5}
+    assert_same(loaded, expected)
+    assert type(loaded.non_tensor_batch["extra_info"][2]) is np.float32 and loaded.meta_info["eos"] == (1, 2)
+    # Saved again, it becomes one file whose header holds the same JSON the directory held.
+    loaded.save_to_disk(tmp_path / "batch.pt")
+    with safe_open(str(tmp_path / "batch.pt"), framework="pt") as f:
+        assert json.loads(f.metadata()["rlfoundry.DataProto"]) == json.loads((old / "data.json").read_text())
+
+
+def test_a_failed_save_keeps_the_previous_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    path = tmp_path / "batch.pt"
+    make_batch(2).save_to_disk(path)
+    before = path.read_bytes()
+
+    def half_written(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)
+        raise SafetensorError("Error while serializing: header too large")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_written)
+    with pytest.raises(ValueError, match=r"header too large; the non-tensor columns .* MB of JSON"):
+        make_batch(3).save_to_disk(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["batch.pt"] and path.read_bytes() == before
 
 
 @pytest.mark.parametrize(
