@@ -30,7 +30,7 @@ class ExportError(RuntimeError):
 
 def find_actor_checkpoint(path: str | os.PathLike) -> Path:
     """Accept a run directory (newest complete step), a ``global_step_N`` dir, or its ``actor`` dir."""
-    from rlfoundry.workers.utils.checkpoint import find_latest_ckpt_path, is_complete_step_dir
+    from rlfoundry.utils.checkpoint import find_latest_ckpt_path, is_complete_step_dir
 
     p = Path(path).expanduser()
     if p.name == "actor" and p.parent.name.startswith("global_step_"):
@@ -57,7 +57,7 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path
     from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup
     from rlfoundry.single_controller.base.worker import WorkerRuntime
     from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
-    from rlfoundry.workers.utils.checkpoint import load_trainer_state
+    from rlfoundry.utils.checkpoint import load_trainer_state
 
     step_dir = find_actor_checkpoint(checkpoint_dir)
     state = load_trainer_state(step_dir / "data.pt")

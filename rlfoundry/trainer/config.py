@@ -743,12 +743,7 @@ def _check_resume(cfg: DictConfig) -> list[str]:
 
 def _check_rollout_engine(name: str) -> list[str]:
     """An engine that is not installed fails here, not in a worker after the models are loaded."""
-    if name == "hf":  # always there; skip importing torch just to say so
-        return []
-    from rlfoundry.workers.rollout import get_rollout_class
+    from rlfoundry.config.rollout_engines import engine_problem
 
-    try:
-        get_rollout_class(str(name))
-    except (ImportError, ValueError, NotImplementedError) as e:
-        return [str(e)]
-    return []
+    problem = engine_problem(str(name))
+    return [problem] if problem else []

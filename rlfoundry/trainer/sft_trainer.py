@@ -552,7 +552,7 @@ class SFTTrainer:
     def save_checkpoint(self, step: int) -> Path:
         """``default_local_dir/global_step_N`` as a Hugging Face directory (model + tokenizer),
         then ``latest_checkpointed_iteration.txt``, written last so it only names complete saves."""
-        from rlfoundry.workers.utils.checkpoint import save_hf_model
+        from rlfoundry.engines.checkpoint import save_hf_model
 
         path = self.run_dir / f"global_step_{step}"
         config = self.model.config

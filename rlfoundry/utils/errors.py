@@ -8,7 +8,7 @@ by Ray in a class that still subclasses them, so one ``except RunAbortedError`` 
 from __future__ import annotations
 
 __all__ = ["EXIT_RUN_ABORTED", "RunAbortedError", "NonFiniteLossError", "TrainingOutOfMemoryError",
-           "CheckpointSaveError"]
+           "CheckpointSaveError", "CheckpointCorruptError"]
 
 EXIT_RUN_ABORTED = 3
 
@@ -27,3 +27,7 @@ class TrainingOutOfMemoryError(RunAbortedError):
 
 class CheckpointSaveError(RunAbortedError):
     """Writing a checkpoint failed (disk full, permissions ...); the previous one is intact."""
+
+
+class CheckpointCorruptError(RunAbortedError):
+    """A checkpoint file no longer matches the size or checksum recorded when it was saved."""

@@ -274,7 +274,7 @@ class ActorRolloutRefWorker(Worker):
         ``max_ckpt_to_keep``, this role's directories in older *finalised* steps beyond that count
         are removed (verl's ``max_actor_ckpt_to_keep``); whole-step retention is the trainer's job.
         """
-        from rlfoundry.workers.utils import checkpoint as ckpt
+        from rlfoundry.utils import checkpoint as ckpt
 
         self._require(self.actor, "save_checkpoint")
         self.engine.save_checkpoint(local_path, {**self._extra_state(), "global_step": int(global_step)})

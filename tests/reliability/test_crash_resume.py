@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlfoundry.workers.utils import checkpoint as ckpt
+from rlfoundry.utils import checkpoint as ckpt_dirs
 from tests.reliability._harness import (
     SIGKILLED,
     assert_same_metrics,
@@ -27,14 +27,14 @@ SAVE_KILLS = [
     ("save.trainer_state", 1, "data.pt"),  # everything written, step not yet marked complete
     # Marker written, pointer not: step 2 is complete but not announced; the pointer's step 1 wins,
     # and step 2 is saved again on top of it.
-    ("save.step_marked", 1, ckpt.STEP_MARKER),
+    ("save.step_marked", 1, ckpt_dirs.STEP_MARKER),
     # Step 2 complete and announced; step 1's actor (beyond max_actor_ckpt_to_keep) renamed, not deleted.
-    ("save.pruning", 2, ckpt.STEP_MARKER),
+    ("save.pruning", 2, ckpt_dirs.STEP_MARKER),
 ]
 
 
 def _debris(run_dir: Path) -> list[str]:
-    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name.endswith(ckpt.TMP_SUFFIX))
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name.endswith(ckpt_dirs.TMP_SUFFIX))
 
 
 def test_kill_at_each_point_of_a_save_resumes_from_the_newest_complete_checkpoint(
@@ -52,9 +52,9 @@ def test_kill_at_each_point_of_a_save_resumes_from_the_newest_complete_checkpoin
         assert result.exitcode == SIGKILLED, (point, result.log[-2000:])
         assert result.resumed_from_step == expected_resume, (point, result.log[-2000:])
         assert (run_dir / "global_step_2" / left).exists(), (point, sorted(p.name for p in run_dir.rglob("*")))
-        newest = ckpt.find_latest_ckpt_path(run_dir)
+        newest = ckpt_dirs.find_latest_ckpt_path(run_dir)
         assert newest == str(run_dir / f"global_step_{resume_next}"), point
-        assert ckpt.is_complete_step_dir(newest)
+        assert ckpt_dirs.is_complete_step_dir(newest)
         expected_resume = resume_next
     final = run(3, None, len(SAVE_KILLS) + 1)
     assert final.exitcode == 0, final.log[-3000:]
@@ -91,3 +91,28 @@ def test_kill_mid_step_resumes_with_the_same_data_order_and_metrics(tiny_model_d
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
         assert_same_metrics(reference_run["records"][record["step"]], record, f"step {record['step']}")
+
+
+def test_a_checkpoint_damaged_after_saving_is_skipped_by_auto_and_named_by_resume_path(
+        tiny_model_dir, reward_file, tmp_path):
+    """A flipped byte in step 2's actor shard (after it was published): auto resumes from step 1 and
+    says which file it skipped; asking for step 2 by path stops with that file named, no traceback."""
+    run_dir = tmp_path / "run"
+    assert run_trainer(overrides(tiny_model_dir, run_dir, reward_file, 2), tmp_path / "log0.txt").exitcode == 0
+    shard = next((run_dir / "global_step_2" / "actor" / "dcp").glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+
+    explicit = overrides(tiny_model_dir, run_dir, reward_file, 3, "trainer.resume_mode=resume_path",
+                         f"trainer.resume_from_path={run_dir / 'global_step_2'}")
+    refused = run_trainer(explicit, tmp_path / "log1.txt")
+    assert refused.exitcode == 3, refused.log[-2000:]
+    assert f"CheckpointCorruptError: checkpoint file {shard} does not match the SHA-256" in refused.log
+    assert "Traceback" not in refused.log
+
+    auto = run_trainer(overrides(tiny_model_dir, run_dir, reward_file, 3), tmp_path / "log2.txt")
+    assert auto.exitcode == 0, auto.log[-2000:]
+    assert auto.resumed_from_step == 1
+    assert f"skipping {run_dir / 'global_step_2'}: checkpoint file {shard}" in auto.log
+    assert latest_step(run_dir) == 3

@@ -11,7 +11,7 @@ import torch
 from rlfoundry.trainer.reliability import NonFiniteGuard, checkpoint_save_guard
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import CheckpointSaveError, NonFiniteLossError, TrainingOutOfMemoryError
-from rlfoundry.workers.utils import checkpoint as ckpt
+from rlfoundry.utils import checkpoint as ckpt_dirs
 from rlfoundry.engines.oom import MicroBatchBackoff, update_or_explain_oom
 
 
@@ -97,13 +97,13 @@ def test_failed_save_removes_the_partial_step_and_names_the_intact_one(tmp_path)
     good = tmp_path / "global_step_1"
     good.mkdir()
     (good / "data.pt").write_bytes(b"x")
-    ckpt.write_latest_checkpointed_iteration(tmp_path, 1)
+    ckpt_dirs.write_latest_checkpointed_iteration(tmp_path, 1)
     with pytest.raises(CheckpointSaveError, match=r"previous checkpoint \S+global_step_1 is intact") as err:
         with checkpoint_save_guard(tmp_path, 2):
             (tmp_path / "global_step_2" / "actor.tmp").mkdir(parents=True)
             raise OSError(errno.ENOSPC, "No space left on device")
     assert "No space left on device" in str(err.value) and "resume_mode=auto" in str(err.value)
-    assert not (tmp_path / "global_step_2").exists() and ckpt.is_complete_step_dir(good)
+    assert not (tmp_path / "global_step_2").exists() and ckpt_dirs.is_complete_step_dir(good)
     with pytest.raises(KeyError):  # not a disk problem: passes through untouched
         with checkpoint_save_guard(tmp_path, 2):
             raise KeyError("bug")

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import EXIT_RUN_ABORTED
-from rlfoundry.workers.utils import checkpoint as ckpt
+from rlfoundry.engines import checkpoint as ckpt
+from rlfoundry.utils import checkpoint as ckpt_dirs
 from tests.reliability._harness import latest_step, overrides, raw_records
 from tests.reliability.conftest import run_main
 
@@ -119,7 +120,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(
     assert "CheckpointSaveError" in err and "No space left on device" in err
     assert f"previous checkpoint {run_dir / 'global_step_1'} is intact" in err
     assert latest_step(run_dir) == 1 and not (run_dir / "global_step_2").exists()
-    assert ckpt.is_complete_step_dir(run_dir / "global_step_1")
+    assert ckpt_dirs.is_complete_step_dir(run_dir / "global_step_1")
     _weights(run_dir / "global_step_1", tiny_model_dir)  # and it loads
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfoundry.workers.utils import checkpoint as ckpt
+from rlfoundry.engines import checkpoint as ckpt
+from rlfoundry.utils import checkpoint as ckpt_dirs
 from tests.reliability._harness import (
     SIGKILLED,
     assert_same_metrics,
@@ -36,22 +37,22 @@ def _kill_plan(rng: random.Random) -> tuple[dict[str, str], float | None]:
 
 def _check_invariants(run_dir: Path) -> None:
     """After any kill: the newest complete checkpoint (if any) is the pointer's or older, and complete."""
-    newest = ckpt.find_latest_ckpt_path(run_dir)
+    newest = ckpt_dirs.find_latest_ckpt_path(run_dir)
     if newest is not None:
-        assert ckpt.is_complete_step_dir(newest)
+        assert ckpt_dirs.is_complete_step_dir(newest)
 
 
 def _check_final(run_dir: Path, model_dir: Path, steps: int) -> None:
     from transformers import AutoModelForCausalLM
 
     assert latest_step(run_dir) == steps
-    step_dir = Path(ckpt.find_latest_ckpt_path(run_dir))
+    step_dir = Path(ckpt_dirs.find_latest_ckpt_path(run_dir))
     assert step_dir.name == f"global_step_{steps}"
     extra = ckpt.load_checkpoint(step_dir / "actor", AutoModelForCausalLM.from_pretrained(model_dir), load_rng=False)
     assert extra["global_step"] == steps
-    assert ckpt.load_trainer_state(step_dir / "data.pt")["global_step"] == steps
+    assert ckpt_dirs.load_trainer_state(step_dir / "data.pt")["global_step"] == steps
     assert [r["step"] for r in raw_records(run_dir)] == list(range(1, steps + 1))  # one line per step
-    assert not [p for p in run_dir.rglob(f"*{ckpt.TMP_SUFFIX}")]
+    assert not [p for p in run_dir.rglob(f"*{ckpt_dirs.TMP_SUFFIX}")]
 
 
 def soak(model: Path, reward_file: Path, tmp_path: Path, steps: int, kills: int, seed: int) -> list[dict]:

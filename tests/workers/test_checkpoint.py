@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfoundry.engines.fsdp import utils as fsdp_utils
-from rlfoundry.workers.utils import checkpoint as ckpt
+from rlfoundry.engines import checkpoint as ckpt
+from rlfoundry.utils import checkpoint as ckpt_dirs
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,8 @@ def test_loading_an_incomplete_directory_is_an_error(tmp_path):
 def _save_step(root: Path, step: int, model: nn.Module, optim) -> None:
     """What the trainer does at a save: each role, then trainer state, then the pointer."""
     ckpt.save_checkpoint(root / f"global_step_{step}" / "critic", model, optim, extra_state={"step": step})
-    ckpt.save_trainer_state(root / f"global_step_{step}" / "data.pt", {"global_step": step})
-    ckpt.write_latest_checkpointed_iteration(root, step)
+    ckpt_dirs.save_trainer_state(root / f"global_step_{step}" / "data.pt", {"global_step": step})
+    ckpt_dirs.write_latest_checkpointed_iteration(root, step)
 
 
 def _linear(seed: int = 0):
@@ -119,13 +120,13 @@ def _crash_when(target, predicate):
 
 
 CRASH_POINTS = {
-    # name: (function in the checkpoint module to wrap, which call of it crashes)
+    # name: (function the checkpoint modules write with, which call of it crashes)
     "writing DCP shards": ("dcp", None),
-    "component marker": ("_atomic_write_bytes", lambda p, *_: Path(p).name == ckpt.COMPONENT_MARKER),
+    "component marker": ("atomic_write_bytes", lambda p, *_: Path(p).name == ckpt_dirs.COMPONENT_MARKER),
     "rename into place": ("replace", lambda src, *_: str(src).endswith("critic.tmp")),
-    "trainer state": ("_atomic_write_bytes", lambda p, *_: Path(p).name == "data.pt"),
-    "step marker": ("_atomic_write_bytes", lambda p, *_: Path(p).name == ckpt.STEP_MARKER),
-    "latest pointer": ("_atomic_write_bytes", lambda p, *_: Path(p).name == ckpt.LATEST_FILE),
+    "trainer state": ("atomic_write_bytes", lambda p, *_: Path(p).name == "data.pt"),
+    "step marker": ("atomic_write_bytes", lambda p, *_: Path(p).name == ckpt_dirs.STEP_MARKER),
+    "latest pointer": ("atomic_write_bytes", lambda p, *_: Path(p).name == ckpt_dirs.LATEST_FILE),
 }
 
 
@@ -139,19 +140,20 @@ def test_crash_anywhere_in_a_save_leaves_the_previous_checkpoint_current(process
             m.setattr(ckpt.dcp, "save", lambda *a, **k: (_ for _ in ()).throw(_Crash("in DCP")))
         elif name == "replace":
             m.setattr(ckpt.os, "replace", _crash_when(os.replace, predicate))
-        else:
-            m.setattr(ckpt, name, _crash_when(getattr(ckpt, name), predicate))
+        else:  # both modules write through it: a role's marker (engine), the step's files (directory protocol)
+            for module in (ckpt, ckpt_dirs):
+                m.setattr(module, name, _crash_when(getattr(module, name), predicate))
         with pytest.raises(_Crash):
             _save_step(tmp_path, 2, model, optim)
 
-    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
-    assert (tmp_path / ckpt.LATEST_FILE).read_text() == "1"
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    assert (tmp_path / ckpt_dirs.LATEST_FILE).read_text() == "1"
     assert ckpt.load_checkpoint(tmp_path / "global_step_1" / "critic", *_linear(seed=1))["step"] == 1
     # Start-up clean-up removes the debris, and the next save succeeds.
-    ckpt.cleanup_partial_checkpoints(tmp_path)
+    ckpt_dirs.cleanup_partial_checkpoints(tmp_path)
     assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))
     _save_step(tmp_path, 2, model, optim)
-    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_2")
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_2")
 
 
 def test_partial_step_directories_are_ignored_and_cleaned(process_group, tmp_path):
@@ -162,38 +164,38 @@ def test_partial_step_directories_are_ignored_and_cleaned(process_group, tmp_pat
     (tmp_path / "global_step_2" / "critic.tmp").mkdir(parents=True)
     ckpt.save_checkpoint(tmp_path / "global_step_3" / "critic", model, optim)
     (tmp_path / "global_step_4" / "actor").mkdir(parents=True)
-    (tmp_path / ckpt.LATEST_FILE).write_text("4")  # a pointer that lies (hand-edited, other tool)
-    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
-    (tmp_path / ckpt.LATEST_FILE).write_text("garbage")
-    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
-    (tmp_path / ckpt.LATEST_FILE).unlink()
-    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    (tmp_path / ckpt_dirs.LATEST_FILE).write_text("4")  # a pointer that lies (hand-edited, other tool)
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    (tmp_path / ckpt_dirs.LATEST_FILE).write_text("garbage")
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
+    (tmp_path / ckpt_dirs.LATEST_FILE).unlink()
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")
     with pytest.raises(RuntimeError, match="not complete"):
-        ckpt.write_latest_checkpointed_iteration(tmp_path, 4)
+        ckpt_dirs.write_latest_checkpointed_iteration(tmp_path, 4)
 
-    removed = ckpt.cleanup_partial_checkpoints(tmp_path)
+    removed = ckpt_dirs.cleanup_partial_checkpoints(tmp_path)
     assert sorted(Path(p).name for p in removed) == ["global_step_2", "global_step_3", "global_step_4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]
-    assert ckpt.find_latest_ckpt_path(tmp_path / "missing") is None
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path / "missing") is None
 
 
 def test_latest_pointer_is_replaced_atomically(tmp_path, monkeypatch):
     (tmp_path / "global_step_7").mkdir()
-    ckpt.save_trainer_state(tmp_path / "global_step_7" / "data.pt", {"global_step": 7})
-    ckpt.write_latest_checkpointed_iteration(tmp_path, 7)
+    ckpt_dirs.save_trainer_state(tmp_path / "global_step_7" / "data.pt", {"global_step": 7})
+    ckpt_dirs.write_latest_checkpointed_iteration(tmp_path, 7)
     (tmp_path / "global_step_8").mkdir()
-    ckpt.save_trainer_state(tmp_path / "global_step_8" / "data.pt", {"global_step": 8})
+    ckpt_dirs.save_trainer_state(tmp_path / "global_step_8" / "data.pt", {"global_step": 8})
     # Crash between writing the new content and the rename: readers still see the old pointer whole.
     with monkeypatch.context() as m:
-        m.setattr(ckpt.os, "replace", _crash_when(os.replace, lambda src, dst: Path(dst).name == ckpt.LATEST_FILE))
+        m.setattr(ckpt.os, "replace", _crash_when(os.replace, lambda src, dst: Path(dst).name == ckpt_dirs.LATEST_FILE))
         with pytest.raises(_Crash):
-            ckpt.write_latest_checkpointed_iteration(tmp_path, 8)
-    assert (tmp_path / ckpt.LATEST_FILE).read_text() == "7"
+            ckpt_dirs.write_latest_checkpointed_iteration(tmp_path, 8)
+    assert (tmp_path / ckpt_dirs.LATEST_FILE).read_text() == "7"
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    assert leftovers and all(ckpt.LATEST_FILE in n for n in leftovers)  # the staged copy, not the file
-    ckpt.write_latest_checkpointed_iteration(tmp_path, 8)
-    assert (tmp_path / ckpt.LATEST_FILE).read_text() == "8"
-    marker = json.loads((tmp_path / "global_step_8" / ckpt.STEP_MARKER).read_text())
+    assert leftovers and all(ckpt_dirs.LATEST_FILE in n for n in leftovers)  # the staged copy, not the file
+    ckpt_dirs.write_latest_checkpointed_iteration(tmp_path, 8)
+    assert (tmp_path / ckpt_dirs.LATEST_FILE).read_text() == "8"
+    marker = json.loads((tmp_path / "global_step_8" / ckpt_dirs.STEP_MARKER).read_text())
     assert marker["files"] == ["data.pt"] and marker["global_step"] == 8
 
 
@@ -207,16 +209,16 @@ def test_remove_old_checkpoints_keeps_the_newest_complete(process_group, tmp_pat
         _save_step(tmp_path, step, model, optim)
     ckpt.save_checkpoint(tmp_path / "global_step_5" / "critic", model, optim)  # not finalised yet
 
-    assert ckpt.remove_old_checkpoints(tmp_path, None) == []
-    removed = ckpt.remove_old_checkpoints(tmp_path, max_to_keep=1, component="actor")
+    assert ckpt_dirs.remove_old_checkpoints(tmp_path, None) == []
+    removed = ckpt_dirs.remove_old_checkpoints(tmp_path, max_to_keep=1, component="actor")
     assert [Path(p).parent.name for p in removed] == ["global_step_1", "global_step_2", "global_step_3"]
     assert all((tmp_path / f"global_step_{s}" / "critic").is_dir() for s in (1, 2, 3))
-    assert not ckpt.is_complete_step_dir(tmp_path / "global_step_3")  # lost a role: not resumable
+    assert not ckpt_dirs.is_complete_step_dir(tmp_path / "global_step_3")  # lost a role: not resumable
 
-    removed = ckpt.remove_old_checkpoints(tmp_path, max_to_keep=2)
+    removed = ckpt_dirs.remove_old_checkpoints(tmp_path, max_to_keep=2)
     assert [Path(p).name for p in removed] == ["global_step_1", "global_step_2"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step_3", "global_step_4", "global_step_5"]
-    assert ckpt.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_4")
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_4")
 
 
 # ---- safe loading ----------------------------------------------------------------------------
@@ -232,30 +234,108 @@ class _Payload:
         return (os.makedirs, (str(self.witness),))
 
 
+def _rerecord(path: Path) -> None:
+    """Rewrite a role's manifest to match its files now: a tampered checkpoint whose manifest was
+    forged too, so the safe loaders (not the checksums) are what stops it."""
+    marker = json.loads((path / ckpt_dirs.COMPONENT_MARKER).read_text())
+    marker["manifest"] = ckpt_dirs.file_manifest(path, ckpt_dirs.files_under(path))
+    del marker["manifest"][ckpt_dirs.COMPONENT_MARKER]
+    (path / ckpt_dirs.COMPONENT_MARKER).write_text(json.dumps(marker))
+
+
 def test_loading_never_runs_pickled_code(process_group, tmp_path):
     model, optim = _linear()
     path = ckpt.save_checkpoint(tmp_path / "critic", model, optim)
     witness = tmp_path / "code-ran"
 
     torch.save({"x": _Payload(witness)}, path / "extra_state.pt")
+    _rerecord(path)
     with pytest.raises(ValueError, match="refusing to unpickle"):
         ckpt.load_checkpoint(path, *_linear())
 
     metadata = path / "dcp" / ".metadata"
     metadata.write_bytes(pickle.dumps(_Payload(witness)))
+    _rerecord(path)
     with pytest.raises(pickle.UnpicklingError, match="not allowed"):
         ckpt.load_checkpoint(path, *_linear())
 
     with pytest.raises(ValueError, match="refusing to unpickle"):
-        ckpt.save_trainer_state(tmp_path / "data.pt", {"sampler": _Payload(witness)})
+        ckpt_dirs.save_trainer_state(tmp_path / "data.pt", {"sampler": _Payload(witness)})
     assert not (tmp_path / "data.pt").exists()
     assert not witness.exists()
 
 
+# ---- integrity: files damaged after publishing --------------------------------------------------
+
+
+def _shard(path: Path) -> Path:
+    return next((path / "dcp").glob("*.distcp"))
+
+
+def _flip_byte(file: Path, offset: int = -5) -> None:
+    raw = bytearray(file.read_bytes())
+    raw[offset] ^= 0xFF
+    file.write_bytes(bytes(raw))
+
+
+def test_the_marker_records_every_file_with_size_and_checksum(process_group, tmp_path):
+    path = ckpt.save_checkpoint(tmp_path / "critic", *_linear(), extra_state={"step": 1})
+    manifest = json.loads((path / ckpt_dirs.COMPONENT_MARKER).read_text())["manifest"]
+    on_disk = [p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()]
+    assert sorted(manifest) == sorted(n for n in on_disk if n != ckpt_dirs.COMPONENT_MARKER)
+    import hashlib
+
+    shard = _shard(path).relative_to(path).as_posix()
+    assert manifest[shard] == {"size": (path / shard).stat().st_size,
+                               "sha256": hashlib.sha256((path / shard).read_bytes()).hexdigest()}
+
+
+def test_a_flipped_byte_in_a_shard_is_an_error_naming_the_file(process_group, tmp_path):
+    path = ckpt.save_checkpoint(tmp_path / "critic", *_linear())
+    model, optim = _linear(seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _flip_byte(_shard(path))
+    with pytest.raises(ckpt_dirs.CheckpointCorruptError, match=rf"{_shard(path)} does not match the SHA-256"):
+        ckpt.load_checkpoint(path, model, optim)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing half-loaded
+
+
+def test_a_truncated_file_is_a_size_error(process_group, tmp_path):
+    path = ckpt.save_checkpoint(tmp_path / "critic", *_linear(), extra_state={"step": 1})
+    (path / "extra_state.pt").write_bytes((path / "extra_state.pt").read_bytes()[:-10])
+    with pytest.raises(ckpt_dirs.CheckpointCorruptError, match=r"extra_state.pt has \d+ bytes, \d+ were written"):
+        ckpt.load_checkpoint(path, *_linear())
+
+
+def test_a_checkpoint_saved_before_manifests_still_loads(process_group, tmp_path):
+    path = ckpt.save_checkpoint(tmp_path / "critic", *_linear(), extra_state={"step": 7})
+    marker = json.loads((path / ckpt_dirs.COMPONENT_MARKER).read_text())
+    del marker["manifest"]
+    (path / ckpt_dirs.COMPONENT_MARKER).write_text(json.dumps(marker))
+    assert ckpt.load_checkpoint(path, *_linear(seed=1))["step"] == 7
+
+
+def test_auto_resume_skips_a_damaged_newest_step_and_names_the_file(process_group, tmp_path, caplog):
+    model, optim = _linear()
+    _save_step(tmp_path, 1, model, optim)
+    _save_step(tmp_path, 2, model, optim)
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) == str(tmp_path / "global_step_2")
+    damaged = _shard(tmp_path / "global_step_2" / "critic")
+    _flip_byte(damaged)
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_2")  # unverified: markers only
+    with caplog.at_level("WARNING"):
+        assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) == str(tmp_path / "global_step_1")
+    assert str(damaged) in caplog.text
+    (tmp_path / "global_step_1" / "data.pt").write_bytes(b"")  # the step's own files are covered too
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) is None
+    with pytest.raises(ckpt_dirs.CheckpointCorruptError, match="data.pt has 0 bytes"):
+        ckpt_dirs.verify_step_dir(tmp_path / "global_step_1")
+
+
 def test_trainer_state_round_trip(tmp_path):
     state = {"global_step": 3, "dataloader": {"epoch": 1, "order": [2, 0, 1]}, "kl": torch.tensor([0.1]), "tag": None}
-    ckpt.save_trainer_state(tmp_path / "data.pt", state)
-    loaded = ckpt.load_trainer_state(tmp_path / "data.pt")
+    ckpt_dirs.save_trainer_state(tmp_path / "data.pt", state)
+    loaded = ckpt_dirs.load_trainer_state(tmp_path / "data.pt")
     assert loaded["dataloader"] == state["dataloader"] and torch.equal(loaded["kl"], state["kl"])
 
 

@@ -6,7 +6,7 @@ AdamW + LR schedule (trainable models only). Updates: mini-batches from ``engine
 cut into micro-batches whose gradients accumulate (with one gather and one reduction per
 mini-batch where the units keep their parameters gathered), then clip + step, or skip the step
 when the gradient norm is not finite. Checkpoints: ``torch.distributed.checkpoint`` shards with an
-atomic publish (``workers/utils/checkpoint.py``).
+atomic publish and a manifest of sizes and checksums (``engines/checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class FSDPEngine(TrainingEngine):
     # ---- checkpoints and weights --------------------------------------------------------------
 
     def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
-        from rlfoundry.workers.utils import checkpoint as ckpt
+        from rlfoundry.engines import checkpoint as ckpt
 
         self.onload()
         try:
@@ -228,7 +228,7 @@ class FSDPEngine(TrainingEngine):
         return str(out)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from rlfoundry.workers.utils import checkpoint as ckpt
+        from rlfoundry.engines import checkpoint as ckpt
 
         self.onload()
         try:
@@ -239,7 +239,7 @@ class FSDPEngine(TrainingEngine):
         return extra
 
     def save_hf_model(self, path: str, tokenizer: Any = None) -> str:
-        from rlfoundry.workers.utils import checkpoint as ckpt
+        from rlfoundry.engines import checkpoint as ckpt
 
         return str(ckpt.save_hf_model(self._module, tokenizer, path))
 

@@ -487,7 +487,7 @@ class RayPPOTrainer:
 
         Old checkpoints beyond ``max_*_ckpt_to_keep`` are removed only after the new one is complete.
         """
-        from rlfoundry.workers.utils import checkpoint as ckpt
+        from rlfoundry.utils import checkpoint as ckpt
 
         step, trainer = self.state.global_steps, self.config.trainer
         step_dir = self._ckpt_root() / f"global_step_{step}"
@@ -511,23 +511,27 @@ class RayPPOTrainer:
         }
 
     def _resume_path(self) -> str | None:
-        from rlfoundry.workers.utils import checkpoint as ckpt
+        """The step to resume from. Its files are checked against the sizes and checksums recorded
+        at save time first: ``auto`` skips a damaged step (warning naming the file) for the newest
+        intact one; an explicit ``resume_from_path`` that is damaged stops the run with the file named."""
+        from rlfoundry.utils import checkpoint as ckpt
 
         trainer = self.config.trainer
         if trainer.resume_mode == "disable":
             return None
         ckpt.cleanup_partial_checkpoints(self._ckpt_root())  # debris of a save killed half-way
         if trainer.resume_mode == "auto":
-            return ckpt.find_latest_ckpt_path(self._ckpt_root())
+            return ckpt.find_latest_ckpt_path(self._ckpt_root(), verify=True)
         path = Path(trainer.resume_from_path).expanduser()
         if not ckpt.is_complete_step_dir(path):
             raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
                                     "(no step marker or a role directory is unfinished); pick another global_step_N.")
+        ckpt.verify_step_dir(path)
         return str(path)
 
     def _load_checkpoint(self) -> None:
         """Restore workers, loader position, KL coefficient and step from the chosen checkpoint (if any)."""
-        from rlfoundry.workers.utils import checkpoint as ckpt
+        from rlfoundry.utils import checkpoint as ckpt
 
         path = self._resume_path()
         if path is None:

@@ -1,41 +1,18 @@
-"""Checkpoints that survive a crash at any instant, and load without running code.
+"""Saving and loading one role's training state with ``torch.distributed.checkpoint`` (DCP).
 
-Layout (``D = trainer.default_local_dir``)::
+A role directory (e.g. ``D/global_step_N/actor``, see ``utils/checkpoint.py`` for the layout and
+the step protocol) holds the sharded model + optimiser (``dcp/``, each rank its own shards), the LR
+schedule and the caller's extra state (rank 0), every rank's RNG state, the model's HF config (+
+tokenizer) so it can be exported alone, and the marker with the manifest: every file's size and
+SHA-256. Ranks hash their share of the files in parallel, and on load each rank verifies its share
+before anything is read, so a damaged shard is an error naming the file, never a half-loaded model.
 
-    D/latest_checkpointed_iteration.txt      "N" — written last, atomically (temp + fsync + rename)
-    D/global_step_N/
-        actor/                                one per worker role, written by save_checkpoint
-            dcp/                              torch.distributed.checkpoint: sharded model + optimizer
-            lr_scheduler.pt                   scheduler.state_dict()            (rank 0)
-            extra_state.pt                    caller's dict of primitives/tensors (rank 0)
-            rng/rank_<r>.pt                   python/numpy/torch/cuda RNG        (every rank)
-            huggingface/                      config.json (+ tokenizer): enough to export alone
-            checkpoint_complete.json          component marker, written last
-        critic/ ...
-        data.pt                               trainer state (save_trainer_state)
-        step_complete.json                    step marker: lists the components; written by
-                                              write_latest_checkpointed_iteration
+Everything is written to ``<path>.tmp`` and renamed into place after all ranks finished. Loading
+never unpickles arbitrary objects: DCP's pickled metadata is read with an allow-listed unpickler
+and its byte items with ``weights_only=True``; HF exports are safetensors + JSON.
 
-Atomicity protocol:
-
-1. ``save_checkpoint`` writes a component into ``<path>.tmp``; after a barrier rank 0 writes the
-   component marker, fsyncs, and renames the directory into place. A crash leaves only a ``.tmp``.
-2. ``save_trainer_state`` writes ``data.pt`` through a temp file and ``os.replace``.
-3. ``write_latest_checkpointed_iteration`` checks every component of the step is complete,
-   writes ``step_complete.json`` and then the pointer file, each atomically.
-4. ``find_latest_ckpt_path`` only returns a step directory whose step marker lists components
-   that all exist and are complete; a missing/garbled pointer falls back to the newest such step.
-5. ``remove_old_checkpoints`` only counts complete steps, and renames a directory to ``*.tmp``
-   before deleting it, so a crash mid-delete never leaves a half-deleted "complete" checkpoint.
-6. ``cleanup_partial_checkpoints`` (call at start-up, before any save) removes ``*.tmp`` debris
-   and step directories that never got their step marker.
-
-Safety: loading never unpickles arbitrary objects. ``.pt`` files go through
-``torch.load(weights_only=True)``; DCP's pickled metadata is read with an allow-listed unpickler
-and its byte items with ``weights_only=True``. HF exports are safetensors + JSON.
-
-All ranks of a worker group must call ``save_checkpoint`` / ``load_checkpoint`` /
-``save_hf_model`` together (they are collectives), on a filesystem every rank can see.
+All ranks of a worker group call ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model``
+together (they are collectives), on a filesystem every rank can see.
 """
 
 from __future__ import annotations
@@ -45,7 +22,6 @@ import logging
 import os
 import pickle
 import random
-import re
 import shutil
 import time
 import warnings
@@ -57,8 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-
-from rlfoundry.utils import faults
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -69,96 +43,34 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from rlfoundry.utils import faults
+from rlfoundry.utils.checkpoint import (
+    COMPONENT_MARKER,
+    STEP_MARKER,
+    TMP_SUFFIX,
+    atomic_torch_save,
+    file_manifest,
+    files_under,
+    read_component_marker,
+    safe_torch_load,
+    verify_files,
+)
+from rlfoundry.utils.errors import CheckpointCorruptError
+from rlfoundry.utils.fs import atomic_write_bytes, fsync_dir, rename_then_delete
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "LATEST_FILE",
-    "COMPONENT_MARKER",
-    "STEP_MARKER",
-    "save_checkpoint",
-    "load_checkpoint",
-    "save_hf_model",
     "export_hf_from_checkpoint",
-    "save_trainer_state",
-    "load_trainer_state",
-    "is_complete_checkpoint",
-    "is_complete_step_dir",
-    "write_latest_checkpointed_iteration",
-    "find_latest_ckpt_path",
-    "remove_old_checkpoints",
-    "cleanup_partial_checkpoints",
     "get_rng_state",
+    "load_checkpoint",
+    "save_checkpoint",
+    "save_hf_model",
     "set_rng_state",
 ]
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-COMPONENT_MARKER = "checkpoint_complete.json"
-STEP_MARKER = "step_complete.json"
-TMP_SUFFIX = ".tmp"
-STEP_DIR_FORMAT = "global_step_{}"
 HF_CONFIG_DIR = "huggingface"
-_STEP_RE = re.compile(r"^global_step_(\d+)$")
-_FORMAT_VERSION = 1
-
-
-# ---- small filesystem helpers -------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename/creation inside ``path`` durable (POSIX needs the directory fsynced too)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # e.g. Windows cannot open directories; rename is still atomic there
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``path`` so that readers see the old content or the new one, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    _atomic_write_bytes(path, buf.getvalue())
-
-
-def _safe_torch_load(path: Path) -> Any:
-    """``torch.load`` that refuses anything but tensors and plain containers/primitives."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ValueError(
-            f"{path} holds objects other than tensors and plain Python values; refusing to unpickle it "
-            f"(checkpoints must stay loadable with weights_only=True). Original error: {e}"
-        ) from e
-
-
-def _rename_then_delete(path: Path, fault_point: str | None = None) -> None:
-    """Delete a directory so that a crash midway leaves only ``*.tmp`` debris (cleaned later)."""
-    doomed = path.with_name(f"{path.name}.deleting{TMP_SUFFIX}")
-    if doomed.exists():
-        shutil.rmtree(doomed)
-    os.replace(path, doomed)
-    _fsync_dir(path.parent)
-    if fault_point:
-        faults.inject(fault_point)  # tests: a crash mid-delete (utils/faults.py)
-    shutil.rmtree(doomed, ignore_errors=True)
+_FORMAT_VERSION = 2  # 2: the marker carries a manifest of every file
 
 
 # ---- distributed helpers ------------------------------------------------------------------
@@ -336,25 +248,23 @@ def _write_rank0_files(
 ) -> None:
     _write_hf_config(model, tokenizer, staging / HF_CONFIG_DIR)
     if lr_scheduler is not None:
-        _atomic_torch_save(lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
-    _atomic_torch_save(dict(extra_state or {}), staging / "extra_state.pt")
-    # Listed in the marker for people inspecting the directory.
-    meta["files"] = sorted(p.name for p in staging.iterdir())
+        atomic_torch_save(lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
+    atomic_torch_save(dict(extra_state or {}), staging / "extra_state.pt")
 
 
 def _publish(staging: Path, path: Path, meta: dict) -> None:
     """Rank 0: marker last, then swap the staging directory into place."""
-    _atomic_write_bytes(staging / COMPONENT_MARKER, json.dumps(meta, indent=2).encode())
-    _fsync_dir(staging)
+    atomic_write_bytes(staging / COMPONENT_MARKER, json.dumps(meta, indent=2).encode())
+    fsync_dir(staging)
     step_marker = path.parent / STEP_MARKER
     if step_marker.exists():
         # Re-saving a component of a finished step: the step is no longer the one the marker
         # described, so it stops counting as complete until the trainer finalises it again.
         step_marker.unlink()
     if path.exists():
-        _rename_then_delete(path)
+        rename_then_delete(path)
     os.replace(staging, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def save_checkpoint(
@@ -383,21 +293,28 @@ def save_checkpoint(
         # Without a process group DCP warns that it assumes one process, which is the intent.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         dcp.save(state, storage_writer=FileSystemWriter(str(staging / "dcp")), process_group=process_group)
-    _atomic_torch_save(get_rng_state(), staging / "rng" / f"rank_{_rank(process_group)}.pt")
+    atomic_torch_save(get_rng_state(), staging / "rng" / f"rank_{_rank(process_group)}.pt")
     _barrier(process_group)
     faults.inject("save.staged")  # tests: a crash before the role directory is published
+    meta = {
+        "format_version": _FORMAT_VERSION,
+        "world_size": _world_size(process_group),
+        "has_optimizer": optimizer is not None,
+        "has_lr_scheduler": lr_scheduler is not None,
+        "saved_at": time.time(),
+    }
     error = None
     if _rank(process_group) == 0:
-        meta = {
-            "format_version": _FORMAT_VERSION,
-            "world_size": _world_size(process_group),
-            "has_optimizer": optimizer is not None,
-            "has_lr_scheduler": lr_scheduler is not None,
-            "saved_at": time.time(),
-        }
         try:
             _write_rank0_files(staging, model, tokenizer, lr_scheduler, extra_state, meta)
-            _publish(staging, path, meta)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = e
+    _broadcast_error(error, process_group)
+    manifest = _hash_shares(staging, process_group)
+    error = None
+    if _rank(process_group) == 0:
+        try:
+            _publish(staging, path, {**meta, "manifest": manifest})
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = e
     _broadcast_error(error, process_group)
@@ -405,15 +322,37 @@ def save_checkpoint(
     return path
 
 
-def _check_loadable(path: Path) -> dict:
-    marker = path / COMPONENT_MARKER
-    if not marker.is_file():
-        why = "it does not exist" if not path.exists() else f"it has no {COMPONENT_MARKER} (an interrupted save?)"
-        raise FileNotFoundError(
-            f"no complete checkpoint at {path}: {why}. Use find_latest_ckpt_path(default_local_dir) to pick "
-            "the newest complete one."
-        )
-    return json.loads(marker.read_text())
+def _share(names: list[str], group: dist.ProcessGroup | None) -> list[str]:
+    """This rank's part of ``names`` (round robin), so ranks hash or verify in parallel."""
+    return names[_rank(group)::_world_size(group)]
+
+
+def _hash_shares(staging: Path, group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+    """The manifest of every staged file; each rank hashes its share, rank 0 gets the union."""
+    mine = file_manifest(staging, _share(files_under(staging), group))
+    if not _dist_on():
+        return mine
+    parts: list[Any] = [None] * _world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    return {name: entry for part in parts for name, entry in part.items()}
+
+
+def _verify_shares(path: Path, meta: dict, group: dist.ProcessGroup | None) -> None:
+    """Each rank checks its share of the manifest; a damaged file is an error on every rank."""
+    manifest = meta.get("manifest")
+    if manifest is None:  # saved before manifests existed
+        return
+    error = None
+    try:
+        verify_files(path, manifest, _share(sorted(manifest), group))
+    except CheckpointCorruptError as e:
+        error = str(e)
+    if _dist_on():
+        found: list[Any] = [None] * _world_size(group)
+        dist.all_gather_object(found, error, group=group)
+        error = next((e for e in found if e is not None), None)
+    if error is not None:
+        raise CheckpointCorruptError(error)
 
 
 def load_checkpoint(
@@ -431,7 +370,8 @@ def load_checkpoint(
     Raises FileNotFoundError if ``local_path`` is not a complete checkpoint.
     """
     path = Path(local_path)
-    meta = _check_loadable(path)
+    meta = read_component_marker(path)
+    _verify_shares(path, meta, process_group)
     if optimizer is not None and not meta.get("has_optimizer", True):
         raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
     # DCP swallows a metadata read error and retries with per-rank files, which would hide the
@@ -448,28 +388,20 @@ def load_checkpoint(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if lr_scheduler is not None and (path / "lr_scheduler.pt").is_file():
-        lr_scheduler.load_state_dict(_safe_torch_load(path / "lr_scheduler.pt"))
+        lr_scheduler.load_state_dict(safe_torch_load(path / "lr_scheduler.pt"))
     if load_rng:
         _load_rng(path, process_group)
     extra = path / "extra_state.pt"
-    return _safe_torch_load(extra) if extra.is_file() else {}
+    return safe_torch_load(extra) if extra.is_file() else {}
 
 
 def _load_rng(path: Path, group: dist.ProcessGroup | None) -> None:
     rng_file = path / "rng" / f"rank_{_rank(group)}.pt"
     if rng_file.is_file():
-        set_rng_state(_safe_torch_load(rng_file))
+        set_rng_state(safe_torch_load(rng_file))
     else:
         logger.warning("no RNG state for rank %d in %s (saved with fewer ranks); keeping the current one",
                        _rank(group), path)
-
-
-def is_complete_checkpoint(local_path: str | os.PathLike) -> bool:
-    """True if ``local_path`` is a component directory whose save finished (marker present)."""
-    return (Path(local_path) / COMPONENT_MARKER).is_file()
-
-
-# ---- Hugging Face export ------------------------------------------------------------------
 
 
 def _unwrapped_class_name(model: nn.Module) -> str:
@@ -517,9 +449,9 @@ def save_hf_model(
                 shutil.rmtree(staging)
             _write_hf_dir(model, tokenizer, full_sd, staging)
             if out.exists():
-                _rename_then_delete(out)
+                rename_then_delete(out)
             os.replace(staging, out)
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = e
     _broadcast_error(error, process_group)
@@ -544,7 +476,9 @@ def export_hf_from_checkpoint(local_path: str | os.PathLike, out_path: str | os.
     import transformers
 
     path = Path(local_path)
-    _check_loadable(path)
+    meta = read_component_marker(path)
+    if meta.get("manifest") is not None:
+        verify_files(path, meta["manifest"])
     config = transformers.AutoConfig.from_pretrained(path / HF_CONFIG_DIR)
     arch = (getattr(config, "architectures", None) or ["ForCausalLM"])[0]
     auto_name = next((auto for suffix, auto in _AUTO_CLASS_BY_SUFFIX.items() if arch.endswith(suffix)), None)
@@ -556,177 +490,3 @@ def export_hf_from_checkpoint(local_path: str | os.PathLike, out_path: str | os.
     if (path / HF_CONFIG_DIR / "tokenizer_config.json").is_file():
         tokenizer = transformers.AutoTokenizer.from_pretrained(path / HF_CONFIG_DIR)
     return save_hf_model(model, tokenizer, out_path)
-
-
-# ---- trainer state ------------------------------------------------------------------------
-
-
-def save_trainer_state(path: str | os.PathLike, state: dict) -> None:
-    """Atomically write the trainer's state (step, data-loader state, KL coefficient, ...).
-
-    ``state`` may hold tensors, numbers, strings, None and lists/tuples/dicts of those — anything
-    ``torch.load(weights_only=True)`` can read back. Call on the driver, once.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save(state, path)
-    try:  # fail now, not at resume time, if something unloadable slipped in
-        _safe_torch_load(path)
-    except ValueError:
-        path.unlink()
-        raise
-    faults.inject("save.trainer_state")  # tests: a crash before the step is marked complete
-
-
-def load_trainer_state(path: str | os.PathLike) -> dict:
-    """Read what :func:`save_trainer_state` wrote (``weights_only`` loading; no code runs)."""
-    return _safe_torch_load(Path(path))
-
-
-# ---- step directories, the latest pointer, retention --------------------------------------
-
-
-def _step_of(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = [(_step_of(p.name), p) for p in root.iterdir() if p.is_dir()]
-    return sorted((s, p) for s, p in found if s is not None)
-
-
-def _read_step_marker(step_dir: Path) -> dict | None:
-    try:
-        return json.loads((step_dir / STEP_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def is_complete_step_dir(step_dir: str | os.PathLike) -> bool:
-    """True if ``global_step_N`` was finalised and every component it lists is still complete."""
-    step_dir = Path(step_dir)
-    marker = _read_step_marker(step_dir)
-    if marker is None:
-        return False
-    for name in marker.get("components", []):
-        if not is_complete_checkpoint(step_dir / name):
-            return False
-    return all((step_dir / name).is_file() for name in marker.get("files", []))
-
-
-def _components_of(step_dir: Path) -> tuple[list[str], list[str]]:
-    """(component dirs, plain files) of a step directory; raises if a save is unfinished."""
-    leftovers = sorted(p.name for p in step_dir.iterdir() if p.name.endswith(TMP_SUFFIX))
-    unfinished = sorted(p.name for p in step_dir.iterdir() if p.is_dir() and not is_complete_checkpoint(p))
-    if leftovers or unfinished:
-        raise RuntimeError(
-            f"{step_dir} is not complete (unfinished: {leftovers + unfinished}); every worker's "
-            "save_checkpoint must return before write_latest_checkpointed_iteration"
-        )
-    dirs = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
-    files = sorted(p.name for p in step_dir.iterdir() if p.is_file() and p.name != STEP_MARKER)
-    return dirs, files
-
-
-def write_latest_checkpointed_iteration(default_local_dir: str | os.PathLike, step: int) -> Path:
-    """Mark ``global_step_<step>`` complete, then point ``latest_checkpointed_iteration.txt`` at it.
-
-    Call on the driver after every worker's ``save_checkpoint`` and ``save_trainer_state`` have
-    returned. Both files are written atomically (temp file + fsync + ``os.replace``), the step
-    marker first, so the pointer never names an unfinished step and is never half-written.
-    """
-    root = Path(default_local_dir)
-    step_dir = root / STEP_DIR_FORMAT.format(int(step))
-    if not step_dir.is_dir():
-        raise FileNotFoundError(f"cannot mark step {step} complete: {step_dir} does not exist")
-    dirs, files = _components_of(step_dir)
-    if not dirs and not files:
-        raise RuntimeError(f"cannot mark step {step} complete: {step_dir} is empty")
-    marker = {"global_step": int(step), "components": dirs, "files": files, "saved_at": time.time()}
-    _atomic_write_bytes(step_dir / STEP_MARKER, json.dumps(marker, indent=2).encode())
-    faults.inject("save.step_marked")  # tests: a crash between the step marker and the pointer
-    _atomic_write_bytes(root / LATEST_FILE, str(int(step)).encode())
-    return step_dir
-
-
-def _read_latest_pointer(root: Path) -> int | None:
-    try:
-        return int((root / LATEST_FILE).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def find_latest_ckpt_path(default_local_dir: str | os.PathLike | None, directory_format: str = STEP_DIR_FORMAT) -> str | None:
-    """The newest complete ``global_step_N`` directory under ``default_local_dir``, or None.
-
-    Follows ``latest_checkpointed_iteration.txt`` when it names a complete step; otherwise (file
-    missing or unreadable, or the step it names incomplete) falls back to the newest step
-    directory that is complete, with a warning. Partial saves (``*.tmp`` or no step marker) are
-    never returned.
-    """
-    if default_local_dir is None:
-        return None
-    root = Path(default_local_dir)
-    step = _read_latest_pointer(root)
-    if step is not None:
-        candidate = root / directory_format.format(step)
-        if is_complete_step_dir(candidate):
-            return str(candidate)
-        logger.warning("%s names step %d, which is not a complete checkpoint; looking for an older one",
-                       root / LATEST_FILE, step)
-    for _, step_dir in reversed(_step_dirs(root)):
-        if is_complete_step_dir(step_dir):
-            return str(step_dir)
-    return None
-
-
-def remove_old_checkpoints(
-    default_local_dir: str | os.PathLike, max_to_keep: int | None, component: str | None = None
-) -> list[str]:
-    """Delete all but the newest ``max_to_keep`` complete checkpoints; returns what was removed.
-
-    Only finalised steps (with a step marker) count, so call this after
-    :func:`write_latest_checkpointed_iteration`: a new checkpoint is complete before an old one
-    goes. ``component`` (e.g. ``"actor"``) removes just that role's directory from old steps
-    (``max_actor_ckpt_to_keep`` and ``max_critic_ckpt_to_keep`` may differ); the step is then no
-    longer resumable but the remaining roles stay exportable. ``None`` or ``<= 0`` keeps everything.
-    """
-    if max_to_keep is None or max_to_keep <= 0:
-        return []
-    root = Path(default_local_dir)
-    finalised = [p for _, p in _step_dirs(root) if _read_step_marker(p) is not None]
-    if component is not None:
-        finalised = [p for p in finalised if (p / component).is_dir()]
-    removed = []
-    for step_dir in finalised[: max(0, len(finalised) - max_to_keep)]:
-        target = step_dir if component is None else step_dir / component
-        _rename_then_delete(target, fault_point="save.pruning")
-        removed.append(str(target))
-    return removed
-
-
-def cleanup_partial_checkpoints(default_local_dir: str | os.PathLike) -> list[str]:
-    """Remove debris of interrupted saves/deletes: ``*.tmp`` entries and unfinalised step dirs.
-
-    Call once at start-up (before resuming or saving), never while any save may be running: an
-    in-progress save looks exactly like debris.
-    """
-    root = Path(default_local_dir)
-    if not root.is_dir():
-        return []
-    doomed = [p for p in root.iterdir() if p.name.endswith(TMP_SUFFIX)]
-    for _, step_dir in _step_dirs(root):
-        if _read_step_marker(step_dir) is None:
-            doomed.append(step_dir)
-        else:
-            doomed.extend(p for p in step_dir.iterdir() if p.name.endswith(TMP_SUFFIX))
-    for p in doomed:
-        logger.warning("removing partial checkpoint %s (left by an interrupted save)", p)
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-    return [str(p) for p in doomed]

@@ -1,0 +1,111 @@
+"""Imports flow one way: protocol/algos/utils/config <- models/data/rewards/single_controller <-
+engines <- workers <- trainer/cli, with no cycles, and the PPO driver imports no worker internals.
+
+Every ``import``/``from ... import`` of an rlfoundry module counts, also those inside functions
+(a lazy import is still a dependency). The test reads the source with ``ast``; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "rlfoundry"
+
+LAYERS = {
+    "protocol": 0, "utils": 0, "algos": 0, "config": 0,
+    "models": 1, "data": 1, "rewards": 1, "single_controller": 1,
+    "engines": 2,
+    "workers": 3,
+    "trainer": 4, "cli": 4, "__main__": 4, "__init__": 4,
+}
+# The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
+WORKER_ENTRY_POINTS = {"rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model"}
+# SFT runs its model in-process (no worker groups): it is a role on the engine, like the workers.
+IN_PROCESS_TRAINERS = {"rlfoundry.trainer.sft_trainer"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """rlfoundry modules ``path`` imports (relative imports resolved); ``from pkg import name``
+    counts as ``pkg.name`` when that is a module, else ``pkg``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("rlfoundry"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.startswith("rlfoundry"):
+                out.update(_as_module(f"{base}.{a.name}") or base for a in node.names)
+    return out
+
+
+def _as_module(name: str) -> str | None:
+    rel = Path(*name.split(".")[1:])
+    return name if (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file() else None
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p, _module_name(p)) for p in ROOT.rglob("*.py")}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    return LAYERS[top]
+
+
+def test_every_package_has_a_layer():
+    tops = {p.name.removesuffix(".py") for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert tops <= set(LAYERS), f"give these packages a layer in LAYERS: {sorted(tops - set(LAYERS))}"
+
+
+def test_imports_only_go_down_the_layers():
+    wrong = sorted(f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+                   for m, deps in _graph().items() for d in deps
+                   if _layer(d) > _layer(m) and not _same_package(m, d))
+    assert not wrong, "\n".join(wrong)
+
+
+def _same_package(a: str, b: str) -> bool:
+    return a.split(".")[:2] == b.split(".")[:2]
+
+
+def test_the_ppo_driver_imports_no_worker_internals():
+    driver = {m: deps for m, deps in _graph().items()
+              if (m.startswith("rlfoundry.trainer") or m == "rlfoundry.cli") and m not in IN_PROCESS_TRAINERS}
+    wrong = sorted(f"{m} imports {d}" for m, deps in driver.items() for d in deps
+                   if (d.startswith("rlfoundry.workers") and d not in WORKER_ENTRY_POINTS)
+                   or d.startswith("rlfoundry.engines"))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles_between_modules():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if dep == node or dep not in graph:
+                continue
+            if state.get(dep) == 1:
+                return [*path, node, dep]
+            if dep not in state and (cycle := visit(dep, [*path, node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module, [])):
+            pytest.fail("import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):]))
