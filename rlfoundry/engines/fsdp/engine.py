@@ -244,11 +244,7 @@ class FSDPEngine(TrainingEngine):
         return str(ckpt.save_hf_model(self._module, tokenizer, path))
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """FSDP2 keeps HF's parameter names; each DTensor shard set is gathered one at a time."""
-        with torch.no_grad():
-            for name, param in self._module.named_parameters():
-                full = param.full_tensor() if hasattr(param, "full_tensor") else param
-                yield name, full.detach()
+        return fu.iter_full_parameters(self._module)
 
 
 def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable[[nn.Module], None] | None) -> nn.Module:

@@ -36,6 +36,8 @@ __all__ = [
     "inference_unsharded",
     "fsdp_modules",
     "default_device",
+    "hf_parameter_name",
+    "iter_full_parameters",
 ]
 
 
@@ -392,3 +394,29 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """Bring AdamW moments back to ``device`` before ``optimizer.step``."""
     _move_optimizer_state(optimizer, device)
+
+
+# --------------------------------------------------------------------------- full weights, HF names
+
+# Wrapper modules that prefix parameter names without being part of the HF checkpoint layout.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def hf_parameter_name(name: str) -> str:
+    """The checkpoint name of a parameter: wrapper prefixes (compile, checkpointing) removed."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def iter_full_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) per parameter; FSDP2 DTensor shards are gathered one at a time.
+
+    One parameter is materialised at a time, so the peak is the largest parameter, not the model.
+    ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same
+    order (``named_parameters`` order is the same on every rank).
+    """
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            yield hf_parameter_name(name), full.detach()

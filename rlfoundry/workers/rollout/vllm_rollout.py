@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.engines.fsdp.utils import cfg_get
+from rlfoundry.engines.fsdp.utils import cfg_get, hf_parameter_name, iter_full_parameters
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
 
 __all__ = ["VLLMRollout", "vLLMRollout", "build_engine_kwargs", "hf_parameter_name", "iter_full_parameters",
@@ -70,32 +70,10 @@ _LOAD_FORMATS = {"dummy_dtensor": "dummy", "dummy_hf": "dummy", "dummy_megatron"
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32", "auto": "auto"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
-# Wrapper modules that prefix parameter names without being part of the HF checkpoint layout.
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _CPU_KV_MIN, _CPU_KV_MAX = 64 << 20, 4 << 30
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-def hf_parameter_name(name: str) -> str:
-    """The checkpoint name of an actor parameter: wrapper prefixes (compile, checkpointing) removed."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def iter_full_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) per parameter; FSDP2 DTensor shards are gathered one at a time.
-
-    One parameter is materialised at a time, so the peak is the largest parameter, not the model.
-    ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same
-    order (``named_parameters`` order is the same on every rank).
-    """
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            yield hf_parameter_name(name), full.detach()
-
 
 def _model_shape(hf_config: Any) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of an HF decoder config."""
