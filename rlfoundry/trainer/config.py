@@ -8,7 +8,8 @@ Three steps, each a function:
 1. ``load_config``: typed schema (``rlfoundry/config/schema.py``) ← packaged YAML defaults ←
    optional overlay YAML ← command-line overrides in Hydra's syntax (``key=value``, ``+key=value``
    under open dicts, ``++key=value``, lists ``[a,b]``). A wrong type, an unknown key (with the
-   closest valid key) or a bad value is a ``ConfigError`` whose message names the key.
+   closest valid key) or a bad value is a ``ConfigError`` whose message names the key. The loading
+   itself is ``load_typed_config``, shared with ``rlfoundry sft`` (``config/sft_schema.py``).
 2. ``validate_config``: cross-key rules (batch-size arithmetic, gae needs a critic, choices ...);
    every problem is collected so one run reports them all.
 3. ``resolve_config`` (pure): fills what depends on the run — device, worker back end, estimator,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import fnmatch
+import functools
 import os
 import typing
 import warnings
@@ -43,6 +45,7 @@ __all__ = [
     "check_startup_paths",
     "is_hf_model_dir",
     "load_config",
+    "load_typed_config",
     "parse_overrides",
     "resolve_asset_path",
     "resolve_config",
@@ -158,23 +161,26 @@ def schema_keys(cls: type = PPOConfig, prefix: str = "") -> dict[str, _KeyInfo]:
     return out
 
 
-_SCHEMA: dict[str, _KeyInfo] = schema_keys()
+@functools.lru_cache(maxsize=None)
+def _keys_of(schema: type) -> dict[str, _KeyInfo]:
+    """``schema_keys(schema)``, computed once per schema (PPO's, SFT's ...)."""
+    return schema_keys(schema)
 
 
-def _open_ancestor(key: str) -> str | None:
+def _open_ancestor(key: str, keys: dict[str, _KeyInfo]) -> str | None:
     """The open-dict key that ``key`` lies under (``model.override_config.x`` → ``...override_config``)."""
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
         head = ".".join(parts[:i])
-        info = _SCHEMA.get(head)
+        info = keys.get(head)
         if info is not None and info.is_open:
             return head
     return None
 
 
-def _closest_key(key: str) -> str | None:
+def _closest_key(key: str, keys: dict[str, _KeyInfo]) -> str | None:
     """The valid key nearest to a misspelt one: difflib over the full dotted names, then over leaf names."""
-    leaves = [k for k in _SCHEMA if not key.startswith(k + ".")]  # never suggest the key's own parent
+    leaves = [k for k in keys if not key.startswith(k + ".")]  # never suggest the key's own parent
     match = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
     if match:
         return match[0]
@@ -188,13 +194,15 @@ def _closest_key(key: str) -> str | None:
     return None
 
 
-def _unknown_key_error(key: str, source: str) -> ConfigError:
-    hint = _closest_key(key)
+def _unknown_key_error(key: str, source: str, keys: dict[str, _KeyInfo]) -> ConfigError:
+    hint = _closest_key(key, keys)
     did_you_mean = f" Did you mean '{hint}'?" if hint else ""
+    open_dicts = [k for k, i in keys.items() if typing.get_origin(i.type) is dict]
+    examples = sorted(open_dicts, key=lambda k: not k.endswith("override_config"))[:2]  # the usual ones first
     return ConfigError(
         f"Unknown config key '{key}' ({source}).{did_you_mean} "
-        f"`rlfoundry train --help` lists the keys; `+key=value` adds keys only under open dicts "
-        f"such as actor_rollout_ref.model.override_config or reward_model.reward_kwargs."
+        f"`--help` lists the keys; `+key=value` adds keys only under open dicts "
+        f"such as {' or '.join(examples)}."
     )
 
 
@@ -249,18 +257,19 @@ def parse_overrides(args: Sequence[str]) -> list[Override]:
     return [_parse_one(a) for a in args]
 
 
-def _check_key(ov: Override) -> None:
+def _check_key(ov: Override, keys: dict[str, _KeyInfo]) -> None:
     """Reject unknown keys before touching the config, so the message can name the closest key."""
-    if ov.key in _SCHEMA:
-        if ov.kind == "delete" and _open_ancestor(ov.key) is None:
+    if ov.key in keys:
+        if ov.kind == "delete" and _open_ancestor(ov.key, keys) is None:
             raise ConfigError(f"'{ov.text}': '{ov.key}' is part of the schema and cannot be deleted; set it to null instead.")
         return
-    if _open_ancestor(ov.key) is None:
-        raise _unknown_key_error(ov.key, f"from '{ov.text}'")
+    if _open_ancestor(ov.key, keys) is None:
+        raise _unknown_key_error(ov.key, f"from '{ov.text}'", keys)
 
 
 def _apply(cfg: DictConfig, ov: Override) -> None:
-    _check_key(ov)
+    keys = _keys_of(OmegaConf.get_type(cfg))  # the schema cfg was built from
+    _check_key(ov, keys)
     try:
         if ov.kind == "delete":
             parent_key, _, leaf = ov.key.rpartition(".")
@@ -270,11 +279,11 @@ def _apply(cfg: DictConfig, ov: Override) -> None:
             return
         OmegaConf.update(cfg, ov.key, ov.value, merge=False, force_add=True)
     except OmegaConfBaseException as e:
-        raise _type_error(ov.key, ov.value, f"from '{ov.text}'") from e
+        raise _type_error(ov.key, ov.value, f"from '{ov.text}'", keys) from e
 
 
-def _type_error(key: str, value: Any, source: str) -> ConfigError:
-    info = _SCHEMA.get(key)
+def _type_error(key: str, value: Any, source: str, keys: dict[str, _KeyInfo]) -> ConfigError:
+    info = keys.get(key)
     expected = _type_name(info.type) if info else "another type"
     return ConfigError(f"Config key '{key}' ({source}): value {value!r} is not valid; expected {expected}.")
 
@@ -322,20 +331,34 @@ def _find_config_file(name: str, config_path: str | None) -> Path:
     raise ConfigError(f"Config file '{name}' not found (looked in {base}); packaged configs: {packaged}.")
 
 
-def load_config(
-    overrides: Sequence[str] = (), config_name: str | None = None, config_path: str | None = None
-) -> DictConfig:
-    """Schema ← packaged defaults ← overlay ``config_name`` ← ``overrides``; then validate. Unresolved."""
-    cfg = OmegaConf.structured(PPOConfig)
+def load_typed_config(
+    schema: type, overrides: Sequence[str] = (), overlay: Path | None = None, defaults: Path | None = None
+) -> tuple[DictConfig, list[str]]:
+    """Typed ``schema`` ← ``defaults`` YAML ← ``overlay`` YAML ← Hydra-style ``overrides``, key by key.
+
+    Any schema dataclass (``PPOConfig``, ``sft_schema.SFTConfig``): an unknown key names the
+    nearest valid one, a wrong type the expected type. Returns the config (unvalidated,
+    unresolved) and the keys the user set (overlay and overrides).
+    """
+    cfg = OmegaConf.structured(schema)
     OmegaConf.set_struct(cfg, True)
-    _merge_yaml(cfg, CONFIG_DIR / "ppo_trainer.yaml", "packaged defaults")
-    user_keys: list[str] = []
-    if config_name and Path(config_name).stem != "ppo_trainer":
-        user_keys += _merge_yaml(cfg, _find_config_file(config_name, config_path), "config file")
+    if defaults is not None:
+        _merge_yaml(cfg, defaults, "packaged defaults")
+    user_keys = _merge_yaml(cfg, overlay, "config file") if overlay is not None else []
     parsed = parse_overrides(overrides)
     for ov in parsed:
         _apply(cfg, ov)
-    user_keys += [ov.key for ov in parsed]
+    return cfg, user_keys + [ov.key for ov in parsed]
+
+
+def load_config(
+    overrides: Sequence[str] = (), config_name: str | None = None, config_path: str | None = None
+) -> DictConfig:
+    """PPO: schema ← packaged defaults ← overlay ``config_name`` ← ``overrides``; then validate. Unresolved."""
+    overlay = None
+    if config_name and Path(config_name).stem != "ppo_trainer":
+        overlay = _find_config_file(config_name, config_path)
+    cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay, defaults=CONFIG_DIR / "ppo_trainer.yaml")
     _prefer_user_deprecated_keys(cfg, user_keys)
     _warn_no_effect(cfg, user_keys)
     validate_config(cfg)
