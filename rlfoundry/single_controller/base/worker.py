@@ -154,7 +154,9 @@ class Worker:
             store = _STORE
         else:  # other ranks (or a torchrun-style launch) connect to rank 0's store by address
             addr, port = self.get_master_addr_port()
-            store = dist.TCPStore(addr, int(port), is_master=self.rank == 0, timeout=timeout)
+            # torchrun's agent may host the store already (then binding it again fails, loudly)
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(addr, int(port), is_master=self.rank == 0 and not agent_store, timeout=timeout)
         dist.init_process_group(
             backend=backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
