@@ -1,10 +1,11 @@
 """Make the packaged demo policy ``rlfoundry/assets/arithmetic-policy`` from scratch, reproducibly.
 
 1. build a tiny Qwen2 from a config (``rlfoundry.models.tiny.save_tiny_model``, seeded);
-2. supervised fine-tune it with ``rlfoundry sft`` on the built-in arithmetic task (seeded). The SFT
-   answers mix two styles, the bare number and "The answer is N.", so the policy knows the
-   arithmetic but often states it in a form the exact-integer verifier rejects: the default
-   ``rlfoundry train`` run starts near 50% and GRPO has a real gap to close;
+2. supervised fine-tune it with ``rlfoundry sft`` on pairs of the built-in arithmetic task that this
+   script writes (seeded, ``demo_pairs``). The answers mix two styles, the bare number and "The
+   answer is N.", so the policy knows the arithmetic but often states it in a form the
+   exact-integer verifier rejects: the default ``rlfoundry train`` run starts near 50% and GRPO
+   has a real gap to close;
 3. copy the final HF directory into the package, measure it on the RL demo's validation split and
    write the numbers and the recipe into the asset's README.md.
 
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -31,14 +34,15 @@ ASSET_DIR = REPO / "rlfoundry" / "assets" / "arithmetic-policy"
 
 # The recipe. Changing any of these changes the shipped weights: keep them in the asset's README.
 MODEL = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "seed": 0}
+# The SFT pairs: the arithmetic task's splits (2-digit +/-); the 128 validation problems, drawn
+# first with seed 0, are the RL demo's validation set.
+DATA = {"train_size": 16384, "val_size": 128, "seed": 0}
+# A second answer style, "The answer is N.", in a quarter of the addition answers and three
+# quarters of the subtraction ones: the policy then knows the arithmetic but states subtraction
+# results in a form the exact-integer verifier rejects, a format gap GRPO closes in a few steps.
+SENTENCE_RATIO_BY_OP = {"+": 0.25, "-": 0.75}
+SENTENCE_TEMPLATE = "The answer is {answer}."
 SFT_OVERRIDES = [
-    "data.synthetic.train_size=16384",
-    # A second answer style, "The answer is N.", in a quarter of the addition answers and three
-    # quarters of the subtraction ones: the policy then knows the arithmetic but states subtraction
-    # results in a form the exact-integer verifier rejects, a format gap GRPO closes in a few steps.
-    'data.synthetic.sentence_ratio_by_op={"+":0.25,"-":0.75}',
-    "data.synthetic.val_size=128",  # = the RL demo's validation set (data.synthetic seed 0, size 128)
-    "data.synthetic.seed=0",
     "data.train_batch_size=64",
     "data.micro_batch_size_per_gpu=64",
     "data.max_length=64",
@@ -52,6 +56,38 @@ SFT_OVERRIDES = [
     "trainer.project_name=rlfoundry-demo",
     "trainer.experiment_name=arithmetic-sft",
 ]
+
+
+# --------------------------------------------------------------------------- the SFT data
+
+def _styled_answer(prompt: str, answer: str, sentence_ratio_by_op: Mapping[str, float], rng: random.Random) -> str:
+    """The bare answer, or with probability ``sentence_ratio_by_op[op]`` (``op``: the problem's first
+    operator) the same answer in a sentence, which the task's exact-integer verifier rejects."""
+    op = next((c for c in prompt[1:] if c in "+-*"), "+")  # prompt[1:]: a leading '-' is a sign
+    ratio = float(sentence_ratio_by_op.get(op, 0.0))
+    return SENTENCE_TEMPLATE.format(answer=answer) if rng.random() < ratio else answer
+
+
+def demo_pairs(train_size: int, val_size: int, seed: int,
+               sentence_ratio_by_op: Mapping[str, float]) -> tuple[list[dict], list[dict]]:
+    """(train, val) rows ``{"prompt", "response"}`` of the arithmetic task (validation drawn first
+    and excluded from training). Only training answers get the second style: validation answers
+    stay bare, as the verifier wants them."""
+    from rlfoundry.data.preprocess.arithmetic import generate_splits
+
+    splits = generate_splits(train_size, val_size, seed=seed)
+    rng = random.Random(seed + 2)  # generate_splits uses seed and seed + 1
+    train = [{"prompt": p, "response": _styled_answer(p, a, sentence_ratio_by_op, rng)} for p, a in splits["train"]]
+    return train, [{"prompt": p, "response": a} for p, a in splits["test"]]
+
+
+def write_demo_data(out_dir: Path) -> tuple[Path, Path]:
+    """``train.jsonl`` / ``val.jsonl`` of ``demo_pairs`` for ``data.train_files`` / ``data.val_files``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = out_dir / "train.jsonl", out_dir / "val.jsonl"
+    for rows, path in zip(demo_pairs(**DATA, sentence_ratio_by_op=SENTENCE_RATIO_BY_OP), files):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return files
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -107,30 +143,35 @@ def demo_validation_problems() -> list[tuple[str, str]]:
 
 def make_policy(out_dir: Path, work_dir: Path, steps: int | None = None) -> Path:
     from rlfoundry.models.tiny import save_tiny_model
-    from rlfoundry.trainer.sft_trainer import run_sft
+    from rlfoundry.trainer.sft_trainer import ROLE, run_sft
+    from rlfoundry.utils.checkpoint import STEP_MARKER
 
     base = save_tiny_model(work_dir / "init", **MODEL)
-    overrides = SFT_OVERRIDES + [f"model.partial_pretrain={base}", f"trainer.default_local_dir={work_dir / 'sft'}"]
+    train, val = write_demo_data(work_dir / "data")
+    overrides = SFT_OVERRIDES + [f"model.partial_pretrain={base}", f"trainer.default_local_dir={work_dir / 'sft'}",
+                                 f"data.train_files={train}", f"data.val_files={val}"]
     if steps is not None:
         overrides.append(f"trainer.total_training_steps={steps}")
     summary = run_sft(overrides)
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    shutil.copytree(summary["checkpoint"], out_dir)
+    # the Hugging Face files only: not the resumable training state (ROLE/) or the step marker
+    shutil.copytree(summary["checkpoint"], out_dir, ignore=shutil.ignore_patterns(ROLE, STEP_MARKER))
     return out_dir
 
 
 def _write_card(out_dir: Path, scores: dict[str, float], steps: int | None) -> None:
     """A README next to the weights: what they are, how they were made, how good they are."""
-    recipe = SFT_OVERRIDES + ([f"trainer.total_training_steps={steps}"] if steps else [])
+    recipe = [f"data: {json.dumps(DATA)}, sentence_ratio_by_op: {json.dumps(SENTENCE_RATIO_BY_OP)}"]
+    recipe += SFT_OVERRIDES + ([f"trainer.total_training_steps={steps}"] if steps else [])
     size_mb = sum(p.stat().st_size for p in out_dir.iterdir()) / 1e6
     pct = {k: f"{v:.1%}" for k, v in scores.items() if k != "n_problems"}
     (out_dir / "README.md").write_text(
         "# arithmetic-policy: the demo policy of `rlfoundry train`\n\n"
         f"A tiny Qwen2 (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, byte-level tokenizer, "
         f"{size_mb:.1f} MB) made by\n`python scripts/make_demo_policy.py`: built from a config, then "
-        "`rlfoundry sft` on the built-in\n`rlfoundry/arithmetic` task (2-digit `+`/`-`) with the overrides "
-        "below.\n\nThe SFT answers come in two styles, the bare number (what the task's exact-integer "
+        "`rlfoundry sft` on pairs of the built-in\n`rlfoundry/arithmetic` task (2-digit `+`/`-`) that the "
+        "script writes, with the recipe below.\n\nThe SFT answers come in two styles, the bare number (what the task's exact-integer "
         "verifier\naccepts) and the sentence \"The answer is N.\" (a quarter of the additions, three "
         "quarters of\nthe subtractions). So the policy knows the arithmetic but often states a "
         "subtraction result in\nthe rejected form: RL with the verifier's reward has a real gap to "

@@ -1,27 +1,29 @@
 """``rlfoundry sft [key=value ...]``: supervised fine-tuning on prompt/response pairs (verl's
-``fsdp_sft_trainer`` keys; defaults in ``rlfoundry/config/sft_trainer.yaml``).
+``fsdp_sft_trainer`` keys; typed defaults in ``rlfoundry/config/sft_schema.py``).
 
-The prompt goes through the tokenizer's chat template (with the generation prompt); the response
-gets EOS appended; the loss is the token-mean negative log-likelihood of the response tokens only,
-over the whole global batch, so the update does not depend on the micro-batch size or rank count.
-The model is sharded with the same FSDP2 plumbing as the RL workers (``engines/fsdp/utils.py``), one
-rank in-process or several under ``torchrun``; checkpoints are Hugging Face directories.
+SFT is a role on the training engine, like the PPO actor: it brings a loss (``sft_loss``) and the
+engine (``engines/fsdp``) runs the micro-batches, the global-batch normalisation, clipping, the
+optimiser step, checkpoints and HF export. The prompt goes through the tokenizer's chat template
+(with the generation prompt); the response gets EOS appended. Each batch is laid out as verl's RL
+batch (left-padded prompt | right-padded response, ``response_mask`` over the response), so the
+loss is the token-mean negative log-likelihood of the response tokens over the whole global
+batch: the update does not depend on the micro-batch size or rank count.
 
     rlfoundry sft model.partial_pretrain=DIR data.train_files=train.parquet data.val_files=test.parquet
     torchrun --nproc_per_node=2 -m rlfoundry.trainer.sft_trainer model.partial_pretrain=DIR ...
 
-With ``data.train_files`` null the pairs come from the built-in synthetic task (``data.synthetic``).
+Checkpoints (``trainer.default_local_dir``): ``global_step_N/`` is a Hugging Face model directory
+(weights, config, tokenizer) with the resumable training state in ``global_step_N/sft/``; the step
+protocol, retention and ``resume_mode=auto`` are PPO's (``utils/checkpoint.py``). With
+``data.train_files`` null the pairs come from the built-in arithmetic task (``data.synthetic``).
 """
 
 from __future__ import annotations
 
-import datetime
-import difflib
 import importlib
-import math
+import itertools
 import os
 import random
-import shutil
 import sys
 import time
 import warnings
@@ -32,13 +34,20 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from rlfoundry.algos import core_algos
+from rlfoundry.config.sft_schema import SFTConfig, choice_errors
+from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan
+from rlfoundry.protocol import DataProto
+from rlfoundry.trainer.config import ConfigError, load_typed_config
+from rlfoundry.utils import checkpoint as ckpt
+from rlfoundry.utils.fs import fsync_dir
+from rlfoundry.utils.tracking import SUPPORTED_BACKENDS
+
 __all__ = [
-    "CONFIG_FILE",
-    "SFTConfigError",
+    "ROLE",
     "SFTDataError",
     "SFTDataset",
     "SFTTrainer",
@@ -47,19 +56,12 @@ __all__ = [
     "load_pairs",
     "load_sft_config",
     "main",
-    "masked_nll_sum",
     "run_sft",
-    "synthetic_pairs",
+    "sft_loss",
 ]
 
-CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "sft_trainer.yaml"
-# Keys under which any sub-key is allowed (passed through to the model config).
-_OPEN_KEYS = ("model.override_config",)
+ROLE = "sft"  # the engine's role: metric prefix of its own metrics, checkpoint directory name
 Pair = tuple[list[dict], str]  # (chat messages of the prompt, response text)
-
-
-class SFTConfigError(ValueError):
-    """A bad ``rlfoundry sft`` configuration; the message names the key and what to do."""
 
 
 class SFTDataError(ValueError):
@@ -68,92 +70,13 @@ class SFTDataError(ValueError):
 
 # =========================================================================== configuration
 
-def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
-    """Every dotted key of the config tree, inner nodes included."""
-    keys = []
-    for key in node:
-        dotted = f"{prefix}{key}"
-        keys.append(dotted)
-        child = node[key] if not OmegaConf.is_missing(node, key) else None
-        if isinstance(child, DictConfig) and dotted not in _OPEN_KEYS:
-            keys += _dotted_keys(child, dotted + ".")
-    return keys
-
-
-def _unknown_key(key: str, valid: Sequence[str]) -> SFTConfigError:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if not close:  # a right leaf under a wrong parent, e.g. trainer.lr -> optim.lr
-        leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in valid if k.rsplit(".", 1)[-1] == leaf][:1]
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return SFTConfigError(f"Unknown SFT config key '{key}'.{hint} Valid keys are listed in {CONFIG_FILE}.")
-
-
-def _parse_override(text: str) -> tuple[str, Any]:
-    """``key=value`` (Hydra's ``+key``/``++key`` spellings accepted) -> (key, YAML-typed value)."""
-    key, sep, raw = text.partition("=")
-    key = key.lstrip("+")
-    if not sep or not key or key.startswith("~"):
-        raise SFTConfigError(f"cannot read the override {text!r}: expected key=value, e.g. optim.lr=1e-4")
-    value = OmegaConf.from_dotlist([f"v={raw}"])["v"] if raw != "" else ""
-    if isinstance(value, (DictConfig, ListConfig)):
-        value = OmegaConf.to_container(value)
-    return key, value
-
-
-def _typed(key: str, default: Any, value: Any) -> Any:
-    """``value`` coerced to the type of the packaged default (None defaults accept anything)."""
-    if default is None or value is None:
-        return value
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok, value = isinstance(value, (int, float)) and not isinstance(value, bool), value
-        value = float(value) if ok else value
-    elif isinstance(default, str):
-        ok, value = not isinstance(value, (list, dict)), str(value)
-    else:  # lists and dicts; a single value for a list key means a one-element list (logger=console)
-        expected = type(OmegaConf.to_container(default))
-        if expected is list and not isinstance(value, (list, dict)):
-            value = [value]
-        ok = type(value) is expected
-    if not ok:
-        raise SFTConfigError(f"config key '{key}': {value!r} is not valid; expected a {type(default).__name__} "
-                             f"like the default {default!r}")
-    return value
-
-
-def _apply_override(cfg: DictConfig, text: str, valid: Sequence[str]) -> None:
-    key, value = _parse_override(text)
-    open_parent = next((k for k in _OPEN_KEYS if key.startswith(k + ".")), None)
-    if key not in valid and open_parent is None:
-        raise _unknown_key(key, valid)
-    default = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
-    if open_parent is None:
-        value = _typed(key, default, value)
-    OmegaConf.update(cfg, key, value, merge=False, force_add=open_parent is not None)
-
-
 def load_sft_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """Packaged defaults <- ``key=value`` overrides, checked key by key, then validated as a whole."""
-    cfg = OmegaConf.load(CONFIG_FILE)
-    valid = _dotted_keys(cfg)
-    for text in overrides:
-        _apply_override(cfg, text, valid)
+    """Typed defaults <- ``key=value`` overrides (the PPO config's loader), validated, read-only."""
+    cfg, _ = load_typed_config(SFTConfig, overrides)
     OmegaConf.resolve(cfg)
     validate_sft_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     OmegaConf.set_readonly(cfg, True)  # validated once; nothing changes it afterwards
     return cfg
-
-
-def _choice_errors(cfg: DictConfig) -> list[str]:
-    choices = {"data.truncation": ("error", "left", "right"), "optim.lr_scheduler": ("cosine", "constant"),
-               "trainer.device": ("auto", "cpu", "cuda"), "data.synthetic.task": ("arithmetic",),
-               "model.cpu_linear": ("onednn", "aten")}
-    return [f"{k}={OmegaConf.select(cfg, k)!r} must be one of {list(v)}"
-            for k, v in choices.items() if OmegaConf.select(cfg, k) not in v]
 
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
@@ -170,9 +93,8 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
     return []
 
 
-def validate_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
-    """All cross-key problems at once, so one run reports every mistake."""
-    errors = _choice_errors(cfg) + _batch_errors(cfg, world_size)
+def _setting_errors(cfg: DictConfig) -> list[str]:
+    t, errors = cfg.trainer, []
     if cfg.model.partial_pretrain is None:
         errors.append("model.partial_pretrain is required: a local Hugging Face model directory "
                       "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
@@ -182,8 +104,23 @@ def validate_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
         errors.append("ulysses_sequence_parallel_size must be 1: sequence parallelism is not supported")
     if cfg.data.max_length < 2:
         errors.append(f"data.max_length ({cfg.data.max_length}) must be at least 2")
+    if t.device == "cuda" and not torch.cuda.is_available():
+        errors.append("trainer.device=cuda but CUDA is not available; use trainer.device=cpu or auto")
+    if t.dist_timeout_s <= 0:
+        errors.append(f"trainer.dist_timeout_s ({t.dist_timeout_s}) must be positive")
+    unknown = [x for x in ([t.logger] if isinstance(t.logger, str) else t.logger or []) if x not in SUPPORTED_BACKENDS]
+    if unknown:
+        errors.append(f"trainer.logger entries {unknown} are not among {list(SUPPORTED_BACKENDS)}")
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
+    return errors
+
+
+def validate_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
+    """All cross-key problems at once, so one run reports every mistake."""
+    errors = choice_errors(cfg) + _batch_errors(cfg, world_size) + _setting_errors(cfg)
     if errors:
-        raise SFTConfigError("invalid SFT config:\n  - " + "\n  - ".join(errors))
+        raise ConfigError("invalid SFT config:\n  - " + "\n  - ".join(errors))
     if cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node != world_size:
         warnings.warn(f"trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} "
                       f"but this run has {world_size} rank(s) (from torchrun's WORLD_SIZE); using {world_size}")
@@ -237,34 +174,14 @@ def load_pairs(files: str | Sequence[str], data_cfg: Any) -> list[Pair]:
     return pairs
 
 
-SENTENCE_TEMPLATE = "The answer is {answer}."
-
-
-def _styled_answer(prompt: str, answer: str, sentence_ratio_by_op: Mapping[str, float], rng: random.Random) -> str:
-    """The bare answer, or with probability ``sentence_ratio_by_op[op]`` (``op``: the problem's first
-    operator) the same answer in a sentence, which the task's exact-integer verifier rejects."""
-    op = next((c for c in prompt[1:] if c in "+-*"), "+")  # prompt[1:]: a leading '-' is a sign
-    ratio = float(sentence_ratio_by_op.get(op, 0.0))
-    return SENTENCE_TEMPLATE.format(answer=answer) if rng.random() < ratio else answer
-
-
 def synthetic_pairs(syn: Any) -> tuple[list[Pair], list[Pair]]:
-    """(train, val) pairs of the built-in arithmetic task. Validation is drawn first and excluded
-    from training, so with the RL demo's seed and size it is exactly the RL validation set.
-
-    ``sentence_ratio_by_op`` mixes in a second answer style (training pairs only): it gives the
-    demo policy a realistic format problem (right number, wrong form) for RL to fix; see
-    scripts/make_demo_policy.py.
-    """
+    """(train, val) pairs of the built-in arithmetic task; validation is drawn first and excluded
+    from training, so with the RL demo's seed and size it is exactly the RL validation set."""
     from rlfoundry.data.preprocess.arithmetic import ArithmeticSpec, generate_splits
 
     spec = ArithmeticSpec(digits=syn.digits, ops=syn.ops, num_operands=syn.num_operands)
     splits = generate_splits(syn.train_size, syn.val_size, seed=syn.seed, spec=spec)
-    rng = random.Random(syn.seed + 2)  # generate_splits uses seed and seed + 1
-    ratios = dict(syn.sentence_ratio_by_op or {})
-    train = [([{"role": "user", "content": p}], _styled_answer(p, a, ratios, rng)) for p, a in splits["train"]]
-    val = [([{"role": "user", "content": p}], a) for p, a in splits["test"]]
-    return train, val
+    return tuple([([{"role": "user", "content": p}], a) for p, a in splits[s]] for s in ("train", "test"))
 
 
 def _truncate(ids: list[int], mask: list[int], max_length: int, truncation: str, where: str) -> tuple[list[int], list[int]]:
@@ -304,56 +221,55 @@ class SFTDataset(Dataset):
         return self.examples[i]
 
 
+def _response_start(loss_mask: torch.Tensor) -> int:
+    """Where the targets begin: the first loss-mask token, but never token 0 (nothing predicts it)."""
+    targets = loss_mask.nonzero()
+    return max(1, int(targets[0]) if len(targets) else len(loss_mask))
+
+
 def collate_sft(examples: Sequence[Mapping[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example in the batch (padding is never a target: loss_mask 0)."""
-    length = max(len(e["input_ids"]) for e in examples)
-    out = {"input_ids": torch.full((len(examples), length), pad_token_id, dtype=torch.long),
-           "attention_mask": torch.zeros(len(examples), length, dtype=torch.long),
-           "loss_mask": torch.zeros(len(examples), length, dtype=torch.long)}
-    for i, e in enumerate(examples):
+    """verl's RL batch layout: ``input_ids``/``attention_mask``/``position_ids`` (B, Tp+Tr) =
+    left-padded prompt | right-padded response, ``responses`` (B, Tr), and ``response_mask`` (B, Tr)
+    = the loss mask over the response (padding is never a target)."""
+    starts = [_response_start(e["loss_mask"]) for e in examples]
+    tp = max(starts)
+    tr = max([1] + [len(e["input_ids"]) - s for e, s in zip(examples, starts)])
+    ids = torch.full((len(examples), tp + tr), pad_token_id, dtype=torch.long)
+    attention, loss = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (e, s) in enumerate(zip(examples, starts)):
         n = len(e["input_ids"])
-        out["input_ids"][i, :n] = e["input_ids"]
-        out["attention_mask"][i, :n] = 1
-        out["loss_mask"][i, :n] = e["loss_mask"]
-    return out
+        cols = slice(tp - s, tp - s + n)  # the prompt ends at column tp, the response starts there
+        ids[i, cols], attention[i, cols], loss[i, cols] = e["input_ids"], 1, e["loss_mask"]
+    from rlfoundry.data.rl_dataset import position_ids_from_mask
+
+    return {"input_ids": ids, "attention_mask": attention, "position_ids": position_ids_from_mask(attention),
+            "responses": ids[:, tp:], "response_mask": loss[:, tp:]}
 
 
-# =========================================================================== loss
+# =========================================================================== the role: its loss
 
-def masked_nll_sum(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of -log p(token) over loss-mask tokens, number of those tokens).
-
-    Logits at position t predict token t+1, so the targets are ``input_ids[:, 1:]`` weighted by
-    ``loss_mask[:, 1:]``. Sums, not means: the caller divides by the global token count.
-    """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    targets, weights = batch["input_ids"][:, 1:], batch["loss_mask"][:, 1:].float()
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none")
-    return (nll * weights.flatten()).sum(), weights.sum()
+def sft_loss(outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo) -> LossOutput:
+    """Token-mean NLL of one micro-batch's response tokens, divided by the whole global batch's token
+    count (``agg_loss``'s global-batch contract): the micro-batch losses sum to the global mean."""
+    nll = core_algos.agg_loss(-outputs["log_probs"], batch["response_mask"], "token-mean", **info)
+    return LossOutput(nll, {"train/loss": float(nll.detach())}, {})
 
 
-# =========================================================================== distributed set-up
+# =========================================================================== trainer
 
-def _pick_device(wanted: str) -> torch.device:
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise SFTConfigError("trainer.device=cuda but CUDA is not available; use trainer.device=cpu or auto")
-    if wanted == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+def _join_process_group(trainer_cfg: Any) -> tuple[Any, bool]:
+    """Rank, device and process group the way every worker gets them (``single_controller``):
+    torchrun's variables when it launched several ranks, else one rank in this process. Returns
+    the worker and whether this call created the group (and so should destroy it)."""
+    from rlfoundry.single_controller.base.worker import Worker, WorkerRuntime
+    from rlfoundry.single_controller.local import set_rank_env
 
-
-def _init_distributed(device: torch.device) -> bool:
-    """Join torchrun's group (``WORLD_SIZE`` set) or make a one-rank group in-process; FSDP2 needs a
-    group even alone. Returns whether this call created it (and so should destroy it)."""
-    if dist.is_initialized():
-        return False
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=float(os.environ.get("RLFOUNDRY_DIST_TIMEOUT_S", "600")))
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-    else:  # an in-memory store: no port to pick, nothing to clash with a parallel run
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        set_rank_env(ROLE)  # one rank here: a fresh rendezvous on loopback
+    worker = Worker(WorkerRuntime(device=trainer_cfg.device, dist_timeout_s=float(trainer_cfg.dist_timeout_s)))
+    owns = not dist.is_initialized()
+    worker.init_distributed()
+    return worker, owns
 
 
 def _seed_everything(seed: int) -> None:
@@ -362,25 +278,13 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# =========================================================================== trainer
-
 class SFTTrainer:
-    """Builds data, model (FSDP2), optimiser and tracker from a validated config; ``fit()`` trains."""
+    """Builds data, engine (FSDP2) and tracker from a validated config; ``fit()`` trains."""
 
     def __init__(self, config: DictConfig) -> None:
         self.config = config
-        if config.trainer.get("tune_malloc", True):
-            from rlfoundry.utils.malloc import tune_malloc
-
-            tune_malloc()
-        self.device = _pick_device(config.trainer.device)
-        self._owns_group = _init_distributed(self.device)
+        worker, self._owns_group = _join_process_group(config.trainer)
+        self.rank, self.world_size, self.device = worker.rank, worker.world_size, worker.device
         try:
             self._setup(config)
         except BaseException:  # a bad data file must not leave a process group behind
@@ -389,7 +293,6 @@ class SFTTrainer:
             raise
 
     def _setup(self, config: DictConfig) -> None:
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         validate_sft_config(config, self.world_size)
         _seed_everything(config.trainer.seed)
         if config.model.external_lib:
@@ -398,9 +301,9 @@ class SFTTrainer:
         self.tokenizer = self._build_tokenizer()
         self.train_loader, self.val_loader = self._build_loaders()
         self.total_steps = self._total_steps()
-        self.model = self._build_model()
-        self.optimizer, self.lr_scheduler = self._build_optimizer()
-        self.global_step = 0
+        self.engine = self._build_engine()
+        self.resumed_from = self._resume_path()
+        self.global_step = self._load_checkpoint(self.resumed_from)
         self.tracking = self._build_tracking()
         from rlfoundry.utils.profiler import StepProfiler
 
@@ -411,13 +314,13 @@ class SFTTrainer:
     def _build_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        from rlfoundry.engines.fsdp.utils import resolve_model_path
+        from rlfoundry.models.hf import resolve_model_path
 
         path = resolve_model_path(self.config.model.partial_pretrain)
         if not (path / "config.json").is_file():  # else transformers tries the hub and says "repo id"
-            raise SFTConfigError(f"model.partial_pretrain={self.config.model.partial_pretrain!r} is not a local "
-                                 "Hugging Face model directory (no config.json); no hub downloads happen here "
-                                 "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
+            raise ConfigError(f"model.partial_pretrain={self.config.model.partial_pretrain!r} is not a local "
+                              "Hugging Face model directory (no config.json); no hub downloads happen here "
+                              "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
         if self.config.data.chat_template:
             tokenizer.chat_template = self.config.data.chat_template
@@ -459,29 +362,27 @@ class SFTTrainer:
         total = self.config.trainer.total_training_steps
         return int(total) if total is not None else per_epoch * self.config.trainer.total_epochs
 
-    def _build_model(self) -> torch.nn.Module:
-        from rlfoundry.models.cpu_linear import use_onednn_linear
-        from rlfoundry.engines.fsdp.utils import apply_fsdp2, load_hf_model
+    def _build_engine(self) -> Any:
+        from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+        from rlfoundry.models import cpu_kernels
 
-        m, fsdp = self.config.model, self.config.model.fsdp_config
-        model = load_hf_model(m.partial_pretrain, "causal_lm", torch_dtype=fsdp.model_dtype,
-                              trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
-                              enable_gradient_checkpointing=m.enable_gradient_checkpointing)
-        if m.cpu_linear == "onednn":
-            use_onednn_linear(model, self.device)
-        return apply_fsdp2(model, self.device, param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype,
-                           param_offload=fsdp.offload_params, reshard_after_forward=fsdp.reshard_after_forward)
+        m, fsdp, o = self.config.model, self.config.model.fsdp_config, self.config.optim
+        if cpu_kernels.enabled(m.cpu_kernels, self.device):
+            from rlfoundry.utils.malloc import tune_malloc
 
-    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, Any]:
-        from rlfoundry.engines.fsdp.utils import build_lr_scheduler, build_optimizer
-
-        o = self.config.optim
-        # verl's SFT key names -> the RL actor's (what fsdp_utils reads).
-        optim_cfg = {"lr": o.lr, "betas": list(o.betas), "weight_decay": o.weight_decay, "eps": o.eps,
-                     "lr_warmup_steps_ratio": o.warmup_steps_ratio, "lr_scheduler_type": o.lr_scheduler,
-                     "min_lr_ratio": o.min_lr_ratio}
-        optimizer = build_optimizer(self.model, optim_cfg)
-        return optimizer, build_lr_scheduler(optimizer, optim_cfg, self.total_steps)
+            tune_malloc()  # one of the CPU speed-ups: glibc keeps freed activation memory
+        # verl's SFT optim keys -> the engine's (the RL actor's names)
+        optim = {"lr": o.lr, "betas": list(o.betas), "weight_decay": o.weight_decay, "eps": o.eps,
+                 "lr_warmup_steps_ratio": o.warmup_steps_ratio, "lr_scheduler_type": o.lr_scheduler,
+                 "min_lr_ratio": o.min_lr_ratio, "total_training_steps": self.total_steps}
+        config = FSDPEngineConfig(
+            path=str(m.partial_pretrain), dtype=fsdp.model_dtype, trust_remote_code=m.trust_remote_code,
+            override_config=dict(m.override_config), gradient_checkpointing=m.enable_gradient_checkpointing,
+            param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.offload_params,
+            reshard_after_forward=fsdp.reshard_after_forward, optim=optim, grad_clip=o.clip_grad,
+            cpu_kernels=m.cpu_kernels, use_remove_padding=self.config.use_remove_padding,
+        )
+        return FSDPEngine.build(config, self.device, role=ROLE)
 
     def _build_tracking(self) -> Any:
         if self.rank != 0:
@@ -489,92 +390,102 @@ class SFTTrainer:
         from rlfoundry.utils.tracking import Tracking
 
         t = self.config.trainer
-        return Tracking(t.project_name, t.experiment_name, list(t.logger), config=self.config,
-                        run_dir=self.run_dir, total_training_steps=self.total_steps)
+        return Tracking(t.project_name, t.experiment_name, t.logger, config=self.config, run_dir=self.run_dir,
+                        total_training_steps=self.total_steps, resume_step=self.global_step or None)
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _to_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+    def _on_device(self, batch: Mapping[str, torch.Tensor]) -> DataProto:
+        return DataProto.from_dict({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
 
-    def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.detach().to(self.device, torch.float32)
+    def _all_reduce(self, *values: float) -> list[float]:
+        """Sums over ranks (float64 on the CPU: gloo carries it on every back end)."""
+        total = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
-            dist.all_reduce(value)
-        return value
+            dist.all_reduce(total)
+        return total.tolist()
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One optimiser step on this rank's share of the global batch, in micro-batches."""
-        self.model.train()
-        micro = self.config.data.micro_batch_size_per_gpu
-        n_chunks = math.ceil(len(batch["input_ids"]) / micro)
-        global_tokens = self._all_reduce(batch["loss_mask"][:, 1:].sum()).clamp(min=1.0)
-        nll_total = torch.zeros((), device=self.device)
-        for i in range(n_chunks):
-            chunk = self._to_device({k: v[i * micro:(i + 1) * micro] for k, v in batch.items()})
-            # Skip the gradient all-reduce on all but the last micro-batch (plain gradient accumulation).
-            self.model.set_requires_gradient_sync(i == n_chunks - 1)
-            nll_sum, _ = masked_nll_sum(self.model, chunk)
-            # FSDP averages gradients over ranks; x world_size / global tokens makes the result the
-            # gradient of the token mean over the global batch, whatever the micro-batch split.
-            (nll_sum * self.world_size / global_tokens).backward()
-            nll_total += nll_sum.detach()
-        return self._optimizer_step(self._all_reduce(nll_total) / global_tokens, global_tokens)
-
-    def _optimizer_step(self, loss: torch.Tensor, tokens: torch.Tensor) -> dict[str, float]:
-        from rlfoundry.engines.fsdp.utils import clip_grad_norm_
-
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.optim.clip_grad)
-        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (before the scheduler moves it)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:  # a NaN/inf gradient would poison the weights: skip the step, say so
-            warnings.warn(f"step {self.global_step}: gradient norm is {grad_norm}; optimiser step skipped")
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        return {"train/loss": loss.item(), "train/lr": lr, "train/grad_norm": grad_norm,
-                "train/response_tokens": tokens.item()}
+        plan = UpdatePlan(micro=MicroBatching(self.config.data.micro_batch_size_per_gpu))
+        out = self.engine.train_batch(self._on_device(batch), LogProbs(), sft_loss, plan)
+        lr = self.engine.step_lr_scheduler()  # the lr this step used
+        (tokens,) = self._all_reduce(float(batch["response_mask"].sum()))
+        return {"train/loss": out["train/loss"][0], "train/lr": lr, "train/grad_norm": out[f"{ROLE}/grad_norm"][0],
+                "train/response_tokens": tokens}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Token-mean response NLL over the validation set (``val/loss``); {} when there is none."""
         if self.val_loader is None:
             return {}
-        self.model.eval()
-        nll, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        nll, tokens = 0.0, 0.0
         for batch in self.val_loader:
-            s, n = masked_nll_sum(self.model, self._to_device(batch))
-            nll, tokens = nll + s, tokens + n
-        return {"val/loss": (self._all_reduce(nll) / self._all_reduce(tokens).clamp(min=1.0)).item()}
+            data = self._on_device(batch)
+            log_probs = self.engine.infer_batch(data, LogProbs(), MicroBatching(len(data)))["log_probs"]
+            mask = data.batch["response_mask"]
+            nll, tokens = nll - float((log_probs * mask).sum()), tokens + float(mask.sum())
+        nll, tokens = self._all_reduce(nll, tokens)
+        return {"val/loss": nll / max(tokens, 1.0)}
 
     # ---- checkpoints ----------------------------------------------------------------------
 
     def save_checkpoint(self, step: int) -> Path:
-        """``default_local_dir/global_step_N`` as a Hugging Face directory (model + tokenizer),
-        then ``latest_checkpointed_iteration.txt``, written last so it only names complete saves."""
-        from rlfoundry.engines.checkpoint import save_hf_model
+        """``global_step_N/sft`` (the engine's resumable state) and the model as a Hugging Face
+        directory in ``global_step_N`` itself; then, on rank 0, the step marker and the
+        ``latest_checkpointed_iteration.txt`` pointer, and retention (``trainer.max_ckpt_to_keep``)."""
+        step_dir = self.run_dir / ckpt.STEP_DIR_FORMAT.format(step)
+        self.engine.save_checkpoint(str(step_dir / ROLE), {"global_step": step}, tokenizer=self.tokenizer)
+        self._export_hf(step_dir)
+        if self.rank == 0:
+            ckpt.write_latest_checkpointed_iteration(self.run_dir, step)
+            ckpt.remove_old_checkpoints(self.run_dir, self.config.trainer.max_ckpt_to_keep)
+        dist.barrier()
+        return step_dir
 
-        path = self.run_dir / f"global_step_{step}"
-        config = self.model.config
-        # Training runs without a KV cache; the exported model is for inference, where it wants one.
-        config.use_cache = True
+    def _export_hf(self, step_dir: Path) -> None:
+        """Full weights + config + tokenizer into ``step_dir`` (a staging directory whose files move
+        up; the step marker written next lists them with their sizes and checksums)."""
+        staging = step_dir / "huggingface"
+        config = self.engine.module.config
+        config.use_cache = True  # training runs without a KV cache; the exported model is for inference
         try:
-            save_hf_model(self.model, self.tokenizer, path)
+            self.engine.save_hf_model(str(staging), self.tokenizer)
         finally:
             config.use_cache = False
         if self.rank == 0:
-            _write_text_atomically(self.run_dir / "latest_checkpointed_iteration.txt", str(step))
-            self._remove_old_checkpoints()
+            for f in staging.iterdir():
+                os.replace(f, step_dir / f.name)
+            staging.rmdir()
+            fsync_dir(step_dir)
+
+    def _resume_path(self) -> Path | None:
+        """The step to resume from (``trainer.resume_mode``), its files checked against the sizes and
+        checksums recorded at save time; ``auto`` skips a damaged step for the newest intact one."""
+        t = self.config.trainer
+        if t.resume_mode == "disable":
+            return None
+        if self.rank == 0:
+            ckpt.cleanup_partial_checkpoints(self.run_dir)  # debris of a save killed half-way
+        dist.barrier()
+        if t.resume_mode == "auto":
+            found = ckpt.find_latest_ckpt_path(self.run_dir, verify=True)
+            return Path(found) if found else None
+        path = Path(t.resume_from_path).expanduser()
+        if not ckpt.is_complete_step_dir(path) or not (path / ROLE).is_dir():
+            raise ConfigError(f"trainer.resume_from_path={path} is not a complete rlfoundry sft checkpoint "
+                              f"(a global_step_N directory with a step marker and an {ROLE}/ directory)")
+        ckpt.verify_step_dir(path)
         return path
 
-    def _remove_old_checkpoints(self) -> None:
-        keep = self.config.trainer.max_ckpt_to_keep
-        if not keep or keep <= 0:
-            return
-        steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in self.run_dir.glob("global_step_*")
-                       if p.is_dir() and p.name.rsplit("_", 1)[1].isdigit())
-        for old in steps[:-keep]:
-            shutil.rmtree(self.run_dir / f"global_step_{old}", ignore_errors=True)
+    def _load_checkpoint(self, path: Path | None) -> int:
+        """Model, optimiser, schedule and RNG from ``path``; returns its step (0: a fresh start)."""
+        if path is None:
+            return 0
+        extra = self.engine.load_checkpoint(str(path / ROLE))
+        if self.rank == 0:
+            print(f"[rlfoundry sft] resuming from {path}")
+        return int(extra["global_step"])
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -587,7 +498,7 @@ class SFTTrainer:
         timing: dict[str, float] = {}
         with self.profiler.step(self.global_step), marked_timer("step", timing):
             metrics = self.train_step(batch)
-        tokens = self._all_reduce(batch["attention_mask"].sum()).item()
+        (tokens,) = self._all_reduce(float(batch["attention_mask"].sum()))
         metrics |= {"training/global_step": self.global_step, "training/epoch": epoch,
                     "timing_s/step": timing["step"], "perf/total_num_tokens": tokens,
                     "perf/throughput": tokens / (timing["step"] * self.world_size)}
@@ -602,25 +513,32 @@ class SFTTrainer:
             summary = self._finish(time.monotonic() - started)
         return summary | {"metrics": metrics, "checkpoint": last_ckpt}
 
-    def _train_loop(self) -> tuple[dict[str, float], Path | None]:
-        t, metrics, last_ckpt, epoch = self.config.trainer, {}, None, 0
-        while self.global_step < self.total_steps:
+    def _batches(self) -> Any:
+        """(epoch, batch) from the step after ``global_step`` on: a resumed run sees the same
+        batches as an uninterrupted one (the sampler's order is a function of seed and epoch)."""
+        epoch, skip = divmod(self.global_step, len(self.train_loader))
+        while True:
             self.train_loader.sampler.set_epoch(epoch)
-            for batch in self.train_loader:
-                self.global_step += 1
-                metrics = self._step_metrics(batch, epoch)
-                if self._due(t.test_freq, self.global_step):
-                    metrics |= self.validate()
-                if self._due(t.save_freq, self.global_step):
-                    last_ckpt = self.save_checkpoint(self.global_step)
-                if self.tracking is not None:
-                    self.tracking.log(metrics, self.global_step)
-                if self.global_step >= self.total_steps:
-                    break
-            epoch += 1
+            for batch in itertools.islice(self.train_loader, skip, None):
+                yield epoch, batch
+            epoch, skip = epoch + 1, 0
+
+    def _train_loop(self) -> tuple[dict[str, float], Path | None]:
+        t, metrics, last_ckpt = self.config.trainer, {}, self.resumed_from
+        batches = self._batches()
+        while self.global_step < self.total_steps:
+            epoch, batch = next(batches)
+            self.global_step += 1
+            metrics = self._step_metrics(batch, epoch)
+            if self._due(t.test_freq, self.global_step):
+                metrics |= self.validate()
+            if self._due(t.save_freq, self.global_step):
+                last_ckpt = self.save_checkpoint(self.global_step)
+            if self.tracking is not None:
+                self.tracking.log(metrics, self.global_step)
         if self.rank == 0:
-            loss = ", ".join(f"{k} {metrics[k]:.4f}" for k in ("train/loss", "val/loss") if k in metrics)
-            print(f"[rlfoundry sft] {self.global_step} steps; {loss}; model: {last_ckpt}; "
+            loss = "".join(f"; {k} {metrics[k]:.4f}" for k in ("train/loss", "val/loss") if k in metrics)
+            print(f"[rlfoundry sft] {self.global_step} steps{loss}; model: {last_ckpt}; "
                   f"metrics: {self.tracking.metrics_path}")
         return metrics, last_ckpt
 
@@ -640,12 +558,12 @@ def run_sft(overrides: Sequence[str] = ()) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__ + "\nKeys and defaults (" + str(CONFIG_FILE) + "):\n\n" + CONFIG_FILE.read_text())
+        print(__doc__ + "\nKeys and defaults (rlfoundry/config/sft_schema.py):\n\n"
+              + OmegaConf.to_yaml(OmegaConf.structured(SFTConfig)))
         return 0
     try:
-        config = load_sft_config(argv)
-        SFTTrainer(config).fit()
-    except (SFTConfigError, SFTDataError) as e:  # people's mistakes: the message, not a traceback
+        run_sft(argv)
+    except (ConfigError, SFTDataError) as e:  # people's mistakes: the message, not a traceback
         print(f"rlfoundry sft: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return 0

@@ -1,19 +1,24 @@
-"""rlfoundry sft: the loss mask, the loss itself, learning, invariance, HF output, config errors."""
+"""rlfoundry sft: the loss mask and batch layout, the loss itself (against the formula it replaced),
+learning, invariance, checkpoints (HF output, retention, resume), config errors."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlfoundry.engines.base import GlobalBatchInfo, LogProbs
+from rlfoundry.engines.fsdp.forward import CausalLMForward
 from rlfoundry.models.tiny import build_tokenizer
+from rlfoundry.trainer.config import ConfigError
 from rlfoundry.trainer.sft_trainer import (
-    SFTConfigError,
     SFTDataError,
     SFTTrainer,
     collate_sft,
@@ -21,8 +26,7 @@ from rlfoundry.trainer.sft_trainer import (
     load_pairs,
     load_sft_config,
     main,
-    masked_nll_sum,
-    synthetic_pairs,
+    sft_loss,
 )
 
 
@@ -34,7 +38,7 @@ def _overrides(model_dir, run_dir, *extra: str) -> list[str]:
             "trainer.device=cpu", *extra]
 
 
-# --------------------------------------------------------------------------- the loss mask
+# --------------------------------------------------------------------------- the loss mask and layout
 
 def test_loss_mask_covers_response_and_eos_only():
     tok = build_tokenizer()
@@ -57,6 +61,25 @@ def test_truncation_modes():
     assert right["loss_mask"].sum() == 0  # only prompt left: nothing to learn from this row
 
 
+def test_batch_is_the_rl_layout():
+    tok, pad = build_tokenizer(), 0
+    rows = [encode_pair(tok, [{"role": "user", "content": "1+1="}], "2", 64),   # 23 prompt + 2 response tokens
+            encode_pair(tok, [{"role": "user", "content": "10+10="}], "20", 64)]  # 25 prompt + 3 response tokens
+    # a row that is all response (left truncation ate the prompt): its first token becomes the
+    # prompt, since nothing predicts it (the loss it replaced skipped token 0 as well)
+    rows.append({"input_ids": torch.tensor([7, 8, 9]), "loss_mask": torch.tensor([1, 1, 1])})
+    b = collate_sft(rows, pad)
+    assert b["input_ids"].shape == (3, 25 + 3) and b["responses"].shape == (3, 3)
+    assert b["attention_mask"][:, :25].sum(-1).tolist() == [23, 25, 1]  # prompts end at column 25 ...
+    assert b["attention_mask"][0, :2].tolist() == [0, 0]  # ... left-padded
+    assert b["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 0]]  # responses right-padded
+    assert b["responses"][2].tolist() == [8, 9, pad] and b["input_ids"][2, 24].item() == 7
+    assert b["position_ids"][1].tolist() == list(range(28))  # the full row: 0 .. 27
+    assert b["position_ids"][0, 2:27].tolist() == list(range(25)) and b["position_ids"][0, :2].tolist() == [0, 0]
+
+
+# --------------------------------------------------------------------------- the loss
+
 class _UniformLM(torch.nn.Module):
     """Zero logits over V tokens: every target costs exactly log V nats."""
 
@@ -64,20 +87,69 @@ class _UniformLM(torch.nn.Module):
         super().__init__()
         self.vocab = vocab
 
-    def forward(self, input_ids, attention_mask):
-        return type("Out", (), {"logits": torch.zeros(*input_ids.shape, self.vocab)})()
+    def forward(self, input_ids, logits_to_keep=0, **_):
+        return type("Out", (), {"logits": torch.zeros(len(input_ids), logits_to_keep, self.vocab)})()
 
 
-def test_nll_counts_response_tokens_only():
+def _info(batch) -> GlobalBatchInfo:
+    mask = batch["response_mask"]
+    return GlobalBatchInfo(dp_size=1, batch_num_tokens=float(mask.sum()), global_batch_size=float((mask.sum(-1) > 0).sum()))
+
+
+def _sft_loss_of(module, batch, info=None):
+    forward = CausalLMForward(module, 1, None, use_remove_padding=False, use_shared_prompt=False)
+    return sft_loss(forward(batch, LogProbs(), None), batch, info or _info(batch))
+
+
+def test_loss_counts_response_tokens_only():
     tok = build_tokenizer()
     rows = [encode_pair(tok, [{"role": "user", "content": "1+1="}], "2", 64),
             encode_pair(tok, [{"role": "user", "content": "10+10="}], "20", 64)]
     batch = collate_sft(rows, tok.pad_token_id)
-    # row 0: "2"+EOS = 2 targets; row 1: "20"+EOS = 3 targets; row 0's 2 pad tokens count for nothing.
-    nll, count = masked_nll_sum(_UniformLM(len(tok)), batch)
-    assert count.item() == 5
-    assert nll.item() == pytest.approx(5 * math.log(len(tok)), rel=1e-5)
-    assert batch["attention_mask"][0].tolist()[-2:] == [0, 0] and batch["loss_mask"][0].sum() == 2
+    # row 0: "2"+EOS = 2 targets; row 1: "20"+EOS = 3 targets; row 0's padding counts for nothing.
+    assert batch["response_mask"].sum() == 5
+    out = _sft_loss_of(_UniformLM(len(tok)), batch)
+    assert out.loss.item() == pytest.approx(math.log(len(tok)), rel=1e-6)  # the mean of 5 x log V
+    assert out.summed["train/loss"] == pytest.approx(math.log(len(tok)), rel=1e-6)
+
+
+def _old_masked_nll_sum(model, rows, pad_id):
+    """The formula rlfoundry sft used before it ran on the engine, as it was written: rows right-padded,
+    logits at t predict token t+1, targets ``input_ids[:, 1:]`` weighted by ``loss_mask[:, 1:]``."""
+    length = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), length), pad_id)
+    attention, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n], attention[i, :n], loss_mask[i, :n] = r["input_ids"], 1, r["loss_mask"]
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    weights = loss_mask[:, 1:].float()
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    return (nll * weights.flatten()).sum(), weights.sum()
+
+
+def test_loss_and_gradient_equal_the_formula_they_replaced(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pairs = [("1+1=", "2"), ("10+10=", "20"), ("37-48=", "-11"), ("5*5=", "The answer is 25.")]
+    rows = [encode_pair(tok, [{"role": "user", "content": q}], a, 64) for q, a in pairs]
+    old_model, new_model = (AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+                            for _ in range(2))
+    nll_sum, count = _old_masked_nll_sum(old_model, rows, tok.pad_token_id)
+    (nll_sum / count).backward()
+    new = _sft_loss_of(new_model, collate_sft(rows, tok.pad_token_id))
+    new.loss.backward()
+    # hand-check: 4 responses of 1+1, 2+1, 3+1 and 17+1 tokens (EOS included) = 27 targets, and the
+    # loss is their mean NLL; HF's own labels=-100 loss over the same targets says the same
+    assert count.item() == 27
+    b = collate_sft(rows, tok.pad_token_id)
+    targets = torch.cat([torch.zeros_like(b["input_ids"][:, : -b["responses"].shape[1]]), b["response_mask"]], 1)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(
+        input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
+        labels=b["input_ids"].masked_fill(targets == 0, -100)).loss
+    assert new.loss.item() == pytest.approx((nll_sum / count).item(), rel=1e-6)
+    assert new.loss.item() == pytest.approx(hf.item(), rel=1e-6)
+    for (name, p_old), p_new in zip(old_model.named_parameters(), new_model.parameters()):
+        torch.testing.assert_close(p_new.grad, p_old.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # --------------------------------------------------------------------------- training
@@ -90,30 +162,36 @@ def test_sft_steps_lower_the_loss_on_a_fixed_batch(tiny_model_dir, tmp_path):
     trainer = SFTTrainer(load_sft_config(_overrides(tiny_model_dir, tmp_path)))
     try:
         batch = _fixed_batch(trainer)
-        losses = [trainer.train_step(batch)["train/loss"] for _ in range(6)]
+        metrics = [trainer.train_step(batch) for _ in range(6)]
     finally:
         trainer._finish(0.0)
+    losses = [m["train/loss"] for m in metrics]
     assert losses[0] > math.log(200), "an untrained model should be near uniform over ~260 tokens"
     assert losses[-1] < losses[0] - 0.5, losses  # 6 steps at lr 1e-3 drop it by ~0.9 nats
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert metrics[0]["train/lr"] == 1e-3 and metrics[0]["train/grad_norm"] > 0
+    assert metrics[0]["train/response_tokens"] == batch["response_mask"].sum()
 
 
-def _one_step_params(model_dir, run_dir, micro: int) -> tuple[float, torch.Tensor]:
-    trainer = SFTTrainer(load_sft_config(_overrides(model_dir, run_dir, f"data.micro_batch_size_per_gpu={micro}")))
+def _one_step_params(model_dir, run_dir, *extra: str) -> tuple[float, torch.Tensor]:
+    trainer = SFTTrainer(load_sft_config(_overrides(model_dir, run_dir, *extra)))
     try:
         loss = trainer.train_step(_fixed_batch(trainer))["train/loss"]
-        weight = trainer.model.lm_head.weight.full_tensor().detach().clone()
+        weight = trainer.engine.module.lm_head.weight.full_tensor().detach().clone()
     finally:
         trainer._finish(0.0)
     return loss, weight
 
 
-def test_update_does_not_depend_on_micro_batch_size(tiny_model_dir, tmp_path):
-    # The loss is normalised by the global batch's token count, so 1 x 16 and 4 x 4 give one update.
-    loss16, w16 = _one_step_params(tiny_model_dir, tmp_path / "a", 16)
-    loss4, w4 = _one_step_params(tiny_model_dir, tmp_path / "b", 4)
-    assert loss16 == pytest.approx(loss4, rel=1e-5)
+def test_update_does_not_depend_on_micro_batch_size_or_cpu_kernels(tiny_model_dir, tmp_path):
+    # The loss is normalised by the global batch's token count, so 1 x 16 and 4 x 4 give one update;
+    # and the CPU speed-ups (model.cpu_kernels=auto on the CPU) compute what the plain path does.
+    loss16, w16 = _one_step_params(tiny_model_dir, tmp_path / "a", "data.micro_batch_size_per_gpu=16")
+    loss4, w4 = _one_step_params(tiny_model_dir, tmp_path / "b", "data.micro_batch_size_per_gpu=4")
+    plain, w_plain = _one_step_params(tiny_model_dir, tmp_path / "c", "model.cpu_kernels=off")
+    assert loss16 == pytest.approx(loss4, rel=1e-5) and loss16 == pytest.approx(plain, rel=1e-5)
     torch.testing.assert_close(w16, w4, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w16, w_plain, rtol=1e-4, atol=1e-6)
 
 
 def test_fit_writes_hf_checkpoint_that_reloads(tiny_model_dir, tmp_path):
@@ -122,18 +200,24 @@ def test_fit_writes_hf_checkpoint_that_reloads(tiny_model_dir, tmp_path):
         batch = _fixed_batch(trainer)
         trainer.train_step(batch)
         path = trainer.save_checkpoint(1)
-        trainer.model.eval()
+        model = trainer.engine.module.eval()
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
         with torch.no_grad():
-            expected = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            expected = model(**inputs).logits
     finally:
         trainer._finish(0.0)
+    assert path == tmp_path / "global_step_1"
     reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
     assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     with torch.no_grad():
-        got = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = reloaded(**inputs).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert AutoTokenizer.from_pretrained(path).eos_token == "<|im_end|>"
+    assert reloaded.config.use_cache, "the exported model is for inference"
+    # the step protocol PPO uses: training state in a role directory, step marker, then the pointer
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert (path / "sft" / "checkpoint_complete.json").is_file() and (path / "step_complete.json").is_file()
+    assert "model.safetensors" in json.loads((path / "step_complete.json").read_text())["manifest"]
 
 
 def test_main_runs_end_to_end_with_jsonl_and_tracking(tiny_model_dir, tmp_path):
@@ -145,9 +229,34 @@ def test_main_runs_end_to_end_with_jsonl_and_tracking(tiny_model_dir, tmp_path):
     assert main(args) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # 32 rows / 16 per step x 2 epochs
-    assert "val/loss" in records[-1] and {"train/loss", "train/lr"} <= records[0].keys()
+    assert "val/loss" in records[-1] and {"train/loss", "train/lr", "train/grad_norm"} <= records[0].keys()
     assert AutoModelForCausalLM.from_pretrained(run_dir / "global_step_4") is not None
     assert [p.name for p in (run_dir / "profile").iterdir()] == ["sft_rank0_step2.pt.trace.json"]
+
+
+def _run(model_dir, run_dir, *extra: str) -> tuple[dict, torch.Tensor]:
+    trainer = SFTTrainer(load_sft_config(_overrides(model_dir, run_dir, "data.micro_batch_size_per_gpu=8",
+                                                    "trainer.total_training_steps=3", "trainer.save_freq=1", *extra)))
+    summary = trainer.fit()
+    return summary, trainer.engine.module.lm_head.weight.full_tensor().detach().clone()
+
+
+def test_retention_and_resume_give_the_same_next_step(tiny_model_dir, tmp_path):
+    # 64 pairs / 16 per step: step 3 lies in the first epoch; a cosine schedule with warm-up, so the
+    # resumed schedule must also be right.
+    extra = ("optim.lr_scheduler=cosine", "optim.warmup_steps_ratio=0.4", "trainer.max_ckpt_to_keep=2")
+    full, w_full = _run(tiny_model_dir, tmp_path, *extra)
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    shutil.rmtree(tmp_path / "global_step_3")  # as if the run had died during step 3
+    resumed, w_resumed = _run(tiny_model_dir, tmp_path, *extra)
+    assert resumed["steps"] == 3 and resumed["checkpoint"] == tmp_path / "global_step_3"
+    assert resumed["metrics"]["train/loss"] == full["metrics"]["train/loss"]
+    assert resumed["metrics"]["train/lr"] == full["metrics"]["train/lr"]
+    torch.testing.assert_close(w_resumed, w_full, rtol=0, atol=0)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]  # the record goes on where the checkpoint was
+    again, _ = _run(tiny_model_dir, tmp_path, *extra)  # nothing left to do: the last checkpoint
+    assert again["steps"] == 3 and again["checkpoint"] == tmp_path / "global_step_3"
 
 
 # --------------------------------------------------------------------------- data and config errors
@@ -165,28 +274,26 @@ def test_parquet_with_nested_columns(tmp_path):
 
 
 def test_unknown_key_names_the_closest():
-    with pytest.raises(SFTConfigError, match="Did you mean 'optim.lr'"):
+    with pytest.raises(ConfigError, match="Did you mean 'optim.lr'"):
         load_sft_config(["model.partial_pretrain=x", "optim.lrr=1e-4"])
-    with pytest.raises(SFTConfigError, match="Did you mean 'data.micro_batch_size_per_gpu'"):
+    with pytest.raises(ConfigError, match="Did you mean 'data.micro_batch_size_per_gpu'"):
         load_sft_config(["model.partial_pretrain=x", "data.micro_batch_size_per_gp=4"])
-    with pytest.raises(SFTConfigError, match="expected a int"):
+    with pytest.raises(ConfigError, match="'data.train_batch_size'.*'many' is not valid; expected an integer"):
         load_sft_config(["model.partial_pretrain=x", "data.train_batch_size=many"])
 
 
-def test_batch_sizes_that_do_not_divide_show_the_numbers():
-    with pytest.raises(SFTConfigError, match=r"10 sequences per rank, not divisible by data.micro_batch_size_per_gpu \(4\)"):
+def test_batch_sizes_choices_and_required_keys_are_reported_together():
+    with pytest.raises(ConfigError, match=r"10 sequences per rank, not divisible by data.micro_batch_size_per_gpu \(4\)"):
         load_sft_config(["model.partial_pretrain=x", "data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"])
-    with pytest.raises(SFTConfigError, match="model.partial_pretrain is required"):
-        load_sft_config([])
+    with pytest.raises(ConfigError, match="model.partial_pretrain is required") as e:
+        load_sft_config(["model.cpu_kernels=fast", "trainer.logger=[console,mlflow]"])
+    assert "model.cpu_kernels='fast' must be one of ['auto', 'off']" in str(e.value)
+    assert "trainer.logger entries ['mlflow']" in str(e.value)
 
 
-def test_synthetic_pairs_mix_answer_styles_in_training_only():
-    cfg = load_sft_config(["model.partial_pretrain=x", "data.synthetic.train_size=400", "data.synthetic.val_size=50",
-                           'data.synthetic.sentence_ratio_by_op={"-":1.0}'])
-    train, val = synthetic_pairs(cfg.data.synthetic)
-    assert (len(train), len(val)) == (400, 50)
-    for messages, response in train:  # every subtraction in a sentence, every addition bare
-        subtraction = "-" in messages[0]["content"][1:]
-        assert response.startswith("The answer is ") == subtraction, (messages, response)
-    assert all(r.lstrip("-").isdigit() for _, r in val), "validation answers stay bare (what the verifier checks)"
-    assert synthetic_pairs(cfg.data.synthetic) == (train, val), "seeded"
+def test_command_line_errors_and_help(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["model.partial_pretrain=x", "optim.lrr=1"])
+    assert e.value.code == 2 and "rlfoundry sft: Unknown config key 'optim.lrr'" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "micro_batch_size_per_gpu: 64" in capsys.readouterr().out  # the schema's defaults

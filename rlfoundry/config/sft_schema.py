@@ -1,0 +1,138 @@
+"""Typed schema of ``rlfoundry sft``: verl's ``fsdp_sft_trainer`` key layout, rlfoundry's defaults.
+
+The dataclasses are the only source of the defaults (there is no SFT YAML); they load through the
+same loader as the PPO config (``trainer/config.py``: ``load_typed_config``), so an unknown or
+misspelt key is an error naming the nearest valid key and a wrong type names the expected one.
+A field with a fixed set of values lists them next to it (``choices`` in the field's metadata;
+``choice_errors`` checks them). Keys added by rlfoundry (not in verl) are marked ``# rlfoundry``.
+
+    rlfoundry sft model.partial_pretrain=/models/tiny data.train_files=train.parquet \\
+        data.prompt_key=question data.response_key=answer optim.lr=1e-4 trainer.total_epochs=2
+
+verl's GSM8K SFT command line works as is (nested columns through ``prompt_dict_keys``)::
+
+    data.prompt_key=extra_info data.response_key=extra_info \\
+    +data.prompt_dict_keys=['question'] +data.response_dict_keys=['answer']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional
+
+__all__ = ["SFTConfig", "choice_errors"]
+
+
+def _sub(cls: type) -> Any:
+    return field(default_factory=cls)
+
+
+def _choice(default: str, *allowed: str) -> Any:
+    return field(default=default, metadata={"choices": (default, *allowed)})
+
+
+@dataclass
+class SFTSyntheticConfig:  # rlfoundry: the built-in task used when data.train_files is null
+    task: str = _choice("arithmetic")
+    train_size: int = 4096
+    val_size: int = 128  # drawn first, so seed 0 / 128 is the RL demo's validation set
+    seed: int = 0
+    digits: int = 2  # operands in [0, 10**digits)
+    ops: str = "+-"
+    num_operands: int = 2
+
+
+@dataclass
+class SFTDataConfig:
+    train_files: Any = None  # parquet / jsonl / json files (str or list); null -> data.synthetic
+    val_files: Any = None  # null with synthetic data -> the task's held-out split
+    prompt_key: str = "prompt"  # a string (wrapped as one user message) or a list of chat messages
+    response_key: str = "response"  # a string; the trainer appends the tokenizer's EOS
+    prompt_dict_keys: Optional[List[str]] = None  # e.g. [question]: the prompt is row[prompt_key]['question']
+    response_dict_keys: Optional[List[str]] = None
+    max_length: int = 256  # prompt + response tokens
+    # error | left (drop the start of the prompt) | right (drop the end of the response)
+    truncation: str = _choice("error", "left", "right")
+    chat_template: Optional[str] = None  # a Jinja template replacing the tokenizer's own
+    train_batch_size: int = 64  # sequences per optimiser step, over all ranks
+    micro_batch_size_per_gpu: int = 64  # sequences per forward/backward on one rank (gradient accumulation)
+    shuffle: bool = True
+    synthetic: SFTSyntheticConfig = _sub(SFTSyntheticConfig)  # rlfoundry
+
+
+@dataclass
+class SFTFSDPConfig:
+    model_dtype: str = "fp32"
+    param_dtype: Optional[str] = None  # null: bf16 on CUDA, fp32 on CPU
+    reduce_dtype: Optional[str] = None  # null: fp32
+    offload_params: bool = False  # GPU only
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class SFTModelConfig:
+    partial_pretrain: Optional[str] = None  # local HF directory (or rlfoundry://NAME for a packaged model)
+    trust_remote_code: bool = False
+    enable_gradient_checkpointing: bool = False
+    external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
+    override_config: Dict[str, Any] = field(default_factory=dict)
+    lora_rank: int = 0  # LoRA is not supported: must stay 0
+    # rlfoundry: the CPU speed-ups (models/cpu_kernels.py); auto: on when training on the CPU
+    cpu_kernels: str = _choice("auto", "off")
+    fsdp_config: SFTFSDPConfig = _sub(SFTFSDPConfig)
+
+
+@dataclass
+class SFTOptimConfig:
+    lr: float = 1e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+    warmup_steps_ratio: float = 0.05
+    clip_grad: float = 1.0
+    lr_scheduler: str = _choice("cosine", "constant")
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class SFTTrainerConfig:
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    project_name: str = "rlfoundry-sft"
+    experiment_name: str = "sft"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # null: epochs x steps per epoch; set it to stop earlier (or later)
+    logger: Any = field(default_factory=lambda: ["console", "file"])  # a name or a list of names
+    seed: int = 1
+    save_freq: int = -1  # every N steps (and always at the end); -1: only at the end
+    test_freq: int = -1  # validation loss every N steps (and at the end); -1: only at the end
+    max_ckpt_to_keep: Optional[int] = None  # null: keep every checkpoint
+    # auto: continue from the newest intact checkpoint in default_local_dir, if any
+    resume_mode: str = _choice("auto", "disable", "resume_path")
+    resume_from_path: Optional[str] = None  # a global_step_N directory (resume_mode=resume_path)
+    device: str = _choice("auto", "cpu", "cuda")
+    dist_timeout_s: float = 600.0  # rlfoundry: a collective waiting longer (a dead or stuck peer) fails
+    profile_steps: Optional[List[int]] = None  # e.g. [2]: torch.profiler trace into <default_local_dir>/profile
+    nnodes: int = 1  # ranks come from torchrun (WORLD_SIZE); these two are for verl
+    n_gpus_per_node: int = 1  # command lines and must agree with it when given
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataConfig = _sub(SFTDataConfig)
+    model: SFTModelConfig = _sub(SFTModelConfig)
+    optim: SFTOptimConfig = _sub(SFTOptimConfig)
+    ulysses_sequence_parallel_size: int = 1  # accepted for verl command lines; only 1 is supported
+    use_remove_padding: bool = False  # pack the real tokens of a micro-batch into one row (same loss)
+    trainer: SFTTrainerConfig = _sub(SFTTrainerConfig)
+
+
+def choice_errors(cfg: Any, schema: type = SFTConfig, prefix: str = "") -> list[str]:
+    """``key=value must be one of [...]`` for every field whose value is not among its ``choices``."""
+    errors = []
+    for f in fields(schema):
+        value = getattr(cfg, f.name)
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):  # a subtree
+            errors += choice_errors(value, f.default_factory, f"{prefix}{f.name}.")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            errors.append(f"{prefix}{f.name}={value!r} must be one of {list(f.metadata['choices'])}")
+    return errors
