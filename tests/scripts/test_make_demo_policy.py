@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfoundry.trainer.sft_trainer import load_pairs, load_sft_config
+from rlfoundry.data.sft_dataset import load_pairs
+from rlfoundry.trainer.sft_trainer import load_sft_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_demo_policy.py"
 
