@@ -82,8 +82,7 @@ def _split_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
 def _usage() -> str:
     from rlfoundry.trainer.config import CONFIG_DIR
 
-    # sft_trainer.yaml configures `rlfoundry sft`, not an overlay of ppo_trainer.yaml
-    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem not in ("ppo_trainer", "sft_trainer"))
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "ppo_trainer")
     return USAGE.format(packaged=", ".join(names))
 
 
