@@ -30,4 +30,13 @@ class CheckpointSaveError(RunAbortedError):
 
 
 class CheckpointCorruptError(RunAbortedError):
-    """A checkpoint file no longer matches the size or checksum recorded when it was saved."""
+    """A checkpoint file no longer matches the size or checksum recorded when it was saved.
+
+    ``path`` and ``problem`` (e.g. ``"is missing"``) let a caller that tried several steps list
+    each step's damaged file in one short message.
+    """
+
+    def __init__(self, message: str, path: str | None = None, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.problem = problem

@@ -96,7 +96,8 @@ def test_kill_mid_step_resumes_with_the_same_data_order_and_metrics(tiny_model_d
 def test_a_checkpoint_damaged_after_saving_is_skipped_by_auto_and_named_by_resume_path(
         tiny_model_dir, reward_file, tmp_path):
     """A flipped byte in step 2's actor shard (after it was published): auto resumes from step 1 and
-    says which file it skipped; asking for step 2 by path stops with that file named, no traceback."""
+    says which file it skipped; asking for step 2 by path stops with that file named, no traceback.
+    With every step damaged, auto stops too, rather than train from scratch over them."""
     run_dir = tmp_path / "run"
     assert run_trainer(overrides(tiny_model_dir, run_dir, reward_file, 2), tmp_path / "log0.txt").exitcode == 0
     shard = next((run_dir / "global_step_2" / "actor" / "dcp").glob("*.distcp"))
@@ -116,3 +117,14 @@ def test_a_checkpoint_damaged_after_saving_is_skipped_by_auto_and_named_by_resum
     assert auto.resumed_from_step == 1
     assert f"skipping {run_dir / 'global_step_2'}: checkpoint file {shard}" in auto.log
     assert latest_step(run_dir) == 3
+
+    states = sorted(run_dir.glob("global_step_*/data.pt"))
+    assert len(states) == 3
+    for state in states:
+        state.write_bytes(state.read_bytes()[:-1])
+    stopped = run_trainer(overrides(tiny_model_dir, run_dir, reward_file, 4), tmp_path / "log3.txt")
+    assert stopped.exitcode == 3, stopped.log[-2000:]
+    assert f"CheckpointCorruptError: no intact checkpoint under {run_dir}" in stopped.log
+    assert all(f"{state} has " in stopped.log for state in states)
+    assert "Traceback" not in stopped.log
+    assert latest_step(run_dir) == 3 and sorted(run_dir.glob("global_step_*/data.pt")) == states  # untouched

@@ -327,9 +327,81 @@ def test_auto_resume_skips_a_damaged_newest_step_and_names_the_file(process_grou
         assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) == str(tmp_path / "global_step_1")
     assert str(damaged) in caplog.text
     (tmp_path / "global_step_1" / "data.pt").write_bytes(b"")  # the step's own files are covered too
-    assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) is None
     with pytest.raises(ckpt_dirs.CheckpointCorruptError, match="data.pt has 0 bytes"):
         ckpt_dirs.verify_step_dir(tmp_path / "global_step_1")
+
+
+def test_auto_resume_with_every_step_damaged_is_an_error_listing_them(process_group, tmp_path):
+    """None would mean "train from scratch" in the same directory, over the damaged steps: refuse."""
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) is None  # nothing saved: a fresh start
+    model, optim = _linear()
+    _save_step(tmp_path, 1, model, optim)
+    _save_step(tmp_path, 2, model, optim)
+    _flip_byte(_shard(tmp_path / "global_step_2" / "critic"))
+    (tmp_path / "global_step_1" / "data.pt").write_bytes(b"")
+    with pytest.raises(ckpt_dirs.CheckpointCorruptError, match="no intact checkpoint") as caught:
+        ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True)
+    message = str(caught.value)
+    assert f"{_shard(tmp_path / 'global_step_2' / 'critic')} does not match the SHA-256" in message
+    assert f"{tmp_path / 'global_step_1' / 'data.pt'} has 0 bytes" in message
+    assert "trainer.default_local_dir" in message  # the fix
+    # a step whose role retention removed is neither intact nor damaged: the error stays about step 2
+    ckpt_dirs.remove_old_checkpoints(tmp_path, max_to_keep=1, component="critic")
+    with pytest.raises(ckpt_dirs.CheckpointCorruptError) as caught:
+        ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True)
+    assert "global_step_1" not in str(caught.value) and "global_step_2" in str(caught.value)
+
+
+def test_a_damaged_marker_is_named_and_its_step_is_not_deleted_as_debris(process_group, tmp_path, caplog):
+    model, optim = _linear()
+    _save_step(tmp_path, 1, model, optim)
+    _save_step(tmp_path, 2, model, optim)
+    role_marker = tmp_path / "global_step_2" / "critic" / ckpt_dirs.COMPONENT_MARKER
+    role_marker.write_bytes(role_marker.read_bytes()[:40])  # truncated JSON
+    with pytest.raises(ckpt_dirs.CheckpointCorruptError, match=rf"{role_marker} is not valid JSON"):
+        ckpt.load_checkpoint(role_marker.parent, *_linear())
+    with caplog.at_level("WARNING"):
+        assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) == str(tmp_path / "global_step_1")
+    assert f"{role_marker} is not valid JSON" in caplog.text
+
+    step_marker = tmp_path / "global_step_2" / ckpt_dirs.STEP_MARKER
+    step_marker.write_bytes(b"\xff" + step_marker.read_bytes()[1:])
+    assert ckpt_dirs.cleanup_partial_checkpoints(tmp_path) == []  # finalised once: damage, not debris
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert ckpt_dirs.find_latest_ckpt_path(tmp_path, verify=True) == str(tmp_path / "global_step_1")
+    assert f"{step_marker} is not valid JSON" in caplog.text
+    assert ckpt_dirs.find_latest_ckpt_path(tmp_path) == str(tmp_path / "global_step_1")  # markers only: skipped
+
+
+def test_ppo_resume_selection(process_group, tmp_path, caplog):
+    """RayPPOTrainer._resume_path on real checkpoints: what the trainer loads for each resume_mode."""
+    from types import SimpleNamespace
+
+    from rlfoundry.trainer.config import ConfigError
+    from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    def choose(mode: str, path: Path | None = None):
+        trainer = SimpleNamespace(resume_mode=mode, resume_from_path=str(path) if path else None)
+        fake = SimpleNamespace(config=SimpleNamespace(trainer=trainer), _ckpt_root=lambda: tmp_path)
+        return RayPPOTrainer._resume_path(fake)
+
+    model, optim = _linear()
+    _save_step(tmp_path, 1, model, optim)
+    _save_step(tmp_path, 2, model, optim)
+    assert choose("auto") == str(tmp_path / "global_step_2")
+    damaged = _shard(tmp_path / "global_step_2" / "critic")
+    _flip_byte(damaged)
+    with caplog.at_level("WARNING"):
+        assert choose("auto") == str(tmp_path / "global_step_1")
+    assert f"skipping {tmp_path / 'global_step_2'}: checkpoint file {damaged}" in caplog.text
+    with pytest.raises(ckpt_dirs.CheckpointCorruptError, match=rf"{damaged} does not match the SHA-256"):
+        choose("resume_path", tmp_path / "global_step_2")
+    assert choose("resume_path", tmp_path / "global_step_1") == str(tmp_path / "global_step_1")
+    (tmp_path / "global_step_3" / "critic").mkdir(parents=True)  # a save that never finished
+    with pytest.raises(ConfigError, match="global_step_3 is not a complete checkpoint"):
+        choose("resume_path", tmp_path / "global_step_3")
+    assert choose("disable") is None
 
 
 def test_trainer_state_round_trip(tmp_path):

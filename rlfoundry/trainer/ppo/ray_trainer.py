@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlfoundry.algos import core_algos
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
-from rlfoundry.trainer.config import need_reference_policy, world_size
+from rlfoundry.trainer.config import ConfigError, need_reference_policy, world_size
 from rlfoundry.trainer.metric_utils import (
     compute_data_metrics,
     compute_throughout_metrics,
@@ -513,7 +513,9 @@ class RayPPOTrainer:
     def _resume_path(self) -> str | None:
         """The step to resume from. Its files are checked against the sizes and checksums recorded
         at save time first: ``auto`` skips a damaged step (warning naming the file) for the newest
-        intact one; an explicit ``resume_from_path`` that is damaged stops the run with the file named."""
+        intact one, and stops (CheckpointCorruptError) if every step is damaged rather than train
+        from scratch over them; an explicit ``resume_from_path`` that is damaged stops the run with
+        the file named."""
         from rlfoundry.utils import checkpoint as ckpt
 
         trainer = self.config.trainer
@@ -524,8 +526,9 @@ class RayPPOTrainer:
             return ckpt.find_latest_ckpt_path(self._ckpt_root(), verify=True)
         path = Path(trainer.resume_from_path).expanduser()
         if not ckpt.is_complete_step_dir(path):
-            raise FileNotFoundError(f"trainer.resume_from_path={path} is not a complete checkpoint "
-                                    "(no step marker or a role directory is unfinished); pick another global_step_N.")
+            raise ConfigError(f"trainer.resume_from_path={path} is not a complete checkpoint (no readable step "
+                              "marker, or a role directory is unfinished or was pruned by max_*_ckpt_to_keep); "
+                              "pick another global_step_N, or set trainer.resume_mode=auto.")
         ckpt.verify_step_dir(path)
         return str(path)
 
