@@ -81,9 +81,11 @@ def _export_main(argv: Sequence[str]) -> int:
     parser.add_argument("checkpoint_dir", help="run dir, global_step_N dir, or global_step_N/actor")
     parser.add_argument("hf_dir", help="output Hugging Face model directory")
     args = parser.parse_args(argv)
+    from rlfoundry.utils.errors import CheckpointCorruptError
+
     try:
         out = export(args.checkpoint_dir, args.hf_dir)
-    except ExportError as e:
+    except (ExportError, CheckpointCorruptError) as e:
         print(f"rlfoundry export: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint_dir} -> {out}")

@@ -44,6 +44,7 @@ from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroB
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.config import ConfigError, load_typed_config
 from rlfoundry.utils import checkpoint as ckpt
+from rlfoundry.utils.errors import EXIT_RUN_ABORTED, CheckpointCorruptError
 from rlfoundry.utils.fs import fsync_dir
 from rlfoundry.utils.tracking import SUPPORTED_BACKENDS
 
@@ -430,6 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, SFTDataError) as e:  # people's mistakes: the message, not a traceback
         print(f"rlfoundry sft: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except CheckpointCorruptError as e:  # a damaged checkpoint: which file, and what to do
+        print(f"rlfoundry sft: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_RUN_ABORTED) from None
     return 0
 
 
