@@ -145,8 +145,10 @@ class TrainingEngine(abc.ABC):
         """Model, optimiser, schedule, RNG, the engine's counters and ``extra`` to ``path``. Collective."""
 
     @abc.abstractmethod
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote; returns its ``extra``. Collective."""
+    def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
+        """Restore what ``save_checkpoint`` wrote; returns its ``extra``. Collective. ``verify``:
+        check the files against their recorded sizes and checksums first (skip only when the
+        caller already did)."""
 
     @abc.abstractmethod
     def save_hf_model(self, path: str, tokenizer: Any = None) -> str:

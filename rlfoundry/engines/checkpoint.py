@@ -362,6 +362,7 @@ def load_checkpoint(
     lr_scheduler: Any = None,
     process_group: dist.ProcessGroup | None = None,
     load_rng: bool = True,
+    verify: bool = True,
 ) -> dict:
     """Restore what :func:`save_checkpoint` wrote into an already built model/optimizer/scheduler.
 
@@ -371,7 +372,8 @@ def load_checkpoint(
     """
     path = Path(local_path)
     meta = read_component_marker(path)
-    _verify_shares(path, meta, process_group)
+    if verify:  # False: the caller checked the whole step already (the trainer's resume)
+        _verify_shares(path, meta, process_group)
     if optimizer is not None and not meta.get("has_optimizer", True):
         raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
     # DCP swallows a metadata read error and retries with per-rank files, which would hide the

@@ -347,7 +347,7 @@ class SFTTrainer:
         """Model, optimiser, schedule and RNG from ``path``; returns its step (0: a fresh start)."""
         if path is None:
             return 0
-        extra = self.engine.load_checkpoint(str(path / ROLE))
+        extra = self.engine.load_checkpoint(str(path / ROLE), verify=False)  # the whole step was verified above
         if self.rank == 0:
             print(f"[rlfoundry sft] resuming from {path}")
         return int(extra["global_step"])

@@ -340,10 +340,10 @@ class CriticWorker(Worker):
         return self.engine.save_checkpoint(local_path, {"global_step": int(global_step)}, tokenizer=self.tokenizer)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str) -> int:
+    def load_checkpoint(self, local_path: str, verify: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote; returns the saved global step."""
         self._require_model()
-        return int(self.engine.load_checkpoint(local_path).get("global_step", 0))
+        return int(self.engine.load_checkpoint(local_path, verify=verify).get("global_step", 0))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str) -> str:

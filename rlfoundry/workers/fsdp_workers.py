@@ -283,10 +283,10 @@ class ActorRolloutRefWorker(Worker):
             ckpt.remove_old_checkpoints(path.parent.parent, max_ckpt_to_keep, component=path.name)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str) -> dict[str, Any]:
+    def load_checkpoint(self, local_path: str, verify: bool = True) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote; returns its extra state (``global_step`` …)."""
         self._require(self.actor, "load_checkpoint")
-        extra = self.engine.load_checkpoint(local_path)
+        extra = self.engine.load_checkpoint(local_path, verify=verify)
         if self.rollout is not None and "rollout" in extra:
             self.rollout.load_state_dict(extra["rollout"])
         return extra

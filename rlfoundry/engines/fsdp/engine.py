@@ -227,12 +227,12 @@ class FSDPEngine(TrainingEngine):
             self.offload()
         return str(out)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
         from rlfoundry.engines import checkpoint as ckpt
 
         self.onload()
         try:
-            extra = ckpt.load_checkpoint(path, self._module, self.optimizer, self.lr_scheduler)
+            extra = ckpt.load_checkpoint(path, self._module, self.optimizer, self.lr_scheduler, verify=verify)
         finally:
             self.offload()
         self.load_counters(extra.get("engine") or extra.get(self.role, {}))  # older checkpoints: under the role

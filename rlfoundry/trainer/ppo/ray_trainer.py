@@ -539,9 +539,10 @@ class RayPPOTrainer:
         path = self._resume_path()
         if path is None:
             return
-        self.actor_rollout_wg.load_checkpoint(str(Path(path) / "actor"))
+        # verify=False: _resume_path checked every file of the step already (sizes and checksums)
+        self.actor_rollout_wg.load_checkpoint(str(Path(path) / "actor"), verify=False)
         if self.use_critic:
-            self.critic_wg.load_checkpoint(str(Path(path) / "critic"))
+            self.critic_wg.load_checkpoint(str(Path(path) / "critic"), verify=False)
         state = ckpt.load_trainer_state(Path(path) / TRAINER_STATE_FILE)
         self.state.global_steps = int(state["global_step"])
         self.train_dataloader.load_state_dict(state["dataloader"])
