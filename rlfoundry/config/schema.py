@@ -151,8 +151,9 @@ class ModelConfig:
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
     use_shared_prompt: bool = True  # rlfoundry: the n samples of a prompt share one prompt forward
-    fused_forward: bool = True  # rlfoundry: the shared-prompt forward as one pass of our own where it reproduces HF's
-    cpu_linear: str = "onednn"  # rlfoundry: fp32 nn.Linear on the CPU through oneDNN (or "aten": torch's default)
+    # rlfoundry: the CPU speed-ups (models/cpu_kernels.py): auto = on when the model runs on the CPU,
+    # off = the plain HF/FSDP2 path GPUs take. Choices: trainer/config.py CHOICES (from cpu_kernels.CHOICES).
+    cpu_kernels: str = "auto"
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -235,7 +236,6 @@ class RolloutConfig:
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.5
     ignore_eos: bool = False
-    fused_decode: bool = True  # rlfoundry (hf rollout): lean one-token step for Llama-family models
     enforce_eager: bool = True
     free_cache_engine: bool = True
     load_format: str = "dummy_dtensor"
@@ -287,7 +287,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = True
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
-    cpu_linear: str = "onednn"  # rlfoundry: see ModelConfig.cpu_linear
+    cpu_kernels: str = "auto"  # rlfoundry: see ModelConfig.cpu_kernels
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
     lora_rank: int = 0
@@ -331,7 +331,7 @@ class RewardModelModelConfig:
     external_lib: Optional[str] = None
     use_remove_padding: bool = False
     use_fused_kernels: bool = False
-    cpu_linear: str = "onednn"  # rlfoundry: see ModelConfig.cpu_linear
+    cpu_kernels: str = "auto"  # rlfoundry: see ModelConfig.cpu_kernels
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
 

@@ -114,6 +114,8 @@ VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
               "update_weights_bucket_megabytes")
 )
 
+CPU_KERNEL_CHOICES = ("auto", "off")  # models/cpu_kernels.py checks the same list where the model is built
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.truncation": ("error", "left", "right", "middle"),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
@@ -131,9 +133,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("cuda", "cpu", "auto"),
     "trainer.worker_backend": ("local", "process", "ray", "auto"),
     "trainer.process_start_method": ("auto", "fork", "spawn"),
-    "actor_rollout_ref.model.cpu_linear": ("onednn", "aten"),
-    "critic.model.cpu_linear": ("onednn", "aten"),
-    "reward_model.model.cpu_linear": ("onednn", "aten"),
+    **{f"{model}.cpu_kernels": CPU_KERNEL_CHOICES
+       for model in ("actor_rollout_ref.model", "critic.model", "reward_model.model")},
+}
+# Keys that one switch replaced: an old command line gets the new key named, not a guess.
+REPLACED_KEYS = {
+    **{f"{model}.cpu_linear": f"{model}.cpu_kernels"
+       for model in ("actor_rollout_ref.model", "critic.model", "reward_model.model")},
+    "actor_rollout_ref.model.fused_forward": "actor_rollout_ref.model.cpu_kernels",
+    "actor_rollout_ref.rollout.fused_decode": "actor_rollout_ref.model.cpu_kernels",
 }
 
 
@@ -259,6 +267,9 @@ def parse_overrides(args: Sequence[str]) -> list[Override]:
 
 def _check_key(ov: Override, keys: dict[str, _KeyInfo]) -> None:
     """Reject unknown keys before touching the config, so the message can name the closest key."""
+    if ov.key in REPLACED_KEYS and ov.key not in keys:
+        raise ConfigError(f"'{ov.text}': {ov.key} was replaced by {REPLACED_KEYS[ov.key]} (auto: the CPU "
+                          "speed-ups on when the model runs on the CPU; off: the plain path GPUs take).")
     if ov.key in keys:
         if ov.kind == "delete" and _open_ancestor(ov.key, keys) is None:
             raise ConfigError(f"'{ov.text}': '{ov.key}' is part of the schema and cannot be deleted; set it to null instead.")

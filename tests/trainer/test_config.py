@@ -17,6 +17,7 @@ from rlfoundry.trainer.config import (
     load_config,
     resolve_config,
     schema_keys,
+    validate_config,
 )
 
 
@@ -125,9 +126,13 @@ def test_bad_choice_is_named_with_the_options():
         load_config(["trainer.resume_mode=autoo"])
 
 
-def test_cpu_linear_backend_is_checked_with_its_options():
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.cpu_linear='mkl' is not one of \['onednn', 'aten'\]"):
-        load_config(["actor_rollout_ref.model.cpu_linear=mkl"])
+def test_cpu_kernels_is_checked_with_its_options_and_the_keys_it_replaced_name_it():
+    with pytest.raises(ConfigError, match=r"critic.model.cpu_kernels='fast' is not one of \['auto', 'off'\]"):
+        validate_config(load_config(["critic.model.cpu_kernels=fast"]))
+    assert load_config(["actor_rollout_ref.model.cpu_kernels=off"]).actor_rollout_ref.model.cpu_kernels == "off"
+    for old in ("actor_rollout_ref.model.cpu_linear=aten", "actor_rollout_ref.rollout.fused_decode=false"):
+        with pytest.raises(ConfigError, match=r"was replaced by actor_rollout_ref.model.cpu_kernels \(auto: "):
+            load_config([old])
 
 
 def test_unregistered_estimator_suggests_the_nearest():
