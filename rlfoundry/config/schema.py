@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
+# model.cpu_kernels (models/cpu_kernels.py): the one list of its values; trainer/config.py checks it
+CPU_KERNELS = ("auto", "off")
+
+
 def _sub(cls: type) -> Any:
     return field(default_factory=cls)
 
@@ -152,7 +156,7 @@ class ModelConfig:
     use_remove_padding: bool = False
     use_shared_prompt: bool = True  # rlfoundry: the n samples of a prompt share one prompt forward
     # rlfoundry: the CPU speed-ups (models/cpu_kernels.py): auto = on when the model runs on the CPU,
-    # off = the plain HF/FSDP2 path GPUs take. Choices: trainer/config.py CHOICES (from cpu_kernels.CHOICES).
+    # off = the plain HF/FSDP2 path GPUs take. Values: CPU_KERNELS above.
     cpu_kernels: str = "auto"
     lora_rank: int = 0
     lora_alpha: int = 16

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.config.schema import CPU_KERNELS
+
 __all__ = ["CHOICES", "apply_cpu_kernels", "enabled", "fused_shared_prompt_logits", "normalise"]
 
-CHOICES = ("auto", "off")
+CHOICES = CPU_KERNELS  # one list, beside the config field it constrains
 
 
 def normalise(setting: Any) -> str:

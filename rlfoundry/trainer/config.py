@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlfoundry.config.schema import PPOConfig
+from rlfoundry.config.schema import CPU_KERNELS, PPOConfig
 
 __all__ = [
     "CONFIG_DIR",
@@ -114,8 +114,6 @@ VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
               "update_weights_bucket_megabytes")
 )
 
-CPU_KERNEL_CHOICES = ("auto", "off")  # models/cpu_kernels.py checks the same list where the model is built
-
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.truncation": ("error", "left", "right", "middle"),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
@@ -133,7 +131,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("cuda", "cpu", "auto"),
     "trainer.worker_backend": ("local", "process", "ray", "auto"),
     "trainer.process_start_method": ("auto", "fork", "spawn"),
-    **{f"{model}.cpu_kernels": CPU_KERNEL_CHOICES
+    **{f"{model}.cpu_kernels": CPU_KERNELS
        for model in ("actor_rollout_ref.model", "critic.model", "reward_model.model")},
 }
 # Keys that one switch replaced: an old command line gets the new key named, not a guess.
