@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlfoundry.engines.fsdp import utils as fsdp_utils
 from rlfoundry.engines import checkpoint as ckpt
+from rlfoundry.engines.fsdp import utils as fsdp_utils
+from rlfoundry.models.hf import load_hf_model
 from rlfoundry.utils import checkpoint as ckpt_dirs
 
 
@@ -31,7 +32,7 @@ def process_group():
 
 
 def _fsdp_policy(model_dir: Path):
-    model = fsdp_utils.load_hf_model(model_dir, "causal_lm")
+    model = load_hf_model(model_dir, "causal_lm")
     fsdp_utils.apply_fsdp2(model, "cpu")
     optim = fsdp_utils.build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
     sched = fsdp_utils.build_lr_scheduler(optim, {"lr_warmup_steps": 4, "warmup_style": "cosine"}, total_training_steps=20)
@@ -430,7 +431,7 @@ def test_save_hf_model_loads_with_from_pretrained(process_group, tiny_model_dir,
 def test_a_checkpoint_alone_exports_to_hf(process_group, tiny_critic_dir, tokenizer, tmp_path):
     from transformers import AutoModelForTokenClassification
 
-    model = fsdp_utils.load_hf_model(tiny_critic_dir, "token_classification")
+    model = load_hf_model(tiny_critic_dir, "token_classification")
     fsdp_utils.apply_fsdp2(model, "cpu")
     path = ckpt.save_checkpoint(tmp_path / "global_step_1" / "critic", model, tokenizer=tokenizer)
     out = ckpt.export_hf_from_checkpoint(path, tmp_path / "exported")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from rlfoundry.models.hf import check_model_dir, load_hf_model, resolve_dtype, resolve_model_path  # noqa: F401
+from rlfoundry.models.hf import resolve_dtype
 
 __all__ = [
     "cfg_get",
