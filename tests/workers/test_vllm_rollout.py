@@ -334,7 +334,7 @@ def run(rank, model_dir, port, out_dir):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from rlfoundry.engines.fsdp import utils as fu
-from rlfoundry.models.hf import load_hf_model
+    from rlfoundry.models.hf import load_hf_model
     from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout
     from tests.workers import make_prompts
 
