@@ -1,23 +1,68 @@
 """Typed schema of the PPO trainer config: verl's key layout (FSDP path), one dataclass per subtree.
 
-The dataclasses give every key a type (OmegaConf checks it on every override) and carry **verl's**
-defaults, so ``git diff`` against verl's ``ppo_trainer.yaml`` stays readable. The packaged
-``ppo_trainer.yaml`` next to this file holds *our* defaults (the demo run) and must list exactly the
-same keys: ``tests/trainer/test_config.py`` checks both directions.
+This file is the one source of the defaults. Every key has a type (OmegaConf checks it on every
+override) and rlfoundry's default, and the defaults ARE the demo run: ``rlfoundry train`` with no
+arguments trains the shipped tiny policy (``rlfoundry://arithmetic-policy``) with GRPO on the
+built-in synthetic arithmetic task, on CPU, in a few minutes (with ``data.train_files`` null the
+trainer writes the task's parquet files, seeded by ``data.synthetic.seed``, into
+``<run_dir>/data/``). Any verl command line overrides them::
+
+    rlfoundry train data.train_files=$HOME/data/gsm8k/train.parquet data.val_files=... \\
+        actor_rollout_ref.model.path=/models/Qwen2.5-0.5B-Instruct trainer.device=cuda ...
+
+Where a default differs from verl's, a trailing ``# verl: <value>`` says verl's. Why they differ:
+
+- ``algorithm.adv_estimator`` null: gae when ``critic.model.path`` is set (verl's default, and what
+  verl's PPO scripts mean), grpo otherwise (the demo); ``critic.model.path`` null: no critic unless
+  asked for.
+- ``rollout.name`` hf: runs everywhere; vllm where installed.
+- ``rollout.n`` 8, batch sizes, lengths, learning rates, epochs, save/test frequencies: sized for
+  the demo on 2 CPU cores.
+- ``trainer.device`` auto: cuda when available, else cpu.
+- ``trainer.logger`` console + file: every run leaves ``<run_dir>/metrics.jsonl``.
+- ``data.dataloader_num_workers`` 0: prompt batches are tiny; loader processes only cost start-up.
+
+Field metadata, read by ``config/typed.py``: ``one_of`` lists the values a field accepts (checked at
+start-up and by ``to_typed``); ``follows`` makes a default follow another key, as verl's YAML does
+with ``${...}`` (``critic.ppo_epochs`` is ``actor_rollout_ref.actor.ppo_epochs`` unless set). The
+value given to ``follows`` is the field's default where that key does not exist, i.e. when the
+subtree is used on its own (``to_typed(RolloutConfig, {...})``); it equals what the link gives under
+these defaults, except the two tokenizer paths (null alone: the model's own tokenizer).
 
 Open ``Dict[str, Any]`` fields are the places where verl itself accepts arbitrary sub-keys
 (``override_config``, ``engine_kwargs``, ``reward_kwargs`` ...): ``+key.sub=value`` works there.
-Keys added by rlfoundry (not in verl) are marked ``# rlfoundry``.
+Keys added by rlfoundry (not in verl) are marked ``# rlfoundry``. ``rlfoundry train --cfg job``
+prints the resolved config, ``--help-keys`` every key with its type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
+
+from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
+
+# Value lists that code outside the config also checks against (one list each).
+CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; models/cpu_kernels.py
+START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
+STRATEGIES = ("fsdp", "fsdp2")
+# algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+ROLLOUT_NAMES = tuple(name for name, engine in ROLLOUT_ENGINES.items() if engine.module is not None)
 
 
-# model.cpu_kernels (models/cpu_kernels.py): the one list of its values; trainer/config.py checks it
-CPU_KERNELS = ("auto", "off")
+def one_of(choices: tuple, default: Any) -> Any:
+    """A field that accepts only ``choices``."""
+    assert default in choices, (default, choices)
+    return field(default=default, metadata={"choices": tuple(choices)})
+
+
+def follows(key: str, default: Any, choices: tuple | None = None) -> Any:
+    """A field whose default is the value of ``key`` (a dotted key from the PPOConfig root), or
+    ``default`` where the schema in use has no such key."""
+    metadata = {"follows": key} if choices is None else {"follows": key, "choices": tuple(choices)}
+    return field(default=default, metadata=metadata)
 
 
 def _sub(cls: type) -> Any:
@@ -50,7 +95,7 @@ class SamplerConfig:
 @dataclass
 class SyntheticDataConfig:  # rlfoundry: the built-in task used when data.train_files is null
     task: str = "arithmetic"
-    train_size: int = 2048
+    train_size: int = 640
     val_size: int = 128
     seed: int = 0
 
@@ -59,13 +104,13 @@ class SyntheticDataConfig:  # rlfoundry: the built-in task used when data.train_
 class DataConfig:
     tokenizer: Optional[str] = None
     use_shm: bool = False
-    train_files: Any = None  # str | list[str]; null -> the synthetic task (rlfoundry)
+    train_files: Any = None  # str | list[str]; null -> the synthetic task below, generated into <run_dir>/data (rlfoundry)
     val_files: Any = None
     prompt_key: str = "prompt"
     reward_fn_key: str = "data_source"
-    max_prompt_length: int = 512
-    max_response_length: int = 512
-    train_batch_size: int = 1024
+    max_prompt_length: int = 64  # verl: 512
+    max_response_length: int = 16  # verl: 512
+    train_batch_size: int = 16  # verl: 1024
     val_batch_size: Optional[int] = None  # deprecated in verl: validation runs as one batch
     return_raw_input_ids: bool = False
     return_raw_chat: bool = False
@@ -73,14 +118,14 @@ class DataConfig:
     shuffle: bool = True
     validation_shuffle: bool = False
     seed: int = 1
-    dataloader_num_workers: int = 0
+    dataloader_num_workers: int = 0  # verl: 8
     filter_overlong_prompts: bool = False
     filter_overlong_prompts_workers: int = 1
-    truncation: str = "error"
+    truncation: str = one_of(("error", "left", "right", "middle"), "error")
     image_key: str = "images"
     video_key: str = "videos"
     trust_remote_code: bool = False
-    apply_chat_template: bool = True
+    apply_chat_template: bool = True  # rlfoundry: False joins the messages with newlines (no chat template)
     apply_chat_template_kwargs: Dict[str, Any] = _dict()
     custom_cls: CustomClsConfig = _sub(CustomClsConfig)
     sampler: SamplerConfig = _sub(SamplerConfig)
@@ -92,12 +137,12 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
+    lr: float = 5e-5  # verl: 1e-6 (actor); the critic's is set in CriticConfig
     lr_warmup_steps: int = -1  # takes priority; negative -> lr_warmup_steps_ratio
     lr_warmup_steps_ratio: float = 0.0
     min_lr_ratio: Optional[float] = None
     num_cycles: float = 0.5
-    warmup_style: str = "constant"  # constant | cosine
+    warmup_style: str = one_of(("constant", "cosine"), "constant")
     total_training_steps: int = -1  # written by the trainer's resolution step, never by hand
     weight_decay: float = 0.01
     betas: List[float] = _list(0.9, 0.999)
@@ -146,18 +191,19 @@ class PolicyLossConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = "~/models/deepseek-llm-7b-chat"
+    path: str = "rlfoundry://arithmetic-policy"  # verl: ~/models/deepseek-llm-7b-chat (ours: rlfoundry/assets/arithmetic-policy)
     custom_chat_template: Optional[str] = None
     use_shm: bool = False
     external_lib: Optional[str] = None
     override_config: Dict[str, Any] = _dict()
-    enable_gradient_checkpointing: bool = True
+    enable_gradient_checkpointing: bool = False  # verl: True
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
-    use_shared_prompt: bool = True  # rlfoundry: the n samples of a prompt share one prompt forward
-    # rlfoundry: the CPU speed-ups (models/cpu_kernels.py): auto = on when the model runs on the CPU,
-    # off = the plain HF/FSDP2 path GPUs take. Values: CPU_KERNELS above.
-    cpu_kernels: str = "auto"
+    # rlfoundry: a prompt's n samples share one prompt forward (KV cache), when that computes fewer tokens
+    use_shared_prompt: bool = True
+    # rlfoundry: the CPU speed-ups (oneDNN linears, fused forward and decode, FSDP hook skipping;
+    # models/cpu_kernels.py): auto = on when the model runs on the CPU, off = the plain HF/FSDP2 path GPUs take
+    cpu_kernels: str = one_of(CPU_KERNELS, "auto")
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -170,10 +216,10 @@ class ModelConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"
-    ppo_mini_batch_size: int = 256  # in prompts; the worker multiplies by rollout.n
+    strategy: str = one_of(STRATEGIES, "fsdp")
+    ppo_mini_batch_size: int = 8  # in prompts; the worker multiplies by rollout.n. verl: 256
     ppo_micro_batch_size: Optional[int] = None  # deprecated: global; use ppo_micro_batch_size_per_gpu
-    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    ppo_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     grad_clip: float = 1.0
@@ -181,15 +227,16 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = 0.2
     clip_ratio_high: Optional[float] = 0.2
     clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = one_of(LOSS_AGG_MODES, "token-mean")
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
-    use_torch_compile: bool = True
+    use_torch_compile: bool = False  # verl: True
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = one_of(KL_ESTIMATORS, "low_var_kl")
     ppo_epochs: int = 1
     shuffle: bool = False
-    # old_log_probs := the HF rollout's sampling log-probs (skips compute_log_prob); see trainer/config.py
+    # true: reuse the HF rollout's log-probs as old_log_probs, skipping compute_log_prob (needs one PPO
+    # epoch in one mini-batch, see trainer/config.py; off here: the demo takes two mini-batches per step)
     use_rollout_log_probs: bool = False
     ulysses_sequence_parallel_size: int = 1
     data_loader_seed: Optional[int] = None
@@ -204,14 +251,14 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    strategy: str = "fsdp"
+    strategy: str = follows("actor_rollout_ref.actor.strategy", "fsdp", STRATEGIES)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
-    use_torch_compile: bool = True
+    use_torch_compile: bool = follows("actor_rollout_ref.actor.use_torch_compile", False)
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
-    log_prob_micro_batch_size_per_gpu: Optional[int] = None
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
-    ulysses_sequence_parallel_size: int = 1
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
+    log_prob_use_dynamic_bsz: bool = follows("actor_rollout_ref.actor.use_dynamic_bsz", False)
+    log_prob_max_token_len_per_gpu: int = follows("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 16384)
+    ulysses_sequence_parallel_size: int = follows("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
     profiler: ProfilerConfig = _sub(ProfilerConfig)
@@ -228,15 +275,15 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "vllm"  # hf | vllm
+    name: str = one_of(ROLLOUT_NAMES, "hf")  # verl: vllm
     mode: str = "sync"
     chat_scheduler: Optional[str] = None
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
     use_fire_sampling: bool = False
-    prompt_length: int = 512
-    response_length: int = 512
+    prompt_length: int = follows("data.max_prompt_length", 64)
+    response_length: int = follows("data.max_response_length", 16)
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.5
     ignore_eos: bool = False
@@ -244,19 +291,19 @@ class RolloutConfig:
     free_cache_engine: bool = True
     load_format: str = "dummy_dtensor"
     layered_summon: bool = False
-    tensor_model_parallel_size: int = 2
+    tensor_model_parallel_size: int = 1  # verl: 2
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
     max_num_seqs: int = 1024
     micro_batch_size: Optional[int] = None  # verl <= 0.2; no effect
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
-    log_prob_micro_batch_size_per_gpu: Optional[int] = None
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
+    log_prob_use_dynamic_bsz: bool = follows("actor_rollout_ref.actor.use_dynamic_bsz", False)
+    log_prob_max_token_len_per_gpu: int = follows("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 16384)
     disable_log_stats: bool = True
     enable_chunked_prefill: bool = True
     do_sample: bool = True
-    n: int = 1
+    n: int = 8  # verl: 1
     seed: int = 0
     calculate_log_probs: bool = False
     multi_stage_wake_up: bool = False
@@ -283,15 +330,15 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticModelConfig:
-    path: Optional[str] = "~/models/deepseek-llm-7b-chat"
-    tokenizer_path: Optional[str] = None
+    path: Optional[str] = None  # an HF directory; required for gae. verl: ~/models/deepseek-llm-7b-chat
+    tokenizer_path: Optional[str] = follows("actor_rollout_ref.model.path", None)
     use_shm: bool = False
     override_config: Dict[str, Any] = _dict()
-    external_lib: Optional[str] = None
-    enable_gradient_checkpointing: bool = True
+    external_lib: Optional[str] = follows("actor_rollout_ref.model.external_lib", None)
+    enable_gradient_checkpointing: bool = False  # verl: True
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
-    cpu_kernels: str = "auto"  # rlfoundry: see ModelConfig.cpu_kernels
+    cpu_kernels: str = one_of(CPU_KERNELS, "auto")  # rlfoundry: as ModelConfig.cpu_kernels
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
     lora_rank: int = 0
@@ -302,24 +349,24 @@ class CriticModelConfig:
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # null -> on exactly when algorithm.adv_estimator is gae
-    rollout_n: int = 1
-    strategy: str = "fsdp"
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    rollout_n: int = follows("actor_rollout_ref.rollout.n", 8)
+    strategy: str = one_of(STRATEGIES, "fsdp")
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # verl: lr 1e-5
     model: CriticModelConfig = _sub(CriticModelConfig)
-    ppo_mini_batch_size: int = 256
+    ppo_mini_batch_size: int = follows("actor_rollout_ref.actor.ppo_mini_batch_size", 8)
     ppo_micro_batch_size: Optional[int] = None  # deprecated: global
-    ppo_micro_batch_size_per_gpu: Optional[int] = None
-    forward_micro_batch_size: Optional[int] = None
-    forward_micro_batch_size_per_gpu: Optional[int] = None
-    use_dynamic_bsz: bool = False
+    ppo_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
+    forward_micro_batch_size: Optional[int] = follows("critic.ppo_micro_batch_size", None)
+    forward_micro_batch_size_per_gpu: Optional[int] = follows("critic.ppo_micro_batch_size_per_gpu", 32)
+    use_dynamic_bsz: bool = follows("actor_rollout_ref.actor.use_dynamic_bsz", False)
     ppo_max_token_len_per_gpu: int = 32768
-    forward_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = follows("critic.ppo_max_token_len_per_gpu", 32768)
     ulysses_sequence_parallel_size: int = 1
-    ppo_epochs: int = 1
-    shuffle: bool = False
+    ppo_epochs: int = follows("actor_rollout_ref.actor.ppo_epochs", 1)
+    shuffle: bool = follows("actor_rollout_ref.actor.shuffle", False)
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = follows("actor_rollout_ref.actor.loss_agg_mode", "token-mean", LOSS_AGG_MODES)
     checkpoint: CheckpointConfig = _sub(CheckpointConfig)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
@@ -329,13 +376,13 @@ class CriticConfig:
 
 @dataclass
 class RewardModelModelConfig:
-    input_tokenizer: Optional[str] = None
-    path: Optional[str] = "~/models/FsfairX-LLaMA3-RM-v0.1"
+    input_tokenizer: Optional[str] = follows("actor_rollout_ref.model.path", None)
+    path: Optional[str] = None  # verl: ~/models/FsfairX-LLaMA3-RM-v0.1
     use_shm: bool = False
-    external_lib: Optional[str] = None
+    external_lib: Optional[str] = follows("actor_rollout_ref.model.external_lib", None)
     use_remove_padding: bool = False
     use_fused_kernels: bool = False
-    cpu_kernels: str = "auto"  # rlfoundry: see ModelConfig.cpu_kernels
+    cpu_kernels: str = one_of(CPU_KERNELS, "auto")  # rlfoundry: as ModelConfig.cpu_kernels
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
 
@@ -346,11 +393,11 @@ class RewardModelConfig:
     strategy: str = "fsdp"
     model: RewardModelModelConfig = _sub(RewardModelModelConfig)
     micro_batch_size: Optional[int] = None  # deprecated: global
-    micro_batch_size_per_gpu: Optional[int] = None
+    micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
     max_length: Optional[int] = None
     ulysses_sequence_parallel_size: int = 1
-    use_dynamic_bsz: bool = False
-    forward_max_token_len_per_gpu: int = 32768
+    use_dynamic_bsz: bool = follows("critic.use_dynamic_bsz", False)
+    forward_max_token_len_per_gpu: int = follows("critic.forward_max_token_len_per_gpu", 32768)
     reward_manager: str = "naive"
     launch_reward_fn_async: bool = False
     reward_kwargs: Dict[str, Any] = _dict()
@@ -371,7 +418,7 @@ class CustomRewardFunctionConfig:
 
 @dataclass
 class KLCtrlConfig:
-    type: str = "fixed"  # fixed | adaptive
+    type: str = one_of(("fixed", "adaptive"), "fixed")
     kl_coef: float = 0.001
     horizon: int = 10000
     target_kl: float = 0.1
@@ -381,10 +428,10 @@ class KLCtrlConfig:
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
-    adv_estimator: Optional[str] = "gae"
+    adv_estimator: Optional[str] = None  # null -> gae when critic.model.path is set, else grpo. verl: gae
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    kl_penalty: str = one_of(KL_ESTIMATORS, "kl")
     kl_ctrl: KLCtrlConfig = _sub(KLCtrlConfig)
     use_pf_ppo: bool = False
     pf_ppo: Dict[str, Any] = _dict(reweight_method="pow", weight_pow=2.0)
@@ -396,42 +443,46 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     balance_batch: bool = True
-    total_epochs: int = 30
+    total_epochs: int = 1  # verl: 30
     total_training_steps: Optional[int] = None
     profile_steps: Optional[List[int]] = None
     controller_nsight_options: Dict[str, Any] = _dict()
     worker_nsight_options: Dict[str, Any] = _dict()
-    project_name: str = "verl_examples"
-    experiment_name: str = "gsm8k"
-    logger: Any = _list("console", "wandb")  # a name or a list of names
+    project_name: str = "rlfoundry"  # verl: verl_examples
+    experiment_name: str = "arithmetic-grpo"  # verl: gsm8k
+    logger: Any = _list("console", "file")  # a name or a list of names. verl: [console, wandb]
     log_val_generations: int = 0
     val_generations_to_log_to_wandb: int = 0  # verl <= 0.2 name of log_val_generations
     rollout_data_dir: Optional[str] = None
     validation_data_dir: Optional[str] = None
     nnodes: int = 1
-    n_gpus_per_node: int = 8  # on CPU: the number of worker processes per node
-    save_freq: int = -1
+    n_gpus_per_node: int = 1  # on CPU: the number of worker processes per node. verl: 8
+    save_freq: int = 20  # verl: -1
     esi_redundant_time: float = 0.0
-    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_mode: str = one_of(("auto", "disable", "resume_path"), "auto")
     resume_from_path: Optional[str] = None
     val_before_train: bool = True
     val_only: bool = False
-    test_freq: int = -1
+    test_freq: int = 10  # verl: -1
     critic_warmup: int = 0
     default_hdfs_dir: Optional[str] = None
     del_local_ckpt_after_load: bool = False
-    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    # relative interpolations (verl writes ${trainer.project_name}): also resolve in a TrainerConfig alone
+    default_local_dir: str = "checkpoints/${.project_name}/${.experiment_name}"
     max_actor_ckpt_to_keep: Optional[int] = None
     max_critic_ckpt_to_keep: Optional[int] = None
     ray_wait_register_center_timeout: int = 300
-    device: str = "cuda"  # cuda | cpu | auto
+    device: str = one_of(("auto", "cuda", "cpu"), "auto")  # auto: cuda when available, else cpu. verl: cuda
     use_legacy_worker_impl: str = "auto"
-    worker_backend: str = "auto"  # rlfoundry: local | process | ray | auto
-    process_start_method: str = "auto"  # rlfoundry: process back end: auto | fork | spawn
+    # rlfoundry: local (in-process) | process (one machine, no Ray) | ray | auto (local iff one worker, else ray)
+    worker_backend: str = one_of(("auto", "local", "process", "ray"), "auto")
+    # rlfoundry: process back end: fork (ranks share the driver's imported libraries) | spawn | auto (fork where safe)
+    process_start_method: str = one_of(START_METHODS, "auto")
     seed: int = 1  # rlfoundry: torch/numpy seed of the driver and of each worker
     run_dir: Optional[str] = None  # rlfoundry: metrics, plots, synthetic data; null -> default_local_dir
-    worker_call_timeout_s: Optional[float] = None  # rlfoundry: limit of one worker call (Ray back end); null: none
-    dist_timeout_s: float = 600.0  # rlfoundry: timeout of every torch.distributed collective
+    # rlfoundry: a worker call (Ray back end) running longer is reported, not waited on; null: no limit
+    worker_call_timeout_s: Optional[float] = 3600.0
+    dist_timeout_s: float = 600.0  # rlfoundry: a collective waiting longer (a dead or stuck peer) fails
     tune_malloc: bool = True  # rlfoundry: glibc malloc in worker processes keeps freed memory (utils/malloc.py)
     max_consecutive_nan_steps: int = 3  # rlfoundry: stop after this many NaN/Inf-skipped steps in a row; 0: never
 
@@ -446,3 +497,34 @@ class PPOConfig:
     algorithm: AlgorithmConfig = _sub(AlgorithmConfig)
     trainer: TrainerConfig = _sub(TrainerConfig)
     ray_init: Dict[str, Any] = _dict(num_cpus=None, timeline_json_file=None)
+
+
+# ─────────────────────────────────────── replaced keys ───────────────────────────────────────
+
+
+class Replaced(NamedTuple):
+    """An rlfoundry key a newer one replaced. Old command lines still parse: a value that the new
+    key's default already gives is dropped with a warning; any other value is an error saying what
+    to set instead (the new key cannot express it exactly)."""
+
+    by: str
+    meaning: str
+    kept: tuple
+    instead: str
+
+
+_CPU_KERNELS_MEANING = ("one switch for all the CPU speed-ups: auto = on when the model runs on the CPU, "
+                        "off = the plain path GPUs take")
+
+
+def _by_cpu_kernels(model: str, kept: Any) -> Replaced:
+    return Replaced(f"{model}.cpu_kernels", _CPU_KERNELS_MEANING, (kept,),
+                    f"to turn the CPU speed-ups off use {model}.cpu_kernels=off")
+
+
+REPLACED_KEYS: dict[str, Replaced] = {
+    **{f"{m}.cpu_linear": _by_cpu_kernels(m, "onednn")
+       for m in ("actor_rollout_ref.model", "critic.model", "reward_model.model")},
+    "actor_rollout_ref.model.fused_forward": _by_cpu_kernels("actor_rollout_ref.model", True),
+    "actor_rollout_ref.rollout.fused_decode": _by_cpu_kernels("actor_rollout_ref.model", True),
+}

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlfoundry.config.schema import CPU_KERNELS, PPOConfig
+from rlfoundry.config.schema import PPOConfig
 
 __all__ = [
     "CONFIG_DIR",
@@ -114,26 +114,20 @@ VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
               "update_weights_bucket_megabytes")
 )
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "data.truncation": ("error", "left", "right", "middle"),
-    "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
-    "actor_rollout_ref.ref.strategy": ("fsdp", "fsdp2"),
-    "critic.strategy": ("fsdp", "fsdp2"),
-    "actor_rollout_ref.rollout.name": ("hf", "vllm"),
-    "actor_rollout_ref.actor.loss_agg_mode": (
-        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"),
-    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"),
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
-    "critic.optim.warmup_style": ("constant", "cosine"),
-    "trainer.resume_mode": ("auto", "disable", "resume_path"),
-    "trainer.device": ("cuda", "cpu", "auto"),
-    "trainer.worker_backend": ("local", "process", "ray", "auto"),
-    "trainer.process_start_method": ("auto", "fork", "spawn"),
-    **{f"{model}.cpu_kernels": CPU_KERNELS
-       for model in ("actor_rollout_ref.model", "critic.model", "reward_model.model")},
-}
+def _schema_choices(cls: type = PPOConfig, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """``{dotted key: allowed values}`` from the schema fields' ``choices`` (``schema._choice``): the one
+    list per field lives beside the field."""
+    out: dict[str, tuple[str, ...]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            out.update(_schema_choices(hints[f.name], f"{prefix}{f.name}."))
+        elif "choices" in f.metadata:
+            out[f"{prefix}{f.name}"] = tuple(f.metadata["choices"])
+    return out
+
+
+CHOICES = _schema_choices()
 # Keys that one switch replaced: an old command line gets the new key named, not a guess.
 REPLACED_KEYS = {
     **{f"{model}.cpu_linear": f"{model}.cpu_kernels"
