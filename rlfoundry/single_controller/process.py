@@ -47,7 +47,7 @@ from multiprocessing.reduction import ForkingPickler
 from collections.abc import Callable
 from typing import Any
 
-from rlfoundry.config.schema import TrainerConfig
+from rlfoundry.config.schema import START_METHODS  # trainer.process_start_method's values
 from rlfoundry.single_controller.base.colocate import create_colocated_worker_cls
 from rlfoundry.single_controller.base.decorator import Execute, RankCalls
 from rlfoundry.single_controller.base.worker import Worker
@@ -62,8 +62,6 @@ from rlfoundry.single_controller.local import set_rank_env
 
 __all__ = ["ProcessWorkerGroup", "START_METHODS", "threads_per_rank"]
 
-# trainer.process_start_method's values, from the schema field that declares them
-START_METHODS = next(f.metadata["choices"] for f in dataclasses.fields(TrainerConfig) if f.name == "process_start_method")
 
 _LOCAL = "local"  # the handle of rank 0's call, whose result is already in hand
 # CPU tensors up to this size are copied into the message; larger ones go through shared memory

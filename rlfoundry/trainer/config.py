@@ -5,9 +5,9 @@
 
 Three steps, each a function:
 
-1. ``load_config``: typed schema (``rlfoundry/config/schema.py``) ← packaged YAML defaults ←
-   optional overlay YAML ← command-line overrides in Hydra's syntax (``key=value``, ``+key=value``
-   under open dicts, ``++key=value``, lists ``[a,b]``). A wrong type, an unknown key (with the
+1. ``load_config``: typed schema (``rlfoundry/config/schema.py``, the one source of the defaults)
+   ← optional overlay YAML (``--config-name``) ← command-line overrides in Hydra's syntax
+   (``key=value``, ``+key=value`` under open dicts, ``++key=value``, lists ``[a,b]``). A wrong type, an unknown key (with the
    closest valid key) or a bad value is a ``ConfigError`` whose message names the key. The loading
    itself is ``load_typed_config``, shared with ``rlfoundry sft`` (``config/sft_schema.py``).
 2. ``validate_config``: cross-key rules (batch-size arithmetic, gae needs a critic, choices ...);
@@ -22,24 +22,26 @@ from __future__ import annotations
 import copy
 import difflib
 import fnmatch
-import functools
 import os
-import typing
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlfoundry.config import typed
 from rlfoundry.config.schema import PPOConfig
+from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
+from rlfoundry.config.typed import type_name as _type_name  # noqa: F401 (main_ppo's --help-keys)
 
 __all__ = [
     "CONFIG_DIR",
     "ConfigError",
     "NoEffectKeyWarning",
+    "ReplacedKeyWarning",
     "NO_EFFECT_KEYS",
     "Override",
     "check_startup_paths",
@@ -61,10 +63,6 @@ ASSET_SCHEME = "rlfoundry://"
 SUPPORTED_LOGGERS = ("console", "file", "tensorboard", "wandb")
 # verl tracking back ends we recognise but do not ship: dropped with the no-effect warning.
 IGNORED_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
-
-
-class ConfigError(ValueError):
-    """A configuration mistake a person can fix; the message says which key and how."""
 
 
 class NoEffectKeyWarning(UserWarning):
@@ -114,111 +112,13 @@ VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
               "update_weights_bucket_megabytes")
 )
 
-def _schema_choices(cls: type = PPOConfig, prefix: str = "") -> dict[str, tuple[str, ...]]:
-    """``{dotted key: allowed values}`` from the schema fields' ``choices`` (``schema._choice``): the one
-    list per field lives beside the field."""
-    out: dict[str, tuple[str, ...]] = {}
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        if is_dataclass(hints[f.name]):
-            out.update(_schema_choices(hints[f.name], f"{prefix}{f.name}."))
-        elif "choices" in f.metadata:
-            out[f"{prefix}{f.name}"] = tuple(f.metadata["choices"])
-    return out
+# Choice lists live beside the fields they constrain (schema.one_of / follows metadata); replaced
+# keys (model.cpu_linear ...) in schema.REPLACED_KEYS; config/typed.py checks both.
 
 
-CHOICES = _schema_choices()
-# Keys that one switch replaced: an old command line gets the new key named, not a guess.
-REPLACED_KEYS = {
-    **{f"{model}.cpu_linear": f"{model}.cpu_kernels"
-       for model in ("actor_rollout_ref.model", "critic.model", "reward_model.model")},
-    "actor_rollout_ref.model.fused_forward": "actor_rollout_ref.model.cpu_kernels",
-    "actor_rollout_ref.rollout.fused_decode": "actor_rollout_ref.model.cpu_kernels",
-}
-
-
-# ───────────────────────────────────── schema walking ─────────────────────────────────────
-
-
-@dataclass(frozen=True)
-class _KeyInfo:
-    type: Any  # the annotation (int, Optional[int], Dict[str, Any] ...)
-    is_open: bool  # a dict/Any node under which arbitrary sub-keys are allowed
-
-
-def schema_keys(cls: type = PPOConfig, prefix: str = "") -> dict[str, _KeyInfo]:
-    """Every dotted key of the schema (inner nodes too) → its annotation and openness."""
-    out: dict[str, _KeyInfo] = {}
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        key, hint = f"{prefix}{f.name}", hints[f.name]
-        if is_dataclass(hint):
-            out[key] = _KeyInfo(hint, False)
-            out.update(schema_keys(hint, key + "."))
-        else:
-            origin = typing.get_origin(hint)
-            out[key] = _KeyInfo(hint, hint is Any or origin is dict)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _keys_of(schema: type) -> dict[str, _KeyInfo]:
-    """``schema_keys(schema)``, computed once per schema (PPO's, SFT's ...)."""
-    return schema_keys(schema)
-
-
-def _open_ancestor(key: str, keys: dict[str, _KeyInfo]) -> str | None:
-    """The open-dict key that ``key`` lies under (``model.override_config.x`` → ``...override_config``)."""
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        head = ".".join(parts[:i])
-        info = keys.get(head)
-        if info is not None and info.is_open:
-            return head
-    return None
-
-
-def _closest_key(key: str, keys: dict[str, _KeyInfo]) -> str | None:
-    """The valid key nearest to a misspelt one: difflib over the full dotted names, then over leaf names."""
-    leaves = [k for k in keys if not key.startswith(k + ".")]  # never suggest the key's own parent
-    match = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
-    if match:
-        return match[0]
-    leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in leaves if k.rsplit(".", 1)[-1] == leaf]
-    if same_leaf:
-        return difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.0)[0]
-    by_leaf = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in leaves], n=1, cutoff=0.75)
-    if by_leaf:
-        return difflib.get_close_matches(key, [k for k in leaves if k.endswith("." + by_leaf[0])], n=1, cutoff=0.0)[0]
-    return None
-
-
-def _unknown_key_error(key: str, source: str, keys: dict[str, _KeyInfo]) -> ConfigError:
-    hint = _closest_key(key, keys)
-    did_you_mean = f" Did you mean '{hint}'?" if hint else ""
-    open_dicts = [k for k, i in keys.items() if typing.get_origin(i.type) is dict]
-    examples = sorted(open_dicts, key=lambda k: not k.endswith("override_config"))[:2]  # the usual ones first
-    return ConfigError(
-        f"Unknown config key '{key}' ({source}).{did_you_mean} "
-        f"`--help` lists the keys; `+key=value` adds keys only under open dicts "
-        f"such as {' or '.join(examples)}."
-    )
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " or null"
-    names = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
-    if hint in names:
-        return names[hint]
-    origin = typing.get_origin(hint)
-    if origin is list:
-        return "a list, e.g. [a,b]"
-    if origin is dict:
-        return "a mapping, e.g. {a: 1}"
-    return str(hint)
+def schema_keys(cls: type = PPOConfig, prefix: str = "") -> dict[str, KeyInfo]:
+    """Every dotted key of the schema (inner nodes too) → its annotation, openness, choices and link."""
+    return typed.schema_keys(cls, prefix)
 
 
 # ───────────────────────────────────── overrides ─────────────────────────────────────
@@ -257,66 +157,26 @@ def parse_overrides(args: Sequence[str]) -> list[Override]:
     return [_parse_one(a) for a in args]
 
 
-def _check_key(ov: Override, keys: dict[str, _KeyInfo]) -> None:
-    """Reject unknown keys before touching the config, so the message can name the closest key."""
-    if ov.key in REPLACED_KEYS and ov.key not in keys:
-        raise ConfigError(f"'{ov.text}': {ov.key} was replaced by {REPLACED_KEYS[ov.key]} (auto: the CPU "
-                          "speed-ups on when the model runs on the CPU; off: the plain path GPUs take).")
-    if ov.key in keys:
-        if ov.kind == "delete" and _open_ancestor(ov.key, keys) is None:
-            raise ConfigError(f"'{ov.text}': '{ov.key}' is part of the schema and cannot be deleted; set it to null instead.")
-        return
-    if _open_ancestor(ov.key, keys) is None:
-        raise _unknown_key_error(ov.key, f"from '{ov.text}'", keys)
-
-
 def _apply(cfg: DictConfig, ov: Override) -> None:
-    keys = _keys_of(OmegaConf.get_type(cfg))  # the schema cfg was built from
-    _check_key(ov, keys)
-    try:
-        if ov.kind == "delete":
-            parent_key, _, leaf = ov.key.rpartition(".")
-            parent = OmegaConf.select(cfg, parent_key)
-            if parent is not None and leaf in parent:
-                parent.pop(leaf)
-            return
-        OmegaConf.update(cfg, ov.key, ov.value, merge=False, force_add=True)
-    except OmegaConfBaseException as e:
-        raise _type_error(ov.key, ov.value, f"from '{ov.text}'", keys) from e
-
-
-def _type_error(key: str, value: Any, source: str, keys: dict[str, _KeyInfo]) -> ConfigError:
-    info = keys.get(key)
-    expected = _type_name(info.type) if info else "another type"
-    return ConfigError(f"Config key '{key}' ({source}): value {value!r} is not valid; expected {expected}.")
+    """One override, checked against the schema ``cfg`` was built from (config/typed.py: apply_setting)."""
+    keys = keys_of(OmegaConf.get_type(cfg))
+    apply_setting(cfg, ov.key, ov.value, text=ov.text, keys=keys, kind=ov.kind)
 
 
 # ───────────────────────────────────── loading ─────────────────────────────────────
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Leaf values of a plain (container) dict by dotted key; open dicts are walked too."""
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def _merge_yaml(cfg: DictConfig, path: Path, what: str) -> list[str]:
     """Merge a YAML file into the typed config key by key (same checks as the command line).
 
-    Returns the dotted keys it set. A Hydra ``defaults:`` list is ignored: overlays always sit on
-    the packaged ppo_trainer.yaml.
+    Returns the dotted keys it set. A Hydra ``defaults:`` list is ignored: an overlay always sits
+    on the schema's defaults.
     """
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     raw.pop("defaults", None)
     raw.pop("hydra", None)
     keys = []
-    for key, value in _flatten(raw).items():
+    for key, value in typed.leaves(raw, keys_of(OmegaConf.get_type(cfg))).items():
         _apply(cfg, Override(key, value, "set", f"{what} {path}: {key}"))
         keys.append(key)
     return keys
@@ -335,18 +195,15 @@ def _find_config_file(name: str, config_path: str | None) -> Path:
 
 
 def load_typed_config(
-    schema: type, overrides: Sequence[str] = (), overlay: Path | None = None, defaults: Path | None = None
+    schema: type, overrides: Sequence[str] = (), overlay: Path | None = None
 ) -> tuple[DictConfig, list[str]]:
-    """Typed ``schema`` ← ``defaults`` YAML ← ``overlay`` YAML ← Hydra-style ``overrides``, key by key.
+    """Typed ``schema`` (its defaults) ← ``overlay`` YAML ← Hydra-style ``overrides``, key by key.
 
     Any schema dataclass (``PPOConfig``, ``sft_schema.SFTConfig``): an unknown key names the
     nearest valid one, a wrong type the expected type. Returns the config (unvalidated,
     unresolved) and the keys the user set (overlay and overrides).
     """
-    cfg = OmegaConf.structured(schema)
-    OmegaConf.set_struct(cfg, True)
-    if defaults is not None:
-        _merge_yaml(cfg, defaults, "packaged defaults")
+    cfg = typed.structured(schema)
     user_keys = _merge_yaml(cfg, overlay, "config file") if overlay is not None else []
     parsed = parse_overrides(overrides)
     for ov in parsed:
@@ -357,11 +214,14 @@ def load_typed_config(
 def load_config(
     overrides: Sequence[str] = (), config_name: str | None = None, config_path: str | None = None
 ) -> DictConfig:
-    """PPO: schema ← packaged defaults ← overlay ``config_name`` ← ``overrides``; then validate. Unresolved."""
+    """PPO: schema defaults ← overlay ``config_name`` ← ``overrides``; then validate. Unresolved.
+
+    ``--config-name ppo_trainer`` (verl's name for its defaults) means no overlay.
+    """
     overlay = None
     if config_name and Path(config_name).stem != "ppo_trainer":
         overlay = _find_config_file(config_name, config_path)
-    cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay, defaults=CONFIG_DIR / "ppo_trainer.yaml")
+    cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay)
     _prefer_user_deprecated_keys(cfg, user_keys)
     _warn_no_effect(cfg, user_keys)
     validate_config(cfg)
@@ -444,13 +304,7 @@ def need_reference_policy(cfg: DictConfig) -> bool:
 
 
 def _check_choices(cfg: DictConfig) -> list[str]:
-    errors = []
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
-        if value is not None and value not in allowed:
-            hint = difflib.get_close_matches(str(value), allowed, n=1)
-            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
-            errors.append(f"{key}={value!r} is not one of {list(allowed)}{extra}.")
+    errors = typed.choice_errors(cfg, keys_of(PPOConfig))
     for name in _loggers(cfg):
         if name not in SUPPORTED_LOGGERS + IGNORED_LOGGERS:
             errors.append(f"trainer.logger entry {name!r} is not one of {list(SUPPORTED_LOGGERS)}.")

@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from rlfoundry.config import schema, typed
+from rlfoundry.config.schema import PPOConfig
 from rlfoundry.trainer.config import (
     CONFIG_DIR,
     ConfigError,
     NoEffectKeyWarning,
+    ReplacedKeyWarning,
     check_startup_paths,
     load_config,
     resolve_config,
@@ -27,26 +30,41 @@ def _load(*overrides: str):
         return load_config(list(overrides))
 
 
-def _leaf_keys(node, prefix=""):
-    out = set()
-    for k, v in node.items():
-        key = f"{prefix}{k}"
-        out |= _leaf_keys(v, key + ".") if isinstance(v, dict) and v else {key}
-    return out
+# ───────────────────────────── the schema is the defaults ─────────────────────────────
 
 
-# ───────────────────────────── schema vs packaged YAML ─────────────────────────────
+def test_the_schema_is_the_only_source_of_defaults():
+    assert not (CONFIG_DIR / "ppo_trainer.yaml").exists()  # overlays sit on the schema, nothing else
+    plain = OmegaConf.to_container(OmegaConf.structured(PPOConfig), resolve=True)  # no links applied
+    assert OmegaConf.to_container(_load(), resolve=True) == OmegaConf.to_container(
+        typed.structured(PPOConfig), resolve=True)
+    # a linked default's own value (what a subtree used alone gets) is what the link gives under the
+    # defaults, except the tokenizer paths, which alone are null: the model's own tokenizer
+    linked = OmegaConf.to_container(_load(), resolve=True)
+    links = {k for k, info in schema_keys().items() if info.follows}
+    assert len(links) == 24
+    differ = {k for k in links if OmegaConf.select(OmegaConf.create(plain), k) != OmegaConf.select(OmegaConf.create(linked), k)}
+    assert differ == {"critic.model.tokenizer_path", "reward_model.model.input_tokenizer"}
+    assert all(info.follows in schema_keys() for info in schema_keys().values() if info.follows)
 
 
-def test_packaged_yaml_lists_exactly_the_schema_keys():
-    yaml_keys = _leaf_keys(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml")))
-    schema = schema_keys()
-    open_nodes = {k for k, info in schema.items() if info.is_open}
-    # a key under an open dict (e.g. wrap_policy.min_num_params) counts as its open parent
-    yaml_norm = {next((o for o in open_nodes if k.startswith(o + ".")), k) for k in yaml_keys}
-    schema_leaves = {k for k, info in schema.items() if not hasattr(info.type, "__dataclass_fields__")}
-    assert yaml_norm - schema_leaves == set()
-    assert schema_leaves - yaml_norm == set()
+def test_a_linked_default_follows_its_key_until_set_itself():
+    cfg = _load("actor_rollout_ref.actor.ppo_epochs=3", "data.max_response_length=8", "critic.shuffle=true")
+    assert cfg.critic.ppo_epochs == 3 and cfg.actor_rollout_ref.rollout.response_length == 8
+    assert cfg.critic.shuffle is True and cfg.actor_rollout_ref.actor.shuffle is False
+
+
+def test_choice_lists_are_those_the_code_implements():
+    from rlfoundry.algos import core_algos
+    from rlfoundry.single_controller import process
+
+    assert schema.LOSS_AGG_MODES == core_algos.AGG_LOSS_MODES
+    assert set(schema.KL_ESTIMATORS) == set(core_algos._KL_ESTIMATORS) | {"full"}  # full: a clear NotImplementedError
+    assert process.START_METHODS is schema.START_METHODS
+    assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm"}
+    choices = {k: info.choices for k, info in schema_keys().items() if info.choices}
+    assert choices["critic.optim.warmup_style"] == ("constant", "cosine")
+    assert choices["actor_rollout_ref.ref.strategy"] == choices["critic.strategy"] == ("fsdp", "fsdp2")
 
 
 def test_defaults_are_the_demo_run():
@@ -126,13 +144,32 @@ def test_bad_choice_is_named_with_the_options():
         load_config(["trainer.resume_mode=autoo"])
 
 
-def test_cpu_kernels_is_checked_with_its_options_and_the_keys_it_replaced_name_it():
+def test_cpu_kernels_is_checked_with_its_options():
     with pytest.raises(ConfigError, match=r"critic.model.cpu_kernels='fast' is not one of \['auto', 'off'\]"):
         validate_config(load_config(["critic.model.cpu_kernels=fast"]))
     assert load_config(["actor_rollout_ref.model.cpu_kernels=off"]).actor_rollout_ref.model.cpu_kernels == "off"
-    for old in ("actor_rollout_ref.model.cpu_linear=aten", "actor_rollout_ref.rollout.fused_decode=false"):
-        with pytest.raises(ConfigError, match=r"was replaced by actor_rollout_ref.model.cpu_kernels \(auto: "):
-            load_config([old])
+
+
+@pytest.mark.parametrize("old, new", [
+    ("actor_rollout_ref.model.cpu_linear=aten", "actor_rollout_ref.model.cpu_kernels=off"),
+    ("critic.model.cpu_linear=aten", "critic.model.cpu_kernels=off"),
+    ("actor_rollout_ref.model.fused_forward=false", "actor_rollout_ref.model.cpu_kernels=off"),
+    ("actor_rollout_ref.rollout.fused_decode=false", "actor_rollout_ref.model.cpu_kernels=off"),
+])
+def test_a_replaced_key_turning_one_speed_up_off_is_an_error_naming_cpu_kernels(old, new):
+    # cpu_kernels switches all the CPU speed-ups together: "only this one off" cannot be kept
+    with pytest.raises(ConfigError, match=rf"was replaced by {new[:-4]} .*use {new}"):
+        load_config([old])
+
+
+def test_a_replaced_key_asking_for_what_the_default_gives_is_dropped_with_a_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(["reward_model.model.cpu_linear=onednn", "actor_rollout_ref.rollout.fused_decode=true"])
+    ours = [str(w.message) for w in caught if issubclass(w.category, ReplacedKeyWarning)]
+    assert len(ours) == 2 and "cpu_linear was replaced by reward_model.model.cpu_kernels" in ours[0]
+    assert "fused_decode was replaced by actor_rollout_ref.model.cpu_kernels" in ours[1]
+    assert cfg.reward_model.model.cpu_kernels == "auto" and "fused_decode" not in cfg.actor_rollout_ref.rollout
 
 
 def test_unregistered_estimator_suggests_the_nearest():
