@@ -94,18 +94,22 @@ def keys_of(cls: type, prefix: str = "") -> dict[str, KeyInfo]:
     return schema_keys(cls, prefix)
 
 
-def structured(cls: type) -> DictConfig:
+def structured(cls: type, name: str | None = None) -> DictConfig:
     """``OmegaConf.structured(cls)`` in struct mode, each ``follows`` link inside it set as ``${key}``.
 
-    A link whose key lies outside ``cls`` (``RolloutConfig.prompt_length`` follows
-    ``data.max_prompt_length``, which only ``PPOConfig`` has) keeps the field's own default.
+    Link keys are dotted from the PPOConfig root; ``name`` says where ``cls`` sits there
+    (``"critic"``), so links inside the subtree apply too. A link whose key lies outside
+    (``RolloutConfig.prompt_length`` follows ``data.max_prompt_length``) keeps the field's own default.
     """
     cfg = OmegaConf.structured(cls)
     OmegaConf.set_struct(cfg, True)
-    keys = keys_of(cls)
+    keys, prefix = keys_of(cls), f"{name}." if name else ""
     for key, info in keys.items():
-        if info.follows is not None and info.follows in keys:
-            OmegaConf.update(cfg, key, "${" + info.follows + "}", merge=False)
+        target = info.follows
+        if target is not None and prefix and target.startswith(prefix):
+            target = target[len(prefix):]
+        if target is not None and target in keys:
+            OmegaConf.update(cfg, key, "${" + target + "}", merge=False)
     return cfg
 
 
@@ -274,7 +278,8 @@ def to_typed(cls: type[T], cfg: Any = None, *, name: str | None = None) -> T:
         cfg: a dataclass instance, a plain dict (nested dicts or dotted keys), a DictConfig (its
             interpolations are resolved against its root first) or None (all defaults).
         name: where the subtree sits in the full config (``"actor_rollout_ref.rollout"``), so
-            messages name full keys as a user types them.
+            messages name full keys as a user types them and the links inside the subtree apply
+            (``critic.forward_max_token_len_per_gpu`` follows ``critic.ppo_max_token_len_per_gpu``).
 
     Raises:
         ConfigError: an unknown key (naming the nearest valid one), a value of the wrong type
@@ -283,7 +288,7 @@ def to_typed(cls: type[T], cfg: Any = None, *, name: str | None = None) -> T:
     prefix = f"{name}." if name else ""
     where = name or cls.__name__
     keys = keys_of(cls, prefix)
-    out = structured(cls)
+    out = structured(cls, name)
     for key, value in leaves(_as_mapping(cfg, where), keys, prefix).items():
         apply_setting(out, key, value, text=f"{prefix or cls.__name__ + ': '}{key}={value}", keys=keys, prefix=prefix)
     errors = choice_errors(out, keys, prefix)

@@ -1,0 +1,1 @@
+"""Tests of rlfoundry.config: the typed schema and ``to_typed``."""
