@@ -12,15 +12,15 @@ One row per prompt (the format verl's own preprocessing scripts write, so their 
 
 Any other column is passed through as a non-tensor column.
 
-Config keys read from ``data.*`` (verl's names): ``prompt_key`` ("prompt"), ``max_prompt_length``
-(512), ``truncation`` (``error`` | ``left`` | ``right`` | ``middle``; "error"),
-``filter_overlong_prompts`` (False), ``return_raw_chat`` (False), ``return_full_prompt`` (False),
-``reward_fn_key`` ("data_source"), ``shuffle`` (True), ``seed`` (1), plus two of ours:
+Config: the ``data`` subtree, typed (``config/schema.py`` ``DataConfig`` holds the defaults; a dict
+with a few keys is filled from it). Keys read (verl's names): ``prompt_key``, ``max_prompt_length``,
+``truncation`` (``error`` | ``left`` | ``right`` | ``middle``), ``filter_overlong_prompts``,
+``return_raw_chat``, ``return_full_prompt``, ``reward_fn_key``, ``shuffle``, ``seed``, plus two of ours:
 
-- ``apply_chat_template`` (True): render each prompt with the tokenizer's chat template (with the
+- ``apply_chat_template``: render each prompt with the tokenizer's chat template (with the
   generation prompt). False joins the message contents with newlines instead, for tokenizers and
   base models that have no chat template.
-- ``apply_chat_template_kwargs`` ({}): extra keyword arguments for ``apply_chat_template``.
+- ``apply_chat_template_kwargs``: extra keyword arguments for ``apply_chat_template``.
 
 The whole file is tokenised once, up front, with the fast tokenizer's batch call: filtering and the
 ``truncation=error`` check then happen at start-up, not hours into a run.
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,53 +41,26 @@ from torch.utils.data import Dataset, Sampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
-logger = logging.getLogger(__name__)
+from rlfoundry.config import ConfigError, to_typed
+from rlfoundry.config.schema import DataConfig
 
-TRUNCATION_MODES = ("error", "left", "right", "middle")
+logger = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
     """A prompt data file or its configuration is unusable; the message says where and how to fix it."""
 
 
-def cfg_get(config: Any, key: str, default: Any = None) -> Any:
-    """``config.key`` for a DictConfig, a plain dict or any attribute object (dataclass, namespace)."""
-    if config is None:
-        return default
-    if isinstance(config, Mapping) or hasattr(config, "get"):
-        value = config.get(key, default)
-    else:
-        value = getattr(config, key, default)
-    return default if value is None else value
-
-
-@dataclass(frozen=True)
-class DatasetOptions:
-    """The ``data.*`` keys RLHFDataset reads, resolved and checked once."""
-
-    prompt_key: str = "prompt"
-    max_prompt_length: int = 512
-    truncation: str = "error"
-    filter_overlong_prompts: bool = False
-    return_raw_chat: bool = False
-    return_full_prompt: bool = False
-    reward_fn_key: str = "data_source"
-    apply_chat_template: bool = True
-    apply_chat_template_kwargs: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: Any) -> DatasetOptions:
-        names = cls.__dataclass_fields__
-        defaults = cls()
-        values = {name: cfg_get(config, name, getattr(defaults, name)) for name in names}
-        values["apply_chat_template_kwargs"] = dict(values["apply_chat_template_kwargs"])
-        values["max_prompt_length"] = int(values["max_prompt_length"])
-        opts = cls(**values)
-        if opts.truncation not in TRUNCATION_MODES:
-            raise DataError(f"data.truncation={opts.truncation!r} is not one of {TRUNCATION_MODES}")
-        if opts.max_prompt_length <= 0:
-            raise DataError(f"data.max_prompt_length must be positive, got {opts.max_prompt_length}")
-        return opts
+def typed_data_config(config: Any) -> DataConfig:
+    """The typed ``data`` subtree (a DataConfig as is; a DictConfig, a dict with some keys or None
+    filled with the schema's defaults); a bad key or value is a ``DataError`` naming it."""
+    try:
+        cfg = config if isinstance(config, DataConfig) else to_typed(DataConfig, config, name="data")
+    except ConfigError as e:
+        raise DataError(str(e)) from e
+    if cfg.max_prompt_length <= 0:
+        raise DataError(f"data.max_prompt_length must be positive, got {cfg.max_prompt_length}")
+    return cfg
 
 
 # ---- reading and checking files --------------------------------------------------------------
@@ -128,7 +100,7 @@ def _read_parquet(path: Path) -> pa.Table:
         ) from err
 
 
-def _check_columns(table: pa.Table, path: Path, opts: DatasetOptions) -> None:
+def _check_columns(table: pa.Table, path: Path, opts: DataConfig) -> None:
     for key, option in ((opts.prompt_key, "data.prompt_key"), (opts.reward_fn_key, "data.reward_fn_key")):
         if key not in table.column_names:
             raise DataError(
@@ -155,7 +127,7 @@ def _check_messages(prompt: Any, path: Path, row: int, prompt_key: str) -> list[
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
-def load_tables(data_files: Any, opts: DatasetOptions) -> list[tuple[Path, pa.Table]]:
+def load_tables(data_files: Any, opts: DataConfig) -> list[tuple[Path, pa.Table]]:
     """Every data file as (path, Arrow table), with the prompt and reward_fn_key columns checked."""
     tables = []
     for path in _expand_files(data_files):
@@ -168,7 +140,7 @@ def load_tables(data_files: Any, opts: DatasetOptions) -> list[tuple[Path, pa.Ta
 # ---- rendering and token-level helpers -------------------------------------------------------
 
 
-def render_prompts(messages: list[list[dict]], tokenizer: Any, opts: DatasetOptions) -> list[str]:
+def render_prompts(messages: list[list[dict]], tokenizer: Any, opts: DataConfig) -> list[str]:
     """Prompt text as the policy sees it: chat template with generation prompt, or plain join."""
     if not opts.apply_chat_template:
         return ["\n".join(m["content"] for m in chat) for chat in messages]
@@ -226,22 +198,22 @@ class RLHFDataset(Dataset):
         if processor is not None:
             raise NotImplementedError("multimodal prompts (a processor) are not supported yet; pass processor=None")
         self.tokenizer = tokenizer
-        self.options = DatasetOptions.from_config(config)
+        self.config = typed_data_config(config)
         # Rows stay in Arrow (compact, converted per item); only the token ids are materialised.
-        self.tables = load_tables(data_files, self.options)
+        self.tables = load_tables(data_files, self.config)
         where, messages = self._all_prompts()
         if not messages:  # else the chat template fails on "an empty conversation", naming no file
             files = [str(path) for path, _ in self.tables]
             raise DataError(f"{files} hold no rows: the data set is empty. Point data.train_files / "
                             "data.val_files at parquet files with at least data.train_batch_size prompts.")
-        texts = render_prompts(messages, tokenizer, self.options)
+        texts = render_prompts(messages, tokenizer, self.config)
         token_ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         self._keep(where, texts, token_ids)
         logger.info("RLHFDataset: %d prompts from %s", len(self), data_files)
 
     def _all_prompts(self) -> tuple[list[tuple[int, int]], list[list[dict]]]:
         """(table index, row index) and the checked chat messages of every row of every file."""
-        where, messages, key = [], [], self.options.prompt_key
+        where, messages, key = [], [], self.config.prompt_key
         for t, (path, table) in enumerate(self.tables):
             for i, prompt in enumerate(table.column(key).to_pylist()):
                 messages.append(_check_messages(prompt, path, i, key))
@@ -250,14 +222,14 @@ class RLHFDataset(Dataset):
 
     def _keep(self, where: list[tuple[int, int]], texts: list[str], token_ids: list[list[int]]) -> None:
         """Drop over-long prompts when asked, enforce truncation=error, refuse an empty result."""
-        limit = self.options.max_prompt_length
+        limit = self.config.max_prompt_length
         lengths = np.array([len(ids) for ids in token_ids], dtype=np.int64)
-        if self.options.filter_overlong_prompts:
+        if self.config.filter_overlong_prompts:
             keep = np.flatnonzero(lengths <= limit)
             logger.info("filter_overlong_prompts dropped %d of %d prompts", len(where) - len(keep), len(where))
         else:
             keep = np.arange(len(where))
-            if self.options.truncation == "error":
+            if self.config.truncation == "error":
                 self._raise_if_overlong(where, lengths)
         if len(keep) == 0:
             files = [str(path) for path, _ in self.tables]
@@ -267,14 +239,14 @@ class RLHFDataset(Dataset):
                 "data.filter_overlong_prompts=False with data.truncation=left|right|middle"
             )
         self.where = np.asarray(where, dtype=np.int64).reshape(-1, 2)[keep]
-        self.texts = [texts[i] for i in keep] if self.options.return_full_prompt else None
+        self.texts = [texts[i] for i in keep] if self.config.return_full_prompt else None
         # One flat int array + offsets instead of a Python list per prompt: ~4 bytes per token.
         self.offsets = np.concatenate([[0], np.cumsum(lengths[keep])])
         flat = (t for i in keep for t in token_ids[i])
         self.flat_ids = np.fromiter(flat, dtype=np.int64, count=int(self.offsets[-1]))
 
     def _raise_if_overlong(self, where: list[tuple[int, int]], lengths: np.ndarray) -> None:
-        limit = self.options.max_prompt_length
+        limit = self.config.max_prompt_length
         over = np.flatnonzero(lengths > limit)
         if len(over) == 0:
             return
@@ -290,7 +262,7 @@ class RLHFDataset(Dataset):
         return len(self.where)
 
     def __getitem__(self, item: int) -> dict:
-        opts = self.options
+        opts = self.config
         table, row_index = self.where[item]
         path, arrow = self.tables[table]
         row = arrow.slice(int(row_index), 1).to_pylist()[0]
@@ -334,10 +306,11 @@ def create_rl_sampler(data_config: Any, dataset: Dataset) -> Sampler:
     torchdata's RandomSampler is a drop-in for torch's that also checkpoints its generator state,
     so a loader restored from ``state_dict()`` replays the same order, across epochs too.
     """
-    if not cfg_get(data_config, "shuffle", True):
+    cfg = typed_data_config(data_config)
+    if not cfg.shuffle:
         return SequentialSampler(dataset)
     generator = torch.Generator()
-    generator.manual_seed(int(cfg_get(data_config, "seed", 1)))
+    generator.manual_seed(cfg.seed)
     return RandomSampler(dataset, generator=generator)
 
 

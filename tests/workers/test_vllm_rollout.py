@@ -37,7 +37,8 @@ TP = 48  # prompt width; the long prompt fills a 32-token KV block, so the prefi
 TEXTS = ["hello world", "a", "12+7=", "the quick brown fox jumps over the lazy dog!!"]
 VLLM_OVERRIDES = [
     "rollout.name=vllm", "rollout.dtype=float32", "rollout.load_format=dummy_dtensor",
-    f"rollout.prompt_length={TP}", "rollout.max_num_seqs=64", "rollout.enable_prefix_caching=true",
+    f"rollout.prompt_length={TP}", "rollout.max_num_seqs=64",
+    "rollout.engine_kwargs.vllm.enable_prefix_caching=true",  # passed to vLLM as is (verl has no rollout key for it)
     "rollout.engine_kwargs.vllm.block_size=32", "actor.optim.lr=1e-2",
 ]
 

@@ -16,25 +16,26 @@ from typing import Any
 
 import torch
 
+from rlfoundry.config import to_typed
+from rlfoundry.config.schema import RolloutConfig
 from rlfoundry.protocol import DataProto
-from rlfoundry.engines.fsdp.utils import cfg_get
 
-__all__ = ["BaseRollout", "SamplingParams", "resolve_sampling_params", "ENGINE_ONLY_KEYS"]
+__all__ = ["BaseRollout", "SamplingParams", "resolve_sampling_params", "rollout_config"]
 
-# Rollout config keys that only an engine with its own weights/memory manager reads. The HF engine
-# accepts and ignores them, so one YAML serves every engine.
-ENGINE_ONLY_KEYS = (
-    "gpu_memory_utilization", "tensor_model_parallel_size", "max_num_batched_tokens", "max_num_seqs",
-    "enforce_eager", "free_cache_engine", "load_format", "dtype", "enable_chunked_prefill",
-    "disable_log_stats", "max_model_len", "engine_kwargs", "mode",
-)
+ROLLOUT_KEY = "actor_rollout_ref.rollout"  # where RolloutConfig sits in the trainer config (for messages)
+
+
+def rollout_config(config: Any) -> RolloutConfig:
+    """The typed ``actor_rollout_ref.rollout`` subtree: ``config`` as is when it already is one, else
+    ``to_typed`` (a DictConfig, a dict with some keys, None; missing keys get the schema's defaults)."""
+    return config if isinstance(config, RolloutConfig) else to_typed(RolloutConfig, config, name=ROLLOUT_KEY)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """One generation call's settings after config, ``val_kwargs`` and ``meta_info`` are merged."""
 
-    n: int = 1
+    n: int = 1  # these defaults serve tests that build one by hand; config values come from RolloutConfig
     do_sample: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
@@ -55,13 +56,14 @@ _SAMPLING_KEYS = ("n", "do_sample", "temperature", "top_p", "top_k")
 
 
 def resolve_sampling_params(config: Any, meta_info: Mapping[str, Any] | None) -> SamplingParams:
-    """Merge rollout config < ``val_kwargs`` (when ``meta_info["validate"]``) < explicit meta_info keys."""
-    meta = dict(meta_info or {})
-    values = {k: cfg_get(config, k, getattr(SamplingParams, k)) for k in _SAMPLING_KEYS}
-    values["response_length"] = cfg_get(config, "response_length", SamplingParams.response_length)
-    if meta.get("validate", False):
-        val_kwargs = cfg_get(config, "val_kwargs", {})
-        values.update({k: cfg_get(val_kwargs, k) for k in _SAMPLING_KEYS if cfg_get(val_kwargs, k) is not None})
+    """Merge rollout config < ``val_kwargs`` (when ``meta_info["validate"]``) < explicit meta_info keys.
+
+    ``config``: a ``RolloutConfig`` (or anything ``rollout_config`` takes).
+    """
+    config, meta = rollout_config(config), dict(meta_info or {})
+    source = config.val_kwargs if meta.get("validate", False) else config
+    values = {k: getattr(source, k) for k in _SAMPLING_KEYS}
+    values["response_length"] = config.response_length
     values.update({k: meta[k] for k in (*_SAMPLING_KEYS, "response_length") if meta.get(k) is not None})
     params = SamplingParams(
         n=int(values["n"]), do_sample=bool(values["do_sample"]), temperature=float(values["temperature"]),

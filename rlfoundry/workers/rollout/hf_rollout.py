@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.engines.fsdp.utils import cfg_get, inference_unsharded, unsharded
+from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
 from rlfoundry.workers.rollout.fused_decode import FusedDecoder, unsupported_reason
-from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
+from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
 
 __all__ = ["HFRollout", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
 
@@ -245,8 +245,9 @@ class HFRollout(BaseRollout):
 
     Args:
         module: the causal LM (plain or FSDP2-wrapped) the actor trains.
-        config: the ``actor_rollout_ref.rollout`` subtree (n, temperature, top_p, top_k, do_sample,
-            response_length, val_kwargs, seed; other engines' keys are ignored).
+        config: the ``actor_rollout_ref.rollout`` subtree: a ``RolloutConfig``, or a DictConfig/dict
+            that ``to_typed`` fills with the schema's defaults (this engine reads n, temperature,
+            top_p, top_k, do_sample, response_length, val_kwargs, seed, ignore_eos).
         pad_token_id / eos_token_id: from the tokenizer / generation config; ``meta_info`` may
             override both per call (verl's trainer sends them).
         rank: data-parallel rank, mixed into the sampling seed so ranks draw independently.
@@ -266,11 +267,11 @@ class HFRollout(BaseRollout):
         self.module = module
         self.cpu_kernels = cpu_kernels
         self._gathered = inference_unsharded if cpu_kernels else unsharded
-        self.config = config
+        self.config = rollout_config(config)
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = _as_id_list(eos_token_id)
         self.rank = rank
-        self.seed = int(cfg_get(config, "seed", 0))
+        self.seed = self.config.seed
         self.calls = 0  # generate_sequences calls so far; with the seed it fixes the next draws
 
     # ---- checkpointable state ------------------------------------------------------------
@@ -307,7 +308,7 @@ class HFRollout(BaseRollout):
         params = resolve_sampling_params(self.config, prompts.meta_info)
         pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
         eos_ids = _as_id_list(prompts.meta_info.get("eos_token_id")) or self.eos_token_ids
-        if cfg_get(self.config, "ignore_eos", False):
+        if self.config.ignore_eos:
             eos_ids = []  # benchmarking mode (verl/vLLM ``ignore_eos``): always response_length tokens
         batch = prompts.batch
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]

@@ -26,7 +26,8 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 | prompt_length (+ response_length) | ``max_model_len`` unless ``max_model_len`` is set |
 | dtype | vLLM dtype (bf16/fp16/fp32); use ``float32`` on CPU to match an fp32 actor |
 | max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, | passed to ``LLM`` |
-| enable_prefix_caching, enforce_eager, disable_log_stats, seed | passed to ``LLM`` |
+| enforce_eager, disable_log_stats, seed | passed to ``LLM`` (``enable_prefix_caching`` is always on, as in |
+|   | verl; ``engine_kwargs.vllm.enable_prefix_caching=false`` turns it off) |
 | load_format | ``dummy*``: random init, synced from the actor at start-up; else read from disk once |
 | ignore_eos | passed to ``SamplingParams`` |
 | engine_kwargs.vllm.* | passed to ``LLM`` last (override everything above) |
@@ -53,8 +54,9 @@ import torch
 from torch import nn
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.engines.fsdp.utils import cfg_get, hf_parameter_name, iter_full_parameters
-from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params
+from rlfoundry.config.schema import RolloutConfig
+from rlfoundry.engines.fsdp.utils import hf_parameter_name, iter_full_parameters
+from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
 
 __all__ = ["VLLMRollout", "vLLMRollout", "build_engine_kwargs", "hf_parameter_name", "iter_full_parameters",
            "INSTALL_HINT"]
@@ -94,8 +96,8 @@ def _cpu_kv_cache_bytes(hf_config: Any, dtype: str, max_model_len: int, max_num_
     return int(min(max(per_token * max_model_len * max_num_seqs, _CPU_KV_MIN), _CPU_KV_MAX))
 
 
-def _check_supported(config: Any) -> None:
-    tp = int(cfg_get(config, "tensor_model_parallel_size", 1))
+def _check_supported(config: RolloutConfig) -> None:
+    tp = config.tensor_model_parallel_size
     if tp != 1:
         raise NotImplementedError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: the hybrid vLLM engine runs one "
@@ -109,28 +111,31 @@ def build_engine_kwargs(
     config: Any, model_path: str, hf_config: Any, device_type: str, hf_overrides: Mapping[str, Any] | None = None,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """``vllm.LLM(**kwargs)`` from the rollout config (pure; see the module docstring for the map)."""
+    """``vllm.LLM(**kwargs)`` from the rollout config (pure; see the module docstring for the map).
+
+    ``config``: a ``RolloutConfig`` (or a DictConfig/dict that ``to_typed`` fills with the schema's defaults).
+    """
+    config = rollout_config(config)
     _check_supported(config)
-    dtype = _DTYPES.get(str(cfg_get(config, "dtype", "bfloat16")).lower())
+    dtype = _DTYPES.get(config.dtype.lower())
     if dtype is None:
-        raise ValueError(f"rollout.dtype={cfg_get(config, 'dtype')!r}; use one of {sorted(_DTYPES)}")
-    load_format = str(cfg_get(config, "load_format", "auto"))
-    max_model_len = cfg_get(config, "max_model_len") or (
-        int(cfg_get(config, "prompt_length", 512)) + int(cfg_get(config, "response_length", 512)))
-    max_num_seqs = int(cfg_get(config, "max_num_seqs", 256))
+        raise ValueError(f"rollout.dtype={config.dtype!r}; use one of {sorted(_DTYPES)}")
+    load_format = config.load_format
+    max_model_len = config.max_model_len or config.prompt_length + config.response_length
+    max_num_seqs = config.max_num_seqs
     kwargs: dict[str, Any] = {
         "model": model_path,
         "dtype": dtype,
         "load_format": _LOAD_FORMATS.get(load_format, load_format),
         "max_model_len": int(max_model_len),
         "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": int(cfg_get(config, "max_num_batched_tokens", 8192)),
-        "enable_chunked_prefill": bool(cfg_get(config, "enable_chunked_prefill", True)),
-        "enable_prefix_caching": bool(cfg_get(config, "enable_prefix_caching", True)),
-        "enforce_eager": bool(cfg_get(config, "enforce_eager", True)),
-        "disable_log_stats": bool(cfg_get(config, "disable_log_stats", True)),
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "enable_prefix_caching": True,  # as verl; engine_kwargs.vllm may turn it off
+        "enforce_eager": config.enforce_eager,
+        "disable_log_stats": config.disable_log_stats,
         "tensor_parallel_size": 1,
-        "seed": int(cfg_get(config, "seed", 0)),
+        "seed": config.seed,
         "trust_remote_code": trust_remote_code,
         # prompts arrive as token ids and responses leave as token ids: no tokenizer in the engine
         "skip_tokenizer_init": True,
@@ -142,11 +147,11 @@ def build_engine_kwargs(
     if hf_overrides:
         kwargs["hf_overrides"] = dict(hf_overrides)
     if device_type == "cuda":
-        kwargs["gpu_memory_utilization"] = float(cfg_get(config, "gpu_memory_utilization", 0.5))
-        kwargs["enable_sleep_mode"] = bool(cfg_get(config, "free_cache_engine", True))
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = config.free_cache_engine
     else:
         kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(hf_config, dtype, int(max_model_len), max_num_seqs)
-    extra = cfg_get(cfg_get(config, "engine_kwargs", {}), "vllm", {}) or {}
+    extra = config.engine_kwargs.get("vllm") or {}
     kwargs.update({k: v for k, v in dict(extra).items() if v is not None})
     return kwargs
 
@@ -312,7 +317,8 @@ class VLLMRollout(BaseRollout):
     Args:
         module: the actor's (FSDP2-wrapped) causal LM; weights are synced from it. May be None when
             the caller always passes tensors to ``sync_weights`` (and load_format is not dummy).
-        config: the ``actor_rollout_ref.rollout`` subtree (see the module docstring).
+        config: the ``actor_rollout_ref.rollout`` subtree (see the module docstring): a ``RolloutConfig``,
+            or a DictConfig/dict that ``to_typed`` fills with the schema's defaults.
         pad_token_id / eos_token_id: as for ``HFRollout``; ``meta_info`` may override per call.
         rank: data-parallel rank, mixed into the per-request sampling seeds.
         model_path: HF directory for the engine's config (default: the module's ``name_or_path``).
@@ -331,9 +337,9 @@ class VLLMRollout(BaseRollout):
         hf_overrides: Mapping[str, Any] | None = None,
         cpu_kernels: bool = False,  # accepted for the common signature: vLLM runs its own kernels
     ):
-        self.module, self.config, self.rank = module, config, rank
+        self.module, self.config, self.rank = module, rollout_config(config), rank
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), _as_id_list(eos_token_id)
-        self.seed, self.calls, self.syncs = int(cfg_get(config, "seed", 0)), 0, 0
+        self.seed, self.calls, self.syncs = self.config.seed, 0, 0
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
         if not model_path:
             raise ValueError("VLLMRollout needs model_path (an HF directory) when the module does not carry one")
@@ -345,7 +351,7 @@ class VLLMRollout(BaseRollout):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device_type == "cpu":
             _check_cpu_head_dim(hf_config)
-        self.engine_kwargs = build_engine_kwargs(config, str(model_path), hf_config, self.device_type,
+        self.engine_kwargs = build_engine_kwargs(self.config, str(model_path), hf_config, self.device_type,
                                                  hf_overrides, trust_remote_code)
         self.max_model_len = int(self.engine_kwargs["max_model_len"])
         self._sleep_enabled = bool(self.engine_kwargs.get("enable_sleep_mode", False))
@@ -357,7 +363,7 @@ class VLLMRollout(BaseRollout):
         self._awake = {"weights", "kv_cache"}
         if self.engine_kwargs["load_format"] == "dummy":
             if module is None:
-                raise ValueError(f"rollout.load_format={cfg_get(config, 'load_format')!r} starts from random "
+                raise ValueError(f"rollout.load_format={self.config.load_format!r} starts from random "
                                  "weights and needs the actor module to sync from")
             self.sync_weights(None)
         self._sleep()  # GPU: give the memory to the actor until the first generation
@@ -434,7 +440,7 @@ class VLLMRollout(BaseRollout):
     def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int):
         from vllm import SamplingParams as VllmSamplingParams
 
-        ignore_eos = bool(cfg_get(self.config, "ignore_eos", False))
+        ignore_eos = self.config.ignore_eos
         return VllmSamplingParams(
             n=params.n,
             temperature=0.0 if params.greedy else params.temperature,
