@@ -36,6 +36,7 @@ from rlfoundry.config import typed
 from rlfoundry.config.schema import PPOConfig
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
 from rlfoundry.config.typed import type_name as _type_name  # noqa: F401 (main_ppo's --help-keys)
+from rlfoundry.utils.tracking import _VERL_ONLY_BACKENDS, SUPPORTED_BACKENDS
 
 __all__ = [
     "CONFIG_DIR",
@@ -60,9 +61,10 @@ __all__ = [
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 ASSET_SCHEME = "rlfoundry://"
-SUPPORTED_LOGGERS = ("console", "file", "tensorboard", "wandb")
-# verl tracking back ends we recognise but do not ship: dropped with the no-effect warning.
-IGNORED_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+# trainer.logger's values: the tracking back ends we ship, and verl's that we recognise but drop
+# (with the no-effect warning). One list each, in utils/tracking.py, which runs them.
+SUPPORTED_LOGGERS = SUPPORTED_BACKENDS
+IGNORED_LOGGERS = _VERL_ONLY_BACKENDS
 
 
 class NoEffectKeyWarning(UserWarning):
