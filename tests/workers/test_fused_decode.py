@@ -97,3 +97,24 @@ def test_unsupported_models_name_the_reason_and_fall_back():
     a = _rollout(dynamic, fused=True).generate_sequences(prompts)
     b = _rollout(dynamic, fused=False).generate_sequences(prompts)
     assert torch.equal(a.batch["responses"], b.batch["responses"])
+
+
+def test_cpu_kernels_off_takes_the_plain_path(monkeypatch):
+    """Off (what the worker passes on GPUs): no FusedDecoder and plain ``unsharded`` (no FSDP hook pausing)."""
+    from rlfoundry.workers.rollout import hf_rollout
+
+    used = []
+
+    def spy(name):
+        real = getattr(hf_rollout, name)
+        return lambda *args, **kwargs: used.append(name) or real(*args, **kwargs)
+
+    for name in ("FusedDecoder", "inference_unsharded", "unsharded"):
+        monkeypatch.setattr(hf_rollout, name, spy(name))
+    ids, mask, pos = _left_padded()
+    prompts = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos})
+    _rollout(_model("qwen2"), fused=False).generate_sequences(prompts)
+    assert used == ["unsharded"]
+    used.clear()
+    _rollout(_model("qwen2"), fused=True).generate_sequences(prompts)
+    assert used == ["inference_unsharded", "FusedDecoder"]
