@@ -25,7 +25,7 @@ TOKEN_BUDGET = 2048
 
 
 def overrides(w, prepared, run_dir: Path) -> list[str]:
-    """The workload as ``key=value`` overrides of ``rlfoundry/config/ppo_trainer.yaml``."""
+    """The workload as ``key=value`` overrides of the trainer's defaults (``rlfoundry/config/schema.py``)."""
     rows = w.samples_per_step // w.rlfoundry_workers  # micro-batch = a rank's whole share
     return [
         f"data.train_files={prepared.train_file}",
