@@ -45,16 +45,20 @@ from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
 # Value lists that code outside the config also checks against (one list each).
 CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; models/cpu_kernels.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
+WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
 STRATEGIES = ("fsdp", "fsdp2")
+LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+_KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# "+": the estimator's value with k2's gradient (core_algos.kl_penalty); "full" is a clear error there
+KL_ESTIMATORS = (*_KL_BASE, *(k + "+" for k in _KL_BASE), "full")
 ROLLOUT_NAMES = tuple(name for name, engine in ROLLOUT_ENGINES.items() if engine.module is not None)
 
 
 def one_of(choices: tuple, default: Any) -> Any:
     """A field that accepts only ``choices``."""
-    assert default in choices, (default, choices)
+    assert default is None or default in choices, (default, choices)
     return field(default=default, metadata={"choices": tuple(choices)})
 
 
@@ -142,10 +146,12 @@ class OptimConfig:
     lr_warmup_steps_ratio: float = 0.0
     min_lr_ratio: Optional[float] = None
     num_cycles: float = 0.5
-    warmup_style: str = one_of(("constant", "cosine"), "constant")
+    warmup_style: str = one_of(LR_SCHEDULES, "constant")  # verl <= 0.4; lr_scheduler_type wins when set
+    lr_scheduler_type: Optional[str] = one_of(LR_SCHEDULES, None)  # verl >= 0.5; null: warmup_style
     total_training_steps: int = -1  # written by the trainer's resolution step, never by hand
     weight_decay: float = 0.01
     betas: List[float] = _list(0.9, 0.999)
+    eps: float = 1e-8  # rlfoundry: AdamW's eps (verl fixes it at torch's default, the same value)
 
 
 @dataclass
@@ -227,6 +233,7 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = 0.2
     clip_ratio_high: Optional[float] = 0.2
     clip_ratio_c: float = 3.0
+    loss_scale_factor: Optional[float] = None  # a fixed divisor of seq-mean-token-sum* losses (verl >= 0.6)
     loss_agg_mode: str = one_of(LOSS_AGG_MODES, "token-mean")
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
@@ -475,7 +482,7 @@ class TrainerConfig:
     device: str = one_of(("auto", "cuda", "cpu"), "auto")  # auto: cuda when available, else cpu. verl: cuda
     use_legacy_worker_impl: str = "auto"
     # rlfoundry: local (in-process) | process (one machine, no Ray) | ray | auto (local iff one worker, else ray)
-    worker_backend: str = one_of(("auto", "local", "process", "ray"), "auto")
+    worker_backend: str = one_of(("auto", *WORKER_BACKENDS), "auto")
     # rlfoundry: process back end: fork (ranks share the driver's imported libraries) | spawn | auto (fork where safe)
     process_start_method: str = one_of(START_METHODS, "auto")
     seed: int = 1  # rlfoundry: torch/numpy seed of the driver and of each worker

@@ -207,6 +207,14 @@ def _replaced(key: str, value: Any, text: str) -> None:
                       f"cannot be kept as it was; {old.instead}.")
 
 
+def _yaml_switch(value: Any, info: KeyInfo | None) -> Any:
+    """YAML 1.1 reads ``off``/``on`` as booleans (``OmegaConf.from_dotlist(["x.cpu_kernels=off"])``);
+    a field whose choices are those words gets the word back."""
+    if isinstance(value, bool) and info is not None and info.choices and ("off" if not value else "on") in info.choices:
+        return "on" if value else "off"
+    return value
+
+
 def apply_setting(cfg: DictConfig, key: str, value: Any, *, text: str, keys: Mapping[str, KeyInfo],
                   prefix: str = "", kind: str = "set") -> None:
     """Set (or, ``kind="delete"``, remove) the dotted ``key`` of ``cfg`` with the shared checks.
@@ -223,6 +231,7 @@ def apply_setting(cfg: DictConfig, key: str, value: Any, *, text: str, keys: Map
             raise ConfigError(f"'{text}': '{full}' is part of the schema and cannot be deleted; set it to null instead.")
     elif open_ancestor(full, keys) is None:
         raise unknown_key_error(full, f"from '{text}'", keys)
+    value = _yaml_switch(value, keys.get(full))
     try:
         if kind == "delete":
             parent_key, _, leaf = key.rpartition(".")

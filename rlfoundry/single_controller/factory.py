@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from rlfoundry.config.schema import WORKER_BACKENDS
 from rlfoundry.single_controller.base.worker_group import ClassWithInitArgs, WorkerGroup
 from rlfoundry.single_controller.local import LocalWorkerGroup
-
-WORKER_BACKENDS = ("local", "process", "ray")
 
 
 def create_worker_group(

@@ -29,14 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
 from rlfoundry.config.schema import PPOConfig
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
-from rlfoundry.config.typed import type_name as _type_name  # noqa: F401 (main_ppo's --help-keys)
-from rlfoundry.utils.tracking import _VERL_ONLY_BACKENDS, SUPPORTED_BACKENDS
+from rlfoundry.utils.tracking import VERL_ONLY_BACKENDS, SUPPORTED_BACKENDS
 
 __all__ = [
     "CONFIG_DIR",
@@ -64,7 +63,7 @@ ASSET_SCHEME = "rlfoundry://"
 # trainer.logger's values: the tracking back ends we ship, and verl's that we recognise but drop
 # (with the no-effect warning). One list each, in utils/tracking.py, which runs them.
 SUPPORTED_LOGGERS = SUPPORTED_BACKENDS
-IGNORED_LOGGERS = _VERL_ONLY_BACKENDS
+IGNORED_LOGGERS = VERL_ONLY_BACKENDS
 
 
 class NoEffectKeyWarning(UserWarning):

@@ -87,9 +87,9 @@ def _usage() -> str:
 
 
 def _keys_help() -> str:
-    from rlfoundry.trainer.config import _type_name
+    from rlfoundry.config.typed import type_name
 
-    lines = [f"{k}  ({_type_name(info.type)}{', open' if info.is_open else ''})"
+    lines = [f"{k}  ({type_name(info.type)}{', open' if info.is_open else ''})"
              for k, info in schema_keys().items() if not isinstance(info.type, type) or not hasattr(info.type, "__dataclass_fields__")]
     return "\n".join(lines)
 

@@ -228,6 +228,7 @@ class SFTTrainer:
         return int(total) if total is not None else per_epoch * self.config.trainer.total_epochs
 
     def _build_engine(self) -> Any:
+        from rlfoundry.config.schema import FSDPConfig, OptimConfig
         from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
         from rlfoundry.models import cpu_kernels
 
@@ -236,16 +237,17 @@ class SFTTrainer:
             from rlfoundry.utils.malloc import tune_malloc
 
             tune_malloc()  # one of the CPU speed-ups: glibc keeps freed activation memory
-        # verl's SFT optim keys -> the engine's (the RL actor's names)
-        optim = {"lr": o.lr, "betas": list(o.betas), "weight_decay": o.weight_decay, "eps": o.eps,
-                 "lr_warmup_steps_ratio": o.warmup_steps_ratio, "lr_scheduler_type": o.lr_scheduler,
-                 "min_lr_ratio": o.min_lr_ratio, "total_training_steps": self.total_steps}
+        # verl's SFT keys -> the engine's (the RL roles' names)
+        optim = OptimConfig(lr=o.lr, betas=list(o.betas), weight_decay=o.weight_decay, eps=o.eps,
+                            lr_warmup_steps_ratio=o.warmup_steps_ratio, lr_scheduler_type=o.lr_scheduler,
+                            min_lr_ratio=o.min_lr_ratio, total_training_steps=self.total_steps)
+        mixed = {"param_dtype": fsdp.param_dtype, "reduce_dtype": fsdp.reduce_dtype}
         config = FSDPEngineConfig(
-            path=str(m.partial_pretrain), dtype=fsdp.model_dtype, trust_remote_code=m.trust_remote_code,
-            override_config=dict(m.override_config), gradient_checkpointing=m.enable_gradient_checkpointing,
-            param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, param_offload=fsdp.offload_params,
-            reshard_after_forward=fsdp.reshard_after_forward, optim=optim, grad_clip=o.clip_grad,
-            cpu_kernels=m.cpu_kernels, use_remove_padding=self.config.use_remove_padding,
+            path=str(m.partial_pretrain), optim=optim, grad_clip=o.clip_grad, cpu_kernels=m.cpu_kernels,
+            fsdp=FSDPConfig(model_dtype=fsdp.model_dtype, mixed_precision=mixed, param_offload=fsdp.offload_params,
+                            reshard_after_forward=fsdp.reshard_after_forward),
+            trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
+            gradient_checkpointing=m.enable_gradient_checkpointing, use_remove_padding=self.config.use_remove_padding,
         )
         return FSDPEngine.build(config, self.device, role=ROLE)
 

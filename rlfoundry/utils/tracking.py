@@ -34,7 +34,7 @@ __all__ = ["Tracking", "SUPPORTED_BACKENDS", "read_metrics_jsonl", "METRICS_FILE
 
 SUPPORTED_BACKENDS = ("console", "file", "tensorboard", "wandb")
 # verl back ends a user's script may name; they get a specific message rather than "unknown".
-_VERL_ONLY_BACKENDS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+VERL_ONLY_BACKENDS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
 METRICS_FILE = "metrics.jsonl"
 
 Scalar = int | float | str
@@ -294,7 +294,7 @@ def _normalise_backends(default_backend: str | list[str] | tuple[str, ...] | Non
     for name in names:
         if name in SUPPORTED_BACKENDS:
             continue
-        if name in _VERL_ONLY_BACKENDS:
+        if name in VERL_ONLY_BACKENDS:
             raise ValueError(f"trainer.logger: {name!r} is a verl back end rlfoundry does not ship; "
                              f"use one of {list(SUPPORTED_BACKENDS)}")
         close = difflib.get_close_matches(str(name), SUPPORTED_BACKENDS, n=1)

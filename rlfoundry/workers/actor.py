@@ -19,7 +19,6 @@ import torch
 
 from rlfoundry.algos import core_algos
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine
-from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS
 from rlfoundry.protocol import DataProto
 from rlfoundry.workers.utils.plan import ppo_update_plan
@@ -40,9 +39,10 @@ class DataParallelPPOActor:
     """Log-probs and PPO updates of one policy on one data-parallel rank.
 
     Args:
-        config: the ``actor`` (or ``ref``) config subtree: clip ratios, ``entropy_coeff``,
+        config: the typed ``actor`` subtree (``ActorConfig``: clip ratios, ``entropy_coeff``,
             ``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``, ``loss_agg_mode``,
-            ``policy_loss.loss_mode``, ``ppo_epochs``, ``shuffle``, ``use_dynamic_bsz``, ``loss_scale_factor``.
+            ``policy_loss.loss_mode``, ``ppo_epochs``, ``shuffle``, ``use_dynamic_bsz``, ``loss_scale_factor``),
+            or ``RefConfig`` for a reference, which only computes log-probs.
         engine: the training engine holding the policy (without an optimiser for a reference).
         sizes: per-rank batch sizes (see ``ActorBatchSizes``).
         seed: base seed of the mini-batch shuffling.
@@ -86,7 +86,7 @@ class DataParallelPPOActor:
 
     def _select_keys(self, data: DataProto) -> list[str]:
         keys = [*MODEL_INPUTS, "response_mask", "old_log_probs", "advantages"]
-        if cfg_get(self.config, "use_kl_loss", False):
+        if self.config.use_kl_loss:
             keys.append("ref_log_prob")
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():
             keys.append("rollout_is_weights")
@@ -98,10 +98,9 @@ class DataParallelPPOActor:
         ``actor/entropy``, ``actor/kl_loss`` (summed) and the loss function's ratios (weighted)."""
         cfg = self.config
         mask, log_prob, entropy = batch["response_mask"], outputs["log_probs"], outputs.get("entropy")
-        mode = str(cfg_get(cfg, "loss_agg_mode", "token-mean"))
-        scale = cfg_get(cfg, "loss_scale_factor")
-        info = GlobalBatchInfo(info, **({"loss_scale_factor": float(scale)} if scale is not None else {}))
-        loss_fn = core_algos.get_policy_loss_fn(str(cfg_get(cfg_get(cfg, "policy_loss", {}), "loss_mode", "vanilla")))
+        mode, scale = cfg.loss_agg_mode, cfg.loss_scale_factor
+        info = GlobalBatchInfo(info, **({"loss_scale_factor": scale} if scale is not None else {}))
+        loss_fn = core_algos.get_policy_loss_fn(cfg.policy_loss.loss_mode)
         weights = batch["rollout_is_weights"] if "rollout_is_weights" in batch.keys() else None
         pg_loss, ratios = loss_fn(
             old_log_prob=batch["old_log_probs"], log_prob=log_prob, advantages=batch["advantages"],
@@ -110,16 +109,16 @@ class DataParallelPPOActor:
         )
         agg = {k: v for k, v in info.items() if k != "dp_size"}
         loss, losses = pg_loss, {"actor/pg_loss": float(pg_loss.detach())}
-        entropy_coeff = float(cfg_get(cfg, "entropy_coeff", 0.0))
+        entropy_coeff = cfg.entropy_coeff
         if entropy is not None:
             entropy_agg = core_algos.agg_loss(entropy, mask, mode, dp_size=info["dp_size"], **agg)
             if entropy_coeff != 0:
                 loss = loss - entropy_coeff * entropy_agg
             losses["actor/entropy"] = float(entropy_agg.detach())
-        if cfg_get(cfg, "use_kl_loss", False):
-            kld = core_algos.kl_penalty(log_prob, batch["ref_log_prob"], str(cfg_get(cfg, "kl_loss_type", "low_var_kl")))
+        if cfg.use_kl_loss:
+            kld = core_algos.kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
             kl_loss = core_algos.agg_loss(kld, mask, mode, dp_size=info["dp_size"], **agg)
-            loss = loss + float(cfg_get(cfg, "kl_loss_coef", 0.001)) * kl_loss
+            loss = loss + cfg.kl_loss_coef * kl_loss
             losses["actor/kl_loss"] = float(kl_loss.detach())
         return LossOutput(loss, losses, ratios)
 
@@ -136,7 +135,7 @@ class DataParallelPPOActor:
         ``actor/nan_skipped`` (steps skipped in this call). Every value is the
         mini-batch-wide number, all-reduced, so it is the same on every rank.
         """
-        in_loss = float(cfg_get(self.config, "entropy_coeff", 0.0)) != 0
+        in_loss = self.config.entropy_coeff != 0
         entropy_metric = bool(data.meta_info.get("calculate_entropy", False))
         output = LogProbs(float(data.meta_info["temperature"]), entropy=in_loss or entropy_metric, entropy_grad=in_loss)
         plan = ppo_update_plan(

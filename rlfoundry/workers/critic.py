@@ -40,11 +40,12 @@ import torch
 from torch import nn
 
 from rlfoundry.algos import core_algos
+from rlfoundry.config.schema import CriticConfig
+from rlfoundry.config.typed import to_typed
 from rlfoundry.engines import oom
 from rlfoundry.engines.base import GlobalBatchInfo, LossOutput, MicroBatching, TrainingEngine, Values
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS
-from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.single_controller.base.worker import WorkerRuntime
@@ -105,7 +106,7 @@ class DataParallelPPOCritic:
         ``response_mask`` (B, Tr). Micro-batches follow ``forward_micro_batch_size_per_gpu`` or,
         with ``use_dynamic_bsz``, ``forward_max_token_len_per_gpu`` (rows back in input order).
         """
-        dynamic = bool(cfg_get(self.config, "use_dynamic_bsz", False))
+        dynamic = self.config.use_dynamic_bsz
         micro = MicroBatching(self.sizes.forward_micro_batch_size, self.sizes.forward_max_token_len if dynamic else None)
         values = self.engine.infer_batch(data.select(batch_keys=list(MODEL_INPUTS)), Values(), micro)["values"]
         # Values past the end of a response belong to no state; keep them out of GAE and metrics.
@@ -117,8 +118,7 @@ class DataParallelPPOCritic:
         mask, vpreds = batch["response_mask"], outputs["values"]
         vf_loss, vf_clipfrac = core_algos.compute_value_loss(
             vpreds=vpreds, returns=batch["returns"], values=batch["values"], response_mask=mask,
-            cliprange_value=float(cfg_get(self.config, "cliprange_value", 0.5)),
-            loss_agg_mode=str(cfg_get(self.config, "loss_agg_mode", "token-mean")),
+            cliprange_value=self.config.cliprange_value, loss_agg_mode=self.config.loss_agg_mode,
             **info,
         )
         ratios = {"critic/vf_clipfrac": float(vf_clipfrac), "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
@@ -151,33 +151,34 @@ def _response_mask(data: DataProto) -> torch.Tensor:
 # ==== the worker ================================================================================
 
 
-def resolve_critic_batch_sizes(config: Any, rollout_n: int, dp_size: int) -> CriticBatchSizes:
-    """Per-rank sizes from verl's keys; errors name the numbers that disagree."""
-    mini_rows = int(cfg_get(config, "ppo_mini_batch_size", 0)) * rollout_n
+def resolve_critic_batch_sizes(config: CriticConfig, rollout_n: int, dp_size: int) -> CriticBatchSizes:
+    """Per-rank sizes from verl's keys (the typed ``critic`` subtree); errors name the numbers that disagree."""
+    mini_rows = config.ppo_mini_batch_size * rollout_n
     if mini_rows <= 0 or mini_rows % dp_size != 0:
         raise ValueError(
-            f"critic.ppo_mini_batch_size ({cfg_get(config, 'ppo_mini_batch_size')}) × rollout_n ({rollout_n}) = "
+            f"critic.ppo_mini_batch_size ({config.ppo_mini_batch_size}) × rollout_n ({rollout_n}) = "
             f"{mini_rows} rows must be a positive multiple of the number of critic ranks ({dp_size})"
         )
-    micro = cfg_get(config, "ppo_micro_batch_size_per_gpu")
-    if micro is None and cfg_get(config, "ppo_micro_batch_size") is not None:
-        micro = int(cfg_get(config, "ppo_micro_batch_size")) // dp_size  # deprecated global spelling
-    dynamic = bool(cfg_get(config, "use_dynamic_bsz", False))
-    if micro is None and not dynamic:
+    micro = _per_gpu(config.ppo_micro_batch_size_per_gpu, config.ppo_micro_batch_size, dp_size)
+    if micro is None and not config.use_dynamic_bsz:
         raise ValueError("set critic.ppo_micro_batch_size_per_gpu (or critic.use_dynamic_bsz=true with "
                          "critic.ppo_max_token_len_per_gpu)")
-    micro = max(1, int(micro or 1))
-    forward = cfg_get(config, "forward_micro_batch_size_per_gpu")
-    if forward is None and cfg_get(config, "forward_micro_batch_size") is not None:
-        forward = int(cfg_get(config, "forward_micro_batch_size")) // dp_size
-    max_len = int(cfg_get(config, "ppo_max_token_len_per_gpu", 32768))
+    micro = max(1, micro or 1)
+    forward = _per_gpu(config.forward_micro_batch_size_per_gpu, config.forward_micro_batch_size, dp_size)
     return CriticBatchSizes(
         mini_batch_size=mini_rows // dp_size,
         micro_batch_size=micro,
-        forward_micro_batch_size=max(1, int(forward or micro)),
-        max_token_len=max_len,
-        forward_max_token_len=int(cfg_get(config, "forward_max_token_len_per_gpu", max_len)),
+        forward_micro_batch_size=max(1, forward or micro),
+        max_token_len=config.ppo_max_token_len_per_gpu,
+        forward_max_token_len=config.forward_max_token_len_per_gpu,
     )
+
+
+def _per_gpu(per_gpu: int | None, global_size: int | None, dp_size: int) -> int | None:
+    """A ``*_per_gpu`` size, or the deprecated global spelling divided over the ranks."""
+    if per_gpu is None and global_size is not None:
+        return global_size // dp_size
+    return per_gpu
 
 
 def _checkpoint_tensor_names(model_dir: Path) -> set[str] | None:
@@ -216,65 +217,54 @@ class CriticWorker(Worker):
     """The critic role: one FSDP2 value model per rank (see the module docstring).
 
     Args:
-        config: the ``critic`` config subtree (verl keys).
+        config: the ``critic`` config subtree (verl keys: a DictConfig, a dict of the keys to change
+            or a ``CriticConfig``), kept typed with the schema's defaults filled in.
         rollout_n: samples per prompt; ``ppo_mini_batch_size`` counts prompts, so a mini-batch is
-            ``ppo_mini_batch_size × rollout_n`` rows. Defaults to ``config.rollout_n`` (1 if unset).
+            ``ppo_mini_batch_size × rollout_n`` rows. Defaults to ``config.rollout_n``.
         seed: base seed of the mini-batch shuffle.
     """
 
     def __init__(self, config: Any, rollout_n: int | None = None, seed: int = 0,
                  runtime: WorkerRuntime | None = None) -> None:
         super().__init__(runtime)
-        self.config = config
-        self.rollout_n = int(rollout_n if rollout_n is not None else cfg_get(config, "rollout_n", 1))
+        self.config = to_typed(CriticConfig, config, name="critic")
+        self.rollout_n = rollout_n if rollout_n is not None else self.config.rollout_n
         self.seed = seed
         # Validate now: a bad batch-size combination should fail at start-up, not mid-run.
-        self.sizes = resolve_critic_batch_sizes(config, self.rollout_n, self.world_size)
+        self.sizes = resolve_critic_batch_sizes(self.config, self.rollout_n, self.world_size)
         self.critic: DataParallelPPOCritic | None = None
         self.engine: FSDPEngine | None = None
         self.tokenizer: Any = None
 
     # ---- model --------------------------------------------------------------------------------
 
-    def _fsdp_config(self) -> Any:
-        model_cfg = cfg_get(self.config, "model", {})
-        return cfg_get(model_cfg, "fsdp_config", None) or cfg_get(self.config, "fsdp_config", {})
-
     def _engine_config(self) -> FSDPEngineConfig:
-        model_cfg, fsdp_cfg = cfg_get(self.config, "model", {}), self._fsdp_config()
-        mixed = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
-        return FSDPEngineConfig(
-            path=str(Path(str(cfg_get(model_cfg, "path"))).expanduser()),
+        model = replace(self.config.model, path=self._model_path())
+        return FSDPEngineConfig.for_model(
+            model, model.fsdp_config, optim=self.config.optim, grad_clip=self.config.grad_clip,
             model_kind="token_classification",
-            dtype=str(cfg_get(fsdp_cfg, "model_dtype", "fp32")),
-            trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)),
             # dropout would make values, and hence GAE, random, and break micro-batch invariance
-            override_config={"classifier_dropout": 0.0, **dict(cfg_get(model_cfg, "override_config", {}) or {})},
-            gradient_checkpointing=bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
-            param_dtype=cfg_get(mixed, "param_dtype"), reduce_dtype=cfg_get(mixed, "reduce_dtype"),
-            param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
-            optimizer_offload=bool(cfg_get(fsdp_cfg, "optimizer_offload", False)),
-            reshard_after_forward=bool(cfg_get(fsdp_cfg, "reshard_after_forward", True)),
-            fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
-            optim=cfg_get(self.config, "optim", {}),
-            grad_clip=cfg_get(self.config, "grad_clip", 1.0),
-            cpu_kernels=str(cfg_get(model_cfg, "cpu_kernels", "auto")),
-            use_remove_padding=bool(cfg_get(model_cfg, "use_remove_padding", False)),
+            override_config={"classifier_dropout": 0.0, **model.override_config},
+            gradient_checkpointing=model.enable_gradient_checkpointing,
         )
 
+    def _model_path(self) -> str:
+        if self.config.model.path is None:
+            raise ValueError("critic.model.path is not set: give the value model's HF directory (often the "
+                             "actor's model path)")
+        return str(Path(self.config.model.path).expanduser())
+
     def _zero_new_head(self, module: nn.Module) -> None:
-        path = cfg_get(cfg_get(self.config, "model", {}), "path")
-        if zero_init_new_value_head(module, Path(str(path)).expanduser()):
-            logger.info("critic: %s has no value head; created one initialised to zero", path)
+        if zero_init_new_value_head(module, self._model_path()):
+            logger.info("critic: %s has no value head; created one initialised to zero", self._model_path())
 
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        model_cfg = cfg_get(self.config, "model", {})
-        path = cfg_get(model_cfg, "tokenizer_path") or cfg_get(model_cfg, "path")
+        model = self.config.model
+        path = str(Path(model.tokenizer_path).expanduser()) if model.tokenizer_path else self._model_path()
         try:
-            return AutoTokenizer.from_pretrained(str(Path(str(path)).expanduser()),
-                                                 trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)))
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
         except (OSError, ValueError) as e:  # exports then carry no tokenizer; say so once
             logger.warning("critic: no tokenizer at %s (%s); HF exports will not include one", path, e)
             return None
@@ -299,7 +289,7 @@ class CriticWorker(Worker):
         """Adds ``values`` (B, Tr) for this rank's rows."""
         critic = self._require_model()
         data = on_device(data, self.device)
-        dynamic = bool(cfg_get(self.config, "use_dynamic_bsz", False))
+        dynamic = self.config.use_dynamic_bsz
         field = "forward_max_token_len" if dynamic else "forward_micro_batch_size"
         floor = int(data.batch["attention_mask"].sum(-1).max()) if dynamic else 1
 

@@ -16,7 +16,8 @@ Driver-facing methods (dispatch mode in brackets):
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
 
-``config`` is the ``actor_rollout_ref`` subtree with verl's keys; it is read, never modified.
+``config`` is the ``actor_rollout_ref`` subtree with verl's keys (a DictConfig, a dict of the keys to
+change, or an ``ActorRolloutRefConfig``); the worker keeps it typed, with the schema's defaults filled in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 
+from rlfoundry.config.schema import ActorRolloutRefConfig, FSDPConfig
+from rlfoundry.config.typed import to_typed
 from rlfoundry.models.hf import check_model_dir, resolve_model_path
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
@@ -34,7 +37,6 @@ from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.utils import faults
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
-from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
 from rlfoundry.workers.utils.device import on_device
 from rlfoundry.engines import oom
@@ -60,73 +62,44 @@ class ActorRolloutRefWorker(Worker):
         super().__init__(runtime)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.config = config
+        self.config = to_typed(ActorRolloutRefConfig, config, name="actor_rollout_ref")
         self.role = role
         self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref")
-        self._rollout_cls = get_rollout_class(str(cfg_get(self._rollout_cfg, "name", "hf"))) if self._is_rollout else None
+        self._rollout_cls = get_rollout_class(self.config.rollout.name) if self._is_rollout else None
         self.actor_sizes = self._actor_batch_sizes() if self._is_actor else None
         self.actor: DataParallelPPOActor | None = None
         self.rollout: BaseRollout | None = None
         self.ref_policy: DataParallelPPOActor | None = None
         self.engine: FSDPEngine | None = None
 
-    # ---- config views ------------------------------------------------------------------
-
-    @property
-    def _actor_cfg(self) -> Any:
-        return cfg_get(self.config, "actor", {})
-
-    @property
-    def _rollout_cfg(self) -> Any:
-        return cfg_get(self.config, "rollout", {})
-
-    @property
-    def _ref_cfg(self) -> Any:
-        return cfg_get(self.config, "ref", {})
-
-    @property
-    def _model_cfg(self) -> Any:
-        return cfg_get(self.config, "model", {})
-
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
-        actor, n = self._actor_cfg, int(cfg_get(self._rollout_cfg, "n", 1))
-        mini = _per_rank(int(cfg_get(actor, "ppo_mini_batch_size", 1)) * n, self.world_size,
-                         f"actor.ppo_mini_batch_size × rollout.n ({cfg_get(actor, 'ppo_mini_batch_size')} × {n})")
-        micro = int(cfg_get(actor, "ppo_micro_batch_size_per_gpu", 1))
-        if not cfg_get(actor, "use_dynamic_bsz", False) and mini % micro != 0:
+        actor, n = self.config.actor, self.config.rollout.n
+        mini = _per_rank(actor.ppo_mini_batch_size * n, self.world_size,
+                         f"actor.ppo_mini_batch_size × rollout.n ({actor.ppo_mini_batch_size} × {n})")
+        micro = actor.ppo_micro_batch_size_per_gpu
+        if micro is None and not actor.use_dynamic_bsz:  # the trainer resolves it; a bare worker may not have
+            raise ValueError("set actor.ppo_micro_batch_size_per_gpu (or actor.use_dynamic_bsz=true with "
+                             "actor.ppo_max_token_len_per_gpu)")
+        micro = micro or 1
+        if not actor.use_dynamic_bsz and mini % micro != 0:
             raise ValueError(
                 f"per-rank mini-batch of {mini} rows (ppo_mini_batch_size × rollout.n / {self.world_size} ranks) "
                 f"is not a multiple of actor.ppo_micro_batch_size_per_gpu={micro}"
             )
-        return ActorBatchSizes(mini, micro, int(cfg_get(actor, "ppo_max_token_len_per_gpu", 16384)))
+        return ActorBatchSizes(mini, micro, actor.ppo_max_token_len_per_gpu)
 
     # ---- building ----------------------------------------------------------------------
 
-    def _engine_config(self, fsdp_cfg: Any, trainable: bool) -> FSDPEngineConfig:
-        model_cfg = self._model_cfg
-        mixed = cfg_get(fsdp_cfg, "mixed_precision", {}) or {}
-        return FSDPEngineConfig(
-            path=str(cfg_get(model_cfg, "path")),
-            trainable=trainable,
-            dtype=str(cfg_get(fsdp_cfg, "model_dtype", "fp32")),
-            trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)),
-            override_config=dict(cfg_get(model_cfg, "override_config", {}) or {}),
-            gradient_checkpointing=bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
-            param_dtype=cfg_get(mixed, "param_dtype"), reduce_dtype=cfg_get(mixed, "reduce_dtype"),
-            param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
-            optimizer_offload=bool(cfg_get(fsdp_cfg, "optimizer_offload", False)),
-            reshard_after_forward=bool(cfg_get(fsdp_cfg, "reshard_after_forward", True)),
-            fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
-            optim=cfg_get(self._actor_cfg, "optim", {}) if trainable else None,
-            grad_clip=cfg_get(self._actor_cfg, "grad_clip", 1.0),
-            cpu_kernels=str(cfg_get(model_cfg, "cpu_kernels", "auto")),
-            use_remove_padding=bool(cfg_get(model_cfg, "use_remove_padding", False)),
+    def _engine_config(self, fsdp: FSDPConfig, trainable: bool) -> FSDPEngineConfig:
+        model, actor = self.config.model, self.config.actor
+        return FSDPEngineConfig.for_model(
+            model, fsdp, optim=actor.optim if trainable else None, grad_clip=actor.grad_clip,
+            override_config=dict(model.override_config), gradient_checkpointing=model.enable_gradient_checkpointing,
             # a KV cache cannot be shared under gradient checkpointing (HF turns use_cache off there)
-            use_shared_prompt=bool(cfg_get(model_cfg, "use_shared_prompt", True))
-            and not bool(cfg_get(model_cfg, "enable_gradient_checkpointing", False)),
+            use_shared_prompt=model.use_shared_prompt and not model.enable_gradient_checkpointing,
         )
 
     def _build_rollout(self, module: torch.nn.Module) -> BaseRollout:
@@ -134,13 +107,13 @@ class ActorRolloutRefWorker(Worker):
 
         eos = [self.tokenizer.eos_token_id]
         try:
-            gen_eos = GenerationConfig.from_pretrained(resolve_model_path(cfg_get(self._model_cfg, "path"))).eos_token_id
+            gen_eos = GenerationConfig.from_pretrained(resolve_model_path(self.config.model.path)).eos_token_id
         except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
             gen_eos = None
         eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         eos_ids = sorted({int(e) for e in eos if e is not None})
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
-        return self._rollout_cls(module, self._rollout_cfg, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
+        return self._rollout_cls(module, self.config.rollout, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
                                  cpu_kernels=self.engine.cpu_kernels)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -149,21 +122,20 @@ class ActorRolloutRefWorker(Worker):
         from transformers import AutoTokenizer
 
         self.init_distributed()
-        path = check_model_dir(cfg_get(self._model_cfg, "path"))  # a bad path fails before any loading
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            path, trust_remote_code=bool(cfg_get(self._model_cfg, "trust_remote_code", False))
-        )
-        seed = int(cfg_get(self._rollout_cfg, "seed", 0))
+        model = self.config.model
+        path = check_model_dir(model.path)  # a bad path fails before any loading
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+        seed = self.config.rollout.seed
         if self._is_actor or self._is_rollout:
-            self.engine = FSDPEngine.build(self._engine_config(cfg_get(self._actor_cfg, "fsdp_config", {}), self._is_actor),
+            self.engine = FSDPEngine.build(self._engine_config(self.config.actor.fsdp_config, self._is_actor),
                                            self.device, role="actor")
-            self.actor = DataParallelPPOActor(self._actor_cfg, self.engine, self.actor_sizes, seed=seed)
+            self.actor = DataParallelPPOActor(self.config.actor, self.engine, self.actor_sizes, seed=seed)
             if self._is_rollout:
                 self.rollout = self._build_rollout(self.engine.module)
         if self._is_ref:
-            ref_engine = FSDPEngine.build(self._engine_config(cfg_get(self._ref_cfg, "fsdp_config", {}), False),
+            ref_engine = FSDPEngine.build(self._engine_config(self.config.ref.fsdp_config, False),
                                           self.device, role="ref")
-            self.ref_policy = DataParallelPPOActor(self._ref_cfg, ref_engine)
+            self.ref_policy = DataParallelPPOActor(self.config.ref, ref_engine)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -190,11 +162,11 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.concat([self.rollout.generate_sequences(part) for part in prompts.split(rows)])
 
     def _log_prob_kwargs(self, cfg: Any, data: DataProto) -> dict[str, Any]:
-        dynamic = bool(cfg_get(cfg, "log_prob_use_dynamic_bsz", False))
+        """Micro-batching of a ``rollout``/``ref`` subtree's ``log_prob_*`` keys and the sampling temperature."""
         return {
-            "micro_batch_size": int(cfg_get(cfg, "log_prob_micro_batch_size_per_gpu", 1)),
-            "max_token_len": int(cfg_get(cfg, "log_prob_max_token_len_per_gpu", 16384)) if dynamic else None,
-            "temperature": float(data.meta_info.get("temperature", cfg_get(self._rollout_cfg, "temperature", 1.0))),
+            "micro_batch_size": cfg.log_prob_micro_batch_size_per_gpu or 1,
+            "max_token_len": cfg.log_prob_max_token_len_per_gpu if cfg.log_prob_use_dynamic_bsz else None,
+            "temperature": float(data.meta_info.get("temperature", self.config.rollout.temperature)),
         }
 
     def _log_prob_with_backoff(self, name: str, policy: DataParallelPPOActor, data: DataProto,
@@ -218,7 +190,7 @@ class ActorRolloutRefWorker(Worker):
         """
         self._require(self.actor, "compute_log_prob")
         data = on_device(data, self.device)
-        kwargs = self._log_prob_kwargs(self._rollout_cfg, data)
+        kwargs = self._log_prob_kwargs(self.config.rollout, data)
         log_prob, entropy = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, True)
         out = DataProto.from_dict(
             tensors={"old_log_probs": log_prob, "entropys": entropy},
@@ -231,7 +203,7 @@ class ActorRolloutRefWorker(Worker):
         """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling)."""
         self._require(self.ref_policy, "compute_ref_log_prob")
         data = on_device(data, self.device)
-        kwargs = self._log_prob_kwargs(self._ref_cfg, data)
+        kwargs = self._log_prob_kwargs(self.config.ref, data)
         log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob}).to("cpu")
 
@@ -244,7 +216,7 @@ class ActorRolloutRefWorker(Worker):
         """
         self._require(self.optimizer, "update_actor")
         data = on_device(data, self.device)
-        data.meta_info.setdefault("temperature", float(cfg_get(self._rollout_cfg, "temperature", 1.0)))
+        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         self.engine.onload()
         metrics = oom.update_or_explain_oom("actor", lambda: self._update_policy(data),
                                             micro_batch_size=self.actor_sizes.micro_batch_size)

@@ -1,17 +1,17 @@
 """The reward-model role: a Hugging Face sequence classifier scores each (prompt, response).
 
-Config (the ``reward_model`` subtree, verl's keys):
+Config: the ``reward_model`` subtree, verl's keys (defaults: ``RewardModelConfig`` in ``config/schema.py``):
 
-| key | default | meaning |
-|---|---|---|
-| ``enable`` | False | the trainer creates this worker only when True |
-| ``model.path`` | required | local HF directory of an ``AutoModelForSequenceClassification`` (``num_labels=1``) |
-| ``model.input_tokenizer`` | null | the *policy's* tokenizer path; when its vocabulary or chat template differs from the RM's, responses are decoded and re-tokenised (below) |
-| ``model.trust_remote_code`` | False | passed to ``from_pretrained`` |
-| ``model.fsdp_config.model_dtype`` | fp32 | weights dtype (bf16 on GPUs) |
-| ``model.cpu_kernels`` | auto | CPU speed-ups (``auto``: on the CPU only; ``off``: the plain path), ``rlfoundry/models/cpu_kernels.py`` |
-| ``micro_batch_size_per_gpu`` | 16 | rows per forward pass |
-| ``max_length`` | batch width | token budget of a re-tokenised sequence; longer ones lose their *start* (the score is read at the end) |
+| key | meaning |
+|---|---|
+| ``enable`` | the trainer creates this worker only when True |
+| ``model.path`` | local HF directory of an ``AutoModelForSequenceClassification`` (``num_labels=1``) |
+| ``model.input_tokenizer`` | the *policy's* tokenizer path; when its vocabulary or chat template differs from the RM's, responses are decoded and re-tokenised (below) |
+| ``model.trust_remote_code`` | passed to ``from_pretrained`` |
+| ``model.fsdp_config.model_dtype`` | weights dtype (bf16 on GPUs) |
+| ``model.cpu_kernels`` | CPU speed-ups (``auto``: on the CPU only; ``off``: the plain path), ``rlfoundry/models/cpu_kernels.py`` |
+| ``micro_batch_size_per_gpu`` | rows per forward pass |
+| ``max_length`` | token budget of a re-tokenised sequence (null: the batch width); longer ones lose their *start* (the score is read at the end) |
 
 Which token is scored. The RM's score is the classification head's output at the *last real token*
 of each sequence (the end of the response, usually EOS), found from the attention mask. For
@@ -39,13 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.config.schema import RewardModelConfig
+from rlfoundry.config.typed import to_typed
 from rlfoundry.protocol import DataProto
 from rlfoundry.rewards.reward_manager import place_scores, response_lengths
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.engines.base import MicroBatching
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
-from rlfoundry.engines.fsdp.utils import cfg_get
 from rlfoundry.models.hf import check_model_dir
 from rlfoundry.workers.utils.device import on_device
 
@@ -71,40 +72,30 @@ class RewardModelWorker(Worker):
 
     def __init__(self, config: Any, runtime: WorkerRuntime | None = None) -> None:
         super().__init__(runtime)
-        self.config = config
+        self.config = to_typed(RewardModelConfig, config, name="reward_model")
         self.model: nn.Module | None = None
         self.engine: FSDPEngine | None = None
         self.tokenizer: Any = None
         self.input_tokenizer: Any = None
         self.retokenize = False
 
-    def _engine_config(self, path: str) -> FSDPEngineConfig:
-        model_cfg = cfg_get(self.config, "model", {})
-        fsdp_cfg = cfg_get(model_cfg, "fsdp_config", {})
-        return FSDPEngineConfig(
-            path=path, model_kind="sequence_classification", trainable=False,
-            dtype=str(cfg_get(fsdp_cfg, "model_dtype", "fp32")),
-            trust_remote_code=bool(cfg_get(model_cfg, "trust_remote_code", False)),
-            param_offload=bool(cfg_get(fsdp_cfg, "param_offload", False)),
-            fsdp_size=int(cfg_get(fsdp_cfg, "fsdp_size", -1)),
-            cpu_kernels=str(cfg_get(model_cfg, "cpu_kernels", "auto")),
-        )
-
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         self.init_distributed()
-        model_cfg = cfg_get(self.config, "model", {})
-        path = check_model_dir(cfg_get(model_cfg, "path"))
-        remote = bool(cfg_get(model_cfg, "trust_remote_code", False))
+        model = self.config.model
+        path = check_model_dir(model.path)
+        remote = model.trust_remote_code
         labels = AutoConfig.from_pretrained(path, trust_remote_code=remote).num_labels
         if labels != 1:  # checked before any weights load
             raise ValueError(f"reward model {path} has num_labels={labels}; a reward model needs 1")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
-        self.engine = FSDPEngine.build(self._engine_config(str(path)), self.device, role="reward_model")
+        engine_config = FSDPEngineConfig.for_model(model, model.fsdp_config, path=str(path),
+                                                   model_kind="sequence_classification")
+        self.engine = FSDPEngine.build(engine_config, self.device, role="reward_model")
         self.model = self.engine.module
-        source = cfg_get(model_cfg, "input_tokenizer")
+        source = model.input_tokenizer
         if source:
             self.input_tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=remote)
             self.retokenize = not _same_tokenization(self.input_tokenizer, self.tokenizer)
@@ -133,7 +124,7 @@ class RewardModelWorker(Worker):
                 "the two tokenizers are in fact the same)"
             )
         texts = [self._rm_text(data, i) for i in range(len(data))]
-        max_length = int(cfg_get(self.config, "max_length", data.batch["input_ids"].shape[-1]))
+        max_length = self.config.max_length or data.batch["input_ids"].shape[-1]
         return self._tokenize(texts, max_length)
 
     def _rm_text(self, data: DataProto, i: int) -> str:
@@ -159,7 +150,7 @@ class RewardModelWorker(Worker):
     # ---- scoring -----------------------------------------------------------------------------
 
     def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        micro = int(cfg_get(self.config, "micro_batch_size_per_gpu", 16))
+        micro = self.config.micro_batch_size_per_gpu or 1
         data = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attention_mask})
         data = on_device(data, self.device)
         out = self.engine.infer_batch(data, _last_token_scores, MicroBatching(size=micro))

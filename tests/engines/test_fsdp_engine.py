@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlfoundry.config.schema import FSDPConfig, OptimConfig
 from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePlan
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.engines.loop import MiniBatchStats
@@ -28,8 +29,9 @@ def _batch(rows: int = 4, tp: int = 5, tr: int = 6) -> DataProto:
 
 
 def _engine(model_dir, **overrides) -> FSDPEngine:
-    config = FSDPEngineConfig(path=str(model_dir), optim={"lr": 1e-2, "weight_decay": 0.0}, cpu_kernels="off",
-                              **overrides)
+    trainable = overrides.pop("trainable", True)
+    config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(), grad_clip=1.0, cpu_kernels="off",
+                              optim=OptimConfig(lr=1e-2, weight_decay=0.0) if trainable else None, **overrides)
     return FSDPEngine.build(config, "cpu", role="sft")
 
 

@@ -56,11 +56,13 @@ def test_a_linked_default_follows_its_key_until_set_itself():
 
 def test_choice_lists_are_those_the_code_implements():
     from rlfoundry.algos import core_algos
-    from rlfoundry.single_controller import process
+    from rlfoundry.single_controller import factory, process
 
     assert schema.LOSS_AGG_MODES == core_algos.AGG_LOSS_MODES
-    assert set(schema.KL_ESTIMATORS) == set(core_algos._KL_ESTIMATORS) | {"full"}  # full: a clear NotImplementedError
+    base = set(core_algos._KL_ESTIMATORS)  # "+": value of the estimator, gradient of k2; full: a clear NotImplementedError
+    assert set(schema.KL_ESTIMATORS) == base | {k + "+" for k in base} | {"full"}
     assert process.START_METHODS is schema.START_METHODS
+    assert factory.WORKER_BACKENDS is schema.WORKER_BACKENDS
     assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm"}
     choices = {k: info.choices for k, info in schema_keys().items() if info.choices}
     assert choices["critic.optim.warmup_style"] == ("constant", "cosine")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlfoundry.config.schema import ActorConfig, FSDPConfig
+from rlfoundry.config.typed import to_typed
 from rlfoundry.protocol import DataProto
 from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.models.hf import load_hf_model
@@ -73,15 +76,15 @@ def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, batch):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_gradient_is_exactly_micro_batch_invariant(tiny_model_dir, batch, mode):
     """With SGD(lr=1) and no clipping the weight change is minus the gradient: compare it directly."""
-    cfg = worker_config(tiny_model_dir, BASE + [f"actor.loss_agg_mode={mode}", "actor.grad_clip=0"]).actor
+    cfg = to_typed(ActorConfig, worker_config(tiny_model_dir, BASE + [f"actor.loss_agg_mode={mode}", "actor.grad_clip=0"]).actor)
 
     def grad_step(sizes: ActorBatchSizes, dynamic: bool) -> dict[str, torch.Tensor]:
         module = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")
         before = full_params(module)
-        actor_cfg = cfg.copy()
-        actor_cfg.use_dynamic_bsz = dynamic
-        engine = FSDPEngine(module, FSDPEngineConfig(path=str(tiny_model_dir), grad_clip=cfg.grad_clip), "cpu",
-                            optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
+        actor_cfg = dataclasses.replace(cfg, use_dynamic_bsz=dynamic)
+        engine_cfg = FSDPEngineConfig(path=str(tiny_model_dir), fsdp=FSDPConfig(), optim=cfg.optim,
+                                      grad_clip=cfg.grad_clip, cpu_kernels="off")
+        engine = FSDPEngine(module, engine_cfg, "cpu", optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
         actor = DataParallelPPOActor(actor_cfg, engine, sizes)
         actor.update_policy(batch)
         return {k: before[k] - v for k, v in full_params(module).items()}

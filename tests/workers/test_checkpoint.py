@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlfoundry.config.schema import OptimConfig
 from rlfoundry.engines import checkpoint as ckpt
 from rlfoundry.engines.fsdp import utils as fsdp_utils
 from rlfoundry.models.hf import load_hf_model
@@ -34,8 +35,9 @@ def process_group():
 def _fsdp_policy(model_dir: Path):
     model = load_hf_model(model_dir, "causal_lm")
     fsdp_utils.apply_fsdp2(model, "cpu")
-    optim = fsdp_utils.build_optimizer(model, {"lr": 1e-2, "weight_decay": 0.1})
-    sched = fsdp_utils.build_lr_scheduler(optim, {"lr_warmup_steps": 4, "warmup_style": "cosine"}, total_training_steps=20)
+    optim = fsdp_utils.build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
+    sched = fsdp_utils.build_lr_scheduler(optim, OptimConfig(lr_warmup_steps=4, warmup_style="cosine"),
+                                          total_training_steps=20)
     return model, optim, sched
 
 

@@ -88,6 +88,32 @@ def test_inconsistent_batch_sizes_name_the_numbers(tiny_model_dir):
         ActorRolloutRefWorker(cfg, "critic")
 
 
+def test_workers_take_typed_config_with_the_schemas_defaults(tiny_model_dir):
+    """A partial subtree gets config/schema.py's defaults (no fallbacks of the workers' own); a misspelt
+    key is a ConfigError naming the full key and the nearest valid one, before any model loads."""
+    from rlfoundry.config.schema import CriticConfig, RewardModelConfig
+    from rlfoundry.config.typed import ConfigError
+    from rlfoundry.workers.critic import CriticWorker
+    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+    from rlfoundry.workers.reward_model import RewardModelWorker
+
+    actor = ActorRolloutRefWorker({"model": {"path": str(tiny_model_dir)}, "rollout": {"n": 4}}, "actor")
+    assert actor.config.model.use_shared_prompt is True and actor.config.actor.optim.eps == 1e-8
+    # ref.log_prob_use_dynamic_bsz follows actor.use_dynamic_bsz inside the subtree, as in verl's YAML
+    linked = ActorRolloutRefWorker({"actor": {"use_dynamic_bsz": True}, "rollout": {"n": 4}}, "actor")
+    assert linked.config.ref.log_prob_use_dynamic_bsz is True
+    critic = CriticWorker({"model": {"path": str(tiny_model_dir)}}, rollout_n=2)
+    assert critic.sizes.micro_batch_size == CriticConfig().ppo_micro_batch_size_per_gpu
+    assert critic.sizes.forward_micro_batch_size == critic.sizes.micro_batch_size  # follows the update's
+    assert RewardModelWorker({}).config.micro_batch_size_per_gpu == RewardModelConfig().micro_batch_size_per_gpu
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.ppo_mini_batch.*ppo_mini_batch_size"):
+        ActorRolloutRefWorker({"actor": {"ppo_mini_batch": 4}}, "actor")
+    with pytest.raises(ConfigError, match="critic.cliprange_value.*number"):
+        CriticWorker({"cliprange_value": "wide"}, rollout_n=2)
+    with pytest.raises(ConfigError, match="reward_model.model.cpu_kernels='fast' is not one of"):
+        RewardModelWorker({"model": {"cpu_kernels": "fast"}})
+
+
 def test_config_is_never_modified(tiny_model_dir, tokenizer):
     cfg = worker_config(tiny_model_dir)
     before = cfg.copy()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlfoundry.config.schema import FSDPConfig, OptimConfig
 from rlfoundry.engines.base import (
     LogProbs,
     LossFn,
@@ -52,26 +53,37 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FSDPEngineConfig:
-    """What the FSDP engine needs, resolved by the role's worker from its typed config subtree."""
+    """What the FSDP engine needs from a role's typed config (``config/schema.py`` holds the defaults).
+
+    ``fsdp`` and ``optim`` are the role's ``fsdp_config`` and ``optim`` subtrees as they are;
+    ``optim=None`` builds a frozen model (reference, reward model, rollout-only worker). The other
+    fields are the role's ``model`` keys; the ones a role's schema lacks stay off.
+    """
 
     path: str
+    fsdp: FSDPConfig
+    optim: OptimConfig | None
+    grad_clip: float | None
+    cpu_kernels: str
     model_kind: str = "causal_lm"  # causal_lm | token_classification (critic) | sequence_classification
-    trainable: bool = True
-    dtype: str = "fp32"
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
     gradient_checkpointing: bool = False
-    param_dtype: str | None = None  # FSDP mixed precision; None: bf16 on GPUs, fp32 on the CPU
-    reduce_dtype: str | None = None
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    reshard_after_forward: bool = True
-    fsdp_size: int = -1
-    optim: Any = None  # the role's ``optim`` subtree (lr, betas, warm-up ...); None: frozen model
-    grad_clip: float | None = 1.0
-    cpu_kernels: str = "auto"
     use_remove_padding: bool = False
     use_shared_prompt: bool = False
+
+    @property
+    def trainable(self) -> bool:
+        return self.optim is not None
+
+    @classmethod
+    def for_model(cls, model: Any, fsdp: FSDPConfig, optim: OptimConfig | None = None, grad_clip: float | None = None,
+                  **fields: Any) -> FSDPEngineConfig:
+        """From a role's typed ``model`` subtree (its path, trust_remote_code, cpu_kernels and
+        use_remove_padding, which every role's schema has); ``fields`` sets (or replaces) the rest."""
+        base = dict(path=str(model.path), cpu_kernels=model.cpu_kernels, trust_remote_code=model.trust_remote_code,
+                    use_remove_padding=model.use_remove_padding)
+        return cls(fsdp=fsdp, optim=optim, grad_clip=grad_clip, **{**base, **fields})
 
 
 class FSDPEngine(TrainingEngine):
@@ -101,7 +113,7 @@ class FSDPEngine(TrainingEngine):
         device = torch.device(device)
         module = _build_module(config, device, prepare)
         optimizer = lr_scheduler = None
-        if config.trainable and config.optim is not None:
+        if config.trainable:
             optimizer = fu.build_optimizer(module, config.optim)
             lr_scheduler = fu.build_lr_scheduler(optimizer, config.optim)
         engine = cls(module, config, device, role, optimizer, lr_scheduler, dp_group)
@@ -204,7 +216,7 @@ class FSDPEngine(TrainingEngine):
     # ---- offload ------------------------------------------------------------------------------
 
     def _optimizer_offload_on(self) -> bool:
-        return self.optimizer is not None and self.device.type == "cuda" and self.config.optimizer_offload
+        return self.optimizer is not None and self.device.type == "cuda" and self.config.fsdp.optimizer_offload
 
     def offload(self) -> None:
         if self._optimizer_offload_on():
@@ -248,8 +260,9 @@ class FSDPEngine(TrainingEngine):
 
 
 def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable[[nn.Module], None] | None) -> nn.Module:
+    fsdp, mixed = cfg.fsdp, cfg.fsdp.mixed_precision or {}
     module = load_hf_model(
-        cfg.path, model_kind=cfg.model_kind, torch_dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+        cfg.path, model_kind=cfg.model_kind, torch_dtype=fsdp.model_dtype, trust_remote_code=cfg.trust_remote_code,
         override_config=cfg.override_config, enable_gradient_checkpointing=cfg.trainable and cfg.gradient_checkpointing,
     )
     if not cfg.trainable:
@@ -261,7 +274,7 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
     if fast:
         cpu_kernels.apply_cpu_kernels(module, device)
     return fu.apply_fsdp2(
-        module, device, param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype, param_offload=cfg.param_offload,
-        reshard_after_forward=cfg.reshard_after_forward, fsdp_size=cfg.fsdp_size,
+        module, device, param_dtype=mixed.get("param_dtype"), reduce_dtype=mixed.get("reduce_dtype"),
+        param_offload=fsdp.param_offload, reshard_after_forward=fsdp.reshard_after_forward, fsdp_size=fsdp.fsdp_size,
         layer_units=None if fast else True,  # the plain path keeps FSDP2's per-layer units, as on GPUs
     )

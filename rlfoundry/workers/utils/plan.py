@@ -5,18 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from rlfoundry.engines.base import MicroBatching, UpdatePlan
-from rlfoundry.engines.fsdp.utils import cfg_get
 
 __all__ = ["ppo_update_plan"]
 
 
 def ppo_update_plan(config: Any, sizes: Any, seed: int, fix_hint: str) -> UpdatePlan:
-    """``ppo_epochs``, ``shuffle`` and ``use_dynamic_bsz`` of an ``actor``/``critic`` subtree with the
+    """``ppo_epochs``, ``shuffle`` and ``use_dynamic_bsz`` of a typed ``actor``/``critic`` subtree with the
     role's resolved per-rank ``sizes`` (``mini_batch_size``, ``micro_batch_size``, ``max_token_len``)."""
-    dynamic = bool(cfg_get(config, "use_dynamic_bsz", False))
     return UpdatePlan(
         mini_batch_size=sizes.mini_batch_size,
-        micro=MicroBatching(sizes.micro_batch_size, sizes.max_token_len if dynamic else None),
-        epochs=int(cfg_get(config, "ppo_epochs", 1)), shuffle=bool(cfg_get(config, "shuffle", False)),
+        micro=MicroBatching(sizes.micro_batch_size, sizes.max_token_len if config.use_dynamic_bsz else None),
+        epochs=config.ppo_epochs, shuffle=config.shuffle,
         seed=seed, fix_hint=fix_hint,
     )
