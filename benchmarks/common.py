@@ -76,6 +76,7 @@ class Workload:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
+    intermediate_size: int | None = None  # None: 2 × hidden_size
     model_seed: int = 0
     model_path: str | None = None  # an existing HF directory instead of the model built from the config
     # supervised warm start of the built model on held-apart arithmetic problems (0: random weights).
@@ -146,6 +147,8 @@ class Prepared:
 
 def _model_key(w: Workload) -> str:
     key = f"qwen2-h{w.hidden_size}-l{w.num_layers}-a{w.num_heads}-kv{w.num_kv_heads}-seed{w.model_seed}"
+    if w.intermediate_size:
+        key += f"-i{w.intermediate_size}"
     return key + (f"-sft{w.warm_start_steps}" if w.warm_start_steps else "")
 
 
@@ -218,8 +221,8 @@ def prepare_in_process(w: Workload, work_dir: Path = DEFAULT_WORK_DIR) -> Prepar
             from rlfoundry.models.tiny import save_tiny_model
 
             tmp = model_dir.with_name(model_dir.name + ".tmp")
-            save_tiny_model(tmp, hidden_size=w.hidden_size, num_layers=w.num_layers,
-                            num_heads=w.num_heads, num_kv_heads=w.num_kv_heads, seed=w.model_seed)
+            save_tiny_model(tmp, hidden_size=w.hidden_size, num_layers=w.num_layers, num_heads=w.num_heads,
+                            num_kv_heads=w.num_kv_heads, intermediate_size=w.intermediate_size, seed=w.model_seed)
             if w.warm_start_steps:
                 warm_start(tmp, w.warm_start_steps, seed=w.model_seed)
             tmp.rename(model_dir)  # complete or absent: an interrupted build is never reused
@@ -613,6 +616,12 @@ def save_results(name: str, payload: dict[str, Any], results_dir: Path = RESULTS
     return path
 
 
+# Layer shapes of real models (the byte tokenizer keeps the vocabulary small, so these are the layers' cost)
+SHAPES = {
+    "qwen2.5-0.5b": {"hidden_size": 896, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864},
+}
+
+
 def add_workload_args(p: argparse.ArgumentParser, defaults: Workload = Workload()) -> None:
     """Command-line flags shared by the benchmark scripts (each maps to a ``Workload`` field)."""
     p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run (incl. warm-up)")
@@ -623,6 +632,11 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: Workload = Workload(
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     p.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    p.add_argument("--num-heads", type=int, default=defaults.num_heads)
+    p.add_argument("--num-kv-heads", type=int, default=defaults.num_kv_heads)
+    p.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size, help="default: 2 × hidden")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a named layer shape (sets hidden/heads/intermediate size; --num-layers still applies)")
     p.add_argument("--warm-start-steps", type=int, default=defaults.warm_start_steps,
                    help="SFT steps on arithmetic before RL (0: random weights); for the learning check")
     p.add_argument("--model-path", default=None, help="an HF model directory (or rlfoundry://name) instead of "
@@ -640,8 +654,11 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: Workload = Workload(
 
 
 def workload_from_args(a: argparse.Namespace, **changes: Any) -> Workload:
+    shape = SHAPES[a.shape] if getattr(a, "shape", None) else {
+        "hidden_size": a.hidden_size, "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
+        "intermediate_size": a.intermediate_size}
     return Workload(steps=a.steps, warmup_steps=a.warmup_steps, prompts_per_step=a.prompts_per_step, n=a.n,
-                    lr=a.lr, hidden_size=a.hidden_size, num_layers=a.num_layers, model_path=a.model_path,
+                    lr=a.lr, **shape, num_layers=a.num_layers, model_path=a.model_path,
                     warm_start_steps=a.warm_start_steps,
                     threads=a.threads, rlfoundry_backend=a.rlfoundry_backend, rlfoundry_workers=a.rlfoundry_workers,
                     rlfoundry_overrides=tuple(a.rlfoundry_override)).replace(**changes)

@@ -22,6 +22,9 @@ Unset (production), :func:`inject` is one environment lookup. Examples::
     RLFOUNDRY_FAULT_INJECT=save.published@2          # die after the 2nd role directory is published
     RLFOUNDRY_FAULT_INJECT=update_actor@3            # die in the middle of the 3rd training step
     RLFOUNDRY_FAULT_INJECT="compute_log_prob>1:oom"  # OOM whenever log-probs run > 1 row at a time
+
+``RLFOUNDRY_FAULT_STAMP=<file>`` appends the wall-clock time at which each fault fires, so a test can
+bound how long the driver takes to notice it, apart from start-up time on a busy machine.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["ENV_VAR", "FaultSpec", "inject", "parse_specs", "reset"]
+__all__ = ["ENV_VAR", "STAMP_VAR", "FaultSpec", "inject", "parse_specs", "reset"]
 
 ENV_VAR = "RLFOUNDRY_FAULT_INJECT"
+STAMP_VAR = "RLFOUNDRY_FAULT_STAMP"
 ACTIONS = ("kill", "oom", "enospc", "hang", "nan")
 _SPEC_RE = re.compile(r"^(?P<point>[A-Za-z_.]+)(?:@(?P<hit>\d+))?(?:>(?P<above>\d+))?(?::(?P<action>\w+))?$")
 _hits: dict[str, int] = {}  # per process: how often each point was reached
@@ -88,6 +92,9 @@ def inject(point: str, size: int | None = None, tensors: Any = None, nan_key: st
 def _fire(spec: FaultSpec, hit: int, size: int | None, tensors: Any, nan_key: str | None) -> None:
     where = f"{spec.point} (hit {hit}{'' if size is None else f', size {size}'})"
     print(f"[rlfoundry.faults] injecting {spec.action} at {where}", file=sys.stderr, flush=True)
+    if os.environ.get(STAMP_VAR):
+        with open(os.environ[STAMP_VAR], "a") as f:
+            f.write(f"{time.time()}\n")
     if spec.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif spec.action == "oom":
