@@ -107,6 +107,9 @@ class Workload:
     rlfoundry_backend: str = "process"
     rlfoundry_workers: int = 2
     rlfoundry_overrides: tuple[str, ...] = ()
+    # "tuned": the runner adds its speed keys (benchmarks/rlfoundry_grpo.py); "verl": only the keys a
+    # verl user sets for this workload, so rlfoundry's defaults decide everything else
+    rlfoundry_keys: str = "tuned"
 
     def __post_init__(self) -> None:
         if self.steps <= self.warmup_steps:
@@ -649,6 +652,8 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: Workload = Workload(
                    help="rlfoundry's trainer.worker_backend")
     p.add_argument("--rlfoundry-workers", type=int, default=defaults.rlfoundry_workers,
                    help="rlfoundry ranks (trainer.n_gpus_per_node); they share --threads between them")
+    p.add_argument("--rlfoundry-keys", choices=["tuned", "verl"], default=defaults.rlfoundry_keys,
+                   help="tuned: the runner's speed keys; verl: only verl's keys, rlfoundry's defaults for the rest")
     p.add_argument("--rlfoundry-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for the rlfoundry run (repeatable), e.g. to measure a knob")
 
@@ -661,4 +666,5 @@ def workload_from_args(a: argparse.Namespace, **changes: Any) -> Workload:
                     lr=a.lr, **shape, num_layers=a.num_layers, model_path=a.model_path,
                     warm_start_steps=a.warm_start_steps,
                     threads=a.threads, rlfoundry_backend=a.rlfoundry_backend, rlfoundry_workers=a.rlfoundry_workers,
-                    rlfoundry_overrides=tuple(a.rlfoundry_override)).replace(**changes)
+                    rlfoundry_overrides=tuple(a.rlfoundry_override),
+                    rlfoundry_keys=a.rlfoundry_keys).replace(**changes)

@@ -27,6 +27,12 @@ TOKEN_BUDGET = 2048
 def overrides(w, prepared, run_dir: Path) -> list[str]:
     """The workload as ``key=value`` overrides of the trainer's defaults (``rlfoundry/config/schema.py``)."""
     rows = w.samples_per_step // w.rlfoundry_workers  # micro-batch = a rank's whole share
+    return [*verl_keys(w, prepared, run_dir, rows), *(speed_keys(w) if w.rlfoundry_keys == "tuned" else []),
+            *w.rlfoundry_overrides]
+
+
+def verl_keys(w, prepared, run_dir: Path, rows: int) -> list[str]:
+    """What a verl user writes for this workload; rlfoundry's defaults decide the rest."""
     return [
         f"data.train_files={prepared.train_file}",
         f"data.train_batch_size={w.prompts_per_step}",
@@ -64,10 +70,16 @@ def overrides(w, prepared, run_dir: Path) -> list[str]:
         "trainer.device=cpu",
         "trainer.logger=[file]",
         f"trainer.seed={w.seed}",
-        f"trainer.worker_backend={w.rlfoundry_backend}",
         f"trainer.n_gpus_per_node={w.rlfoundry_workers}",
         f"trainer.run_dir={run_dir}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+    ]
+
+
+def speed_keys(w) -> list[str]:
+    """rlfoundry-specific speed settings (same math)."""
+    return [
+        f"trainer.worker_backend={w.rlfoundry_backend}",
         # speed settings (same math): the sampler's log-probs are pi_old (one epoch, on-policy),
         # each rank holds the whole 0.66 M-parameter model (fsdp_size=1: plain data parallelism,
         # no gathers, gradients all-reduced once per update), and micro-batches hold rows of
@@ -77,7 +89,6 @@ def overrides(w, prepared, run_dir: Path) -> list[str]:
         "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max(TOKEN_BUDGET, w.max_prompt_length + w.max_response_length)}",
-        *w.rlfoundry_overrides,
     ]
 
 

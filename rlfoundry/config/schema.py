@@ -242,9 +242,10 @@ class ActorConfig:
     kl_loss_type: str = one_of(KL_ESTIMATORS, "low_var_kl")
     ppo_epochs: int = 1
     shuffle: bool = False
-    # true: reuse the HF rollout's log-probs as old_log_probs, skipping compute_log_prob (needs one PPO
-    # epoch in one mini-batch, see trainer/config.py; off here: the demo takes two mini-batches per step)
-    use_rollout_log_probs: bool = False
+    # reuse the HF rollout's log-probs as old_log_probs, skipping compute_log_prob: the same numbers where
+    # the update is on the sampling policy (HF engine, one epoch, one mini-batch per step; trainer/config.py).
+    # null (auto): on exactly there (the run's first lines say which); true: required (an error elsewhere)
+    use_rollout_log_probs: Optional[bool] = None
     ulysses_sequence_parallel_size: int = 1
     data_loader_seed: Optional[int] = None
     entropy_from_logits_with_chunking: bool = False

@@ -442,9 +442,13 @@ def _check_rollout_log_prob_reuse(cfg: DictConfig) -> list[str]:
     update reports in place of the skipped pass is still the sampling distribution's.
     """
     arr, key = cfg.actor_rollout_ref, "actor_rollout_ref.actor.use_rollout_log_probs=true"
-    if not arr.actor.use_rollout_log_probs:
+    if arr.actor.use_rollout_log_probs is not True:  # null (auto) turns it on only where these hold
         return []
-    errors = []
+    return _rollout_log_prob_reuse_problems(cfg, key)
+
+
+def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
+    arr, errors = cfg.actor_rollout_ref, []
     if arr.rollout.name != "hf":
         errors.append(f"{key} needs actor_rollout_ref.rollout.name=hf (got {arr.rollout.name}): only the HF engine's "
                       "log-probs are the actor's own; set use_rollout_log_probs=false.")
@@ -520,6 +524,8 @@ def resolve_config(
     trainer.logger = [x for x in _loggers(cfg) if x in SUPPORTED_LOGGERS]
     out.algorithm.adv_estimator = adv_estimator(cfg)
     out.critic.enable = use_critic(cfg)
+    if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
+        out.actor_rollout_ref.actor.use_rollout_log_probs = not _rollout_log_prob_reuse_problems(cfg, "auto")
     _resolve_micro_batches(out, ws)
     _resolve_paths(out, train_files, val_files, run_dir)
     total = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
@@ -528,6 +534,18 @@ def resolve_config(
     out.critic.optim.total_training_steps = int(total)
     OmegaConf.resolve(out)
     OmegaConf.set_readonly(out, True)
+    return out
+
+
+def auto_choices(cfg: DictConfig, resolved: DictConfig) -> list[str]:
+    """What the ``auto``/null settings of ``cfg`` became in ``resolved``, and why (the run prints these)."""
+    out = []
+    if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
+        on = resolved.actor_rollout_ref.actor.use_rollout_log_probs
+        why = ("the HF engine's sampling log-probs are the old log-probs (one epoch, one mini-batch per step): "
+               "no separate old_log_prob pass" if on else
+               "old log-probs are recomputed (reuse needs the HF engine, ppo_epochs=1 and one mini-batch per step)")
+        out.append(f"actor_rollout_ref.actor.use_rollout_log_probs={str(on).lower()}: {why}")
     return out
 
 

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from rlfoundry.trainer.config import (
     ConfigError,
+    auto_choices,
     check_startup_paths,
     load_config,
     need_reference_policy,
@@ -286,6 +287,8 @@ def build_trainer(cfg: DictConfig):
     train_loader, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files)
     resolved = resolve_config(cfg, steps_per_epoch=len(train_loader), cuda_available=torch.cuda.is_available(),
                               train_files=syn_train, val_files=syn_val, run_dir=str(run_dir))
+    for choice in auto_choices(cfg, resolved):
+        print(f"rlfoundry: {choice}", flush=True)
     seed_everything(int(resolved.trainer.seed))
     _import_external_lib(resolved)
     reward_fn = load_reward_manager(resolved, tokenizer, num_examine=0)

@@ -43,7 +43,7 @@ def _run(model, run_dir, reward, *extra):
 ])
 def test_skipping_the_old_log_prob_pass_trains_identically(tiny_model_dir, tmp_path, variant):
     reward = E.write_reward_file(tmp_path)
-    off = _run(tiny_model_dir, tmp_path / "off", reward, *variant)
+    off = _run(tiny_model_dir, tmp_path / "off", reward, *variant, "actor_rollout_ref.actor.use_rollout_log_probs=false")
     on = _run(tiny_model_dir, tmp_path / "on", reward, *variant, REUSE)
 
     for step in (1, 2):
@@ -95,5 +95,21 @@ def test_refused_with_several_mini_batches():
     assert "ppo_mini_batch_size=8 != data.train_batch_size=16" in msg and "set ppo_mini_batch_size=16" in msg
 
 
-def test_off_by_default_and_the_demo_is_not_forced():
-    assert load_config([]).actor_rollout_ref.actor.use_rollout_log_probs is False
+def test_auto_by_default_on_exactly_where_allowed():
+    """null (auto) resolves to on only where an explicit true is accepted, and says so."""
+    from rlfoundry.trainer.config import auto_choices, resolve_config
+
+    def resolved(*overrides):
+        cfg = load_config(list(overrides))
+        out = resolve_config(cfg, steps_per_epoch=4, cuda_available=False)
+        return out.actor_rollout_ref.actor.use_rollout_log_probs, auto_choices(cfg, out)
+
+    assert load_config([]).actor_rollout_ref.actor.use_rollout_log_probs is None
+    on, said = resolved("actor_rollout_ref.actor.ppo_mini_batch_size=16")
+    assert on is True and "use_rollout_log_probs=true" in said[0] and "no separate old_log_prob pass" in said[0]
+    for refused in (["actor_rollout_ref.actor.ppo_mini_batch_size=8"],  # the demo: two mini-batches per step
+                    ["actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_epochs=2"]):
+        on, said = resolved(*refused)
+        assert on is False and "old log-probs are recomputed" in said[0]
+    assert resolved("actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                    "actor_rollout_ref.actor.use_rollout_log_probs=false") == (False, [])

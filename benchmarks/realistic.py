@@ -1,0 +1,194 @@
+"""rlfoundry vs TRL at a realistic layer shape, each phase against what this machine can do.
+
+    python -m benchmarks.realistic                                   # 8 layers; responses 32 and 128
+    python -m benchmarks.realistic --num-layers 24 --response-lengths 32 --repeats 1
+    python -m benchmarks.realistic --rlfoundry-keys tuned            # with the runner's speed keys
+
+The model has Qwen2.5-0.5B's layer shape (hidden 896, MLP 4864, 14 heads, 2 KV heads; the project's
+byte tokenizer, so the vocabulary is small and the layers are the cost), random weights, fp32.
+GRPO, ``--prompts-per-step`` × ``--n`` samples, one optimiser step per step, the same workload for
+both frameworks (``benchmarks/common.py``). By default rlfoundry gets only the keys a verl user
+would write (``--rlfoundry-keys verl``, one worker): its defaults are what is measured.
+
+In the same run, before the frameworks, a child process with the same thread count measures the
+machine: the fp32 matrix-product peak (the faster of torch's default path and oneDNN, at the
+model's widest layer and 512 rows) and the memory read bandwidth (summing a 1 GiB tensor). Then per
+phase: time; for the actor update (forward + backward: 3 × the forward's FLOPs, counted over the
+valid tokens) its achieved FLOP/s as a fraction of that peak; for generation, tokens/s against the
+roofline bound (each decode step reads every weight once and does 2 FLOPs per weight and token,
+so it takes at least max(weight bytes / bandwidth, FLOPs / peak)); peak tree memory (PSS).
+Writes ``benchmarks/results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.common import (
+    REPO_ROOT,
+    _child_env,
+    add_workload_args,
+    format_table,
+    interleaved_runs,
+    median_row,
+    paired_ratios,
+    prepare,
+    save_results,
+    workload_from_args,
+)
+
+_PEAKS_CODE = r"""
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+k, n = int(sys.argv[2]), int(sys.argv[3])
+x, w = torch.randn(512, k), torch.randn(n, k)
+def best(fn, reps=12):
+    for _ in range(3): fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+    return min(times)
+flops = 2 * 512 * k * n
+paths = {"mkl": lambda: torch.nn.functional.linear(x, w)}
+if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    paths["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+gflops = {name: flops / best(fn) / 1e9 for name, fn in paths.items()}
+big = torch.ones(2**28)  # 1 GiB of fp32
+read = 4 * big.numel() / best(lambda: big.sum(), reps=8) / 1e9
+print(json.dumps({"matmul_gflops": max(gflops.values()), "matmul_gflops_by_path": gflops, "read_gb_s": read}))
+"""
+
+
+def machine_peaks(w, threads: int) -> dict[str, Any]:
+    """fp32 GEMM peak (GFLOP/s) and read bandwidth (GB/s), in a child with ``threads`` threads."""
+    widest = w.intermediate_size or 2 * w.hidden_size
+    env = _child_env(w, "trl")  # one process with all the workload's threads
+    out = subprocess.run([sys.executable, "-c", _PEAKS_CODE, str(threads), str(w.hidden_size), str(widest)],
+                         cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def model_costs(model_dir: str) -> dict[str, float]:
+    """FLOPs per token of one forward (2 per weight of the layers and head, plus attention's per
+    context token) and the bytes a decode step reads (every weight once, fp32)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head_dim
+    per_layer = c.hidden_size * (2 * c.hidden_size + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size  # the embedding is a lookup
+    return {"weights": float(weights), "flops_per_token": 2.0 * weights,
+            "attention_flops_per_token_per_context": 4.0 * c.num_hidden_layers * c.hidden_size,
+            "decode_bytes_per_step": 4.0 * weights}
+
+
+def _prompt_tokens(train_file: str, model_dir: str, per_step: int) -> float:
+    """Mean chat-templated prompt length in tokens (what every framework feeds the model)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = load_prompts(train_file)[:per_step]
+    lengths = [len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m, _ in rows]
+    return sum(lengths) / len(lengths)
+
+
+def phase_efficiency(median: dict[str, Any], w, costs: dict[str, float], peaks: dict[str, Any],
+                     prompt_len: float) -> dict[str, Any]:
+    """Actor-update FLOP/s / peak and generation time bound / time, from a framework's medians."""
+    phases = median.get("phases_s", {})
+    samples = w.samples_per_step
+    resp = median["gen_tokens_per_step"] / samples  # mean generated tokens per sample
+    seq = prompt_len + resp
+    attention = costs["attention_flops_per_token_per_context"] * seq / 2  # mean context: half the sequence
+    forward = samples * seq * (costs["flops_per_token"] + attention)
+    peak = peaks["matmul_gflops"] * 1e9
+    out: dict[str, Any] = {"forward_tflop": forward / 1e12}
+    update = phases.get("update_actor")
+    if update:
+        out["update_frac_of_peak"] = 3 * forward / update / peak
+    gen = phases.get("gen")
+    if gen:
+        steps = w.max_response_length  # the batch decodes until its longest sample ends (bounded by this)
+        flops = forward  # prefill + decode: one forward's worth of token positions
+        bound = max(costs["decode_bytes_per_step"] * steps / (peaks["read_gb_s"] * 1e9), flops / peak)
+        out["gen_bound_s"] = bound
+        out["gen_frac_of_bound"] = bound / gen
+    return out
+
+
+COLUMNS = [("framework", "framework", ""), ("s/step", "step_s", ".2f"), ("samples/s", "samples_per_s", ".2f"),
+           ("gen s", "gen_s", ".2f"), ("gen/bound", "gen_frac_of_bound", ".0%"), ("old_lp s", "old_s", ".2f"),
+           ("update s", "update_s", ".2f"), ("update/peak", "update_frac_of_peak", ".0%"),
+           ("tree PSS MB", "peak_tree_pss_mb", ".0f")]
+
+
+def compare(a: argparse.Namespace, layers: int, response_length: int, peaks: dict[str, Any]) -> dict[str, Any]:
+    w = workload_from_args(a, num_layers=layers, max_response_length=response_length)
+    prepared = prepare(w, a.work_dir)
+    costs = model_costs(prepared.model_dir)
+    prompt_len = _prompt_tokens(prepared.train_file, prepared.model_dir, w.prompts_per_step)
+    runs = interleaved_runs(a.frameworks, w, prepared, a.repeats, a.work_dir / "runs",
+                            label=f"l{layers}-len{response_length}", timeout_s=a.timeout)
+    rows = []
+    for fw, fw_runs in runs.items():
+        m = median_row(fw_runs)
+        if "error" in m:
+            rows.append({"framework": fw, "error": m["error"]})
+            continue
+        ph = m.get("phases_s", {})
+        rows.append({"framework": fw, **m, **phase_efficiency(m, w, costs, peaks, prompt_len),
+                     "gen_s": ph.get("gen"), "old_s": ph.get("old_log_prob"), "update_s": ph.get("update_actor")})
+    ratios = {}
+    if "rlfoundry" in runs and "trl" in runs:
+        for key in ("samples_per_s", "peak_tree_pss_mb"):
+            ratios[f"rlfoundry/trl {key}"] = paired_ratios(runs["rlfoundry"], runs["trl"], key)
+    return {"workload": w.to_json(), "costs": costs, "prompt_tokens": prompt_len, "rows": rows, "ratios": ratios,
+            "runs": runs}
+
+
+def print_result(result: dict[str, Any]) -> None:
+    w = result["workload"]
+    print(f"\n== {w['num_layers']} layers, response length {w['max_response_length']}: {w['prompts_per_step']} "
+          f"prompts x n={w['n']}, rlfoundry keys: {w['rlfoundry_keys']}, {w['threads']} threads; "
+          f"forward {result['rows'][0].get('forward_tflop', 0):.3f} TFLOP/step")
+    print(format_table([r for r in result["rows"] if "error" not in r], COLUMNS))
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"  {r['framework']} FAILED: {r['error'][:1500]}")
+    for name, r in result["ratios"].items():
+        if r:
+            print(f"  {name}: {r['median']:.2f}x  [per-round {', '.join(f'{x:.2f}' for x in r['per_repeat'])}]")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, nargs="+", default=[8], help="decoder layers (the model is built per count)")
+    p.add_argument("--response-lengths", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--frameworks", nargs="+", default=["rlfoundry", "trl"], choices=["rlfoundry", "trl"])
+    p.add_argument("--name", default="realistic")
+    add_workload_args(p)
+    p.set_defaults(shape="qwen2.5-0.5b", prompts_per_step=4, n=4, steps=3, repeats=2, rlfoundry_keys="verl",
+                   rlfoundry_workers=1)
+    a = p.parse_args(argv)
+    peaks = machine_peaks(workload_from_args(a), a.threads)
+    print(f"machine: fp32 matmul {peaks['matmul_gflops']:.0f} GFLOP/s "
+          f"({', '.join(f'{k} {v:.0f}' for k, v in peaks['matmul_gflops_by_path'].items())}), "
+          f"read {peaks['read_gb_s']:.1f} GB/s ({a.threads} threads)")
+    results = [compare(a, layers, length, peaks) for layers in a.layers for length in a.response_lengths]
+    for result in results:
+        print_result(result)
+    path = save_results(a.name, {"peaks": peaks, "results": results}, a.results_dir)
+    print(f"\nsaved {path}")
+    return {"results": results, "path": str(path)}
+
+
+if __name__ == "__main__":
+    main()
