@@ -118,22 +118,25 @@ def test_unsharded_cpu_model_is_one_unit_with_one_gradient_reduction(tiny_model_
 
 
 def test_optimizer_steps_sharded_weights_exactly_like_plain_adamw(tiny_model_dir, process_group):
-    """build_optimizer's vectorised AdamW over DTensor shards == torch's default AdamW on a plain
-    copy, bit for bit (weight decay, betas and eps from verl's keys)."""
-    plain = load_hf_model(tiny_model_dir)
+    """build_optimizer's fused AdamW over DTensor shards == torch's fused AdamW on a plain copy, bit
+    for bit (weight decay, betas and eps from verl's keys), and torch's default AdamW to rounding."""
+    plain, default = load_hf_model(tiny_model_dir), load_hf_model(tiny_model_dir)
     sharded = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu")
     cfg = {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.8, 0.9], "eps": 1e-6}
     optimizers = [fu.build_optimizer(sharded, to_typed(OptimConfig, cfg)),
-                  torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6)]
+                  torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6,
+                                    fused=True),
+                  torch.optim.AdamW(default.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6)]
     x = torch.tensor([[3, 9, 27, 81, 12], [4, 5, 6, 7, 8]])
     for step in range(3):
-        for model, opt in zip((sharded, plain), optimizers):
+        for model, opt in zip((sharded, plain, default), optimizers):
             model(input_ids=x + step).logits.square().mean().backward()
             opt.step()
             opt.zero_grad()
     full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
     for name, value in plain.state_dict().items():
         assert torch.equal(full[name], value), name
+        torch.testing.assert_close(default.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(full["lm_head.weight"], load_hf_model(tiny_model_dir).lm_head.weight)
 
 

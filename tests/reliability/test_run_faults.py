@@ -73,7 +73,8 @@ def test_oom_in_forward_passes_retries_with_half_the_micro_batch_and_keeps_it(
     argv = overrides(tiny_model_dir, tmp_path / "run", reward_file, 2, "trainer.save_freq=-1",
                      "algorithm.adv_estimator=gae", f"critic.model.path={tiny_model_dir}",
                      "critic.ppo_micro_batch_size_per_gpu=2", "critic.forward_micro_batch_size_per_gpu=4",
-                     "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4")
+                     "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+                     "actor_rollout_ref.actor.use_rollout_log_probs=false")  # so compute_log_prob runs
     trainer = build_trainer(load_config(argv))
     with caplog.at_level(logging.WARNING, logger="rlfoundry.engines.oom"):
         summary = trainer.fit()

@@ -46,6 +46,8 @@ def test_skipping_the_old_log_prob_pass_trains_identically(tiny_model_dir, tmp_p
     off = _run(tiny_model_dir, tmp_path / "off", reward, *variant, "actor_rollout_ref.actor.use_rollout_log_probs=false")
     on = _run(tiny_model_dir, tmp_path / "on", reward, *variant, REUSE)
 
+    # recomputed, the HF rollout and the actor score the sampled tokens alike (same weights, T, no top-k/p)
+    assert off.step(1)["training/rollout_probs_diff_max"] < 1e-4
     for step in (1, 2):
         a, b = off.step(step), on.step(step)
         for key in METRICS:

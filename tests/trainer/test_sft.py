@@ -22,6 +22,11 @@ from rlfoundry.trainer.config import ConfigError
 from rlfoundry.trainer.sft_trainer import SFTTrainer, load_sft_config, main, sft_loss
 
 
+def _full(param):
+    """A copy of the whole parameter (FSDP2 shards gathered; a one-rank engine holds plain ones)."""
+    return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
+
+
 def _overrides(model_dir, run_dir, *extra: str) -> list[str]:
     return [f"model.partial_pretrain={model_dir}", f"trainer.default_local_dir={run_dir}",
             "data.synthetic.train_size=64", "data.synthetic.val_size=16", "data.max_length=64",
@@ -129,7 +134,7 @@ def _one_step_params(model_dir, run_dir, *extra: str) -> tuple[float, torch.Tens
     trainer = SFTTrainer(load_sft_config(_overrides(model_dir, run_dir, *extra)))
     try:
         loss = trainer.train_step(_fixed_batch(trainer))["train/loss"]
-        weight = trainer.engine.module.lm_head.weight.full_tensor().detach().clone()
+        weight = _full(trainer.engine.module.lm_head.weight)
     finally:
         trainer._finish(0.0)
     return loss, weight
@@ -190,7 +195,7 @@ def _run(model_dir, run_dir, *extra: str) -> tuple[dict, torch.Tensor]:
     trainer = SFTTrainer(load_sft_config(_overrides(model_dir, run_dir, "data.micro_batch_size_per_gpu=8",
                                                     "trainer.total_training_steps=3", "trainer.save_freq=1", *extra)))
     summary = trainer.fit()
-    return summary, trainer.engine.module.lm_head.weight.full_tensor().detach().clone()
+    return summary, _full(trainer.engine.module.lm_head.weight)
 
 
 def test_retention_and_resume_give_the_same_next_step(tiny_model_dir, tmp_path):

@@ -108,19 +108,24 @@ def test_log_probs_do_not_depend_on_micro_batching(tiny_model_dir, batch):
 
 
 def test_micro_batches_go_longest_first_and_are_cut_after_their_longest_response(tiny_model_dir, batch):
-    """Padding after a micro-batch's longest response is never computed; outputs are 0 there."""
+    """Padding after a micro-batch's longest response, and before its longest prompt, is never
+    computed; outputs are 0 there."""
     actor = local_worker(worker_config(tiny_model_dir, ["model.use_shared_prompt=false"]), role="actor").worker.actor
-    widths: list[int] = []
-    hook = actor.module.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]),
+    masks: list[torch.Tensor] = []
+    hook = actor.module.register_forward_pre_hook(lambda m, a, kw: masks.append(kw["attention_mask"]),
                                                   with_kwargs=True)
     try:
         log_probs, _ = actor.compute_log_prob(batch, micro_batch_size=2)
     finally:
         hook.remove()
     lengths = batch.batch["response_mask"].sum(-1)
-    tp = batch.batch["prompts"].shape[1]
     ordered = sorted(lengths.tolist(), reverse=True)
-    assert widths == [tp + ordered[i] for i in range(0, len(ordered), 2)]
+    tp = batch.batch["prompts"].shape[1]
+    # each forward: its first column starts some row's prompt, its last one ends some row's response
+    assert all(bool(m[:, 0].any()) and bool(m[:, -1].any()) for m in masks)
+    assert [int(m[:, -ordered[0]:].sum(-1).max()) for m in masks[:1]] == [ordered[0]]  # longest first
+    assert not bool(batch.batch["attention_mask"][:, 0].any())  # the batch begins with left padding, cut above
+    widths = [m.shape[1] for m in masks]
     assert min(widths) < batch.batch["input_ids"].shape[1]  # something was cut
     padding = batch.batch["response_mask"] == 0
     assert torch.all(log_probs[padding] == 0) and torch.all(log_probs[~padding] < 0)
@@ -262,7 +267,7 @@ def test_shared_prompt_gathers_and_reduces_each_unit_once_per_mini_batch(tiny_mo
     reduce-scatter twice and all-gather again in backward; the update must not change."""
     # the hook pausing that makes this possible is one of the CPU kernels (models/cpu_kernels.py)
     kept = ["actor.fsdp_config.reshard_after_forward=false", "actor.ppo_micro_batch_size_per_gpu=2",
-            "model.cpu_kernels=auto"]
+            "model.cpu_kernels=auto", "actor.fsdp_config.single_rank=fsdp"]
     shared, counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=true"])
     padded, padded_counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=false"])
     _assert_same_update(padded, shared)

@@ -259,6 +259,16 @@ class FSDPEngine(TrainingEngine):
         return fu.iter_full_parameters(self._module)
 
 
+def _say_once(text: str) -> None:
+    """A start-up decision, printed once per process where the run's first lines are read."""
+    if text not in _said:
+        _said.add(text)
+        print(f"rlfoundry: engine: {text}", flush=True)
+
+
+_said: set[str] = set()
+
+
 def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable[[nn.Module], None] | None) -> nn.Module:
     fsdp, mixed = cfg.fsdp, cfg.fsdp.mixed_precision or {}
     module = load_hf_model(
@@ -273,6 +283,12 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
     fast = cpu_kernels.enabled(cfg.cpu_kernels, device)
     if fast:
         cpu_kernels.apply_cpu_kernels(module, device)
+    module_dtype = next(module.parameters()).dtype
+    if fsdp.single_rank == "auto" and fu.fsdp_does_nothing(device, mixed.get("param_dtype"), fsdp.param_offload,
+                                                           module_dtype):
+        _say_once(f"one rank computing in {str(module_dtype).removeprefix('torch.')} with nothing to offload: "
+                  "the model is not wrapped in FSDP2, which would only copy weights and gradients")
+        return module.to(device)
     return fu.apply_fsdp2(
         module, device, param_dtype=mixed.get("param_dtype"), reduce_dtype=mixed.get("reduce_dtype"),
         param_offload=fsdp.param_offload, reshard_after_forward=fsdp.reshard_after_forward, fsdp_size=fsdp.fsdp_size,

@@ -287,17 +287,25 @@ def _longest_response_first(batch) -> list[int]:
 
 
 def trim_response_padding(batch) -> tuple[Any, int]:
-    """The model inputs cut after the longest response in ``batch``, and the uncut width.
+    """The model inputs without the columns that are padding in every row, and the uncut response width.
 
-    The columns cut only hold padding, and the logits they would produce only predict padding:
+    Cut: the responses' right padding after the longest response, and the prompts' left padding
+    before the longest prompt (``data.max_prompt_length`` is usually far above the batch's longest
+    prompt). The columns cut hold padding only: a right-cut logit would only predict padding, and a
+    left-cut key is masked out of every query, while positions are explicit (``position_ids``), so
     no log-prob the loss reads changes.
     """
     full = batch["responses"].shape[-1]
-    width = max(1, int(_response_lengths(batch).max())) if batch["responses"].shape[0] else full
-    if width >= full:
+    if not batch["responses"].shape[0]:
         return batch, full
-    cut = full - width
-    trimmed = {k: batch[k][..., :-cut] for k in MODEL_INPUTS}
+    width = max(1, int(_response_lengths(batch).max()))
+    prompt_mask = batch["attention_mask"][:, : batch["input_ids"].shape[-1] - full]
+    lead = int(prompt_mask.any(0).int().argmax()) if bool(prompt_mask.any()) else max(0, prompt_mask.shape[-1] - 1)
+    if width >= full and lead == 0:
+        return batch, full
+    end = batch["input_ids"].shape[-1] - (full - width)
+    trimmed = {k: batch[k][..., lead:end] for k in MODEL_INPUTS if k != "responses"}
+    trimmed["responses"] = batch["responses"][..., :width]
     return trimmed, full
 
 

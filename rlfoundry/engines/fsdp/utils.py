@@ -94,6 +94,18 @@ def device_mesh(device_type: str, fsdp_size: int = -1) -> Any:
     return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
 
 
+def fsdp_does_nothing(device: torch.device | str, param_dtype: torch.dtype | str | None = None,
+                      param_offload: bool = False, module_dtype: torch.dtype = torch.float32) -> bool:
+    """True when FSDP2 would have nothing to shard, cast or offload: one rank, compute in the
+    weights' own dtype, no offload. It would still copy every parameter into an unsharded buffer on
+    each forward and every gradient out of one on each backward (for a 120 M-parameter model on a
+    2-core CPU ~2 s of a 5.6 s update, and ~1 GB more memory), so the engine uses the plain module.
+    """
+    device = torch.device(device)
+    compute = resolve_dtype(param_dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return dist.get_world_size() == 1 and compute == module_dtype and not (param_offload and device.type == "cuda")
+
+
 def apply_fsdp2(
     module: nn.Module,
     device: torch.device | str,
@@ -273,13 +285,16 @@ def _reshard_after_forward(unit: FSDPModule) -> bool:
 def build_optimizer(module: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, from verl's ``optim`` keys (lr, betas, weight_decay, eps).
 
-    ``foreach=True``: torch picks it by itself only on GPUs; on CPU it would loop over the
-    parameters, and with FSDP2 every op of that loop is a DTensor dispatch (~6 ms per step for the
-    benchmark's 0.66 M-parameter model against ~2 ms; the same numbers bit for bit).
+    ``fused=True`` (CPU and CUDA): one kernel per parameter and no temporaries. torch's default on
+    the CPU loops over the parameters (with FSDP2 every op a DTensor dispatch), and ``foreach``
+    allocates whole-model temporaries (a sqrt of every second moment) whose pages fault in afresh
+    each step: for a 120 M-parameter model on 2 cores 0.07 s a step against 0.34-1.3 s. The update
+    is the same to float rounding. Other devices keep ``foreach``.
     """
     params = [p for p in module.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                             eps=optim.eps, foreach=True)
+                             eps=optim.eps, **({"fused": True} if fused else {"foreach": True}))
 
 
 def _total_steps(optim: OptimConfig, total_training_steps: int | None) -> int | None:

@@ -7,6 +7,9 @@ step does the same arithmetic with about fifteen tensor ops per layer:
 
 - q/k/v and gate/up projections are each one matrix product over weights concatenated once per
   ``generate_sequences`` call (the same dot products as the separate ``nn.Linear`` s);
+- on the CPU in fp32 every projection's weight is packed once per call into oneDNN's blocked
+  layout, which a decode step's few-row products run about twice as fast as torch's default
+  (MKL, unpacked) path: 8-40 rows at Qwen2.5-0.5B's widths, 2 threads (``_Linear``);
 - RoPE reads a cos/sin table built once per call by the model's own rotary module (so every
   static RoPE variant — default, linear, llama3, yarn — is whatever HF computes), and rotates q
   and k together with one ``roll`` (bit-identical to HF's ``rotate_half``);
@@ -23,23 +26,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlfoundry.models.cpu_linear import onednn_available
 from rlfoundry.models.llama_ops import rms_norm, rope, signed_sin, unsupported_reason
 
 __all__ = ["FusedDecoder", "unsupported_reason"]
 
 
+class _Linear:
+    """``x Wᵀ + b`` for one call's fixed weights: packed once for oneDNN where that is faster (fp32 on
+    the CPU), else ``F.linear`` on the weight as it is."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.bias = bias
+        packable = weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()
+        self.weight = None if packable else weight
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if packable else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 class _Layer:
-    """One decoder layer's weights, projections concatenated (refs to the module's tensors otherwise)."""
+    """One decoder layer's projections (q/k/v and gate/up concatenated) and its other modules."""
 
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.qkv = _Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                           torch.cat(biases) if all(b is not None for b in biases) else None)
+        self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias)
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.down_w, self.act = mlp.down_proj.weight, mlp.act_fn
+        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.down, self.act = _Linear(mlp.down_proj.weight), mlp.act_fn
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.scaling = float(attn.scaling)
 
@@ -60,6 +80,7 @@ class FusedDecoder:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.layers = [_Layer(layer) for layer in module.model.layers]
         self.embed, self.norm, self.lm_head = module.model.embed_tokens, module.model.norm, module.lm_head
+        self.head = _Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None))
         self.dtype = self.lm_head.weight.dtype
         # cos/sin for every position this call can reach, from the model's own rotary module
         positions = torch.arange(max_positions, device=self.lm_head.weight.device).unsqueeze(0)
@@ -83,7 +104,7 @@ class FusedDecoder:
         bias = bias.expand(n, hkv, hq // hkv, length).reshape(n * hkv, hq // hkv, length)
         for layer, kv in zip(self.layers, cache.layers):
             h = rms_norm(x, layer.in_norm)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            qkv = layer.qkv(h)
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
             if layer.q_norm is None:  # q and k rotated together: they are adjacent in qkv
                 qk = rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
@@ -100,11 +121,11 @@ class FusedDecoder:
                                    alpha=layer.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
             attn = torch.bmm(probs.to(values.dtype), values.flatten(0, 1)).reshape(n, hq * d)
-            x = x + F.linear(attn, layer.o_w, layer.o_b)
+            x = x + layer.o(attn)
             h = rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
-            x = x + F.linear(layer.act(gate) * up, layer.down_w)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(layer.act(gate) * up)
         for kv in cache.layers:
             kv.length = length
             kv._refresh_views()
-        return F.linear(rms_norm(x, self.norm), self.lm_head.weight, getattr(self.lm_head, "bias", None))
+        return self.head(rms_norm(x, self.norm))
