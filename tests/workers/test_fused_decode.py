@@ -14,11 +14,9 @@ from rlfoundry.workers.rollout.hf_rollout import HFRollout, _new_kv_cache
 
 def _model(model_type: str, **extra):
     """A random 2-layer model of the family; q/k/v biases for qwen2, q/k norms for qwen3."""
-    config = AutoConfig.for_model(
-        model_type, vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, **extra,
-    )
+    sizes = {"vocab_size": 97, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2,
+             "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    config = AutoConfig.for_model(model_type, tie_word_embeddings=False, **{**sizes, **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # HF zero-initialises biases and norms: make every term count
@@ -40,6 +38,8 @@ def _left_padded(batch: int = 3, width: int = 9, vocab: int = 97):
 @pytest.mark.parametrize("model_type,extra", [
     ("qwen2", {}), ("llama", {}), ("qwen3", {"head_dim": 12}),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    # wide enough that the projections run on oneDNN-packed weights (fused_decode._PACK_MIN)
+    ("qwen2", {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}),
 ])
 def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
     model = _model(model_type, **extra)
@@ -51,6 +51,11 @@ def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
         model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=ref_cache, use_cache=True)
         model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=our_cache, use_cache=True)
         fused = FusedDecoder(model, max_positions=64)
+        from rlfoundry.models.cpu_linear import onednn_available
+
+        wide = model.config.hidden_size >= 512
+        assert all((p.packed is not None) == (wide and onednn_available())
+                   for p in (fused.layers[0].qkv, fused.layers[0].o, fused.layers[0].gate_up, fused.layers[0].down))
         tokens, next_pos = torch.tensor([5, 17, 60]), pos[:, -1] + 1
         for t in range(steps):
             full = torch.cat([mask, torch.ones(3, t + 1, dtype=torch.long)], dim=1)
