@@ -59,8 +59,9 @@ class CausalLMForward:
         self.module = module
         self.dp_size, self.dp_group = dp_size, dp_group
         # what one more forward + backward call costs beyond its tokens, in tokens of this model (~20 ms
-        # of per-call work at ~300 GFLOP/s, 6 FLOPs per parameter and token): 8 at 120 M parameters, ~1500
-        # at 0.66 M, where splitting a micro-batch by length would cost more calls than it saves tokens
+        # of per-call work at ~300 GFLOP/s, 6 FLOPs per parameter and token): ~1500 at 0.66 M parameters,
+        # where splitting a micro-batch by length would cost more calls than it saves tokens; at least 64
+        # (smaller products run further below peak), which is what 120 M parameters get
         params = sum(p.numel() for p in module.parameters())
         self.call_cost_tokens = max(64, int(1e9 / max(params, 1)))
         self.use_remove_padding = use_remove_padding
