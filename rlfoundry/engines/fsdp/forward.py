@@ -206,8 +206,15 @@ class CausalLMForward:
         return [data.select_idxs(part) for part in best], best
 
     def _plan_cost(self, data: DataProto, plan: list[list[int]] | None, size: int) -> int:
-        micros = data.split(size) if plan is None else [data.select_idxs(part) for part in plan]
-        return sum(self._forward_tokens(m.batch) + self.call_cost_tokens for m in micros)
+        """Tokens the plan's forwards compute plus its calls' fixed cost; reads only the model inputs
+        (no micro-batch is built for a plan that is not taken)."""
+        inputs = {k: data.batch[k] for k in MODEL_INPUTS}
+        if plan is None:
+            rows = len(data)
+            parts = [{k: v[i: i + size] for k, v in inputs.items()} for i in range(0, rows, size)]
+        else:
+            parts = [{k: v[part] for k, v in inputs.items()} for part in plan]
+        return sum(self._forward_tokens(part) + self.call_cost_tokens for part in parts)
 
     def shared_prompt_plan(self, micros: list[DataProto]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per micro-batch, its prompt groups when it takes the shared-prompt path, else None.
