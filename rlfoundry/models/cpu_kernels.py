@@ -4,7 +4,7 @@
 path, which is also the reference the invariance and parity tests run on (``off``). What ``on``
 changes, all applied when the model is built (``engines/fsdp/engine.py``, ``workers/rollout``):
 
-- fp32 ``nn.Linear`` layers multiply through oneDNN (``models/cpu_linear.py``);
+- fp32 ``nn.Linear`` layers multiply through oneDNN where it beats MKL (AMD CPUs; ``models/cpu_linear.py``);
 - the actor's shared-prompt training forward runs as one pass (``models/fused_forward.py``);
 - the HF rollout decodes Llama-family models with a lean one-token step (``workers/rollout/fused_decode.py``);
 - FSDP2 keeps one unit (the root) when parameters are not sharded, and skips its per-forward hooks
@@ -40,11 +40,15 @@ def enabled(setting: Any, device: torch.device | str) -> bool:
     return setting == "auto" and torch.device(device).type == "cpu"
 
 
-def apply_cpu_kernels(module: nn.Module, device: torch.device | str) -> int:
-    """Swap the model's fp32 linear layers for oneDNN ones; returns how many were swapped."""
-    from rlfoundry.models.cpu_linear import use_onednn_linear
+def apply_cpu_kernels(module: nn.Module, device: torch.device | str) -> str:
+    """Swap the model's fp32 linear layers for oneDNN ones where that is faster on this machine;
+    returns which library multiplies and why (for the run's first lines)."""
+    from rlfoundry.models import cpu_linear
 
-    return use_onednn_linear(module, device)
+    why = cpu_linear.onednn_preferred()
+    if why is None:
+        return "fp32 linear layers on torch's default path (MKL on Intel CPUs is as fast as oneDNN or faster)"
+    return f"{cpu_linear.use_onednn_linear(module, device)} fp32 linear layers on oneDNN ({why})"
 
 
 def fused_shared_prompt_logits(module: nn.Module, prompt_ids: torch.Tensor, *rest: Any) -> torch.Tensor | None:

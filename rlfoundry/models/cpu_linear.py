@@ -1,8 +1,10 @@
 """fp32 linear layers on the CPU through oneDNN: one of the CPU kernels (``models/cpu_kernels.py``).
 
-Why: torch sends an fp32 ``nn.Linear`` on the CPU to MKL's sgemm; oneDNN (built into torch's x86
-wheels) runs the same fp32 products about twice as fast on this project's CPUs, at the benchmark
-shapes and at Qwen2.5-0.5B's (``python -m benchmarks.cpu_linear``; figures in benchmarks/README.md).
+Why: torch sends an fp32 ``nn.Linear`` on the CPU to MKL's sgemm, which runs its fast kernels on
+Intel CPUs only. On AMD CPUs oneDNN (built into torch's x86 wheels) runs the same fp32 products
+1.1-2.2x faster, at the benchmark shapes and at Qwen2.5-0.5B's; on Intel CPUs MKL is the faster of
+the two (oneDNN's layer forward + backward 0.4-0.8x; ``python -m benchmarks.cpu_linear``, figures in
+benchmarks/README.md). So the swap is made where ``onednn_preferred()`` says so: on AMD CPUs.
 The layers here compute the forward and both backward products with
 ``torch.ops.mkldnn._linear_pointwise``; results equal torch's to float rounding.
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["OneDNNLinear", "linear", "onednn_available", "use_onednn_linear"]
+__all__ = ["OneDNNLinear", "linear", "onednn_available", "onednn_preferred", "prefers_onednn", "use_onednn_linear"]
 
 # Rows per oneDNN call: whole 512-row blocks, then 128-row blocks for the rest, the last one
 # zero-padded; fewer than 64 rows left over go to torch's default path. 512 keeps the kernels'
@@ -40,6 +42,33 @@ _MIN_ROWS, _MIN_MACS = 256, 1 << 23
 def onednn_available() -> bool:
     """True when this torch build has oneDNN and its fp32 linear op."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def prefers_onednn(cpu_vendor: str) -> bool:
+    """Whether oneDNN beats torch's default (MKL) for fp32 products on a CPU of this vendor
+    (``/proc/cpuinfo``'s ``vendor_id``): measured yes on AMD EPYC, no on Intel Xeon; elsewhere
+    (ARM, unknown) torch's default is kept."""
+    return cpu_vendor == "AuthenticAMD"
+
+
+@functools.cache
+def onednn_preferred() -> str | None:
+    """Why this machine's fp32 linear layers go to oneDNN, or None when they stay on torch's path."""
+    if not onednn_available():
+        return None
+    vendor = _cpu_vendor()
+    return f"{vendor} CPU: oneDNN multiplies fp32 faster than MKL here" if prefers_onednn(vendor) else None
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

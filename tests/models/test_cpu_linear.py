@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +129,17 @@ def test_hf_model_keeps_its_parameters_and_outputs(tiny_model_dir):
     assert calls > 0
     torch.testing.assert_close(swapped(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
+
+
+@needs_onednn
+@pytest.mark.parametrize("vendor, swapped", [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])
+def test_the_cpu_kernels_swap_layers_only_where_onednn_beats_mkl(monkeypatch, vendor, swapped):
+    """MKL runs its fast fp32 kernels on Intel CPUs only: oneDNN replaces it on AMD, nowhere else."""
+    from rlfoundry.models import cpu_kernels, cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_linear, "onednn_preferred", functools.cache(cpu_linear.onednn_preferred.__wrapped__))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    said = cpu_kernels.apply_cpu_kernels(model, "cpu")
+    assert all((type(m) is OneDNNLinear) == swapped for m in model)
+    assert ("oneDNN (" in said) == swapped and (vendor in said if swapped else "default path" in said)

@@ -54,8 +54,10 @@ def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
         from rlfoundry.models.cpu_linear import onednn_available
 
         wide = model.config.hidden_size >= 512
-        assert all((p.packed is not None) == (wide and onednn_available())
-                   for p in (fused.layers[0].qkv, fused.layers[0].o, fused.layers[0].gate_up, fused.layers[0].down))
+        first = fused.layers[0]
+        mlp = (first.gate, first.up) if first.gate_up is None else (first.gate_up,)
+        assert (first.gate_up is None) == (wide and onednn_available())  # packed: gate and up apart
+        assert all((p.packed is not None) == (wide and onednn_available()) for p in (first.qkv, first.o, *mlp, first.down))
         tokens, next_pos = torch.tensor([5, 17, 60]), pos[:, -1] + 1
         for t in range(steps):
             full = torch.cat([mask, torch.ones(3, t + 1, dtype=torch.long)], dim=1)

@@ -176,3 +176,24 @@ def test_validate_flag_uses_val_kwargs_greedy(group, prompts):
     assert len(a) == len(TEXTS)  # val_kwargs.n = 1
     assert torch.equal(a.batch["responses"], b.batch["responses"])  # greedy: no randomness
     assert np.array_equal(a.non_tensor_batch["uid"], prompts.non_tensor_batch["uid"])
+
+
+def test_prefill_skips_the_padding_every_prompt_has(tiny_model_dir, tokenizer):
+    """Prompts padded to 48 instead of 24 give the same samples and log-probs, and the outputs keep
+    the 48 columns; the model's first call sees only the longest prompt's columns."""
+    wide, narrow = make_prompts(tokenizer, TEXTS, 48), make_prompts(tokenizer, TEXTS, 24)
+    longest = int(narrow.batch["attention_mask"].sum(-1).max())
+    outs, prefill_widths = [], []
+    for batch in (narrow, wide):
+        group = local_worker(worker_config(tiny_model_dir, ["rollout.seed=7"]), role="rollout")
+        widths = []
+        hook = group.worker.rollout.module.register_forward_pre_hook(
+            lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+        outs.append(group.generate_sequences(_with_meta(batch, n=2)))
+        hook.remove()
+        prefill_widths.append(widths[0])
+    assert prefill_widths == [longest, longest]
+    assert outs[1].batch["prompts"].shape[1] == 48 and outs[1].batch["input_ids"].shape[1] == 48 + outs[1].batch["responses"].shape[1]
+    assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
+    torch.testing.assert_close(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(outs[0].batch["position_ids"][:, 24:], outs[1].batch["position_ids"][:, 48:], atol=0, rtol=0)

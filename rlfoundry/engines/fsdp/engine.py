@@ -282,7 +282,7 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         prepare(module)
     fast = cpu_kernels.enabled(cfg.cpu_kernels, device)
     if fast:
-        cpu_kernels.apply_cpu_kernels(module, device)
+        _say_once(cpu_kernels.apply_cpu_kernels(module, device))
     module_dtype = next(module.parameters()).dtype
     if fsdp.single_rank == "auto" and fu.fsdp_does_nothing(device, mixed.get("param_dtype"), fsdp.param_offload,
                                                            module_dtype):

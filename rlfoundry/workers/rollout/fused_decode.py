@@ -37,14 +37,18 @@ __all__ = ["FusedDecoder", "unsupported_reason"]
 _PACK_MIN = 1 << 18
 
 
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= _PACK_MIN
+            and onednn_available())
+
+
 class _Linear:
     """``x Wᵀ + b`` for one call's fixed weights: packed once for oneDNN where that is faster (fp32 on
     the CPU), else ``F.linear`` on the weight as it is."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.bias = bias
-        packable = (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= _PACK_MIN
-                    and onednn_available())
+        packable = _packable(weight)
         self.weight = None if packable else weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if packable else None
 
@@ -64,7 +68,13 @@ class _Layer:
                            torch.cat(biases) if all(b is not None for b in biases) else None)
         self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias)
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        # gate and up: one product on a concatenated weight, or two on packed weights (packing each
+        # in place of a copy into one: at 0.5B's shape 24 layers build in 0.27 s instead of 0.53 s,
+        # the two products per step cost ~2 % more)
+        if _packable(mlp.gate_proj.weight):
+            self.gate_up, self.gate, self.up = None, _Linear(mlp.gate_proj.weight), _Linear(mlp.up_proj.weight)
+        else:
+            self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         self.down, self.act = _Linear(mlp.down_proj.weight), mlp.act_fn
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.scaling = float(attn.scaling)
@@ -129,7 +139,10 @@ class FusedDecoder:
             attn = torch.bmm(probs.to(values.dtype), values.flatten(0, 1)).reshape(n, hq * d)
             x = x + layer.o(attn)
             h = rms_norm(x, layer.post_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            if layer.gate_up is None:
+                gate, up = layer.gate(h), layer.up(h)
+            else:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(layer.act(gate) * up)
         for kv in cache.layers:
             kv.length = length

@@ -100,6 +100,15 @@ def response_mask_from_lengths(lengths: torch.Tensor, width: int) -> torch.Tenso
     return (torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
 
 
+def _common_left_padding(attention_mask: torch.Tensor) -> int:
+    """How many leading columns are padding in every row. The dataset pads prompts to
+    ``data.max_prompt_length``, usually far above the batch's longest prompt: the prefill skips those
+    columns (masked out of every query; positions are explicit), the output keeps them."""
+    if not attention_mask.numel() or not bool(attention_mask.any()):
+        return 0
+    return int(attention_mask.any(0).int().argmax())
+
+
 def _seed_for_call(seed: int, rank: int, call: int) -> int:
     """A well-mixed 63-bit seed per (config seed, dp rank, call number): resumable from the counter."""
     return int(np.random.SeedSequence([seed, rank, call]).generate_state(1, dtype=np.uint64)[0] >> 1)
@@ -316,9 +325,10 @@ class HFRollout(BaseRollout):
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         generator = self._next_generator(input_ids.device)
+        lead = _common_left_padding(attention_mask)
         with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
             responses, log_probs, lengths = self._decode(
-                input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids
+                input_ids[:, lead:], attention_mask[:, lead:], position_ids[:, lead:], params, generator, pad_id, eos_ids
             )
         return self._assemble(prompts, params, responses, log_probs, lengths, position_ids)
 
