@@ -1,0 +1,135 @@
+"""HF checkpoints <-> megatron-core models, through mbridge (the converter verl uses by default).
+
+mbridge maps every supported family's HF tensor names onto Megatron's, splits and merges them
+across tensor-parallel ranks and pipeline stages, and exports HF-named tensors back. It builds the
+model with TransformerEngine layers; without TransformerEngine (the CPU, or a GPU without it) this
+module builds megatron-core's local layer spec instead. The only difference mbridge sees is that the
+local spec keeps each layer's two RMSNorms as modules of their own (``input_layernorm``,
+``pre_mlp_layernorm``) where TransformerEngine fuses them into the next linear
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``): :func:`_local_spec_bridge`
+names them after the fused entries of the family's own mapping, so no name table is written here.
+
+``parallel_state`` must be initialised first (:func:`initialize_parallel`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MEGATRON_INSTALL", "build_bridge", "build_model", "export_hf_weights", "initialize_parallel",
+           "load_hf_weights", "megatron_available", "transformer_engine_available"]
+
+MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
+
+# megatron-core fusions that need CUDA kernels (apex / TransformerEngine); off without them
+_UNFUSED = dict(masked_softmax_fusion=False, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+
+
+def megatron_available() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("megatron.core", "mbridge"))
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def initialize_parallel(tp: int, pp: int, vpp: int | None = None, cp: int = 1, seed: int = 0) -> None:
+    """megatron-core's parallel groups over the default process group (already initialised), and
+    its model-parallel RNG states; on a process without CUDA, the CPU shims first."""
+    from megatron.core import parallel_state as ps
+
+    from rlfoundry.engines.megatron import cpu_compat
+
+    on_cpu = cpu_compat.install()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
+    if on_cpu:
+        cpu_compat.seed_model_parallel(seed)
+    else:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_config: dict[str, Any] | None = None,
+                 use_te: bool | None = None) -> Any:
+    """The mbridge bridge of the checkpoint's model family, for this process's parallel layout."""
+    from mbridge import AutoBridge
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    if not hasattr(hf_config, "rope_theta"):  # transformers 5 keeps it under rope_parameters
+        hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    supported = AutoBridge.list_supported_models()
+    if hf_config.model_type not in supported:
+        raise ValueError(f"{model_path}: model_type {hf_config.model_type!r} has no mbridge converter; "
+                         f"the Megatron engine supports {sorted(supported)}. Use strategy=fsdp for this model.")
+    cls = type(AutoBridge.from_config(hf_config))
+    use_te = transformer_engine_available() if use_te is None else use_te
+    bridge = (cls if use_te else _local_spec_bridge(cls))(hf_config, dtype=dtype)
+    # perform_initialization stays on: megatron-core marks tensor-parallel weights (which dimension
+    # is split) inside its initialisers, and the exporter, the gradient norm and the optimiser read the marks
+    extra = {"use_cpu_initialization": True, "sequence_parallel": False}
+    if not use_te:
+        extra.update(_UNFUSED)
+    bridge.set_extra_args(**extra, **(override_transformer_config or {}))
+    return bridge
+
+
+def _local_spec_bridge(cls: type) -> type:
+    """``cls`` building megatron-core's local (non-TransformerEngine) layers, its norms named after
+    the fused norm entries of ``cls``'s own mapping."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    attention_norm = cls._ATTENTION_MAPPING["self_attention.linear_qkv.layer_norm_weight"]
+    mlp_norm = cls._MLP_MAPPING["mlp.linear_fc1.layer_norm_weight"]
+
+    class LocalSpecBridge(cls):
+        # "input_layernorm" has neither ".self_attention." nor "mlp" in its name: mbridge looks it up
+        # in _OTHER_MAPPING; "pre_mlp_layernorm" goes to _MLP_MAPPING
+        _OTHER_MAPPING = {**cls._OTHER_MAPPING, "input_layernorm.weight": attention_norm}
+        _MLP_MAPPING = {**cls._MLP_MAPPING, "pre_mlp_layernorm.weight": mlp_norm}
+
+        def _get_transformer_layer_spec(self, vp_stage: int | None = None):
+            self.has_vp_stage = True
+            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
+
+    LocalSpecBridge.__name__ = LocalSpecBridge.__qualname__ = f"LocalSpec{cls.__name__}"
+    return LocalSpecBridge
+
+
+def build_model(bridge: Any, device: torch.device | str = "cpu") -> list[nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), on ``device``, weights uninitialised."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    provider = bridge._model_provider([])
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for stage in range(vpp):
+        stage_arg = stage if vpp > 1 else None
+        chunk = provider(pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage_arg),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage_arg),
+                         vp_stage=stage_arg)
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        chunks.append(chunk.to(device))
+    return chunks
+
+
+def load_hf_weights(bridge: Any, chunks: list[nn.Module], model_path: str) -> None:
+    """Each rank reads the HF safetensors and keeps its own shard of every tensor it holds."""
+    bridge.load_weights(chunks, model_path)
+
+
+def export_hf_weights(bridge: Any, chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole HF-named tensors, one at a time (gathered across tensor and pipeline ranks; every rank
+    takes part and receives each tensor)."""
+    yield from bridge.export_weights(chunks)

@@ -1,0 +1,106 @@
+"""Forward passes of the Megatron engine: response log-probs and entropy on vocab-parallel logits,
+run through megatron-core's pipeline schedules.
+
+With tensor parallelism the LM head leaves each rank a slice of the vocabulary; the log-softmax and
+the entropy are computed from three reductions over the slices (max, sum of exponentials, and the
+target's logit / the probability-weighted logit), so no rank ever holds a (tokens x vocab) tensor.
+Every tensor-parallel rank ends with the same log-probs, and gradients flow back into each slice.
+
+Rows are padded (prompt left, response right, as in the batch); the attention mask given to the
+model is causal and hides padded keys, and position ids are the batch's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+__all__ = ["attention_mask_4d", "response_logits", "run_schedule", "vocab_parallel_log_probs"]
+
+
+def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, s) 1 = real token -> (b, 1, s, s) bool, True where a query may NOT attend (megatron-core's
+    convention): future positions and padded keys."""
+    s = attention_mask.shape[1]
+    future = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attention_mask.device), diagonal=1)
+    padded_key = ~attention_mask.bool()[:, None, None, :]
+    return future[None, None] | padded_key
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, entropy: bool = False,
+                             entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(label) and (optionally) the entropy from this rank's vocabulary slice of ``logits``
+    (..., V / tp); ``labels`` index the whole vocabulary. Same result on every tensor-parallel rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    logits = logits.float()
+    part = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * part
+    peak = logits.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_tensor_model_parallel_group())
+    shifted = logits - peak
+    exp = shifted.exp()
+    sum_exp = tp_sum(exp.sum(dim=-1))
+    local = labels - start
+    mine = (local >= 0) & (local < part)
+    target = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine
+    log_z = sum_exp.log()
+    log_probs = tp_sum(target) - log_z
+    if not entropy:
+        return log_probs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        weighted = tp_sum((exp * shifted).sum(dim=-1)) / sum_exp  # E_p[logit - peak]
+        return log_probs, log_z - weighted
+
+
+def response_logits(output: torch.Tensor, response_width: int) -> torch.Tensor:
+    """The logits that predict the response tokens: position t predicts token t + 1."""
+    return output[:, -response_width - 1:-1]
+
+
+def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch.Tensor]],
+                 outputs: Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                 loss: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]] | None,
+                 ) -> list[Any]:
+    """Each micro-batch through megatron-core's schedule (1F1B; interleaved with virtual stages).
+
+    ``outputs(logits, micro)`` runs on the last pipeline stage; with ``loss`` None the pass is
+    forward-only and the schedule returns the outputs per micro-batch, else ``loss(outputs, micro)``
+    gives the micro-batch's loss (already divided by the mini-batch-wide counts) and its metrics,
+    gradients accumulate into the chunks, and the metrics come back per micro-batch. Non-last
+    stages get an empty list.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_only = loss is None
+    n = len(micros)
+
+    def post(micro, output, non_loss_data: bool = False):
+        out = outputs(output, micro)
+        if forward_only:
+            return out
+        value, metrics = loss(out, micro)
+        # the schedule divides a returned loss by the number of micro-batches: ours is already
+        # normalised over the whole mini-batch
+        return value * n, metrics
+
+    def step(data_iterator, model):
+        micro = next(data_iterator)
+        output = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"],
+                       attention_mask=attention_mask_4d(micro["attention_mask"]))
+        return output, partial(post, micro)
+
+    chunks = list(chunks)
+    data = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)
+    seq_length = max(int(m["input_ids"].shape[1]) for m in micros)
+    return get_forward_backward_func()(
+        forward_step_func=step, data_iterator=data, model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=n, seq_length=seq_length, micro_batch_size=int(micros[0]["input_ids"].shape[0]),
+        forward_only=forward_only, collect_non_loss_data=forward_only,
+    )

@@ -1,0 +1,53 @@
+"""Run a function on N CPU processes joined by gloo, megatron-core's parallel state set up in each.
+
+``run_ranks(fn, world, tmp_path, tp=, pp=, vpp=, args=)``: ``fn(rank, *args)`` runs on every rank
+after ``initialize_parallel``; each rank's return value is saved with ``torch.save`` and the list of
+them (by rank) is returned. A rank that raises fails the call with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world: int, store: str, out_dir: str, fn: Callable, tp: int, pp: int,
+               vpp: int | None, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        from rlfoundry.engines.megatron.bridge import initialize_parallel
+
+        initialize_parallel(tp, pp, vpp, seed=1)
+        result = fn(rank, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # skip the interpreter's teardown: gloo's threads destroyed there can abort the process
+    os._exit(0)
+
+
+def run_ranks(fn: Callable, world: int, tmp_path: Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
+              args: tuple = ()) -> list[Any]:
+    out = Path(tmp_path) / f"ranks-{tp}-{pp}-{vpp}-{fn.__name__}"
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        mp.spawn(_rank_main, args=(world, str(out / "store"), str(out), fn, tp, pp, vpp, args), nprocs=world, join=True)
+    except Exception as exc:
+        errors = "\n".join(p.read_text() for p in sorted(out.glob("*.err")))
+        raise AssertionError(f"a rank failed:\n{errors or exc}") from None
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

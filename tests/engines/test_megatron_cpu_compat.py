@@ -1,0 +1,79 @@
+"""The CPU shims for megatron-core (``engines/megatron/cpu_compat.py``): each one's megatron-core
+call still exists and still names CUDA (else the shim is dead and should go), and with them the
+pieces run on the CPU as megatron-core means them to."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.engines.megatron_ranks import run_ranks
+
+pytest.importorskip("megatron.core")
+
+
+def test_the_calls_the_shims_stand_in_for_still_name_cuda():
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # rotary embeddings move inv_freq to torch.cuda.current_device(); p2p allocates shape tensors there
+    assert "torch.cuda.current_device()" in inspect.getsource(rotary_pos_embedding.RotaryEmbedding.get_emb)
+    assert "torch.cuda.current_device()" in inspect.getsource(p2p_communication)
+    assert "torch.cuda.synchronize()" in inspect.getsource(p2p_communication)
+    # the schedules allocate their token counter with device="cuda" through their module-level torch
+    assert 'device="cuda"' in inspect.getsource(schedules.forward_backward_no_pipelining)
+    assert schedules.torch is torch or schedules.torch.__name__ == "torch"
+    # the RNG tracker swaps states through these two helpers and seeds CUDA in add()
+    assert callable(mp_random._get_cuda_rng_state) and callable(mp_random._set_cuda_rng_state)
+    assert "torch.cuda.manual_seed" in inspect.getsource(mp_random.CudaRNGStatesTracker.add)
+    for name in ("_DATA_PARALLEL_RNG_TRACKER_NAME", "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+                 "_EXPERT_PARALLEL_RNG_TRACKER_NAME"):
+        assert isinstance(getattr(mp_random, name), str)
+
+
+def test_install_redirects_cuda_placements_to_the_cpu():
+    code = (
+        "import torch\n"
+        "from rlfoundry.engines.megatron import cpu_compat\n"
+        "from megatron.core.pipeline_parallel import schedules\n"
+        "assert cpu_compat.install() and cpu_compat.install()\n"
+        "assert schedules.torch.zeros([], dtype=torch.int, device='cuda').device.type == 'cpu'\n"
+        "assert schedules.torch.zeros(2, device='cpu').device.type == 'cpu'\n"
+        "assert schedules.torch.no_grad is torch.no_grad and schedules.torch.Tensor is torch.Tensor\n"
+        "assert torch.ones(2).to(device=torch.cuda.current_device()).device.type == 'cpu'\n"
+        "torch.cuda.synchronize()\n"
+        "print('ok')\n"
+    )
+    if torch.cuda.is_available():
+        pytest.skip("the shims apply only without CUDA")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _draws(rank: int):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    before = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        first = torch.rand(4)
+    with get_cuda_rng_tracker().fork():
+        second = torch.rand(4)
+    untouched = torch.equal(before, torch.get_rng_state())
+    return {"first": first, "second": second, "default": torch.rand(4), "untouched": untouched}
+
+
+@pytest.mark.slow
+def test_model_parallel_rng_on_the_cpu_generator(tmp_path):
+    """Tensor-parallel ranks draw different numbers inside the model-parallel region (dropout of
+    split activations) and the same outside it; the region's state advances and leaves the
+    default generator alone."""
+    a, b = run_ranks(_draws, 2, tmp_path, tp=2)
+    assert a["untouched"] and b["untouched"]
+    assert not torch.equal(a["first"], a["second"])
+    assert not torch.equal(a["first"], b["first"])
+    assert torch.equal(a["default"], b["default"])
