@@ -172,6 +172,26 @@ class FSDPConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """verl's ``*.megatron`` keys (``strategy=megatron``; ``engines/megatron``)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = True  # with tensor parallelism only (verl turns it off at TP=1 too)
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    seed: int = 42
+    override_transformer_config: Dict[str, Any] = _dict()
+    use_mbridge: bool = True  # the only converter here: HF <-> Megatron through mbridge
+    dtype: str = "bfloat16"
+
+
+@dataclass
 class CheckpointConfig:
     save_contents: List[str] = _list("model", "optimizer", "extra")
     load_contents: List[str] = _list("model", "optimizer", "extra")

@@ -1,6 +1,7 @@
 """Back-end-independent pieces of the update loop, shared by every engine.
 
 - ``iter_mini_batches``: epochs × mini-batches of a rank's rows, seeded per update call;
+- ``run_update``: one ``train_batch`` call's walk over them, metrics per optimiser step;
 - ``global_batch_info``: the mini-batch-wide token / sequence counts (one all-reduce);
 - ``MiniBatchStats``: a mini-batch's metrics made split- and rank-independent (one all-reduce);
 - ``zero_loss_row``: a stand-in micro-batch that adds no gradient, for a rank left one short.
@@ -8,17 +9,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlfoundry.engines.base import GlobalBatchInfo, LossOutput
+from rlfoundry.engines.base import GlobalBatchInfo, LossOutput, TrainingEngine, UpdatePlan
 from rlfoundry.protocol import DataProto
 
-__all__ = ["MiniBatchStats", "global_batch_info", "iter_mini_batches", "mix_seed", "zero_loss_row"]
+__all__ = ["MiniBatchStats", "global_batch_info", "iter_mini_batches", "mix_seed", "run_update", "zero_loss_row"]
 
 
 def mix_seed(seed: int, call: int) -> int:
@@ -35,6 +36,22 @@ def iter_mini_batches(data: DataProto, mini: int, epochs: int, shuffle: bool, se
     if len(data) % mini != 0:
         raise ValueError(f"this rank received {len(data)} rows, not a multiple of its mini-batch of {mini} rows {fix_hint}")
     return data.make_iterator(mini, epochs, seed=seed, dataloader_kwargs={"shuffle": shuffle})
+
+
+def run_update(engine: TrainingEngine, data: DataProto, plan: UpdatePlan,
+               step: Callable[[DataProto], dict[str, float]]) -> dict[str, list[float]]:
+    """``plan.epochs`` × mini-batches of ``data``, ``step`` (one optimiser step) on each:
+    ``{metric: [one value per step]}`` plus ``<role>/nan_skipped``; counts the call."""
+    minis = iter_mini_batches(data, plan.mini_batch_size or len(data), plan.epochs, plan.shuffle,
+                              mix_seed(plan.seed, engine.update_calls), plan.fix_hint)
+    skips_before = engine.nonfinite_skips
+    metrics: dict[str, list[float]] = {}
+    for mini in minis:
+        for k, v in step(mini).items():
+            metrics.setdefault(k, []).append(v)
+    engine.update_calls += 1
+    metrics[f"{engine.role}/nan_skipped"] = [float(engine.nonfinite_skips - skips_before)]
+    return metrics
 
 
 def global_batch_info(mask: torch.Tensor, dp_size: int, dp_group: Any = None) -> GlobalBatchInfo:

@@ -45,6 +45,8 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, tp: int = 1, pp: int = 1
               args: tuple = ()) -> list[Any]:
     out = Path(tmp_path) / f"ranks-{tp}-{pp}-{vpp}-{fn.__name__}"
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / "store", *out.glob("rank*")]:  # a file store is single-use
+        stale.unlink(missing_ok=True)
     try:
         mp.spawn(_rank_main, args=(world, str(out / "store"), str(out), fn, tp, pp, vpp, args), nprocs=world, join=True)
     except Exception as exc:

@@ -41,7 +41,7 @@ from rlfoundry.engines.fsdp.forward import (
     restore,
     value_forward,
 )
-from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, iter_mini_batches, mix_seed, zero_loss_row
+from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
 from rlfoundry.models import cpu_kernels
 from rlfoundry.models.hf import load_hf_model
 from rlfoundry.protocol import DataProto
@@ -165,16 +165,7 @@ class FSDPEngine(TrainingEngine):
         if self.optimizer is None:
             raise RuntimeError(f"{self.role}: train_batch on a model built without an optimiser (a reference?)")
         self._module.train()
-        minis = iter_mini_batches(data, plan.mini_batch_size or len(data), plan.epochs, plan.shuffle,
-                                  mix_seed(plan.seed, self.update_calls), plan.fix_hint)
-        skips_before = self.nonfinite_skips
-        metrics: dict[str, list[float]] = {}
-        for mini in minis:
-            for k, v in self._train_mini_batch(mini, output, loss_fn, plan).items():
-                metrics.setdefault(k, []).append(v)
-        self.update_calls += 1
-        metrics[f"{self.role}/nan_skipped"] = [float(self.nonfinite_skips - skips_before)]
-        return metrics
+        return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, output, loss_fn, plan))
 
     def _train_mini_batch(self, mini: DataProto, output: Output, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
         info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)

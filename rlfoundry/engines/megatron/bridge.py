@@ -79,7 +79,7 @@ def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_confi
     extra = {"use_cpu_initialization": True, "sequence_parallel": False}
     if not use_te:
         extra.update(_UNFUSED)
-    bridge.set_extra_args(**extra, **(override_transformer_config or {}))
+    bridge.set_extra_args(**{**extra, **(override_transformer_config or {})})
     return bridge
 
 

@@ -12,9 +12,15 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
   CUDA it raises; here it names the CPU device.
 - ``torch.cuda.synchronize()``: called after batched point-to-point exchanges in the pipeline;
   without CUDA there is nothing to wait for.
-- The schedules (``pipeline_parallel/schedules.py``) allocate their token counter with
-  ``device="cuda"``: the schedules module sees a ``torch`` whose tensor factories map a CUDA device
-  to the CPU (every other attribute is torch's own).
+- Modules that allocate with a literal ``device="cuda"`` (``_CUDA_LITERAL_MODULES``: the schedules'
+  token counter, the optimisers' scale and overflow buffers, the gradient-norm buffers, the
+  gradient buffer's warm-up tensor) see a ``torch`` whose tensor factories map a CUDA device to the
+  CPU (every other attribute is torch's own).
+- The distributed optimiser sorts parameters into fp32 and 16-bit groups by their type names
+  (``DistributedOptimizer._build_model_and_main_param_groups`` accepts only ``torch.cuda.*Tensor``):
+  while it does, a CPU tensor's ``type()`` reads as the CUDA type of the same dtype.
+- ``clip_grads.clip_grad_by_total_norm_fp32`` asserts every gradient is a ``torch.cuda.FloatTensor``
+  before scaling them: on the CPU the same scaling runs without that check.
 - The model-parallel RNG tracker (``tensor_parallel/random.py``) keeps one generator state per
   parallel group and swaps it in and out of the CUDA generator; here it swaps the CPU generator's
   (:func:`seed_model_parallel` replaces ``model_parallel_cuda_manual_seed``, which seeds CUDA).
@@ -22,6 +28,7 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
 
 from __future__ import annotations
 
+import importlib
 import types
 from typing import Any
 
@@ -29,6 +36,14 @@ import torch
 
 __all__ = ["install", "installed", "seed_model_parallel"]
 
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",  # local_multi_tensor_l2_norm: the gradient norm without apex/TransformerEngine
+)
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
 _installed = False
 
@@ -44,12 +59,20 @@ def install() -> bool:
         return True
     if torch.cuda.is_available():
         return False
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mp_optimizer
     from megatron.core.tensor_parallel import random as mp_random
 
     torch.cuda.current_device = _cpu_device
     torch.cuda.synchronize = _no_op
-    schedules.torch = _cpu_torch()
+    cpu_torch = _cpu_torch()
+    for name in _CUDA_LITERAL_MODULES:
+        importlib.import_module(name).torch = cpu_torch
+    clip_grads.clip_grad_by_total_norm_fp32 = mp_optimizer.clip_grad_by_total_norm_fp32 = _clip_by_total_norm
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    groups = DistributedOptimizer._build_model_and_main_param_groups.__func__
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(groups))
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     _installed = True
@@ -80,6 +103,34 @@ def seed_model_parallel(seed: int) -> None:
         tracker.states_[name] = generator.get_state()
         tracker.seeds_.add(value)
     tracker._is_initialized = True
+
+
+def _clip_by_total_norm(parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False) -> None:
+    """``clip_grad_by_total_norm_fp32`` without its CUDA type check: every gradient (or decoupled
+    gradient) times ``max_norm / (total_norm + 1e-6)`` when that is below 1."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in params if getattr(p, attr, None) is not None]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, coeff)
+
+
+def _with_cuda_type_names(fn):
+    def call(*args: Any, **kwargs: Any):
+        original = torch.Tensor.type
+
+        def type_name(self, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw and self.device.type == "cpu":
+                return original(self).replace("torch.", "torch.cuda.", 1)
+            return original(self, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_name
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+    return call
 
 
 def _cpu_device() -> torch.device:

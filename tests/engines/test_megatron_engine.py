@@ -1,0 +1,118 @@
+"""The Megatron engine under the PPO actor (the same role and loss as FSDP): on CPU processes over
+gloo, log-probs and one actor update (two optimiser steps, KL and entropy terms, clipping) at TP=2,
+at PP=2 and at DP=2 with the distributed optimiser equal the 1-rank FSDP2 engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engines.megatron_ranks import run_ranks
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+pytestmark = pytest.mark.slow
+
+ACTOR = ["actor.use_kl_loss=true", "actor.entropy_coeff=0.01", "actor.grad_clip=0.5"]
+ROWS, MINI, MICRO = 8, 4, 2  # two optimiser steps of 4 rows, micro-batches of 2
+
+
+def _scored_batch(model_dir: str):
+    """Rows as update_actor gets them: padded prompts and responses, old/ref log-probs near the
+    model's own, random advantages."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfoundry.protocol import DataProto
+    from tests.engines.test_megatron_model import _batch
+
+    parts = [_batch(seed=s) for s in (0, 1)]
+    batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    width = batch["responses"].shape[1]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -width - 1:-1]
+    lp = torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = batch["attention_mask"][:, -width:]
+    g = torch.Generator().manual_seed(3)
+    batch.update(response_mask=mask, old_log_probs=(lp + 0.05 * torch.randn(lp.shape, generator=g)) * mask,
+                 ref_log_prob=(lp + 0.1 * torch.randn(lp.shape, generator=g)) * mask,
+                 advantages=torch.randn(lp.shape, generator=g) * mask)
+    return DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0, "calculate_entropy": True})
+
+
+def _actor_config(model_dir: str):
+    from rlfoundry.config.schema import ActorConfig
+    from rlfoundry.config.typed import to_typed
+    from tests.workers import worker_config
+
+    return to_typed(ActorConfig, worker_config(model_dir, ACTOR).actor)
+
+
+def _fsdp_update(rank: int, model_dir: str, data):
+    from rlfoundry.config.schema import FSDPConfig
+    from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+
+    cfg = _actor_config(model_dir)
+    engine = FSDPEngine.build(FSDPEngineConfig(path=model_dir, fsdp=FSDPConfig(), optim=cfg.optim,
+                                               grad_clip=cfg.grad_clip, cpu_kernels="off"), "cpu")
+    actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI, MICRO))
+    log_probs, _ = actor.compute_log_prob(data)
+    metrics = actor.update_policy(data)
+    return log_probs, metrics, dict(engine.iter_hf_weights())
+
+
+def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distributed_optimizer: bool):
+    from megatron.core import parallel_state as ps
+
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+
+    cfg = _actor_config(model_dir)
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32",
+                              use_distributed_optimizer=distributed_optimizer)
+    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = data.chunk(dp)[dp_rank]  # what the worker's dispatch will hand this data-parallel rank
+    actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // dp, MICRO))
+    log_probs, _ = actor.compute_log_prob(mine)
+    metrics = actor.update_policy(mine)
+    return {"dp": dp, "dp_rank": dp_rank, "log_probs": log_probs, "metrics": metrics,
+            "weights": dict(engine.iter_hf_weights())}
+
+
+@pytest.mark.parametrize("tp, pp, world, distributed_optimizer", [
+    (2, 1, 2, False), (1, 2, 2, False), (1, 1, 2, True),
+])
+def test_actor_update_equals_fsdp(tiny_model_dir, tmp_path, tp, pp, world, distributed_optimizer):
+    model_dir = str(tiny_model_dir)
+    data = _scored_batch(model_dir)
+    dp = world // (tp * pp)
+    # data-parallel rank r takes rows [r·8/dp, (r+1)·8/dp) and steps on its own mini-batches of 4/dp
+    # rows (verl's semantics): one rank steps on the same rows when they come in this order
+    order = torch.arange(ROWS).view(dp, ROWS // MINI, MINI // dp).transpose(0, 1).reshape(-1)
+    [(ref_lp, ref_metrics, ref_weights)] = run_ranks(_fsdp_update, 1, tmp_path, args=(model_dir, data[order]))
+    ref_lp = ref_lp[torch.argsort(order)]
+    results = run_ranks(_megatron_update, world, tmp_path, tp=tp, pp=pp,
+                        args=(model_dir, data, tp, pp, distributed_optimizer))
+    assert results[0]["dp"] == dp
+    moved = max((ref_weights[k] - v).abs().max().item() for k, v in _initial(model_dir).items())
+    assert moved > 1e-3  # the update moved the weights: equality is not vacuous
+    for r in results:
+        rows = ROWS // dp
+        expected = ref_lp[r["dp_rank"] * rows:(r["dp_rank"] + 1) * rows]
+        torch.testing.assert_close(r["log_probs"], expected, atol=1e-5, rtol=0)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+            assert r["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
+        assert set(r["weights"]) == set(ref_weights)
+        for name, tensor in ref_weights.items():
+            torch.testing.assert_close(r["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def _initial(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{model_dir}/model.safetensors")
