@@ -46,7 +46,8 @@ from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
 CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; models/cpu_kernels.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
-STRATEGIES = ("fsdp", "fsdp2")
+STRATEGIES = ("fsdp", "fsdp2", "megatron")  # megatron: engines/megatron (actor and reference so far)
+MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -277,6 +278,7 @@ class ActorConfig:
     checkpoint: CheckpointConfig = _sub(CheckpointConfig)
     optim: OptimConfig = _sub(OptimConfig)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
+    megatron: MegatronConfig = _sub(MegatronConfig)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
 
@@ -284,6 +286,7 @@ class ActorConfig:
 class RefConfig:
     strategy: str = follows("actor_rollout_ref.actor.strategy", "fsdp", STRATEGIES)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
+    megatron: MegatronConfig = _sub(MegatronConfig)  # verl's config interpolates the actor's sizes; set them alike
     use_torch_compile: bool = follows("actor_rollout_ref.actor.use_torch_compile", False)
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
@@ -399,6 +402,7 @@ class CriticConfig:
     cliprange_value: float = 0.5
     loss_agg_mode: str = follows("actor_rollout_ref.actor.loss_agg_mode", "token-mean", LOSS_AGG_MODES)
     checkpoint: CheckpointConfig = _sub(CheckpointConfig)
+    megatron: MegatronConfig = _sub(MegatronConfig)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
 

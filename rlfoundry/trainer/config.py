@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import fnmatch
+import importlib.util
 import os
 import warnings
 from collections.abc import Sequence
@@ -338,7 +339,8 @@ def _check_role_batches(role: str, mini: int, micro: int | None, n: int, ws: int
     samples = mini * n
     if samples % ws:
         return [f"{role}.ppo_mini_batch_size={mini} × rollout.n={n} = {samples} samples per mini-batch "
-                f"cannot be split evenly over {ws} ranks (nnodes × n_gpus_per_node)."]
+                f"cannot be split evenly over {ws} data-parallel ranks (nnodes × n_gpus_per_node, over "
+                "tensor × pipeline parallel under Megatron)."]
     per_rank = samples // ws
     if dynamic or micro is None:
         return []
@@ -369,9 +371,19 @@ def _check_batch_sizes(cfg: DictConfig) -> list[str]:
         for old in ("ppo_micro_batch_size",):
             if node[old] is not None and node[old + "_per_gpu"] is not None:
                 errors.append(f"Set only one of {role}.{old} (deprecated, global) and {role}.{old}_per_gpu.")
-        micro = _micro_per_gpu(node.ppo_micro_batch_size, node.ppo_micro_batch_size_per_gpu, ws)
-        errors += _check_role_batches(role, mini, micro, n, ws, bool(node.use_dynamic_bsz))
+        dp = _data_parallel_size(node, ws)
+        micro = _micro_per_gpu(node.ppo_micro_batch_size, node.ppo_micro_batch_size_per_gpu, dp)
+        errors += _check_role_batches(role, mini, micro, n, dp, bool(node.use_dynamic_bsz))
     return errors
+
+
+def _data_parallel_size(role: DictConfig, ws: int) -> int:
+    """The ranks a role's mini-batch is split over: all of them, or under Megatron ranks / (tensor ×
+    pipeline × context); a layout that does not divide the ranks is reported by ``_check_megatron``."""
+    if role.get("strategy") != "megatron":
+        return ws
+    m = role.megatron
+    return max(1, ws // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size))
 
 
 def _micro_per_gpu(global_micro: int | None, per_gpu: int | None, ws: int) -> int | None:
@@ -430,6 +442,51 @@ def _check_unsupported(cfg: DictConfig) -> list[str]:
     if backend == "process" and int(cfg.trainer.nnodes) != 1:
         errors.append(f"trainer.worker_backend=process runs on one machine, but trainer.nnodes={cfg.trainer.nnodes}; "
                       "use trainer.worker_backend=ray for several nodes.")
+    return errors + _check_megatron(cfg)
+
+
+_MEGATRON_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "context_parallel_size")
+
+
+def _check_megatron(cfg: DictConfig) -> list[str]:
+    """``strategy=megatron``: what the Megatron engine does not do yet, and layouts that cannot work."""
+    arr, errors = cfg.actor_rollout_ref, []
+    users = [k for k in ("actor_rollout_ref.actor", "actor_rollout_ref.ref") if OmegaConf.select(cfg, f"{k}.strategy") == "megatron"]
+    if use_critic(cfg) and cfg.critic.strategy == "megatron":
+        errors.append("critic.strategy=megatron: the Megatron engine has no value head yet; use critic.strategy=fsdp.")
+    if not users:
+        return errors
+    from rlfoundry.config.schema import MEGATRON_INSTALL
+
+    if any(importlib.util.find_spec(m) is None for m in ("megatron", "mbridge")):
+        errors.append(f"strategy=megatron needs megatron-core and mbridge: {MEGATRON_INSTALL}")
+    if arr.rollout.name != "hf":
+        errors.append(f"actor_rollout_ref.rollout.name={arr.rollout.name} with strategy=megatron: weight sync from a "
+                      "Megatron actor goes to the HF engine only so far; use actor_rollout_ref.rollout.name=hf.")
+    if int(cfg.trainer.save_freq or -1) > 0 or cfg.trainer.resume_mode == "resume_path":
+        errors.append("strategy=megatron has no checkpoints yet: set trainer.save_freq=-1 (and no resume_path).")
+    if len(users) == 2:
+        sizes = [tuple(OmegaConf.select(cfg, f"{k}.megatron.{n}") for n in _MEGATRON_LAYOUT) for k in users]
+        if sizes[0] != sizes[1]:
+            errors.append("actor_rollout_ref.ref.megatron: the reference shares the actor's processes and parallel "
+                          f"layout; set its {', '.join(_MEGATRON_LAYOUT)} as the actor's ({sizes[0]}).")
+    ws = world_size(cfg)
+    for key in users:
+        m = OmegaConf.select(cfg, f"{key}.megatron")
+        model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        if ws % model_parallel:
+            errors.append(f"{key}.megatron: tensor × pipeline × context parallel = {model_parallel} does not divide "
+                          f"the {ws} ranks (trainer.nnodes × trainer.n_gpus_per_node).")
+        offload = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if m[k]]
+        if offload:
+            errors.append(f"{key}.megatron.{offload[0]}=True: offload on the Megatron engine is not built yet; set it to False.")
+        if not m.use_mbridge:
+            errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
+                          "set it to True (the default).")
+        if m.context_parallel_size != 1 or m.expert_model_parallel_size != 1:
+            errors.append(f"{key}.megatron: context and expert parallelism are not supported yet (dense models, "
+                          "context_parallel_size=1, expert_model_parallel_size=1).")
     return errors
 
 

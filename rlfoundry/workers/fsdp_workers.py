@@ -40,10 +40,18 @@ from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
 from rlfoundry.workers.utils.device import on_device
 from rlfoundry.engines import oom
+from rlfoundry.models import cpu_kernels
 
 __all__ = ["ActorRolloutRefWorker", "ROLES"]
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def _pooled_rows(engine: Any, data: DataProto) -> tuple[DataProto, slice]:
+    """The rows ``engine`` computes on and this rank's part of them: the rank's own rows, or under
+    Megatron the rows of its whole model-parallel group (``MegatronEngine.model_parallel_rows``)."""
+    pool = getattr(engine, "model_parallel_rows", None)
+    return pool(data) if pool is not None else (data, slice(0, len(data)))
 
 
 def _per_rank(global_rows: int, world_size: int, what: str) -> int:
@@ -77,7 +85,7 @@ class ActorRolloutRefWorker(Worker):
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
         actor, n = self.config.actor, self.config.rollout.n
-        mini = _per_rank(actor.ppo_mini_batch_size * n, self.world_size,
+        mini = _per_rank(actor.ppo_mini_batch_size * n, self._dp_size(),
                          f"actor.ppo_mini_batch_size × rollout.n ({actor.ppo_mini_batch_size} × {n})")
         micro = actor.ppo_micro_batch_size_per_gpu
         if micro is None and not actor.use_dynamic_bsz:  # the trainer resolves it; a bare worker may not have
@@ -90,6 +98,14 @@ class ActorRolloutRefWorker(Worker):
                 f"is not a multiple of actor.ppo_micro_batch_size_per_gpu={micro}"
             )
         return ActorBatchSizes(mini, micro, actor.ppo_max_token_len_per_gpu)
+
+    def _dp_size(self) -> int:
+        """Data-parallel ranks of the actor: all of them, or under Megatron the world over its
+        tensor × pipeline × context layout."""
+        if self.config.actor.strategy != "megatron":
+            return self.world_size
+        m = self.config.actor.megatron
+        return self.world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
 
     # ---- building ----------------------------------------------------------------------
 
@@ -114,7 +130,28 @@ class ActorRolloutRefWorker(Worker):
         eos_ids = sorted({int(e) for e in eos if e is not None})
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         return self._rollout_cls(module, self.config.rollout, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
-                                 cpu_kernels=self.engine.cpu_kernels)
+                                 cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device))
+
+    def _megatron_engine(self, megatron: Any, trainable: bool, role: str) -> Any:
+        from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+
+        actor = self.config.actor
+        config = MegatronEngineConfig(self.config.model.path, megatron, actor.optim if trainable else None, actor.grad_clip)
+        return MegatronEngine(config, self.device, role=role)
+
+    def _rollout_module(self) -> torch.nn.Module:
+        """The module the HF rollout samples from: the actor's own under FSDP; under Megatron an HF
+        copy of the policy that ``update_actor`` refreshes tensor by tensor from the Megatron weights."""
+        if self.config.actor.strategy != "megatron":
+            return self.engine.module
+        from rlfoundry.models.hf import load_hf_model
+
+        module = load_hf_model(self.config.model.path, torch_dtype="fp32",
+                               trust_remote_code=self.config.model.trust_remote_code).to(self.device)
+        module.requires_grad_(False)
+        if cpu_kernels.enabled(self.config.model.cpu_kernels, self.device):
+            cpu_kernels.apply_cpu_kernels(module, self.device)
+        return module
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -127,14 +164,20 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
         seed = self.config.rollout.seed
         if self._is_actor or self._is_rollout:
-            self.engine = FSDPEngine.build(self._engine_config(self.config.actor.fsdp_config, self._is_actor),
-                                           self.device, role="actor")
+            if self.config.actor.strategy == "megatron":
+                self.engine = self._megatron_engine(self.config.actor.megatron, self._is_actor, "actor")
+            else:
+                self.engine = FSDPEngine.build(self._engine_config(self.config.actor.fsdp_config, self._is_actor),
+                                               self.device, role="actor")
             self.actor = DataParallelPPOActor(self.config.actor, self.engine, self.actor_sizes, seed=seed)
             if self._is_rollout:
-                self.rollout = self._build_rollout(self.engine.module)
+                self.rollout = self._build_rollout(self._rollout_module())
         if self._is_ref:
-            ref_engine = FSDPEngine.build(self._engine_config(self.config.ref.fsdp_config, False),
-                                          self.device, role="ref")
+            if self.config.ref.strategy == "megatron":
+                ref_engine = self._megatron_engine(self.config.ref.megatron, False, "ref")
+            else:
+                ref_engine = FSDPEngine.build(self._engine_config(self.config.ref.fsdp_config, False),
+                                              self.device, role="ref")
             self.ref_policy = DataParallelPPOActor(self.config.ref, ref_engine)
 
     @property
@@ -190,10 +233,11 @@ class ActorRolloutRefWorker(Worker):
         """
         self._require(self.actor, "compute_log_prob")
         data = on_device(data, self.device)
+        data, mine = _pooled_rows(self.actor.engine, data)
         kwargs = self._log_prob_kwargs(self.config.rollout, data)
         log_prob, entropy = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, True)
         out = DataProto.from_dict(
-            tensors={"old_log_probs": log_prob, "entropys": entropy},
+            tensors={"old_log_probs": log_prob[mine], "entropys": entropy[mine]},
             meta_info={"temperature": kwargs["temperature"]},
         )
         return out.to("cpu")
@@ -203,9 +247,10 @@ class ActorRolloutRefWorker(Worker):
         """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling)."""
         self._require(self.ref_policy, "compute_ref_log_prob")
         data = on_device(data, self.device)
+        data, mine = _pooled_rows(self.ref_policy.engine, data)
         kwargs = self._log_prob_kwargs(self.config.ref, data)
         log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
-        return DataProto.from_dict(tensors={"ref_log_prob": log_prob}).to("cpu")
+        return DataProto.from_dict(tensors={"ref_log_prob": log_prob[mine]}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
@@ -215,14 +260,16 @@ class ActorRolloutRefWorker(Worker):
         (lists with one value per optimiser step) and ``actor/lr`` (the lr this step used).
         """
         self._require(self.optimizer, "update_actor")
-        data = on_device(data, self.device)
+        data, _ = _pooled_rows(self.engine, on_device(data, self.device))
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         self.engine.onload()
         metrics = oom.update_or_explain_oom("actor", lambda: self._update_policy(data),
                                             micro_batch_size=self.actor_sizes.micro_batch_size)
         metrics["actor/lr"] = self.engine.step_lr_scheduler()
         self.engine.offload()
-        if self.rollout is not None:
+        if self.rollout is not None and self.config.actor.strategy == "megatron":
+            self.rollout.sync_weights(self.engine.iter_hf_weights())  # into the rollout's HF copy, per tensor
+        elif self.rollout is not None:
             self.rollout.on_actor_update()
         return DataProto(meta_info={"metrics": metrics})
 

@@ -66,7 +66,8 @@ def test_choice_lists_are_those_the_code_implements():
     assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm"}
     choices = {k: info.choices for k, info in schema_keys().items() if info.choices}
     assert choices["critic.optim.warmup_style"] == ("constant", "cosine")
-    assert choices["actor_rollout_ref.ref.strategy"] == choices["critic.strategy"] == ("fsdp", "fsdp2")
+    # megatron: engines/megatron (a critic on it is a start-up error until it has a value head)
+    assert choices["actor_rollout_ref.ref.strategy"] == choices["critic.strategy"] == ("fsdp", "fsdp2", "megatron")
 
 
 def test_defaults_are_the_demo_run():
@@ -454,3 +455,25 @@ def test_main_reports_a_model_path_that_is_not_a_model(capsys, tmp_path):
 
     assert main([f"actor_rollout_ref.model.path={tmp_path}", f"trainer.default_local_dir={tmp_path / 'run'}"]) == 2
     assert "is not a Hugging Face model directory" in capsys.readouterr().err
+
+
+def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
+    """verl's megatron keys are accepted; a layout that does not divide the ranks, a reference with
+    another layout, and the parts not built yet (critic, checkpoints, vLLM sync, offload) are each named."""
+    ok = load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.save_freq=-1", "trainer.n_gpus_per_node=4",
+                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                      "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+                      "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null"])
+    assert ok.actor_rollout_ref.ref.strategy == "megatron"  # follows the actor's
+    with pytest.raises(ConfigError) as e:
+        load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.n_gpus_per_node=2",
+                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                     "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
+                     "critic.enable=true", "critic.strategy=megatron", "critic.model.path=x"])
+    text = str(e.value)
+    for expected in ("has no checkpoints yet: set trainer.save_freq=-1",
+                     "tensor × pipeline × context parallel = 4 does not divide the 2 ranks",
+                     "reference shares the actor's processes and parallel layout",
+                     "param_offload=True: offload on the Megatron engine is not built yet",
+                     "rollout.name=vllm with strategy=megatron", "critic.strategy=megatron: the Megatron engine has no value head"):
+        assert expected in text, expected

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.config.schema import MEGATRON_INSTALL
+
 __all__ = ["MEGATRON_INSTALL", "build_bridge", "build_model", "export_hf_weights", "initialize_parallel",
            "load_hf_weights", "megatron_available", "transformer_engine_available"]
 
-MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 
 # megatron-core fusions that need CUDA kernels (apex / TransformerEngine); off without them
 _UNFUSED = dict(masked_softmax_fusion=False, gradient_accumulation_fusion=False, bias_activation_fusion=False,

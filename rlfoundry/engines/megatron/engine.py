@@ -200,6 +200,27 @@ class MegatronEngine(TrainingEngine):
         self.lr_scheduler.step()
         return lr
 
+    # ---- rows ---------------------------------------------------------------------------------
+
+    def model_parallel_rows(self, data: DataProto) -> tuple[DataProto, slice]:
+        """The rows of this rank's data-parallel rank, and where this rank's own rows sit in them.
+
+        The worker group hands each of the world's ranks 1/world of a batch (``DP_COMPUTE_PROTO``);
+        the ranks of one model-parallel group (tensor × pipeline) pool theirs, so they all compute
+        on the same rows, and each returns the part of the results that belongs to its own rows.
+        """
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        size = dist.get_world_size(group)
+        if size == 1:
+            return data, slice(0, len(data))
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, data.to("cpu"), group=group)
+        me = dist.get_rank(group)
+        start = sum(len(p) for p in parts[:me])
+        return DataProto.concat(parts).to(data.batch.device if data.batch is not None else "cpu"), slice(start, start + len(data))
+
     # ---- pipeline results ------------------------------------------------------------------
 
     def _last_stage(self) -> bool:

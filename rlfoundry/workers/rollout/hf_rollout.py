@@ -283,6 +283,24 @@ class HFRollout(BaseRollout):
         self.seed = self.config.seed
         self.calls = 0  # generate_sequences calls so far; with the seed it fixes the next draws
 
+    # ---- weights --------------------------------------------------------------------------
+
+    def sync_weights(self, named_tensors: Any = None) -> None:
+        """None: the module is the actor's own (nothing to do). Else (HF name, full tensor) pairs,
+        e.g. a Megatron actor's export, copied into the module one tensor at a time."""
+        if named_tensors is None:
+            return
+        params = dict(self.module.named_parameters())
+        missing = set(params)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise KeyError(f"sync_weights: the rollout model has no parameter {name!r}")
+                params[name].copy_(tensor)
+                missing.discard(name)
+        if missing:
+            raise KeyError(f"sync_weights: no new value for {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
+
     # ---- checkpointable state ------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
