@@ -25,6 +25,7 @@ import random
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,9 @@ __all__ = [
     "export_hf_from_checkpoint",
     "get_rng_state",
     "load_checkpoint",
+    "load_role",
     "save_checkpoint",
+    "save_role",
     "save_hf_model",
     "set_rng_state",
 ]
@@ -243,15 +246,6 @@ def _write_hf_config(model: nn.Module, tokenizer: Any, out: Path) -> None:
         tokenizer.save_pretrained(out)
 
 
-def _write_rank0_files(
-    staging: Path, model: nn.Module, tokenizer: Any, lr_scheduler: Any, extra_state: dict | None, meta: dict
-) -> None:
-    _write_hf_config(model, tokenizer, staging / HF_CONFIG_DIR)
-    if lr_scheduler is not None:
-        atomic_torch_save(lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
-    atomic_torch_save(dict(extra_state or {}), staging / "extra_state.pt")
-
-
 def _publish(staging: Path, path: Path, meta: dict) -> None:
     """Rank 0: marker last, then swap the staging directory into place."""
     atomic_write_bytes(staging / COMPONENT_MARKER, json.dumps(meta, indent=2).encode())
@@ -286,27 +280,54 @@ def save_checkpoint(
     ``<local_path>.tmp``; the directory is renamed to ``local_path`` only after all ranks finished
     and the completion marker is written. Returns ``local_path``.
     """
+    def write_shards(staging: Path) -> None:
+        state = _model_optim_state(model, optimizer)
+        with warnings.catch_warnings():
+            # Without a process group DCP warns that it assumes one process, which is the intent.
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+            dcp.save(state, storage_writer=FileSystemWriter(str(staging / "dcp")), process_group=process_group)
+
+    def write_config(out: Path) -> None:
+        _write_hf_config(model, tokenizer, out)
+
+    return save_role(local_path, write_shards, write_config, lr_scheduler, extra_state, process_group,
+                     {"has_optimizer": optimizer is not None})
+
+
+def save_role(
+    local_path: str | os.PathLike,
+    write_shards: Callable[[Path], None],
+    write_hf_config: Callable[[Path], None],
+    lr_scheduler: Any = None,
+    extra_state: dict | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    meta: dict | None = None,
+    rng_state: Callable[[], dict[str, Any]] | None = None,
+) -> Path:
+    """The engine-independent part of a save: staging, RNG, scheduler + extra state, HF config,
+    manifest, atomic publish. ``write_shards(staging)`` writes the model (+ optimiser) shards on
+    every rank; ``write_hf_config(dir)`` the HF config (+ tokenizer) on rank 0; ``meta`` goes into
+    the marker; ``rng_state`` (default :func:`get_rng_state`) is each rank's RNG file."""
     path = Path(local_path)
     staging = _prepare_staging(path, process_group)
-    state = _model_optim_state(model, optimizer)
-    with warnings.catch_warnings():
-        # Without a process group DCP warns that it assumes one process, which is the intent.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(state, storage_writer=FileSystemWriter(str(staging / "dcp")), process_group=process_group)
-    atomic_torch_save(get_rng_state(), staging / "rng" / f"rank_{_rank(process_group)}.pt")
+    write_shards(staging)
+    atomic_torch_save((rng_state or get_rng_state)(), staging / "rng" / f"rank_{_rank(process_group)}.pt")
     _barrier(process_group)
     faults.inject("save.staged")  # tests: a crash before the role directory is published
     meta = {
         "format_version": _FORMAT_VERSION,
         "world_size": _world_size(process_group),
-        "has_optimizer": optimizer is not None,
         "has_lr_scheduler": lr_scheduler is not None,
         "saved_at": time.time(),
+        **(meta or {}),
     }
     error = None
     if _rank(process_group) == 0:
         try:
-            _write_rank0_files(staging, model, tokenizer, lr_scheduler, extra_state, meta)
+            write_hf_config(staging / HF_CONFIG_DIR)
+            if lr_scheduler is not None:
+                atomic_torch_save(lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
+            atomic_torch_save(dict(extra_state or {}), staging / "extra_state.pt")
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = e
     _broadcast_error(error, process_group)
@@ -370,37 +391,55 @@ def load_checkpoint(
     then restored only for ranks that existed at save time). Returns the saved ``extra_state``.
     Raises FileNotFoundError if ``local_path`` is not a complete checkpoint.
     """
+    def read_shards(path: Path, meta: dict) -> None:
+        if optimizer is not None and not meta.get("has_optimizer", True):
+            raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
+        # DCP swallows a metadata read error and retries with per-rank files, which would hide the
+        # reason; read it once here so a refused file says why.
+        reader = _SafeFileSystemReader(str(path / "dcp"))
+        reader.read_metadata()
+        state = _model_optim_state(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(),
+                     process_group=process_group)
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    return load_role(local_path, read_shards, lr_scheduler, process_group, load_rng, verify)
+
+
+def load_role(
+    local_path: str | os.PathLike,
+    read_shards: Callable[[Path, dict], None],
+    lr_scheduler: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    load_rng: bool = True,
+    verify: bool = True,
+    set_rng: Callable[[dict[str, Any]], None] | None = None,
+) -> dict:
+    """The engine-independent part of a load: the marker, the manifest check (each rank its share),
+    ``read_shards(path, marker)``, the scheduler, the RNG (``set_rng``, default :func:`set_rng_state`);
+    returns the saved extra state."""
     path = Path(local_path)
     meta = read_component_marker(path)
     if verify:  # False: the caller checked the whole step already (the trainer's resume)
         _verify_shares(path, meta, process_group)
-    if optimizer is not None and not meta.get("has_optimizer", True):
-        raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
-    # DCP swallows a metadata read error and retries with per-rank files, which would hide the
-    # reason; read it once here so a refused file says why.
-    reader = _SafeFileSystemReader(str(path / "dcp"))
-    reader.read_metadata()
-    state = _model_optim_state(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(),
-                 process_group=process_group)
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    read_shards(path, meta)
     if lr_scheduler is not None and (path / "lr_scheduler.pt").is_file():
         lr_scheduler.load_state_dict(safe_torch_load(path / "lr_scheduler.pt"))
     if load_rng:
-        _load_rng(path, process_group)
+        _load_rng(path, process_group, set_rng or set_rng_state)
     extra = path / "extra_state.pt"
     return safe_torch_load(extra) if extra.is_file() else {}
 
 
-def _load_rng(path: Path, group: dist.ProcessGroup | None) -> None:
+def _load_rng(path: Path, group: dist.ProcessGroup | None, set_rng: Callable[[dict[str, Any]], None]) -> None:
     rng_file = path / "rng" / f"rank_{_rank(group)}.pt"
     if rng_file.is_file():
-        set_rng_state(safe_torch_load(rng_file))
+        set_rng(safe_torch_load(rng_file))
     else:
         logger.warning("no RNG state for rank %d in %s (saved with fewer ranks); keeping the current one",
                        _rank(group), path)
@@ -479,6 +518,9 @@ def export_hf_from_checkpoint(local_path: str | os.PathLike, out_path: str | os.
 
     path = Path(local_path)
     meta = read_component_marker(path)
+    if meta.get("engine") == "megatron":
+        raise ValueError(f"{path} is a Megatron engine checkpoint (strategy=megatron); exporting those offline "
+                         "is not built yet: resume it and export from the running engine (save_hf_model)")
     if meta.get("manifest") is not None:
         verify_files(path, meta["manifest"])
     config = transformers.AutoConfig.from_pretrained(path / HF_CONFIG_DIR)

@@ -37,6 +37,9 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, fn: Callable, tp
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
+    # dist-checkpointing starts a multiprocessing manager per process; os._exit would orphan it
+    for child in mp.active_children():
+        child.terminate()
     # skip the interpreter's teardown: gloo's threads destroyed there can abort the process
     os._exit(0)
 

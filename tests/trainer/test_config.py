@@ -459,7 +459,7 @@ def test_main_reports_a_model_path_that_is_not_a_model(capsys, tmp_path):
 
 def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
     """verl's megatron keys are accepted; a layout that does not divide the ranks, a reference with
-    another layout, and the parts not built yet (critic, checkpoints, vLLM sync, offload) are each named."""
+    another layout, and the parts not built yet (critic, vLLM sync, offload) are each named."""
     ok = load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.save_freq=-1", "trainer.n_gpus_per_node=4",
                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                       "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
@@ -471,7 +471,7 @@ def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
                      "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
                      "critic.enable=true", "critic.strategy=megatron", "critic.model.path=x"])
     text = str(e.value)
-    for expected in ("has no checkpoints yet: set trainer.save_freq=-1",
+    for expected in ("the trainer's checkpoints with it are not working yet; set trainer.save_freq=-1",
                      "tensor × pipeline × context parallel = 4 does not divide the 2 ranks",
                      "reference shares the actor's processes and parallel layout",
                      "param_offload=True: offload on the Megatron engine is not built yet",

@@ -56,3 +56,4 @@ def test_tensor_and_pipeline_parallel_grpo_match_fsdp(tiny_model_dir, tmp_path, 
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
     assert megatron[-1]["actor/kl_loss"] > 0  # the policy moved away from the reference
+

@@ -250,11 +250,128 @@ class MegatronEngine(TrainingEngine):
     def onload(self) -> None:
         pass
 
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, Any]:
+        m = self.config.megatron
+        return {"engine": "megatron", "tensor_model_parallel_size": m.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": m.virtual_pipeline_model_parallel_size,
+                "use_distributed_optimizer": m.use_distributed_optimizer}
+
+    def _sharded_state(self, is_loading: bool = False) -> dict[str, Any]:
+        """megatron-core's sharded state dict of the model chunks (and the optimiser): tensors keyed
+        by their place in the whole model, so dist-checkpointing can save and reload any layout."""
+        chunks = [getattr(c, "module", c) for c in self.chunks]
+        model = chunks[0].sharded_state_dict() if len(chunks) == 1 else \
+            {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+        state = {"model": model}
+        if self.optimizer is not None:
+            # is_loading: a fresh optimiser has no moments yet; megatron-core creates them to load into.
+            # dp_reshardable: the distributed optimiser's shards as they are (parallel, no gathers);
+            # resuming needs the same layout anyway
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+        return state
+
+    def _rng_state(self) -> dict[str, Any]:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        from rlfoundry.engines import checkpoint as ckpt
+
+        return {**ckpt.get_rng_state(), "megatron_tracker": get_cuda_rng_tracker().get_states()}
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        from rlfoundry.engines import checkpoint as ckpt
+
+        ckpt.set_rng_state(state)
+        if "megatron_tracker" in state:
+            get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+    def _init_optimizer_state(self) -> None:
+        """Adam's moments and step count for parameters that have none yet (a fresh optimiser about
+        to load a checkpoint): the distributed optimiser's state dict needs a step on every
+        parameter when neither apex nor TransformerEngine is installed; the loaded values replace these."""
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = part.optimizer
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    if not inner.state[param]:
+                        inner.state[param].update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
+                                                  step=torch.tensor(0.0))
+
+    def _restore_adam_step(self, state: dict[str, Any]) -> None:
+        """torch Adam's per-parameter step count after a distributed-optimiser load. megatron-core
+        (0.16, without apex/TransformerEngine) restores it from the saved param groups, then copies
+        the sharded parameter state over every per-parameter entry, the step included, and the
+        step's entry there is the fresh optimiser's placeholder: set it from the param groups again."""
+        groups = (state.get("optimizer") or {}).get("param_groups") if "param_state" in state else None
+        steps = {g["step"] for g in groups or [] if "step" in g}
+        if len(steps) != 1:
+            return
+        step = float(steps.pop())
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for param_state in part.optimizer.state.values():
+                if "step" in param_state:
+                    param_state["step"] = torch.tensor(step)
+
     def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
-        raise NotImplementedError("Megatron engine checkpoints are not built yet (issue 19)")
+        """Model (+ optimiser) with megatron-core's dist-checkpointing under ``mcore/``, inside the
+        project's role directory (atomic publish, manifest, scheduler, RNG, counters; ``engines/checkpoint.py``)."""
+        from megatron.core import dist_checkpointing
+        from transformers import AutoConfig
+
+        from rlfoundry.engines import checkpoint as ckpt
+
+        def write_shards(staging):
+            (staging / "mcore").mkdir(exist_ok=True)
+            dist_checkpointing.save(self._sharded_state(), str(staging / "mcore"))
+
+        def write_config(out):
+            AutoConfig.from_pretrained(self.config.path).save_pretrained(out)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
+
+        meta = {**self._layout(), "has_optimizer": self.optimizer is not None}
+        ckpt.save_role(path, write_shards, write_config, self.lr_scheduler, {**extra, "engine": self.counters()},
+                       meta=meta, rng_state=self._rng_state)
+        return str(path)
 
     def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
-        raise NotImplementedError("Megatron engine checkpoints are not built yet (issue 19)")
+        """Restore what ``save_checkpoint`` wrote; the model may come from another parallel layout
+        (dist-checkpointing reshards it), the optimiser state only from the same one."""
+        from megatron.core import dist_checkpointing
+
+        from rlfoundry.engines import checkpoint as ckpt
+
+        def read_shards(root, meta):
+            if meta.get("engine") != "megatron":
+                raise ValueError(f"{root} was not saved by the Megatron engine (strategy=megatron); "
+                                 "load it with the engine that saved it")
+            same = all(meta.get(k) == v for k, v in self._layout().items())
+            if self.optimizer is not None and not same:
+                raise ValueError(f"{root}: saved with {({k: meta.get(k) for k in self._layout()})}, resumed with "
+                                 f"{self._layout()}; resuming training needs the same layout (the model alone reshards)")
+            if self.optimizer is not None:
+                self._init_optimizer_state()
+            state = self._sharded_state(is_loading=True)
+            if self.optimizer is None:
+                state.pop("optimizer", None)
+            loaded = dist_checkpointing.load(state, str(root / "mcore"))
+            chunks = [getattr(c, "module", c) for c in self.chunks]
+            models = [loaded["model"]] if len(chunks) == 1 else [loaded["model"][f"model{i}"] for i in range(len(chunks))]
+            for chunk, sd in zip(chunks, models):
+                chunk.load_state_dict(sd, strict=False)
+            if self.optimizer is not None:
+                with torch.no_grad():  # it copies into views of the (grad-requiring) parameters
+                    self.optimizer.load_state_dict(loaded["optimizer"])
+                self._restore_adam_step(loaded["optimizer"])
+
+        extra = ckpt.load_role(path, read_shards, self.lr_scheduler, verify=verify, set_rng=self._set_rng_state)
+        self.load_counters(extra.get("engine", {}))
+        return extra
 
     def save_hf_model(self, path: str, tokenizer: Any = None) -> str:
         """Full weights (gathered tensor by tensor) + config (+ tokenizer), written by global rank 0."""
