@@ -469,9 +469,10 @@ def _check_megatron(cfg: DictConfig) -> list[str]:
         if sizes[0] != sizes[1]:
             errors.append("actor_rollout_ref.ref.megatron: the reference shares the actor's processes and parallel "
                           f"layout; set its {', '.join(_MEGATRON_LAYOUT)} as the actor's ({sizes[0]}).")
-    if int(cfg.trainer.save_freq or -1) > 0 or cfg.trainer.resume_mode == "resume_path":
-        errors.append("strategy=megatron: the engine saves and resumes exactly on its own (tests/engines), but the "
-                      "trainer's checkpoints with it are not working yet; set trainer.save_freq=-1 (and no resume_path).")
+    saves = int(cfg.trainer.save_freq or -1) > 0 or cfg.trainer.resume_mode == "resume_path"
+    if saves and cfg.trainer.worker_backend == "process" and world_size(cfg) > 1:
+        errors.append("strategy=megatron with trainer.worker_backend=process on several ranks: its checkpoint "
+                      "save does not complete there yet; use trainer.worker_backend=ray (or auto), or trainer.save_freq=-1.")
     ws = world_size(cfg)
     for key in users:
         m = OmegaConf.select(cfg, f"{key}.megatron")

@@ -308,6 +308,8 @@ class ActorRolloutRefWorker(Worker):
         extra = self.engine.load_checkpoint(local_path, verify=verify)
         if self.rollout is not None and "rollout" in extra:
             self.rollout.load_state_dict(extra["rollout"])
+        if self.rollout is not None and self.config.actor.strategy == "megatron":
+            self.rollout.sync_weights(self.engine.iter_hf_weights())  # its HF copy follows the loaded weights
         return extra
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

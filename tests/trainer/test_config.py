@@ -459,19 +459,20 @@ def test_main_reports_a_model_path_that_is_not_a_model(capsys, tmp_path):
 
 def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
     """verl's megatron keys are accepted; a layout that does not divide the ranks, a reference with
-    another layout, and the parts not built yet (critic, vLLM sync, offload) are each named."""
+    another layout, and the parts not built yet (critic, vLLM sync, offload, saving under the process
+    back end) are each named."""
     ok = load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.save_freq=-1", "trainer.n_gpus_per_node=4",
                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                       "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
                       "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null"])
     assert ok.actor_rollout_ref.ref.strategy == "megatron"  # follows the actor's
     with pytest.raises(ConfigError) as e:
-        load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.n_gpus_per_node=2",
+        load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.n_gpus_per_node=2", "trainer.worker_backend=process",
                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
                      "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
                      "critic.enable=true", "critic.strategy=megatron", "critic.model.path=x"])
     text = str(e.value)
-    for expected in ("the trainer's checkpoints with it are not working yet; set trainer.save_freq=-1",
+    for expected in ("trainer.worker_backend=process on several ranks: its checkpoint save does not complete",
                      "tensor × pipeline × context parallel = 4 does not divide the 2 ranks",
                      "reference shares the actor's processes and parallel layout",
                      "param_offload=True: offload on the Megatron engine is not built yet",

@@ -57,3 +57,20 @@ def test_tensor_and_pipeline_parallel_grpo_match_fsdp(tiny_model_dir, tmp_path, 
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
     assert megatron[-1]["actor/kl_loss"] > 0  # the policy moved away from the reference
 
+
+
+@pytest.mark.ray
+def test_tensor_parallel_resume_gives_the_straight_runs_third_step(tiny_model_dir, tmp_path):
+    """Two steps with a checkpoint each, then a new process resumes (resume_mode=auto) to step 3:
+    the same samples (the rollout's HF copy follows the loaded weights), losses and gradient norm."""
+    reward = write_reward_file(tmp_path)
+    common = [*(f"actor_rollout_ref.{r}.megatron.{LAYOUTS['tp2']}" for r in ("actor", "ref")),
+              "trainer.save_freq=1", "trainer.worker_backend=ray"]
+    straight = _run(tmp_path, "straight", tiny_model_dir, reward, common, config_name="ppo_megatron_trainer")
+    _run(tmp_path, "split", tiny_model_dir, reward, [*common, "trainer.total_training_steps=2"],
+         config_name="ppo_megatron_trainer")
+    resumed = _run(tmp_path, "split", tiny_model_dir, reward, common, config_name="ppo_megatron_trainer")
+    assert (tmp_path / "split" / "global_step_2" / "actor" / "mcore").is_dir()
+    a, b = straight[-1], next(r for r in resumed if r["step"] == 3)
+    for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
