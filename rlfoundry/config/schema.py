@@ -192,6 +192,13 @@ class MegatronConfig:
     dtype: str = "bfloat16"
 
 
+def model_parallel_size(megatron: Any) -> int:
+    """Ranks one model copy spans (tensor × pipeline × context) for a ``megatron`` subtree, typed or
+    not; data parallel size = ranks / this."""
+    return (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+            * megatron.context_parallel_size)
+
+
 @dataclass
 class CheckpointConfig:
     save_contents: List[str] = _list("model", "optimizer", "extra")
@@ -286,7 +293,7 @@ class ActorConfig:
 class RefConfig:
     strategy: str = follows("actor_rollout_ref.actor.strategy", "fsdp", STRATEGIES)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
-    megatron: MegatronConfig = _sub(MegatronConfig)  # verl's config interpolates the actor's sizes; set them alike
+    megatron: MegatronConfig = _sub(MegatronConfig)  # the actor's layout (ppo_megatron_trainer interpolates it)
     use_torch_compile: bool = follows("actor_rollout_ref.actor.use_torch_compile", False)
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
-from rlfoundry.config.schema import PPOConfig
+from rlfoundry.config.schema import PPOConfig, model_parallel_size
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
 from rlfoundry.utils.tracking import VERL_ONLY_BACKENDS, SUPPORTED_BACKENDS
 
@@ -382,8 +382,7 @@ def _data_parallel_size(role: DictConfig, ws: int) -> int:
     pipeline × context); a layout that does not divide the ranks is reported by ``_check_megatron``."""
     if role.get("strategy") != "megatron":
         return ws
-    m = role.megatron
-    return max(1, ws // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size))
+    return max(1, ws // model_parallel_size(role.megatron))
 
 
 def _micro_per_gpu(global_micro: int | None, per_gpu: int | None, ws: int) -> int | None:
@@ -476,7 +475,7 @@ def _check_megatron(cfg: DictConfig) -> list[str]:
     ws = world_size(cfg)
     for key in users:
         m = OmegaConf.select(cfg, f"{key}.megatron")
-        model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        model_parallel = model_parallel_size(m)
         if ws % model_parallel:
             errors.append(f"{key}.megatron: tensor × pipeline × context parallel = {model_parallel} does not divide "
                           f"the {ws} ranks (trainer.nnodes × trainer.n_gpus_per_node).")

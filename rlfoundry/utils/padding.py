@@ -27,7 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PackedBatch", "pack_padded_batch", "unpack_to_padded", "packed_next_token_ids", "forward_logits"]
+__all__ = ["PackedBatch", "common_left_padding", "pack_padded_batch", "unpack_to_padded", "packed_next_token_ids",
+           "forward_logits"]
+
+
+def common_left_padding(attention_mask: torch.Tensor) -> int:
+    """How many leading columns of a (B, T) mask are padding in every row, leaving at least one
+    column. Prompts are padded to ``data.max_prompt_length``, usually far above a batch's longest
+    prompt; those columns are masked out of every query and positions are explicit, so a forward
+    may skip them."""
+    if not attention_mask.numel() or not bool(attention_mask.any()):
+        return max(0, attention_mask.shape[-1] - 1)
+    return int(attention_mask.any(0).int().argmax())
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rlfoundry.config.schema import ActorRolloutRefConfig, FSDPConfig
+from rlfoundry.config.schema import ActorRolloutRefConfig, FSDPConfig, model_parallel_size
 from rlfoundry.config.typed import to_typed
 from rlfoundry.models.hf import check_model_dir, resolve_model_path
 from rlfoundry.protocol import DataProto
@@ -104,8 +104,7 @@ class ActorRolloutRefWorker(Worker):
         tensor × pipeline × context layout."""
         if self.config.actor.strategy != "megatron":
             return self.world_size
-        m = self.config.actor.megatron
-        return self.world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
+        return self.world_size // model_parallel_size(self.config.actor.megatron)
 
     # ---- building ----------------------------------------------------------------------
 

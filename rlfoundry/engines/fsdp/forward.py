@@ -27,7 +27,7 @@ from torch import nn
 
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.protocol import DataProto
-from rlfoundry.utils.padding import forward_logits, pack_padded_batch
+from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch
 from rlfoundry.utils.seqlen_balancing import (
     all_reduce_ints,
     length_sorted_micro_batches,
@@ -335,7 +335,7 @@ def trim_response_padding(batch) -> tuple[Any, int]:
         return batch, full
     width = max(1, int(_response_lengths(batch).max()))
     prompt_mask = batch["attention_mask"][:, : batch["input_ids"].shape[-1] - full]
-    lead = int(prompt_mask.any(0).int().argmax()) if bool(prompt_mask.any()) else max(0, prompt_mask.shape[-1] - 1)
+    lead = common_left_padding(prompt_mask)
     if width >= full and lead == 0:
         return batch, full
     end = batch["input_ids"].shape[-1] - (full - width)

@@ -241,8 +241,12 @@ class MegatronEngine(TrainingEngine):
 
     # ---- weights ------------------------------------------------------------------------------
 
+    def _bare_chunks(self) -> list[nn.Module]:
+        """The model chunks without megatron-core's DDP wrapper (a frozen model has none)."""
+        return [getattr(c, "module", c) for c in self.chunks]
+
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from mb.export_hf_weights(self.bridge, [getattr(c, "module", c) for c in self.chunks])
+        yield from mb.export_hf_weights(self.bridge, self._bare_chunks())
 
     def offload(self) -> None:
         pass  # param/grad/optimizer offload: GPU only (not built yet)
@@ -262,7 +266,7 @@ class MegatronEngine(TrainingEngine):
     def _sharded_state(self, is_loading: bool = False) -> dict[str, Any]:
         """megatron-core's sharded state dict of the model chunks (and the optimiser): tensors keyed
         by their place in the whole model, so dist-checkpointing can save and reload any layout."""
-        chunks = [getattr(c, "module", c) for c in self.chunks]
+        chunks = self._bare_chunks()
         model = chunks[0].sharded_state_dict() if len(chunks) == 1 else \
             {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
         state = {"model": model}
@@ -360,7 +364,7 @@ class MegatronEngine(TrainingEngine):
             if self.optimizer is None:
                 state.pop("optimizer", None)
             loaded = dist_checkpointing.load(state, str(root / "mcore"))
-            chunks = [getattr(c, "module", c) for c in self.chunks]
+            chunks = self._bare_chunks()
             models = [loaded["model"]] if len(chunks) == 1 else [loaded["model"][f"model{i}"] for i in range(len(chunks))]
             for chunk, sd in zip(chunks, models):
                 chunk.load_state_dict(sd, strict=False)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from rlfoundry.protocol import DataProto
+from rlfoundry.utils.padding import common_left_padding
 from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
 from rlfoundry.workers.rollout.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
@@ -98,15 +99,6 @@ def sample_tokens(
 def response_mask_from_lengths(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """(N,) response lengths (EOS included) -> (N, width) int mask, 1 for the first ``length`` tokens."""
     return (torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
-
-
-def _common_left_padding(attention_mask: torch.Tensor) -> int:
-    """How many leading columns are padding in every row. The dataset pads prompts to
-    ``data.max_prompt_length``, usually far above the batch's longest prompt: the prefill skips those
-    columns (masked out of every query; positions are explicit), the output keeps them."""
-    if not attention_mask.numel() or not bool(attention_mask.any()):
-        return 0
-    return int(attention_mask.any(0).int().argmax())
 
 
 def _seed_for_call(seed: int, rank: int, call: int) -> int:
@@ -343,7 +335,7 @@ class HFRollout(BaseRollout):
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         generator = self._next_generator(input_ids.device)
-        lead = _common_left_padding(attention_mask)
+        lead = common_left_padding(attention_mask)  # the prefill skips them; the output keeps them
         with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
             responses, log_probs, lengths = self._decode(
                 input_ids[:, lead:], attention_mask[:, lead:], position_ids[:, lead:], params, generator, pad_id, eos_ids
