@@ -451,23 +451,22 @@ _MEGATRON_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size"
 def _check_megatron(cfg: DictConfig) -> list[str]:
     """``strategy=megatron``: what the Megatron engine does not do yet, and layouts that cannot work."""
     arr, errors = cfg.actor_rollout_ref, []
-    users = [k for k in ("actor_rollout_ref.actor", "actor_rollout_ref.ref") if OmegaConf.select(cfg, f"{k}.strategy") == "megatron"]
-    if use_critic(cfg) and cfg.critic.strategy == "megatron":
-        errors.append("critic.strategy=megatron: the Megatron engine has no value head yet; use critic.strategy=fsdp.")
+    roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
+    users = [k for k in roles if OmegaConf.select(cfg, f"{k}.strategy") == "megatron"]
     if not users:
         return errors
     from rlfoundry.config.schema import MEGATRON_INSTALL
 
     if any(importlib.util.find_spec(m) is None for m in ("megatron", "mbridge")):
         errors.append(f"strategy=megatron needs megatron-core and mbridge: {MEGATRON_INSTALL}")
-    if arr.rollout.name != "hf":
+    if arr.rollout.name != "hf" and users[0] == "actor_rollout_ref.actor":
         errors.append(f"actor_rollout_ref.rollout.name={arr.rollout.name} with strategy=megatron: weight sync from a "
                       "Megatron actor goes to the HF engine only so far; use actor_rollout_ref.rollout.name=hf.")
-    if len(users) == 2:
-        sizes = [tuple(OmegaConf.select(cfg, f"{k}.megatron.{n}") for n in _MEGATRON_LAYOUT) for k in users]
-        if sizes[0] != sizes[1]:
-            errors.append("actor_rollout_ref.ref.megatron: the reference shares the actor's processes and parallel "
-                          f"layout; set its {', '.join(_MEGATRON_LAYOUT)} as the actor's ({sizes[0]}).")
+    sizes = {k: tuple(OmegaConf.select(cfg, f"{k}.megatron.{n}") for n in _MEGATRON_LAYOUT) for k in users}
+    for key in users[1:]:
+        if sizes[key] != sizes[users[0]]:
+            errors.append(f"{key}.megatron: every role runs in the same processes, and megatron-core has one parallel "
+                          f"layout per process; set its {', '.join(_MEGATRON_LAYOUT)} as {users[0]}'s ({sizes[users[0]]}).")
     saves = int(cfg.trainer.save_freq or -1) > 0 or cfg.trainer.resume_mode == "resume_path"
     if saves and cfg.trainer.worker_backend == "process" and world_size(cfg) > 1:
         errors.append("strategy=megatron with trainer.worker_backend=process on several ranks: its checkpoint "

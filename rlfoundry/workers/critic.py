@@ -4,8 +4,8 @@ Two classes, one role:
 
 - :class:`DataParallelPPOCritic` — the clipped value loss, brought to a training engine
   (``engines/``) that runs the forward passes, micro-batches and optimiser steps.
-- :class:`CriticWorker` — the ``Worker`` that builds the engine from the ``critic`` config
-  subtree and exposes ``init_model``, ``compute_values``, ``update_critic``,
+- :class:`CriticWorker` — the ``Worker`` that builds the engine (FSDP2, or Megatron with
+  ``critic.strategy=megatron``) from the ``critic`` config subtree and exposes ``init_model``, ``compute_values``, ``update_critic``,
   ``save_checkpoint``, ``load_checkpoint`` and ``save_hf_model`` to the driver.
 
 Value model. The Hugging Face backbone with a one-label token-classification head
@@ -14,6 +14,8 @@ directory may hold a causal LM (e.g. the actor's weights): its backbone is reuse
 dropped and the value head is created fresh — we then set it to **zero**, so every value starts
 at 0 instead of random noise of the hidden-state scale, and the first GAE advantages are the plain
 discounted rewards (the backbone starts learning one step later, once the head is non-zero).
+The Megatron engine builds the same model (its value head on the last pipeline stage, ``score.*``
+in its HF exports), so a critic moves between the engines through its HF directory.
 Classifier dropout is forced to 0 (as verl does): dropout would make values, and hence GAE,
 random, and break the micro-batch invariance of the update.
 
@@ -52,6 +54,7 @@ from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.utils import faults
 from rlfoundry.utils.torch_functional import masked_mean
 from rlfoundry.workers.utils.device import on_device
+from rlfoundry.workers.utils.parallel import data_parallel_size, pooled_rows
 from rlfoundry.workers.utils.plan import ppo_update_plan
 
 logger = logging.getLogger(__name__)
@@ -214,7 +217,7 @@ def zero_init_new_value_head(model: nn.Module, model_dir: str | Path) -> bool:
 
 
 class CriticWorker(Worker):
-    """The critic role: one FSDP2 value model per rank (see the module docstring).
+    """The critic role: one value model per rank, on the FSDP2 or the Megatron engine (see the module docstring).
 
     Args:
         config: the ``critic`` config subtree (verl keys: a DictConfig, a dict of the keys to change
@@ -231,9 +234,10 @@ class CriticWorker(Worker):
         self.rollout_n = rollout_n if rollout_n is not None else self.config.rollout_n
         self.seed = seed
         # Validate now: a bad batch-size combination should fail at start-up, not mid-run.
-        self.sizes = resolve_critic_batch_sizes(self.config, self.rollout_n, self.world_size)
+        dp_size = data_parallel_size(self.world_size, self.config.strategy, self.config.megatron)
+        self.sizes = resolve_critic_batch_sizes(self.config, self.rollout_n, dp_size)
         self.critic: DataParallelPPOCritic | None = None
-        self.engine: FSDPEngine | None = None
+        self.engine: TrainingEngine | None = None
         self.tokenizer: Any = None
 
     # ---- model --------------------------------------------------------------------------------
@@ -247,6 +251,13 @@ class CriticWorker(Worker):
             override_config={"classifier_dropout": 0.0, **model.override_config},
             gradient_checkpointing=model.enable_gradient_checkpointing,
         )
+
+    def _megatron_engine(self) -> TrainingEngine:
+        from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+
+        config = MegatronEngineConfig(self._model_path(), self.config.megatron, self.config.optim, self.config.grad_clip,
+                                      model_kind="token_classification")
+        return MegatronEngine(config, self.device, role="critic")
 
     def _model_path(self) -> str:
         if self.config.model.path is None:
@@ -273,7 +284,10 @@ class CriticWorker(Worker):
     def init_model(self) -> None:
         """Join the process group, build the value model's engine (model, AdamW, LR schedule)."""
         self.init_distributed()
-        self.engine = FSDPEngine.build(self._engine_config(), self.device, role="critic", prepare=self._zero_new_head)
+        if self.config.strategy == "megatron":  # its value head starts at zero unless the directory has one
+            self.engine = self._megatron_engine()
+        else:
+            self.engine = FSDPEngine.build(self._engine_config(), self.device, role="critic", prepare=self._zero_new_head)
         self.critic = DataParallelPPOCritic(self.config, self.engine, self.sizes, seed=self.seed)
         self.tokenizer = self._load_tokenizer()
 
@@ -288,7 +302,7 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """Adds ``values`` (B, Tr) for this rank's rows."""
         critic = self._require_model()
-        data = on_device(data, self.device)
+        data, mine = pooled_rows(self.engine, on_device(data, self.device))
         dynamic = self.config.use_dynamic_bsz
         field = "forward_max_token_len" if dynamic else "forward_micro_batch_size"
         floor = int(data.batch["attention_mask"].sum(-1).max()) if dynamic else 1
@@ -299,14 +313,14 @@ class CriticWorker(Worker):
 
         values = oom.backoff_of(self).run("compute_values", getattr(critic.sizes, field) or len(data), run, floor=floor,
                                           unit="tokens" if dynamic else "rows")
-        return DataProto.from_dict(tensors={"values": values.cpu()})
+        return DataProto.from_dict(tensors={"values": values[mine].cpu()})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """One PPO critic update over this rank's rows; metrics in ``meta_info["metrics"]``."""
         critic = self._require_model()
         self.engine.onload()
-        data = on_device(data, self.device)
+        data, _ = pooled_rows(self.engine, on_device(data, self.device))
 
         def update() -> dict[str, list[float]]:
             faults.inject("update_critic", tensors=data.batch, nan_key="returns")  # tests only (utils/faults.py)

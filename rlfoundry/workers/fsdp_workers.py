@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rlfoundry.config.schema import ActorRolloutRefConfig, FSDPConfig, model_parallel_size
+from rlfoundry.config.schema import ActorRolloutRefConfig, FSDPConfig
 from rlfoundry.config.typed import to_typed
 from rlfoundry.models.hf import check_model_dir, resolve_model_path
 from rlfoundry.protocol import DataProto
@@ -39,19 +39,13 @@ from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
 from rlfoundry.workers.utils.device import on_device
+from rlfoundry.workers.utils.parallel import data_parallel_size, pooled_rows
 from rlfoundry.engines import oom
 from rlfoundry.models import cpu_kernels
 
 __all__ = ["ActorRolloutRefWorker", "ROLES"]
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
-
-
-def _pooled_rows(engine: Any, data: DataProto) -> tuple[DataProto, slice]:
-    """The rows ``engine`` computes on and this rank's part of them: the rank's own rows, or under
-    Megatron the rows of its whole model-parallel group (``MegatronEngine.model_parallel_rows``)."""
-    pool = getattr(engine, "model_parallel_rows", None)
-    return pool(data) if pool is not None else (data, slice(0, len(data)))
 
 
 def _per_rank(global_rows: int, world_size: int, what: str) -> int:
@@ -100,11 +94,7 @@ class ActorRolloutRefWorker(Worker):
         return ActorBatchSizes(mini, micro, actor.ppo_max_token_len_per_gpu)
 
     def _dp_size(self) -> int:
-        """Data-parallel ranks of the actor: all of them, or under Megatron the world over its
-        tensor × pipeline × context layout."""
-        if self.config.actor.strategy != "megatron":
-            return self.world_size
-        return self.world_size // model_parallel_size(self.config.actor.megatron)
+        return data_parallel_size(self.world_size, self.config.actor.strategy, self.config.actor.megatron)
 
     # ---- building ----------------------------------------------------------------------
 
@@ -232,7 +222,7 @@ class ActorRolloutRefWorker(Worker):
         """
         self._require(self.actor, "compute_log_prob")
         data = on_device(data, self.device)
-        data, mine = _pooled_rows(self.actor.engine, data)
+        data, mine = pooled_rows(self.actor.engine, data)
         kwargs = self._log_prob_kwargs(self.config.rollout, data)
         log_prob, entropy = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, True)
         out = DataProto.from_dict(
@@ -246,7 +236,7 @@ class ActorRolloutRefWorker(Worker):
         """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling)."""
         self._require(self.ref_policy, "compute_ref_log_prob")
         data = on_device(data, self.device)
-        data, mine = _pooled_rows(self.ref_policy.engine, data)
+        data, mine = pooled_rows(self.ref_policy.engine, data)
         kwargs = self._log_prob_kwargs(self.config.ref, data)
         log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob[mine]}).to("cpu")
@@ -259,7 +249,7 @@ class ActorRolloutRefWorker(Worker):
         (lists with one value per optimiser step) and ``actor/lr`` (the lr this step used).
         """
         self._require(self.optimizer, "update_actor")
-        data, _ = _pooled_rows(self.engine, on_device(data, self.device))
+        data, _ = pooled_rows(self.engine, on_device(data, self.device))
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         self.engine.onload()
         metrics = oom.update_or_explain_oom("actor", lambda: self._update_policy(data),
@@ -295,7 +285,8 @@ class ActorRolloutRefWorker(Worker):
         from rlfoundry.utils import checkpoint as ckpt
 
         self._require(self.actor, "save_checkpoint")
-        self.engine.save_checkpoint(local_path, {**self._extra_state(), "global_step": int(global_step)})
+        self.engine.save_checkpoint(local_path, {**self._extra_state(), "global_step": int(global_step)},
+                                    tokenizer=self.tokenizer)
         path = Path(local_path)
         if max_ckpt_to_keep and self.rank == 0 and re.fullmatch(r"global_step_\d+", path.parent.name):
             ckpt.remove_old_checkpoints(path.parent.parent, max_ckpt_to_keep, component=path.name)

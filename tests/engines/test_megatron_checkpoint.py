@@ -1,7 +1,8 @@
 """Megatron engine checkpoints (megatron-core dist-checkpointing inside the project's role
 directory): a resumed engine takes exactly the update the uninterrupted one took, at TP=2 and at
 DP=2 with the distributed optimiser; the model saved at TP=2 loads on one rank (resharded) with the
-same weights; a damaged shard is refused before anything loads."""
+same weights; a damaged shard is refused before anything loads; ``rlfoundry export``'s offline path
+turns an actor saved at TP=2 and a critic saved at PP=2 into HF directories with the saved weights."""
 
 from __future__ import annotations
 
@@ -84,3 +85,56 @@ def test_the_model_saved_at_tp2_loads_on_one_rank_and_damage_is_refused(tiny_mod
     shard.write_bytes(shard.read_bytes()[:-8] + b"damaged!")
     with pytest.raises(AssertionError, match="mcore/.*distcp"):
         run_ranks(_load_on_one_rank, 1, tmp_path / "again", args=(str(tiny_model_dir), str(ckpt)))
+
+
+def _save_trained(rank: int, model_dir: str, ckpt: str, tp: int, pp: int, critic: bool):
+    """One update of an actor or a critic at this layout, saved with the tokenizer; its HF weights."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoTokenizer
+
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+    from rlfoundry.workers.critic import CriticBatchSizes, DataParallelPPOCritic
+    from tests.engines.test_megatron_critic import _critic_config, _value_batch
+
+    cfg = _critic_config() if critic else _actor_config(model_dir)
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32")
+    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip,
+                                                 model_kind="token_classification" if critic else "causal_lm"), "cpu")
+    dp = ps.get_data_parallel_world_size()
+    if critic:
+        DataParallelPPOCritic(cfg, engine, CriticBatchSizes(MINI // dp, MICRO, MICRO)).update_critic(_value_batch())
+    else:
+        DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // dp, MICRO)).update_policy(_scored_batch(model_dir))
+    engine.save_checkpoint(ckpt, {}, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    return dict(engine.iter_hf_weights())
+
+
+@pytest.mark.parametrize("tp, pp, critic", [(2, 1, False), (1, 2, True)])
+def test_offline_export_of_another_layout(tiny_model_dir, tmp_path, tp, pp, critic):
+    import subprocess
+    import sys
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from tests.trainer._e2e import subprocess_env
+
+    role = "critic" if critic else "actor"
+    ckpt, out = tmp_path / "global_step_1" / role, tmp_path / "hf"
+    saved = run_ranks(_save_trained, 2, tmp_path, tp=tp, pp=pp, args=(str(tiny_model_dir), str(ckpt), tp, pp, critic))[0]
+    script = "import sys; from rlfoundry.engines.checkpoint import export_hf_from_checkpoint as e; e(sys.argv[1], sys.argv[2])"
+    run = subprocess.run([sys.executable, "-c", script, str(ckpt), str(out)], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) == set(saved) and ("score.weight" in exported) == critic
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(initial[k], v) for k, v in exported.items() if k in initial)  # it trained
+    auto = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(out)
+    assert model.num_parameters() == sum(t.numel() for t in exported.values())
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token is not None

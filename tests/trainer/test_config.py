@@ -66,7 +66,7 @@ def test_choice_lists_are_those_the_code_implements():
     assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm"}
     choices = {k: info.choices for k, info in schema_keys().items() if info.choices}
     assert choices["critic.optim.warmup_style"] == ("constant", "cosine")
-    # megatron: engines/megatron (a critic on it is a start-up error until it has a value head)
+    # megatron: engines/megatron (the critic's value head on the last pipeline stage)
     assert choices["actor_rollout_ref.ref.strategy"] == choices["critic.strategy"] == ("fsdp", "fsdp2", "megatron")
 
 
@@ -458,9 +458,9 @@ def test_main_reports_a_model_path_that_is_not_a_model(capsys, tmp_path):
 
 
 def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
-    """verl's megatron keys are accepted; a layout that does not divide the ranks, a reference with
-    another layout, and the parts not built yet (critic, vLLM sync, offload, saving under the process
-    back end) are each named."""
+    """verl's megatron keys are accepted; a layout that does not divide the ranks, a reference or a
+    critic with another layout than the actor's, and the parts not built yet (vLLM sync, offload,
+    saving under the process back end) are each named."""
     ok = load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.save_freq=-1", "trainer.n_gpus_per_node=4",
                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                       "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
@@ -470,11 +470,13 @@ def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
         load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.n_gpus_per_node=2", "trainer.worker_backend=process",
                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
                      "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.rollout.name=vllm",
-                     "critic.enable=true", "critic.strategy=megatron", "critic.model.path=x"])
+                     "critic.enable=true", "critic.strategy=megatron", "critic.model.path=x",
+                     "critic.megatron.pipeline_model_parallel_size=2"])
     text = str(e.value)
     for expected in ("trainer.worker_backend=process on several ranks: its checkpoint save does not complete",
                      "tensor × pipeline × context parallel = 4 does not divide the 2 ranks",
-                     "reference shares the actor's processes and parallel layout",
+                     "actor_rollout_ref.ref.megatron: every role runs in the same processes",
+                     "critic.megatron: every role runs in the same processes, and megatron-core has one parallel layout",
                      "param_offload=True: offload on the Megatron engine is not built yet",
-                     "rollout.name=vllm with strategy=megatron", "critic.strategy=megatron: the Megatron engine has no value head"):
+                     "rollout.name=vllm with strategy=megatron"):
         assert expected in text, expected

@@ -1,7 +1,9 @@
 """``--config-name ppo_megatron_trainer`` end to end on two CPU processes: GRPO with the KL loss
-(reference on Megatron) at tensor parallel 2 and at pipeline parallel 2, against the same run with strategy=fsdp on two
-ranks. Same seeds: the same samples at every step, which needs the HF rollout's copy of the
-policy refreshed from the Megatron weights after each update, and the same losses and gradient norms."""
+(reference on Megatron) at tensor parallel 2 and at pipeline parallel 2, and PPO with the critic on
+Megatron at tensor parallel 2, against the same runs with strategy=fsdp on two ranks. Same seeds:
+the same samples at every step, which needs the HF rollout's copy of the policy refreshed from the
+Megatron weights after each update, and the same losses, values and gradient norms. Resumed runs
+give the straight run's third step; ``rlfoundry export`` turns their checkpoints into HF directories."""
 
 from __future__ import annotations
 
@@ -74,3 +76,36 @@ def test_tensor_parallel_resume_gives_the_straight_runs_third_step(tiny_model_di
     a, b = straight[-1], next(r for r in resumed if r["step"] == 3)
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+
+
+PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "critic.ppo_micro_batch_size_per_gpu=2"]
+
+
+@pytest.mark.ray
+def test_ppo_with_the_critic_on_megatron_matches_fsdp_resumes_and_exports(tiny_model_dir, tmp_path):
+    import transformers
+
+    reward = write_reward_file(tmp_path)
+    ppo = [*PPO, f"critic.model.path={tiny_model_dir}"]
+    fsdp = _run(tmp_path, "fsdp", tiny_model_dir, reward, ppo)
+    tp2 = [*ppo, *(f"actor_rollout_ref.{r}.megatron.{LAYOUTS['tp2']}" for r in ("actor", "ref")),
+           "trainer.save_freq=1", "trainer.worker_backend=ray"]  # the critic's layout follows the actor's
+    straight = _run(tmp_path, "straight", tiny_model_dir, reward, tp2, config_name="ppo_megatron_trainer")
+    value_keys = ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "actor/pg_loss", "actor/grad_norm")
+    for a, b in zip(fsdp, straight):
+        assert a["response_length/mean"] == b["response_length/mean"], a["step"]
+        for key in value_keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
+    assert straight[-1]["critic/values/mean"] != 0  # the value head learned: not a vacuous match
+    _run(tmp_path, "split", tiny_model_dir, reward, [*tp2, "trainer.total_training_steps=2"], config_name="ppo_megatron_trainer")
+    resumed = _run(tmp_path, "split", tiny_model_dir, reward, tp2, config_name="ppo_megatron_trainer")
+    a, b = straight[-1], next(r for r in resumed if r["step"] == 3)
+    for key in ("critic/score/mean", "response_length/mean", *value_keys):
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+    out = tmp_path / "exported"
+    cli = subprocess.run([sys.executable, "-m", "rlfoundry.cli", "export", str(tmp_path / "split"), str(out)],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    policy = transformers.AutoModelForCausalLM.from_pretrained(out)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any(not p.equal(q) for p, q in zip(policy.parameters(), base.parameters()))  # three updates in it

@@ -9,13 +9,21 @@ local spec keeps each layer's two RMSNorms as modules of their own (``input_laye
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``): :func:`_local_spec_bridge`
 names them after the fused entries of the family's own mapping, so no name table is written here.
 
+A critic (value model) is the same backbone with the vocabulary head replaced by a one-output linear
+layer (:class:`ValueHead`) on the last pipeline stage; in HF names it is ``score.*``, the layout of
+``AutoModelForTokenClassification`` with one label that the FSDP critic uses, so a critic moves
+between the engines through its HF directory. mbridge converts the backbone only; the head is read
+and written here.
+
 ``parallel_state`` must be initialised first (:func:`initialize_parallel`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +31,7 @@ from torch import nn
 
 from rlfoundry.config.schema import MEGATRON_INSTALL
 
-__all__ = ["MEGATRON_INSTALL", "build_bridge", "build_model", "export_hf_weights", "initialize_parallel",
+__all__ = ["MEGATRON_INSTALL", "ValueHead", "build_bridge", "build_model", "export_hf_weights", "initialize_parallel",
            "load_hf_weights", "megatron_available", "transformer_engine_available"]
 
 
@@ -60,12 +68,15 @@ def initialize_parallel(tp: int, pp: int, vpp: int | None = None, cp: int = 1, s
 
 
 def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_config: dict[str, Any] | None = None,
-                 use_te: bool | None = None) -> Any:
-    """The mbridge bridge of the checkpoint's model family, for this process's parallel layout."""
+                 use_te: bool | None = None, value_model: bool = False) -> Any:
+    """The mbridge bridge of the checkpoint's model family, for this process's parallel layout
+    (``value_model``: the backbone for a :class:`ValueHead`, its input embedding never tied to a head)."""
     from mbridge import AutoBridge
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_path)
+    if value_model:
+        hf_config.tie_word_embeddings = False
     if not hasattr(hf_config, "rope_theta"):  # transformers 5 keeps it under rope_parameters
         hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     supported = AutoBridge.list_supported_models()
@@ -106,8 +117,53 @@ def _local_spec_bridge(cls: type) -> type:
     return LocalSpecBridge
 
 
-def build_model(bridge: Any, device: torch.device | str = "cpu") -> list[nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), on ``device``, weights uninitialised."""
+class ValueHead(nn.Linear):
+    """V(s) from the last hidden state: one linear output, the same whole weight on every
+    tensor-parallel rank (it is tiny), called as megatron-core's GPTModel calls its output layer
+    (and named like it: ``output_layer.weight`` / ``.bias`` in its sharded checkpoints).
+
+    Each tensor-parallel rank computes the same values and the same head gradients from the same
+    hidden states, so neither needs a reduction. Under sequence parallelism (GPU) the hidden states
+    arrive split along the sequence: they are gathered first, and the backward pass hands each rank
+    its own slice of the (identical) gradient back, not a sum over ranks."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
+        super().__init__(hidden_size, 1, dtype=dtype)
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return super().forward(hidden_states), None
+
+
+def _value_heads(chunks: list[nn.Module]) -> list[nn.Module]:
+    return [c for c in chunks if isinstance(getattr(c, "output_layer", None), ValueHead)]
+
+
+@contextlib.contextmanager
+def _without_value_heads(chunks: list[nn.Module]) -> Iterator[list[ValueHead]]:
+    """The chunks as mbridge knows them (a backbone and maybe an LM head): the value heads taken out
+    for the duration, handed to the caller."""
+    owners = _value_heads(chunks)
+    heads = [c.output_layer for c in owners]
+    for owner in owners:
+        owner.output_layer = None
+    try:
+        yield heads
+    finally:
+        for owner, head in zip(owners, heads):
+            owner.output_layer = head
+
+
+def build_model(bridge: Any, device: torch.device | str = "cpu", value_head: bool = False) -> list[nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), on ``device``, weights uninitialised
+    (``value_head``: the last stage ends in a zero-initialised :class:`ValueHead`)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -119,18 +175,63 @@ def build_model(bridge: Any, device: torch.device | str = "cpu") -> list[nn.Modu
         chunk = provider(pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage_arg),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage_arg),
                          vp_stage=stage_arg)
+        if value_head and chunk.post_process:
+            config = chunk.config
+            chunk.output_layer = ValueHead(config.hidden_size, config.params_dtype, config.sequence_parallel)
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunks.append(chunk.to(device))
     return chunks
 
 
+_HEAD_NAMES = {"weight": "score.weight", "bias": "score.bias"}  # AutoModelForTokenClassification's head
+
+
 def load_hf_weights(bridge: Any, chunks: list[nn.Module], model_path: str) -> None:
-    """Each rank reads the HF safetensors and keeps its own shard of every tensor it holds."""
-    bridge.load_weights(chunks, model_path)
+    """Each rank reads the HF safetensors and keeps its own shard of every tensor it holds; a value
+    head takes ``score.*`` when the directory has them (a critic) and stays zero otherwise (a causal
+    LM: every value starts at 0, as the FSDP critic's)."""
+    with _without_value_heads(chunks) as heads:
+        bridge.load_weights(chunks, model_path)
+    if heads:
+        stored = _read_tensors(model_path, set(_HEAD_NAMES.values()))
+        if stored:
+            with torch.no_grad():
+                for head in heads:
+                    for attr, name in _HEAD_NAMES.items():
+                        getattr(head, attr).copy_(stored[name].reshape(getattr(head, attr).shape))
 
 
-def export_hf_weights(bridge: Any, chunks: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(model_path: str, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors among ``names`` that the directory's safetensors files hold (all or none)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            found.update({n: handle.get_tensor(n) for n in names & set(handle.keys())})
+    if found and set(found) != names:
+        raise ValueError(f"{model_path}: a value head needs all of {sorted(names)}; found only {sorted(found)}")
+    return found
+
+
+def export_hf_weights(bridge: Any, chunks: list[nn.Module], value_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole HF-named tensors, one at a time (gathered across tensor and pipeline ranks; every rank
-    takes part and receives each tensor)."""
-    yield from bridge.export_weights(chunks)
+    takes part and receives each tensor); a value model's head last, as ``score.*``."""
+    with _without_value_heads(chunks) as heads:
+        yield from bridge.export_weights(chunks)
+    if value_head:
+        for attr, name in _HEAD_NAMES.items():
+            yield name, _from_last_stage(getattr(heads[0], attr).detach() if heads else None)
+
+
+def _from_last_stage(tensor: torch.Tensor | None) -> torch.Tensor:
+    """A tensor held by the last pipeline stage, on every stage of this rank's pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    box = [tensor.cpu() if tensor is not None else None]
+    torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                            group=ps.get_pipeline_model_parallel_group())
+    return box[0]

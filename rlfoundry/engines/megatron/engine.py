@@ -9,6 +9,10 @@ Updates: the same mini-batch loop and global-batch normalisation as FSDP (``engi
 each mini-batch's micro-batches go through megatron-core's pipeline schedule (``forward.py``) and
 one optimiser step follows (skipped when the gradient norm is not finite).
 
+A critic is the same backbone ending in a one-output value head (``bridge.ValueHead``,
+``model_kind="token_classification"`` as in the FSDP engine); it answers ``Values``, the actor and
+the reference ``LogProbs``.
+
 Every rank of the world calls each method with its data-parallel rank's rows; tensor- and
 pipeline-parallel ranks of one data-parallel rank get the same rows. Outputs and metrics are
 computed on the last pipeline stage and broadcast to the others, so every rank returns them.
@@ -27,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfoundry.config.schema import MegatronConfig, OptimConfig
-from rlfoundry.engines.base import LogProbs, LossFn, LossOutput, MicroBatching, Output, TrainingEngine, UpdatePlan
+from rlfoundry.engines.base import LogProbs, LossFn, LossOutput, MicroBatching, Output, TrainingEngine, UpdatePlan, Values
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, plain_micro_batches, restore
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
@@ -52,12 +56,19 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True)
 class MegatronEngineConfig:
     """What the Megatron engine needs from a role's typed config: its ``megatron`` and ``optim``
-    subtrees (``optim=None``: a frozen model) and the gradient clip."""
+    subtrees (``optim=None``: a frozen model), the gradient clip, and what the model ends in
+    (``causal_lm``: the vocabulary head; ``token_classification``: a critic's value head)."""
 
     path: str
     megatron: MegatronConfig
     optim: OptimConfig | None = None
     grad_clip: float | None = 1.0
+    model_kind: str = "causal_lm"
+    load_hf_weights: bool = True  # False: a checkpoint will supply every weight (offline export)
+
+    @property
+    def value_model(self) -> bool:
+        return self.model_kind == "token_classification"
 
     @property
     def trainable(self) -> bool:
@@ -76,9 +87,13 @@ class MegatronEngine(TrainingEngine):
                                m.virtual_pipeline_model_parallel_size, m.context_parallel_size, seed=m.seed)
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
-        self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides())
-        chunks = mb.build_model(self.bridge, self.device)
-        mb.load_hf_weights(self.bridge, chunks, config.path)
+        if config.model_kind not in ("causal_lm", "token_classification"):
+            raise ValueError(f"{role}: the Megatron engine builds causal LMs and value models, not {config.model_kind!r}")
+        self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
+                                      value_model=config.value_model)
+        chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
+        if config.load_hf_weights:
+            mb.load_hf_weights(self.bridge, chunks, config.path)
         self.optimizer = self.lr_scheduler = None
         if config.trainable:
             chunks, self.optimizer = self._wrap_for_training(chunks)
@@ -112,7 +127,10 @@ class MegatronEngine(TrainingEngine):
             use_distributed_optimizer=m.use_distributed_optimizer,
             bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, params_dtype=dtype,
         )
-        return wrapped, get_megatron_optimizer(optim, wrapped)
+        # config_overrides={}: one parameter group, weight decay on every parameter as in the FSDP
+        # engine's AdamW (megatron-core's default marks biases and norms wd_mult=0, which only its own
+        # LR scheduler applies; the schedule here is the FSDP engine's)
+        return wrapped, get_megatron_optimizer(optim, wrapped, config_overrides={})
 
     @property
     def module(self) -> nn.Module:
@@ -134,20 +152,29 @@ class MegatronEngine(TrainingEngine):
             return out
         return outputs
 
-    def _require_log_probs(self, output: Output) -> LogProbs:
-        if not isinstance(output, LogProbs):
-            raise NotImplementedError(f"{self.role}: the Megatron engine computes causal-LM log-probs only "
-                                      f"(asked for {type(output).__name__})")
-        return output
+    @staticmethod
+    def _values(output: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """V(s_t) before each response token t: the head's output one position earlier (as the FSDP critic)."""
+        width = micro["responses"].shape[1]
+        return {"values": output[:, -width - 1:-1, 0].float()}
+
+    def _output_fn(self, output: Output):
+        """What the last stage computes from the model's output for ``output``."""
+        if isinstance(output, LogProbs) and not self.config.value_model:
+            return self._outputs(output)
+        if isinstance(output, Values) and self.config.value_model:
+            return self._values
+        raise NotImplementedError(f"{self.role}: a Megatron {self.config.model_kind} model cannot compute "
+                                  f"{type(output).__name__}")
 
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
-        spec = self._require_log_probs(output)
+        outputs_fn = self._output_fn(output)
         inputs = data.select(batch_keys=[k for k in MODEL_INPUTS if k in data.batch.keys()])
         micros, order = plain_micro_batches(inputs, micro, None)
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad():
-            outs = run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], self._outputs(spec), loss=None)
+            outs = run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss=None)
         merged = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
         merged = self._from_last_stage(merged)
         return {k: restore(v, order) for k, v in merged.items()}
@@ -157,12 +184,12 @@ class MegatronEngine(TrainingEngine):
     def train_batch(self, data: DataProto, output: Output, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, list[float]]:
         if self.optimizer is None:
             raise RuntimeError(f"{self.role}: train_batch on a model built without an optimiser (a reference?)")
-        spec = self._require_log_probs(output)
+        outputs_fn = self._output_fn(output)
         for chunk in self.chunks:
             chunk.train()
-        return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, spec, loss_fn, plan))
+        return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, outputs_fn, loss_fn, plan))
 
-    def _train_mini_batch(self, mini: DataProto, spec: LogProbs, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
+    def _train_mini_batch(self, mini: DataProto, outputs_fn, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
         info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)
         micros, _ = plain_micro_batches(mini, plan.micro, None)
         stats = MiniBatchStats()
@@ -175,7 +202,7 @@ class MegatronEngine(TrainingEngine):
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], self._outputs(spec), loss)
+        run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss)
         metrics = self._from_last_stage(stats.reduce(self.dp_size, self.dp_group) if self._last_stage() else None)
         metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
         return metrics
@@ -246,7 +273,7 @@ class MegatronEngine(TrainingEngine):
         return [getattr(c, "module", c) for c in self.chunks]
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from mb.export_hf_weights(self.bridge, self._bare_chunks())
+        yield from mb.export_hf_weights(self.bridge, self._bare_chunks(), value_head=self.config.value_model)
 
     def offload(self) -> None:
         pass  # param/grad/optimizer offload: GPU only (not built yet)
@@ -325,7 +352,6 @@ class MegatronEngine(TrainingEngine):
         """Model (+ optimiser) with megatron-core's dist-checkpointing under ``mcore/``, inside the
         project's role directory (atomic publish, manifest, scheduler, RNG, counters; ``engines/checkpoint.py``)."""
         from megatron.core import dist_checkpointing
-        from transformers import AutoConfig
 
         from rlfoundry.engines import checkpoint as ckpt
 
@@ -334,11 +360,11 @@ class MegatronEngine(TrainingEngine):
             dist_checkpointing.save(self._sharded_state(), str(staging / "mcore"))
 
         def write_config(out):
-            AutoConfig.from_pretrained(self.config.path).save_pretrained(out)
+            self._hf_config().save_pretrained(out)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out)
 
-        meta = {**self._layout(), "has_optimizer": self.optimizer is not None}
+        meta = {**self._layout(), "dtype": self.config.megatron.dtype, "has_optimizer": self.optimizer is not None}
         ckpt.save_role(path, write_shards, write_config, self.lr_scheduler, {**extra, "engine": self.counters()},
                        meta=meta, rng_state=self._rng_state)
         return str(path)
@@ -377,19 +403,30 @@ class MegatronEngine(TrainingEngine):
         self.load_counters(extra.get("engine", {}))
         return extra
 
+    def _hf_config(self) -> Any:
+        """The HF config of what this engine holds: the checkpoint's, or for a value model the
+        family's one-label token classifier (the FSDP critic's layout)."""
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        if not self.config.value_model:
+            return AutoConfig.from_pretrained(self.config.path)
+        config = AutoConfig.from_pretrained(self.config.path, num_labels=1)
+        config.architectures = [AutoModelForTokenClassification._model_mapping[type(config)].__name__]
+        config.tie_word_embeddings = False
+        return config
+
     def save_hf_model(self, path: str, tokenizer: Any = None) -> str:
         """Full weights (gathered tensor by tensor) + config (+ tokenizer), written by global rank 0."""
         from pathlib import Path
 
         from safetensors.torch import save_file
-        from transformers import AutoConfig
 
         weights = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in self.iter_hf_weights()}
         if not dist.is_initialized() or dist.get_rank() == 0:
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
             save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-            AutoConfig.from_pretrained(self.config.path).save_pretrained(out)
+            self._hf_config().save_pretrained(out)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out)
         if dist.is_initialized():

@@ -1,0 +1,63 @@
+"""Offline export of a Megatron engine checkpoint (one role's directory) to a Hugging Face directory.
+
+One CPU process, whatever layout saved it: the model is rebuilt at tensor = pipeline = 1 from the
+HF config the checkpoint carries (``huggingface/``), megatron-core's dist-checkpointing reshards the
+saved tensor / pipeline / virtual-pipeline shards onto it, and the engine's own exporter writes
+HF-named safetensors (``score.*`` for a critic), the config and the tokenizer. Backs
+``rlfoundry export`` for ``strategy=megatron`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+
+__all__ = ["export_megatron_checkpoint"]
+
+
+@contextlib.contextmanager
+def _single_process_group() -> Iterator[None]:
+    """A one-rank gloo group (and megatron-core's parallel state on it) for the duration, unless
+    this process already has a group."""
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="rlfoundry-export-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def export_megatron_checkpoint(local_path: str | os.PathLike, out_path: str | os.PathLike) -> Path:
+    """``.../global_step_N/<role>`` written by the Megatron engine -> an HF directory at ``out_path``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.checkpoint import HF_CONFIG_DIR, read_component_marker
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+
+    path = Path(local_path)
+    meta = read_component_marker(path)
+    hf_dir = path / HF_CONFIG_DIR
+    arch = (AutoConfig.from_pretrained(hf_dir).architectures or ["ForCausalLM"])[0]
+    kind = "token_classification" if arch.endswith("ForTokenClassification") else "causal_lm"
+    # the dtype it trained in: the exported tensors are those the model held
+    megatron = MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              use_distributed_optimizer=False, dtype=meta.get("dtype", "float32"))
+    config = MegatronEngineConfig(str(hf_dir), megatron, optim=None, model_kind=kind, load_hf_weights=False)
+    with _single_process_group():
+        engine = MegatronEngine(config, "cpu", role=path.name)
+        engine.load_checkpoint(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir) if (hf_dir / "tokenizer_config.json").is_file() else None
+        engine.save_hf_model(str(out_path), tokenizer)
+    return Path(out_path)
