@@ -450,7 +450,7 @@ _MEGATRON_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size"
 
 def _check_megatron(cfg: DictConfig) -> list[str]:
     """``strategy=megatron``: what the Megatron engine does not do yet, and layouts that cannot work."""
-    arr, errors = cfg.actor_rollout_ref, []
+    errors: list[str] = []
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
     users = [k for k in roles if OmegaConf.select(cfg, f"{k}.strategy") == "megatron"]
     if not users:
@@ -459,9 +459,6 @@ def _check_megatron(cfg: DictConfig) -> list[str]:
 
     if any(importlib.util.find_spec(m) is None for m in ("megatron", "mbridge")):
         errors.append(f"strategy=megatron needs megatron-core and mbridge: {MEGATRON_INSTALL}")
-    if arr.rollout.name != "hf" and users[0] == "actor_rollout_ref.actor":
-        errors.append(f"actor_rollout_ref.rollout.name={arr.rollout.name} with strategy=megatron: weight sync from a "
-                      "Megatron actor goes to the HF engine only so far; use actor_rollout_ref.rollout.name=hf.")
     sizes = {k: tuple(OmegaConf.select(cfg, f"{k}.megatron.{n}") for n in _MEGATRON_LAYOUT) for k in users}
     for key in users[1:]:
         if sizes[key] != sizes[users[0]]:

