@@ -56,15 +56,14 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path
     """
     from omegaconf import OmegaConf
 
-    from rlfoundry.engines.checkpoint import export_hf_from_checkpoint, read_component_marker
     from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup
     from rlfoundry.single_controller.base.worker import WorkerRuntime
-    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
-    from rlfoundry.utils.checkpoint import load_trainer_state
+    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker, export_megatron_checkpoint
+    from rlfoundry.utils.checkpoint import load_trainer_state, read_component_marker
 
     step_dir = find_actor_checkpoint(checkpoint_dir)
     if read_component_marker(step_dir / "actor").get("engine") == "megatron":
-        return export_hf_from_checkpoint(step_dir / "actor", hf_dir)
+        return export_megatron_checkpoint(step_dir / "actor", hf_dir)
     state = load_trainer_state(step_dir / "data.pt")
     if "config" not in state:
         raise ExportError(f"{step_dir / 'data.pt'} has no saved config; it was not written by rlfoundry's trainer.")

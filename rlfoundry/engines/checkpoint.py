@@ -512,17 +512,15 @@ def export_hf_from_checkpoint(local_path: str | os.PathLike, out_path: str | os.
     Single process, no GPU: the model is rebuilt from the checkpoint's ``huggingface/config.json``
     (the Auto class chosen by its architecture suffix), the DCP shards are loaded into it (DCP
     reshards any world size to one), and :func:`save_hf_model` writes safetensors + config +
-    tokenizer; a Megatron engine checkpoint goes to ``engines/megatron/export.py``. Backs
-    ``rlfoundry export``.
+    tokenizer (a Megatron engine checkpoint: ``engines/megatron/export.py``).
     """
     import transformers
 
     path = Path(local_path)
     meta = read_component_marker(path)
     if meta.get("engine") == "megatron":
-        from rlfoundry.engines.megatron.export import export_megatron_checkpoint
-
-        return export_megatron_checkpoint(path, out_path)
+        raise ValueError(f"{path} was saved by the Megatron engine: export it with "
+                         "rlfoundry.engines.megatron.export.export_megatron_checkpoint (or rlfoundry export)")
     if meta.get("manifest") is not None:
         verify_files(path, meta["manifest"])
     config = transformers.AutoConfig.from_pretrained(path / HF_CONFIG_DIR)

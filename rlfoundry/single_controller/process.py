@@ -27,13 +27,17 @@ meet), then collects the replies in rank order. A rank that dies raises ``Worker
 group is unusable after it); ``call_timeout_s`` bounds a call (``WorkerCallTimeout``; the group
 stays usable, and the late replies of that call are dropped when they arrive). Remote
 processes ignore Ctrl-C (the driver handles it) and exit when the driver's end of their pipe closes,
-so a killed driver leaves no orphans.
+so a killed driver leaves no orphans; at the driver's normal exit the group shuts itself down.
+They are not daemonic: a rank may start processes of its own (megatron-core's checkpoint writer
+does; a daemonic process may not have children).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
+import weakref
 import io
 import multiprocessing as mp
 import os
@@ -272,6 +276,10 @@ class ProcessWorkerGroup(WorkerGroup):
         self._early: dict[_Call, tuple] = {}  # replies read before their call was collected
         self._abandoned: set[_Call] = set()  # calls that timed out: their replies are dropped
         self.worker = None
+        # runs before multiprocessing's own exit hook, which would wait for the (non-daemonic) ranks
+        # forever; a weak reference, so that a dropped group is still collected (its ranks then see
+        # their pipes close and exit)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
             self._start(cls_with_init, host_rank_zero, start_timeout_s, start_method, preload)
         except BaseException:
@@ -315,7 +323,7 @@ class ProcessWorkerGroup(WorkerGroup):
         parent, child = ctx.Pipe()
         # a forked child inherits every open pipe end of this process; it closes the drivers' ones
         inherited = [*self._conns.values(), parent] if self.start_method == "fork" else []
-        proc = ctx.Process(target=_rank_main, args=(child, spec, threads, inherited), daemon=True,
+        proc = ctx.Process(target=_rank_main, args=(child, spec, threads, inherited), daemon=False,
                            name=f"{self.name}-rank{rank}")
         proc.start()
         child.close()
@@ -420,3 +428,10 @@ class ProcessWorkerGroup(WorkerGroup):
             conn.close()
         self._procs, self._conns = {}, {}
         self._sent, self._received, self._early, self._abandoned = {}, {}, {}, set()
+
+
+def _shutdown_at_exit(group_ref: weakref.ref) -> None:
+    group = group_ref()
+    if group is not None:
+        group.shutdown()
+

@@ -464,10 +464,6 @@ def _check_megatron(cfg: DictConfig) -> list[str]:
         if sizes[key] != sizes[users[0]]:
             errors.append(f"{key}.megatron: every role runs in the same processes, and megatron-core has one parallel "
                           f"layout per process; set its {', '.join(_MEGATRON_LAYOUT)} as {users[0]}'s ({sizes[users[0]]}).")
-    saves = int(cfg.trainer.save_freq or -1) > 0 or cfg.trainer.resume_mode == "resume_path"
-    if saves and cfg.trainer.worker_backend == "process" and world_size(cfg) > 1:
-        errors.append("strategy=megatron with trainer.worker_backend=process on several ranks: its checkpoint "
-                      "save does not complete there yet; use trainer.worker_backend=ray (or auto), or trainer.save_freq=-1.")
     ws = world_size(cfg)
     for key in users:
         m = OmegaConf.select(cfg, f"{key}.megatron")

@@ -43,9 +43,17 @@ from rlfoundry.workers.utils.parallel import data_parallel_size, pooled_rows
 from rlfoundry.engines import oom
 from rlfoundry.models import cpu_kernels
 
-__all__ = ["ActorRolloutRefWorker", "ROLES"]
+__all__ = ["ActorRolloutRefWorker", "ROLES", "export_megatron_checkpoint"]
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def export_megatron_checkpoint(local_path: str | Path, out_path: str | Path) -> Path:
+    """A role directory saved under ``strategy=megatron`` -> an HF directory, on this one process
+    whatever layout saved it (``rlfoundry export``; ``engines/megatron/export.py``)."""
+    from rlfoundry.engines.megatron.export import export_megatron_checkpoint as export
+
+    return export(local_path, out_path)
 
 
 def _per_rank(global_rows: int, world_size: int, what: str) -> int:

@@ -124,7 +124,7 @@ def test_offline_export_of_another_layout(tiny_model_dir, tmp_path, tp, pp, crit
     role = "critic" if critic else "actor"
     ckpt, out = tmp_path / "global_step_1" / role, tmp_path / "hf"
     saved = run_ranks(_save_trained, 2, tmp_path, tp=tp, pp=pp, args=(str(tiny_model_dir), str(ckpt), tp, pp, critic))[0]
-    script = "import sys; from rlfoundry.engines.checkpoint import export_hf_from_checkpoint as e; e(sys.argv[1], sys.argv[2])"
+    script = "import sys; from rlfoundry.engines.megatron.export import export_megatron_checkpoint as e; e(sys.argv[1], sys.argv[2])"
     run = subprocess.run([sys.executable, "-c", script, str(ckpt), str(out)], capture_output=True, text=True,
                          env=subprocess_env(), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -61,13 +61,12 @@ def test_tensor_and_pipeline_parallel_grpo_match_fsdp(tiny_model_dir, tmp_path, 
 
 
 
-@pytest.mark.ray
 def test_tensor_parallel_resume_gives_the_straight_runs_third_step(tiny_model_dir, tmp_path):
     """Two steps with a checkpoint each, then a new process resumes (resume_mode=auto) to step 3:
-    the same samples (the rollout's HF copy follows the loaded weights), losses and gradient norm."""
+    the same samples (the rollout's HF copy follows the loaded weights), losses and gradient norm.
+    The process back end (the PPO test below runs on Ray): its ranks start megatron-core's writer processes."""
     reward = write_reward_file(tmp_path)
-    common = [*(f"actor_rollout_ref.{r}.megatron.{LAYOUTS['tp2']}" for r in ("actor", "ref")),
-              "trainer.save_freq=1", "trainer.worker_backend=ray"]
+    common = [*(f"actor_rollout_ref.{r}.megatron.{LAYOUTS['tp2']}" for r in ("actor", "ref")), "trainer.save_freq=1"]
     straight = _run(tmp_path, "straight", tiny_model_dir, reward, common, config_name="ppo_megatron_trainer")
     _run(tmp_path, "split", tiny_model_dir, reward, [*common, "trainer.total_training_steps=2"],
          config_name="ppo_megatron_trainer")
