@@ -1,6 +1,7 @@
 """The Megatron engine under the PPO actor (the same role and loss as FSDP): on CPU processes over
 gloo, log-probs and one actor update (two optimiser steps, KL and entropy terms, clipping) at TP=2,
-at PP=2 and at DP=2 with the distributed optimiser equal the 1-rank FSDP2 engine's."""
+at PP=2, at PP=2 with two virtual stages each (the interleaved 1F1B schedule) and at DP=2 with the
+distributed optimiser equal the 1-rank FSDP2 engine's."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def _fsdp_update(rank: int, model_dir: str, data):
     return log_probs, metrics, dict(engine.iter_hf_weights())
 
 
-def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distributed_optimizer: bool):
+def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distributed_optimizer: bool,
+                     vpp: int | None = None):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -77,7 +79,7 @@ def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distribu
 
     cfg = _actor_config(model_dir)
     megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32",
-                              use_distributed_optimizer=distributed_optimizer)
+                              use_distributed_optimizer=distributed_optimizer, virtual_pipeline_model_parallel_size=vpp)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = data.chunk(dp)[dp_rank]  # what the worker's dispatch will hand this data-parallel rank
@@ -92,7 +94,19 @@ def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distribu
     (2, 1, 2, False), (1, 2, 2, False), (1, 1, 2, True),
 ])
 def test_actor_update_equals_fsdp(tiny_model_dir, tmp_path, tp, pp, world, distributed_optimizer):
-    model_dir = str(tiny_model_dir)
+    _check_update_equals_fsdp(str(tiny_model_dir), tmp_path, tp, pp, world, distributed_optimizer)
+
+
+def test_interleaved_pipeline_update_equals_fsdp(tmp_path):
+    """PP=2 × VPP=2 on a four-layer model: each rank holds two non-adjacent layers."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny-qwen2-4l", num_layers=4))
+    _check_update_equals_fsdp(model_dir, tmp_path, 1, 2, 2, False, vpp=2)
+
+
+def _check_update_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world: int, distributed_optimizer: bool,
+                              vpp: int | None = None) -> None:
     data = _scored_batch(model_dir)
     dp = world // (tp * pp)
     # data-parallel rank r takes rows [r·8/dp, (r+1)·8/dp) and steps on its own mini-batches of 4/dp
@@ -100,8 +114,8 @@ def test_actor_update_equals_fsdp(tiny_model_dir, tmp_path, tp, pp, world, distr
     order = torch.arange(ROWS).view(dp, ROWS // MINI, MINI // dp).transpose(0, 1).reshape(-1)
     [(ref_lp, ref_metrics, ref_weights)] = run_ranks(_fsdp_update, 1, tmp_path, args=(model_dir, data[order]))
     ref_lp = ref_lp[torch.argsort(order)]
-    results = run_ranks(_megatron_update, world, tmp_path, tp=tp, pp=pp,
-                        args=(model_dir, data, tp, pp, distributed_optimizer))
+    results = run_ranks(_megatron_update, world, tmp_path, tp=tp, pp=pp, vpp=vpp,
+                        args=(model_dir, data, tp, pp, distributed_optimizer, vpp))
     assert results[0]["dp"] == dp
     moved = max((ref_weights[k] - v).abs().max().item() for k, v in _initial(model_dir).items())
     assert moved > 1e-3  # the update moved the weights: equality is not vacuous

@@ -421,8 +421,12 @@ class MegatronEngine(TrainingEngine):
 
         from safetensors.torch import save_file
 
-        weights = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in self.iter_hf_weights()}
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        weights = {}
+        for name, tensor in self.iter_hf_weights():  # every rank takes part; only the writer keeps a copy
+            if writer:
+                weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        if writer:
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
             save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -20,6 +20,8 @@ import torch
 
 __all__ = ["attention_mask_4d", "response_logits", "run_schedule", "vocab_parallel_log_probs"]
 
+_FILLER = "rlfoundry_filler"  # marks a repeated micro-batch that tops up an interleaved schedule
+
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     """(b, s) 1 = real token -> (b, 1, s, s) bool, True where a query may NOT attend (megatron-core's
@@ -75,13 +77,22 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
     gives the micro-batch's loss (already divided by the mini-batch-wide counts) and its metrics,
     gradients accumulate into the chunks, and the metrics come back per micro-batch. Non-last
     stages get an empty list.
+
+    The interleaved schedule takes a multiple of the pipeline size of micro-batches: fewer are
+    topped up with repeats of the first, whose outputs are dropped and whose loss is zero.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_only = loss is None
+    real = len(micros)
+    if len(chunks) > 1:
+        micros = list(micros) + [{**micros[0], _FILLER: True}] * (-real % ps.get_pipeline_model_parallel_world_size())
     n = len(micros)
 
     def post(micro, output, non_loss_data: bool = False):
+        if _FILLER in micro:
+            return None if forward_only else (output.sum() * 0.0, {})
         out = outputs(output, micro)
         if forward_only:
             return out
@@ -99,8 +110,9 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
     chunks = list(chunks)
     data = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)
     seq_length = max(int(m["input_ids"].shape[1]) for m in micros)
-    return get_forward_backward_func()(
+    results = get_forward_backward_func()(
         forward_step_func=step, data_iterator=data, model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=n, seq_length=seq_length, micro_batch_size=int(micros[0]["input_ids"].shape[0]),
         forward_only=forward_only, collect_non_loss_data=forward_only,
     )
+    return results[:real]
