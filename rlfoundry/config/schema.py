@@ -315,6 +315,34 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """verl's ``rollout.multi_turn`` keys (``workers/rollout/agent_loop.py``)."""
+
+    enable: bool = False
+    max_assistant_turns: Optional[int] = None  # null: until the response budget runs out
+    max_user_turns: Optional[int] = None  # tool-response turns; null: no limit
+    tool_config_path: Optional[str] = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256  # characters of a tool's text; cut on the side below
+    tool_response_truncate_side: str = one_of(("left", "middle", "right"), "middle")
+    interaction_config_path: Optional[str] = None
+    use_inference_chat_template: bool = False
+    tokenization_sanity_check_mode: str = one_of(("strict", "ignore_strippable", "disable"), "strict")
+    format: str = one_of(("hermes",), "hermes")
+    tool_timeout_s: float = 30.0  # rlfoundry: a call that takes longer answers with an error
+
+
+@dataclass
+class AgentConfig:
+    """verl's ``rollout.agent`` keys."""
+
+    default_agent_loop: str = one_of(("single_turn_agent", "tool_agent"), "single_turn_agent")
+    agent_loop_config_path: Optional[str] = None
+    num_workers: int = 8  # concurrent trajectories per worker in verl; here all of a batch run together
+    custom_async_server: Dict[str, Any] = _dict()
+
+
+@dataclass
 class RolloutConfig:
     name: str = one_of(ROLLOUT_NAMES, "hf")  # verl: vllm
     mode: str = "sync"
@@ -351,8 +379,8 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512
     engine_kwargs: Dict[str, Any] = _dict()
     val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig)
-    multi_turn: Dict[str, Any] = _dict(enable=False)
-    agent: Dict[str, Any] = _dict()
+    multi_turn: MultiTurnConfig = _sub(MultiTurnConfig)
+    agent: AgentConfig = _sub(AgentConfig)
     trace: Dict[str, Any] = _dict()
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 

@@ -24,9 +24,20 @@ SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, "<unk>"]
 
 # Qwen2-style ChatML template. The role names are spelled out character by character by this
 # tokenizer, which is fine: prompts stay a few dozen tokens long.
+# ChatML, as Qwen's; with ``tools`` a short system turn lists them (a byte tokenizer makes every
+# character a token, so not their full JSON schemas) and tool results come back as user turns
+# wrapped in <tool_response>, as Qwen2.5's template does.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools:' }}"
+    "{% for tool in tools %}{% set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ ' ' + f['name'] + '(' + (f['parameters']['properties'] | list | join(', ') if 'parameters' in f else '') + ')' }}"
+    "{% endfor %}{{ '. Call: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -91,7 +91,8 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
     "actor_rollout_ref.rollout.use_fire_sampling", "actor_rollout_ref.rollout.micro_batch_size",
     "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.agent*",
-    "actor_rollout_ref.rollout.trace*", "actor_rollout_ref.rollout.multi_turn*",
+    "actor_rollout_ref.rollout.trace*", "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+    "actor_rollout_ref.rollout.multi_turn.format",
     "actor_rollout_ref.rollout.calculate_log_probs",
     "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
@@ -426,12 +427,32 @@ def _check_reliability_numbers(trainer: DictConfig) -> list[str]:
     return errors
 
 
+def _check_multi_turn(cfg: DictConfig) -> list[str]:
+    """``rollout.multi_turn``: a tool config that loads; what the agent loop does not do yet."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return []
+    errors = []
+    if multi_turn.tool_config_path:
+        from rlfoundry.tools.registry import ToolConfigError, initialize_tools_from_config
+
+        try:
+            initialize_tools_from_config(multi_turn.tool_config_path)
+        except ToolConfigError as e:
+            errors.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {e}")
+    if multi_turn.interaction_config_path:
+        errors.append("actor_rollout_ref.rollout.multi_turn.interaction_config_path: simulated users (interactions) "
+                      "are not supported yet; remove the key.")
+    if multi_turn.max_parallel_calls < 1:
+        errors.append("actor_rollout_ref.rollout.multi_turn.max_parallel_calls must be >= 1.")
+    return errors
+
+
 def _check_unsupported(cfg: DictConfig) -> list[str]:
     arr, errors = cfg.actor_rollout_ref, []
     if arr.model.lora_rank > 0 or cfg.critic.model.lora_rank > 0:
         errors.append("LoRA (model.lora_rank > 0) is not supported yet; remove the lora_rank override.")
-    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.multi_turn.enable"):
-        errors.append("Multi-turn rollout (actor_rollout_ref.rollout.multi_turn.enable=True) is not supported.")
+    errors += _check_multi_turn(cfg)
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>.")
     backend, ws = cfg.trainer.worker_backend, world_size(cfg)

@@ -152,11 +152,29 @@ def load_tokenizer(cfg: DictConfig) -> Any:
     return tokenizer
 
 
+def rollout_data_config(cfg: DictConfig) -> DictConfig:
+    """``data`` as the rollout needs it: with ``rollout.multi_turn.enable`` the prompts offer the
+    configured tools (``apply_chat_template_kwargs.tools``) and keep their messages (``return_raw_chat``)."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return cfg.data
+    from omegaconf import OmegaConf
+
+    from rlfoundry.tools.registry import initialize_tools_from_config
+
+    data = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
+    data.return_raw_chat = True
+    if multi_turn.tool_config_path:
+        tools = initialize_tools_from_config(multi_turn.tool_config_path)
+        data.apply_chat_template_kwargs.tools = [t.get_openai_tool_schema().model_dump() for t in tools]
+    return data
+
+
 def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_files: Any) -> tuple[Any, Any]:
     """Train loader (seeded, resumable, drop_last) and validation loader (whole set as one batch)."""
     from rlfoundry.data import RLHFDataset, build_dataloader
 
-    data = cfg.data
+    data = rollout_data_config(cfg)
     train_ds = RLHFDataset(train_files, tokenizer, config=data)
     train = build_dataloader(train_ds, batch_size=int(data.train_batch_size), shuffle=bool(data.shuffle),
                              seed=int(data.seed), num_workers=int(data.dataloader_num_workers), drop_last=True)

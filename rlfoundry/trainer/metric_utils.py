@@ -14,7 +14,7 @@ Every function takes tensors/lists and returns ``dict[str, float]``; none reads 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +31,7 @@ __all__ = [
     "process_validation_metrics",
     "reduce_metrics",
     "marked_timer",
+    "multi_turn_metrics",
 ]
 
 # Phases whose cost scales with every token of the sequence (prompt + response); generation is
@@ -116,7 +117,7 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     # the prompt budget, not the batch's width: the trainer trims prompt padding to the longest prompt
     max_prompt = int(batch.meta_info.get("max_prompt_length", prompt_mask.shape[-1]))
     metrics |= _length_metrics("prompt_length", prompt_len, max_prompt)
-    return metrics
+    return metrics | multi_turn_metrics(batch.non_tensor_batch)
 
 
 # --------------------------------------------------------------------------- timing and throughput
@@ -276,3 +277,24 @@ def marked_timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
             yield
     finally:
         timing_raw[name] = timing_raw.get(name, 0.0) + time.perf_counter() - start
+
+
+def multi_turn_metrics(non_tensor_batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """``num_turns/{mean,min,max}``, tool calls and errors (by tool and kind), tool reward, the share of
+    trajectories each stop reason ended, and tokenisation check failures; {} for single-turn batches."""
+    if "num_turns" not in non_tensor_batch:
+        return {}
+    turns = np.asarray(non_tensor_batch["num_turns"], dtype=np.float64)
+    metrics = {"num_turns/mean": float(turns.mean()), "num_turns/min": float(turns.min()),
+               "num_turns/max": float(turns.max()),
+               "multi_turn/tool_calls/mean": float(np.mean(non_tensor_batch["tool_calls"].astype(np.float64))),
+               "multi_turn/tool_reward/mean": float(np.mean(non_tensor_batch["tool_reward"].astype(np.float64))),
+               "multi_turn/sanity_check_failures": float(sum(non_tensor_batch["sanity_check_failed"]))}
+    errors: Counter = Counter()
+    for row in non_tensor_batch["tool_errors"]:
+        errors.update(row)
+    metrics["multi_turn/tool_errors"] = float(sum(errors.values()))
+    metrics |= {f"multi_turn/tool_errors/{k}": float(v) for k, v in sorted(errors.items())}
+    stops = Counter(non_tensor_batch["stop_reason"])
+    metrics |= {f"multi_turn/stop/{k}": v / len(turns) for k, v in sorted(stops.items())}
+    return metrics

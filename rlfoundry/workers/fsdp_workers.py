@@ -83,6 +83,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout: BaseRollout | None = None
         self.ref_policy: DataParallelPPOActor | None = None
         self.engine: FSDPEngine | None = None
+        self.agent_loop: Any = None  # rollout.multi_turn.enable: tool-calling trajectories over self.rollout
 
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
@@ -176,6 +177,7 @@ class ActorRolloutRefWorker(Worker):
             self.actor = DataParallelPPOActor(self.config.actor, self.engine, self.actor_sizes, seed=seed)
             if self._is_rollout:
                 self.rollout = self._build_rollout(self._rollout_module())
+                self.agent_loop = self._build_agent_loop()
         if self._is_ref:
             if self.config.ref.strategy == "megatron":
                 ref_engine = self._megatron_engine(self.config.ref.megatron, False, "ref")
@@ -183,6 +185,20 @@ class ActorRolloutRefWorker(Worker):
                 ref_engine = FSDPEngine.build(self._engine_config(self.config.ref.fsdp_config, False),
                                               self.device, role="ref")
             self.ref_policy = DataParallelPPOActor(self.config.ref, ref_engine)
+
+    def _build_agent_loop(self) -> Any:
+        """``rollout.multi_turn.enable``: the agent loop over the rollout engine, with the configured tools."""
+        multi_turn = self.config.rollout.multi_turn
+        if not multi_turn.enable:
+            return None
+        from rlfoundry.tools.registry import initialize_tools_from_config
+        from rlfoundry.workers.rollout.agent_loop import AgentLoop
+
+        tools = initialize_tools_from_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+        # the data set rendered the prompts with the same tools (trainer/main_ppo.rollout_data_config)
+        kwargs = {"tools": [t.get_openai_tool_schema().model_dump() for t in tools]} if tools else {}
+        return AgentLoop(self.rollout, self.tokenizer, multi_turn, {t.name: t for t in tools},
+                         self.config.rollout.response_length, chat_template_kwargs=kwargs)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -204,9 +220,10 @@ class ActorRolloutRefWorker(Worker):
         return out.to("cpu")
 
     def _generate(self, prompts: DataProto, rows: int) -> DataProto:
+        engine = self.agent_loop or self.rollout
         if rows >= len(prompts):
-            return self.rollout.generate_sequences(prompts)
-        return DataProto.concat([self.rollout.generate_sequences(part) for part in prompts.split(rows)])
+            return engine.generate_sequences(prompts)
+        return DataProto.concat([engine.generate_sequences(part) for part in prompts.split(rows)])
 
     def _log_prob_kwargs(self, cfg: Any, data: DataProto) -> dict[str, Any]:
         """Micro-batching of a ``rollout``/``ref`` subtree's ``log_prob_*`` keys and the sampling temperature."""

@@ -1,0 +1,81 @@
+"""Tools from a tool-config YAML in verl's layout (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
+
+    tools:
+      - class_name: rlfoundry.tools.calculator.CalculatorTool   # or a verl class name we provide
+        config: {type: native}                                   # + the tool's own settings
+        tool_schema:
+          type: function
+          function: {name: calculator, description: ..., parameters: {type: object, properties: ..., required: [...]}}
+
+verl's built-in class names (``verl.tools.gsm8k_tool.Gsm8kTool`` …) resolve to this package's
+equivalents, so a verl config loads unchanged; any other ``module.Class`` is imported as it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from pydantic import ValidationError
+
+from rlfoundry.tools.base import BaseTool
+from rlfoundry.tools.schemas import OpenAIFunctionToolSchema
+
+__all__ = ["ToolConfigError", "initialize_tools_from_config", "load_tool_class"]
+
+_VERL_CLASSES = {
+    "verl.tools.gsm8k_tool.Gsm8kTool": "rlfoundry.tools.gsm8k.Gsm8kTool",
+    "verl.tools.base_tool.BaseTool": "rlfoundry.tools.base.BaseTool",
+}
+
+
+class ToolConfigError(ValueError):
+    """A tool config that cannot be loaded; the message names the file, the entry and the fix."""
+
+
+def load_tool_class(class_name: str) -> type[BaseTool]:
+    module_name, _, attr = _VERL_CLASSES.get(class_name, class_name).rpartition(".")
+    if not module_name:
+        raise ToolConfigError(f"class_name {class_name!r} is not a dotted path module.Class")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ToolConfigError(f"class_name {class_name!r} cannot be imported: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
+        raise ToolConfigError(f"class_name {class_name!r} is not a subclass of rlfoundry.tools.base.BaseTool")
+    return cls
+
+
+def initialize_tools_from_config(path: str | Path) -> list[BaseTool]:
+    """One tool object per entry; names must be unique."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ToolConfigError(f"tool config {path} does not exist (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+    entries = OmegaConf.to_container(OmegaConf.load(path), resolve=True).get("tools")
+    if not isinstance(entries, list) or not entries:
+        raise ToolConfigError(f"{path}: expected a non-empty 'tools:' list")
+    tools = [_build(path, i, entry) for i, entry in enumerate(entries)]
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ToolConfigError(f"{path}: tool names must be unique, got {names}")
+    return tools
+
+
+def _build(path: Path, index: int, entry: Any) -> BaseTool:
+    where = f"{path}: tools[{index}]"
+    if not isinstance(entry, dict) or "class_name" not in entry or "tool_schema" not in entry:
+        raise ToolConfigError(f"{where} needs class_name and tool_schema")
+    config = dict(entry.get("config") or {})
+    kind = config.get("type", "native")
+    if kind != "native":
+        raise ToolConfigError(f"{where}: config.type={kind!r} is not supported; only native (in-process) tools run here")
+    try:
+        schema = OpenAIFunctionToolSchema.model_validate(entry["tool_schema"])
+    except ValidationError as e:
+        raise ToolConfigError(f"{where}: tool_schema is not an OpenAI function schema: {e}") from e
+    try:
+        return load_tool_class(entry["class_name"])(config, schema)
+    except ToolConfigError as e:
+        raise ToolConfigError(f"{where}: {e}") from e

@@ -1,0 +1,86 @@
+"""The sandbox a tool call or a generated program runs in: every way code can misbehave ends as a
+result with a status and a message, in bounded time, with nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfoundry.utils.sandbox import SandboxLimits, run_python
+
+LIMITS = SandboxLimits(wall_time_s=3.0, cpu_time_s=1, memory_bytes=512 << 20, max_output_bytes=4096)
+
+
+def _run(code: str, limits: SandboxLimits = LIMITS):
+    return run_python(code, limits)
+
+
+def test_a_program_runs_and_its_output_comes_back():
+    r = _run("import math\nprint(math.factorial(20))\nopen('a.txt', 'w').write('kept?')\nprint(open('a.txt').read())")
+    assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "2432902008176640000\nkept?\n")
+
+
+def test_nothing_carries_over_between_calls():
+    _run("open('state.txt', 'w').write('1')")
+    r = _run("import os\nprint(os.path.exists('state.txt'))")
+    assert r.stdout == "False\n"
+
+
+def test_an_exception_is_an_error_with_its_traceback():
+    r = _run("raise ValueError('boom')")
+    assert r.status == "error" and r.exit_code == 1 and "ValueError: boom" in r.stderr
+
+
+def test_a_busy_loop_stops_at_the_cpu_limit():
+    r = _run("while True:\n    pass")
+    assert r.status == "timeout" and r.wall_s < LIMITS.wall_time_s
+
+
+def test_a_sleeping_program_stops_at_the_wall_clock_limit():
+    start = time.monotonic()
+    r = _run("import time\ntime.sleep(60)", SandboxLimits(wall_time_s=1.0, cpu_time_s=1))
+    assert r.status == "timeout" and time.monotonic() - start < 5
+
+
+def test_megabytes_of_output_are_cut_at_the_limit():
+    r = _run("print('x' * 10_000_000)")
+    assert r.status == "output_limit" and len(r.stdout) <= LIMITS.max_output_bytes
+
+
+def test_non_text_output_is_decoded_with_replacement():
+    r = _run("import sys\nsys.stdout.buffer.write(bytes(range(256)))")
+    assert r.status == "ok" and "\ufffd" in r.stdout and r.stdout.startswith("\x00\x01")
+
+
+def test_unbounded_allocation_is_a_memory_error():
+    r = _run("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))")
+    assert r.status == "memory"
+
+
+@pytest.mark.parametrize("code, refused", [
+    ("import os\nfor _ in range(50):\n    os.fork()", "os.fork"),
+    ("import subprocess\nsubprocess.run(['true'])", "subprocess.Popen"),
+    ("import os\nos.system('true')", "os.system"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)", "socket"),
+    ("print(open('/etc/hostname').read())", "reading '/etc/hostname'"),
+    ("open('/tmp/rlfoundry-sandbox-escape.txt', 'w').write('x')", "writing '/tmp/rlfoundry-sandbox-escape.txt'"),
+    ("import os\nos.remove('/tmp/anything')", "os.remove"),
+    ("import ctypes", "importing ctypes"),
+])
+def test_processes_sockets_outside_files_and_ctypes_are_refused(code, refused):
+    r = _run(code)
+    assert r.status == "error" and "PermissionError: sandbox:" in r.stderr and refused in r.stderr, r.stderr
+    assert not Path("/tmp/rlfoundry-sandbox-escape.txt").exists()
+
+
+def test_a_refusal_is_an_exception_the_code_may_handle():
+    r = _run("try:\n    open('/etc/hostname')\nexcept PermissionError as e:\n    print('caught', e)")
+    assert r.status == "ok" and r.stdout.startswith("caught sandbox:")
+
+
+def test_the_working_directory_is_removed_afterwards():
+    r = _run("import os\nprint(os.getcwd())")
+    assert r.status == "ok" and not os.path.exists(r.stdout.strip())

@@ -1,0 +1,154 @@
+"""The multi-turn agent loop on hand-built trajectories: a scripted policy (it answers each
+conversation's k-th turn with a fixed text, token log-probs known) drives the real loop, tools,
+parser and chat template, so every token of the result and its mask can be derived by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlfoundry.config.schema import MultiTurnConfig
+from rlfoundry.models.tiny import build_tokenizer
+from rlfoundry.protocol import DataProto
+from rlfoundry.tools.registry import initialize_tools_from_config
+from rlfoundry.trainer.metric_utils import multi_turn_metrics
+from rlfoundry.workers.rollout.agent_loop import AgentLoop, truncate_text
+
+TOOLS = Path(__file__).resolve().parents[2] / "rlfoundry" / "config" / "tools" / "calculator.yaml"
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
+
+
+class ScriptedPolicy:
+    """Stands in for the language model: conversation ``user text`` -> its turns' texts, each turn ending
+    with <|im_end|>; token j of a turn gets log-prob -(j + 1) / 100."""
+
+    def __init__(self, tokenizer, script: dict[str, list[str]], n: int = 1):
+        self.tokenizer, self.script = tokenizer, script
+        self.eos_token_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.config = type("Config", (), {"n": n})()
+        self.calls = 0
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        self.calls += 1
+        width = int(batch.meta_info["response_length"])
+        rows = [self._turn(ids[mask.bool()].tolist()) for ids, mask in
+                zip(batch.batch["input_ids"], batch.batch["attention_mask"])]
+        responses = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        log_probs = torch.zeros((len(rows), width))
+        for i, ids in enumerate(rows):
+            ids = ids[:width]
+            responses[i, :len(ids)] = torch.tensor(ids)
+            mask[i, :len(ids)] = 1
+            log_probs[i, :len(ids)] = -torch.arange(1, len(ids) + 1) / 100
+        return DataProto.from_dict(tensors={"responses": responses, "response_mask": mask, "rollout_log_probs": log_probs})
+
+    def _turn(self, ids: list[int]) -> list[int]:
+        text = self.tokenizer.decode(ids)
+        user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        k = text.count("<|im_start|>assistant\n") - 1
+        return self.tokenizer.encode(self.script[user][k] + "<|im_end|>", add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _loop(tokenizer, script, response_length=256, n=1, **config):
+    tools = {t.name: t for t in initialize_tools_from_config(TOOLS)}
+    kwargs = {"tools": [t.get_openai_tool_schema().model_dump() for t in tools.values()]}
+    loop = AgentLoop(ScriptedPolicy(tokenizer, script, n), tokenizer, MultiTurnConfig(enable=True, **config), tools,
+                     response_length, chat_template_kwargs=kwargs)
+    return loop, kwargs
+
+
+def _prompts(tokenizer, kwargs, questions: list[str], width: int = 160) -> DataProto:
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False, **kwargs),
+                            add_special_tokens=False) for c in chats]
+    input_ids = torch.zeros((len(ids), width), dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for r, row in enumerate(ids):
+        input_ids[r, width - len(row):] = torch.tensor(row)
+        mask[r, width - len(row):] = 1
+    raw = np.empty(len(chats), dtype=object)
+    raw[:] = chats
+    return DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask,
+                                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+                               non_tensors={"raw_prompt": raw}, meta_info={"n": 1})
+
+
+def test_a_two_turn_trajectory_has_exact_tokens_mask_and_log_probs(tokenizer):
+    question, final = "What is 123*456?", "The answer is 56088."
+    loop, kwargs = _loop(tokenizer, {question: [CALL, final]})
+    out = loop.generate_sequences(_prompts(tokenizer, kwargs, [question]))
+    chat = [{"role": "user", "content": question}, {"role": "assistant", "content": CALL},
+            {"role": "tool", "content": "56088"}, {"role": "assistant", "content": final}]
+    whole = tokenizer.apply_chat_template(chat, tokenize=False, **kwargs)
+    prompt_text = tokenizer.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True, **kwargs)
+    expected = tokenizer.encode(whole[len(prompt_text):].removesuffix("\n"), add_special_tokens=False)
+    responses, mask, lp = out.batch["responses"][0], out.batch["response_mask"][0], out.batch["rollout_log_probs"][0]
+    length = int(out.batch["attention_mask"][0, 160:].sum())
+    assert responses[:length].tolist() == expected  # token for token what the template renders
+    turn1 = len(tokenizer.encode(CALL + "<|im_end|>", add_special_tokens=False))
+    tool = tokenizer.encode("\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)
+    turn2 = len(tokenizer.encode(final + "<|im_end|>", add_special_tokens=False))
+    assert length == turn1 + len(tool) + turn2
+    assert mask[:length].tolist() == [1] * turn1 + [0] * len(tool) + [1] * turn2  # the loss never sees the tool
+    assert responses[turn1:turn1 + len(tool)].tolist() == tool
+    expected_lp = [-(j + 1) / 100 for j in range(turn1)] + [0.0] * len(tool) + [-(j + 1) / 100 for j in range(turn2)]
+    torch.testing.assert_close(lp[:length], torch.tensor(expected_lp))
+    assert mask[length:].sum() == 0 and (responses[length:] == tokenizer.pad_token_id).all()
+    extras = out.non_tensor_batch
+    assert (extras["num_turns"][0], extras["tool_calls"][0], extras["stop_reason"][0]) == (3, 1, "no_call")
+    assert not extras["sanity_check_failed"][0]
+    metrics = multi_turn_metrics(extras)
+    assert metrics["num_turns/mean"] == 3 and metrics["multi_turn/stop/no_call"] == 1.0
+    assert metrics["multi_turn/tool_errors"] == 0
+
+
+def test_n_samples_per_prompt_bad_calls_and_turn_limits(tokenizer):
+    good, bad = "Add 2 and 3.", "Break it."
+    script = {good: [CALL.replace("123*456", "2+3"), CALL.replace("123*456", "5*1"), "5"],
+              bad: ['<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',
+                    '<tool_call>{"name": "search", "arguments": {}}</tool_call>', "sorry"]}
+    loop, kwargs = _loop(tokenizer, script, response_length=400, n=2, max_assistant_turns=2)
+    prompts = _prompts(tokenizer, kwargs, [good, bad])
+    prompts.meta_info["n"] = 2
+    out = loop.generate_sequences(prompts)
+    extras = out.non_tensor_batch
+    assert len(out) == 4 and list(extras["stop_reason"]) == ["max_assistant_turns"] * 4
+    texts = [tokenizer.decode(r[m.bool()]) for r, m in zip(out.batch["responses"], out.batch["attention_mask"][:, 160:])]
+    assert "<tool_response>\n5\n</tool_response>" in texts[0] and texts[0] == texts[1]
+    assert "error: the tool call is not valid JSON" in texts[2]  # malformed JSON goes back to the model
+    assert extras["tool_errors"][2] == {"parse/bad_call": 1}
+    assert list(extras["num_turns"]) == [3, 3, 3, 3]  # two assistant turns, one tool turn between them
+
+
+def test_the_budget_cuts_a_trajectory_and_long_tool_output_is_truncated(tokenizer):
+    question, value = "Big.", str(2 ** 300)
+    call = CALL.replace("123*456", "2**300")
+    script = {question: [call, "done"]}
+    cut = truncate_text(value, 20, "middle")
+    tool = f"\n<|im_start|>user\n<tool_response>\n{cut}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    budget = len(tokenizer.encode(call + "<|im_end|>" + tool, add_special_tokens=False)) + 2  # "done" needs 5
+    loop, kwargs = _loop(tokenizer, script, response_length=budget, max_tool_response_length=20,
+                         tool_response_truncate_side="middle")
+    out = loop.generate_sequences(_prompts(tokenizer, kwargs, [question]))
+    text = tokenizer.decode(out.batch["responses"][0])
+    assert cut in text and value not in text
+    assert text.endswith(tool + "do")  # the last turn stopped at the budget
+    assert out.non_tensor_batch["stop_reason"][0] == "length"
+    assert int(out.batch["attention_mask"][0, 160:].sum()) == budget == out.batch["responses"].shape[1]
+
+
+@pytest.mark.parametrize("side, expected", [("left", "abcde...(truncated)"), ("right", "(truncated)...vwxyz"),
+                                            ("middle", "ab...(truncated)...xyz")])
+def test_truncate_text(side, expected):
+    assert truncate_text("abcdefghijklmnopqrstuvwxyz", 5, side) == expected
+    assert truncate_text("short", 5, side) == "short"
