@@ -152,3 +152,66 @@ def test_the_budget_cuts_a_trajectory_and_long_tool_output_is_truncated(tokenize
 def test_truncate_text(side, expected):
     assert truncate_text("abcdefghijklmnopqrstuvwxyz", 5, side) == expected
     assert truncate_text("short", 5, side) == "short"
+
+
+# ---- the real HF engine --------------------------------------------------------------------
+
+QUESTION, FINAL = "What is 123*456?", "The answer is 56088."
+
+
+def tool_policy(out_dir: Path, steps: int = 150) -> Path:
+    """A tiny Qwen2 (head_dim 32, so vLLM-CPU runs it too) taught one tool-using conversation by
+    heart: asked QUESTION, greedy decoding calls the calculator, then answers FINAL."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlfoundry.models.tiny import save_tiny_model
+
+    path = save_tiny_model(out_dir, num_heads=2, num_kv_heads=1, seed=3)
+    tok = AutoTokenizer.from_pretrained(path)
+    tools = {t.name: t for t in initialize_tools_from_config(TOOLS)}
+    chat = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": CALL},
+            {"role": "tool", "content": "56088"}, {"role": "assistant", "content": FINAL}]
+    text = tok.apply_chat_template(chat, tools=[t.get_openai_tool_schema().model_dump() for t in tools.values()],
+                                   tokenize=False)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def taught_policy(tmp_path_factory):
+    return tool_policy(tmp_path_factory.mktemp("tool-policy"))
+
+
+def test_the_hf_engine_runs_a_real_tool_conversation(taught_policy, tokenizer):
+    """The worker with rollout.multi_turn.enable: greedy decoding calls the tool, reads its answer and
+    answers; the tokens are the template's rendering of that chat, the actor's log-probs of the sampled
+    tokens equal the engine's, and the tool's tokens are masked out."""
+    from tests.workers import local_worker, worker_config
+
+    group = local_worker(worker_config(taught_policy, [
+        "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={TOOLS}",
+        "rollout.response_length=200", "rollout.val_kwargs.n=1"]), role="actor_rollout")
+    _, kwargs = _loop(tokenizer, {})
+    prompts = _prompts(tokenizer, kwargs, [QUESTION])
+    prompts.meta_info["validate"] = True  # greedy
+    out = group.generate_sequences(prompts)
+    length = int(out.batch["attention_mask"][0, 160:].sum())
+    text = tokenizer.decode(out.batch["responses"][0, :length])
+    assert text == (CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n56088\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n" + FINAL + "<|im_end|>")
+    assert (out.non_tensor_batch["num_turns"][0], out.non_tensor_batch["stop_reason"][0]) == (3, "no_call")
+    assert not out.non_tensor_batch["sanity_check_failed"][0]
+    mask = out.batch["response_mask"][0].bool()
+    out.meta_info["temperature"] = 1.0
+    actor = group.compute_log_prob(out).batch["old_log_probs"][0]
+    torch.testing.assert_close(out.batch["rollout_log_probs"][0][mask], actor[mask], atol=1e-5, rtol=0)
+    assert (out.batch["rollout_log_probs"][0][~mask] == 0).all()
