@@ -28,7 +28,7 @@ class ScriptedPolicy:
     def __init__(self, tokenizer, script: dict[str, list[str]], n: int = 1):
         self.tokenizer, self.script = tokenizer, script
         self.eos_token_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.config = type("Config", (), {"n": n})()
+        self.config = type("Config", (), {"n": n, "val_kwargs": type("Val", (), {"n": 1})()})()
         self.calls = 0
 
     def generate_sequences(self, batch: DataProto) -> DataProto:

@@ -109,7 +109,9 @@ class AgentLoop:
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Same contract as the engines' ``generate_sequences`` (B·n rows, prompt i's at i·n …), plus
         the per-row columns named in the module docstring."""
-        n = int(prompts.meta_info.get("n", 1 if prompts.meta_info.get("validate") else self.engine.config.n))
+        rollout = self.engine.config  # n samples per prompt, as the engine itself would take
+        default_n = rollout.val_kwargs.n if prompts.meta_info.get("validate") else rollout.n
+        n = int(prompts.meta_info.get("n", default_n))
         trajectories = [self._start(prompts, i) for i in range(len(prompts)) for _ in range(n)]
         self._lifecycle(trajectories, "create")
         while running := [t for t in trajectories if t.stop is None]:
