@@ -100,20 +100,27 @@ class Scored:
 
 
 def response_lengths(data: DataProto) -> torch.Tensor:
-    """(B,) number of valid response tokens: ``response_mask`` if present, else the mask's tail."""
+    """(B,) extent of each response: one past its last valid token (``response_mask`` if present,
+    else the mask's tail). A single-turn mask is a prefix, so this is its sum; a multi-turn mask has
+    holes where tool messages sit, and its extent ends at the policy's last sampled token, where
+    the outcome reward belongs."""
     batch = data.batch
-    if "response_mask" in batch.keys():
-        return batch["response_mask"].sum(-1).long()
     width = batch["responses"].shape[-1]
-    return batch["attention_mask"][:, -width:].sum(-1).long()
+    mask = batch["response_mask"] if "response_mask" in batch.keys() else batch["attention_mask"][:, -width:]
+    positions = torch.arange(1, width + 1, device=mask.device)
+    return (mask.bool() * positions).max(dim=-1).values.long()
 
 
 def decode_samples(data: DataProto, tokenizer: Any, reward_fn_key: str) -> list[Sample]:
-    """Decode each valid response (special tokens dropped) and pair it with its ground truth."""
+    """Decode each valid response (special tokens dropped) and pair it with its ground truth.
+
+    A multi-turn row (``last_turn_start``, from the agent loop) is scored on its final assistant
+    turn, and its ``extra_info`` gains ``num_turns`` and ``tool_reward``, as verl's managers do."""
     lengths = response_lengths(data).tolist()
-    responses = data.batch["responses"]
-    texts = tokenizer.batch_decode([responses[i, :n].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True)
-    nt = data.non_tensor_batch
+    responses, nt = data.batch["responses"], data.non_tensor_batch
+    starts = nt.get("last_turn_start", np.zeros(len(lengths), dtype=object))
+    texts = tokenizer.batch_decode([responses[i, int(starts[i]):n].tolist() for i, n in enumerate(lengths)],
+                                   skip_special_tokens=True)
     if reward_fn_key not in nt or "reward_model" not in nt:
         raise KeyError(
             f"batch lacks non-tensor column {reward_fn_key!r} (data.reward_fn_key) or 'reward_model'; "
@@ -121,9 +128,18 @@ def decode_samples(data: DataProto, tokenizer: Any, reward_fn_key: str) -> list[
         )
     extra = nt.get("extra_info", np.full(len(texts), None, dtype=object))
     return [
-        Sample(str(nt[reward_fn_key][i]), texts[i], _ground_truth(nt["reward_model"][i]), extra[i], lengths[i])
+        Sample(str(nt[reward_fn_key][i]), texts[i], _ground_truth(nt["reward_model"][i]), _with_turns(extra[i], nt, i),
+               lengths[i])
         for i in range(len(texts))
     ]
+
+
+def _with_turns(extra: Any, nt: dict, i: int) -> Any:
+    """A multi-turn row's ``extra_info`` with its turn count and tool reward (a copy; the batch keeps its own)."""
+    if "num_turns" not in nt:
+        return extra
+    return {**(extra if isinstance(extra, dict) else {}), "num_turns": int(nt["num_turns"][i]),
+            "tool_reward": float(nt["tool_reward"][i])}
 
 
 def _ground_truth(reward_model: Any) -> Any:

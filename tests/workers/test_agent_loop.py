@@ -147,6 +147,30 @@ def test_the_budget_cuts_a_trajectory_and_long_tool_output_is_truncated(tokenize
     assert int(out.batch["attention_mask"][0, 160:].sum()) == budget == out.batch["responses"].shape[1]
 
 
+def test_rule_rewards_read_the_final_assistant_turn_and_land_on_its_last_token(tokenizer):
+    """The reward manager's view of a multi-turn row: the final turn's text (not the tool's output), the
+    turn count in extra_info, and the score on the policy's last sampled token."""
+    from rlfoundry.rewards.reward_manager import decode_samples, place_scores, response_lengths
+
+    question, final = "What is 123*456?", "The answer is 56088."
+    loop, kwargs = _loop(tokenizer, {question: [CALL, final]})
+    prompts = _prompts(tokenizer, kwargs, [question])
+    prompts.non_tensor_batch.update(data_source=np.array(["demo"], dtype=object),
+                                    reward_model=np.array([{"ground_truth": "56088"}], dtype=object),
+                                    extra_info=np.array([{"index": 7}], dtype=object))
+    out = loop.generate_sequences(prompts)
+    [sample] = decode_samples(out, tokenizer, "data_source")
+    assert sample.solution_str == final  # special tokens dropped, the tool's "56088" not in it
+    assert sample.extra_info == {"index": 7, "num_turns": 3, "tool_reward": 0.0}
+    assert out.non_tensor_batch["extra_info"][0] == {"index": 7}  # the batch keeps its own
+    extent = int(response_lengths(out)[0])
+    mask = out.batch["response_mask"][0]
+    assert extent == int(out.batch["attention_mask"][0, 160:].sum()) and mask[extent - 1] == 1
+    assert int(mask.sum()) < extent  # the tool's tokens in between are not counted as sampled
+    scores = place_scores([1.0], response_lengths(out), out.batch["responses"].shape[1])
+    assert scores[0, extent - 1] == 1.0 and scores.sum() == 1.0
+
+
 @pytest.mark.parametrize("side, expected", [("left", "abcde...(truncated)"), ("right", "(truncated)...vwxyz"),
                                             ("middle", "ab...(truncated)...xyz")])
 def test_truncate_text(side, expected):

@@ -21,8 +21,9 @@ counted in ``multi_turn/sanity_check_failures`` (the trajectory is kept: its tok
 
 Per row the output carries ``num_turns``, ``tool_calls``, ``tool_errors``, ``tool_reward`` (the tools'
 ``calc_reward`` plus step rewards), ``stop_reason`` (``no_call``, ``length``, ``max_assistant_turns``,
-``max_user_turns``) and ``sanity_check_failed`` as non-tensor columns, which the driver turns into the
-step's metrics (``trainer/metric_utils.multi_turn_metrics``).
+``max_user_turns``), ``sanity_check_failed`` and ``last_turn_start`` (rule rewards score the final
+assistant turn) as non-tensor columns, which the driver turns into the step's metrics
+(``trainer/metric_utils.multi_turn_metrics``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class _Trajectory:
     step_reward: float = 0.0
     stop: str | None = None
     sanity_failed: bool = False
+    last_turn_start: int = 0  # where the last assistant turn begins in the response (rule rewards read it)
 
     def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -138,6 +140,7 @@ class AgentLoop:
             length = int(out.batch["response_mask"][k].sum())
             room = self.response_length - len(traj.response_ids)
             ids = out.batch["responses"][k][: min(length, room)].tolist()
+            traj.last_turn_start = len(traj.response_ids)
             traj.append(ids, True, out.batch["rollout_log_probs"][k][: len(ids)].tolist())
             traj.assistant_turns += 1
             calls = self._after_turn(traj, ids)
@@ -316,4 +319,5 @@ def _per_row_columns(trajectories: list[_Trajectory]) -> dict[str, np.ndarray]:
         "tool_reward": column([t.step_reward for t in trajectories]),
         "stop_reason": column([t.stop for t in trajectories]),
         "sanity_check_failed": column([t.sanity_failed for t in trajectories]),
+        "last_turn_start": column([t.last_turn_start for t in trajectories]),
     }
