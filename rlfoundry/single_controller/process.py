@@ -37,7 +37,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
-import weakref
 import io
 import multiprocessing as mp
 import os
@@ -46,6 +45,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from collections.abc import Callable

@@ -5,8 +5,9 @@ Two classes, one role:
 - :class:`DataParallelPPOCritic` — the clipped value loss, brought to a training engine
   (``engines/``) that runs the forward passes, micro-batches and optimiser steps.
 - :class:`CriticWorker` — the ``Worker`` that builds the engine (FSDP2, or Megatron with
-  ``critic.strategy=megatron``) from the ``critic`` config subtree and exposes ``init_model``, ``compute_values``, ``update_critic``,
-  ``save_checkpoint``, ``load_checkpoint`` and ``save_hf_model`` to the driver.
+  ``critic.strategy=megatron``) from the ``critic`` config subtree and exposes ``init_model``,
+  ``compute_values``, ``update_critic``, ``save_checkpoint``, ``load_checkpoint`` and
+  ``save_hf_model`` to the driver.
 
 Value model. The Hugging Face backbone with a one-label token-classification head
 (``AutoModelForTokenClassification``, ``num_labels=1``), loaded from ``critic.model.path``. That
@@ -217,7 +218,7 @@ def zero_init_new_value_head(model: nn.Module, model_dir: str | Path) -> bool:
 
 
 class CriticWorker(Worker):
-    """The critic role: one value model per rank, on the FSDP2 or the Megatron engine (see the module docstring).
+    """The critic role: one value model per rank, on the FSDP2 or the Megatron engine (module docstring).
 
     Args:
         config: the ``critic`` config subtree (verl keys: a DictConfig, a dict of the keys to change
