@@ -239,3 +239,43 @@ def test_the_hf_engine_runs_a_real_tool_conversation(taught_policy, tokenizer):
     actor = group.compute_log_prob(out).batch["old_log_probs"][0]
     torch.testing.assert_close(out.batch["rollout_log_probs"][0][mask], actor[mask], atol=1e-5, rtol=0)
     assert (out.batch["rollout_log_probs"][0][~mask] == 0).all()
+
+
+def test_the_update_sees_only_the_sampled_tokens(taught_policy, tokenizer):
+    """One PPO step on a multi-turn batch: whatever the advantages and old log-probs say on the tool's
+    tokens (response_mask 0), the updated weights are the same, bit for bit; on a sampled token they
+    are not (the test can fail)."""
+    from tests.workers import local_worker, worker_config
+
+    def updated_weights(edit) -> dict[str, torch.Tensor]:
+        group = local_worker(worker_config(taught_policy, [
+            "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={TOOLS}",
+            "rollout.response_length=200", "rollout.n=1", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=1",
+            "actor.optim.lr=1e-2"]), role="actor_rollout")
+        _, kwargs = _loop(tokenizer, {})
+        prompts = _prompts(tokenizer, kwargs, [QUESTION, "What is 2+2?"])
+        prompts.meta_info.update(validate=True)
+        out = group.generate_sequences(prompts)  # greedy: the same trajectories in every call
+        out.meta_info.update(temperature=1.0)
+        out = out.union(group.compute_log_prob(out).select(batch_keys=["old_log_probs"]))
+        mask = out.batch["response_mask"]
+        out.batch["advantages"] = torch.linspace(-1, 1, mask.numel()).view(mask.shape) * mask
+        edit(out.batch, mask.bool())
+        group.update_actor(out)
+        return {k: v.detach().clone() for k, v in group.worker.actor.module.state_dict().items()}
+
+    def noise_on_tool_tokens(batch, mask):
+        tool = ~mask & batch["attention_mask"][:, -mask.shape[1]:].bool()
+        assert tool.any()  # the batch has tool tokens to perturb
+        batch["advantages"][tool] = 100.0
+        batch["old_log_probs"][tool] = -50.0
+
+    def nudge_a_sampled_token(batch, mask):
+        row, col = mask.nonzero()[0].tolist()
+        batch["advantages"][row, col] += 5.0
+
+    base = updated_weights(lambda batch, mask: None)
+    masked = updated_weights(noise_on_tool_tokens)
+    assert all(torch.equal(base[k], masked[k]) for k in base)
+    sampled = updated_weights(nudge_a_sampled_token)
+    assert any(not torch.equal(base[k], sampled[k]) for k in base)
