@@ -31,8 +31,8 @@ from torch import nn
 
 from rlfoundry.config.schema import MEGATRON_INSTALL
 
-__all__ = ["MEGATRON_INSTALL", "ValueHead", "build_bridge", "build_model", "export_hf_weights", "initialize_parallel",
-           "load_hf_weights", "megatron_available", "transformer_engine_available"]
+__all__ = ["MEGATRON_INSTALL", "ValueHead", "build_bridge", "build_model", "export_hf_weights", "from_last_stage",
+           "initialize_parallel", "load_hf_weights", "megatron_available", "transformer_engine_available"]
 
 
 # megatron-core fusions that need CUDA kernels (apex / TransformerEngine); off without them
@@ -142,15 +142,11 @@ class ValueHead(nn.Linear):
         return super().forward(hidden_states), None
 
 
-def _value_heads(chunks: list[nn.Module]) -> list[nn.Module]:
-    return [c for c in chunks if isinstance(getattr(c, "output_layer", None), ValueHead)]
-
-
 @contextlib.contextmanager
 def _without_value_heads(chunks: list[nn.Module]) -> Iterator[list[ValueHead]]:
     """The chunks as mbridge knows them (a backbone and maybe an LM head): the value heads taken out
     for the duration, handed to the caller."""
-    owners = _value_heads(chunks)
+    owners = [c for c in chunks if isinstance(getattr(c, "output_layer", None), ValueHead)]
     heads = [c.output_layer for c in owners]
     for owner in owners:
         owner.output_layer = None
@@ -222,16 +218,17 @@ def export_hf_weights(bridge: Any, chunks: list[nn.Module], value_head: bool = F
         yield from bridge.export_weights(chunks)
     if value_head:
         for attr, name in _HEAD_NAMES.items():
-            yield name, _from_last_stage(getattr(heads[0], attr).detach() if heads else None)
+            yield name, from_last_stage(getattr(heads[0], attr).detach() if heads else None)
 
 
-def _from_last_stage(tensor: torch.Tensor | None) -> torch.Tensor:
-    """A tensor held by the last pipeline stage, on every stage of this rank's pipeline."""
+def from_last_stage(value: Any) -> Any:
+    """``value`` as the last pipeline stage has it, on every stage of this rank's pipeline (tensors
+    travel on the CPU)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        return tensor
-    box = [tensor.cpu() if tensor is not None else None]
+        return value
+    box = [value.cpu() if isinstance(value, torch.Tensor) else value]
     torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                             group=ps.get_pipeline_model_parallel_group())
     return box[0]

@@ -176,7 +176,7 @@ class MegatronEngine(TrainingEngine):
         with torch.no_grad():
             outs = run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss=None)
         merged = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
-        merged = self._from_last_stage(merged)
+        merged = mb.from_last_stage(merged)
         return {k: restore(v, order) for k, v in merged.items()}
 
     # ---- update -------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class MegatronEngine(TrainingEngine):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss)
-        metrics = self._from_last_stage(stats.reduce(self.dp_size, self.dp_group) if self._last_stage() else None)
+        metrics = mb.from_last_stage(stats.reduce(self.dp_size, self.dp_group) if self._last_stage() else None)
         metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
         return metrics
 
@@ -254,17 +254,6 @@ class MegatronEngine(TrainingEngine):
         from megatron.core import parallel_state as ps
 
         return ps.is_pipeline_last_stage(ignore_virtual=True)
-
-    def _from_last_stage(self, value: Any) -> Any:
-        """``value`` as the last pipeline stage has it, on every stage."""
-        from megatron.core import parallel_state as ps
-
-        if ps.get_pipeline_model_parallel_world_size() == 1:
-            return value
-        box = [value if self._last_stage() else None]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
-        return box[0]
 
     # ---- weights ------------------------------------------------------------------------------
 
