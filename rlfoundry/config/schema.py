@@ -336,9 +336,14 @@ class MultiTurnConfig:
 class AgentConfig:
     """verl's ``rollout.agent`` keys."""
 
-    default_agent_loop: str = one_of(("single_turn_agent", "tool_agent"), "single_turn_agent")
-    agent_loop_config_path: Optional[str] = None
+    # a row's loop when it has no agent_name: single_turn_agent, tool_agent or a registered name;
+    # null (rlfoundry): tool_agent, since only rollout.multi_turn.enable runs agent loops here
+    default_agent_loop: Optional[str] = None
+    agent_loop_config_path: Optional[str] = None  # YAML list of {name, _target_: module.AgentLoopClass}
     num_workers: int = 8  # concurrent trajectories per worker in verl; here all of a batch run together
+    # rlfoundry: how long the engine waits for trajectories still in their tools before generating
+    # for those that are ready (a run is reproducible when every tool answers within it)
+    max_wait_s: float = 1.0
     custom_async_server: Dict[str, Any] = _dict()
 
 

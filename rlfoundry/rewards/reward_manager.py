@@ -115,11 +115,12 @@ def decode_samples(data: DataProto, tokenizer: Any, reward_fn_key: str) -> list[
     """Decode each valid response (special tokens dropped) and pair it with its ground truth.
 
     A multi-turn row (``last_turn_start``, from the agent loop) is scored on its final assistant
-    turn, and its ``extra_info`` gains ``num_turns`` and ``tool_reward``, as verl's managers do."""
+    turn, and its ``extra_info`` gains ``num_turns``, ``tool_reward`` and ``turn_scores`` (those its
+    agent loop gave), as verl's managers do."""
     lengths = response_lengths(data).tolist()
     responses, nt = data.batch["responses"], data.non_tensor_batch
     starts = nt.get("last_turn_start", np.zeros(len(lengths), dtype=object))
-    texts = tokenizer.batch_decode([responses[i, int(starts[i]):n].tolist() for i, n in enumerate(lengths)],
+    texts = tokenizer.batch_decode([responses[i, int(starts[i] or 0):n].tolist() for i, n in enumerate(lengths)],
                                    skip_special_tokens=True)
     if reward_fn_key not in nt or "reward_model" not in nt:
         raise KeyError(
@@ -135,11 +136,16 @@ def decode_samples(data: DataProto, tokenizer: Any, reward_fn_key: str) -> list[
 
 
 def _with_turns(extra: Any, nt: dict, i: int) -> Any:
-    """A multi-turn row's ``extra_info`` with its turn count and tool reward (a copy; the batch keeps its own)."""
+    """A multi-turn row's ``extra_info`` with its turn count, tool reward and interaction scores, where
+    its loop gave them (a copy; the batch keeps its own)."""
     if "num_turns" not in nt:
         return extra
-    return {**(extra if isinstance(extra, dict) else {}), "num_turns": int(nt["num_turns"][i]),
-            "tool_reward": float(nt["tool_reward"][i])}
+    added = {"num_turns": int(nt["num_turns"][i])}
+    if nt.get("tool_reward") is not None and nt["tool_reward"][i] is not None:
+        added["tool_reward"] = float(nt["tool_reward"][i])
+    if nt.get("turn_scores") is not None and nt["turn_scores"][i]:
+        added["turn_scores"] = list(nt["turn_scores"][i])
+    return {**(extra if isinstance(extra, dict) else {}), **added}
 
 
 def _ground_truth(reward_model: Any) -> Any:

@@ -428,7 +428,7 @@ def _check_reliability_numbers(trainer: DictConfig) -> list[str]:
 
 
 def _check_multi_turn(cfg: DictConfig) -> list[str]:
-    """``rollout.multi_turn``: a tool config that loads; what the agent loop does not do yet."""
+    """``rollout.multi_turn``: tool and interaction configs that load."""
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return []
@@ -441,8 +441,12 @@ def _check_multi_turn(cfg: DictConfig) -> list[str]:
         except ToolConfigError as e:
             errors.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {e}")
     if multi_turn.interaction_config_path:
-        errors.append("actor_rollout_ref.rollout.multi_turn.interaction_config_path: simulated users (interactions) "
-                      "are not supported yet; remove the key.")
+        from rlfoundry.interactions import InteractionConfigError, initialize_interactions_from_config
+
+        try:
+            initialize_interactions_from_config(multi_turn.interaction_config_path)
+        except InteractionConfigError as e:
+            errors.append(f"actor_rollout_ref.rollout.multi_turn.interaction_config_path: {e}")
     if multi_turn.max_parallel_calls < 1:
         errors.append("actor_rollout_ref.rollout.multi_turn.max_parallel_calls must be >= 1.")
     return errors

@@ -281,20 +281,26 @@ def marked_timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
 
 def multi_turn_metrics(non_tensor_batch: dict[str, np.ndarray]) -> dict[str, float]:
     """``num_turns/{mean,min,max}``, tool calls and errors (by tool and kind), tool reward, the share of
-    trajectories each stop reason ended, and tokenisation check failures; {} for single-turn batches."""
+    trajectories each stop reason ended, and tokenisation check failures; {} for single-turn batches.
+    Rows of loops that lack a column (a custom loop, ``single_turn_agent``) hold None there: skipped."""
     if "num_turns" not in non_tensor_batch:
         return {}
     turns = np.asarray(non_tensor_batch["num_turns"], dtype=np.float64)
     metrics = {"num_turns/mean": float(turns.mean()), "num_turns/min": float(turns.min()),
-               "num_turns/max": float(turns.max()),
-               "multi_turn/tool_calls/mean": float(np.mean(non_tensor_batch["tool_calls"].astype(np.float64))),
-               "multi_turn/tool_reward/mean": float(np.mean(non_tensor_batch["tool_reward"].astype(np.float64))),
-               "multi_turn/sanity_check_failures": float(sum(non_tensor_batch["sanity_check_failed"]))}
+               "num_turns/max": float(turns.max())}
+
+    def present(key: str) -> list:
+        return [v for v in non_tensor_batch.get(key, ()) if v is not None]
+
+    for key in ("tool_calls", "tool_reward"):
+        if values := present(key):
+            metrics[f"multi_turn/{key}/mean"] = float(np.mean(np.asarray(values, dtype=np.float64)))
+    metrics["multi_turn/sanity_check_failures"] = float(sum(bool(v) for v in present("sanity_check_failed")))
     errors: Counter = Counter()
-    for row in non_tensor_batch["tool_errors"]:
+    for row in present("tool_errors"):
         errors.update(row)
     metrics["multi_turn/tool_errors"] = float(sum(errors.values()))
     metrics |= {f"multi_turn/tool_errors/{k}": float(v) for k, v in sorted(errors.items())}
-    stops = Counter(non_tensor_batch["stop_reason"])
+    stops = Counter(present("stop_reason"))
     metrics |= {f"multi_turn/stop/{k}": v / len(turns) for k, v in sorted(stops.items())}
     return metrics

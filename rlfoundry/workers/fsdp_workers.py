@@ -187,18 +187,25 @@ class ActorRolloutRefWorker(Worker):
             self.ref_policy = DataParallelPPOActor(self.config.ref, ref_engine)
 
     def _build_agent_loop(self) -> Any:
-        """``rollout.multi_turn.enable``: the agent loop over the rollout engine, with the configured tools."""
-        multi_turn = self.config.rollout.multi_turn
-        if not multi_turn.enable:
+        """``rollout.multi_turn.enable``: the agent loops over the rollout engine, with the configured
+        tools and interactions (a bad loop name or config fails here, at start-up)."""
+        rollout = self.config.rollout
+        if not rollout.multi_turn.enable:
             return None
+        from rlfoundry.interactions import initialize_interactions_from_config
         from rlfoundry.tools.registry import initialize_tools_from_config
-        from rlfoundry.workers.rollout.agent_loop import AgentLoop
+        from rlfoundry.workers.rollout.agent_loop import AgentLoop, resolve_agent_loops
 
+        multi_turn = rollout.multi_turn
         tools = initialize_tools_from_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+        interactions = (initialize_interactions_from_config(multi_turn.interaction_config_path)
+                        if multi_turn.interaction_config_path else {})
         # the data set rendered the prompts with the same tools (trainer/main_ppo.rollout_data_config)
         kwargs = {"tools": [t.get_openai_tool_schema().model_dump() for t in tools]} if tools else {}
-        return AgentLoop(self.rollout, self.tokenizer, multi_turn, {t.name: t for t in tools},
-                         self.config.rollout.response_length, chat_template_kwargs=kwargs)
+        loop = AgentLoop(self.rollout, self.tokenizer, multi_turn, {t.name: t for t in tools}, rollout.response_length,
+                         chat_template_kwargs=kwargs, agent=rollout.agent, interactions=interactions)
+        resolve_agent_loops({loop.default_loop}, loop.loop_config_path)
+        return loop
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

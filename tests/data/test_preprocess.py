@@ -146,3 +146,20 @@ def test_arithmetic_cli_writes_verl_rows(tmp_path: Path) -> None:
     assert row["prompt"] == [{"role": "user", "content": f"{a}*{b}="}]
     assert row["reward_model"] == {"style": "rule", "ground_truth": str(int(a) * int(b))}
     assert preprocess_main(["arithmetic", "--input", "x", "--output", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("multiturn", ["tool", "interaction"])
+def test_gsm8k_multiturn_rows_carry_the_ground_truth_where_the_tool_or_user_reads_it(shared_data: Path, tmp_path: Path,
+                                                                                      multiturn: str) -> None:
+    single = tmp_path / "test.jsonl"
+    single.write_text((shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[0] + "\n")
+    assert preprocess_main(["gsm8k", "--input", str(single), "--output", str(tmp_path / "o"),
+                            "--multiturn", multiturn]) == 0
+    [row] = _rows(tmp_path / "o" / "test.parquet")
+    assert row["agent_name"] == "tool_agent" and [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["reward_model"]["ground_truth"] == "18"
+    extra = row["extra_info"]
+    if multiturn == "tool":  # the name in rlfoundry/config/tools/gsm8k.yaml
+        assert extra["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "18"}}}
+    else:  # the name in rlfoundry/config/interactions/gsm8k.yaml
+        assert extra["interaction_kwargs"]["name"] == "gsm8k" and extra["interaction_kwargs"]["ground_truth"] == "18"

@@ -1,0 +1,173 @@
+"""Multi-turn rollouts (``rollout.multi_turn.enable=True``): agent loops over a rollout engine.
+
+:class:`AgentLoop` has the engines' ``generate_sequences`` contract. Each of the ``n`` samples of each
+prompt is one trajectory, run by the agent loop its row names (``agent_name``, else
+``rollout.agent.default_agent_loop``; ``base.py``); all of them run at once on one event loop, and
+their generation requests share engine calls (``server.py``): a trajectory waiting on a slow tool
+does not hold up the others for longer than ``rollout.agent.max_wait_s``.
+
+The token sequence is the one the policy saw, which re-tokenising the final chat need not reproduce;
+``tokenization_sanity_check_mode`` compares the two (``strict``: token for token; ``ignore_strippable``:
+the decoded texts without whitespace) and a mismatch is logged with its first differing position and
+counted in ``multi_turn/sanity_check_failures`` (the trajectory is kept: its tokens are the truth).
+The per-row ``num_turns``, ``sanity_check_failed`` and the loops' ``extra_fields`` become non-tensor
+columns, which the driver turns into the step's metrics (``trainer/metric_utils.multi_turn_metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.workers.rollout.agent_loop.base import (
+    AgentLoopBase,
+    AgentLoopError,
+    AgentLoopOutput,
+    register,
+    resolve_agent_loops,
+)
+from rlfoundry.workers.rollout.agent_loop.server import GenerationServer
+from rlfoundry.workers.rollout.agent_loop.tool_agent import apply_template, truncate_text
+
+__all__ = ["AgentLoop", "AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "register", "resolve_agent_loops",
+           "truncate_text"]
+
+logger = logging.getLogger(__name__)
+
+
+class AgentLoop:
+    """Runs ``rollout.n`` trajectories per prompt on a rollout engine (see the module docstring).
+
+    Args:
+        engine: a rollout engine whose ``generate_sequences`` takes left-padded token rows (HF, vLLM).
+        tokenizer: the policy's tokenizer (its chat template renders the tool and user messages).
+        config: the typed ``rollout.multi_turn`` subtree.
+        tools: the tools by name (``tools/registry.py``).
+        response_length: the token budget of a whole trajectory after its prompt.
+        chat_template_kwargs: ``data.apply_chat_template_kwargs`` (the ``tools`` offered included).
+        agent: the typed ``rollout.agent`` subtree (default loop, loop config file, ``max_wait_s``).
+        interactions: simulated users by name (``interactions/registry.py``).
+    """
+
+    def __init__(self, engine: Any, tokenizer: Any, config: Any, tools: dict, response_length: int,
+                 chat_template_kwargs: dict[str, Any] | None = None, agent: Any = None,
+                 interactions: dict | None = None):
+        self.engine, self.tokenizer, self.config, self.tools = engine, tokenizer, config, tools
+        self.response_length = int(response_length)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # as the data set rendered the prompts
+        self.interactions = dict(interactions or {})
+        self.default_loop = getattr(agent, "default_agent_loop", None) or "tool_agent"
+        self.loop_config_path = getattr(agent, "agent_loop_config_path", None)
+        self.max_wait_s = float(getattr(agent, "max_wait_s", 1.0))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.last_engine_calls = 0  # engine calls of the last batch (tests, profiling)
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Same contract as the engines' ``generate_sequences`` (B·n rows, prompt i's at i·n …), plus
+        the per-row columns named in the module docstring."""
+        rollout = self.engine.config  # n samples per prompt, as the engine itself would take
+        default_n = rollout.val_kwargs.n if prompts.meta_info.get("validate") else rollout.n
+        n = int(prompts.meta_info.get("n", default_n))
+        rows = [self._row(prompts, i) for i in range(len(prompts)) for _ in range(n)]
+        classes = resolve_agent_loops({r["agent_name"] for r in rows}, self.loop_config_path)
+        with ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-agent-loop") as pool:  # callers may own a loop
+            outputs = pool.submit(asyncio.run, self._run_all(rows, classes, dict(prompts.meta_info))).result()
+        for out in outputs:
+            self._check_tokenization(out)
+        return self._assemble(prompts, n, outputs)
+
+    def _row(self, prompts: DataProto, i: int) -> dict[str, Any]:
+        batch = prompts.batch
+        row = {k: v[i] for k, v in prompts.non_tensor_batch.items()}
+        row["prompt_ids"] = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+        row["agent_name"] = row.get("agent_name") or self.default_loop
+        return row
+
+    async def _run_all(self, rows: list[dict], classes: dict[str, type], meta: dict) -> list[AgentLoopOutput]:
+        server = GenerationServer(self.engine, self.pad_id, meta, self.max_wait_s)
+        loops = [classes[row["agent_name"]](
+            server=server, tokenizer=self.tokenizer, config=self.config, tools=self.tools,
+            interactions=self.interactions, response_length=self.response_length,
+            chat_template_kwargs=self.chat_template_kwargs, key=k) for k, row in enumerate(rows)]
+
+        async def one(loop: AgentLoopBase, row: dict) -> AgentLoopOutput:
+            try:
+                return await loop.run(meta, **row)
+            finally:
+                server.leave()
+
+        for _ in loops:
+            server.join()
+        serving = asyncio.create_task(server.serve())
+        try:
+            return await asyncio.gather(*(one(loop, row) for loop, row in zip(loops, rows)))
+        finally:
+            serving.cancel()
+            self.last_engine_calls = server.engine_calls
+
+    def _check_tokenization(self, out: AgentLoopOutput) -> None:
+        """Our tokens against the re-tokenised chat (see the module docstring)."""
+        mode = self.config.tokenization_sanity_check_mode
+        out.extra_fields["sanity_check_failed"] = False
+        if mode == "disable" or out.cut_by_length or not out.messages:
+            return  # a turn cut by the budget has no end the template could reproduce
+        ours = out.prompt_ids + out.response_ids
+        text = apply_template(self.tokenizer, self.chat_template_kwargs, out.messages,
+                              out.messages[-1]["role"] != "assistant")
+        theirs = self.tokenizer.encode(text, add_special_tokens=False)
+        if mode == "ignore_strippable":
+            same = "".join(self.tokenizer.decode(ours).split()) == "".join(text.split())
+        else:  # the template may close the last turn with more than its end token (ChatML: "\n")
+            tail = theirs[len(ours):]
+            same = theirs[:len(ours)] == ours and not self.tokenizer.decode(tail).strip()
+        if not same:
+            out.extra_fields["sanity_check_failed"] = True
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            logger.warning("multi-turn: the trajectory's tokens differ from the re-tokenised chat at position %d "
+                           "(%r vs %r); training on the sampled tokens", at, ours[at:at + 5], theirs[at:at + 5])
+
+    def _assemble(self, prompts: DataProto, n: int, outputs: list[AgentLoopOutput]) -> DataProto:
+        """The engines' output layout: prompts as given (B·n, Tp), responses padded to the budget."""
+        prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
+        prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
+        rows, width = len(outputs), self.response_length
+        responses = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, width), dtype=torch.long)
+        log_probs = torch.zeros((rows, width), dtype=torch.float32)
+        attention = torch.zeros((rows, width), dtype=prompt_mask.dtype)
+        for i, out in enumerate(outputs):
+            m = len(out.response_ids)
+            if m > width:
+                raise AgentLoopError(f"an agent loop returned {m} response tokens, more than the budget {width} "
+                                     "(data.max_response_length): a custom loop must pass its remaining budget "
+                                     "to server.generate")
+            responses[i, :m] = torch.tensor(out.response_ids, dtype=torch.long)
+            response_mask[i, :m] = torch.tensor(out.response_mask, dtype=torch.long)
+            log_probs[i, :m] = torch.tensor(out.response_logprobs, dtype=torch.float32)
+            attention[i, :m] = 1
+        attention_mask = torch.cat([prompt_mask, attention], dim=1)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        tensors = {"prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
+                   "rollout_log_probs": log_probs, "input_ids": torch.cat([prompt_ids, responses], dim=1),
+                   "attention_mask": attention_mask, "position_ids": position_ids}
+        extras = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+        extras.update(_columns(outputs))
+        return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))
+
+
+def _columns(outputs: list[AgentLoopOutput]) -> dict[str, np.ndarray]:
+    """``num_turns`` and every loop's ``extra_fields`` as object columns (None where a loop lacks a key)."""
+    keys = sorted({k for out in outputs for k in out.extra_fields})
+    columns = {"num_turns": [out.num_turns for out in outputs]}
+    columns.update({k: [out.extra_fields.get(k) for out in outputs] for k in keys})
+    result = {k: np.empty(len(values), dtype=object) for k, values in columns.items()}
+    for k, values in columns.items():
+        for i, value in enumerate(values):  # element-wise: a list value must stay one cell
+            result[k][i] = value
+    return result

@@ -1,0 +1,133 @@
+"""Many trajectories' generation requests batched onto one rollout engine.
+
+Each trajectory is a coroutine that awaits ``generate`` for its next assistant turn. The server
+gathers the requests and runs one engine call (``generate_sequences`` on left-padded rows, in a worker
+thread so tools keep running) for all of them; turns at different positions share the call. A call
+starts when every live trajectory is waiting for the engine — the batch of the synchronous loop,
+composed the same way whatever the tools' timing, so a seeded run draws the same tokens — or, when
+some trajectories are still in their tools, ``grace_s`` after the first request: a slow tool then
+delays the others by at most ``grace_s``, not by its own duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlfoundry.protocol import DataProto
+
+__all__ = ["GenerationServer", "Generated"]
+
+
+@dataclass
+class Generated:
+    """One request's turn: the sampled ids (cut to its ``max_tokens``) and their log-probs."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+
+
+@dataclass
+class _Request:
+    key: int  # the trajectory's index: rows are ordered by it, so a batch does not depend on arrival order
+    token_ids: list[int]
+    max_tokens: int
+    future: asyncio.Future
+
+
+class GenerationServer:
+    """Args: engine (``generate_sequences`` over left-padded rows, ``n=1``), pad id, the meta-info every
+    engine call carries (validation flag, sampling overrides), and the grace period in seconds."""
+
+    def __init__(self, engine: Any, pad_id: int, meta: dict[str, Any], grace_s: float):
+        self.engine, self.pad_id, self.meta, self.grace_s = engine, pad_id, dict(meta), float(grace_s)
+        self.eos_ids = set(getattr(engine, "eos_token_ids", None) or [])
+        self.live = 0  # trajectories started and not yet finished
+        self.engine_calls = 0
+        self._pending: list[_Request] = []
+        self._wake: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-engine")
+
+    # ---- the trajectories' side ------------------------------------------------------------
+
+    def join(self) -> None:
+        self.live += 1
+
+    def leave(self) -> None:
+        self.live -= 1
+        self._notify()
+
+    async def generate(self, key: int, token_ids: list[int], max_tokens: int) -> Generated:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(key, list(token_ids), int(max_tokens), future))
+        self._notify()
+        return await future
+
+    # ---- the engine's side ----------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Runs until cancelled: waits for a batch (see the module docstring), runs it, repeats."""
+        self._wake = asyncio.Event()
+        try:
+            while True:
+                await self._wait_for_batch()
+                batch, self._pending = sorted(self._pending, key=lambda r: r.key), []
+                try:
+                    outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
+                except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the engine's error
+                    for request in batch:
+                        request.future.set_exception(e)
+                    continue
+                for request, output in zip(batch, outputs):
+                    request.future.set_result(output)
+        finally:
+            self._executor.shutdown(wait=False)
+
+    async def _wait_for_batch(self) -> None:
+        first = None
+        while True:
+            if self._pending:
+                first = first or time.monotonic()
+                left = self.grace_s - (time.monotonic() - first)
+                if len(self._pending) >= self.live or left <= 0:
+                    return
+            else:
+                left = None
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _run(self, batch: list[_Request]) -> list[Generated]:
+        """One engine call for the batch's rows (in the server's thread)."""
+        self.engine_calls += 1
+        budget = max(r.max_tokens for r in batch)
+        out = self.engine.generate_sequences(self._rows([r.token_ids for r in batch],
+                                                        {**self.meta, "n": 1, "response_length": budget}))
+        results = []
+        for k, request in enumerate(batch):
+            length = min(int(out.batch["response_mask"][k].sum()), request.max_tokens)
+            results.append(Generated(out.batch["responses"][k][:length].tolist(),
+                                     out.batch["rollout_log_probs"][k][:length].tolist()))
+        return results
+
+    def _rows(self, rows: list[list[int]], meta: dict) -> DataProto:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids},
+                                   meta_info=meta)

@@ -1,0 +1,237 @@
+"""Agent loops beyond one tool conversation: how trajectories share engine calls (a slow tool does not
+stall the others), loops chosen by name (custom ones from a config file), and simulated users
+(interactions, verl's GSM8K one). The scripted policy of test_agent_loop.py stands in for the model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from rlfoundry.config.schema import AgentConfig, MultiTurnConfig
+from rlfoundry.interactions import InteractionConfigError, initialize_interactions_from_config
+from rlfoundry.interactions.gsm8k import CORRECT, RETRY
+from rlfoundry.models.tiny import build_tokenizer
+from rlfoundry.tools.base import BaseTool
+from rlfoundry.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from rlfoundry.trainer.metric_utils import multi_turn_metrics
+from rlfoundry.workers.rollout.agent_loop import AgentLoop, AgentLoopBase, AgentLoopError, AgentLoopOutput
+from tests.workers.test_agent_loop import ScriptedPolicy, _prompts
+
+SLEEP_SCHEMA = {"type": "function", "function": {
+    "name": "sleep", "description": "Wait.", "parameters": {
+        "type": "object", "properties": {"seconds": {"type": "number", "description": "how long"}},
+        "required": ["seconds"]}}}
+
+
+def sleep_call(seconds: float) -> str:
+    return '<tool_call>{"name": "sleep", "arguments": {"seconds": %s}}</tool_call>' % seconds
+
+
+class SleepTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(float(parameters["seconds"]))
+        return ToolResponse(text="slept"), 0.0, {}
+
+
+class TimedPolicy(ScriptedPolicy):
+    """The scripted policy, recording which conversations (by their first user text) each call served."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[float, list[str]]] = []
+
+    def generate_sequences(self, batch):
+        texts = [self.tokenizer.decode(ids[m.bool()]) for ids, m in
+                 zip(batch.batch["input_ids"], batch.batch["attention_mask"])]
+        self.log.append((time.monotonic(), [t.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+                                            for t in texts]))
+        return super().generate_sequences(batch)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _sleep_loop(tokenizer, script, max_wait_s, **agent):
+    tools = {"sleep": SleepTool({}, OpenAIFunctionToolSchema.model_validate(SLEEP_SCHEMA))}
+    kwargs = {"tools": [SLEEP_SCHEMA]}
+    policy = TimedPolicy(tokenizer, script)
+    loop = AgentLoop(policy, tokenizer, MultiTurnConfig(enable=True), tools, 400, chat_template_kwargs=kwargs,
+                     agent=AgentConfig(max_wait_s=max_wait_s, **agent))
+    return loop, policy, kwargs
+
+
+def test_a_slow_tool_does_not_stall_the_other_trajectories(tokenizer):
+    """A waits 3 s in its tool; B's three further turns are generated meanwhile, each in an engine call
+    of its own, started at most max_wait_s after B asked; A's last turn comes after its tool."""
+    script = {"A": [sleep_call(3), "done"], "B": [sleep_call(0), sleep_call(0), sleep_call(0), "done"]}
+    loop, policy, kwargs = _sleep_loop(tokenizer, script, max_wait_s=0.1)
+    start = time.monotonic()
+    out = loop.generate_sequences(_prompts(tokenizer, kwargs, ["A", "B"]))
+    served = [rows for _, rows in policy.log]
+    assert served == [["A", "B"], ["B"], ["B"], ["B"], ["A"]]
+    assert policy.log[3][0] - start < 2.5  # B was done long before A's tool answered
+    assert policy.log[4][0] - start >= 3.0
+    assert list(out.non_tensor_batch["num_turns"]) == [3, 7] and loop.last_engine_calls == 5
+
+
+def test_with_quick_tools_every_turn_is_one_batch_whatever_the_timing(tokenizer):
+    """Tools that answer within max_wait_s: the engine waits for every trajectory, so each turn of the
+    batch is one engine call, composed as in a synchronous loop (what keeps seeded runs reproducible)."""
+    script = {q: [sleep_call(0.05 * i), sleep_call(0), "done"] for i, q in enumerate("ABCD")}
+    loop, policy, kwargs = _sleep_loop(tokenizer, script, max_wait_s=5.0)
+    loop.generate_sequences(_prompts(tokenizer, kwargs, list("ABCD")))
+    assert [rows for _, rows in policy.log] == [list("ABCD")] * 3
+
+
+# ---- loops by name ------------------------------------------------------------------------
+
+class SelfCheckLoop(AgentLoopBase):
+    """A custom loop: answer, be told "Check your answer.", answer again."""
+
+    async def run(self, sampling_params, **row):
+        ids, mask, lps = [], [], []
+        for turn in range(2):
+            out = await self.server.generate(self.key, row["prompt_ids"] + ids, self.response_length - len(ids))
+            ids, mask, lps = ids + out.token_ids, mask + [1] * len(out.token_ids), lps + out.log_probs
+            if turn == 0:
+                user = self.tokenizer.encode("\n<|im_start|>user\nCheck your answer.<|im_end|>\n<|im_start|>assistant\n",
+                                             add_special_tokens=False)
+                ids, mask, lps = ids + user, mask + [0] * len(user), lps + [0.0] * len(user)
+        return AgentLoopOutput(list(row["prompt_ids"]), ids, mask, lps, num_turns=4,
+                               extra_fields={"checked": True})
+
+
+def test_rows_choose_their_loop_by_name_and_custom_loops_load_from_a_config_file(tokenizer, tmp_path):
+    config = tmp_path / "agent_loops.yaml"
+    config.write_text(f"- name: self_check\n  _target_: {__name__}.SelfCheckLoop\n")
+    script = {"A": ["1", "2"], "B": [sleep_call(0), "done"]}
+    tools = {"sleep": SleepTool({}, OpenAIFunctionToolSchema.model_validate(SLEEP_SCHEMA))}
+    loop = AgentLoop(ScriptedPolicy(tokenizer, script), tokenizer, MultiTurnConfig(enable=True), tools, 400,
+                     chat_template_kwargs={"tools": [SLEEP_SCHEMA]},
+                     agent=AgentConfig(agent_loop_config_path=str(config)))
+    prompts = _prompts(tokenizer, {"tools": [SLEEP_SCHEMA]}, ["A", "B"])
+    prompts.non_tensor_batch["agent_name"] = np.array(["self_check", None], dtype=object)  # B: the default
+    out = loop.generate_sequences(prompts)
+    text = tokenizer.decode(out.batch["responses"][0][out.batch["attention_mask"][0, 160:].bool()])
+    assert text == "1<|im_end|>\n<|im_start|>user\nCheck your answer.<|im_end|>\n<|im_start|>assistant\n2<|im_end|>"
+    extras = out.non_tensor_batch
+    assert list(extras["checked"]) == [True, None] and list(extras["stop_reason"]) == [None, "no_call"]
+    assert list(extras["num_turns"]) == [4, 3]
+    metrics = multi_turn_metrics(extras)  # the custom loop's row has no tool columns: skipped, not zeros
+    assert metrics["multi_turn/tool_calls/mean"] == 1.0 and metrics["multi_turn/stop/no_call"] == 0.5
+
+    prompts.non_tensor_batch["agent_name"] = np.array(["nobody", None], dtype=object)
+    with pytest.raises(AgentLoopError, match=r"agent loop 'nobody'.*known: \['self_check', 'single_turn_agent', "
+                                             r"'tool_agent'\]"):
+        loop.generate_sequences(prompts)
+
+
+def test_the_single_turn_agent_samples_every_response_token(tokenizer):
+    loop = AgentLoop(ScriptedPolicy(tokenizer, {"A": ["42"]}), tokenizer, MultiTurnConfig(enable=True), {}, 8,
+                     agent=AgentConfig(default_agent_loop="single_turn_agent"))
+    out = loop.generate_sequences(_prompts(tokenizer, {}, ["A"]))
+    expected = tokenizer.encode("42<|im_end|>", add_special_tokens=False)
+    assert out.batch["responses"][0, :len(expected)].tolist() == expected
+    assert out.batch["response_mask"][0].tolist() == [1] * len(expected) + [0] * (8 - len(expected))
+    assert out.non_tensor_batch["num_turns"][0] == 2
+
+
+# ---- interactions ------------------------------------------------------------------------
+
+def _gsm8k_loop(tokenizer, script, tmp_path, **config):
+    path = tmp_path / "interaction.yaml"  # verl's layout and class name
+    path.write_text("interaction:\n  - name: gsm8k\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
+                    "    config: {}\n")
+    return AgentLoop(ScriptedPolicy(tokenizer, script), tokenizer, MultiTurnConfig(enable=True, **config), {}, 400,
+                     interactions=initialize_interactions_from_config(path))
+
+
+def _gsm8k_prompts(tokenizer, questions, truth):
+    prompts = _prompts(tokenizer, {}, questions)
+    prompts.non_tensor_batch["extra_info"] = np.array(
+        [{"interaction_kwargs": {"name": "gsm8k", "ground_truth": truth}} for _ in questions], dtype=object)
+    return prompts
+
+
+def test_the_gsm8k_interaction_asks_for_a_retry_until_the_answer_is_right(tokenizer, tmp_path):
+    wrong, right = "I think #### 5", "Let me redo it. #### 72"
+    loop = _gsm8k_loop(tokenizer, {"Q": [wrong, right]}, tmp_path)
+    out = loop.generate_sequences(_gsm8k_prompts(tokenizer, ["Q"], "72"))
+    retry = tokenizer.encode(f"\n<|im_start|>user\n{RETRY}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    turn1 = tokenizer.encode(wrong + "<|im_end|>", add_special_tokens=False)
+    turn2 = tokenizer.encode(right + "<|im_end|>", add_special_tokens=False)
+    length = int(out.batch["attention_mask"][0, 160:].sum())
+    assert out.batch["responses"][0, :length].tolist() == turn1 + retry + turn2  # no closing "correct!" turn
+    assert out.batch["response_mask"][0, :length].tolist() == [1] * len(turn1) + [0] * len(retry) + [1] * len(turn2)
+    extras = out.non_tensor_batch
+    assert (extras["stop_reason"][0], extras["turn_scores"][0], extras["num_turns"][0]) == ("interaction_done",
+                                                                                             [0.0, 1.0], 3)
+    assert extras["last_turn_start"][0] == len(turn1) + len(retry) and not extras["sanity_check_failed"][0]
+    assert CORRECT not in tokenizer.decode(out.batch["responses"][0])
+
+
+def test_the_interaction_is_bounded_by_the_turn_limits(tokenizer, tmp_path):
+    loop = _gsm8k_loop(tokenizer, {"Q": ["#### 1", "#### 2", "#### 3"]}, tmp_path, max_user_turns=2)
+    out = loop.generate_sequences(_gsm8k_prompts(tokenizer, ["Q"], "72"))
+    assert out.non_tensor_batch["stop_reason"][0] == "max_user_turns"
+    assert out.non_tensor_batch["turn_scores"][0] == [0.0, 0.0] and out.non_tensor_batch["num_turns"][0] == 4
+    loop = _gsm8k_loop(tokenizer, {"Q": ["#### 1", "#### 2", "#### 3"]}, tmp_path, max_assistant_turns=2)
+    out = loop.generate_sequences(_gsm8k_prompts(tokenizer, ["Q"], "72"))
+    assert (out.non_tensor_batch["stop_reason"][0], out.non_tensor_batch["num_turns"][0]) == ("no_call", 3)
+
+
+def test_a_row_naming_no_configured_interaction_is_an_error_that_says_which(tokenizer, tmp_path):
+    loop = _gsm8k_loop(tokenizer, {"Q": ["#### 1"]}, tmp_path)
+    prompts = _gsm8k_prompts(tokenizer, ["Q"], "72")
+    prompts.non_tensor_batch["extra_info"][0]["interaction_kwargs"]["name"] = "tutor"
+    with pytest.raises(AgentLoopError, match=r"interaction_kwargs.name='tutor'.*configured: \['gsm8k'\]"):
+        loop.generate_sequences(prompts)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("interaction: []\n", "non-empty 'interaction:' list"),
+    ("interaction:\n  - name: x\n", r"interaction\[0\] needs class_name"),
+    ("interaction:\n  - name: x\n    class_name: nowhere.Nothing\n", "cannot be imported"),
+    ("interaction:\n  - name: x\n    class_name: rlfoundry.tools.base.BaseTool\n", "not a subclass"),
+])
+def test_bad_interaction_configs_name_the_entry(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(InteractionConfigError, match=message):
+        initialize_interactions_from_config(path)
+
+
+def test_real_gsm8k_rows_reach_the_interaction_through_the_data_set(shared_data, tokenizer, tmp_path):
+    """``preprocess gsm8k --multiturn interaction`` rows, loaded and collated as the trainer does: the
+    ground truth reaches the interaction, and the rule reward sees the retry's answer and the scores."""
+    from omegaconf import OmegaConf
+
+    from rlfoundry.data import RLHFDataset, collate_fn
+    from rlfoundry.data.preprocess.__main__ import main as preprocess_main
+    from rlfoundry.protocol import DataProto
+    from rlfoundry.rewards.reward_manager import decode_samples
+
+    lines = (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "test.jsonl").write_text("\n".join(lines) + "\n")
+    assert preprocess_main(["gsm8k", "--input", str(tmp_path / "test.jsonl"), "--output", str(tmp_path / "rows"),
+                            "--multiturn", "interaction"]) == 0
+    data = RLHFDataset(str(tmp_path / "rows" / "test.parquet"), tokenizer,
+                       OmegaConf.create({"max_prompt_length": 600, "truncation": "error", "return_raw_chat": True}))
+    batch = DataProto.from_single_dict(collate_fn([data[0], data[1]]))
+    first, second = (batch.non_tensor_batch["raw_prompt"][i][1]["content"] for i in range(2))
+    assert batch.non_tensor_batch["raw_prompt"][0][0]["role"] == "system"
+    assert list(batch.non_tensor_batch["agent_name"]) == ["tool_agent", "tool_agent"]
+    loop = _gsm8k_loop(tokenizer, {first: ["#### 17", "#### 18"], second: ["#### 3"]}, tmp_path)
+    loop.default_loop = "single_turn_agent"  # the rows' agent_name decides, not the default
+    batch.meta_info["n"] = 1
+    out = loop.generate_sequences(batch)
+    assert list(out.non_tensor_batch["stop_reason"]) == ["interaction_done", "interaction_done"]
+    assert list(out.non_tensor_batch["turn_scores"]) == [[0.0, 1.0], [1.0]]  # ground truths 18 and 3
+    samples = decode_samples(out, tokenizer, "data_source")
+    assert [s.solution_str for s in samples] == ["#### 18", "#### 3"]
+    assert samples[0].extra_info["turn_scores"] == [0.0, 1.0] and samples[0].extra_info["num_turns"] == 3
