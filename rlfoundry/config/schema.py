@@ -103,6 +103,9 @@ class SyntheticDataConfig:  # rlfoundry: the built-in task used when data.train_
     train_size: int = 640
     val_size: int = 128
     seed: int = 0
+    digits: int = 2  # operands in [0, 10**digits)
+    ops: str = "+-"
+    num_operands: int = 2
 
 
 @dataclass
@@ -500,6 +503,24 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl 0.9's ``algorithm.rollout_correction`` (``algos/rollout_corr.py``): correct for the rollout
+    engine's distribution differing from the trainer's. Nothing set: no correction, no metrics."""
+
+    rollout_is: Optional[str] = None  # token | sequence: truncated IS weights on the policy loss
+    rollout_is_threshold: float = 2.0  # the truncation C of min(ρ, C)
+    rollout_is_batch_normalize: bool = False  # scale the weights to mean 1 over the batch
+    rollout_rs: Optional[str] = None  # token | sequence | geometric: drop tokens/sequences out of bounds
+    rollout_rs_threshold: Optional[float] = None  # upper bound of ρ (required with rollout_rs)
+    rollout_rs_threshold_lower: Optional[float] = None  # null: 1 / rollout_rs_threshold
+    rollout_token_veto_threshold: Optional[float] = None  # drop a sequence with any token ρ below this
+    # use the rollout's log-probs as old_log_probs (no recompute pass): the PPO ratio π_θ / π_rollout
+    # is then the correction itself
+    bypass_mode: bool = False
+    loss_type: str = one_of(("ppo_clip",), "ppo_clip")  # verl also has reinforce (bypass): not built here
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -510,6 +531,7 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = _sub(KLCtrlConfig)
     use_pf_ppo: bool = False
     pf_ppo: Dict[str, Any] = _dict(reweight_method="pow", weight_pow=2.0)
+    rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig)
 
 
 # ──────────────────────────────────────── trainer ────────────────────────────────────────

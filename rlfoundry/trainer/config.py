@@ -437,14 +437,14 @@ def _check_multi_turn(cfg: DictConfig) -> list[str]:
         from rlfoundry.tools.registry import ToolConfigError, initialize_tools_from_config
 
         try:
-            initialize_tools_from_config(multi_turn.tool_config_path)
+            initialize_tools_from_config(resolve_asset_path(multi_turn.tool_config_path))
         except ToolConfigError as e:
             errors.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {e}")
     if multi_turn.interaction_config_path:
         from rlfoundry.interactions import InteractionConfigError, initialize_interactions_from_config
 
         try:
-            initialize_interactions_from_config(multi_turn.interaction_config_path)
+            initialize_interactions_from_config(resolve_asset_path(multi_turn.interaction_config_path))
         except InteractionConfigError as e:
             errors.append(f"actor_rollout_ref.rollout.multi_turn.interaction_config_path: {e}")
     if multi_turn.max_parallel_calls < 1:
@@ -508,6 +508,34 @@ def _check_megatron(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def _check_rollout_correction(cfg: DictConfig) -> list[str]:
+    """``algorithm.rollout_correction``: levels and thresholds that mean something."""
+    rc, key, errors = cfg.algorithm.rollout_correction, "algorithm.rollout_correction", []
+    from rlfoundry.algos.rollout_corr import IS_LEVELS, RS_LEVELS
+
+    if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
+        errors.append(f"{key}.rollout_is={rc.rollout_is!r}: one of {list(IS_LEVELS)} or null.")
+    if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
+        errors.append(f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
+    if rc.rollout_rs is not None and rc.rollout_rs not in RS_LEVELS:
+        errors.append(f"{key}.rollout_rs={rc.rollout_rs!r}: one of {list(RS_LEVELS)} or null.")
+    if rc.rollout_rs is not None and not (rc.rollout_rs_threshold or 0) > 0:
+        errors.append(f"{key}.rollout_rs needs rollout_rs_threshold > 0 (the upper bound of the ratio), "
+                      f"got {rc.rollout_rs_threshold}.")
+    if rc.rollout_token_veto_threshold is not None and not rc.rollout_token_veto_threshold > 0:
+        errors.append(f"{key}.rollout_token_veto_threshold={rc.rollout_token_veto_threshold} must be > 0.")
+    if rc.bypass_mode and _corrects_rollout(cfg):
+        errors.append(f"{key}.bypass_mode=true uses the rollout's log-probs as old_log_probs, so the PPO ratio is "
+                      "the correction; rollout_is / rollout_rs / rollout_token_veto_threshold would compare the "
+                      "rollout with itself. Unset them, or bypass_mode=false.")
+    return errors
+
+
+def _corrects_rollout(cfg: DictConfig) -> bool:
+    rc = cfg.algorithm.rollout_correction
+    return rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None
+
+
 def _check_rollout_log_prob_reuse(cfg: DictConfig) -> list[str]:
     """``actor.use_rollout_log_probs``: only where the sampling log-probs *are* the old log-probs.
 
@@ -524,6 +552,9 @@ def _check_rollout_log_prob_reuse(cfg: DictConfig) -> list[str]:
 
 def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
     arr, errors = cfg.actor_rollout_ref, []
+    if _corrects_rollout(cfg):
+        errors.append(f"{key}: algorithm.rollout_correction compares the rollout's log-probs with recomputed ones; "
+                      "set use_rollout_log_probs=false (or algorithm.rollout_correction.bypass_mode=true).")
     if arr.rollout.name != "hf":
         errors.append(f"{key} needs actor_rollout_ref.rollout.name=hf (got {arr.rollout.name}): only the HF engine's "
                       "log-probs are the actor's own; set use_rollout_log_probs=false.")
@@ -551,7 +582,8 @@ def validate_config(cfg: DictConfig) -> None:
     """Cross-key checks; raises one ``ConfigError`` that lists every problem found."""
     try:
         errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
-                  + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg))
+                  + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg)
+                  + _check_rollout_correction(cfg))
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     if errors:
@@ -564,10 +596,15 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def resolve_asset_path(path: str | None) -> str | None:
-    """``rlfoundry://name`` → the packaged asset directory ``rlfoundry/assets/name``; others unchanged."""
+    """``rlfoundry://name`` → the packaged asset directory ``rlfoundry/assets/name``, and
+    ``rlfoundry://config/...`` → the packaged config file (tool and interaction configs, which then
+    work from any directory); others unchanged."""
     if path is None or not str(path).startswith(ASSET_SCHEME):
         return None if path is None else os.path.expanduser(str(path))
-    return str(ASSETS_DIR / str(path)[len(ASSET_SCHEME):])
+    name = str(path)[len(ASSET_SCHEME):]
+    if name.startswith("config/"):
+        return str(CONFIG_DIR / name[len("config/"):])
+    return str(ASSETS_DIR / name)
 
 
 def resolve_config(
@@ -651,8 +688,10 @@ def _resolve_paths(out: DictConfig, train_files: Any, val_files: Any, run_dir: s
     arr.model.path = resolve_asset_path(arr.model.path)
     out.critic.model.path = resolve_asset_path(out.critic.model.path)
     out.reward_model.model.path = resolve_asset_path(out.reward_model.model.path)
+    rollout = arr.rollout
     for node, key in ((out.critic.model, "tokenizer_path"), (out.reward_model.model, "input_tokenizer"),
-                      (out.data, "tokenizer")):
+                      (out.data, "tokenizer"), (rollout.multi_turn, "tool_config_path"),
+                      (rollout.multi_turn, "interaction_config_path"), (rollout.agent, "agent_loop_config_path")):
         value = OmegaConf.select(node, key)
         if isinstance(value, str):
             node[key] = resolve_asset_path(value)

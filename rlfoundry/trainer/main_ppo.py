@@ -126,12 +126,22 @@ def prepare_synthetic_data(cfg: DictConfig, run_dir: Path) -> tuple[str | None, 
     syn = cfg.data.synthetic
     if syn.task != "arithmetic":
         raise ConfigError(f"data.synthetic.task={syn.task!r}: the only built-in task is 'arithmetic'.")
-    from rlfoundry.data.preprocess.arithmetic import generate_splits, make_row
-    from rlfoundry.data.preprocess.common import write_splits
+    from rlfoundry.data.preprocess.arithmetic import ArithmeticSpec, generate_splits, make_row
+    from rlfoundry.data.preprocess.common import PreprocessError, write_splits
 
-    out = run_dir / "data" / f"arithmetic_seed{syn.seed}_{syn.train_size}_{syn.val_size}"
+    try:
+        spec = ArithmeticSpec(syn.digits, syn.ops, syn.num_operands)
+    except ValueError as e:
+        raise ConfigError(f"data.synthetic: {e}") from e
+    name = f"arithmetic_seed{syn.seed}_{syn.train_size}_{syn.val_size}"
+    if spec != ArithmeticSpec():  # the default task keeps its directory name (existing runs resume)
+        name += f"_d{syn.digits}_{''.join({'+': 'add', '-': 'sub', '*': 'mul'}[c] for c in syn.ops)}_k{syn.num_operands}"
+    out = run_dir / "data" / name
     if not (out / "train.parquet").is_file() or not (out / "test.parquet").is_file():
-        write_splits(generate_splits(syn.train_size, syn.val_size, seed=syn.seed), out, make_row)
+        try:
+            write_splits(generate_splits(syn.train_size, syn.val_size, seed=syn.seed, spec=spec), out, make_row)
+        except PreprocessError as e:
+            raise ConfigError(f"data.synthetic: {e}") from e
     val = str(out / "test.parquet") if cfg.data.val_files is None else None
     return str(out / "train.parquet"), val
 
@@ -165,7 +175,7 @@ def rollout_data_config(cfg: DictConfig) -> DictConfig:
     data = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
     data.return_raw_chat = True
     if multi_turn.tool_config_path:
-        tools = initialize_tools_from_config(multi_turn.tool_config_path)
+        tools = initialize_tools_from_config(resolve_asset_path(multi_turn.tool_config_path))
         data.apply_chat_template_kwargs.tools = [t.get_openai_tool_schema().model_dump() for t in tools]
     return data
 

@@ -477,3 +477,13 @@ def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
                      "critic.megatron: every role runs in the same processes, and megatron-core has one parallel layout",
                      "param_offload=True: offload on the Megatron engine is not built yet"):
         assert expected in text, expected
+
+
+def test_packaged_tool_and_interaction_configs_resolve_from_any_directory(tmp_path, monkeypatch):
+    from rlfoundry.trainer.config import resolve_asset_path
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("tools/calculator.yaml", "tools/gsm8k.yaml", "interactions/gsm8k.yaml"):
+        assert Path(resolve_asset_path(f"rlfoundry://config/{name}")).is_file()
+    cfg = load_config([], config_name="calculator_grpo")
+    validate_config(cfg)  # raises unless the overlay's rlfoundry://config/tools/calculator.yaml loads from here

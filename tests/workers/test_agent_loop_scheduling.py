@@ -235,3 +235,12 @@ def test_real_gsm8k_rows_reach_the_interaction_through_the_data_set(shared_data,
     samples = decode_samples(out, tokenizer, "data_source")
     assert [s.solution_str for s in samples] == ["#### 18", "#### 3"]
     assert samples[0].extra_info["turn_scores"] == [0.0, 1.0] and samples[0].extra_info["num_turns"] == 3
+
+
+def test_format_trajectory_marks_exactly_the_unsampled_spans(tokenizer):
+    from rlfoundry.workers.rollout.agent_loop import format_trajectory
+
+    ids = tokenizer.encode("ab<|im_end|>cdef", add_special_tokens=False)  # a, b, <|im_end|>, c, d, e, f
+    assert format_trajectory(tokenizer, ids, [1, 1, 1, 0, 0, 1, 1]) == "ab<|im_end|>⟦cd⟧ef"
+    assert format_trajectory(tokenizer, ids, [0] * 7, "[", "]") == "[ab<|im_end|>cdef]"
+    assert format_trajectory(tokenizer, [], []) == ""

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlfoundry.algos import core_algos
+from rlfoundry.algos import core_algos, rollout_corr
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
 from rlfoundry.trainer.config import ConfigError, need_reference_policy, world_size
@@ -368,7 +368,8 @@ class RayPPOTrainer:
 
     def _old_log_prob(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
         """``old_log_probs`` under the policy that sampled; ``actor/entropy`` from the same pass."""
-        if self.config.actor_rollout_ref.actor.use_rollout_log_probs:
+        correction = self.config.algorithm.rollout_correction
+        if self.config.actor_rollout_ref.actor.use_rollout_log_probs or correction.bypass_mode:
             return self._reuse_rollout_log_probs(batch), {}
         with marked_timer("old_log_prob", timing):
             out = self.actor_rollout_wg.compute_log_prob(batch)
@@ -378,7 +379,26 @@ class RayPPOTrainer:
         metrics = {"actor/entropy": float(entropy.item())}
         if "rollout_log_probs" in batch.batch.keys():
             metrics |= rollout_probs_diff_metrics(batch.batch["rollout_log_probs"], out.batch["old_log_probs"], mask)
-        return batch.union(out), metrics
+        batch = batch.union(out)
+        if any(correction[k] is not None for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")):
+            batch, m = self._correct_rollout(batch, correction); metrics |= m  # noqa: E702
+        return batch, metrics
+
+    def _correct_rollout(self, batch: DataProto, correction: Any) -> tuple[DataProto, dict[str, float]]:
+        """``algorithm.rollout_correction``: IS weights into the batch (the actor's loss multiplies by
+        them), rejected tokens out of ``response_mask`` (so out of advantages and losses too)."""
+        if "rollout_log_probs" not in batch.batch.keys():
+            raise RuntimeError("algorithm.rollout_correction needs the rollout's log-probs, but the rollout "
+                               "returned no rollout_log_probs")
+        weights, mask, metrics = rollout_corr.rollout_correction(
+            batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"],
+            **{k: correction[k] for k in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
+                                          "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
+                                          "rollout_is_batch_normalize")})
+        batch.batch["response_mask"] = mask
+        if weights is not None:
+            batch.batch["rollout_is_weights"] = weights
+        return batch, metrics
 
     def _reuse_rollout_log_probs(self, batch: DataProto) -> DataProto:
         """The HF engine's sampling log-probs as ``old_log_probs``: no extra forward pass.

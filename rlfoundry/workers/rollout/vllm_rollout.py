@@ -446,7 +446,7 @@ class VLLMRollout(BaseRollout):
 
     # ---- generation ----------------------------------------------------------------------
 
-    def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int):
+    def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int, max_tokens: int):
         from vllm import SamplingParams as VllmSamplingParams
 
         ignore_eos = self.config.ignore_eos
@@ -455,7 +455,7 @@ class VLLMRollout(BaseRollout):
             temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p,
             top_k=params.top_k if (params.top_k > 0 and not params.greedy) else -1,
-            max_tokens=params.response_length,
+            max_tokens=max_tokens,
             # vLLM's ignore_eos only covers the tokenizer's EOS; the stop ids are ours to drop
             stop_token_ids=[] if ignore_eos else eos_ids,
             ignore_eos=ignore_eos,
@@ -464,11 +464,11 @@ class VLLMRollout(BaseRollout):
             seed=seed,
         )
 
-    def _check_lengths(self, rows: list[list[int]], params: SamplingParams) -> None:
-        longest = max(len(r) for r in rows)
-        if longest + params.response_length > self.max_model_len:
+    def _check_lengths(self, rows: list[list[int]], budgets: list[int]) -> None:
+        longest, budget = max(((len(r), b) for r, b in zip(rows, budgets)), key=sum)
+        if longest + budget > self.max_model_len:
             raise ValueError(
-                f"a prompt of {longest} tokens + response_length {params.response_length} exceeds the vLLM "
+                f"a prompt of {longest} tokens + response_length {budget} exceeds the vLLM "
                 f"engine's max_model_len {self.max_model_len}; raise actor_rollout_ref.rollout.prompt_length "
                 f"(or rollout.max_model_len) or shorten data.max_prompt_length"
             )
@@ -487,12 +487,16 @@ class VLLMRollout(BaseRollout):
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         rows = _prompt_token_lists(batch["input_ids"], attention_mask)
-        self._check_lengths(rows, params)
+        # the agent loop's rows each have their own budget left (a trajectory's turns share one)
+        budgets = [min(int(b), params.response_length)
+                   for b in prompts.meta_info.get("max_response_lengths") or [params.response_length] * len(rows)]
+        self._check_lengths(rows, budgets)
         seeds = _request_seeds(self.seed, self.rank, self.calls, len(rows))
         self.calls += 1
         self._wake_up(["weights", "kv_cache"])
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows],
-                                    [self._sampling_params(params, eos_ids, s) for s in seeds], use_tqdm=False)
+                                    [self._sampling_params(params, eos_ids, s, b) for s, b in zip(seeds, budgets)],
+                                    use_tqdm=False)
         self._sleep()
         responses, log_probs, lengths = _collect(outputs, params.n, params.response_length, pad_id)
         return _assemble(prompts, params.n, responses, log_probs, lengths, position_ids)

@@ -35,8 +35,8 @@ from rlfoundry.workers.rollout.agent_loop.base import (
 from rlfoundry.workers.rollout.agent_loop.server import GenerationServer
 from rlfoundry.workers.rollout.agent_loop.tool_agent import apply_template, truncate_text
 
-__all__ = ["AgentLoop", "AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "register", "resolve_agent_loops",
-           "truncate_text"]
+__all__ = ["AgentLoop", "AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "format_trajectory", "register",
+           "resolve_agent_loops", "truncate_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,19 @@ class AgentLoop:
         extras = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         extras.update(_columns(outputs))
         return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))
+
+
+def format_trajectory(tokenizer: Any, response_ids: list[int], response_mask: list[int], open_mark: str = "⟦",
+                      close_mark: str = "⟧") -> str:
+    """A response as text with the spans the policy did not sample (tool replies, user turns, template
+    tokens; ``response_mask`` 0) between ``open_mark`` and ``close_mark``: what the loss does not see."""
+    parts, start = [], 0
+    for end in range(1, len(response_ids) + 1):
+        if end == len(response_ids) or response_mask[end] != response_mask[start]:
+            text = tokenizer.decode(response_ids[start:end])
+            parts.append(text if response_mask[start] else open_mark + text + close_mark)
+            start = end
+    return "".join(parts)
 
 
 def _columns(outputs: list[AgentLoopOutput]) -> dict[str, np.ndarray]:

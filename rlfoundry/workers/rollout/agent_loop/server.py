@@ -6,7 +6,9 @@ thread so tools keep running) for all of them; turns at different positions shar
 starts when every live trajectory is waiting for the engine — the batch of the synchronous loop,
 composed the same way whatever the tools' timing, so a seeded run draws the same tokens — or, when
 some trajectories are still in their tools, ``grace_s`` after the first request: a slow tool then
-delays the others by at most ``grace_s``, not by its own duration.
+delays the others by at most ``grace_s``, not by its own duration. Each call's meta-info carries every
+row's own budget (``max_response_lengths``): vLLM caps each request by it, the HF engine generates to the
+largest and the server cuts each row to its own.
 """
 
 from __future__ import annotations
@@ -112,8 +114,8 @@ class GenerationServer:
         """One engine call for the batch's rows (in the server's thread)."""
         self.engine_calls += 1
         budget = max(r.max_tokens for r in batch)
-        out = self.engine.generate_sequences(self._rows([r.token_ids for r in batch],
-                                                        {**self.meta, "n": 1, "response_length": budget}))
+        meta = {**self.meta, "n": 1, "response_length": budget, "max_response_lengths": [r.max_tokens for r in batch]}
+        out = self.engine.generate_sequences(self._rows([r.token_ids for r in batch], meta))
         results = []
         for k, request in enumerate(batch):
             length = min(int(out.batch["response_mask"][k].sum()), request.max_tokens)

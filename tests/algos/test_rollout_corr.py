@@ -1,0 +1,113 @@
+"""Rollout correction (algos/rollout_corr.py) on hand-built log ratios: every weight, mask and metric
+below is derived by hand from the definitions (verl 0.9's rollout_corr_helper formulas)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlfoundry.algos import core_algos
+from rlfoundry.algos.rollout_corr import (
+    importance_weights,
+    mismatch_metrics,
+    rejection_mask,
+    rollout_correction,
+    veto_mask,
+)
+
+
+def _log(*values):
+    return torch.tensor([list(v) for v in values], dtype=torch.float32).log()
+
+
+def test_token_level_truncated_weights_and_their_metrics():
+    log_ratio, mask = _log([1.0, 3.0, 0.5]), torch.ones(1, 3)
+    weights, m = importance_weights(log_ratio, mask, "token", threshold=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 0.5]]))
+    assert m["rollout_is_mean"] == pytest.approx(1.5)  # of the ratios before truncation
+    assert (m["rollout_is_max"], m["rollout_is_min"]) == (pytest.approx(3.0), pytest.approx(0.5))
+    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3) and m["rollout_is_ratio_fraction_low"] == 0
+    bounded = torch.tensor([1.0, 2.0, 0.5])  # ratios clamped to [1/2, 2] for std and ESS
+    assert m["rollout_is_std"] == pytest.approx(bounded.std(unbiased=False).item(), rel=1e-5)
+    assert m["rollout_is_eff_sample_size"] == pytest.approx(1 / ((bounded / bounded.mean()) ** 2).mean().item(), rel=1e-5)
+    assert not weights.requires_grad
+
+
+def test_sequence_level_weights_are_the_product_broadcast_and_padding_gets_zero():
+    log_ratio = _log([2.0, 2.0], [0.5, 7.0])  # row 1's second token is padding: its ratio is ignored
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    weights, m = importance_weights(log_ratio, mask, "sequence", threshold=5.0)
+    torch.testing.assert_close(weights, torch.tensor([[4.0, 4.0], [0.5, 0.0]]))
+    assert m["rollout_is_max"] == pytest.approx(4.0) and m["rollout_is_min"] == pytest.approx(0.5)
+    assert m["rollout_is_ratio_fraction_high"] == 0.0  # one ratio per sequence: 4 and 0.5 are within [0.2, 5]
+    normed, m = importance_weights(log_ratio, mask, "sequence", threshold=5.0, batch_normalize=True)
+    assert m["rollout_is_batch_norm_factor"] == pytest.approx(2.25)  # (4 + 0.5) / 2 sequences
+    torch.testing.assert_close(normed, weights / 2.25)
+
+
+def test_rejection_by_token_sequence_and_geometric_mean():
+    mask = torch.ones(2, 2)
+    log_ratio = _log([1.0, 3.0], [4.0, 1.0])
+    kept, m = rejection_mask(log_ratio, mask, "token", upper=2.0)  # lower = 1/2
+    torch.testing.assert_close(kept, torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert m["rollout_rs_masked_fraction"] == pytest.approx(0.5) and m["rollout_rs_seq_masked_fraction"] == 1.0
+    kept, _ = rejection_mask(log_ratio, mask, "sequence", upper=3.5)  # products 3 and 4
+    torch.testing.assert_close(kept, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    kept, m = rejection_mask(log_ratio, mask, "geometric", upper=1.9)  # geometric means √3 ≈ 1.73 and 2
+    torch.testing.assert_close(kept, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    assert m["rollout_rs_seq_masked_fraction"] == 0.5
+    kept, _ = rejection_mask(log_ratio, mask, "token", upper=5.0, lower=2.0)  # an explicit lower bound
+    torch.testing.assert_close(kept, torch.tensor([[0.0, 1.0], [1.0, 0.0]]))
+
+
+def test_veto_drops_whole_sequences_with_a_catastrophic_token():
+    log_ratio, mask = _log([1.0, 1e-5, 1.0], [1.0, 0.9, 1e-5]), torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    kept, m = veto_mask(log_ratio, mask, threshold=1e-4)  # row 1's tiny ratio sits on padding: ignored
+    torch.testing.assert_close(kept, torch.tensor([[0.0, 0, 0], [1, 1, 0]]))
+    assert m["rollout_is_veto_fraction"] == 0.5 and m["rollout_is_catastrophic_token_fraction"] == pytest.approx(1 / 5)
+
+
+def test_mismatch_metrics_by_hand():
+    old, rollout, mask = _log([0.5]), _log([0.25]), torch.ones(1, 1)  # ρ = 2
+    m = mismatch_metrics(old, rollout, mask)
+    assert m["kl"] == pytest.approx(-math.log(2))  # E[log π_rollout − log π_train]
+    assert m["k3_kl"] == pytest.approx(2 - math.log(2) - 1)
+    assert (m["training_ppl"], m["rollout_ppl"], m["ppl_ratio"]) == (pytest.approx(2.0), pytest.approx(4.0),
+                                                                       pytest.approx(0.5))
+    assert m["chi2_token"] == pytest.approx(3.0) and m["chi2_seq"] == pytest.approx(3.0)
+    same = mismatch_metrics(old, old, mask)
+    assert same["kl"] == 0 and same["k3_kl"] == 0 and same["chi2_token"] == pytest.approx(0.0)
+
+
+def test_the_combined_call_and_an_on_policy_batch_changes_nothing():
+    old = torch.randn(3, 4).clamp(max=-0.1)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    weights, kept, m = rollout_correction(old, old.clone(), mask, rollout_is="token", rollout_rs="sequence",
+                                          rollout_rs_threshold=2.0, rollout_token_veto_threshold=1e-4)
+    torch.testing.assert_close(weights, mask)  # ρ = 1 everywhere
+    torch.testing.assert_close(kept, mask)
+    assert m["rollout_corr/kl"] == 0 and m["rollout_corr/rollout_rs_masked_fraction"] == 0
+    assert all(k.startswith("rollout_corr/") for k in m)
+    weights, kept, m = rollout_correction(old, old - torch.log(torch.tensor(4.0)), mask, rollout_is="token",
+                                          rollout_rs="token", rollout_rs_threshold=2.0)  # ρ = 4 everywhere
+    torch.testing.assert_close(weights, 2.0 * mask)  # computed on the mask before rejection
+    assert kept.sum() == 0 and m["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+    with pytest.raises(ValueError, match="rollout_rs_threshold is null"):
+        rollout_correction(old, old, mask, rollout_rs="token")
+    with pytest.raises(ValueError, match="rollout_is='tokens'"):
+        rollout_correction(old, old, mask, rollout_is="tokens")
+
+
+def test_the_policy_loss_is_weighted_token_by_token():
+    """The weights reach the loss: weighting a token by 2 equals counting its loss twice."""
+    log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old, adv, mask = torch.tensor([[-1.1, -1.9]]), torch.tensor([[1.0, -0.5]]), torch.ones(1, 2)
+    loss_fn = core_algos.get_policy_loss_fn("vanilla")
+    cfg = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0, policy_loss=None)
+    weighted, _ = loss_fn(old, log_prob, adv, mask, "token-mean", cfg, rollout_is_weights=torch.tensor([[2.0, 1.0]]))
+    plain, _ = loss_fn(old, log_prob, adv, mask, "token-mean", cfg)
+    per_token, _ = loss_fn(old[:, :1], log_prob[:, :1], adv[:, :1], mask[:, :1], "token-mean", cfg)
+    torch.testing.assert_close(weighted, plain + per_token / 2)  # (2·l0 + l1)/2 = (l0 + l1)/2 + l0/2
