@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfoundry.algos import rollout_corr
 from rlfoundry.utils import torch_functional as F_
 
 __all__ = [
@@ -807,6 +808,48 @@ def compute_policy_loss_vanilla(
     loss = _finish(losses, response_mask, loss_agg_mode, config, rollout_is_weights)
     return loss, _metrics(clipfrac, ppo_kl, clipfrac_lower)
 
+
+
+@register_policy_loss("bypass_mode")
+@_with_contract_doc
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``algorithm.rollout_correction.bypass_mode``: ``old_log_prob`` is the rollout's log-prob.
+
+    The correction (``config.policy_loss.rollout_correction``) is computed here, without gradient,
+    between the current policy and the rollout (``algos/rollout_corr.py``): rejected tokens leave the
+    mask; then ``loss_type`` ``ppo_clip`` is PPO-clip on π_θ / π_rollout with no further weight (the
+    ratio is the correction), and ``reinforce`` is −w·A·log π_θ with w the truncated IS weight (1
+    without ``rollout_is``). ``rollout_is_weights`` from the batch are not used.
+    """
+    correction = _cfg(_cfg(config, "policy_loss"), "rollout_correction")
+    if correction is None:
+        raise ValueError("policy loss 'bypass_mode' needs actor.policy_loss.rollout_correction "
+                         "(set algorithm.rollout_correction.bypass_mode=true, which fills it)")
+    weights, metrics = None, {}
+    if response_mask.any():
+        with torch.no_grad():
+            weights, response_mask, metrics = rollout_corr.rollout_correction(
+                log_prob.detach(), old_log_prob, response_mask, **{k: _cfg(correction, k) for k in (
+                    "rollout_is", "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower",
+                    "rollout_token_veto_threshold")},
+                rollout_is_threshold=_cfg(correction, "rollout_is_threshold", 2.0),
+                rollout_is_batch_normalize=bool(_cfg(correction, "rollout_is_batch_normalize", False)))
+    if _cfg(correction, "loss_type", "ppo_clip") == "reinforce":
+        losses = -advantages * log_prob * (weights if weights is not None else 1.0)
+        loss = _finish(losses, response_mask, loss_agg_mode, config, None)
+        ppo_kl = F_.masked_mean(old_log_prob - log_prob.detach(), response_mask) if response_mask.any() else 0.0
+        return loss, {"actor/ppo_kl": float(ppo_kl), **metrics}
+    loss, ppo_metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                                    config, None)
+    return loss, {**ppo_metrics, **metrics}
 
 
 @register_policy_loss("gspo")

@@ -16,6 +16,10 @@ ratio ``log ρ_t = log π_train − log π_rollout`` this module gives verl 0.9'
 - **veto** (``rollout_token_veto_threshold``): a sequence with any token ``ρ_t`` below the threshold
   leaves ``response_mask`` whole.
 
+In ``bypass_mode`` the rollout's log-probs are the old log-probs (no recompute pass) and the same
+functions run inside the policy loss against the current policy (``core_algos``'s ``bypass_mode``
+loss: PPO-clip on π_θ / π_rollout, or REINFORCE −w·A·log π_θ).
+
 Metrics (``rollout_corr/…``, verl's names) describe the ratios before truncation, and the mismatch:
 KL(π_rollout‖π_train) by the direct and k3 estimators, both perplexities, χ² per token and sequence.
 Exponentials of summed log ratios are clamped at ``exp(±20)``.

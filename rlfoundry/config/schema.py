@@ -217,6 +217,25 @@ class ProfilerConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl 0.9's ``algorithm.rollout_correction`` (``algos/rollout_corr.py``): correct for the rollout
+    engine's distribution differing from the trainer's. Nothing set: no correction, no metrics."""
+
+    rollout_is: Optional[str] = None  # token | sequence: truncated IS weights on the policy loss
+    rollout_is_threshold: float = 2.0  # the truncation C of min(ρ, C)
+    rollout_is_batch_normalize: bool = False  # scale the weights to mean 1 over the batch
+    rollout_rs: Optional[str] = None  # token | sequence | geometric: drop tokens/sequences out of bounds
+    rollout_rs_threshold: Optional[float] = None  # upper bound of ρ (required with rollout_rs)
+    rollout_rs_threshold_lower: Optional[float] = None  # null: 1 / rollout_rs_threshold
+    rollout_token_veto_threshold: Optional[float] = None  # drop a sequence with any token ρ below this
+    # the rollout's log-probs as old_log_probs (no recompute pass); IS / RS are then computed in the
+    # loss against the current policy (actor.policy_loss.loss_mode becomes bypass_mode)
+    bypass_mode: bool = False
+    # bypass mode's loss: ppo_clip (the PPO ratio π_θ / π_rollout, clipped) or reinforce (−w·A·log π_θ)
+    loss_type: str = one_of(("ppo_clip", "reinforce"), "ppo_clip")
+
+
+@dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002
@@ -224,6 +243,8 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    # a copy of algorithm.rollout_correction when its bypass_mode is on (as verl does at run time)
+    rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig)
 
 
 # ─────────────────────────────────── actor / rollout / ref ───────────────────────────────────
@@ -500,24 +521,6 @@ class KLCtrlConfig:
     kl_coef: float = 0.001
     horizon: int = 10000
     target_kl: float = 0.1
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """verl 0.9's ``algorithm.rollout_correction`` (``algos/rollout_corr.py``): correct for the rollout
-    engine's distribution differing from the trainer's. Nothing set: no correction, no metrics."""
-
-    rollout_is: Optional[str] = None  # token | sequence: truncated IS weights on the policy loss
-    rollout_is_threshold: float = 2.0  # the truncation C of min(ρ, C)
-    rollout_is_batch_normalize: bool = False  # scale the weights to mean 1 over the batch
-    rollout_rs: Optional[str] = None  # token | sequence | geometric: drop tokens/sequences out of bounds
-    rollout_rs_threshold: Optional[float] = None  # upper bound of ρ (required with rollout_rs)
-    rollout_rs_threshold_lower: Optional[float] = None  # null: 1 / rollout_rs_threshold
-    rollout_token_veto_threshold: Optional[float] = None  # drop a sequence with any token ρ below this
-    # use the rollout's log-probs as old_log_probs (no recompute pass): the PPO ratio π_θ / π_rollout
-    # is then the correction itself
-    bypass_mode: bool = False
-    loss_type: str = one_of(("ppo_clip",), "ppo_clip")  # verl also has reinforce (bypass): not built here
 
 
 @dataclass

@@ -524,10 +524,13 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
                       f"got {rc.rollout_rs_threshold}.")
     if rc.rollout_token_veto_threshold is not None and not rc.rollout_token_veto_threshold > 0:
         errors.append(f"{key}.rollout_token_veto_threshold={rc.rollout_token_veto_threshold} must be > 0.")
-    if rc.bypass_mode and _corrects_rollout(cfg):
-        errors.append(f"{key}.bypass_mode=true uses the rollout's log-probs as old_log_probs, so the PPO ratio is "
-                      "the correction; rollout_is / rollout_rs / rollout_token_veto_threshold would compare the "
-                      "rollout with itself. Unset them, or bypass_mode=false.")
+    mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rc.bypass_mode and mode not in ("vanilla", "bypass_mode"):
+        errors.append(f"{key}.bypass_mode=true runs its own policy loss (ppo_clip or reinforce, {key}.loss_type), "
+                      f"not actor_rollout_ref.actor.policy_loss.loss_mode={mode}; drop one of them.")
+    if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
+        errors.append(f"{key}.loss_type={rc.loss_type} applies to bypass_mode only; set bypass_mode=true or "
+                      "loss_type=ppo_clip.")
     return errors
 
 
@@ -552,7 +555,7 @@ def _check_rollout_log_prob_reuse(cfg: DictConfig) -> list[str]:
 
 def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
     arr, errors = cfg.actor_rollout_ref, []
-    if _corrects_rollout(cfg):
+    if _corrects_rollout(cfg) and not cfg.algorithm.rollout_correction.bypass_mode:
         errors.append(f"{key}: algorithm.rollout_correction compares the rollout's log-probs with recomputed ones; "
                       "set use_rollout_log_probs=false (or algorithm.rollout_correction.bypass_mode=true).")
     if arr.rollout.name != "hf":
@@ -635,6 +638,9 @@ def resolve_config(
         "local" if ws == 1 else "ray")
     trainer.logger = [x for x in _loggers(cfg) if x in SUPPORTED_LOGGERS]
     out.algorithm.adv_estimator = adv_estimator(cfg)
+    if cfg.algorithm.rollout_correction.bypass_mode:  # the actor's loss needs the settings (verl does this too)
+        out.actor_rollout_ref.actor.policy_loss.loss_mode = "bypass_mode"
+        out.actor_rollout_ref.actor.policy_loss.rollout_correction = copy.deepcopy(cfg.algorithm.rollout_correction)
     out.critic.enable = use_critic(cfg)
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
         out.actor_rollout_ref.actor.use_rollout_log_probs = not _rollout_log_prob_reuse_problems(cfg, "auto")

@@ -111,3 +111,43 @@ def test_the_policy_loss_is_weighted_token_by_token():
     plain, _ = loss_fn(old, log_prob, adv, mask, "token-mean", cfg)
     per_token, _ = loss_fn(old[:, :1], log_prob[:, :1], adv[:, :1], mask[:, :1], "token-mean", cfg)
     torch.testing.assert_close(weighted, plain + per_token / 2)  # (2·l0 + l1)/2 = (l0 + l1)/2 + l0/2
+
+
+def _bypass_cfg(**correction):
+    rc = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None,
+          "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None,
+          "rollout_is_batch_normalize": False, "loss_type": "ppo_clip", **correction}
+    return SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                           policy_loss=SimpleNamespace(loss_mode="bypass_mode", rollout_correction=rc))
+
+
+def test_bypass_reinforce_weights_each_tokens_gradient_by_its_truncated_ratio():
+    """loss = token-mean(−A·w·log π_θ), w = min(π_θ / π_rollout, 2) without gradient: d loss / d log π_t = −A_t w_t / N."""
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    rollout = torch.tensor([[-1.0, -3.0, -0.25]])  # ratios 1, e ≈ 2.72 (truncated to 2), e^-0.25 ≈ 0.78
+    adv, mask = torch.tensor([[1.0, 2.0, -1.0]]), torch.ones(1, 3)
+    loss_fn = core_algos.get_policy_loss_fn("bypass_mode")
+    loss, m = loss_fn(rollout, log_prob, adv, mask, "token-mean", _bypass_cfg(loss_type="reinforce", rollout_is="token"))
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    w = torch.tensor([1.0, 2.0, math.exp(-0.25)])
+    torch.testing.assert_close(grad, -(adv * w) / 3)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(math.e, rel=1e-5)
+    loss, _ = loss_fn(rollout, log_prob, adv, mask, "token-mean", _bypass_cfg(loss_type="reinforce"))
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    torch.testing.assert_close(grad, -adv / 3)  # no rollout_is: plain REINFORCE
+
+
+def test_bypass_ppo_clip_is_ppo_on_the_rollouts_log_probs_over_the_tokens_rejection_keeps():
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    rollout, adv, mask = torch.tensor([[-1.05, -3.0, -0.45]]), torch.tensor([[1.0, 2.0, -1.0]]), torch.ones(1, 3)
+    bypass = core_algos.get_policy_loss_fn("bypass_mode")
+    vanilla = core_algos.get_policy_loss_fn("vanilla")
+    cfg = _bypass_cfg()
+    torch.testing.assert_close(bypass(rollout, log_prob, adv, mask, "token-mean", cfg)[0],
+                               vanilla(rollout, log_prob, adv, mask, "token-mean", cfg)[0])
+    cfg = _bypass_cfg(rollout_rs="token", rollout_rs_threshold=2.0)  # the middle token's ratio e > 2: out
+    kept = torch.tensor([[1.0, 0.0, 1.0]])
+    torch.testing.assert_close(bypass(rollout, log_prob, adv, mask, "token-mean", cfg)[0],
+                               vanilla(rollout, log_prob, adv, kept, "token-mean", cfg)[0])
+    with pytest.raises(ValueError, match="needs actor.policy_loss.rollout_correction"):
+        bypass(rollout, log_prob, adv, mask, "token-mean", SimpleNamespace(policy_loss=SimpleNamespace()))

@@ -60,19 +60,24 @@ def test_vetoing_every_sequence_leaves_the_weights_untouched(tiny_model_dir, tmp
     assert any(not torch.equal(after_plain[k], start[k]) for k in start)  # the test can fail
 
 
-def test_bypass_mode_trains_on_the_rollouts_log_probs_without_a_recompute(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_bypass_mode_trains_on_the_rollouts_log_probs_without_a_recompute(tiny_model_dir, tmp_path, loss_type):
     reward = E.write_reward_file(tmp_path)
-    run = _run(tiny_model_dir, tmp_path / "run", reward, f"{RC}.bypass_mode=true",
-               "actor_rollout_ref.actor.ppo_epochs=2")  # allowed here, unlike use_rollout_log_probs
+    run = _run(tiny_model_dir, tmp_path / "run", reward, f"{RC}.bypass_mode=true", f"{RC}.loss_type={loss_type}",
+               f"{RC}.rollout_is=token", "actor_rollout_ref.actor.ppo_epochs=2")  # 2 epochs: off-policy by the 2nd
+    assert run.trainer.config.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode"
     for step, batch in enumerate(run.batches, start=1):
         assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
-        assert "timing_s/old_log_prob" not in run.step(step)
+        record = run.step(step)
+        assert "timing_s/old_log_prob" not in record and "rollout_is_weights" not in batch  # computed in the loss
+        assert record["rollout_corr/rollout_is_mean"] > 0 and abs(record["rollout_corr/kl"]) < 0.5
 
 
 @pytest.mark.parametrize("overrides, message", [
     ([f"{RC}.rollout_is=tokens"], "rollout_is='tokens': one of"),
     ([f"{RC}.rollout_rs=token"], "rollout_rs needs rollout_rs_threshold > 0"),
-    ([f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token"], "would compare the rollout with itself"),
+    ([f"{RC}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "runs its own policy loss"),
+    ([f"{RC}.loss_type=reinforce"], "applies to bypass_mode only"),
     ([f"{RC}.rollout_is=token", "actor_rollout_ref.actor.use_rollout_log_probs=true"],
      "compares the rollout's log-probs with recomputed ones"),
 ])
