@@ -340,7 +340,7 @@ class ValKwargsConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """verl's ``rollout.multi_turn`` keys (``workers/rollout/agent_loop.py``)."""
+    """verl's ``rollout.multi_turn`` keys (``workers/rollout/agent_loop/``)."""
 
     enable: bool = False
     max_assistant_turns: Optional[int] = None  # null: until the response budget runs out
