@@ -524,6 +524,17 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """verl's ``algorithm.filter_groups`` (DAPO dynamic sampling, ``algos/filter_groups.py``)."""
+
+    enable: bool = False
+    # what must vary within a group: seq_reward / seq_final_reward (the summed score), or a
+    # reward_extra_info key of the reward function (acc, score, ...)
+    metric: Optional[str] = None
+    max_num_gen_batches: int = 0  # batches generated per step at most; 0: no cap
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -535,6 +546,7 @@ class AlgorithmConfig:
     use_pf_ppo: bool = False
     pf_ppo: Dict[str, Any] = _dict(reweight_method="pow", weight_pow=2.0)
     rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = _sub(FilterGroupsConfig)
 
 
 # ──────────────────────────────────────── trainer ────────────────────────────────────────

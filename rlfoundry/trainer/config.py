@@ -534,6 +534,23 @@ def _check_rollout_correction(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def _check_filter_groups(cfg: DictConfig) -> list[str]:
+    """``algorithm.filter_groups`` (DAPO dynamic sampling)."""
+    fg, key = cfg.algorithm.filter_groups, "algorithm.filter_groups"
+    if not fg.enable:
+        return []
+    errors = []
+    if not fg.metric:
+        errors.append(f"{key}.enable=true needs {key}.metric: seq_reward, seq_final_reward or a key of the reward "
+                      "function's reward_extra_info (acc, score, ...).")
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        errors.append(f"{key}.metric=seq_final_reward with algorithm.use_kl_in_reward=true is not supported: the KL "
+                      "penalty is applied after the groups are chosen; use seq_reward.")
+    if fg.max_num_gen_batches < 0:
+        errors.append(f"{key}.max_num_gen_batches={fg.max_num_gen_batches} must be >= 0 (0: no cap).")
+    return errors
+
+
 def _corrects_rollout(cfg: DictConfig) -> bool:
     rc = cfg.algorithm.rollout_correction
     return rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None
@@ -586,7 +603,7 @@ def validate_config(cfg: DictConfig) -> None:
     try:
         errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
                   + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg)
-                  + _check_rollout_correction(cfg))
+                  + _check_rollout_correction(cfg) + _check_filter_groups(cfg))
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     if errors:

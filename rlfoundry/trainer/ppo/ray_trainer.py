@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlfoundry.algos import core_algos, rollout_corr
+from rlfoundry.algos import core_algos, filter_groups, rollout_corr
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
 from rlfoundry.trainer.config import ConfigError, need_reference_policy, world_size
@@ -36,6 +36,7 @@ from rlfoundry.trainer.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
+from rlfoundry.utils.errors import RunAbortedError
 from rlfoundry.utils.torch_functional import masked_mean
 
 __all__ = ["RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalty", "balance_batch", "compute_advantage"]
@@ -178,6 +179,23 @@ def trim_prompt_padding(prompts: DataProto) -> DataProto:
                                meta_info=dict(prompts.meta_info))
 
 
+def _concat_generations(parts: list[DataProto], pad_id: int) -> DataProto:
+    """Generated batches whose prompts were trimmed to different widths, left-padded to the widest and
+    stacked (pad columns are masked: the numbers do not change)."""
+    width = max(p.batch["prompts"].shape[1] for p in parts)
+    padded = []
+    for part in parts:
+        extra = width - part.batch["prompts"].shape[1]
+        tensors = dict(part.batch.items())
+        for key, value in (("prompts", pad_id), ("input_ids", pad_id), ("attention_mask", 0), ("position_ids", 0)):
+            if extra and key in tensors:
+                tensors[key] = torch.nn.functional.pad(tensors[key], (extra, 0), value=value)
+        padded.append(DataProto.from_dict(tensors=tensors, non_tensors=dict(part.non_tensor_batch)))
+    out = DataProto.concat(padded)
+    out.meta_info = dict(parts[0].meta_info)
+    return out
+
+
 def compute_response_mask(data: DataProto) -> torch.Tensor:
     """1 on response tokens up to and including EOS: the response part of ``attention_mask``."""
     response_length = data.batch["responses"].shape[-1]
@@ -256,11 +274,12 @@ class RayPPOTrainer:
         profiler = StepProfiler(self.config.trainer.profile_steps, Path(self.config.trainer.run_dir) / "profile")
         nan_guard = NonFiniteGuard(self.config.trainer.max_consecutive_nan_steps)
         try:
-            for epoch, batch_dict in self._batches():
+            batches = self._batches()
+            for epoch, batch_dict in batches:
                 self.state.global_steps += 1
                 step = self.state.global_steps
                 with profiler.step(step):
-                    metrics = self.train_step(batch_dict)
+                    metrics = self.train_step(batch_dict, more_batches=(b for _, b in batches))
                 metrics |= {"training/global_step": step, "training/epoch": epoch}
                 self.tracker.log(metrics, step=step)  # before the checkpoint: see trainer/reliability.py
                 nan_guard.check(metrics, step)
@@ -282,12 +301,14 @@ class RayPPOTrainer:
         """
         steps_per_epoch = len(self.train_dataloader)
         empty_passes = 0
-        while self.state.global_steps < self.total_training_steps:
+        # a step that asks for more batches (filter_groups) may do so at the budget's last step
+        more = lambda: getattr(self, "_pulling_more", False)  # noqa: E731
+        while self.state.global_steps < self.total_training_steps or more():
             yielded = False
             for batch_dict in self.train_dataloader:
                 yielded = True
                 yield self.state.global_steps // steps_per_epoch, batch_dict
-                if self.state.global_steps >= self.total_training_steps:
+                if self.state.global_steps >= self.total_training_steps and not more():
                     return
             empty_passes = 0 if yielded else empty_passes + 1
             if empty_passes > 1:
@@ -310,13 +331,16 @@ class RayPPOTrainer:
 
     # ---- one training step ---------------------------------------------------------------------
 
-    def train_step(self, batch_dict: dict) -> dict[str, float]:
-        """One PPO step on one batch of prompts; returns the step's metrics."""
+    def train_step(self, batch_dict: dict, more_batches: Iterator[dict] | None = None) -> dict[str, float]:
+        """One PPO step on one batch of prompts (more with ``algorithm.filter_groups``); the step's metrics."""
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
         with marked_timer("step", timing):
-            batch = self._generate(batch_dict, timing)
-            batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702 - one line per phase
+            if self.config.algorithm.filter_groups.enable:
+                batch, m = self._informative_batch(batch_dict, more_batches, timing); metrics |= m  # noqa: E702
+            else:
+                batch = self._generate(batch_dict, timing)
+                batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702 - one line per phase
             batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
             batch = self._ref_log_prob(batch, timing)
             batch = self._values(batch, timing)
@@ -328,7 +352,63 @@ class RayPPOTrainer:
         metrics |= compute_throughout_metrics(batch, timing, n_gpus=self.world_size)
         return metrics
 
-    def _generate(self, batch_dict: dict, timing: dict) -> DataProto:
+    def _informative_batch(self, batch_dict: dict, more_batches: Iterator[dict] | None,
+                           timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """DAPO dynamic sampling: generate and score batches, keep the groups whose
+        ``filter_groups.metric`` varies, until ``data.train_batch_size`` groups are kept (the first
+        ones, in order); the loader moves on by every batch used, so a resumed run continues alike."""
+        cfg, want = self.config.algorithm.filter_groups, int(self.config.data.train_batch_size)
+        kept: list[DataProto] = []
+        counts = {"num_gen_batches": 0, "kept_groups": 0, "dropped_groups": 0}
+        reward_metrics: dict[str, float] = {}
+        while True:
+            counts["num_gen_batches"] += 1
+            batch = self._generate(batch_dict, timing, balance=False)
+            batch, result = self._reward(batch, timing, return_result=True)
+            for key, value in reward_result_metrics(result).items():  # error counts add up; the rest: last batch
+                reward_metrics[key] = reward_metrics.get(key, 0.0) + value if key.startswith("reward/errors") else value
+            uids = batch.non_tensor_batch["uid"]
+            keep = filter_groups.informative_rows(uids, self._filter_metric(batch, result, cfg.metric))
+            counts["kept_groups"] += len(set(uids[keep]))
+            counts["dropped_groups"] += len(set(uids[~keep]))
+            kept.append(batch.select_idxs(np.flatnonzero(keep)))
+            if counts["kept_groups"] >= want:
+                break
+            self._check_generation_budget(cfg, counts, want)
+            self._pulling_more = True
+            try:
+                batch_dict = next(more_batches, None) if more_batches is not None else None
+            finally:
+                self._pulling_more = False
+            if batch_dict is None:
+                raise RunAbortedError(f"algorithm.filter_groups: the training data ran out after {counts['num_gen_batches']} "
+                                   f"batches with {counts['kept_groups']} of {want} informative groups kept")
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        batch = _concat_generations(kept, pad_id)
+        batch = batch.select_idxs(np.flatnonzero(filter_groups.first_groups(batch.non_tensor_batch["uid"], want)))
+        batch = self._finish_generation(batch)
+        return batch, reward_metrics | {f"train/{k}": float(v) for k, v in counts.items()}
+
+    @staticmethod
+    def _check_generation_budget(cfg: Any, counts: dict[str, int], want: int) -> None:
+        if cfg.max_num_gen_batches > 0 and counts["num_gen_batches"] >= cfg.max_num_gen_batches:
+            raise RunAbortedError(
+                f"algorithm.filter_groups: {counts['num_gen_batches']} generated batches "
+                f"(max_num_gen_batches={cfg.max_num_gen_batches}) kept {counts['kept_groups']} of the {want} "
+                f"informative groups needed ({counts['dropped_groups']} groups had the same {cfg.metric} in every "
+                "sample). Raise algorithm.filter_groups.max_num_gen_batches (0: no cap), rollout.n or the "
+                "temperature, or choose a metric that varies within groups.")
+
+    def _filter_metric(self, batch: DataProto, result: dict, metric: str) -> np.ndarray:
+        if metric in ("seq_reward", "seq_final_reward"):  # no KL in the reward (config check): final = scores
+            return batch.batch["token_level_scores"].sum(-1).numpy()
+        info = result.get("reward_extra_info", {})
+        if metric not in info:
+            raise RunAbortedError(f"algorithm.filter_groups.metric={metric!r} is neither seq_reward, seq_final_reward nor "
+                               f"a reward_extra_info key of the reward function (it gives {sorted(info)})")
+        return np.asarray(info[metric], dtype=np.float64)
+
+    def _generate(self, batch_dict: dict, timing: dict, balance: bool = True) -> DataProto:
         """Sample n responses per prompt (interleaved rows); ReMax also scores a greedy baseline."""
         prompts = trim_prompt_padding(DataProto.from_single_dict(batch_dict))
         # one id per prompt: its n samples share it, so group estimators (GRPO, RLOO ...) find them
@@ -339,6 +419,9 @@ class RayPPOTrainer:
                 batch.batch["reward_baselines"] = self._greedy_baseline(prompts)
         if "response_mask" not in batch.batch.keys():
             batch.batch["response_mask"] = compute_response_mask(batch)
+        return self._finish_generation(batch) if balance else batch
+
+    def _finish_generation(self, batch: DataProto) -> DataProto:
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
         if self.config.trainer.balance_batch:
@@ -357,14 +440,15 @@ class RayPPOTrainer:
         scores = self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
         return scores.repeat_interleave(int(self.config.actor_rollout_ref.rollout.n))
 
-    def _reward(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
-        """``token_level_scores`` from the reward model (when enabled) and/or the reward function."""
+    def _reward(self, batch: DataProto, timing: dict, return_result: bool = False) -> tuple[DataProto, Any]:
+        """``token_level_scores`` from the reward model (when enabled) and/or the reward function;
+        with the step's reward metrics (or the reward manager's whole result)."""
         with marked_timer("reward", timing):
             if self.use_rm:
                 batch = batch.union(self.rm_wg.compute_rm_score(batch))
             result = self.reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
-        return batch, reward_result_metrics(result)
+        return batch, (result if return_result else reward_result_metrics(result))
 
     def _old_log_prob(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
         """``old_log_probs`` under the policy that sampled; ``actor/entropy`` from the same pass."""

@@ -1,0 +1,81 @@
+"""``algorithm.filter_groups`` (DAPO dynamic sampling) through the trainer.
+
+The test reward makes half of the groups uninformative by construction: prompts with an even dataset
+index score a constant, odd ones score by their response text (so their samples differ). The update
+must see exactly ``data.train_batch_size`` groups, all odd, each varying; the loader must have moved
+on by every batch generated; and a reward under which no group varies must stop the run with a
+message that says what to change.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+from tests.trainer import _e2e as E
+
+pytestmark = pytest.mark.slow
+
+REWARD = textwrap.dedent('''
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if extra_info["index"] % 2 == 0:
+            return {"score": 0.5, "acc": 0.5}
+        score = (sum(ord(c) for c in solution_str) % 11) / 10.0
+        return {"score": score, "acc": score}
+''')
+CONSTANT = 'def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n'
+
+
+def _run(model, tmp_path, reward_text, *extra):
+    reward = tmp_path / "reward.py"
+    reward.write_text(reward_text)
+    return E.train(E.tiny_overrides(model, tmp_path / "run", f"custom_reward_function.path={reward}",
+                                    "algorithm.filter_groups.enable=true", *extra), keep_trainer=True)
+
+
+def test_only_informative_groups_reach_the_update(tiny_model_dir, tmp_path):
+    run = _run(tiny_model_dir, tmp_path, REWARD, "algorithm.filter_groups.metric=acc",
+               "actor_rollout_ref.rollout.temperature=1.5")
+    generated = dropped = 0
+    for step, batch in enumerate(run.batches, start=1):
+        record = run.step(step)
+        groups = E.groups(batch)
+        assert len(groups) == 2  # data.train_batch_size prompts' worth, whatever was generated
+        for rows in groups.values():
+            assert all(batch["extra_info"][r]["index"] % 2 == 1 for r in rows)  # the constant ones were dropped
+            assert np.std([float(batch["token_level_scores"][r].sum()) for r in rows]) > 0
+        assert record["train/kept_groups"] + record["train/dropped_groups"] == 2 * record["train/num_gen_batches"]
+        assert record["train/kept_groups"] >= 2
+        generated += record["train/num_gen_batches"]
+        dropped += record["train/dropped_groups"]
+    assert dropped >= 1  # the even prompts met on the way were dropped
+    # the loader moved on by every batch generated (the checkpoint's loader state: resume continues there)
+    assert 3 <= generated < 8  # within the first epoch of 16 / 2 batches
+    assert run.trainer.train_dataloader.state_dict()["_num_yielded"] == generated
+
+
+def test_when_no_group_varies_the_run_stops_and_says_what_to_change(tiny_model_dir, tmp_path):
+    with pytest.raises(RuntimeError, match=r"3 generated batches \(max_num_gen_batches=3\) kept 0 of the 2 "
+                                           r"informative groups needed.*Raise algorithm.filter_groups.max_num_gen_batches"):
+        _run(tiny_model_dir, tmp_path, CONSTANT, "algorithm.filter_groups.metric=seq_reward",
+             "algorithm.filter_groups.max_num_gen_batches=3")
+
+
+def test_a_metric_the_reward_function_does_not_give_is_named(tiny_model_dir, tmp_path):
+    with pytest.raises(RuntimeError, match=r"metric='nope' is neither seq_reward, seq_final_reward nor a "
+                                           r"reward_extra_info key of the reward function \(it gives \['acc', 'score'\]\)"):
+        _run(tiny_model_dir, tmp_path, REWARD, "algorithm.filter_groups.metric=nope")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "needs algorithm.filter_groups.metric"),
+    (["algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true"], "use seq_reward"),
+    (["algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=-1"], "must be >= 0"),
+])
+def test_bad_filter_groups_configs_say_what_to_change(overrides, message):
+    from rlfoundry.trainer.config import ConfigError, load_config, validate_config
+
+    with pytest.raises(ConfigError, match=message):
+        validate_config(load_config(["algorithm.filter_groups.enable=true", *overrides]))
