@@ -27,9 +27,5 @@ def informative_rows(uids: Sequence, values: Sequence[float]) -> np.ndarray:
 
 def first_groups(uids: Sequence, count: int) -> np.ndarray:
     """Per row: does it belong to one of the first ``count`` groups, in order of first appearance?"""
-    chosen: list = []
-    for uid in uids:
-        if uid not in chosen and len(chosen) < count:
-            chosen.append(uid)
-    chosen_set = set(chosen)
-    return np.array([uid in chosen_set for uid in uids], dtype=bool)
+    chosen = set(list(dict.fromkeys(uids))[:count])  # dict keys keep first-appearance order
+    return np.array([uid in chosen for uid in uids], dtype=bool)

@@ -31,18 +31,13 @@ import math
 
 import torch
 
+from rlfoundry.utils.torch_functional import masked_mean as _mean
+
 __all__ = ["importance_weights", "mismatch_metrics", "rejection_mask", "rollout_correction", "veto_mask"]
 
 SAFETY_BOUND = 20.0  # |log ratio| beyond this is clamped before exponentiating
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
-
-
-def _mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp_min(1.0)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
 
 
 def _per_level(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +47,7 @@ def _per_level(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> tuple
     elif level == "sequence":
         at_level = (log_ratio * mask).sum(-1, keepdim=True)
     elif level == "geometric":
-        at_level = _mean(log_ratio, mask, dim=-1).unsqueeze(-1)
+        at_level = _mean(log_ratio, mask, axis=-1).unsqueeze(-1)
     else:
         raise ValueError(f"unknown level {level!r}; one of {RS_LEVELS}")
     ratios = torch.exp(at_level.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
@@ -94,7 +89,7 @@ def importance_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, lev
             scale = _mean(weights, response_mask)
         else:  # one weight per sequence, each sequence counted once
             rows = response_mask.bool().any(-1)
-            scale = _mean(weights, response_mask, dim=-1)[rows].mean()
+            scale = _mean(weights, response_mask, axis=-1)[rows].mean()
         scale = scale if scale > 1e-8 else torch.ones_like(scale)
         weights = weights / scale
         metrics["rollout_is_batch_norm_factor"] = float(scale)

@@ -231,6 +231,7 @@ class RayPPOTrainer:
         val_dataloader: Any = None,
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
+        self._pulling_more = False  # a filter_groups step is pulling further batches (see _batches)
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
         self._factory, self._worker_classes = worker_group_factory, worker_classes
@@ -302,13 +303,12 @@ class RayPPOTrainer:
         steps_per_epoch = len(self.train_dataloader)
         empty_passes = 0
         # a step that asks for more batches (filter_groups) may do so at the budget's last step
-        more = lambda: getattr(self, "_pulling_more", False)  # noqa: E731
-        while self.state.global_steps < self.total_training_steps or more():
+        while self.state.global_steps < self.total_training_steps or self._pulling_more:
             yielded = False
             for batch_dict in self.train_dataloader:
                 yielded = True
                 yield self.state.global_steps // steps_per_epoch, batch_dict
-                if self.state.global_steps >= self.total_training_steps and not more():
+                if self.state.global_steps >= self.total_training_steps and not self._pulling_more:
                     return
             empty_passes = 0 if yielded else empty_passes + 1
             if empty_passes > 1:
