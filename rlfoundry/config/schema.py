@@ -119,6 +119,8 @@ class DataConfig:
     max_prompt_length: int = 64  # verl: 512
     max_response_length: int = 16  # verl: 512
     train_batch_size: int = 16  # verl: 1024
+    # fully async (async_training.mode=fully_async): prompts per rollouter engine call; null: train_batch_size
+    gen_batch_size: Optional[int] = None
     val_batch_size: Optional[int] = None  # deprecated in verl: validation runs as one batch
     return_raw_input_ids: bool = False
     return_raw_chat: bool = False
@@ -372,6 +374,14 @@ class AgentConfig:
 
 
 @dataclass
+class CheckpointEngineConfig:
+    """verl 0.9's ``rollout.checkpoint_engine``: how weights reach a rollout pool of its own."""
+
+    backend: str = one_of(("auto", "gloo"), "auto")  # auto: gloo (buckets staged in CPU memory)
+    update_weights_bucket_megabytes: int = 512
+
+
+@dataclass
 class RolloutConfig:
     name: str = one_of(ROLLOUT_NAMES, "hf")  # verl: vllm
     mode: str = "sync"
@@ -406,6 +416,8 @@ class RolloutConfig:
     calculate_log_probs: bool = False
     multi_stage_wake_up: bool = False
     update_weights_bucket_megabytes: int = 512
+    # a separate rollout pool's weight transfer (workers/checkpoint_engine.py)
+    checkpoint_engine: CheckpointEngineConfig = _sub(CheckpointEngineConfig)
     engine_kwargs: Dict[str, Any] = _dict()
     val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig)
     multi_turn: MultiTurnConfig = _sub(MultiTurnConfig)
@@ -600,6 +612,28 @@ class TrainerConfig:
 
 
 @dataclass
+class RolloutPoolConfig:
+    """verl's top-level ``rollout`` of its one-step-off / fully-async recipes: the rollout's own pool."""
+
+    nnodes: int = 1
+    n_gpus_per_node: int = 0  # 0: the rollout shares the trainer's processes (hybrid engine). CPU: processes
+    total_rollout_steps: Optional[int] = None  # fully async: prompts to generate; null: from the training steps
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """verl's ``async_training`` keys (``trainer/ppo/fully_async.py``, ``one_step_off.py``)."""
+
+    mode: str = one_of(("sync", "one_step_off", "fully_async"), "sync")  # rlfoundry: --config-name sets it
+    # fully async: per weight version the rollouter generates at most (1 + staleness_threshold) × the prompts
+    # the trainer uses between two syncs; 0: every sample is trained by the version that sampled it
+    staleness_threshold: float = 0.0
+    trigger_parameter_sync_step: int = 1  # training steps between weight syncs
+    require_batches: int = 1  # mini-batches (ppo_mini_batch_size prompts each) per training step
+    partial_rollout: bool = False  # not supported yet: a sync waits for the generation in flight
+
+
+@dataclass
 class PPOConfig:
     data: DataConfig = _sub(DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = _sub(ActorRolloutRefConfig)
@@ -608,6 +642,8 @@ class PPOConfig:
     custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = _sub(AlgorithmConfig)
     trainer: TrainerConfig = _sub(TrainerConfig)
+    rollout: RolloutPoolConfig = _sub(RolloutPoolConfig)
+    async_training: AsyncTrainingConfig = _sub(AsyncTrainingConfig)
     ray_init: Dict[str, Any] = _dict(num_cpus=None, timeline_json_file=None)
 
 

@@ -250,6 +250,8 @@ class ProcessWorkerGroup(WorkerGroup):
     ``start_method``: ``auto`` | ``fork`` | ``spawn`` (module docstring). ``preload``: called in
     this process just before forking, to import what every rank's worker will import (the model's
     code, say), so that the ranks share those pages instead of each importing a private copy.
+    ``threads``: intra-op threads per rank (default ``threads_per_rank(world_size)``; several groups
+    on one machine share its cores).
     """
 
     def __init__(
@@ -262,6 +264,7 @@ class ProcessWorkerGroup(WorkerGroup):
         host_rank_zero: bool = True,
         start_method: str = "auto",
         preload: Callable[[], None] | None = None,
+        threads: int | None = None,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -269,6 +272,7 @@ class ProcessWorkerGroup(WorkerGroup):
             raise TypeError(f"{cls_with_init.cls.__name__} must subclass rlfoundry.single_controller.Worker")
         self.name, self.world_size, self.worker_cls = name_prefix, world_size, cls_with_init.cls
         self.call_timeout_s = call_timeout_s
+        self._threads = threads
         self._procs: dict[int, Any] = {}
         self._conns: dict[int, Connection] = {}
         self._sent: dict[int, int] = {}  # calls sent to each rank (replies come back in that order)
@@ -290,7 +294,7 @@ class ProcessWorkerGroup(WorkerGroup):
     def _start(self, cls_with_init: ClassWithInitArgs, host_rank_zero: bool, start_timeout_s: float,
                start_method: str, preload: Callable[[], None] | None) -> None:
         world_size = self.world_size
-        threads, spec = threads_per_rank(world_size), _portable(cls_with_init)
+        threads, spec = self._threads or threads_per_rank(world_size), _portable(cls_with_init)
         if host_rank_zero:
             _check_no_other_group(world_size)
         self.start_method = resolve_start_method(start_method, threads)

@@ -100,7 +100,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "algorithm.use_pf_ppo", "algorithm.pf_ppo*",
     "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
     "trainer.val_generations_to_log_to_wandb", "trainer.log_val_generations",
-    "trainer.rollout_data_dir", "trainer.validation_data_dir", "trainer.esi_redundant_time",
+    "trainer.validation_data_dir", "trainer.esi_redundant_time",
     "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",
     "trainer.ray_wait_register_center_timeout", "trainer.use_legacy_worker_impl",
     "ray_init.timeline_json_file",
@@ -226,6 +226,7 @@ def load_config(
         overlay = _find_config_file(config_name, config_path)
     cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay)
     _prefer_user_deprecated_keys(cfg, user_keys)
+    _fill_fully_async_batch(cfg)
     _warn_no_effect(cfg, user_keys)
     validate_config(cfg)
     return cfg
@@ -278,6 +279,19 @@ def _warn_no_effect(cfg: DictConfig, keys: Sequence[str]) -> None:
 def world_size(cfg: DictConfig) -> int:
     """Worker ranks of one role: nnodes × n_gpus_per_node (on CPU, processes per node)."""
     return int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
+
+
+def rollout_world_size(cfg: DictConfig) -> int:
+    """Ranks of the rollout's own pool (``rollout.nnodes × rollout.n_gpus_per_node``); 0: colocated."""
+    return int(cfg.rollout.nnodes) * int(cfg.rollout.n_gpus_per_node)
+
+
+def _fill_fully_async_batch(cfg: DictConfig) -> None:
+    """verl's fully-async scripts set ``data.train_batch_size=0``: a training step is
+    ``async_training.require_batches`` mini-batches of ``actor.ppo_mini_batch_size`` prompts."""
+    if cfg.async_training.mode == "fully_async" and cfg.data.train_batch_size == 0:
+        cfg.data.train_batch_size = int(cfg.async_training.require_batches) * int(
+            cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
 
 
 def _loggers(cfg: DictConfig) -> list[str]:
@@ -551,6 +565,51 @@ def _check_filter_groups(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def _check_async(cfg: DictConfig) -> list[str]:
+    """``async_training.mode`` and the rollout's own pool (``rollout.*``): what each needs."""
+    at, pool, mode = cfg.async_training, cfg.rollout, cfg.async_training.mode
+    errors: list[str] = []
+    if rollout_world_size(cfg) < 0 or int(pool.nnodes) < 1:
+        errors.append("rollout.nnodes must be >= 1 and rollout.n_gpus_per_node >= 0.")
+    if mode == "sync":
+        if rollout_world_size(cfg) > 0:
+            errors.append(f"rollout.n_gpus_per_node={pool.n_gpus_per_node} gives the rollout a pool of its own, which "
+                          "only the asynchronous pipelines use: add --config-name one_step_off_ppo_trainer (or "
+                          "fully_async_ppo_trainer), or set rollout.n_gpus_per_node=0 for the colocated hybrid engine.")
+        return errors
+    key = f"async_training.mode={mode}"
+    if rollout_world_size(cfg) < 1:
+        errors.append(f"{key} runs the rollout in a pool of its own: set rollout.n_gpus_per_node >= 1 (on CPU: "
+                      "rollout processes; trainer.n_gpus_per_node counts the trainer's).")
+    if cfg.trainer.worker_backend == "local":
+        errors.append(f"{key} needs two worker pools (two processes at least); use trainer.worker_backend=process "
+                      "(one machine) or ray (or auto).")
+    if cfg.trainer.worker_backend == "process" and int(pool.nnodes) != 1:
+        errors.append(f"trainer.worker_backend=process runs on one machine, but rollout.nnodes={pool.nnodes}; use ray.")
+    unsupported = {"algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
+                   "algorithm.adv_estimator=remax (its greedy baseline)": adv_estimator(cfg) == "remax",
+                   "async_training.partial_rollout=true (a sync waits for the generation in flight instead)":
+                       at.partial_rollout}
+    errors += [f"{what} is not supported with {key} yet." for what, bad in unsupported.items() if bad]
+    if cfg.actor_rollout_ref.actor.use_rollout_log_probs and not cfg.algorithm.rollout_correction.bypass_mode:
+        errors.append(f"actor_rollout_ref.actor.use_rollout_log_probs=true with {key}: the rollout's log-probs come "
+                      "from an older policy; leave it null (old log-probs are recomputed) or use "
+                      "algorithm.rollout_correction.bypass_mode=true, which corrects for the lag.")
+    if at.staleness_threshold < 0 or at.trigger_parameter_sync_step < 1 or at.require_batches < 1:
+        errors.append("async_training.staleness_threshold must be >= 0, trigger_parameter_sync_step and "
+                      "require_batches >= 1.")
+    if mode == "fully_async":
+        want = int(at.require_batches) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+        if cfg.data.train_batch_size != want:
+            errors.append(f"fully async: a step trains async_training.require_batches × actor.ppo_mini_batch_size = "
+                          f"{want} prompts, but data.train_batch_size={cfg.data.train_batch_size}; set it to {want} "
+                          "(or 0, which means that).")
+        gen = cfg.data.gen_batch_size
+        if gen is not None and (int(gen) < 1 or want % int(gen)):
+            errors.append(f"data.gen_batch_size={gen} must divide the {want} prompts of a step (or be null: all of them).")
+    return errors
+
+
 def _corrects_rollout(cfg: DictConfig) -> bool:
     rc = cfg.algorithm.rollout_correction
     return rc.rollout_is is not None or rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None
@@ -603,7 +662,7 @@ def validate_config(cfg: DictConfig) -> None:
     try:
         errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
                   + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg)
-                  + _check_rollout_correction(cfg) + _check_filter_groups(cfg))
+                  + _check_rollout_correction(cfg) + _check_filter_groups(cfg) + _check_async(cfg))
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     if errors:
@@ -652,7 +711,7 @@ def resolve_config(
     trainer, ws = out.trainer, world_size(cfg)
     trainer.device = _resolve_device(cfg.trainer.device, cuda_available)
     trainer.worker_backend = cfg.trainer.worker_backend if cfg.trainer.worker_backend != "auto" else (
-        "local" if ws == 1 else "ray")
+        _auto_backend(cfg))
     trainer.logger = [x for x in _loggers(cfg) if x in SUPPORTED_LOGGERS]
     out.algorithm.adv_estimator = adv_estimator(cfg)
     if cfg.algorithm.rollout_correction.bypass_mode:  # the actor's loss needs the settings (verl does this too)
@@ -661,15 +720,28 @@ def resolve_config(
     out.critic.enable = use_critic(cfg)
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
         out.actor_rollout_ref.actor.use_rollout_log_probs = not _rollout_log_prob_reuse_problems(cfg, "auto")
+    if cfg.async_training.mode != "sync":  # the sampling policy lags the trainer's: recompute old log-probs
+        out.actor_rollout_ref.actor.use_rollout_log_probs = bool(cfg.actor_rollout_ref.actor.use_rollout_log_probs)
+    if cfg.data.gen_batch_size is None:
+        out.data.gen_batch_size = int(cfg.data.train_batch_size)
     _resolve_micro_batches(out, ws)
     _resolve_paths(out, train_files, val_files, run_dir)
     total = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+    if cfg.async_training.mode == "fully_async" and cfg.rollout.total_rollout_steps:  # prompts to generate
+        total = max(1, int(cfg.rollout.total_rollout_steps) // int(cfg.data.train_batch_size))
     trainer.total_training_steps = int(total)
     out.actor_rollout_ref.actor.optim.total_training_steps = int(total)
     out.critic.optim.total_training_steps = int(total)
     OmegaConf.resolve(out)
     OmegaConf.set_readonly(out, True)
     return out
+
+
+def _auto_backend(cfg: DictConfig) -> str:
+    """local for one rank; with a rollout pool of its own, process on one machine; else ray."""
+    if cfg.async_training.mode != "sync":
+        return "process" if int(cfg.trainer.nnodes) == 1 and int(cfg.rollout.nnodes) == 1 else "ray"
+    return "local" if world_size(cfg) == 1 else "ray"
 
 
 def auto_choices(cfg: DictConfig, resolved: DictConfig) -> list[str]:

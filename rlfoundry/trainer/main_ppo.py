@@ -33,6 +33,7 @@ from rlfoundry.trainer.config import (
     need_reference_policy,
     resolve_asset_path,
     resolve_config,
+    rollout_world_size,
     schema_keys,
 )
 
@@ -200,12 +201,18 @@ def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_fil
 
 
 def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
-    """Role name → worker class with init args. Every role shares one process per rank (colocated)."""
+    """Role name → worker class with init args. Every role shares one process per rank (colocated);
+    with a rollout pool of its own, the trainer's policy role drops ``rollout`` (``actor`` or
+    ``actor_ref``) and the class list gains ``rollout``, built in the rollout pool."""
     from rlfoundry.single_controller.base import ClassWithInitArgs
     from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
 
-    role = "actor_rollout_ref" if need_reference_policy(cfg) else "actor_rollout"
+    apart = rollout_world_size(cfg) > 0
+    role = ("actor_ref" if apart else "actor_rollout_ref") if need_reference_policy(cfg) else (
+        "actor" if apart else "actor_rollout")
     classes = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role=role)}
+    if apart:
+        classes["rollout"] = ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="rollout")
     if cfg.critic.enable:
         from rlfoundry.workers.critic import CriticWorker
 
@@ -238,29 +245,41 @@ def local_factory(cfg: DictConfig):
     """In-process back end: world size 1, the workers live in this process (breakpoints work)."""
     from rlfoundry.single_controller import LocalWorkerGroup, create_colocated_worker_cls
 
-    def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
+    def build(classes: dict[str, ClassWithInitArgs], pool: str = "global_pool") -> dict[str, WorkerGroup]:
         return LocalWorkerGroup(create_colocated_worker_cls(classes, _runtime(cfg)),
-                                name_prefix="global_pool").spawn(classes.keys())
+                                name_prefix=pool).spawn(classes.keys())
 
     return build
 
 
-def process_factory(cfg: DictConfig):
-    """One machine without Ray: rank 0 in this process, n_gpus_per_node - 1 child processes."""
-    from rlfoundry.single_controller import create_colocated_worker_cls
-    from rlfoundry.single_controller.process import ProcessWorkerGroup
+def _pool_ranks(cfg: DictConfig, pool: str) -> tuple[int, int]:
+    """(nnodes, processes per node) of ``global_pool`` (the trainer's) or ``rollout_pool``."""
+    node = cfg.rollout if pool == "rollout_pool" else cfg.trainer
+    return int(node.nnodes), int(node.n_gpus_per_node)
 
-    def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
-        group = ProcessWorkerGroup(create_colocated_worker_cls(classes, _runtime(cfg)), int(cfg.trainer.n_gpus_per_node),
-                                   name_prefix="global_pool", call_timeout_s=cfg.trainer.worker_call_timeout_s,
-                                   start_method=cfg.trainer.process_start_method, preload=lambda: _preload(cfg))
+
+def process_factory(cfg: DictConfig):
+    """One machine without Ray: rank 0 in this process, n_gpus_per_node - 1 child processes. A
+    rollout pool of its own runs wholly in child processes (the driver hosts the trainer's rank 0)
+    and the machine's cores are shared out over both pools' processes."""
+    from rlfoundry.single_controller import create_colocated_worker_cls
+    from rlfoundry.single_controller.process import ProcessWorkerGroup, threads_per_rank
+
+    def build(classes: dict[str, ClassWithInitArgs], pool: str = "global_pool") -> dict[str, WorkerGroup]:
+        ranks = _pool_ranks(cfg, pool)[1]
+        total = int(cfg.trainer.n_gpus_per_node) + rollout_world_size(cfg)
+        group = ProcessWorkerGroup(create_colocated_worker_cls(classes, _runtime(cfg)), ranks,
+                                   name_prefix=pool, call_timeout_s=cfg.trainer.worker_call_timeout_s,
+                                   start_method=cfg.trainer.process_start_method, preload=lambda: _preload(cfg),
+                                   host_rank_zero=pool == "global_pool", threads=threads_per_rank(total))
         return group.spawn(classes.keys())
 
     return build
 
 
 def ray_factory(cfg: DictConfig):
-    """Ray back end: one pool of nnodes × n_gpus_per_node processes, every role colocated in each."""
+    """Ray back end: one pool of nnodes × n_gpus_per_node processes, every role colocated in each; with
+    a rollout pool of its own (``rollout.*``), a second pool for it."""
     from rlfoundry.single_controller import (
         RayClassWithInitArgs,
         RayWorkerGroup,
@@ -270,16 +289,25 @@ def ray_factory(cfg: DictConfig):
         init_ray,
     )
 
-    def build(classes: dict[str, ClassWithInitArgs]) -> dict[str, WorkerGroup]:
-        trainer = cfg.trainer
-        init_ray(num_cpus=cfg.ray_init.get("num_cpus"))
-        manager = ResourcePoolManager({"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)},
-                                      {Role.ActorRollout: "global_pool"}, use_gpu=trainer.device == "cuda")
-        manager.create_resource_pool()
+    managers: list[ResourcePoolManager] = []
+
+    def manager() -> ResourcePoolManager:
+        if not managers:  # both pools at once: the resource check sees the whole demand
+            trainer = cfg.trainer
+            init_ray(num_cpus=cfg.ray_init.get("num_cpus"))
+            spec, mapping = {"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)}, {Role.ActorRollout: "global_pool"}
+            if rollout_world_size(cfg):
+                spec["rollout_pool"] = [int(cfg.rollout.n_gpus_per_node)] * int(cfg.rollout.nnodes)
+                mapping[Role.Rollout] = "rollout_pool"
+            managers.append(ResourcePoolManager(spec, mapping, use_gpu=trainer.device == "cuda"))
+            managers[0].create_resource_pool()
+        return managers[0]
+
+    def build(classes: dict[str, ClassWithInitArgs], pool: str = "global_pool") -> dict[str, WorkerGroup]:
+        role = Role.Rollout if pool == "rollout_pool" else Role.ActorRollout
         ray_classes = {k: RayClassWithInitArgs(c.cls, *c.args, **c.kwargs) for k, c in classes.items()}
-        group = RayWorkerGroup(manager.get_resource_pool(Role.ActorRollout),
-                               create_colocated_worker_cls(ray_classes, _runtime(cfg)),
-                               name_prefix="global_pool", call_timeout_s=trainer.worker_call_timeout_s)
+        group = RayWorkerGroup(manager().get_resource_pool(role), create_colocated_worker_cls(ray_classes, _runtime(cfg)),
+                               name_prefix=pool, call_timeout_s=cfg.trainer.worker_call_timeout_s)
         return group.spawn(classes.keys())
 
     return build
@@ -302,7 +330,6 @@ def build_trainer(cfg: DictConfig):
     import torch
 
     from rlfoundry.rewards import load_reward_manager
-    from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
 
     check_startup_paths(cfg)
     run_dir = run_dir_of(cfg)
@@ -323,10 +350,39 @@ def build_trainer(cfg: DictConfig):
     val_reward_fn = load_reward_manager(resolved, tokenizer, num_examine=1)
     factories = {"local": local_factory, "process": process_factory, "ray": ray_factory}
     factory = factories[resolved.trainer.worker_backend](resolved)
-    trainer = RayPPOTrainer(resolved, tokenizer, factory, worker_classes(resolved), reward_fn, val_reward_fn,
-                            train_loader, val_loader)
+    gen = int(resolved.data.gen_batch_size)
+    if resolved.async_training.mode == "fully_async" and gen != int(resolved.data.train_batch_size):
+        # the rollouter draws gen_batch_size prompts at a time
+        train_loader = _reloaded(train_loader, resolved, gen)
+    trainer = trainer_class(resolved)(resolved, tokenizer, factory, worker_classes(resolved), reward_fn, val_reward_fn,
+                                      train_loader, val_loader)
     trainer.init_workers()
     return trainer
+
+
+def trainer_class(cfg: DictConfig) -> type:
+    """``async_training.mode``: sync → RayPPOTrainer, one_step_off / fully_async → their pipelines."""
+    mode = cfg.async_training.mode
+    if mode == "one_step_off":
+        from rlfoundry.trainer.ppo.one_step_off import OneStepOffPPOTrainer
+
+        return OneStepOffPPOTrainer
+    if mode == "fully_async":
+        from rlfoundry.trainer.ppo.fully_async import FullyAsyncPPOTrainer
+
+        return FullyAsyncPPOTrainer
+    from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    return RayPPOTrainer
+
+
+def _reloaded(loader: Any, cfg: DictConfig, batch_size: int) -> Any:
+    """The same data set, order and seed, drawn ``batch_size`` prompts at a time."""
+    from rlfoundry.data import build_dataloader
+
+    data = cfg.data
+    return build_dataloader(loader.dataset, batch_size=batch_size, shuffle=bool(data.shuffle), seed=int(data.seed),
+                            num_workers=int(data.dataloader_num_workers), drop_last=True)
 
 
 def _import_external_lib(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ for the rollout engine's weight loader; no disk round trip, and at most one buck
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,11 +48,25 @@ class CheckpointEngine:
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, bucket_megabytes: float = 512,
-                timeout_s: float = 600.0) -> CheckpointEngine:
-        """Rank 0 (the trainer's sender) hosts the store; ``world_size`` = 1 + rollout ranks."""
-        store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+                timeout_s: float = 600.0, store: dist.Store | None = None) -> CheckpointEngine:
+        """Rank 0 (the trainer's sender) hosts the store (``store``: one ``open_store`` opened
+        already); ``world_size`` = 1 + rollout ranks. Blocks until every member has connected."""
+        if store is None:
+            store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
+                                  timeout=timedelta(seconds=timeout_s))
         group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
         return cls(group, rank, world_size, bucket_megabytes)
+
+    @staticmethod
+    def open_store(host: str, timeout_s: float = 600.0) -> tuple[dist.TCPStore, int]:
+        """The sender's store, listening now on a port of its own choosing (no free-port race)."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+                              timeout=timedelta(seconds=timeout_s))
+        return store, port
 
     # ---- the sender -----------------------------------------------------------------------
 

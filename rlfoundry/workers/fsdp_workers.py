@@ -1,9 +1,11 @@
 """``ActorRolloutRefWorker``: the hybrid worker holding the policy, its rollout engine and the reference.
 
-One class, several roles (verl's hybrid engine): ``actor``, ``rollout``, ``ref``,
+One class, several roles (verl's hybrid engine): ``actor``, ``rollout``, ``ref``, ``actor_ref``,
 ``actor_rollout`` and ``actor_rollout_ref``. The actor and the HF rollout share one FSDP2 module, so
 generation always sees the latest weights without a copy; the reference is a separate frozen model
-loaded from the same path, built only when the role includes ``ref``.
+loaded from the same path, built only when the role includes ``ref``. A rollout pool of its own
+(``rollout`` alone: the asynchronous pipelines) holds a whole replica per rank that the trainer's
+``send_weights`` refreshes through the checkpoint engine.
 
 Driver-facing methods (dispatch mode in brackets):
 
@@ -15,6 +17,8 @@ Driver-facing methods (dispatch mode in brackets):
 | ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
+| ``open_weight_bridge`` [RANK_ZERO], ``connect_weight_bridge`` [ONE_TO_ALL] | — / host, port, rollout ranks | (host, port) / — |
+| ``send_weights`` (trainer) / ``receive_weights`` (rollout pool) [ONE_TO_ALL] | — | transfer sizes / — |
 
 ``config`` is the ``actor_rollout_ref`` subtree with verl's keys (a DictConfig, a dict of the keys to
 change, or an ``ActorRolloutRefConfig``); the worker keeps it typed, with the schema's defaults filled in.
@@ -22,6 +26,8 @@ change, or an ``ActorRolloutRefConfig``); the worker keeps it typed, with the sc
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -45,7 +51,7 @@ from rlfoundry.models import cpu_kernels
 
 __all__ = ["ActorRolloutRefWorker", "ROLES", "export_megatron_checkpoint"]
 
-ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
 
 def export_megatron_checkpoint(local_path: str | Path, out_path: str | Path) -> Path:
@@ -74,9 +80,9 @@ class ActorRolloutRefWorker(Worker):
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = to_typed(ActorRolloutRefConfig, config, name="actor_rollout_ref")
         self.role = role
-        self._is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self._is_actor = role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self._is_ref = role in ("ref", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
         self._rollout_cls = get_rollout_class(self.config.rollout.name) if self._is_rollout else None
         self.actor_sizes = self._actor_batch_sizes() if self._is_actor else None
         self.actor: DataParallelPPOActor | None = None
@@ -84,6 +90,8 @@ class ActorRolloutRefWorker(Worker):
         self.ref_policy: DataParallelPPOActor | None = None
         self.engine: FSDPEngine | None = None
         self.agent_loop: Any = None  # rollout.multi_turn.enable: tool-calling trajectories over self.rollout
+        self._bridge: Any = None  # a rollout pool of its own: the CheckpointEngine joining it to the trainer
+        self._bridge_store: Any = None
 
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
@@ -128,10 +136,15 @@ class ActorRolloutRefWorker(Worker):
         eos_ids = sorted({int(e) for e in eos if e is not None})
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         # no HF module (a Megatron actor and vLLM): the engine reads the config from the model
-        # directory and takes the weights from the actor's engine, HF-named, tensor by tensor
-        extra = {} if module is not None else {"model_path": resolve_model_path(self.config.model.path),
-                                               "weight_source": self.engine.iter_hf_weights}
-        return self._rollout_cls(module, self.config.rollout, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
+        # directory and takes the weights from the actor's engine, HF-named, tensor by tensor; a
+        # rollout pool of its own (no actor here) loads the checkpoint and then receives syncs
+        config, extra = self.config.rollout, {}
+        if module is None and self.engine is not None:
+            extra = {"model_path": resolve_model_path(self.config.model.path), "weight_source": self.engine.iter_hf_weights}
+        elif module is None:
+            extra = {"model_path": resolve_model_path(self.config.model.path)}
+            config = dataclasses.replace(config, load_format="auto")
+        return self._rollout_cls(module, config, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
                                  cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device), **extra)
 
     def _megatron_engine(self, megatron: Any, trainable: bool, role: str) -> Any:
@@ -144,8 +157,10 @@ class ActorRolloutRefWorker(Worker):
     def _rollout_module(self) -> torch.nn.Module | None:
         """The module the rollout samples from (HF) or syncs from (vLLM): the actor's own under FSDP;
         under Megatron, for the HF engine an HF copy of the policy that ``update_actor`` refreshes
-        tensor by tensor from the Megatron weights, and for vLLM none (it loads the same stream)."""
-        if self.config.actor.strategy != "megatron":
+        tensor by tensor from the Megatron weights, and for vLLM none (it loads the same stream).
+        A rollout pool of its own (role ``rollout``) holds such a copy too: a whole replica per rank,
+        refreshed by ``receive_weights``."""
+        if self.config.actor.strategy != "megatron" and self.engine is not None:
             return self.engine.module
         if self.config.rollout.name != "hf":
             return None
@@ -168,16 +183,16 @@ class ActorRolloutRefWorker(Worker):
         path = check_model_dir(model.path)  # a bad path fails before any loading
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
         seed = self.config.rollout.seed
-        if self._is_actor or self._is_rollout:
+        if self._is_actor:
             if self.config.actor.strategy == "megatron":
                 self.engine = self._megatron_engine(self.config.actor.megatron, self._is_actor, "actor")
             else:
                 self.engine = FSDPEngine.build(self._engine_config(self.config.actor.fsdp_config, self._is_actor),
                                                self.device, role="actor")
             self.actor = DataParallelPPOActor(self.config.actor, self.engine, self.actor_sizes, seed=seed)
-            if self._is_rollout:
-                self.rollout = self._build_rollout(self._rollout_module())
-                self.agent_loop = self._build_agent_loop()
+        if self._is_rollout:
+            self.rollout = self._build_rollout(self._rollout_module())
+            self.agent_loop = self._build_agent_loop()
         if self._is_ref:
             if self.config.ref.strategy == "megatron":
                 ref_engine = self._megatron_engine(self.config.ref.megatron, False, "ref")
@@ -304,6 +319,51 @@ class ActorRolloutRefWorker(Worker):
     def _update_policy(self, data: DataProto) -> dict[str, list[float]]:
         faults.inject("update_actor", tensors=data.batch, nan_key="advantages")  # tests only (utils/faults.py)
         return self.actor.update_policy(data)
+
+    # ---- weights to a rollout pool of its own (workers/checkpoint_engine.py) ---------------
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def open_weight_bridge(self) -> tuple[str, int]:
+        """On the trainer's rank 0: open the bridge's store; its (host, port) for ``connect_weight_bridge``."""
+        from rlfoundry.workers.checkpoint_engine import CheckpointEngine
+
+        self._require(self.actor, "open_weight_bridge")
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._bridge_store, port = CheckpointEngine.open_store(host, self.runtime.dist_timeout_s)
+        return host, port
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def connect_weight_bridge(self, host: str, port: int, rollout_ranks: int) -> None:
+        """Join the bridge (collective with the other pool): the trainer's rank 0 is its rank 0, rollout
+        rank r its rank 1 + r; the trainer's other ranks only help gather the full tensors."""
+        from rlfoundry.workers.checkpoint_engine import CheckpointEngine
+
+        self._bridge = None
+        if self._is_actor and self.rank != 0:
+            return
+        bridge_rank = 0 if self._is_actor else 1 + self.rank
+        ce = self.config.rollout.checkpoint_engine
+        self._bridge = CheckpointEngine.connect(host, port, bridge_rank, 1 + rollout_ranks,
+                                                ce.update_weights_bucket_megabytes, self.runtime.dist_timeout_s,
+                                                store=self._bridge_store)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self) -> dict[str, float]:
+        """The trainer's side of a sync: every rank gathers (FSDP2 full tensors are collective), rank 0 sends."""
+        self._require(self.actor, "send_weights")
+        weights = self.engine.iter_hf_weights()
+        if self._bridge is None:
+            for _ in weights:  # the gather needs every rank
+                pass
+            return {}
+        stats = self._bridge.send(weights)
+        return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> None:
+        """The rollout's side of a sync: the trainer's tensors into the rollout engine, one at a time."""
+        self._require(self.rollout, "receive_weights")
+        self.rollout.sync_weights(self._bridge.receive())
 
     # ---- checkpoints -------------------------------------------------------------------
 

@@ -130,14 +130,20 @@ def make_group_method(group: WorkerGroup, remote_name: str, spec: MethodSpec):
     """The group-side method: dispatch → execute → collect (collect deferred when not blocking)."""
     dispatch_fn, collect_fn = DISPATCH_TABLE[spec.dispatch_mode]
 
-    def call(*args, **kwargs):
+    def start(*args, **kwargs) -> WorkerFuture:
         args, kwargs = _resolve_futures(args), dict(zip(kwargs, _resolve_futures(kwargs.values())))
         calls = dispatch_fn(group, *args, **kwargs)
         handles = group._execute(remote_name, calls, spec.execute_mode)
-        future = WorkerFuture(group, remote_name, handles, lambda outs: collect_fn(group, outs, calls.pad_size))
+        return WorkerFuture(group, remote_name, handles, lambda outs: collect_fn(group, outs, calls.pad_size))
+
+    def call(*args, **kwargs):
+        future = start(*args, **kwargs)
         return future.get() if spec.blocking else future
 
     call.__name__ = remote_name
+    # ``group.method.future(...)``: start the call and return its WorkerFuture whatever ``blocking``
+    # says (two pools working at once: a rollout generating while the trainer updates)
+    call.future = start
     return call
 
 

@@ -247,14 +247,43 @@ class RayPPOTrainer:
     # ---- workers -------------------------------------------------------------------------------
 
     def init_workers(self) -> None:
-        """Start the worker groups (all roles colocated, one process per rank) and load the models."""
-        groups = self._factory(self._worker_classes)
+        """Start the worker groups (all roles colocated, one process per rank) and load the models.
+
+        With a ``rollout`` class (the asynchronous pipelines) the rollout gets a pool of its own,
+        joined to the trainer's by the checkpoint engine; ``self.rollout_wg`` generates either way."""
+        classes = dict(self._worker_classes)
+        rollout_cls = classes.pop("rollout", None)
+        # the rollout pool first: its processes start before this one hosts any rank of the trainer's
+        self.rollout_wg = self._factory({"rollout": rollout_cls}, pool="rollout_pool")["rollout"] if rollout_cls else None
+        groups = self._factory(classes)
         self.actor_rollout_wg = groups["actor_rollout"]
         self.critic_wg = groups.get("critic")
         self.rm_wg = groups.get("rm")
-        for wg in (self.actor_rollout_wg, self.critic_wg, self.rm_wg):
+        for wg in (self.rollout_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg):
             if wg is not None:
                 wg.init_model()
+        if self.rollout_wg is None:
+            self.rollout_wg = self.actor_rollout_wg
+        else:
+            host, port = self.actor_rollout_wg.open_weight_bridge()
+            # the rollout side first: the process back end runs the trainer's rank 0 in this thread
+            joined = self.rollout_wg.connect_weight_bridge.future(host, port, self.rollout_wg.world_size)
+            self.actor_rollout_wg.connect_weight_bridge(host, port, self.rollout_wg.world_size)
+            joined.get()
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.rollout_wg is not self.actor_rollout_wg
+
+    def _sync_weights(self, timing: dict) -> dict[str, float]:
+        """The trainer's weights into the rollout pool (checkpoint engine); nothing when colocated."""
+        if not self.disaggregated:
+            return {}
+        with marked_timer("sync_weights", timing):
+            received = self.rollout_wg.receive_weights.future()
+            stats = self.actor_rollout_wg.send_weights()[0]
+            received.get()
+        return {"async/sync_megabytes": stats["bytes"] / 2**20, "async/sync_buckets": float(stats["buckets"])}
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -265,6 +294,8 @@ class RayPPOTrainer:
 
         start = time.time()
         self._load_checkpoint()
+        if self.state.resumed_from:
+            self._sync_weights({})  # a rollout pool of its own takes the restored weights
         self.tracker = self._make_tracker()
         # Not on resume: the checkpoint holds the first validation, and an extra generation pass here
         # would move the sampling RNG, so step k+1 would differ from the uninterrupted run's.
@@ -314,17 +345,22 @@ class RayPPOTrainer:
             if empty_passes > 1:
                 raise RuntimeError("the training data loader yields no batches")
 
+    def _validates_or_saves(self, step: int) -> tuple[bool, bool]:
+        trainer, last = self.config.trainer, step >= self.total_training_steps
+        validate = self.val_dataloader is not None and trainer.test_freq > 0 and (last or step % trainer.test_freq == 0)
+        return validate, trainer.save_freq > 0 and (last or step % trainer.save_freq == 0)
+
     def _maybe_validate_and_save(self, step: int) -> dict[str, float]:
         from rlfoundry.trainer.reliability import checkpoint_save_guard
 
-        trainer, last = self.config.trainer, step >= self.total_training_steps
+        validate, save = self._validates_or_saves(step)
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
-        if self.val_dataloader is not None and trainer.test_freq > 0 and (last or step % trainer.test_freq == 0):
+        if validate:
             with marked_timer("testing", timing):
                 metrics |= self._validate()
             self.state.last_val = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
-        if trainer.save_freq > 0 and (last or step % trainer.save_freq == 0):
+        if save:
             with marked_timer("save_checkpoint", timing), checkpoint_save_guard(self._ckpt_root(), step):
                 self._save_checkpoint()
         return metrics | {f"timing_s/{k}": v for k, v in timing.items()}
@@ -341,16 +377,43 @@ class RayPPOTrainer:
             else:
                 batch = self._generate(batch_dict, timing)
                 batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702 - one line per phase
-            batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
-            batch = self._ref_log_prob(batch, timing)
-            batch = self._values(batch, timing)
-            batch, m = self._advantage(batch, timing); metrics |= m  # noqa: E702
-            metrics |= self._update_critic(batch, timing)
-            metrics |= self._update_actor(batch, timing)
-        metrics |= compute_data_metrics(batch, use_critic=self.use_critic)
-        metrics |= compute_timing_metrics(batch, timing)
-        metrics |= compute_throughout_metrics(batch, timing, n_gpus=self.world_size)
-        return metrics
+            batch, m = self._train_on(batch, timing); metrics |= m  # noqa: E702
+        return metrics | self._step_metrics(batch, timing)
+
+    def _train_on(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """Everything after the rewards: old / ref log-probs, values, advantages, the updates."""
+        metrics: dict[str, float] = {}
+        if self.config.trainer.rollout_data_dir:
+            self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir))
+        batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
+        batch = self._ref_log_prob(batch, timing)
+        batch = self._values(batch, timing)
+        batch, m = self._advantage(batch, timing); metrics |= m  # noqa: E702
+        metrics |= self._update_critic(batch, timing)
+        metrics |= self._update_actor(batch, timing)
+        return batch, metrics
+
+    def _dump_generations(self, batch: DataProto, directory: Path) -> None:
+        """``trainer.rollout_data_dir``: what this step trains on, one JSON line per sample, in
+        ``<step>.jsonl`` (verl's fields: input, output, gts, score, step; and the row's data-set index)."""
+        import json
+
+        directory.mkdir(parents=True, exist_ok=True)
+        decode = lambda key: self.tokenizer.batch_decode(batch.batch[key], skip_special_tokens=True)  # noqa: E731
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        rows = batch.non_tensor_batch
+        with open(directory / f"{self.state.global_steps}.jsonl", "w") as f:
+            for i, (prompt, response) in enumerate(zip(decode("prompts"), decode("responses"))):
+                info = rows["extra_info"][i] if "extra_info" in rows else None
+                line = {"input": prompt, "output": response, "score": scores[i], "step": self.state.global_steps,
+                        "gts": (rows["reward_model"][i] or {}).get("ground_truth") if "reward_model" in rows else None,
+                        "index": info.get("index") if isinstance(info, dict) else None}
+                f.write(json.dumps(line, default=str) + "\n")
+
+    def _step_metrics(self, batch: DataProto, timing: dict) -> dict[str, float]:
+        workers = self.world_size + (self.rollout_wg.world_size if self.disaggregated else 0)
+        return (compute_data_metrics(batch, use_critic=self.use_critic) | compute_timing_metrics(batch, timing)
+                | compute_throughout_metrics(batch, timing, n_gpus=workers))
 
     def _informative_batch(self, batch_dict: dict, more_batches: Iterator[dict] | None,
                            timing: dict) -> tuple[DataProto, dict[str, float]]:
@@ -410,13 +473,21 @@ class RayPPOTrainer:
 
     def _generate(self, batch_dict: dict, timing: dict, balance: bool = True) -> DataProto:
         """Sample n responses per prompt (interleaved rows); ReMax also scores a greedy baseline."""
+        prompts = self._prompts(batch_dict)
+        with marked_timer("gen", timing):
+            batch = self.rollout_wg.generate_sequences(prompts)
+            if self.config.algorithm.adv_estimator == "remax":
+                batch.batch["reward_baselines"] = self._greedy_baseline(prompts)
+        return self._generated(batch, balance)
+
+    @staticmethod
+    def _prompts(batch_dict: dict) -> DataProto:
         prompts = trim_prompt_padding(DataProto.from_single_dict(batch_dict))
         # one id per prompt: its n samples share it, so group estimators (GRPO, RLOO ...) find them
         prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
-        with marked_timer("gen", timing):
-            batch = self.actor_rollout_wg.generate_sequences(prompts)
-            if self.config.algorithm.adv_estimator == "remax":
-                batch.batch["reward_baselines"] = self._greedy_baseline(prompts)
+        return prompts
+
+    def _generated(self, batch: DataProto, balance: bool = True) -> DataProto:
         if "response_mask" not in batch.batch.keys():
             batch.batch["response_mask"] = compute_response_mask(batch)
         return self._finish_generation(batch) if balance else batch
@@ -434,7 +505,7 @@ class RayPPOTrainer:
             tensors=dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch),
             meta_info={"do_sample": False, "n": 1},
         )
-        greedy = self.actor_rollout_wg.generate_sequences(greedy_in)
+        greedy = self.rollout_wg.generate_sequences(greedy_in)
         if "response_mask" not in greedy.batch.keys():
             greedy.batch["response_mask"] = compute_response_mask(greedy)
         scores = self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
@@ -566,8 +637,8 @@ class RayPPOTrainer:
         val_n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
         prompts.meta_info.update({"validate": True, "n": val_n})
         prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
-        padded, pad = pad_dataproto_to_divisor(prompts, self.world_size)
-        out = self.actor_rollout_wg.generate_sequences(padded)
+        padded, pad = pad_dataproto_to_divisor(prompts, self.rollout_wg.world_size)
+        out = self.rollout_wg.generate_sequences(padded)
         out = unpad_dataproto(out, pad * val_n)
         if "response_mask" not in out.batch.keys():
             out.batch["response_mask"] = compute_response_mask(out)

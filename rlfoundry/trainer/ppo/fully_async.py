@@ -1,0 +1,291 @@
+"""Fully asynchronous PPO (verl's ``fully_async_ppo_trainer``): a rollouter streams generated
+samples into a bounded queue while the trainer trains on what is there.
+
+    rollouter (a driver thread, the rollout pool):  prompts → generate → queue   (repeat)
+    trainer   (the driver's main thread):           take B prompts' samples from the queue → rewards
+              → old/ref log-probs, advantages, update; every T steps: pause the rollouter, send the
+              weights (checkpoint engine), version + 1, resume
+
+B = ``async_training.require_batches × actor.ppo_mini_batch_size`` prompts per step, T =
+``trigger_parameter_sync_step``; the rollouter asks the engine for ``data.gen_batch_size`` prompts
+(× ``rollout.n`` samples) at a time. The version is the number of weight syncs so far.
+
+**Staleness bound.** The trainer takes samples in the order they were generated, so the step, and the
+version, that will train the j-th prompt is known when it is generated: version ⌊j / (B·T)⌋. The
+rollouter generates prompt j under version v only if j < B·T·(v + 1 + s), s =
+``staleness_threshold`` — verl's rule that a version generates at most (1 + s) sync periods' worth of
+prompts. So every sample's staleness (the trainer's version when it trains the sample minus the
+version that sampled it) is at most ⌈s⌉; with s = 0 the pipeline trains on what the synchronous
+trainer would, in the same order. Nothing is dropped: the rollouter waits instead (its idle time is
+reported). A sync waits for the rollouter's generation in flight (no partial rollout yet).
+
+**Checkpoints** store the loader's position before the oldest prompt not yet trained (queued or
+in flight): a resumed run generates those again under the restored weights — none trained twice,
+none skipped; the resumed run says how many.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.trainer.metric_utils import marked_timer
+from rlfoundry.trainer.ppo.one_step_off import staleness_metrics
+from rlfoundry.trainer.ppo.ray_trainer import TRAINER_STATE_FILE, RayPPOTrainer, _concat_generations
+from rlfoundry.utils.errors import RunAbortedError
+
+__all__ = ["FullyAsyncPPOTrainer", "Rollouter"]
+
+
+@dataclass
+class _Item:
+    batch: DataProto  # n samples per prompt, response_mask set
+    prompts: int
+    version: int  # weight syncs reflected in the weights that sampled it
+    loader_state: dict  # the loader before these prompts were drawn
+
+
+class Rollouter:
+    """The generating side: a thread that fills a queue under the staleness bound.
+
+    ``generate(batch_dict) -> DataProto``; ``batches``: (loader state before, batch_dict) pairs;
+    ``first_index``: prompts trained before this run started (a resumed run); ``total_prompts``:
+    where to stop. ``per_sync`` = B·T prompts. Every method but the thread's own is for the trainer.
+    """
+
+    def __init__(self, generate: Callable[[dict], DataProto], batches: Iterator[tuple[dict, dict]], *,
+                 per_sync: int, staleness_threshold: float, first_index: int, total_prompts: int, version: int):
+        self._generate, self._batches = generate, batches
+        self.per_sync, self.staleness, self.total = per_sync, float(staleness_threshold), total_prompts
+        self.index, self.version = first_index, version  # next prompt's index; the rollout's weights
+        self._cond = threading.Condition()
+        self._queue: deque[_Item] = deque()
+        self._paused = self._busy = self._stop = self._finished = False
+        self._error: BaseException | None = None
+        self._idle_s = self._gen_s = 0.0  # since the last stats() call
+        self._current_state: Callable[[], dict] | None = None
+        self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
+
+    # ---- the thread ---------------------------------------------------------------------
+
+    def _allowed(self, prompts: int) -> bool:
+        return self.index + prompts <= math.floor(self.per_sync * (self.version + 1 + self.staleness) + 1e-9)
+
+    def _run(self) -> None:
+        try:
+            while self.index < self.total:
+                version = self._wait_turn()
+                if version is None:
+                    return
+                start = time.monotonic()
+                loader_state, batch_dict = next(self._batches)
+                prompts = len(batch_dict["input_ids"])
+                out = self._generate(batch_dict)
+                with self._cond:
+                    self._busy = False
+                    self._gen_s += time.monotonic() - start
+                    self._queue.append(_Item(out, prompts, version, loader_state))
+                    self.index += prompts
+                    self._cond.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
+            with self._cond:
+                self._error = err
+        finally:
+            with self._cond:
+                self._busy, self._finished = False, True
+                self._cond.notify_all()
+
+    def _wait_turn(self) -> int | None:
+        """Wait until not paused and the bound allows the next prompts; the version to sample with."""
+        start = time.monotonic()
+        with self._cond:
+            while not self._stop and (self._paused or not self._allowed(self._next_size)):
+                self._cond.wait()
+            self._idle_s += time.monotonic() - start
+            if self._stop:
+                return None
+            self._busy = True
+            return self.version
+
+    # ---- the trainer's side ---------------------------------------------------------------
+
+    def start(self, next_size: int) -> None:
+        self._next_size = next_size
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=1.0)
+
+    def take(self, prompts: int, timeout_s: float | None) -> list[_Item]:
+        """The oldest ``prompts`` prompts' samples; raises the rollouter's error, or after ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while sum(item.prompts for item in self._queue) < prompts:
+                if self._error is not None:
+                    raise self._error
+                if self._finished:
+                    raise RunAbortedError(f"the rollouter stopped after prompt {self.index} of {self.total} with "
+                                          f"fewer than the {prompts} prompts a step needs queued")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RunAbortedError(
+                        f"no samples from the rollout pool for {timeout_s:g} s (trainer.worker_call_timeout_s): "
+                        f"{len(self._queue)} queued, rollouter {'generating' if self._busy else 'waiting'} at "
+                        f"version {self.version}; a rollout worker may be stuck.")
+                self._cond.wait(timeout=left)
+            taken, count = [], 0
+            while count < prompts:
+                taken.append(self._queue.popleft())
+                count += taken[-1].prompts
+            self._cond.notify_all()
+            return taken
+
+    def pause(self) -> float:
+        """Stop after the generation in flight (waited for); returns the seconds waited."""
+        start = time.monotonic()
+        with self._cond:
+            self._paused = True
+            while self._busy:
+                if self._error is not None:
+                    raise self._error
+                self._cond.wait(timeout=1.0)
+        return time.monotonic() - start
+
+    def resume(self, version: int | None = None) -> None:
+        with self._cond:
+            if version is not None:
+                self.version = version
+            self._paused = False
+            self._cond.notify_all()
+
+    def queued_prompts(self) -> int:
+        with self._cond:
+            return sum(item.prompts for item in self._queue)
+
+    def position(self, current: Callable[[], dict]) -> tuple[dict, int]:
+        """(loader state before the oldest untrained prompt, prompts it leaves to regenerate); paused only."""
+        with self._cond:
+            if self._busy:
+                raise RuntimeError("Rollouter.position needs the rollouter paused")
+            if self._queue:
+                return self._queue[0].loader_state, sum(item.prompts for item in self._queue)
+            return current(), 0
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            out = {"timing_s/rollouter_idle": self._idle_s, "timing_s/rollouter_gen": self._gen_s}
+            self._idle_s = self._gen_s = 0.0
+        return out
+
+
+class FullyAsyncPPOTrainer(RayPPOTrainer):
+    """The synchronous trainer's phases on samples a ``Rollouter`` streams from a pool of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        at = self.config.async_training
+        self.step_prompts = int(self.config.data.train_batch_size)
+        self.sync_every = int(at.trigger_parameter_sync_step)
+        self.rollouter: Rollouter | None = None
+
+    def fit(self) -> dict[str, Any]:
+        try:
+            return super().fit()
+        finally:
+            if self.rollouter is not None:
+                self.rollouter.stop()
+
+    def _batches(self) -> Iterator[tuple[int, dict | None]]:
+        per_epoch = max(1, len(self.train_dataloader.dataset) // self.step_prompts)
+        while self.state.global_steps < self.total_training_steps:
+            yield self.state.global_steps // per_epoch, None  # the samples come from the rollouter
+
+    def _loader_batches(self) -> Iterator[tuple[dict, dict]]:
+        """(state before, batch) across epochs; an epoch a restored loader has finished yields nothing."""
+        empty = 0
+        while True:
+            yielded = False
+            state = self.train_dataloader.state_dict()
+            for batch_dict in self.train_dataloader:
+                yielded = True
+                yield state, batch_dict
+                state = self.train_dataloader.state_dict()
+            empty = 0 if yielded else empty + 1
+            if empty > 1:
+                raise RuntimeError("the training data loader yields no batches")
+
+    def _start_rollouter(self) -> None:
+        done = self.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
+        gen = int(self.config.data.gen_batch_size)
+
+        def generate(batch_dict: dict) -> DataProto:
+            return self._generated(self.rollout_wg.generate_sequences(self._prompts(batch_dict)), balance=False)
+
+        self.rollouter = Rollouter(generate, self._loader_batches(), per_sync=self.step_prompts * self.sync_every,
+                                   staleness_threshold=float(self.config.async_training.staleness_threshold),
+                                   first_index=done * self.step_prompts,
+                                   total_prompts=self.total_training_steps * self.step_prompts,
+                                   version=done // self.sync_every)
+        self.rollouter.start(gen)
+
+    def train_step(self, batch_dict: dict | None, more_batches: Iterator[dict] | None = None) -> dict[str, float]:
+        if self.rollouter is None:
+            self._start_rollouter()
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        with marked_timer("step", timing):
+            with marked_timer("wait_rollout", timing):
+                items = self.rollouter.take(self.step_prompts, self.config.trainer.worker_call_timeout_s)
+            version = (self.state.global_steps - 1) // self.sync_every
+            metrics |= staleness_metrics([version - it.version for it in items for _ in range(len(it.batch))])
+            batch = self._finish_generation(_concat_generations([it.batch for it in items], self._pad_id()))
+            batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702
+            batch, m = self._train_on(batch, timing); metrics |= m  # noqa: E702
+            if self.state.global_steps % self.sync_every == 0:
+                with marked_timer("wait_rollout_pause", timing):
+                    self.rollouter.pause()
+                metrics |= self._sync_weights(timing)
+                self.rollouter.resume(version=self.state.global_steps // self.sync_every)
+        metrics |= {"async/queue_prompts": float(self.rollouter.queued_prompts()),
+                    "async/param_version": float(self.rollouter.version)} | self.rollouter.stats()
+        return metrics | self._step_metrics(batch, timing)
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def _maybe_validate_and_save(self, step: int) -> dict[str, float]:
+        """Validation and checkpoints use the rollout pool and the loader: the rollouter pauses for them."""
+        if self.rollouter is None or not self._validates_or_saves(step):
+            return super()._maybe_validate_and_save(step)
+        self.rollouter.pause()
+        try:
+            return super()._maybe_validate_and_save(step)
+        finally:
+            self.rollouter.resume()
+
+    def _load_checkpoint(self) -> None:
+        from pathlib import Path
+
+        from rlfoundry.utils import checkpoint as ckpt
+
+        super()._load_checkpoint()
+        if self.state.resumed_from:
+            state = ckpt.load_trainer_state(Path(self.state.resumed_from) / TRAINER_STATE_FILE)
+            print(f"[rlfoundry] fully async: {state.get('regenerate_prompts', 0)} prompts that were queued or being "
+                  "generated at the save are generated again", flush=True)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        state = super()._trainer_state()
+        if self.rollouter is not None:
+            state["dataloader"], state["regenerate_prompts"] = self.rollouter.position(self.train_dataloader.state_dict)
+        return state

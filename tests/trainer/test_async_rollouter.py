@@ -1,0 +1,171 @@
+"""The asynchronous pipelines' pieces that need no model: the config keys and the ``Rollouter``.
+
+The rollouter is driven here by a trainer loop that sleeps at random (slow trainer / slow rollout
+schedules, seeded); its ``generate`` stands in for the rollout pool and sleeps at random too. The
+bound of ``fully_async.py`` must hold on every sample; prompts reach the trainer in loader order,
+each exactly once; a pause returns only once no generation is in flight.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.single_controller import WorkerDiedError
+from rlfoundry.trainer.config import ConfigError, load_config, resolve_config
+from rlfoundry.trainer.ppo.fully_async import Rollouter
+from rlfoundry.utils.errors import RunAbortedError
+
+
+def _load(*overrides: str, config_name: str | None = None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config(list(overrides), config_name=config_name)
+
+
+# ───────────────────────────────────── config ─────────────────────────────────────
+
+
+def test_fully_async_config_fills_verl_zero_batch_and_picks_the_process_backend():
+    cfg = _load(config_name="fully_async_ppo_trainer")
+    assert cfg.data.train_batch_size == 2 * 8  # require_batches × ppo_mini_batch_size (verl's 0)
+    resolved = resolve_config(cfg, steps_per_epoch=4, cuda_available=False)
+    assert resolved.trainer.worker_backend == "process"
+    assert resolved.actor_rollout_ref.actor.use_rollout_log_probs is False  # recomputed: the rollout lags
+    assert resolved.data.gen_batch_size == 4
+    prompts = resolve_config(_load("rollout.total_rollout_steps=64", config_name="fully_async_ppo_trainer"),
+                             steps_per_epoch=4, cuda_available=False)
+    assert prompts.trainer.total_training_steps == 64 // 16
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.n_gpus_per_node=1"], "only the asynchronous pipelines use"),
+    (["async_training.mode=one_step_off"], "set rollout.n_gpus_per_node >= 1"),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "trainer.worker_backend=local"],
+     "needs two worker pools"),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "async_training.partial_rollout=true"],
+     "partial_rollout=true .* not supported"),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"],
+     "filter_groups.enable=true is not supported"),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
+      "actor_rollout_ref.actor.use_rollout_log_probs=true"], "come from an older policy"),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=12"],
+     r"trains async_training.require_batches × actor.ppo_mini_batch_size = 8 prompts.*set it to 8"),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=0",
+      "data.gen_batch_size=3"], "data.gen_batch_size=3 must divide the 8 prompts"),
+])
+def test_async_config_errors_name_the_key_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(*overrides)
+
+
+# ───────────────────────────────────── the rollouter ─────────────────────────────────────
+
+
+def _prompt_batches(size: int):
+    """(loader state, batch) with prompt ids 0, 1, 2 ... in order; the state is the next id."""
+    start = 0
+    while True:
+        yield {"next": start}, {"input_ids": torch.arange(start, start + size).view(size, 1)}
+        start += size
+
+
+class _Rollout:
+    """Generation that takes a random while; checks that a pause never overlaps it."""
+
+    def __init__(self, rng: random.Random, slow: float):
+        self.rng, self.slow, self.running, self.calls = rng, slow, False, 0
+
+    def __call__(self, batch_dict: dict) -> DataProto:
+        self.running = True
+        self.calls += 1
+        time.sleep(self.rng.uniform(0, self.slow))
+        self.running = False
+        ids = batch_dict["input_ids"].repeat_interleave(2, dim=0)  # n = 2 samples per prompt
+        return DataProto.from_dict(tensors={"input_ids": ids})
+
+
+@pytest.mark.parametrize("staleness", [0.0, 0.5, 2.0])
+@pytest.mark.parametrize("seed, slow_rollout, slow_trainer", [(0, 0.01, 0.0), (1, 0.0, 0.01), (2, 0.005, 0.005)])
+def test_the_staleness_bound_holds_under_random_schedules(staleness, seed, slow_rollout, slow_trainer):
+    rng, step_prompts, sync_every, gen, steps = random.Random(seed), 4, 2, 2, 12
+    rollout = _Rollout(random.Random(seed + 100), slow_rollout)
+    rollouter = Rollouter(rollout, _prompt_batches(gen), per_sync=step_prompts * sync_every,
+                          staleness_threshold=staleness, first_index=0, total_prompts=steps * step_prompts, version=0)
+    rollouter.start(gen)
+    seen, worst, deepest = [], 0, 0
+    try:
+        for step in range(1, steps + 1):
+            items = rollouter.take(step_prompts, timeout_s=30)
+            version = (step - 1) // sync_every
+            for item in items:
+                assert 0 <= version - item.version <= math.ceil(staleness)
+                worst = max(worst, version - item.version)
+                seen += item.batch.batch["input_ids"][::2, 0].tolist()
+            time.sleep(rng.uniform(0, slow_trainer))
+            deepest = max(deepest, rollouter.queued_prompts())
+            if step % sync_every == 0:
+                rollouter.pause()
+                assert not rollout.running  # the sync never meets a generation in flight
+                rollouter.resume(version=step // sync_every)
+    finally:
+        rollouter.stop()
+    assert seen == list(range(steps * step_prompts))  # loader order, each prompt exactly once
+    assert deepest <= step_prompts * sync_every * (1 + staleness)  # the queue is bounded by the rule
+    if staleness == 0:
+        assert worst == 0
+    if staleness >= 2 and slow_trainer > 0 and slow_rollout == 0:
+        assert worst >= 1  # a fast rollout does run ahead: the bound is what stops it
+
+
+def test_a_paused_rollouter_reports_the_position_of_the_oldest_untrained_prompt():
+    rollouter = Rollouter(_Rollout(random.Random(0), 0.0), _prompt_batches(2), per_sync=4,
+                          staleness_threshold=1.0, first_index=0, total_prompts=16, version=0)
+    rollouter.start(2)
+    try:
+        rollouter.take(4, timeout_s=30)  # prompts 0-3 trained
+        deadline = time.monotonic() + 30
+        while rollouter.queued_prompts() < 4 and time.monotonic() < deadline:  # 4-7 generated ahead
+            time.sleep(0.01)
+        rollouter.pause()
+        state, regenerate = rollouter.position(lambda: {"next": -1})
+        assert state == {"next": 4} and regenerate == 4  # a resume starts again at prompt 4
+    finally:
+        rollouter.stop()
+
+
+def test_a_dead_rollout_worker_reaches_the_trainer_with_its_role_and_rank():
+    def dies(batch_dict):
+        raise WorkerDiedError("rollout_pool/rollout", 1, "generate_sequences", RuntimeError("process exit code -9"))
+
+    rollouter = Rollouter(dies, _prompt_batches(2), per_sync=4, staleness_threshold=0.0, first_index=0,
+                          total_prompts=8, version=0)
+    rollouter.start(2)
+    with pytest.raises(WorkerDiedError, match="'rollout_pool/rollout' rank 1 died while running 'generate_sequences'"):
+        rollouter.take(4, timeout_s=30)
+    rollouter.stop()
+
+
+def test_the_trainer_never_waits_for_ever_on_an_empty_queue():
+    release = threading.Event()
+
+    def stuck(batch_dict):
+        release.wait(30)
+        return DataProto.from_dict(tensors={"input_ids": batch_dict["input_ids"]})
+
+    rollouter = Rollouter(stuck, _prompt_batches(2), per_sync=4, staleness_threshold=0.0, first_index=0,
+                          total_prompts=8, version=0)
+    rollouter.start(2)
+    start = time.monotonic()
+    with pytest.raises(RunAbortedError, match=r"no samples from the rollout pool for 0.3 s .* rollouter generating"):
+        rollouter.take(4, timeout_s=0.3)
+    assert time.monotonic() - start < 5
+    release.set()
+    rollouter.stop()

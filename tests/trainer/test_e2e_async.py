@@ -1,0 +1,133 @@
+"""The asynchronous pipelines end to end, through the CLI as a user runs them (each run in its own
+process: a rollout pool of its own is a second set of processes).
+
+- Fully async with staleness 0 (one generation call per step, a sync after every step) trains on
+  exactly the samples the synchronous colocated run trains on and makes the same updates; the
+  rollout pool's log-probs equal the trainer's at every step — which only holds if every sync
+  arrived (step 2 on, a skipped sync leaves the rollout one update behind).
+- One-step-off trains on the synchronous run's prompts in the same order, one update behind
+  (staleness 0, then 1).
+- A SIGKILLed fully-async run resumed from its checkpoint trains every prompt of the uninterrupted
+  run, in the same steps, none twice; a rollout worker that dies stops the run naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer import _e2e as E
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def _args(model: Path, run: Path, *extra: str) -> list[str]:
+    # a dense reward and a large learning rate: one update visibly moves the policy (a skipped sync shows)
+    reward = E.write_reward_file(model.parent)
+    return [*E.tiny_overrides(model, run, "actor_rollout_ref.actor.use_rollout_log_probs=false",
+                              f"custom_reward_function.path={reward}",
+                              "actor_rollout_ref.actor.optim.lr=0.02",
+                              f"trainer.rollout_data_dir={run / 'gens'}", f"trainer.total_training_steps={STEPS}",
+                              "trainer.logger=file"), *extra]
+
+
+def _cli(args: list[str], config_name: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    flags = ["--config-name", config_name] if config_name else []
+    return subprocess.run([sys.executable, "-m", "rlfoundry", "train", *flags, *args], capture_output=True, text=True,
+                          env=env or E.subprocess_env(), timeout=600)
+
+
+def _ok(out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _trained(run: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run / "gens" / f"{step}.jsonl").read_text().splitlines()]
+
+
+def _steps(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in E.read_records(run) if "timing_s/step" in r}
+
+
+_ASYNC = ["rollout.n_gpus_per_node=1"]  # the overlays' token-level IS stays on: its rollout_corr/* metrics
+# compare the rollout's log-probs with the trainer's (probabilities of a tiny byte-level model are too
+# small for training/rollout_probs_diff to show one update)
+
+
+@pytest.fixture(scope="module")
+def sync_run(tiny_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("sync")
+    _ok(_cli(_args(tiny_model_dir, run, "algorithm.rollout_correction.rollout_is=token")))
+    return run
+
+
+def test_fully_async_with_staleness_zero_trains_what_the_synchronous_run_trains(tiny_model_dir, tmp_path, sync_run):
+    run = tmp_path / "async"
+    _ok(_cli(_args(tiny_model_dir, run, *_ASYNC, "data.gen_batch_size=2", "async_training.require_batches=1",
+                   "async_training.staleness_threshold=0"), config_name="fully_async_ppo_trainer"))
+    sync, fully = _steps(sync_run), _steps(run)
+    for step in range(1, STEPS + 1):
+        assert _trained(run, step) == _trained(sync_run, step)  # same prompts, responses and scores
+        assert fully[step]["async/staleness_max"] == 0
+        assert fully[step]["rollout_corr/log_ppl_abs_diff"] <= 1e-6  # the sync arrived, every time
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert fully[step][key] == pytest.approx(sync[step][key], rel=1e-5, abs=1e-7), key
+
+
+def test_one_step_off_trains_the_same_prompts_one_update_behind(tiny_model_dir, tmp_path, sync_run):
+    run = tmp_path / "one-step-off"
+    _ok(_cli(_args(tiny_model_dir, run, *_ASYNC), config_name="one_step_off_ppo_trainer"))
+    steps = _steps(run)
+    assert [steps[s]["async/staleness_max"] for s in range(1, STEPS + 1)] == [0, 1, 1]
+    assert steps[1]["rollout_corr/log_ppl_abs_diff"] <= 1e-6  # step 1: the rollout holds the trainer's weights
+    assert steps[2]["rollout_corr/log_ppl_abs_diff"] > 1e-3  # then one update behind, really
+    for step in range(1, STEPS + 1):
+        assert [r["index"] for r in _trained(run, step)] == [r["index"] for r in _trained(sync_run, step)]
+    assert all(steps[s]["async/sync_megabytes"] > 0 for s in steps)
+
+
+def test_a_killed_fully_async_run_resumes_without_repeating_or_losing_prompts(tiny_model_dir, tmp_path):
+    def args(run):
+        return _args(tiny_model_dir, run, *_ASYNC, "data.gen_batch_size=1", "async_training.require_batches=1",
+                     "async_training.staleness_threshold=1.0", "trainer.save_freq=2",
+                     "trainer.total_training_steps=4")
+
+    whole = tmp_path / "whole"
+    _ok(_cli(args(whole), config_name="fully_async_ppo_trainer"))
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "rlfoundry", "train", "--config-name", "fully_async_ppo_trainer", *args(killed)]
+    proc = subprocess.Popen(cmd, env=E.subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (killed / "gens" / "3.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and both pools, mid step 3
+    proc.wait()
+    resumed = _cli(args(killed), config_name="fully_async_ppo_trainer")
+    _ok(resumed)
+    assert "resumed from" in resumed.stdout and "generated again" in resumed.stdout
+    trained = {s: [r["index"] for r in _trained(killed, s)] for s in range(1, 5)}
+    assert trained == {s: [r["index"] for r in _trained(whole, s)] for s in range(1, 5)}
+    flat = [i for s in trained for i in trained[s][::4]]  # one entry per prompt (n = 4 samples)
+    assert len(flat) == len(set(flat)) == 8
+
+
+def test_a_dead_rollout_worker_stops_the_run_naming_it(tiny_model_dir, tmp_path):
+    env = {**E.subprocess_env(), "RLFOUNDRY_FAULT_INJECT": "generate_sequences@2"}
+    start = time.monotonic()
+    out = _cli(_args(tiny_model_dir, tmp_path / "run", *_ASYNC, "data.gen_batch_size=1", "async_training.require_batches=1"),
+               config_name="fully_async_ppo_trainer", env=env)
+    assert out.returncode != 0
+    assert "worker group 'rollout_pool/rollout' rank 0 died while running 'rollout_generate_sequences'" in (
+        out.stdout + out.stderr)
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - start < 300
