@@ -630,7 +630,10 @@ class AsyncTrainingConfig:
     staleness_threshold: float = 0.0
     trigger_parameter_sync_step: int = 1  # training steps between weight syncs
     require_batches: int = 1  # mini-batches (ppo_mini_batch_size prompts each) per training step
-    partial_rollout: bool = False  # not supported yet: a sync waits for the generation in flight
+    # fully async: generate in chunks between which a weight sync may come (trainer/ppo/partial_rollout.py);
+    # false: a sync waits for the generation in flight
+    partial_rollout: bool = False
+    partial_rollout_chunk_tokens: Optional[int] = None  # rlfoundry: null: a quarter of data.max_response_length
 
 
 @dataclass

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_model_dir", "import_model_code", "load_hf_model", "resolve_dtype", "resolve_model_path"]
+__all__ = ["check_model_dir", "generation_eos_ids", "import_model_code", "load_hf_model", "resolve_dtype",
+           "resolve_model_path"]
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -134,3 +135,16 @@ def import_model_code(path: str | Path, model_kind: str = "causal_lm", trust_rem
     auto = AutoModelForTokenClassification if model_kind == "token_classification" else AutoModelForCausalLM
     with torch.device("meta"):
         auto.from_config(config, attn_implementation="sdpa")
+
+
+def generation_eos_ids(tokenizer: Any, path: str | Path) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and the model's ``generation_config.json`` ones."""
+    from transformers import GenerationConfig
+
+    eos = [tokenizer.eos_token_id]
+    try:
+        gen_eos = GenerationConfig.from_pretrained(resolve_model_path(path)).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+        gen_eos = None
+    eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+    return sorted({int(e) for e in eos if e is not None})

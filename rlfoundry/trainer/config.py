@@ -588,13 +588,17 @@ def _check_async(cfg: DictConfig) -> list[str]:
         errors.append(f"trainer.worker_backend=process runs on one machine, but rollout.nnodes={pool.nnodes}; use ray.")
     unsupported = {"algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
                    "algorithm.adv_estimator=remax (its greedy baseline)": adv_estimator(cfg) == "remax",
-                   "async_training.partial_rollout=true (a sync waits for the generation in flight instead)":
-                       at.partial_rollout}
+                   "async_training.partial_rollout=true with one-step-off (it has no sync mid-generation)":
+                       at.partial_rollout and mode == "one_step_off",
+                   "async_training.partial_rollout=true with rollout.multi_turn (the agent loop runs in the worker)":
+                       at.partial_rollout and cfg.actor_rollout_ref.rollout.multi_turn.enable}
     errors += [f"{what} is not supported with {key} yet." for what, bad in unsupported.items() if bad]
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs and not cfg.algorithm.rollout_correction.bypass_mode:
         errors.append(f"actor_rollout_ref.actor.use_rollout_log_probs=true with {key}: the rollout's log-probs come "
                       "from an older policy; leave it null (old log-probs are recomputed) or use "
                       "algorithm.rollout_correction.bypass_mode=true, which corrects for the lag.")
+    if at.partial_rollout_chunk_tokens is not None and at.partial_rollout_chunk_tokens < 1:
+        errors.append("async_training.partial_rollout_chunk_tokens must be >= 1 (or null: a quarter of the response).")
     if at.staleness_threshold < 0 or at.trigger_parameter_sync_step < 1 or at.require_batches < 1:
         errors.append("async_training.staleness_threshold must be >= 0, trigger_parameter_sync_step and "
                       "require_batches >= 1.")
@@ -724,6 +728,8 @@ def resolve_config(
         out.actor_rollout_ref.actor.use_rollout_log_probs = bool(cfg.actor_rollout_ref.actor.use_rollout_log_probs)
     if cfg.data.gen_batch_size is None:
         out.data.gen_batch_size = int(cfg.data.train_batch_size)
+    if cfg.async_training.partial_rollout_chunk_tokens is None:
+        out.async_training.partial_rollout_chunk_tokens = max(1, int(cfg.data.max_response_length) // 4)
     _resolve_micro_batches(out, ws)
     _resolve_paths(out, train_files, val_files, run_dir)
     total = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs

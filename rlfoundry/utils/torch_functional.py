@@ -26,6 +26,8 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "left_padded",
+    "rollout_layout",
 ]
 
 # Upper bound on the elements of one upcast block: 2**25 float32 values = 128 MiB.
@@ -207,3 +209,44 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
+
+
+def rollout_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: list[list[int]],
+                   response_masks: list[list[int]], log_probs: list[list[float]], width: int,
+                   pad_id: int) -> dict[str, torch.Tensor]:
+    """The rollout engines' output tensors from per-row response token lists.
+
+    ``prompt_ids`` / ``prompt_mask`` (B, Tp) left-padded as given; each response is right-padded to
+    ``width``: ``prompts``, ``responses``, ``response_mask`` (1 where the policy sampled), ``rollout_log_probs``,
+    ``input_ids`` / ``attention_mask`` (B, Tp + width) and ``position_ids`` counted over real tokens.
+    """
+    rows = len(responses)
+    out_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    out_mask = torch.zeros((rows, width), dtype=torch.long)
+    out_lp = torch.zeros((rows, width), dtype=torch.float32)
+    attention = torch.zeros((rows, width), dtype=prompt_mask.dtype)
+    for i, (ids, mask, lps) in enumerate(zip(responses, response_masks, log_probs)):
+        m = len(ids)
+        if m > width:
+            raise ValueError(f"row {i} has {m} response tokens, more than the budget {width}")
+        out_ids[i, :m] = torch.tensor(ids, dtype=torch.long)
+        out_mask[i, :m] = torch.tensor(mask, dtype=torch.long)
+        out_lp[i, :m] = torch.tensor(lps, dtype=torch.float32)
+        attention[i, :m] = 1
+    attention_mask = torch.cat([prompt_mask, attention], dim=1)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {"prompts": prompt_ids, "responses": out_ids, "response_mask": out_mask, "rollout_log_probs": out_lp,
+            "input_ids": torch.cat([prompt_ids, out_ids], dim=1), "attention_mask": attention_mask,
+            "position_ids": position_ids}
+
+
+def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Token rows as a rollout engine's prompt input: ``input_ids``, ``attention_mask``, ``position_ids``
+    (B, longest row), each row right-aligned, positions counted over its real tokens."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 
 from rlfoundry.config.schema import ActorRolloutRefConfig, FSDPConfig
 from rlfoundry.config.typed import to_typed
-from rlfoundry.models.hf import check_model_dir, resolve_model_path
+from rlfoundry.models.hf import check_model_dir, generation_eos_ids, resolve_model_path
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.single_controller.base.worker import WorkerRuntime
@@ -125,15 +126,7 @@ class ActorRolloutRefWorker(Worker):
         )
 
     def _build_rollout(self, module: torch.nn.Module | None) -> BaseRollout:
-        from transformers import GenerationConfig
-
-        eos = [self.tokenizer.eos_token_id]
-        try:
-            gen_eos = GenerationConfig.from_pretrained(resolve_model_path(self.config.model.path)).eos_token_id
-        except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
-            gen_eos = None
-        eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        eos_ids = sorted({int(e) for e in eos if e is not None})
+        eos_ids = generation_eos_ids(self.tokenizer, self.config.model.path)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         # no HF module (a Megatron actor and vLLM): the engine reads the config from the model
         # directory and takes the weights from the actor's engine, HF-named, tensor by tensor; a
@@ -236,9 +229,11 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """n samples per prompt from the current policy (contract: ``HFRollout.generate_sequences``)."""
         self._require(self.rollout, "generate_sequences")
+        start = time.perf_counter()
         prompts = on_device(prompts, self.device)
         # On OOM: fewer prompts per engine call, kept for the rest of the run (workers/utils/oom.py)
         out = oom.backoff_of(self).run("generate_sequences", len(prompts), lambda rows: self._generate(prompts, rows))
+        out.meta_info["generate_seconds"] = time.perf_counter() - start  # the rollout pool's busy time
         return out.to("cpu")
 
     def _generate(self, prompts: DataProto, rows: int) -> DataProto:

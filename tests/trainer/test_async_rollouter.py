@@ -51,7 +51,10 @@ def test_fully_async_config_fills_verl_zero_batch_and_picks_the_process_backend(
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "trainer.worker_backend=local"],
      "needs two worker pools"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "async_training.partial_rollout=true"],
-     "partial_rollout=true .* not supported"),
+     "partial_rollout=true with one-step-off .* not supported"),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=0",
+      "async_training.partial_rollout=true", "actor_rollout_ref.rollout.multi_turn.enable=true"],
+     "partial_rollout=true with rollout.multi_turn .* not supported"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"],
      "filter_groups.enable=true is not supported"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
@@ -83,7 +86,7 @@ class _Rollout:
     def __init__(self, rng: random.Random, slow: float):
         self.rng, self.slow, self.running, self.calls = rng, slow, False, 0
 
-    def __call__(self, batch_dict: dict) -> DataProto:
+    def __call__(self, batch_dict: dict, boundary) -> DataProto:
         self.running = True
         self.calls += 1
         time.sleep(self.rng.uniform(0, self.slow))
@@ -142,7 +145,7 @@ def test_a_paused_rollouter_reports_the_position_of_the_oldest_untrained_prompt(
 
 
 def test_a_dead_rollout_worker_reaches_the_trainer_with_its_role_and_rank():
-    def dies(batch_dict):
+    def dies(batch_dict, boundary):
         raise WorkerDiedError("rollout_pool/rollout", 1, "generate_sequences", RuntimeError("process exit code -9"))
 
     rollouter = Rollouter(dies, _prompt_batches(2), per_sync=4, staleness_threshold=0.0, first_index=0,
@@ -156,7 +159,7 @@ def test_a_dead_rollout_worker_reaches_the_trainer_with_its_role_and_rank():
 def test_the_trainer_never_waits_for_ever_on_an_empty_queue():
     release = threading.Event()
 
-    def stuck(batch_dict):
+    def stuck(batch_dict, boundary):
         release.wait(30)
         return DataProto.from_dict(tensors={"input_ids": batch_dict["input_ids"]})
 
@@ -169,3 +172,32 @@ def test_the_trainer_never_waits_for_ever_on_an_empty_queue():
     assert time.monotonic() - start < 5
     release.set()
     rollouter.stop()
+
+
+def test_a_pause_between_chunks_lets_the_sync_in_mid_generation_and_the_position_counts_it():
+    """Partial rollout: the pause returns at the generation's next chunk boundary, not at its end;
+    the generation then goes on under the new version, and a checkpoint taken meanwhile restarts
+    at that generation's prompts."""
+    first_chunk, versions = threading.Event(), []
+
+    def chunked(batch_dict, boundary):
+        versions.append(boundary())
+        first_chunk.set()
+        time.sleep(0.2)  # the first chunk is under way when the trainer asks for the pause
+        versions.append(boundary())  # the pause happens here
+        return DataProto.from_dict(tensors={"input_ids": batch_dict["input_ids"]})
+
+    rollouter = Rollouter(chunked, _prompt_batches(2), per_sync=4, staleness_threshold=1.0, first_index=0,
+                          total_prompts=2, version=0)
+    rollouter.start(2)
+    try:
+        assert first_chunk.wait(30)
+        rollouter.pause()
+        assert versions == [0]  # paused between the chunks: the generation has not finished
+        assert rollouter.position(lambda: {"next": -1}) == ({"next": 0}, 2)
+        rollouter.resume(version=1)
+        items = rollouter.take(2, timeout_s=30)
+        assert versions == [0, 1] and items[0].version == 0  # admitted under 0, finished under 1
+        assert rollouter.stats()["async/paused_in_flight"] == 1
+    finally:
+        rollouter.stop()

@@ -7,6 +7,8 @@ process: a rollout pool of its own is a second set of processes).
   arrived (step 2 on, a skipped sync leaves the rollout one update behind).
 - One-step-off trains on the synchronous run's prompts in the same order, one update behind
   (staleness 0, then 1).
+- With partial rollout, syncs meet generations between chunks and samples span two versions, the
+  bound still holding.
 - A SIGKILLed fully-async run resumed from its checkpoint trains every prompt of the uninterrupted
   run, in the same steps, none twice; a rollout worker that dies stops the run naming it.
 """
@@ -119,6 +121,28 @@ def test_a_killed_fully_async_run_resumes_without_repeating_or_losing_prompts(ti
     assert trained == {s: [r["index"] for r in _trained(whole, s)] for s in range(1, 5)}
     flat = [i for s in trained for i in trained[s][::4]]  # one entry per prompt (n = 4 samples)
     assert len(flat) == len(set(flat)) == 8
+
+
+def test_partial_rollout_lets_syncs_meet_generations_mid_way_within_the_bound(tiny_model_dir, tmp_path):
+    run = tmp_path / "partial"
+    _ok(_cli(_args(tiny_model_dir, run, *_ASYNC, "data.gen_batch_size=1", "async_training.require_batches=1",
+                   "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
+                   "async_training.partial_rollout_chunk_tokens=1", "trainer.total_training_steps=6"),
+             config_name="fully_async_ppo_trainer"))
+    steps = _steps(run)
+    assert len(steps) == 6 and all(steps[s]["async/staleness_max"] <= 1 for s in steps)
+    assert sum(steps[s]["async/paused_in_flight"] for s in steps) > 0  # a sync came between two chunks
+    assert any(steps[s]["async/partial_samples_fraction"] > 0 for s in steps)  # samples spanning two versions
+
+
+@pytest.mark.parametrize("config_name", ["one_step_off_ppo_trainer", "fully_async_ppo_trainer"])
+def test_both_pipelines_run_on_ray_with_two_pools(tiny_model_dir, tmp_path, config_name):
+    run = tmp_path / "ray"
+    _ok(_cli(_args(tiny_model_dir, run, *_ASYNC, "trainer.worker_backend=ray", "async_training.require_batches=1",
+                   "data.gen_batch_size=1", "trainer.total_training_steps=2"), config_name=config_name))
+    steps = _steps(run)
+    assert sorted(steps) == [1, 2] and all(steps[s]["async/sync_megabytes"] > 0 for s in steps)
+    assert steps[1]["rollout_corr/log_ppl_abs_diff"] <= 1e-6  # the pools start from the same weights
 
 
 def test_a_dead_rollout_worker_stops_the_run_naming_it(tiny_model_dir, tmp_path):

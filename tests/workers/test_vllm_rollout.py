@@ -329,6 +329,34 @@ def test_grpo_two_steps_end_to_end_with_vllm(vllm_model_dir, tmp_path):
     assert len(logged) >= 2 and max(logged) < LOGP_TOL, logged
 
 
+_DENSE_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return (sum(ord(c) for c in solution_str) % 11) / 10.0
+"""
+
+
+@vllm_test
+@pytest.mark.slow
+def test_fully_async_with_a_vllm_rollout_pool_receives_every_sync(vllm_model_dir, tmp_path):
+    """vLLM in a rollout pool of its own (fully async, staleness 0: every step samples with the weights
+    it trains): its log-probs agree with the trainer's recomputed ones at every step, which only holds
+    if the checkpoint engine's sync after each update reached vLLM (the lr makes one update visible)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(_DENSE_REWARD)
+    args = ["-m", "rlfoundry", "train", "--config-name", "fully_async_ppo_trainer",
+            *_two_vllm_grpo_steps(vllm_model_dir, tmp_path, "rollout.n_gpus_per_node=1", "data.train_batch_size=2",
+                                  "async_training.require_batches=1", "async_training.staleness_threshold=0",
+                                  "data.gen_batch_size=2", "trainer.total_training_steps=3", "trainer.test_freq=-1",
+                                  "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
+                                  "actor_rollout_ref.actor.optim.lr=0.02")]
+    _run_python(args)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "actor/pg_loss" in r}
+    assert sorted(steps) == [1, 2, 3] and all(steps[s]["async/sync_megabytes"] > 0 for s in steps)
+    assert any(steps[s]["actor/grad_norm"] > 0 for s in steps)  # the updates moved the policy
+    assert max(steps[s]["rollout_corr/log_ppl_abs_diff"] for s in steps) < LOGP_TOL
+
+
 _TWO_RANK_SCRIPT = r"""
 import json, os, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp

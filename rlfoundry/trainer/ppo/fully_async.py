@@ -34,13 +34,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from rlfoundry.models.hf import generation_eos_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.metric_utils import marked_timer
 from rlfoundry.trainer.ppo.one_step_off import staleness_metrics
+from rlfoundry.trainer.ppo.partial_rollout import ChunkedGeneration
 from rlfoundry.trainer.ppo.ray_trainer import TRAINER_STATE_FILE, RayPPOTrainer, _concat_generations
 from rlfoundry.utils.errors import RunAbortedError
 
 __all__ = ["FullyAsyncPPOTrainer", "Rollouter"]
+
+
+class _Stopped(Exception):
+    """The trainer stopped the rollouter while a generation waited between chunks."""
 
 
 @dataclass
@@ -54,12 +62,14 @@ class _Item:
 class Rollouter:
     """The generating side: a thread that fills a queue under the staleness bound.
 
-    ``generate(batch_dict) -> DataProto``; ``batches``: (loader state before, batch_dict) pairs;
+    ``generate(batch_dict, boundary) -> DataProto``, where ``boundary()`` is for a generation in chunks
+    (partial rollout) to call between them: it lets a requested pause happen there and returns the
+    weight version to go on with; ``batches``: (loader state before, batch_dict) pairs;
     ``first_index``: prompts trained before this run started (a resumed run); ``total_prompts``:
     where to stop. ``per_sync`` = B·T prompts. Every method but the thread's own is for the trainer.
     """
 
-    def __init__(self, generate: Callable[[dict], DataProto], batches: Iterator[tuple[dict, dict]], *,
+    def __init__(self, generate: Callable[[dict, Callable[[], int]], DataProto], batches: Iterator[tuple[dict, dict]], *,
                  per_sync: int, staleness_threshold: float, first_index: int, total_prompts: int, version: int):
         self._generate, self._batches = generate, batches
         self.per_sync, self.staleness, self.total = per_sync, float(staleness_threshold), total_prompts
@@ -69,7 +79,9 @@ class Rollouter:
         self._paused = self._busy = self._stop = self._finished = False
         self._error: BaseException | None = None
         self._idle_s = self._gen_s = 0.0  # since the last stats() call
-        self._current_state: Callable[[], dict] | None = None
+        self._call_idle = 0.0  # of the generation in flight: time spent paused between its chunks
+        self.paused_in_flight = 0  # since the last stats() call: syncs that met a generation mid-way
+        self._in_flight: tuple[dict, int] | None = None  # (loader state before, prompts) of the generation under way
         self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
 
     # ---- the thread ---------------------------------------------------------------------
@@ -83,16 +95,19 @@ class Rollouter:
                 version = self._wait_turn()
                 if version is None:
                     return
-                start = time.monotonic()
+                start, self._call_idle = time.monotonic(), 0.0
                 loader_state, batch_dict = next(self._batches)
                 prompts = len(batch_dict["input_ids"])
-                out = self._generate(batch_dict)
+                self._in_flight = (loader_state, prompts)
+                out = self._generate(batch_dict, self._boundary)
                 with self._cond:
-                    self._busy = False
-                    self._gen_s += time.monotonic() - start
+                    self._busy, self._in_flight = False, None
+                    self._gen_s += time.monotonic() - start - self._call_idle
                     self._queue.append(_Item(out, prompts, version, loader_state))
                     self.index += prompts
                     self._cond.notify_all()
+        except _Stopped:
+            return
         except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
             with self._cond:
                 self._error = err
@@ -111,6 +126,24 @@ class Rollouter:
             if self._stop:
                 return None
             self._busy = True
+            return self.version
+
+    def _boundary(self) -> int:
+        """Between two chunks of one generation: wait out a pause (a sync) there; the version to go on with."""
+        start = time.monotonic()
+        with self._cond:
+            if self._paused:
+                self.paused_in_flight += 1
+                self._busy = False
+                self._cond.notify_all()
+                while self._paused and not self._stop:
+                    self._cond.wait()
+                self._busy = True
+            waited = time.monotonic() - start
+            self._idle_s += waited
+            self._call_idle += waited
+            if self._stop:
+                raise _Stopped
             return self.version
 
     # ---- the trainer's side ---------------------------------------------------------------
@@ -176,14 +209,20 @@ class Rollouter:
         with self._cond:
             if self._busy:
                 raise RuntimeError("Rollouter.position needs the rollouter paused")
+            queued = sum(item.prompts for item in self._queue)
+            in_flight = self._in_flight[1] if self._in_flight else 0  # paused between chunks (partial rollout)
             if self._queue:
-                return self._queue[0].loader_state, sum(item.prompts for item in self._queue)
+                return self._queue[0].loader_state, queued + in_flight
+            if self._in_flight:
+                return self._in_flight[0], in_flight
             return current(), 0
 
     def stats(self) -> dict[str, float]:
         with self._cond:
-            out = {"timing_s/rollouter_idle": self._idle_s, "timing_s/rollouter_gen": self._gen_s}
+            out = {"timing_s/rollouter_idle": self._idle_s, "timing_s/rollouter_gen": self._gen_s,
+                   "async/paused_in_flight": float(self.paused_in_flight)}
             self._idle_s = self._gen_s = 0.0
+            self.paused_in_flight = 0
         return out
 
 
@@ -227,8 +266,18 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
         done = self.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
         gen = int(self.config.data.gen_batch_size)
 
-        def generate(batch_dict: dict) -> DataProto:
-            return self._generated(self.rollout_wg.generate_sequences(self._prompts(batch_dict)), balance=False)
+        at, call = self.config.async_training, self.rollout_wg.generate_sequences
+        chunked = ChunkedGeneration(call, response_length=int(self.config.data.max_response_length),
+                                    chunk_tokens=int(at.partial_rollout_chunk_tokens or 1), pad_id=self._pad_id(),
+                                    eos_ids=generation_eos_ids(self.tokenizer, self.config.actor_rollout_ref.model.path))
+
+        def generate(batch_dict: dict, boundary: Callable[[], int]) -> DataProto:
+            prompts = self._prompts(batch_dict)
+            if at.partial_rollout:
+                out = chunked.generate(prompts, int(self.config.actor_rollout_ref.rollout.n), boundary)
+            else:
+                out = call(prompts)
+            return self._generated(out, balance=False)
 
         self.rollouter = Rollouter(generate, self._loader_batches(), per_sync=self.step_prompts * self.sync_every,
                                    staleness_threshold=float(self.config.async_training.staleness_threshold),
@@ -248,6 +297,9 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
             version = (self.state.global_steps - 1) // self.sync_every
             metrics |= staleness_metrics([version - it.version for it in items for _ in range(len(it.batch))])
             batch = self._finish_generation(_concat_generations([it.batch for it in items], self._pad_id()))
+            if "param_version_end" in batch.non_tensor_batch:  # partial rollout: samples that met a sync
+                spans = batch.non_tensor_batch["param_version_end"] != batch.non_tensor_batch["param_version_start"]
+                metrics["async/partial_samples_fraction"] = float(np.mean(spans.astype(bool)))
             batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702
             batch, m = self._train_on(batch, timing); metrics |= m  # noqa: E702
             if self.state.global_steps % self.sync_every == 0:

@@ -69,6 +69,7 @@ class OneStepOffPPOTrainer(RayPPOTrainer):
                 self._start_generation(batch_dict, done)
             with marked_timer("gen", timing):  # the part of the generation the trainer waits for
                 batch = self._generated(self._pending.get())
+            metrics["timing_s/rollout_gen"] = float(batch.meta_info.get("generate_seconds", 0.0))
             metrics |= staleness_metrics([done - self._pending_version] * len(batch))
             self._pending = None
             metrics |= self._sync_weights(timing)

@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 
 from rlfoundry.protocol import DataProto
+from rlfoundry.utils.torch_functional import rollout_layout
 from rlfoundry.workers.rollout.agent_loop.base import (
     AgentLoopBase,
     AgentLoopError,
@@ -136,26 +136,14 @@ class AgentLoop:
         """The engines' output layout: prompts as given (B·n, Tp), responses padded to the budget."""
         prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
         prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
-        rows, width = len(outputs), self.response_length
-        responses = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros((rows, width), dtype=torch.long)
-        log_probs = torch.zeros((rows, width), dtype=torch.float32)
-        attention = torch.zeros((rows, width), dtype=prompt_mask.dtype)
-        for i, out in enumerate(outputs):
-            m = len(out.response_ids)
-            if m > width:
-                raise AgentLoopError(f"an agent loop returned {m} response tokens, more than the budget {width} "
-                                     "(data.max_response_length): a custom loop must pass its remaining budget "
-                                     "to server.generate")
-            responses[i, :m] = torch.tensor(out.response_ids, dtype=torch.long)
-            response_mask[i, :m] = torch.tensor(out.response_mask, dtype=torch.long)
-            log_probs[i, :m] = torch.tensor(out.response_logprobs, dtype=torch.float32)
-            attention[i, :m] = 1
-        attention_mask = torch.cat([prompt_mask, attention], dim=1)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        tensors = {"prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
-                   "rollout_log_probs": log_probs, "input_ids": torch.cat([prompt_ids, responses], dim=1),
-                   "attention_mask": attention_mask, "position_ids": position_ids}
+        for out in outputs:
+            if len(out.response_ids) > self.response_length:
+                raise AgentLoopError(f"an agent loop returned {len(out.response_ids)} response tokens, more than the "
+                                     f"budget {self.response_length} (data.max_response_length): a custom loop must "
+                                     "pass its remaining budget to server.generate")
+        tensors = rollout_layout(prompt_ids, prompt_mask, [o.response_ids for o in outputs],
+                                 [o.response_mask for o in outputs], [o.response_logprobs for o in outputs],
+                                 self.response_length, self.pad_id)
         extras = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         extras.update(_columns(outputs))
         return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))

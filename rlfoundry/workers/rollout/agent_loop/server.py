@@ -19,9 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from rlfoundry.protocol import DataProto
+from rlfoundry.utils.torch_functional import left_padded
 
 __all__ = ["GenerationServer", "Generated"]
 
@@ -124,12 +123,4 @@ class GenerationServer:
         return results
 
     def _rows(self, rows: list[list[int]], meta: dict) -> DataProto:
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids},
-                                   meta_info=meta)
+        return DataProto.from_dict(tensors=left_padded(rows, self.pad_id), meta_info=meta)

@@ -1,0 +1,87 @@
+"""Partial rollout (``async_training.partial_rollout=true``): generation in chunks that a weight sync
+may come between.
+
+Without it a sync waits for the rollout's generation in flight, however long its longest response.
+Here a batch's samples are generated ``partial_rollout_chunk_tokens`` tokens at a time: between two
+chunks the rollouter may pause, the weights change, and the unfinished samples go on from their
+prompt plus what they have so far under the new weights. Each token keeps the log-prob of the policy
+that sampled it (the chunk's), so ``rollout_log_probs`` is the behaviour policy token by token, as
+the importance weights of ``algorithm.rollout_correction`` need; each sample records the first and
+last weight version it was generated under (``param_version_start`` / ``param_version_end``).
+
+A chunk is one ``generate_sequences`` call over the unfinished samples (n = 1 each, prompt plus
+response so far, left-padded): any engine, any number of rollout ranks. The price is a prefill of
+the sample's tokens per chunk (no KV cache survives a weight change anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlfoundry.protocol import DataProto
+from rlfoundry.utils.torch_functional import left_padded, rollout_layout
+
+__all__ = ["ChunkedGeneration"]
+
+
+@dataclass
+class _Sample:
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    done: bool = False
+    versions: list[int] = field(default_factory=list)
+
+
+class ChunkedGeneration:
+    """``generate(prompts, n, boundary)``: the engines' output layout, generated chunk by chunk.
+
+    ``call``: one engine call (``rollout_wg.generate_sequences``); ``boundary()``: called between
+    chunks, returns the weight version the next chunk samples with (it may wait for a sync).
+    """
+
+    def __init__(self, call: Callable[[DataProto], DataProto], *, response_length: int, chunk_tokens: int,
+                 pad_id: int, eos_ids: list[int]):
+        if chunk_tokens < 1:
+            raise ValueError(f"partial_rollout_chunk_tokens={chunk_tokens} must be >= 1")
+        self.call, self.width, self.chunk = call, int(response_length), int(chunk_tokens)
+        self.pad_id, self.eos = int(pad_id), set(eos_ids)
+        self.engine_calls = 0
+
+    def generate(self, prompts: DataProto, n: int, boundary: Callable[[], int]) -> DataProto:
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        samples = [_Sample(ids[i][mask[i].bool()].tolist()) for i in range(len(prompts)) for _ in range(n)]
+        version = boundary()
+        while True:
+            live = [s for s in samples if not s.done]
+            self._chunk(live, prompts.meta_info, version)
+            if all(s.done for s in samples):
+                break
+            version = boundary()
+        tensors = rollout_layout(ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0),
+                                 [s.response for s in samples], [[1] * len(s.response) for s in samples],
+                                 [s.log_probs for s in samples], self.width, self.pad_id)
+        extras = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+        extras["param_version_start"] = np.array([s.versions[0] for s in samples], dtype=object)
+        extras["param_version_end"] = np.array([s.versions[-1] for s in samples], dtype=object)
+        return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))
+
+    def _chunk(self, live: list[_Sample], meta: dict, version: int) -> None:
+        """One engine call: each live sample gains up to ``chunk`` tokens (fewer at its budget or EOS)."""
+        step = min(self.chunk, max(self.width - len(s.response) for s in live))
+        batch = DataProto.from_dict(tensors=left_padded([s.prompt + s.response for s in live], self.pad_id),
+                                    meta_info={**meta, "n": 1, "response_length": step})
+        out = self.call(batch)
+        self.engine_calls += 1
+        for k, s in enumerate(live):
+            allowed = min(step, self.width - len(s.response))
+            length = min(int(out.batch["response_mask"][k].sum()), allowed)
+            new = out.batch["responses"][k][:length].tolist()
+            s.response += new
+            s.log_probs += out.batch["rollout_log_probs"][k][:length].tolist()
+            s.versions.append(version)
+            s.done = (length < allowed or bool(new and new[-1] in self.eos)
+                      or len(s.response) >= self.width)
