@@ -3,9 +3,11 @@
     python -m benchmarks.async_pipelines                         # both workloads, 2 repeats
     python -m benchmarks.async_pipelines --workloads warm --repeats 1
 
-Every mode runs two worker processes through the CLI, as a user would: ``sync`` = the colocated
-hybrid engine on 2 data-parallel ranks (process back end); ``one_step_off`` and ``fully_async`` =
-1 trainer process + 1 rollout process (their packaged overlays). Workloads:
+Every mode runs through the CLI, as a user would, on the machine's 2 cores: ``sync`` = the colocated
+hybrid engine on 2 data-parallel ranks (process back end, 1 thread each); ``one_step_off``,
+``fully_async`` (staleness 0.5) and ``fully_async_s1`` (staleness 1) = 1 trainer process + 1 rollout
+process (their packaged overlays); and, outside the issue's comparison, ``sync_one_rank`` = one
+process with 2 threads (no data-parallel collectives). Workloads:
 
 - ``warm``: the packaged, SFT-warm-started arithmetic policy on the synthetic task (the default run's
   workload: responses vary between "85" and "The answer is 85."), 16 prompts × 8, 30 steps,
@@ -35,10 +37,14 @@ from typing import Any
 
 from benchmarks.common import REPO_ROOT, environment, save_results
 
+# mode -> (config name, overrides, torch threads per process)
 MODES = {
-    "sync": (None, ["trainer.worker_backend=process", "trainer.n_gpus_per_node=2"]),
-    "one_step_off": ("one_step_off_ppo_trainer", []),
-    "fully_async": ("fully_async_ppo_trainer", ["async_training.staleness_threshold=0.5"]),
+    "sync": (None, ["trainer.worker_backend=process", "trainer.n_gpus_per_node=2"], 1),
+    "one_step_off": ("one_step_off_ppo_trainer", [], 1),
+    "fully_async": ("fully_async_ppo_trainer", ["async_training.staleness_threshold=0.5"], 1),
+    "fully_async_s1": ("fully_async_ppo_trainer", ["async_training.staleness_threshold=1.0"], 1),
+    # not in the issue's comparison: one process using both cores, no data-parallel collectives
+    "sync_one_rank": (None, ["trainer.worker_backend=local", "trainer.n_gpus_per_node=1"], 2),
 }
 VAL_KEY = "val-core/rlfoundry/arithmetic/reward/mean@1"
 
@@ -48,12 +54,14 @@ def workload_args(name: str, layers: int, model_dir: Path) -> tuple[list[str], d
     if name == "warm":
         common = ["trainer.total_training_steps=30", "trainer.test_freq=10", "data.train_batch_size=16",
                   "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
-        return common, {"fully_async": ["async_training.require_batches=2", "data.gen_batch_size=4"]}
+        fully = ["async_training.require_batches=2", "data.gen_batch_size=4"]
+        return common, {"fully_async": fully, "fully_async_s1": fully}
     common = [f"actor_rollout_ref.model.path={model_dir}", "trainer.total_training_steps=4", "trainer.test_freq=-1",
               "trainer.val_before_train=false", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
               "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.max_response_length=32",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
-    return common, {"fully_async": ["async_training.require_batches=1", "data.gen_batch_size=2"]}
+    fully = ["async_training.require_batches=1", "data.gen_batch_size=2"]
+    return common, {"fully_async": fully, "fully_async_s1": fully}
 
 
 def shape_model(layers: int, cache: Path) -> Path:
@@ -66,12 +74,12 @@ def shape_model(layers: int, cache: Path) -> Path:
 
 
 def run_mode(mode: str, common: list[str], extra: list[str], run_dir: Path) -> list[dict[str, Any]]:
-    config, keys = MODES[mode]
+    config, keys, threads = MODES[mode]
     cmd = [sys.executable, "-m", "rlfoundry", "train", *(["--config-name", config] if config else []),
            *common, *keys, *extra, f"trainer.default_local_dir={run_dir}", "trainer.save_freq=-1",
            "trainer.logger=file"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
-                          env={**_env(), "OMP_NUM_THREADS": "1"})
+                          env={**_env(), "OMP_NUM_THREADS": str(threads)})
     if done.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -88,14 +96,14 @@ def summarize(mode: str, records: list[dict[str, Any]], samples_per_step: int) -
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steps)  # noqa: E731
     step_s = mean("timing_s/step")
     sync_s = mean("timing_s/sync_weights")
-    if mode == "sync":
+    if mode.startswith("sync"):
         rollout_s, train_s = mean("timing_s/gen"), step_s - mean("timing_s/gen")
     elif mode == "one_step_off":
         rollout_s, train_s = mean("timing_s/rollout_gen"), step_s - mean("timing_s/gen") - sync_s
     else:
         rollout_s = mean("timing_s/rollouter_gen")
         train_s = step_s - mean("timing_s/wait_rollout") - mean("timing_s/wait_rollout_pause") - sync_s
-    bound = max(rollout_s, train_s) + sync_s if mode != "sync" else step_s
+    bound = max(rollout_s, train_s) + sync_s if not mode.startswith("sync") else step_s
     val = {r["step"] * samples_per_step: r[VAL_KEY] for r in records if VAL_KEY in r}
     return {
         "mode": mode, "step_s": step_s, "samples_per_s": samples_per_step / step_s,
@@ -103,7 +111,7 @@ def summarize(mode: str, records: list[dict[str, Any]], samples_per_step: int) -
         "sync_s": sync_s, "overlap_bound_s": bound, "of_bound": bound / step_s,
         "staleness_mean": mean("async/staleness_mean"), "staleness_max": max((r.get("async/staleness_max", 0)
                                                                               for r in steps), default=0),
-        "is_weight_mean": mean("rollout_corr/rollout_is_mean") if mode != "sync" else None,
+        "is_weight_mean": mean("rollout_corr/rollout_is_mean") if not mode.startswith("sync") else None,
         "is_weight_max": max((r.get("rollout_corr/rollout_is_max", 0) for r in steps), default=0),
         "val_by_samples": val,
     }
@@ -134,9 +142,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """samples/s of each asynchronous mode over the synchronous run of the same repeat."""
+    """samples/s of each mode over the synchronous 2-rank run of the same repeat."""
     out: dict[str, list[float]] = {}
-    for mode in ("one_step_off", "fully_async"):
+    for mode in MODES:
+        if mode == "sync":
+            continue
         for r in (r for r in rows if r["mode"] == mode):
             base = next(b for b in rows if b["mode"] == "sync" and b["repeat"] == r["repeat"])
             out.setdefault(mode, []).append(r["samples_per_s"] / base["samples_per_s"])
