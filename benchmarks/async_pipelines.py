@@ -1,7 +1,7 @@
 """Synchronous vs one-step-off vs fully asynchronous training, same model, prompts and process count.
 
     python -m benchmarks.async_pipelines                         # both workloads, 2 repeats
-    python -m benchmarks.async_pipelines --workloads warm --repeats 1
+    python -m benchmarks.async_pipelines --workloads warm --repeats 1 --modes sync fully_async
 
 Every mode runs through the CLI, as a user would, on the machine's 2 cores: ``sync`` = the colocated
 hybrid engine on 2 data-parallel ranks (process back end, 1 thread each); ``one_step_off``,
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workloads", nargs="+", default=["warm", "shape"], choices=["warm", "shape"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--layers", type=int, default=4, help="layers of the 0.5B-shape model")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="which modes to run (the ratios need sync among them)")
     a = p.parse_args(argv)
     started, results = time.time(), {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             samples = 16 * 8 if name == "warm" else 4 * 4
             rows = []
             for repeat in range(a.repeats):
-                for mode in MODES:
+                for mode in a.modes:
                     records = run_mode(mode, common, per_mode.get(mode, []), Path(tmp) / f"{name}-{mode}-{repeat}")
                     rows.append({"repeat": repeat, **summarize(mode, records, samples)})
                     print(json.dumps({"workload": name, **rows[-1]}, default=str), flush=True)
@@ -147,7 +149,7 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     for mode in MODES:
         if mode == "sync":
             continue
-        for r in (r for r in rows if r["mode"] == mode):
+        for r in (r for r in rows if r["mode"] == mode and any(b["mode"] == "sync" for b in rows)):
             base = next(b for b in rows if b["mode"] == "sync" and b["repeat"] == r["repeat"])
             out.setdefault(mode, []).append(r["samples_per_s"] / base["samples_per_s"])
     return out

@@ -264,8 +264,6 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
 
     def _start_rollouter(self) -> None:
         done = self.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
-        gen = int(self.config.data.gen_batch_size)
-
         at, call = self.config.async_training, self.rollout_wg.generate_sequences
         chunked = ChunkedGeneration(call, response_length=int(self.config.data.max_response_length),
                                     chunk_tokens=int(at.partial_rollout_chunk_tokens or 1), pad_id=self._pad_id(),
@@ -280,11 +278,11 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
             return self._generated(out, balance=False)
 
         self.rollouter = Rollouter(generate, self._loader_batches(), per_sync=self.step_prompts * self.sync_every,
-                                   staleness_threshold=float(self.config.async_training.staleness_threshold),
+                                   staleness_threshold=float(at.staleness_threshold),
                                    first_index=done * self.step_prompts,
                                    total_prompts=self.total_training_steps * self.step_prompts,
                                    version=done // self.sync_every)
-        self.rollouter.start(gen)
+        self.rollouter.start(int(self.config.data.gen_batch_size))
 
     def train_step(self, batch_dict: dict | None, more_batches: Iterator[dict] | None = None) -> dict[str, float]:
         if self.rollouter is None:
@@ -317,7 +315,7 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
 
     def _maybe_validate_and_save(self, step: int) -> dict[str, float]:
         """Validation and checkpoints use the rollout pool and the loader: the rollouter pauses for them."""
-        if self.rollouter is None or not self._validates_or_saves(step):
+        if self.rollouter is None or not any(self._validates_or_saves(step)):
             return super()._maybe_validate_and_save(step)
         self.rollouter.pause()
         try:

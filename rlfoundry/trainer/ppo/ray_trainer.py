@@ -273,7 +273,8 @@ class RayPPOTrainer:
 
     @property
     def disaggregated(self) -> bool:
-        return self.rollout_wg is not self.actor_rollout_wg
+        """Whether the rollout runs in a pool of its own (the asynchronous pipelines)."""
+        return getattr(self, "rollout_wg", None) not in (None, self.actor_rollout_wg)
 
     def _sync_weights(self, timing: dict) -> dict[str, float]:
         """The trainer's weights into the rollout pool (checkpoint engine); nothing when colocated."""
