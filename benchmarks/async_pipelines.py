@@ -18,9 +18,12 @@ process with 2 threads (no data-parallel collectives). Workloads:
 Per run, from the steps after the first: samples/s and trained tokens/s; the phase times the
 pipeline overlaps (R = the rollout pool's generation time per step, T = the trainer's time per step
 outside waiting for samples and the weight sync, S = the sync); the **overlap bound** max(R, T) + S
-(what a pipeline on separate processes cannot beat) and the share of it reached; staleness and
-IS-weight statistics; validation accuracy by samples trained. Ratios are paired within a repeat
-(modes alternate in each). Writes ``benchmarks/results/async_pipelines.json``.
+(what a pipeline on separate processes cannot beat) and the share of it reached — and, where the
+staleness rule lets only a fraction a of the next batch be generated before a sync, the rule's own
+bound max(T, a·R) + S + (1 − a)·R; staleness and
+IS-weight statistics; validation accuracy by samples trained. Step times exclude validation and
+checkpoints in every mode. Ratios are paired within a repeat (modes alternate in each). Writes
+``benchmarks/results/async_pipelines.json``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ MODES = {
     # not in the issue's comparison: one process using both cores, no data-parallel collectives
     "sync_one_rank": (None, ["trainer.worker_backend=local", "trainer.n_gpus_per_node=1"], 2),
 }
+# how far ahead of the sync each pipeline may generate, in batches (one-step-off: the whole next one)
+AHEAD = {"one_step_off": 1.0, "fully_async": 0.5, "fully_async_s1": 1.0}
 VAL_KEY = "val-core/rlfoundry/arithmetic/reward/mean@1"
 
 
@@ -104,11 +109,16 @@ def summarize(mode: str, records: list[dict[str, Any]], samples_per_step: int) -
         rollout_s = mean("timing_s/rollouter_gen")
         train_s = step_s - mean("timing_s/wait_rollout") - mean("timing_s/wait_rollout_pause") - sync_s
     bound = max(rollout_s, train_s) + sync_s if not mode.startswith("sync") else step_s
+    # the staleness rule's own bound: a fraction a < 1 of the next batch may be generated before the
+    # sync, the rest only after it, while the trainer waits
+    ahead = min(1.0, AHEAD.get(mode, 1.0))
+    rule_bound = max(train_s, ahead * rollout_s) + sync_s + (1 - ahead) * rollout_s if mode in AHEAD else step_s
     val = {r["step"] * samples_per_step: r[VAL_KEY] for r in records if VAL_KEY in r}
     return {
         "mode": mode, "step_s": step_s, "samples_per_s": samples_per_step / step_s,
         "tokens_per_s": mean("perf/total_num_tokens") / step_s, "rollout_s": rollout_s, "train_s": train_s,
-        "sync_s": sync_s, "overlap_bound_s": bound, "of_bound": bound / step_s,
+        "sync_s": sync_s, "overlap_bound_s": bound, "of_bound": bound / step_s, "rule_bound_s": rule_bound,
+        "of_rule_bound": rule_bound / step_s,
         "staleness_mean": mean("async/staleness_mean"), "staleness_max": max((r.get("async/staleness_max", 0)
                                                                               for r in steps), default=0),
         "is_weight_mean": mean("rollout_corr/rollout_is_mean") if not mode.startswith("sync") else None,
