@@ -112,9 +112,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     clock = StepClock("rlfoundry")
     untimed = RayPPOTrainer.train_step
 
-    def timed_train_step(self, batch_dict):
+    def timed_train_step(self, batch_dict, **kwargs):
         clock.step_begin()
-        metrics = untimed(self, batch_dict)
+        metrics = untimed(self, batch_dict, **kwargs)
         samples = w.samples_per_step
         phases = {k.split("/", 1)[1]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")}
         clock.step_end(round(float(metrics["response_length/mean"]) * samples), samples,
