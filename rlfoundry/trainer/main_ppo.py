@@ -181,14 +181,21 @@ def rollout_data_config(cfg: DictConfig) -> DictConfig:
     return data
 
 
+def train_loader(dataset: Any, data: DictConfig, batch_size: int) -> Any:
+    """The seeded, resumable, drop_last train loader; the order of prompts does not depend on
+    ``batch_size`` (the fully-async rollouter draws ``data.gen_batch_size`` at a time from it)."""
+    from rlfoundry.data import build_dataloader
+
+    return build_dataloader(dataset, batch_size=batch_size, shuffle=bool(data.shuffle), seed=int(data.seed),
+                            num_workers=int(data.dataloader_num_workers), drop_last=True)
+
+
 def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_files: Any) -> tuple[Any, Any]:
     """Train loader (seeded, resumable, drop_last) and validation loader (whole set as one batch)."""
     from rlfoundry.data import RLHFDataset, build_dataloader
 
     data = rollout_data_config(cfg)
-    train_ds = RLHFDataset(train_files, tokenizer, config=data)
-    train = build_dataloader(train_ds, batch_size=int(data.train_batch_size), shuffle=bool(data.shuffle),
-                             seed=int(data.seed), num_workers=int(data.dataloader_num_workers), drop_last=True)
+    train = train_loader(RLHFDataset(train_files, tokenizer, config=data), data, int(data.train_batch_size))
     if val_files is None:
         return train, None
     val_ds = RLHFDataset(val_files, tokenizer, config=data)
@@ -252,12 +259,6 @@ def local_factory(cfg: DictConfig):
     return build
 
 
-def _pool_ranks(cfg: DictConfig, pool: str) -> tuple[int, int]:
-    """(nnodes, processes per node) of ``global_pool`` (the trainer's) or ``rollout_pool``."""
-    node = cfg.rollout if pool == "rollout_pool" else cfg.trainer
-    return int(node.nnodes), int(node.n_gpus_per_node)
-
-
 def process_factory(cfg: DictConfig):
     """One machine without Ray: rank 0 in this process, n_gpus_per_node - 1 child processes. A
     rollout pool of its own runs wholly in child processes (the driver hosts the trainer's rank 0)
@@ -266,7 +267,7 @@ def process_factory(cfg: DictConfig):
     from rlfoundry.single_controller.process import ProcessWorkerGroup, threads_per_rank
 
     def build(classes: dict[str, ClassWithInitArgs], pool: str = "global_pool") -> dict[str, WorkerGroup]:
-        ranks = _pool_ranks(cfg, pool)[1]
+        ranks = int((cfg.rollout if pool == "rollout_pool" else cfg.trainer).n_gpus_per_node)
         total = int(cfg.trainer.n_gpus_per_node) + rollout_world_size(cfg)
         group = ProcessWorkerGroup(create_colocated_worker_cls(classes, _runtime(cfg)), ranks,
                                    name_prefix=pool, call_timeout_s=cfg.trainer.worker_call_timeout_s,
@@ -339,8 +340,8 @@ def build_trainer(cfg: DictConfig):
     tokenizer = load_tokenizer(cfg)
     train_files = cfg.data.train_files if cfg.data.train_files is not None else syn_train
     val_files = cfg.data.val_files if cfg.data.val_files is not None else syn_val
-    train_loader, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files)
-    resolved = resolve_config(cfg, steps_per_epoch=len(train_loader), cuda_available=torch.cuda.is_available(),
+    train, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files)
+    resolved = resolve_config(cfg, steps_per_epoch=len(train), cuda_available=torch.cuda.is_available(),
                               train_files=syn_train, val_files=syn_val, run_dir=str(run_dir))
     for choice in auto_choices(cfg, resolved):
         print(f"rlfoundry: {choice}", flush=True)
@@ -352,10 +353,9 @@ def build_trainer(cfg: DictConfig):
     factory = factories[resolved.trainer.worker_backend](resolved)
     gen = int(resolved.data.gen_batch_size)
     if resolved.async_training.mode == "fully_async" and gen != int(resolved.data.train_batch_size):
-        # the rollouter draws gen_batch_size prompts at a time
-        train_loader = _reloaded(train_loader, resolved, gen)
+        train = train_loader(train.dataset, resolved.data, gen)  # the rollouter draws gen_batch_size at a time
     trainer = trainer_class(resolved)(resolved, tokenizer, factory, worker_classes(resolved), reward_fn, val_reward_fn,
-                                      train_loader, val_loader)
+                                      train, val_loader)
     trainer.init_workers()
     return trainer
 
@@ -374,15 +374,6 @@ def trainer_class(cfg: DictConfig) -> type:
     from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
 
     return RayPPOTrainer
-
-
-def _reloaded(loader: Any, cfg: DictConfig, batch_size: int) -> Any:
-    """The same data set, order and seed, drawn ``batch_size`` prompts at a time."""
-    from rlfoundry.data import build_dataloader
-
-    data = cfg.data
-    return build_dataloader(loader.dataset, batch_size=batch_size, shuffle=bool(data.shuffle), seed=int(data.seed),
-                            num_workers=int(data.dataloader_num_workers), drop_last=True)
 
 
 def _import_external_lib(cfg: DictConfig) -> None:

@@ -266,12 +266,13 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
         done = self.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
         at, call = self.config.async_training, self.rollout_wg.generate_sequences
         chunked = ChunkedGeneration(call, response_length=int(self.config.data.max_response_length),
-                                    chunk_tokens=int(at.partial_rollout_chunk_tokens or 1), pad_id=self._pad_id(),
-                                    eos_ids=generation_eos_ids(self.tokenizer, self.config.actor_rollout_ref.model.path))
+                                    chunk_tokens=int(at.partial_rollout_chunk_tokens), pad_id=self._pad_id(),
+                                    eos_ids=generation_eos_ids(self.tokenizer, self.config.actor_rollout_ref.model.path),
+                                    ) if at.partial_rollout else None
 
         def generate(batch_dict: dict, boundary: Callable[[], int]) -> DataProto:
             prompts = self._prompts(batch_dict)
-            if at.partial_rollout:
+            if chunked is not None:
                 out = chunked.generate(prompts, int(self.config.actor_rollout_ref.rollout.n), boundary)
             else:
                 out = call(prompts)
