@@ -3,6 +3,7 @@
     rlfoundry train [key=value ...]              PPO/GRPO training (same as python -m rlfoundry.trainer.main_ppo)
     rlfoundry preprocess <task> --output DIR     write a data set as verl-format parquet
     rlfoundry export <checkpoint_dir> <hf_dir>   sharded actor checkpoint -> Hugging Face model directory
+                                                 (LoRA: --format merged, the default, or adapter)
     rlfoundry report <run_dir>                   plot a run's metrics.jsonl (PNG + HTML)
     rlfoundry sft [key=value ...]                supervised fine-tuning
 """
@@ -46,8 +47,12 @@ def find_actor_checkpoint(path: str | os.PathLike) -> Path:
     return p
 
 
-def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path:
+def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, fmt: str = "merged") -> Path:
     """Load the actor's sharded checkpoint into one in-process worker and write it with ``save_pretrained``.
+
+    A LoRA run (``model.lora_rank > 0``) exports ``--format merged`` (default: a plain HF directory, the
+    adapter folded into the base) or ``--format adapter`` (a peft adapter directory for
+    ``PeftModel.from_pretrained`` on the base, which the run's ``model.path`` names).
 
     The run's resolved config (saved in the step's ``data.pt``) says which base model to build; DCP
     reshards whatever number of ranks saved it onto this single process. A Megatron engine checkpoint
@@ -62,7 +67,11 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path
     from rlfoundry.utils.checkpoint import load_trainer_state, read_component_marker
 
     step_dir = find_actor_checkpoint(checkpoint_dir)
-    if read_component_marker(step_dir / "actor").get("engine") == "megatron":
+    marker = read_component_marker(step_dir / "actor")
+    if fmt == "adapter" and not marker.get("trainable_only"):
+        raise ExportError(f"{step_dir / 'actor'} holds a whole model, not a LoRA adapter: export it with "
+                          "--format merged (the default)")
+    if marker.get("engine") == "megatron":
         return export_megatron_checkpoint(step_dir / "actor", hf_dir)
     state = load_trainer_state(step_dir / "data.pt")
     if "config" not in state:
@@ -74,7 +83,7 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> Path
     group = LocalWorkerGroup(worker, name_prefix="export")
     group.init_model()
     group.load_checkpoint(str(step_dir / "actor"))
-    group.save_hf_model(str(hf_dir))
+    group.save_hf_model(str(hf_dir), adapter_only=fmt == "adapter")
     return Path(hf_dir)
 
 
@@ -84,11 +93,13 @@ def _export_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlfoundry export", description=export.__doc__)
     parser.add_argument("checkpoint_dir", help="run dir, global_step_N dir, or global_step_N/actor")
     parser.add_argument("hf_dir", help="output Hugging Face model directory")
+    parser.add_argument("--format", choices=("merged", "adapter"), default="merged",
+                        help="LoRA runs: the merged model (default) or the peft adapter alone")
     args = parser.parse_args(argv)
     from rlfoundry.utils.errors import CheckpointCorruptError
 
     try:
-        out = export(args.checkpoint_dir, args.hf_dir)
+        out = export(args.checkpoint_dir, args.hf_dir, args.format)
     except (ExportError, CheckpointCorruptError) as e:
         print(f"rlfoundry export: {e}", file=sys.stderr)
         return 2

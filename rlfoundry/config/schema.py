@@ -44,6 +44,7 @@ from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
 
 # Value lists that code outside the config also checks against (one list each).
 CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; models/cpu_kernels.py
+LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync; models/lora.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
 STRATEGIES = ("fsdp", "fsdp2", "megatron")  # megatron: engines/megatron (actor and reference so far)
@@ -267,10 +268,12 @@ class ModelConfig:
     # rlfoundry: the CPU speed-ups (oneDNN linears, fused forward and decode, FSDP hook skipping;
     # models/cpu_kernels.py): auto = on when the model runs on the CPU, off = the plain HF/FSDP2 path GPUs take
     cpu_kernels: str = one_of(CPU_KERNELS, "auto")
+    # LoRA (models/lora.py, peft): rank 0 = full fine-tuning; the reference is the model with the adapter off
     lora_rank: int = 0
     lora_alpha: int = 16
-    target_modules: Any = "all-linear"
-    exclude_modules: Optional[str] = None
+    target_modules: Any = "all-linear"  # or a list of module names
+    exclude_modules: Any = None
+    lora_adapter_path: Optional[str] = None  # a peft adapter directory to start from
     use_liger: bool = False
     use_fused_kernels: bool = False
     fused_kernel_options: Dict[str, Any] = _dict()
@@ -398,7 +401,10 @@ class RolloutConfig:
     enforce_eager: bool = True
     free_cache_engine: bool = True
     load_format: str = "dummy_dtensor"
-    layered_summon: bool = False
+    layered_summon: bool = False  # no effect: weights always stream one tensor at a time
+    # rlfoundry: with model.lora_rank > 0, what vLLM receives after each update: the adapter alone (a
+    # LoRA request on the unchanged base) or the merged weights (W + scaling·BA, as without LoRA)
+    lora_sync: str = one_of(LORA_SYNCS, "adapter")
     tensor_model_parallel_size: int = 1  # verl: 2
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
@@ -451,9 +457,10 @@ class CriticModelConfig:
     cpu_kernels: str = one_of(CPU_KERNELS, "auto")  # rlfoundry: as ModelConfig.cpu_kernels
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
-    lora_rank: int = 0
+    lora_rank: int = 0  # LoRA on the critic: the value head trains in full beside the adapter
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
+    exclude_modules: Any = None
 
 
 @dataclass

@@ -76,7 +76,12 @@ class SFTModelConfig:
     enable_gradient_checkpointing: bool = False
     external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
     override_config: Dict[str, Any] = field(default_factory=dict)
-    lora_rank: int = 0  # LoRA is not supported: must stay 0
+    # LoRA (models/lora.py, peft): rank 0 = full fine-tuning; the saved model is the merged one
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    exclude_modules: Any = None
+    lora_adapter_path: Optional[str] = None  # a peft adapter directory to start from
     # rlfoundry: the CPU speed-ups (models/cpu_kernels.py); auto: on when training on the CPU
     cpu_kernels: str = _choice("auto", "off")
     fsdp_config: SFTFSDPConfig = _sub(SFTFSDPConfig)

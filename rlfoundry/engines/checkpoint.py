@@ -215,10 +215,17 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 # ---- component save / load ----------------------------------------------------------------
 
 
-def _model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state_options(trainable_only: bool) -> StateDictOptions:
+    # trainable_only: a LoRA model's frozen base is the model directory's, never a checkpoint's
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def _model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                       trainable_only: bool = False) -> dict[str, Any]:
+    options = _state_options(trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=options)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -269,6 +276,8 @@ def save_checkpoint(
     extra_state: dict | None = None,
     process_group: dist.ProcessGroup | None = None,
     tokenizer: Any = None,
+    trainable_only: bool = False,
+    meta: dict | None = None,
 ) -> Path:
     """Save one worker role's state to ``local_path`` (e.g. ``D/global_step_N/critic``). Collective.
 
@@ -278,10 +287,11 @@ def save_checkpoint(
     state, plus the model's HF ``config.json`` (and ``tokenizer`` if given) under ``huggingface/``
     so that :func:`export_hf_from_checkpoint` needs nothing else. Everything goes to
     ``<local_path>.tmp``; the directory is renamed to ``local_path`` only after all ranks finished
-    and the completion marker is written. Returns ``local_path``.
+    and the completion marker is written. Returns ``local_path``. ``trainable_only``: only the
+    parameters that train (a LoRA adapter) and their optimiser state; ``meta`` joins the marker.
     """
     def write_shards(staging: Path) -> None:
-        state = _model_optim_state(model, optimizer)
+        state = _model_optim_state(model, optimizer, trainable_only)
         with warnings.catch_warnings():
             # Without a process group DCP warns that it assumes one process, which is the intent.
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
@@ -291,7 +301,7 @@ def save_checkpoint(
         _write_hf_config(model, tokenizer, out)
 
     return save_role(local_path, write_shards, write_config, lr_scheduler, extra_state, process_group,
-                     {"has_optimizer": optimizer is not None})
+                     {"has_optimizer": optimizer is not None, "trainable_only": trainable_only, **(meta or {})})
 
 
 def save_role(
@@ -384,6 +394,7 @@ def load_checkpoint(
     process_group: dist.ProcessGroup | None = None,
     load_rng: bool = True,
     verify: bool = True,
+    trainable_only: bool = False,
 ) -> dict:
     """Restore what :func:`save_checkpoint` wrote into an already built model/optimizer/scheduler.
 
@@ -394,19 +405,26 @@ def load_checkpoint(
     def read_shards(path: Path, meta: dict) -> None:
         if optimizer is not None and not meta.get("has_optimizer", True):
             raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
+        if bool(meta.get("trainable_only", False)) != trainable_only:
+            saved = "a LoRA adapter" if meta.get("trainable_only") else "a whole model"
+            raise ValueError(f"{path} holds {saved}, but the model it is loaded into "
+                             f"{'has' if trainable_only else 'has no'} LoRA adapter; resume with the "
+                             "run's own model.lora_rank")
         # DCP swallows a metadata read error and retries with per-rank files, which would hide the
         # reason; read it once here so a refused file says why.
         reader = _SafeFileSystemReader(str(path / "dcp"))
         reader.read_metadata()
-        state = _model_optim_state(model, optimizer)
+        state = _model_optim_state(model, optimizer, trainable_only)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
             dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(),
                      process_group=process_group)
+        options = _state_options(trainable_only)
         if optimizer is None:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=options)
         else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=options)
 
     return load_role(local_path, read_shards, lr_scheduler, process_group, load_rng, verify)
 
@@ -449,6 +467,8 @@ def _unwrapped_class_name(model: nn.Module) -> str:
     """FSDP2 swaps the class for ``FSDP<Name>``; config.architectures must name the real one."""
     from torch.distributed.fsdp import FSDPModule
 
+    if callable(getattr(model, "get_base_model", None)):  # a peft (LoRA) model: name the model it adapts
+        model = model.get_base_model()
     for cls in type(model).__mro__:
         if not issubclass(cls, FSDPModule):
             return cls.__name__
@@ -463,13 +483,6 @@ def _fix_architectures(config_file: Path, model: nn.Module) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _write_hf_dir(model: nn.Module, tokenizer: Any, full_sd: dict, out: Path) -> None:
-    model.save_pretrained(out, state_dict=full_sd)
-    _fix_architectures(out / "config.json", model)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-
-
 def save_hf_model(
     model: nn.Module, tokenizer: Any, path: str | os.PathLike, process_group: dist.ProcessGroup | None = None
 ) -> Path:
@@ -479,16 +492,28 @@ def save_hf_model(
     the accelerator never holds a full copy); rank 0 writes them into ``<path>.tmp`` and renames it
     to ``path`` when done. The result loads with ``AutoModel*.from_pretrained(path)``.
     """
-    out = Path(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_sd = get_model_state_dict(model, options=options)
+    return publish_hf_dir(path, lambda out: model.save_pretrained(out, state_dict=full_sd), tokenizer, model,
+                          process_group)
+
+
+def publish_hf_dir(path: str | os.PathLike, write: Callable[[Path], Any], tokenizer: Any, model: nn.Module,
+                   process_group: dist.ProcessGroup | None = None) -> Path:
+    """Rank 0: ``write(staging)``, the tokenizer, the real architecture name, then rename into place;
+    every rank returns (or raises rank 0's error) together. Gather before: nothing collective here."""
+    out = Path(path)
     error = None
     if _rank(process_group) == 0:
         try:
             staging = out.with_name(out.name + TMP_SUFFIX)
             if staging.exists():
                 shutil.rmtree(staging)
-            _write_hf_dir(model, tokenizer, full_sd, staging)
+            write(staging)
+            if (staging / "config.json").is_file():
+                _fix_architectures(staging / "config.json", model)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
             if out.exists():
                 rename_then_delete(out)
             os.replace(staging, out)
@@ -521,6 +546,9 @@ def export_hf_from_checkpoint(local_path: str | os.PathLike, out_path: str | os.
     if meta.get("engine") == "megatron":
         raise ValueError(f"{path} was saved by the Megatron engine: export it with "
                          "rlfoundry.engines.megatron.export.export_megatron_checkpoint (or rlfoundry export)")
+    if meta.get("trainable_only"):
+        raise ValueError(f"{path} holds a LoRA adapter without its base model: export it with `rlfoundry export` "
+                         "(the run's config names the base; --format merged or adapter)")
     if meta.get("manifest") is not None:
         verify_files(path, meta["manifest"])
     config = transformers.AutoConfig.from_pretrained(path / HF_CONFIG_DIR)

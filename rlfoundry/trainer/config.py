@@ -81,13 +81,11 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.hybrid_engine",
     "actor_rollout_ref.model.use_shm", "actor_rollout_ref.model.enable_activation_offload",
     "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.use_fused_kernels",
-    "actor_rollout_ref.model.fused_kernel_options*", "actor_rollout_ref.model.target_modules",
-    "actor_rollout_ref.model.exclude_modules", "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.fused_kernel_options*", "actor_rollout_ref.rollout.layered_summon",
     "*.use_torch_compile", "*.ulysses_sequence_parallel_size", "*.entropy_from_logits_with_chunking",
     "*.entropy_checkpointing", "*.profiler.*", "*.fsdp_config.grad_offload", "*.fsdp_config.wrap_policy*",
     "*.fsdp_config.forward_prefetch", "*.fsdp_config.offload_policy",
     "*.checkpoint.*", "critic.model.use_shm", "critic.model.enable_activation_offload",
-    "critic.model.lora_alpha", "critic.model.target_modules",
     "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
     "actor_rollout_ref.rollout.use_fire_sampling", "actor_rollout_ref.rollout.micro_batch_size",
     "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.agent*",
@@ -467,10 +465,7 @@ def _check_multi_turn(cfg: DictConfig) -> list[str]:
 
 
 def _check_unsupported(cfg: DictConfig) -> list[str]:
-    arr, errors = cfg.actor_rollout_ref, []
-    if arr.model.lora_rank > 0 or cfg.critic.model.lora_rank > 0:
-        errors.append("LoRA (model.lora_rank > 0) is not supported yet; remove the lora_rank override.")
-    errors += _check_multi_turn(cfg)
+    errors = _check_lora(cfg) + _check_multi_turn(cfg)
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>.")
     backend, ws = cfg.trainer.worker_backend, world_size(cfg)
@@ -481,6 +476,29 @@ def _check_unsupported(cfg: DictConfig) -> list[str]:
         errors.append(f"trainer.worker_backend=process runs on one machine, but trainer.nnodes={cfg.trainer.nnodes}; "
                       "use trainer.worker_backend=ray for several nodes.")
     return errors + _check_megatron(cfg)
+
+
+def _check_lora(cfg: DictConfig) -> list[str]:
+    """LoRA runs on the FSDP engine; an adapter to start from must be there."""
+    errors, arr = [], cfg.actor_rollout_ref
+    roles = (("actor_rollout_ref", arr.model, arr.actor.strategy), ("critic", cfg.critic.model, cfg.critic.strategy))
+    users = [(key, strategy) for key, model, strategy in roles
+             if int(model.lora_rank or 0) > 0 and (key == "actor_rollout_ref" or use_critic(cfg))]
+    for key, strategy in users:
+        if strategy == "megatron":
+            errors.append(f"{key}.model.lora_rank > 0 needs the FSDP engine (LoRA on Megatron is not built); "
+                          f"use strategy=fsdp or lora_rank=0.")
+    if users and importlib.util.find_spec("peft") is None:
+        from rlfoundry.models.lora import PEFT_INSTALL
+
+        errors.append(f"model.lora_rank > 0 needs peft: {PEFT_INSTALL}")
+    path = arr.model.lora_adapter_path
+    if path and not (Path(str(path)).expanduser() / "adapter_config.json").is_file():
+        errors.append(f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a peft adapter directory "
+                      "(no adapter_config.json); use what `rlfoundry export --format adapter` wrote.")
+    if path and int(arr.model.lora_rank or 0) <= 0:
+        errors.append("actor_rollout_ref.model.lora_adapter_path needs model.lora_rank > 0 (set it to the adapter's rank).")
+    return errors
 
 
 _MEGATRON_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",

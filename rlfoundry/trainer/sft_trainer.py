@@ -21,6 +21,7 @@ protocol, retention and ``resume_mode=auto`` are PPO's (``utils/checkpoint.py``)
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 import os
 import random
@@ -83,8 +84,10 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if cfg.model.partial_pretrain is None:
         errors.append("model.partial_pretrain is required: a local Hugging Face model directory "
                       "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
-    if cfg.model.lora_rank:
-        errors.append(f"model.lora_rank={cfg.model.lora_rank}: LoRA is not supported by rlfoundry sft; use 0")
+    if cfg.model.lora_rank and importlib.util.find_spec("peft") is None:
+        from rlfoundry.models.lora import PEFT_INSTALL
+
+        errors.append(f"model.lora_rank={cfg.model.lora_rank} needs peft: {PEFT_INSTALL}")
     if cfg.ulysses_sequence_parallel_size != 1:
         errors.append("ulysses_sequence_parallel_size must be 1: sequence parallelism is not supported")
     if cfg.data.max_length < 2:
@@ -231,6 +234,7 @@ class SFTTrainer:
         from rlfoundry.config.schema import FSDPConfig, OptimConfig
         from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
         from rlfoundry.models import cpu_kernels
+        from rlfoundry.models.lora import LoraSpec
 
         m, fsdp, o = self.config.model, self.config.model.fsdp_config, self.config.optim
         if cpu_kernels.enabled(m.cpu_kernels, self.device):
@@ -248,6 +252,7 @@ class SFTTrainer:
                             reshard_after_forward=fsdp.reshard_after_forward),
             trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
             gradient_checkpointing=m.enable_gradient_checkpointing, use_remove_padding=self.config.use_remove_padding,
+            lora=LoraSpec.of(m),
         )
         return FSDPEngine.build(config, self.device, role=ROLE)
 

@@ -48,6 +48,7 @@ from rlfoundry.config.typed import to_typed
 from rlfoundry.engines import oom
 from rlfoundry.engines.base import GlobalBatchInfo, LossOutput, MicroBatching, TrainingEngine, Values
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+from rlfoundry.models.lora import LoraSpec
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
@@ -251,6 +252,8 @@ class CriticWorker(Worker):
             # dropout would make values, and hence GAE, random, and break micro-batch invariance
             override_config={"classifier_dropout": 0.0, **model.override_config},
             gradient_checkpointing=model.enable_gradient_checkpointing,
+            # LoRA: peft trains a token classifier's head (``score``) in full beside the adapter
+            lora=LoraSpec.of(model, task_type="TOKEN_CLS"),
         )
 
     def _megatron_engine(self) -> TrainingEngine:

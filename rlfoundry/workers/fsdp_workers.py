@@ -3,7 +3,8 @@
 One class, several roles (verl's hybrid engine): ``actor``, ``rollout``, ``ref``, ``actor_ref``,
 ``actor_rollout`` and ``actor_rollout_ref``. The actor and the HF rollout share one FSDP2 module, so
 generation always sees the latest weights without a copy; the reference is a separate frozen model
-loaded from the same path, built only when the role includes ``ref``. A rollout pool of its own
+loaded from the same path, built only when the role includes ``ref`` (with LoRA, ``model.lora_rank > 0``,
+the reference is the actor's own module with the adapter switched off: no second copy). A rollout pool of its own
 (``rollout`` alone: the asynchronous pipelines) holds a whole replica per rank that the trainer's
 ``send_weights`` refreshes through the checkpoint engine.
 
@@ -26,6 +27,7 @@ change, or an ``ActorRolloutRefConfig``); the worker keeps it typed, with the sc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -38,6 +40,7 @@ import torch
 from rlfoundry.config.schema import ActorRolloutRefConfig, FSDPConfig
 from rlfoundry.config.typed import to_typed
 from rlfoundry.models.hf import check_model_dir, generation_eos_ids, resolve_model_path
+from rlfoundry.models.lora import LoraSpec
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.single_controller.base.worker import WorkerRuntime
@@ -93,6 +96,8 @@ class ActorRolloutRefWorker(Worker):
         self.agent_loop: Any = None  # rollout.multi_turn.enable: tool-calling trajectories over self.rollout
         self._bridge: Any = None  # a rollout pool of its own: the CheckpointEngine joining it to the trainer
         self._bridge_store: Any = None
+        self.lora = LoraSpec.of(self.config.model)
+        self._ref_in_actor = False  # LoRA: the reference is the actor's module with the adapter off
 
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
@@ -123,6 +128,7 @@ class ActorRolloutRefWorker(Worker):
             override_config=dict(model.override_config), gradient_checkpointing=model.enable_gradient_checkpointing,
             # a KV cache cannot be shared under gradient checkpointing (HF turns use_cache off there)
             use_shared_prompt=model.use_shared_prompt and not model.enable_gradient_checkpointing,
+            lora=self.lora if trainable else None,
         )
 
     def _build_rollout(self, module: torch.nn.Module | None) -> BaseRollout:
@@ -132,13 +138,22 @@ class ActorRolloutRefWorker(Worker):
         # directory and takes the weights from the actor's engine, HF-named, tensor by tensor; a
         # rollout pool of its own (no actor here) loads the checkpoint and then receives syncs
         config, extra = self.config.rollout, {}
-        if module is None and self.engine is not None:
+        if self.engine is not None and self.config.rollout.name != "hf":
+            # HF names (a LoRA actor's weights merged), from whichever engine trains
             extra = {"model_path": resolve_model_path(self.config.model.path), "weight_source": self.engine.iter_hf_weights}
+            if self.lora is not None and config.lora_sync == "adapter":
+                extra |= {"adapter_source": self._adapter_for_rollout, "lora_rank": self.lora.rank}
         elif module is None:
             extra = {"model_path": resolve_model_path(self.config.model.path)}
             config = dataclasses.replace(config, load_format="auto")
         return self._rollout_cls(module, config, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
                                  cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device), **extra)
+
+    def _adapter_for_rollout(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The adapter's peft config and tensors (peft's file names) for an engine's LoRA request. Collective."""
+        from rlfoundry.models.lora import peft_config_dict
+
+        return peft_config_dict(self.engine.module), self.engine.adapter_weights()
 
     def _megatron_engine(self, megatron: Any, trainable: bool, role: str) -> Any:
         from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
@@ -186,7 +201,10 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self.rollout = self._build_rollout(self._rollout_module())
             self.agent_loop = self._build_agent_loop()
-        if self._is_ref:
+        if self._is_ref and self._is_actor and self.lora is not None:
+            self._ref_in_actor = True
+            self.ref_policy = DataParallelPPOActor(self.config.ref, self.engine)
+        elif self._is_ref:
             if self.config.ref.strategy == "megatron":
                 ref_engine = self._megatron_engine(self.config.ref.megatron, False, "ref")
             else:
@@ -287,7 +305,8 @@ class ActorRolloutRefWorker(Worker):
         data = on_device(data, self.device)
         data, mine = pooled_rows(self.ref_policy.engine, data)
         kwargs = self._log_prob_kwargs(self.config.ref, data)
-        log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
+        with self.engine.adapter_disabled() if self._ref_in_actor else contextlib.nullcontext():
+            log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob[mine]}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -394,10 +413,16 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.load_state_dict(extra["rollout"])
         if self.rollout is not None and self.config.actor.strategy == "megatron":
             self.rollout.sync_weights(self.engine.iter_hf_weights())  # its HF copy follows the loaded weights
+        elif self.rollout is not None:
+            self.rollout.on_actor_update()  # an engine with its own copy (vLLM) takes the loaded weights
         return extra
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_hf_model(self, path: str) -> None:
-        """Full safetensors weights + config + tokenizer at ``path``, loadable by ``from_pretrained``."""
+    def save_hf_model(self, path: str, adapter_only: bool = False) -> None:
+        """Full safetensors weights + config + tokenizer at ``path``, loadable by ``from_pretrained`` (a
+        LoRA policy merged); ``adapter_only``: the peft adapter directory (``PeftModel.from_pretrained``)."""
         self._require(self.actor, "save_hf_model")
-        self.engine.save_hf_model(path, self.tokenizer)
+        if adapter_only:
+            self.engine.save_hf_model(path, self.tokenizer, adapter_only=True)
+        else:
+            self.engine.save_hf_model(path, self.tokenizer)

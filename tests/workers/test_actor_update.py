@@ -67,6 +67,19 @@ def test_micro_batch_1_vs_4_gives_the_same_update(tiny_model_dir, batch):
     assert len(one[1]["actor/grad_norm"]) == 2  # two mini-batches, two optimiser steps
 
 
+LORA = ["model.lora_rank=8", "model.lora_alpha=16"]
+
+
+def test_a_lora_update_is_the_same_for_any_micro_batch_size_and_moves_only_the_adapter(tiny_model_dir, batch):
+    pytest.importorskip("peft")
+    one = _update(tiny_model_dir, batch, LORA + ["actor.ppo_micro_batch_size_per_gpu=1"])
+    four = _update(tiny_model_dir, batch, LORA + ["actor.ppo_micro_batch_size_per_gpu=4"])
+    _assert_same_update(one, four)
+    start = full_params(local_worker(worker_config(tiny_model_dir, LORA), role="actor").worker.actor.module)
+    moved = {k for k in start if (one[0][k] - start[k]).abs().max() > 1e-4}
+    assert moved and all(".lora_A." in k or ".lora_B." in k for k in moved), moved
+
+
 def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, batch):
     fixed = _update(tiny_model_dir, batch, ["actor.ppo_micro_batch_size_per_gpu=4"])
     # 40 tokens: a few rows per micro-batch, packed by length in another order
@@ -211,8 +224,10 @@ def ray_cluster():
 
 
 @pytest.mark.ray
-def test_two_rank_update_equals_one_rank_update(tiny_model_dir, batch, ray_cluster, tmp_path):
-    """Ray actors, FSDP2 over gloo: the mini-batch split over 2 ranks gives the 1-rank update.
+@pytest.mark.parametrize("lora", [[], LORA], ids=["full", "lora"])
+def test_two_rank_update_equals_one_rank_update(tiny_model_dir, batch, ray_cluster, tmp_path, lora):
+    """Ray actors, FSDP2 over gloo: the mini-batch split over 2 ranks gives the 1-rank update (with
+    LoRA: the adapter sharded beside its frozen base in the same FSDP2 units; compared merged).
 
     One mini-batch of all 8 rows (4 prompts x n=2): with several mini-batches the ranks' row
     slices would form *different* mini-batches than one rank's consecutive rows (verl semantics).
@@ -220,7 +235,8 @@ def test_two_rank_update_equals_one_rank_update(tiny_model_dir, batch, ray_clust
     from rlfoundry.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
 
-    cfg = worker_config(tiny_model_dir, BASE + ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2"])
+    cfg = worker_config(tiny_model_dir, BASE + lora + ["actor.ppo_mini_batch_size=4",
+                                                      "actor.ppo_micro_batch_size_per_gpu=2"])
     pool = RayResourcePool(process_on_nodes=[2], name_prefix="actor2")
     group = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, cfg, "actor"), call_timeout_s=300)
     try:

@@ -550,3 +550,52 @@ def test_the_calculator_demo_trains_with_vllm_rollout(tmp_path):
     names = ("training/rollout_actor_probs_diff_max", "training/rollout_probs_diff_max")
     logged = [r[k] for r in steps for k in names if k in r]
     assert logged and max(logged) < LOGP_TOL, logged
+
+
+_LORA_SCRIPT = r"""
+import json, sys
+import torch
+from tests.workers import local_worker, make_prompts, worker_config
+from tests.workers.test_vllm_rollout import VLLM_OVERRIDES, TEXTS, TP, _training_batch, _with_meta
+
+model_dir, mode = sys.argv[1], sys.argv[2]
+lora = ["model.lora_rank=8", "model.lora_alpha=16", f"rollout.lora_sync={mode}"]
+group = local_worker(worker_config(model_dir, VLLM_OVERRIDES + lora), role="actor_rollout")
+engine, tokenizer = group.worker.rollout, group.worker.tokenizer
+prompts = make_prompts(tokenizer, TEXTS, max_prompt_length=TP)
+
+def engine_vs_actor():
+    out = group.generate_sequences(_with_meta(prompts, validate=True))
+    actor = group.compute_log_prob(_with_meta(out, temperature=1.0)).batch["old_log_probs"]
+    mask = out.batch["response_mask"].bool()
+    return float((out.batch["rollout_log_probs"] - actor)[mask].abs().max())
+
+result = {"start": engine_vs_actor(), "enable_lora": bool(engine.engine_kwargs.get("enable_lora"))}
+engine.sync_weights = lambda *a, **k: None  # a skipped sync: the engine keeps the old adapter
+try:
+    for seed in range(3):
+        group.update_actor(_training_batch(group, prompts, seed=seed))
+finally:
+    del engine.sync_weights
+result["stale"] = engine_vs_actor()
+engine.sync_weights()
+result["synced"] = engine_vs_actor()
+group.update_actor(_training_batch(group, prompts, seed=9))  # the worker's own hook syncs
+result["after_update"] = engine_vs_actor()
+print("RESULT " + json.dumps(result))
+engine.shutdown()
+"""
+
+
+@vllm_test
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_a_lora_actor_reaches_vllm_as_an_adapter_or_merged(vllm_model_dir, mode):
+    """LoRA on the actor: vLLM gets the adapter alone (a LoRA request on the base it read from disk) or
+    the merged weights; either way it scores its tokens as the actor does, and a skipped sync shows."""
+    pytest.importorskip("peft")
+    stdout = _run_python(["-c", _LORA_SCRIPT, str(vllm_model_dir), mode])
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["enable_lora"] == (mode == "adapter")
+    assert result["stale"] > STALE_MIN, result
+    assert max(result["start"], result["synced"], result["after_update"]) < 1e-4, result

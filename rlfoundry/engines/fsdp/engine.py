@@ -1,7 +1,7 @@
 """The FSDP2 training engine: one Hugging Face model, sharded with ``fully_shard``, on the ranks of
 one worker group (see ``engines/base.py`` for the contract).
 
-Building: ``load_hf_model`` → CPU kernels when on (``models/cpu_kernels.py``) → ``apply_fsdp2`` →
+Building: ``load_hf_model`` → a peft LoRA adapter when ``lora`` is set (``models/lora.py``) → CPU kernels when on (``models/cpu_kernels.py``) → ``apply_fsdp2`` →
 AdamW + LR schedule (trainable models only). Updates: mini-batches from ``engines/loop.py``, each
 cut into micro-batches whose gradients accumulate (with one gather and one reduction per
 mini-batch where the units keep their parameters gathered), then clip + step, or skip the step
@@ -43,6 +43,7 @@ from rlfoundry.engines.fsdp.forward import (
 )
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
 from rlfoundry.models import cpu_kernels
+from rlfoundry.models import lora as lora_lib
 from rlfoundry.models.hf import load_hf_model
 from rlfoundry.protocol import DataProto
 
@@ -71,6 +72,7 @@ class FSDPEngineConfig:
     gradient_checkpointing: bool = False
     use_remove_padding: bool = False
     use_shared_prompt: bool = False
+    lora: lora_lib.LoraSpec | None = None  # an adapter on the frozen model (trainable models only)
 
     @property
     def trainable(self) -> bool:
@@ -93,6 +95,7 @@ class FSDPEngine(TrainingEngine):
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None, dp_group: Any = None):
         """Wrap an already built (and sharded) ``module``; ``FSDPEngine.build`` makes one from an HF path."""
         self.config, self.device, self.role = config, torch.device(device), role
+        self.lora = lora_lib.is_lora(module)
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.cpu_kernels = cpu_kernels.enabled(config.cpu_kernels, self.device)
@@ -224,8 +227,11 @@ class FSDPEngine(TrainingEngine):
 
         self.onload()
         try:
+            # LoRA: the adapter and its optimiser state only (the base is the model directory's)
+            meta = {"lora": lora_lib.peft_config_dict(self._module)} if self.lora else {}
             out = ckpt.save_checkpoint(path, self._module, self.optimizer, self.lr_scheduler,
-                                       extra_state={**extra, "engine": self.counters()}, tokenizer=tokenizer)
+                                       extra_state={**extra, "engine": self.counters()}, tokenizer=tokenizer,
+                                       trainable_only=self.lora, meta=meta)
         finally:
             self.offload()
         return str(out)
@@ -235,19 +241,45 @@ class FSDPEngine(TrainingEngine):
 
         self.onload()
         try:
-            extra = ckpt.load_checkpoint(path, self._module, self.optimizer, self.lr_scheduler, verify=verify)
+            extra = ckpt.load_checkpoint(path, self._module, self.optimizer, self.lr_scheduler, verify=verify,
+                                         trainable_only=self.lora)
         finally:
             self.offload()
         self.load_counters(extra.get("engine") or extra.get(self.role, {}))  # older checkpoints: under the role
         return extra
 
-    def save_hf_model(self, path: str, tokenizer: Any = None) -> str:
+    def save_hf_model(self, path: str, tokenizer: Any = None, adapter_only: bool = False) -> str:
+        """A ``from_pretrained`` directory; with LoRA the merged model, or with ``adapter_only`` the
+        peft adapter directory (``PeftModel.from_pretrained``)."""
         from rlfoundry.engines import checkpoint as ckpt
 
-        return str(ckpt.save_hf_model(self._module, tokenizer, path))
+        if adapter_only and not self.lora:
+            raise ValueError(f"{self.role}: an adapter export needs a LoRA model (model.lora_rank > 0)")
+        if not self.lora:
+            return str(ckpt.save_hf_model(self._module, tokenizer, path))
+        named = self.iter_trainable_weights() if adapter_only else self.iter_hf_weights()
+        rank0 = not dist.is_initialized() or dist.get_rank(self.dp_group) == 0
+        state = [(k, v.cpu()) if rank0 else None for k, v in named]  # the gather is collective: every rank
+        save = lora_lib.save_adapter if adapter_only else lora_lib.save_merged
+        return str(ckpt.publish_hf_dir(path, lambda out: save(self._module, state, out), tokenizer, self._module,
+                                       self.dp_group))
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return fu.iter_full_parameters(self._module)
+        """HF-named full tensors; a LoRA model's adapted weights arrive merged (W + scaling · B A)."""
+        named = fu.iter_full_parameters(self._module)
+        return lora_lib.merged_hf_weights(self._module, named) if self.lora else named
+
+    def iter_trainable_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(module name, full tensor) of the parameters that train: a LoRA adapter is a few MB. Collective."""
+        return fu.iter_full_parameters(self._module, trainable_only=True)
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter in peft's file names (``adapter_model.safetensors``'s keys). Collective."""
+        return lora_lib.adapter_weights(self._module, self.iter_trainable_weights())
+
+    def adapter_disabled(self) -> Any:
+        """A context in which the module is its base model (a LoRA run's reference policy)."""
+        return lora_lib.adapter_disabled(self._module)
 
 
 def _say_once(text: str) -> None:
@@ -271,6 +303,8 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         module.eval()
     if prepare is not None:
         prepare(module)
+    if cfg.lora is not None and cfg.trainable:
+        module = lora_lib.apply_lora(module, cfg.lora)
     fast = cpu_kernels.enabled(cfg.cpu_kernels, device)
     if fast:
         _say_once(cpu_kernels.apply_cpu_kernels(module, device))

@@ -398,8 +398,9 @@ def hf_parameter_name(name: str) -> str:
     return name
 
 
-def iter_full_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) per parameter; FSDP2 DTensor shards are gathered one at a time.
+def iter_full_parameters(module: nn.Module, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) per parameter (``trainable_only``: those with ``requires_grad``); FSDP2
+    DTensor shards are gathered one at a time.
 
     One parameter is materialised at a time, so the peak is the largest parameter, not the model.
     ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same
@@ -407,5 +408,7 @@ def iter_full_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]
     """
     with torch.no_grad():
         for name, param in module.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             yield hf_parameter_name(name), full.detach()

@@ -109,11 +109,12 @@ def _check_supported(config: RolloutConfig) -> None:
 
 def build_engine_kwargs(
     config: Any, model_path: str, hf_config: Any, device_type: str, hf_overrides: Mapping[str, Any] | None = None,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = False, lora_rank: int = 0,
 ) -> dict[str, Any]:
     """``vllm.LLM(**kwargs)`` from the rollout config (pure; see the module docstring for the map).
 
     ``config``: a ``RolloutConfig`` (or a DictConfig/dict that ``to_typed`` fills with the schema's defaults).
+    ``lora_rank`` > 0: LoRA requests on (one adapter), the base read from disk (the syncs send only the adapter).
     """
     config = rollout_config(config)
     _check_supported(config)
@@ -146,6 +147,9 @@ def build_engine_kwargs(
     }
     if hf_overrides:
         kwargs["hf_overrides"] = dict(hf_overrides)
+    if lora_rank > 0:
+        kwargs |= {"enable_lora": True, "max_loras": 1, "load_format": "auto",
+                   "max_lora_rank": min(r for r in _LORA_RANKS if r >= lora_rank)}
     if device_type == "cuda":
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.free_cache_engine
@@ -154,6 +158,44 @@ def build_engine_kwargs(
     extra = config.engine_kwargs.get("vllm") or {}
     kwargs.update({k: v for k, v in dict(extra).items() if v is not None})
     return kwargs
+
+
+# the ranks vLLM accepts for max_lora_rank; an adapter of rank r runs in the smallest one >= r
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class _AdapterSync:
+    """The actor's LoRA adapter as one vLLM LoRA request, reloaded in place after every update.
+
+    vLLM reads adapters from a directory in peft's format; the adapter (a few MB) is written into a
+    private temporary directory and loaded with ``load_inplace`` under the same id, so the engine
+    keeps one adapter slot and the base weights never move.
+    """
+
+    def __init__(self, source: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]]):
+        import tempfile
+
+        self.source = source
+        self.dir = tempfile.mkdtemp(prefix="rlfoundry-lora-")
+        self.request: Any = None
+
+    def load(self, llm: Any) -> None:
+        import json
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        config, tensors = self.source()  # collective (FSDP2 gathers): every rank calls it
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(self.dir, "adapter_model.safetensors"))
+        with open(os.path.join(self.dir, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        self.request = LoRARequest("rlfoundry-policy", 1, self.dir, load_inplace=True)
+        llm.llm_engine.add_lora(self.request)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -341,9 +383,12 @@ class VLLMRollout(BaseRollout):
         hf_overrides: Mapping[str, Any] | None = None,
         cpu_kernels: bool = False,  # accepted for the common signature: vLLM runs its own kernels
         weight_source: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        adapter_source: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]] | None = None,
+        lora_rank: int = 0,
     ):
         self.module, self.config, self.rank = module, rollout_config(config), rank
         self.weight_source = weight_source
+        self.adapter = _AdapterSync(adapter_source) if adapter_source is not None else None
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), _as_id_list(eos_token_id)
         self.seed, self.calls, self.syncs = self.config.seed, 0, 0
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
@@ -358,7 +403,8 @@ class VLLMRollout(BaseRollout):
         if self.device_type == "cpu":
             _check_cpu_head_dim(hf_config)
         self.engine_kwargs = build_engine_kwargs(self.config, str(model_path), hf_config, self.device_type,
-                                                 hf_overrides, trust_remote_code)
+                                                 hf_overrides, trust_remote_code,
+                                                 lora_rank if self.adapter is not None else 0)
         self.max_model_len = int(self.engine_kwargs["max_model_len"])
         self._sleep_enabled = bool(self.engine_kwargs.get("enable_sleep_mode", False))
         # vLLM joins a process group that already exists (the worker's, for FSDP) as data-parallel
@@ -367,7 +413,9 @@ class VLLMRollout(BaseRollout):
         with _PreservedProcessState():
             self.llm = vllm.LLM(**self.engine_kwargs)
         self._awake = {"weights", "kv_cache"}
-        if self.engine_kwargs["load_format"] == "dummy":
+        if self.adapter is not None:
+            self.sync_weights(None)  # the base came from disk; the adapter as it starts
+        elif self.engine_kwargs["load_format"] == "dummy":
             if module is None and weight_source is None:
                 raise ValueError(f"rollout.load_format={self.config.load_format!r} starts from random "
                                  "weights and needs the actor module (or a weight source) to sync from")
@@ -391,6 +439,8 @@ class VLLMRollout(BaseRollout):
         """
         if self.llm is None:
             return
+        if self.adapter is not None:
+            self.adapter.close()
         from vllm.distributed import parallel_state
 
         keep = parallel_state.destroy_distributed_environment
@@ -432,6 +482,12 @@ class VLLMRollout(BaseRollout):
         its KV blocks were computed by the old weights.
         """
         self._require_engine()
+        if named_tensors is None and self.adapter is not None:
+            self._wake_up(["weights"])
+            self.adapter.load(self.llm)
+            self.llm.reset_prefix_cache()
+            self.syncs += 1
+            return
         if named_tensors is None and self.weight_source is not None:
             named_tensors = self.weight_source()
         elif named_tensors is None:
@@ -496,7 +552,7 @@ class VLLMRollout(BaseRollout):
         self._wake_up(["weights", "kv_cache"])
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows],
                                     [self._sampling_params(params, eos_ids, s, b) for s, b in zip(seeds, budgets)],
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.adapter.request if self.adapter else None)
         self._sleep()
         responses, log_probs, lengths = _collect(outputs, params.n, params.response_length, pad_id)
         return _assemble(prompts, params.n, responses, log_probs, lengths, position_ids)
