@@ -9,7 +9,7 @@ instead), one rank, random weights of the shape, 4 prompts × 4 samples, 32-toke
 Per run: the rank's parameter bytes (all of them, frozen included, and the reference's), gradient
 bytes (one fp32 gradient per trainable parameter: what backward allocates), optimiser-state bytes
 (AdamW's moments as they are after the run), the process's peak RSS (``ru_maxrss``), and the median
-step time after the first. Writes ``benchmarks/results/lora_memory.json``.
+step time after the first with its phases (generation, old log-probs, reference, actor update). Writes ``benchmarks/results/lora_memory.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.common import REPO_ROOT, SHAPES, format_table, save_results
 
+PHASES = ("step", "gen", "old_log_prob", "ref", "update_actor")
 MODES = {"full": [], "lora": ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32"]}
 
 # Runs inside the child: train, then count the bytes the rank holds and its peak RSS.
@@ -73,10 +74,9 @@ def run_mode(mode: str, model: Path, run_dir: Path) -> dict[str, Any]:
         raise RuntimeError(f"{mode} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["timing_s/step"] for r in records if "timing_s/step" in r][1:]
-    return {"mode": mode, **result, "step_s": statistics.median(steps),
-            "update_actor_s": statistics.median(r["timing_s/update_actor"] for r in records
-                                                if "timing_s/update_actor" in r)}
+    steps = [r for r in records if "timing_s/step" in r][1:]  # the first step warms up
+    phase = lambda key: statistics.median(r.get(f"timing_s/{key}", 0.0) for r in steps)  # noqa: E731
+    return {"mode": mode, **result, **{f"{key}_s": phase(key) for key in PHASES}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [{"mode": r["mode"], "repeat": r["repeat"], "params_mib": r["parameter_bytes"] / mib,
              "ref_mib": r["reference_bytes"] / mib, "grads_mib": r["gradient_bytes"] / mib,
              "optim_mib": r["optimizer_bytes"] / mib, "peak_rss_mib": r["peak_rss_bytes"] / mib,
-             "step_s": r["step_s"], "update_s": r["update_actor_s"]} for r in runs]
+             **{f"{k}_s": r[f"{k}_s"] for k in PHASES}} for r in runs]
     columns = [("mode", "mode", ""), ("repeat", "repeat", ""), ("params MiB", "params_mib", ".1f"),
                ("ref MiB", "ref_mib", ".1f"), ("grads MiB", "grads_mib", ".1f"), ("optim MiB", "optim_mib", ".1f"),
-               ("peak RSS MiB", "peak_rss_mib", ".0f"), ("step s", "step_s", ".2f"), ("update s", "update_s", ".2f")]
+               ("peak RSS MiB", "peak_rss_mib", ".0f"), *((f"{k} s", f"{k}_s", ".2f") for k in PHASES)]
     print(format_table(rows, columns))
     payload = {"layers": a.layers, "shape": SHAPES["qwen2.5-0.5b"], "runs": runs}
     print(f"written {save_results('lora_memory', payload)}")

@@ -56,7 +56,7 @@ from rlfoundry.utils.checkpoint import (
     safe_torch_load,
     verify_files,
 )
-from rlfoundry.utils.errors import CheckpointCorruptError
+from rlfoundry.utils.errors import CheckpointCorruptError, CheckpointMismatchError
 from rlfoundry.utils.fs import atomic_write_bytes, fsync_dir, rename_then_delete
 
 logger = logging.getLogger(__name__)
@@ -407,7 +407,7 @@ def load_checkpoint(
             raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
         if bool(meta.get("trainable_only", False)) != trainable_only:
             saved = "a LoRA adapter" if meta.get("trainable_only") else "a whole model"
-            raise ValueError(f"{path} holds {saved}, but the model it is loaded into "
+            raise CheckpointMismatchError(f"{path} holds {saved}, but the model it is loaded into "
                              f"{'has' if trainable_only else 'has no'} LoRA adapter; resume with the "
                              "run's own model.lora_rank")
         # DCP swallows a metadata read error and retries with per-rank files, which would hide the

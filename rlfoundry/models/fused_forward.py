@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from rlfoundry.models import lora
 from rlfoundry.models.cpu_linear import OneDNNLinear, linear as onednn_linear
 from rlfoundry.models.llama_ops import rms_norm, rope, signed_sin
 from rlfoundry.models.llama_ops import unsupported_reason as _family_reason
@@ -44,6 +45,8 @@ __all__ = ["shared_prompt_logits", "unsupported_reason"]
 def unsupported_reason(module: nn.Module, length: int = 0) -> str | None:
     """None when ``shared_prompt_logits`` reproduces ``module``'s forward over sequences of up to
     ``length`` tokens; otherwise why not."""
+    if lora.is_lora(module):
+        return "LoRA adapters (the one-pass training forward has no adapter terms)"
     reason = _family_reason(module, capacity=length)
     if reason is not None:
         return reason

@@ -26,8 +26,13 @@ def _rope_type(config: Any) -> str:
 def unsupported_reason(module: nn.Module, capacity: int) -> str | None:
     """None when the fused passes reproduce ``module``'s forward over sequences of up to
     ``capacity`` tokens; otherwise why they do not."""
-    if callable(getattr(module, "get_base_model", None)):
-        return "a peft (LoRA) model: its projections add the adapter"
+    from rlfoundry.models import lora
+
+    if lora.is_lora(module):  # adapters fold into the weights the fused passes copy anyway
+        reason = lora.unfusable_reason(module)
+        if reason is not None:
+            return reason
+        module = lora.base_of(module)
     config = getattr(module, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _MODEL_TYPES:

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LoraSpec", "adapter_disabled", "adapter_weights", "apply_lora", "hf_weight_name", "is_lora",
-           "merged_hf_weights", "peft_config_dict", "save_adapter", "save_merged"]
+__all__ = ["LoraSpec", "adapter_disabled", "adapter_weights", "apply_lora", "base_of", "effective_weight",
+           "hf_weight_name", "is_lora", "merged_hf_weights", "peft_config_dict", "save_adapter", "save_merged",
+           "unfusable_reason"]
 
 PEFT_INSTALL = "pip install 'peft>=0.17'"  # the `lora` extra of pyproject.toml
 ADAPTER = "default"  # peft's name for the one adapter a run trains
@@ -134,6 +135,38 @@ def adapter_disabled(module: nn.Module) -> Iterator[nn.Module]:
     """The base model for the block: the reference policy with no second copy of the weights."""
     with module.disable_adapter():
         yield module
+
+
+def base_of(module: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a peft model (its targeted layers carry the adapter); else ``module``."""
+    return module.get_base_model() if is_lora(module) else module
+
+
+def unfusable_reason(module: nn.Module) -> str | None:
+    """Why a fused pass cannot fold this peft model's adapters into its weights; None when it can
+    (every adapted layer a linear one, one active adapter, no DoRA)."""
+    from peft.tuners.lora import Linear as LoraLinear, LoraLayer
+
+    for name, layer in module.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        if not isinstance(layer, LoraLinear) or list(layer.active_adapters) != [ADAPTER]:
+            return f"{name}: a {type(layer).__name__} adapter layer with adapters {list(layer.active_adapters)}"
+        if layer.use_dora.get(ADAPTER):
+            return f"{name}: DoRA"
+    return None
+
+
+def effective_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) a linear layer applies: for a LoRA layer with its adapter on, W + scaling · B A
+    (a new tensor, for a pass that copies its weights anyway); else the layer's own."""
+    base = getattr(layer, "base_layer", None)
+    if base is None:
+        return layer.weight, layer.bias
+    if layer.disable_adapters or layer.merged:
+        return base.weight, base.bias
+    parts = {"base": base.weight, "lora_A": layer.lora_A[ADAPTER].weight, "lora_B": layer.lora_B[ADAPTER].weight}
+    return _merge(layer, parts), base.bias
 
 
 def peft_config_dict(module: nn.Module) -> dict[str, Any]:

@@ -8,7 +8,7 @@ by Ray in a class that still subclasses them, so one ``except RunAbortedError`` 
 from __future__ import annotations
 
 __all__ = ["EXIT_RUN_ABORTED", "RunAbortedError", "NonFiniteLossError", "TrainingOutOfMemoryError",
-           "CheckpointSaveError", "CheckpointCorruptError"]
+           "CheckpointSaveError", "CheckpointCorruptError", "CheckpointMismatchError"]
 
 EXIT_RUN_ABORTED = 3
 
@@ -27,6 +27,10 @@ class TrainingOutOfMemoryError(RunAbortedError):
 
 class CheckpointSaveError(RunAbortedError):
     """Writing a checkpoint failed (disk full, permissions ...); the previous one is intact."""
+
+
+class CheckpointMismatchError(RunAbortedError):
+    """An intact checkpoint of a different model layout (a LoRA adapter vs a whole model, another rank)."""
 
 
 class CheckpointCorruptError(RunAbortedError):

@@ -11,6 +11,7 @@ from rlfoundry.engines.base import LogProbs, MicroBatching, UpdatePlan
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.models.hf import load_hf_model
 from rlfoundry.models.lora import LoraSpec, hf_weight_name
+from rlfoundry.utils.errors import CheckpointMismatchError
 from tests.engines.test_fsdp_engine import _batch, _nll
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
 
@@ -119,8 +120,10 @@ def test_a_checkpoint_holds_the_adapter_and_resumes_the_next_step_exactly(proces
     want = dict(engine.module.named_parameters())
     for name, param in resumed.module.named_parameters():
         assert torch.equal(param, want[name]), name  # same weights, same Adam moments before the step
-    with pytest.raises(ValueError, match="holds a LoRA adapter"):
+    with pytest.raises(CheckpointMismatchError, match="holds a LoRA adapter, but the model"):
         _engine(tiny_model_dir, lora=None).load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointMismatchError, match="'r': 4.*'r': 8"):
+        _engine(tiny_model_dir, lora=LoraSpec(rank=8, alpha=8)).load_checkpoint(str(tmp_path / "ckpt"))
 
 
 def test_hf_weight_names_drop_peft_prefixes_and_adapter_tensors():

@@ -108,3 +108,26 @@ def test_a_full_model_checkpoint_has_no_adapter_to_export(tiny_model_dir, tmp_pa
     proc = subprocess.run([sys.executable, "-m", "rlfoundry", "export", str(tmp_path / "run"), str(tmp_path / "out"),
                            "--format", "adapter"], capture_output=True, text=True, env=E.subprocess_env(), timeout=300)
     assert proc.returncode == 2 and "not a LoRA adapter" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=megatron"],
+     r"lora_rank > 0 needs the FSDP engine"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_adapter_path=/nowhere"],
+     r"lora_adapter_path='/nowhere' is not a peft adapter directory"),
+    (["actor_rollout_ref.model.lora_adapter_path=/nowhere"], r"needs model.lora_rank > 0"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.lora_sync=both"], r"lora_sync"),
+], ids=["megatron", "adapter_path_missing", "adapter_path_without_rank", "bad_sync_mode"])
+def test_bad_lora_configs_say_what_to_change(overrides, message):
+    from rlfoundry.trainer.config import ConfigError, load_config, validate_config
+
+    with pytest.raises(ConfigError, match=message):
+        validate_config(load_config(overrides))
+
+
+def test_a_lora_checkpoint_into_a_full_model_run_says_why(tiny_model_dir, tmp_path):
+    E.train(E.tiny_overrides(tiny_model_dir, tmp_path, *LORA, "trainer.save_freq=2"))
+    from rlfoundry.utils.errors import CheckpointMismatchError
+
+    with pytest.raises(CheckpointMismatchError, match="holds a LoRA adapter, but the model it is loaded into has no"):
+        E.train(E.tiny_overrides(tiny_model_dir, tmp_path, "trainer.total_training_steps=3"))

