@@ -68,8 +68,17 @@ class LoraSpec:
 
         # No dropout: the rollout samples and the trainer recomputes log-probs with the same function.
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=self.target_modules,
-                          exclude_modules=self.exclude_modules, lora_dropout=0.0, bias="none",
+                          exclude_modules=self._excluded(), lora_dropout=0.0, bias="none",
                           task_type=self.task_type, modules_to_save=list(self.modules_to_save) or None)
+
+    def _excluded(self) -> Any:
+        """The user's exclusions plus the modules trained in full (an adapter on them would clash)."""
+        full = list(self.modules_to_save)
+        if not full:
+            return self.exclude_modules
+        if isinstance(self.exclude_modules, str):  # peft reads a string as one regular expression
+            return "|".join([f"(?:{self.exclude_modules})", *(rf"(?:.*\.)?{re.escape(m)}" for m in full)])
+        return [*(self.exclude_modules or []), *full]
 
 
 def _plain(value: Any) -> Any:

@@ -252,8 +252,8 @@ class CriticWorker(Worker):
             # dropout would make values, and hence GAE, random, and break micro-batch invariance
             override_config={"classifier_dropout": 0.0, **model.override_config},
             gradient_checkpointing=model.enable_gradient_checkpointing,
-            # LoRA: peft trains a token classifier's head (``score``) in full beside the adapter
-            lora=LoraSpec.of(model, task_type="TOKEN_CLS"),
+            # LoRA: the value head (``score``) trains in full beside the adapter
+            lora=LoraSpec.of(model, task_type="TOKEN_CLS", modules_to_save=("score",)),
         )
 
     def _megatron_engine(self) -> TrainingEngine:

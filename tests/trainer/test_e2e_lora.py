@@ -5,6 +5,7 @@ formats give the trainer's policy."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -131,3 +132,24 @@ def test_a_lora_checkpoint_into_a_full_model_run_says_why(tiny_model_dir, tmp_pa
 
     with pytest.raises(CheckpointMismatchError, match="holds a LoRA adapter, but the model it is loaded into has no"):
         E.train(E.tiny_overrides(tiny_model_dir, tmp_path, "trainer.total_training_steps=3"))
+
+
+def test_ppo_with_lora_on_actor_and_critic_trains_adapters_and_the_value_head(tiny_model_dir, tiny_critic_dir, tmp_path):
+    """GAE with both models adapted: the critic's checkpoint holds its adapter and its value head (peft
+    trains a token classifier's head in full), nothing of either frozen base; values are learnt."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reward = E.write_reward_file(tmp_path)
+    run = E.train(E.tiny_overrides(tiny_model_dir, tmp_path / "run", *LORA, f"custom_reward_function.path={reward}",
+                                   f"critic.model.path={tiny_critic_dir}", "critic.model.lora_rank=8",
+                                   "critic.model.lora_alpha=16", "trainer.save_freq=2", "trainer.critic_warmup=0"),
+                  config_name="arithmetic_ppo")
+    assert all(math.isfinite(run.step(s)["critic/vf_loss"]) for s in (1, 2))
+    for role, extra in (("actor", set()), ("critic", {"score"})):
+        keys = FileSystemReader(str(tmp_path / "run" / "global_step_2" / role / "dcp")).read_metadata()
+        saved = {k for k in keys.state_dict_metadata if k.startswith("model.")}
+        assert saved and all(".lora_A." in k or ".lora_B." in k or any(f".{e}." in k for e in extra)
+                             for k in saved), (role, sorted(saved)[:4])
+        assert not extra or any(".score.modules_to_save." in k for k in saved)
+    values = [b["values"][b["response_mask"].bool()] for b in run.batches]
+    assert not torch.equal(values[0], values[1])  # the critic's update moved its values

@@ -582,6 +582,12 @@ engine.sync_weights()
 result["synced"] = engine_vs_actor()
 group.update_actor(_training_batch(group, prompts, seed=9))  # the worker's own hook syncs
 result["after_update"] = engine_vs_actor()
+import tempfile
+saved = tempfile.mkdtemp() + "/actor"
+group.save_checkpoint(saved)
+group.update_actor(_training_batch(group, prompts, seed=10))
+group.load_checkpoint(saved)  # the actor goes back a step: the engine must follow (a resumed run)
+result["after_load"] = engine_vs_actor()
 print("RESULT " + json.dumps(result))
 engine.shutdown()
 """
@@ -592,10 +598,11 @@ engine.shutdown()
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_a_lora_actor_reaches_vllm_as_an_adapter_or_merged(vllm_model_dir, mode):
     """LoRA on the actor: vLLM gets the adapter alone (a LoRA request on the base it read from disk) or
-    the merged weights; either way it scores its tokens as the actor does, and a skipped sync shows."""
+    the merged weights; either way it scores its tokens as the actor does (also after a checkpoint
+    load, as on resume), and a skipped sync shows."""
     pytest.importorskip("peft")
     stdout = _run_python(["-c", _LORA_SCRIPT, str(vllm_model_dir), mode])
     result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["enable_lora"] == (mode == "adapter")
     assert result["stale"] > STALE_MIN, result
-    assert max(result["start"], result["synced"], result["after_update"]) < 1e-4, result
+    assert max(result["start"], result["synced"], result["after_update"], result["after_load"]) < 1e-4, result

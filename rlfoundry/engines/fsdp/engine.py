@@ -1,8 +1,9 @@
 """The FSDP2 training engine: one Hugging Face model, sharded with ``fully_shard``, on the ranks of
 one worker group (see ``engines/base.py`` for the contract).
 
-Building: ``load_hf_model`` → a peft LoRA adapter when ``lora`` is set (``models/lora.py``) → CPU kernels when on (``models/cpu_kernels.py``) → ``apply_fsdp2`` →
-AdamW + LR schedule (trainable models only). Updates: mini-batches from ``engines/loop.py``, each
+Building: ``load_hf_model`` → a peft LoRA adapter when ``lora`` is set (``models/lora.py``) → CPU
+kernels when on (``models/cpu_kernels.py``) → ``apply_fsdp2`` → AdamW over the trainable parameters +
+LR schedule (trainable models only). Updates: mini-batches from ``engines/loop.py``, each
 cut into micro-batches whose gradients accumulate (with one gather and one reduction per
 mini-batch where the units keep their parameters gathered), then clip + step, or skip the step
 when the gradient norm is not finite. Checkpoints: ``torch.distributed.checkpoint`` shards with an
@@ -14,9 +15,9 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
