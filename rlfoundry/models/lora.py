@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,12 +132,10 @@ def _quiet() -> Iterator[None]:
 
 
 def is_lora(module: nn.Module) -> bool:
-    """Whether ``module`` (plain or FSDP2-wrapped) is a peft model."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(module, PeftModel)
+    """Whether ``module`` (plain or FSDP2-wrapped) is a peft model. Never imports peft: a run without
+    LoRA does not pay its import time and memory in every process (no peft loaded, no peft model)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from rlfoundry.workers.rollout.metrics import compute_rollout_actor_probs_diff
+from tests.trainer.test_e2e_quickstart import gsm8k_parquet  # noqa: F401 (fixture)
 from tests.workers import local_worker, make_prompts, one_thread, worker_config  # noqa: F401 (fixture)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -606,3 +607,67 @@ def test_a_lora_actor_reaches_vllm_as_an_adapter_or_merged(vllm_model_dir, mode)
     assert result["enable_lora"] == (mode == "adapter")
     assert result["stale"] > STALE_MIN, result
     assert max(result["start"], result["synced"], result["after_update"], result["after_load"]) < 1e-4, result
+
+
+def _verl_lora_grpo_args(data, model) -> list[str]:
+    """verl's LoRA GRPO example (examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh): its keys, the
+    sizes cut to a tiny model on the CPU (verl's values in the comments), plus fp32, CPU and two steps."""
+    return [
+        "algorithm.adv_estimator=grpo", f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/test.parquet", "data.train_batch_size=4",  # verl: 16
+        "data.max_prompt_length=512", "data.max_response_length=8",  # verl: 1024
+        "data.filter_overlong_prompts=True", "data.truncation=error", "data.shuffle=False",
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.use_shm=True",
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",  # verl: 64, 32
+        "actor_rollout_ref.actor.optim.lr=3e-3",  # verl: 3e-6 (a 3B model); large enough to move a tiny one
+        "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # verl: 40
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",  # verl: 40
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # verl: 2
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.n=2",  # verl: 5
+        "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.layered_summon=True",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",  # verl: 40
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0", "trainer.logger=['console','file']", "trainer.project_name=verl_grpo_example_gsm8k",
+        "trainer.experiment_name=qwen2.5_3b_grpo_lora", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        "trainer.save_freq=2", "trainer.test_freq=2", "trainer.total_epochs=15",  # verl: 20, 5
+        # additions: fp32 on the CPU (vLLM and the actor score alike), two steps
+        "actor_rollout_ref.rollout.dtype=float32", "trainer.device=cpu", "trainer.total_training_steps=2",
+    ]
+
+
+@vllm_test
+@pytest.mark.slow
+def test_verl_lora_grpo_command_line_trains_with_vllm_and_exports_both_formats(vllm_model_dir, gsm8k_parquet,
+                                                                               tmp_path):
+    pytest.importorskip("peft")
+    stdout = _run_python(["-m", "rlfoundry.trainer.main_ppo", *_verl_lora_grpo_args(gsm8k_parquet, vllm_model_dir),
+                          f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert "finished at step 2" in stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert len(steps) == 2 and any(k.startswith("val-core/openai/gsm8k") for k in records[-1])
+    # each step's samples as vLLM scored them (the adapter it was sent) vs the actor's recomputation
+    names = ("training/rollout_actor_probs_diff_max", "training/rollout_probs_diff_max")
+    diffs = [r[k] for r in steps for k in names if k in r]
+    assert len(diffs) >= 2 and max(diffs) < 1e-4, diffs
+    for fmt in ("merged", "adapter"):
+        _run_python(["-m", "rlfoundry", "export", str(tmp_path / "run"), str(tmp_path / fmt), "--format", fmt])
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(vllm_model_dir),
+                                        str(tmp_path / "adapter")).eval()
+    base = AutoModelForCausalLM.from_pretrained(vllm_model_dir).eval()
+    ids = torch.tensor([[5, 17, 60, 99, 3, 44]])
+    with torch.no_grad():
+        want, got, start = (m(input_ids=ids).logits for m in (merged, adapted, base))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (want - start).abs().max() > 1e-4  # the adapter trained
