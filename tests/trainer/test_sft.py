@@ -216,6 +216,29 @@ def test_retention_and_resume_give_the_same_next_step(tiny_model_dir, tmp_path):
     assert again["steps"] == 3 and again["checkpoint"] == tmp_path / "global_step_3"
 
 
+def test_lora_sft_trains_the_adapter_resumes_exactly_and_saves_the_merged_model(tiny_model_dir, tmp_path):
+    """``rlfoundry sft model.lora_rank=8``: only the adapter trains; the step directory holds the merged
+    model (``from_pretrained`` gives the trainer's logits); a resumed run repeats the next step."""
+    pytest.importorskip("peft")
+    lora = ("model.lora_rank=8", "model.lora_alpha=16", "optim.lr=1e-2")
+    full, _ = _run(tiny_model_dir, tmp_path / "a", *lora)
+    _run(tiny_model_dir, tmp_path / "b", *lora, "trainer.total_training_steps=2")
+    trainer = SFTTrainer(load_sft_config(_overrides(tiny_model_dir, tmp_path / "b", "data.micro_batch_size_per_gpu=8",
+                                                    "trainer.total_training_steps=3", "trainer.save_freq=1", *lora)))
+    resumed = trainer.fit()
+    assert resumed["steps"] == 3 and resumed["metrics"]["train/loss"] == full["metrics"]["train/loss"]
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["train/loss"] < records[0]["train/loss"]
+    trainable = [n for n, p in trainer.engine.module.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    batch = _fixed_batch(trainer)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        expected = trainer.engine.module.eval()(**inputs).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "global_step_3").eval()(**inputs).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- data and config errors
 
 def test_parquet_with_nested_columns(tmp_path):
