@@ -104,7 +104,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "ray_init.timeline_json_file",
 )
 
-# Engine knobs that only the vLLM rollout reads: no effect (and a warning) with rollout.name=hf.
+# Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.
 VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
     f"actor_rollout_ref.rollout.{k}"
     for k in ("dtype", "gpu_memory_utilization", "enforce_eager", "free_cache_engine", "load_format",
@@ -247,8 +247,8 @@ def _prefer_user_deprecated_keys(cfg: DictConfig, user_keys: Sequence[str]) -> N
 
 
 def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:
-    vllm = OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") == "vllm"
-    return NO_EFFECT_KEYS if vllm else NO_EFFECT_KEYS + VLLM_ONLY_KEYS
+    engine = OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") in ("vllm", "sglang")
+    return NO_EFFECT_KEYS if engine else NO_EFFECT_KEYS + VLLM_ONLY_KEYS
 
 
 def no_effect_keys_set(cfg: DictConfig, keys: Sequence[str]) -> list[str]:

@@ -141,7 +141,7 @@ class ActorRolloutRefWorker(Worker):
         if self.engine is not None and self.config.rollout.name != "hf":
             # HF names (a LoRA actor's weights merged), from whichever engine trains
             extra = {"model_path": resolve_model_path(self.config.model.path), "weight_source": self.engine.iter_hf_weights}
-            if self.lora is not None and config.lora_sync == "adapter":
+            if self.lora is not None and config.lora_sync == "adapter" and config.name == "vllm":
                 extra |= {"adapter_source": self._adapter_for_rollout, "lora_rank": self.lora.rank}
         elif module is None:
             extra = {"model_path": resolve_model_path(self.config.model.path)}

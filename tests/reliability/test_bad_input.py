@@ -112,10 +112,12 @@ def test_wrong_type_on_the_command_line_exits_2_naming_key_and_type(tmp_path):
     assert "data.train_batch_size" in proc.stderr and "'abc'" in proc.stderr and "integer" in proc.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_rollout_engine_not_installed_exits_2_before_loading_models(tiny_model_dir, tmp_path, capsys):
-    code, err = run_main([f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.name=vllm",
+@pytest.mark.parametrize("engine, install", [("vllm", "setup_vllm_cpu.sh"), ("sglang", "setup_sglang_cpu.sh")])
+def test_rollout_engine_not_installed_exits_2_before_loading_models(tiny_model_dir, tmp_path, capsys, engine, install):
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here")
+    code, err = run_main([f"actor_rollout_ref.model.path={tiny_model_dir}", f"actor_rollout_ref.rollout.name={engine}",
                           f"trainer.default_local_dir={tmp_path / 'run'}"], capsys)
     assert code == 2 and "Traceback" not in err, err[-2000:]
-    assert "rollout.name=vllm needs the 'vllm' package, which is not installed" in err
-    assert "rollout.name=hf" in err
+    assert f"rollout.name={engine} needs the '{engine}' package, which is not installed" in err
+    assert "rollout.name=hf" in err and install in err

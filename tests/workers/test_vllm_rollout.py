@@ -469,37 +469,40 @@ def test_megatron_actor_at_tp2_syncs_its_weights_to_vllm(tmp_path):
 
 
 _AGENT_SCRIPT = r"""
-import json, sys
+import importlib, json, sys
 from pathlib import Path
 from tests.workers import local_worker, worker_config
 from tests.workers.test_agent_loop import QUESTION, TOOLS, _loop, _prompts, tool_policy
-from tests.workers.test_vllm_rollout import VLLM_OVERRIDES
 from rlfoundry.models.tiny import build_tokenizer
 from rlfoundry.workers.rollout.agent_loop import AgentLoop
 from rlfoundry.workers.rollout.hf_rollout import HFRollout
 
-path = tool_policy(Path(sys.argv[1]))
-multi_turn = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={TOOLS}",
-              "rollout.prompt_length=160", "rollout.response_length=200", "rollout.val_kwargs.n=1"]
-group = local_worker(worker_config(path, VLLM_OVERRIDES + multi_turn), role="actor_rollout")
-w = group.worker
-tokenizer = build_tokenizer()
-_, kwargs = _loop(tokenizer, {})
-prompts = _prompts(tokenizer, kwargs, [QUESTION, "What is 2+2?"])
-prompts.meta_info["validate"] = True
-vllm_out = group.generate_sequences(prompts)
-hf = HFRollout(w.actor.module, w.config.rollout, pad_token_id=w.tokenizer.pad_token_id, eos_token_id=w.rollout.eos_token_ids)
-hf_loop = AgentLoop(hf, w.tokenizer, w.config.rollout.multi_turn, w.agent_loop.tools, 200, chat_template_kwargs=kwargs)
-hf_out = hf_loop.generate_sequences(prompts)
-mask = vllm_out.batch["response_mask"].bool()
-print("RESULT " + json.dumps({
-    "same_tokens": bool((vllm_out.batch["responses"] == hf_out.batch["responses"]).all()),
-    "same_mask": bool((vllm_out.batch["response_mask"] == hf_out.batch["response_mask"]).all()),
-    "turns": [int(t) for t in vllm_out.non_tensor_batch["num_turns"]],
-    "text": tokenizer.decode(vllm_out.batch["responses"][0][vllm_out.batch["attention_mask"][0, 160:].bool()]),
-    "max_abs_dlogp": float((vllm_out.batch["rollout_log_probs"] - hf_out.batch["rollout_log_probs"])[mask].abs().max()),
-}))
-w.rollout.shutdown()
+if __name__ == "__main__":  # an engine may spawn processes that re-import this script
+    module, name = sys.argv[2].split(":")  # the engine's overrides, e.g. tests.workers.test_vllm_rollout:VLLM_OVERRIDES
+    path = tool_policy(Path(sys.argv[1]))
+    multi_turn = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={TOOLS}",
+                  "rollout.prompt_length=160", "rollout.response_length=200", "rollout.val_kwargs.n=1"]
+    group = local_worker(worker_config(path, getattr(importlib.import_module(module), name) + multi_turn),
+                         role="actor_rollout")
+    w = group.worker
+    tokenizer = build_tokenizer()
+    _, kwargs = _loop(tokenizer, {})
+    prompts = _prompts(tokenizer, kwargs, [QUESTION, "What is 2+2?"])
+    prompts.meta_info["validate"] = True
+    ours = group.generate_sequences(prompts)
+    hf = HFRollout(w.actor.module, w.config.rollout, pad_token_id=w.tokenizer.pad_token_id,
+                   eos_token_id=w.rollout.eos_token_ids)
+    hf_loop = AgentLoop(hf, w.tokenizer, w.config.rollout.multi_turn, w.agent_loop.tools, 200, chat_template_kwargs=kwargs)
+    ref = hf_loop.generate_sequences(prompts)
+    mask = ours.batch["response_mask"].bool()
+    print("RESULT " + json.dumps({
+        "same_tokens": bool((ours.batch["responses"] == ref.batch["responses"]).all()),
+        "same_mask": bool((ours.batch["response_mask"] == ref.batch["response_mask"]).all()),
+        "turns": [int(t) for t in ours.non_tensor_batch["num_turns"]],
+        "text": tokenizer.decode(ours.batch["responses"][0][ours.batch["attention_mask"][0, 160:].bool()]),
+        "max_abs_dlogp": float((ours.batch["rollout_log_probs"] - ref.batch["rollout_log_probs"])[mask].abs().max()),
+    }))
+    w.rollout.shutdown()
 """
 
 
@@ -509,7 +512,7 @@ def test_vllm_and_hf_engines_give_the_same_tool_conversation(tmp_path):
     """rollout.multi_turn.enable with rollout.name=vllm: greedy, a deterministic tool (the calculator),
     the policy taught one tool conversation: vLLM's trajectories equal the HF engine's token for token,
     mask for mask, and their log-probs agree."""
-    stdout = _run_python(["-c", _AGENT_SCRIPT, str(tmp_path / "policy")])
+    stdout = _run_python(["-c", _AGENT_SCRIPT, str(tmp_path / "policy"), "tests.workers.test_vllm_rollout:VLLM_OVERRIDES"])
     result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["same_tokens"] and result["same_mask"], result
     assert result["turns"][0] == 3 and "<tool_response>\n56088\n</tool_response>" in result["text"], result

@@ -85,6 +85,19 @@ class BaseRollout(ABC):
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """Load new actor weights. Engines that share the actor's module have nothing to do."""
 
+    def _weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> Iterable[tuple[str, torch.Tensor]]:
+        """What ``sync_weights`` loads: ``named_tensors``, else the engine's ``weight_source()``, else its
+        actor ``module``'s parameters gathered one at a time (collective under FSDP2)."""
+        if named_tensors is not None:
+            return named_tensors
+        if getattr(self, "weight_source", None) is not None:
+            return self.weight_source()
+        if getattr(self, "module", None) is None:
+            raise RuntimeError("sync_weights(None) needs the actor module; pass (name, tensor) pairs instead")
+        from rlfoundry.engines.fsdp.utils import iter_full_parameters
+
+        return iter_full_parameters(self.module)
+
     def on_actor_update(self) -> None:
         """Called by the worker after every optimiser step of the actor."""
         self.sync_weights(None)

@@ -25,6 +25,7 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
 from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
 from rlfoundry.workers.rollout.fused_decode import FusedDecoder, unsupported_reason
+from rlfoundry.workers.rollout.token_requests import as_id_list
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
 
 __all__ = ["HFRollout", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
@@ -104,14 +105,6 @@ def response_mask_from_lengths(lengths: torch.Tensor, width: int) -> torch.Tenso
 def _seed_for_call(seed: int, rank: int, call: int) -> int:
     """A well-mixed 63-bit seed per (config seed, dp rank, call number): resumable from the counter."""
     return int(np.random.SeedSequence([seed, rank, call]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple, set)):
-        return [int(v) for v in value]
-    return [int(value)]
 
 
 def _preallocated_layer_class():
@@ -270,7 +263,7 @@ class HFRollout(BaseRollout):
         self._gathered = inference_unsharded if cpu_kernels else unsharded
         self.config = rollout_config(config)
         self.pad_token_id = int(pad_token_id)
-        self.eos_token_ids = _as_id_list(eos_token_id)
+        self.eos_token_ids = as_id_list(eos_token_id)
         self.rank = rank
         self.seed = self.config.seed
         self.calls = 0  # generate_sequences calls so far; with the seed it fixes the next draws
@@ -326,7 +319,7 @@ class HFRollout(BaseRollout):
         """
         params = resolve_sampling_params(self.config, prompts.meta_info)
         pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
-        eos_ids = _as_id_list(prompts.meta_info.get("eos_token_id")) or self.eos_token_ids
+        eos_ids = as_id_list(prompts.meta_info.get("eos_token_id")) or self.eos_token_ids
         if self.config.ignore_eos:
             eos_ids = []  # benchmarking mode (verl/vLLM ``ignore_eos``): always response_length tokens
         batch = prompts.batch

@@ -58,7 +58,8 @@ from torch import nn
 from rlfoundry.protocol import DataProto
 from rlfoundry.config.schema import RolloutConfig
 from rlfoundry.engines.fsdp.utils import hf_parameter_name, iter_full_parameters
-from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
+from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, rollout_config
+from rlfoundry.workers.rollout.token_requests import TokenRequests, as_id_list, assemble
 
 __all__ = ["VLLMRollout", "vLLMRollout", "build_engine_kwargs", "hf_parameter_name", "iter_full_parameters",
            "INSTALL_HINT"]
@@ -200,24 +201,6 @@ class _AdapterSync:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple, set)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
-    """Each row's real tokens: the attention mask, not the pad id, says where padding is."""
-    rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-    empty = [i for i, r in enumerate(rows) if not r]
-    if empty:
-        raise ValueError(f"prompt rows {empty[:8]} have no tokens (attention_mask all 0); the vLLM engine "
-                         "cannot generate from an empty prompt")
-    return rows
-
-
 def _request_seeds(seed: int, rank: int, call: int, count: int) -> list[int]:
     """One seed per prompt for this call. vLLM gives sample j of a prompt seed + j, so seeds are
     drawn at random (32 bits) rather than consecutively, which would share noise between prompts."""
@@ -244,28 +227,6 @@ def _collect(outputs: Sequence[Any], n: int, width: int, pad_id: int) -> tuple[t
                 [position[token].logprob for position, token in zip(sample.logprobs, ids)], dtype=torch.float32)
             lengths[row] = len(ids)
     return responses, log_probs, lengths
-
-
-def _assemble(prompts: DataProto, n: int, responses, log_probs, lengths, position_ids) -> DataProto:
-    """The HF engine's layout: prompt rows repeated n times (interleaved) and responses appended."""
-    device, width = prompts.batch["input_ids"].device, responses.shape[1]
-    responses, log_probs, lengths = responses.to(device), log_probs.to(device), lengths.to(device)
-    prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
-    prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
-    prompt_pos = position_ids.repeat_interleave(n, dim=0)
-    steps = torch.arange(1, width + 1, device=device)
-    response_mask = (steps.unsqueeze(0) <= lengths.unsqueeze(1)).long()  # 1 through EOS
-    tensors = {
-        "prompts": prompt_ids,
-        "responses": responses,
-        "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
-        "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps.unsqueeze(0)], dim=1),
-        "response_mask": response_mask,
-        "rollout_log_probs": log_probs,
-    }
-    non_tensors = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(prompts.meta_info))
 
 
 # --------------------------------------------------------------------------- vLLM process plumbing
@@ -391,7 +352,7 @@ class VLLMRollout(BaseRollout):
         self.module, self.config, self.rank = module, rollout_config(config), rank
         self.weight_source = weight_source
         self.adapter = _AdapterSync(adapter_source) if adapter_source is not None else None
-        self.pad_token_id, self.eos_token_ids = int(pad_token_id), _as_id_list(eos_token_id)
+        self.pad_token_id, self.eos_token_ids = int(pad_token_id), as_id_list(eos_token_id)
         self.seed, self.calls, self.syncs = self.config.seed, 0, 0
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
         if not model_path:
@@ -490,13 +451,7 @@ class VLLMRollout(BaseRollout):
             self.llm.reset_prefix_cache()
             self.syncs += 1
             return
-        if named_tensors is None and self.weight_source is not None:
-            named_tensors = self.weight_source()
-        elif named_tensors is None:
-            if self.module is None:
-                raise RuntimeError("sync_weights(None) needs the actor module; pass (name, tensor) pairs instead")
-            named_tensors = iter_full_parameters(self.module)
-        weights = ((hf_parameter_name(name), tensor) for name, tensor in named_tensors)
+        weights = ((hf_parameter_name(name), tensor) for name, tensor in self._weights(named_tensors))
         self._wake_up(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
@@ -522,33 +477,14 @@ class VLLMRollout(BaseRollout):
             seed=seed,
         )
 
-    def _check_lengths(self, rows: list[list[int]], budgets: list[int]) -> None:
-        longest, budget = max(((len(r), b) for r, b in zip(rows, budgets)), key=sum)
-        if longest + budget > self.max_model_len:
-            raise ValueError(
-                f"a prompt of {longest} tokens + response_length {budget} exceeds the vLLM "
-                f"engine's max_model_len {self.max_model_len}; raise actor_rollout_ref.rollout.prompt_length "
-                f"(or rollout.max_model_len) or shorten data.max_prompt_length"
-            )
-
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample ``n`` responses per prompt; contract identical to ``HFRollout.generate_sequences``."""
         from vllm.inputs import TokensPrompt
 
         self._require_engine()
-        params = resolve_sampling_params(self.config, prompts.meta_info)
-        pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
-        eos_ids = _as_id_list(prompts.meta_info.get("eos_token_id")) or self.eos_token_ids
-        batch = prompts.batch
-        attention_mask = batch["attention_mask"]
-        position_ids = batch["position_ids"] if "position_ids" in batch.keys() else None
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        rows = _prompt_token_lists(batch["input_ids"], attention_mask)
-        # the agent loop's rows each have their own budget left (a trajectory's turns share one)
-        budgets = [min(int(b), params.response_length)
-                   for b in prompts.meta_info.get("max_response_lengths") or [params.response_length] * len(rows)]
-        self._check_lengths(rows, budgets)
+        req = TokenRequests.of(prompts, self.config, self.pad_token_id, self.eos_token_ids)
+        req.check_fits(self.max_model_len, "the vLLM engine's max_model_len")
+        params, eos_ids, rows, budgets = req.params, req.eos_ids, req.rows, req.budgets
         seeds = _request_seeds(self.seed, self.rank, self.calls, len(rows))
         self.calls += 1
         self._wake_up(["weights", "kv_cache"])
@@ -556,8 +492,8 @@ class VLLMRollout(BaseRollout):
                                     [self._sampling_params(params, eos_ids, s, b) for s, b in zip(seeds, budgets)],
                                     use_tqdm=False, lora_request=self.adapter.request if self.adapter else None)
         self._sleep()
-        responses, log_probs, lengths = _collect(outputs, params.n, params.response_length, pad_id)
-        return _assemble(prompts, params.n, responses, log_probs, lengths, position_ids)
+        responses, log_probs, lengths = _collect(outputs, params.n, params.response_length, req.pad_id)
+        return assemble(prompts, params.n, responses, log_probs, lengths, req.position_ids)
 
 
 vLLMRollout = VLLMRollout  # verl's spelling

@@ -1,0 +1,323 @@
+"""SGLang rollout engine, started from the actor's worker process (verl's hybrid engine).
+
+``sglang.Engine`` runs in-process: its tokenizer manager lives in this process, its scheduler (the
+model, the KV cache) and detokenizer in processes it spawns. After every actor update the weights
+stream to it in Hugging Face names, in buckets, through ``update_weights_from_tensor`` (no disk
+round trip); SGLang's model classes stack q/k/v and gate/up themselves.
+
+Output contract: exactly ``HFRollout.generate_sequences`` (B·n interleaved rows, right-padded
+``responses`` of width ``response_length``, ``response_mask`` 1 through EOS, ``rollout_log_probs``).
+Log-probs are SGLang's ``output_token_logprobs``: log softmax(logits / T) of the sampled token, before
+top-k/top-p filtering (the value the actor's ``compute_log_prob`` recomputes, as the HF engine reports).
+
+Config (``actor_rollout_ref.rollout``), verl's keys:
+
+| key | here |
+|---|---|
+| n, temperature, top_p, top_k, do_sample, response_length, val_kwargs.*, ignore_eos | per request |
+| prompt_length (+ response_length) | ``context_length`` unless ``max_model_len`` is set |
+| dtype, seed (``random_seed``), max_num_seqs (``max_running_requests``), enforce_eager | passed to the engine |
+| load_format | ``dummy*``: random init, synced from the actor at start-up; else read from disk once |
+| gpu_memory_utilization | GPU: ``mem_fraction_static``. CPU: a KV cache of ``max_num_seqs`` full sequences |
+|   | (at least 4096 tokens; ``engine_kwargs.sglang.max_total_tokens`` sets it) |
+| free_cache_engine | GPU: ``enable_memory_saver``; memory released after each generation, weights |
+|   | resumed for each sync, KV cache for each generation. CPU: nothing to release |
+| tensor_model_parallel_size | honoured on GPU (``tp_size``); 1 on the CPU |
+| update_weights_bucket_megabytes | tensors per ``update_weights_from_tensor`` call |
+| engine_kwargs.sglang.* | passed to ``sglang.Engine`` last (override everything above) |
+
+Sampling seeds: SGLang's CPU path has no per-request seed (only its deterministic mode, which the CPU
+attention backend lacks, uses one); the engine's RNG is seeded once from ``rollout.seed + rank``, so a
+resumed run does not redraw the interrupted run's samples (the HF and vLLM engines do).
+
+Setting up SGLang: ``pip install sglang`` on GPU; ``bash scripts/setup_sglang_cpu.sh`` (``.venv-sglang``)
+on a CPU-only machine. Nothing here imports SGLang at module level.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlfoundry.engines.fsdp.utils import hf_parameter_name
+from rlfoundry.protocol import DataProto
+from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, rollout_config
+from rlfoundry.workers.rollout.token_requests import TokenRequests, as_id_list, assemble
+
+__all__ = ["SGLangRollout", "build_engine_kwargs"]
+
+INSTALL_HINT = "pip install sglang (GPU); on a CPU-only machine: bash scripts/setup_sglang_cpu.sh"
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+           "float32": "float32", "fp32": "float32", "float": "float32"}
+_CPU_MIN_KV_TOKENS = 4096
+
+
+def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: int = 0,
+                        hf_overrides: Mapping[str, Any] | None = None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """``sglang.Engine(**kwargs)`` from the rollout config (pure; the module docstring has the map)."""
+    import json
+
+    config = rollout_config(config)
+    dtype = _DTYPES.get(config.dtype.lower())
+    if dtype is None:
+        raise ValueError(f"rollout.dtype={config.dtype!r}; use one of {sorted(_DTYPES)}")
+    context = int(config.max_model_len or config.prompt_length + config.response_length)
+    kwargs: dict[str, Any] = {
+        "model_path": model_path, "dtype": dtype, "context_length": context,
+        "load_format": "dummy" if config.load_format.startswith("dummy") else "auto",
+        "random_seed": int(config.seed) + rank, "max_running_requests": int(config.max_num_seqs),
+        "trust_remote_code": trust_remote_code, "log_level": "error",
+        # prompts arrive as token ids and responses leave as token ids: no tokenizer in the engine
+        "skip_tokenizer_init": True,
+        "disable_cuda_graph": bool(config.enforce_eager),
+    }
+    if hf_overrides:
+        kwargs["json_model_override_args"] = json.dumps(dict(hf_overrides))
+    if device_type == "cuda":
+        kwargs |= {"mem_fraction_static": config.gpu_memory_utilization,
+                   "tp_size": int(config.tensor_model_parallel_size),
+                   "enable_memory_saver": bool(config.free_cache_engine)}
+    else:
+        # the CPU engine: torch's own attention, no overlap thread, an idle scheduler that sleeps
+        # (it polls a whole core otherwise), a KV cache sized for max_num_seqs full sequences
+        kwargs |= {"device": "cpu", "attention_backend": "torch_native", "disable_overlap_schedule": True,
+                   "sleep_on_idle": True, "tp_size": 1, "mem_fraction_static": 0.05,
+                   "max_total_tokens": max(_CPU_MIN_KV_TOKENS, context * min(int(config.max_num_seqs), 64))}
+    extra = config.engine_kwargs.get("sglang") or {}
+    kwargs.update({k: v for k, v in dict(extra).items() if v is not None})
+    return kwargs
+
+
+def _import_sglang() -> Any:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # read when sglang is first imported
+    try:
+        import sglang
+    except ImportError as e:
+        raise ImportError(f"actor_rollout_ref.rollout.name=sglang needs SGLang, which is not importable ({e}); "
+                          f"{INSTALL_HINT}. Or use rollout.name=hf, which runs everywhere.") from e
+    return sglang
+
+
+class _HostState:
+    """What ``sglang.Engine`` changes in the process that starts it and this project relies on: the
+    multiprocessing start method (it forces ``spawn``), the root logger (``basicConfig(force=True)``
+    at level ERROR) and the SIGTERM/SIGINT/SIGQUIT handlers (moved onto its event loop at the first
+    request, after which SIGTERM no longer ends the worker). Saved before, put back after each call."""
+
+    def __init__(self) -> None:
+        root = logging.getLogger()
+        self.start_method = multiprocessing.get_start_method(allow_none=True)
+        self.handlers, self.level = list(root.handlers), root.level
+        self.signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)}
+
+    def restore(self) -> None:
+        if multiprocessing.get_start_method(allow_none=True) != self.start_method:
+            multiprocessing.set_start_method(self.start_method, force=True)
+        root = logging.getLogger()
+        root.handlers[:] = self.handlers
+        root.setLevel(self.level)
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread (the agent loop calls from others)
+        for sig, handler in self.signals.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_processes(pids: Iterable[int]) -> None:
+    """SIGKILL ``pids`` and their descendants, and reap them; nothing else in the process tree."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs += [*proc.children(recursive=True), proc]
+        except psutil.NoSuchProcess:
+            continue
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+class SGLangRollout(BaseRollout):
+    """An SGLang engine started by the actor's worker that samples for it and follows its weights.
+
+    Arguments as ``VLLMRollout``'s: ``module`` (the actor's, weights synced from it) or
+    ``weight_source`` (HF-named tensors, e.g. a Megatron actor's or a LoRA actor's merged stream);
+    ``model_path`` the HF directory the engine reads its config (and, unless ``load_format`` is
+    dummy, its first weights) from.
+    """
+
+    def __init__(self, module: nn.Module | None, config: Any, pad_token_id: int, eos_token_id: int | Sequence[int],
+                 rank: int = 0, model_path: str | None = None, trust_remote_code: bool = False,
+                 hf_overrides: Mapping[str, Any] | None = None, cpu_kernels: bool = False,
+                 weight_source: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None):
+        self.module, self.config, self.rank = module, rollout_config(config), rank
+        self.weight_source = weight_source
+        self.pad_token_id, self.eos_token_ids = int(pad_token_id), as_id_list(eos_token_id)
+        self.calls, self.syncs = 0, 0
+        model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
+        if not model_path:
+            raise ValueError("SGLangRollout needs model_path (an HF directory) when the module does not carry one")
+        sglang = _import_sglang()
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.engine_kwargs = build_engine_kwargs(self.config, str(model_path), self.device_type, rank, hf_overrides,
+                                                 trust_remote_code)
+        self.context_length = int(self.engine_kwargs["context_length"])
+        self._memory_saver = bool(self.engine_kwargs.get("enable_memory_saver", False))
+        self._host = _HostState()
+        before = _children()
+        try:
+            self.engine = sglang.Engine(**self.engine_kwargs)
+        finally:
+            self._host.restore()
+        self._pids = sorted(_children() - before)  # scheduler, detokenizer: what shutdown may kill
+        atexit.unregister(self.engine.shutdown)  # its own kills every child of this process: ours instead
+        atexit.register(self.shutdown)
+        if self.engine_kwargs["load_format"] == "dummy":
+            if module is None and weight_source is None:
+                raise ValueError(f"rollout.load_format={self.config.load_format!r} starts from random weights and "
+                                 "needs the actor module (or a weight source) to sync from")
+            self.sync_weights(None)
+        self._release()
+
+    # ---- checkpointable state ------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.calls = int(state["calls"])
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (only those: SGLang's own shutdown kills every descendant of
+        this process, which under the process back end are the other ranks)."""
+        if self.engine is None:
+            return
+        import sglang.srt.entrypoints.engine as engine_module
+
+        kill_tree = engine_module.kill_process_tree
+        engine_module.kill_process_tree = lambda *a, **k: _kill_processes(self._pids)
+        try:
+            self.engine.shutdown()
+        finally:
+            engine_module.kill_process_tree = kill_tree
+            self._host.restore()
+        self.engine = None
+
+    def _require_engine(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("the SGLang engine was shut down (SGLangRollout.shutdown); build a new rollout")
+
+    # ---- memory hand-off (GPU) -----------------------------------------------------------
+
+    def _release(self) -> None:
+        if self._memory_saver:
+            self.engine.release_memory_occupation()
+
+    def _resume(self, tags: list[str] | None = None) -> None:
+        if self._memory_saver:
+            self.engine.resume_memory_occupation(tags=tags)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Load new weights into the engine (HF names; wrapper prefixes stripped here). ``None``: from
+        the weight source, or gathered from the actor module. Collective under FSDP2."""
+        self._require_engine()
+        named_tensors = self._weights(named_tensors)
+        self._resume(["weights"])
+        self.engine.begin_weight_update()
+        try:
+            for bucket in _buckets(named_tensors, self.config.update_weights_bucket_megabytes << 20):
+                ok, message = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+                if not ok:
+                    raise RuntimeError(f"SGLang refused a weight update: {message}")
+        finally:
+            self.engine.end_weight_update()
+        self.engine.flush_cache()  # the cached prefixes' KV blocks were computed by the old weights
+        self._release()
+        self.syncs += 1
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def _sampling_params(self, params: SamplingParams, eos_ids: list[int], max_tokens: int) -> dict[str, Any]:
+        ignore_eos = self.config.ignore_eos
+        return {
+            "n": params.n, "max_new_tokens": max_tokens,
+            "temperature": 0.0 if params.greedy else params.temperature,
+            "top_p": 1.0 if params.greedy else params.top_p,
+            "top_k": params.top_k if (params.top_k > 0 and not params.greedy) else -1,
+            # SGLang's ignore_eos also turns stop_token_ids off: the same rule as the other engines
+            "stop_token_ids": [] if ignore_eos else eos_ids, "ignore_eos": ignore_eos,
+        }
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample ``n`` responses per prompt; contract identical to ``HFRollout.generate_sequences``."""
+        self._require_engine()
+        req = TokenRequests.of(prompts, self.config, self.pad_token_id, self.eos_token_ids)
+        req.check_fits(self.context_length, "the SGLang engine's context length")
+        self.calls += 1
+        self._resume()
+        try:
+            outputs = self.engine.generate(
+                input_ids=req.rows, return_logprob=True,
+                sampling_params=[self._sampling_params(req.params, req.eos_ids, b) for b in req.budgets])
+        finally:
+            self._host.restore()
+        self._release()
+        responses, log_probs, lengths = _collect(outputs, req.params.n, req.params.response_length, req.pad_id)
+        return assemble(prompts, req.params.n, responses, log_probs, lengths, req.position_ids)
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(HF name, CPU copy) lists of at most ``limit`` bytes (a larger tensor alone). Copies: SGLang
+    moves a CPU tensor's storage into shared memory in place, which must not happen to the actor's."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((hf_parameter_name(name), tensor.detach().to("cpu", copy=True)))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _collect(outputs: Sequence[dict[str, Any]], n: int, width: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """SGLang outputs (prompt-major, n per prompt) -> responses (B·n, Tr), log-probs (B·n, Tr), lengths."""
+    responses = torch.full((len(outputs), width), pad_id, dtype=torch.long)
+    log_probs = torch.zeros((len(outputs), width), dtype=torch.float32)
+    lengths = torch.zeros(len(outputs), dtype=torch.long)
+    for i, out in enumerate(outputs):
+        ids = list(out["output_ids"])[:width]
+        lps = [float(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"]][:width]
+        if len(lps) != len(ids):
+            raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} log-probs for sample {i}")
+        responses[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        log_probs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        lengths[i] = len(ids)
+    if len(outputs) % n:
+        raise RuntimeError(f"SGLang returned {len(outputs)} samples, not a multiple of n={n}")
+    return responses, log_probs, lengths
