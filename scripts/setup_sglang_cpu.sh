@@ -3,7 +3,7 @@
 #
 #   bash scripts/setup_sglang_cpu.sh            # creates ./.venv-sglang (idempotent)
 #   SGLANG_VENV=/path/to/venv bash scripts/setup_sglang_cpu.sh
-#   .venv-sglang/bin/python scripts/sglang_cpu_probe.py     # smoke check: engine vs HF, weight update
+#   bash scripts/test_sglang.sh                  # the SGLang engine's tests (engine vs HF, weight sync, ...)
 #
 # Run SGLang from it with SGLANG_USE_CPU_ENGINE=1 set before `import sglang`, and
 #   sglang.Engine(..., device="cpu", attention_backend="torch_native", disable_overlap_schedule=True,
