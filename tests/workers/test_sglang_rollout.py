@@ -59,6 +59,7 @@ def test_module_imports_without_sglang_and_maps_verl_keys():
     assert cpu["max_total_tokens"] == 4096 and "enable_memory_saver" not in cpu and cpu["skip_tokenizer_init"]
     gpu = sr.build_engine_kwargs(cfg, "/m", "cuda")
     assert (gpu["tp_size"], gpu["mem_fraction_static"], gpu["enable_memory_saver"]) == (2, 0.4, True)
+    assert gpu["enable_weights_cpu_backup"]  # a step without an update generates with the last weights
     assert "device" not in gpu and "max_total_tokens" not in gpu
 
 
