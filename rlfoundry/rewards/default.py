@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rlfoundry.rewards import arithmetic, gsm8k
+from rlfoundry.rewards import arithmetic, code, gsm8k
 from rlfoundry.rewards import math as math_scorer
 
 ARITHMETIC_DATA_SOURCE = "rlfoundry/arithmetic"
@@ -19,6 +19,8 @@ SCORERS: dict[str, Callable[..., float]] = {
     "DigitalLearningGmbH/MATH-lighteval": math_scorer.compute_score,
     "HuggingFaceH4/MATH-500": math_scorer.compute_score,
     ARITHMETIC_DATA_SOURCE: arithmetic.compute_score,
+    # programs run against the row's unit tests in the sandbox (rewards/code.py)
+    **{source: code.compute_score for source in code.CODE_DATA_SOURCES},
 }
 
 # Sources whose scorer finishes in bounded time on any response: string and regex code with no

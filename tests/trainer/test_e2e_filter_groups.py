@@ -56,6 +56,23 @@ def test_only_informative_groups_reach_the_update(tiny_model_dir, tmp_path):
     assert run.trainer.train_dataloader.state_dict()["_num_yielded"] == generated
 
 
+def test_a_run_resumed_mid_way_gets_the_same_batches_as_the_straight_run(tiny_model_dir, tmp_path):
+    """The checkpoint holds the loader past every batch generated (kept or dropped) and the RNG: the
+    resumed run's step 3 draws the same batches, keeps the same groups and samples the same tokens."""
+    extra = ("algorithm.filter_groups.metric=acc", "actor_rollout_ref.rollout.temperature=1.5")
+    for name in ("straight", "split"):
+        (tmp_path / name).mkdir()
+    straight = _run(tiny_model_dir, tmp_path / "straight", REWARD, *extra, "trainer.total_training_steps=3")
+    _run(tiny_model_dir, tmp_path / "split", REWARD, *extra, "trainer.total_training_steps=2", "trainer.save_freq=2")
+    resumed = _run(tiny_model_dir, tmp_path / "split", REWARD, *extra, "trainer.total_training_steps=3")
+    assert len(resumed.batches) == 1
+    for key in ("responses", "token_level_scores", "advantages", "old_log_probs"):
+        np.testing.assert_allclose(resumed.batches[0][key], straight.batches[-1][key], atol=1e-6, err_msg=key)
+    assert [i["index"] for i in resumed.batches[0]["extra_info"]] == [i["index"] for i in straight.batches[-1]["extra_info"]]
+    for key in ("train/num_gen_batches", "train/kept_groups", "train/dropped_groups", "actor/pg_loss"):
+        assert resumed.step(3)[key] == pytest.approx(straight.step(3)[key], rel=1e-5, abs=1e-7), key
+
+
 def test_when_no_group_varies_the_run_stops_and_says_what_to_change(tiny_model_dir, tmp_path):
     with pytest.raises(RuntimeError, match=r"3 generated batches \(max_num_gen_batches=3\) kept 0 of the 2 "
                                            r"informative groups needed.*Raise algorithm.filter_groups.max_num_gen_batches"):
