@@ -63,7 +63,7 @@ def test_choice_lists_are_those_the_code_implements():
     assert set(schema.KL_ESTIMATORS) == base | {k + "+" for k in base} | {"full"}
     assert process.START_METHODS is schema.START_METHODS
     assert factory.WORKER_BACKENDS is schema.WORKER_BACKENDS
-    assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm"}
+    assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm", "sglang"}  # every engine with an adapter
     choices = {k: info.choices for k, info in schema_keys().items() if info.choices}
     assert choices["critic.optim.warmup_style"] == ("constant", "cosine")
     # megatron: engines/megatron (the critic's value head on the last pipeline stage)
