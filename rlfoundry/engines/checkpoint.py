@@ -407,9 +407,9 @@ def load_checkpoint(
             raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
         if bool(meta.get("trainable_only", False)) != trainable_only:
             saved = "a LoRA adapter" if meta.get("trainable_only") else "a whole model"
-            raise CheckpointMismatchError(f"{path} holds {saved}, but the model it is loaded into "
-                             f"{'has' if trainable_only else 'has no'} LoRA adapter; resume with the "
-                             "run's own model.lora_rank")
+            raise CheckpointMismatchError(
+                f"{path} holds {saved}, but the model it is loaded into {'has' if trainable_only else 'has no'} "
+                "LoRA adapter; resume with the run's own model.lora_rank")
         # DCP swallows a metadata read error and retries with per-rank files, which would hide the
         # reason; read it once here so a refused file says why.
         reader = _SafeFileSystemReader(str(path / "dcp"))
@@ -467,8 +467,9 @@ def _unwrapped_class_name(model: nn.Module) -> str:
     """FSDP2 swaps the class for ``FSDP<Name>``; config.architectures must name the real one."""
     from torch.distributed.fsdp import FSDPModule
 
-    if callable(getattr(model, "get_base_model", None)):  # a peft (LoRA) model: name the model it adapts
-        model = model.get_base_model()
+    from rlfoundry.models.lora import base_of
+
+    model = base_of(model)  # a peft (LoRA) model: name the model it adapts
     for cls in type(model).__mro__:
         if not issubclass(cls, FSDPModule):
             return cls.__name__

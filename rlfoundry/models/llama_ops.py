@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.models import lora
+
 __all__ = ["rms_norm", "rope", "signed_sin", "unsupported_reason"]
 
 _MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -26,8 +28,6 @@ def _rope_type(config: Any) -> str:
 def unsupported_reason(module: nn.Module, capacity: int) -> str | None:
     """None when the fused passes reproduce ``module``'s forward over sequences of up to
     ``capacity`` tokens; otherwise why they do not."""
-    from rlfoundry.models import lora
-
     if lora.is_lora(module):  # adapters fold into the weights the fused passes copy anyway
         reason = lora.unfusable_reason(module)
         if reason is not None:
