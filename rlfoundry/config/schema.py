@@ -524,6 +524,78 @@ class RewardModelConfig:
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
 
+JUDGE_PARSERS = ("verdict", "number")  # reward.reward_model.parser; rewards/judge.py
+
+
+@dataclass
+class JudgeRolloutConfig:
+    """verl's ``reward.reward_model.rollout``: the engine the judge generates on. Its weights are
+    loaded from ``model_path`` and never change. Keys as ``actor_rollout_ref.rollout``'s."""
+
+    name: str = one_of(ROLLOUT_NAMES, "hf")  # verl: ??? (required)
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    free_cache_engine: bool = True
+    tensor_model_parallel_size: int = 1  # verl: 2
+    max_num_batched_tokens: int = 8192
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 1024
+    load_format: str = "auto"
+    seed: int = 42
+    engine_kwargs: Dict[str, Any] = _dict()
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    disable_log_stats: bool = True
+    skip_tokenizer_init: bool = False  # no effect: prompts are rendered and tokenised by the driver
+    ignore_eos: bool = False
+    do_sample: bool = False  # rlfoundry: greedy, so one response gets one verdict. verl: true
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1  # one judgement per response
+    prompt_length: int = 2048
+    response_length: int = 256  # verl: 2048
+    update_weights_bucket_megabytes: int = 512
+
+
+@dataclass
+class GenerativeRewardModelConfig:
+    """verl's ``reward.reward_model`` (>= 0.7): a language model that judges each response in text.
+    The template, parser and failure score are rlfoundry's (verl leaves them to a custom function)."""
+
+    enable: bool = False
+    enable_resource_pool: bool = False  # true: the judge's own processes/GPUs; false: colocated with the actor
+    n_gpus_per_node: int = 1  # its own pool's ranks per node (CPU: processes). verl: 8
+    nnodes: int = 1  # verl: 0
+    model_path: Optional[str] = None
+    trust_remote_code: bool = False
+    rollout: JudgeRolloutConfig = _sub(JudgeRolloutConfig)
+    # rlfoundry: a template file, or a packaged one (correctness: [[YES]]/[[NO]] against the ground
+    # truth; rating: [[1]]..[[10]]); null: correctness for the verdict parser, rating for number
+    prompt_template: Optional[str] = None
+    parser: str = one_of(JUDGE_PARSERS, "verdict")  # rlfoundry
+    verdicts: Dict[str, Any] = _dict(YES=1.0, NO=0.0)  # rlfoundry: verdict parser: verdict -> score
+    score_range: List[float] = _list(1.0, 10.0)  # rlfoundry: number parser: accepted range, mapped to [0, 1]
+    failure_score: float = 0.0  # rlfoundry: the judge's score for a judgement that does not parse
+
+
+@dataclass
+class RewardWeightsConfig:
+    """rlfoundry: how the reward sources add up per sample: rule × rule score + judge × judge score."""
+
+    rule: Optional[float] = None  # null: 0 when the judge is enabled (it replaces the rule score), else 1
+    judge: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    """verl's top-level ``reward`` (>= 0.7): here, its generative reward model, and our weights."""
+
+    reward_model: GenerativeRewardModelConfig = _sub(GenerativeRewardModelConfig)
+    weights: RewardWeightsConfig = _sub(RewardWeightsConfig)
+
+
 @dataclass
 class CustomRewardFunctionConfig:
     path: Optional[str] = None
@@ -650,6 +722,7 @@ class PPOConfig:
     critic: CriticConfig = _sub(CriticConfig)
     reward_model: RewardModelConfig = _sub(RewardModelConfig)
     custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig)
+    reward: RewardConfig = _sub(RewardConfig)
     algorithm: AlgorithmConfig = _sub(AlgorithmConfig)
     trainer: TrainerConfig = _sub(TrainerConfig)
     rollout: RolloutPoolConfig = _sub(RolloutPoolConfig)

@@ -28,6 +28,12 @@ Model rewards: when the batch already holds ``rm_scores`` (written by ``RewardMo
 the rule scorer; ``rm_combine="add"`` returns rule score + model score (both sit on the last
 response token, so the sum is per sequence).
 
+Generative reward model (``rewards/judge.py``): when the batch holds ``judge_scores`` (the judge's
+score on the last response token) the result is ``weights.rule`` × rule score + ``weights.judge`` ×
+judge score; with the rule weight 0 (the default with a judge) the rule scorer is not called. Each
+sample's ``judge_score`` (NaN where the judgement did not parse) and ``judge_error`` reach
+``reward_extra_info``; a failed judgement counts in ``reward/errors`` and ``reward/errors/judge``.
+
 Config (``load_reward_manager``):
 
 | key | default | meaning |
@@ -39,6 +45,7 @@ Config (``load_reward_manager``):
 | ``reward_model.reward_kwargs.pool_min_batch`` | 1 | batches smaller than this are scored in the driver |
 | ``reward_model.reward_kwargs.mp_start_method`` | forkserver | or spawn |
 | ``reward_model.reward_kwargs.rm_combine`` | replace | replace or add (see above) |
+| ``reward.weights.{rule,judge}`` | null, 1 | rule × rule score + judge × judge score (below); rule null: 0 with a judge, else 1 |
 | ``reward_model.overlong_buffer.{enable,len,penalty_factor,log}`` | off | dapo only; uses ``data.max_response_length`` |
 | ``custom_reward_function.{path,name,reward_kwargs}`` | null | see ``rlfoundry.rewards.custom`` |
 """
@@ -71,7 +78,7 @@ from rlfoundry.rewards.pool import Outcome, ScoringPool, call_safely
 
 logger = logging.getLogger(__name__)
 
-ERROR_KINDS = ("exception", "timeout", "crash", "bad_return")
+ERROR_KINDS = ("exception", "timeout", "crash", "bad_return", "judge")  # judge: its judgement did not parse
 RM_COMBINE_MODES = ("replace", "add")
 
 
@@ -94,6 +101,7 @@ class Scored:
     extras: dict
     error: str | None = None
     detail: str = ""
+    judge_error: str | None = None  # why the generative reward model's judgement scored failure_score
 
 
 # ---- batch plumbing (pure functions) ---------------------------------------------------------
@@ -186,10 +194,32 @@ def extra_info_columns(scored: list[Scored]) -> dict[str, list]:
 
 
 def error_metrics(scored: list[Scored]) -> dict[str, int]:
-    kinds = [s.error for s in scored if s.error is not None]
-    metrics = {"reward/errors": len(kinds)}
+    """``reward/errors``: samples with any failed source; ``reward/errors/<kind>``: failures per kind."""
+    kinds = [s.error for s in scored if s.error is not None] + ["judge" for s in scored if s.judge_error]
+    metrics = {"reward/errors": sum(1 for s in scored if s.error is not None or s.judge_error)}
     metrics.update({f"reward/errors/{kind}": kinds.count(kind) for kind in ERROR_KINDS})
     return metrics
+
+
+def judge_results(data: DataProto) -> tuple[torch.Tensor, list] | None:
+    """The generative reward model's ``judge_scores`` and ``judge_error`` when the batch has them."""
+    if "judge_scores" not in data.batch.keys():
+        return None
+    return data.batch["judge_scores"], list(data.non_tensor_batch["judge_error"])
+
+
+def judge_only(judge: tuple[torch.Tensor, list]) -> list[Scored]:
+    """Per-sample results when the judge alone scores (rule weight 0)."""
+    scores, errors = judge
+    return [Scored(float(row.sum()), {}, judge_error=err) for row, err in zip(scores, errors)]
+
+
+def add_judge_extras(scored: list[Scored], judge: tuple[torch.Tensor, list]) -> None:
+    """``judge_score`` (NaN where the judgement failed) and ``judge_error`` into each sample's extras."""
+    scores, errors = judge
+    for result, row, err in zip(scored, scores, errors):
+        result.judge_error = err
+        result.extras.update(judge_score=float("nan") if err else float(row.sum()), judge_error=err)
 
 
 # ---- managers --------------------------------------------------------------------------------
@@ -233,6 +263,8 @@ class RuleRewardManager:
         pool_min_batch: int = 1,
         mp_start_method: str | None = None,
         rm_combine: str = "replace",
+        rule_weight: float | None = None,
+        judge_weight: float = 1.0,
     ) -> None:
         if rm_combine not in RM_COMBINE_MODES:
             raise ValueError(f"rm_combine={rm_combine!r} must be one of {RM_COMBINE_MODES}")
@@ -242,6 +274,8 @@ class RuleRewardManager:
         self.timeout_s, self.failure_score = float(timeout_s), float(failure_score)
         self.num_workers = min(4, os.cpu_count() or 1) if num_workers is None else int(num_workers)
         self.pool_min_batch, self.mp_start_method, self.rm_combine = pool_min_batch, mp_start_method, rm_combine
+        # reward.weights: None = 0 when a judge scored the batch (it replaces the rule score), else 1
+        self.rule_weight, self.judge_weight = rule_weight, float(judge_weight)
         self._pool: ScoringPool | None = None
         self._in_process_only = self.num_workers <= 0
         # with num_workers unset, bounded-time built-in scorers skip the pool (see _bounded_time)
@@ -254,14 +288,25 @@ class RuleRewardManager:
         rm_scores = data.batch["rm_scores"] if "rm_scores" in data.batch.keys() else None
         if rm_scores is not None and self.rm_combine == "replace":
             return self._result(rm_scores, [], return_dict)
+        judge = judge_results(data)
+        rule_weight = (0.0 if judge else 1.0) if self.rule_weight is None else float(self.rule_weight)
+        if judge and rule_weight == 0:  # the judge alone: the rule scorer is not called
+            scored = judge_only(judge)
+            add_judge_extras(scored, judge)
+            self._report_judge_errors(scored)
+            return self._result(self.judge_weight * judge[0].float(), scored, return_dict)
         samples = decode_samples(data, self.tokenizer, self.reward_fn_key)
         if self.uses_default_scorer:
             check_data_sources(s.data_source for s in samples)
         scored = [interpret(o, self.failure_score) for o in self.score_samples(samples)]
         self.postprocess(samples, scored)
-        tensor = place_scores([s.score for s in scored], torch.tensor([s.response_length for s in samples]), width)
+        tensor = rule_weight * place_scores([s.score for s in scored], torch.tensor([s.response_length for s in samples]), width)
         if rm_scores is not None:
             tensor = tensor + rm_scores.to(tensor.dtype)
+        if judge:
+            tensor = tensor + self.judge_weight * judge[0].to(tensor.dtype)
+            add_judge_extras(scored, judge)
+            self._report_judge_errors(scored)
         self._report_errors(samples, scored)
         self._examine(data, samples, scored)
         return self._result(tensor, scored, return_dict)
@@ -331,6 +376,13 @@ class RuleRewardManager:
             )
         kinds = {k: v for k, v in error_metrics(scored).items() if v and k != "reward/errors"}
         logger.warning("reward: %d of %d samples failed %s", len(failed), len(scored), kinds)
+
+    def _report_judge_errors(self, scored: list[Scored]) -> None:
+        failed = [s.judge_error for s in scored if s.judge_error]
+        if failed:
+            kinds = {kind: failed.count(kind) for kind in dict.fromkeys(failed)}
+            logger.warning("reward: the judge's verdict on %d of %d samples did not parse %s; they get its "
+                           "failure_score", len(failed), len(scored), kinds)
 
     def _examine(self, data: DataProto, samples: list[Sample], scored: list[Scored]) -> None:
         """Print up to ``num_examine`` samples per data source, verl style, for eyeballing."""
@@ -494,5 +546,8 @@ def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwa
         options.setdefault("max_resp_len", _get(_get(config, "data"), "max_response_length"))
         options.setdefault("overlong_buffer_cfg", _get(rm_config, "overlong_buffer"))
     _check_kwargs(cls, options)
+    weights = _get(_get(config, "reward"), "weights")  # verl >= 0.7's top-level reward; ours: weights
+    options.setdefault("rule_weight", _get(weights, "rule"))
+    options.setdefault("judge_weight", _get(weights, "judge", 1.0))
     reward_fn_key = _get(_get(config, "data"), "reward_fn_key", "data_source")
     return cls(tokenizer, num_examine, load_custom_reward_fn(config), reward_fn_key, **options)

@@ -23,6 +23,7 @@ import copy
 import difflib
 import fnmatch
 import importlib.util
+import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -284,6 +285,18 @@ def rollout_world_size(cfg: DictConfig) -> int:
     return int(cfg.rollout.nnodes) * int(cfg.rollout.n_gpus_per_node)
 
 
+def judge_world_size(cfg: DictConfig) -> int:
+    """Ranks of the generative reward model's own pool (``reward.reward_model.enable_resource_pool``); 0:
+    colocated with the actor (or no judge)."""
+    judge = cfg.reward.reward_model
+    return int(judge.nnodes) * int(judge.n_gpus_per_node) if judge.enable and judge.enable_resource_pool else 0
+
+
+def pool_config(cfg: DictConfig, pool: str) -> DictConfig:
+    """The node holding ``nnodes`` / ``n_gpus_per_node`` of a worker pool."""
+    return {"rollout_pool": cfg.rollout, "reward_pool": cfg.reward.reward_model}.get(pool, cfg.trainer)
+
+
 def _fill_fully_async_batch(cfg: DictConfig) -> None:
     """verl's fully-async scripts set ``data.train_batch_size=0``: a training step is
     ``async_training.require_batches`` mini-batches of ``actor.ppo_mini_batch_size`` prompts."""
@@ -464,8 +477,30 @@ def _check_multi_turn(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def _check_judge(cfg: DictConfig) -> list[str]:
+    """``reward.reward_model`` (the generative reward model): what it needs to start."""
+    judge, key = cfg.reward.reward_model, "reward.reward_model"
+    if not judge.enable:
+        return []
+    from rlfoundry.config import to_typed
+    from rlfoundry.config.schema import GenerativeRewardModelConfig
+    from rlfoundry.rewards.judge import check_judge_config
+
+    errors = [] if judge.model_path else [f"{key}.enable=true needs {key}.model_path (the judge's HF directory)."]
+    if cfg.reward_model.enable:
+        errors.append(f"reward_model.enable=true (a classifier reward model) and {key}.enable=true (a judge): "
+                      "enable one of them.")
+    if int(judge.rollout.n) != 1:
+        errors.append(f"{key}.rollout.n={judge.rollout.n}: the judge writes one judgement per response (n=1).")
+    if judge.enable_resource_pool and (int(judge.nnodes) < 1 or int(judge.n_gpus_per_node) < 1):
+        errors.append(f"{key}.enable_resource_pool=true needs nnodes >= 1 and n_gpus_per_node >= 1 (CPU: processes).")
+    if judge.enable_resource_pool and cfg.trainer.worker_backend == "process" and int(judge.nnodes) != 1:
+        errors.append(f"trainer.worker_backend=process runs on one machine, but {key}.nnodes={judge.nnodes}; use ray.")
+    return errors + check_judge_config(to_typed(GenerativeRewardModelConfig, judge, name=key))
+
+
 def _check_unsupported(cfg: DictConfig) -> list[str]:
-    errors = _check_lora(cfg) + _check_multi_turn(cfg)
+    errors = _check_lora(cfg) + _check_multi_turn(cfg) + _check_judge(cfg)
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>.")
     backend, ws = cfg.trainer.worker_backend, world_size(cfg)
@@ -807,6 +842,7 @@ def _resolve_paths(out: DictConfig, train_files: Any, val_files: Any, run_dir: s
     arr.model.path = resolve_asset_path(arr.model.path)
     out.critic.model.path = resolve_asset_path(out.critic.model.path)
     out.reward_model.model.path = resolve_asset_path(out.reward_model.model.path)
+    out.reward.reward_model.model_path = resolve_asset_path(out.reward.reward_model.model_path)
     rollout = arr.rollout
     for node, key in ((out.critic.model, "tokenizer_path"), (out.reward_model.model, "input_tokenizer"),
                       (out.data, "tokenizer"), (rollout.multi_turn, "tool_config_path"),
@@ -853,6 +889,9 @@ def check_startup_paths(cfg: DictConfig) -> None:
         errors += _check_model("critic.model.path", cfg.critic.model.path)
     if cfg.reward_model.enable:
         errors += _check_model("reward_model.model.path", cfg.reward_model.model.path)
+    if cfg.reward.reward_model.enable:
+        errors += _check_judge_model(cfg.reward.reward_model.model_path)
+        errors += _check_rollout_engine(cfg.reward.reward_model.rollout.name)
     errors += _check_resume(cfg)
     errors += _check_rollout_engine(cfg.actor_rollout_ref.rollout.name)
     crf = cfg.custom_reward_function
@@ -861,6 +900,21 @@ def check_startup_paths(cfg: DictConfig) -> None:
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))
+
+
+def _check_judge_model(path: str | None) -> list[str]:
+    """The judge must be a causal LM: a classifier head cannot write a judgement."""
+    key = "reward.reward_model.model_path"
+    problems = _check_model(key, path)
+    if path is None or problems:
+        return problems
+    config = json.loads((Path(resolve_asset_path(path)) / "config.json").read_text())
+    heads = [a for a in config.get("architectures") or []
+             if a.endswith(("ForSequenceClassification", "ForTokenClassification"))]
+    if heads:
+        return [f"{key}={path} is a {heads[0]}, a reward model that scores without writing text; use it as "
+                f"reward_model.enable=true reward_model.model.path={path} (the classifier reward model) instead."]
+    return []
 
 
 def _check_resume(cfg: DictConfig) -> list[str]:

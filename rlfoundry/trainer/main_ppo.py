@@ -29,8 +29,10 @@ from rlfoundry.trainer.config import (
     ConfigError,
     auto_choices,
     check_startup_paths,
+    judge_world_size,
     load_config,
     need_reference_policy,
+    pool_config,
     resolve_asset_path,
     resolve_config,
     rollout_world_size,
@@ -165,17 +167,18 @@ def load_tokenizer(cfg: DictConfig) -> Any:
 
 def rollout_data_config(cfg: DictConfig) -> DictConfig:
     """``data`` as the rollout needs it: with ``rollout.multi_turn.enable`` the prompts offer the
-    configured tools (``apply_chat_template_kwargs.tools``) and keep their messages (``return_raw_chat``)."""
+    configured tools (``apply_chat_template_kwargs.tools``) and keep their messages (``return_raw_chat``),
+    which a generative reward model also reads."""
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
-    if not multi_turn.enable:
+    if not multi_turn.enable and not cfg.reward.reward_model.enable:
         return cfg.data
     from omegaconf import OmegaConf
 
     from rlfoundry.tools.registry import initialize_tools_from_config
 
     data = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
-    data.return_raw_chat = True
-    if multi_turn.tool_config_path:
+    data.return_raw_chat = True  # the judge reads the question from the prompt's messages
+    if multi_turn.enable and multi_turn.tool_config_path:
         tools = initialize_tools_from_config(resolve_asset_path(multi_turn.tool_config_path))
         data.apply_chat_template_kwargs.tools = [t.get_openai_tool_schema().model_dump() for t in tools]
     return data
@@ -228,7 +231,26 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
         from rlfoundry.workers.reward_model import RewardModelWorker
 
         classes["rm"] = ClassWithInitArgs(RewardModelWorker, config=cfg.reward_model)
+    if cfg.reward.reward_model.enable:  # the trainer gives it a pool of its own with enable_resource_pool
+        classes["judge"] = ClassWithInitArgs(ActorRolloutRefWorker, config=judge_worker_config(cfg), role="rollout")
     return classes
+
+
+def judge_worker_config(cfg: DictConfig) -> dict[str, Any]:
+    """``actor_rollout_ref`` for the generative reward model's worker: a rollout role (no optimiser, no
+    weight syncs) on ``reward.reward_model.model_path`` with ``reward.reward_model.rollout``'s engine."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from rlfoundry.config.schema import RolloutConfig
+
+    judge = cfg.reward.reward_model
+    known = {f.name for f in dataclasses.fields(RolloutConfig)}
+    rollout = {k: v for k, v in OmegaConf.to_container(judge.rollout, resolve=True).items() if k in known}
+    model = {"path": judge.model_path, "trust_remote_code": bool(judge.trust_remote_code),
+             "cpu_kernels": cfg.actor_rollout_ref.model.cpu_kernels}
+    return {"model": model, "rollout": rollout}
 
 
 def _runtime(cfg: DictConfig) -> WorkerRuntime:
@@ -267,8 +289,8 @@ def process_factory(cfg: DictConfig):
     from rlfoundry.single_controller.process import ProcessWorkerGroup, threads_per_rank
 
     def build(classes: dict[str, ClassWithInitArgs], pool: str = "global_pool") -> dict[str, WorkerGroup]:
-        ranks = int((cfg.rollout if pool == "rollout_pool" else cfg.trainer).n_gpus_per_node)
-        total = int(cfg.trainer.n_gpus_per_node) + rollout_world_size(cfg)
+        ranks = int(pool_config(cfg, pool).n_gpus_per_node)
+        total = int(cfg.trainer.n_gpus_per_node) + rollout_world_size(cfg) + judge_world_size(cfg)
         group = ProcessWorkerGroup(create_colocated_worker_cls(classes, _runtime(cfg)), ranks,
                                    name_prefix=pool, call_timeout_s=cfg.trainer.worker_call_timeout_s,
                                    start_method=cfg.trainer.process_start_method, preload=lambda: _preload(cfg),
@@ -297,15 +319,17 @@ def ray_factory(cfg: DictConfig):
             trainer = cfg.trainer
             init_ray(num_cpus=cfg.ray_init.get("num_cpus"))
             spec, mapping = {"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)}, {Role.ActorRollout: "global_pool"}
-            if rollout_world_size(cfg):
-                spec["rollout_pool"] = [int(cfg.rollout.n_gpus_per_node)] * int(cfg.rollout.nnodes)
-                mapping[Role.Rollout] = "rollout_pool"
+            for pool, role, ranks in (("rollout_pool", Role.Rollout, rollout_world_size(cfg)),
+                                      ("reward_pool", Role.RewardModel, judge_world_size(cfg))):
+                if ranks:
+                    spec[pool] = [int(pool_config(cfg, pool).n_gpus_per_node)] * int(pool_config(cfg, pool).nnodes)
+                    mapping[role] = pool
             managers.append(ResourcePoolManager(spec, mapping, use_gpu=trainer.device == "cuda"))
             managers[0].create_resource_pool()
         return managers[0]
 
     def build(classes: dict[str, ClassWithInitArgs], pool: str = "global_pool") -> dict[str, WorkerGroup]:
-        role = Role.Rollout if pool == "rollout_pool" else Role.ActorRollout
+        role = {"rollout_pool": Role.Rollout, "reward_pool": Role.RewardModel}.get(pool, Role.ActorRollout)
         ray_classes = {k: RayClassWithInitArgs(c.cls, *c.args, **c.kwargs) for k, c in classes.items()}
         group = RayWorkerGroup(manager().get_resource_pool(role), create_colocated_worker_cls(ray_classes, _runtime(cfg)),
                                name_prefix=pool, call_timeout_s=cfg.trainer.worker_call_timeout_s)

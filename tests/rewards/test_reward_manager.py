@@ -109,7 +109,7 @@ def test_custom_file_failures_get_failure_score_and_are_counted(tok, tmp_path: P
     assert last_token_scores(out["reward_tensor"], batch) == expected
     assert last_token_scores(again["reward_tensor"], batch) == expected
     assert out["reward_metrics"] == {"reward/errors": 4, "reward/errors/exception": 1, "reward/errors/timeout": 1,
-                                     "reward/errors/crash": 1, "reward/errors/bad_return": 1}
+                                     "reward/errors/crash": 1, "reward/errors/bad_return": 1, "reward/errors/judge": 0}
     extra = out["reward_extra_info"]
     assert extra["score"][4] == 0.25 and extra["pred"][4] == "dict" and extra["pred"][0] is None
     assert extra["acc"][4] == 1.0 and all(math.isnan(v) for i, v in enumerate(extra["acc"]) if i != 4)

@@ -121,6 +121,20 @@ def balance_batch(data: DataProto, world_size: int) -> tuple[DataProto, dict[str
     return data, {"training/seqlen_max_rank_tokens": float(max(sums)), "training/seqlen_min_rank_tokens": float(min(sums))}
 
 
+def _generative_reward_model(config: DictConfig, tokenizer: Any, judge_wg: WorkerGroup) -> Any:
+    """The driver's side of the judge: templates and parses; ``judge_wg`` generates the judgements."""
+    from transformers import AutoTokenizer
+
+    from rlfoundry.config import to_typed
+    from rlfoundry.config.schema import GenerativeRewardModelConfig
+    from rlfoundry.rewards.judge import GenerativeRewardModel
+
+    judge = to_typed(GenerativeRewardModelConfig, config.reward.reward_model, name="reward.reward_model")
+    judge_tokenizer = AutoTokenizer.from_pretrained(judge.model_path, trust_remote_code=judge.trust_remote_code)
+    return GenerativeRewardModel(judge_wg.generate_sequences, tokenizer, judge_tokenizer, judge,
+                                 reward_fn_key=str(config.data.reward_fn_key))
+
+
 def reward_result_metrics(result: dict[str, Any]) -> dict[str, float]:
     """Step metrics from a reward manager's ``return_dict`` result.
 
@@ -237,6 +251,7 @@ class RayPPOTrainer:
         self._factory, self._worker_classes = worker_group_factory, worker_classes
         self.use_critic = bool(config.critic.enable)
         self.use_rm = bool(config.reward_model.enable)
+        self.judge = None  # the generative reward model (reward.reward_model.enable), set by init_workers
         self.use_reference_policy = need_reference_policy(config)
         self.world_size = world_size(config)
         self.total_training_steps = int(config.trainer.total_training_steps)
@@ -253,15 +268,21 @@ class RayPPOTrainer:
         joined to the trainer's by the checkpoint engine; ``self.rollout_wg`` generates either way."""
         classes = dict(self._worker_classes)
         rollout_cls = classes.pop("rollout", None)
-        # the rollout pool first: its processes start before this one hosts any rank of the trainer's
+        judge_apart = self.config.reward.reward_model.enable_resource_pool and "judge" in classes
+        judge_cls = classes.pop("judge") if judge_apart else None
+        # the own pools first: their processes start before this one hosts any rank of the trainer's
         self.rollout_wg = self._factory({"rollout": rollout_cls}, pool="rollout_pool")["rollout"] if rollout_cls else None
+        judge_wg = self._factory({"judge": judge_cls}, pool="reward_pool")["judge"] if judge_cls else None
         groups = self._factory(classes)
         self.actor_rollout_wg = groups["actor_rollout"]
         self.critic_wg = groups.get("critic")
         self.rm_wg = groups.get("rm")
-        for wg in (self.rollout_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg):
+        self.judge_wg = judge_wg or groups.get("judge")
+        for wg in (self.rollout_wg, self.judge_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg):
             if wg is not None:
                 wg.init_model()
+        if self.judge_wg is not None:
+            self.judge = _generative_reward_model(self.config, self.tokenizer, self.judge_wg)
         if self.rollout_wg is None:
             self.rollout_wg = self.actor_rollout_wg
         else:
@@ -509,18 +530,23 @@ class RayPPOTrainer:
         greedy = self.rollout_wg.generate_sequences(greedy_in)
         if "response_mask" not in greedy.batch.keys():
             greedy.batch["response_mask"] = compute_response_mask(greedy)
-        scores = self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
+        scores = self.reward_fn(self._judged(greedy), return_dict=True)["reward_tensor"].sum(-1)
         return scores.repeat_interleave(int(self.config.actor_rollout_ref.rollout.n))
 
     def _reward(self, batch: DataProto, timing: dict, return_result: bool = False) -> tuple[DataProto, Any]:
-        """``token_level_scores`` from the reward model (when enabled) and/or the reward function;
+        """``token_level_scores`` from the reward models (when enabled) and/or the reward function;
         with the step's reward metrics (or the reward manager's whole result)."""
         with marked_timer("reward", timing):
             if self.use_rm:
                 batch = batch.union(self.rm_wg.compute_rm_score(batch))
+            batch = self._judged(batch)
             result = self.reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
         return batch, (result if return_result else reward_result_metrics(result))
+
+    def _judged(self, batch: DataProto) -> DataProto:
+        """The batch with the generative reward model's judgements (``judge_scores`` ...), if there is one."""
+        return batch if self.judge is None else batch.union(self.judge.compute_rm_score(batch))
 
     def _old_log_prob(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
         """``old_log_probs`` under the policy that sampled; ``actor/entropy`` from the same pass."""
@@ -621,7 +647,7 @@ class RayPPOTrainer:
         sources, prompts, infos = [], [], {"reward": []}
         errors: dict[str, float] = {}
         for batch_dict in self.val_dataloader:
-            batch = self._val_generate(trim_prompt_padding(DataProto.from_single_dict(batch_dict)))
+            batch = self._judged(self._val_generate(trim_prompt_padding(DataProto.from_single_dict(batch_dict))))
             result = self.val_reward_fn(batch, return_dict=True)
             infos["reward"] += result["reward_tensor"].sum(-1).tolist()
             for key, values in result.get("reward_extra_info", {}).items():
