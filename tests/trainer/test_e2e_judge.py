@@ -37,18 +37,21 @@ ERRORS = [None] * 6 + ["no_verdict", "unknown_verdict"]
 
 
 @pytest.fixture(scope="module")
-def judge_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny Qwen2 fine-tuned by ``rlfoundry sft`` on the fixed judgements (the template's prompts)."""
+def judge_dir(tmp_path_factory):
+    """A tiny Qwen2 (head_dim 32, which vLLM's CPU kernels need) fine-tuned by ``rlfoundry sft`` on the
+    fixed judgements, prompted with the template as the judge will be."""
+    from rlfoundry.models.tiny import save_tiny_model
     from rlfoundry.rewards.judge import JudgeTemplate
     from rlfoundry.trainer.sft_trainer import main
 
     root = tmp_path_factory.mktemp("judge")
+    base = save_tiny_model(root / "base", num_heads=2, num_kv_heads=1, seed=3)
     (root / "template.txt").write_text(TEMPLATE)
     template = JudgeTemplate.load(str(root / "template.txt"), "verdict")
     rows = [{"prompt": template.render(question=q, ground_truth=g, response=r), "response": verdict}
             for q, g, r, verdict, _ in FIXED]
     (root / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 8))
-    args = [f"model.partial_pretrain={tiny_model_dir}", f"trainer.default_local_dir={root / 'run'}",
+    args = [f"model.partial_pretrain={base}", f"trainer.default_local_dir={root / 'run'}",
             f"data.train_files={root / 'pairs.jsonl'}", f"data.val_files={root / 'pairs.jsonl'}",
             "data.max_length=64", "data.train_batch_size=16", "data.micro_batch_size_per_gpu=16",
             "optim.lr=5e-3", "optim.warmup_steps_ratio=0", "trainer.total_epochs=40", "trainer.save_freq=-1",
@@ -85,6 +88,40 @@ def fixed_batch(extra_rows: int = 0) -> DataProto:
         non_tensors={"data_source": np.array(["rlfoundry/arithmetic"] * len(rows), dtype=object),
                      "raw_prompt": np.array([[{"role": "user", "content": q}] for q, _, _ in rows], dtype=object),
                      "reward_model": np.array([{"ground_truth": g, "style": "model"} for _, g, _ in rows], dtype=object)})
+
+
+# The judge on another engine (tests/workers/test_vllm_rollout.py, test_sglang_rollout.py run it in
+# their environments): the fixed set, then one GRPO step. A file, as SGLang's processes re-import it.
+ENGINE_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from rlfoundry.trainer.config import load_config
+from rlfoundry.trainer.main_ppo import build_trainer
+from tests.trainer import _e2e as E
+from tests.trainer.test_e2e_judge import fixed_batch, judge_overrides
+
+if __name__ == "__main__":
+    judge, run_dir, engine = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    overrides = judge_overrides(judge, f"reward.reward_model.rollout.name={engine}", "trainer.total_training_steps=1",
+                                "reward.reward_model.rollout.dtype=float32", "reward.reward_model.rollout.max_num_seqs=16")
+    trainer = build_trainer(load_config(E.tiny_overrides("rlfoundry://arithmetic-policy", run_dir, *overrides)))
+    out = trainer.judge.compute_rm_score(fixed_batch(extra_rows=1))
+    summary = trainer.fit()
+    rollout = trainer.judge_wg.worker.workers["judge"].rollout
+    print("RESULT " + json.dumps({"engine": type(rollout).__name__, "syncs": rollout.syncs, "step": summary["global_step"],
+                                  "texts": list(out.non_tensor_batch["judge_text"]),
+                                  "errors": list(out.non_tensor_batch["judge_error"])}))
+    rollout.shutdown()
+"""
+
+
+def check_engine_result(stdout: str, engine: str) -> None:
+    """The judge on ``engine`` wrote what the HF engine writes, took no weight sync, and trained a step."""
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["engine"] == engine and result["step"] == 1
+    assert result["syncs"] == 0  # its weights are the checkpoint's, start to end
+    assert result["texts"] == [v for *_, v, _ in FIXED] + [None]
+    assert result["errors"] == ERRORS + ["prompt_too_long"]
 
 
 def judge_module(trainer):

@@ -22,6 +22,7 @@ from tests.workers import local_worker, make_prompts, worker_config
 # the engine-independent helpers and fixtures the vLLM tests define (hf_engine: the HF engine on the
 # same actor module, built from this module's ``group``; the tiny model with head dim 32)
 from tests.workers.test_vllm_rollout import _AGENT_SCRIPT, _max_abs, _run_python, _training_batch, _with_meta
+from tests.trainer.test_e2e_judge import judge_dir  # noqa: F401 (fixture)
 from tests.workers.test_vllm_rollout import hf_engine, vllm_model_dir  # noqa: F401 (fixtures)
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -216,3 +217,14 @@ def test_sglang_and_hf_engines_give_the_same_tool_conversation(tmp_path):
     assert result["same_tokens"] and result["same_mask"], result
     assert result["turns"][0] == 3 and "<tool_response>\n56088\n</tool_response>" in result["text"], result
     assert result["max_abs_dlogp"] < LOGP_TOL
+
+
+@sglang_test
+@pytest.mark.slow
+def test_a_judge_served_by_sglang_writes_the_hf_engines_judgements(judge_dir, tmp_path):
+    """reward.reward_model.rollout.name=sglang: the SFT'd judge of tests/trainer/test_e2e_judge.py, greedy."""
+    from tests.trainer.test_e2e_judge import ENGINE_SCRIPT, check_engine_result
+
+    script = tmp_path / "judge.py"
+    script.write_text(ENGINE_SCRIPT)
+    check_engine_result(_run_python([str(script), str(judge_dir), str(tmp_path / "run"), "sglang"]), "SGLangRollout")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from rlfoundry.workers.rollout.metrics import compute_rollout_actor_probs_diff
+from tests.trainer.test_e2e_judge import judge_dir  # noqa: F401 (fixture)
 from tests.trainer.test_e2e_quickstart import gsm8k_parquet  # noqa: F401 (fixture)
 from tests.workers import local_worker, make_prompts, one_thread, worker_config  # noqa: F401 (fixture)
 
@@ -674,3 +675,14 @@ def test_verl_lora_grpo_command_line_trains_with_vllm_and_exports_both_formats(v
         want, got, start = (m(input_ids=ids).logits for m in (merged, adapted, base))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (want - start).abs().max() > 1e-4  # the adapter trained
+
+
+@vllm_test
+@pytest.mark.slow
+def test_a_judge_served_by_vllm_writes_the_hf_engines_judgements(judge_dir, tmp_path):
+    """reward.reward_model.rollout.name=vllm: the SFT'd judge of tests/trainer/test_e2e_judge.py, greedy."""
+    from tests.trainer.test_e2e_judge import ENGINE_SCRIPT, check_engine_result
+
+    script = tmp_path / "judge.py"
+    script.write_text(ENGINE_SCRIPT)
+    check_engine_result(_run_python([str(script), str(judge_dir), str(tmp_path / "run"), "vllm"]), "VLLMRollout")
