@@ -5,7 +5,8 @@ project's byte-level tokenizer, prompts from the built-in arithmetic task (writt
 verl-format parquet, read in file order by every framework, so step k sees the same prompts
 everywhere), and one set of GRPO settings: P prompts per step × n samples, max response length,
 learning rate, one PPO epoch over one mini-batch (= one optimiser step per step), token-mean
-PPO-clip loss, grad-norm clip, AdamW, constant LR, no KL, fp32 on CPU.
+PPO-clip loss, grad-norm clip, AdamW, constant LR, no KL, fp32 on CPU (``--device cuda``: fp32
+master weights computing in bf16 on one GPU, every framework alike).
 
 Measurement. Each framework runs in its own Python process (``python -m benchmarks.<runner>
 --spec spec.json --out result.json``), so start-up cost and peak memory belong to it alone. The
@@ -55,6 +56,8 @@ _LOAD_AT_START = list(os.getloadavg())  # the machine's load when the benchmark 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_WORK_DIR = Path(os.environ.get("RLFOUNDRY_BENCH_DIR", "/tmp/rlfoundry-bench"))
+
+DEVICES = ("cpu", "cuda")
 
 # framework name -> runner module (each has ``main(argv)`` taking --spec / --out)
 RUNNERS = {
@@ -110,8 +113,13 @@ class Workload:
     # "tuned": the runner adds its speed keys (benchmarks/rlfoundry_grpo.py); "verl": only the keys a
     # verl user sets for this workload, so rlfoundry's defaults decide everything else
     rlfoundry_keys: str = "tuned"
+    # where every framework computes: "cpu" (fp32) or "cuda" (one GPU: fp32 master weights, bf16
+    # compute: rlfoundry's FSDP2 mixed precision, TRL's bf16=True autocast)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.steps <= self.warmup_steps:
             raise ValueError(f"steps ({self.steps}) must exceed warmup_steps ({self.warmup_steps}): "
                              "nothing would be measured")
@@ -137,6 +145,7 @@ class Workload:
     def from_json(cls, data: dict[str, Any]) -> "Workload":
         data = dict(data)
         data["rlfoundry_overrides"] = tuple(data.get("rlfoundry_overrides", ()))
+        data.setdefault("device", "cpu")  # result files written before the field existed
         return cls(**data)
 
 
@@ -483,6 +492,9 @@ def summarize(clock: dict[str, Any], w: Workload, launched: float) -> dict[str, 
         "reward_last": statistics.fmean(clock["reward_mean"][-q:]),
         "info": clock.get("info", {}),
     }
+    gpu_peak = clock.get("info", {}).get("cuda_max_memory_allocated_mb")
+    if gpu_peak is not None:  # --device cuda: torch's peak allocation in the runner (rank 0) process
+        row["peak_gpu_mb"] = float(gpu_peak)
     if clock.get("phases"):
         phases = clock["phases"][k:]
         row["phases_s"] = {name: statistics.median(p.get(name, 0.0) for p in phases)
@@ -516,6 +528,7 @@ def interleaved_runs(frameworks: Sequence[str], w: Workload, prepared: Prepared,
 
 MEDIAN_KEYS = ("step_s", "step_inner_s", "startup_s", "gen_tokens_per_s", "samples_per_s", "gen_tokens_per_step",
                "peak_rss_mb", "peak_tree_rss_mb", "peak_tree_pss_mb", "reward_first", "reward_last")
+OPTIONAL_MEDIAN_KEYS = ("peak_gpu_mb",)  # present only in some runs (--device cuda)
 
 
 def median_row(runs: list[dict]) -> dict[str, Any]:
@@ -525,6 +538,9 @@ def median_row(runs: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {"ok_runs": len(ok)}
     for key in MEDIAN_KEYS:
         out[key] = statistics.median(r[key] for r in ok)
+    for key in OPTIONAL_MEDIAN_KEYS:
+        if all(key in r for r in ok):
+            out[key] = statistics.median(r[key] for r in ok)
     out["tree_pss_source"] = ", ".join(sorted({r.get("tree_pss_source", "smaps_rollup") for r in ok}))
     phase_names = sorted({n for r in ok for n in r.get("phases_s", {})})
     if phase_names:
@@ -645,6 +661,9 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: Workload = Workload(
     p.add_argument("--model-path", default=None, help="an HF model directory (or rlfoundry://name) instead of "
                    "the random tiny model built from the config")
     p.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per framework process")
+    p.add_argument("--device", choices=DEVICES, default=defaults.device,
+                   help="cpu: fp32; cuda: one GPU, fp32 master weights computing in bf16 (rlfoundry and TRL; "
+                        "the floor runs on the CPU only)")
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="models, data and run directories")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before a single run is killed")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -667,4 +686,4 @@ def workload_from_args(a: argparse.Namespace, **changes: Any) -> Workload:
                     warm_start_steps=a.warm_start_steps,
                     threads=a.threads, rlfoundry_backend=a.rlfoundry_backend, rlfoundry_workers=a.rlfoundry_workers,
                     rlfoundry_overrides=tuple(a.rlfoundry_override),
-                    rlfoundry_keys=a.rlfoundry_keys).replace(**changes)
+                    rlfoundry_keys=a.rlfoundry_keys, device=getattr(a, "device", "cpu")).replace(**changes)

@@ -151,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from rlfoundry.rewards.arithmetic import compute_score
 
     w, prepared, out, _ = runner_args(argv, "hand-written GRPO floor")
+    if w.device != "cpu":  # its sampler and update build their tensors on the CPU
+        raise SystemExit(f"the floor runs on the CPU only (workload device {w.device!r}); "
+                         "compare rlfoundry and TRL on a GPU (--frameworks rlfoundry trl)")
     torch.manual_seed(w.seed)
     tokenizer = AutoTokenizer.from_pretrained(prepared.model_dir)
     model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype=torch.float32)

@@ -3,16 +3,21 @@
     python -m benchmarks.realistic                                   # 8 layers; responses 32 and 128
     python -m benchmarks.realistic --num-layers 24 --response-lengths 32 --repeats 1
     python -m benchmarks.realistic --rlfoundry-keys tuned            # with the runner's speed keys
+    python -m benchmarks.realistic --device cuda --layers 24         # one GPU, bf16 compute
 
 The model has Qwen2.5-0.5B's layer shape (hidden 896, MLP 4864, 14 heads, 2 KV heads; the project's
-byte tokenizer, so the vocabulary is small and the layers are the cost), random weights, fp32.
+byte tokenizer, so the vocabulary is small and the layers are the cost), random weights, fp32
+(``--device cuda``: fp32 master weights computing in bf16 on one GPU, for both frameworks).
 GRPO, ``--prompts-per-step`` × ``--n`` samples, one optimiser step per step, the same workload for
 both frameworks (``benchmarks/common.py``). By default rlfoundry gets only the keys a verl user
 would write (``--rlfoundry-keys verl``, one worker): its defaults are what is measured.
 
 In the same run, before the frameworks, a child process with the same thread count measures the
 machine: the fp32 matrix-product peak (the faster of torch's default path and oneDNN, at the
-model's widest layer and 512 rows) and the memory read bandwidth (summing a 1 GiB tensor). Then per
+model's widest layer and 512 rows) and the memory read bandwidth (summing a 1 GiB tensor); with
+``--device cuda`` the GPU's bf16 matrix-product peak (the faster of an 8192³ product and the model's
+widest layer at 512 rows, CUDA-event timed) and its memory read bandwidth (summing 1 GiB of bf16),
+and a decode step reads 2 bytes per weight instead of 4. Then per
 phase: time; for the actor update (forward + backward: 3 × the forward's FLOPs, counted over the
 valid tokens) its achieved FLOP/s as a fraction of that peak; for generation, tokens/s against the
 roofline bound (each decode step reads every weight once and does 2 FLOPs per weight and token,
@@ -64,18 +69,51 @@ print(json.dumps({"matmul_gflops": max(gflops.values()), "matmul_gflops_by_path"
 """
 
 
+_CUDA_PEAKS_CODE = r"""
+import json, sys, torch
+k, n = int(sys.argv[2]), int(sys.argv[3])
+dev, bf16 = torch.device("cuda"), torch.bfloat16
+def best(fn, reps=10):
+    for _ in range(3): fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); fn(); stop.record(); stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return min(times)
+gflops = {}
+for name, (m, kk, nn) in {"bf16_model_layer_512_rows": (512, k, n), "bf16_8192": (8192, 8192, 8192)}.items():
+    x, w = torch.randn(m, kk, device=dev, dtype=bf16), torch.randn(nn, kk, device=dev, dtype=bf16)
+    gflops[name] = 2 * m * kk * nn / best(lambda: torch.nn.functional.linear(x, w)) / 1e9
+    del x, w
+big = torch.ones(2**29, device=dev, dtype=bf16)  # 1 GiB of bf16
+read = 2 * big.numel() / best(lambda: big.sum()) / 1e9
+print(json.dumps({"device": "cuda", "device_name": torch.cuda.get_device_name(), "dtype": "bf16",
+                  "torch": torch.__version__, "matmul_gflops": max(gflops.values()),
+                  "matmul_gflops_by_path": gflops, "read_gb_s": read}))
+"""
+
+
 def machine_peaks(w, threads: int) -> dict[str, Any]:
-    """fp32 GEMM peak (GFLOP/s) and read bandwidth (GB/s), in a child with ``threads`` threads."""
+    """GEMM peak (GFLOP/s) and read bandwidth (GB/s) of ``w.device``, in a child process: on the CPU
+    fp32 with ``threads`` threads, on CUDA bf16 on the GPU."""
     widest = w.intermediate_size or 2 * w.hidden_size
     env = _child_env(w, "trl")  # one process with all the workload's threads
-    out = subprocess.run([sys.executable, "-c", _PEAKS_CODE, str(threads), str(w.hidden_size), str(widest)],
-                         cwd=str(REPO_ROOT), env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    code = _CUDA_PEAKS_CODE if w.device == "cuda" else _PEAKS_CODE
+    out = subprocess.run([sys.executable, "-c", code, str(threads), str(w.hidden_size), str(widest)],
+                         cwd=str(REPO_ROOT), env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring the {w.device} peaks failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    peaks.setdefault("device", "cpu")
+    peaks.setdefault("dtype", "fp32")
+    return peaks
 
 
-def model_costs(model_dir: str) -> dict[str, float]:
+def model_costs(model_dir: str, bytes_per_weight: int = 4) -> dict[str, float]:
     """FLOPs per token of one forward (2 per weight of the layers and head, plus attention's per
-    context token) and the bytes a decode step reads (every weight once, fp32)."""
+    context token) and the bytes a decode step reads (every weight once: 4 bytes in fp32, 2 in bf16)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
@@ -85,7 +123,7 @@ def model_costs(model_dir: str) -> dict[str, float]:
     weights = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size  # the embedding is a lookup
     return {"weights": float(weights), "flops_per_token": 2.0 * weights,
             "attention_flops_per_token_per_context": 4.0 * c.num_hidden_layers * c.hidden_size,
-            "decode_bytes_per_step": 4.0 * weights}
+            "decode_bytes_per_step": float(bytes_per_weight) * weights}
 
 
 def _prompt_tokens(train_file: str, model_dir: str, per_step: int) -> float:
@@ -128,12 +166,13 @@ COLUMNS = [("framework", "framework", ""), ("s/step", "step_s", ".2f"), ("sample
            ("gen s", "gen_s", ".2f"), ("gen/bound", "gen_frac_of_bound", ".0%"), ("old_lp s", "old_s", ".2f"),
            ("update s", "update_s", ".2f"), ("update/peak", "update_frac_of_peak", ".0%"),
            ("tree PSS MB", "peak_tree_pss_mb", ".0f")]
+GPU_COLUMNS = [("GPU peak MB", "peak_gpu_mb", ".0f")]  # --device cuda: torch's peak allocation, rank 0
 
 
 def compare(a: argparse.Namespace, layers: int, response_length: int, peaks: dict[str, Any]) -> dict[str, Any]:
     w = workload_from_args(a, num_layers=layers, max_response_length=response_length)
     prepared = prepare(w, a.work_dir)
-    costs = model_costs(prepared.model_dir)
+    costs = model_costs(prepared.model_dir, bytes_per_weight=2 if w.device == "cuda" else 4)
     prompt_len = _prompt_tokens(prepared.train_file, prepared.model_dir, w.prompts_per_step)
     runs = interleaved_runs(a.frameworks, w, prepared, a.repeats, a.work_dir / "runs",
                             label=f"l{layers}-len{response_length}", timeout_s=a.timeout)
@@ -157,9 +196,11 @@ def compare(a: argparse.Namespace, layers: int, response_length: int, peaks: dic
 def print_result(result: dict[str, Any]) -> None:
     w = result["workload"]
     print(f"\n== {w['num_layers']} layers, response length {w['max_response_length']}: {w['prompts_per_step']} "
-          f"prompts x n={w['n']}, rlfoundry keys: {w['rlfoundry_keys']}, {w['threads']} threads; "
+          f"prompts x n={w['n']}, rlfoundry keys: {w['rlfoundry_keys']}, {w['threads']} threads, "
+          f"{w.get('device', 'cpu')}; "
           f"forward {result['rows'][0].get('forward_tflop', 0):.3f} TFLOP/step")
-    print(format_table([r for r in result["rows"] if "error" not in r], COLUMNS))
+    columns = COLUMNS + (GPU_COLUMNS if w.get("device") == "cuda" else [])
+    print(format_table([r for r in result["rows"] if "error" not in r], columns))
     for r in result["rows"]:
         if "error" in r:
             print(f"  {r['framework']} FAILED: {r['error'][:1500]}")
@@ -179,9 +220,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    rlfoundry_workers=1)
     a = p.parse_args(argv)
     peaks = machine_peaks(workload_from_args(a), a.threads)
-    print(f"machine: fp32 matmul {peaks['matmul_gflops']:.0f} GFLOP/s "
+    where = f"{peaks['device_name']}, " if peaks.get("device_name") else ""
+    print(f"machine: {where}{peaks['dtype']} matmul {peaks['matmul_gflops']:.0f} GFLOP/s "
           f"({', '.join(f'{k} {v:.0f}' for k, v in peaks['matmul_gflops_by_path'].items())}), "
-          f"read {peaks['read_gb_s']:.1f} GB/s ({a.threads} threads)")
+          f"read {peaks['read_gb_s']:.1f} GB/s ({a.threads} threads)", flush=True)
     results = [compare(a, layers, length, peaks) for layers in a.layers for length in a.response_lengths]
     for result in results:
         print_result(result)

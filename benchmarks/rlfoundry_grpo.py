@@ -67,7 +67,7 @@ def verl_keys(w, prepared, run_dir: Path, rows: int) -> list[str]:
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
         "trainer.resume_mode=disable",
-        "trainer.device=cpu",
+        f"trainer.device={w.device}",  # cuda: FSDP2 computes in bf16 over the fp32 weights (its default)
         "trainer.logger=[file]",
         f"trainer.seed={w.seed}",
         f"trainer.n_gpus_per_node={w.rlfoundry_workers}",
@@ -126,6 +126,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if code != 0:
         raise SystemExit(code)
     clock.info = {"overrides": cli}
+    if w.device == "cuda":  # rank 0 runs in this process (local and process back ends)
+        import torch
+
+        clock.info["cuda_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        clock.info["cuda_device_name"] = torch.cuda.get_device_name()
     clock.save(out)
 
 

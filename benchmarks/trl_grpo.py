@@ -12,7 +12,9 @@ Settings are chosen so that one TRL step is the benchmark's GRPO step and nothin
 - the same optimiser: AdamW (TRL's default implementation), betas (0.9, 0.999), weight decay,
   constant LR, grad-norm clip;
 - fp32 on CPU (TRL defaults to bf16 and gradient checkpointing: both switched off, as in the other
-  frameworks), prompts in file order (``shuffle_dataset=False``), no logging, no checkpoints.
+  frameworks); with ``--device cuda`` the fp32 model on the GPU with ``bf16=True`` (autocast: fp32
+  master weights computing in bf16, as rlfoundry's FSDP2 mixed precision), gradient checkpointing
+  still off; prompts in file order (``shuffle_dataset=False``), no logging, no checkpoints.
 
 Per-step stamps come from a ``TrainerCallback`` (on_step_begin / on_step_end); generated tokens and
 rewards are counted inside the reward function, which TRL calls once per step with all P·n samples.
@@ -25,8 +27,13 @@ from collections.abc import Sequence
 
 
 def build_config(w, output_dir: str):
+    import dataclasses
+
     from trl import GRPOConfig
 
+    # transformers >= 5.2x's TrainingArguments has activation_checkpointing (off too); older ones lack it
+    extra = {"activation_checkpointing": False} if any(
+        f.name == "activation_checkpointing" for f in dataclasses.fields(GRPOConfig)) else {}
     return GRPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=w.samples_per_step,
@@ -38,9 +45,9 @@ def build_config(w, output_dir: str):
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=w.grad_clip,
         num_iterations=1, beta=0.0, epsilon=w.clip_ratio, loss_type="dapo", scale_rewards="group",
         max_steps=w.steps, num_train_epochs=1, shuffle_dataset=False, seed=w.seed, data_seed=w.seed,
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, activation_checkpointing=False,
+        use_cpu=w.device == "cpu", bf16=w.device == "cuda", fp16=False, gradient_checkpointing=False,
         report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True, log_completions=False,
-        dataloader_num_workers=0, remove_unused_columns=False,
+        dataloader_num_workers=0, remove_unused_columns=False, **extra,
     )
 
 
@@ -105,7 +112,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     trainer.train()
     clock.info = {"optim": str(trainer.args.optim), "generation_batch_size": trainer.args.generation_batch_size,
                   "activation_checkpointing": bool(getattr(trainer.model, "is_activation_checkpointing", False)),
-                  "dtype": str(next(trainer.model.parameters()).dtype)}
+                  "dtype": str(next(trainer.model.parameters()).dtype), "bf16": bool(trainer.args.bf16),
+                  "device": str(next(trainer.model.parameters()).device)}
+    if w.device == "cuda":
+        import torch
+
+        clock.info["cuda_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        clock.info["cuda_device_name"] = torch.cuda.get_device_name()
     clock.save(out)
 
 

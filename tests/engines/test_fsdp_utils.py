@@ -190,3 +190,19 @@ def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(ti
                        for k, p in model.named_parameters()}
     for key, grad in grads["plain"].items():
         torch.testing.assert_close(grads["fsdp"][key], grad, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_optimizer_moments_come_back_to_their_parameters_device():
+    """optimizer_offload on the GPU parks AdamW moments on the host; before the step each must be on its
+    own parameter's device: the GPU, or the host when FSDP2 offloads the parameters (param_offload). On
+    an H200 moving them all to the engine's device made the fused step refuse (2026-11-26). Without a
+    second real device here, one parameter lives on the meta device: its moments follow it there, the
+    host parameter's stay."""
+    on_host, elsewhere = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.empty(2, 2, device="meta"))
+    optimizer = torch.optim.AdamW([on_host, elsewhere], lr=0.1)
+    for p in (on_host, elsewhere):  # moments parked on the host, as offload_optimizer leaves them
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.ones(p.shape), "exp_avg_sq": torch.ones(p.shape)}
+    fu.load_optimizer(optimizer)
+    moments = ("exp_avg", "exp_avg_sq")
+    assert {optimizer.state[elsewhere][k].device.type for k in moments} == {"meta"}
+    assert {optimizer.state[on_host][k].device.type for k in moments} == {"cpu"}

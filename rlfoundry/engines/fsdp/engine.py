@@ -220,7 +220,7 @@ class FSDPEngine(TrainingEngine):
 
     def onload(self) -> None:
         if self._optimizer_offload_on():
-            fu.load_optimizer(self.optimizer, self.device)
+            fu.load_optimizer(self.optimizer)
 
     # ---- checkpoints and weights --------------------------------------------------------------
 

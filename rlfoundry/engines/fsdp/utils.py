@@ -380,9 +380,16 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
         torch.cuda.synchronize()
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Bring AdamW moments back to ``device`` before ``optimizer.step``."""
-    _move_optimizer_state(optimizer, device)
+def load_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Bring AdamW moments back to their parameters before ``optimizer.step``: the GPU, or the host
+    when FSDP2 offloads the parameters too (``param_offload``: its CPUOffloadPolicy steps the
+    optimiser on the host, and a fused AdamW refuses moments on another device than their parameter)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step" and value.device != param.device:
+                    state[key] = value.to(param.device, non_blocking=True)
 
 
 # --------------------------------------------------------------------------- full weights, HF names
