@@ -300,7 +300,8 @@ class RuleRewardManager:
             check_data_sources(s.data_source for s in samples)
         scored = [interpret(o, self.failure_score) for o in self.score_samples(samples)]
         self.postprocess(samples, scored)
-        tensor = rule_weight * place_scores([s.score for s in scored], torch.tensor([s.response_length for s in samples]), width)
+        lengths = torch.tensor([s.response_length for s in samples])
+        tensor = rule_weight * place_scores([s.score for s in scored], lengths, width)
         if rm_scores is not None:
             tensor = tensor + rm_scores.to(tensor.dtype)
         if judge:

@@ -177,7 +177,7 @@ def rollout_data_config(cfg: DictConfig) -> DictConfig:
     from rlfoundry.tools.registry import initialize_tools_from_config
 
     data = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
-    data.return_raw_chat = True  # the judge reads the question from the prompt's messages
+    data.return_raw_chat = True  # the agent loop and the judge read the prompt's messages
     if multi_turn.enable and multi_turn.tool_config_path:
         tools = initialize_tools_from_config(resolve_asset_path(multi_turn.tool_config_path))
         data.apply_chat_template_kwargs.tools = [t.get_openai_tool_schema().model_dump() for t in tools]
