@@ -43,14 +43,13 @@ import torch
 
 from rlfoundry.config.schema import GenerativeRewardModelConfig
 from rlfoundry.protocol import DataProto
-from rlfoundry.rewards.reward_manager import decode_samples, place_scores
+from rlfoundry.rewards.reward_manager import decode_samples, place_scores, response_lengths
+from rlfoundry.utils.torch_functional import left_padded
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "assets" / "judge"
 DEFAULT_TEMPLATE = {"verdict": "correctness", "number": "rating"}
 PLACEHOLDERS = ("question", "response", "ground_truth", "data_source")
 KEY = "reward.reward_model"
-# why a judgement scored failure_score (judge_error); the manager counts them all as reward/errors/judge
-JUDGE_ERRORS = ("no_verdict", "unknown_verdict", "out_of_range", "prompt_too_long")
 
 _PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 _BRACKETED = re.compile(r"\[\[\s*([^\[\]]*?)\s*\]\]")
@@ -219,22 +218,10 @@ class GenerativeRewardModel:
         texts: list[str | None] = [None] * len(prompts)
         if not sent:
             return texts
-        out = self.generate(self._rows([prompts[i] for i in sent]))
-        responses, mask = out.batch["responses"], out.batch["response_mask"] if "response_mask" in out.batch.keys() \
-            else out.batch["attention_mask"][:, -out.batch["responses"].shape[-1]:]
-        for j, i in enumerate(sent):
-            texts[i] = self.judge_tokenizer.decode(responses[j][mask[j].bool()].tolist(), skip_special_tokens=True)
+        rows = left_padded([prompts[i] for i in sent], self.pad_id)  # one judgement each
+        out = self.generate(DataProto.from_dict(tensors=rows, meta_info={
+            "n": 1, "do_sample": bool(self.config.rollout.do_sample)}))
+        responses = out.batch["responses"]
+        for j, (i, n) in enumerate(zip(sent, response_lengths(out).tolist())):
+            texts[i] = self.judge_tokenizer.decode(responses[j, :n].tolist(), skip_special_tokens=True)
         return texts
-
-    def _rows(self, prompts: Sequence[list[int]]) -> DataProto:
-        """Left-padded prompt rows, one judgement each, sampled as ``rollout.do_sample`` says."""
-        width = max(len(ids) for ids in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            mask[row, width - len(ids):] = 1
-        position_ids = torch.clamp(mask.cumsum(-1) - 1, min=0)
-        return DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": mask,
-                                            "position_ids": position_ids},
-                                   meta_info={"n": 1, "do_sample": bool(self.config.rollout.do_sample)})

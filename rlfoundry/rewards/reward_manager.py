@@ -210,8 +210,7 @@ def judge_results(data: DataProto) -> tuple[torch.Tensor, list] | None:
 
 def judge_only(judge: tuple[torch.Tensor, list]) -> list[Scored]:
     """Per-sample results when the judge alone scores (rule weight 0)."""
-    scores, errors = judge
-    return [Scored(float(row.sum()), {}, judge_error=err) for row, err in zip(scores, errors)]
+    return [Scored(float(row.sum()), {}) for row in judge[0]]
 
 
 def add_judge_extras(scored: list[Scored], judge: tuple[torch.Tensor, list]) -> None:
