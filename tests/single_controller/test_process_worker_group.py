@@ -414,3 +414,25 @@ def test_rank_zero_outside_ray_does_not_import_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                          env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
     assert out.stdout.split() == ["127.0.0.1", "False"], out.stderr[-2000:]
+
+
+def test_a_process_leaves_its_group_and_closes_its_store_before_it_exits():
+    """Left to the interpreter's teardown, gloo's and the store's threads can abort a finished process
+    (exit -6 after ``rlfoundry export`` had written its files, CI 2026-11-26). The checker registered
+    first runs last, after the worker's own exit handler: by then no group and no gloo thread is left."""
+    code = ("import atexit, os\n"
+            "os.environ.pop('MASTER_ADDR', None)\n"
+            "import torch.distributed as dist\n"
+            "def report():\n"
+            "    tasks = os.listdir('/proc/self/task')\n"
+            "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in tasks]\n"
+            "    print('after', dist.is_initialized(), sorted(n for n in names if 'gloo' in n or 'tcpstore' in n))\n"
+            "atexit.register(report)\n"
+            "from rlfoundry.single_controller.base.worker import Worker, WorkerRuntime\n"
+            "w = Worker(WorkerRuntime(device='cpu'))\n"
+            "w.init_distributed()\n"
+            "print('before', dist.is_initialized(), dist.get_backend())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["before True gloo", "after False []"], out.stdout + out.stderr[-2000:]

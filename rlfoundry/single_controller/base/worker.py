@@ -19,6 +19,7 @@ creates it once per process).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -91,6 +92,19 @@ def _serve_rendezvous(addr: str, timeout_s: float) -> int:
     return port
 
 
+def close_process_group() -> None:
+    """Leave this process's process group and close rank 0's store, where this process has them.
+
+    ``init_distributed`` registers it to run at exit: a process that ends with its group open leaves
+    gloo's and the store's threads to the C++ runtime's teardown, which can abort a finished run
+    ("terminate called without an active exception", exit -6) after its work is on disk.
+    """
+    global _STORE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STORE = None
+
+
 def _node_ip() -> str:
     """This node's address as Ray sees it (other nodes reach rank 0 through it); loopback otherwise.
 
@@ -160,6 +174,7 @@ class Worker:
         dist.init_process_group(
             backend=backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
+        atexit.register(close_process_group)  # a no-op where the group is already gone
 
     def get_master_addr_port(self) -> tuple[str, str]:
         return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
