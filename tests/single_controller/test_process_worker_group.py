@@ -403,6 +403,12 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
         torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=name)
 
 
+def _run_as_rank_zero(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that is rank 0 of a one-rank group."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+
+
 def test_rank_zero_outside_ray_does_not_import_ray():
     """The process back end's driver hosts rank 0; importing Ray there only to learn that no Ray
     runtime is up cost the run ~30-60 MB of memory."""
@@ -411,8 +417,7 @@ def test_rank_zero_outside_ray_does_not_import_ray():
             "from rlfoundry.single_controller.base.worker import Worker\n"
             "Worker()\n"
             "print(os.environ['MASTER_ADDR'], 'ray' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                         env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+    out = _run_as_rank_zero(code)
     assert out.stdout.split() == ["127.0.0.1", "False"], out.stderr[-2000:]
 
 
@@ -432,7 +437,6 @@ def test_a_process_leaves_its_group_and_closes_its_store_before_it_exits():
             "w = Worker(WorkerRuntime(device='cpu'))\n"
             "w.init_distributed()\n"
             "print('before', dist.is_initialized(), dist.get_backend())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                         env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+    out = _run_as_rank_zero(code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["before True gloo", "after False []"], out.stdout + out.stderr[-2000:]
