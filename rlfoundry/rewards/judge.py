@@ -97,17 +97,20 @@ class JudgeTemplate:
 
 
 def parse_verdict(text: str, verdicts: Mapping[str, float]) -> tuple[float | None, str | None]:
-    """(score, None), or (None, error kind). The last ``[[verdict]]`` decides; without brackets,
-    the last word."""
+    """(score, None), or (None, error kind). The last ``[[verdict]]`` decides, in any case; without
+    brackets, the last word, where a one-letter verdict must also match its case ("... I prefer a"
+    is an article, not verdict ``A``)."""
     table = {str(k).strip().lower(): float(v) for k, v in verdicts.items()}
     bracketed = _BRACKETED.findall(text)
     if bracketed:
         verdict = bracketed[-1].strip().lower()
         return (table[verdict], None) if verdict in table else (None, "unknown_verdict")
     words = _WORD.findall(text)
-    if words and words[-1].lower() in table:
-        return table[words[-1].lower()], None
-    return None, "no_verdict"
+    if not words or words[-1].lower() not in table:
+        return None, "no_verdict"
+    if len(words[-1]) == 1 and words[-1] not in {str(k).strip() for k in verdicts}:
+        return None, "no_verdict"
+    return table[words[-1].lower()], None
 
 
 def parse_number(text: str, low: float, high: float) -> tuple[float | None, str | None]:

@@ -86,7 +86,9 @@ def test_verdict_parser_with_a_pairwise_table():
     table = {"A": 1.0, "B": 0.0, "tie": 0.5}
     assert parse_verdict("Assistant A is better: [[A]]", table) == (1.0, None)
     assert parse_verdict("[[B]]", table) == (0.0, None) and parse_verdict("[[TIE]]", table) == (0.5, None)
-    assert parse_verdict("I prefer a", table) == (1.0, None)
+    assert parse_verdict("Final verdict: A", table) == (1.0, None) and parse_verdict("tie", table) == (0.5, None)
+    # without brackets a one-letter verdict keeps its case: a trailing article is no verdict
+    assert parse_verdict("I prefer a", table) == (None, "no_verdict")
 
 
 @pytest.mark.parametrize("text, expected", [
