@@ -589,18 +589,46 @@ class RewardWeightsConfig:
 
 
 @dataclass
-class RewardConfig:
-    """verl's top-level ``reward`` (>= 0.7): here, its generative reward model, and our weights."""
-
-    reward_model: GenerativeRewardModelConfig = _sub(GenerativeRewardModelConfig)
-    weights: RewardWeightsConfig = _sub(RewardWeightsConfig)
-
-
-@dataclass
 class CustomRewardFunctionConfig:
     path: Optional[str] = None
     name: str = "compute_score"
     reward_kwargs: Dict[str, Any] = _dict()
+
+
+REWARD_MANAGER_SOURCES = ("register", "importlib")  # reward.reward_manager.source
+
+
+@dataclass
+class RewardManagerModuleConfig:
+    path: Optional[str] = None  # a .py file, or pkg://package.module
+    name: str = "custom_reward_manager"
+
+
+@dataclass
+class RewardManagerConfig:
+    """verl's ``reward.reward_manager`` (>= 0.7). ``register``: ``name`` is a registered manager
+    (naive, batch, dapo, or one made with ``@register_reward_manager``); ``importlib``: the class
+    ``module.name`` in ``module.path``, a subclass of ``rewards.reward_manager.RuleRewardManager``."""
+
+    source: str = one_of(REWARD_MANAGER_SOURCES, "register")
+    name: str = "naive"
+    module: RewardManagerModuleConfig = _sub(RewardManagerModuleConfig)
+
+
+@dataclass
+class RewardConfig:
+    """verl's top-level ``reward`` (>= 0.7). Its rule-reward keys are the older top-level and
+    ``reward_model.*`` ones spelled anew: set this way, ``load_config`` copies them to the older
+    places (``VERL_REWARD_KEYS`` in trainer/config.py), which hold the values in effect."""
+
+    num_workers: Optional[int] = None  # = reward_model.reward_kwargs.num_workers (scorer processes). verl: 8
+    custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig)
+    compute_score_kwargs: Dict[str, Any] = _dict()  # keyword arguments of the built-in scorer
+    reward_kwargs: Dict[str, Any] = _dict()  # = reward_model.reward_kwargs (verl scripts add it with +)
+    reward_manager: RewardManagerConfig = _sub(RewardManagerConfig)
+    reward_model: GenerativeRewardModelConfig = _sub(GenerativeRewardModelConfig)
+    sandbox_fusion: Dict[str, Any] = _dict(url=None, max_concurrent=64, memory_limit_mb=1024)
+    weights: RewardWeightsConfig = _sub(RewardWeightsConfig)  # rlfoundry
 
 
 # ─────────────────────────────────────── algorithm ───────────────────────────────────────

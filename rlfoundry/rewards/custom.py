@@ -26,14 +26,14 @@ class RewardFunctionError(ValueError):
     """The custom reward function could not be loaded; the message names the file and function."""
 
 
-def _load_module(path: Path):
+def _load_module(path: Path, key: str = "custom_reward_function.path"):
     # A name derived from the path keeps two different reward files from clobbering each other.
     module_name = "rlfoundry_custom_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise RewardFunctionError(f"custom_reward_function.path={path} is not a loadable Python file")
+        raise RewardFunctionError(f"{key}={path} is not a loadable Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
@@ -76,6 +76,26 @@ class FileRewardFunction:
 
     def __repr__(self) -> str:
         return f"FileRewardFunction({str(self.path)!r}, {self.name!r})"
+
+
+def load_reward_manager_class(path: str, name: str) -> type:
+    """The class ``name`` in ``path``: a Python file, or ``pkg://package.module`` (verl's
+    ``reward.reward_manager.module.{path,name}`` with ``source=importlib``)."""
+    key = "reward.reward_manager.module.path"
+    if path.startswith("pkg://"):
+        try:
+            module = importlib.import_module(path[len("pkg://"):])
+        except ImportError as err:
+            raise RewardFunctionError(f"{key}={path}: cannot import {path[len('pkg://'):]!r} ({err})") from err
+    else:
+        file = Path(path).expanduser().resolve()
+        if not file.is_file():
+            raise RewardFunctionError(f"{key}={path} does not exist")
+        module = _load_module(file, key)
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise RewardFunctionError(f"{path} has no class {name!r} (reward.reward_manager.module.name)")
+    return cls
 
 
 def load_custom_reward_fn(config: Any) -> FileRewardFunction | None:

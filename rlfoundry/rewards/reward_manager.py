@@ -45,14 +45,21 @@ Config (``load_reward_manager``):
 | ``reward_model.reward_kwargs.pool_min_batch`` | 1 | batches smaller than this are scored in the driver |
 | ``reward_model.reward_kwargs.mp_start_method`` | forkserver | or spawn |
 | ``reward_model.reward_kwargs.rm_combine`` | replace | replace or add (see above) |
+| ``reward_model.reward_kwargs.compute_score_kwargs`` | {} | keyword arguments of the built-in scorer (e.g. ``{method: flexible}`` for GSM8K) |
 | ``reward.weights.{rule,judge}`` | null, 1 | rule × rule score + judge × judge score (below); rule null: 0 with a judge, else 1 |
 | ``reward_model.overlong_buffer.{enable,len,penalty_factor,log}`` | off | dapo only; uses ``data.max_response_length`` |
 | ``custom_reward_function.{path,name,reward_kwargs}`` | null | see ``rlfoundry.rewards.custom`` |
+
+verl >= 0.7 spells these under ``reward``: ``reward.reward_manager.name``, ``reward.reward_kwargs``,
+``reward.num_workers``, ``reward.compute_score_kwargs``, ``reward.custom_reward_function.*``;
+``load_config`` copies them to the places above. ``reward.reward_manager.source=importlib`` takes the
+class ``reward.reward_manager.module.name`` from ``module.path`` (a RuleRewardManager subclass).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import logging
 import math
@@ -67,7 +74,7 @@ import numpy as np
 import torch
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.rewards.custom import load_custom_reward_fn
+from rlfoundry.rewards.custom import RewardFunctionError, load_custom_reward_fn, load_reward_manager_class
 from rlfoundry.rewards.default import (
     IN_DRIVER_SOURCES,
     batch_default_compute_score,
@@ -264,11 +271,18 @@ class RuleRewardManager:
         rm_combine: str = "replace",
         rule_weight: float | None = None,
         judge_weight: float = 1.0,
+        compute_score_kwargs: dict | None = None,
     ) -> None:
         if rm_combine not in RM_COMBINE_MODES:
             raise ValueError(f"rm_combine={rm_combine!r} must be one of {RM_COMBINE_MODES}")
+        if compute_score is not None and compute_score_kwargs:
+            raise ValueError("compute_score_kwargs are for the built-in scorer; a custom reward function takes "
+                             "custom_reward_function.reward_kwargs")
         self.tokenizer, self.num_examine, self.reward_fn_key = tokenizer, num_examine, reward_fn_key
-        self.compute_score = compute_score or self.default_compute_score
+        default = self.default_compute_score
+        # a partial of a module-level function still pickles into the scoring pool's processes
+        default = functools.partial(default, **compute_score_kwargs) if compute_score_kwargs else default
+        self.compute_score = compute_score or default
         self.uses_default_scorer = compute_score is None
         self.timeout_s, self.failure_score = float(timeout_s), float(failure_score)
         self.num_workers = min(4, os.cpu_count() or 1) if num_workers is None else int(num_workers)
@@ -532,6 +546,21 @@ def _check_kwargs(cls: type, kwargs: dict) -> None:
             )
 
 
+def _manager_class(config: Any) -> type:
+    """``reward.reward_manager.source=importlib``: the class in ``module.{path,name}``; otherwise the
+    registered manager named ``reward_model.reward_manager`` (where ``reward.reward_manager.name`` lands)."""
+    spec = _get(_get(config, "reward"), "reward_manager")
+    if _get(spec, "source", "register") != "importlib":
+        return get_reward_manager_cls(_get(_get(config, "reward_model"), "reward_manager", "naive"))
+    module = _get(spec, "module")
+    cls = load_reward_manager_class(str(_get(module, "path")), _get(module, "name"))
+    if not issubclass(cls, RuleRewardManager):
+        raise RewardFunctionError(
+            f"{cls.__name__} in {_get(module, 'path')} must subclass rlfoundry.rewards.reward_manager.RuleRewardManager "
+            "(override score_samples or postprocess); verl's reward-loop managers have another interface")
+    return cls
+
+
 def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwargs: Any) -> RuleRewardManager:
     """Build the manager named by ``reward_model.reward_manager`` from the full config.
 
@@ -539,8 +568,7 @@ def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwa
     scorer; dapo gets ``max_resp_len`` = ``data.max_response_length`` and ``reward_model.overlong_buffer``.
     """
     rm_config = _get(config, "reward_model")
-    name = _get(rm_config, "reward_manager", "naive")
-    cls = get_reward_manager_cls(name)
+    cls = _manager_class(config)
     options = {**dict(_get(rm_config, "reward_kwargs", {})), **kwargs}
     if issubclass(cls, DAPORewardManager):
         options.setdefault("max_resp_len", _get(_get(config, "data"), "max_response_length"))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
@@ -95,7 +95,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.calculate_log_probs",
     "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
-    "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion*",
+    "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion*", "reward.sandbox_fusion*",
     "algorithm.use_pf_ppo", "algorithm.pf_ppo*",
     "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
     "trainer.val_generations_to_log_to_wandb", "trainer.log_val_generations",
@@ -224,11 +224,53 @@ def load_config(
     if config_name and Path(config_name).stem != "ppo_trainer":
         overlay = _find_config_file(config_name, config_path)
     cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay)
+    adopt_verl_reward_keys(cfg, user_keys)
     _prefer_user_deprecated_keys(cfg, user_keys)
     _fill_fully_async_batch(cfg)
     _warn_no_effect(cfg, user_keys)
     validate_config(cfg)
     return cfg
+
+
+# verl >= 0.7 spells the rule-reward settings under a top-level ``reward``; the rest of rlfoundry
+# reads them where older verl put them. New spelling -> old place (dicts merge into the old dict).
+VERL_REWARD_KEYS = {
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_kwargs": "reward_model.reward_kwargs",
+    "reward.num_workers": "reward_model.reward_kwargs.num_workers",
+    "reward.compute_score_kwargs": "reward_model.reward_kwargs.compute_score_kwargs",
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
+    "reward.sandbox_fusion": "reward_model.sandbox_fusion",
+}
+
+
+def _set_by_user(user_keys: Sequence[str], key: str) -> bool:
+    return any(k == key or k.startswith(key + ".") for k in user_keys)
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def adopt_verl_reward_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
+    """Copy each ``reward.*`` key the user set onto its older place; one setting spelled both ways
+    must agree (else a ConfigError naming both)."""
+    for new, old in VERL_REWARD_KEYS.items():
+        if not _set_by_user(user_keys, new):
+            continue
+        value, before = OmegaConf.select(cfg, new), OmegaConf.select(cfg, old)
+        if _set_by_user(user_keys, old):
+            if isinstance(value, DictConfig):  # the keys spelled both ways must agree
+                disagree = {k: v for k, v in _plain(value).items() if k in before and _plain(before[k]) != v}
+            else:
+                disagree = {} if _plain(before) == _plain(value) else {"": _plain(value)}
+            if disagree:
+                raise ConfigError(f"{new} (verl >= 0.7) and {old} (older verl) are one setting and were given "
+                                  f"different values ({_plain(value)} vs {_plain(before)}); set one of them.")
+        with open_dict(cfg):  # the older dicts take the new keys (struct mode would refuse them)
+            OmegaConf.update(cfg, old, value, merge=isinstance(value, DictConfig))
 
 
 # verl's deprecated global micro-batch keys and the per-rank keys that replaced them.
@@ -719,7 +761,8 @@ def validate_config(cfg: DictConfig) -> None:
     try:
         errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
                   + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg)
-                  + _check_rollout_correction(cfg) + _check_filter_groups(cfg) + _check_async(cfg))
+                  + _check_rollout_correction(cfg) + _check_filter_groups(cfg) + _check_async(cfg)
+                  + _check_reward_function(cfg))
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     if errors:
@@ -900,6 +943,18 @@ def check_startup_paths(cfg: DictConfig) -> None:
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))
+
+
+def _check_reward_function(cfg: DictConfig) -> list[str]:
+    errors = []
+    crf, manager = cfg.custom_reward_function, cfg.reward.reward_manager
+    if crf.path is not None and cfg.reward_model.reward_kwargs.get("compute_score_kwargs"):
+        errors.append("reward.compute_score_kwargs go to the built-in scorer, which custom_reward_function.path "
+                      "replaces; give your function its arguments in custom_reward_function.reward_kwargs.")
+    if manager.source == "importlib" and not manager.module.path:
+        errors.append("reward.reward_manager.source=importlib needs reward.reward_manager.module.path (a .py file "
+                      "or pkg://package.module) and module.name (the class).")
+    return errors
 
 
 def _check_judge_model(path: str | None) -> list[str]:

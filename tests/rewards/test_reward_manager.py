@@ -255,3 +255,60 @@ def test_builder_errors_name_the_fix(tok, tmp_path: Path) -> None:
         "reward_model": {"reward_manager": "dapo", "overlong_buffer": {"enable": True, "len": 4, "penalty_factor": 0.5}},
     }), tok)
     assert (dapo.max_resp_len, dapo.overlong_len, dapo.overlong_penalty) == (16, 4, 0.5)
+
+
+def test_compute_score_kwargs_reach_the_built_in_scorer_in_the_pool(tok) -> None:
+    """verl's reward.compute_score_kwargs (here reward_model.reward_kwargs.compute_score_kwargs): GSM8K's
+    flexible method takes the last number; strict needs '#### n'. One pool process scores, so the
+    bound arguments travel with the pickled scorer."""
+    batch = make_batch(tok, ["so 72", "#### 72", "so 71"], ["72", "72", "72"], ["openai/gsm8k"] * 3)
+
+    def manager(**kwargs):
+        rm = {"reward_kwargs": {"num_workers": 1, **kwargs}}
+        return load_reward_manager(OmegaConf.create({"reward_model": rm, "custom_reward_function": {"path": None}}), tok)
+
+    strict, flexible = manager(), manager(compute_score_kwargs={"method": "flexible"})
+    assert last_token_scores(strict(batch), batch) == [0.0, 1.0, 0.0]
+    assert last_token_scores(flexible(batch), batch) == [1.0, 1.0, 0.0]
+    assert flexible._pool is not None and flexible.last_metrics["reward/errors"] == 0
+    flexible.close(), strict.close()
+    with pytest.raises(ValueError, match="custom_reward_function.reward_kwargs"):
+        NaiveRewardManager(tok, compute_score=len, compute_score_kwargs={"method": "flexible"})
+
+
+BONUS_MANAGER = '''
+from rlfoundry.rewards.reward_manager import NaiveRewardManager
+
+class ExactBonus(NaiveRewardManager):
+    """A right answer gets bonus on top."""
+
+    def __init__(self, *args, bonus=0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bonus = bonus
+
+    def postprocess(self, samples, scored):
+        for result in scored:
+            result.score += self.bonus * result.score
+
+class NotAManager:
+    def __init__(self, *args, **kwargs):
+        pass
+'''
+
+
+def test_importlib_reward_manager_is_a_class_from_a_file(tok, tmp_path: Path) -> None:
+    """verl's reward.reward_manager.source=importlib with module.{path,name}; reward_kwargs reach it."""
+    (tmp_path / "managers.py").write_text(BONUS_MANAGER)
+
+    def cfg(name: str):
+        spec = {"source": "importlib", "module": {"path": str(tmp_path / "managers.py"), "name": name}}
+        return OmegaConf.create({"reward": {"reward_manager": spec}, "custom_reward_function": {"path": None},
+                                 "reward_model": {"reward_kwargs": {"bonus": 0.5, "num_workers": 0}}})
+
+    manager = load_reward_manager(cfg("ExactBonus"), tok)
+    batch = make_batch(tok, ["85", "12"], ["85", "13"])
+    assert type(manager).__name__ == "ExactBonus" and last_token_scores(manager(batch), batch) == [1.5, 0.0]
+    with pytest.raises(RewardFunctionError, match="NotAManager .* must subclass .*RuleRewardManager"):
+        load_reward_manager(cfg("NotAManager"), tok)
+    with pytest.raises(RewardFunctionError, match="has no class 'Missing'"):
+        load_reward_manager(cfg("Missing"), tok)

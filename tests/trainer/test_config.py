@@ -439,6 +439,57 @@ def test_verl_legacy_quickstart_command_line_parses(tiny_model_dir):
     assert list(r.trainer.logger) == ["console", "wandb"]
 
 
+# verl >= 0.7 spells the rule-reward keys under a top-level reward (its DAPO recipe's REWARD block),
+# older verl under reward_model / custom_reward_function: the same run either way.
+VERL07_REWARD = """
+reward.reward_manager.name=dapo
++reward.reward_kwargs.overlong_buffer_cfg.enable=True
++reward.reward_kwargs.overlong_buffer_cfg.len=64
++reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
++reward.reward_kwargs.overlong_buffer_cfg.log=False
++reward.reward_kwargs.max_resp_len=256
+reward.num_workers=2
++reward.compute_score_kwargs.method=flexible
+reward.custom_reward_function.name=my_score
+"""
+OLDER_REWARD = VERL07_REWARD.replace("reward.reward_manager.name", "reward_model.reward_manager").replace(
+    "+reward.reward_kwargs", "+reward_model.reward_kwargs").replace(
+    "reward.num_workers", "+reward_model.reward_kwargs.num_workers").replace(
+    "+reward.compute_score_kwargs", "+reward_model.reward_kwargs.compute_score_kwargs").replace(
+    "reward.custom_reward_function", "custom_reward_function")
+
+
+def _without_reward(cfg) -> dict:
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain.pop("reward")
+    return plain
+
+
+def test_verl_07_reward_keys_are_the_older_keys_spelled_anew():
+    new, old = _load(*VERL07_REWARD.split()), _load(*OLDER_REWARD.split())
+    assert _without_reward(new) == _without_reward(old)
+    rm = new.reward_model
+    assert rm.reward_manager == "dapo" and new.custom_reward_function.name == "my_score"
+    assert rm.reward_kwargs == {"overlong_buffer_cfg": {"enable": True, "len": 64, "penalty_factor": 1.0, "log": False},
+                                "max_resp_len": 256, "num_workers": 2, "compute_score_kwargs": {"method": "flexible"}}
+    # spelled both ways alike is one setting; differently, an error naming both spellings
+    assert _load("reward.reward_manager.name=batch", "reward_model.reward_manager=batch").reward_model.reward_manager == "batch"
+    with pytest.raises(ConfigError, match=r"reward.num_workers \(verl >= 0.7\) and reward_model.reward_kwargs.num_workers"):
+        _load("reward.num_workers=2", "+reward_model.reward_kwargs.num_workers=3")
+
+
+def test_reward_key_mistakes_are_start_up_errors(tmp_path, capsys):
+    from rlfoundry.trainer.main_ppo import main
+
+    assert main(["reward.reward_manager.name=dapo", "reward_model.reward_manager=naive"]) == 2
+    assert "reward.reward_manager.name (verl >= 0.7) and reward_model.reward_manager" in capsys.readouterr().err
+    (tmp_path / "score.py").write_text("def compute_score(**kw):\n    return 1.0\n")
+    with pytest.raises(ConfigError) as err:
+        _load(f"reward.custom_reward_function.path={tmp_path / 'score.py'}", "+reward.compute_score_kwargs.method=flexible",
+              "reward.reward_manager.source=importlib")
+    assert "custom_reward_function.reward_kwargs" in str(err.value) and "module.path" in str(err.value)
+
+
 # ───────────────────────────── the entry point ─────────────────────────────
 
 
