@@ -173,10 +173,11 @@ def test_grpo_with_the_judge_trains_the_policy_and_never_changes_the_judge(judge
     assert list(again.non_tensor_batch["judge_text"]) == [v for *_, v, _ in FIXED]
 
 
-def test_a_judge_in_its_own_pool_weighed_with_the_rule_score(judge_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["process", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_judge_in_its_own_pool_weighed_with_the_rule_score(backend, judge_dir, tmp_path):
     from rlfoundry.rewards.default import default_compute_score
 
-    run = E.train(E.tiny_overrides("rlfoundry://arithmetic-policy", tmp_path, "trainer.worker_backend=process",
+    run = E.train(E.tiny_overrides("rlfoundry://arithmetic-policy", tmp_path, f"trainer.worker_backend={backend}",
                                    "trainer.total_training_steps=1", "reward.weights.rule=1", "reward.weights.judge=0.5",
                                    "reward.reward_model.enable_resource_pool=true", *judge_overrides(judge_dir)),
                   keep_trainer=True)
