@@ -173,8 +173,17 @@ def test_grpo_with_the_judge_trains_the_policy_and_never_changes_the_judge(judge
     assert list(again.non_tensor_batch["judge_text"]) == [v for *_, v, _ in FIXED]
 
 
+@pytest.fixture
+def release_ray():
+    """The Ray back end's trainer starts Ray in this process and keeps its pools reserved: end it."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.mark.parametrize("backend", ["process", pytest.param("ray", marks=pytest.mark.ray)])
-def test_a_judge_in_its_own_pool_weighed_with_the_rule_score(backend, judge_dir, tmp_path):
+def test_a_judge_in_its_own_pool_weighed_with_the_rule_score(backend, judge_dir, tmp_path, release_ray):
     from rlfoundry.rewards.default import default_compute_score
 
     run = E.train(E.tiny_overrides("rlfoundry://arithmetic-policy", tmp_path, f"trainer.worker_backend={backend}",

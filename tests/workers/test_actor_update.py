@@ -214,13 +214,14 @@ def ray_cluster():
     # rendezvous address in it; Ray ranks inheriting it would try to rendezvous on the port this
     # process's own gloo group already holds. Start Ray from a clean environment.
     saved = {k: os.environ.pop(k) for k in _RENDEZVOUS_VARS if k in os.environ}
+    if ray.is_initialized():  # left by another module (an in-process Ray trainer): its pools may hold the CPUs
+        ray.shutdown()
     try:
-        started = init_ray(address="local", num_cpus=2) if not ray.is_initialized() else False
+        init_ray(address="local", num_cpus=2)
     finally:
         os.environ.update(saved)
     yield
-    if started:
-        ray.shutdown()
+    ray.shutdown()
 
 
 @pytest.mark.ray
