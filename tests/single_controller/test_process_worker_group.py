@@ -423,20 +423,26 @@ def test_rank_zero_outside_ray_does_not_import_ray():
 
 def test_a_process_leaves_its_group_and_closes_its_store_before_it_exits():
     """Left to the interpreter's teardown, gloo's and the store's threads can abort a finished process
-    (exit -6 after ``rlfoundry export`` had written its files, CI 2026-11-26). The checker registered
-    first runs last, after the worker's own exit handler: by then no group and no gloo thread is left."""
-    code = ("import atexit, os\n"
+    (exit -6 after ``rlfoundry export`` had written its files, CI 2026-11-26). The group is closed
+    by an exit finalizer: hooks made before the group see it closed with no gloo or store thread left;
+    hooks made after it (vLLM's engine tears down its subgroups of it) still see it open."""
+    code = ("import os, weakref\n"
             "os.environ.pop('MASTER_ADDR', None)\n"
             "import torch.distributed as dist\n"
-            "def report():\n"
+            "def report(when):\n"
             "    tasks = os.listdir('/proc/self/task')\n"
             "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in tasks]\n"
-            "    print('after', dist.is_initialized(), sorted(n for n in names if 'gloo' in n or 'tcpstore' in n))\n"
-            "atexit.register(report)\n"
+            "    print(when, dist.is_initialized(), sorted(n for n in names if 'gloo' in n or 'tcpstore' in n) != [])\n"
+            "class Owner:\n"
+            "    pass\n"
+            "earlier, later = Owner(), Owner()\n"
+            "weakref.finalize(earlier, report, 'earlier')\n"
             "from rlfoundry.single_controller.base.worker import Worker, WorkerRuntime\n"
             "w = Worker(WorkerRuntime(device='cpu'))\n"
             "w.init_distributed()\n"
+            "weakref.finalize(later, report, 'later')\n"
             "print('before', dist.is_initialized(), dist.get_backend())\n")
     out = _run_as_rank_zero(code)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == ["before True gloo", "after False []"], out.stdout + out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["before True gloo", "later True True", "earlier False False"], \
+        out.stdout + out.stderr[-2000:]

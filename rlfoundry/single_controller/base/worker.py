@@ -19,12 +19,12 @@ creates it once per process).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import os
 import socket
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -95,14 +95,27 @@ def _serve_rendezvous(addr: str, timeout_s: float) -> int:
 def close_process_group() -> None:
     """Leave this process's process group and close rank 0's store, where this process has them.
 
-    ``init_distributed`` registers it to run at exit: a process that ends with its group open leaves
-    gloo's and the store's threads to the C++ runtime's teardown, which can abort a finished run
-    ("terminate called without an active exception", exit -6) after its work is on disk.
+    ``init_distributed`` arranges for it to run at exit: a process that ends with its group open
+    leaves gloo's and the store's threads to the C++ runtime's teardown, which can abort a finished
+    run ("terminate called without an active exception", exit -6) after its work is on disk.
     """
     global _STORE
     if dist.is_initialized():
         dist.destroy_process_group()
     _STORE = None
+
+
+class _ProcessLifetime:
+    """Lives as long as this module: ``close_process_group`` is its exit finalizer."""
+
+
+_PROCESS = _ProcessLifetime()
+
+
+def _close_at_exit() -> None:
+    """Exit finalizers run newest first: one made now runs after those of engines built on the group
+    later (vLLM's tears down its subgroups of it) and before the interpreter's teardown."""
+    weakref.finalize(_PROCESS, close_process_group)
 
 
 def _node_ip() -> str:
@@ -174,7 +187,7 @@ class Worker:
         dist.init_process_group(
             backend=backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
-        atexit.register(close_process_group)  # a no-op where the group is already gone
+        _close_at_exit()
 
     def get_master_addr_port(self) -> tuple[str, str]:
         return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
