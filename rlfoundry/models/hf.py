@@ -7,6 +7,8 @@ message naming the key and the fix when the path is not a model.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_model_dir", "generation_eos_ids", "import_model_code", "load_hf_model", "resolve_dtype",
-           "resolve_model_path"]
+__all__ = ["check_model_dir", "generation_eos_ids", "import_model_code", "kv_cache_kwargs", "load_hf_model",
+           "resolve_dtype", "resolve_model_path"]
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -148,3 +150,16 @@ def generation_eos_ids(tokenizer: Any, path: str | Path) -> list[int]:
         gen_eos = None
     eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
     return sorted({int(e) for e in eos if e is not None})
+
+
+def kv_cache_kwargs(module: nn.Module, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for the keyword ``module``'s forward takes its KV cache by: ``cache`` from
+    transformers 5.2x on, where ``past_key_values`` is a deprecated alias (removed in 5.40), else
+    ``past_key_values``. ``module`` may be wrapped by peft; FSDP2 keeps the model's class."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return {_cache_keyword(type(base)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

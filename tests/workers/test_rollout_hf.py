@@ -197,3 +197,25 @@ def test_prefill_skips_the_padding_every_prompt_has(tiny_model_dir, tokenizer):
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
     torch.testing.assert_close(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"], atol=1e-6, rtol=0)
     torch.testing.assert_close(outs[0].batch["position_ids"][:, 24:], outs[1].batch["position_ids"][:, 48:], atol=0, rtol=0)
+
+
+def test_the_kv_cache_goes_by_the_keyword_the_installed_transformers_takes(group, prompts, tiny_model_dir):
+    """transformers 5.2x renamed forward's ``past_key_values`` to ``cache`` (the old name warns and goes
+    in 5.40); older releases only know ``past_key_values``. Decoding and the shared-prompt log-prob pass
+    use the model's own keyword, under peft too, so neither warns."""
+    import inspect
+    import warnings
+
+    from rlfoundry.models.hf import kv_cache_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    (keyword,) = kv_cache_kwargs(model, None)
+    assert keyword in inspect.signature(type(model).forward).parameters
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert kv_cache_kwargs(wrapped, None) == {keyword: None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = group.generate_sequences(_with_meta(prompts, n=2))
+        out.meta_info["temperature"] = 1.0
+        group.compute_log_prob(out)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfoundry.engines.base import LogProbs, MicroBatching
+from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch
 from rlfoundry.utils.seqlen_balancing import (
@@ -120,11 +121,11 @@ class CausalLMForward:
                 return logits, batch["responses"], _identity
         cache = DynamicCache(config=getattr(self.module, "config", None))
         head = self.module(input_ids=ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
-                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+                           **kv_cache_kwargs(self.module, cache), use_cache=True, logits_to_keep=1)
         cache.batch_select_indices(group)  # differentiable gather: each row gets its prompt's keys/values
         with self.continued_forward(self.module):
             tail = self.module(input_ids=batch["responses"], attention_mask=mask, position_ids=pos[:, tp:],
-                               past_key_values=cache, use_cache=True, logits_to_keep=width)
+                               **kv_cache_kwargs(self.module, cache), use_cache=True, logits_to_keep=width)
         logits = torch.cat([head.logits[group], tail.logits[:, :-1]], dim=1)
         return logits, batch["responses"], _identity
 

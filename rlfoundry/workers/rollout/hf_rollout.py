@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
 from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
@@ -343,7 +344,7 @@ class HFRollout(BaseRollout):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **kv_cache_kwargs(self.module, cache),
             use_cache=True,
             logits_to_keep=1,  # never materialise (N, T, V) logits for the prompt
         )
