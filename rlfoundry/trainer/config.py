@@ -254,6 +254,13 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
+def _agree(new: Any, old: Any) -> bool:
+    """Two spellings of one setting agree: dicts on the keys both have, anything else by value."""
+    if isinstance(new, dict) and isinstance(old, dict):
+        return all(old[k] == v for k, v in new.items() if k in old)
+    return new == old
+
+
 def adopt_verl_reward_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     """Copy each ``reward.*`` key the user set onto its older place; one setting spelled both ways
     must agree (else a ConfigError naming both)."""
@@ -261,14 +268,9 @@ def adopt_verl_reward_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
         if not _set_by_user(user_keys, new):
             continue
         value, before = OmegaConf.select(cfg, new), OmegaConf.select(cfg, old)
-        if _set_by_user(user_keys, old):
-            if isinstance(value, DictConfig):  # the keys spelled both ways must agree
-                disagree = {k: v for k, v in _plain(value).items() if k in before and _plain(before[k]) != v}
-            else:
-                disagree = {} if _plain(before) == _plain(value) else {"": _plain(value)}
-            if disagree:
-                raise ConfigError(f"{new} (verl >= 0.7) and {old} (older verl) are one setting and were given "
-                                  f"different values ({_plain(value)} vs {_plain(before)}); set one of them.")
+        if _set_by_user(user_keys, old) and not _agree(_plain(value), _plain(before)):
+            raise ConfigError(f"{new} (verl >= 0.7) and {old} (older verl) are one setting and were given "
+                              f"different values ({_plain(value)} vs {_plain(before)}); set one of them.")
         with open_dict(cfg):  # the older dicts take the new keys (struct mode would refuse them)
             OmegaConf.update(cfg, old, value, merge=isinstance(value, DictConfig))
 

@@ -105,17 +105,11 @@ def close_process_group() -> None:
     _STORE = None
 
 
-class _ProcessLifetime:
-    """Lives as long as this module: ``close_process_group`` is its exit finalizer."""
-
-
-_PROCESS = _ProcessLifetime()
-
-
 def _close_at_exit() -> None:
-    """Exit finalizers run newest first: one made now runs after those of engines built on the group
-    later (vLLM's tears down its subgroups of it) and before the interpreter's teardown."""
-    weakref.finalize(_PROCESS, close_process_group)
+    """Exit finalizers run newest first: one made now (on this module, which lives until exit) runs
+    after those of engines built on the group later (vLLM's tears down its subgroups of it) and
+    before the interpreter's teardown."""
+    weakref.finalize(sys.modules[__name__], close_process_group)
 
 
 def _node_ip() -> str:
