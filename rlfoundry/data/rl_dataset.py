@@ -43,6 +43,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from rlfoundry.config import ConfigError, to_typed
 from rlfoundry.config.schema import DataConfig
+from rlfoundry.utils.tokenizer import pad_id
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class RLHFDataset(Dataset):
         messages = _check_messages(row.pop(opts.prompt_key), path, int(row_index), opts.prompt_key)
         ids = self.flat_ids[self.offsets[item] : self.offsets[item + 1]].tolist()
         ids = truncate_ids(ids, opts.max_prompt_length, opts.truncation)
-        input_ids, attention_mask = left_pad(ids, opts.max_prompt_length, self.tokenizer.pad_token_id)
+        input_ids, attention_mask = left_pad(ids, opts.max_prompt_length, pad_id(self.tokenizer))
         row.update(input_ids=input_ids, attention_mask=attention_mask, raw_prompt_ids=ids)
         row["position_ids"] = position_ids_from_mask(attention_mask)
         if opts.return_raw_chat:

@@ -44,6 +44,7 @@ import torch
 from rlfoundry.config.schema import GenerativeRewardModelConfig
 from rlfoundry.protocol import DataProto
 from rlfoundry.rewards.reward_manager import decode_samples, place_scores, response_lengths
+from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.torch_functional import left_padded
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "assets" / "judge"
@@ -174,8 +175,7 @@ class GenerativeRewardModel:
         self.config, self.reward_fn_key = config, reward_fn_key
         self.template = JudgeTemplate.load(config.prompt_template, config.parser)
         self.parse = make_parser(config)
-        pad = judge_tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else judge_tokenizer.eos_token_id
+        self.pad_id = pad_id(judge_tokenizer)
 
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``judge_scores`` (B, Tr), ``judge_error`` and ``judge_text`` for each row of ``data``."""

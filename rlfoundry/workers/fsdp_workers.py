@@ -45,6 +45,7 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.utils import faults
+from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
@@ -133,7 +134,6 @@ class ActorRolloutRefWorker(Worker):
 
     def _build_rollout(self, module: torch.nn.Module | None) -> BaseRollout:
         eos_ids = generation_eos_ids(self.tokenizer, self.config.model.path)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
         # no HF module (a Megatron actor and vLLM): the engine reads the config from the model
         # directory and takes the weights from the actor's engine, HF-named, tensor by tensor; a
         # rollout pool of its own (no actor here) loads the checkpoint and then receives syncs
@@ -146,8 +146,8 @@ class ActorRolloutRefWorker(Worker):
         elif module is None:
             extra = {"model_path": resolve_model_path(self.config.model.path)}
             config = dataclasses.replace(config, load_format="auto")
-        return self._rollout_cls(module, config, pad_token_id=pad_id, eos_token_id=eos_ids, rank=self.rank,
-                                 cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device), **extra)
+        return self._rollout_cls(module, config, pad_token_id=pad_id(self.tokenizer), eos_token_id=eos_ids,
+                                 rank=self.rank, cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device), **extra)
 
     def _adapter_for_rollout(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The adapter's peft config and tensors (peft's file names) for an engine's LoRA request. Collective."""

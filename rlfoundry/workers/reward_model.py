@@ -48,6 +48,7 @@ from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.engines.base import MicroBatching
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.models.hf import check_model_dir
+from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.workers.utils.device import on_device
 
 logger = logging.getLogger(__name__)
@@ -140,8 +141,7 @@ class RewardModelWorker(Worker):
         """Right-padded ids and mask; an over-long text keeps its last ``max_length`` tokens."""
         ids = [row[-max_length:] for row in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         width = max(len(row) for row in ids)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+        input_ids = torch.full((len(ids), width), pad_id(self.tokenizer), dtype=torch.long)
         mask = torch.zeros((len(ids), width), dtype=torch.long)
         for i, row in enumerate(ids):
             input_ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row, dtype=torch.long), 1

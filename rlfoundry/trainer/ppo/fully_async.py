@@ -43,6 +43,7 @@ from rlfoundry.trainer.ppo.one_step_off import staleness_metrics
 from rlfoundry.trainer.ppo.partial_rollout import ChunkedGeneration
 from rlfoundry.trainer.ppo.ray_trainer import TRAINER_STATE_FILE, RayPPOTrainer, _concat_generations
 from rlfoundry.utils.errors import RunAbortedError
+from rlfoundry.utils.tokenizer import pad_id
 
 __all__ = ["FullyAsyncPPOTrainer", "Rollouter"]
 
@@ -266,7 +267,7 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
         done = self.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
         at, call = self.config.async_training, self.rollout_wg.generate_sequences
         chunked = ChunkedGeneration(call, response_length=int(self.config.data.max_response_length),
-                                    chunk_tokens=int(at.partial_rollout_chunk_tokens), pad_id=self._pad_id(),
+                                    chunk_tokens=int(at.partial_rollout_chunk_tokens), pad_id=pad_id(self.tokenizer),
                                     eos_ids=generation_eos_ids(self.tokenizer, self.config.actor_rollout_ref.model.path),
                                     ) if at.partial_rollout else None
 
@@ -295,7 +296,7 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
                 items = self.rollouter.take(self.step_prompts, self.config.trainer.worker_call_timeout_s)
             version = (self.state.global_steps - 1) // self.sync_every
             metrics |= staleness_metrics([version - it.version for it in items for _ in range(len(it.batch))])
-            batch = self._finish_generation(_concat_generations([it.batch for it in items], self._pad_id()))
+            batch = self._finish_generation(_concat_generations([it.batch for it in items], pad_id(self.tokenizer)))
             if "param_version_end" in batch.non_tensor_batch:  # partial rollout: samples that met a sync
                 spans = batch.non_tensor_batch["param_version_end"] != batch.non_tensor_batch["param_version_start"]
                 metrics["async/partial_samples_fraction"] = float(np.mean(spans.astype(bool)))
@@ -309,10 +310,6 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
         metrics |= {"async/queue_prompts": float(self.rollouter.queued_prompts()),
                     "async/param_version": float(self.rollouter.version)} | self.rollouter.stats()
         return metrics | self._step_metrics(batch, timing)
-
-    def _pad_id(self) -> int:
-        tok = self.tokenizer
-        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def _maybe_validate_and_save(self, step: int) -> dict[str, float]:
         """Validation and checkpoints use the rollout pool and the loader: the rollouter pauses for them."""

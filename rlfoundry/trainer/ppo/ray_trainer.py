@@ -37,6 +37,7 @@ from rlfoundry.trainer.metric_utils import (
     reduce_metrics,
 )
 from rlfoundry.utils.errors import RunAbortedError
+from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.torch_functional import masked_mean
 
 __all__ = ["RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalty", "balance_batch", "compute_advantage"]
@@ -468,8 +469,7 @@ class RayPPOTrainer:
             if batch_dict is None:
                 raise RunAbortedError(f"algorithm.filter_groups: the training data ran out after {counts['num_gen_batches']} "
                                    f"batches with {counts['kept_groups']} of {want} informative groups kept")
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        batch = _concat_generations(kept, pad_id)
+        batch = _concat_generations(kept, pad_id(self.tokenizer))
         batch = batch.select_idxs(np.flatnonzero(filter_groups.first_groups(batch.non_tensor_batch["uid"], want)))
         batch = self._finish_generation(batch)
         return batch, reward_metrics | {f"train/{k}": float(v) for k, v in counts.items()}

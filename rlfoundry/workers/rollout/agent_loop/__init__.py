@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from rlfoundry.protocol import DataProto
+from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.torch_functional import rollout_layout
 from rlfoundry.workers.rollout.agent_loop.base import (
     AgentLoopBase,
@@ -65,7 +66,7 @@ class AgentLoop:
         self.default_loop = getattr(agent, "default_agent_loop", None) or "tool_agent"
         self.loop_config_path = getattr(agent, "agent_loop_config_path", None)
         self.max_wait_s = float(getattr(agent, "max_wait_s", 1.0))
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
         self.last_engine_calls = 0  # engine calls of the last batch (tests, profiling)
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
