@@ -4,6 +4,10 @@
 solutions and verl's prompt instruction use). ``flexible``: the last number anywhere in the text.
 Thousands separators and ``$`` are dropped, and numbers compare by value (``18.00`` == ``18``),
 which is what a grader means; verl compares the strings.
+
+The values are verl's, types included: ``score`` / ``format_score`` as given, and the int ``0`` when no
+answer is found (verl's GSM8K tool prints the value, so its text says ``reward=0`` there, ``reward=0.0``
+for a wrong answer).
 """
 
 from __future__ import annotations
@@ -47,10 +51,10 @@ def compute_score(
     score: float = 1.0,
 ) -> float:
     """``score`` if the extracted answer equals ``ground_truth`` by value, ``format_score`` if an
-    answer was found but is wrong, 0.0 if none was found."""
+    answer was found but is wrong, ``0`` if none was found."""
     answer = extract_solution(solution_str, method)
     if answer is None:
-        return 0.0
+        return 0
     predicted, expected = normalize_number(answer), normalize_number(str(ground_truth))
     if predicted is not None and predicted == expected:
         return score

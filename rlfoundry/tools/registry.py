@@ -9,18 +9,22 @@
 
 verl's built-in class names (``verl.tools.gsm8k_tool.Gsm8kTool`` …) resolve to this package's
 equivalents, so a verl config loads unchanged; any other ``module.Class`` is imported as it is.
+An entry may leave out ``tool_schema`` when its class supplies one (``get_openai_tool_schema()``), as
+in verl. A class whose ``create`` or ``execute`` takes no ``**kwargs`` is refused here, not at its
+first call: the agent loop passes ``create_kwargs=`` and ``agent_data=``, as verl's does.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
-from rlfoundry.tools.base import BaseTool
+from rlfoundry.tools.base import BaseTool, ToolSchemaError
 from rlfoundry.tools.schemas import OpenAIFunctionToolSchema
 
 __all__ = ["ToolConfigError", "initialize_tools_from_config", "load_tool_class"]
@@ -45,6 +49,10 @@ def load_tool_class(class_name: str) -> type[BaseTool]:
         raise ToolConfigError(f"class_name {class_name!r} cannot be imported: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
         raise ToolConfigError(f"class_name {class_name!r} is not a subclass of rlfoundry.tools.base.BaseTool")
+    for method, call in (("create", "create(create_kwargs={...}, **create_kwargs)"),
+                         ("execute", "execute(instance_id, parameters, agent_data=...)")):
+        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(getattr(cls, method)).parameters.values()):
+            raise ToolConfigError(f"{class_name}.{method} must take **kwargs: the agent loop calls {call}")
     return cls
 
 
@@ -65,17 +73,17 @@ def initialize_tools_from_config(path: str | Path) -> list[BaseTool]:
 
 def _build(path: Path, index: int, entry: Any) -> BaseTool:
     where = f"{path}: tools[{index}]"
-    if not isinstance(entry, dict) or "class_name" not in entry or "tool_schema" not in entry:
-        raise ToolConfigError(f"{where} needs class_name and tool_schema")
+    if not isinstance(entry, dict) or "class_name" not in entry:
+        raise ToolConfigError(f"{where} needs a class_name (and a tool_schema unless the class supplies one)")
     config = dict(entry.get("config") or {})
     kind = config.get("type", "native")
     if kind != "native":
         raise ToolConfigError(f"{where}: config.type={kind!r} is not supported; only native (in-process) tools run here")
     try:
-        schema = OpenAIFunctionToolSchema.model_validate(entry["tool_schema"])
+        schema = None if entry.get("tool_schema") is None else OpenAIFunctionToolSchema.model_validate(entry["tool_schema"])
     except ValidationError as e:
         raise ToolConfigError(f"{where}: tool_schema is not an OpenAI function schema: {e}") from e
     try:
         return load_tool_class(entry["class_name"])(config, schema)
-    except ToolConfigError as e:
+    except (ToolConfigError, ToolSchemaError) as e:
         raise ToolConfigError(f"{where}: {e}") from e

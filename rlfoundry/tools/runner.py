@@ -6,6 +6,9 @@ waiting at the timeout and the trajectory gets an error text. Python cannot kill
 abandoned call keeps its (daemon) thread until it returns, which is why tools that run code use the
 process sandbox, whose limits do kill.
 
+Threads start in a copy of the caller's context (as ``asyncio.to_thread`` does), so a call traced with
+``@rollout_trace_op`` keeps the trajectory's ``rollout_trace_attr`` tags.
+
 Whatever a tool does — raise, hang, return something that is not text — the result is a
 :class:`ToolCallResult` whose ``text`` goes back to the model and whose ``error`` names the failure
 (``unknown_tool``, ``exception``, ``timeout``, ``non_text``, ``too_many_calls``) for the metrics.
@@ -14,6 +17,7 @@ Whatever a tool does — raise, hang, return something that is not text — the 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -52,7 +56,8 @@ def run_in_thread(make: Callable[[], Awaitable[Any]], timeout_s: float) -> tuple
         except BaseException as e:  # noqa: BLE001 - handed to the caller, whatever it is
             box["error"] = e
 
-    thread = threading.Thread(target=target, daemon=True, name="rlfoundry-tool-call")
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(target,), daemon=True, name="rlfoundry-tool-call")
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
@@ -61,8 +66,9 @@ def run_in_thread(make: Callable[[], Awaitable[Any]], timeout_s: float) -> tuple
 
 
 def run_tool_calls(tools: dict[str, BaseTool], calls: list[ToolCall], max_parallel: int,
-                   timeout_s: float) -> list[ToolCallResult]:
-    """Results in the order of ``calls``: the first ``max_parallel`` run at once, the rest are refused."""
+                   timeout_s: float, **execute_kwargs: Any) -> list[ToolCallResult]:
+    """Results in the order of ``calls``: the first ``max_parallel`` run at once, the rest are refused.
+    ``execute_kwargs`` (the agent loop's ``agent_data``) go to every ``execute``."""
     results: list[ToolCallResult | None] = [None] * len(calls)
     threads = []
     for i, job in enumerate(calls):
@@ -73,7 +79,8 @@ def run_tool_calls(tools: dict[str, BaseTool], calls: list[ToolCall], max_parall
             results[i] = ToolCallResult(name, f"error: no tool named {name!r}; available: {sorted(tools)}",
                                         error="unknown_tool")
         else:
-            thread = threading.Thread(target=_run_one, args=(tools[name], job, timeout_s, results, i), daemon=True)
+            thread = threading.Thread(target=contextvars.copy_context().run, daemon=True,
+                                      args=(_run_one, tools[name], job, timeout_s, results, i, execute_kwargs))
             thread.start()
             threads.append(thread)
     for thread in threads:
@@ -81,9 +88,9 @@ def run_tool_calls(tools: dict[str, BaseTool], calls: list[ToolCall], max_parall
     return [r for r in results if r is not None]
 
 
-def _run_one(tool: BaseTool, job: ToolCall, timeout_s: float, results: list, i: int) -> None:
+def _run_one(tool: BaseTool, job: ToolCall, timeout_s: float, results: list, i: int, kwargs: dict) -> None:
     name = job.call.name
-    finished, value = run_in_thread(lambda: tool.execute(job.instance_id, job.call.arguments), timeout_s)
+    finished, value = run_in_thread(lambda: tool.execute(job.instance_id, job.call.arguments, **kwargs), timeout_s)
     if not finished:
         results[i] = ToolCallResult(name, f"error: {name} timed out after {timeout_s:g} s", error="timeout")
     elif isinstance(value, BaseException):

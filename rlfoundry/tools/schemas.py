@@ -4,10 +4,15 @@ so that verl users' tool classes and tool configs carry over with their imports 
 A tool config's ``tool_schema`` validates into :class:`OpenAIFunctionToolSchema`; the chat
 template renders ``model_dump()`` of it as the ``tools`` it offers the model. A parsed call is an
 :class:`OpenAIFunctionCallSchema` (name + arguments dict); a tool answers with a :class:`ToolResponse`.
+
+Wider than verl's on purpose: an argument's ``type`` may be a list of JSON types (``[integer, number]``)
+and its ``enum`` may hold numbers, both valid JSON Schema that verl's ``type: str`` / ``enum: list[str]``
+refuse. Keys the models do not name (``items``, ``minimum`` ...) are dropped, as in verl.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -18,11 +23,11 @@ __all__ = ["OpenAIFunctionCallSchema", "OpenAIFunctionParametersSchema", "OpenAI
 
 
 class OpenAIFunctionPropertySchema(BaseModel):
-    """One argument: its JSON type, description and allowed values."""
+    """One argument: its JSON type (or types), description and allowed values."""
 
-    type: str
+    type: str | list[str]
     description: str | None = None
-    enum: list[str] | None = None
+    enum: list[str | int | float | bool | None] | None = None
 
 
 class OpenAIFunctionParametersSchema(BaseModel):
@@ -56,6 +61,19 @@ class OpenAIFunctionCallSchema(BaseModel):
     name: str
     arguments: dict[str, Any]
 
+    @staticmethod
+    def from_openai_function_parsed_schema(
+        parsed_schema: OpenAIFunctionParsedSchema,
+    ) -> tuple[OpenAIFunctionCallSchema, bool]:
+        """``(call, has_decode_error)``, verl's contract: arguments that are not a JSON object (bad JSON,
+        or JSON that decodes to a list, string or number) become ``{}`` with the flag set."""
+        try:
+            arguments = json.loads(parsed_schema.arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        ok = isinstance(arguments, dict)
+        return OpenAIFunctionCallSchema(name=parsed_schema.name, arguments=arguments if ok else {}), not ok
+
 
 class OpenAIFunctionToolCall(BaseModel):
     id: str
@@ -69,3 +87,11 @@ class ToolResponse(BaseModel):
     text: str | None = None
     image: list[Any] | None = None
     video: list[Any] | None = None
+
+    def is_empty(self) -> bool:
+        """No text (None or ""), no images, no videos."""
+        return not self.text and not self.image and not self.video
+
+    def is_text_only(self) -> bool:
+        """Non-empty text and nothing else (verl returns the truthy text itself; this returns a bool)."""
+        return bool(self.text) and not self.image and not self.video

@@ -13,7 +13,9 @@ import torch
 from rlfoundry.config.schema import MultiTurnConfig
 from rlfoundry.models.tiny import build_tokenizer
 from rlfoundry.protocol import DataProto
+from rlfoundry.tools.base import BaseTool
 from rlfoundry.tools.registry import initialize_tools_from_config
+from rlfoundry.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from rlfoundry.trainer.metric_utils import multi_turn_metrics
 from rlfoundry.workers.rollout.agent_loop import AgentLoop, truncate_text
 
@@ -169,6 +171,59 @@ def test_rule_rewards_read_the_final_assistant_turn_and_land_on_its_last_token(t
     assert int(mask.sum()) < extent  # the tool's tokens in between are not counted as sampled
     scores = place_scores([1.0], response_lengths(out), out.batch["responses"].shape[1])
     assert scores[0, extent - 1] == 1.0 and scores.sum() == 1.0
+
+
+class _Recorder(BaseTool):
+    """Keeps what the loop gives it: create's keywords and every call's agent_data; counts its calls in
+    agent_data.extra_fields (verl's store for a tool's session data)."""
+
+    async def create(self, instance_id=None, **kwargs):
+        self.created = kwargs
+        return await super().create(instance_id)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        data = kwargs["agent_data"]
+        self.seen = [*getattr(self, "seen", []), data]
+        data.extra_fields["recorder_calls"] = data.extra_fields.get("recorder_calls", 0) + 1
+        return ToolResponse(text=f"call {data.extra_fields['recorder_calls']}"), 0.0, {}
+
+
+def test_verl_tools_get_create_kwargs_and_agent_data_as_verls_agent_loop_passes_them(tokenizer):
+    """verl's own GSM8K tool file reads its ground truth from create_kwargs; every execute gets the
+    trajectory so far as agent_data (verl's names), whose extra_fields last the whole trajectory."""
+    from tests.tools.verl_gsm8k_tool import Gsm8kTool
+
+    def schema(name):
+        return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {"name": name, "description": "d"}})
+
+    tools = {"calc_gsm8k_reward": Gsm8kTool({}, schema("calc_gsm8k_reward")), "recorder": _Recorder({}, schema("recorder"))}
+    question = "What is 8*9?"
+    answer = '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}</tool_call>'
+    record = '<tool_call>{"name": "recorder", "arguments": {"note": "a"}}</tool_call>'
+    loop = AgentLoop(ScriptedPolicy(tokenizer, {question: [answer + record, record, "done"]}), tokenizer,
+                     MultiTurnConfig(enable=True, max_parallel_calls=2), tools, 1000, chat_template_kwargs={})
+    prompts = _prompts(tokenizer, {}, [question])
+    tools_kwargs = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}, "recorder": {"create_kwargs": {"k": 1}}}
+    prompts.non_tensor_batch["extra_info"] = np.array([{"tools_kwargs": tools_kwargs}], dtype=object)
+    out = loop.generate_sequences(prompts)
+    text = tokenizer.decode(out.batch["responses"][0])
+    assert "<tool_response>\nCurrent parsed answer='72' reward=1.0\n</tool_response>" in text
+    assert "call 1" in text and "call 2" in text
+    assert out.non_tensor_batch["stop_reason"][0] == "no_call"
+    assert out.non_tensor_batch["tool_reward"][0] == 1.0  # step 0.0 (the score rose) + calc_reward 1.0
+    recorder = tools["recorder"]
+    assert recorder.created == {"create_kwargs": {"k": 1}, "k": 1}  # verl's agent loop's and SGLang's spellings
+    first, second = recorder.seen
+    prompt_ids = prompts.batch["input_ids"][0][prompts.batch["attention_mask"][0].bool()].tolist()
+    turn1 = tokenizer.encode(answer + record + "<|im_end|>", add_special_tokens=False)
+    assert (first.response_ids, first.prompt_ids, first.response_mask) == (turn1, prompt_ids + turn1, [1] * len(turn1))
+    assert [(c.name, c.arguments) for c in first.tool_calls] == [("calc_gsm8k_reward", '{"answer": "72"}'),
+                                                                  ("recorder", '{"note": "a"}')]
+    assert first.messages[-1] == {"role": "assistant", "content": answer + record} and first.tools_kwargs == tools_kwargs
+    assert (first.assistant_turns, first.user_turns, second.assistant_turns, second.user_turns) == (1, 0, 2, 1)
+    assert second.prompt_ids[:len(prompt_ids) + len(turn1)] == prompt_ids + turn1 and len(second.response_mask) > len(turn1)
+    assert second.request_id == first.request_id and len(first.request_id) == 32
+    assert second.extra_fields is first.extra_fields and first.extra_fields == {"recorder_calls": 2}
 
 
 @pytest.mark.parametrize("side, expected", [("left", "abcde...(truncated)"), ("right", "(truncated)...vwxyz"),

@@ -19,12 +19,23 @@ Extra columns per row: ``tool_calls``, ``tool_errors``, ``tool_reward`` (the too
 step rewards), ``turn_scores`` (the interaction's score per user turn), ``stop_reason`` (``no_call``,
 ``length``, ``max_assistant_turns``, ``max_user_turns``, ``interaction_done``) and ``last_turn_start``
 (rule rewards score the final assistant turn).
+
+Tools see verl's calls: one instance per tool per trajectory, made with ``create(create_kwargs={...})``
+and the same keys as keywords (verl's agent loop passes the first, its older SGLang rollout the
+second; verl's own tools read one or the other), and ``execute(instance_id, parameters,
+agent_data=AgentData(...))``. Unlike verl's agent loop, which makes and releases an instance per call
+and never calls ``calc_reward``, an instance here lives for the trajectory (verl's SGLang life cycle),
+so a tool's state carries from one call to the next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import json
 import logging
+import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,9 +43,11 @@ from typing import Any
 
 from rlfoundry.tools.parser import parse_hermes
 from rlfoundry.tools.runner import ToolCall, ToolCallResult, run_in_thread, run_tool_calls
+from rlfoundry.tools.schemas import OpenAIFunctionParsedSchema
+from rlfoundry.utils.rollout_trace import rollout_trace_op
 from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopError, AgentLoopOutput, register
 
-__all__ = ["ToolAgentLoop", "apply_template", "truncate_text"]
+__all__ = ["AgentData", "ToolAgentLoop", "apply_template", "truncate_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +74,14 @@ def apply_template(tokenizer: Any, chat_template_kwargs: dict, messages: list[di
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
 
+async def _waiting(fn, *args: Any) -> Any:
+    """``fn(*args)`` on a waiter thread, in this task's context (run_in_executor alone would drop it)."""
+    return await asyncio.get_running_loop().run_in_executor(_WAITERS, contextvars.copy_context().run, fn, *args)
+
+
 async def _in_thread(make, timeout_s: float) -> Any:
     """``make()`` awaited on its own event loop and thread, bounded in time; raises what it raised."""
-    finished, value = await asyncio.get_running_loop().run_in_executor(_WAITERS, run_in_thread, make, timeout_s)
+    finished, value = await _waiting(run_in_thread, make, timeout_s)
     if not finished:
         raise TimeoutError(f"no answer within {timeout_s:g} s")
     if isinstance(value, BaseException):
@@ -89,6 +107,8 @@ class _State:
     stop: str | None = None
     last_turn_start: int = 0
     interaction: str | None = None  # the simulated user's instance id, if the row has one
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    extra_fields: dict[str, Any] = field(default_factory=dict)  # the tools' store, see AgentData
 
     def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -96,10 +116,41 @@ class _State:
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
 
+@dataclass
+class AgentData:
+    """What every ``execute`` gets as ``agent_data``: the trajectory so far, under the names of verl's
+    ``AgentData``. ``extra_fields`` is the tools' own store, the same dict for the whole trajectory; the
+    rest is a copy taken before the turn's calls run. verl's ``metrics`` and interaction are not here."""
+
+    request_id: str
+    messages: list[dict]
+    tools_kwargs: dict[str, Any]
+    prompt_ids: list[int]  # the prompt and the response so far (verl's meaning)
+    response_ids: list[int]  # the last assistant turn
+    response_mask: list[int]
+    response_logprobs: list[float]
+    tool_calls: list[OpenAIFunctionParsedSchema]  # this turn's, arguments as JSON text (verl's FunctionCall)
+    turn_scores: list[float]
+    user_turns: int
+    assistant_turns: int
+    extra_fields: dict[str, Any]
+    image_data: list[Any] | None = None
+    video_data: list[Any] | None = None
+
+    @classmethod
+    def of(cls, state: _State, calls: list[ToolCall]) -> AgentData:
+        parsed = [OpenAIFunctionParsedSchema(name=c.call.name, arguments=json.dumps(c.call.arguments)) for c in calls]
+        return cls(state.request_id, [dict(m) for m in state.messages], state.tools_kwargs,
+                   state.prompt_ids + state.response_ids, state.response_ids[state.last_turn_start:],
+                   list(state.mask), list(state.log_probs), parsed, list(state.turn_scores), state.user_turns,
+                   state.assistant_turns, state.extra_fields)
+
+
 @register("tool_agent")
 class ToolAgentLoop(AgentLoopBase):
     """See the module docstring."""
 
+    @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
         state = _State(list(row["prompt_ids"]), list(row.get("raw_prompt") or []),
@@ -149,8 +200,8 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def _tool_turn(self, state: _State, calls: list[ToolCall], early: list[ToolCallResult]) -> None:
         """The calls run in threads (this trajectory waits; the others go on generating)."""
-        answers = await asyncio.get_running_loop().run_in_executor(
-            _WAITERS, run_tool_calls, self.tools, calls, max(1, len(calls)), self.config.tool_timeout_s)
+        answers = await _waiting(functools.partial(run_tool_calls, agent_data=AgentData.of(state, calls)),
+                                 self.tools, calls, max(1, len(calls)), self.config.tool_timeout_s)
         answers = list(answers) + early
         state.tool_calls += len(answers)
         for a in answers:
@@ -228,7 +279,7 @@ class ToolAgentLoop(AgentLoopBase):
 
         async def create(name, tool):
             kwargs = dict((state.tools_kwargs.get(name) or {}).get("create_kwargs") or {})
-            created = await tool.create(**kwargs)
+            created = await tool.create(create_kwargs=dict(kwargs), **kwargs)  # both spellings: see the docstring
             state.instances[name] = created[0] if isinstance(created, tuple) else created
 
         async def finish(name, tool):
