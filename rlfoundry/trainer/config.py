@@ -98,8 +98,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion*", "reward.sandbox_fusion*",
     "algorithm.use_pf_ppo", "algorithm.pf_ppo*",
     "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
-    "trainer.val_generations_to_log_to_wandb", "trainer.log_val_generations",
-    "trainer.validation_data_dir", "trainer.esi_redundant_time",
+    "trainer.val_generations_to_log_to_wandb", "trainer.esi_redundant_time",
     "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",
     "trainer.ray_wait_register_center_timeout", "trainer.use_legacy_worker_impl",
     "ray_init.timeline_json_file",
@@ -482,7 +481,21 @@ def _check_lengths_and_numbers(cfg: DictConfig) -> list[str]:
         errors.append(f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be positive (or null).")
     if alg.kl_ctrl.type == "adaptive" and alg.kl_ctrl.horizon <= 0:
         errors.append(f"algorithm.kl_ctrl.horizon={alg.kl_ctrl.horizon} must be positive for the adaptive controller.")
-    return errors + _check_reliability_numbers(cfg.trainer)
+    return errors + _check_reliability_numbers(cfg.trainer) + _check_outputs(cfg.trainer)
+
+
+def _check_outputs(trainer: DictConfig) -> list[str]:
+    """``trainer.log_val_generations`` and the generation dump directories."""
+    errors = []
+    if trainer.log_val_generations < 0:
+        errors.append(f"trainer.log_val_generations={trainer.log_val_generations} must be >= 0 (the number of "
+                      "validation samples to log; 0: none).")
+    for key in ("rollout_data_dir", "validation_data_dir"):
+        where = trainer[key]
+        if where is not None and Path(os.path.expanduser(str(where))).is_file():
+            errors.append(f"trainer.{key}={where} is a file; it must be a directory (one <step>.jsonl per step "
+                          "is written into it) or null.")
+    return errors
 
 
 def _check_reliability_numbers(trainer: DictConfig) -> list[str]:

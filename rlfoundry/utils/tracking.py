@@ -10,6 +10,12 @@ Back ends (``trainer.logger``, a name or a list of names, as in verl):
                    (or ``$TENSORBOARD_DIR``, verl's variable)
 - ``wandb``        optional dependency; ``WANDB_MODE=offline`` works without network
 
+Validation samples (``trainer.log_val_generations``, verl's generations table) go to the same back
+ends through ``log_generations(samples, step)``: ``console`` prints them under the step's line,
+``file`` appends them to ``<run_dir>/val_generations.jsonl`` (one line per sample: step, input,
+output, score), ``tensorboard`` adds them as the text ``val/generations`` and ``wandb`` as the table
+``val/generations`` (one row per validation, as verl's).
+
 Resuming: pass ``resume_step=N`` (the global step of the checkpoint the run continues from). Records
 after step N, written by the interrupted run after its last checkpoint, are dropped, so the file keeps
 exactly one record per completed step; TensorBoard purges the same steps.
@@ -30,14 +36,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tracking", "SUPPORTED_BACKENDS", "read_metrics_jsonl", "METRICS_FILE"]
+__all__ = ["Tracking", "SUPPORTED_BACKENDS", "read_metrics_jsonl", "METRICS_FILE", "GENERATIONS_FILE"]
 
 SUPPORTED_BACKENDS = ("console", "file", "tensorboard", "wandb")
 # verl back ends a user's script may name; they get a specific message rather than "unknown".
 VERL_ONLY_BACKENDS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
 METRICS_FILE = "metrics.jsonl"
+GENERATIONS_FILE = "val_generations.jsonl"  # trainer.log_val_generations, file back end
 
 Scalar = int | float | str
+Sample = tuple[str, str, float]  # one validation generation: (input, output, score), verl's order
 
 
 # --------------------------------------------------------------------------- value cleaning
@@ -117,6 +125,7 @@ class _FileBackend:
 
     def __init__(self, run_dir: Path, resume_step: int | None, config: dict) -> None:
         self.path = run_dir / METRICS_FILE
+        self.generations = _GenerationsFile(run_dir / GENERATIONS_FILE, resume_step)
         self.records = self._initial_records(resume_step)
         self._rewrite()
         if config:
@@ -154,8 +163,49 @@ class _FileBackend:
         self._rewrite()
         self._fh = self.path.open("a", encoding="utf-8")
 
+    def log_generations(self, samples: list[Sample], step: int) -> None:
+        self.generations.log(samples, step)
+
     def finish(self) -> None:
         self._fh.close()
+
+
+class _GenerationsFile:
+    """``val_generations.jsonl``: one line per logged validation sample, kept like ``metrics.jsonl``
+    (a fresh run sets an old file aside; a resumed one drops the lines after its checkpoint's step)."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        if not path.exists():
+            return
+        if resume_step is None:
+            path.replace(path.with_suffix(".jsonl.bak"))
+            return
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and _step_of(line) is not None and _step_of(line) <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    def log(self, samples: list[Sample], step: int) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            for text_in, text_out, score in samples:
+                f.write(json.dumps({"step": step, "input": text_in, "output": text_out,
+                                    "score": _json_value(float(score))}, ensure_ascii=False) + "\n")
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None  # a line cut short by a crash
+
+
+def _generations_markdown(samples: list[Sample], step: int) -> str:
+    """verl's TensorBoard text for the validation samples of one step."""
+    parts = [f"**Generation Results - Step {step}**\n\n"]
+    for i, (text_in, text_out, score) in enumerate(samples):
+        parts.append(f"### Sample {i + 1}\n**Input:** {text_in}\n\n**Output:** {text_out}\n\n"
+                     f"**Score:** {score}\n\n---\n\n")
+    return "".join(parts)
 
 
 class _TensorBoardBackend:
@@ -180,6 +230,10 @@ class _TensorBoardBackend:
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_generations(self, samples: list[Sample], step: int) -> None:
+        self.writer.add_text("val/generations", _generations_markdown(samples, step), step)
+        self.writer.flush()
+
     def finish(self) -> None:
         self.writer.close()
 
@@ -202,9 +256,17 @@ class _WandbBackend:
         # mode=None lets wandb read WANDB_MODE (offline/disabled) itself.
         self.run = wandb.init(project=project, name=experiment, id=run_id, resume="allow", config=config,
                               dir=str(run_dir), mode=os.environ.get("WANDB_MODE") or None)
+        self.generation_rows: list[list[Any]] = []
 
     def log(self, data: Mapping[str, Scalar], step: int) -> None:
         self.run.log(dict(data), step=step)
+
+    def log_generations(self, samples: list[Sample], step: int) -> None:
+        """verl's table: one row per validation (step, input_1, output_1, score_1, ...), re-logged
+        whole each time (a logged wandb Table cannot grow: wandb issue 2981)."""
+        columns = ["step"] + [f"{c}_{i + 1}" for i in range(len(samples)) for c in ("input", "output", "score")]
+        self.generation_rows.append([step] + [v for sample in samples for v in sample])
+        self.run.log({"val/generations": self.wandb.Table(columns=columns, data=self.generation_rows)}, step=step)
 
     def finish(self) -> None:
         self.run.finish()
@@ -237,6 +299,11 @@ def _match(data: Mapping[str, Any], pattern: str) -> Any:
 
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _short(text: str, keep: int = 300) -> str:
+    """A console-sized sample text: the end of a long prompt holds the question, so keep that."""
+    return text if len(text) <= keep else "…" + text[-keep:]
 
 
 class _ConsoleBackend:
@@ -282,6 +349,12 @@ class _ConsoleBackend:
         self._write(self.line(data, step), file=sys.stdout)
         if step > self.bar.n:
             self.bar.update(step - self.bar.n)
+
+    def log_generations(self, samples: list[Sample], step: int) -> None:
+        lines = [f"step {step} | validation generations ({len(samples)}):"]
+        lines += [f"  [{i + 1}] score {_fmt(float(score))} | {_short(text_in)!r} -> {_short(text_out)!r}"
+                  for i, (text_in, text_out, score) in enumerate(samples)]
+        self._write("\n".join(lines), file=sys.stdout)
 
     def finish(self) -> None:
         self.bar.close()
@@ -373,6 +446,11 @@ class Tracking:
         for name, logger in self.logger.items():
             if wanted is None or name in wanted:
                 logger.log(clean, int(step))
+
+    def log_generations(self, samples: list[Sample], step: int) -> None:
+        """Validation samples ``(input, output, score)`` of ``step`` to every back end (see the module doc)."""
+        for logger in self.logger.values():
+            logger.log_generations(samples, int(step))
 
     def finish(self) -> None:
         """Close every back end (flushes TensorBoard, ends the wandb run); safe to call twice."""

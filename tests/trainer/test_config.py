@@ -253,6 +253,18 @@ def test_no_effect_keys_give_exactly_one_warning_naming_them():
     assert "trainer.val_generations_to_log_to_wandb" in text
 
 
+def test_generation_outputs_take_effect_and_bad_values_are_start_up_errors(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(["trainer.log_val_generations=5", f"trainer.validation_data_dir={tmp_path}"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    with pytest.raises(ConfigError, match=r"trainer.log_val_generations=-1 must be >= 0"):
+        _load("trainer.log_val_generations=-1")
+    (tmp_path / "f.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"trainer.validation_data_dir=.*f.txt is a file; it must be a directory"):
+        _load(f"trainer.validation_data_dir={tmp_path / 'f.txt'}")
+
+
 def test_effective_keys_give_no_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -158,3 +158,16 @@ def test_trim_prompt_padding_drops_only_columns_every_prompt_pads():
     assert list(out.non_tensor_batch["uid"]) == ["a", "b"] and out.meta_info == {"k": 1}
     # a batch whose longest prompt fills the width is returned as it is
     assert trim_prompt_padding(out) is out
+
+
+def test_logged_validation_samples_are_verls_choice_whatever_the_order():
+    from rlfoundry.trainer.ppo.ray_trainer import val_generation_samples
+
+    # verl sorts by input (a b c d) and shuffles with np.random.RandomState(42), which puts four
+    # items in the order [1, 3, 0, 2] (b d a c); the first n are logged
+    records = [{"input": p, "output": p.upper(), "score": float(i)} for i, p in enumerate("dcab")]
+    assert val_generation_samples(records, 2) == [("b", "B", 3.0), ("d", "D", 0.0)]
+    # the next validation (new outputs, other arrival order) logs the same prompts
+    again = [{"input": p, "output": p * 2, "score": 1.0} for p in "abcd"]
+    assert [s[0] for s in val_generation_samples(again, 2)] == ["b", "d"]
+    assert len(val_generation_samples(records, 10)) == 4  # more than there are: all of them

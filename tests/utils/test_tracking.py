@@ -105,6 +105,51 @@ def test_console_line_and_progress(tmp_path, capsys):
     t.finish()
 
 
+# ───────────────────── validation generations (trainer.log_val_generations) ─────────────────────
+
+_SAMPLES = [("1+2=", "3", 1.0), ("5-4=", "2", 0.0)]
+
+
+def test_generations_go_to_the_file_and_a_resume_drops_the_later_steps(tmp_path):
+    t = Tracking("p", "e", default_backend=[], run_dir=tmp_path)
+    t.log_generations(_SAMPLES, step=0)
+    t.log_generations(_SAMPLES[:1], step=2)
+    t.finish()
+    lines = _lines(tmp_path / "val_generations.jsonl")
+    assert lines == [{"step": 0, "input": "1+2=", "output": "3", "score": 1.0},
+                     {"step": 0, "input": "5-4=", "output": "2", "score": 0.0},
+                     {"step": 2, "input": "1+2=", "output": "3", "score": 1.0}]
+    # resumed from the checkpoint of step 1: step 2's samples were written after it, and go
+    Tracking("p", "e", default_backend=[], run_dir=tmp_path, resume_step=1).finish()
+    assert [r["step"] for r in _lines(tmp_path / "val_generations.jsonl")] == [0, 0]
+    Tracking("p", "e", default_backend=[], run_dir=tmp_path).finish()  # a fresh run sets the old file aside
+    assert not (tmp_path / "val_generations.jsonl").exists()
+    assert len(_lines(tmp_path / "val_generations.jsonl.bak")) == 2
+
+
+def test_generations_go_to_tensorboard_as_verls_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracking("p", "e", default_backend=["tensorboard"], run_dir=tmp_path)
+    t.log_generations(_SAMPLES, step=3)
+    t.finish()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = [e for e in acc.Tensors("val/generations/text_summary")]
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 3 and "**Generation Results - Step 3**" in text
+    assert "### Sample 2" in text and "**Input:** 5-4=" in text and "**Output:** 2" in text and "**Score:** 0.0" in text
+
+
+def test_generations_are_printed_on_the_console(tmp_path, capsys):
+    t = Tracking("p", "e", default_backend="console", run_dir=tmp_path, always_file=False)
+    t.log_generations(_SAMPLES, step=1)
+    t.finish()
+    out = capsys.readouterr().out
+    assert "step 1 | validation generations (2):" in out
+    assert "[1] score 1 | '1+2=' -> '3'" in out and "[2] score 0 | '5-4=' -> '2'" in out
+
+
 def test_unknown_backend_names_the_closest(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'tensorboard'"):
         Tracking("p", "e", default_backend=["console", "tensorbord"], run_dir=tmp_path)
@@ -125,6 +170,10 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     t = Tracking("p", "e", default_backend="wandb", run_dir=tmp_path)
     t.log({"critic/score/mean": 0.5}, step=1)
+    t.log_generations(_SAMPLES, step=1)
+    t.log_generations(_SAMPLES, step=2)
+    table = t.logger["wandb"]
+    assert table.generation_rows == [[1, "1+2=", "3", 1.0, "5-4=", "2", 0.0], [2, "1+2=", "3", 1.0, "5-4=", "2", 0.0]]
     t.finish()
     assert list((tmp_path / "wandb").glob("offline-run-*")), "offline run directory not written"
     assert _lines(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5}]

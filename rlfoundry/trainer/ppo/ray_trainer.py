@@ -211,6 +211,42 @@ def _concat_generations(parts: list[DataProto], pad_id: int) -> DataProto:
     return out
 
 
+def generation_records(batch: DataProto, scores: list[float], tokenizer: Any, step: int) -> list[dict[str, Any]]:
+    """One dict per sample, verl's dump fields (input, output, gts, score, step) and the row's
+    data-set index: what ``trainer.rollout_data_dir`` / ``validation_data_dir`` write."""
+    decode = lambda key: tokenizer.batch_decode(batch.batch[key], skip_special_tokens=True)  # noqa: E731
+    rows = batch.non_tensor_batch
+    records = []
+    for i, (prompt, response) in enumerate(zip(decode("prompts"), decode("responses"))):
+        info = rows["extra_info"][i] if "extra_info" in rows else None
+        records.append({"input": prompt, "output": response, "score": scores[i], "step": step,
+                        "gts": (rows["reward_model"][i] or {}).get("ground_truth") if "reward_model" in rows else None,
+                        "index": info.get("index") if isinstance(info, dict) else None})
+    return records
+
+
+def write_generations(records: list[dict[str, Any]], directory: Path, step: int) -> Path:
+    """``<directory>/<step>.jsonl``, one JSON line per record (numpy scalars as numbers)."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    plain = lambda v: v.item() if isinstance(v, np.generic) else str(v)  # noqa: E731
+    path = directory / f"{step}.jsonl"
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, default=plain, ensure_ascii=False) + "\n")
+    return path
+
+
+def val_generation_samples(records: list[dict[str, Any]], n: int) -> list[tuple[str, str, float]]:
+    """``trainer.log_val_generations``: n (input, output, score) samples, chosen as verl chooses them
+    (sorted by input, then shuffled with a fixed seed, 42): the same prompts at every validation,
+    so the table shows one prompt's answers change over training."""
+    samples = sorted(((r["input"], r["output"], float(r["score"])) for r in records), key=lambda s: s[0])
+    np.random.RandomState(42).shuffle(samples)
+    return samples[:n]
+
+
 def compute_response_mask(data: DataProto) -> torch.Tensor:
     """1 on response tokens up to and including EOS: the response part of ``attention_mask``."""
     response_length = data.batch["responses"].shape[-1]
@@ -407,7 +443,9 @@ class RayPPOTrainer:
         """Everything after the rewards: old / ref log-probs, values, advantages, the updates."""
         metrics: dict[str, float] = {}
         if self.config.trainer.rollout_data_dir:
-            self._dump_generations(batch, Path(self.config.trainer.rollout_data_dir))
+            scores = batch.batch["token_level_scores"].sum(-1).tolist()
+            write_generations(generation_records(batch, scores, self.tokenizer, self.state.global_steps),
+                              Path(self.config.trainer.rollout_data_dir), self.state.global_steps)
         batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
         batch = self._ref_log_prob(batch, timing)
         batch = self._values(batch, timing)
@@ -415,23 +453,6 @@ class RayPPOTrainer:
         metrics |= self._update_critic(batch, timing)
         metrics |= self._update_actor(batch, timing)
         return batch, metrics
-
-    def _dump_generations(self, batch: DataProto, directory: Path) -> None:
-        """``trainer.rollout_data_dir``: what this step trains on, one JSON line per sample, in
-        ``<step>.jsonl`` (verl's fields: input, output, gts, score, step; and the row's data-set index)."""
-        import json
-
-        directory.mkdir(parents=True, exist_ok=True)
-        decode = lambda key: self.tokenizer.batch_decode(batch.batch[key], skip_special_tokens=True)  # noqa: E731
-        scores = batch.batch["token_level_scores"].sum(-1).tolist()
-        rows = batch.non_tensor_batch
-        with open(directory / f"{self.state.global_steps}.jsonl", "w") as f:
-            for i, (prompt, response) in enumerate(zip(decode("prompts"), decode("responses"))):
-                info = rows["extra_info"][i] if "extra_info" in rows else None
-                line = {"input": prompt, "output": response, "score": scores[i], "step": self.state.global_steps,
-                        "gts": (rows["reward_model"][i] or {}).get("ground_truth") if "reward_model" in rows else None,
-                        "index": info.get("index") if isinstance(info, dict) else None}
-                f.write(json.dumps(line, default=str) + "\n")
 
     def _step_metrics(self, batch: DataProto, timing: dict) -> dict[str, float]:
         workers = self.world_size + (self.rollout_wg.world_size if self.disaggregated else 0)
@@ -646,10 +667,13 @@ class RayPPOTrainer:
         """Generate with ``rollout.val_kwargs`` over the validation set; ``val-core/<source>/reward/mean@N``."""
         sources, prompts, infos = [], [], {"reward": []}
         errors: dict[str, float] = {}
+        records: list[dict[str, Any]] = []
         for batch_dict in self.val_dataloader:
             batch = self._judged(self._val_generate(trim_prompt_padding(DataProto.from_single_dict(batch_dict))))
             result = self.val_reward_fn(batch, return_dict=True)
-            infos["reward"] += result["reward_tensor"].sum(-1).tolist()
+            scores = result["reward_tensor"].sum(-1).tolist()
+            infos["reward"] += scores
+            records += generation_records(batch, scores, self.tokenizer, self.state.global_steps)
             for key, values in result.get("reward_extra_info", {}).items():
                 infos.setdefault(key, []).extend(list(values))
             for key, count in result.get("reward_metrics", {}).items():  # failed-sample counts: summed
@@ -657,7 +681,18 @@ class RayPPOTrainer:
             sources += list(batch.non_tensor_batch.get("data_source", ["unknown"] * len(batch)))
             prompts += self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
         infos = {k: v for k, v in infos.items() if len(v) == len(sources)}
+        self._report_val_generations(records, infos)
         return process_validation_metrics(sources, prompts, infos, seed=int(self.config.trainer.seed)) | errors
+
+    def _report_val_generations(self, records: list[dict[str, Any]], infos: dict[str, list]) -> None:
+        """``trainer.log_val_generations`` samples to the loggers; ``trainer.validation_data_dir``:
+        every sample as JSON lines with the reward function's extra info (verl's dump)."""
+        trainer, step = self.config.trainer, self.state.global_steps
+        if trainer.log_val_generations > 0:
+            self.tracker.log_generations(val_generation_samples(records, int(trainer.log_val_generations)), step)
+        if trainer.validation_data_dir:
+            rows = [record | {k: v[i] for k, v in infos.items()} for i, record in enumerate(records)]
+            write_generations(rows, Path(trainer.validation_data_dir), step)
 
     def _val_generate(self, prompts: DataProto) -> DataProto:
         """Pad to a multiple of the rank count (validation sets need not divide), generate, unpad."""
