@@ -1,4 +1,4 @@
-"""The ``rlfoundry`` command: ``train | preprocess | export | report | sft``.
+"""The ``rlfoundry`` command: ``train | preprocess | export | report | sft | sandbox``.
 
     rlfoundry train [key=value ...]              PPO/GRPO training (same as python -m rlfoundry.trainer.main_ppo)
     rlfoundry preprocess <task> --output DIR     write a data set as verl-format parquet
@@ -6,6 +6,7 @@
                                                  (LoRA: --format merged, the default, or adapter)
     rlfoundry report <run_dir>                   plot a run's metrics.jsonl (PNG + HTML)
     rlfoundry sft [key=value ...]                supervised fine-tuning
+    rlfoundry sandbox serve [--host H --port P]  this project's sandbox behind SandboxFusion's HTTP API
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _SUBCOMMANDS = {
     "preprocess": "rlfoundry.data.preprocess.__main__",
     "report": "rlfoundry.trainer.report",
     "sft": "rlfoundry.trainer.sft_trainer",
+    "sandbox": "rlfoundry.sandbox.fusion",
 }
 
 

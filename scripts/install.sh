@@ -11,6 +11,18 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 else
   echo "[rlfoundry] using installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
 fi
+# The sandbox for generated code (code rewards, the code tool) is bubblewrap's namespaces: install it
+# where this script may (root with apt-get); elsewhere say how. Without it such runs refuse to start
+# unless sandbox.allow_unisolated=true (docs/sandbox.md).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[rlfoundry] installing bubblewrap (the code sandbox's namespaces)"
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+      || echo "[rlfoundry] note: could not install bubblewrap; see docs/sandbox.md" >&2
+  else
+    echo "[rlfoundry] note: bubblewrap (bwrap) is not installed; code rewards and the code tool need it (docs/sandbox.md)" >&2
+  fi
+fi
 extras=""
 if [ "$#" -gt 0 ]; then extras="[$(IFS=,; echo "$*")]"; fi
 "$PY" -m pip install --quiet -e ".${extras}"

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "rlfoundry"
 
 LAYERS = {
-    "protocol": 0, "utils": 0, "algos": 0, "config": 0,
+    "protocol": 0, "utils": 0, "algos": 0, "config": 0, "sandbox": 0,
     "models": 1, "data": 1, "rewards": 1, "single_controller": 1, "tools": 1, "interactions": 1,
     "engines": 2,
     "workers": 3,

@@ -728,6 +728,15 @@ class RolloutPoolConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Where generated code (code rewards, the code_interpreter tool) runs; see docs/sandbox.md."""
+
+    # run it without kernel isolation (an audit-hook policy only) where bubblewrap or user namespaces
+    # are missing; off: such a run stops at start-up and says how to get isolation
+    allow_unisolated: bool = False
+
+
+@dataclass
 class AsyncTrainingConfig:
     """verl's ``async_training`` keys (``trainer/ppo/fully_async.py``, ``one_step_off.py``)."""
 
@@ -755,6 +764,7 @@ class PPOConfig:
     trainer: TrainerConfig = _sub(TrainerConfig)
     rollout: RolloutPoolConfig = _sub(RolloutPoolConfig)
     async_training: AsyncTrainingConfig = _sub(AsyncTrainingConfig)
+    sandbox: SandboxConfig = _sub(SandboxConfig)  # rlfoundry
     ray_init: Dict[str, Any] = _dict(num_cpus=None, timeline_json_file=None)
 
 

@@ -8,10 +8,11 @@ carry their tests in ``reward_model.ground_truth`` as JSON (a string or already 
   (each input a list of arguments; an output may be wrapped in a one-element list, as APPS stores them).
 
 The program is the response's last fenced code block (```python ... ``` or ``` ... ```), else the
-whole response. Each test runs in its own sandboxed interpreter (``utils/sandbox.run_python``: the
-agent loop's limits and containment — no processes, sockets or files outside its directory, CPU,
+whole response. Each test runs in its own sandboxed interpreter (``rlfoundry.sandbox.run_python``:
+kernel namespaces and a seccomp filter — no processes, network, or files of the host — with CPU,
 memory, output and wall-clock limits), so a loop, a crash, a fork or a memory blow-up fails that test
-and nothing else. Outputs compare token by token after stripping (numbers within 1e-6 relative).
+and nothing else; or, with ``sandbox_fusion_url`` (verl's ``reward_model.sandbox_fusion.url``), on
+that SandboxFusion server. Outputs compare token by token after stripping (numbers within 1e-6 relative).
 
 The score is the fraction of tests passed (``mode="fraction"``, verl's ``continuous=True``) or 1/0
 (``mode="all"``, which stops at the first failure); a program that hits a limit (time, memory,
@@ -26,9 +27,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
-from rlfoundry.utils.sandbox import SandboxLimits, run_python
+from rlfoundry.sandbox import SandboxLimits, SandboxResult
+from rlfoundry.sandbox.fusion import executor
 
 __all__ = ["CODE_DATA_SOURCES", "compute_score", "extract_code"]
 
@@ -105,7 +107,8 @@ def _call_output_equal(stdout: str, want: Any) -> bool:
     return got == want or (isinstance(got, list) and isinstance(want, tuple) and got == list(want))
 
 
-def _run_test(code: str, tests: dict[str, Any], i: int, limits: SandboxLimits) -> str:
+def _run_test(code: str, tests: dict[str, Any], i: int, limits: SandboxLimits,
+              execute: Callable[[str, SandboxLimits], SandboxResult]) -> str:
     """``passed`` or the reason test ``i`` failed."""
     fn_name = tests.get("fn_name")
     if fn_name:
@@ -114,7 +117,7 @@ def _run_test(code: str, tests: dict[str, Any], i: int, limits: SandboxLimits) -
         harness = _STDIN_HARNESS.format(stdin=str(tests["inputs"][i]))
     # the solution beside the harness, as a module file: its tracebacks name its own lines
     program = f"open('solution.py', 'w').write({code!r})\n{harness}"
-    result = run_python(program, limits)
+    result = execute(program, limits)
     if not result.ok:
         return result.status
     want = tests["outputs"][i]
@@ -123,7 +126,9 @@ def _run_test(code: str, tests: dict[str, Any], i: int, limits: SandboxLimits) -
 
 
 def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None, mode: str = "fraction",
-                  limits: SandboxLimits = TEST_LIMITS, max_tests: int = MAX_TESTS, **_: Any) -> dict[str, Any]:
+                  limits: SandboxLimits = TEST_LIMITS, max_tests: int = MAX_TESTS,
+                  sandbox_fusion_url: str | None = None, memory_limit_mb: int | None = None,
+                  max_concurrent: int = 64, **_: Any) -> dict[str, Any]:
     """Run the response's program against the row's tests; see the module docstring."""
     if mode not in ("fraction", "all"):
         raise ValueError(f"code reward mode must be 'fraction' or 'all', got {mode!r}")
@@ -138,8 +143,9 @@ def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None 
     if not code:
         return {"score": 0.0, "acc": False, "passed": 0, "total": total, "reason": "no_code"}
     passed, reason = 0, "passed"
+    execute = executor(sandbox_fusion_url, memory_limit_mb, max_concurrent)
     for i in range(total):
-        outcome = _run_test(code, tests, i, limits)
+        outcome = _run_test(code, tests, i, limits, execute)
         if outcome == "passed":
             passed += 1
             continue

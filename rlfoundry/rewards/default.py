@@ -53,11 +53,19 @@ def default_compute_score(
     solution_str: str,
     ground_truth: str,
     extra_info: dict | None = None,
+    sandbox_fusion_url: str | None = None,
+    memory_limit_mb: int | None = None,
+    max_concurrent: int = 64,
     **kwargs: Any,
 ) -> float | dict:
-    """Score one response with the built-in scorer of its data set."""
+    """Score one response with the built-in scorer of its data set. As in verl, the SandboxFusion
+    arguments (``reward_model.sandbox_fusion.*``) reach only the code scorer."""
     check_data_sources([data_source])
-    return SCORERS[data_source](solution_str, ground_truth, **kwargs)
+    scorer = SCORERS[data_source]
+    if scorer is code.compute_score:
+        kwargs.update(sandbox_fusion_url=sandbox_fusion_url, memory_limit_mb=memory_limit_mb,
+                      max_concurrent=max_concurrent)
+    return scorer(solution_str, ground_truth, **kwargs)
 
 
 def batch_default_compute_score(

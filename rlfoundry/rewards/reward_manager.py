@@ -46,6 +46,7 @@ Config (``load_reward_manager``):
 | ``reward_model.reward_kwargs.mp_start_method`` | forkserver | or spawn |
 | ``reward_model.reward_kwargs.rm_combine`` | replace | replace or add (see above) |
 | ``reward_model.reward_kwargs.compute_score_kwargs`` | {} | keyword arguments of the built-in scorer (e.g. ``{method: flexible}`` for GSM8K) |
+| ``reward_model.sandbox_fusion.url`` | null | code rewards run their programs on this SandboxFusion server (``memory_limit_mb``, ``max_concurrent`` too) instead of this machine's sandbox |
 | ``reward.weights.{rule,judge}`` | null, 1 | rule × rule score + judge × judge score (below); rule null: 0 with a judge, else 1 |
 | ``reward_model.overlong_buffer.{enable,len,penalty_factor,log}`` | off | dapo only; uses ``data.max_response_length`` |
 | ``custom_reward_function.{path,name,reward_kwargs}`` | null | see ``rlfoundry.rewards.custom`` |
@@ -578,4 +579,18 @@ def load_reward_manager(config: Any, tokenizer: Any, num_examine: int = 0, **kwa
     options.setdefault("rule_weight", _get(weights, "rule"))
     options.setdefault("judge_weight", _get(weights, "judge", 1.0))
     reward_fn_key = _get(_get(config, "data"), "reward_fn_key", "data_source")
-    return cls(tokenizer, num_examine, load_custom_reward_fn(config), reward_fn_key, **options)
+    custom = load_custom_reward_fn(config)
+    if custom is None and _sandbox_fusion_kwargs(rm_config):
+        options["compute_score_kwargs"] = {**_sandbox_fusion_kwargs(rm_config),
+                                           **dict(options.get("compute_score_kwargs") or {})}
+    return cls(tokenizer, num_examine, custom, reward_fn_key, **options)
+
+
+def _sandbox_fusion_kwargs(rm_config: Any) -> dict:
+    """verl's ``reward_model.sandbox_fusion.{url, memory_limit_mb, max_concurrent}`` as the code
+    scorer's keyword arguments; none without a URL (programs run in this machine's sandbox)."""
+    fusion = _get(rm_config, "sandbox_fusion", None) or {}
+    if not _get(fusion, "url", None):
+        return {}
+    return {"sandbox_fusion_url": str(_get(fusion, "url")), "memory_limit_mb": _get(fusion, "memory_limit_mb", None),
+            "max_concurrent": int(_get(fusion, "max_concurrent", 64) or 64)}

@@ -95,7 +95,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.calculate_log_probs",
     "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
-    "reward_model.launch_reward_fn_async", "reward_model.sandbox_fusion*", "reward.sandbox_fusion*",
+    "reward_model.launch_reward_fn_async",
     "algorithm.use_pf_ppo", "algorithm.pf_ppo*",
     "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
     "trainer.val_generations_to_log_to_wandb", "trainer.esi_redundant_time",

@@ -365,6 +365,7 @@ def build_trainer(cfg: DictConfig):
     train_files = cfg.data.train_files if cfg.data.train_files is not None else syn_train
     val_files = cfg.data.val_files if cfg.data.val_files is not None else syn_val
     train, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files)
+    check_sandbox(cfg, [train.dataset, val_loader.dataset])
     resolved = resolve_config(cfg, steps_per_epoch=len(train), cuda_available=torch.cuda.is_available(),
                               train_files=syn_train, val_files=syn_val, run_dir=str(run_dir))
     for choice in auto_choices(cfg, resolved):
@@ -382,6 +383,45 @@ def build_trainer(cfg: DictConfig):
                                       train, val_loader)
     trainer.init_workers()
     return trainer
+
+
+def check_sandbox(cfg: DictConfig, datasets: Sequence[Any]) -> None:
+    """A run that executes generated code (code rewards, a code tool) needs kernel isolation, or the
+    user's ``sandbox.allow_unisolated=true``: say which at start-up, never fall back silently. The
+    choice reaches reward pools and workers through the environment, which they inherit."""
+    from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, SandboxUnavailable, mode
+
+    if cfg.sandbox.allow_unisolated:
+        os.environ[ALLOW_UNISOLATED_ENV] = "1"
+    runners = _code_runners(cfg, datasets)
+    if not runners:
+        return
+    try:
+        how = mode()
+    except SandboxUnavailable as e:
+        raise ConfigError(f"{' and '.join(runners)} run generated code, but {e}") from None
+    print(f"rlfoundry: {' and '.join(runners)} run generated code in the {how} sandbox", flush=True)
+
+
+def _code_runners(cfg: DictConfig, datasets: Sequence[Any]) -> list[str]:
+    """What in this run executes generated code on this machine (a SandboxFusion URL sends it elsewhere)."""
+    from omegaconf import OmegaConf
+
+    from rlfoundry.rewards.code import CODE_DATA_SOURCES
+
+    found = []
+    key = cfg.data.get("reward_fn_key", "data_source")
+    sources = {s for d in datasets for _, table in getattr(d, "tables", ())
+               if key in table.column_names for s in table.column(key).unique().to_pylist()}
+    local_rewards = not cfg.reward_model.get("sandbox_fusion", {}).get("url") and cfg.custom_reward_function.path is None
+    if local_rewards and sources & set(CODE_DATA_SOURCES):
+        found.append(f"the code rewards ({', '.join(sorted(sources & set(CODE_DATA_SOURCES)))})")
+    tools_path = cfg.actor_rollout_ref.rollout.multi_turn.get("tool_config_path")
+    if tools_path and Path(tools_path).expanduser().is_file():
+        entries = OmegaConf.to_container(OmegaConf.load(Path(tools_path).expanduser())).get("tools") or []
+        found += [f"the tool {e['class_name'].rsplit('.', 1)[-1]}" for e in entries if isinstance(e, dict)
+                  and "CodeInterpreter" in str(e.get("class_name")) and not (e.get("config") or {}).get("sandbox_fusion_url")]
+    return found
 
 
 def trainer_class(cfg: DictConfig) -> type:

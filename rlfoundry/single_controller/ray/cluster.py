@@ -19,6 +19,14 @@ DEFAULT_WORKER_ENV = {
 }
 
 
+def _propagated_env() -> dict[str, str]:
+    """The driver's sandbox choices (``sandbox.allow_unisolated``), so code run by a worker on any node
+    obeys them as code run by the driver does."""
+    from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, ISOLATION_ENV
+
+    return {k: os.environ[k] for k in (ALLOW_UNISOLATED_ENV, ISOLATION_ENV) if k in os.environ}
+
+
 def _existing_cluster(address: str | None) -> str | None:
     """The address of a cluster to join, or None to start a local one."""
     if address is not None:
@@ -59,7 +67,7 @@ def init_ray(
     if ray.is_initialized():
         return False
     runtime_env = dict(runtime_env or {})
-    runtime_env["env_vars"] = {**DEFAULT_WORKER_ENV, **runtime_env.get("env_vars", {})}
+    runtime_env["env_vars"] = {**DEFAULT_WORKER_ENV, **_propagated_env(), **runtime_env.get("env_vars", {})}
     common = dict(runtime_env=runtime_env, namespace=namespace, logging_level=logging.WARNING, log_to_driver=True)
     cluster = _existing_cluster(address)
     if cluster is not None:

@@ -3,6 +3,7 @@ result with a status and a message, in bounded time, with nothing left behind.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rlfoundry.utils.sandbox import SandboxLimits, run_python
+from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, ISOLATION_ENV, SandboxLimits, SandboxUnavailable, run_python
+from rlfoundry.sandbox.namespace import isolation
+
+needs_namespaces = pytest.mark.skipif(not isolation().available, reason=f"no kernel isolation: {isolation().reason}")
 
 LIMITS = SandboxLimits(wall_time_s=3.0, cpu_time_s=1, memory_bytes=512 << 20, max_output_bytes=4096)
 
@@ -62,6 +66,13 @@ def test_unbounded_allocation_is_a_memory_error():
     assert r.status == "memory"
 
 
+@pytest.fixture
+def unisolated(monkeypatch):
+    """The opt-in mode without kernel isolation, even where namespaces work."""
+    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "1")
+    monkeypatch.setenv(ISOLATION_ENV, "none")
+
+
 @pytest.mark.parametrize("code, refused", [
     ("import os\nfor _ in range(50):\n    os.fork()", "os.fork"),
     ("import subprocess\nsubprocess.run(['true'])", "subprocess.Popen"),
@@ -72,15 +83,50 @@ def test_unbounded_allocation_is_a_memory_error():
     ("import os\nos.remove('/tmp/anything')", "os.remove"),
     ("import ctypes", "importing ctypes"),
 ])
-def test_processes_sockets_outside_files_and_ctypes_are_refused(code, refused):
+def test_the_unisolated_policy_refuses_processes_sockets_outside_files_and_ctypes(unisolated, code, refused):
     r = _run(code)
+    assert r.isolation == "unisolated"
     assert r.status == "error" and "PermissionError: sandbox:" in r.stderr and refused in r.stderr, r.stderr
     assert not Path("/tmp/rlfoundry-sandbox-escape.txt").exists()
 
 
-def test_a_refusal_is_an_exception_the_code_may_handle():
+def test_an_unisolated_refusal_is_an_exception_the_code_may_handle(unisolated):
     r = _run("try:\n    open('/etc/hostname')\nexcept PermissionError as e:\n    print('caught', e)")
     assert r.status == "ok" and r.stdout.startswith("caught sandbox:")
+
+
+@needs_namespaces
+@pytest.mark.parametrize("code, error", [
+    ("import os\nfor _ in range(50):\n    os.fork()", "PermissionError: [Errno 1]"),  # seccomp: no processes
+    ("import subprocess\nsubprocess.run(['true'])", "PermissionError: [Errno 1]"),
+    ("import os\nos.unshare(os.CLONE_NEWUSER)" if hasattr(os, "unshare") else "import os\nos.fork()",
+     "PermissionError: [Errno 1]"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)", "ConnectionRefusedError"),  # own loopback
+    ("import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=1)", "OSError: [Errno 101]"),  # no route out
+    ("print(open('/etc/hostname').read())", "FileNotFoundError"),  # the host's files are not there at all
+    ("open('/usr/pwned', 'w')", "OSError: [Errno 30] Read-only file system"),
+])
+def test_the_namespaced_sandbox_answers_with_the_kernels_errors(code, error):
+    r = _run(code)
+    assert (r.isolation, r.status) == ("namespaced", "error") and error in r.stderr, r.stderr
+
+
+@needs_namespaces
+def test_the_namespaced_program_sees_its_own_world():
+    name = f"rlfoundry-private-{os.getpid()}"
+    r = _run(f"import json, os\nopen('/tmp/{name}', 'w').write('x')\n"
+             "print(json.dumps([os.getpid(), os.getcwd(), [p for p in os.listdir('/proc') if p.isdigit()]]))")
+    pid, cwd, pids = json.loads(r.stdout)
+    assert r.status == "ok" and cwd == "/sandbox"
+    assert pid <= 3 and len(pids) <= 2  # bubblewrap's init and itself: no other process exists for it
+    assert not Path(f"/tmp/{name}").exists()  # its /tmp is its own
+
+
+def test_no_isolation_and_no_opt_in_is_an_error_that_says_how_to_fix_it(monkeypatch):
+    monkeypatch.setenv(ISOLATION_ENV, "none")
+    monkeypatch.delenv(ALLOW_UNISOLATED_ENV, raising=False)
+    with pytest.raises(SandboxUnavailable, match="sandbox.allow_unisolated=true"):
+        _run("print(1)")
 
 
 def test_the_working_directory_is_removed_afterwards():

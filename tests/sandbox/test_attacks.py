@@ -1,0 +1,184 @@
+"""Hostile programs against the sandbox, through each of the three ways untrusted code runs
+(``run_python``, the ``code_interpreter`` tool, the code reward).
+
+Each attack runs in a caller process (``_caller.py``) beside a decoy sibling process and a sentinel
+directory holding a secret. After every run the test checks the world: the caller answered and is
+alive, not stopped, with its limits, priority and CPU set unchanged; the decoy likewise; the sentinel
+directory unchanged; no process carries the attack's marker; the TCP and abstract-socket listeners
+got no connection; and the program did not report success. With kernel isolation nothing may get
+through; the unisolated mode's escapes must be exactly the documented list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, ISOLATION_ENV
+from rlfoundry.sandbox.namespace import isolation
+from tests.sandbox.attacks import ATTACKS, NAMESPACED_ONLY, UNISOLATED_ESCAPES
+
+CALLER = Path(__file__).with_name("_caller.py")
+ENTRIES = ("run_python", "tool", "reward")
+needs_namespaces = pytest.mark.skipif(not isolation().available, reason=f"no kernel isolation: {isolation().reason}")
+
+
+def _proc_state(pid: int) -> dict | None:
+    """What an attack could change about a process, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if state == "Z":
+            return None
+        return {"stopped": state in "Tt", "limits": limits, "nice": os.getpriority(os.PRIO_PROCESS, pid),
+                "cpus": sorted(os.sched_getaffinity(pid))}
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _tree(path: Path) -> dict:
+    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() and not p.is_symlink() else p.is_symlink())
+            for p in sorted(path.rglob("*"))}
+
+
+def _marked_processes(marker: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+class World:
+    """The caller, the decoy, the sentinel and the listeners for one run of the suite."""
+
+    def __init__(self, tmp: Path, unisolated: bool):
+        self.secret = "s3cr3t-" + secrets.token_hex(8)
+        self.sentinel = tmp / "sentinel"
+        self.sentinel.mkdir()
+        (self.sentinel / "secret.txt").write_text(self.secret)
+        self.env = {**os.environ, "RLF_ATTACK_SECRET": self.secret}
+        if unisolated:
+            self.env.update({ALLOW_UNISOLATED_ENV: "1", ISOLATION_ENV: "none"})
+        self.decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.tcp.setblocking(False)
+        self.abstract_name = "rlf-attack-" + secrets.token_hex(6)
+        self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.unix.bind("\0" + self.abstract_name)
+        self.unix.listen()
+        self.unix.setblocking(False)
+        self.caller = None
+        self._start_caller()
+
+    def _start_caller(self) -> None:
+        root = Path(__file__).resolve().parents[2]
+        self.caller = subprocess.Popen([sys.executable, str(CALLER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       env=self.env, cwd=root, text=True)
+
+    def fill(self, code: str, marker: str) -> str:
+        for token, value in (("SECRET_PATH", str(self.sentinel / "secret.txt")), ("SENTINEL", str(self.sentinel)),
+                             ("SECRET", self.secret), ("PARENT_PID", str(self.caller.pid)),
+                             ("DECOY_PID", str(self.decoy.pid)), ("MARKER", marker),
+                             ("PORT", str(self.tcp.getsockname()[1])), ("ABSTRACT", self.abstract_name)):
+            code = code.replace(token, value)
+        return code
+
+    def attack(self, entry: str, code: str) -> list[str]:
+        """Run one attack; return the harms it did (empty: contained)."""
+        marker = "rlf-marker-" + secrets.token_hex(6)
+        before = (_proc_state(self.caller.pid), _proc_state(self.decoy.pid), _tree(self.sentinel))
+        self.caller.stdin.write(json.dumps({"entry": entry, "code": self.fill(code, marker)}) + "\n")
+        self.caller.stdin.flush()
+        harms = self._answer_harms()
+        after = (_proc_state(self.caller.pid), _proc_state(self.decoy.pid), _tree(self.sentinel))
+        harms += [what for what, b, a in zip(("caller changed", "decoy changed", "sentinel changed"), before, after)
+                  if a != b]
+        harms += ["a process outlived the call"] * bool(_marked_processes(marker))
+        harms += [f"{name} listener was reached" for name, s in (("tcp", self.tcp), ("unix", self.unix))
+                  if self._accepted(s)]
+        return harms
+
+    def _answer_harms(self) -> list[str]:
+        ready, _, _ = select.select([self.caller.stdout], [], [], 15)  # limits are 3 s
+        line = self.caller.stdout.readline() if ready else ""
+        if not line:
+            return ["the caller died or hung"]
+        answer = json.loads(line)
+        if "raised" in answer:
+            return [f"the entry point raised {answer['raised']}"]
+        return ["the program reported success"] if answer["escaped"] else []
+
+    @staticmethod
+    def _accepted(s: socket.socket) -> bool:
+        try:
+            conn, _ = s.accept()
+        except BlockingIOError:
+            return False
+        conn.close()
+        return True
+
+    def repair(self) -> None:
+        """After a harmful attack: a fresh caller, decoy and sentinel for the next one."""
+        for p in (self.caller, self.decoy):
+            p.kill()
+            p.wait()
+        for pid in _marked_processes("rlf-marker-"):
+            os.kill(pid, 9)
+        self.decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        for p in self.sentinel.iterdir():
+            p.unlink()
+        (self.sentinel / "secret.txt").write_text(self.secret)
+        self._start_caller()
+
+    def close(self) -> None:
+        for p in (self.caller, self.decoy):
+            p.kill()
+            p.wait()
+        self.tcp.close()
+        self.unix.close()
+
+
+@pytest.fixture(scope="module")
+def namespaced_world(tmp_path_factory):
+    world = World(tmp_path_factory.mktemp("attacks"), unisolated=False)
+    yield world
+    world.close()
+
+
+@needs_namespaces
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("name", sorted({**ATTACKS, **NAMESPACED_ONLY}))
+def test_no_attack_gets_out_of_the_namespaced_sandbox(namespaced_world, entry, name):
+    harms = namespaced_world.attack(entry, {**ATTACKS, **NAMESPACED_ONLY}[name])
+    if harms:
+        namespaced_world.repair()
+    assert harms == []
+
+
+def test_the_unisolated_mode_stops_exactly_what_the_docs_say(tmp_path):
+    """Documented, not hidden: which attack classes the audit-hook policy lets through."""
+    world = World(tmp_path, unisolated=True)
+    escaped = set()
+    try:
+        for name, code in ATTACKS.items():
+            harms = world.attack("run_python", code)
+            if harms:
+                escaped.add(name)
+                world.repair()
+    finally:
+        world.close()
+    assert escaped == set(UNISOLATED_ESCAPES)
