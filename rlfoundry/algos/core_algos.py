@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from rlfoundry.algos import rollout_corr
+from rlfoundry.algos.pf_ppo import compute_pf_ppo_reweight_data  # verl's home for it
 from rlfoundry.utils import torch_functional as F_
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "compute_grpo_passk_outcome_advantage",
     "compute_grpo_vectorized_outcome_advantage",
     "compute_opo_outcome_advantage",
+    "compute_pf_ppo_reweight_data",
     "compute_policy_loss",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",

@@ -96,7 +96,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
     "reward_model.launch_reward_fn_async",
-    "algorithm.use_pf_ppo", "algorithm.pf_ppo*",
     "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
     "trainer.val_generations_to_log_to_wandb", "trainer.esi_redundant_time",
     "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",
@@ -481,7 +480,22 @@ def _check_lengths_and_numbers(cfg: DictConfig) -> list[str]:
         errors.append(f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be positive (or null).")
     if alg.kl_ctrl.type == "adaptive" and alg.kl_ctrl.horizon <= 0:
         errors.append(f"algorithm.kl_ctrl.horizon={alg.kl_ctrl.horizon} must be positive for the adaptive controller.")
-    return errors + _check_reliability_numbers(cfg.trainer) + _check_outputs(cfg.trainer)
+    return errors + _check_reliability_numbers(cfg.trainer) + _check_outputs(cfg.trainer) + _check_pf_ppo(cfg.algorithm)
+
+
+def _check_pf_ppo(alg: DictConfig) -> list[str]:
+    """``algorithm.pf_ppo`` when ``use_pf_ppo``: a known reweight method and a usable power."""
+    from rlfoundry.algos.pf_ppo import PF_PPO_METHODS
+
+    if not alg.use_pf_ppo:
+        return []
+    errors, method, power = [], alg.pf_ppo.get("reweight_method", "pow"), alg.pf_ppo.get("weight_pow", 2.0)
+    if method not in PF_PPO_METHODS:
+        errors.append(f"algorithm.pf_ppo.reweight_method={method!r} is not one of {list(PF_PPO_METHODS)}.")
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
+        errors.append(f"algorithm.pf_ppo.weight_pow={power!r} must be a number >= 0 (weights are |score| ** weight_pow; "
+                      "a negative power makes a zero score's weight infinite).")
+    return errors
 
 
 def _check_outputs(trainer: DictConfig) -> list[str]:
@@ -766,6 +780,10 @@ def _soft_warnings(cfg: DictConfig) -> None:
     if est in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo") and n < 2:
         warnings.warn(f"algorithm.adv_estimator={est} compares the {n} sample(s) of each prompt: with "
                       f"actor_rollout_ref.rollout.n={n} every advantage is zero. Use rollout.n >= 2.", stacklevel=3)
+    if cfg.algorithm.use_pf_ppo and est != "gae":
+        warnings.warn(f"algorithm.use_pf_ppo has no effect with algorithm.adv_estimator={est}: PF-PPO resamples the "
+                      "batch after GAE advantages only (as verl does). Use adv_estimator=gae with a critic, or drop "
+                      "use_pf_ppo.", NoEffectKeyWarning, stacklevel=3)
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("Both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL term is applied twice.",
                       stacklevel=3)

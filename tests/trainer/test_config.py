@@ -265,6 +265,21 @@ def test_generation_outputs_take_effect_and_bad_values_are_start_up_errors(tmp_p
         _load(f"trainer.validation_data_dir={tmp_path / 'f.txt'}")
 
 
+def test_pf_ppo_keys_take_effect_and_bad_values_are_start_up_errors(tiny_critic_dir):
+    gae = ["algorithm.adv_estimator=gae", f"critic.model.path={tiny_critic_dir}", "algorithm.use_pf_ppo=true"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config([*gae, "algorithm.pf_ppo.reweight_method=max_random", "algorithm.pf_ppo.weight_pow=1"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    with pytest.raises(ConfigError, match=r"algorithm.pf_ppo.reweight_method='best' is not one of \['pow', 'max_min'"):
+        _load(*gae, "algorithm.pf_ppo.reweight_method=best")
+    with pytest.raises(ConfigError, match=r"algorithm.pf_ppo.weight_pow=-1 must be a number >= 0"):
+        _load(*gae, "algorithm.pf_ppo.weight_pow=-1")
+    # verl resamples after GAE only: with another estimator the key is named as having no effect
+    with pytest.warns(NoEffectKeyWarning, match="use_pf_ppo has no effect with algorithm.adv_estimator=grpo"):
+        load_config(["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"])
+
+
 def test_effective_keys_give_no_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

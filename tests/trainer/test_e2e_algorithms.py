@@ -206,6 +206,26 @@ def test_grpo_with_kl_loss(tiny_model_dir, tmp_path, reward_file):
     assert torch.equal(second["token_level_rewards"], second["token_level_scores"])  # KL in the loss only
 
 
+def test_pf_ppo_trains_on_the_batch_resampled_by_score(tiny_model_dir, tiny_critic_dir, tmp_path, reward_file):
+    """algorithm.use_pf_ppo with max_min: the actor and critic learn from a batch of the same size
+    drawn only from the rows with the batch's highest and lowest score (verl's PF-PPO, after GAE)."""
+    common = ("algorithm.adv_estimator=gae", f"critic.model.path={tiny_critic_dir}", "trainer.total_training_steps=1")
+    plain = _train(tiny_model_dir, tmp_path / "plain", reward_file, *common).batches[0]
+    pf = _train(tiny_model_dir, tmp_path / "pf", reward_file, *common, "algorithm.use_pf_ppo=true",
+                "algorithm.pf_ppo.reweight_method=max_min").batches[0]
+    scores = _outcome(plain)
+    assert len(set(scores.tolist())) > 2  # else max_min would keep every row and prove nothing
+    extremes = {i for i, s in enumerate(scores.tolist()) if s in (scores.max().item(), scores.min().item())}
+    # the same seed generates the same rows; each trained row is one of the extremes, whole
+    assert len(pf["responses"]) == len(plain["responses"])
+    for row in range(len(pf["responses"])):
+        (src,) = [i for i in range(len(plain["responses"])) if torch.equal(plain["responses"][i], pf["responses"][row])
+                  and torch.equal(plain["prompts"][i], pf["prompts"][row])]
+        assert src in extremes
+        for key in ("token_level_scores", "values", "advantages", "returns", "old_log_probs"):
+            torch.testing.assert_close(pf[key][row], plain[key][src], atol=1e-6, rtol=1e-5)
+
+
 def test_ppo_kl_in_reward_with_adaptive_controller(tiny_model_dir, tiny_critic_dir, tmp_path, reward_file):
     target, horizon, init = 0.002, 10, 0.05
     run = _train(tiny_model_dir, tmp_path, reward_file, "algorithm.adv_estimator=gae",

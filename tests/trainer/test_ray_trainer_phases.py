@@ -90,6 +90,26 @@ def test_gae_returns_with_discount():
     assert data.batch["advantages"].mean().item() == pytest.approx(0.0, abs=1e-6)
 
 
+def test_pf_ppo_resamples_after_gae_only():
+    # scores 2, 0.5, 0, -1 on the last token; max_min: only the rows of 2 (max) and -1 (min) are drawn
+    def batch():
+        data = _outcome_batch([2.0, 0.5, 0.0, -1.0], ["a", "b", "c", "d"])
+        data.batch["token_level_scores"] = data.batch["token_level_rewards"].clone()
+        data.batch["values"] = torch.zeros(4, 3)
+        return data
+
+    config = {"use_pf_ppo": True, "pf_ppo": {"reweight_method": "max_min", "weight_pow": 2.0}, "gamma": 1.0, "lam": 1.0}
+    out = compute_advantage(batch(), "gae", config=config, generator=torch.Generator().manual_seed(0))
+    assert len(out) == 4 and set(out.non_tensor_batch["uid"]) <= {"a", "d"}
+    # every column moved with its row: a row's advantages are those it had before the draw
+    plain = compute_advantage(batch(), "gae")
+    rows = ["abcd".index(u) for u in out.non_tensor_batch["uid"]]
+    torch.testing.assert_close(out.batch["advantages"], plain.batch["advantages"][rows])
+    # verl applies it after GAE only: another estimator leaves the batch as it is
+    grpo = compute_advantage(batch(), "grpo", config=config, generator=torch.Generator().manual_seed(0))
+    assert list(grpo.non_tensor_batch["uid"]) == ["a", "b", "c", "d"]
+
+
 def test_every_estimator_is_called_with_the_same_kwargs():
     # the uniform call must not break any registered estimator that our batches can feed
     base = _outcome_batch([1.0, 0.0, 0.5, 0.5], ["a", "a", "b", "b"])

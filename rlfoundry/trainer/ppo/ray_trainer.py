@@ -75,12 +75,15 @@ def compute_advantage(
     num_repeat: int = 1,
     norm_adv_by_std_in_grpo: bool = True,
     config: Any = None,
+    generator: torch.Generator | None = None,
 ) -> DataProto:
     """``advantages`` and ``returns`` (B, Tr) from any registered estimator, called with one kwargs set.
 
     Every estimator takes ``**kwargs``, so the same call serves all of them: ``values`` (GAE),
     ``index`` = ``uid`` (group baselines), ``reward_baselines`` (ReMax) are passed when the batch
-    has them. ``num_repeat`` is kept for verl's signature (groups come from ``uid``).
+    has them. ``num_repeat`` is kept for verl's signature (groups come from ``uid``). With GAE and
+    ``config.use_pf_ppo`` the batch is then resampled by score (PF-PPO, ``algos/pf_ppo.py``; only
+    after GAE, as in verl), drawing with ``generator``.
     """
     fn = core_algos.get_adv_estimator_fn(adv_estimator)
     tensors = data.batch
@@ -100,6 +103,10 @@ def compute_advantage(
     advantages, returns = fn(**kwargs)
     data.batch["advantages"] = advantages
     data.batch["returns"] = returns
+    if adv_estimator == "gae" and config is not None and config.get("use_pf_ppo", False):
+        pf = config.get("pf_ppo") or {}
+        data = core_algos.compute_pf_ppo_reweight_data(data, pf.get("reweight_method", "pow"),
+                                                       float(pf.get("weight_pow", 2.0)), generator=generator)
     return data
 
 
@@ -642,9 +649,14 @@ class RayPPOTrainer:
             batch = compute_advantage(
                 batch, alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
                 num_repeat=int(self.config.actor_rollout_ref.rollout.n),
-                norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg,
+                norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg, generator=self._step_generator(),
             )
         return batch, metrics
+
+    def _step_generator(self) -> torch.Generator:
+        """A generator seeded by (trainer.seed, step): a draw in the driver (PF-PPO's resampling) is
+        the same in a resumed run as in the uninterrupted one, and independent of earlier draws."""
+        return torch.Generator().manual_seed(int(self.config.trainer.seed) * 1_000_003 + self.state.global_steps)
 
     def _update_critic(self, batch: DataProto, timing: dict) -> dict[str, float]:
         if not self.use_critic:
