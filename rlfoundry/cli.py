@@ -33,18 +33,18 @@ class ExportError(RuntimeError):
 
 def find_actor_checkpoint(path: str | os.PathLike) -> Path:
     """Accept a run directory (newest complete step), a ``global_step_N`` dir, or its ``actor`` dir."""
-    from rlfoundry.utils.checkpoint import find_latest_ckpt_path, is_complete_step_dir
+    from rlfoundry import checkpoint as ckpt
 
     p = Path(path).expanduser()
     if p.name == "actor" and p.parent.name.startswith("global_step_"):
         p = p.parent
     if not p.name.startswith("global_step_"):
-        latest = find_latest_ckpt_path(p)
+        latest = ckpt.find_latest_ckpt_path(p)
         if latest is None:
             raise ExportError(f"{p} holds no complete checkpoint (expected global_step_N/ directories "
                               "written by the trainer, or a path to one of them).")
         p = Path(latest)
-    if not is_complete_step_dir(p) or not (p / "actor").is_dir():
+    if not ckpt.is_complete_step_dir(p) or not (p / "actor").is_dir():
         raise ExportError(f"{p} is not a complete checkpoint with an actor/ directory.")
     return p
 
@@ -57,25 +57,26 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, fmt: st
     ``PeftModel.from_pretrained`` on the base, which the run's ``model.path`` names).
 
     The run's resolved config (saved in the step's ``data.pt``) says which base model to build; DCP
-    reshards whatever number of ranks saved it onto this single process. A Megatron engine checkpoint
-    (``strategy=megatron``) is rebuilt at tensor = pipeline = 1 from any saved layout
-    (``engines/megatron/export.py``).
+    reshards whatever number of ranks saved it onto this single process. An engine with a shard
+    format of its own exports with its exporter (``checkpoint.engine_exporter``): a Megatron engine
+    checkpoint (``strategy=megatron``) is rebuilt at tensor = pipeline = 1 from any saved layout.
     """
     from omegaconf import OmegaConf
 
+    from rlfoundry import checkpoint as ckpt
     from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup
     from rlfoundry.single_controller.base.worker import WorkerRuntime
-    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker, export_megatron_checkpoint
-    from rlfoundry.utils.checkpoint import load_trainer_state, read_component_marker
+    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
 
     step_dir = find_actor_checkpoint(checkpoint_dir)
-    marker = read_component_marker(step_dir / "actor")
+    marker = ckpt.read_component_marker(step_dir / "actor")
     if fmt == "adapter" and not marker.get("trainable_only"):
         raise ExportError(f"{step_dir / 'actor'} holds a whole model, not a LoRA adapter: export it with "
                           "--format merged (the default)")
-    if marker.get("engine") == "megatron":
-        return export_megatron_checkpoint(step_dir / "actor", hf_dir)
-    state = load_trainer_state(step_dir / "data.pt")
+    exporter = ckpt.engine_exporter(marker)
+    if exporter is not None:
+        return exporter(step_dir / "actor", hf_dir)
+    state = ckpt.load_trainer_state(step_dir / "data.pt")
     if "config" not in state:
         raise ExportError(f"{step_dir / 'data.pt'} has no saved config; it was not written by rlfoundry's trainer.")
     cfg = OmegaConf.create(state["config"])

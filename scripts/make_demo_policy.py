@@ -144,7 +144,7 @@ def demo_validation_problems() -> list[tuple[str, str]]:
 def make_policy(out_dir: Path, work_dir: Path, steps: int | None = None) -> Path:
     from rlfoundry.models.tiny import save_tiny_model
     from rlfoundry.trainer.sft_trainer import ROLE, run_sft
-    from rlfoundry.utils.checkpoint import STEP_MARKER
+    from rlfoundry.checkpoint import STEP_MARKER
 
     base = save_tiny_model(work_dir / "init", **MODEL)
     train, val = write_demo_data(work_dir / "data")

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.stage1 if args.from_stage == 2 else run_stage(0, start_policy(work), work)
         model = run_stage(1, model, work)
         from rlfoundry.trainer.sft_trainer import ROLE
-        from rlfoundry.utils.checkpoint import STEP_MARKER
+        from rlfoundry.checkpoint import STEP_MARKER
 
         if args.out.exists():
             shutil.rmtree(args.out)

@@ -66,7 +66,7 @@ def _os_error(e: BaseException) -> OSError | None:
 @contextlib.contextmanager
 def checkpoint_save_guard(root: str | Path, step: int) -> Iterator[None]:
     """Around one checkpoint save: on an OSError, clean up and raise :class:`CheckpointSaveError`."""
-    from rlfoundry.utils import checkpoint as ckpt
+    from rlfoundry import checkpoint as ckpt
 
     try:
         yield

@@ -14,7 +14,7 @@ does not depend on the micro-batch size or rank count.
 
 Checkpoints (``trainer.default_local_dir``): ``global_step_N/`` is a Hugging Face model directory
 (weights, config, tokenizer) with the resumable training state in ``global_step_N/sft/``; the step
-protocol, retention and ``resume_mode=auto`` are PPO's (``utils/checkpoint.py``). With
+protocol, retention and ``resume_mode=auto`` are PPO's (``checkpoint/layout.py``). With
 ``data.train_files`` null the pairs come from the built-in arithmetic task (``data.synthetic``).
 """
 
@@ -38,13 +38,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 
+from rlfoundry import checkpoint as ckpt
 from rlfoundry.algos import core_algos
 from rlfoundry.config.sft_schema import SFTConfig, choice_errors
 from rlfoundry.data.sft_dataset import Pair, SFTDataError, SFTDataset, collate_sft, load_pairs, synthetic_pairs
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.config import ConfigError, load_typed_config
-from rlfoundry.utils import checkpoint as ckpt
 from rlfoundry.utils.errors import EXIT_RUN_ABORTED, CheckpointCorruptError
 from rlfoundry.utils.fs import fsync_dir
 from rlfoundry.utils.tracking import SUPPORTED_BACKENDS

@@ -340,7 +340,7 @@ class CriticWorker(Worker):
         """Sharded save of model, optimiser, scheduler, RNG and counters to ``local_path``.
 
         ``local_path`` is ``<default_local_dir>/global_step_N/critic``; the write is atomic (see
-        ``engines/checkpoint.py``). ``max_ckpt_to_keep`` is accepted for verl's signature
+        ``checkpoint/state.py``). ``max_ckpt_to_keep`` is accepted for verl's signature
         but retention is the trainer's job: it may only delete old steps once the *whole* new
         step (actor, critic, trainer state) is complete, which a single worker cannot know.
         """

@@ -54,17 +54,9 @@ from rlfoundry.workers.utils.parallel import data_parallel_size, pooled_rows
 from rlfoundry.engines import oom
 from rlfoundry.models import cpu_kernels
 
-__all__ = ["ActorRolloutRefWorker", "ROLES", "export_megatron_checkpoint"]
+__all__ = ["ActorRolloutRefWorker", "ROLES"]
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
-
-
-def export_megatron_checkpoint(local_path: str | Path, out_path: str | Path) -> Path:
-    """A role directory saved under ``strategy=megatron`` -> an HF directory, on this one process
-    whatever layout saved it (``rlfoundry export``; ``engines/megatron/export.py``)."""
-    from rlfoundry.engines.megatron.export import export_megatron_checkpoint as export
-
-    return export(local_path, out_path)
 
 
 def _per_rank(global_rows: int, world_size: int, what: str) -> int:
@@ -395,7 +387,7 @@ class ActorRolloutRefWorker(Worker):
         ``max_ckpt_to_keep``, this role's directories in older *finalised* steps beyond that count
         are removed (verl's ``max_actor_ckpt_to_keep``); whole-step retention is the trainer's job.
         """
-        from rlfoundry.utils import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         self._require(self.actor, "save_checkpoint")
         self.engine.save_checkpoint(local_path, {**self._extra_state(), "global_step": int(global_step)},

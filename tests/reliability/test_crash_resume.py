@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlfoundry.utils import checkpoint as ckpt_dirs
+from rlfoundry.checkpoint import layout as ckpt_dirs
 from tests.reliability._harness import (
     SIGKILLED,
     assert_same_metrics,

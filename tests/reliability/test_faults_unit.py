@@ -11,7 +11,7 @@ import torch
 from rlfoundry.trainer.reliability import NonFiniteGuard, checkpoint_save_guard
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import CheckpointSaveError, NonFiniteLossError, TrainingOutOfMemoryError
-from rlfoundry.utils import checkpoint as ckpt_dirs
+from rlfoundry.checkpoint import layout as ckpt_dirs
 from rlfoundry.engines.oom import MicroBatchBackoff, update_or_explain_oom
 
 

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import EXIT_RUN_ABORTED
-from rlfoundry.engines import checkpoint as ckpt
-from rlfoundry.utils import checkpoint as ckpt_dirs
+from rlfoundry.checkpoint import layout as ckpt_dirs
+from rlfoundry.checkpoint import state as ckpt
 from tests.reliability._harness import latest_step, overrides, raw_records
 from tests.reliability.conftest import run_main
 

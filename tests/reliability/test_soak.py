@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfoundry.engines import checkpoint as ckpt
-from rlfoundry.utils import checkpoint as ckpt_dirs
+from rlfoundry.checkpoint import layout as ckpt_dirs
+from rlfoundry.checkpoint import state as ckpt
 from tests.reliability._harness import (
     SIGKILLED,
     assert_same_metrics,

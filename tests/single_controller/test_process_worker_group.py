@@ -392,7 +392,7 @@ def test_driver_hosted_rank_zero_trains_like_one_rank(tiny_model_dir, batch, tmp
     assert report["mesh"] == ([2, 1] if replicated else [2])
     assert report["local_rows"] == (report["rows"] if replicated else report["rows"] // 2)
     # the 2-rank checkpoint reshards into one rank's single-unit mesh: the weights of its HF export
-    from rlfoundry.engines.checkpoint import load_checkpoint
+    from rlfoundry.checkpoint import load_checkpoint
     from tests.workers import full_params, local_worker
 
     local = local_worker(cfg, role="actor")

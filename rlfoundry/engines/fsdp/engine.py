@@ -7,7 +7,7 @@ LR schedule (trainable models only). Updates: mini-batches from ``engines/loop.p
 cut into micro-batches whose gradients accumulate (with one gather and one reduction per
 mini-batch where the units keep their parameters gathered), then clip + step, or skip the step
 when the gradient norm is not finite. Checkpoints: ``torch.distributed.checkpoint`` shards with an
-atomic publish and a manifest of sizes and checksums (``engines/checkpoint.py``).
+atomic publish and a manifest of sizes and checksums (``checkpoint/state.py``).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class FSDPEngine(TrainingEngine):
     # ---- checkpoints and weights --------------------------------------------------------------
 
     def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
-        from rlfoundry.engines import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         self.onload()
         try:
@@ -239,7 +239,7 @@ class FSDPEngine(TrainingEngine):
         return str(out)
 
     def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
-        from rlfoundry.engines import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         if self.lora:
             _check_same_adapter(path, lora_lib.peft_config_dict(self._module))
@@ -255,7 +255,7 @@ class FSDPEngine(TrainingEngine):
     def save_hf_model(self, path: str, tokenizer: Any = None, adapter_only: bool = False) -> str:
         """A ``from_pretrained`` directory; with LoRA the merged model, or with ``adapter_only`` the
         peft adapter directory (``PeftModel.from_pretrained``)."""
-        from rlfoundry.engines import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         if adapter_only and not self.lora:
             raise ValueError(f"{self.role}: an adapter export needs a LoRA model (model.lora_rank > 0)")
@@ -288,10 +288,10 @@ class FSDPEngine(TrainingEngine):
 
 def _check_same_adapter(path: str, mine: dict[str, Any]) -> None:
     """A LoRA checkpoint loads only into an adapter of the same rank on the same modules."""
-    from rlfoundry.utils.checkpoint import read_component_marker
+    from rlfoundry import checkpoint as ckpt
     from rlfoundry.utils.errors import CheckpointMismatchError
 
-    saved = read_component_marker(Path(path)).get("lora")
+    saved = ckpt.read_component_marker(Path(path)).get("lora")
     keys = ("r", "target_modules")
     if saved is not None and any(saved.get(k) != mine.get(k) for k in keys):
         raise CheckpointMismatchError(

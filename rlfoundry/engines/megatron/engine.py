@@ -297,14 +297,14 @@ class MegatronEngine(TrainingEngine):
     def _rng_state(self) -> dict[str, Any]:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        from rlfoundry.engines import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         return {**ckpt.get_rng_state(), "megatron_tracker": get_cuda_rng_tracker().get_states()}
 
     def _set_rng_state(self, state: dict[str, Any]) -> None:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        from rlfoundry.engines import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         ckpt.set_rng_state(state)
         if "megatron_tracker" in state:
@@ -339,10 +339,10 @@ class MegatronEngine(TrainingEngine):
 
     def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
         """Model (+ optimiser) with megatron-core's dist-checkpointing under ``mcore/``, inside the
-        project's role directory (atomic publish, manifest, scheduler, RNG, counters; ``engines/checkpoint.py``)."""
+        project's role directory (atomic publish, manifest, scheduler, RNG, counters; ``checkpoint/state.py``)."""
         from megatron.core import dist_checkpointing
 
-        from rlfoundry.engines import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         def write_shards(staging):
             (staging / "mcore").mkdir(exist_ok=True)
@@ -363,7 +363,7 @@ class MegatronEngine(TrainingEngine):
         (dist-checkpointing reshards it), the optimiser state only from the same one."""
         from megatron.core import dist_checkpointing
 
-        from rlfoundry.engines import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         def read_shards(root, meta):
             if meta.get("engine") != "megatron":

@@ -4,7 +4,7 @@ One CPU process, whatever layout saved it: the model is rebuilt at tensor = pipe
 HF config the checkpoint carries (``huggingface/``), megatron-core's dist-checkpointing reshards the
 saved tensor / pipeline / virtual-pipeline shards onto it, and the engine's own exporter writes
 HF-named safetensors (``score.*`` for a critic), the config and the tokenizer. Backs
-``rlfoundry export`` for ``strategy=megatron`` runs.
+``rlfoundry export`` for ``strategy=megatron`` runs (``checkpoint/export.py``'s ``ENGINE_EXPORTERS``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def export_megatron_checkpoint(local_path: str | os.PathLike, out_path: str | os
     from transformers import AutoConfig, AutoTokenizer
 
     from rlfoundry.config.schema import MegatronConfig
-    from rlfoundry.engines.checkpoint import HF_CONFIG_DIR, read_component_marker
+    from rlfoundry import checkpoint as ckpt
     from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
 
     path = Path(local_path)
-    meta = read_component_marker(path)
-    hf_dir = path / HF_CONFIG_DIR
+    meta = ckpt.read_component_marker(path)
+    hf_dir = path / ckpt.HF_CONFIG_DIR
     arch = (AutoConfig.from_pretrained(hf_dir).architectures or ["ForCausalLM"])[0]
     kind = "token_classification" if arch.endswith("ForTokenClassification") else "causal_lm"
     # the dtype it trained in: the exported tensors are those the model held

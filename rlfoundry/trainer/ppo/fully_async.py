@@ -324,7 +324,7 @@ class FullyAsyncPPOTrainer(RayPPOTrainer):
     def _load_checkpoint(self) -> None:
         from pathlib import Path
 
-        from rlfoundry.utils import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         super()._load_checkpoint()
         if self.state.resumed_from:

@@ -736,7 +736,7 @@ class RayPPOTrainer:
 
         Old checkpoints beyond ``max_*_ckpt_to_keep`` are removed only after the new one is complete.
         """
-        from rlfoundry.utils import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         step, trainer = self.state.global_steps, self.config.trainer
         step_dir = self._ckpt_root() / f"global_step_{step}"
@@ -765,7 +765,7 @@ class RayPPOTrainer:
         intact one, and stops (CheckpointCorruptError) if every step is damaged rather than train
         from scratch over them; an explicit ``resume_from_path`` that is damaged stops the run with
         the file named."""
-        from rlfoundry.utils import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         trainer = self.config.trainer
         if trainer.resume_mode == "disable":
@@ -783,7 +783,7 @@ class RayPPOTrainer:
 
     def _load_checkpoint(self) -> None:
         """Restore workers, loader position, KL coefficient and step from the chosen checkpoint (if any)."""
-        from rlfoundry.utils import checkpoint as ckpt
+        from rlfoundry import checkpoint as ckpt
 
         path = self._resume_path()
         if path is None:

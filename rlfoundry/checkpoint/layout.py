@@ -4,7 +4,7 @@ Layout (``D = trainer.default_local_dir``)::
 
     D/latest_checkpointed_iteration.txt      "N" — written last, atomically (temp + fsync + rename)
     D/global_step_N/
-        actor/                                one per worker role (engines/checkpoint.py writes it)
+        actor/                                one per worker role (``checkpoint/state.py`` writes it)
             dcp/ lr_scheduler.pt extra_state.pt rng/ huggingface/
             checkpoint_complete.json          component marker, written last; lists every file of
                                               the role with its size and SHA-256 ("manifest")
@@ -14,10 +14,11 @@ Layout (``D = trainer.default_local_dir``)::
                                               files (with sizes and SHA-256); written by
                                               write_latest_checkpointed_iteration
 
-Atomicity: a role is staged in ``<path>.tmp`` and renamed into place after its marker; the step
-marker and then the pointer are written once every role is complete; ``find_latest_ckpt_path``
-returns only complete steps, ``remove_old_checkpoints`` only counts complete steps and deletes by
-rename-then-delete, and ``cleanup_partial_checkpoints`` removes the debris of interrupted saves.
+Atomicity: a role is staged in ``<path>.tmp`` (:func:`staging_dir`) and renamed into place after its
+marker; the step marker and then the pointer are written once every role is complete;
+``find_latest_ckpt_path`` returns only complete steps, ``remove_old_checkpoints`` only counts
+complete steps and deletes by rename-then-delete, and ``cleanup_partial_checkpoints`` removes the
+debris of interrupted saves.
 
 Integrity: a file damaged *after* publishing (a flipped bit, a truncated copy) is caught by the
 manifests. ``verify_step_dir`` checks every size and checksum and raises
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "COMPONENT_MARKER",
     "CheckpointCorruptError",
+    "HF_CONFIG_DIR",
     "LATEST_FILE",
     "STEP_DIR_FORMAT",
     "STEP_MARKER",
@@ -75,6 +77,8 @@ __all__ = [
     "remove_old_checkpoints",
     "safe_torch_load",
     "save_trainer_state",
+    "staging_dir",
+    "unfinalise_step",
     "verify_files",
     "verify_step_dir",
     "write_latest_checkpointed_iteration",
@@ -84,6 +88,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMPONENT_MARKER = "checkpoint_complete.json"
 STEP_MARKER = "step_complete.json"
 STEP_DIR_FORMAT = "global_step_{}"
+HF_CONFIG_DIR = "huggingface"  # a role's HF config (+ tokenizer): the role exports without its run
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _CHUNK = 8 << 20
 
@@ -223,6 +228,12 @@ def is_complete_checkpoint(local_path: str | os.PathLike) -> bool:
     return (Path(local_path) / COMPONENT_MARKER).is_file()
 
 
+def staging_dir(path: Path) -> Path:
+    """Where ``path`` (a role or an HF export) is written before it is renamed into place;
+    :func:`cleanup_partial_checkpoints` removes one left by a crash."""
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
 # ---- step directories, the latest pointer, retention --------------------------------------
 
 
@@ -261,6 +272,12 @@ def is_complete_step_dir(step_dir: str | os.PathLike) -> bool:
         if not is_complete_checkpoint(step_dir / name):
             return False
     return all((step_dir / name).is_file() for name in marker.get("files", []))
+
+
+def unfinalise_step(step_dir: Path) -> None:
+    """A role of a finalised step is being re-saved: the step is no longer the one its marker
+    described, so it stops counting as complete until the trainer finalises it again."""
+    (step_dir / STEP_MARKER).unlink(missing_ok=True)
 
 
 def _components_of(step_dir: Path) -> tuple[list[str], list[str]]:

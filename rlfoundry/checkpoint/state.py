@@ -1,6 +1,6 @@
 """Saving and loading one role's training state with ``torch.distributed.checkpoint`` (DCP).
 
-A role directory (e.g. ``D/global_step_N/actor``, see ``utils/checkpoint.py`` for the layout and
+A role directory (e.g. ``D/global_step_N/actor``, see ``checkpoint/layout.py`` for the layout and
 the step protocol) holds the sharded model + optimiser (``dcp/``, each rank its own shards), the LR
 schedule and the caller's extra state (rank 0), every rank's RNG state, the model's HF config (+
 tokenizer) so it can be exported alone, and the marker with the manifest: every file's size and
@@ -11,8 +11,9 @@ Everything is written to ``<path>.tmp`` and renamed into place after all ranks f
 never unpickles arbitrary objects: DCP's pickled metadata is read with an allow-listed unpickler
 and its byte items with ``weights_only=True``; HF exports are safetensors + JSON.
 
-All ranks of a worker group call ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model``
-together (they are collectives), on a filesystem every rank can see.
+All ranks of a worker group call ``save_checkpoint`` / ``load_checkpoint`` together (they are
+collectives), on a filesystem every rank can see. ``save_role`` / ``load_role`` are the
+engine-independent part (the Megatron engine writes its own shards through them).
 """
 
 from __future__ import annotations
@@ -44,70 +45,37 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rlfoundry.utils import faults
-from rlfoundry.utils.checkpoint import (
+from rlfoundry.checkpoint import collective
+from rlfoundry.checkpoint.layout import (
     COMPONENT_MARKER,
-    STEP_MARKER,
-    TMP_SUFFIX,
+    HF_CONFIG_DIR,
     atomic_torch_save,
     file_manifest,
     files_under,
     read_component_marker,
     safe_torch_load,
+    staging_dir,
+    unfinalise_step,
     verify_files,
 )
+from rlfoundry.utils import faults
 from rlfoundry.utils.errors import CheckpointCorruptError, CheckpointMismatchError
 from rlfoundry.utils.fs import atomic_write_bytes, fsync_dir, rename_then_delete
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "export_hf_from_checkpoint",
+    "fix_architectures",
     "get_rng_state",
     "load_checkpoint",
     "load_role",
     "save_checkpoint",
     "save_role",
-    "save_hf_model",
     "set_rng_state",
+    "write_hf_config",
 ]
 
-HF_CONFIG_DIR = "huggingface"
 _FORMAT_VERSION = 2  # 2: the marker carries a manifest of every file
-
-
-# ---- distributed helpers ------------------------------------------------------------------
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if _dist_on() else 0
-
-
-def _world_size(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if _dist_on() else 1
-
-
-def _barrier(group: dist.ProcessGroup | None = None) -> None:
-    if _dist_on():
-        dist.barrier(group=group)
-
-
-def _broadcast_error(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank if rank 0 failed, instead of leaving the others stuck in a barrier."""
-    if not _dist_on():
-        if error is not None:
-            raise error
-        return
-    msg = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(msg, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if error is not None:
-        raise error
-    if msg[0] is not None:
-        raise RuntimeError(f"rank 0 failed while writing the checkpoint: {msg[0]}")
 
 
 # ---- RNG state ----------------------------------------------------------------------------
@@ -230,25 +198,25 @@ def _model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
 
 
 def _prepare_staging(path: Path, group: dist.ProcessGroup | None) -> Path:
-    staging = path.with_name(path.name + TMP_SUFFIX)
+    staging = staging_dir(path)
     error = None
-    if _rank(group) == 0:
+    if collective.rank(group) == 0:
         try:
             if staging.exists():
                 shutil.rmtree(staging)  # debris of an earlier crash
             (staging / "rng").mkdir(parents=True)
         except OSError as e:
             error = OSError(f"cannot create checkpoint directory {staging}: {e}")
-    _broadcast_error(error, group)
+    collective.broadcast_error(error, group)
     return staging
 
 
-def _write_hf_config(model: nn.Module, tokenizer: Any, out: Path) -> None:
+def write_hf_config(model: nn.Module, tokenizer: Any, out: Path) -> None:
     """config.json (+ tokenizer) beside the shards, so the checkpoint alone can be exported."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(out)
-        _fix_architectures(out / "config.json", model)
+        fix_architectures(out / "config.json", model)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 
@@ -257,11 +225,7 @@ def _publish(staging: Path, path: Path, meta: dict) -> None:
     """Rank 0: marker last, then swap the staging directory into place."""
     atomic_write_bytes(staging / COMPONENT_MARKER, json.dumps(meta, indent=2).encode())
     fsync_dir(staging)
-    step_marker = path.parent / STEP_MARKER
-    if step_marker.exists():
-        # Re-saving a component of a finished step: the step is no longer the one the marker
-        # described, so it stops counting as complete until the trainer finalises it again.
-        step_marker.unlink()
+    unfinalise_step(path.parent)  # re-saving a role of a finished step
     if path.exists():
         rename_then_delete(path)
     os.replace(staging, path)
@@ -285,7 +249,7 @@ def save_checkpoint(
     shards; ``get_state_dict`` makes FSDP2 and plain modules look the same), the scheduler state
     and ``extra_state`` (tensors / primitives / containers only) from rank 0, and every rank's RNG
     state, plus the model's HF ``config.json`` (and ``tokenizer`` if given) under ``huggingface/``
-    so that :func:`export_hf_from_checkpoint` needs nothing else. Everything goes to
+    so that ``export_hf_from_checkpoint`` (``checkpoint/export.py``) needs nothing else. Everything goes to
     ``<local_path>.tmp``; the directory is renamed to ``local_path`` only after all ranks finished
     and the completion marker is written. Returns ``local_path``. ``trainable_only``: only the
     parameters that train (a LoRA adapter) and their optimiser state; ``meta`` joins the marker.
@@ -298,7 +262,7 @@ def save_checkpoint(
             dcp.save(state, storage_writer=FileSystemWriter(str(staging / "dcp")), process_group=process_group)
 
     def write_config(out: Path) -> None:
-        _write_hf_config(model, tokenizer, out)
+        write_hf_config(model, tokenizer, out)
 
     return save_role(local_path, write_shards, write_config, lr_scheduler, extra_state, process_group,
                      {"has_optimizer": optimizer is not None, "trainable_only": trainable_only, **(meta or {})})
@@ -321,18 +285,18 @@ def save_role(
     path = Path(local_path)
     staging = _prepare_staging(path, process_group)
     write_shards(staging)
-    atomic_torch_save((rng_state or get_rng_state)(), staging / "rng" / f"rank_{_rank(process_group)}.pt")
-    _barrier(process_group)
+    atomic_torch_save((rng_state or get_rng_state)(), staging / "rng" / f"rank_{collective.rank(process_group)}.pt")
+    collective.barrier(process_group)
     faults.inject("save.staged")  # tests: a crash before the role directory is published
     meta = {
         "format_version": _FORMAT_VERSION,
-        "world_size": _world_size(process_group),
+        "world_size": collective.world_size(process_group),
         "has_lr_scheduler": lr_scheduler is not None,
         "saved_at": time.time(),
         **(meta or {}),
     }
     error = None
-    if _rank(process_group) == 0:
+    if collective.rank(process_group) == 0:
         try:
             write_hf_config(staging / HF_CONFIG_DIR)
             if lr_scheduler is not None:
@@ -340,30 +304,30 @@ def save_role(
             atomic_torch_save(dict(extra_state or {}), staging / "extra_state.pt")
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = e
-    _broadcast_error(error, process_group)
+    collective.broadcast_error(error, process_group)
     manifest = _hash_shares(staging, process_group)
     error = None
-    if _rank(process_group) == 0:
+    if collective.rank(process_group) == 0:
         try:
             _publish(staging, path, {**meta, "manifest": manifest})
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = e
-    _broadcast_error(error, process_group)
+    collective.broadcast_error(error, process_group)
     faults.inject("save.published")  # tests: a crash after this role, before the others
     return path
 
 
 def _share(names: list[str], group: dist.ProcessGroup | None) -> list[str]:
     """This rank's part of ``names`` (round robin), so ranks hash or verify in parallel."""
-    return names[_rank(group)::_world_size(group)]
+    return names[collective.rank(group)::collective.world_size(group)]
 
 
 def _hash_shares(staging: Path, group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
     """The manifest of every staged file; each rank hashes its share, rank 0 gets the union."""
     mine = file_manifest(staging, _share(files_under(staging), group))
-    if not _dist_on():
+    if not collective.dist_on():
         return mine
-    parts: list[Any] = [None] * _world_size(group)
+    parts: list[Any] = [None] * collective.world_size(group)
     dist.all_gather_object(parts, mine, group=group)
     return {name: entry for part in parts for name, entry in part.items()}
 
@@ -378,8 +342,8 @@ def _verify_shares(path: Path, meta: dict, group: dist.ProcessGroup | None) -> N
         verify_files(path, manifest, _share(sorted(manifest), group))
     except CheckpointCorruptError as e:
         error = str(e)
-    if _dist_on():
-        found: list[Any] = [None] * _world_size(group)
+    if collective.dist_on():
+        found: list[Any] = [None] * collective.world_size(group)
         dist.all_gather_object(found, error, group=group)
         error = next((e for e in found if e is not None), None)
     if error is not None:
@@ -455,12 +419,15 @@ def load_role(
 
 
 def _load_rng(path: Path, group: dist.ProcessGroup | None, set_rng: Callable[[dict[str, Any]], None]) -> None:
-    rng_file = path / "rng" / f"rank_{_rank(group)}.pt"
+    rng_file = path / "rng" / f"rank_{collective.rank(group)}.pt"
     if rng_file.is_file():
         set_rng(safe_torch_load(rng_file))
     else:
         logger.warning("no RNG state for rank %d in %s (saved with fewer ranks); keeping the current one",
-                       _rank(group), path)
+                       collective.rank(group), path)
+
+
+# ---- the HF config beside the shards (and in every HF export): the real architecture name ------
 
 
 def _unwrapped_class_name(model: nn.Module) -> str:
@@ -476,90 +443,9 @@ def _unwrapped_class_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def _fix_architectures(config_file: Path, model: nn.Module) -> None:
+def fix_architectures(config_file: Path, model: nn.Module) -> None:
     # save_pretrained records type(model).__name__, which FSDP2 changed to FSDP<Name>; and a critic
     # built from a causal-LM directory still carries that directory's architectures.
     config = json.loads(config_file.read_text())
     config["architectures"] = [_unwrapped_class_name(model)]
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def save_hf_model(
-    model: nn.Module, tokenizer: Any, path: str | os.PathLike, process_group: dist.ProcessGroup | None = None
-) -> Path:
-    """Export full weights as a Hugging Face directory (safetensors + config + tokenizer). Collective.
-
-    Every rank takes part in gathering the unsharded weights (moved to the CPU as they arrive, so
-    the accelerator never holds a full copy); rank 0 writes them into ``<path>.tmp`` and renames it
-    to ``path`` when done. The result loads with ``AutoModel*.from_pretrained(path)``.
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full_sd = get_model_state_dict(model, options=options)
-    return publish_hf_dir(path, lambda out: model.save_pretrained(out, state_dict=full_sd), tokenizer, model,
-                          process_group)
-
-
-def publish_hf_dir(path: str | os.PathLike, write: Callable[[Path], Any], tokenizer: Any, model: nn.Module,
-                   process_group: dist.ProcessGroup | None = None) -> Path:
-    """Rank 0: ``write(staging)``, the tokenizer, the real architecture name, then rename into place;
-    every rank returns (or raises rank 0's error) together. Gather before: nothing collective here."""
-    out = Path(path)
-    error = None
-    if _rank(process_group) == 0:
-        try:
-            staging = out.with_name(out.name + TMP_SUFFIX)
-            if staging.exists():
-                shutil.rmtree(staging)
-            write(staging)
-            if (staging / "config.json").is_file():
-                _fix_architectures(staging / "config.json", model)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(staging)
-            if out.exists():
-                rename_then_delete(out)
-            os.replace(staging, out)
-            fsync_dir(out.parent)
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            error = e
-    _broadcast_error(error, process_group)
-    return out
-
-
-_AUTO_CLASS_BY_SUFFIX = {
-    "ForCausalLM": "AutoModelForCausalLM",
-    "ForTokenClassification": "AutoModelForTokenClassification",
-    "ForSequenceClassification": "AutoModelForSequenceClassification",
-}
-
-
-def export_hf_from_checkpoint(local_path: str | os.PathLike, out_path: str | os.PathLike) -> Path:
-    """Turn one role's sharded checkpoint (``.../global_step_N/actor``) into an HF directory.
-
-    Single process, no GPU: the model is rebuilt from the checkpoint's ``huggingface/config.json``
-    (the Auto class chosen by its architecture suffix), the DCP shards are loaded into it (DCP
-    reshards any world size to one), and :func:`save_hf_model` writes safetensors + config +
-    tokenizer (a Megatron engine checkpoint: ``engines/megatron/export.py``).
-    """
-    import transformers
-
-    path = Path(local_path)
-    meta = read_component_marker(path)
-    if meta.get("engine") == "megatron":
-        raise ValueError(f"{path} was saved by the Megatron engine: export it with "
-                         "rlfoundry.engines.megatron.export.export_megatron_checkpoint (or rlfoundry export)")
-    if meta.get("trainable_only"):
-        raise ValueError(f"{path} holds a LoRA adapter without its base model: export it with `rlfoundry export` "
-                         "(the run's config names the base; --format merged or adapter)")
-    if meta.get("manifest") is not None:
-        verify_files(path, meta["manifest"])
-    config = transformers.AutoConfig.from_pretrained(path / HF_CONFIG_DIR)
-    arch = (getattr(config, "architectures", None) or ["ForCausalLM"])[0]
-    auto_name = next((auto for suffix, auto in _AUTO_CLASS_BY_SUFFIX.items() if arch.endswith(suffix)), None)
-    if auto_name is None:
-        raise ValueError(f"cannot export {path}: architecture {arch!r} is not a causal LM, token or sequence classifier")
-    model = getattr(transformers, auto_name).from_config(config)
-    load_checkpoint(path, model, load_rng=False)
-    tokenizer = None
-    if (path / HF_CONFIG_DIR / "tokenizer_config.json").is_file():
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path / HF_CONFIG_DIR)
-    return save_hf_model(model, tokenizer, out_path)
