@@ -1,5 +1,6 @@
 """The kernel boundary: each program in its own user, PID, mount, network, IPC and UTS namespaces
-(bubblewrap), behind a seccomp filter, with a read-only view of the interpreter and nothing else.
+(bubblewrap; where it is not installed, the same done by ``unshare.py``), behind a seccomp filter,
+with a read-only view of the interpreter and nothing else.
 
 What the program sees: ``/usr`` and the Python installation read-only, a private ``/proc`` that shows
 only its own processes, a minimal ``/dev``, size-capped tmpfs at ``/tmp`` and at its working directory
@@ -16,6 +17,7 @@ loaded by bubblewrap just before the interpreter starts.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -24,9 +26,14 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Iterator
 
-__all__ = ["Isolation", "WORKDIR", "bwrap_argv", "isolation", "pipe_with", "seccomp_filter"]
+from rlfoundry.sandbox.unshare import unshare_argv
 
+__all__ = ["ISOLATION_ENV", "Isolation", "WORKDIR", "bwrap_argv", "command", "isolation", "mount_plan", "pipe_with",
+           "seccomp_filter"]
+
+ISOLATION_ENV = "RLFOUNDRY_SANDBOX_ISOLATION"  # auto | bwrap | unshare | none (see isolation())
 WORKDIR = "/sandbox"  # the program's working directory inside the sandbox
 TMP_BYTES = 64 << 20  # each of /tmp and /sandbox: a tmpfs, so this caps the memory a program can park in files
 
@@ -50,6 +57,7 @@ class Isolation:
     available: bool
     reason: str
     seccomp: bool
+    backend: str | None = None  # bwrap or unshare
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,19 +91,21 @@ def _python_roots() -> list[str]:
     return sorted(r for r in roots if not (r == "/usr" or r.startswith("/usr/")))
 
 
-def _system_binds() -> list[str]:
-    """/usr read-only, and /lib, /lib64, /bin, /sbin as the host has them (symlinks into /usr on
-    merged-/usr systems, directories elsewhere); the dynamic loader's cache and the time zone."""
-    argv = ["--ro-bind", "/usr", "/usr"]
+def mount_plan() -> list[tuple[str, ...]]:
+    """What the program's filesystem holds besides /proc, /dev and the two tmpfs: ``("ro", path)``
+    read-only binds of /usr, the Python installation, the dynamic loader's cache and the time zone;
+    ``("symlink", target, path)`` for /lib, /bin ... where the host has merged /usr."""
+    plan: list[tuple[str, ...]] = [("ro", "/usr")]
     for top in ("/lib", "/lib64", "/lib32", "/bin", "/sbin"):
         if os.path.islink(top):
-            argv += ["--symlink", os.readlink(top), top]
+            plan.append(("symlink", os.readlink(top), top))
         elif os.path.isdir(top):
-            argv += ["--ro-bind", top, top]
-    for f in ("/etc/ld.so.cache", "/etc/localtime"):
-        if os.path.exists(f):
-            argv += ["--ro-bind", f, f]
-    return argv
+            plan.append(("ro", top))
+    plan += [("ro", f) for f in ("/etc/ld.so.cache", "/etc/localtime") if os.path.exists(f)]
+    return plan + [("ro", root) for root in _python_roots()]
+
+
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 
 def bwrap_argv(script: str, seccomp_fd: int | None) -> list[str]:
@@ -106,44 +116,75 @@ def bwrap_argv(script: str, seccomp_fd: int | None) -> list[str]:
             "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox",
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--size", str(TMP_BYTES), "--tmpfs", WORKDIR]
-    argv += _system_binds()
-    for root in _python_roots():
-        argv += ["--ro-bind", root, root]
+    for kind, *args in mount_plan():
+        argv += ["--ro-bind", args[0], args[0]] if kind == "ro" else ["--symlink", *args]
     argv += ["--ro-bind", script, f"{WORKDIR}/main.py", "--chdir", WORKDIR, "--clearenv"]
-    for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", WORKDIR), ("TMPDIR", "/tmp"), ("LANG", "C.UTF-8")):
+    for key, value in SANDBOX_ENV.items():
         argv += ["--setenv", key, value]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     return argv + ["--", sys.executable, "-I", "-B", f"{WORKDIR}/main.py"]
 
 
-@functools.lru_cache(maxsize=1)
 def isolation() -> Isolation:
-    """Probe once per process: run a program that checks its own isolation inside the real sandbox."""
-    if shutil.which("bwrap") is None:
+    """The first backend that works here, from ``RLFOUNDRY_SANDBOX_ISOLATION``: ``auto`` (bubblewrap,
+    else the project's own ``unshare``), ``bwrap``, ``unshare`` or ``none`` (no kernel isolation)."""
+    wanted = os.environ.get(ISOLATION_ENV, "auto").lower()
+    backends = {"auto": ("bwrap", "unshare"), "bwrap": ("bwrap",), "unshare": ("unshare",), "none": ()}.get(wanted)
+    if backends is None:
+        return Isolation(False, f"{ISOLATION_ENV}={wanted!r} is not one of auto, bwrap, unshare, none", False)
+    if not backends:
+        return Isolation(False, f"{ISOLATION_ENV}=none", False)
+    tried = [_probe(b) for b in backends]
+    return next((t for t in tried if t.available), Isolation(False, "; ".join(t.reason for t in tried), tried[0].seccomp))
+
+
+@contextlib.contextmanager
+def command(backend: str, script: str, scratch: str) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """The command line (and descriptors to pass) running ``script`` in the sandbox; ``scratch`` is an
+    empty host directory the program never sees."""
+    bpf = seccomp_filter()
+    if backend == "unshare":
+        bpf_path = None
+        if bpf is not None:
+            bpf_path = os.path.join(scratch, "filter.bpf")
+            with open(bpf_path, "wb") as f:
+                f.write(bpf)
+        spec = {"plan": mount_plan(), "script": script, "bpf": bpf_path, "tmp_bytes": TMP_BYTES, "workdir": WORKDIR,
+                "python": sys.executable, "env": SANDBOX_ENV}
+        yield unshare_argv(spec, scratch), ()
+        return
+    fd = pipe_with(bpf) if bpf is not None else None
+    try:
+        yield bwrap_argv(script, fd), (fd,) if fd is not None else ()
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(backend: str) -> Isolation:
+    """Run a program that checks its own isolation inside the real sandbox (once per process)."""
+    if backend == "bwrap" and shutil.which("bwrap") is None:
         return Isolation(False, "bubblewrap (bwrap) is not installed: on Debian/Ubuntu `apt-get install bubblewrap`",
                          False)
     bpf = seccomp_filter()
     probe = "import os\nassert os.getpid() < 10 and not os.path.exists('/etc/passwd')\nprint('isolated')\n"
-    with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
-        script.write(probe)
-        script.flush()
-        read_fd = pipe_with(bpf) if bpf is not None else None
+    with tempfile.TemporaryDirectory(prefix="rlfoundry-sandbox-probe-") as scratch:
+        script = os.path.join(scratch, "probe.py")
+        with open(script, "w") as f:
+            f.write(probe)
         try:
-            done = subprocess.run(bwrap_argv(script.name, read_fd), capture_output=True, text=True, timeout=30,
-                                  pass_fds=(read_fd,) if read_fd is not None else ())
+            with command(backend, script, scratch) as (argv, fds):
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=30, pass_fds=fds)
         except (OSError, subprocess.TimeoutExpired) as e:
-            return Isolation(False, f"bubblewrap could not start: {e}", bpf is not None)
-        finally:
-            if read_fd is not None:
-                os.close(read_fd)
+            return Isolation(False, f"{backend} could not start: {e}", bpf is not None)
     if done.returncode != 0 or done.stdout.strip() != "isolated":
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        return Isolation(False, f"bubblewrap cannot create namespaces here ({why}); user namespaces may be "
-                                "disabled (sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces)",
-                         bpf is not None)
+        return Isolation(False, f"{backend} cannot create namespaces here ({why}); user namespaces may be disabled "
+                                "(sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces)", bpf is not None)
     missing = "" if bpf is not None else " (no seccomp filter: install pyseccomp and libseccomp2)"
-    return Isolation(True, "bubblewrap namespaces" + missing, bpf is not None)
+    return Isolation(True, f"{backend} namespaces{missing}", bpf is not None, backend)
 
 
 def pipe_with(data: bytes) -> int:

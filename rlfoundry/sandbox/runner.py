@@ -11,7 +11,8 @@ What one call guarantees:
   stderr go to files the program cannot see), tmpfs sizes, and wall-clock time (the sandbox is killed).
 - **Nothing carries over**: a fresh interpreter (``-I``) in a fresh working directory per call.
 
-Where namespaces are unavailable (no bubblewrap, or user namespaces disabled), :func:`run_python`
+Where namespaces are unavailable (user namespaces disabled, or a mount the kernel refuses),
+:func:`run_python`
 raises :class:`SandboxUnavailable` with the fix, unless the user opted in to the **unisolated** mode
 (``sandbox.allow_unisolated=true``, carried to every process as ``RLFOUNDRY_SANDBOX_ALLOW_UNISOLATED=1``):
 a plain child process with the same limits and a PEP 578 audit-hook policy (``policy.py``), which
@@ -39,9 +40,9 @@ __all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxRes
 
 logger = logging.getLogger(__name__)
 ALLOW_UNISOLATED_ENV = "RLFOUNDRY_SANDBOX_ALLOW_UNISOLATED"
-# "none" skips the namespaces even where they work (inside a container that is already the boundary,
-# or to measure what the unisolated mode stops); it still needs ALLOW_UNISOLATED_ENV.
-ISOLATION_ENV = "RLFOUNDRY_SANDBOX_ISOLATION"
+# namespace.ISOLATION_ENV=none skips the namespaces even where they work (inside a container that is
+# already the boundary, or to measure what the unisolated mode stops); it still needs ALLOW_UNISOLATED_ENV.
+ISOLATION_ENV = namespace.ISOLATION_ENV
 
 
 class SandboxUnavailable(RuntimeError):
@@ -83,10 +84,7 @@ def unisolated_allowed() -> bool:
 
 def mode() -> str:
     """``namespaced`` where the kernel boundary works, else ``unisolated`` if allowed; else raise."""
-    wanted = os.environ.get(ISOLATION_ENV, "auto").lower()
-    if wanted not in ("auto", "none"):
-        raise SandboxUnavailable(f"{ISOLATION_ENV}={wanted!r}: use 'auto' (namespaces where they work) or 'none'")
-    iso = namespace.isolation() if wanted == "auto" else namespace.Isolation(False, f"{ISOLATION_ENV}=none", False)
+    iso = namespace.isolation()
     if iso.available:
         return "namespaced"
     if unisolated_allowed():
@@ -132,29 +130,24 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
 
 def _launch(how: str, script: Path, stdin_path: Path, logs: Path, limits: SandboxLimits, tmp: str):
     """Start the program the chosen way, wait for it within the wall-clock limit, kill what is left."""
-    seccomp_fd = None
     if how == "namespaced":
-        bpf = namespace.seccomp_filter()
-        seccomp_fd = namespace.pipe_with(bpf) if bpf is not None else None
-        argv, cwd, env = namespace.bwrap_argv(str(script), seccomp_fd), tmp, {"PATH": "/usr/bin:/bin"}
-    else:
-        work = Path(tmp, "work")
-        work.mkdir()
-        (work / "main.py").write_text(script.read_text(encoding="utf-8"), encoding="utf-8")
-        argv, cwd = [sys.executable, "-I", "-B", "-c", policy.BOOTSTRAP, str(work)], str(work)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
-    try:
-        with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err, open(stdin_path, "rb") as inp:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=inp, stdout=out, stderr=err,
-                                    start_new_session=True, preexec_fn=lambda: _set_limits(limits), close_fds=True,
-                                    pass_fds=(seccomp_fd,) if seccomp_fd is not None else ())
-            if seccomp_fd is not None:
-                os.close(seccomp_fd)
-                seccomp_fd = None
-            return proc, _wait(proc, limits.wall_time_s)
-    finally:
-        if seccomp_fd is not None:
-            os.close(seccomp_fd)
+        scratch = Path(tmp, "scratch")
+        scratch.mkdir()
+        with namespace.command(namespace.isolation().backend, str(script), str(scratch)) as (argv, fds):
+            return _start_and_wait(argv, tmp, {"PATH": "/usr/bin:/bin"}, fds, stdin_path, logs, limits)
+    work = Path(tmp, "work")
+    work.mkdir()
+    (work / "main.py").write_text(script.read_text(encoding="utf-8"), encoding="utf-8")
+    argv = [sys.executable, "-I", "-B", "-c", policy.BOOTSTRAP, str(work)]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
+    return _start_and_wait(argv, str(work), env, (), stdin_path, logs, limits)
+
+
+def _start_and_wait(argv, cwd, env, fds, stdin_path: Path, logs: Path, limits: SandboxLimits):
+    with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err, open(stdin_path, "rb") as inp:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=inp, stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=lambda: _set_limits(limits), close_fds=True, pass_fds=fds)
+        return proc, _wait(proc, limits.wall_time_s)
 
 
 def _set_limits(limits: SandboxLimits) -> None:

@@ -65,14 +65,16 @@ def _marked_processes(marker: str) -> list[int]:
 class World:
     """The caller, the decoy, the sentinel and the listeners for one run of the suite."""
 
-    def __init__(self, tmp: Path, unisolated: bool):
+    def __init__(self, tmp: Path, isolation_env: str):
         self.secret = "s3cr3t-" + secrets.token_hex(8)
         self.sentinel = tmp / "sentinel"
         self.sentinel.mkdir()
         (self.sentinel / "secret.txt").write_text(self.secret)
         self.env = {**os.environ, "RLF_ATTACK_SECRET": self.secret}
-        if unisolated:
-            self.env.update({ALLOW_UNISOLATED_ENV: "1", ISOLATION_ENV: "none"})
+        self.env[ISOLATION_ENV] = isolation_env
+        self.env.pop(ALLOW_UNISOLATED_ENV, None)
+        if isolation_env == "none":
+            self.env[ALLOW_UNISOLATED_ENV] = "1"
         self.decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         self.tcp = socket.create_server(("127.0.0.1", 0))
         self.tcp.setblocking(False)
@@ -152,9 +154,20 @@ class World:
         self.unix.close()
 
 
-@pytest.fixture(scope="module")
-def namespaced_world(tmp_path_factory):
-    world = World(tmp_path_factory.mktemp("attacks"), unisolated=False)
+def _backend_available(backend: str) -> bool:
+    os.environ[ISOLATION_ENV], saved = backend, os.environ.get(ISOLATION_ENV)
+    try:
+        return isolation().available
+    finally:
+        os.environ.pop(ISOLATION_ENV) if saved is None else os.environ.__setitem__(ISOLATION_ENV, saved)
+
+
+@pytest.fixture(scope="module", params=["bwrap", "unshare"])
+def namespaced_world(request, tmp_path_factory):
+    """Both backends: bubblewrap, and the project's own namespaces where bubblewrap is missing."""
+    if not _backend_available(request.param):
+        pytest.skip(f"the {request.param} backend does not work here")
+    world = World(tmp_path_factory.mktemp("attacks"), isolation_env=request.param)
     yield world
     world.close()
 
@@ -171,7 +184,7 @@ def test_no_attack_gets_out_of_the_namespaced_sandbox(namespaced_world, entry, n
 
 def test_the_unisolated_mode_stops_exactly_what_the_docs_say(tmp_path):
     """Documented, not hidden: which attack classes the audit-hook policy lets through."""
-    world = World(tmp_path, unisolated=True)
+    world = World(tmp_path, isolation_env="none")
     escaped = set()
     try:
         for name, code in ATTACKS.items():

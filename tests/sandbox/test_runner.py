@@ -14,9 +14,17 @@ import pytest
 from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, ISOLATION_ENV, SandboxLimits, SandboxUnavailable, run_python
 from rlfoundry.sandbox.namespace import isolation
 
-needs_namespaces = pytest.mark.skipif(not isolation().available, reason=f"no kernel isolation: {isolation().reason}")
 
 LIMITS = SandboxLimits(wall_time_s=3.0, cpu_time_s=1, memory_bytes=512 << 20, max_output_bytes=4096)
+
+
+@pytest.fixture(autouse=True, params=["bwrap", "unshare"])
+def backend(request, monkeypatch):
+    """Every test on both kernel backends (bubblewrap; the project's own namespaces where it is missing)."""
+    monkeypatch.setenv(ISOLATION_ENV, request.param)
+    if not isolation().available:
+        pytest.skip(f"the {request.param} backend does not work here: {isolation().reason}")
+    return request.param
 
 
 def _run(code: str, limits: SandboxLimits = LIMITS):
@@ -95,7 +103,6 @@ def test_an_unisolated_refusal_is_an_exception_the_code_may_handle(unisolated):
     assert r.status == "ok" and r.stdout.startswith("caught sandbox:")
 
 
-@needs_namespaces
 @pytest.mark.parametrize("code, error", [
     ("import os\nfor _ in range(50):\n    os.fork()", "PermissionError: [Errno 1]"),  # seccomp: no processes
     ("import subprocess\nsubprocess.run(['true'])", "PermissionError: [Errno 1]"),
@@ -111,7 +118,6 @@ def test_the_namespaced_sandbox_answers_with_the_kernels_errors(code, error):
     assert (r.isolation, r.status) == ("namespaced", "error") and error in r.stderr, r.stderr
 
 
-@needs_namespaces
 def test_the_namespaced_program_sees_its_own_world():
     name = f"rlfoundry-private-{os.getpid()}"
     r = _run(f"import json, os\nopen('/tmp/{name}', 'w').write('x')\n"
