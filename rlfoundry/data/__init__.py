@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DataError", "RLHFDataset", "build_dataloader", "collate_fn", "create_rl_sampler"]
+__all__ = ["DataError", "RLHFDataset", "build_dataloader", "collate_fn", "create_rl_dataset", "create_rl_sampler",
+           "get_dataset_class"]
 
 
 def __getattr__(name: str) -> Any:

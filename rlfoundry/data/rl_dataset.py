@@ -15,7 +15,9 @@ Any other column is passed through as a non-tensor column.
 Config: the ``data`` subtree, typed (``config/schema.py`` ``DataConfig`` holds the defaults; a dict
 with a few keys is filled from it). Keys read (verl's names): ``prompt_key``, ``max_prompt_length``,
 ``truncation`` (``error`` | ``left`` | ``right`` | ``middle``), ``filter_overlong_prompts``,
-``return_raw_chat``, ``return_full_prompt``, ``reward_fn_key``, ``shuffle``, ``seed``, plus two of ours:
+``return_raw_chat``, ``return_full_prompt``, ``reward_fn_key``, ``shuffle``, ``seed``,
+``custom_cls.{path,name}`` (a user's data set class instead of ``RLHFDataset``) and
+``sampler.{class_path,class_name}`` (a user's sampler, ``data/sampler.py``), plus two of ours:
 
 - ``apply_chat_template``: render each prompt with the tokenizer's chat template (with the
   generation prompt). False joins the message contents with newlines instead, for tokenizers and
@@ -43,6 +45,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from rlfoundry.config import ConfigError, to_typed
 from rlfoundry.config.schema import DataConfig
+from rlfoundry.utils.import_utils import ExternObjectError, load_extern_object
 from rlfoundry.utils.tokenizer import pad_id
 
 logger = logging.getLogger(__name__)
@@ -301,13 +304,50 @@ def collate_fn(data_list: list[dict]) -> dict:
 # ---- sampling and loading ---------------------------------------------------------------------
 
 
+def _extern_class(path: str, name: str | None, key: str, name_key: str, base: type) -> type:
+    try:
+        cls = load_extern_object(path, name, key, name_key)
+    except ExternObjectError as e:
+        raise DataError(str(e)) from e
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise DataError(f"{name_key}={name} in {path} must be a class deriving from {base.__module__}.{base.__qualname__}, "
+                        f"got {cls!r}.")
+    return cls
+
+
+def get_dataset_class(data_config: Any) -> type:
+    """``data.custom_cls.{path,name}`` (a ``torch.utils.data.Dataset`` subclass, verl's rule), else RLHFDataset."""
+    custom = typed_data_config(data_config).custom_cls
+    if custom.path is None:
+        return RLHFDataset
+    return _extern_class(custom.path, custom.name, "data.custom_cls.path", "data.custom_cls.name", Dataset)
+
+
+def create_rl_dataset(data_files: Any, data_config: Any, tokenizer: Any, processor: Any = None) -> Dataset:
+    """The prompt data set, built as verl builds it: ``cls(data_files=, tokenizer=, config=, processor=)``."""
+    cls = get_dataset_class(data_config)
+    return cls(data_files=data_files, tokenizer=tokenizer, config=data_config, processor=processor)
+
+
 def create_rl_sampler(data_config: Any, dataset: Dataset) -> Sampler:
-    """Seeded random order when ``data.shuffle`` (default True), else file order.
+    """``data.sampler.class_path`` → the user's sampler; else seeded random order when
+    ``data.shuffle`` (default True), else file order.
 
     torchdata's RandomSampler is a drop-in for torch's that also checkpoints its generator state,
-    so a loader restored from ``state_dict()`` replays the same order, across epochs too.
+    so a loader restored from ``state_dict()`` replays the same order, across epochs too. A user's
+    sampler is built as verl builds it, ``cls(data_source=dataset, data_config=data)``; it needs
+    ``data.dataloader_num_workers=0`` (verl's rule: worker processes would fetch ahead of a sampler
+    that reorders as it learns).
     """
     cfg = typed_data_config(data_config)
+    if cfg.sampler.class_path is not None:
+        if cfg.dataloader_num_workers != 0:
+            raise DataError(f"data.sampler.class_path is set with data.dataloader_num_workers={cfg.dataloader_num_workers}; "
+                            "a custom sampler needs data.dataloader_num_workers=0 (workers would prefetch batches "
+                            "before the sampler can reorder them).")
+        cls = _extern_class(cfg.sampler.class_path, cfg.sampler.class_name, "data.sampler.class_path",
+                            "data.sampler.class_name", Sampler)
+        return cls(data_source=dataset, data_config=data_config)
     if not cfg.shuffle:
         return SequentialSampler(dataset)
     generator = torch.Generator()
@@ -322,9 +362,13 @@ def build_dataloader(
     seed: int = 1,
     num_workers: int = 0,
     drop_last: bool = True,
+    sampler: Sampler | None = None,
 ) -> StatefulDataLoader:
-    """A resumable loader: save ``loader.state_dict()`` in the checkpoint, ``load_state_dict`` it back."""
-    sampler = create_rl_sampler({"shuffle": shuffle, "seed": seed}, dataset)
+    """A resumable loader: save ``loader.state_dict()`` in the checkpoint, ``load_state_dict`` it back.
+
+    ``sampler`` (e.g. from ``create_rl_sampler``) replaces the one ``shuffle`` and ``seed`` choose; its
+    ``state_dict``, if it has one, is part of the loader's."""
+    sampler = sampler if sampler is not None else create_rl_sampler({"shuffle": shuffle, "seed": seed}, dataset)
     return StatefulDataLoader(
         dataset,
         batch_size=batch_size,

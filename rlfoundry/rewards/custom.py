@@ -15,11 +15,11 @@ forkserver cannot unpickle a function whose module exists only in the driver's m
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 from typing import Any, Callable
+
+from rlfoundry.utils.import_utils import ExternObjectError, module_from_file
 
 
 class RewardFunctionError(ValueError):
@@ -27,21 +27,10 @@ class RewardFunctionError(ValueError):
 
 
 def _load_module(path: Path, key: str = "custom_reward_function.path"):
-    # A name derived from the path keeps two different reward files from clobbering each other.
-    module_name = "rlfoundry_custom_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RewardFunctionError(f"{key}={path} is not a loadable Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
-        raise RewardFunctionError(f"importing custom reward file {path} failed: {type(err).__name__}: {err}") from err
-    return module
+        return module_from_file(path, key, prefix="rlfoundry_custom_reward_")
+    except ExternObjectError as err:
+        raise RewardFunctionError(str(err)) from err.__cause__
 
 
 class FileRewardFunction:

@@ -78,7 +78,9 @@ class NoEffectKeyWarning(UserWarning):
 # fnmatch patterns over full dotted keys; setting any of them gives ONE warning naming them all.
 NO_EFFECT_KEYS: tuple[str, ...] = (
     "data.tokenizer", "data.use_shm", "data.image_key", "data.video_key",
-    "data.filter_overlong_prompts_workers", "data.custom_cls.*", "data.sampler.*",
+    # the whole file is tokenised in one batch call (the Rust tokenizer's own threads) and filtered with
+    # one array comparison: there is no per-row map for worker processes to share
+    "data.filter_overlong_prompts_workers",
     "actor_rollout_ref.hybrid_engine",
     "actor_rollout_ref.model.use_shm", "actor_rollout_ref.model.enable_activation_offload",
     "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.use_fused_kernels",
@@ -973,9 +975,25 @@ def check_startup_paths(cfg: DictConfig) -> None:
     crf = cfg.custom_reward_function
     if crf.path is not None and not Path(os.path.expanduser(crf.path)).is_file():
         errors.append(f"custom_reward_function.path={crf.path} does not exist.")
+    errors += _check_data_classes(cfg.data)
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))
+
+
+def _check_data_classes(data: DictConfig) -> list[str]:
+    """``data.custom_cls`` / ``data.sampler``: a file that exists, and a class name with it."""
+    errors = []
+    for path_key, name_key in (("custom_cls.path", "custom_cls.name"), ("sampler.class_path", "sampler.class_name")):
+        path, name = OmegaConf.select(data, path_key), OmegaConf.select(data, name_key)
+        if path is None:
+            continue
+        if not str(path).startswith("pkg://") and not Path(os.path.expanduser(str(path))).is_file():
+            errors.append(f"data.{path_key}={path} does not exist; point it at the Python file that defines the class "
+                          f"(or pkg://package.module).")
+        if not name:
+            errors.append(f"data.{path_key} is set but data.{name_key} is not: name the class.")
+    return errors
 
 
 def _check_reward_function(cfg: DictConfig) -> list[str]:

@@ -185,23 +185,24 @@ def rollout_data_config(cfg: DictConfig) -> DictConfig:
 
 
 def train_loader(dataset: Any, data: DictConfig, batch_size: int) -> Any:
-    """The seeded, resumable, drop_last train loader; the order of prompts does not depend on
-    ``batch_size`` (the fully-async rollouter draws ``data.gen_batch_size`` at a time from it)."""
-    from rlfoundry.data import build_dataloader
+    """The seeded (or ``data.sampler``'s), resumable, drop_last train loader; the order of prompts does
+    not depend on ``batch_size`` (the fully-async rollouter draws ``data.gen_batch_size`` at a time from it)."""
+    from rlfoundry.data import build_dataloader, create_rl_sampler
 
-    return build_dataloader(dataset, batch_size=batch_size, shuffle=bool(data.shuffle), seed=int(data.seed),
-                            num_workers=int(data.dataloader_num_workers), drop_last=True)
+    return build_dataloader(dataset, batch_size=batch_size, num_workers=int(data.dataloader_num_workers),
+                            drop_last=True, sampler=create_rl_sampler(data, dataset))
 
 
 def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_files: Any) -> tuple[Any, Any]:
-    """Train loader (seeded, resumable, drop_last) and validation loader (whole set as one batch)."""
-    from rlfoundry.data import RLHFDataset, build_dataloader
+    """Train loader (seeded, resumable, drop_last) and validation loader (whole set as one batch), over
+    ``RLHFDataset`` or the user's ``data.custom_cls``."""
+    from rlfoundry.data import build_dataloader, create_rl_dataset
 
     data = rollout_data_config(cfg)
-    train = train_loader(RLHFDataset(train_files, tokenizer, config=data), data, int(data.train_batch_size))
+    train = train_loader(create_rl_dataset(train_files, data, tokenizer), data, int(data.train_batch_size))
     if val_files is None:
         return train, None
-    val_ds = RLHFDataset(val_files, tokenizer, config=data)
+    val_ds = create_rl_dataset(val_files, data, tokenizer)
     val = build_dataloader(val_ds, batch_size=int(data.val_batch_size or len(val_ds)),
                            shuffle=bool(data.validation_shuffle), seed=int(data.seed), drop_last=False)
     return train, val

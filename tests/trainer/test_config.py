@@ -280,6 +280,19 @@ def test_pf_ppo_keys_take_effect_and_bad_values_are_start_up_errors(tiny_critic_
         load_config(["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"])
 
 
+def test_data_classes_take_effect_and_missing_files_are_start_up_errors(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config([f"data.custom_cls.path={tmp_path / 'ds.py'}", "data.custom_cls.name=MyDataset",
+                           f"data.sampler.class_path={tmp_path / 's.py'}"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    with pytest.raises(ConfigError) as err:
+        check_startup_paths(cfg)
+    assert f"data.custom_cls.path={tmp_path / 'ds.py'} does not exist" in str(err.value)
+    assert f"data.sampler.class_path={tmp_path / 's.py'} does not exist" in str(err.value)
+    assert "data.sampler.class_path is set but data.sampler.class_name is not" in str(err.value)
+
+
 def test_effective_keys_give_no_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

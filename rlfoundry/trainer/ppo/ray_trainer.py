@@ -444,7 +444,16 @@ class RayPPOTrainer:
                 batch = self._generate(batch_dict, timing)
                 batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702 - one line per phase
             batch, m = self._train_on(batch, timing); metrics |= m  # noqa: E702
+        self._update_curriculum(batch)
         return metrics | self._step_metrics(batch, timing)
+
+    def _update_curriculum(self, batch: DataProto) -> None:
+        """A curriculum sampler (``data.sampler``, ``data/sampler.py``) learns from the trained batch, as in verl."""
+        from rlfoundry.data.sampler import AbstractCurriculumSampler
+
+        sampler = getattr(self.train_dataloader, "sampler", None)
+        if isinstance(sampler, AbstractCurriculumSampler):
+            sampler.update(batch=batch)
 
     def _train_on(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
         """Everything after the rewards: old / ref log-probs, values, advantages, the updates."""
