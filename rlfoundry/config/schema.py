@@ -41,13 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional
 
 from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
+from rlfoundry.config.training_engines import TRAINING_ENGINES
 
 # Value lists that code outside the config also checks against (one list each).
 CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; models/cpu_kernels.py
 LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync; models/lora.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
-STRATEGIES = ("fsdp", "fsdp2", "megatron")  # megatron: engines/megatron (actor and reference so far)
+STRATEGIES = tuple(TRAINING_ENGINES)  # the training engines a role's strategy can name
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
@@ -362,6 +363,19 @@ class MultiTurnConfig:
 
 
 @dataclass
+class OpenAIAgentConfig:
+    """rlfoundry: ``agent_name: openai_agent`` — an agent function that talks to a local OpenAI-compatible
+    endpoint over the rollout engine (``workers/rollout/agent_loop/openai_agent.py``)."""
+
+    path: Optional[str] = None  # a .py file or a dotted module that defines the agent function
+    name: str = "run_agent"  # the function: name(base_url=, api_key=, prompt=, extra_info=) -> answer
+    timeout_s: float = 300.0  # per trajectory; later requests are refused and the sample is lost
+    host: str = "127.0.0.1"  # bind address (loopback; the node's address for an agent elsewhere)
+    port: int = 0  # 0: any free port
+    max_segments: int = 1  # training rows per trajectory: an agent that rewrites its history makes several
+
+
+@dataclass
 class AgentConfig:
     """verl's ``rollout.agent`` keys."""
 
@@ -374,6 +388,7 @@ class AgentConfig:
     # for those that are ready (a run is reproducible when every tool answers within it)
     max_wait_s: float = 1.0
     custom_async_server: Dict[str, Any] = _dict()
+    openai: OpenAIAgentConfig = _sub(OpenAIAgentConfig)  # rlfoundry: the openai_agent loop
 
 
 @dataclass

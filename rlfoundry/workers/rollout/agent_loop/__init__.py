@@ -12,6 +12,10 @@ the decoded texts without whitespace) and a mismatch is logged with its first di
 counted in ``multi_turn/sanity_check_failures`` (the trajectory is kept: its tokens are the truth).
 The per-row ``num_turns``, ``sanity_check_failed`` and the loops' ``extra_fields`` become non-tensor
 columns, which the driver turns into the step's metrics (``trainer/metric_utils.multi_turn_metrics``).
+
+A loop may give a trajectory several rows (``openai_agent``'s segments): each repeats its sample's
+columns; a row it marks ``excluded`` (a lost sample, padding) gets a ``uid`` of its own, so group
+estimators leave it out of its prompt's group, and an ``extra_info`` it returns replaces the row's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.tokenizer import pad_id
@@ -66,6 +71,11 @@ class AgentLoop:
         self.default_loop = getattr(agent, "default_agent_loop", None) or "tool_agent"
         self.loop_config_path = getattr(agent, "agent_loop_config_path", None)
         self.max_wait_s = float(getattr(agent, "max_wait_s", 1.0))
+        self.agent = agent
+        if self.default_loop == "openai_agent":  # a missing or broken agent function fails at start-up
+            from rlfoundry.workers.rollout.agent_loop.openai_agent import load_agent_function
+
+            load_agent_function(agent.openai.path, agent.openai.name)
         self.pad_id = pad_id(tokenizer)
         self.last_engine_calls = 0  # engine calls of the last batch (tests, profiling)
 
@@ -78,10 +88,14 @@ class AgentLoop:
         rows = [self._row(prompts, i) for i in range(len(prompts)) for _ in range(n)]
         classes = resolve_agent_loops({r["agent_name"] for r in rows}, self.loop_config_path)
         with ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-agent-loop") as pool:  # callers may own a loop
-            outputs = pool.submit(asyncio.run, self._run_all(rows, classes, dict(prompts.meta_info))).result()
-        for out in outputs:
-            self._check_tokenization(out)
-        return self._assemble(prompts, n, outputs)
+            results = pool.submit(asyncio.run, self._run_all(rows, classes, dict(prompts.meta_info))).result()
+        outputs, sample = [], []  # one entry per row; a loop may give a trajectory several rows
+        for k, result in enumerate(results):
+            for out in result if isinstance(result, list) else [result]:
+                outputs.append(out)
+                sample.append(k)
+                self._check_tokenization(out)
+        return self._assemble(prompts, n, outputs, sample)
 
     def _row(self, prompts: DataProto, i: int) -> dict[str, Any]:
         batch = prompts.batch
@@ -90,14 +104,14 @@ class AgentLoop:
         row["agent_name"] = row.get("agent_name") or self.default_loop
         return row
 
-    async def _run_all(self, rows: list[dict], classes: dict[str, type], meta: dict) -> list[AgentLoopOutput]:
+    async def _run_all(self, rows: list[dict], classes: dict[str, type], meta: dict) -> list:
         server = GenerationServer(self.engine, self.pad_id, meta, self.max_wait_s)
         loops = [classes[row["agent_name"]](
             server=server, tokenizer=self.tokenizer, config=self.config, tools=self.tools,
             interactions=self.interactions, response_length=self.response_length,
-            chat_template_kwargs=self.chat_template_kwargs, key=k) for k, row in enumerate(rows)]
+            chat_template_kwargs=self.chat_template_kwargs, key=k, agent=self.agent) for k, row in enumerate(rows)]
 
-        async def one(loop: AgentLoopBase, row: dict) -> AgentLoopOutput:
+        async def one(loop: AgentLoopBase, row: dict) -> AgentLoopOutput | list[AgentLoopOutput]:
             try:
                 return await loop.run(meta, **row)
             finally:
@@ -119,8 +133,8 @@ class AgentLoop:
         if mode == "disable" or out.cut_by_length or not out.messages:
             return  # a turn cut by the budget has no end the template could reproduce
         ours = out.prompt_ids + out.response_ids
-        text = apply_template(self.tokenizer, self.chat_template_kwargs, out.messages,
-                              out.messages[-1]["role"] != "assistant")
+        kwargs = self.chat_template_kwargs if out.chat_template_kwargs is None else out.chat_template_kwargs
+        text = apply_template(self.tokenizer, kwargs, out.messages, out.messages[-1]["role"] != "assistant")
         theirs = self.tokenizer.encode(text, add_special_tokens=False)
         if mode == "ignore_strippable":
             same = "".join(self.tokenizer.decode(ours).split()) == "".join(text.split())
@@ -133,10 +147,16 @@ class AgentLoop:
             logger.warning("multi-turn: the trajectory's tokens differ from the re-tokenised chat at position %d "
                            "(%r vs %r); training on the sampled tokens", at, ours[at:at + 5], theirs[at:at + 5])
 
-    def _assemble(self, prompts: DataProto, n: int, outputs: list[AgentLoopOutput]) -> DataProto:
-        """The engines' output layout: prompts as given (B·n, Tp), responses padded to the budget."""
-        prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
-        prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
+    def _assemble(self, prompts: DataProto, n: int, outputs: list[AgentLoopOutput], sample: list[int]) -> DataProto:
+        """The engines' output layout: prompts as given (one row per output, its sample's prompt; padding
+        where the output has no prompt ids), responses padded to the budget."""
+        prompt_of = torch.tensor([k // n for k in sample], dtype=torch.long)
+        prompt_ids = prompts.batch["input_ids"][prompt_of]
+        prompt_mask = prompts.batch["attention_mask"][prompt_of].clone()
+        for r, out in enumerate(outputs):
+            if not out.prompt_ids:  # its whole context is in the response (openai_agent's fresh segments)
+                prompt_ids[r] = self.pad_id
+                prompt_mask[r] = 0
         for out in outputs:
             if len(out.response_ids) > self.response_length:
                 raise AgentLoopError(f"an agent loop returned {len(out.response_ids)} response tokens, more than the "
@@ -145,8 +165,15 @@ class AgentLoop:
         tensors = rollout_layout(prompt_ids, prompt_mask, [o.response_ids for o in outputs],
                                  [o.response_mask for o in outputs], [o.response_logprobs for o in outputs],
                                  self.response_length, self.pad_id)
-        extras = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-        extras.update(_columns(outputs))
+        extras = {k: v[prompt_of.numpy()] for k, v in prompts.non_tensor_batch.items()}
+        columns = _columns(outputs)
+        excluded, own_info = columns.pop("excluded", None), columns.pop("extra_info", None)
+        extras.update(columns)
+        for r in range(len(outputs)):
+            if own_info is not None and own_info[r] is not None:
+                extras.setdefault("extra_info", np.full(len(outputs), None, dtype=object))[r] = own_info[r]
+            if excluded is not None and excluded[r] and "uid" in extras:
+                extras["uid"][r] = f"{extras['uid'][r]}/excluded/{r}"
         return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))
 
 

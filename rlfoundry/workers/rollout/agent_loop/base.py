@@ -27,7 +27,8 @@ __all__ = ["AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "register", "re
 
 _REGISTRY: dict[str, type] = {}
 _BUILT_IN = {"single_turn_agent": "rlfoundry.workers.rollout.agent_loop.single_turn.SingleTurnAgentLoop",
-             "tool_agent": "rlfoundry.workers.rollout.agent_loop.tool_agent.ToolAgentLoop"}
+             "tool_agent": "rlfoundry.workers.rollout.agent_loop.tool_agent.ToolAgentLoop",
+             "openai_agent": "rlfoundry.workers.rollout.agent_loop.openai_agent.OpenAIAgentLoop"}
 
 
 class AgentLoopError(ValueError):
@@ -37,7 +38,9 @@ class AgentLoopError(ValueError):
 @dataclass
 class AgentLoopOutput:
     """One trajectory. ``extra_fields`` become non-tensor columns of the batch (one value per row;
-    every loop of a batch should give the same keys — missing ones are filled with None)."""
+    every loop of a batch should give the same keys — missing ones are filled with None). A loop may
+    return a list of them, one training row each (``openai_agent``'s segments); empty ``prompt_ids``
+    mean the row's whole context is in ``response_ids`` (masked), its prompt part padding."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -47,6 +50,7 @@ class AgentLoopOutput:
     messages: list[dict] | None = None  # the chat, for the tokenisation sanity check (None: not checked)
     cut_by_length: bool = False  # the last turn was cut by the budget: the template cannot reproduce it
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None  # what the sanity check renders with (None: the loop's)
 
 
 class AgentLoopBase:
@@ -54,11 +58,11 @@ class AgentLoopBase:
     ``tokenizer``, ``config`` (the typed ``rollout.multi_turn``), ``tools`` (by name),
     ``interactions`` (by name), ``response_length`` (the whole trajectory's budget after the prompt),
     ``chat_template_kwargs`` (what the data set rendered the prompt with), ``key`` (this trajectory's
-    index in the batch, to pass to ``server.generate``)."""
+    index in the batch, to pass to ``server.generate``), ``agent`` (the typed ``rollout.agent``, or None)."""
 
     def __init__(self, *, server: Any, tokenizer: Any, config: Any, tools: dict, interactions: dict,
-                 response_length: int, chat_template_kwargs: dict, key: int):
-        self.server, self.tokenizer, self.config = server, tokenizer, config
+                 response_length: int, chat_template_kwargs: dict, key: int, agent: Any = None):
+        self.server, self.tokenizer, self.config, self.agent = server, tokenizer, config, agent
         self.tools, self.interactions = tools, interactions
         self.response_length, self.chat_template_kwargs, self.key = int(response_length), chat_template_kwargs, key
 

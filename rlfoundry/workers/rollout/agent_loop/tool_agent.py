@@ -47,7 +47,7 @@ from rlfoundry.tools.schemas import OpenAIFunctionParsedSchema
 from rlfoundry.utils.rollout_trace import rollout_trace_op
 from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopError, AgentLoopOutput, register
 
-__all__ = ["AgentData", "ToolAgentLoop", "apply_template", "truncate_text"]
+__all__ = ["AgentData", "ToolAgentLoop", "apply_template", "render_after_assistant", "truncate_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,18 @@ def truncate_text(text: str, limit: int, side: str) -> str:
 def apply_template(tokenizer: Any, chat_template_kwargs: dict, messages: list[dict], add_generation_prompt: bool) -> str:
     kwargs = {k: v for k, v in chat_template_kwargs.items() if k != "add_generation_prompt"}
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def render_after_assistant(tokenizer: Any, chat_template_kwargs: dict, messages: list[dict], end_token: int) -> list[int]:
+    """The tokens the chat template puts after an assistant turn that ended with ``end_token``:
+    what follows that token in the template's text, the new messages, the next generation prompt."""
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    before = apply_template(tokenizer, chat_template_kwargs, base, False)
+    full = apply_template(tokenizer, chat_template_kwargs, base + messages, True)
+    end_text = tokenizer.convert_ids_to_tokens(end_token)
+    cut = before.rfind(end_text) if isinstance(end_text, str) else -1
+    trailing = before[cut + len(end_text):] if cut >= 0 else ""
+    return tokenizer.encode(trailing + full[len(before):], add_special_tokens=False)
 
 
 async def _waiting(fn, *args: Any) -> Any:
@@ -299,15 +311,7 @@ class ToolAgentLoop(AgentLoopBase):
     # ---- the chat template ------------------------------------------------------------------
 
     def _render_after_assistant(self, messages: list[dict], end_token: int) -> list[int]:
-        """The tokens the chat template puts after an assistant turn that ended with ``end_token``:
-        what follows that token in the template's text, the new messages, the next generation prompt."""
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        before = apply_template(self.tokenizer, self.chat_template_kwargs, base, False)
-        full = apply_template(self.tokenizer, self.chat_template_kwargs, base + messages, True)
-        end_text = self.tokenizer.convert_ids_to_tokens(end_token)
-        cut = before.rfind(end_text) if isinstance(end_text, str) else -1
-        trailing = before[cut + len(end_text):] if cut >= 0 else ""
-        return self.tokenizer.encode(trailing + full[len(before):], add_special_tokens=False)
+        return render_after_assistant(self.tokenizer, self.chat_template_kwargs, messages, end_token)
 
     def _output(self, state: _State, has_chat: bool) -> AgentLoopOutput:
         return AgentLoopOutput(

@@ -1,0 +1,337 @@
+"""``openai_agent``: an agent written against the OpenAI chat API, trained unchanged.
+
+The loop calls a user function (``rollout.agent.openai.path`` / ``.name``; sync or async)::
+
+    def run_agent(base_url: str, api_key: str, prompt: list[dict], extra_info: dict) -> str | dict | None
+
+with the ``base_url`` and ``api_key`` of this trajectory's session on the local endpoint
+(``openai_server.py``), the row's chat (``raw_prompt``) and ``extra_info``. It may use any client; its
+requests are served by the rollout engine, batched with every other trajectory's turns. It returns the
+final answer (a string), a dict of reward inputs (merged into the row's ``extra_info``; ``answer`` there
+too), or None; the reward function scores the row's last assistant turn as for every agent loop.
+
+Token in, token out under a text API. Each request's reply is recorded as tokens: the context it was
+sampled in, the sampled ids and their log-probs. A request whose messages extend a recorded
+conversation (the same tools; its earlier messages as sent, then each assistant reply exactly as the
+endpoint returned it, then only tool or user messages) continues it: the sampled ids are reused, never
+re-tokenised, and only the new messages are rendered — as the tool agent loop renders them — so
+``response_mask`` is 1 exactly on sampled tokens. A request that extends nothing (the agent edited or
+summarised its history, branched from an earlier turn, or changed its tools) starts a new *segment*,
+its whole chat rendered afresh. Each segment is one training row: the ``rollout.agent.openai.max_segments``
+most recent of a trajectory (older ones are dropped and counted), padded with empty rows that no loss
+sees, so that the batch keeps a fixed number of rows per trajectory.
+
+Sampling: the policy samples at the rollout's temperature and top-p (the values the PPO ratio corrects
+for); a request's own ``temperature`` / ``top_p`` are accepted and not applied. ``max_tokens`` is capped by
+the row's remaining budget (``data.max_response_length`` after the data set's prompt); a request that
+leaves no room gets a 400 ``context_length_exceeded``. ``stop`` strings cut the sampled ids after the token
+that completes the string (the reply's text stops before it).
+
+A user function that raises, runs past ``timeout_s`` or never calls the endpoint loses its sample: its
+rows are empty (``response_mask`` 0), get a ``uid`` of their own so group estimators leave them out of
+their prompt's group, and are counted in ``multi_turn/stop/agent_raised`` / ``agent_timeout`` /
+``agent_no_requests`` (the share of trajectories). Its session is closed at once: a hung agent's later
+requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rlfoundry.tools.parser import parse_hermes
+from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopError, AgentLoopOutput, register
+from rlfoundry.workers.rollout.agent_loop.openai_server import ChatRequest, OpenAIEndpoint, RequestError
+from rlfoundry.workers.rollout.agent_loop.tool_agent import _in_thread, apply_template, render_after_assistant
+
+__all__ = ["OpenAIAgentLoop", "endpoint", "load_agent_function"]
+
+logger = logging.getLogger(__name__)
+
+_ENDPOINTS: dict[tuple[str, int], OpenAIEndpoint] = {}
+_ENDPOINTS_LOCK = threading.Lock()
+_SENTINEL = "\x00rlfoundry-assistant\x00"  # stands for an assistant turn's text when finding what follows it
+
+
+def endpoint(host: str = "127.0.0.1", port: int = 0) -> OpenAIEndpoint:
+    """The process's endpoint on ``host:port``, started on first use (one secret per run)."""
+    with _ENDPOINTS_LOCK:
+        if (host, int(port)) not in _ENDPOINTS:
+            _ENDPOINTS[(host, int(port))] = OpenAIEndpoint(host, port)
+        return _ENDPOINTS[(host, int(port))]
+
+
+@functools.lru_cache(maxsize=None)
+def load_agent_function(path: str | None, name: str) -> Callable:
+    """``name`` from a ``.py`` file or a dotted module; AgentLoopError naming the key otherwise."""
+    where = "actor_rollout_ref.rollout.agent.openai"
+    if not path:
+        raise AgentLoopError(f"agent_name openai_agent needs {where}.path (a .py file or a dotted module that "
+                             f"defines {name}(base_url, api_key, prompt, extra_info))")
+    try:
+        if path.endswith(".py"):
+            file = Path(path).expanduser()
+            spec = importlib.util.spec_from_file_location(f"rlfoundry_user_agent_{file.stem}", file)
+            if spec is None or not file.is_file():
+                raise FileNotFoundError(f"no file {file}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(path)
+    except Exception as e:  # noqa: BLE001 - any failure to import the user's code is a config error
+        raise AgentLoopError(f"{where}.path={path!r} cannot be loaded ({type(e).__name__}: {e})") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AgentLoopError(f"{where}.name={name!r}: {path} defines no function of that name")
+    return fn
+
+
+# ---- recording: conversations as tokens --------------------------------------------------------
+
+
+def _canon(message: dict) -> tuple:
+    """What decides whether two messages are the same turn: role, text, tool calls (ids ignored)."""
+    calls = tuple((c["function"]["name"], _json(c["function"]["arguments"])) for c in message.get("tool_calls") or ())
+    return message["role"], message.get("content") or "", calls
+
+
+def _json(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), sort_keys=True)
+    except (TypeError, json.JSONDecodeError):
+        return text
+
+
+def _renderable(messages: list[dict]) -> list[dict]:
+    return [{**m, "content": m.get("content") or ""} for m in messages]
+
+
+@dataclass
+class _Segment:
+    ids: list[int]  # the context and every turn since: prompt, sampled and rendered tokens
+    mask: list[int]  # aligned with ids: 1 on sampled tokens
+    log_probs: list[float]
+    tools: list | None
+    history: list[tuple] = field(default_factory=list)  # canonical messages the next request must start with
+    chat: list[dict] = field(default_factory=list)  # the chat with sampled texts (for the sanity check)
+    ended: bool = True  # the last turn ended with an end-of-turn token
+    last_turn_start: int = 0  # index in ids
+    turns: int = 0  # assistant replies
+    user_turns: int = 0  # extensions: the tool or user messages appended between two replies
+    busy: bool = False  # a request is generating on it
+    touched: int = 0  # order of the last update
+
+
+class _Recorder:
+    """One trajectory's session: answers its requests through the engine and keeps its segments."""
+
+    def __init__(self, loop: OpenAIAgentLoop, prompt_ids: list[int]):
+        self.loop, self.tok, self.prompt_ids = loop, loop.tokenizer, prompt_ids
+        self.segments: list[_Segment] = []
+        self.clock = 0
+        eos = loop.server.eos_ids or {self.tok.eos_token_id}
+        self.eos = set(eos)
+
+    async def complete(self, request: ChatRequest) -> dict[str, Any]:
+        bases = self._bases(request)
+        rooms = [self._room(s) for s in bases]
+        if min(rooms) <= 0:
+            raise RequestError(400, f"the conversation leaves no room in this trajectory's budget of "
+                               f"{self.loop.response_length} tokens (data.max_response_length)", "messages",
+                               "context_length_exceeded")
+        for s in bases:
+            s.busy = True
+        try:  # shielded: a request cut off at its deadline must not cancel the engine's batch entry
+            turns = await asyncio.gather(*(asyncio.shield(self.loop.server.generate(
+                self.loop.key, s.ids, min(room, request.max_tokens or room))) for s, room in zip(bases, rooms)))
+        finally:
+            for s in bases:
+                s.busy = False
+        prompt_tokens = len(bases[0].ids)
+        choices = [self._record(s, request, t.token_ids, t.log_probs, i) for i, (s, t) in enumerate(zip(bases, turns))]
+        completion = sum(c.pop("_count") for c in choices)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": request.model, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
+
+    # ---- matching ----------------------------------------------------------------------------
+
+    def _bases(self, request: ChatRequest) -> list[_Segment]:
+        """One segment per choice, its ids the context to sample from: the extended segment for the
+        first choice when the request extends one, copies (forks) or fresh renders for the rest."""
+        canon = [_canon(m) for m in request.messages]
+        extended = self._extends(request, canon)
+        if extended is not None:
+            delta = request.messages[len(extended.history):]
+            ids = self._after_turn(extended, request, delta)
+            extended.ids += ids
+            extended.mask += [0] * len(ids)
+            extended.log_probs += [0.0] * len(ids)
+            extended.history, extended.chat = canon, extended.chat + delta
+            extended.user_turns += 1
+            first = extended
+        else:
+            first = self._fresh(request, canon)
+        forks = [_Segment(list(first.ids), list(first.mask), list(first.log_probs), first.tools, list(canon),
+                          list(first.chat), first.ended, first.last_turn_start, first.turns, first.user_turns)
+                 for _ in range(request.n - 1)]
+        self.segments += forks
+        return [first, *forks]
+
+    def _extends(self, request: ChatRequest, canon: list[tuple]) -> _Segment | None:
+        for s in sorted(self.segments, key=lambda s: -s.touched):  # the most recent conversation first
+            n = len(s.history)
+            if (not s.busy and s.turns and s.tools == request.tools and len(canon) > n and canon[:n] == s.history
+                    and all(m["role"] in ("tool", "user") for m in request.messages[n:])):
+                return s
+        return None
+
+    def _fresh(self, request: ChatRequest, canon: list[tuple]) -> _Segment:
+        text = apply_template(self.tok, self._template_kwargs(request), _renderable(request.messages), True)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        segment = _Segment(ids, [0] * len(ids), [0.0] * len(ids), request.tools, canon, list(request.messages))
+        self.segments.append(segment)
+        return segment
+
+    def _after_turn(self, s: _Segment, request: ChatRequest, delta: list[dict]) -> list[int]:
+        """The tokens after a segment's last turn: the template's end of that turn where the policy did
+        not sample it (a cut or a stop string), the new messages, the next generation prompt."""
+        kwargs = self._template_kwargs(request)
+        if s.ended:  # the tool agent loop's rendering, token for token
+            return render_after_assistant(self.tok, kwargs, _renderable(delta), s.ids[-1])
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+        before = apply_template(self.tok, kwargs, base, False)
+        full = apply_template(self.tok, kwargs, base + _renderable(delta), True)
+        return self.tok.encode(before[before.rfind(_SENTINEL) + len(_SENTINEL):] + full[len(before):],
+                               add_special_tokens=False)
+
+    def _template_kwargs(self, request: ChatRequest) -> dict:
+        kwargs = {k: v for k, v in self.loop.chat_template_kwargs.items() if k != "tools"}
+        return {**kwargs, "tools": request.tools} if request.tools else kwargs
+
+    def _split(self, s: _Segment) -> int:
+        """Where a segment's row starts its response: after the data set's prompt when it starts with it."""
+        n = len(self.prompt_ids)
+        return n if n and s.ids[:n] == self.prompt_ids else 0
+
+    def _room(self, s: _Segment) -> int:
+        return self.loop.response_length - (len(s.ids) - self._split(s))
+
+    # ---- recording a reply ----------------------------------------------------------------------------
+
+    def _record(self, s: _Segment, request: ChatRequest, ids: list[int], log_probs: list[float], index: int) -> dict:
+        ids, log_probs, stopped = self._cut_at_stop(ids, log_probs, request.stop)
+        ended = bool(ids) and ids[-1] in self.eos
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        if stopped is not None:
+            text = text[:stopped]
+        s.last_turn_start = len(s.ids)
+        s.ids, s.mask, s.log_probs = s.ids + ids, s.mask + [1] * len(ids), s.log_probs + list(log_probs)
+        s.ended, s.turns = ended, s.turns + 1
+        self.clock += 1
+        s.touched = self.clock
+        message, finish = self._message(text, request.tools is not None)
+        s.history = s.history + [_canon(message)]
+        s.chat = s.chat + [{"role": "assistant", "content": text}]
+        if not (ended or stopped is not None):
+            finish = "length"
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": None, "_count": len(ids)}
+
+    @staticmethod
+    def _message(text: str, tools: bool) -> tuple[dict, str]:
+        """OpenAI's assistant message: hermes calls as ``tool_calls`` when tools were offered and every
+        call parses (else the text as content, as vLLM's hermes parser does)."""
+        parsed = parse_hermes(text) if tools else None
+        if not parsed or not parsed.calls or parsed.errors:
+            return {"role": "assistant", "content": text}, "stop"
+        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                  "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+        return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, "tool_calls"
+
+    def _cut_at_stop(self, ids: list[int], log_probs: list[float], stop: list[str]) -> tuple[list, list, int | None]:
+        """The ids up to the token that completes the first stop string, and where the text stops."""
+        if not stop:
+            return ids, log_probs, None
+        for k in range(1, len(ids) + 1):
+            text = self.tok.decode(ids[:k], skip_special_tokens=True)
+            found = [i for i in (text.find(s) for s in stop) if i >= 0]
+            if found:
+                return ids[:k], log_probs[:k], min(found)
+        return ids, log_probs, None
+
+    # ---- the trajectory's rows ------------------------------------------------------------------------
+
+    def outputs(self, stop_reason: str, max_segments: int) -> list[AgentLoopOutput]:
+        """``max_segments`` rows: the most recent segments, then empty ones (see the module docstring)."""
+        kept = sorted((s for s in self.segments if s.turns), key=lambda s: s.touched)[-max_segments:] \
+            if stop_reason == "agent_done" else []
+        dropped = sum(1 for s in self.segments if s.turns) - len(kept)
+        rows = [self._row(s, stop_reason, dropped) for s in kept]
+        while len(rows) < max_segments:
+            rows.append(AgentLoopOutput(list(self.prompt_ids), [], [], [], num_turns=0, extra_fields={
+                "stop_reason": stop_reason if not rows else "segment_padding", "excluded": True,
+                "last_turn_start": 0, "segment": len(rows), "segments_dropped": dropped}))
+        return rows
+
+    def _row(self, s: _Segment, stop_reason: str, dropped: int) -> AgentLoopOutput:
+        split = self._split(s)
+        kwargs = self._template_kwargs(ChatRequest(messages=[], tools=s.tools))
+        return AgentLoopOutput(
+            prompt_ids=s.ids[:split], response_ids=s.ids[split:], response_mask=s.mask[split:],
+            response_logprobs=s.log_probs[split:], num_turns=s.turns + s.user_turns, messages=_renderable(s.chat),
+            cut_by_length=not s.ended, chat_template_kwargs=kwargs,
+            extra_fields={"stop_reason": stop_reason, "excluded": False, "last_turn_start": s.last_turn_start - split,
+                          "segment": None, "segments_dropped": dropped})
+
+
+@register("openai_agent")
+class OpenAIAgentLoop(AgentLoopBase):
+    """See the module docstring."""
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> list[AgentLoopOutput]:
+        settings = self.agent.openai
+        fn = load_agent_function(settings.path, settings.name)
+        recorder = _Recorder(self, list(row["prompt_ids"]))
+        server = endpoint(settings.host, settings.port)
+        sid, base_url = server.open(recorder.complete, asyncio.get_running_loop(), settings.timeout_s)
+        extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        kwargs = {"base_url": base_url, "api_key": server.api_key, "prompt": list(row.get("raw_prompt") or []),
+                  "extra_info": dict(extra)}
+        answer, stop_reason = None, "agent_done"
+        try:
+            answer = await _in_thread(functools.partial(_call, fn, kwargs), settings.timeout_s)
+        except TimeoutError:
+            stop_reason = "agent_timeout"
+        except Exception as e:  # noqa: BLE001 - the user's agent failing costs its sample, not the run
+            stop_reason = "agent_raised"
+            logger.warning("openai_agent: %s.%s raised %s: %s", settings.path, settings.name, type(e).__name__, e)
+        finally:
+            requests = server.close(sid)
+        if stop_reason == "agent_done" and not requests:
+            stop_reason = "agent_no_requests"
+        if stop_reason != "agent_done":
+            logger.warning("openai_agent: sample lost (%s)", stop_reason)
+        rows = recorder.outputs(stop_reason, max(1, int(settings.max_segments)))
+        inputs = answer if isinstance(answer, dict) else {"answer": answer} if answer is not None else {}
+        for out in rows:
+            out.extra_fields["extra_info"] = {**extra, **inputs} if inputs else None
+        return rows
+
+
+async def _call(fn: Callable, kwargs: dict) -> Any:
+    """The user's function on its own thread and event loop (``_in_thread``): a blocking agent cannot
+    stall the engine's loop, and a hung one is abandoned at the deadline."""
+    value = fn(**kwargs)
+    return await value if inspect.isawaitable(value) else value
