@@ -341,3 +341,18 @@ def test_the_react_demo_agent_equals_the_tool_agent_on_the_seeded_calculator_pol
     assert list(got.non_tensor_batch["num_turns"]) == list(expected.non_tensor_batch["num_turns"])
     assert list(got.non_tensor_batch["last_turn_start"]) == list(expected.non_tensor_batch["last_turn_start"])
     assert not any(got.non_tensor_batch["sanity_check_failed"])
+
+
+def two_choices(base_url, api_key, prompt, extra_info):
+    reply = _client(base_url, api_key).chat.completions.create(model="m", messages=prompt, n=2)
+    return [c.index for c in reply.choices] and reply.choices[1].message.content
+
+
+def test_n_choices_are_one_segment_each(tokenizer):
+    question = "Pick."
+    policy = ScriptedPolicy(tokenizer, {question: ["a"]})
+    prompts = _prompts(tokenizer, {}, [question])
+    out = _agent_loop(policy, tokenizer, "two_choices", max_segments=2).generate_sequences(prompts)
+    sampled = tokenizer.encode("a<|im_end|>", add_special_tokens=False)
+    assert [_row_text(tokenizer, out, r)[1:] for r in range(2)] == [(sampled, [1] * len(sampled))] * 2
+    assert list(out.non_tensor_batch["stop_reason"]) == ["agent_done", "agent_done"]
