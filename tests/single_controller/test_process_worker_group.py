@@ -85,6 +85,13 @@ class Probe(Worker):
         return os.getpid()
 
     @register(Dispatch.ONE_TO_ALL)
+    def wait_for(self, path):
+        """A call that lasts until the test creates ``path``, however fast or slow the machine is."""
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL)
     def private_mb(self):
         """Memory only this process maps (Linux): what a rank really adds to the machine."""
         fields = dict(line.split(":", 1) for line in open("/proc/self/smaps_rollup").read().splitlines()[1:])
@@ -194,34 +201,38 @@ def test_constructor_error_names_the_rank():
     assert any("'rm' rank 1, method '__init__'" in n for n in err.value.__notes__)
 
 
-def test_timeout_and_killed_rank_raise_fast_naming_the_rank():
+def test_timeout_and_killed_rank_raise_fast_naming_the_rank(tmp_path):
+    """No stopwatch: the calls last until the test opens their gate, so the first one cannot answer
+    within its timeout; a killed rank must be reported as dead before the call's own timeout (10 s)
+    would fire, while rank 0 is still inside its call."""
     group = ProcessWorkerGroup(ClassWithInitArgs(Probe), 2, name_prefix="critic", host_rank_zero=False,
                                call_timeout_s=0.5)
     try:
-        with pytest.raises(WorkerCallTimeout, match=r"'critic' ranks \[0, 1\] did not finish 'sleep' within 0.5 s"):
-            group.sleep(2)
-        time.sleep(2)
+        with pytest.raises(WorkerCallTimeout, match=r"'critic' ranks \[0, 1\] did not finish 'wait_for' within 0.5 s"):
+            group.wait_for(str(tmp_path / "open"))
+        (tmp_path / "open").touch()
         group.call_timeout_s = None
-        pids = group.sleep(0)
-        pending = group.execute_all_async("sleep", 30)
-        start = time.monotonic()
+        pids = group.sleep(0)  # the timed-out call's late replies are dropped: the group stays usable
+        pending = group.execute_all_async("wait_for", str(tmp_path / "at_the_end"))
         os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(WorkerDiedError, match="worker group 'critic' rank 1 died while running 'sleep'"):
+        group.call_timeout_s = 10  # a WorkerCallTimeout here would mean the death went unnoticed
+        with pytest.raises(WorkerDiedError, match="worker group 'critic' rank 1 died while running 'wait_for'"):
             pending.get()
-        assert time.monotonic() - start < 10
     finally:
+        (tmp_path / "at_the_end").touch()  # rank 0 returns, and exits when asked
         group.shutdown()
 
 
-def test_late_reply_of_a_timed_out_call_is_not_taken_for_the_next_one():
+def test_late_reply_of_a_timed_out_call_is_not_taken_for_the_next_one(tmp_path):
     """Replies come back in order on each rank's pipe: the answer to a call that timed out arrives
     later and must be dropped, and futures collected out of order each get their own answer."""
     group = ProcessWorkerGroup(ClassWithInitArgs(Probe), 2, name_prefix="p", host_rank_zero=False,
                                call_timeout_s=0.3)
     try:
         with pytest.raises(WorkerCallTimeout):
-            group.execute_all("echo_after", "late", 1.0)
-        time.sleep(1.5)  # the late replies are in the pipes now
+            group.wait_for(str(tmp_path / "open"))  # cannot answer before the gate opens
+        (tmp_path / "open").touch()
+        assert all(group._conns[rank].poll(60) for rank in (0, 1))  # the late replies are in the pipes now
         assert group.execute_all("echo_after", "next", 0.0) == ["next", "next"]
         group.call_timeout_s = None
         first = group.execute_all_async("echo_after", "first", 0.2)

@@ -94,8 +94,10 @@ class ProbeWorker(Worker):
         return {k: os.environ.get(k) for k in keys}
 
     @register(Dispatch.ONE_TO_ALL)
-    def sleep(self, seconds):
-        time.sleep(seconds)
+    def wait_for(self, path):
+        """A call that lasts until the test creates ``path``, however fast or slow the machine is."""
+        while not os.path.exists(path):
+            time.sleep(0.01)
         return self.rank
 
 
@@ -257,24 +259,28 @@ def test_colocated_roles_share_pid_and_process_group(ray_local):
         pool.remove()
 
 
-def test_killed_worker_raises_naming_group_and_rank_fast(ray_local):
+def test_killed_worker_raises_naming_group_and_rank_fast(ray_local, tmp_path):
+    """No stopwatch: the calls last until the test opens their gate, so the first one cannot answer
+    within its timeout; the killed rank must be reported as dead before the calls' own timeout (30 s)
+    would fire, while rank 0 is still inside its call."""
     group, pool = make_group(2, name="critic")
     try:
         group.call_timeout_s = 0.5
-        with pytest.raises(WorkerCallTimeout, match=r"'critic' ranks \[0, 1\] did not finish 'sleep' within 0.5 s"):
-            group.sleep(2)
+        with pytest.raises(WorkerCallTimeout, match=r"'critic' ranks \[0, 1\] did not finish 'wait_for' within 0.5 s"):
+            group.wait_for(str(tmp_path / "open"))
+        (tmp_path / "open").touch()
         group.call_timeout_s = None
         pids = [i["pid"] for i in group.info()]
-        pending = group.execute_all_async("sleep", 20)  # rank 0 keeps sleeping: the error must not wait for it
-        start = time.monotonic()
+        pending = group.execute_all_async("wait_for", str(tmp_path / "at_the_end"))  # the error must not wait for rank 0
         os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(WorkerDiedError, match="worker group 'critic' rank 1 died while running 'sleep'") as err:
+        group.call_timeout_s = 30  # a WorkerCallTimeout below would mean the death went unnoticed
+        with pytest.raises(WorkerDiedError, match="worker group 'critic' rank 1 died while running 'wait_for'") as err:
             pending.get()
         assert (err.value.group, err.value.rank) == ("critic", 1)
         with pytest.raises(WorkerDiedError, match="rank 1 died while running 'whoami'"):
             group.whoami("after")  # every later call fails the same way, instead of hanging
-        assert time.monotonic() - start < 30
     finally:
+        (tmp_path / "at_the_end").touch()
         group.shutdown()
         pool.remove()
 

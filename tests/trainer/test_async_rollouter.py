@@ -80,6 +80,14 @@ def _prompt_batches(size: int):
         start += size
 
 
+def _wait_until(condition, what: str, limit_s: float = 30.0) -> None:
+    """Polls ``condition``; the limit only turns a hang into a failure, nothing is timed."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what} after {limit_s} s"
+        time.sleep(0.002)
+
+
 class _Rollout:
     """Generation that takes a random while; checks that a pause never overlaps it."""
 
@@ -124,8 +132,35 @@ def test_the_staleness_bound_holds_under_random_schedules(staleness, seed, slow_
     assert deepest <= step_prompts * sync_every * (1 + staleness)  # the queue is bounded by the rule
     if staleness == 0:
         assert worst == 0
-    if staleness >= 2 and slow_trainer > 0 and slow_rollout == 0:
-        assert worst >= 1  # a fast rollout does run ahead: the bound is what stops it
+
+
+@pytest.mark.parametrize("staleness", [0.0, 0.5, 2.0])
+def test_a_rollout_that_keeps_ahead_is_stopped_exactly_at_the_bound(staleness):
+    """The trainer takes each step only once the queue holds every prompt the rule admits, so each step
+    meets the rollout as far ahead as it may be. By hand (per_sync = 8, batches of 2, 48 prompts): at
+    version v the rule admits prompts below min(8·(v + 1 + s), 48); step 2v + 1 has trained 8v; prompt
+    8v was admitted under v - ceil(s) (s = 2: under v - 2, as 8v < 8·(v - 2 + 3)), so the stalest sample
+    is ceil(s) versions old and the deepest queue is 8·(1 + s), the bound, reached and not passed."""
+    step_prompts, sync_every, gen, steps = 4, 2, 2, 12
+    per_sync, total = step_prompts * sync_every, steps * step_prompts
+    rollouter = Rollouter(_Rollout(random.Random(0), 0.0), _prompt_batches(gen), per_sync=per_sync,
+                          staleness_threshold=staleness, first_index=0, total_prompts=total, version=0)
+    rollouter.start(gen)
+    worst, deepest = 0, 0
+    try:
+        for step in range(1, steps + 1):
+            version, trained = (step - 1) // sync_every, (step - 1) * step_prompts
+            admitted = min(math.floor(per_sync * (version + 1 + staleness)), total)
+            _wait_until(lambda: rollouter.queued_prompts() >= admitted - trained, f"step {step}'s prompts")
+            deepest = max(deepest, rollouter.queued_prompts())
+            worst = max(worst, *(version - item.version for item in rollouter.take(step_prompts, timeout_s=30)))
+            if step % sync_every == 0:
+                rollouter.pause()
+                rollouter.resume(version=step // sync_every)
+    finally:
+        rollouter.stop()
+    assert worst == math.ceil(staleness)
+    assert deepest == per_sync * (1 + staleness)
 
 
 def test_a_paused_rollouter_reports_the_position_of_the_oldest_untrained_prompt():
@@ -134,9 +169,7 @@ def test_a_paused_rollouter_reports_the_position_of_the_oldest_untrained_prompt(
     rollouter.start(2)
     try:
         rollouter.take(4, timeout_s=30)  # prompts 0-3 trained
-        deadline = time.monotonic() + 30
-        while rollouter.queued_prompts() < 4 and time.monotonic() < deadline:  # 4-7 generated ahead
-            time.sleep(0.01)
+        _wait_until(lambda: rollouter.queued_prompts() >= 4, "prompts 4-7 generated ahead")
         rollouter.pause()
         state, regenerate = rollouter.position(lambda: {"next": -1})
         assert state == {"next": 4} and regenerate == 4  # a resume starts again at prompt 4
@@ -157,19 +190,24 @@ def test_a_dead_rollout_worker_reaches_the_trainer_with_its_role_and_rank():
 
 
 def test_the_trainer_never_waits_for_ever_on_an_empty_queue():
-    release = threading.Event()
+    """take() gives up once its clock passes the deadline, and not before. The injected clock reads
+    0.0 to the rollouter until its generation is stuck, then 0.0 (take's start: deadline 0.3), 0.29
+    (still waiting) and 0.31 (past it: the error, with no further reading)."""
+    entered, release, readings = threading.Event(), threading.Event(), []
 
     def stuck(batch_dict, boundary):
+        entered.set()
         release.wait(30)
         return DataProto.from_dict(tensors={"input_ids": batch_dict["input_ids"]})
 
     rollouter = Rollouter(stuck, _prompt_batches(2), per_sync=4, staleness_threshold=0.0, first_index=0,
-                          total_prompts=8, version=0)
+                          total_prompts=8, version=0, clock=lambda: readings.pop(0) if readings else 0.0)
     rollouter.start(2)
-    start = time.monotonic()
+    assert entered.wait(30)
+    readings += [0.0, 0.29, 0.31]
     with pytest.raises(RunAbortedError, match=r"no samples from the rollout pool for 0.3 s .* rollouter generating"):
         rollouter.take(4, timeout_s=0.3)
-    assert time.monotonic() - start < 5
+    assert readings == []  # it read 0.29 and waited on, then gave up at 0.31
     release.set()
     rollouter.stop()
 
@@ -183,7 +221,7 @@ def test_a_pause_between_chunks_lets_the_sync_in_mid_generation_and_the_position
     def chunked(batch_dict, boundary):
         versions.append(boundary())
         first_chunk.set()
-        time.sleep(0.2)  # the first chunk is under way when the trainer asks for the pause
+        _wait_until(lambda: rollouter._paused, "the pause")  # the first chunk is under way when the trainer asks for it
         versions.append(boundary())  # the pause happens here
         return DataProto.from_dict(tensors={"input_ids": batch_dict["input_ids"]})
 

@@ -5,25 +5,31 @@ stall the others), loops chosen by name (custom ones from a config file), and si
 from __future__ import annotations
 
 import asyncio
-import time
+import selectors
+import threading
 
 import numpy as np
 import pytest
+import torch
 
 from rlfoundry.config.schema import AgentConfig, MultiTurnConfig
 from rlfoundry.interactions import InteractionConfigError, initialize_interactions_from_config
 from rlfoundry.interactions.gsm8k import CORRECT, RETRY
 from rlfoundry.models.tiny import build_tokenizer
+from rlfoundry.protocol import DataProto
 from rlfoundry.tools.base import BaseTool
 from rlfoundry.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from rlfoundry.trainer.metric_utils import multi_turn_metrics
 from rlfoundry.workers.rollout.agent_loop import AgentLoop, AgentLoopBase, AgentLoopError, AgentLoopOutput
+from rlfoundry.workers.rollout.agent_loop.server import GenerationServer
 from tests.workers.test_agent_loop import ScriptedPolicy, _prompts
 
 SLEEP_SCHEMA = {"type": "function", "function": {
     "name": "sleep", "description": "Wait.", "parameters": {
         "type": "object", "properties": {"seconds": {"type": "number", "description": "how long"}},
         "required": ["seconds"]}}}
+GATE_SCHEMA = {"type": "function", "function": {"name": "gate", "description": "Wait for the gate."}}
+GATE_CALL = '<tool_call>{"name": "gate", "arguments": {}}</tool_call>'
 
 
 def sleep_call(seconds: float) -> str:
@@ -36,19 +42,34 @@ class SleepTool(BaseTool):
         return ToolResponse(text="slept"), 0.0, {}
 
 
-class TimedPolicy(ScriptedPolicy):
-    """The scripted policy, recording which conversations (by their first user text) each call served."""
+class GateTool(BaseTool):
+    """Answers once the test opens ``gate``, then logs that it did: a tool exactly as slow as the test wants."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.log: list[tuple[float, list[str]]] = []
+    def __init__(self, gate: threading.Event, events: list):
+        super().__init__({}, OpenAIFunctionToolSchema.model_validate(GATE_SCHEMA))
+        self.gate, self.events = gate, events
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.to_thread(self.gate.wait, 60)  # the limit only turns a hang into a failure
+        self.events.append("tool returned")
+        return ToolResponse(text="opened"), 0.0, {}
+
+
+class LoggingPolicy(ScriptedPolicy):
+    """The scripted policy, logging to ``events`` which conversations (by their first user text) each
+    call served, then calling ``after_call`` with the number of calls so far."""
+
+    def __init__(self, tokenizer, script, events: list, after_call=lambda calls: None):
+        super().__init__(tokenizer, script)
+        self.events, self.after_call = events, after_call
 
     def generate_sequences(self, batch):
         texts = [self.tokenizer.decode(ids[m.bool()]) for ids, m in
                  zip(batch.batch["input_ids"], batch.batch["attention_mask"])]
-        self.log.append((time.monotonic(), [t.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-                                            for t in texts]))
-        return super().generate_sequences(batch)
+        self.events.append([t.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0] for t in texts])
+        out = super().generate_sequences(batch)
+        self.after_call(self.calls)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -56,26 +77,28 @@ def tokenizer():
     return build_tokenizer()
 
 
-def _sleep_loop(tokenizer, script, max_wait_s, **agent):
+def _sleep_loop(tokenizer, script, max_wait_s, events: list, gate: GateTool | None = None,
+                after_call=lambda calls: None):
     tools = {"sleep": SleepTool({}, OpenAIFunctionToolSchema.model_validate(SLEEP_SCHEMA))}
     kwargs = {"tools": [SLEEP_SCHEMA]}
-    policy = TimedPolicy(tokenizer, script)
+    if gate is not None:
+        tools["gate"], kwargs["tools"] = gate, [SLEEP_SCHEMA, GATE_SCHEMA]
+    policy = LoggingPolicy(tokenizer, script, events, after_call)
     loop = AgentLoop(policy, tokenizer, MultiTurnConfig(enable=True), tools, 400, chat_template_kwargs=kwargs,
-                     agent=AgentConfig(max_wait_s=max_wait_s, **agent))
-    return loop, policy, kwargs
+                     agent=AgentConfig(max_wait_s=max_wait_s))
+    return loop, kwargs
 
 
 def test_a_slow_tool_does_not_stall_the_other_trajectories(tokenizer):
-    """A waits 3 s in its tool; B's three further turns are generated meanwhile, each in an engine call
-    of its own, started at most max_wait_s after B asked; A's last turn comes after its tool."""
-    script = {"A": [sleep_call(3), "done"], "B": [sleep_call(0), sleep_call(0), sleep_call(0), "done"]}
-    loop, policy, kwargs = _sleep_loop(tokenizer, script, max_wait_s=0.1)
-    start = time.monotonic()
+    """A sits in a tool that answers only once B's last turn is generated, so B's three further turns
+    can only come meanwhile, each in an engine call of its own; A's last turn comes after its tool.
+    (How long B waits for A before going alone is timed exactly on the event loop's clock below.)"""
+    gate, events = threading.Event(), []
+    script = {"A": [GATE_CALL, "done"], "B": [sleep_call(0), sleep_call(0), sleep_call(0), "done"]}
+    loop, kwargs = _sleep_loop(tokenizer, script, 0.1, events, GateTool(gate, events),
+                               after_call=lambda calls: calls == 4 and gate.set())
     out = loop.generate_sequences(_prompts(tokenizer, kwargs, ["A", "B"]))
-    served = [rows for _, rows in policy.log]
-    assert served == [["A", "B"], ["B"], ["B"], ["B"], ["A"]]
-    assert policy.log[3][0] - start < 2.5  # B was done long before A's tool answered
-    assert policy.log[4][0] - start >= 3.0
+    assert events == [["A", "B"], ["B"], ["B"], ["B"], "tool returned", ["A"]]
     assert list(out.non_tensor_batch["num_turns"]) == [3, 7] and loop.last_engine_calls == 5
 
 
@@ -83,9 +106,89 @@ def test_with_quick_tools_every_turn_is_one_batch_whatever_the_timing(tokenizer)
     """Tools that answer within max_wait_s: the engine waits for every trajectory, so each turn of the
     batch is one engine call, composed as in a synchronous loop (what keeps seeded runs reproducible)."""
     script = {q: [sleep_call(0.05 * i), sleep_call(0), "done"] for i, q in enumerate("ABCD")}
-    loop, policy, kwargs = _sleep_loop(tokenizer, script, max_wait_s=5.0)
+    events = []
+    loop, kwargs = _sleep_loop(tokenizer, script, 5.0, events)
     loop.generate_sequences(_prompts(tokenizer, kwargs, list("ABCD")))
-    assert [rows for _, rows in policy.log] == [list("ABCD")] * 3
+    assert events == [list("ABCD")] * 3
+
+
+# ---- the server's grace period, on virtual time -------------------------------------------
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """Where the loop would sleep until its next timer with nothing else to do, it moves its clock there."""
+
+    loop: VirtualTimeLoop
+
+    def select(self, timeout=None):
+        if timeout is None or self.loop.jobs:  # an engine call in a thread: wait for it, time stands still
+            return super().select(timeout)
+        ready = super().select(0)
+        if not ready:
+            self.loop.now += timeout
+        return ready
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on virtual time: ``asyncio.sleep`` and ``wait_for`` timeouts take no real time, an
+    executor job (an engine call) takes none of the loop's, and every ``loop.time()`` is exact."""
+
+    def __init__(self):
+        selector = _JumpingSelector()
+        super().__init__(selector)
+        selector.loop, self.now, self.jobs = self, 0.0, 0
+
+    def time(self) -> float:
+        return self.now
+
+    def run_in_executor(self, executor, func, *args):
+        self.jobs += 1
+        future = super().run_in_executor(executor, func, *args)
+        future.add_done_callback(lambda _: setattr(self, "jobs", self.jobs - 1))
+        return future
+
+
+class _ClockedEngine:
+    """One token per row; logs (the loop's time, each row's last prompt token) per call."""
+
+    def __init__(self, clock):
+        self.clock, self.calls = clock, []
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        self.calls.append((self.clock(), batch.batch["input_ids"][:, -1].tolist()))
+        ones = torch.ones((len(batch), 1), dtype=torch.long)
+        return DataProto.from_dict(tensors={"responses": ones, "response_mask": ones,
+                                            "rollout_log_probs": torch.zeros((len(batch), 1))})
+
+
+def test_a_trajectory_waits_max_wait_s_for_one_in_a_tool_by_the_event_loop_clock():
+    """Trajectory 0 (prompt token 10) spends 3 s in a tool after its first turn; trajectory 1 (token 11)
+    asks again at once after each of its first three. By hand, with grace 0.1: both turns at t = 0 share
+    a call; 1 then goes alone 0.1 after each request (t = 0.1, 0.2, 0.3), and 0's last turn goes the
+    moment its tool ends (t = 3.0): no one else is live, so it waits for no one."""
+
+    async def run() -> list:
+        engine = _ClockedEngine(asyncio.get_running_loop().time)
+        server = GenerationServer(engine, pad_id=0, meta={}, grace_s=0.1)
+
+        async def trajectory(key: int, tool_s: list[float]) -> None:
+            try:
+                for seconds in tool_s:
+                    await server.generate(key, [10 + key], 1)
+                    await asyncio.sleep(seconds)
+                await server.generate(key, [10 + key], 1)
+            finally:
+                server.leave()
+
+        server.join(), server.join()
+        serving = asyncio.create_task(server.serve())
+        await asyncio.gather(trajectory(0, [3.0]), trajectory(1, [0.0, 0.0, 0.0]))
+        serving.cancel()
+        return engine.calls
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        calls = runner.run(run())
+    assert [rows for _, rows in calls] == [[10, 11], [11], [11], [11], [10]]
+    assert [t for t, _ in calls] == pytest.approx([0.0, 0.1, 0.2, 0.3, 3.0])
 
 
 # ---- loops by name ------------------------------------------------------------------------
@@ -126,7 +229,7 @@ def test_rows_choose_their_loop_by_name_and_custom_loops_load_from_a_config_file
     assert metrics["multi_turn/tool_calls/mean"] == 1.0 and metrics["multi_turn/stop/no_call"] == 0.5
 
     prompts.non_tensor_batch["agent_name"] = np.array(["nobody", None], dtype=object)
-    with pytest.raises(AgentLoopError, match=r"agent loop 'nobody'.*known: \['openai_agent', 'self_check', 'single_turn_agent', "
+    with pytest.raises(AgentLoopError, match=r"agent loop 'nobody'.*known: \['self_check', 'single_turn_agent', "
                                              r"'tool_agent'\]"):
         loop.generate_sequences(prompts)
 

@@ -67,12 +67,14 @@ class Rollouter:
     (partial rollout) to call between them: it lets a requested pause happen there and returns the
     weight version to go on with; ``batches``: (loader state before, batch_dict) pairs;
     ``first_index``: prompts trained before this run started (a resumed run); ``total_prompts``:
-    where to stop. ``per_sync`` = B·T prompts. Every method but the thread's own is for the trainer.
+    where to stop. ``per_sync`` = B·T prompts. ``clock``: seconds for ``take``'s timeout and the idle /
+    generation timings (tests pass one they control). Every method but the thread's own is for the trainer.
     """
 
     def __init__(self, generate: Callable[[dict, Callable[[], int]], DataProto], batches: Iterator[tuple[dict, dict]], *,
-                 per_sync: int, staleness_threshold: float, first_index: int, total_prompts: int, version: int):
-        self._generate, self._batches = generate, batches
+                 per_sync: int, staleness_threshold: float, first_index: int, total_prompts: int, version: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self._generate, self._batches, self._clock = generate, batches, clock
         self.per_sync, self.staleness, self.total = per_sync, float(staleness_threshold), total_prompts
         self.index, self.version = first_index, version  # next prompt's index; the rollout's weights
         self._cond = threading.Condition()
@@ -96,14 +98,14 @@ class Rollouter:
                 version = self._wait_turn()
                 if version is None:
                     return
-                start, self._call_idle = time.monotonic(), 0.0
+                start, self._call_idle = self._clock(), 0.0
                 loader_state, batch_dict = next(self._batches)
                 prompts = len(batch_dict["input_ids"])
                 self._in_flight = (loader_state, prompts)
                 out = self._generate(batch_dict, self._boundary)
                 with self._cond:
                     self._busy, self._in_flight = False, None
-                    self._gen_s += time.monotonic() - start - self._call_idle
+                    self._gen_s += self._clock() - start - self._call_idle
                     self._queue.append(_Item(out, prompts, version, loader_state))
                     self.index += prompts
                     self._cond.notify_all()
@@ -119,11 +121,11 @@ class Rollouter:
 
     def _wait_turn(self) -> int | None:
         """Wait until not paused and the bound allows the next prompts; the version to sample with."""
-        start = time.monotonic()
+        start = self._clock()
         with self._cond:
             while not self._stop and (self._paused or not self._allowed(self._next_size)):
                 self._cond.wait()
-            self._idle_s += time.monotonic() - start
+            self._idle_s += self._clock() - start
             if self._stop:
                 return None
             self._busy = True
@@ -131,7 +133,7 @@ class Rollouter:
 
     def _boundary(self) -> int:
         """Between two chunks of one generation: wait out a pause (a sync) there; the version to go on with."""
-        start = time.monotonic()
+        start = self._clock()
         with self._cond:
             if self._paused:
                 self.paused_in_flight += 1
@@ -140,7 +142,7 @@ class Rollouter:
                 while self._paused and not self._stop:
                     self._cond.wait()
                 self._busy = True
-            waited = time.monotonic() - start
+            waited = self._clock() - start
             self._idle_s += waited
             self._call_idle += waited
             if self._stop:
@@ -161,7 +163,7 @@ class Rollouter:
 
     def take(self, prompts: int, timeout_s: float | None) -> list[_Item]:
         """The oldest ``prompts`` prompts' samples; raises the rollouter's error, or after ``timeout_s``."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._cond:
             while sum(item.prompts for item in self._queue) < prompts:
                 if self._error is not None:
@@ -169,7 +171,7 @@ class Rollouter:
                 if self._finished:
                     raise RunAbortedError(f"the rollouter stopped after prompt {self.index} of {self.total} with "
                                           f"fewer than the {prompts} prompts a step needs queued")
-                left = None if deadline is None else deadline - time.monotonic()
+                left = None if deadline is None else deadline - self._clock()
                 if left is not None and left <= 0:
                     raise RunAbortedError(
                         f"no samples from the rollout pool for {timeout_s:g} s (trainer.worker_call_timeout_s): "
@@ -185,14 +187,14 @@ class Rollouter:
 
     def pause(self) -> float:
         """Stop after the generation in flight (waited for); returns the seconds waited."""
-        start = time.monotonic()
+        start = self._clock()
         with self._cond:
             self._paused = True
             while self._busy:
                 if self._error is not None:
                     raise self._error
                 self._cond.wait(timeout=1.0)
-        return time.monotonic() - start
+        return self._clock() - start
 
     def resume(self, version: int | None = None) -> None:
         with self._cond:

@@ -6,15 +6,15 @@ thread so tools keep running) for all of them; turns at different positions shar
 starts when every live trajectory is waiting for the engine — the batch of the synchronous loop,
 composed the same way whatever the tools' timing, so a seeded run draws the same tokens — or, when
 some trajectories are still in their tools, ``grace_s`` after the first request: a slow tool then
-delays the others by at most ``grace_s``, not by its own duration. Each call's meta-info carries every
-row's own budget (``max_response_lengths``): vLLM caps each request by it, the HF engine generates to the
-largest and the server cuts each row to its own.
+delays the others by at most ``grace_s``, not by its own duration. The grace is timed by the event
+loop's clock, the one its timeouts run on (a test's virtual-time loop makes it exact). Each call's
+meta-info carries every row's own budget (``max_response_lengths``): vLLM caps each request by it, the
+HF engine generates to the largest and the server cuts each row to its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -90,11 +90,11 @@ class GenerationServer:
             self._executor.shutdown(wait=False)
 
     async def _wait_for_batch(self) -> None:
-        first = None
+        clock, first = asyncio.get_running_loop().time, None
         while True:
             if self._pending:
-                first = first or time.monotonic()
-                left = self.grace_s - (time.monotonic() - first)
+                first = clock() if first is None else first
+                left = self.grace_s - (clock() - first)
                 if len(self._pending) >= self.live or left <= 0:
                     return
             else:
