@@ -229,7 +229,7 @@ def test_rows_choose_their_loop_by_name_and_custom_loops_load_from_a_config_file
     assert metrics["multi_turn/tool_calls/mean"] == 1.0 and metrics["multi_turn/stop/no_call"] == 0.5
 
     prompts.non_tensor_batch["agent_name"] = np.array(["nobody", None], dtype=object)
-    with pytest.raises(AgentLoopError, match=r"agent loop 'nobody'.*known: \['self_check', 'single_turn_agent', "
+    with pytest.raises(AgentLoopError, match=r"agent loop 'nobody'.*known: \['openai_agent', 'self_check', 'single_turn_agent', "
                                              r"'tool_agent'\]"):
         loop.generate_sequences(prompts)
 
