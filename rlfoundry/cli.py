@@ -66,7 +66,7 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, fmt: st
     from rlfoundry import checkpoint as ckpt
     from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup
     from rlfoundry.single_controller.base.worker import WorkerRuntime
-    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+    from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     step_dir = find_actor_checkpoint(checkpoint_dir)
     marker = ckpt.read_component_marker(step_dir / "actor")

@@ -23,7 +23,7 @@ LAYERS = {
     "trainer": 4, "cli": 4, "__main__": 4, "__init__": 4,
 }
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
-WORKER_ENTRY_POINTS = {"rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model"}
+WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model"}
 # SFT runs its model in-process (no worker groups): it is a role on the engine, like the workers.
 IN_PROCESS_TRAINERS = {"rlfoundry.trainer.sft_trainer"}
 

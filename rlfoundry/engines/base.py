@@ -17,6 +17,7 @@ are summed and ranks averaged, so one optimiser step is the same whatever the sp
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,6 +27,8 @@ import torch
 from rlfoundry.protocol import DataProto
 
 __all__ = [
+    "EnginePlugin",
+    "EngineRequest",
     "GlobalBatchInfo",
     "LogProbs",
     "LossFn",
@@ -151,12 +154,33 @@ class TrainingEngine(abc.ABC):
         caller already did)."""
 
     @abc.abstractmethod
-    def save_hf_model(self, path: str, tokenizer: Any = None) -> str:
-        """Full weights + config (+ tokenizer) loadable with ``from_pretrained``. Collective."""
+    def save_hf_model(self, path: str, tokenizer: Any = None, adapter_only: bool = False) -> str:
+        """Full weights + config (+ tokenizer) loadable with ``from_pretrained``; ``adapter_only``: a
+        LoRA model's peft adapter directory (engines without adapters raise). Collective."""
 
     @abc.abstractmethod
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) per parameter, one at a time (rollout weight sync). Collective."""
+
+    # ---- hooks an engine overrides where it has the feature (the defaults say it has not) ------
+
+    def rollout_module(self) -> torch.nn.Module | None:
+        """An HF module the HF rollout can sample from directly (FSDP: the actor's own), or None: the
+        rollout keeps its own copy, refreshed from ``iter_hf_weights`` after every update."""
+        return None
+
+    def model_parallel_rows(self, data: DataProto) -> tuple[DataProto, slice]:
+        """The rows this rank computes on and where its own rows sit in them: under model parallelism
+        (Megatron) the rows of its whole model-parallel group; else its own."""
+        return data, slice(0, len(data))
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """A LoRA adapter's tensors in peft's file names. Collective."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.role}) has no LoRA adapter")
+
+    def adapter_disabled(self) -> Any:
+        """A context in which the module is its base model (a LoRA run's reference); no-op without an adapter."""
+        return contextlib.nullcontext()
 
     def counters(self) -> dict[str, int]:
         return {"update_calls": self.update_calls, "nonfinite_skips": self.nonfinite_skips}
@@ -164,3 +188,46 @@ class TrainingEngine(abc.ABC):
     def load_counters(self, state: dict[str, int]) -> None:
         self.update_calls = int(state.get("update_calls", 0))
         self.nonfinite_skips = int(state.get("nonfinite_skips", 0))
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What a role asks an engine to build, whichever engine the role's ``strategy`` names. The role's
+    engine subtrees travel as they are (``fsdp``: its ``fsdp_config``, ``megatron``: its ``megatron``);
+    each engine reads its own and ignores the other."""
+
+    model: Any  # the role's typed ``model`` subtree, ``path`` set to the directory to load
+    fsdp: Any
+    megatron: Any
+    optim: Any = None  # None: a frozen model (reference, reward model, rollout-only worker)
+    grad_clip: float | None = None
+    model_kind: str = "causal_lm"  # causal_lm | token_classification (critic) | sequence_classification
+    override_config: dict[str, Any] = field(default_factory=dict)
+    gradient_checkpointing: bool = False
+    use_shared_prompt: bool = False
+    lora: Any = None  # models.lora.LoraSpec: an adapter on the frozen model (trainable models only)
+    prepare: Callable[[torch.nn.Module], None] | None = None  # runs on the loaded model before sharding
+
+
+class EnginePlugin(abc.ABC):
+    """A training engine as the rest of the project sees it: registered by name in
+    ``config/training_engines.py`` (the ``strategy`` key), it builds engines, says how a role's ranks
+    split the data, and checks the configs that name it at start-up. A new engine is its own package
+    with one of these, and one line in the table."""
+
+    name: str
+    supports_lora: bool = False
+
+    @abc.abstractmethod
+    def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
+        """The engine for one role on this rank. Collective over the role's ranks."""
+
+    def data_parallel_size(self, world_size: int, megatron: Any) -> int:
+        """How many data-parallel ranks a role's ``world_size`` ranks form (``megatron``: the role's
+        ``megatron`` subtree, for engines with model parallelism)."""
+        return world_size
+
+    def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
+        """Start-up errors for the config keys ``roles`` (e.g. ``actor_rollout_ref.actor``) that name
+        this engine: what it does not support, layouts that cannot work."""
+        return []

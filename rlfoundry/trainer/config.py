@@ -35,7 +35,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
-from rlfoundry.config.schema import PPOConfig, model_parallel_size
+from rlfoundry.config.schema import PPOConfig
+from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
 from rlfoundry.utils.tracking import VERL_ONLY_BACKENDS, SUPPORTED_BACKENDS
 
@@ -449,11 +450,9 @@ def _check_batch_sizes(cfg: DictConfig) -> list[str]:
 
 
 def _data_parallel_size(role: DictConfig, ws: int) -> int:
-    """The ranks a role's mini-batch is split over: all of them, or under Megatron ranks / (tensor ×
-    pipeline × context); a layout that does not divide the ranks is reported by ``_check_megatron``."""
-    if role.get("strategy") != "megatron":
-        return ws
-    return max(1, ws // model_parallel_size(role.megatron))
+    """The ranks a role's mini-batch is split over, as its engine splits them (a layout that does not
+    divide the ranks is reported by the engine's own check, ``_check_engines``)."""
+    return engine_plugin(role.get("strategy", "fsdp")).data_parallel_size(ws, role.get("megatron"))
 
 
 def _micro_per_gpu(global_micro: int | None, per_gpu: int | None, ws: int) -> int | None:
@@ -584,19 +583,19 @@ def _check_unsupported(cfg: DictConfig) -> list[str]:
     if backend == "process" and int(cfg.trainer.nnodes) != 1:
         errors.append(f"trainer.worker_backend=process runs on one machine, but trainer.nnodes={cfg.trainer.nnodes}; "
                       "use trainer.worker_backend=ray for several nodes.")
-    return errors + _check_megatron(cfg)
+    return errors + _check_engines(cfg)
 
 
 def _check_lora(cfg: DictConfig) -> list[str]:
-    """LoRA runs on the FSDP engine; an adapter to start from must be there."""
+    """LoRA runs on engines that support it (FSDP); an adapter to start from must be there."""
     errors, arr = [], cfg.actor_rollout_ref
     roles = (("actor_rollout_ref", arr.model, arr.actor.strategy), ("critic", cfg.critic.model, cfg.critic.strategy))
     users = [(key, strategy) for key, model, strategy in roles
              if int(model.lora_rank or 0) > 0 and (key == "actor_rollout_ref" or use_critic(cfg))]
     for key, strategy in users:
-        if strategy == "megatron":
-            errors.append(f"{key}.model.lora_rank > 0 needs the FSDP engine (LoRA on Megatron is not built); "
-                          f"use strategy=fsdp or lora_rank=0.")
+        if not engine_plugin(strategy).supports_lora:
+            errors.append(f"{key}.model.lora_rank > 0 needs the FSDP engine (LoRA on strategy={strategy} is not "
+                          f"built); use strategy=fsdp or lora_rank=0.")
     if users and importlib.util.find_spec("peft") is None:
         from rlfoundry.models.lora import PEFT_INSTALL
 
@@ -610,43 +609,14 @@ def _check_lora(cfg: DictConfig) -> list[str]:
     return errors
 
 
-_MEGATRON_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "virtual_pipeline_model_parallel_size", "context_parallel_size")
-
-
-def _check_megatron(cfg: DictConfig) -> list[str]:
-    """``strategy=megatron``: what the Megatron engine does not do yet, and layouts that cannot work."""
-    errors: list[str] = []
+def _check_engines(cfg: DictConfig) -> list[str]:
+    """Each training engine checks the roles that name it (``EnginePlugin.check``)."""
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
-    users = [k for k in roles if OmegaConf.select(cfg, f"{k}.strategy") == "megatron"]
-    if not users:
-        return errors
-    from rlfoundry.config.schema import MEGATRON_INSTALL
-
-    if any(importlib.util.find_spec(m) is None for m in ("megatron", "mbridge")):
-        errors.append(f"strategy=megatron needs megatron-core and mbridge: {MEGATRON_INSTALL}")
-    sizes = {k: tuple(OmegaConf.select(cfg, f"{k}.megatron.{n}") for n in _MEGATRON_LAYOUT) for k in users}
-    for key in users[1:]:
-        if sizes[key] != sizes[users[0]]:
-            errors.append(f"{key}.megatron: every role runs in the same processes, and megatron-core has one parallel "
-                          f"layout per process; set its {', '.join(_MEGATRON_LAYOUT)} as {users[0]}'s ({sizes[users[0]]}).")
+    by_engine: dict[str, list[str]] = {}
+    for key in roles:
+        by_engine.setdefault(engine_plugin(OmegaConf.select(cfg, f"{key}.strategy")).name, []).append(key)
     ws = world_size(cfg)
-    for key in users:
-        m = OmegaConf.select(cfg, f"{key}.megatron")
-        model_parallel = model_parallel_size(m)
-        if ws % model_parallel:
-            errors.append(f"{key}.megatron: tensor × pipeline × context parallel = {model_parallel} does not divide "
-                          f"the {ws} ranks (trainer.nnodes × trainer.n_gpus_per_node).")
-        offload = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if m[k]]
-        if offload:
-            errors.append(f"{key}.megatron.{offload[0]}=True: offload on the Megatron engine is not built yet; set it to False.")
-        if not m.use_mbridge:
-            errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
-                          "set it to True (the default).")
-        if m.context_parallel_size != 1 or m.expert_model_parallel_size != 1:
-            errors.append(f"{key}.megatron: context and expert parallelism are not supported yet (dense models, "
-                          "context_parallel_size=1, expert_model_parallel_size=1).")
-    return errors
+    return [e for name, keys in by_engine.items() for e in engine_plugin(name).check(cfg, keys, ws)]
 
 
 def _check_rollout_correction(cfg: DictConfig) -> list[str]:

@@ -216,7 +216,7 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
     with a rollout pool of its own, the trainer's policy role drops ``rollout`` (``actor`` or
     ``actor_ref``) and the class list gains ``rollout``, built in the rollout pool."""
     from rlfoundry.single_controller.base import ClassWithInitArgs
-    from rlfoundry.workers.fsdp_workers import ActorRolloutRefWorker
+    from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     apart = rollout_world_size(cfg) > 0
     role = ("actor_ref" if apart else "actor_rollout_ref") if need_reference_policy(cfg) else (

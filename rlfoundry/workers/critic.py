@@ -46,8 +46,8 @@ from rlfoundry.algos import core_algos
 from rlfoundry.config.schema import CriticConfig
 from rlfoundry.config.typed import to_typed
 from rlfoundry.engines import oom
-from rlfoundry.engines.base import GlobalBatchInfo, LossOutput, MicroBatching, TrainingEngine, Values
-from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+from rlfoundry.config.training_engines import engine_plugin
+from rlfoundry.engines.base import EngineRequest, GlobalBatchInfo, LossOutput, MicroBatching, TrainingEngine, Values
 from rlfoundry.models.lora import LoraSpec
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS
 from rlfoundry.protocol import DataProto
@@ -56,7 +56,6 @@ from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.utils import faults
 from rlfoundry.utils.torch_functional import masked_mean
 from rlfoundry.workers.utils.device import on_device
-from rlfoundry.workers.utils.parallel import data_parallel_size, pooled_rows
 from rlfoundry.workers.utils.plan import ppo_update_plan
 
 logger = logging.getLogger(__name__)
@@ -236,7 +235,7 @@ class CriticWorker(Worker):
         self.rollout_n = rollout_n if rollout_n is not None else self.config.rollout_n
         self.seed = seed
         # Validate now: a bad batch-size combination should fail at start-up, not mid-run.
-        dp_size = data_parallel_size(self.world_size, self.config.strategy, self.config.megatron)
+        dp_size = engine_plugin(self.config.strategy).data_parallel_size(self.world_size, self.config.megatron)
         self.sizes = resolve_critic_batch_sizes(self.config, self.rollout_n, dp_size)
         self.critic: DataParallelPPOCritic | None = None
         self.engine: TrainingEngine | None = None
@@ -244,24 +243,18 @@ class CriticWorker(Worker):
 
     # ---- model --------------------------------------------------------------------------------
 
-    def _engine_config(self) -> FSDPEngineConfig:
+    def _engine_request(self) -> EngineRequest:
         model = replace(self.config.model, path=self._model_path())
-        return FSDPEngineConfig.for_model(
-            model, model.fsdp_config, optim=self.config.optim, grad_clip=self.config.grad_clip,
-            model_kind="token_classification",
+        return EngineRequest(
+            model=model, fsdp=model.fsdp_config, megatron=self.config.megatron, optim=self.config.optim,
+            grad_clip=self.config.grad_clip, model_kind="token_classification",
             # dropout would make values, and hence GAE, random, and break micro-batch invariance
             override_config={"classifier_dropout": 0.0, **model.override_config},
             gradient_checkpointing=model.enable_gradient_checkpointing,
             # LoRA: the value head (``score``) trains in full beside the adapter
             lora=LoraSpec.of(model, task_type="TOKEN_CLS", modules_to_save=("score",)),
+            prepare=self._zero_new_head,  # a fresh value head starts at zero
         )
-
-    def _megatron_engine(self) -> TrainingEngine:
-        from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
-
-        config = MegatronEngineConfig(self._model_path(), self.config.megatron, self.config.optim, self.config.grad_clip,
-                                      model_kind="token_classification")
-        return MegatronEngine(config, self.device, role="critic")
 
     def _model_path(self) -> str:
         if self.config.model.path is None:
@@ -288,10 +281,7 @@ class CriticWorker(Worker):
     def init_model(self) -> None:
         """Join the process group, build the value model's engine (model, AdamW, LR schedule)."""
         self.init_distributed()
-        if self.config.strategy == "megatron":  # its value head starts at zero unless the directory has one
-            self.engine = self._megatron_engine()
-        else:
-            self.engine = FSDPEngine.build(self._engine_config(), self.device, role="critic", prepare=self._zero_new_head)
+        self.engine = engine_plugin(self.config.strategy).build(self._engine_request(), self.device, "critic")
         self.critic = DataParallelPPOCritic(self.config, self.engine, self.sizes, seed=self.seed)
         self.tokenizer = self._load_tokenizer()
 
@@ -306,7 +296,7 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """Adds ``values`` (B, Tr) for this rank's rows."""
         critic = self._require_model()
-        data, mine = pooled_rows(self.engine, on_device(data, self.device))
+        data, mine = self.engine.model_parallel_rows(on_device(data, self.device))
         dynamic = self.config.use_dynamic_bsz
         field = "forward_max_token_len" if dynamic else "forward_micro_batch_size"
         floor = int(data.batch["attention_mask"].sum(-1).max()) if dynamic else 1
@@ -324,7 +314,7 @@ class CriticWorker(Worker):
         """One PPO critic update over this rank's rows; metrics in ``meta_info["metrics"]``."""
         critic = self._require_model()
         self.engine.onload()
-        data, _ = pooled_rows(self.engine, on_device(data, self.device))
+        data, _ = self.engine.model_parallel_rows(on_device(data, self.device))
 
         def update() -> dict[str, list[float]]:
             faults.inject("update_critic", tensors=data.batch, nan_key="returns")  # tests only (utils/faults.py)

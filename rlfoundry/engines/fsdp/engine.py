@@ -285,6 +285,10 @@ class FSDPEngine(TrainingEngine):
         """A context in which the module is its base model (a LoRA run's reference policy)."""
         return lora_lib.adapter_disabled(self._module)
 
+    def rollout_module(self) -> nn.Module:
+        """The HF rollout samples from the actor's own (sharded) module: no copy, no sync."""
+        return self._module
+
 
 def _check_same_adapter(path: str, mine: dict[str, Any]) -> None:
     """A LoRA checkpoint loads only into an adapter of the same rank on the same modules."""

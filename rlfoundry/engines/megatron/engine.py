@@ -404,8 +404,10 @@ class MegatronEngine(TrainingEngine):
         config.tie_word_embeddings = False
         return config
 
-    def save_hf_model(self, path: str, tokenizer: Any = None) -> str:
+    def save_hf_model(self, path: str, tokenizer: Any = None, adapter_only: bool = False) -> str:
         """Full weights (gathered tensor by tensor) + config (+ tokenizer), written by global rank 0."""
+        if adapter_only:
+            raise ValueError(f"{self.role}: the Megatron engine has no LoRA adapter to export (strategy=fsdp has)")
         from pathlib import Path
 
         from safetensors.torch import save_file

@@ -1,0 +1,69 @@
+"""The Megatron-core engine's plug-in (``strategy=megatron``): the ranks of one tensor × pipeline ×
+context group compute on the same rows, so a role has world / (that product) data-parallel ranks.
+Its start-up checks say what the engine does not do yet."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from rlfoundry.config.schema import MEGATRON_INSTALL, model_parallel_size
+from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
+
+__all__ = ["PLUGIN"]
+
+_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+           "context_parallel_size")
+
+
+class MegatronPlugin(EnginePlugin):
+    name = "megatron"
+    supports_lora = False
+
+    def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
+        from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+
+        # a critic's value head starts at zero unless the directory has one (the bridge builds it so)
+        config = MegatronEngineConfig(str(request.model.path), request.megatron, request.optim, request.grad_clip,
+                                      model_kind=request.model_kind)
+        return MegatronEngine(config, device, role=role)
+
+    def data_parallel_size(self, world_size: int, megatron: Any) -> int:
+        return max(1, world_size // model_parallel_size(megatron))
+
+    def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
+        errors: list[str] = []
+        if any(importlib.util.find_spec(m) is None for m in ("megatron", "mbridge")):
+            errors.append(f"strategy=megatron needs megatron-core and mbridge: {MEGATRON_INSTALL}")
+        sizes = {k: tuple(OmegaConf.select(cfg, f"{k}.megatron.{n}") for n in _LAYOUT) for k in roles}
+        for key in roles[1:]:
+            if sizes[key] != sizes[roles[0]]:
+                errors.append(f"{key}.megatron: every role runs in the same processes, and megatron-core has one "
+                              f"parallel layout per process; set its {', '.join(_LAYOUT)} as {roles[0]}'s "
+                              f"({sizes[roles[0]]}).")
+        for key in roles:
+            errors += _check_role(key, OmegaConf.select(cfg, f"{key}.megatron"), world_size)
+        return errors
+
+
+def _check_role(key: str, m: Any, world_size: int) -> list[str]:
+    errors = []
+    if world_size % model_parallel_size(m):
+        errors.append(f"{key}.megatron: tensor × pipeline × context parallel = {model_parallel_size(m)} does not divide "
+                      f"the {world_size} ranks (trainer.nnodes × trainer.n_gpus_per_node).")
+    offload = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if m[k]]
+    if offload:
+        errors.append(f"{key}.megatron.{offload[0]}=True: offload on the Megatron engine is not built yet; set it to False.")
+    if not m.use_mbridge:
+        errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
+                      "set it to True (the default).")
+    if m.context_parallel_size != 1 or m.expert_model_parallel_size != 1:
+        errors.append(f"{key}.megatron: context and expert parallelism are not supported yet (dense models, "
+                      "context_parallel_size=1, expert_model_parallel_size=1).")
+    return errors
+
+
+PLUGIN = MegatronPlugin()

@@ -1,0 +1,411 @@
+"""``ActorRolloutRefWorker``: the hybrid worker holding the policy, its rollout engine and the reference.
+
+One class, several roles (verl's hybrid engine): ``actor``, ``rollout``, ``ref``, ``actor_ref``,
+``actor_rollout`` and ``actor_rollout_ref``. The training engine is whichever the role's ``strategy``
+names (``config/training_engines.py``); where it can share its module (FSDP2), the actor and the HF
+rollout use that one module, so generation sees the latest weights without a copy, and elsewhere the
+rollout keeps a copy the engine refreshes after every update; the reference is a separate frozen model
+loaded from the same path, built only when the role includes ``ref`` (with LoRA, ``model.lora_rank > 0``,
+the reference is the actor's own module with the adapter switched off: no second copy). A rollout pool of its own
+(``rollout`` alone: the asynchronous pipelines) holds a whole replica per rank that the trainer's
+``send_weights`` refreshes through the checkpoint engine.
+
+Driver-facing methods (dispatch mode in brackets):
+
+| method | in | out |
+|---|---|---|
+| ``init_model`` [ONE_TO_ALL] | — | — |
+| ``generate_sequences`` [DP_COMPUTE_PROTO] | prompts, one row each | B·n rows (see ``HFRollout``) |
+| ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr) |
+| ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
+| ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
+| ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
+| ``open_weight_bridge`` [RANK_ZERO], ``connect_weight_bridge`` [ONE_TO_ALL] | — / host, port, rollout ranks | (host, port) / — |
+| ``send_weights`` (trainer) / ``receive_weights`` (rollout pool) [ONE_TO_ALL] | — | transfer sizes / — |
+
+``config`` is the ``actor_rollout_ref`` subtree with verl's keys (a DictConfig, a dict of the keys to
+change, or an ``ActorRolloutRefConfig``); the worker keeps it typed, with the schema's defaults filled in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfoundry.config.schema import ActorRolloutRefConfig
+from rlfoundry.config.training_engines import engine_plugin
+from rlfoundry.config.typed import to_typed
+from rlfoundry.models.hf import check_model_dir, generation_eos_ids, resolve_model_path
+from rlfoundry.models.lora import LoraSpec
+from rlfoundry.protocol import DataProto
+from rlfoundry.single_controller.base import Dispatch, Worker, register
+from rlfoundry.single_controller.base.worker import WorkerRuntime
+from rlfoundry.utils import faults
+from rlfoundry.utils.tokenizer import pad_id
+from rlfoundry.engines.base import EngineRequest, TrainingEngine
+from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
+from rlfoundry.workers.utils.device import on_device
+from rlfoundry.engines import oom
+from rlfoundry.models import cpu_kernels
+
+__all__ = ["ActorRolloutRefWorker", "ROLES"]
+
+ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
+
+
+def _per_rank(global_rows: int, world_size: int, what: str) -> int:
+    if global_rows % world_size != 0 or global_rows < world_size:
+        raise ValueError(
+            f"{what} = {global_rows} rows cannot be split evenly over {world_size} data-parallel ranks; "
+            f"make it a multiple of the number of ranks"
+        )
+    return global_rows // world_size
+
+
+class ActorRolloutRefWorker(Worker):
+    """Policy (FSDP2 + AdamW), HF rollout on the same module, and a frozen reference, per role."""
+
+    def __init__(self, config: Any, role: str, runtime: WorkerRuntime | None = None):
+        super().__init__(runtime)
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.config = to_typed(ActorRolloutRefConfig, config, name="actor_rollout_ref")
+        self.role = role
+        self._is_actor = role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref")
+        self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self._is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
+        self._rollout_cls = get_rollout_class(self.config.rollout.name) if self._is_rollout else None
+        self.actor_sizes = self._actor_batch_sizes() if self._is_actor else None
+        self.actor: DataParallelPPOActor | None = None
+        self.rollout: BaseRollout | None = None
+        self.ref_policy: DataParallelPPOActor | None = None
+        self.engine: TrainingEngine | None = None
+        self.agent_loop: Any = None  # rollout.multi_turn.enable: tool-calling trajectories over self.rollout
+        self._bridge: Any = None  # a rollout pool of its own: the CheckpointEngine joining it to the trainer
+        self._bridge_store: Any = None
+        self.lora = LoraSpec.of(self.config.model)
+        self._ref_in_actor = False  # LoRA: the reference is the actor's module with the adapter off
+
+    def _actor_batch_sizes(self) -> ActorBatchSizes:
+        """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
+        actor, n = self.config.actor, self.config.rollout.n
+        mini = _per_rank(actor.ppo_mini_batch_size * n, self._dp_size(),
+                         f"actor.ppo_mini_batch_size × rollout.n ({actor.ppo_mini_batch_size} × {n})")
+        micro = actor.ppo_micro_batch_size_per_gpu
+        if micro is None and not actor.use_dynamic_bsz:  # the trainer resolves it; a bare worker may not have
+            raise ValueError("set actor.ppo_micro_batch_size_per_gpu (or actor.use_dynamic_bsz=true with "
+                             "actor.ppo_max_token_len_per_gpu)")
+        micro = micro or 1
+        if not actor.use_dynamic_bsz and mini % micro != 0:
+            raise ValueError(
+                f"per-rank mini-batch of {mini} rows (ppo_mini_batch_size × rollout.n / {self.world_size} ranks) "
+                f"is not a multiple of actor.ppo_micro_batch_size_per_gpu={micro}"
+            )
+        return ActorBatchSizes(mini, micro, actor.ppo_max_token_len_per_gpu)
+
+    def _dp_size(self) -> int:
+        return engine_plugin(self.config.actor.strategy).data_parallel_size(self.world_size, self.config.actor.megatron)
+
+    # ---- building ----------------------------------------------------------------------
+
+    def _build_engine(self, policy: Any, trainable: bool, role: str) -> TrainingEngine:
+        """``policy``: the ``actor`` or ``ref`` subtree; its ``strategy`` picks the engine."""
+        model, actor = self.config.model, self.config.actor
+        request = EngineRequest(
+            model=model, fsdp=policy.fsdp_config, megatron=policy.megatron,
+            optim=actor.optim if trainable else None, grad_clip=actor.grad_clip,
+            override_config=dict(model.override_config), gradient_checkpointing=model.enable_gradient_checkpointing,
+            # a KV cache cannot be shared under gradient checkpointing (HF turns use_cache off there)
+            use_shared_prompt=model.use_shared_prompt and not model.enable_gradient_checkpointing,
+            lora=self.lora if trainable else None,
+        )
+        return engine_plugin(policy.strategy).build(request, self.device, role)
+
+    def _build_rollout(self, module: torch.nn.Module | None) -> BaseRollout:
+        eos_ids = generation_eos_ids(self.tokenizer, self.config.model.path)
+        # no HF module (a Megatron actor and vLLM): the engine reads the config from the model
+        # directory and takes the weights from the actor's engine, HF-named, tensor by tensor; a
+        # rollout pool of its own (no actor here) loads the checkpoint and then receives syncs
+        config, extra = self.config.rollout, {}
+        if self.engine is not None and self.config.rollout.name != "hf":
+            # HF names (a LoRA actor's weights merged), from whichever engine trains
+            extra = {"model_path": resolve_model_path(self.config.model.path), "weight_source": self.engine.iter_hf_weights}
+            if self.lora is not None and config.lora_sync == "adapter" and config.name == "vllm":
+                extra |= {"adapter_source": self._adapter_for_rollout, "lora_rank": self.lora.rank}
+        elif module is None:
+            extra = {"model_path": resolve_model_path(self.config.model.path)}
+            config = dataclasses.replace(config, load_format="auto")
+        return self._rollout_cls(module, config, pad_token_id=pad_id(self.tokenizer), eos_token_id=eos_ids,
+                                 rank=self.rank, cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device), **extra)
+
+    def _adapter_for_rollout(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The adapter's peft config and tensors (peft's file names) for an engine's LoRA request. Collective."""
+        from rlfoundry.models.lora import peft_config_dict
+
+        return peft_config_dict(self.engine.module), self.engine.adapter_weights()
+
+    def _rollout_module(self) -> torch.nn.Module | None:
+        """The module the rollout samples from (HF) or syncs from (vLLM): the engine's own where it has
+        one to share (FSDP); else, for the HF engine an HF copy of the policy that ``update_actor``
+        refreshes tensor by tensor from the engine's weights, and for vLLM none (it loads the same
+        stream). A rollout pool of its own (role ``rollout``) holds such a copy too: a whole replica
+        per rank, refreshed by ``receive_weights``."""
+        shared = self.engine.rollout_module() if self.engine is not None else None
+        if shared is not None:
+            return shared
+        if self.config.rollout.name != "hf":
+            return None
+        from rlfoundry.models.hf import load_hf_model
+
+        module = load_hf_model(self.config.model.path, torch_dtype="fp32",
+                               trust_remote_code=self.config.model.trust_remote_code).to(self.device)
+        module.requires_grad_(False)
+        if cpu_kernels.enabled(self.config.model.cpu_kernels, self.device):
+            cpu_kernels.apply_cpu_kernels(module, self.device)
+        return module
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Load, shard and wire up everything this role needs. Collective over the group."""
+        from transformers import AutoTokenizer
+
+        self.init_distributed()
+        model = self.config.model
+        path = check_model_dir(model.path)  # a bad path fails before any loading
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+        seed = self.config.rollout.seed
+        if self._is_actor:
+            self.engine = self._build_engine(self.config.actor, True, "actor")
+            self.actor = DataParallelPPOActor(self.config.actor, self.engine, self.actor_sizes, seed=seed)
+        if self._is_rollout:
+            self.rollout = self._build_rollout(self._rollout_module())
+            self.agent_loop = self._build_agent_loop()
+        if self._is_ref and self._is_actor and self.lora is not None:
+            self._ref_in_actor = True
+            self.ref_policy = DataParallelPPOActor(self.config.ref, self.engine)
+        elif self._is_ref:
+            self.ref_policy = DataParallelPPOActor(self.config.ref, self._build_engine(self.config.ref, False, "ref"))
+
+    def _build_agent_loop(self) -> Any:
+        """``rollout.multi_turn.enable``: the agent loops over the rollout engine, with the configured
+        tools and interactions (a bad loop name or config fails here, at start-up)."""
+        rollout = self.config.rollout
+        if not rollout.multi_turn.enable:
+            return None
+        from rlfoundry.interactions import initialize_interactions_from_config
+        from rlfoundry.tools.registry import initialize_tools_from_config
+        from rlfoundry.workers.rollout.agent_loop import AgentLoop, resolve_agent_loops
+
+        multi_turn = rollout.multi_turn
+        tools = initialize_tools_from_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+        interactions = (initialize_interactions_from_config(multi_turn.interaction_config_path)
+                        if multi_turn.interaction_config_path else {})
+        # the data set rendered the prompts with the same tools (trainer/main_ppo.rollout_data_config)
+        kwargs = {"tools": [t.get_openai_tool_schema().model_dump() for t in tools]} if tools else {}
+        loop = AgentLoop(self.rollout, self.tokenizer, multi_turn, {t.name: t for t in tools}, rollout.response_length,
+                         chat_template_kwargs=kwargs, agent=rollout.agent, interactions=interactions)
+        resolve_agent_loops({loop.default_loop}, loop.loop_config_path)
+        return loop
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.engine.optimizer if self.engine is not None else None
+
+    # ---- data methods ------------------------------------------------------------------
+
+    def _require(self, part: Any, what: str) -> None:
+        if part is None:
+            raise RuntimeError(f"{what} is not available for role {self.role!r} (or init_model was not called)")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """n samples per prompt from the current policy (contract: ``HFRollout.generate_sequences``)."""
+        self._require(self.rollout, "generate_sequences")
+        start = time.perf_counter()
+        prompts = on_device(prompts, self.device)
+        # On OOM: fewer prompts per engine call, kept for the rest of the run (workers/utils/oom.py)
+        out = oom.backoff_of(self).run("generate_sequences", len(prompts), lambda rows: self._generate(prompts, rows))
+        out.meta_info["generate_seconds"] = time.perf_counter() - start  # the rollout pool's busy time
+        return out.to("cpu")
+
+    def _generate(self, prompts: DataProto, rows: int) -> DataProto:
+        engine = self.agent_loop or self.rollout
+        if rows >= len(prompts):
+            return engine.generate_sequences(prompts)
+        return DataProto.concat([engine.generate_sequences(part) for part in prompts.split(rows)])
+
+    def _log_prob_kwargs(self, cfg: Any, data: DataProto) -> dict[str, Any]:
+        """Micro-batching of a ``rollout``/``ref`` subtree's ``log_prob_*`` keys and the sampling temperature."""
+        return {
+            "micro_batch_size": cfg.log_prob_micro_batch_size_per_gpu or 1,
+            "max_token_len": cfg.log_prob_max_token_len_per_gpu if cfg.log_prob_use_dynamic_bsz else None,
+            "temperature": float(data.meta_info.get("temperature", self.config.rollout.temperature)),
+        }
+
+    def _log_prob_with_backoff(self, name: str, policy: DataParallelPPOActor, data: DataProto,
+                               kwargs: dict[str, Any], calculate_entropy: bool) -> tuple[torch.Tensor, Any]:
+        """``policy.compute_log_prob``; on OOM the micro-batch (or token budget) halves and stays halved."""
+        key = "micro_batch_size" if kwargs["max_token_len"] is None else "max_token_len"
+        floor = 1 if key == "micro_batch_size" else int(data.batch["attention_mask"].sum(-1).max())
+
+        def run(size: int):
+            return policy.compute_log_prob(data, calculate_entropy=calculate_entropy, **{**kwargs, key: size})
+
+        unit = "rows" if key == "micro_batch_size" else "tokens"
+        return oom.backoff_of(self).run(name, kwargs[key], run, floor=floor, unit=unit)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` (B, Tr) of the responses under the current policy.
+
+        Uses ``rollout.log_prob_*`` micro-batching and ``meta_info["temperature"]`` (default:
+        ``rollout.temperature``), so the numbers match what the rollout sampled with.
+        """
+        self._require(self.actor, "compute_log_prob")
+        data = on_device(data, self.device)
+        data, mine = self.actor.engine.model_parallel_rows(data)
+        kwargs = self._log_prob_kwargs(self.config.rollout, data)
+        log_prob, entropy = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, True)
+        out = DataProto.from_dict(
+            tensors={"old_log_probs": log_prob[mine], "entropys": entropy[mine]},
+            meta_info={"temperature": kwargs["temperature"]},
+        )
+        return out.to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling)."""
+        self._require(self.ref_policy, "compute_ref_log_prob")
+        data = on_device(data, self.device)
+        data, mine = self.ref_policy.engine.model_parallel_rows(data)
+        kwargs = self._log_prob_kwargs(self.config.ref, data)
+        with self.engine.adapter_disabled() if self._ref_in_actor else contextlib.nullcontext():
+            log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
+        return DataProto.from_dict(tensors={"ref_log_prob": log_prob[mine]}).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """One training step's PPO update; then the lr schedule steps and the rollout is told.
+
+        Returns an empty DataProto whose ``meta_info["metrics"]`` has verl's ``actor/*`` metrics
+        (lists with one value per optimiser step) and ``actor/lr`` (the lr this step used).
+        """
+        self._require(self.optimizer, "update_actor")
+        data, _ = self.engine.model_parallel_rows(on_device(data, self.device))
+        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
+        self.engine.onload()
+        metrics = oom.update_or_explain_oom("actor", lambda: self._update_policy(data),
+                                            micro_batch_size=self.actor_sizes.micro_batch_size)
+        metrics["actor/lr"] = self.engine.step_lr_scheduler()
+        self.engine.offload()
+        self._refresh_rollout()
+        return DataProto(meta_info={"metrics": metrics})
+
+    def _refresh_rollout(self) -> None:
+        """After the actor's weights changed: a rollout on a copy takes them tensor by tensor; one on
+        the engine's own module (or one that pulls, as vLLM) is told."""
+        if self.rollout is None:
+            return
+        if self.engine.rollout_module() is None:
+            self.rollout.sync_weights(self.engine.iter_hf_weights())
+        else:
+            self.rollout.on_actor_update()
+
+    def _update_policy(self, data: DataProto) -> dict[str, list[float]]:
+        faults.inject("update_actor", tensors=data.batch, nan_key="advantages")  # tests only (utils/faults.py)
+        return self.actor.update_policy(data)
+
+    # ---- weights to a rollout pool of its own (workers/checkpoint_engine.py) ---------------
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def open_weight_bridge(self) -> tuple[str, int]:
+        """On the trainer's rank 0: open the bridge's store; its (host, port) for ``connect_weight_bridge``."""
+        from rlfoundry.workers.checkpoint_engine import CheckpointEngine
+
+        self._require(self.actor, "open_weight_bridge")
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._bridge_store, port = CheckpointEngine.open_store(host, self.runtime.dist_timeout_s)
+        return host, port
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def connect_weight_bridge(self, host: str, port: int, rollout_ranks: int) -> None:
+        """Join the bridge (collective with the other pool): the trainer's rank 0 is its rank 0, rollout
+        rank r its rank 1 + r; the trainer's other ranks only help gather the full tensors."""
+        from rlfoundry.workers.checkpoint_engine import CheckpointEngine
+
+        self._bridge = None
+        if self._is_actor and self.rank != 0:
+            return
+        bridge_rank = 0 if self._is_actor else 1 + self.rank
+        ce = self.config.rollout.checkpoint_engine
+        self._bridge = CheckpointEngine.connect(host, port, bridge_rank, 1 + rollout_ranks,
+                                                ce.update_weights_bucket_megabytes, self.runtime.dist_timeout_s,
+                                                store=self._bridge_store)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self) -> dict[str, float]:
+        """The trainer's side of a sync: every rank gathers (FSDP2 full tensors are collective), rank 0 sends."""
+        self._require(self.actor, "send_weights")
+        weights = self.engine.iter_hf_weights()
+        if self._bridge is None:
+            for _ in weights:  # the gather needs every rank
+                pass
+            return {}
+        stats = self._bridge.send(weights)
+        return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> None:
+        """The rollout's side of a sync: the trainer's tensors into the rollout engine, one at a time."""
+        self._require(self.rollout, "receive_weights")
+        self.rollout.sync_weights(self._bridge.receive())
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def _extra_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"role": self.role}
+        if self.rollout is not None:
+            state["rollout"] = self.rollout.state_dict()
+        return state
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        """Sharded model + optimiser + scheduler + RNG (+ engine/rollout counters) to ``local_path``.
+
+        ``local_path`` is this role's directory, e.g. ``D/global_step_N/actor``. With
+        ``max_ckpt_to_keep``, this role's directories in older *finalised* steps beyond that count
+        are removed (verl's ``max_actor_ckpt_to_keep``); whole-step retention is the trainer's job.
+        """
+        from rlfoundry import checkpoint as ckpt
+
+        self._require(self.actor, "save_checkpoint")
+        self.engine.save_checkpoint(local_path, {**self._extra_state(), "global_step": int(global_step)},
+                                    tokenizer=self.tokenizer)
+        path = Path(local_path)
+        if max_ckpt_to_keep and self.rank == 0 and re.fullmatch(r"global_step_\d+", path.parent.name):
+            ckpt.remove_old_checkpoints(path.parent.parent, max_ckpt_to_keep, component=path.name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, verify: bool = True) -> dict[str, Any]:
+        """Restore what ``save_checkpoint`` wrote; returns its extra state (``global_step`` …)."""
+        self._require(self.actor, "load_checkpoint")
+        extra = self.engine.load_checkpoint(local_path, verify=verify)
+        if self.rollout is not None and "rollout" in extra:
+            self.rollout.load_state_dict(extra["rollout"])
+        self._refresh_rollout()  # the rollout's copy (or vLLM's) follows the loaded weights
+        return extra
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_hf_model(self, path: str, adapter_only: bool = False) -> None:
+        """Full safetensors weights + config + tokenizer at ``path``, loadable by ``from_pretrained`` (a
+        LoRA policy merged); ``adapter_only``: the peft adapter directory (``PeftModel.from_pretrained``)."""
+        self._require(self.actor, "save_hf_model")
+        self.engine.save_hf_model(path, self.tokenizer, adapter_only=adapter_only)
