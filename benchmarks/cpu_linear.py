@@ -7,9 +7,9 @@
 For every linear layer shape of the benchmark model (``Workload``: hidden 128, MLP 256, 4 heads,
 2 KV heads, vocabulary 260; or the shape given) and each row count, times the three products a training step makes per
 layer — forward ``x Wᵀ``, input gradient ``dy W`` and weight gradient ``dyᵀ x`` — with
-``F.linear`` / ``@`` (what ``nn.Linear`` and autograd run) and with ``rlfoundry.models.cpu_linear``'s
+``F.linear`` / ``@`` (what ``nn.Linear`` and autograd run) and with ``rlfoundry.cpu.linear``'s
 oneDNN calls, alternating the two, and reports the medians, GFLOP/s and the ratio; then a whole
-forward + backward of the layer as training runs it (``F.linear`` vs ``cpu_linear.linear``, whose
+forward + backward of the layer as training runs it (``F.linear`` vs ``rlfoundry.cpu.linear.linear``, whose
 fixed-size row blocks cost padding, copies and Python; below 256 rows it is ``F.linear`` itself). 1472 rows is one
 rank's training micro-batch at response length 64 (23 rows × 64 tokens); 32 rows is a decode step.
 Also checks that both give the same numbers (max relative difference). Writes
@@ -57,7 +57,7 @@ def _median_us(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, flo
 def measure(rows: int, k: int, n: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from rlfoundry.models.cpu_linear import _onednn
+    from rlfoundry.cpu.linear import _onednn
 
     gen = torch.Generator().manual_seed(0)
     x, w, dy = (torch.randn(*s, generator=gen) for s in ((rows, k), (n, k), (rows, n)))
@@ -86,7 +86,7 @@ def _layer_pass(x, w, dy, repeats: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from rlfoundry.models.cpu_linear import linear
+    from rlfoundry.cpu.linear import linear
 
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
 
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     a = p.parse_args(argv)
     import torch
 
-    from rlfoundry.models.cpu_linear import onednn_available
+    from rlfoundry.cpu.linear import onednn_available
 
     if not onednn_available():
         raise SystemExit("this torch build has no oneDNN (torch.backends.mkldnn): nothing to compare")

@@ -1,4 +1,4 @@
-"""Imports flow one way: protocol/algos/utils/config <- models/data/rewards/single_controller/checkpoint
+"""Imports flow one way: protocol/algos/utils/config <- models/data/rewards/single_controller/checkpoint/cpu
 <- engines <- workers <- trainer/cli, with no cycles, and the PPO driver imports no worker internals.
 
 Every ``import``/``from ... import`` of an rlfoundry module counts, also those inside functions
@@ -18,6 +18,7 @@ LAYERS = {
     "protocol": 0, "utils": 0, "algos": 0, "config": 0, "sandbox": 0,
     "models": 1, "data": 1, "rewards": 1, "single_controller": 1, "tools": 1, "interactions": 1,
     "checkpoint": 1,  # below the engines, which save through it; it names engine exporters, never imports them
+    "cpu": 1,  # the CPU kernels: conversions the engines, workers and trainer apply; they pass in what a kernel needs
     "engines": 2,
     "workers": 3,
     "trainer": 4, "cli": 4, "__main__": 4, "__init__": 4,

@@ -44,7 +44,7 @@ from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
 from rlfoundry.config.training_engines import TRAINING_ENGINES
 
 # Value lists that code outside the config also checks against (one list each).
-CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; models/cpu_kernels.py
+CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; rlfoundry/cpu
 LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync; models/lora.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
@@ -267,7 +267,7 @@ class ModelConfig:
     # rlfoundry: a prompt's n samples share one prompt forward (KV cache), when that computes fewer tokens
     use_shared_prompt: bool = True
     # rlfoundry: the CPU speed-ups (oneDNN linears, fused forward and decode, FSDP hook skipping;
-    # models/cpu_kernels.py): auto = on when the model runs on the CPU, off = the plain HF/FSDP2 path GPUs take
+    # rlfoundry/cpu): auto = on when the model runs on the CPU, off = the plain HF/FSDP2 path GPUs take
     cpu_kernels: str = one_of(CPU_KERNELS, "auto")
     # LoRA (models/lora.py, peft): rank 0 = full fine-tuning; the reference is the model with the adapter off
     lora_rank: int = 0
@@ -729,7 +729,7 @@ class TrainerConfig:
     # rlfoundry: a worker call (Ray back end) running longer is reported, not waited on; null: no limit
     worker_call_timeout_s: Optional[float] = 3600.0
     dist_timeout_s: float = 600.0  # rlfoundry: a collective waiting longer (a dead or stuck peer) fails
-    tune_malloc: bool = True  # rlfoundry: glibc malloc in worker processes keeps freed memory (utils/malloc.py)
+    tune_malloc: bool = True  # rlfoundry: glibc malloc in worker processes keeps freed memory (cpu/malloc.py)
     max_consecutive_nan_steps: int = 3  # rlfoundry: stop after this many NaN/Inf-skipped steps in a row; 0: never
 
 

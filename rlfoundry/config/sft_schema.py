@@ -82,7 +82,7 @@ class SFTModelConfig:
     target_modules: Any = "all-linear"
     exclude_modules: Any = None
     lora_adapter_path: Optional[str] = None  # a peft adapter directory to start from
-    # rlfoundry: the CPU speed-ups (models/cpu_kernels.py); auto: on when training on the CPU
+    # rlfoundry: the CPU speed-ups (rlfoundry/cpu); auto: on when training on the CPU
     cpu_kernels: str = _choice("auto", "off")
     fsdp_config: SFTFSDPConfig = _sub(SFTFSDPConfig)
 

@@ -233,12 +233,12 @@ class SFTTrainer:
     def _build_engine(self) -> Any:
         from rlfoundry.config.schema import FSDPConfig, OptimConfig
         from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
-        from rlfoundry.models import cpu_kernels
+        from rlfoundry import cpu as cpu_kernels
         from rlfoundry.models.lora import LoraSpec
 
         m, fsdp, o = self.config.model, self.config.model.fsdp_config, self.config.optim
         if cpu_kernels.enabled(m.cpu_kernels, self.device):
-            from rlfoundry.utils.malloc import tune_malloc
+            from rlfoundry.cpu.malloc import tune_malloc
 
             tune_malloc()  # one of the CPU speed-ups: glibc keeps freed activation memory
         # verl's SFT keys -> the engine's (the RL roles' names)

@@ -54,7 +54,7 @@ from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
 from rlfoundry.workers.utils.device import on_device
 from rlfoundry.engines import oom
-from rlfoundry.models import cpu_kernels
+from rlfoundry import cpu as cpu_kernels
 
 __all__ = ["ActorRolloutRefWorker", "ROLES"]
 

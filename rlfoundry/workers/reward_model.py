@@ -9,7 +9,7 @@ Config: the ``reward_model`` subtree, verl's keys (defaults: ``RewardModelConfig
 | ``model.input_tokenizer`` | the *policy's* tokenizer path; when its vocabulary or chat template differs from the RM's, responses are decoded and re-tokenised (below) |
 | ``model.trust_remote_code`` | passed to ``from_pretrained`` |
 | ``model.fsdp_config.model_dtype`` | weights dtype (bf16 on GPUs) |
-| ``model.cpu_kernels`` | CPU speed-ups (``auto``: on the CPU only; ``off``: the plain path), ``rlfoundry/models/cpu_kernels.py`` |
+| ``model.cpu_kernels`` | CPU speed-ups (``auto``: on the CPU only; ``off``: the plain path), ``rlfoundry/cpu`` |
 | ``micro_batch_size_per_gpu`` | rows per forward pass |
 | ``max_length`` | token budget of a re-tokenised sequence (null: the batch width); longer ones lose their *start* (the score is read at the end) |
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import cpu_linear as bench
-from rlfoundry.models.cpu_linear import onednn_available
+from rlfoundry.cpu.linear import onednn_available
 
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")

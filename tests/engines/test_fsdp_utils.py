@@ -172,8 +172,8 @@ def test_device_mesh_from_fsdp_size(process_group):
 def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(tiny_model_dir, process_group):
     """Through the root unit's own hooks the fused pass gathers and reduces like the HF forward; with
     per-layer units those layers' hooks would be skipped, so it declines."""
-    from rlfoundry.models import fused_forward
-    from tests.models.test_fused_forward import _batch, _lm
+    from rlfoundry.cpu import fused_forward
+    from tests.cpu.test_fused_forward import _batch, _lm
 
     per_layer = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu", layer_units=True)
     assert "FSDP units below the root" in fused_forward.unsupported_reason(per_layer, 20)

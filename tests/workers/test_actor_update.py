@@ -283,7 +283,7 @@ def _fsdp_collectives(model_dir, batch, overrides) -> tuple[tuple, dict[str, int
 def test_shared_prompt_gathers_and_reduces_each_unit_once_per_mini_batch(tiny_model_dir, batch):
     """Its second model call (responses on the prompts' cache) would otherwise make every FSDP unit
     reduce-scatter twice and all-gather again in backward; the update must not change."""
-    # the hook pausing that makes this possible is one of the CPU kernels (models/cpu_kernels.py)
+    # the hook pausing that makes this possible is one of the CPU kernels (rlfoundry/cpu)
     kept = ["actor.fsdp_config.reshard_after_forward=false", "actor.ppo_micro_batch_size_per_gpu=2",
             "model.cpu_kernels=auto", "actor.fsdp_config.single_rank=fsdp"]
     shared, counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=true"])
@@ -303,8 +303,8 @@ def test_cpu_kernels_give_the_same_update_as_the_plain_path(tiny_model_dir, batc
     changes how the update is computed, never the numbers (to fp32 rounding)."""
     from torch import nn
 
-    from rlfoundry.models import cpu_linear
-    from rlfoundry.models.cpu_linear import OneDNNLinear, onednn_available
+    from rlfoundry.cpu import linear as cpu_linear
+    from rlfoundry.cpu.linear import OneDNNLinear, onednn_available
 
     monkeypatch.setattr(cpu_linear, "_cpu_vendor", lambda: vendor)
     monkeypatch.setattr(cpu_linear, "onednn_preferred", functools.cache(cpu_linear.onednn_preferred.__wrapped__))

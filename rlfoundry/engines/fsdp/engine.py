@@ -2,7 +2,7 @@
 one worker group (see ``engines/base.py`` for the contract).
 
 Building: ``load_hf_model`` → a peft LoRA adapter when ``lora`` is set (``models/lora.py``) → CPU
-kernels when on (``models/cpu_kernels.py``) → ``apply_fsdp2`` → AdamW over the trainable parameters +
+kernels when on (``rlfoundry/cpu``) → ``apply_fsdp2`` → AdamW over the trainable parameters +
 LR schedule (trainable models only). Updates: mini-batches from ``engines/loop.py``, each
 cut into micro-batches whose gradients accumulate (with one gather and one reduction per
 mini-batch where the units keep their parameters gathered), then clip + step, or skip the step
@@ -44,7 +44,7 @@ from rlfoundry.engines.fsdp.forward import (
     value_forward,
 )
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
-from rlfoundry.models import cpu_kernels
+from rlfoundry import cpu as cpu_kernels
 from rlfoundry.models import lora as lora_lib
 from rlfoundry.models.hf import load_hf_model
 from rlfoundry.protocol import DataProto

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.protocol import DataProto
@@ -49,7 +50,7 @@ class CausalLMForward:
     """Response log-probs (and entropies) of one causal LM, and its micro-batch plan.
 
     ``shared_prompt_logits``: the one-pass shared-prompt forward chosen when the model was built
-    (``models/fused_forward.py`` with CPU kernels on), or None for the HF two-call forward.
+    (``cpu/fused_forward.py`` with CPU kernels on), or None for the HF two-call forward.
     ``continued_forward``: the context that runs the HF second call inside the first one's FSDP
     scope (``engines/fsdp/utils.py``), or a plain one.
     """
@@ -59,12 +60,9 @@ class CausalLMForward:
                  continued_forward: Any = None):
         self.module = module
         self.dp_size, self.dp_group = dp_size, dp_group
-        # what one more forward + backward call costs beyond its tokens, in tokens of this model (~20 ms
-        # of per-call work at ~300 GFLOP/s, 6 FLOPs per parameter and token): ~1500 at 0.66 M parameters,
-        # where splitting a micro-batch by length would cost more calls than it saves tokens; at least 64
-        # (smaller products run further below peak), which is what 120 M parameters get
-        params = sum(p.numel() for p in module.parameters())
-        self.call_cost_tokens = max(64, int(1e9 / max(params, 1)))
+        # what one more forward + backward call costs beyond its tokens, in tokens of this model: where
+        # splitting a micro-batch by length would cost more calls than it saves tokens (cpu/tuning.py)
+        self.call_cost_tokens = call_cost_tokens(sum(p.numel() for p in module.parameters()))
         self.use_remove_padding = use_remove_padding
         self.use_shared_prompt = use_shared_prompt
         self.shared_prompt_logits = shared_prompt_logits

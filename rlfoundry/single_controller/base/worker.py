@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlfoundry.utils.malloc import tune_malloc
+from rlfoundry.cpu.malloc import tune_malloc
 
 DEFAULT_DIST_TIMEOUT_S = 600.0
 DEVICES = ("auto", "cpu", "cuda")
@@ -43,7 +43,7 @@ class WorkerRuntime:
 
     device: str = "auto"  # trainer.device: auto (cuda when available) | cpu | cuda
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S  # trainer.dist_timeout_s: limit of every collective
-    tune_malloc: bool = False  # trainer.tune_malloc: glibc keeps freed memory (utils/malloc.py)
+    tune_malloc: bool = False  # trainer.tune_malloc: glibc keeps freed memory (cpu/malloc.py)
 
 
 _inherited: WorkerRuntime | None = None  # set while a colocated worker builds its roles

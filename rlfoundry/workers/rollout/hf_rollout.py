@@ -8,7 +8,7 @@ The engine holds no copy of the weights: it calls the (possibly FSDP2-sharded) m
 trains, so ``sync_weights`` is a no-op. Under FSDP2 the parameters are gathered once per call
 (``engines/fsdp/utils.unsharded``) rather than once per token. With the CPU kernels on
 (``model.cpu_kernels``), FSDP's per-forward hooks are also skipped while decoding and Llama-family
-models take a lean one-token step (``fused_decode.py``); both are tested against this plain path.
+models take a lean one-token step (``cpu/fused_decode.py``); both are tested against this plain path.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlfoundry.cpu.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
 from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
-from rlfoundry.workers.rollout.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.workers.rollout.token_requests import as_id_list
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
 

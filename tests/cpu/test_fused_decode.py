@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.workers.rollout.fused_decode import FusedDecoder, unsupported_reason
+from rlfoundry.cpu.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.workers.rollout.hf_rollout import HFRollout, _new_kv_cache
 
 
@@ -40,7 +40,7 @@ def _left_padded(batch: int = 3, width: int = 9, vocab: int = 97):
 @pytest.mark.parametrize("model_type,extra", [
     ("qwen2", {}), ("llama", {}), ("qwen3", {"head_dim": 12}),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
-    # wide enough that the projections run on oneDNN-packed weights (fused_decode._PACK_MIN)
+    # wide enough that the projections run on oneDNN-packed weights (cpu/tuning.py: DECODE_PACK_MIN)
     ("qwen2", {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}),
 ])
 def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
@@ -53,7 +53,7 @@ def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
         model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=ref_cache, use_cache=True)
         model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=our_cache, use_cache=True)
         fused = FusedDecoder(model, max_positions=64)
-        from rlfoundry.models.cpu_linear import onednn_available
+        from rlfoundry.cpu.linear import onednn_available
 
         wide = model.config.hidden_size >= 512
         first = fused.layers[0]

@@ -1,4 +1,4 @@
-"""What the fused Llama-family passes share (``rollout/fused_decode.py``, ``models/fused_forward.py``).
+"""What the fused Llama-family passes share (``cpu/fused_decode.py``, ``cpu/fused_forward.py``).
 
 Both redo a Hugging Face Qwen2/Qwen3/Llama/Mistral forward with fewer, larger tensor ops; these are
 the pieces that must equal HF's bit for bit (RMSNorm, RoPE) and the check of which models they

@@ -1,19 +1,18 @@
-"""glibc malloc settings for training processes (``trainer.tune_malloc``, default on).
+"""glibc malloc settings for training processes (``trainer.tune_malloc``, default on): one of the
+CPU kernels (``rlfoundry/cpu``), applied per process by the worker runtime and the SFT trainer.
 
 Why: torch's CPU allocator takes every tensor from ``malloc``. glibc serves a request of more than
 its mmap threshold (128 KB at start, raised as such blocks are freed) with a fresh ``mmap``, and
 gives the top of its heap back to the OS whenever more than the trim threshold lies free there.
 A training step frees and reallocates the same activation-sized blocks hundreds of times, so
-their pages go back to the kernel and fault in again, zeroed, on the next allocation: an RMSNorm
-forward + backward over a (2816, 128) fp32 batch took 2.1 ms with the defaults and 0.8 ms with
-the settings here, and one rank's update in the benchmark 3-5 % less (``benchmarks/README.md``).
+their pages go back to the kernel and fault in again, zeroed, on the next allocation, which the
+settings here avoid (figures in benchmarks/README.md, "CPU kernels").
 
 The settings: blocks under ``MMAP_THRESHOLD`` come from the heap, and the heap's free top is kept
 up to ``TRIM_THRESHOLD``. Setting either one turns glibc's adaptive thresholds off, so both are
 set together (only one is worse than none). The cost is memory: a process keeps up to
 ``TRIM_THRESHOLD`` of freed memory between steps, and heap blocks fragment where separate
-mappings would have been returned (benchmark tree PSS +0-40 MB at length 64, within the
-measurement's run-to-run spread of ~40 MB). ``trainer.tune_malloc=false`` keeps glibc's defaults.
+mappings would have been returned. ``trainer.tune_malloc=false`` keeps glibc's defaults.
 Other C libraries (musl, macOS) are left alone. Set once per process, before the work starts:
 forked children inherit it.
 """
@@ -24,10 +23,11 @@ import ctypes
 import os
 import sys
 
+from rlfoundry.cpu.tuning import MALLOC_MMAP_THRESHOLD as MMAP_THRESHOLD
+from rlfoundry.cpu.tuning import MALLOC_TRIM_THRESHOLD as TRIM_THRESHOLD
+
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_malloc"]
 
-MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
-TRIM_THRESHOLD = 128 << 20  # at most this much freed memory is kept per process
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
 _done = False
 

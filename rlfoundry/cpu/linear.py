@@ -1,10 +1,9 @@
-"""fp32 linear layers on the CPU through oneDNN: one of the CPU kernels (``models/cpu_kernels.py``).
+"""fp32 linear layers on the CPU through oneDNN: one of the CPU kernels (``rlfoundry/cpu``).
 
 Why: torch sends an fp32 ``nn.Linear`` on the CPU to MKL's sgemm, which runs its fast kernels on
 Intel CPUs only. On AMD CPUs oneDNN (built into torch's x86 wheels) runs the same fp32 products
-1.1-2.2x faster, at the benchmark shapes and at Qwen2.5-0.5B's; on Intel CPUs MKL is the faster of
-the two (oneDNN's layer forward + backward 0.4-0.8x; ``python -m benchmarks.cpu_linear``, figures in
-benchmarks/README.md). So the swap is made where ``onednn_preferred()`` says so: on AMD CPUs.
+faster; on Intel CPUs MKL is the faster of the two (``python -m benchmarks.cpu_linear``; figures in
+benchmarks/README.md, "CPU kernels"). So the swap is made where ``onednn_preferred()`` says so: on AMD CPUs.
 The layers here compute the forward and both backward products with
 ``torch.ops.mkldnn._linear_pointwise``; results equal torch's to float rounding.
 
@@ -24,18 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlfoundry.cpu.tuning import (
+    LINEAR_BIG_BLOCK as _BIG,
+    LINEAR_LEFTOVER_ROWS as _LEFTOVER,
+    LINEAR_MIN_MACS as _MIN_MACS,
+    LINEAR_MIN_ROWS as _MIN_ROWS,
+    LINEAR_SMALL_BLOCK as _SMALL,
+)
+
 __all__ = ["OneDNNLinear", "linear", "onednn_available", "onednn_preferred", "prefers_onednn", "use_onednn_linear"]
 
-# Rows per oneDNN call: whole 512-row blocks, then 128-row blocks for the rest, the last one
-# zero-padded; fewer than 64 rows left over go to torch's default path. 512 keeps the kernels'
-# scratchpads small; one call per block costs ~15 % of the one-call speed-up in copies
-# (1472 x 128 -> 256 forward: 482 µs in blocks, 407 µs in one call, 922 µs on MKL), and a 128-row
-# block still runs 1.7x MKL (46 vs 80 µs at 128 x 128 -> 256).
-_BIG, _SMALL, _LEFTOVER = 512, 128, 64
-# Each oneDNN call here costs ~15-40 µs more than MKL's in Python, padding and copies: measured over
-# forward + backward, 1472 x 128 -> 256 takes 1.8 ms against 3.0 ms on MKL, but 200 x 128 -> 256
-# (6.6M multiply-adds) 455 against 419 µs, and 1472 x 128 -> 64 (12M) only breaks even.
-_MIN_ROWS, _MIN_MACS = 256, 1 << 23
+# Rows per oneDNN call (cpu/tuning.py): whole big blocks, then small blocks for the rest, the last
+# one zero-padded; a leftover under _LEFTOVER rows goes to torch's default path. Products under
+# _MIN_ROWS rows or _MIN_MACS multiply-adds stay there too: the blocks' Python, padding and copies
+# would cost more than oneDNN saves.
 
 
 @functools.cache  # a property of the torch build, asked on every linear call

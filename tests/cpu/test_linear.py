@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import profile
 
-from rlfoundry.models.cpu_linear import OneDNNLinear, linear, onednn_available, use_onednn_linear
+from rlfoundry.cpu.linear import OneDNNLinear, linear, onednn_available, use_onednn_linear
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 ONEDNN_OP = "mkldnn::_linear_pointwise"
@@ -135,7 +135,8 @@ def test_hf_model_keeps_its_parameters_and_outputs(tiny_model_dir):
 @pytest.mark.parametrize("vendor, swapped", [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])
 def test_the_cpu_kernels_swap_layers_only_where_onednn_beats_mkl(monkeypatch, vendor, swapped):
     """MKL runs its fast fp32 kernels on Intel CPUs only: oneDNN replaces it on AMD, nowhere else."""
-    from rlfoundry.models import cpu_kernels, cpu_linear
+    from rlfoundry import cpu as cpu_kernels
+    from rlfoundry.cpu import linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "_cpu_vendor", lambda: vendor)
     monkeypatch.setattr(cpu_linear, "onednn_preferred", functools.cache(cpu_linear.onednn_preferred.__wrapped__))

@@ -1,16 +1,20 @@
-"""The CPU speed-ups, behind one switch per model: ``*.model.cpu_kernels = auto | off``.
+"""The CPU kernels: speed-ups for models that run on the CPU, applied as model conversions under
+one switch per model, ``*.model.cpu_kernels = auto | off``.
 
 ``auto`` turns them on only when the model runs on the CPU; GPUs always take the plain HF/FSDP2
 path, which is also the reference the invariance and parity tests run on (``off``). What ``on``
 changes, all applied when the model is built (``engines/fsdp/engine.py``, ``workers/rollout``):
 
-- fp32 ``nn.Linear`` layers multiply through oneDNN where it beats MKL (AMD CPUs; ``models/cpu_linear.py``);
-- the actor's shared-prompt training forward runs as one pass (``models/fused_forward.py``);
-- the HF rollout decodes Llama-family models with a lean one-token step (``workers/rollout/fused_decode.py``);
+- fp32 ``nn.Linear`` layers multiply through oneDNN where it beats MKL (AMD CPUs; ``cpu/linear.py``);
+- the actor's shared-prompt training forward runs as one pass (``cpu/fused_forward.py``);
+- the HF rollout decodes Llama-family models with a lean one-token step (``cpu/fused_decode.py``);
 - FSDP2 keeps one unit (the root) when parameters are not sharded, and skips its per-forward hooks
-  where they have nothing to do (``engines/fsdp/utils.py``: ``continued_forward``, ``inference_unsharded``).
+  where they have nothing to do (``engines/fsdp/utils.py``: ``continued_forward``, ``inference_unsharded``);
+- worker processes keep freed memory in glibc's heap (``cpu/malloc.py``; ``trainer.tune_malloc``).
 
-Each is tested for equality against the plain path.
+Each is tested for equality against the plain path (``tests/cpu``). The tuning constants live in
+``cpu/tuning.py``; what they were measured at, in benchmarks/README.md ("CPU kernels"). Nothing
+here imports the engines, workers or trainer: they call in, passing what a kernel needs.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def enabled(setting: Any, device: torch.device | str) -> bool:
 def apply_cpu_kernels(module: nn.Module, device: torch.device | str) -> str:
     """Swap the model's fp32 linear layers for oneDNN ones where that is faster on this machine;
     returns which library multiplies and why (for the run's first lines)."""
-    from rlfoundry.models import cpu_linear
+    from rlfoundry.cpu import linear as cpu_linear
 
     why = cpu_linear.onednn_preferred()
     if why is None:
@@ -53,7 +57,7 @@ def apply_cpu_kernels(module: nn.Module, device: torch.device | str) -> str:
 
 def fused_shared_prompt_logits(module: nn.Module, prompt_ids: torch.Tensor, *rest: Any) -> torch.Tensor | None:
     """The one-pass shared-prompt forward where it reproduces ``module`` (else None: use HF's)."""
-    from rlfoundry.models import fused_forward
+    from rlfoundry.cpu import fused_forward
 
     responses = rest[2]
     if fused_forward.unsupported_reason(module, prompt_ids.shape[1] + responses.shape[1]) is not None:

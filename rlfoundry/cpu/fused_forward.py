@@ -1,4 +1,5 @@
-"""The shared-prompt training forward in one pass, for Llama-family causal LMs (Qwen2, Qwen3, Llama, Mistral).
+"""The shared-prompt training forward in one pass, for Llama-family causal LMs (Qwen2, Qwen3, Llama, Mistral):
+one of the CPU kernels (``rlfoundry/cpu``).
 
 Why: the actor's shared-prompt forward (``model.use_shared_prompt``) runs each distinct prompt
 once and every sampled response on that prompt's KV cache. Through Hugging Face that is two model
@@ -35,9 +36,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from rlfoundry.models import lora
-from rlfoundry.models.cpu_linear import OneDNNLinear, linear as onednn_linear
-from rlfoundry.models.llama_ops import rms_norm, rope, signed_sin
-from rlfoundry.models.llama_ops import unsupported_reason as _family_reason
+from rlfoundry.cpu.linear import OneDNNLinear, linear as onednn_linear
+from rlfoundry.cpu.llama_ops import rms_norm, rope, signed_sin
+from rlfoundry.cpu.llama_ops import unsupported_reason as _family_reason
 
 __all__ = ["shared_prompt_logits", "unsupported_reason"]
 

@@ -1,4 +1,5 @@
-"""A lean one-token decode step for Llama-family causal LMs (Qwen2, Qwen3, Llama, Mistral).
+"""A lean one-token decode step for Llama-family causal LMs (Qwen2, Qwen3, Llama, Mistral): one of
+the CPU kernels (``rlfoundry/cpu``), taken by the HF rollout (``workers/rollout/hf_rollout.py``).
 
 Why: decoding one token for a batch is a few small matrix products per layer, and on a CPU (or a
 GPU without CUDA graphs) a Hugging Face forward spends more time in its per-call machinery — mask
@@ -8,8 +9,8 @@ step does the same arithmetic with about fifteen tensor ops per layer:
 - q/k/v and gate/up projections are each one matrix product over weights concatenated once per
   ``generate_sequences`` call (the same dot products as the separate ``nn.Linear`` s);
 - on the CPU in fp32 every wide projection's weight is packed once per call into oneDNN's blocked
-  layout, which a decode step's few-row products run about twice as fast as torch's default
-  (MKL, unpacked) path: 8-40 rows at Qwen2.5-0.5B's widths, 2 threads (``_Linear``);
+  layout, which a decode step's few-row products run faster than torch's default (MKL, unpacked)
+  path (``_Linear``; figures in benchmarks/README.md, "CPU kernels");
 - RoPE reads a cos/sin table built once per call by the model's own rotary module (so every
   static RoPE variant — default, linear, llama3, yarn — is whatever HF computes), and rotates q
   and k together with one ``roll`` (bit-identical to HF's ``rotate_half``);
@@ -26,16 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlfoundry.models.cpu_linear import onednn_available
+from rlfoundry.cpu.linear import onednn_available
+from rlfoundry.cpu.llama_ops import rms_norm, rope, signed_sin, unsupported_reason
+from rlfoundry.cpu.tuning import DECODE_PACK_MIN as _PACK_MIN
 from rlfoundry.models.lora import base_of, effective_weight
-from rlfoundry.models.llama_ops import rms_norm, rope, signed_sin, unsupported_reason
 
 __all__ = ["FusedDecoder", "unsupported_reason"]
-
-
-# Packing pays from about this many weights: 896 x 896 ran 1.3x faster packed at 16 rows, 896 x 128 0.9x,
-# and the benchmark's 128-wide model decoded 30 % slower with every projection packed (2 threads)
-_PACK_MIN = 1 << 18
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -71,8 +68,7 @@ class _Layer:
         self.o = _Linear(*effective_weight(attn.o_proj))
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         # gate and up: one product on a concatenated weight, or two on packed weights (packing each
-        # in place of a copy into one: at 0.5B's shape 24 layers build in 0.27 s instead of 0.53 s,
-        # the two products per step cost ~2 % more)
+        # in place of a copy into one halves the build, for a slightly slower step)
         (gate, _), (up, _) = effective_weight(mlp.gate_proj), effective_weight(mlp.up_proj)
         if _packable(gate):
             self.gate_up, self.gate, self.up = None, _Linear(gate), _Linear(up)

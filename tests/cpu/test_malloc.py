@@ -9,13 +9,13 @@ import textwrap
 
 import pytest
 
-from rlfoundry.utils import malloc
+from rlfoundry.cpu import malloc
 
 glibc = pytest.mark.skipif(malloc._glibc() is None, reason="needs glibc (Linux)")
 
 _PROBE = textwrap.dedent("""
     import ctypes, resource, sys, torch
-    from rlfoundry.utils.malloc import tune_malloc
+    from rlfoundry.cpu.malloc import tune_malloc
     tuned = tune_malloc() if sys.argv[1] == "1" else False
     libc = ctypes.CDLL(None)
     libc.sbrk.restype = ctypes.c_void_p
@@ -60,7 +60,7 @@ def test_workers_apply_it_from_their_runtime():
     code = textwrap.dedent("""
         import sys
         from rlfoundry.single_controller.base.worker import Worker, WorkerRuntime
-        from rlfoundry.utils import malloc
+        from rlfoundry.cpu import malloc
         Worker(WorkerRuntime(device="cpu", tune_malloc=sys.argv[1] == "1"))
         print(malloc._done)
     """)

@@ -9,10 +9,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from rlfoundry.engines.fsdp.forward import CausalLMForward
-from rlfoundry.models import fused_forward
-from rlfoundry.models.cpu_kernels import fused_shared_prompt_logits
-from rlfoundry.models.cpu_linear import use_onednn_linear
-from tests.workers.test_fused_decode import _model
+from rlfoundry.cpu import fused_forward
+from rlfoundry.cpu import fused_shared_prompt_logits
+from rlfoundry.cpu.linear import use_onednn_linear
+from tests.cpu.test_fused_decode import _model
 
 
 def _batch(vocab: int, prompts: int = 3, n: int = 4, tp: int = 9, tr: int = 11) -> TensorDict:
@@ -91,7 +91,7 @@ def test_onednn_linear_layers_match_hf(monkeypatch):
     """Products big enough for the oneDNN blocks (prompt and response rows share every product)."""
     from transformers import AutoConfig
 
-    from rlfoundry.models import cpu_linear
+    from rlfoundry.cpu import linear as cpu_linear
 
     if not cpu_linear.onednn_available():
         pytest.skip("this torch build has no oneDNN")
