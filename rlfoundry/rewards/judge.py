@@ -43,7 +43,8 @@ import torch
 
 from rlfoundry.config.schema import GenerativeRewardModelConfig
 from rlfoundry.protocol import DataProto
-from rlfoundry.rewards.reward_manager import decode_samples, place_scores, response_lengths
+from rlfoundry.rewards.combine import place_scores
+from rlfoundry.rewards.rule import decode_samples, response_lengths
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.torch_functional import left_padded
 

@@ -10,12 +10,16 @@ Workers are started with ``forkserver`` (POSIX) or ``spawn``, never plain ``fork
 holds torch / tokenizer / Ray threads that a fork would copy mid-lock. The scorer is therefore
 pickled to each worker, so it must be a module-level function, a ``functools.partial`` of one, or
 a ``FileRewardFunction`` (which re-imports its file in the worker).
+
+``LazyScoringPool`` owns a pool's life cycle for the reward managers: it starts the pool on first
+use, scores an unpicklable scorer in the driver, replaces a pool that broke, and closes it.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import pickle
 import signal
 import time
 import traceback
@@ -223,3 +227,67 @@ class ScoringPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class LazyScoringPool:
+    """The life cycle of one scorer's ``ScoringPool``, so that scoring code only calls ``map``.
+
+    The pool starts on the first ``map`` (a run whose batches never need it starts no process); a
+    scorer that cannot be pickled is scored in the driver instead, without timeouts, with one
+    warning; a pool whose ``map`` raised (Ctrl-C, or a replacement worker that could not load the
+    scorer) is closed and dropped, and the next ``map`` starts a fresh one. A pickled copy (e.g. sent
+    to a Ray task) starts its own pool on first use. ``close`` (or leaving a ``with`` block) stops
+    the processes; they are daemons, so interpreter exit stops them too.
+    """
+
+    def __init__(self, fn: Callable, num_workers: int, timeout_s: float, start_method: str | None = None) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.fn, self.num_workers, self.timeout_s, self.start_method = fn, num_workers, timeout_s, start_method
+        self.running: ScoringPool | None = None
+        self.unpicklable = False
+
+    def map(self, kwargs_list: list[dict], timeout_s: float | None = None) -> list[Outcome]:
+        """One Outcome per kwargs dict, in order, from the pool (or the driver, see above)."""
+        pool = self._start()
+        if pool is None:
+            return [call_safely(self.fn, kwargs) for kwargs in kwargs_list]
+        try:
+            return pool.map(kwargs_list, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> ScoringPool | None:
+        if self.running is None and not self.unpicklable:
+            try:
+                pickle.dumps(self.fn)
+            except Exception as err:  # noqa: BLE001 - any pickling failure means "cannot ship it"
+                logger.warning(
+                    "reward function %r cannot be pickled (%s); scoring in the driver process without "
+                    "timeouts. Use a module-level function or custom_reward_function.path", self.fn, err,
+                )
+                self.unpicklable = True
+                return None
+            self.running = ScoringPool(self.fn, self.num_workers, self.timeout_s, self.start_method)
+        return self.running
+
+    def close(self) -> None:
+        if self.running is not None:
+            pool, self.running = self.running, None
+            pool.close()
+
+    def __enter__(self) -> LazyScoringPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "running": None}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down modules
+            pass

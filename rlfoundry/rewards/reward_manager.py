@@ -15,6 +15,11 @@ The score goes on the last valid response token (``response_mask``, else the res
 ``{"reward_tensor", "reward_extra_info": {name: list of B}, "reward_metrics": {...}}``; extra info
 holds every key of dict-valued scores (a failed sample gets NaN for numeric keys, None otherwise).
 
+Parts: ``rewards/rule.py`` decodes samples, picks the driver or the pool and validates what the
+scorer returned (``RuleRewardManager.score_rule`` strings them together); ``rewards/combine.py``
+weighs rule, reward-model and judge scores (pure functions); ``pool.LazyScoringPool`` owns the
+scorer processes' life cycle. This module holds the managers, their registry and the builder.
+
 Robustness: samples are scored in a ``ScoringPool`` of worker processes with a per-sample timeout,
 except, by default, batches that only hold data sources whose built-in scorer finishes in bounded
 time (``IN_DRIVER_SOURCES``: arithmetic, gsm8k), which the driver scores itself. A sample whose
@@ -25,7 +30,7 @@ default scorer is a configuration error and raises before scoring.
 
 Model rewards: when the batch already holds ``rm_scores`` (written by ``RewardModelWorker``),
 ``rm_combine="replace"`` (verl's behaviour, the default) returns them as the scores without calling
-the rule scorer; ``rm_combine="add"`` returns rule score + model score (both sit on the last
+the rule scorer; ``rm_combine="add"`` returns ``weights.rule`` × rule score + model score (both sit on the last
 response token, so the sum is per sequence).
 
 Generative reward model (``rewards/judge.py``): when the batch holds ``judge_scores`` (the judge's
@@ -60,173 +65,70 @@ class ``reward.reward_manager.module.name`` from ``module.path`` (a RuleRewardMa
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import logging
-import math
-import os
-import pickle
 from collections import defaultdict
-from dataclasses import dataclass
-from numbers import Real
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from rlfoundry.protocol import DataProto
-from rlfoundry.rewards.custom import RewardFunctionError, load_custom_reward_fn, load_reward_manager_class
-from rlfoundry.rewards.default import (
-    IN_DRIVER_SOURCES,
-    batch_default_compute_score,
-    check_data_sources,
-    default_compute_score,
+from rlfoundry.rewards.combine import (  # noqa: F401 - ERROR_KINDS, RM_COMBINE_MODES, place_scores: public names
+    ERROR_KINDS,
+    RM_COMBINE_MODES,
+    JudgeScores,
+    RuleScores,
+    Weights,
+    combine,
+    error_metrics,
+    place_scores,
+    rule_needed,
 )
-from rlfoundry.rewards.pool import Outcome, ScoringPool, call_safely
+from rlfoundry.rewards.custom import RewardFunctionError, load_custom_reward_fn, load_reward_manager_class
+from rlfoundry.rewards.default import batch_default_compute_score, check_data_sources, default_compute_score
+from rlfoundry.rewards.pool import LazyScoringPool, Outcome, ScoringPool, call_safely
+from rlfoundry.rewards.rule import (  # noqa: F401 - decode_samples, response_lengths, extra_info_columns: public names
+    RULE_OPTION_KEYS,
+    RuleOptions,
+    Sample,
+    Scored,
+    decode_samples,
+    extra_info_columns,
+    interpret,
+    response_lengths,
+    rule_scores,
+    scores_in_driver,
+)
 
 logger = logging.getLogger(__name__)
 
-ERROR_KINDS = ("exception", "timeout", "crash", "bad_return", "judge")  # judge: its judgement did not parse
-RM_COMBINE_MODES = ("replace", "add")
+# reward_kwargs that weigh the sources against each other -> Weights fields
+WEIGHT_KEYS = {"rule_weight": "rule", "judge_weight": "judge", "rm_combine": "rm_combine"}
 
 
-@dataclass
-class Sample:
-    """One row as the scorer sees it."""
-
-    data_source: str
-    solution_str: str
-    ground_truth: Any
-    extra_info: Any
-    response_length: int
-
-
-@dataclass
-class Scored:
-    """A sample's final score, its extra metrics and, if it failed, why."""
-
-    score: float
-    extras: dict
-    error: str | None = None
-    detail: str = ""
-    judge_error: str | None = None  # why the generative reward model's judgement scored failure_score
+def split_reward_kwargs(kwargs: dict, owner: str = "RuleRewardManager") -> tuple[RuleOptions, Weights]:
+    """The manager's keyword arguments (``reward_model.reward_kwargs``) as rule options and weights;
+    an unknown one is a TypeError naming the nearest valid key."""
+    valid = sorted((*RULE_OPTION_KEYS, *WEIGHT_KEYS))
+    for key in kwargs:
+        if key not in valid:
+            near = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise TypeError(f"{owner} got an unexpected keyword argument {key!r}{hint} (valid: {valid})")
+    weights = Weights(**{WEIGHT_KEYS[k]: v for k, v in kwargs.items() if k in WEIGHT_KEYS and v is not None})
+    return RuleOptions(**{k: v for k, v in kwargs.items() if k not in WEIGHT_KEYS}), weights
 
 
-# ---- batch plumbing (pure functions) ---------------------------------------------------------
-
-
-def response_lengths(data: DataProto) -> torch.Tensor:
-    """(B,) extent of each response: one past its last valid token (``response_mask`` if present,
-    else the mask's tail). A single-turn mask is a prefix, so this is its sum; a multi-turn mask has
-    holes where tool messages sit, and its extent ends at the policy's last sampled token, where
-    the outcome reward belongs."""
-    batch = data.batch
-    width = batch["responses"].shape[-1]
-    mask = batch["response_mask"] if "response_mask" in batch.keys() else batch["attention_mask"][:, -width:]
-    positions = torch.arange(1, width + 1, device=mask.device)
-    return (mask.bool() * positions).max(dim=-1).values.long()
-
-
-def decode_samples(data: DataProto, tokenizer: Any, reward_fn_key: str) -> list[Sample]:
-    """Decode each valid response (special tokens dropped) and pair it with its ground truth.
-
-    A multi-turn row (``last_turn_start``, from the agent loop) is scored on its final assistant
-    turn, and its ``extra_info`` gains ``num_turns``, ``tool_reward`` and ``turn_scores`` (those its
-    agent loop gave), as verl's managers do."""
-    lengths = response_lengths(data).tolist()
-    responses, nt = data.batch["responses"], data.non_tensor_batch
-    starts = nt.get("last_turn_start", np.zeros(len(lengths), dtype=object))
-    texts = tokenizer.batch_decode([responses[i, int(starts[i] or 0):n].tolist() for i, n in enumerate(lengths)],
-                                   skip_special_tokens=True)
-    if reward_fn_key not in nt or "reward_model" not in nt:
-        raise KeyError(
-            f"batch lacks non-tensor column {reward_fn_key!r} (data.reward_fn_key) or 'reward_model'; "
-            f"it has {sorted(nt)}. Rows must come from a verl-format RLHFDataset"
-        )
-    extra = nt.get("extra_info", np.full(len(texts), None, dtype=object))
-    return [
-        Sample(str(nt[reward_fn_key][i]), texts[i], _ground_truth(nt["reward_model"][i]), _with_turns(extra[i], nt, i),
-               lengths[i])
-        for i in range(len(texts))
-    ]
-
-
-def _with_turns(extra: Any, nt: dict, i: int) -> Any:
-    """A multi-turn row's ``extra_info`` with its turn count, tool reward and interaction scores, where
-    its loop gave them (a copy; the batch keeps its own)."""
-    if "num_turns" not in nt:
-        return extra
-    added = {"num_turns": int(nt["num_turns"][i])}
-    if nt.get("tool_reward") is not None and nt["tool_reward"][i] is not None:
-        added["tool_reward"] = float(nt["tool_reward"][i])
-    if nt.get("turn_scores") is not None and nt["turn_scores"][i]:
-        added["turn_scores"] = list(nt["turn_scores"][i])
-    return {**(extra if isinstance(extra, dict) else {}), **added}
-
-
-def _ground_truth(reward_model: Any) -> Any:
-    return reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-
-
-def interpret(outcome: Outcome, failure_score: float) -> Scored:
-    """Turn what the scorer returned into a Scored; anything but a finite number is a failure."""
-    if outcome.error is not None:
-        return Scored(failure_score, {}, outcome.error, outcome.detail)
-    value = outcome.value
-    extras = dict(value) if isinstance(value, dict) else {}
-    raw = extras.get("score") if isinstance(value, dict) else value
-    if isinstance(raw, (Real, np.number, np.bool_)) and math.isfinite(float(raw)):
-        return Scored(float(raw), extras)
-    detail = f"scorer returned {value!r:.200}; expected a finite number or a dict with a numeric 'score'"
-    return Scored(failure_score, {}, "bad_return", detail)
-
-
-def place_scores(scores: list[float], lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, width) zeros with each score on its sequence's last valid response token."""
-    tensor = torch.zeros(len(scores), width, dtype=torch.float32)
-    last = torch.clamp(lengths - 1, min=0)  # an empty response still gets its score somewhere (masked out later)
-    tensor[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
-    return tensor
-
-
-def extra_info_columns(scored: list[Scored]) -> dict[str, list]:
-    """``{key: list of B}`` over every key any sample reported; missing -> NaN (numeric) or None."""
-    keys = list(dict.fromkeys(k for s in scored for k in s.extras))
-    columns = {}
-    for key in keys:
-        present = [s.extras[key] for s in scored if key in s.extras]
-        numeric = all(isinstance(v, (Real, np.number)) for v in present)
-        fill = float("nan") if numeric else None
-        columns[key] = [s.extras.get(key, fill) for s in scored]
-    return columns
-
-
-def error_metrics(scored: list[Scored]) -> dict[str, int]:
-    """``reward/errors``: samples with any failed source; ``reward/errors/<kind>``: failures per kind."""
-    kinds = [s.error for s in scored if s.error is not None] + ["judge" for s in scored if s.judge_error]
-    metrics = {"reward/errors": sum(1 for s in scored if s.error is not None or s.judge_error)}
-    metrics.update({f"reward/errors/{kind}": kinds.count(kind) for kind in ERROR_KINDS})
-    return metrics
-
-
-def judge_results(data: DataProto) -> tuple[torch.Tensor, list] | None:
-    """The generative reward model's ``judge_scores`` and ``judge_error`` when the batch has them."""
-    if "judge_scores" not in data.batch.keys():
-        return None
-    return data.batch["judge_scores"], list(data.non_tensor_batch["judge_error"])
-
-
-def judge_only(judge: tuple[torch.Tensor, list]) -> list[Scored]:
-    """Per-sample results when the judge alone scores (rule weight 0)."""
-    return [Scored(float(row.sum()), {}) for row in judge[0]]
-
-
-def add_judge_extras(scored: list[Scored], judge: tuple[torch.Tensor, list]) -> None:
-    """``judge_score`` (NaN where the judgement failed) and ``judge_error`` into each sample's extras."""
-    scores, errors = judge
-    for result, row, err in zip(scored, scores, errors):
-        result.judge_error = err
-        result.extras.update(judge_score=float("nan") if err else float(row.sum()), judge_error=err)
+def model_scores(data: DataProto) -> tuple[torch.Tensor | None, JudgeScores | None]:
+    """The classifier reward model's ``rm_scores`` and the judge's ``judge_scores`` / ``judge_error``
+    when the batch has them."""
+    keys = data.batch.keys()
+    rm_scores = data.batch["rm_scores"] if "rm_scores" in keys else None
+    judge = None
+    if "judge_scores" in keys:
+        judge = JudgeScores(data.batch["judge_scores"], list(data.non_tensor_batch["judge_error"]))
+    return rm_scores, judge
 
 
 # ---- managers --------------------------------------------------------------------------------
@@ -253,78 +155,55 @@ def get_reward_manager_cls(name: str) -> type:
 
 
 class RuleRewardManager:
-    """Shared plumbing of the rule-based managers; subclasses change how samples are scored."""
+    """Rule scoring of a batch, combined with the model scores it carries; subclasses change how
+    samples are scored (``score_samples``) or shaped afterwards (``postprocess``).
+
+    Keyword arguments are ``reward_model.reward_kwargs`` (the table above): ``timeout_s``,
+    ``failure_score``, ``num_workers``, ``pool_min_batch``, ``mp_start_method``,
+    ``compute_score_kwargs`` (``self.options``) and ``rm_combine``, ``rule_weight``, ``judge_weight``
+    (``self.weights``; ``load_reward_manager`` fills the last two from ``reward.weights``).
+    """
 
     default_compute_score: Callable = staticmethod(default_compute_score)
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        num_examine: int = 0,
-        compute_score: Callable | None = None,
-        reward_fn_key: str = "data_source",
-        *,
-        timeout_s: float = 30.0,
-        failure_score: float = 0.0,
-        num_workers: int | None = None,
-        pool_min_batch: int = 1,
-        mp_start_method: str | None = None,
-        rm_combine: str = "replace",
-        rule_weight: float | None = None,
-        judge_weight: float = 1.0,
-        compute_score_kwargs: dict | None = None,
-    ) -> None:
-        if rm_combine not in RM_COMBINE_MODES:
-            raise ValueError(f"rm_combine={rm_combine!r} must be one of {RM_COMBINE_MODES}")
-        if compute_score is not None and compute_score_kwargs:
+    def __init__(self, tokenizer: Any, num_examine: int = 0, compute_score: Callable | None = None,
+                 reward_fn_key: str = "data_source", **reward_kwargs: Any) -> None:
+        self.options, self.weights = split_reward_kwargs(reward_kwargs, type(self).__name__)
+        if compute_score is not None and self.options.compute_score_kwargs:
             raise ValueError("compute_score_kwargs are for the built-in scorer; a custom reward function takes "
                              "custom_reward_function.reward_kwargs")
         self.tokenizer, self.num_examine, self.reward_fn_key = tokenizer, num_examine, reward_fn_key
-        default = self.default_compute_score
-        # a partial of a module-level function still pickles into the scoring pool's processes
-        default = functools.partial(default, **compute_score_kwargs) if compute_score_kwargs else default
-        self.compute_score = compute_score or default
+        self.compute_score = compute_score or self.options.bind(self.default_compute_score)
         self.uses_default_scorer = compute_score is None
-        self.timeout_s, self.failure_score = float(timeout_s), float(failure_score)
-        self.num_workers = min(4, os.cpu_count() or 1) if num_workers is None else int(num_workers)
-        self.pool_min_batch, self.mp_start_method, self.rm_combine = pool_min_batch, mp_start_method, rm_combine
-        # reward.weights: None = 0 when a judge scored the batch (it replaces the rule score), else 1
-        self.rule_weight, self.judge_weight = rule_weight, float(judge_weight)
-        self._pool: ScoringPool | None = None
-        self._in_process_only = self.num_workers <= 0
-        # with num_workers unset, bounded-time built-in scorers skip the pool (see _bounded_time)
-        self._driver_when_bounded = num_workers is None and self.uses_default_scorer
+        self.pool = None  # scorer processes, when options allow them
+        if self.options.workers > 0:
+            self.pool = LazyScoringPool(self.compute_score, self.options.workers, self.options.timeout_s,
+                                        self.options.mp_start_method)
         self._logged_first_error = False
-        self.last_metrics: dict[str, int] = error_metrics([])
+        self.last_metrics: dict[str, int] = error_metrics()
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict:
-        width = data.batch["responses"].shape[-1]
-        rm_scores = data.batch["rm_scores"] if "rm_scores" in data.batch.keys() else None
-        if rm_scores is not None and self.rm_combine == "replace":
-            return self._result(rm_scores, [], return_dict)
-        judge = judge_results(data)
-        rule_weight = (0.0 if judge else 1.0) if self.rule_weight is None else float(self.rule_weight)
-        if judge and rule_weight == 0:  # the judge alone: the rule scorer is not called
-            scored = judge_only(judge)
-            add_judge_extras(scored, judge)
-            self._report_judge_errors(scored)
-            return self._result(self.judge_weight * judge[0].float(), scored, return_dict)
+        rm_scores, judge = model_scores(data)
+        rule = self.score_rule(data) if rule_needed(self.weights, rm_scores is not None, judge is not None) else None
+        combined = combine(self.weights, data.batch["responses"].shape[-1], rule, rm_scores, judge)
+        if combined.metrics["reward/errors/judge"]:
+            self._report_judge_errors(judge)
+        self.last_metrics = combined.metrics
+        if not return_dict:
+            return combined.scores
+        return {"reward_tensor": combined.scores, "reward_extra_info": combined.extra_info,
+                "reward_metrics": dict(combined.metrics)}
+
+    def score_rule(self, data: DataProto) -> RuleScores:
+        """Decode, score (``score_samples``), validate, shape (``postprocess``), report."""
         samples = decode_samples(data, self.tokenizer, self.reward_fn_key)
         if self.uses_default_scorer:
             check_data_sources(s.data_source for s in samples)
-        scored = [interpret(o, self.failure_score) for o in self.score_samples(samples)]
+        scored = [interpret(o, self.options.failure_score) for o in self.score_samples(samples)]
         self.postprocess(samples, scored)
-        lengths = torch.tensor([s.response_length for s in samples])
-        tensor = rule_weight * place_scores([s.score for s in scored], lengths, width)
-        if rm_scores is not None:
-            tensor = tensor + rm_scores.to(tensor.dtype)
-        if judge:
-            tensor = tensor + self.judge_weight * judge[0].to(tensor.dtype)
-            add_judge_extras(scored, judge)
-            self._report_judge_errors(scored)
         self._report_errors(samples, scored)
         self._examine(data, samples, scored)
-        return self._result(tensor, scored, return_dict)
+        return rule_scores(samples, scored)
 
     def score_samples(self, samples: list[Sample]) -> list[Outcome]:
         """One Outcome per sample (naive: one scorer call each)."""
@@ -340,42 +219,14 @@ class RuleRewardManager:
 
     def run_calls(self, calls: list[dict], timeout_s: float | None = None) -> list[Outcome]:
         """Run compute_score(**call) for each call, in the pool when worthwhile, else in the driver."""
-        in_driver = self._in_process_only or len(calls) < self.pool_min_batch or self._bounded_time(calls)
-        if in_driver or not self._ensure_pool():
+        if self.pool is None or scores_in_driver(calls, self.options, self.uses_default_scorer):
             return [call_safely(self.compute_score, call) for call in calls]
-        return self._pool.map(calls, timeout_s)
+        return self.pool.map(calls, timeout_s)
 
-    def _bounded_time(self, calls: list[dict]) -> bool:
-        """Whether the default scorer, unasked for a pool, only meets sources in IN_DRIVER_SOURCES.
-
-        The default scorers take ``data_source`` (naive, dapo) or ``data_sources`` (batch), so the
-        calls themselves say which scorer code will run.
-        """
-        if not self._driver_when_bounded:
-            return False
-        sources = [src for call in calls for src in call.get("data_sources", [call.get("data_source")])]
-        return all(src in IN_DRIVER_SOURCES for src in sources)
-
-    def _ensure_pool(self) -> bool:
-        if self._pool is None and not self._in_process_only:
-            try:
-                pickle.dumps(self.compute_score)
-            except Exception as err:  # noqa: BLE001 - any pickling failure means "cannot ship it"
-                logger.warning(
-                    "reward function %r cannot be pickled (%s); scoring in the driver process without "
-                    "timeouts. Use a module-level function or custom_reward_function.path", self.compute_score, err,
-                )
-                self._in_process_only = True
-                return False
-            self._pool = ScoringPool(self.compute_score, self.num_workers, self.timeout_s, self.mp_start_method)
-        return self._pool is not None
-
-    def _result(self, tensor: torch.Tensor, scored: list[Scored], return_dict: bool) -> torch.Tensor | dict:
-        self.last_metrics = error_metrics(scored)
-        if not return_dict:
-            return tensor
-        return {"reward_tensor": tensor, "reward_extra_info": extra_info_columns(scored),
-                "reward_metrics": dict(self.last_metrics)}
+    @property
+    def _pool(self) -> ScoringPool | None:
+        """The running scorer processes, if any (None until a batch needed them)."""
+        return self.pool.running if self.pool is not None else None
 
     def _report_errors(self, samples: list[Sample], scored: list[Scored]) -> None:
         failed = [i for i, s in enumerate(scored) if s.error is not None]
@@ -387,17 +238,17 @@ class RuleRewardManager:
             logger.warning(
                 "reward function failed (%s) on sample %d (data_source=%s); it gets failure_score=%g. "
                 "Later failures are only counted in reward/errors.\n%s",
-                scored[first].error, first, samples[first].data_source, self.failure_score, scored[first].detail,
+                scored[first].error, first, samples[first].data_source, self.options.failure_score,
+                scored[first].detail,
             )
-        kinds = {k: v for k, v in error_metrics(scored).items() if v and k != "reward/errors"}
+        kinds = {k: v for k, v in error_metrics([s.error for s in scored]).items() if v and k != "reward/errors"}
         logger.warning("reward: %d of %d samples failed %s", len(failed), len(scored), kinds)
 
-    def _report_judge_errors(self, scored: list[Scored]) -> None:
-        failed = [s.judge_error for s in scored if s.judge_error]
-        if failed:
-            kinds = {kind: failed.count(kind) for kind in dict.fromkeys(failed)}
-            logger.warning("reward: the judge's verdict on %d of %d samples did not parse %s; they get its "
-                           "failure_score", len(failed), len(scored), kinds)
+    def _report_judge_errors(self, judge: JudgeScores) -> None:
+        failed = [err for err in judge.errors if err]
+        kinds = {kind: failed.count(kind) for kind in dict.fromkeys(failed)}
+        logger.warning("reward: the judge's verdict on %d of %d samples did not parse %s; they get its "
+                       "failure_score", len(failed), len(judge.errors), kinds)
 
     def _examine(self, data: DataProto, samples: list[Sample], scored: list[Scored]) -> None:
         """Print up to ``num_examine`` samples per data source, verl style, for eyeballing."""
@@ -420,21 +271,16 @@ class RuleRewardManager:
         n_valid = int(data.batch["attention_mask"][i, : prompt.shape[-1]].sum())
         return self.tokenizer.decode(prompt[prompt.shape[-1] - n_valid :].tolist(), skip_special_tokens=True)
 
-    def __getstate__(self) -> dict:
-        # A copy shipped to another process (e.g. a Ray task) starts its own pool on first use.
-        return {**self.__dict__, "_pool": None}
-
     def close(self) -> None:
-        """Stop the worker processes (also happens at interpreter exit: they are daemons)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Stop the scorer processes (also happens at interpreter exit: they are daemons)."""
+        if self.pool is not None:
+            self.pool.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down modules
-            pass
+    def __enter__(self) -> RuleRewardManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 @register_reward_manager("naive")
@@ -462,7 +308,7 @@ class BatchRewardManager(RuleRewardManager):
             "ground_truths": [s.ground_truth for s in samples],
             "extra_infos": [s.extra_info for s in samples],
         }
-        (outcome,) = self.run_calls([call], timeout_s=self.timeout_s * max(1, len(samples)))
+        (outcome,) = self.run_calls([call], timeout_s=self.options.timeout_s * max(1, len(samples)))
         if outcome.error is not None:
             return [outcome] * len(samples)
         values = outcome.value
@@ -533,11 +379,12 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 
 def _check_kwargs(cls: type, kwargs: dict) -> None:
     """Unknown reward_kwargs -> an error naming the nearest valid key."""
-    valid = set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = set(RULE_OPTION_KEYS) | set(WEIGHT_KEYS)
     for klass in cls.__mro__:
         if "__init__" in vars(klass):
-            valid |= set(inspect.signature(klass.__init__).parameters)
-    valid -= {"self", "args", "kwargs", "tokenizer", "num_examine", "compute_score", "reward_fn_key"}
+            valid |= {p.name for p in inspect.signature(klass.__init__).parameters.values() if p.kind in named}
+    valid -= {"self", "tokenizer", "num_examine", "compute_score", "reward_fn_key"}
     for key in kwargs:
         if key not in valid:
             near = difflib.get_close_matches(key, sorted(valid), n=1)

@@ -23,6 +23,7 @@ from rlfoundry.rewards import (
     get_reward_manager_cls,
     load_reward_manager,
 )
+from rlfoundry.rewards.combine import Weights
 
 TP, TR = 6, 12  # prompt and response widths of the hand-made batches
 
@@ -312,3 +313,22 @@ def test_importlib_reward_manager_is_a_class_from_a_file(tok, tmp_path: Path) ->
         load_reward_manager(cfg("NotAManager"), tok)
     with pytest.raises(RewardFunctionError, match="has no class 'Missing'"):
         load_reward_manager(cfg("Missing"), tok)
+
+
+def test_reward_kwargs_are_grouped_into_rule_options_and_weights(tok) -> None:
+    manager = NaiveRewardManager(tok, timeout_s=3, failure_score=-1, num_workers=0, rule_weight=0.5, rm_combine="add")
+    assert (manager.options.timeout_s, manager.options.failure_score, manager.pool) == (3.0, -1.0, None)
+    assert manager.weights == Weights(rule=0.5, judge=1.0, rm_combine="add")
+    with pytest.raises(TypeError, match="did you mean 'failure_score'"):
+        NaiveRewardManager(tok, failure_scor=1.0)
+    with pytest.raises(ValueError, match="rm_combine='sum' must be one of"):
+        NaiveRewardManager(tok, rm_combine="sum")
+
+
+def test_manager_as_context_manager_stops_its_scorer_processes(tok) -> None:
+    batch = make_batch(tok, ["85", "7"], ["85", "8"])
+    with NaiveRewardManager(tok, num_workers=1) as manager:
+        assert manager._pool is None  # started by the first batch that needs it
+        assert last_token_scores(manager(batch), batch) == [1.0, 0.0]
+        assert manager._pool is not None
+    assert manager._pool is None
