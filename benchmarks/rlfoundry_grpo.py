@@ -6,7 +6,7 @@ The workload becomes verl-style overrides (``overrides(w, prepared, run_dir)``; 
 samples = one optimiser step. Micro-batches: rows of similar response length within a token budget
 (``TOKEN_BUDGET``, padding counted); the other frameworks run the whole batch at once.
 
-Timing: ``RayPPOTrainer.train_step`` is wrapped in this process only, to stamp the wall clock at
+Timing: ``PPOTrainer.train_step`` is wrapped in this process only, to stamp the wall clock at
 the start and end of every step (the trainer's own ``timing_s/*`` phase times are recorded too).
 The step-to-step interval the benchmark reports therefore also includes what ``fit()`` does
 between steps (logging, data loading).
@@ -107,21 +107,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
 
     from rlfoundry.trainer import main_ppo
-    from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
+    from rlfoundry.trainer.ppo.ray_trainer import PPOTrainer
 
     clock = StepClock("rlfoundry")
-    untimed = RayPPOTrainer.train_step
+    untimed = PPOTrainer.train_step
 
-    def timed_train_step(self, batch_dict, **kwargs):
+    def timed_train_step(self, *args, **kwargs):
         clock.step_begin()
-        metrics = untimed(self, batch_dict, **kwargs)
+        metrics = untimed(self, *args, **kwargs)
         samples = w.samples_per_step
         phases = {k.split("/", 1)[1]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")}
         clock.step_end(round(float(metrics["response_length/mean"]) * samples), samples,
                        float(metrics["critic/score/mean"]), phases)
         return metrics
 
-    RayPPOTrainer.train_step = timed_train_step
+    PPOTrainer.train_step = timed_train_step
     code = main_ppo.main(cli)
     if code != 0:
         raise SystemExit(code)

@@ -7,7 +7,7 @@ arguments it runs the demo: GRPO on the built-in arithmetic task with the shippe
 Start-up order: config (typed, validated) → file checks → run directory → data (the synthetic
 task's parquet is generated into ``<run_dir>/data`` when ``data.train_files`` is null) →
 tokenizer → datasets and loaders → resolved config (total steps known) → reward functions →
-worker groups (in-process or Ray) → ``RayPPOTrainer.fit()``.
+worker groups (in-process or Ray) → ``PPOTrainer.fit()``.
 
 A mistake in the config or the data ends the run with exit code 2 and one paragraph saying what
 and how to fix it — no traceback (set ``RLFOUNDRY_DEBUG=1`` to get one).
@@ -426,20 +426,10 @@ def _code_runners(cfg: DictConfig, datasets: Sequence[Any]) -> list[str]:
 
 
 def trainer_class(cfg: DictConfig) -> type:
-    """``async_training.mode``: sync → RayPPOTrainer, one_step_off / fully_async → their pipelines."""
-    mode = cfg.async_training.mode
-    if mode == "one_step_off":
-        from rlfoundry.trainer.ppo.one_step_off import OneStepOffPPOTrainer
+    """The one trainer; ``async_training.mode`` picks its sample source (``trainer/ppo/sources.py``)."""
+    from rlfoundry.trainer.ppo.ray_trainer import PPOTrainer
 
-        return OneStepOffPPOTrainer
-    if mode == "fully_async":
-        from rlfoundry.trainer.ppo.fully_async import FullyAsyncPPOTrainer
-
-        return FullyAsyncPPOTrainer
-    from rlfoundry.trainer.ppo.ray_trainer import RayPPOTrainer
-
-    return RayPPOTrainer
-
+    return PPOTrainer
 
 def _import_external_lib(cfg: DictConfig) -> None:
     """``model.external_lib``: a module to import first (it registers custom model classes with HF)."""

@@ -1,6 +1,6 @@
 """Driver-side guards of the training loop: non-finite steps, failed saves, the per-step record.
 
-Each piece is called from one line of ``RayPPOTrainer.fit`` / ``_maybe_validate_and_save``:
+Each piece is called from one line of ``PPOTrainer.fit`` / ``_maybe_validate_and_save``:
 
 - :class:`NonFiniteGuard` stops the run after ``trainer.max_consecutive_nan_steps`` steps in a row
   whose update was skipped for a NaN/Inf loss or gradient (the workers skip the optimiser step,

@@ -26,6 +26,7 @@ none skipped; the resumed run says how many.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -41,11 +42,11 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.metric_utils import marked_timer
 from rlfoundry.trainer.ppo.one_step_off import staleness_metrics
 from rlfoundry.trainer.ppo.partial_rollout import ChunkedGeneration
-from rlfoundry.trainer.ppo.ray_trainer import TRAINER_STATE_FILE, RayPPOTrainer, _concat_generations
+from rlfoundry.trainer.ppo.sources import SampleSource, loader_batches
 from rlfoundry.utils.errors import RunAbortedError
 from rlfoundry.utils.tokenizer import pad_id
 
-__all__ = ["FullyAsyncPPOTrainer", "Rollouter"]
+__all__ = ["FullyAsyncSource", "Rollouter"]
 
 
 class _Stopped(Exception):
@@ -229,113 +230,89 @@ class Rollouter:
         return out
 
 
-class FullyAsyncPPOTrainer(RayPPOTrainer):
-    """The synchronous trainer's phases on samples a ``Rollouter`` streams from a pool of its own."""
+class FullyAsyncSource(SampleSource):
+    """Samples a ``Rollouter`` streams from a pool of its own; weight syncs every T steps."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        at = self.config.async_training
-        self.step_prompts = int(self.config.data.train_batch_size)
-        self.sync_every = int(at.trigger_parameter_sync_step)
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(trainer)
+        self.step_prompts = int(trainer.config.data.train_batch_size)
+        self.sync_every = int(trainer.config.async_training.trigger_parameter_sync_step)
         self.rollouter: Rollouter | None = None
 
-    def fit(self) -> dict[str, Any]:
-        try:
-            return super().fit()
-        finally:
-            if self.rollouter is not None:
-                self.rollouter.stop()
-
-    def _batches(self) -> Iterator[tuple[int, dict | None]]:
-        per_epoch = max(1, len(self.train_dataloader.dataset) // self.step_prompts)
-        while self.state.global_steps < self.total_training_steps:
-            yield self.state.global_steps // per_epoch, None  # the samples come from the rollouter
-
-    def _loader_batches(self) -> Iterator[tuple[dict, dict]]:
-        """(state before, batch) across epochs; an epoch a restored loader has finished yields nothing."""
-        empty = 0
-        while True:
-            yielded = False
-            state = self.train_dataloader.state_dict()
-            for batch_dict in self.train_dataloader:
-                yielded = True
-                yield state, batch_dict
-                state = self.train_dataloader.state_dict()
-            empty = 0 if yielded else empty + 1
-            if empty > 1:
-                raise RuntimeError("the training data loader yields no batches")
+    def steps_per_epoch(self) -> int:
+        return max(1, len(self.trainer.train_dataloader.dataset) // self.step_prompts)
 
     def _start_rollouter(self) -> None:
-        done = self.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
-        at, call = self.config.async_training, self.rollout_wg.generate_sequences
-        chunked = ChunkedGeneration(call, response_length=int(self.config.data.max_response_length),
-                                    chunk_tokens=int(at.partial_rollout_chunk_tokens), pad_id=pad_id(self.tokenizer),
-                                    eos_ids=generation_eos_ids(self.tokenizer, self.config.actor_rollout_ref.model.path),
+        trainer = self.trainer
+        done = trainer.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
+        at, call = trainer.config.async_training, trainer.rollout_wg.generate_sequences
+        chunked = ChunkedGeneration(call, response_length=int(trainer.config.data.max_response_length),
+                                    chunk_tokens=int(at.partial_rollout_chunk_tokens), pad_id=pad_id(trainer.tokenizer),
+                                    eos_ids=generation_eos_ids(trainer.tokenizer, trainer.config.actor_rollout_ref.model.path),
                                     ) if at.partial_rollout else None
 
         def generate(batch_dict: dict, boundary: Callable[[], int]) -> DataProto:
-            prompts = self._prompts(batch_dict)
+            prompts = trainer.prompts(batch_dict)
             if chunked is not None:
-                out = chunked.generate(prompts, int(self.config.actor_rollout_ref.rollout.n), boundary)
+                out = chunked.generate(prompts, int(trainer.config.actor_rollout_ref.rollout.n), boundary)
             else:
                 out = call(prompts)
-            return self._generated(out, balance=False)
+            return trainer.generated(out, balance=False)
 
-        self.rollouter = Rollouter(generate, self._loader_batches(), per_sync=self.step_prompts * self.sync_every,
+        self.rollouter = Rollouter(generate, loader_batches(trainer.train_dataloader, with_state=True), per_sync=self.step_prompts * self.sync_every,
                                    staleness_threshold=float(at.staleness_threshold),
                                    first_index=done * self.step_prompts,
-                                   total_prompts=self.total_training_steps * self.step_prompts,
+                                   total_prompts=trainer.total_training_steps * self.step_prompts,
                                    version=done // self.sync_every)
-        self.rollouter.start(int(self.config.data.gen_batch_size))
+        self.rollouter.start(int(trainer.config.data.gen_batch_size))
 
-    def train_step(self, batch_dict: dict | None, more_batches: Iterator[dict] | None = None) -> dict[str, float]:
+    def next_batch(self, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        trainer = self.trainer
         if self.rollouter is None:
             self._start_rollouter()
-        metrics: dict[str, float] = {}
-        timing: dict[str, float] = {}
-        with marked_timer("step", timing):
-            with marked_timer("wait_rollout", timing):
-                items = self.rollouter.take(self.step_prompts, self.config.trainer.worker_call_timeout_s)
-            version = (self.state.global_steps - 1) // self.sync_every
-            metrics |= staleness_metrics([version - it.version for it in items for _ in range(len(it.batch))])
-            batch = self._finish_generation(_concat_generations([it.batch for it in items], pad_id(self.tokenizer)))
-            if "param_version_end" in batch.non_tensor_batch:  # partial rollout: samples that met a sync
-                spans = batch.non_tensor_batch["param_version_end"] != batch.non_tensor_batch["param_version_start"]
-                metrics["async/partial_samples_fraction"] = float(np.mean(spans.astype(bool)))
-            batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702
-            batch, m = self._train_on(batch, timing); metrics |= m  # noqa: E702
-            if self.state.global_steps % self.sync_every == 0:
-                with marked_timer("wait_rollout_pause", timing):
-                    self.rollouter.pause()
-                metrics |= self._sync_weights(timing)
-                self.rollouter.resume(version=self.state.global_steps // self.sync_every)
-        metrics |= {"async/queue_prompts": float(self.rollouter.queued_prompts()),
-                    "async/param_version": float(self.rollouter.version)} | self.rollouter.stats()
-        return metrics | self._step_metrics(batch, timing)
+        with marked_timer("wait_rollout", timing):
+            items = self.rollouter.take(self.step_prompts, trainer.config.trainer.worker_call_timeout_s)
+        version = (trainer.state.global_steps - 1) // self.sync_every
+        metrics = staleness_metrics([version - it.version for it in items for _ in range(len(it.batch))])
+        batch = trainer.finish_generation(trainer.concat_generations([it.batch for it in items]))
+        if "param_version_end" in batch.non_tensor_batch:  # partial rollout: samples that met a sync
+            spans = batch.non_tensor_batch["param_version_end"] != batch.non_tensor_batch["param_version_start"]
+            metrics["async/partial_samples_fraction"] = float(np.mean(spans.astype(bool)))
+        batch, m = trainer.reward(batch, timing)
+        return batch, metrics | m
 
-    def _maybe_validate_and_save(self, step: int) -> dict[str, float]:
+    def after_update(self, timing: dict) -> dict[str, float]:
+        trainer, metrics = self.trainer, {}
+        if trainer.state.global_steps % self.sync_every == 0:
+            with marked_timer("wait_rollout_pause", timing):
+                self.rollouter.pause()
+            metrics |= trainer.sync_weights(timing)
+            self.rollouter.resume(version=trainer.state.global_steps // self.sync_every)
+        return metrics | {"async/queue_prompts": float(self.rollouter.queued_prompts()),
+                          "async/param_version": float(self.rollouter.version)} | self.rollouter.stats()
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
         """Validation and checkpoints use the rollout pool and the loader: the rollouter pauses for them."""
-        if self.rollouter is None or not any(self._validates_or_saves(step)):
-            return super()._maybe_validate_and_save(step)
+        if self.rollouter is None:
+            yield
+            return
         self.rollouter.pause()
         try:
-            return super()._maybe_validate_and_save(step)
+            yield
         finally:
             self.rollouter.resume()
 
-    def _load_checkpoint(self) -> None:
-        from pathlib import Path
+    def on_resume(self, state: dict[str, Any]) -> None:
+        print(f"[rlfoundry] fully async: {state.get('regenerate_prompts', 0)} prompts that were queued or being "
+              "generated at the save are generated again", flush=True)
 
-        from rlfoundry import checkpoint as ckpt
+    def checkpoint_state(self) -> dict[str, Any]:
+        if self.rollouter is None:
+            return {}
+        loader, regenerate = self.rollouter.position(self.trainer.train_dataloader.state_dict)
+        return {"dataloader": loader, "regenerate_prompts": regenerate}
 
-        super()._load_checkpoint()
-        if self.state.resumed_from:
-            state = ckpt.load_trainer_state(Path(self.state.resumed_from) / TRAINER_STATE_FILE)
-            print(f"[rlfoundry] fully async: {state.get('regenerate_prompts', 0)} prompts that were queued or being "
-                  "generated at the save are generated again", flush=True)
-
-    def _trainer_state(self) -> dict[str, Any]:
-        state = super()._trainer_state()
+    def close(self) -> None:
         if self.rollouter is not None:
-            state["dataloader"], state["regenerate_prompts"] = self.rollouter.position(self.train_dataloader.state_dict)
-        return state
+            self.rollouter.stop()

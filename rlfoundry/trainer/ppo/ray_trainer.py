@@ -1,9 +1,12 @@
-"""The PPO trainer: one driver loop over worker groups (verl's ``RayPPOTrainer``, FSDP path).
+"""The PPO trainer: one driver loop over worker groups (``PPOTrainer``; verl's name ``RayPPOTrainer``).
 
 The step reads top to bottom like the algorithm box (see DESIGN.md):
 
-    generate → reward → old log-probs → ref log-probs → values → KL-in-reward → advantages
-             → critic update → actor update (the rollout shares the actor's weights)
+    [sample source: generate → reward] → old log-probs → ref log-probs → values → KL-in-reward
+             → advantages → critic update → actor update (the rollout shares the actor's weights)
+
+Where the scored batch comes from is a sample source (``sources.py``): synchronous generation,
+DAPO's dynamic sampling, one-step-off or fully asynchronous pipelines; the rest is one code path.
 
 Each phase is one method timed by ``marked_timer``; variants (ReMax's greedy baseline, KL in the
 reward vs in the loss, critic warm-up) live inside the phase they change. ``apply_kl_penalty`` and
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlfoundry.algos import core_algos, filter_groups, rollout_corr
+from rlfoundry.algos import core_algos, rollout_corr
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
 from rlfoundry.trainer.config import ConfigError, need_reference_policy, world_size
@@ -36,11 +39,11 @@ from rlfoundry.trainer.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
-from rlfoundry.utils.errors import RunAbortedError
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.torch_functional import masked_mean
+from rlfoundry.trainer.ppo.sources import DynamicSamplingSource, SampleSource, SyncSource
 
-__all__ = ["RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalty", "balance_batch", "compute_advantage"]
+__all__ = ["PPOTrainer", "RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalty", "balance_batch", "compute_advantage"]
 
 # (role name → worker class with init args) → (role name → worker group view); see main_ppo.
 WorkerGroupFactory = Callable[[dict[str, ClassWithInitArgs]], dict[str, WorkerGroup]]
@@ -263,6 +266,22 @@ def compute_response_mask(data: DataProto) -> torch.Tensor:
 # ───────────────────────────────────────── the trainer ─────────────────────────────────────────
 
 
+def make_source(trainer: PPOTrainer) -> SampleSource:
+    """The sample source ``async_training.mode`` (and ``algorithm.filter_groups``) asks for."""
+    mode = trainer.config.async_training.mode
+    if mode == "one_step_off":
+        from rlfoundry.trainer.ppo.one_step_off import OneStepOffSource
+
+        return OneStepOffSource(trainer)
+    if mode == "fully_async":
+        from rlfoundry.trainer.ppo.fully_async import FullyAsyncSource
+
+        return FullyAsyncSource(trainer)
+    if trainer.config.algorithm.filter_groups.enable:
+        return DynamicSamplingSource(trainer)
+    return SyncSource(trainer)
+
+
 @dataclass
 class _RunState:
     """What the loop carries between steps; saved in the checkpoint (with the loader state)."""
@@ -274,8 +293,13 @@ class _RunState:
     last_ckpt: str | None = None
 
 
-class RayPPOTrainer:
-    """Driver of PPO-family training. ``config`` is the resolved, read-only config (see ``resolve_config``)."""
+class PPOTrainer:
+    """Driver of PPO-family training: a sample source (``sources.py``: synchronous, dynamic sampling,
+    one-step-off or fully asynchronous, by ``async_training.mode`` and ``algorithm.filter_groups``)
+    hands each step a generated, scored batch; ``train_on`` does the rest. ``config`` is the
+    resolved, read-only config (see ``resolve_config``)."""
+
+    reward_metrics = staticmethod(reward_result_metrics)  # the step metrics of a reward result
 
     def __init__(
         self,
@@ -289,7 +313,6 @@ class RayPPOTrainer:
         val_dataloader: Any = None,
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self._pulling_more = False  # a filter_groups step is pulling further batches (see _batches)
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
         self._factory, self._worker_classes = worker_group_factory, worker_classes
@@ -302,6 +325,7 @@ class RayPPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
         self.state = _RunState()
         self.tracker = None
+        self.source = make_source(self)
 
     # ---- workers -------------------------------------------------------------------------------
 
@@ -341,7 +365,7 @@ class RayPPOTrainer:
         """Whether the rollout runs in a pool of its own (the asynchronous pipelines)."""
         return getattr(self, "rollout_wg", None) not in (None, self.actor_rollout_wg)
 
-    def _sync_weights(self, timing: dict) -> dict[str, float]:
+    def sync_weights(self, timing: dict) -> dict[str, float]:
         """The trainer's weights into the rollout pool (checkpoint engine); nothing when colocated."""
         if not self.disaggregated:
             return {}
@@ -355,13 +379,19 @@ class RayPPOTrainer:
 
     def fit(self) -> dict[str, Any]:
         """Train until ``total_training_steps``; validate, checkpoint and log on the way. Returns the summary."""
+        start = time.time()
+        try:
+            return self._fit(start)
+        finally:
+            self.source.close()
+
+    def _fit(self, start: float) -> dict[str, Any]:
         from rlfoundry.trainer.reliability import NonFiniteGuard, log_extra
         from rlfoundry.utils.profiler import StepProfiler
 
-        start = time.time()
         self._load_checkpoint()
         if self.state.resumed_from:
-            self._sync_weights({})  # a rollout pool of its own takes the restored weights
+            self.sync_weights({})  # a rollout pool of its own takes the restored weights
         self.tracker = self._make_tracker()
         # Not on resume: the checkpoint holds the first validation, and an extra generation pass here
         # would move the sampling RNG, so step k+1 would differ from the uninterrupted run's.
@@ -372,13 +402,12 @@ class RayPPOTrainer:
         profiler = StepProfiler(self.config.trainer.profile_steps, Path(self.config.trainer.run_dir) / "profile")
         nan_guard = NonFiniteGuard(self.config.trainer.max_consecutive_nan_steps)
         try:
-            batches = self._batches()
-            for epoch, batch_dict in batches:
+            while self.state.global_steps < self.total_training_steps:
                 self.state.global_steps += 1
                 step = self.state.global_steps
                 with profiler.step(step):
-                    metrics = self.train_step(batch_dict, more_batches=(b for _, b in batches))
-                metrics |= {"training/global_step": step, "training/epoch": epoch}
+                    metrics = self.train_step()
+                metrics |= {"training/global_step": step, "training/epoch": (step - 1) // self.source.steps_per_epoch()}
                 self.tracker.log(metrics, step=step)  # before the checkpoint: see trainer/reliability.py
                 nan_guard.check(metrics, step)
                 log_extra(self.tracker, self._maybe_validate_and_save(step), step)
@@ -389,27 +418,6 @@ class RayPPOTrainer:
 
     def _done(self) -> bool:
         return self.state.global_steps >= self.total_training_steps
-
-    def _batches(self) -> Iterator[tuple[int, dict]]:
-        """(epoch, batch) until the step budget is spent, continuing a restored loader mid-epoch.
-
-        Driven by the step count, not the epoch count: a loader restored from a checkpoint taken
-        exactly at an epoch boundary may yield nothing on its first pass (verl then skipped a whole
-        epoch); here that empty pass simply rolls over into the next epoch.
-        """
-        steps_per_epoch = len(self.train_dataloader)
-        empty_passes = 0
-        # a step that asks for more batches (filter_groups) may do so at the budget's last step
-        while self.state.global_steps < self.total_training_steps or self._pulling_more:
-            yielded = False
-            for batch_dict in self.train_dataloader:
-                yielded = True
-                yield self.state.global_steps // steps_per_epoch, batch_dict
-                if self.state.global_steps >= self.total_training_steps and not self._pulling_more:
-                    return
-            empty_passes = 0 if yielded else empty_passes + 1
-            if empty_passes > 1:
-                raise RuntimeError("the training data loader yields no batches")
 
     def _validates_or_saves(self, step: int) -> tuple[bool, bool]:
         trainer, last = self.config.trainer, step >= self.total_training_steps
@@ -422,28 +430,27 @@ class RayPPOTrainer:
         validate, save = self._validates_or_saves(step)
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
-        if validate:
-            with marked_timer("testing", timing):
-                metrics |= self._validate()
-            self.state.last_val = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
-        if save:
-            with marked_timer("save_checkpoint", timing), checkpoint_save_guard(self._ckpt_root(), step):
-                self._save_checkpoint()
+        if not (validate or save):
+            return metrics
+        with self.source.quiet():
+            if validate:
+                with marked_timer("testing", timing):
+                    metrics |= self._validate()
+                self.state.last_val = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+            if save:
+                with marked_timer("save_checkpoint", timing), checkpoint_save_guard(self._ckpt_root(), step):
+                    self._save_checkpoint()
         return metrics | {f"timing_s/{k}": v for k, v in timing.items()}
 
     # ---- one training step ---------------------------------------------------------------------
 
-    def train_step(self, batch_dict: dict, more_batches: Iterator[dict] | None = None) -> dict[str, float]:
-        """One PPO step on one batch of prompts (more with ``algorithm.filter_groups``); the step's metrics."""
-        metrics: dict[str, float] = {}
+    def train_step(self) -> dict[str, float]:
+        """One PPO step on the source's next batch; the step's metrics."""
         timing: dict[str, float] = {}
         with marked_timer("step", timing):
-            if self.config.algorithm.filter_groups.enable:
-                batch, m = self._informative_batch(batch_dict, more_batches, timing); metrics |= m  # noqa: E702
-            else:
-                batch = self._generate(batch_dict, timing)
-                batch, m = self._reward(batch, timing); metrics |= m  # noqa: E702 - one line per phase
-            batch, m = self._train_on(batch, timing); metrics |= m  # noqa: E702
+            batch, metrics = self.source.next_batch(timing)
+            batch, m = self.train_on(batch, timing); metrics |= m  # noqa: E702 - one line per phase
+            metrics |= self.source.after_update(timing)
         self._update_curriculum(batch)
         return metrics | self._step_metrics(batch, timing)
 
@@ -455,7 +462,7 @@ class RayPPOTrainer:
         if isinstance(sampler, AbstractCurriculumSampler):
             sampler.update(batch=batch)
 
-    def _train_on(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
+    def train_on(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
         """Everything after the rewards: old / ref log-probs, values, advantages, the updates."""
         metrics: dict[str, float] = {}
         if self.config.trainer.rollout_data_dir:
@@ -475,83 +482,31 @@ class RayPPOTrainer:
         return (compute_data_metrics(batch, use_critic=self.use_critic) | compute_timing_metrics(batch, timing)
                 | compute_throughout_metrics(batch, timing, n_gpus=workers))
 
-    def _informative_batch(self, batch_dict: dict, more_batches: Iterator[dict] | None,
-                           timing: dict) -> tuple[DataProto, dict[str, float]]:
-        """DAPO dynamic sampling: generate and score batches, keep the groups whose
-        ``filter_groups.metric`` varies, until ``data.train_batch_size`` groups are kept (the first
-        ones, in order); the loader moves on by every batch used, so a resumed run continues alike."""
-        cfg, want = self.config.algorithm.filter_groups, int(self.config.data.train_batch_size)
-        kept: list[DataProto] = []
-        counts = {"num_gen_batches": 0, "kept_groups": 0, "dropped_groups": 0}
-        reward_metrics: dict[str, float] = {}
-        while True:
-            counts["num_gen_batches"] += 1
-            batch = self._generate(batch_dict, timing, balance=False)
-            batch, result = self._reward(batch, timing, return_result=True)
-            for key, value in reward_result_metrics(result).items():  # error counts add up; the rest: last batch
-                reward_metrics[key] = reward_metrics.get(key, 0.0) + value if key.startswith("reward/errors") else value
-            uids = batch.non_tensor_batch["uid"]
-            keep = filter_groups.informative_rows(uids, self._filter_metric(batch, result, cfg.metric))
-            counts["kept_groups"] += len(set(uids[keep]))
-            counts["dropped_groups"] += len(set(uids[~keep]))
-            kept.append(batch.select_idxs(np.flatnonzero(keep)))
-            if counts["kept_groups"] >= want:
-                break
-            self._check_generation_budget(cfg, counts, want)
-            self._pulling_more = True
-            try:
-                batch_dict = next(more_batches, None) if more_batches is not None else None
-            finally:
-                self._pulling_more = False
-            if batch_dict is None:
-                raise RunAbortedError(f"algorithm.filter_groups: the training data ran out after {counts['num_gen_batches']} "
-                                   f"batches with {counts['kept_groups']} of {want} informative groups kept")
-        batch = _concat_generations(kept, pad_id(self.tokenizer))
-        batch = batch.select_idxs(np.flatnonzero(filter_groups.first_groups(batch.non_tensor_batch["uid"], want)))
-        batch = self._finish_generation(batch)
-        return batch, reward_metrics | {f"train/{k}": float(v) for k, v in counts.items()}
-
-    @staticmethod
-    def _check_generation_budget(cfg: Any, counts: dict[str, int], want: int) -> None:
-        if cfg.max_num_gen_batches > 0 and counts["num_gen_batches"] >= cfg.max_num_gen_batches:
-            raise RunAbortedError(
-                f"algorithm.filter_groups: {counts['num_gen_batches']} generated batches "
-                f"(max_num_gen_batches={cfg.max_num_gen_batches}) kept {counts['kept_groups']} of the {want} "
-                f"informative groups needed ({counts['dropped_groups']} groups had the same {cfg.metric} in every "
-                "sample). Raise algorithm.filter_groups.max_num_gen_batches (0: no cap), rollout.n or the "
-                "temperature, or choose a metric that varies within groups.")
-
-    def _filter_metric(self, batch: DataProto, result: dict, metric: str) -> np.ndarray:
-        if metric in ("seq_reward", "seq_final_reward"):  # no KL in the reward (config check): final = scores
-            return batch.batch["token_level_scores"].sum(-1).numpy()
-        info = result.get("reward_extra_info", {})
-        if metric not in info:
-            raise RunAbortedError(f"algorithm.filter_groups.metric={metric!r} is neither seq_reward, seq_final_reward nor "
-                               f"a reward_extra_info key of the reward function (it gives {sorted(info)})")
-        return np.asarray(info[metric], dtype=np.float64)
-
-    def _generate(self, batch_dict: dict, timing: dict, balance: bool = True) -> DataProto:
+    def generate(self, batch_dict: dict, timing: dict, balance: bool = True) -> DataProto:
         """Sample n responses per prompt (interleaved rows); ReMax also scores a greedy baseline."""
-        prompts = self._prompts(batch_dict)
+        prompts = self.prompts(batch_dict)
         with marked_timer("gen", timing):
             batch = self.rollout_wg.generate_sequences(prompts)
             if self.config.algorithm.adv_estimator == "remax":
                 batch.batch["reward_baselines"] = self._greedy_baseline(prompts)
-        return self._generated(batch, balance)
+        return self.generated(batch, balance)
 
     @staticmethod
-    def _prompts(batch_dict: dict) -> DataProto:
+    def prompts(batch_dict: dict) -> DataProto:
         prompts = trim_prompt_padding(DataProto.from_single_dict(batch_dict))
         # one id per prompt: its n samples share it, so group estimators (GRPO, RLOO ...) find them
         prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
         return prompts
 
-    def _generated(self, batch: DataProto, balance: bool = True) -> DataProto:
+    def generated(self, batch: DataProto, balance: bool = True) -> DataProto:
         if "response_mask" not in batch.batch.keys():
             batch.batch["response_mask"] = compute_response_mask(batch)
-        return self._finish_generation(batch) if balance else batch
+        return self.finish_generation(batch) if balance else batch
 
-    def _finish_generation(self, batch: DataProto) -> DataProto:
+    def concat_generations(self, parts: list[DataProto]) -> DataProto:
+        return _concat_generations(parts, pad_id(self.tokenizer))
+
+    def finish_generation(self, batch: DataProto) -> DataProto:
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
         if self.config.trainer.balance_batch:
@@ -570,7 +525,7 @@ class RayPPOTrainer:
         scores = self.reward_fn(self._judged(greedy), return_dict=True)["reward_tensor"].sum(-1)
         return scores.repeat_interleave(int(self.config.actor_rollout_ref.rollout.n))
 
-    def _reward(self, batch: DataProto, timing: dict, return_result: bool = False) -> tuple[DataProto, Any]:
+    def reward(self, batch: DataProto, timing: dict, return_result: bool = False) -> tuple[DataProto, Any]:
         """``token_level_scores`` from the reward models (when enabled) and/or the reward function;
         with the step's reward metrics (or the reward manager's whole result)."""
         with marked_timer("reward", timing):
@@ -686,6 +641,7 @@ class RayPPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         """Generate with ``rollout.val_kwargs`` over the validation set; ``val-core/<source>/reward/mean@N``."""
+        self.source.before_validation()
         sources, prompts, infos = [], [], {"reward": []}
         errors: dict[str, float] = {}
         records: list[dict[str, Any]] = []
@@ -766,7 +722,7 @@ class RayPPOTrainer:
             "kl_coef": float(self.kl_ctrl.value),
             "first_val": dict(self.state.first_val),
             "config": OmegaConf.to_yaml(self.config),  # lets `rlfoundry export` rebuild the model
-        }
+        } | self.source.checkpoint_state()  # e.g. the loader before the batches still in flight
 
     def _resume_path(self) -> str | None:
         """The step to resume from. Its files are checked against the sizes and checksums recorded
@@ -808,6 +764,7 @@ class RayPPOTrainer:
         self.state.first_val = dict(state.get("first_val", {}))
         self.state.resumed_from = path
         print(f"[rlfoundry] resumed from {path} (global step {self.state.global_steps})", flush=True)
+        self.source.on_resume(state)
 
     # ---- tracking and summary ------------------------------------------------------------------
 
@@ -860,3 +817,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  {what:<10} {summary[what] or '(none)'}")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+RayPPOTrainer = PPOTrainer  # verl's name (verl.trainer.ppo.ray_trainer.RayPPOTrainer)
