@@ -8,7 +8,8 @@ by Ray in a class that still subclasses them, so one ``except RunAbortedError`` 
 from __future__ import annotations
 
 __all__ = ["EXIT_RUN_ABORTED", "RunAbortedError", "NonFiniteLossError", "TrainingOutOfMemoryError",
-           "CheckpointSaveError", "CheckpointCorruptError", "CheckpointMismatchError"]
+           "CheckpointSaveError", "CheckpointCorruptError", "CheckpointMismatchError", "WeightSyncError",
+           "StaleWeightsError"]
 
 EXIT_RUN_ABORTED = 3
 
@@ -31,6 +32,16 @@ class CheckpointSaveError(RunAbortedError):
 
 class CheckpointMismatchError(RunAbortedError):
     """An intact checkpoint of a different model layout (a LoRA adapter vs a whole model, another rank)."""
+
+
+class WeightSyncError(RunAbortedError):
+    """A weight sync between the trainer and a rollout pool failed or timed out; the message names the
+    rank that did not join or stopped answering (``workers/checkpoint_engine.py``)."""
+
+
+class StaleWeightsError(RunAbortedError):
+    """After a sync the rollout engine's weights differ from the trainer's, or a sample was generated
+    with an older policy version than the trainer expects (``workers/weight_sync.py``)."""
 
 
 class CheckpointCorruptError(RunAbortedError):

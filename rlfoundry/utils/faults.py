@@ -15,7 +15,10 @@ Points: the checkpoint save path ``save.staged`` (a role's shards written, not y
 written), ``save.step_marked`` (step marker written, ``latest`` pointer not yet), ``save.pruning``
 (a checkpoint beyond ``max_*_ckpt_to_keep`` renamed for deletion, not yet deleted); the worker passes
 ``generate_sequences``, ``compute_log_prob``, ``compute_ref_log_prob``, ``compute_values``,
-``update_actor``, ``update_critic``.
+``update_actor``, ``update_critic``; the weight syncs ``checkpoint_engine.connect`` (a bridge member
+before it announces itself), ``checkpoint_engine.send_bucket`` / ``checkpoint_engine.receive_bucket``
+(the sender before a bucket, a rollout rank after one) and ``sync_weights.tensor`` (a tensor on its way
+into the rollout engine, after its digest was taken: ``nan`` corrupts it).
 
 Unset (production), :func:`inject` is one environment lookup. Examples::
 

@@ -21,7 +21,15 @@ Driver-facing methods (dispatch mode in brackets):
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
 | ``open_weight_bridge`` [RANK_ZERO], ``connect_weight_bridge`` [ONE_TO_ALL] | — / host, port, rollout ranks | (host, port) / — |
-| ``send_weights`` (trainer) / ``receive_weights`` (rollout pool) [ONE_TO_ALL] | — | transfer sizes / — |
+| ``send_weights`` (trainer) / ``receive_weights`` (rollout pool) [ONE_TO_ALL] | — | transfer sizes / param_version |
+
+**Policy versions.** ``param_version`` counts the actor's updates (restored with a checkpoint); every
+sync hands it to the rollout engine with the weights, and every generated sample carries the version
+its engine held as the non-tensor column ``param_version``. ``update_actor`` reports
+``actor/param_version`` and ``rollout/param_staleness_{mean,max}`` (its version minus the samples'),
+and a hybrid worker whose rollout fell behind its actor refuses to generate (``StaleWeightsError``).
+With ``rollout.checkpoint_engine.verify`` every sync into an engine that holds a copy of the weights
+ends with a digest comparison (``weight_sync.py``).
 
 ``config`` is the ``actor_rollout_ref`` subtree with verl's keys (a DictConfig, a dict of the keys to
 change, or an ``ActorRolloutRefConfig``); the worker keeps it typed, with the schema's defaults filled in.
@@ -37,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlfoundry.config.schema import ActorRolloutRefConfig
@@ -48,6 +57,7 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
 from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.utils import faults
+from rlfoundry.utils.errors import StaleWeightsError
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.engines.base import EngineRequest, TrainingEngine
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
@@ -93,6 +103,8 @@ class ActorRolloutRefWorker(Worker):
         self._bridge_store: Any = None
         self.lora = LoraSpec.of(self.config.model)
         self._ref_in_actor = False  # LoRA: the reference is the actor's module with the adapter off
+        self.param_version = 0  # the actor's updates so far (the trainer's policy version)
+        self.rollout_version = 0  # the version of the weights the rollout engine samples with
 
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
@@ -231,9 +243,14 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.rollout, "generate_sequences")
         start = time.perf_counter()
         prompts = on_device(prompts, self.device)
+        if self._is_actor and self.rollout_version != self.param_version:
+            raise StaleWeightsError(
+                f"rank {self.rank}: the rollout engine holds the weights of param_version {self.rollout_version} but "
+                f"the actor is at {self.param_version}; a weight sync after update_actor was skipped.")
         # On OOM: fewer prompts per engine call, kept for the rest of the run (workers/utils/oom.py)
         out = oom.backoff_of(self).run("generate_sequences", len(prompts), lambda rows: self._generate(prompts, rows))
         out.meta_info["generate_seconds"] = time.perf_counter() - start  # the rollout pool's busy time
+        out.non_tensor_batch["param_version"] = np.full(len(out), self.rollout_version, dtype=object)
         return out.to("cpu")
 
     def _generate(self, prompts: DataProto, rows: int) -> DataProto:
@@ -301,23 +318,57 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.optimizer, "update_actor")
         data, _ = self.engine.model_parallel_rows(on_device(data, self.device))
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
+        staleness = self._staleness_metrics(data)
         self.engine.onload()
         metrics = oom.update_or_explain_oom("actor", lambda: self._update_policy(data),
                                             micro_batch_size=self.actor_sizes.micro_batch_size)
         metrics["actor/lr"] = self.engine.step_lr_scheduler()
         self.engine.offload()
+        self.param_version += 1
         self._refresh_rollout()
-        return DataProto(meta_info={"metrics": metrics})
+        return DataProto(meta_info={"metrics": metrics | staleness | {"actor/param_version": self.param_version}})
+
+    def _staleness_metrics(self, data: DataProto) -> dict[str, float]:
+        """Updates between the weights that sampled each row and those about to train on it. A hybrid
+        worker's own rollout samples with the current weights: anything older is a stale engine."""
+        if "param_version" not in data.non_tensor_batch:
+            return {}  # a batch from elsewhere (a test, an SFT-style caller)
+        lag = self.param_version - data.non_tensor_batch["param_version"].astype(np.int64)
+        if self._is_rollout and int(lag.max()) != 0:
+            raise StaleWeightsError(f"rank {self.rank}: samples generated with param_version "
+                                    f"{self.param_version - int(lag.max())} reach update {self.param_version + 1} of a "
+                                    "hybrid engine, whose rollout must sample with the current weights.")
+        return {"rollout/param_staleness_mean": float(lag.mean()), "rollout/param_staleness_max": float(lag.max())}
 
     def _refresh_rollout(self) -> None:
-        """After the actor's weights changed: a rollout on a copy takes them tensor by tensor; one on
-        the engine's own module (or one that pulls, as vLLM) is told."""
+        """After the actor's weights changed: a rollout on a copy takes them tensor by tensor (verified
+        when ``checkpoint_engine.verify``); one on the engine's own module (or one that pulls, as vLLM) is told."""
         if self.rollout is None:
             return
         if self.engine.rollout_module() is None:
-            self.rollout.sync_weights(self.engine.iter_hf_weights())
+            self._load_into_rollout(self.engine.iter_hf_weights(), self.param_version, "the hybrid rollout engine")
         else:
             self.rollout.on_actor_update()
+            self.rollout_version = self.param_version
+
+    def _load_into_rollout(self, weights: Any, version: int | None, where: str, sent: dict[str, int] | None = None) -> None:
+        """Load a weight stream into the rollout engine; with verify on, compare its digests after.
+        ``version`` None: the one the bridge's stream carried (known once it has ended)."""
+        from rlfoundry.workers.weight_sync import DigestRecorder, compare_digests
+
+        dtypes = self.rollout.weight_dtypes() if self.config.rollout.checkpoint_engine.verify else None
+        if dtypes is None:  # verify off, or an engine that cannot report its weights
+            self.rollout.sync_weights(weights)
+        else:
+            recorder = DigestRecorder(dtypes, sent=sent)
+            stream = recorder.wrap(weights)
+            self.rollout.sync_weights(stream)
+            for _ in stream:  # what the engine left unread must still match (and the bridge be read to its end)
+                pass
+            version = self._bridge.version if version is None else version
+            compare_digests(recorder.expected, self.rollout.weight_digests(), where=f"{where} on rank {self.rank}",
+                            version=version)
+        self.rollout_version = self._bridge.version if version is None else version
 
     def _update_policy(self, data: DataProto) -> dict[str, list[float]]:
         faults.inject("update_actor", tensors=data.batch, nan_key="advantages")  # tests only (utils/faults.py)
@@ -347,8 +398,8 @@ class ActorRolloutRefWorker(Worker):
         bridge_rank = 0 if self._is_actor else 1 + self.rank
         ce = self.config.rollout.checkpoint_engine
         self._bridge = CheckpointEngine.connect(host, port, bridge_rank, 1 + rollout_ranks,
-                                                ce.update_weights_bucket_megabytes, self.runtime.dist_timeout_s,
-                                                store=self._bridge_store)
+                                                ce.update_weights_bucket_megabytes, ce.timeout_s,
+                                                store=self._bridge_store, digests=ce.verify)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:
@@ -359,19 +410,22 @@ class ActorRolloutRefWorker(Worker):
             for _ in weights:  # the gather needs every rank
                 pass
             return {}
-        stats = self._bridge.send(weights)
-        return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets}
+        stats = self._bridge.send(weights, version=self.param_version)
+        return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
+                "param_version": self.param_version}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def receive_weights(self) -> None:
-        """The rollout's side of a sync: the trainer's tensors into the rollout engine, one at a time."""
+    def receive_weights(self) -> int:
+        """The rollout's side of a sync: the trainer's tensors into the rollout engine, one at a time,
+        compared with the trainer's digests after (``checkpoint_engine.verify``); the param_version now held."""
         self._require(self.rollout, "receive_weights")
-        self.rollout.sync_weights(self._bridge.receive())
+        self._load_into_rollout(self._bridge.receive(), None, "the rollout pool", sent=self._bridge.sent_digests)
+        return self.rollout_version
 
     # ---- checkpoints -------------------------------------------------------------------
 
     def _extra_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"role": self.role}
+        state: dict[str, Any] = {"role": self.role, "param_version": self.param_version}
         if self.rollout is not None:
             state["rollout"] = self.rollout.state_dict()
         return state
@@ -398,6 +452,8 @@ class ActorRolloutRefWorker(Worker):
         """Restore what ``save_checkpoint`` wrote; returns its extra state (``global_step`` …)."""
         self._require(self.actor, "load_checkpoint")
         extra = self.engine.load_checkpoint(local_path, verify=verify)
+        # older checkpoints: every saved step had updated the actor unless the critic was warming up
+        self.param_version = int(extra.get("param_version", extra.get("global_step", 0)))
         if self.rollout is not None and "rollout" in extra:
             self.rollout.load_state_dict(extra["rollout"])
         self._refresh_rollout()  # the rollout's copy (or vLLM's) follows the loaded weights

@@ -11,11 +11,23 @@ A sync streams the trainer's HF-named tensors (``engine.iter_hf_weights()``) in 
 metadata (names, dtypes, shapes, byte offsets; JSON — nothing is unpickled) and one of its bytes. A
 tensor larger than a bucket travels alone. The receivers get the same stream back, tensor by tensor,
 for the rollout engine's weight loader; no disk round trip, and at most one bucket in flight.
+
+**Failing fast** (``rollout.checkpoint_engine.timeout_s``, default ``trainer.dist_timeout_s``): every
+member announces itself in the store (host, pid) and ``connect`` waits for all of them at most that
+long, then names the ranks that never joined; every broadcast of a sync is bounded by the same limit.
+Receivers record their progress (sync, bucket) in the store, so when a sync fails the sender says which
+rollout rank died (its pid is gone) or fell behind, and a receiver says the trainer's sender stopped.
+Either way a ``WeightSyncError`` ends the run instead of a hang.
+
+**Proving itself**: each tensor's metadata carries its digest (``weight_sync.tensor_digest``, taken on
+the sender's device before the copy to the host) and the end of the stream the trainer's
+``param_version``; the receiving worker compares the engine's weights with them after loading.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,7 +36,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["CheckpointEngine", "SyncStats"]
+from rlfoundry.utils import faults
+from rlfoundry.utils.errors import WeightSyncError
+from rlfoundry.workers.weight_sync import tensor_digest
+
+__all__ = ["CheckpointEngine", "SyncStats", "member_name"]
 
 _END, _BUCKET = 0, 1
 
@@ -36,26 +52,70 @@ class SyncStats:
     buckets: int = 0
 
 
+def member_name(rank: int) -> str:
+    """How a message names bridge rank ``rank``: rank 0 is the trainer's sender, rank r the rollout's rank r − 1."""
+    return "the trainer's sender (trainer rank 0)" if rank == 0 else f"rollout rank {rank - 1} (bridge rank {rank})"
+
+
+def _alive(info: dict) -> bool | None:
+    """Whether a member's process still exists; None when it runs on another host (unknown)."""
+    if info.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:  # killed but not yet reaped by its parent (a zombie) is dead too
+        with open(f"/proc/{int(info['pid'])}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class CheckpointEngine:
     """One end of the bridge. ``connect`` on every member (same host/port/world size); then the
-    sender calls ``send(named_tensors)`` while each receiver iterates ``receive()``."""
+    sender calls ``send(named_tensors, version)`` while each receiver iterates ``receive()``."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, bucket_megabytes: float = 512):
+    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, bucket_megabytes: float = 512,
+                 store: dist.Store | None = None, timeout_s: float = 600.0, digests: bool = True):
         if bucket_megabytes <= 0:
             raise ValueError(f"update_weights_bucket_megabytes={bucket_megabytes} must be > 0")
         self.group, self.rank, self.world_size = group, rank, world_size
         self.bucket_bytes = int(bucket_megabytes * 2**20)
+        self.store, self.timeout_s, self.digests = store, float(timeout_s), digests
+        self.syncs = 0  # syncs started by this member
+        self.sent_digests: dict[str, int] = {}  # a receiver: the sender's digest of each tensor of this sync
+        self.version: int | None = None  # a receiver: the param_version the last complete sync carried
+        self._bucket = 0
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, bucket_megabytes: float = 512,
-                timeout_s: float = 600.0, store: dist.Store | None = None) -> CheckpointEngine:
+                timeout_s: float = 600.0, store: dist.Store | None = None, digests: bool = True) -> CheckpointEngine:
         """Rank 0 (the trainer's sender) hosts the store (``store``: one ``open_store`` opened
-        already); ``world_size`` = 1 + rollout ranks. Blocks until every member has connected."""
+        already); ``world_size`` = 1 + rollout ranks. Waits at most ``timeout_s`` for every member,
+        then raises ``WeightSyncError`` naming those that never joined."""
+        timeout = timedelta(seconds=timeout_s)
         if store is None:
-            store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
-                                  timeout=timedelta(seconds=timeout_s))
-        group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
-        return cls(group, rank, world_size, bucket_megabytes)
+            try:
+                store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout,
+                                      wait_for_workers=False)
+            except (RuntimeError, dist.DistError) as err:
+                raise WeightSyncError(
+                    f"{member_name(rank)} could not reach the weight bridge's store at {host}:{port} within "
+                    f"{timeout_s:g} s (rollout.checkpoint_engine.timeout_s): the trainer's sender is not "
+                    f"listening there ({err})") from err
+        faults.inject("checkpoint_engine.connect")  # tests: a member that never joins (hang) or dies (kill)
+        bridge = dist.PrefixStore("bridge/", store)
+        bridge.set(f"member/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        _roll_call(bridge, rank, world_size, timeout_s)
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+        except (RuntimeError, dist.DistError) as err:
+            raise WeightSyncError(f"{member_name(rank)}: the weight bridge's gloo group did not form within "
+                                  f"{timeout_s:g} s: {err}") from err
+        return cls(group, rank, world_size, bucket_megabytes, bridge, timeout_s, digests)
 
     @staticmethod
     def open_store(host: str, timeout_s: float = 600.0) -> tuple[dist.TCPStore, int]:
@@ -70,32 +130,44 @@ class CheckpointEngine:
 
     # ---- the sender -----------------------------------------------------------------------
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> SyncStats:
+        """Stream the tensors; the receivers learn ``version`` (the trainer's param_version) at the end."""
         if self.rank != 0:
             raise RuntimeError("only the bridge's rank 0 (the trainer's sender) sends")
+        self.syncs += 1
+        self._bucket = 0
+        try:
+            return self._send(named_tensors, int(version))
+        except (RuntimeError, dist.DistError) as err:
+            raise self._failure("sending", err) from err
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         stats, bucket, size = SyncStats(), [], 0
         for name, tensor in named_tensors:
+            digest = tensor_digest(tensor) if self.digests else None  # on the trainer's device, before the copy
             tensor = tensor.detach().to("cpu").contiguous()
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > self.bucket_bytes:
                 self._send_bucket(bucket, stats)
                 bucket, size = [], 0
-            bucket.append((name, tensor))
+            bucket.append((name, tensor, digest))
             size += nbytes
         if bucket:
             self._send_bucket(bucket, stats)
-        self._broadcast(torch.tensor([_END, 0, 0], dtype=torch.int64))
+        self._broadcast(torch.tensor([_END, version, 0], dtype=torch.int64))
         return stats
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor, int | None]], stats: SyncStats) -> None:
         entries, chunks, offset = [], [], 0
-        for name, tensor in bucket:
+        for name, tensor, digest in bucket:
             raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
             entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
-                            "shape": list(tensor.shape), "offset": offset, "nbytes": raw.numel()})
+                            "shape": list(tensor.shape), "offset": offset, "nbytes": raw.numel(), "digest": digest})
             chunks.append(raw)
             offset += raw.numel()
         meta = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
+        faults.inject("checkpoint_engine.send_bucket")  # tests: the sender dies or stalls mid-sync
+        self._bucket += 1
         self._broadcast(torch.tensor([_BUCKET, meta.numel(), offset], dtype=torch.int64))
         self._broadcast(meta)
         self._broadcast(torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8))
@@ -106,22 +178,91 @@ class CheckpointEngine:
     # ---- a receiver ------------------------------------------------------------------------
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The sender's tensors, in its order, as CPU tensors of its dtypes and shapes."""
+        """The sender's tensors, in its order, as CPU tensors of its dtypes and shapes; afterwards
+        ``version`` is the param_version the stream carried and ``sent_digests`` the sender's digests."""
         if self.rank == 0:
             raise RuntimeError("the bridge's rank 0 sends; receivers have rank >= 1")
+        self.syncs += 1
+        self._bucket = 0
+        self.sent_digests.clear()  # in place: a caller may hold this dict from before the stream started
+        self._progress("started")
         while True:
-            header = self._broadcast(torch.zeros(3, dtype=torch.int64))
-            kind, meta_bytes, data_bytes = (int(x) for x in header)
-            if kind == _END:
-                return
-            meta = self._broadcast(torch.zeros(meta_bytes, dtype=torch.uint8))
-            data = self._broadcast(torch.zeros(data_bytes, dtype=torch.uint8))
+            try:
+                header = self._broadcast(torch.zeros(3, dtype=torch.int64))
+                kind, meta_bytes, data_bytes = (int(x) for x in header)
+                if kind == _END:
+                    self.version = meta_bytes  # the END header's second field
+                    self._progress("done")
+                    return
+                meta = self._broadcast(torch.zeros(meta_bytes, dtype=torch.uint8))
+                data = self._broadcast(torch.zeros(data_bytes, dtype=torch.uint8))
+            except (RuntimeError, dist.DistError) as err:
+                raise self._failure("receiving", err) from err
+            self._bucket += 1
+            self._progress(f"bucket {self._bucket}")
+            faults.inject("checkpoint_engine.receive_bucket")  # tests: a rollout rank dies or stalls mid-sync
             for entry in json.loads(bytes(meta.numpy()).decode()):
                 dtype = getattr(torch, entry["dtype"])
                 raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]]
+                if entry.get("digest") is not None:
+                    self.sent_digests[entry["name"]] = int(entry["digest"])
                 yield entry["name"], raw.view(dtype).reshape(entry["shape"]).clone()
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.numel():
-            self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+            self.group.broadcast([tensor], dist.BroadcastOptions()).wait(timedelta(seconds=self.timeout_s))
         return tensor
+
+    # ---- saying who failed -----------------------------------------------------------------
+
+    def _progress(self, what: str) -> None:
+        if self.store is not None:
+            self.store.set(f"progress/{self.rank}", f"sync {self.syncs}: {what}")
+
+    def _member(self, rank: int) -> tuple[dict, bool | None, str]:
+        """(host/pid info, alive, progress) of ``rank`` from the store. A store that cannot be read
+        means its host, the sender, is gone."""
+        try:
+            info = json.loads(self.store.get(f"member/{rank}").decode())
+            key = f"progress/{rank}"
+            progress = self.store.get(key).decode() if self.store.check([key]) else "no sync started"
+        except Exception:  # noqa: BLE001 - a diagnosis must not raise
+            return {}, False if self.rank != 0 else None, "unknown"
+        return info, _alive(info), progress
+
+    def _failure(self, doing: str, err: BaseException) -> WeightSyncError:
+        """The error to raise when a broadcast failed or timed out: which member, and how far it got."""
+        where = f"weight sync {self.syncs} ({doing}, after bucket {self._bucket})"
+        limit = f"rollout.checkpoint_engine.timeout_s={self.timeout_s:g}"
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if self.store is None:
+            return WeightSyncError(f"{member_name(self.rank)}: {where} failed ({limit}): {cause}")
+        lines, dead = [], []
+        for peer in (range(1, self.world_size) if self.rank == 0 else [0]):
+            info, alive, progress = self._member(peer)
+            at = f"pid {info['pid']} on {info['host']}" if info else "unreachable"
+            state = {False: "has exited", True: "is running but stopped answering", None: "did not answer"}[alive]
+            dead += [peer] if alive is False else []
+            lines.append(f"{member_name(peer)} ({at}) {state}, last progress: {progress}")
+        culprit = f"{member_name(dead[0])} died during the sync. " if dead else ""
+        return WeightSyncError(
+            f"{culprit}{member_name(self.rank)}: {where} failed within {limit}: " + "; ".join(lines)
+            + f". Cause: {cause}. The run stops here; resume_mode=auto continues from the last checkpoint.")
+
+
+def _roll_call(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait for every member's announcement; a ``WeightSyncError`` naming those still missing."""
+    keys = [f"member/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return
+    except (RuntimeError, dist.DistError):
+        pass
+    try:
+        missing = [r for r in range(world_size) if not store.check([f"member/{r}"])]
+    except Exception:  # noqa: BLE001 - the store's host, the sender, has gone (it gave up, or died)
+        missing = [0]
+    names = ", ".join(member_name(r) for r in missing) or "a member"
+    raise WeightSyncError(
+        f"{names} did not join the weight bridge within {timeout_s:g} s (rollout.checkpoint_engine.timeout_s); "
+        f"{member_name(rank)} gave up waiting. Check that rank's log: it may have died or hung while starting.")

@@ -98,6 +98,15 @@ class BaseRollout(ABC):
 
         return iter_full_parameters(self.module)
 
+    def weight_dtypes(self) -> dict[str, torch.dtype] | None:
+        """{HF name: the dtype the engine stores it in}, for ``rollout.checkpoint_engine.verify``; None:
+        this engine cannot report its weights, and its syncs go unverified."""
+        return None
+
+    def weight_digests(self) -> dict[str, int] | None:
+        """{HF name: ``weight_sync.tensor_digest``} of the weights the engine samples with (None: as above)."""
+        return None
+
     def on_actor_update(self) -> None:
         """Called by the worker after every optimiser step of the actor."""
         self.sync_weights(None)

@@ -287,6 +287,15 @@ class HFRollout(BaseRollout):
         if missing:
             raise KeyError(f"sync_weights: no new value for {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        return {name: p.dtype for name, p in self.module.named_parameters()}
+
+    def weight_digests(self) -> dict[str, int]:
+        """Of the module's own tensors: a copy the syncs fill (a sharded module is the actor's, never stale)."""
+        from rlfoundry.workers.weight_sync import weight_digests
+
+        return weight_digests(self.module.named_parameters())
+
     # ---- checkpointable state ------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,116 @@
+"""Weight syncs that prove themselves: per-tensor digests of what the trainer sent and of what the
+rollout engine holds, compared after every sync (``rollout.checkpoint_engine.verify``).
+
+A digest is a 64-bit multiset hash of a tensor's bit patterns *in the engine's dtype*: the trainer's
+fp32 tensor is cast to the dtype the engine stores (bf16 for vLLM / SGLang) before hashing, exactly
+as the engine's loader casts it, so an exact load hashes equal and anything else (a skipped sync, a
+tensor left out, a partial or corrupted copy) does not. Each element's bits go through splitmix64's
+mixer and the results are summed modulo 2**64:
+
+- *cheap*: a few element-wise integer ops per weight, chunked, no sort, no host copy of the tensor;
+- *additive*: the digest of a fused engine tensor (``qkv_proj``) is the sum of its parts' digests and
+  a tensor-parallel shard's digests add up to the whole one's, so an engine that fuses or shards can
+  be compared without undoing it;
+- *order-insensitive* as a consequence: a load that permutes the elements of one tensor (a transposed
+  copy) hashes equal. That is the price of the two points above; staleness is what this guards.
+
+Pitfalls seen elsewhere and avoided here: comparing fp32 sums of values (cancels, and depends on the
+reduction order); hashing before the dtype cast (bf16 engines never match); checking only the first
+few elements; and checking only the first sync (a resume that reloads the initial weights passes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from rlfoundry.utils import faults
+from rlfoundry.utils.errors import StaleWeightsError
+
+__all__ = ["DigestRecorder", "compare_digests", "tensor_digest", "weight_digests"]
+
+_MASK = (1 << 64) - 1
+_CHUNK = 1 << 22  # elements hashed at once: bounds the int64 temporaries to 32 MiB
+
+
+def _signed(x: int) -> int:
+    x &= _MASK
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _M1, _M2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _mix_sum(bits: torch.Tensor) -> int:
+    """Σ splitmix64(bits) mod 2**64 over an int64 tensor (wrapping integer arithmetic, any device)."""
+    z = bits + _GOLDEN
+    z = (z ^ (z >> 30)) * _M1
+    z = (z ^ (z >> 27)) * _M2
+    z = z ^ (z >> 31)
+    return int(z.sum()) & _MASK
+
+
+def tensor_digest(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """The tensor's digest after a cast to ``dtype`` (default: its own), as an unsigned 64-bit int."""
+    t = tensor.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    bits_dtype = _INT_OF_WIDTH[flat.element_size()]
+    flat = flat.view(bits_dtype) if flat.dtype != bits_dtype else flat
+    total = flat.numel()  # the element count enters too: an empty or truncated tensor differs
+    for start in range(0, flat.numel(), _CHUNK):
+        total += _mix_sum(flat[start:start + _CHUNK].to(torch.int64))
+    return total & _MASK
+
+
+def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """{name: digest} of tensors as they are (an engine's own weights)."""
+    return {name: tensor_digest(t) for name, t in named_tensors}
+
+
+class DigestRecorder:
+    """Wraps a weight stream on its way into an engine and records what each tensor must hash to there.
+
+    ``dtypes``: the engine's storage dtype per name (a name it does not list keeps the sent dtype).
+    The fault point ``sync_weights.tensor`` (``utils/faults.py``, action ``nan``) corrupts a tensor
+    *after* its digest was taken, as a broken loader would: the verify tests inject it.
+    """
+
+    def __init__(self, dtypes: Mapping[str, torch.dtype] | None = None, sent: Mapping[str, int] | None = None):
+        self.dtypes = dict(dtypes or {})
+        self.sent = sent  # the sender's digests (the checkpoint engine's), filled as the stream arrives
+        self.expected: dict[str, int] = {}
+
+    def _expected(self, name: str, tensor: torch.Tensor) -> int:
+        dtype = self.dtypes.get(name, tensor.dtype)
+        if self.sent is not None and name in self.sent and dtype == tensor.dtype:
+            return self.sent[name]  # the trainer's own digest: the wire is checked too, and no second pass
+        return tensor_digest(tensor, dtype)
+
+    def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            self.expected[name] = self._expected(name, tensor)
+            box = {"tensor": tensor}
+            faults.inject("sync_weights.tensor", tensors=box, nan_key="tensor")  # tests only
+            yield name, box["tensor"]
+
+
+def compare_digests(expected: Mapping[str, int], actual: Mapping[str, int], *, where: str, version: int) -> None:
+    """Raise ``StaleWeightsError`` naming the first tensor the engine holds differently (in the
+    trainer's order) or did not receive; names only the engine has are the engine's business."""
+    for name, digest in expected.items():
+        if name not in actual:
+            raise StaleWeightsError(
+                f"weight sync to {where} (param_version {version}): the engine has no tensor {name!r} after the "
+                f"sync; it holds {len(actual)} tensors, the trainer sent {len(expected)}.")
+        if actual[name] != digest:
+            differing = sum(1 for k, d in expected.items() if actual.get(k) != d)
+            raise StaleWeightsError(
+                f"weight sync to {where} (param_version {version}): tensor {name!r} differs from the trainer's "
+                f"after the sync ({differing} of {len(expected)} tensors differ); the engine would sample from "
+                "stale or corrupted weights. Check the engine's weight loader (names, dtypes, LoRA merge).")

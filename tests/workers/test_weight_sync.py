@@ -1,0 +1,155 @@
+"""Syncs that prove themselves (workers/weight_sync.py, ActorRolloutRefWorker): digests, the verify
+mode's catch of a skipped or corrupted sync, and ``param_version`` on every sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlfoundry.utils import faults
+from rlfoundry.utils.errors import StaleWeightsError
+from rlfoundry.workers.weight_sync import DigestRecorder, compare_digests, tensor_digest
+from tests.workers import full_params, local_worker, make_prompts, one_thread, worker_config  # noqa: F401
+
+TEXTS = ["hello world", "a", "the quick brown fox", "12+7="]
+
+
+# ---- the digest ---------------------------------------------------------------------------------
+
+def test_a_digest_sees_one_ulp_and_is_taken_in_the_engines_dtype():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    y[417] = torch.nextafter(y[417], torch.tensor(float("inf")))  # one ulp, one element
+    assert tensor_digest(x) == tensor_digest(x.clone()) and tensor_digest(x) != tensor_digest(y)
+    # cast first, as a bf16 engine's loader does: the fp32 tensor hashes as its bf16 copy does
+    assert tensor_digest(x, torch.bfloat16) == tensor_digest(x.to(torch.bfloat16))
+    assert tensor_digest(x, torch.bfloat16) != tensor_digest(x)
+    # a truncated copy differs; so does an all-zero tensor from an empty one of the same bits
+    assert tensor_digest(x[:999]) != tensor_digest(x) and tensor_digest(torch.zeros(0)) != tensor_digest(torch.zeros(1))
+
+
+def test_a_digest_adds_up_over_the_parts_of_a_fused_or_sharded_tensor():
+    q, k, v = (torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    fused = torch.cat([q, k, v])  # vLLM's qkv_proj
+    assert tensor_digest(fused) == (tensor_digest(q) + tensor_digest(k) + tensor_digest(v)) % 2**64
+
+
+def test_compare_names_the_first_tensor_that_differs_or_is_missing():
+    expected = {"a": 1, "b": 2, "c": 3}
+    compare_digests(expected, {"a": 1, "b": 2, "c": 3, "extra": 9}, where="x", version=4)
+    with pytest.raises(StaleWeightsError, match=r"to x \(param_version 4\): tensor 'b' differs .*\(2 of 3 tensors"):
+        compare_digests(expected, {"a": 1, "b": 5, "c": 6}, where="x", version=4)
+    with pytest.raises(StaleWeightsError, match="the engine has no tensor 'c'"):
+        compare_digests(expected, {"a": 1, "b": 2}, where="x", version=4)
+
+
+# ---- the verify mode on a rollout that holds a copy ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def rollout_worker(tiny_model_dir):
+    """A rollout pool's rank: a whole HF replica the syncs fill."""
+    return local_worker(worker_config(tiny_model_dir), role="rollout").worker
+
+
+def _trained(worker, scale: float) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's weights after an update the rollout has not seen."""
+    return [(name, p.detach() * scale + 0.01) for name, p in worker.rollout.module.named_parameters()]
+
+
+def test_a_verified_sync_passes_and_sets_the_engines_version(rollout_worker):
+    weights = _trained(rollout_worker, 1.01)
+    rollout_worker._load_into_rollout(iter(weights), 3, "test")
+    assert rollout_worker.rollout_version == 3
+    assert all(torch.equal(p, dict(weights)[n]) for n, p in rollout_worker.rollout.module.named_parameters())
+
+
+def test_a_skipped_sync_is_caught(rollout_worker, monkeypatch):
+    weights = _trained(rollout_worker, 1.02)
+    monkeypatch.setattr(rollout_worker.rollout, "sync_weights", lambda named: None)  # an engine that ignores it
+    with pytest.raises(StaleWeightsError, match=f"tensor {weights[0][0]!r} differs .*\\({len(weights)} of "):
+        rollout_worker._load_into_rollout(iter(weights), 4, "test")
+
+
+def test_a_sync_that_leaves_tensors_out_is_caught(rollout_worker, monkeypatch):
+    weights = _trained(rollout_worker, 1.03)
+    load = rollout_worker.rollout.sync_weights
+
+    def first_half(named):  # a loader that stops early (the rest of the stream is never read)
+        from itertools import islice
+
+        params = dict(rollout_worker.rollout.module.named_parameters())
+        with torch.no_grad():
+            for name, tensor in islice(named, len(weights) // 2):
+                params[name].copy_(tensor)
+
+    monkeypatch.setattr(rollout_worker.rollout, "sync_weights", first_half)
+    missed = weights[len(weights) // 2][0]
+    with pytest.raises(StaleWeightsError, match=f"tensor {missed!r} differs"):
+        rollout_worker._load_into_rollout(iter(weights), 5, "test")
+    monkeypatch.setattr(rollout_worker.rollout, "sync_weights", load)
+
+
+def test_a_corrupted_sync_is_caught_by_name(rollout_worker, monkeypatch):
+    weights = _trained(rollout_worker, 1.04)
+    monkeypatch.setenv(faults.ENV_VAR, "sync_weights.tensor@3:nan")  # the 3rd tensor reaches the engine as NaN
+    faults.reset()
+    with pytest.raises(StaleWeightsError, match=f"to test on rank 0 \\(param_version 6\\): tensor {weights[2][0]!r} "
+                                                r"differs .*\(1 of "):
+        rollout_worker._load_into_rollout(iter(weights), 6, "test")
+    faults.reset()
+
+
+def test_with_verify_off_a_skipped_sync_goes_unnoticed(tiny_model_dir, monkeypatch):
+    """The control: the digest comparison, not something else, is what catches it above."""
+    worker = local_worker(worker_config(tiny_model_dir, ["rollout.checkpoint_engine.verify=false"]), role="rollout").worker
+    monkeypatch.setattr(worker.rollout, "sync_weights", lambda named: None)
+    worker._load_into_rollout(iter(_trained(worker, 1.02)), 4, "test")
+    assert worker.rollout_version == 4
+
+
+# ---- param_version on the hybrid path -------------------------------------------------------------
+
+def _scored(group, prompts):
+    data = group.generate_sequences(prompts)
+    data = data.union(group.compute_log_prob(data))
+    mask = data.batch["response_mask"]
+    data.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    return data
+
+
+def test_hybrid_samples_carry_the_version_that_generated_them_and_a_skipped_refresh_is_an_error(
+        tiny_model_dir, tokenizer, monkeypatch):
+    prompts = make_prompts(tokenizer, TEXTS)
+    group = local_worker(worker_config(tiny_model_dir, ["actor.ppo_mini_batch_size=2"]), role="actor_rollout")
+    first = _scored(group, prompts)
+    assert list(first.non_tensor_batch["param_version"]) == [0] * len(first)
+    metrics = group.update_actor(first).meta_info["metrics"]
+    assert metrics["actor/param_version"] == [1] and metrics["rollout/param_staleness_max"] == [0.0]  # one per rank
+    second = _scored(group, prompts)
+    assert set(second.non_tensor_batch["param_version"]) == {1}
+    # a batch sampled before the last update reaching the next one: a stale engine, not a silent drop
+    with pytest.raises(StaleWeightsError, match="samples generated with param_version 0 reach update 2"):
+        group.update_actor(first)
+    # the rollout not refreshed after an update: generation refuses
+    monkeypatch.setattr(group.worker, "_refresh_rollout", lambda: None)
+    group.update_actor(second)
+    with pytest.raises(StaleWeightsError, match="holds the weights of param_version 1 but the actor is at 2"):
+        group.generate_sequences(prompts)
+
+
+def test_the_version_survives_a_checkpoint(tiny_model_dir, tokenizer, tmp_path):
+    prompts = make_prompts(tokenizer, TEXTS)
+    a = local_worker(worker_config(tiny_model_dir, ["actor.ppo_mini_batch_size=2"]), role="actor_rollout")
+    a.update_actor(_scored(a, prompts))
+    a.save_checkpoint(str(tmp_path / "global_step_1" / "actor"), global_step=1)
+    b = local_worker(worker_config(tiny_model_dir, ["actor.ppo_mini_batch_size=2"]), role="actor_rollout")
+    assert b.load_checkpoint(str(tmp_path / "global_step_1" / "actor"))[0]["param_version"] == 1
+    assert np.array_equal(b.generate_sequences(prompts).non_tensor_batch["param_version"], np.full(8, 1, dtype=object))
+
+
+def test_a_digest_recorder_prefers_the_senders_digest_when_dtypes_agree():
+    t = torch.arange(6, dtype=torch.float32)
+    recorder = DigestRecorder({"w": torch.float32, "h": torch.bfloat16}, sent={"w": 123, "h": 456})
+    list(recorder.wrap([("w", t), ("h", t)]))
+    assert recorder.expected == {"w": 123, "h": tensor_digest(t, torch.bfloat16)}
