@@ -399,7 +399,7 @@ class CheckpointEngineConfig:
     update_weights_bucket_megabytes: int = 512
     # rlfoundry: the limit of joining the bridge and of each broadcast of a sync; a rank that never
     # joins or stops answering ends the run with its name (workers/checkpoint_engine.py)
-    timeout_s: float = follows("trainer.dist_timeout_s", 600.0)
+    timeout_s: Optional[float] = None  # null: the workers' trainer.dist_timeout_s
     # rlfoundry: after every sync (this bridge's, and the hybrid engine's when the rollout holds a copy)
     # compare per-tensor digests of the engine's weights with the trainer's (workers/weight_sync.py)
     verify: bool = True

@@ -697,9 +697,9 @@ def _check_async(cfg: DictConfig) -> list[str]:
     if at.partial_rollout_chunk_tokens is not None and at.partial_rollout_chunk_tokens < 1:
         errors.append("async_training.partial_rollout_chunk_tokens must be >= 1 (or null: a quarter of the response).")
     sync_timeout = cfg.actor_rollout_ref.rollout.checkpoint_engine.timeout_s
-    if sync_timeout is None or sync_timeout <= 0:
+    if sync_timeout is not None and sync_timeout <= 0:
         errors.append(f"actor_rollout_ref.rollout.checkpoint_engine.timeout_s={sync_timeout} must be positive (the "
-                      "limit of each weight-sync step; it defaults to trainer.dist_timeout_s).")
+                      "limit of each weight-sync step), or null: trainer.dist_timeout_s.")
     if at.staleness_threshold < 0 or at.trigger_parameter_sync_step < 1 or at.require_batches < 1:
         errors.append("async_training.staleness_threshold must be >= 0, trigger_parameter_sync_step and "
                       "require_batches >= 1.")

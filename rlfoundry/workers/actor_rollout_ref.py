@@ -397,8 +397,9 @@ class ActorRolloutRefWorker(Worker):
             return
         bridge_rank = 0 if self._is_actor else 1 + self.rank
         ce = self.config.rollout.checkpoint_engine
+        timeout_s = self.runtime.dist_timeout_s if ce.timeout_s is None else ce.timeout_s
         self._bridge = CheckpointEngine.connect(host, port, bridge_rank, 1 + rollout_ranks,
-                                                ce.update_weights_bucket_megabytes, ce.timeout_s,
+                                                ce.update_weights_bucket_megabytes, timeout_s,
                                                 store=self._bridge_store, digests=ce.verify)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

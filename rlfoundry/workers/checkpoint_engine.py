@@ -12,7 +12,7 @@ metadata (names, dtypes, shapes, byte offsets; JSON — nothing is unpickled) an
 tensor larger than a bucket travels alone. The receivers get the same stream back, tensor by tensor,
 for the rollout engine's weight loader; no disk round trip, and at most one bucket in flight.
 
-**Failing fast** (``rollout.checkpoint_engine.timeout_s``, default ``trainer.dist_timeout_s``): every
+**Failing fast** (``rollout.checkpoint_engine.timeout_s``; null: ``trainer.dist_timeout_s``): every
 member announces itself in the store (host, pid) and ``connect`` waits for all of them at most that
 long, then names the ranks that never joined; every broadcast of a sync is bounded by the same limit.
 Receivers record their progress (sync, bucket) in the store, so when a sync fails the sender says which
