@@ -35,6 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
+from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.schema import PPOConfig
 from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
@@ -406,23 +407,6 @@ def _check_estimator(cfg: DictConfig) -> list[str]:
     return errors
 
 
-def _check_role_batches(role: str, mini: int, micro: int | None, n: int, ws: int, dynamic: bool) -> list[str]:
-    """One role's mini/micro batch arithmetic (verl semantics: mini in prompts, micro per rank in samples)."""
-    samples = mini * n
-    if samples % ws:
-        return [f"{role}.ppo_mini_batch_size={mini} × rollout.n={n} = {samples} samples per mini-batch "
-                f"cannot be split evenly over {ws} data-parallel ranks (nnodes × n_gpus_per_node, over "
-                "tensor × pipeline parallel under Megatron)."]
-    per_rank = samples // ws
-    if dynamic or micro is None:
-        return []
-    if micro <= 0 or per_rank % micro:
-        return [f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} samples each "
-                f"rank gets per mini-batch ({role}.ppo_mini_batch_size={mini} × rollout.n={n} / {ws} ranks); "
-                f"choose a divisor of {per_rank}."]
-    return []
-
-
 def _check_batch_sizes(cfg: DictConfig) -> list[str]:
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, n, ws = arr.actor, int(arr.rollout.n), world_size(cfg)
@@ -444,8 +428,11 @@ def _check_batch_sizes(cfg: DictConfig) -> list[str]:
             if node[old] is not None and node[old + "_per_gpu"] is not None:
                 errors.append(f"Set only one of {role}.{old} (deprecated, global) and {role}.{old}_per_gpu.")
         dp = _data_parallel_size(node, ws)
-        micro = _micro_per_gpu(node.ppo_micro_batch_size, node.ppo_micro_batch_size_per_gpu, dp)
-        errors += _check_role_batches(role, mini, micro, n, dp, bool(node.use_dynamic_bsz))
+        try:
+            role_batch(role, mini, n, dp, per_gpu(node.ppo_micro_batch_size_per_gpu, node.ppo_micro_batch_size, dp),
+                       bool(node.use_dynamic_bsz))
+        except BatchSizeError as e:
+            errors.append(str(e))
     return errors
 
 
@@ -453,13 +440,6 @@ def _data_parallel_size(role: DictConfig, ws: int) -> int:
     """The ranks a role's mini-batch is split over, as its engine splits them (a layout that does not
     divide the ranks is reported by the engine's own check, ``_check_engines``)."""
     return engine_plugin(role.get("strategy", "fsdp")).data_parallel_size(ws, role.get("megatron"))
-
-
-def _micro_per_gpu(global_micro: int | None, per_gpu: int | None, ws: int) -> int | None:
-    """verl's deprecated global micro-batch sizes mean ``global // world size`` per rank."""
-    if per_gpu is not None or global_micro is None:
-        return per_gpu
-    return max(1, int(global_micro) // ws)
 
 
 def _check_lengths_and_numbers(cfg: DictConfig) -> list[str]:
@@ -880,14 +860,14 @@ def _resolve_micro_batches(out: DictConfig, ws: int) -> None:
     """Deprecated global micro-batch keys → per-rank keys; missing log-prob sizes fall back to the actor's."""
     arr = out.actor_rollout_ref
     actor = arr.actor
-    actor.ppo_micro_batch_size_per_gpu = _micro_per_gpu(actor.ppo_micro_batch_size, actor.ppo_micro_batch_size_per_gpu, ws)
+    actor.ppo_micro_batch_size_per_gpu = per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, ws)
     for node in (arr.rollout, arr.ref):
-        per_gpu = _micro_per_gpu(node.log_prob_micro_batch_size, node.log_prob_micro_batch_size_per_gpu, ws)
-        node.log_prob_micro_batch_size_per_gpu = per_gpu or actor.ppo_micro_batch_size_per_gpu
+        size = per_gpu(node.log_prob_micro_batch_size_per_gpu, node.log_prob_micro_batch_size, ws)
+        node.log_prob_micro_batch_size_per_gpu = size or actor.ppo_micro_batch_size_per_gpu
     critic = out.critic
-    critic.ppo_micro_batch_size_per_gpu = _micro_per_gpu(critic.ppo_micro_batch_size, critic.ppo_micro_batch_size_per_gpu, ws)
+    critic.ppo_micro_batch_size_per_gpu = per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, ws)
     rm = out.reward_model
-    rm.micro_batch_size_per_gpu = _micro_per_gpu(rm.micro_batch_size, rm.micro_batch_size_per_gpu, ws)
+    rm.micro_batch_size_per_gpu = per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, ws)
 
 
 def _resolve_paths(out: DictConfig, train_files: Any, val_files: Any, run_dir: str | None) -> None:

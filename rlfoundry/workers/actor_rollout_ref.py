@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfoundry.config.batch import per_gpu, role_batch
 from rlfoundry.config.schema import ActorRolloutRefConfig
 from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.config.typed import to_typed
@@ -69,15 +70,6 @@ from rlfoundry import cpu as cpu_kernels
 __all__ = ["ActorRolloutRefWorker", "ROLES"]
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
-
-
-def _per_rank(global_rows: int, world_size: int, what: str) -> int:
-    if global_rows % world_size != 0 or global_rows < world_size:
-        raise ValueError(
-            f"{what} = {global_rows} rows cannot be split evenly over {world_size} data-parallel ranks; "
-            f"make it a multiple of the number of ranks"
-        )
-    return global_rows // world_size
 
 
 class ActorRolloutRefWorker(Worker):
@@ -108,20 +100,11 @@ class ActorRolloutRefWorker(Worker):
 
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
-        actor, n = self.config.actor, self.config.rollout.n
-        mini = _per_rank(actor.ppo_mini_batch_size * n, self._dp_size(),
-                         f"actor.ppo_mini_batch_size × rollout.n ({actor.ppo_mini_batch_size} × {n})")
-        micro = actor.ppo_micro_batch_size_per_gpu
-        if micro is None and not actor.use_dynamic_bsz:  # the trainer resolves it; a bare worker may not have
-            raise ValueError("set actor.ppo_micro_batch_size_per_gpu (or actor.use_dynamic_bsz=true with "
-                             "actor.ppo_max_token_len_per_gpu)")
-        micro = micro or 1
-        if not actor.use_dynamic_bsz and mini % micro != 0:
-            raise ValueError(
-                f"per-rank mini-batch of {mini} rows (ppo_mini_batch_size × rollout.n / {self.world_size} ranks) "
-                f"is not a multiple of actor.ppo_micro_batch_size_per_gpu={micro}"
-            )
-        return ActorBatchSizes(mini, micro, actor.ppo_max_token_len_per_gpu)
+        actor, dp = self.config.actor, self._dp_size()
+        sizes = role_batch("actor_rollout_ref.actor", actor.ppo_mini_batch_size, self.config.rollout.n, dp,
+                           per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp),
+                           actor.use_dynamic_bsz, require_micro=True)
+        return ActorBatchSizes(sizes.mini_batch_size, sizes.micro_batch_size or 1, actor.ppo_max_token_len_per_gpu)
 
     def _dp_size(self) -> int:
         return engine_plugin(self.config.actor.strategy).data_parallel_size(self.world_size, self.config.actor.megatron)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from rlfoundry.algos import core_algos
+from rlfoundry.config.batch import per_gpu, role_batch
 from rlfoundry.config.schema import CriticConfig
 from rlfoundry.config.typed import to_typed
 from rlfoundry.engines import oom
@@ -157,32 +158,21 @@ def _response_mask(data: DataProto) -> torch.Tensor:
 
 def resolve_critic_batch_sizes(config: CriticConfig, rollout_n: int, dp_size: int) -> CriticBatchSizes:
     """Per-rank sizes from verl's keys (the typed ``critic`` subtree); errors name the numbers that disagree."""
-    mini_rows = config.ppo_mini_batch_size * rollout_n
-    if mini_rows <= 0 or mini_rows % dp_size != 0:
-        raise ValueError(
-            f"critic.ppo_mini_batch_size ({config.ppo_mini_batch_size}) × rollout_n ({rollout_n}) = "
-            f"{mini_rows} rows must be a positive multiple of the number of critic ranks ({dp_size})"
-        )
-    micro = _per_gpu(config.ppo_micro_batch_size_per_gpu, config.ppo_micro_batch_size, dp_size)
-    if micro is None and not config.use_dynamic_bsz:
-        raise ValueError("set critic.ppo_micro_batch_size_per_gpu (or critic.use_dynamic_bsz=true with "
-                         "critic.ppo_max_token_len_per_gpu)")
-    micro = max(1, micro or 1)
-    forward = _per_gpu(config.forward_micro_batch_size_per_gpu, config.forward_micro_batch_size, dp_size)
+    sizes = role_batch("critic", config.ppo_mini_batch_size, rollout_n, dp_size,
+                       per_gpu(config.ppo_micro_batch_size_per_gpu, config.ppo_micro_batch_size, dp_size),
+                       config.use_dynamic_bsz, require_micro=True,
+                       # a bare critic has always taken a micro-batch above its mini-batch (the engine cuts
+                       # at the mini-batch); the driver's start-up check refuses one that does not divide it
+                       micro_divides=False)
+    micro = sizes.micro_batch_size or 1
+    forward = per_gpu(config.forward_micro_batch_size_per_gpu, config.forward_micro_batch_size, dp_size)
     return CriticBatchSizes(
-        mini_batch_size=mini_rows // dp_size,
+        mini_batch_size=sizes.mini_batch_size,
         micro_batch_size=micro,
         forward_micro_batch_size=max(1, forward or micro),
         max_token_len=config.ppo_max_token_len_per_gpu,
         forward_max_token_len=config.forward_max_token_len_per_gpu,
     )
-
-
-def _per_gpu(per_gpu: int | None, global_size: int | None, dp_size: int) -> int | None:
-    """A ``*_per_gpu`` size, or the deprecated global spelling divided over the ranks."""
-    if per_gpu is None and global_size is not None:
-        return global_size // dp_size
-    return per_gpu
 
 
 def _checkpoint_tensor_names(model_dir: Path) -> set[str] | None:
@@ -327,7 +317,8 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> str:
-        """Sharded save of model, optimiser, scheduler, RNG and counters to ``local_path``.
+        """Sharded save of model, optimiser, scheduler, RNG and counters to ``local_path``, as
+        ``critic.checkpoint.save_contents`` lists (``hf_model``: full weights in ``huggingface/`` too).
 
         ``local_path`` is ``<default_local_dir>/global_step_N/critic``; the write is atomic (see
         ``checkpoint/state.py``). ``max_ckpt_to_keep`` is accepted for verl's signature
@@ -335,13 +326,15 @@ class CriticWorker(Worker):
         step (actor, critic, trainer state) is complete, which a single worker cannot know.
         """
         self._require_model()
-        return self.engine.save_checkpoint(local_path, {"global_step": int(global_step)}, tokenizer=self.tokenizer)
+        return self.engine.save_checkpoint(local_path, {"global_step": int(global_step)}, tokenizer=self.tokenizer,
+                                           contents=self.config.checkpoint.save_contents)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, verify: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote; returns the saved global step."""
         self._require_model()
-        return int(self.engine.load_checkpoint(local_path, verify=verify).get("global_step", 0))
+        extra = self.engine.load_checkpoint(local_path, verify=verify, contents=self.config.checkpoint.load_contents)
+        return int(extra.get("global_step", 0))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str) -> str:
