@@ -26,7 +26,8 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,8 @@ from rlfoundry.utils.fs import atomic_write_bytes, fsync_dir, rename_then_delete
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CHECKPOINT_CONTENTS",
+    "Contents",
     "fix_architectures",
     "get_rng_state",
     "load_checkpoint",
@@ -76,6 +79,30 @@ __all__ = [
 ]
 
 _FORMAT_VERSION = 2  # 2: the marker carries a manifest of every file
+
+# verl's checkpoint.save_contents / load_contents entries; "model" is required (a role's directory
+# without weights cannot be resumed), "hf_model" is meaningful for saving only.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a save writes or a load restores, as verl's ``checkpoint.{save,load}_contents`` lists say:
+    ``optimizer`` (its state), ``extra`` (LR schedule + RNG states), ``hf_model`` (on save: full
+    weights in ``huggingface/`` beside the config, a ``from_pretrained`` directory). The model's
+    shards and the caller's extra state (step, counters) are always part of a role's directory."""
+
+    optimizer: bool = True
+    extra: bool = True
+    hf_model: bool = False
+
+    @classmethod
+    def of(cls, names: Sequence[str] | None) -> Contents:
+        """From a contents list (None: verl's default, model + optimizer + extra)."""
+        if names is None:
+            return cls()
+        names = set(names)
+        return cls(optimizer="optimizer" in names, extra="extra" in names, hf_model="hf_model" in names)
 
 
 # ---- RNG state ----------------------------------------------------------------------------
@@ -242,6 +269,8 @@ def save_checkpoint(
     tokenizer: Any = None,
     trainable_only: bool = False,
     meta: dict | None = None,
+    rng: bool = True,
+    write_hf_model: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save one worker role's state to ``local_path`` (e.g. ``D/global_step_N/critic``). Collective.
 
@@ -253,6 +282,9 @@ def save_checkpoint(
     ``<local_path>.tmp``; the directory is renamed to ``local_path`` only after all ranks finished
     and the completion marker is written. Returns ``local_path``. ``trainable_only``: only the
     parameters that train (a LoRA adapter) and their optimiser state; ``meta`` joins the marker.
+    verl's ``checkpoint.save_contents`` (the engine's choice): ``optimizer=None`` leaves its state
+    out, ``lr_scheduler=None`` and ``rng=False`` the "extra" state, and ``write_hf_model(dir)``,
+    called on every rank (its gather is collective), writes full HF weights into ``huggingface/``.
     """
     def write_shards(staging: Path) -> None:
         state = _model_optim_state(model, optimizer, trainable_only)
@@ -260,12 +292,15 @@ def save_checkpoint(
             # Without a process group DCP warns that it assumes one process, which is the intent.
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
             dcp.save(state, storage_writer=FileSystemWriter(str(staging / "dcp")), process_group=process_group)
+        if write_hf_model is not None:
+            write_hf_model(staging / HF_CONFIG_DIR)
 
     def write_config(out: Path) -> None:
         write_hf_config(model, tokenizer, out)
 
     return save_role(local_path, write_shards, write_config, lr_scheduler, extra_state, process_group,
-                     {"has_optimizer": optimizer is not None, "trainable_only": trainable_only, **(meta or {})})
+                     {"has_optimizer": optimizer is not None, "has_rng": rng, "has_hf_model": write_hf_model is not None,
+                      "trainable_only": trainable_only, **(meta or {})}, rng=rng)
 
 
 def save_role(
@@ -277,15 +312,17 @@ def save_role(
     process_group: dist.ProcessGroup | None = None,
     meta: dict | None = None,
     rng_state: Callable[[], dict[str, Any]] | None = None,
+    rng: bool = True,
 ) -> Path:
     """The engine-independent part of a save: staging, RNG, scheduler + extra state, HF config,
     manifest, atomic publish. ``write_shards(staging)`` writes the model (+ optimiser) shards on
     every rank; ``write_hf_config(dir)`` the HF config (+ tokenizer) on rank 0; ``meta`` goes into
-    the marker; ``rng_state`` (default :func:`get_rng_state`) is each rank's RNG file."""
+    the marker; ``rng_state`` (default :func:`get_rng_state`) is each rank's RNG file (none with ``rng=False``)."""
     path = Path(local_path)
     staging = _prepare_staging(path, process_group)
     write_shards(staging)
-    atomic_torch_save((rng_state or get_rng_state)(), staging / "rng" / f"rank_{collective.rank(process_group)}.pt")
+    if rng:
+        atomic_torch_save((rng_state or get_rng_state)(), staging / "rng" / f"rank_{collective.rank(process_group)}.pt")
     collective.barrier(process_group)
     faults.inject("save.staged")  # tests: a crash before the role directory is published
     meta = {
@@ -368,7 +405,8 @@ def load_checkpoint(
     """
     def read_shards(path: Path, meta: dict) -> None:
         if optimizer is not None and not meta.get("has_optimizer", True):
-            raise ValueError(f"{path} was saved without an optimizer; pass optimizer=None to load only the model")
+            raise ValueError(f"{path} was saved without its optimizer state (checkpoint.save_contents had no "
+                             "'optimizer'); load the weights alone with checkpoint.load_contents=['model','extra']")
         if bool(meta.get("trainable_only", False)) != trainable_only:
             saved = "a LoRA adapter" if meta.get("trainable_only") else "a whole model"
             raise CheckpointMismatchError(

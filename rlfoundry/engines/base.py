@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -144,14 +144,16 @@ class TrainingEngine(abc.ABC):
         """Undo ``offload`` before the next use."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
-        """Model, optimiser, schedule, RNG, the engine's counters and ``extra`` to ``path``. Collective."""
+    def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None,
+                        contents: Sequence[str] | None = None) -> str:
+        """Model, optimiser, schedule, RNG, the engine's counters and ``extra`` to ``path``. Collective.
+        ``contents``: verl's ``checkpoint.save_contents`` list (``checkpoint.Contents``); None: the default."""
 
     @abc.abstractmethod
-    def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str, verify: bool = True, contents: Sequence[str] | None = None) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote; returns its ``extra``. Collective. ``verify``:
         check the files against their recorded sizes and checksums first (skip only when the
-        caller already did)."""
+        caller already did). ``contents``: verl's ``checkpoint.load_contents`` list."""
 
     @abc.abstractmethod
     def save_hf_model(self, path: str, tokenizer: Any = None, adapter_only: bool = False) -> str:

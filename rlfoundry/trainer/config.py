@@ -90,7 +90,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.use_torch_compile", "*.ulysses_sequence_parallel_size", "*.entropy_from_logits_with_chunking",
     "*.entropy_checkpointing", "*.profiler.*", "*.fsdp_config.grad_offload", "*.fsdp_config.wrap_policy*",
     "*.fsdp_config.forward_prefetch", "*.fsdp_config.offload_policy",
-    "*.checkpoint.*", "critic.model.use_shm", "critic.model.enable_activation_offload",
+    "critic.model.use_shm", "critic.model.enable_activation_offload",
     "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
     "actor_rollout_ref.rollout.use_fire_sampling", "actor_rollout_ref.rollout.micro_batch_size",
     "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.agent.num_workers",
@@ -288,10 +288,38 @@ _DEPRECATED_MICRO = {
 
 
 def _prefer_user_deprecated_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
-    """An old script's global micro-batch key replaces our per-rank *default* (not a per-rank key it also set)."""
+    """An old script's global micro-batch key replaces our per-rank *default* (not a per-rank key it also set);
+    verl <= 0.3's ``checkpoint.contents`` is both lists unless the newer key is set too."""
     for old, new in _DEPRECATED_MICRO.items():
         if old in user_keys and new not in user_keys:
             OmegaConf.update(cfg, new, None, merge=False)
+    for role in _CHECKPOINT_ROLES:
+        contents = OmegaConf.select(cfg, f"{role}.checkpoint.contents")
+        for new in ("save_contents", "load_contents"):
+            if contents is not None and f"{role}.checkpoint.{new}" not in user_keys:
+                OmegaConf.update(cfg, f"{role}.checkpoint.{new}", list(contents), merge=False)
+
+
+_CHECKPOINT_ROLES = ("actor_rollout_ref.actor", "critic")
+
+
+def _check_checkpoint_contents(cfg: DictConfig) -> list[str]:
+    """verl's ``checkpoint.{save,load}_contents``: known entries, and always the model (a role's
+    directory without weights cannot be resumed)."""
+    from rlfoundry.checkpoint.state import CHECKPOINT_CONTENTS
+
+    errors = []
+    for role in _CHECKPOINT_ROLES:
+        for which in ("save_contents", "load_contents"):
+            listed = list(OmegaConf.select(cfg, f"{role}.checkpoint.{which}"))
+            unknown = [x for x in listed if x not in CHECKPOINT_CONTENTS]
+            if unknown:
+                errors.append(f"{role}.checkpoint.{which}={listed}: unknown {unknown}; the entries are "
+                              f"{list(CHECKPOINT_CONTENTS)}.")
+            elif "model" not in listed:
+                errors.append(f"{role}.checkpoint.{which}={listed} must include 'model' (the weights; leave out "
+                              "'optimizer' to save or restore the weights alone).")
+    return errors
 
 
 def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:
@@ -752,7 +780,7 @@ def validate_config(cfg: DictConfig) -> None:
         errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
                   + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg)
                   + _check_rollout_correction(cfg) + _check_filter_groups(cfg) + _check_async(cfg)
-                  + _check_reward_function(cfg))
+                  + _check_reward_function(cfg) + _check_checkpoint_contents(cfg))
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     if errors:

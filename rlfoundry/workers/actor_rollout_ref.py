@@ -416,7 +416,8 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        """Sharded model + optimiser + scheduler + RNG (+ engine/rollout counters) to ``local_path``.
+        """Sharded model + optimiser + scheduler + RNG (+ engine/rollout counters) to ``local_path``, as
+        ``actor.checkpoint.save_contents`` lists (``hf_model``: full weights in ``huggingface/`` too).
 
         ``local_path`` is this role's directory, e.g. ``D/global_step_N/actor``. With
         ``max_ckpt_to_keep``, this role's directories in older *finalised* steps beyond that count
@@ -426,7 +427,7 @@ class ActorRolloutRefWorker(Worker):
 
         self._require(self.actor, "save_checkpoint")
         self.engine.save_checkpoint(local_path, {**self._extra_state(), "global_step": int(global_step)},
-                                    tokenizer=self.tokenizer)
+                                    tokenizer=self.tokenizer, contents=self.config.actor.checkpoint.save_contents)
         path = Path(local_path)
         if max_ckpt_to_keep and self.rank == 0 and re.fullmatch(r"global_step_\d+", path.parent.name):
             ckpt.remove_old_checkpoints(path.parent.parent, max_ckpt_to_keep, component=path.name)
@@ -435,7 +436,8 @@ class ActorRolloutRefWorker(Worker):
     def load_checkpoint(self, local_path: str, verify: bool = True) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote; returns its extra state (``global_step`` …)."""
         self._require(self.actor, "load_checkpoint")
-        extra = self.engine.load_checkpoint(local_path, verify=verify)
+        extra = self.engine.load_checkpoint(local_path, verify=verify,
+                                            contents=self.config.actor.checkpoint.load_contents)
         # older checkpoints: every saved step had updated the actor unless the critic was warming up
         self.param_version = int(extra.get("param_version", extra.get("global_step", 0)))
         if self.rollout is not None and "rollout" in extra:

@@ -293,6 +293,25 @@ def test_data_classes_take_effect_and_missing_files_are_start_up_errors(tmp_path
     assert "data.sampler.class_path is set but data.sampler.class_name is not" in str(err.value)
 
 
+def test_checkpoint_contents_take_effect_and_bad_lists_are_start_up_errors():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(["actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
+                           "critic.checkpoint.load_contents=[model]"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert list(cfg.actor_rollout_ref.actor.checkpoint.save_contents) == ["model", "hf_model"]
+    with pytest.raises(ConfigError, match=r"actor.checkpoint.save_contents=\['model', 'weights'\]: unknown \['weights'\]"):
+        _load("actor_rollout_ref.actor.checkpoint.save_contents=[model,weights]")
+    with pytest.raises(ConfigError, match=r"critic.checkpoint.load_contents=\['optimizer'\] must include 'model'"):
+        _load("critic.checkpoint.load_contents=[optimizer]")
+    # verl <= 0.3's single list is both, unless the newer key is given too
+    old = load_config(["actor_rollout_ref.actor.checkpoint.contents=[model]",
+                       "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]"]).actor_rollout_ref.actor.checkpoint
+    assert (list(old.save_contents), list(old.load_contents)) == (["model"], ["model", "extra"])
+    with pytest.raises(ConfigError, match=r"save_contents=\['model'\]: the Megatron engine saves and loads"):
+        _load("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.checkpoint.save_contents=[model]")
+
+
 def test_effective_keys_give_no_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

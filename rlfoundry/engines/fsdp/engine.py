@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,29 +224,38 @@ class FSDPEngine(TrainingEngine):
 
     # ---- checkpoints and weights --------------------------------------------------------------
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
+    def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None,
+                        contents: Sequence[str] | None = None) -> str:
+        """``contents``: verl's ``checkpoint.save_contents`` (None: model, optimizer, extra)."""
         from rlfoundry import checkpoint as ckpt
 
+        want = ckpt.Contents.of(contents)
+        hf_model = (lambda out: self.save_hf_model(str(out), tokenizer)) if want.hf_model else None
         self.onload()
         try:
             # LoRA: the adapter and its optimiser state only (the base is the model directory's)
             meta = {"lora": lora_lib.peft_config_dict(self._module)} if self.lora else {}
-            out = ckpt.save_checkpoint(path, self._module, self.optimizer, self.lr_scheduler,
+            out = ckpt.save_checkpoint(path, self._module, self.optimizer if want.optimizer else None,
+                                       self.lr_scheduler if want.extra else None,
                                        extra_state={**extra, "engine": self.counters()}, tokenizer=tokenizer,
-                                       trainable_only=self.lora, meta=meta)
+                                       trainable_only=self.lora, meta=meta, rng=want.extra, write_hf_model=hf_model)
         finally:
             self.offload()
         return str(out)
 
-    def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str, verify: bool = True, contents: Sequence[str] | None = None) -> dict[str, Any]:
+        """``contents``: verl's ``checkpoint.load_contents``; without "optimizer" only the weights are
+        restored (the optimiser starts afresh), without "extra" neither the LR schedule nor the RNG."""
         from rlfoundry import checkpoint as ckpt
 
+        want = ckpt.Contents.of(contents)
         if self.lora:
             _check_same_adapter(path, lora_lib.peft_config_dict(self._module))
         self.onload()
         try:
-            extra = ckpt.load_checkpoint(path, self._module, self.optimizer, self.lr_scheduler, verify=verify,
-                                         trainable_only=self.lora)
+            extra = ckpt.load_checkpoint(path, self._module, self.optimizer if want.optimizer else None,
+                                         self.lr_scheduler if want.extra else None, verify=verify,
+                                         load_rng=want.extra, trainable_only=self.lora)
         finally:
             self.offload()
         self.load_counters(extra.get("engine") or extra.get(self.role, {}))  # older checkpoints: under the role

@@ -337,12 +337,16 @@ class MegatronEngine(TrainingEngine):
                 if "step" in param_state:
                     param_state["step"] = torch.tensor(step)
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None) -> str:
+    def save_checkpoint(self, path: str, extra: dict[str, Any], tokenizer: Any = None,
+                        contents: Any = None) -> str:
         """Model (+ optimiser) with megatron-core's dist-checkpointing under ``mcore/``, inside the
-        project's role directory (atomic publish, manifest, scheduler, RNG, counters; ``checkpoint/state.py``)."""
+        project's role directory (atomic publish, manifest, scheduler, RNG, counters; ``checkpoint/state.py``).
+        ``contents``: verl's default only (trainer/config.py refuses others for this engine at start-up)."""
         from megatron.core import dist_checkpointing
 
         from rlfoundry import checkpoint as ckpt
+
+        _default_contents_only(contents)
 
         def write_shards(staging):
             (staging / "mcore").mkdir(exist_ok=True)
@@ -358,12 +362,14 @@ class MegatronEngine(TrainingEngine):
                        meta=meta, rng_state=self._rng_state)
         return str(path)
 
-    def load_checkpoint(self, path: str, verify: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str, verify: bool = True, contents: Any = None) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote; the model may come from another parallel layout
         (dist-checkpointing reshards it), the optimiser state only from the same one."""
         from megatron.core import dist_checkpointing
 
         from rlfoundry import checkpoint as ckpt
+
+        _default_contents_only(contents)
 
         def read_shards(root, meta):
             if meta.get("engine") != "megatron":
@@ -427,3 +433,11 @@ class MegatronEngine(TrainingEngine):
         if dist.is_initialized():
             dist.barrier()
         return str(path)
+
+
+def _default_contents_only(contents: Any) -> None:
+    from rlfoundry import checkpoint as ckpt
+
+    if ckpt.Contents.of(contents) != ckpt.Contents():
+        raise ValueError(f"checkpoint contents {list(contents)}: the Megatron engine saves and loads model, "
+                         "optimizer and extra only (strategy=fsdp takes other checkpoint.*_contents)")

@@ -46,6 +46,11 @@ class MegatronPlugin(EnginePlugin):
                               f"({sizes[roles[0]]}).")
         for key in roles:
             errors += _check_role(key, OmegaConf.select(cfg, f"{key}.megatron"), world_size)
+            for which in ("save_contents", "load_contents"):  # the ref has no checkpoint subtree
+                listed = OmegaConf.select(cfg, f"{key}.checkpoint.{which}")
+                if listed is not None and sorted(listed) != ["extra", "model", "optimizer"]:
+                    errors.append(f"{key}.checkpoint.{which}={list(listed)}: the Megatron engine saves and loads "
+                                  "['model','optimizer','extra'] only; strategy=fsdp takes other lists.")
         return errors
 
 
