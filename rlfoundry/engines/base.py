@@ -209,6 +209,7 @@ class EngineRequest:
     use_shared_prompt: bool = False
     lora: Any = None  # models.lora.LoraSpec: an adapter on the frozen model (trainable models only)
     prepare: Callable[[torch.nn.Module], None] | None = None  # runs on the loaded model before sharding
+    ulysses_sequence_parallel_size: int = 1  # the role's key: ranks that split each sequence (FSDP engine)
 
 
 class EnginePlugin(abc.ABC):
@@ -224,9 +225,10 @@ class EnginePlugin(abc.ABC):
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
         """The engine for one role on this rank. Collective over the role's ranks."""
 
-    def data_parallel_size(self, world_size: int, megatron: Any) -> int:
+    def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
         """How many data-parallel ranks a role's ``world_size`` ranks form (``megatron``: the role's
-        ``megatron`` subtree, for engines with model parallelism)."""
+        ``megatron`` subtree, for engines with model parallelism; ``sequence_parallel``: its
+        ``ulysses_sequence_parallel_size``, for engines that split sequences)."""
         return world_size
 
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:

@@ -87,7 +87,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.model.use_shm", "actor_rollout_ref.model.enable_activation_offload",
     "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.use_fused_kernels",
     "actor_rollout_ref.model.fused_kernel_options*", "actor_rollout_ref.rollout.layered_summon",
-    "*.use_torch_compile", "*.ulysses_sequence_parallel_size", "*.entropy_from_logits_with_chunking",
+    "*.use_torch_compile", "*.entropy_from_logits_with_chunking",
     "*.entropy_checkpointing", "*.profiler.*", "*.fsdp_config.grad_offload", "*.fsdp_config.wrap_policy*",
     "*.fsdp_config.forward_prefetch", "*.fsdp_config.offload_policy",
     "critic.model.use_shm", "critic.model.enable_activation_offload",
@@ -467,7 +467,8 @@ def _check_batch_sizes(cfg: DictConfig) -> list[str]:
 def _data_parallel_size(role: DictConfig, ws: int) -> int:
     """The ranks a role's mini-batch is split over, as its engine splits them (a layout that does not
     divide the ranks is reported by the engine's own check, ``_check_engines``)."""
-    return engine_plugin(role.get("strategy", "fsdp")).data_parallel_size(ws, role.get("megatron"))
+    return engine_plugin(role.get("strategy", "fsdp")).data_parallel_size(
+        ws, role.get("megatron"), int(role.get("ulysses_sequence_parallel_size", 1) or 1))
 
 
 def _check_lengths_and_numbers(cfg: DictConfig) -> list[str]:

@@ -107,7 +107,9 @@ class ActorRolloutRefWorker(Worker):
         return ActorBatchSizes(sizes.mini_batch_size, sizes.micro_batch_size or 1, actor.ppo_max_token_len_per_gpu)
 
     def _dp_size(self) -> int:
-        return engine_plugin(self.config.actor.strategy).data_parallel_size(self.world_size, self.config.actor.megatron)
+        actor = self.config.actor
+        return engine_plugin(actor.strategy).data_parallel_size(self.world_size, actor.megatron,
+                                                                actor.ulysses_sequence_parallel_size)
 
     # ---- building ----------------------------------------------------------------------
 
@@ -121,6 +123,7 @@ class ActorRolloutRefWorker(Worker):
             # a KV cache cannot be shared under gradient checkpointing (HF turns use_cache off there)
             use_shared_prompt=model.use_shared_prompt and not model.enable_gradient_checkpointing,
             lora=self.lora if trainable else None,
+            ulysses_sequence_parallel_size=policy.ulysses_sequence_parallel_size,
         )
         return engine_plugin(policy.strategy).build(request, self.device, role)
 

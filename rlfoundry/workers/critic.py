@@ -225,7 +225,8 @@ class CriticWorker(Worker):
         self.rollout_n = rollout_n if rollout_n is not None else self.config.rollout_n
         self.seed = seed
         # Validate now: a bad batch-size combination should fail at start-up, not mid-run.
-        dp_size = engine_plugin(self.config.strategy).data_parallel_size(self.world_size, self.config.megatron)
+        dp_size = engine_plugin(self.config.strategy).data_parallel_size(self.world_size, self.config.megatron,
+                                                                         self.config.ulysses_sequence_parallel_size)
         self.sizes = resolve_critic_batch_sizes(self.config, self.rollout_n, dp_size)
         self.critic: DataParallelPPOCritic | None = None
         self.engine: TrainingEngine | None = None
@@ -244,6 +245,7 @@ class CriticWorker(Worker):
             # LoRA: the value head (``score``) trains in full beside the adapter
             lora=LoraSpec.of(model, task_type="TOKEN_CLS", modules_to_save=("score",)),
             prepare=self._zero_new_head,  # a fresh value head starts at zero
+            ulysses_sequence_parallel_size=self.config.ulysses_sequence_parallel_size,
         )
 
     def _model_path(self) -> str:

@@ -240,17 +240,33 @@ def test_no_effect_keys_give_exactly_one_warning_naming_them():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load_config([
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.model.use_shm=true",
             "actor_rollout_ref.rollout.enable_chunked_prefill=False",
             "trainer.val_generations_to_log_to_wandb=10",
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",  # set twice: still named once
+            "actor_rollout_ref.model.use_shm=false",  # set twice: still named once
         ])
     ours = [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
     assert len(ours) == 1
     text = str(ours[0].message)
-    assert text.count("actor_rollout_ref.actor.ulysses_sequence_parallel_size") == 1
+    assert text.count("actor_rollout_ref.model.use_shm") == 1
     assert "actor_rollout_ref.rollout.enable_chunked_prefill" in text
     assert "trainer.val_generations_to_log_to_wandb" in text
+
+
+def test_ulysses_takes_effect_and_bad_layouts_are_start_up_errors():
+    sp2 = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.model.use_remove_padding=true",
+           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_config(load_config(sp2))  # 4 ranks, SP 2: valid
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    with pytest.raises(ConfigError, match=r"actor.ulysses_sequence_parallel_size=3 does not divide the 4 ranks"):
+        validate_config(_load(*sp2, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"))
+    with pytest.raises(ConfigError, match=r"ulysses_sequence_parallel_size=2 needs actor_rollout_ref.model."
+                       r"use_remove_padding=true"):
+        validate_config(_load(*sp2, "actor_rollout_ref.model.use_remove_padding=false"))
+    with pytest.raises(ConfigError, match=r"reward_model.ulysses_sequence_parallel_size > 1: .* not built"):
+        validate_config(_load(*sp2, "reward_model.ulysses_sequence_parallel_size=2"))
 
 
 def test_generation_outputs_take_effect_and_bad_values_are_start_up_errors(tmp_path):

@@ -34,6 +34,7 @@ from rlfoundry.engines.base import (
     UpdatePlan,
     Values,
 )
+from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.engines.fsdp.forward import (
     MODEL_INPUTS,
@@ -75,6 +76,8 @@ class FSDPEngineConfig:
     use_remove_padding: bool = False
     use_shared_prompt: bool = False
     lora: lora_lib.LoraSpec | None = None  # an adapter on the frozen model (trainable models only)
+    # Ulysses: groups of this many ranks split each packed sequence (engines/fsdp/ulysses.py)
+    ulysses_sequence_parallel_size: int = 1
 
     @property
     def trainable(self) -> bool:
@@ -100,12 +103,18 @@ class FSDPEngine(TrainingEngine):
         self.lora = lora_lib.is_lora(module)
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        # Under Ulysses the ranks of an SP group share rows: batch counts and metrics are reduced
+        # over the data-parallel group (one rank per SP group); FSDP still spans every rank.
+        self.sp = _sequence_parallel(config, dp_group)
+        self.batch_group = self.sp.dp_group if self.sp else dp_group
+        self.dp_size = self.sp.dp_size if self.sp else self.dp_size
         self.cpu_kernels = cpu_kernels.enabled(config.cpu_kernels, self.device)
         self._module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
         self.lm = CausalLMForward(
-            module, self.dp_size, dp_group, config.use_remove_padding, config.use_shared_prompt,
+            module, self.dp_size, self.batch_group, config.use_remove_padding,
+            config.use_shared_prompt and self.sp is None,  # the shared-prompt forward is not split by sequence
             cpu_kernels.fused_shared_prompt_logits if self.cpu_kernels else None,
-            fu.continued_forward if self.cpu_kernels else plain_context,
+            fu.continued_forward if self.cpu_kernels else plain_context, sp=self.sp,
         )
 
     @classmethod
@@ -132,6 +141,9 @@ class FSDPEngine(TrainingEngine):
     # ---- forward ------------------------------------------------------------------------------
 
     def _micro_batches(self, data: DataProto, output: Output, micro: MicroBatching):
+        if self.sp is not None and micro.max_token_len is not None:
+            # a per-GPU budget: each rank of an SP group holds 1/sp of the tokens (verl multiplies too)
+            micro = MicroBatching(size=micro.size, max_token_len=micro.max_token_len * self.sp.size)
         if isinstance(output, LogProbs):
             return self.lm.micro_batches(data, micro)
         return plain_micro_batches(data, micro, self.lm.group_if_dist())
@@ -145,8 +157,15 @@ class FSDPEngine(TrainingEngine):
         if isinstance(output, LogProbs):
             return self.lm(micro, output, plan_entry)
         if isinstance(output, Values):
-            return value_forward(self._module, micro, self.config.use_remove_padding)
+            return value_forward(self._module, micro, self.config.use_remove_padding, self.sp)
+        if self.sp is not None:
+            raise NotImplementedError(f"{self.role}: a role's own forward function under Ulysses sequence "
+                                      "parallelism is not built; use ulysses_sequence_parallel_size=1")
         return output(self._module, micro)
+
+    def model_parallel_rows(self, data: DataProto) -> tuple[DataProto, slice]:
+        """Under Ulysses the ranks of one SP group pool their rows and all compute on them."""
+        return ulysses.pool_rows(data, self.sp) if self.sp is not None else (data, slice(0, len(data)))
 
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
         inputs = data.select(batch_keys=[k for k in MODEL_INPUTS if k in data.batch.keys()])
@@ -173,7 +192,7 @@ class FSDPEngine(TrainingEngine):
         return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, output, loss_fn, plan))
 
     def _train_mini_batch(self, mini: DataProto, output: Output, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
-        info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)
+        info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.batch_group)
         stats = MiniBatchStats()
         micros, _ = self._micro_batches(mini, output, plan.micro)
         entries = self._plan(micros, output)
@@ -185,7 +204,7 @@ class FSDPEngine(TrainingEngine):
                 before_backward(i == len(micros) - 1)
                 out.loss.backward()  # summed over micro-batches: the loss already divided by the global count
                 stats.add(out, 0.0 if empty else float(micro.batch[plan.mask_key].sum()))
-        metrics = stats.reduce(self.dp_size, self.dp_group)
+        metrics = stats.reduce(self.dp_size, self.batch_group)
         metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
         return metrics
 
@@ -312,6 +331,16 @@ def _check_same_adapter(path: str, mine: dict[str, Any]) -> None:
             f"{({k: mine.get(k) for k in keys})}; resume with the run's own model.lora_rank / target_modules")
 
 
+def _sequence_parallel(config: FSDPEngineConfig, dp_group: Any) -> ulysses.SequenceParallel | None:
+    size = config.ulysses_sequence_parallel_size
+    if size == 1:
+        return None
+    if dp_group is not None or not config.use_remove_padding:
+        raise ValueError("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true (verl's rule: "
+                         "only packed rows are split by sequence) and the engine on the whole worker group")
+    return ulysses.SequenceParallel.create(size)
+
+
 def _say_once(text: str) -> None:
     """A start-up decision, printed once per process where the run's first lines are read."""
     if text not in _said:
@@ -331,6 +360,8 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
     if not cfg.trainable:
         module.requires_grad_(False)
         module.eval()
+    if cfg.ulysses_sequence_parallel_size > 1:
+        ulysses.install_attention(module, cfg.ulysses_sequence_parallel_size)
     if prepare is not None:
         prepare(module)
     if cfg.lora is not None and cfg.trainable:

@@ -5,6 +5,7 @@ Causal-LM log-probs take one of three forwards per micro-batch, all the same mat
 
 - padded: the (b, Tp+Tr) rows as they are;
 - packed (``model.use_remove_padding``): real tokens only, laid end to end (``utils/padding.py``);
+  under Ulysses sequence parallelism each rank of a group runs a slice of the pack (``ulysses.py``);
 - shared prompt (``model.use_shared_prompt``): each distinct prompt (the n samples of a GRPO group)
   runs once and its rows continue from its KV cache; taken per micro-batch only when it computes
   fewer tokens, and agreed across ranks first (ranks on different paths would pair FSDP's
@@ -27,9 +28,10 @@ from torch import nn
 
 from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
+from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.protocol import DataProto
-from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch
+from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch, unpack_to_padded
 from rlfoundry.utils.seqlen_balancing import (
     all_reduce_ints,
     length_sorted_micro_batches,
@@ -52,13 +54,15 @@ class CausalLMForward:
     ``shared_prompt_logits``: the one-pass shared-prompt forward chosen when the model was built
     (``cpu/fused_forward.py`` with CPU kernels on), or None for the HF two-call forward.
     ``continued_forward``: the context that runs the HF second call inside the first one's FSDP
-    scope (``engines/fsdp/utils.py``), or a plain one.
+    scope (``engines/fsdp/utils.py``), or a plain one. ``sp``: this rank's Ulysses groups
+    (``engines/fsdp/ulysses.py``) when the packed forward is split over a sequence-parallel group.
     """
 
     def __init__(self, module: nn.Module, dp_size: int, dp_group: Any, use_remove_padding: bool,
                  use_shared_prompt: bool, shared_prompt_logits: SharedPromptLogits | None = None,
-                 continued_forward: Any = None):
+                 continued_forward: Any = None, sp: ulysses.SequenceParallel | None = None):
         self.module = module
+        self.sp = sp
         self.dp_size, self.dp_group = dp_size, dp_group
         # what one more forward + backward call costs beyond its tokens, in tokens of this model: where
         # splitting a micro-batch by length would cost more calls than it saves tokens (cpu/tuning.py)
@@ -144,17 +148,22 @@ class CausalLMForward:
         )
         where = grid_to_packed[predictors]  # (rows, Tr) packed index of each response predictor, -1 if padding
         valid = where >= 0
-        out = self.module(
-            input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-            use_cache=False, logits_to_keep=where[valid],
-        )
+        gather = _identity
+        if self.sp is not None:  # this rank's slice of the pack; per-token results gathered over the group
+            logits, labels, gather = ulysses.packed_logits_at(self.module, packed.input_ids, packed.position_ids,
+                                                              where[valid], responses[valid], self.sp)
+        else:
+            logits, labels = self.module(
+                input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                use_cache=False, logits_to_keep=where[valid],
+            ).logits[0], responses[valid]
 
         def scatter(values: torch.Tensor) -> torch.Tensor:
             full = values.new_zeros((rows, width))
-            full[valid] = values
+            full[valid] = gather(values)
             return full
 
-        return out.logits[0], responses[valid], scatter
+        return logits, labels, scatter
 
     # ---- the micro-batch plan ----------------------------------------------------------------
 
@@ -271,15 +280,20 @@ class CausalLMForward:
         return first, group
 
 
-def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool) -> dict[str, torch.Tensor]:
-    """``values`` (b, Tr) of a one-label token classifier.
+def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool,
+                  sp: ulysses.SequenceParallel | None = None) -> dict[str, torch.Tensor]:
+    """``values`` (b, Tr) of a one-label token classifier (``sp``: split over a Ulysses group, packed).
 
     For a row ``[prompt (Tp) | response (Tr)]`` the value of response token t is the head output at
     position ``Tp - 1 + t``: the state after the prompt and t response tokens, before token t.
     """
     width = micro["responses"].shape[-1]
-    logits = forward_logits(module, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
-                            use_remove_padding=use_remove_padding)
+    if sp is not None:
+        packed = pack_padded_batch(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        logits = unpack_to_padded(ulysses.packed_outputs(module, packed.input_ids, packed.position_ids, sp), packed)
+    else:
+        logits = forward_logits(module, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+                                use_remove_padding=use_remove_padding)
     return {"values": logits[:, -width - 1: -1, 0].float()}
 
 

@@ -1,10 +1,15 @@
-"""The FSDP2 engine's plug-in (``strategy=fsdp`` / ``fsdp2``): every rank is a data-parallel rank."""
+"""The FSDP2 engine's plug-in (``strategy=fsdp`` / ``fsdp2``): every rank is a data-parallel rank,
+except that under Ulysses sequence parallelism (``*.ulysses_sequence_parallel_size``) each group of
+that many ranks shares its rows, so the data-parallel size is the ranks / SP."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
 
@@ -22,11 +27,48 @@ class FSDPPlugin(EnginePlugin):
             request.model, request.fsdp, optim=request.optim, grad_clip=request.grad_clip,
             model_kind=request.model_kind, override_config=dict(request.override_config),
             gradient_checkpointing=request.gradient_checkpointing, use_shared_prompt=request.use_shared_prompt,
-            lora=request.lora)
+            lora=request.lora, ulysses_sequence_parallel_size=request.ulysses_sequence_parallel_size)
         return FSDPEngine.build(config, device, role=role, prepare=request.prepare)
 
+    def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
+        return max(1, world_size // max(1, int(sequence_parallel or 1)))
+
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
+        errors = [e for key in roles for e in _check_ulysses(cfg, key, world_size)]
+        if int(OmegaConf.select(cfg, "reward_model.ulysses_sequence_parallel_size", default=1) or 1) > 1:
+            errors.append("reward_model.ulysses_sequence_parallel_size > 1: sequence parallelism for the reward "
+                          "model is not built (actor, reference and critic have it); set it to 1.")
+        return errors
+
+
+def _check_ulysses(cfg: Any, key: str, world_size: int) -> list[str]:
+    """verl's rules for ``<role>.ulysses_sequence_parallel_size``: it divides the ranks and the model's
+    attention heads, and rows are packed (``model.use_remove_padding``)."""
+    sp = int(OmegaConf.select(cfg, f"{key}.ulysses_sequence_parallel_size", default=1) or 1)
+    if sp == 1:
         return []
+    model = "critic.model" if key == "critic" else "actor_rollout_ref.model"
+    name = f"{key}.ulysses_sequence_parallel_size={sp}"
+    errors = []
+    if sp < 1 or world_size % sp:
+        errors.append(f"{name} does not divide the {world_size} ranks (trainer.nnodes × n_gpus_per_node); use a divisor.")
+    if not OmegaConf.select(cfg, f"{model}.use_remove_padding", default=False):
+        errors.append(f"{name} needs {model}.use_remove_padding=true: only packed rows are split by sequence "
+                      "(verl's rule too).")
+    heads = _attention_heads(OmegaConf.select(cfg, f"{model}.path", default=None))
+    if heads is not None and heads % sp:
+        errors.append(f"{name} does not divide the model's {heads} attention heads: each rank of a group "
+                      "attends with heads / SP of them; use a divisor of the head count.")
+    return errors
+
+
+def _attention_heads(path: Any) -> int | None:
+    """``num_attention_heads`` from a local HF directory's config.json (None where there is none to read:
+    the engine checks again when it builds the model)."""
+    config = Path(str(path)).expanduser() / "config.json" if path else None
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("num_attention_heads")
 
 
 PLUGIN = FSDPPlugin()

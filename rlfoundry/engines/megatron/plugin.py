@@ -31,7 +31,7 @@ class MegatronPlugin(EnginePlugin):
                                       model_kind=request.model_kind)
         return MegatronEngine(config, device, role=role)
 
-    def data_parallel_size(self, world_size: int, megatron: Any) -> int:
+    def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
         return max(1, world_size // model_parallel_size(megatron))
 
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
@@ -46,6 +46,10 @@ class MegatronPlugin(EnginePlugin):
                               f"({sizes[roles[0]]}).")
         for key in roles:
             errors += _check_role(key, OmegaConf.select(cfg, f"{key}.megatron"), world_size)
+            if int(OmegaConf.select(cfg, f"{key}.ulysses_sequence_parallel_size", default=1) or 1) > 1:
+                errors.append(f"{key}.ulysses_sequence_parallel_size > 1: Ulysses is the FSDP engine's sequence "
+                              "parallelism; with strategy=megatron set it to 1 (megatron-core splits sequences "
+                              "with megatron.context_parallel_size, not built yet).")
             for which in ("save_contents", "load_contents"):  # the ref has no checkpoint subtree
                 listed = OmegaConf.select(cfg, f"{key}.checkpoint.{which}")
                 if listed is not None and sorted(listed) != ["extra", "model", "optimizer"]:
