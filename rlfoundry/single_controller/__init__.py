@@ -32,7 +32,8 @@ On Ray (one actor per rank of a pool; several roles colocated in one process per
     groups["critic"].init_model(); values = groups["critic"].compute_values(batch)
 
 ``create_worker_group("local" | "ray", ...)`` picks the back end by name. A dead worker raises
-``WorkerDiedError`` (group and rank); ``call_timeout_s`` bounds every call (``WorkerCallTimeout``).
+``WorkerDiedError`` (group and rank), a dead Ray node ``NodeDiedError`` (node, roles and ranks on it);
+``call_timeout_s`` bounds every call (``WorkerCallTimeout``).
 Ray names are imported on first use so that the local back end does not import Ray.
 """
 
@@ -40,6 +41,8 @@ from rlfoundry.single_controller.base import (
     ClassWithInitArgs,
     Dispatch,
     Execute,
+    NodeDiedError,
+    PeerLostError,
     Worker,
     WorkerCallTimeout,
     WorkerDiedError,
@@ -75,6 +78,8 @@ __all__ = [
     "Dispatch",
     "Execute",
     "LocalWorkerGroup",
+    "NodeDiedError",
+    "PeerLostError",
     "ResourcePoolManager",
     "Role",
     "WORKER_BACKENDS",

@@ -86,12 +86,21 @@ class ResourcePoolManager:
         unit = {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         free = [{k: node.get(k, 0) for k in unit} for node in nodes]
-        # Place the largest per-node demands first, each on the node with most room (first-fit
-        # decreasing): exact for one pool, and a clear lower bound otherwise.
+        # Place the largest per-node demands first, each on the node with most room that the same pool
+        # does not use yet (a pool's entries are distinct nodes): first-fit decreasing, exact for one
+        # pool and a clear lower bound otherwise.
+        for pool, per in self.resource_pool_spec.items():
+            if len(per) > len(nodes):
+                raise RuntimeError(
+                    f"resource pool {pool!r} spans {len(per)} nodes (processes per node {per}), but the Ray "
+                    f"cluster has {len(nodes)} live node{'s' if len(nodes) != 1 else ''}; start more nodes (ray start "
+                    "--address=...) or lower trainer.nnodes."
+                )
+        taken: dict[str, set] = {pool: set() for pool in self.resource_pool_spec}
         demands = sorted(((n, pool) for pool, per in self.resource_pool_spec.items() for n in per), reverse=True)
         for n, pool in demands:
             need = {k: v * n for k, v in unit.items()}
-            fits = [f for f in free if all(f[k] >= need[k] for k in unit)]
+            fits = [i for i, f in enumerate(free) if i not in taken[pool] and all(f[k] >= need[k] for k in unit)]
             if not fits:
                 raise RuntimeError(
                     f"resource pool {pool!r} needs {n} processes x {unit} on one node ({need}), but no "
@@ -99,6 +108,7 @@ class ResourcePoolManager:
                     f"{[{k: node.get(k, 0) for k in unit} for node in nodes]}. Lower the processes per "
                     "node (trainer.n_gpus_per_node) or add nodes."
                 )
-            node = max(fits, key=lambda f: tuple(f[k] for k in sorted(unit)))
+            best = max(fits, key=lambda i: tuple(free[i][k] for k in sorted(unit)))
+            taken[pool].add(best)
             for k in unit:
-                node[k] -= need[k]
+                free[best][k] -= need[k]

@@ -97,7 +97,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.agent.custom_async_server*",
     "actor_rollout_ref.rollout.trace*", "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
     "actor_rollout_ref.rollout.multi_turn.format",
-    "actor_rollout_ref.rollout.calculate_log_probs",
     "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
     "reward_model.launch_reward_fn_async",
@@ -577,7 +576,7 @@ def _check_judge(cfg: DictConfig) -> list[str]:
     if judge.enable_resource_pool and (int(judge.nnodes) < 1 or int(judge.n_gpus_per_node) < 1):
         errors.append(f"{key}.enable_resource_pool=true needs nnodes >= 1 and n_gpus_per_node >= 1 (CPU: processes).")
     if judge.enable_resource_pool and cfg.trainer.worker_backend == "process" and int(judge.nnodes) != 1:
-        errors.append(f"trainer.worker_backend=process runs on one machine, but {key}.nnodes={judge.nnodes}; use ray.")
+        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but {key}.nnodes={judge.nnodes}; use ray.")
     return errors + check_judge_config(to_typed(GenerativeRewardModelConfig, judge, name=key))
 
 
@@ -590,7 +589,7 @@ def _check_unsupported(cfg: DictConfig) -> list[str]:
         errors.append(f"trainer.worker_backend=local runs one in-process rank, but nnodes × n_gpus_per_node = {ws}; "
                       "use trainer.worker_backend=process (one machine) or ray (or auto).")
     if backend == "process" and int(cfg.trainer.nnodes) != 1:
-        errors.append(f"trainer.worker_backend=process runs on one machine, but trainer.nnodes={cfg.trainer.nnodes}; "
+        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but trainer.nnodes={cfg.trainer.nnodes}; "
                       "use trainer.worker_backend=ray for several nodes.")
     return errors + _check_engines(cfg)
 
@@ -691,7 +690,7 @@ def _check_async(cfg: DictConfig) -> list[str]:
         errors.append(f"{key} needs two worker pools (two processes at least); use trainer.worker_backend=process "
                       "(one machine) or ray (or auto).")
     if cfg.trainer.worker_backend == "process" and int(pool.nnodes) != 1:
-        errors.append(f"trainer.worker_backend=process runs on one machine, but rollout.nnodes={pool.nnodes}; use ray.")
+        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but rollout.nnodes={pool.nnodes}; use ray.")
     unsupported = {"algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
                    "algorithm.adv_estimator=remax (its greedy baseline)": adv_estimator(cfg) == "remax",
                    "async_training.partial_rollout=true with one-step-off (it has no sync mid-generation)":
@@ -841,6 +840,8 @@ def resolve_config(
         out.actor_rollout_ref.actor.use_rollout_log_probs = not _rollout_log_prob_reuse_problems(cfg, "auto")
     if cfg.async_training.mode != "sync":  # the sampling policy lags the trainer's: recompute old log-probs
         out.actor_rollout_ref.actor.use_rollout_log_probs = bool(cfg.actor_rollout_ref.actor.use_rollout_log_probs)
+    out.actor_rollout_ref.rollout.calculate_log_probs = bool(cfg.actor_rollout_ref.rollout.calculate_log_probs
+                                                             or _rollout_log_probs_reader(out))
     if cfg.data.gen_batch_size is None:
         out.data.gen_batch_size = int(cfg.data.train_batch_size)
     if cfg.async_training.partial_rollout_chunk_tokens is None:
@@ -856,6 +857,19 @@ def resolve_config(
     OmegaConf.resolve(out)
     OmegaConf.set_readonly(out, True)
     return out
+
+
+def _rollout_log_probs_reader(resolved: DictConfig) -> str | None:
+    """What in the run reads the rollout's own log-probs (so the rollout must return them), or None."""
+    correction = resolved.algorithm.rollout_correction
+    if resolved.actor_rollout_ref.actor.use_rollout_log_probs:
+        return "actor.use_rollout_log_probs (they are the old log-probs)"
+    if correction.bypass_mode or any(correction[k] is not None for k in
+                                     ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")):
+        return "algorithm.rollout_correction"
+    if resolved.async_training.mode == "fully_async" and resolved.async_training.partial_rollout:
+        return "async_training.partial_rollout (chunks are stitched with their log-probs)"
+    return None
 
 
 def _auto_backend(cfg: DictConfig) -> str:
@@ -874,6 +888,10 @@ def auto_choices(cfg: DictConfig, resolved: DictConfig) -> list[str]:
                "no separate old_log_prob pass" if on else
                "old log-probs are recomputed (reuse needs the HF engine, ppo_epochs=1 and one mini-batch per step)")
         out.append(f"actor_rollout_ref.actor.use_rollout_log_probs={str(on).lower()}: {why}")
+    reader = _rollout_log_probs_reader(resolved)
+    # (the reuse of use_rollout_log_probs is named by the line above)
+    if reader and not reader.startswith("actor.") and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        out.append(f"actor_rollout_ref.rollout.calculate_log_probs=true: {reader} reads the rollout's log-probs")
     return out
 
 

@@ -303,7 +303,9 @@ def process_factory(cfg: DictConfig):
 
 def ray_factory(cfg: DictConfig):
     """Ray back end: one pool of nnodes × n_gpus_per_node processes, every role colocated in each; with
-    a rollout pool of its own (``rollout.*``), a second pool for it."""
+    a rollout pool of its own (``rollout.*``), a second pool for it. Joins ``ray_init.address``, else
+    ``RAY_ADDRESS``, else a ``ray start`` cluster on this machine, else starts a private instance; each
+    of a pool's nnodes entries is a distinct Ray node, and the run prints where every rank landed."""
     from rlfoundry.single_controller import (
         RayClassWithInitArgs,
         RayWorkerGroup,
@@ -318,7 +320,7 @@ def ray_factory(cfg: DictConfig):
     def manager() -> ResourcePoolManager:
         if not managers:  # both pools at once: the resource check sees the whole demand
             trainer = cfg.trainer
-            init_ray(num_cpus=cfg.ray_init.get("num_cpus"))
+            init_ray(address=cfg.ray_init.get("address"), num_cpus=cfg.ray_init.get("num_cpus"))
             spec, mapping = {"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)}, {Role.ActorRollout: "global_pool"}
             for pool, role, ranks in (("rollout_pool", Role.Rollout, rollout_world_size(cfg)),
                                       ("reward_pool", Role.RewardModel, judge_world_size(cfg))):
@@ -326,7 +328,10 @@ def ray_factory(cfg: DictConfig):
                     spec[pool] = [int(pool_config(cfg, pool).n_gpus_per_node)] * int(pool_config(cfg, pool).nnodes)
                     mapping[role] = pool
             managers.append(ResourcePoolManager(spec, mapping, use_gpu=trainer.device == "cuda"))
-            managers[0].create_resource_pool()
+            try:
+                managers[0].create_resource_pool()
+            except RuntimeError as e:  # the cluster is smaller than the config asks for: the numbers, no traceback
+                raise ConfigError(str(e)) from None
         return managers[0]
 
     def build(classes: dict[str, ClassWithInitArgs], pool: str = "global_pool") -> dict[str, WorkerGroup]:
@@ -334,6 +339,7 @@ def ray_factory(cfg: DictConfig):
         ray_classes = {k: RayClassWithInitArgs(c.cls, *c.args, **c.kwargs) for k, c in classes.items()}
         group = RayWorkerGroup(manager().get_resource_pool(role), create_colocated_worker_cls(ray_classes, _runtime(cfg)),
                                name_prefix=pool, call_timeout_s=cfg.trainer.worker_call_timeout_s)
+        print(f"rlfoundry: {group.placement_summary()}", flush=True)
         return group.spawn(classes.keys())
 
     return build

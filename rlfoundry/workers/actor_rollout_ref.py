@@ -237,6 +237,9 @@ class ActorRolloutRefWorker(Worker):
         out = oom.backoff_of(self).run("generate_sequences", len(prompts), lambda rows: self._generate(prompts, rows))
         out.meta_info["generate_seconds"] = time.perf_counter() - start  # the rollout pool's busy time
         out.non_tensor_batch["param_version"] = np.full(len(out), self.rollout_version, dtype=object)
+        if not self.config.rollout.calculate_log_probs and "rollout_log_probs" in out.batch.keys():
+            # verl's rollout.calculate_log_probs (on wherever the run reads them: trainer/config.py)
+            out.pop(batch_keys=["rollout_log_probs"])
         return out.to("cpu")
 
     def _generate(self, prompts: DataProto, rows: int) -> DataProto:

@@ -1,8 +1,10 @@
-"""Two simulated nodes (ray.cluster_utils.Cluster, 1 CPU each): placement across nodes and pool checks."""
+"""Two simulated nodes (ray.cluster_utils.Cluster, 1 CPU each): placement across nodes, pool checks, and a
+node whose raylet is killed mid-collective reported as ``NodeDiedError`` naming the node, roles and rank."""
 
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from ray.cluster_utils import Cluster
 
 from rlfoundry.single_controller import (
     Dispatch,
+    NodeDiedError,
     RayClassWithInitArgs,
     RayWorkerGroup,
     ResourcePoolManager,
@@ -38,6 +41,16 @@ class NodeWorker(Worker):
         t = torch.tensor([self.rank + 1.0])
         dist.all_reduce(t)
         return t.item()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce_for(self, seconds: float):
+        """Collectives back to back for ``seconds``: a peer that goes away breaks one of them."""
+        self.init_distributed(timeout_s=60)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.01)
+        return self.rank
 
 
 def _forget_marker(address: str) -> None:
@@ -86,3 +99,61 @@ def test_pool_larger_than_any_node_is_a_clear_error(two_nodes):
     manager = ResourcePoolManager({"global_pool": [2]}, {Role.ActorRollout: "global_pool"})
     with pytest.raises(RuntimeError, match=r"resource pool 'global_pool' needs 2 processes x \{'CPU': 1\} on one node"):
         manager.create_resource_pool()
+
+
+def test_a_pool_takes_distinct_nodes_even_where_one_node_could_hold_it(two_nodes):
+    # Two half-CPU processes fit on one 1-CPU node; nnodes=2 still means two nodes.
+    manager = ResourcePoolManager({"global_pool": [1, 1]}, {Role.ActorRollout: "global_pool"}, cpus_per_worker=0.5)
+    manager.create_resource_pool()
+    pool = manager.get_resource_pool(Role.ActorRollout)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), name_prefix="actor_rollout")
+    try:
+        nodes = [node for _, _, node in group.placement()]
+        assert nodes == pool.node_ids == group.rank_nodes and len(set(nodes)) == 2
+        assert f"rank 1 on node 127.0.0.1 ({nodes[1]})" in group.placement_summary()
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+def test_a_pool_over_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes):
+    manager = ResourcePoolManager({"global_pool": [1, 1, 1]}, {Role.ActorRollout: "global_pool"}, cpus_per_worker=0.25)
+    with pytest.raises(RuntimeError, match=r"'global_pool' spans 3 nodes .* but the Ray cluster has 2 live nodes"):
+        manager.create_resource_pool()
+
+
+DETECT_S = 60  # from the raylet's death to the error: Ray's health checks (~15 s by default) + our wait
+
+
+def test_a_killed_raylet_is_reported_naming_the_node_roles_and_rank(two_nodes):
+    """Last in the module: the node it adds is killed. The surviving rank's gloo error comes first;
+    the driver waits for Ray to declare the node dead and names it."""
+    extra = two_nodes.add_node(num_cpus=1)
+    two_nodes.wait_for_nodes()
+    head = two_nodes.head_node.node_id
+    manager = ResourcePoolManager({"global_pool": [1, 1]}, {Role.ActorRollout: "global_pool"})
+    manager.create_resource_pool()
+    pool = manager.get_resource_pool(Role.ActorRollout)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(NodeWorker), name_prefix="global_pool/actor_rollout")
+    try:
+        nodes = group.rank_nodes
+        victim_rank = next(r for r, node in enumerate(nodes) if node != head)  # never the head: the driver needs it
+        victim = next(n for n in [extra, *two_nodes.worker_nodes] if n.node_id == nodes[victim_rank])
+        future = group.execute_all_async("all_reduce_for", 120)
+        time.sleep(3)  # the collectives are running
+        victim.kill_raylet()
+        killed = time.monotonic()
+        with pytest.raises(NodeDiedError) as info:
+            future.get()
+        took = time.monotonic() - killed
+        err = info.value
+        assert (err.node_id, err.ranks, err.node_ip) == (nodes[victim_rank], [victim_rank], "127.0.0.1")
+        msg = str(err)
+        assert f"Ray node 127.0.0.1 (node id {nodes[victim_rank]}) died" in msg
+        assert f"worker group 'global_pool/actor_rollout' ran 'all_reduce_for': rank {victim_rank} of " in msg
+        assert "trainer.resume_mode=auto to continue from the newest intact checkpoint" in msg
+        assert took < DETECT_S, took
+        print(f"node death reported {took:.1f} s after the raylet was killed: {msg}")
+    finally:
+        group.shutdown()
+        pool.remove()

@@ -328,6 +328,24 @@ def test_checkpoint_contents_take_effect_and_bad_lists_are_start_up_errors():
         _load("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.checkpoint.save_contents=[model]")
 
 
+def test_calculate_log_probs_is_on_exactly_where_asked_or_read():
+    from rlfoundry.trainer.config import auto_choices
+
+    def on(*overrides):
+        cfg = _load(*overrides)
+        return resolve_config(cfg, steps_per_epoch=1, cuda_available=False).actor_rollout_ref.rollout.calculate_log_probs
+
+    recompute = "actor_rollout_ref.actor.use_rollout_log_probs=false"
+    assert on(recompute) is False  # verl's default: the rollout returns none
+    assert on(recompute, "actor_rollout_ref.rollout.calculate_log_probs=true") is True
+    assert on() is False  # two mini-batches a step: the old log-probs are recomputed
+    assert on("actor_rollout_ref.actor.ppo_mini_batch_size=16") is True  # reused as the old log-probs
+    assert on(recompute, "algorithm.rollout_correction.rollout_is=token") is True
+    cfg = _load(recompute, "algorithm.rollout_correction.rollout_is=token")
+    lines = auto_choices(cfg, resolve_config(cfg, steps_per_epoch=1, cuda_available=False))
+    assert "actor_rollout_ref.rollout.calculate_log_probs=true: algorithm.rollout_correction reads" in "\n".join(lines)
+
+
 def test_effective_keys_give_no_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -613,3 +631,9 @@ def test_packaged_tool_and_interaction_configs_resolve_from_any_directory(tmp_pa
         assert Path(resolve_asset_path(f"rlfoundry://config/{name}")).is_file()
     cfg = load_config([], config_name="calculator_grpo")
     validate_config(cfg)  # raises unless the overlay's rlfoundry://config/tools/calculator.yaml loads from here
+
+
+def test_process_backend_over_several_nodes_says_it_is_single_node():
+    with pytest.raises(ConfigError, match=r"trainer.worker_backend=process is single-node \(processes on this machine\), "
+                       r"but trainer.nnodes=2; use trainer.worker_backend=ray for several nodes"):
+        load_config(["trainer.worker_backend=process", "trainer.nnodes=2", "trainer.n_gpus_per_node=1"])

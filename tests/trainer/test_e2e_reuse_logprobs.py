@@ -43,7 +43,8 @@ def _run(model, run_dir, reward, *extra):
 ])
 def test_skipping_the_old_log_prob_pass_trains_identically(tiny_model_dir, tmp_path, variant):
     reward = E.write_reward_file(tmp_path)
-    off = _run(tiny_model_dir, tmp_path / "off", reward, *variant, "actor_rollout_ref.actor.use_rollout_log_probs=false")
+    off = _run(tiny_model_dir, tmp_path / "off", reward, *variant, "actor_rollout_ref.actor.use_rollout_log_probs=false",
+               "actor_rollout_ref.rollout.calculate_log_probs=true")  # for training/rollout_probs_diff_*
     on = _run(tiny_model_dir, tmp_path / "on", reward, *variant, REUSE)
 
     # recomputed, the HF rollout and the actor score the sampled tokens alike (same weights, T, no top-k/p)

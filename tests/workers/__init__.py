@@ -32,6 +32,7 @@ def worker_config(model_dir: Path, overrides: list[str] | None = None) -> DictCo
             "name": "hf", "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "do_sample": True,
             "response_length": 12, "prompt_length": 24, "log_prob_micro_batch_size_per_gpu": 4,
             "log_prob_use_dynamic_bsz": False, "log_prob_max_token_len_per_gpu": 4096, "seed": 7,
+            "calculate_log_probs": True,  # the rollout tests compare its log-probs with the actor's
             "gpu_memory_utilization": 0.5, "tensor_model_parallel_size": 1,  # vLLM-only: accepted, ignored
             "val_kwargs": {"n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "do_sample": False},
         },

@@ -219,3 +219,14 @@ def test_the_kv_cache_goes_by_the_keyword_the_installed_transformers_takes(group
         out = group.generate_sequences(_with_meta(prompts, n=2))
         out.meta_info["temperature"] = 1.0
         group.compute_log_prob(out)
+
+
+def test_rollout_log_probs_are_returned_only_with_calculate_log_probs(tiny_model_dir, prompts):
+    """verl's rollout.calculate_log_probs: off, the batch carries no rollout_log_probs (the trainer
+    then logs no training/rollout_probs_diff_*); on, it does (worker_config turns it on)."""
+    off = local_worker(worker_config(tiny_model_dir, ["rollout.calculate_log_probs=false"]))
+    out = off.generate_sequences(prompts)
+    assert "rollout_log_probs" not in out.batch.keys() and "responses" in out.batch.keys()
+    with_them = local_worker(worker_config(tiny_model_dir)).generate_sequences(prompts)
+    assert with_them.batch["rollout_log_probs"].shape == out.batch["responses"].shape
+    torch.testing.assert_close(with_them.batch["responses"], out.batch["responses"], rtol=0, atol=0)  # same draw

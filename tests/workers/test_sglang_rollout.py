@@ -192,7 +192,8 @@ def test_grpo_two_steps_end_to_end_with_sglang(vllm_model_dir, tmp_path):
         "data.synthetic.train_size=32", "data.synthetic.val_size=4", "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_response_length=6",
-        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.logger=file", "trainer.test_freq=2"])
+        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.logger=file", "trainer.test_freq=2",
+        "actor_rollout_ref.rollout.calculate_log_probs=true"])  # training/rollout_probs_diff_* are logged
     result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["global_step"] == 2 and result["engine"] == "SGLangRollout"
     assert result["syncs"] == 3  # load_format=dummy_dtensor start-up + one per actor update

@@ -309,7 +309,9 @@ def _two_vllm_grpo_steps(model_dir, run_dir, *extra: str) -> list[str]:
         "data.synthetic.train_size=32", "data.synthetic.val_size=4", "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.max_response_length=6",
-        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.logger=file", *extra,
+        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.logger=file",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",  # training/rollout_probs_diff_* are logged
+        *extra,
     ]
 
 

@@ -3,6 +3,8 @@ from rlfoundry.single_controller.base.decorator import Dispatch, Execute, regist
 from rlfoundry.single_controller.base.worker import Worker
 from rlfoundry.single_controller.base.worker_group import (
     ClassWithInitArgs,
+    NodeDiedError,
+    PeerLostError,
     WorkerCallTimeout,
     WorkerDiedError,
     WorkerFuture,
@@ -14,6 +16,8 @@ __all__ = [
     "ClassWithInitArgs",
     "Dispatch",
     "Execute",
+    "NodeDiedError",
+    "PeerLostError",
     "Worker",
     "WorkerCallTimeout",
     "WorkerDiedError",

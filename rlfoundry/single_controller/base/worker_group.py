@@ -21,6 +21,9 @@ class WorkerGroupError(RuntimeError):
     """Base class of the errors a worker group raises on the driver."""
 
 
+RESUME_HINT = "rerun the same command with trainer.resume_mode=auto to continue from the newest intact checkpoint"
+
+
 class WorkerDiedError(WorkerGroupError):
     """A worker process of the group exited (crash, OOM kill, node loss) before answering."""
 
@@ -29,8 +32,39 @@ class WorkerDiedError(WorkerGroupError):
         super().__init__(
             f"worker group {group!r} rank {rank} died while running {method!r}"
             f"{f': {type(cause).__name__}: {cause}' if cause else ''}. The other ranks of the group "
-            "cannot continue; check that worker's log (OOM killer, segfault) and restart the run "
-            "(resume from the last checkpoint)."
+            f"cannot continue; check that worker's log (OOM killer, segfault) and {RESUME_HINT}."
+        )
+
+
+class NodeDiedError(WorkerDiedError):
+    """A node of the Ray cluster died (its raylet was killed, the machine went away) holding ranks of the group.
+
+    ``seen``: what the surviving rank that noticed first raised (a collective's reset connection), if any.
+    """
+
+    def __init__(self, group: str, ranks: list[int], method: str, node_ip: str, node_id: str, roles: list[str],
+                 seen: str | None = None):
+        WorkerGroupError.__init__(
+            self,
+            f"Ray node {node_ip} (node id {node_id}) died while worker group {group!r} ran {method!r}: rank"
+            f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {', '.join(roles)} ran on it"
+            f"{f' (a surviving rank saw {seen})' if seen else ''}. The run cannot continue without "
+            f"{'them' if len(ranks) > 1 else 'it'}; bring the node back (or give the cluster the same "
+            f"resources) and {RESUME_HINT}."
+        )
+        self.group, self.rank, self.ranks, self.method = group, ranks[0], ranks, method
+        self.node_ip, self.node_id, self.roles = node_ip, node_id, roles
+
+
+class PeerLostError(WorkerGroupError):
+    """A rank's collective lost its connection to a peer, and no node or worker was reported dead in time."""
+
+    def __init__(self, group: str, rank: int, node: str, method: str, seen: str, waited_s: float):
+        self.group, self.rank, self.method = group, rank, method
+        super().__init__(
+            f"worker group {group!r} rank {rank} (on node {node}) lost its connection to a peer while running "
+            f"{method!r}: {seen}. No node or worker of the group was reported dead within {waited_s:g} s; check "
+            f"the network between the nodes and the other ranks' logs, then {RESUME_HINT}."
         )
 
 

@@ -6,11 +6,14 @@
 
 Calls go through the same dispatch → execute → collect core as the local back end
 (``base/worker_group.py``); this file only places actors and waits for their results, turning a
-dead actor into ``WorkerDiedError`` (naming group and rank) and a slow call into ``WorkerCallTimeout``.
+dead actor into ``WorkerDiedError`` (naming group and rank), a lost node — Ray's node death, or
+the reset connection a surviving rank's collective sees first — into ``NodeDiedError`` (naming the
+node, the group's roles and the ranks on it) and a slow call into ``WorkerCallTimeout``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections import Counter
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlfoundry.protocol import DataProto
@@ -28,6 +31,8 @@ from rlfoundry.single_controller.base.decorator import Execute, RankCalls
 from rlfoundry.single_controller.base.worker import Worker
 from rlfoundry.single_controller.base.worker_group import (
     ClassWithInitArgs,
+    NodeDiedError,
+    PeerLostError,
     WorkerCallTimeout,
     WorkerDiedError,
     WorkerGroup,
@@ -35,8 +40,27 @@ from rlfoundry.single_controller.base.worker_group import (
 )
 
 _BULKY = (DataProto, torch.Tensor, np.ndarray)
+NODE_LABEL = "ray.io/node-id"  # the label every Ray node carries (a placement group can exclude nodes by it)
+# What a rank's collective (gloo, NCCL, the TCP store) raises when a peer's process or node went away.
+_PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|ECONNRESET|"
+                        r"NCCL communicator was aborted|remote process exited|DistNetworkError")
 
 __all__ = ["RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup", "create_colocated_worker_cls"]
+
+
+def _peer_lost_line(error: BaseException) -> str | None:
+    """The line of a worker's error that says its collective lost a peer (None: some other error)."""
+    text = str(getattr(error, "cause", None) or error)
+    for line in reversed(text.splitlines()):
+        found = _PEER_LOST.search(line)
+        if found:  # up to the match, without gloo's source location: "Read error [10.0.0.2]:2996: Connection reset by peer"
+            return re.sub(r"^\s*\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line[:found.end()])[-300:]
+    return None
+
+
+def _node_death_wait(error: BaseException) -> float:
+    """Seconds to wait for ray.nodes() to show a node death that Ray's actor error already mentions."""
+    return 5.0 if re.search(r"node.{0,40}(died|dead)", str(error), re.IGNORECASE) else 0.0
 
 
 class RayClassWithInitArgs(ClassWithInitArgs):
@@ -56,7 +80,9 @@ class RayResourcePool:
     A bundle is ``{"CPU": cpus_per_worker}`` plus ``{"GPU": 1}`` with ``use_gpu``. Up to
     ``max_colocate_count`` worker groups (separate processes) may share a bundle; roles colocated
     in one process (``create_colocated_worker_cls``) count as one. Placement groups are created on
-    first use; Ray decides which node each one lands on (STRICT_PACK keeps a group on one node).
+    first use; Ray picks each one's node (STRICT_PACK keeps a group on one node), excluding the nodes
+    the pool's earlier groups took, so ``[n] * nnodes`` is ``nnodes`` distinct nodes as configured
+    (Ray alone may pack two small groups onto one big node). ``node_ids``: where each group landed.
     """
 
     def __init__(
@@ -74,6 +100,7 @@ class RayResourcePool:
         self.use_gpu, self.max_colocate_count = use_gpu, max_colocate_count
         self.name_prefix, self.cpus_per_worker, self.ready_timeout_s = name_prefix, cpus_per_worker, ready_timeout_s
         self._pgs = None
+        self.node_ids: list[str] = []
 
     @property
     def world_size(self) -> int:
@@ -92,31 +119,39 @@ class RayResourcePool:
 
     def get_placement_groups(self) -> list:
         if self._pgs is None:
-            tag = uuid.uuid4().hex[:8]
-            pgs = [
-                placement_group([self.bundle] * n, strategy="STRICT_PACK", name=f"{self.name_prefix}_{tag}_{i}")
-                for i, n in enumerate(self.process_on_nodes)
-            ]
-            ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.ready_timeout_s)
-            if len(ready) < len(pgs):
-                for pg in pgs:
-                    remove_placement_group(pg)
-                raise RuntimeError(
-                    f"resource pool {self.name_prefix!r} could not reserve {self.process_on_nodes} processes per "
-                    f"node x {self.bundle} within {self.ready_timeout_s:g} s; cluster has "
-                    f"{ray.cluster_resources()} in total, {ray.available_resources()} free."
-                )
-            self._pgs = pgs
+            tag, deadline = uuid.uuid4().hex[:8], time.monotonic() + self.ready_timeout_s
+            pgs, nodes = [], []
+            for i, n in enumerate(self.process_on_nodes):
+                # One at a time: each group must know the nodes taken before it (pg.wait asks the GCS, no task).
+                exclude = {"bundle_label_selector": [{NODE_LABEL: f"!in({','.join(nodes)})"}] * n} if nodes else {}
+                pgs.append(placement_group([self.bundle] * n, strategy="STRICT_PACK",
+                                           name=f"{self.name_prefix}_{tag}_{i}", **exclude))
+                if not pgs[-1].wait(max(0.0, deadline - time.monotonic())):
+                    for pg in pgs:
+                        remove_placement_group(pg)
+                    raise RuntimeError(
+                        f"resource pool {self.name_prefix!r} could not reserve {self.process_on_nodes} processes per "
+                        f"node x {self.bundle}, each entry on its own node, within {self.ready_timeout_s:g} s; "
+                        f"cluster has {ray.cluster_resources()} in total, {ray.available_resources()} free, on "
+                        f"{sum(node['Alive'] for node in ray.nodes())} live nodes."
+                    )
+                nodes.append(placement_group_table(pgs[-1])["bundles_to_node_id"][0])
+            self._pgs, self.node_ids = pgs, nodes
         return self._pgs
 
     def placements(self) -> list[tuple]:
         """(placement group, bundle index = local rank, processes on that node) for each global rank."""
         return [(pg, i, n) for pg, n in zip(self.get_placement_groups(), self.process_on_nodes) for i in range(n)]
 
+    def rank_nodes(self) -> list[str]:
+        """The Ray node id of each global rank."""
+        self.get_placement_groups()
+        return [node for node, n in zip(self.node_ids, self.process_on_nodes) for _ in range(n)]
+
     def remove(self) -> None:
         for pg in self._pgs or []:
             remove_placement_group(pg)
-        self._pgs = None
+        self._pgs, self.node_ids = None, []
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -124,6 +159,9 @@ class RayWorkerGroup(WorkerGroup):
 
     ``call_timeout_s``: how long any call may take before ``WorkerCallTimeout`` (None: no limit;
     a dead worker is still reported as soon as Ray notices, usually within a second or two).
+    ``peer_loss_wait_s``: when a rank's collective reports a lost peer, how long to wait for Ray to
+    say which node or worker died (a killed raylet is declared dead after its missed health checks,
+    about 15 s with Ray's defaults) before reporting the lost connection alone (``PeerLostError``).
     """
 
     def __init__(
@@ -133,6 +171,7 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: str | None = None,
         call_timeout_s: float | None = None,
         start_timeout_s: float = 300,
+        peer_loss_wait_s: float = 60,
     ):
         if not issubclass(ray_cls_with_init.cls, Worker):
             raise TypeError(f"{ray_cls_with_init.cls.__name__} must subclass rlfoundry.single_controller.Worker")
@@ -140,9 +179,17 @@ class RayWorkerGroup(WorkerGroup):
         self.world_size = resource_pool.world_size
         self.worker_cls = ray_cls_with_init.cls
         self.resource_pool = resource_pool
-        self.call_timeout_s = call_timeout_s
+        self.call_timeout_s, self.peer_loss_wait_s = call_timeout_s, peer_loss_wait_s
+        self.roles = sorted(getattr(self.worker_cls, "colocated_roles", None) or [self.name])  # all of a rank's roles
+        self.rank_nodes = resource_pool.rank_nodes()  # reserves the pool's nodes if not done yet
         self.workers = self._start_workers(resource_pool, ray_cls_with_init, start_timeout_s)
         bind_worker_methods(self)
+
+    def placement_summary(self) -> str:
+        """One line: which node each rank runs on (the trainer prints it at start-up)."""
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        where = ", ".join(f"rank {r} on node {ips.get(node, '?')} ({node})" for r, node in enumerate(self.rank_nodes))
+        return f"worker group {self.name!r} ({', '.join(self.roles)}): {where}"
 
     def _start_workers(self, pool: RayResourcePool, cls_init: ClassWithInitArgs, start_timeout_s: float) -> list:
         remote_cls = ray.remote(cls_init.cls)
@@ -204,17 +251,62 @@ class RayWorkerGroup(WorkerGroup):
             if not ready:
                 raise WorkerCallTimeout(self.name, sorted(rank_of[r] for r in pending), method, timeout_s)
             for ref in ready:
-                results[rank_of[ref]] = self._get_one(ref, rank_of[ref], method)
+                results[rank_of[ref]] = self._get_one(ref, rank_of[ref], method, [(rank_of[r], r) for r in pending])
         return results
 
-    def _get_one(self, ref, rank: int, method: str):
+    def _get_one(self, ref, rank: int, method: str, others: list):
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            raise WorkerDiedError(self.name, rank, method, e) from e
+            raise self._actor_lost(method, rank, e) from e
         except ray.exceptions.RayTaskError as e:
+            seen = _peer_lost_line(e)
+            if seen is not None:  # a peer's process or node went away mid-collective: find out which
+                raise self._lost_peer(method, rank, seen, others) from e
             e.add_note(f"raised in worker group {self.name!r} rank {rank}, method {method!r}")
             raise
+
+    def _dead_node(self, method: str, seen: str | None = None, wait_s: float = 0) -> NodeDiedError | None:
+        """``NodeDiedError`` for the first node of this group that Ray reports dead (polled up to ``wait_s``)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if not n["Alive"]}
+            for node in dict.fromkeys(self.rank_nodes):
+                if node in dead:
+                    ranks = [r for r, n in enumerate(self.rank_nodes) if n == node]
+                    return NodeDiedError(self.name, ranks, method, dead[node], node, self.roles, seen)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.25)
+
+    def _actor_lost(self, method: str, rank: int, error: BaseException, seen: str | None = None,
+                    wait_s: float | None = None) -> WorkerDiedError:
+        """A rank's actor died, or is unreachable (its raylet was killed: Ray says "unavailable" at once
+        and "dead" only after the node's health checks fail): the dead node once Ray reports it, else
+        that worker."""
+        unavailable = isinstance(error, getattr(ray.exceptions, "ActorUnavailableError", ()))
+        if wait_s is None:
+            wait_s = self.peer_loss_wait_s if unavailable else _node_death_wait(error)
+        return self._dead_node(method, seen, wait_s) or WorkerDiedError(self.name, rank, method, error)
+
+    def _lost_peer(self, method: str, rank: int, seen: str, others: list) -> Exception:
+        """Wait (up to ``peer_loss_wait_s``) until Ray reports the node or the worker that went away."""
+        deadline = time.monotonic() + self.peer_loss_wait_s
+        while time.monotonic() < deadline:
+            node_error = self._dead_node(method, seen)
+            if node_error is not None:
+                return node_error
+            for other, ref in others:
+                if ray.wait([ref], timeout=0)[0]:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError as e:
+                        return self._actor_lost(method, other, e, seen, max(0.0, deadline - time.monotonic()))
+                    except Exception:
+                        pass
+            time.sleep(0.5)
+        node = self.rank_nodes[rank] if rank < len(self.rank_nodes) else "?"
+        return PeerLostError(self.name, rank, node, method, seen, self.peer_loss_wait_s)
 
     def shutdown(self) -> None:
         """Kill this group's actors (the resource pool stays reserved; ``pool.remove()`` frees it)."""
