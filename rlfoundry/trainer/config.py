@@ -84,13 +84,17 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # one array comparison: there is no per-row map for worker processes to share
     "data.filter_overlong_prompts_workers",
     "actor_rollout_ref.hybrid_engine",
-    "actor_rollout_ref.model.use_shm", "actor_rollout_ref.model.enable_activation_offload",
+    "actor_rollout_ref.model.use_shm",
     "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.use_fused_kernels",
     "actor_rollout_ref.model.fused_kernel_options*", "actor_rollout_ref.rollout.layered_summon",
-    "*.use_torch_compile", "*.entropy_from_logits_with_chunking",
-    "*.entropy_checkpointing", "*.profiler.*", "*.fsdp_config.grad_offload", "*.fsdp_config.wrap_policy*",
-    "*.fsdp_config.forward_prefetch", "*.fsdp_config.offload_policy",
-    "critic.model.use_shm", "critic.model.enable_activation_offload",
+    "*.use_torch_compile",
+    # always on: entropy is computed in blocks of at most 2**25 values and its backward recomputes the
+    # softmax block by block from saved row statistics (utils/torch_functional.py)
+    "*.entropy_from_logits_with_chunking", "*.entropy_checkpointing",
+    "*.profiler.*", "*.fsdp_config.grad_offload",
+    # FSDP1's size-based wrapping; FSDP2 (verl's fsdp2 strategy and this engine) wraps by layer class
+    "*.fsdp_config.wrap_policy.min_num_params",
+    "critic.model.use_shm",
     "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
     "actor_rollout_ref.rollout.use_fire_sampling", "actor_rollout_ref.rollout.micro_batch_size",
     "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.agent.num_workers",

@@ -346,6 +346,19 @@ def test_calculate_log_probs_is_on_exactly_where_asked_or_read():
     assert "actor_rollout_ref.rollout.calculate_log_probs=true: algorithm.rollout_correction reads" in "\n".join(lines)
 
 
+def test_fsdp_memory_keys_take_effect_and_min_num_params_is_named_as_fsdp1_only():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(["actor_rollout_ref.model.enable_activation_offload=true",
+                     "critic.model.enable_activation_offload=true",
+                     "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true",
+                     "actor_rollout_ref.ref.fsdp_config.offload_policy=true",
+                     "+actor_rollout_ref.actor.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    with pytest.warns(NoEffectKeyWarning, match=r"critic.model.fsdp_config.wrap_policy.min_num_params"):
+        load_config(["critic.model.fsdp_config.wrap_policy.min_num_params=1000000"])
+
+
 def test_effective_keys_give_no_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

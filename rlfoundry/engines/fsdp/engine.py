@@ -12,6 +12,7 @@ atomic publish and a manifest of sizes and checksums (``checkpoint/state.py``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -76,6 +77,7 @@ class FSDPEngineConfig:
     use_remove_padding: bool = False
     use_shared_prompt: bool = False
     lora: lora_lib.LoraSpec | None = None  # an adapter on the frozen model (trainable models only)
+    activation_offload: bool = False  # verl's model.enable_activation_offload (fu.activation_offload)
     # Ulysses: groups of this many ranks split each packed sequence (engines/fsdp/ulysses.py)
     ulysses_sequence_parallel_size: int = 1
 
@@ -87,9 +89,11 @@ class FSDPEngineConfig:
     def for_model(cls, model: Any, fsdp: FSDPConfig, optim: OptimConfig | None = None, grad_clip: float | None = None,
                   **fields: Any) -> FSDPEngineConfig:
         """From a role's typed ``model`` subtree (its path, trust_remote_code, cpu_kernels and
-        use_remove_padding, which every role's schema has); ``fields`` sets (or replaces) the rest."""
+        use_remove_padding, which every role's schema has, and enable_activation_offload where it
+        has it); ``fields`` sets (or replaces) the rest."""
         base = dict(path=str(model.path), cpu_kernels=model.cpu_kernels, trust_remote_code=model.trust_remote_code,
-                    use_remove_padding=model.use_remove_padding)
+                    use_remove_padding=model.use_remove_padding,
+                    activation_offload=bool(getattr(model, "enable_activation_offload", False)))
         return cls(fsdp=fsdp, optim=optim, grad_clip=grad_clip, **{**base, **fields})
 
 
@@ -200,7 +204,8 @@ class FSDPEngine(TrainingEngine):
             for i, (micro, entry) in enumerate(zip(micros, entries)):
                 empty = len(micro) == 0
                 micro = zero_loss_row(mini, plan.mask_key) if empty else micro
-                out = loss_fn(self._forward(micro.batch, output, entry), micro.batch, info)
+                with fu.activation_offload(self.device) if self.config.activation_offload else contextlib.nullcontext():
+                    out = loss_fn(self._forward(micro.batch, output, entry), micro.batch, info)
                 before_backward(i == len(micros) - 1)
                 out.loss.backward()  # summed over micro-batches: the loss already divided by the global count
                 stats.add(out, 0.0 if empty else float(micro.batch[plan.mask_key].sum()))
@@ -370,8 +375,8 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
     if fast:
         _say_once(cpu_kernels.apply_cpu_kernels(module, device))
     module_dtype = next(module.parameters()).dtype
-    if fsdp.single_rank == "auto" and fu.fsdp_does_nothing(device, mixed.get("param_dtype"), fsdp.param_offload,
-                                                           module_dtype):
+    if fsdp.single_rank == "auto" and fu.fsdp_does_nothing(device, mixed.get("param_dtype"),
+                                                           fsdp.param_offload or fsdp.offload_policy, module_dtype):
         _say_once(f"one rank computing in {str(module_dtype).removeprefix('torch.')} with nothing to offload: "
                   "the model is not wrapped in FSDP2, which would only copy weights and gradients")
         return module.to(device)
@@ -379,4 +384,6 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         module, device, param_dtype=mixed.get("param_dtype"), reduce_dtype=mixed.get("reduce_dtype"),
         param_offload=fsdp.param_offload, reshard_after_forward=fsdp.reshard_after_forward, fsdp_size=fsdp.fsdp_size,
         layer_units=None if fast else True,  # the plain path keeps FSDP2's per-layer units, as on GPUs
+        layer_classes=(fsdp.wrap_policy or {}).get("transformer_layer_cls_to_wrap"),
+        forward_prefetch=fsdp.forward_prefetch, offload_policy=fsdp.offload_policy,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -52,8 +52,23 @@ def default_device() -> torch.device:
 
 # --------------------------------------------------------------------------- FSDP2
 
-def get_decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: HF's ``_no_split_modules`` classes, else ModuleList items."""
+def get_decoder_layers(module: nn.Module, classes: Sequence[str] | None = None) -> list[nn.Module]:
+    """The repeated transformer blocks: HF's ``_no_split_modules`` classes, else ModuleList items.
+
+    ``classes`` (verl's ``fsdp_config.wrap_policy.transformer_layer_cls_to_wrap``): the modules of
+    these class names instead, plus, as verl's FSDP2 wrapping does, the embeddings when the model
+    does not tie them to the LM head. A name that matches no module is an error naming the key.
+    """
+    classes = [classes] if isinstance(classes, str) else classes
+    if classes:
+        tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
+        units = [m for m in module.modules()
+                 if type(m).__name__ in set(classes) or (isinstance(m, nn.Embedding) and not tied)]
+        if not any(type(m).__name__ in set(classes) for m in units):
+            raise ValueError(f"fsdp_config.wrap_policy.transformer_layer_cls_to_wrap={list(classes)} names no "
+                             f"module of {type(module).__name__}; its layer classes: "
+                             f"{sorted(getattr(module, '_no_split_modules', None) or [])}")
+        return units
     names = set(getattr(module, "_no_split_modules", None) or [])
     layers = [m for m in module.modules() if type(m).__name__ in names]
     if layers:
@@ -116,6 +131,9 @@ def apply_fsdp2(
     mesh: Any = None,
     fsdp_size: int = -1,
     layer_units: bool | None = None,
+    layer_classes: Sequence[str] | None = None,
+    forward_prefetch: bool = False,
+    offload_policy: bool = False,
 ) -> nn.Module:
     """Shard ``module`` in place with FSDP2: each decoder layer is its own unit, then the root.
 
@@ -129,6 +147,12 @@ def apply_fsdp2(
     ``fsdp_size=1``, or a single rank) the root is the only unit. Per-layer units there save no
     memory and cannot overlap their gradient all-reduces with compute (gloo collectives block), so
     one all-reduce of all gradients replaces one per layer (~7 % off a 2-rank CPU update).
+
+    verl's FSDP2 keys: ``layer_classes`` (``wrap_policy.transformer_layer_cls_to_wrap``) names the
+    unit classes and makes units even where ``layer_units`` would not; ``forward_prefetch``: each
+    unit starts the next one's all-gather before its own forward runs (FSDP1's ``forward_prefetch``,
+    FSDP2's ``set_modules_to_forward_prefetch``); ``offload_policy``: FSDP2's ``CPUOffloadPolicy``
+    (parameters, gradients and the optimiser step on the host), like ``param_offload`` GPU-only.
     """
     device = torch.device(device)
     _ensure_process_group(device)
@@ -142,18 +166,31 @@ def apply_fsdp2(
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
     }
-    if param_offload and on_gpu:
+    if (param_offload or offload_policy) and on_gpu:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     else:
         module.to(device)
-    if layer_units is None:
-        layer_units = on_gpu or mesh.size(-1) > 1  # the last mesh dimension is the one that shards
-    for layer in get_decoder_layers(module) if layer_units else []:
+    if layer_units is None or layer_classes:
+        layer_units = on_gpu or mesh.size(-1) > 1 or bool(layer_classes)  # the last mesh dim is the one that shards
+    units = get_decoder_layers(module, layer_classes) if layer_units else []
+    for layer in units:
         fully_shard(layer, **kwargs)
         layer._rlf_reshard_after_forward = bool(reshard_after_forward)
+    if forward_prefetch:
+        for unit, after in zip(units, units[1:]):
+            unit.set_modules_to_forward_prefetch([after])
     fully_shard(module, **kwargs)
     module._rlf_reshard_after_forward = bool(reshard_after_forward)
     return module
+
+
+def activation_offload(device: torch.device) -> contextlib.AbstractContextManager:
+    """verl's ``model.enable_activation_offload``: tensors the forward saves for backward wait in
+    pinned host memory instead of the accelerator's (copied back as backward reaches them). On the
+    CPU they already live in host memory, so nothing is done (a copy would only double them)."""
+    if device.type == "cuda":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return contextlib.nullcontext()
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
