@@ -37,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.schema import PPOConfig
-from rlfoundry.config.training_engines import engine_plugin
+from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
 from rlfoundry.utils.tracking import VERL_ONLY_BACKENDS, SUPPORTED_BACKENDS
 
@@ -105,7 +105,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
     "reward_model.launch_reward_fn_async",
     "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
-    "trainer.val_generations_to_log_to_wandb", "trainer.esi_redundant_time",
+    "trainer.esi_redundant_time",
     "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",
     "trainer.ray_wait_register_center_timeout", "trainer.use_legacy_worker_impl",
     "ray_init.timeline_json_file",
@@ -267,18 +267,24 @@ def _agree(new: Any, old: Any) -> bool:
     return new == old
 
 
+# verl <= 0.2's names of keys that verl renamed since: old name -> the key rlfoundry reads.
+VERL_OLD_NAMES = {"trainer.val_generations_to_log_to_wandb": "trainer.log_val_generations"}
+
+
 def adopt_verl_reward_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
-    """Copy each ``reward.*`` key the user set onto its older place; one setting spelled both ways
-    must agree (else a ConfigError naming both)."""
-    for new, old in VERL_REWARD_KEYS.items():
-        if not _set_by_user(user_keys, new):
+    """Copy each ``reward.*`` key the user set onto its older place, and each of verl <= 0.2's old
+    names onto the key read; one setting spelled both ways must agree (else a ConfigError naming both)."""
+    spellings = [(new, old, "verl >= 0.7", "older verl") for new, old in VERL_REWARD_KEYS.items()]
+    spellings += [(old, new, "verl <= 0.2", "verl's current name") for old, new in VERL_OLD_NAMES.items()]
+    for given, read, given_by, read_by in spellings:
+        if not _set_by_user(user_keys, given):
             continue
-        value, before = OmegaConf.select(cfg, new), OmegaConf.select(cfg, old)
-        if _set_by_user(user_keys, old) and not _agree(_plain(value), _plain(before)):
-            raise ConfigError(f"{new} (verl >= 0.7) and {old} (older verl) are one setting and were given "
+        value, before = OmegaConf.select(cfg, given), OmegaConf.select(cfg, read)
+        if _set_by_user(user_keys, read) and not _agree(_plain(value), _plain(before)):
+            raise ConfigError(f"{given} ({given_by}) and {read} ({read_by}) are one setting and were given "
                               f"different values ({_plain(value)} vs {_plain(before)}); set one of them.")
         with open_dict(cfg):  # the older dicts take the new keys (struct mode would refuse them)
-            OmegaConf.update(cfg, old, value, merge=isinstance(value, DictConfig))
+            OmegaConf.update(cfg, read, value, merge=isinstance(value, DictConfig))
 
 
 # verl's deprecated global micro-batch keys and the per-rank keys that replaced them.
@@ -469,8 +475,12 @@ def _check_batch_sizes(cfg: DictConfig) -> list[str]:
 
 def _data_parallel_size(role: DictConfig, ws: int) -> int:
     """The ranks a role's mini-batch is split over, as its engine splits them (a layout that does not
-    divide the ranks is reported by the engine's own check, ``_check_engines``)."""
-    return engine_plugin(role.get("strategy", "fsdp")).data_parallel_size(
+    divide the ranks is reported by the engine's own check, ``_check_engines``). A strategy no engine
+    is registered under (reported by the choice check) splits over all ranks."""
+    strategy = role.get("strategy", "fsdp")
+    if strategy not in TRAINING_ENGINES:
+        return ws
+    return engine_plugin(strategy).data_parallel_size(
         ws, role.get("megatron"), int(role.get("ulysses_sequence_parallel_size", 1) or 1))
 
 
@@ -626,7 +636,9 @@ def _check_engines(cfg: DictConfig) -> list[str]:
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
     by_engine: dict[str, list[str]] = {}
     for key in roles:
-        by_engine.setdefault(engine_plugin(OmegaConf.select(cfg, f"{key}.strategy")).name, []).append(key)
+        strategy = OmegaConf.select(cfg, f"{key}.strategy")
+        if strategy in TRAINING_ENGINES:  # an unknown one is the choice check's error, named there
+            by_engine.setdefault(engine_plugin(strategy).name, []).append(key)
     ws = world_size(cfg)
     return [e for name, keys in by_engine.items() for e in engine_plugin(name).check(cfg, keys, ws)]
 
@@ -908,15 +920,18 @@ def _resolve_device(device: str, cuda_available: bool) -> str:
 
 
 def _resolve_micro_batches(out: DictConfig, ws: int) -> None:
-    """Deprecated global micro-batch keys → per-rank keys; missing log-prob sizes fall back to the actor's."""
+    """Deprecated global micro-batch keys → per-rank keys, divided over each role's data-parallel ranks
+    (as verl and the start-up check divide them); missing log-prob sizes fall back to the actor's."""
     arr = out.actor_rollout_ref
-    actor = arr.actor
-    actor.ppo_micro_batch_size_per_gpu = per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, ws)
-    for node in (arr.rollout, arr.ref):
-        size = per_gpu(node.log_prob_micro_batch_size_per_gpu, node.log_prob_micro_batch_size, ws)
+    actor, dp = arr.actor, _data_parallel_size(arr.actor, ws)
+    actor.ppo_micro_batch_size_per_gpu = per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
+    for node, policy in ((arr.rollout, arr.actor), (arr.ref, arr.ref)):
+        size = per_gpu(node.log_prob_micro_batch_size_per_gpu, node.log_prob_micro_batch_size,
+                       _data_parallel_size(policy, ws))
         node.log_prob_micro_batch_size_per_gpu = size or actor.ppo_micro_batch_size_per_gpu
     critic = out.critic
-    critic.ppo_micro_batch_size_per_gpu = per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, ws)
+    critic.ppo_micro_batch_size_per_gpu = per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size,
+                                                  _data_parallel_size(critic, ws))
     rm = out.reward_model
     rm.micro_batch_size_per_gpu = per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, ws)
 

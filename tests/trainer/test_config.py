@@ -242,7 +242,7 @@ def test_no_effect_keys_give_exactly_one_warning_naming_them():
         load_config([
             "actor_rollout_ref.model.use_shm=true",
             "actor_rollout_ref.rollout.enable_chunked_prefill=False",
-            "trainer.val_generations_to_log_to_wandb=10",
+            "trainer.default_hdfs_dir=hdfs://x",
             "actor_rollout_ref.model.use_shm=false",  # set twice: still named once
         ])
     ours = [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
@@ -250,7 +250,7 @@ def test_no_effect_keys_give_exactly_one_warning_naming_them():
     text = str(ours[0].message)
     assert text.count("actor_rollout_ref.model.use_shm") == 1
     assert "actor_rollout_ref.rollout.enable_chunked_prefill" in text
-    assert "trainer.val_generations_to_log_to_wandb" in text
+    assert "trainer.default_hdfs_dir" in text
 
 
 def test_ulysses_takes_effect_and_bad_layouts_are_start_up_errors():
@@ -357,6 +357,19 @@ def test_fsdp_memory_keys_take_effect_and_min_num_params_is_named_as_fsdp1_only(
     assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
     with pytest.warns(NoEffectKeyWarning, match=r"critic.model.fsdp_config.wrap_policy.min_num_params"):
         load_config(["critic.model.fsdp_config.wrap_policy.min_num_params=1000000"])
+
+
+def test_verls_old_name_val_generations_to_log_to_wandb_is_log_val_generations():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(["trainer.val_generations_to_log_to_wandb=10"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert cfg.trainer.log_val_generations == 10
+    same = load_config(["trainer.val_generations_to_log_to_wandb=3", "trainer.log_val_generations=3"])
+    assert same.trainer.log_val_generations == 3
+    with pytest.raises(ConfigError, match=r"trainer.val_generations_to_log_to_wandb \(verl <= 0.2\) and "
+                                          r"trainer.log_val_generations .* different values \(3 vs 5\)"):
+        _load("trainer.val_generations_to_log_to_wandb=3", "trainer.log_val_generations=5")
 
 
 def test_effective_keys_give_no_warning():
