@@ -105,15 +105,23 @@ def _infer_status(run_status: str | None, code: int | None, stderr: str) -> str:
 # ---- the server -------------------------------------------------------------------------------
 
 
-def _limits_for(request: dict, defaults: SandboxLimits) -> SandboxLimits:
+def _limits_for(request: dict, defaults: SandboxLimits, caps: SandboxLimits) -> SandboxLimits:
+    """The request's limits, never above the server's ``caps`` (a client must not buy unbounded time or memory)."""
     wall = float(request.get("run_timeout") or defaults.wall_time_s)
+    if not math.isfinite(wall) or wall <= 0:
+        raise ValueError(f"run_timeout={request.get('run_timeout')!r} must be a positive number of seconds")
+    wall = min(wall, caps.wall_time_s)
     memory_mb = int(request.get("memory_limit_MB") or -1)
-    return SandboxLimits(wall_time_s=wall, cpu_time_s=max(1, math.ceil(wall)),
-                         memory_bytes=(memory_mb << 20) if memory_mb > 0 else defaults.memory_bytes,
+    memory = min(memory_mb << 20, caps.memory_bytes) if memory_mb > 0 else defaults.memory_bytes
+    return SandboxLimits(wall_time_s=wall, cpu_time_s=max(1, math.ceil(wall)), memory_bytes=memory,
                          max_output_bytes=defaults.max_output_bytes)
 
 
-def handle_run_code(request: Any, defaults: SandboxLimits = SandboxLimits()) -> dict:
+# the most a request may ask for (``rlfoundry sandbox serve --max-timeout-s / --max-memory-mb``)
+DEFAULT_CAPS = SandboxLimits(wall_time_s=60.0, memory_bytes=4 << 30)
+
+
+def handle_run_code(request: Any, defaults: SandboxLimits = SandboxLimits(), caps: SandboxLimits = DEFAULT_CAPS) -> dict:
     """One ``/run_code`` request → SandboxFusion's response body (never raises for bad input)."""
     if not isinstance(request, dict) or not isinstance(request.get("code"), str):
         return {"status": "SandboxError", "message": "the request must be a JSON object with a string 'code'"}
@@ -123,9 +131,9 @@ def handle_run_code(request: Any, defaults: SandboxLimits = SandboxLimits()) -> 
     if request.get("files"):
         return {"status": "SandboxError", "message": "'files' is not supported by rlfoundry's sandbox server"}
     try:
-        r = run_python(request["code"], _limits_for(request, defaults), stdin=str(request.get("stdin") or ""))
-    except (SandboxUnavailable, ValueError, TypeError) as e:
-        return {"status": "SandboxError", "message": str(e)}
+        r = run_python(request["code"], _limits_for(request, defaults, caps), stdin=str(request.get("stdin") or ""))
+    except Exception as e:  # noqa: BLE001 - whatever the request provoked is answered, never a dropped connection
+        return {"status": "SandboxError", "message": f"{type(e).__name__}: {e}"}
     run = {"status": "TimeLimitExceeded" if r.status == "timeout" else "Finished", "execution_time": r.wall_s,
            "return_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr}
     return {"status": "Success" if r.ok else "Failed", "message": "", "compile_result": None, "run_result": run,
@@ -135,6 +143,8 @@ def handle_run_code(request: Any, defaults: SandboxLimits = SandboxLimits()) -> 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "rlfoundry-sandbox"
     defaults = SandboxLimits()
+    caps = DEFAULT_CAPS
+    slots = threading.BoundedSemaphore(8)  # sandboxes running at once; the others wait their turn
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         if self.path.rstrip("/") != "/run_code":
@@ -143,7 +153,9 @@ class _Handler(BaseHTTPRequestHandler):
             request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
         except ValueError as e:
             return self._send(400, {"status": "SandboxError", "message": f"the body is not JSON: {e}"})
-        self._send(200, handle_run_code(request, self.defaults))
+        with self.slots:
+            answer = handle_run_code(request, self.defaults, self.caps)
+        self._send(200, answer)
 
     def do_GET(self) -> None:  # noqa: N802
         self._send(200 if self.path.rstrip("/") in ("", "/v1/ping") else 404, {"status": "ok"})
@@ -160,21 +172,28 @@ class _Handler(BaseHTTPRequestHandler):
         print(f"[sandbox] {self.address_string()} {fmt % args}", file=sys.stderr)
 
 
-def make_server(host: str = "127.0.0.1", port: int = 8080, defaults: SandboxLimits = SandboxLimits()) -> ThreadingHTTPServer:
-    """The HTTP server (not yet serving); port 0 picks a free one (``server.server_address``)."""
-    handler = type("Handler", (_Handler,), {"defaults": defaults})
+def make_server(host: str = "127.0.0.1", port: int = 8080, defaults: SandboxLimits = SandboxLimits(),
+                caps: SandboxLimits = DEFAULT_CAPS, max_concurrent: int = 8) -> ThreadingHTTPServer:
+    """The HTTP server (not yet serving); port 0 picks a free one (``server.server_address``). At most
+    ``max_concurrent`` programs run at once; a request's limits are cut to ``caps``."""
+    handler = type("Handler", (_Handler,), {"defaults": defaults, "caps": caps,
+                                            "slots": threading.BoundedSemaphore(max_concurrent)})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``rlfoundry sandbox serve [--host H] [--port P] [--max-output-bytes N]``."""
+    """``rlfoundry sandbox serve [--host H] [--port P] [--max-output-bytes N] [--max-timeout-s S]
+    [--max-memory-mb M] [--max-concurrent K]``."""
     parser = argparse.ArgumentParser(prog="rlfoundry sandbox", description="Serve this sandbox over SandboxFusion's API")
     parser.add_argument("command", choices=["serve"])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--max-output-bytes", type=int, default=SandboxLimits().max_output_bytes)
+    parser.add_argument("--max-timeout-s", type=float, default=DEFAULT_CAPS.wall_time_s, help="most a request may ask")
+    parser.add_argument("--max-memory-mb", type=int, default=DEFAULT_CAPS.memory_bytes >> 20, help="most a request may ask")
+    parser.add_argument("--max-concurrent", type=int, default=8, help="programs running at once")
     args = parser.parse_args(argv)
     from rlfoundry.sandbox.runner import mode
 
@@ -183,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except SandboxUnavailable as e:
         print(f"rlfoundry sandbox: {e}", file=sys.stderr)
         return 2
-    server = make_server(args.host, args.port, SandboxLimits(max_output_bytes=args.max_output_bytes))
+    server = make_server(args.host, args.port, SandboxLimits(max_output_bytes=args.max_output_bytes),
+                         SandboxLimits(wall_time_s=args.max_timeout_s, memory_bytes=args.max_memory_mb << 20),
+                         args.max_concurrent)
     host, port = server.server_address[:2]
     print(f"rlfoundry sandbox ({isolation}) serving SandboxFusion's POST /run_code on http://{host}:{port}", flush=True)
     try:

@@ -169,6 +169,9 @@ def _probe(backend: str) -> Isolation:
         return Isolation(False, "bubblewrap (bwrap) is not installed: on Debian/Ubuntu `apt-get install bubblewrap`",
                          False)
     bpf = seccomp_filter()
+    if bpf is None:  # without the filter a program could fork without bound and make user namespaces
+        return Isolation(False, "no seccomp filter: libseccomp (Debian: libseccomp2) or its binding pyseccomp is "
+                                "missing", False)
     probe = "import os\nassert os.getpid() < 10 and not os.path.exists('/etc/passwd')\nprint('isolated')\n"
     with tempfile.TemporaryDirectory(prefix="rlfoundry-sandbox-probe-") as scratch:
         script = os.path.join(scratch, "probe.py")
@@ -183,8 +186,7 @@ def _probe(backend: str) -> Isolation:
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         return Isolation(False, f"{backend} cannot create namespaces here ({why}); user namespaces may be disabled "
                                 "(sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces)", bpf is not None)
-    missing = "" if bpf is not None else " (no seccomp filter: install pyseccomp and libseccomp2)"
-    return Isolation(True, f"{backend} namespaces{missing}", bpf is not None, backend)
+    return Isolation(True, f"{backend} namespaces", True, backend)
 
 
 def pipe_with(data: bytes) -> int:

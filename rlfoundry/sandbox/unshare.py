@@ -46,13 +46,38 @@ def bind_readonly(src, dst):
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         open(dst, "a").close()
     mount(src, dst, None, MS_BIND | MS_REC)
-    # a remount may add flags but not drop those the source mount had (the kernel locks them)
-    kept = sum(ms for st, ms in LOCKABLE if os.statvfs(dst).f_flag & st)
-    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | kept)
+    # read-only all the way down: a mount nested in the tree (a volume inside a venv) must not stay writable
+    if not readonly_tree(dst):
+        for point in [dst] + nested_mounts(dst):
+            # a remount may add flags but not drop those the source mount had (the kernel locks them)
+            kept = sum(ms for st, ms in LOCKABLE if os.statvfs(point).f_flag & st)
+            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | kept)
+
+def readonly_tree(dst):
+    # mount_setattr(2) with AT_RECURSIVE (Linux >= 5.12): read-only, nosuid, nodev on the whole tree at once
+    class MountAttr(ctypes.Structure):
+        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    attr = MountAttr(0x1 | 0x2 | 0x4, 0, 0, 0)  # MOUNT_ATTR_RDONLY | NOSUID | NODEV
+    done = libc.syscall(442, -100, dst.encode(), 0x8000, ctypes.byref(attr), ctypes.sizeof(attr))  # AT_FDCWD
+    return done == 0
+
+def nested_mounts(dst):
+    # mount points below dst, from this namespace's mount table (octal escapes as the kernel writes them)
+    points = []
+    for line in open("/proc/self/mountinfo"):
+        point = line.split()[4].encode().decode("unicode_escape")
+        if point.startswith(dst.rstrip("/") + "/"):
+            points.append(point)
+    return sorted(points, key=len)
 
 def build_root(root):
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    # the tmpfs first, then the binds: a Python installed under /tmp stays visible, as with bubblewrap
+    for d in ("/tmp", spec["workdir"]):
+        os.makedirs(root + d)
+        mount("tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec['tmp_bytes']}")
     for entry in spec["plan"]:
         if entry[0] == "ro":
             bind_readonly(entry[1], root + entry[1])
@@ -62,9 +87,6 @@ def build_root(root):
         os.makedirs(root + "/dev", exist_ok=True)
         open(root + "/dev/" + name, "a").close()
         mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
-    for d in ("/tmp", spec["workdir"]):
-        os.makedirs(root + d)
-        mount("tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec['tmp_bytes']}")
     bind_readonly(spec["script"], root + spec["workdir"] + "/main.py")
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -372,7 +372,7 @@ def build_trainer(cfg: DictConfig):
     train_files = cfg.data.train_files if cfg.data.train_files is not None else syn_train
     val_files = cfg.data.val_files if cfg.data.val_files is not None else syn_val
     train, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files)
-    check_sandbox(cfg, [train.dataset, val_loader.dataset])
+    check_sandbox(cfg, [loader.dataset for loader in (train, val_loader) if loader is not None])
     resolved = resolve_config(cfg, steps_per_epoch=len(train), cuda_available=torch.cuda.is_available(),
                               train_files=syn_train, val_files=syn_val, run_dir=str(run_dir))
     for choice in auto_choices(cfg, resolved):
@@ -424,6 +424,7 @@ def _code_runners(cfg: DictConfig, datasets: Sequence[Any]) -> list[str]:
     if local_rewards and sources & set(CODE_DATA_SOURCES):
         found.append(f"the code rewards ({', '.join(sorted(sources & set(CODE_DATA_SOURCES)))})")
     tools_path = cfg.actor_rollout_ref.rollout.multi_turn.get("tool_config_path")
+    tools_path = resolve_asset_path(tools_path) if tools_path else None  # rlfoundry://config/tools/... too
     if tools_path and Path(tools_path).expanduser().is_file():
         entries = OmegaConf.to_container(OmegaConf.load(Path(tools_path).expanduser())).get("tools") or []
         found += [f"the tool {e['class_name'].rsplit('.', 1)[-1]}" for e in entries if isinstance(e, dict)

@@ -119,3 +119,12 @@ def test_rlfoundry_sandbox_serve_answers_on_the_port_it_prints():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_request_cannot_buy_more_than_the_servers_caps():
+    caps = SandboxLimits(wall_time_s=1.0, memory_bytes=256 << 20)
+    slow = handle_run_code({"code": "import time\ntime.sleep(30)", "run_timeout": 1e9}, SandboxLimits(), caps)
+    assert slow["rlfoundry_status"] == "timeout" and slow["run_result"]["execution_time"] < 30
+    hungry = handle_run_code({"code": "x = bytearray(512 << 20)", "memory_limit_MB": 10**9}, SandboxLimits(), caps)
+    assert hungry["rlfoundry_status"] == "memory"
+    assert handle_run_code({"code": "print(1)", "run_timeout": float("inf")})["status"] == "SandboxError"

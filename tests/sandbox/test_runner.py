@@ -138,3 +138,30 @@ def test_no_isolation_and_no_opt_in_is_an_error_that_says_how_to_fix_it(monkeypa
 def test_the_working_directory_is_removed_afterwards():
     r = _run("import os\nprint(os.getcwd())")
     assert r.status == "ok" and not os.path.exists(r.stdout.strip())
+
+
+_NESTED_MOUNT_PROBE = """
+import os, subprocess, sys
+from rlfoundry.sandbox import SandboxLimits, run_python
+nested = os.path.join(sys.prefix, "include")
+os.makedirs(nested, exist_ok=True)
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", nested], check=True)  # only in this mount namespace
+r = run_python(f"open({os.path.join(nested, 'x')!r}, 'w').write('x')", SandboxLimits(wall_time_s=10))
+print(r.status, "Read-only file system" in r.stderr, os.path.exists(os.path.join(nested, "x")))
+"""
+
+
+def test_a_mount_nested_in_a_read_only_tree_is_read_only_too(backend):
+    """A writable mount inside the interpreter's tree (a volume in a venv) stays read-only in the sandbox.
+    The tmpfs is mounted in a private mount namespace of a child process: the host never sees it."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and util-linux unshare to make a private mount namespace")
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _NESTED_MOUNT_PROBE],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, ISOLATION_ENV: backend})
+    if done.returncode != 0 and "mount" in done.stderr and "permission" in done.stderr.lower():
+        pytest.skip(f"cannot mount here: {done.stderr[-200:]}")
+    assert done.stdout.split() == ["error", "True", "False"], done.stdout + done.stderr

@@ -230,11 +230,24 @@ class Rollouter:
         return out
 
 
+def _refuse_curriculum(loader: Any) -> None:
+    """A curriculum sampler learns from each trained batch while the rollouter, a thread of its own,
+    draws from it ahead of training: the two would race on the sampler, and the curriculum would lag."""
+    from rlfoundry.data.sampler import AbstractCurriculumSampler
+    from rlfoundry.trainer.config import ConfigError
+
+    if isinstance(getattr(loader, "sampler", None), AbstractCurriculumSampler):
+        raise ConfigError("data.sampler is a curriculum sampler (AbstractCurriculumSampler), which the fully "
+                          "asynchronous pipeline cannot feed back; use async_training.mode=one_step_off or sync, "
+                          "or a sampler without update()")
+
+
 class FullyAsyncSource(SampleSource):
     """Samples a ``Rollouter`` streams from a pool of its own; weight syncs every T steps."""
 
     def __init__(self, trainer: Any) -> None:
         super().__init__(trainer)
+        _refuse_curriculum(trainer.train_dataloader)
         self.step_prompts = int(trainer.config.data.train_batch_size)
         self.sync_every = int(trainer.config.async_training.trigger_parameter_sync_step)
         self.rollouter: Rollouter | None = None

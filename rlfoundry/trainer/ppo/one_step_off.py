@@ -55,8 +55,9 @@ class OneStepOffSource(SampleSource):
         metrics |= staleness_metrics([done - self._pending_version] * len(batch))
         self._pending = None
         metrics |= trainer.sync_weights(timing)
+        # the loader after this step's batch: what a checkpoint records unless a next batch is in flight
+        self._loader_state = trainer.train_dataloader.state_dict()
         if trainer.state.global_steps < trainer.total_training_steps:  # no generation past the last step
-            self._loader_state = trainer.train_dataloader.state_dict()
             self._start_generation(next(self.loader), done)
         batch, m = trainer.reward(batch, timing)
         return batch, metrics | m

@@ -163,10 +163,11 @@ class OpenAIEndpoint:
         """Refuse the session's later requests and fail those still waiting; returns its request count."""
         with self._lock:
             session = self._sessions.pop(sid, None)
-        if session is None:
-            return 0
-        session.closed = True
-        for future in list(session.inflight):
+            if session is None:
+                return 0
+            session.closed = True  # under the lock: a request admitted after this sees it (_admit)
+            waiting = list(session.inflight)
+        for future in waiting:
             future.cancel()
         return session.requests
 
@@ -217,10 +218,20 @@ class OpenAIEndpoint:
                                code="deadline_exceeded", type_="permission_denied_error")
         return session
 
+    def _admit(self, session: _Session, request: ChatRequest) -> concurrent.futures.Future:
+        """Count and start the request unless its session closed meanwhile (the check and the start
+        under the lock that ``close`` takes, so no completion runs for a finished trajectory)."""
+        with self._lock:
+            if session.closed:
+                raise RequestError(403, "this session is closed: its trajectory has finished or was cut off",
+                                   code="session_closed", type_="permission_denied_error")
+            session.requests += 1
+            future = asyncio.run_coroutine_threadsafe(session.handler(request), session.loop)
+            session.inflight.add(future)
+        return future
+
     def _complete(self, session: _Session, request: ChatRequest) -> dict:
-        session.requests += 1
-        future = asyncio.run_coroutine_threadsafe(session.handler(request), session.loop)
-        session.inflight.add(future)
+        future = self._admit(session, request)
         try:
             return future.result(timeout=max(0.0, session.deadline - time.monotonic()))
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
@@ -228,7 +239,8 @@ class OpenAIEndpoint:
             raise RequestError(403, "the trajectory's deadline passed or it was closed before the completion was "
                                "ready", code="deadline_exceeded", type_="permission_denied_error") from e
         finally:
-            session.inflight.discard(future)
+            with self._lock:
+                session.inflight.discard(future)
 
 
 class _Server(ThreadingHTTPServer):
@@ -246,6 +258,7 @@ def _handler_class(endpoint: OpenAIEndpoint) -> type:
         def do_POST(self) -> None:  # noqa: N802
             length = int(self.headers.get("Content-Length") or 0)
             if length > _MAX_BODY:
+                self.close_connection = True  # the unread body must not be parsed as the next request
                 self._reply(413, RequestError(413, "request body too large").body())
                 return
             raw = self.rfile.read(length) if length else b""
