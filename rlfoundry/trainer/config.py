@@ -78,37 +78,46 @@ class NoEffectKeyWarning(UserWarning):
 
 # verl keys that are accepted so verl command lines run unchanged, but change nothing here.
 # fnmatch patterns over full dotted keys; setting any of them gives ONE warning naming them all.
+# docs/verl_keys.md lists them with these reasons. Two kinds: keys that cannot change results, speed or
+# memory here, and (last) verl features not built yet, which would.
 NO_EFFECT_KEYS: tuple[str, ...] = (
-    "data.tokenizer", "data.use_shm", "data.image_key", "data.video_key",
+    "data.tokenizer",  # unused in verl too: the tokenizer is actor_rollout_ref.model.path's
+    "*.use_shm",  # a copy to /dev/shm before loading; files are read where they are
     # the whole file is tokenised in one batch call (the Rust tokenizer's own threads) and filtered with
     # one array comparison: there is no per-row map for worker processes to share
     "data.filter_overlong_prompts_workers",
-    "actor_rollout_ref.hybrid_engine",
-    "actor_rollout_ref.model.use_shm",
-    "actor_rollout_ref.model.use_liger", "actor_rollout_ref.model.use_fused_kernels",
-    "actor_rollout_ref.model.fused_kernel_options*", "actor_rollout_ref.rollout.layered_summon",
-    "*.use_torch_compile",
+    "actor_rollout_ref.hybrid_engine",  # verl requires true; actor and rollout always share a worker here
+    "actor_rollout_ref.rollout.layered_summon",  # weights always stream to the rollout one tensor at a time
     # always on: entropy is computed in blocks of at most 2**25 values and its backward recomputes the
     # softmax block by block from saved row statistics (utils/torch_functional.py)
     "*.entropy_from_logits_with_chunking", "*.entropy_checkpointing",
-    "*.profiler.*", "*.fsdp_config.grad_offload",
+    "*.profiler.*", "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",  # profiling only
+    "actor_rollout_ref.rollout.trace*",  # rollout tracing: observability only (utils/rollout_trace.py)
+    "ray_init.timeline_json_file",  # a Ray timeline dump: observability only
+    "*.fsdp_config.grad_offload",  # removed in verl >= 0.2: gradients follow param_offload
     # FSDP1's size-based wrapping; FSDP2 (verl's fsdp2 strategy and this engine) wraps by layer class
     "*.fsdp_config.wrap_policy.min_num_params",
-    "critic.model.use_shm",
-    "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
-    "actor_rollout_ref.rollout.use_fire_sampling", "actor_rollout_ref.rollout.micro_batch_size",
-    "actor_rollout_ref.rollout.multi_stage_wake_up", "actor_rollout_ref.rollout.agent.num_workers",
-    "actor_rollout_ref.rollout.agent.custom_async_server*",
-    "actor_rollout_ref.rollout.trace*", "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
-    "actor_rollout_ref.rollout.multi_turn.format",
-    "reward_model.strategy", "reward_model.model.use_shm", "reward_model.model.use_fused_kernels",
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
-    "reward_model.launch_reward_fn_async",
-    "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",
-    "trainer.esi_redundant_time",
-    "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",
-    "trainer.ray_wait_register_center_timeout", "trainer.use_legacy_worker_impl",
-    "ray_init.timeline_json_file",
+    "reward_model.strategy",  # the reward model always runs on the FSDP engine
+    # verl's switch between its SPMD and server rollouts and <= 0.3's chat scheduler: each engine here has
+    # one path, and agent loops follow rollout.multi_turn / rollout.agent
+    "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
+    "actor_rollout_ref.rollout.micro_batch_size",  # verl <= 0.2, unused there too
+    # verl's agent-loop worker processes: here a batch's trajectories are tasks of one event loop per worker
+    "actor_rollout_ref.rollout.agent.num_workers",
+    "actor_rollout_ref.rollout.multi_turn.format",  # hermes, the only format (verl's too)
+    "trainer.esi_redundant_time",  # a save before a cloud instance expires (ESI), which these machines lack
+    "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",  # HDFS copies: checkpoints stay local
+    "trainer.ray_wait_register_center_timeout",  # verl's register-center actor, which rlfoundry has no need of
+    "trainer.use_legacy_worker_impl",  # one worker implementation here
+    # Not built yet; these would change speed (GPU kernels: the GPU-speed issue), memory or results:
+    "*.use_liger", "*.use_fused_kernels", "*.fused_kernel_options*", "*.use_torch_compile",
+    "actor_rollout_ref.rollout.multi_stage_wake_up",  # vLLM sleep mode: weights, then KV cache
+    "actor_rollout_ref.rollout.use_fire_sampling",  # FIRE: the first token at a high temperature
+    "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",  # re-render turns with the template
+    "reward_model.launch_reward_fn_async",  # rule rewards overlapping the log-prob passes
+    "data.image_key", "data.video_key",  # multimodal data: rlfoundry trains text models
 )
 
 # Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.
