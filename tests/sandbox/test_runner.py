@@ -49,14 +49,14 @@ def test_an_exception_is_an_error_with_its_traceback():
 
 def test_a_busy_loop_stops_at_the_cpu_limit():
     # a wall-clock limit it cannot reach first, however loaded the machine: only the CPU limit can stop it
-    r = _run("while True:\n    pass", SandboxLimits(wall_time_s=60.0, cpu_time_s=1))
-    assert r.status == "timeout" and r.exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and r.wall_s < 60
+    r = _run("while True:\n    pass", SandboxLimits(wall_time_s=600.0, cpu_time_s=1))
+    # SIGXCPU at the soft limit, SIGKILL at the hard one a second later; the wall clock would take 600 s
+    assert r.status == "timeout" and r.exit_code in (-signal.SIGXCPU, -signal.SIGKILL)
 
 
 def test_a_sleeping_program_stops_at_the_wall_clock_limit():
-    start = time.monotonic()
     r = _run("import time\ntime.sleep(60)", SandboxLimits(wall_time_s=1.0, cpu_time_s=1))
-    assert r.status == "timeout" and time.monotonic() - start < 5
+    assert r.status == "timeout" and r.exit_code == -signal.SIGKILL  # the sleeper, uninterrupted, would exit 0
 
 
 def test_megabytes_of_output_are_cut_at_the_limit():

@@ -5,7 +5,7 @@ contains every way a tool can fail within its timeout."""
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,15 +122,28 @@ def test_hermes_calls_are_parsed_and_bad_ones_become_messages():
 class _Misbehaving(BaseTool):
     """Each argument value names a way to fail."""
 
+    release = threading.Event()  # what a blocked call waits for: set by the test once the turn is over
+    in_flight = peak = 0
+
     async def execute(self, instance_id, parameters, **kwargs):
         how = parameters["how"]
         if how == "raise":
             raise RuntimeError("broken tool")
         if how == "block":
-            time.sleep(30)  # a sync call inside async code: blocks its event loop
+            _Misbehaving.release.wait(60)  # a sync call inside async code: blocks its event loop
         if how == "nap":
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.05)
             return ToolResponse(text="rested"), 0.5, {"naps": 1}
+        if how == "gather":  # returns once three calls are running at the same time (or gives up)
+            _Misbehaving.in_flight += 1
+            _Misbehaving.peak = max(_Misbehaving.peak, _Misbehaving.in_flight)
+            for _ in range(500):
+                if _Misbehaving.in_flight >= 3:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0)  # let the others see the count before it drops
+            _Misbehaving.in_flight -= 1
+            return ToolResponse(text="met"), 0.0, {}
         if how == "bytes":
             return b"\x00\x01", 0.0, {}
         return "plain string", 0.0, {}  # an older verl tool's return form
@@ -146,19 +159,24 @@ def _calls(*hows: str, name: str = "odd") -> list[ToolCall]:
 
 
 def test_every_tool_failure_is_contained_within_the_timeout():
-    start = time.monotonic()
-    results = run_tool_calls(_runner_tools(), _calls("raise", "block", "bytes", "plain", "nap"), max_parallel=8,
-                             timeout_s=1.5)
-    assert time.monotonic() - start < 3  # the blocked call did not hold up the turn
+    _Misbehaving.release.clear()
+    try:
+        results = run_tool_calls(_runner_tools(), _calls("raise", "block", "bytes", "plain", "nap"), max_parallel=8,
+                                 timeout_s=1.5)
+        # the turn came back while the blocked call was still blocked: it did not hold the turn up
+        assert not _Misbehaving.release.is_set()
+    finally:
+        _Misbehaving.release.set()
     assert [r.error for r in results] == ["exception", "timeout", "non_text", None, None]
     assert "RuntimeError: broken tool" in results[0].text and "timed out after 1.5 s" in results[1].text
     assert (results[3].text, results[4].text, results[4].reward, results[4].metrics) == ("plain string", "rested", 0.5, {"naps": 1})
 
 
 def test_calls_run_concurrently_up_to_the_limit_and_unknown_tools_are_named():
-    start = time.monotonic()
-    results = run_tool_calls(_runner_tools(), _calls("nap", "nap", "nap", "nap"), max_parallel=3, timeout_s=5)
-    assert time.monotonic() - start < 1.2  # three 0.5 s naps at once, not one after another
+    _Misbehaving.in_flight = _Misbehaving.peak = 0
+    results = run_tool_calls(_runner_tools(), _calls("gather", "gather", "gather", "gather"), max_parallel=3,
+                             timeout_s=30)
+    assert _Misbehaving.peak == 3  # three calls ran at once (one after another, each would have seen only itself)
     assert [r.error for r in results] == [None, None, None, "too_many_calls"]
     [unknown] = run_tool_calls(_runner_tools(), _calls("nap", name="search"), max_parallel=1, timeout_s=5)
     assert unknown.error == "unknown_tool" and "'odd'" in unknown.text
