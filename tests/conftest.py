@@ -17,6 +17,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # fighting over the cores (and Ray workers / reward pools add processes of their own).
 torch.set_num_threads(int(os.environ.get("RLFOUNDRY_TEST_THREADS", "1")))
 
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests (the CUDA tier, DESIGN.md "one test tier per device") skip without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu tier: needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 

@@ -218,7 +218,8 @@ def rollout_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response
 
     ``prompt_ids`` / ``prompt_mask`` (B, Tp) left-padded as given; each response is right-padded to
     ``width``: ``prompts``, ``responses``, ``response_mask`` (1 where the policy sampled), ``rollout_log_probs``,
-    ``input_ids`` / ``attention_mask`` (B, Tp + width) and ``position_ids`` counted over real tokens.
+    ``input_ids`` / ``attention_mask`` (B, Tp + width) and ``position_ids`` counted over real tokens. Every
+    tensor is on ``prompt_ids``' device (the responses are filled on the host, then copied there once).
     """
     rows = len(responses)
     out_ids = torch.full((rows, width), pad_id, dtype=torch.long)
@@ -233,20 +234,25 @@ def rollout_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response
         out_mask[i, :m] = torch.tensor(mask, dtype=torch.long)
         out_lp[i, :m] = torch.tensor(lps, dtype=torch.float32)
         attention[i, :m] = 1
-    attention_mask = torch.cat([prompt_mask, attention], dim=1)
+    device = prompt_ids.device
+    out_ids, out_mask, out_lp = out_ids.to(device), out_mask.to(device), out_lp.to(device)
+    attention_mask = torch.cat([prompt_mask.to(device), attention.to(device)], dim=1)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     return {"prompts": prompt_ids, "responses": out_ids, "response_mask": out_mask, "rollout_log_probs": out_lp,
             "input_ids": torch.cat([prompt_ids, out_ids], dim=1), "attention_mask": attention_mask,
             "position_ids": position_ids}
 
 
-def left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def left_padded(rows: list[list[int]], pad_id: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Token rows as a rollout engine's prompt input: ``input_ids``, ``attention_mask``, ``position_ids``
-    (B, longest row), each row right-aligned, positions counted over its real tokens."""
+    (B, longest row), each row right-aligned, positions counted over its real tokens; on ``device``
+    (the engine's; None: the host), filled on the host and copied there once."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
         mask[i, width - len(r):] = 1
+    if device is not None:
+        ids, mask = ids.to(device), mask.to(device)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}

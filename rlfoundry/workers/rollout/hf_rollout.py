@@ -29,7 +29,7 @@ from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
 from rlfoundry.workers.rollout.token_requests import as_id_list
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
 
-__all__ = ["HFRollout", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
+__all__ = ["HFRollout", "compute_device", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
 
 # Finished rows are dropped from the KV cache once they are at least this fraction of the rows
 # still in it: dropping copies the whole cache, so on a GPU doing it for every single finished
@@ -101,6 +101,19 @@ def sample_tokens(
 def response_mask_from_lengths(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """(N,) response lengths (EOS included) -> (N, width) int mask, 1 for the first ``length`` tokens."""
     return (torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
+
+
+def compute_device(module: nn.Module) -> torch.device:
+    """The device ``module``'s forward runs on: its parameters', except that FSDP2's CPU offload keeps the
+    shards (DTensors) in host memory while the forward runs on their mesh's device, the current one of
+    its type (as ``fully_shard`` picks it)."""
+    param = next(module.parameters(), None)
+    if param is None:
+        return torch.device("cpu")
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None or mesh.device_type == param.device.type:
+        return param.device
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 def _seed_for_call(seed: int, rank: int, call: int) -> int:
@@ -248,6 +261,8 @@ class HFRollout(BaseRollout):
         rank: data-parallel rank, mixed into the sampling seed so ranks draw independently.
         cpu_kernels: the resolved ``model.cpu_kernels`` switch (on only on the CPU): the fused decode
             step and FSDP hook skipping; off is the plain HF forward.
+
+    Prompts may arrive on any device: the engine works on its module's (``device``), and its output is there.
     """
 
     def __init__(
@@ -268,6 +283,11 @@ class HFRollout(BaseRollout):
         self.rank = rank
         self.seed = self.config.seed
         self.calls = 0  # generate_sequences calls so far; with the seed it fixes the next draws
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module computes: every tensor of a call is made here (read per call: a module may move)."""
+        return compute_device(self.module)
 
     # ---- weights --------------------------------------------------------------------------
 
@@ -332,12 +352,15 @@ class HFRollout(BaseRollout):
         eos_ids = as_id_list(prompts.meta_info.get("eos_token_id")) or self.eos_token_ids
         if self.config.ignore_eos:
             eos_ids = []  # benchmarking mode (verl/vLLM ``ignore_eos``): always response_length tokens
+        device = self.device  # not the prompts': an agent loop's server or a judge builds them on the host
+        prompts = DataProto(batch=prompts.batch.to(device), non_tensor_batch=prompts.non_tensor_batch,
+                            meta_info=prompts.meta_info)
         batch = prompts.batch
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         position_ids = batch["position_ids"] if "position_ids" in batch.keys() else None
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        generator = self._next_generator(input_ids.device)
+        generator = self._next_generator(device)
         lead = common_left_padding(attention_mask)  # the prefill skips them; the output keeps them
         with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
             responses, log_probs, lengths = self._decode(

@@ -150,13 +150,13 @@ class AgentLoop:
     def _assemble(self, prompts: DataProto, n: int, outputs: list[AgentLoopOutput], sample: list[int]) -> DataProto:
         """The engines' output layout: prompts as given (one row per output, its sample's prompt; padding
         where the output has no prompt ids), responses padded to the budget."""
-        prompt_of = torch.tensor([k // n for k in sample], dtype=torch.long)
-        prompt_ids = prompts.batch["input_ids"][prompt_of]
-        prompt_mask = prompts.batch["attention_mask"][prompt_of].clone()
-        for r, out in enumerate(outputs):
-            if not out.prompt_ids:  # its whole context is in the response (openai_agent's fresh segments)
-                prompt_ids[r] = self.pad_id
-                prompt_mask[r] = 0
+        device = prompts.batch["input_ids"].device  # the caller's (the worker's device): the output stays there
+        prompt_of = np.array([k // n for k in sample], dtype=np.int64)
+        index = torch.as_tensor(prompt_of, device=device)
+        # an output without prompt ids has its whole context in the response (openai_agent's fresh segments)
+        no_prompt = torch.tensor([not out.prompt_ids for out in outputs], dtype=torch.bool, device=device).unsqueeze(1)
+        prompt_ids = prompts.batch["input_ids"][index].masked_fill(no_prompt, self.pad_id)
+        prompt_mask = prompts.batch["attention_mask"][index].masked_fill(no_prompt, 0)
         for out in outputs:
             if len(out.response_ids) > self.response_length:
                 raise AgentLoopError(f"an agent loop returned {len(out.response_ids)} response tokens, more than the "
@@ -165,7 +165,7 @@ class AgentLoop:
         tensors = rollout_layout(prompt_ids, prompt_mask, [o.response_ids for o in outputs],
                                  [o.response_mask for o in outputs], [o.response_logprobs for o in outputs],
                                  self.response_length, self.pad_id)
-        extras = {k: v[prompt_of.numpy()] for k, v in prompts.non_tensor_batch.items()}
+        extras = {k: v[prompt_of] for k, v in prompts.non_tensor_batch.items()}
         columns = _columns(outputs)
         excluded, own_info = columns.pop("excluded", None), columns.pop("extra_info", None)
         extras.update(columns)

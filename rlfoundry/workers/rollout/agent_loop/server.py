@@ -115,12 +115,16 @@ class GenerationServer:
         budget = max(r.max_tokens for r in batch)
         meta = {**self.meta, "n": 1, "response_length": budget, "max_response_lengths": [r.max_tokens for r in batch]}
         out = self.engine.generate_sequences(self._rows([r.token_ids for r in batch], meta))
+        # to Python lists in one copy per tensor (from the engine's device), not one sync per row
+        lengths = out.batch["response_mask"].sum(-1).tolist()
+        responses, log_probs = out.batch["responses"].tolist(), out.batch["rollout_log_probs"].tolist()
         results = []
         for k, request in enumerate(batch):
-            length = min(int(out.batch["response_mask"][k].sum()), request.max_tokens)
-            results.append(Generated(out.batch["responses"][k][:length].tolist(),
-                                     out.batch["rollout_log_probs"][k][:length].tolist()))
+            length = min(int(lengths[k]), request.max_tokens)
+            results.append(Generated(responses[k][:length], log_probs[k][:length]))
         return results
 
     def _rows(self, rows: list[list[int]], meta: dict) -> DataProto:
-        return DataProto.from_dict(tensors=left_padded(rows, self.pad_id), meta_info=meta)
+        """The engine's input, on the engine's device where it has one (the HF engine: its module's)."""
+        device = getattr(self.engine, "device", None)
+        return DataProto.from_dict(tensors=left_padded(rows, self.pad_id, device), meta_info=meta)
