@@ -91,11 +91,13 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     head: str = "causal_lm",
+    tie_word_embeddings: bool = False,
 ):
     """A randomly initialised model of the given family, sized for CPU tests.
 
     ``head`` is ``causal_lm`` (policy), ``token_classification`` (critic: one value per token) or
-    ``sequence_classification`` (reward model: one score per sequence).
+    ``sequence_classification`` (reward model: one score per sequence). ``tie_word_embeddings``: the
+    LM head is the input embedding (as in Qwen2.5-0.5B).
     """
     model_type = {"qwen2": "qwen2", "llama": "llama"}[arch]
     config = AutoConfig.for_model(
@@ -107,7 +109,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),

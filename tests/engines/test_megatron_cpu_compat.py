@@ -34,6 +34,20 @@ def test_the_calls_the_shims_stand_in_for_still_name_cuda():
     for name in ("_DATA_PARALLEL_RNG_TRACKER_NAME", "_MODEL_PARALLEL_RNG_TRACKER_NAME",
                  "_EXPERT_PARALLEL_RNG_TRACKER_NAME"):
         assert isinstance(getattr(mp_random, name), str)
+    # tied embeddings across pipeline stages: the shared weight is moved to CUDA before its all-reduce
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = inspect.unwrap(LanguageModule.setup_embeddings_and_output_layer)
+    assert "weight.data = weight.data.cuda()" in inspect.getsource(setup)
+
+
+def test_tensor_cuda_keeps_a_cpu_tensor_in_place_only_while_the_wrapped_call_runs():
+    from rlfoundry.engines.megatron.cpu_compat import _with_cuda_as_cpu
+
+    original = torch.Tensor.cuda
+    t = torch.ones(2)
+    assert _with_cuda_as_cpu(lambda x: x.cuda())(t) is t
+    assert torch.Tensor.cuda is original
 
 
 def test_install_redirects_cuda_placements_to_the_cpu():

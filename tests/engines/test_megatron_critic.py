@@ -86,7 +86,20 @@ def _megatron_critic(rank: int, model_dir: str, data, tp: int, pp: int, distribu
     (2, 1, 2, False), (1, 2, 2, False), (1, 1, 2, True),
 ])
 def test_critic_update_equals_fsdp(tiny_model_dir, tmp_path, tp, pp, world, distributed_optimizer):
-    model_dir = str(tiny_model_dir)
+    _check_critic_equals_fsdp(str(tiny_model_dir), tmp_path, tp, pp, world, distributed_optimizer)
+
+
+def test_critic_from_a_tied_checkpoint_at_pp2_equals_fsdp(tmp_path):
+    """A causal LM whose head is tied to its embedding (Qwen2.5-0.5B) as the critic's start at PP=2: the
+    value head replaces the LM head, so the embedding stays on the first stage alone, untied."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny-qwen2-tied", tie_word_embeddings=True))
+    _check_critic_equals_fsdp(model_dir, tmp_path, 1, 2, 2, False)
+
+
+def _check_critic_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world: int,
+                              distributed_optimizer: bool) -> None:
     data = _value_batch()
     dp = world // (tp * pp)
     order = torch.arange(ROWS).view(dp, ROWS // MINI, MINI // dp).transpose(0, 1).reshape(-1)

@@ -105,6 +105,16 @@ def test_interleaved_pipeline_update_equals_fsdp(tmp_path):
     _check_update_equals_fsdp(model_dir, tmp_path, 1, 2, 2, False, vpp=2)
 
 
+def test_tied_embeddings_pipeline_update_equals_fsdp(tmp_path):
+    """PP=2 with the LM head tied to the input embedding (Qwen2.5-0.5B ties them): the last stage keeps
+    a copy of the embedding, set from the first stage's at start-up and kept equal by summing the two
+    stages' gradients; log-probs, the update and the exported weights equal the 1-rank FSDP2 engine's."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny-qwen2-tied", tie_word_embeddings=True))
+    _check_update_equals_fsdp(model_dir, tmp_path, 1, 2, 2, False)
+
+
 def _check_update_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world: int, distributed_optimizer: bool,
                               vpp: int | None = None) -> None:
     data = _scored_batch(model_dir)

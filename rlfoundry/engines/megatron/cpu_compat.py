@@ -21,6 +21,10 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
   while it does, a CPU tensor's ``type()`` reads as the CUDA type of the same dtype.
 - ``clip_grads.clip_grad_by_total_norm_fp32`` asserts every gradient is a ``torch.cuda.FloatTensor``
   before scaling them: on the CPU the same scaling runs without that check.
+- ``LanguageModule.setup_embeddings_and_output_layer``: with tied embeddings and pipeline stages, the
+  last stage's copy of the word embeddings starts at zero and is all-reduced with the first stage's,
+  after ``weight.data = weight.data.cuda()``; while it runs, ``Tensor.cuda()`` of a CPU tensor is the
+  tensor itself (the all-reduce then runs over gloo, on the CPU where the weights were built).
 - The model-parallel RNG tracker (``tensor_parallel/random.py``) keeps one generator state per
   parallel group and swaps it in and out of the CUDA generator; here it swaps the CPU generator's
   (:func:`seed_model_parallel` replaces ``model_parallel_cuda_manual_seed``, which seeds CUDA).
@@ -28,9 +32,10 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -73,6 +78,9 @@ def install() -> bool:
 
     groups = DistributedOptimizer._build_model_and_main_param_groups.__func__
     DistributedOptimizer._build_model_and_main_param_groups = classmethod(_with_cuda_type_names(groups))
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _with_cuda_as_cpu(LanguageModule.setup_embeddings_and_output_layer)
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     _installed = True
@@ -116,21 +124,37 @@ def _clip_by_total_norm(parameters: Any, max_norm: float, total_norm: float, use
         torch._foreach_mul_(grads, coeff)
 
 
-def _with_cuda_type_names(fn):
-    def call(*args: Any, **kwargs: Any):
-        original = torch.Tensor.type
+def _with_tensor_method(name: str, make: Callable[[Any], Any]) -> Callable:
+    """A decorator: while the decorated call runs, ``torch.Tensor.<name>`` is ``make(torch's own)``."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any):
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, make(original))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(torch.Tensor, name, original)
+        return call
+    return wrap
 
-        def type_name(self, dtype=None, non_blocking=False, **kw):
-            if dtype is None and not kw and self.device.type == "cpu":
-                return original(self).replace("torch.", "torch.cuda.", 1)
-            return original(self, dtype, non_blocking, **kw)
 
-        torch.Tensor.type = type_name
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.Tensor.type = original
-    return call
+def _cuda_type_names(original: Any) -> Any:
+    def type_name(self, dtype=None, non_blocking=False, **kw):
+        if dtype is None and not kw and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kw)
+    return type_name
+
+
+def _cpu_tensor_stays(original: Any) -> Any:
+    def cuda(self, *args: Any, **kwargs: Any):
+        return self if self.device.type == "cpu" else original(self, *args, **kwargs)
+    return cuda
+
+
+_with_cuda_type_names = _with_tensor_method("type", _cuda_type_names)
+_with_cuda_as_cpu = _with_tensor_method("cuda", _cpu_tensor_stays)
 
 
 def _cpu_device() -> torch.device:
