@@ -7,7 +7,7 @@ The calculator is its own function; its replies are the texts of ``rlfoundry/too
 
 import json
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from rlfoundry.tools.calculator import evaluate  # any safe arithmetic evaluator would do
 
@@ -32,7 +32,12 @@ def run_agent(base_url: str, api_key: str, prompt: list, extra_info: dict, max_t
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = list(prompt)
     for _ in range(max_turns):  # think/act, observe, ... until an answer without a call
-        choice = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0]
+        try:
+            choice = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0]
+        except BadRequestError as e:  # the conversation outgrew the context: no answer, as with any API
+            if getattr(e, "code", None) == "context_length_exceeded":
+                return None
+            raise
         if not choice.message.tool_calls or choice.finish_reason == "length":
             return choice.message.content
         messages.append(choice.message.model_dump(exclude_none=True))

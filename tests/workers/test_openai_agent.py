@@ -106,7 +106,30 @@ def silent(base_url, api_key, prompt, extra_info):
     return "42"
 
 
+def long_winded(base_url, api_key, prompt, extra_info):
+    """Keeps feeding long tool replies until the endpoint says the context is full, then stops."""
+    client, messages = _client(base_url, api_key), list(prompt)
+    while True:
+        try:
+            choice = client.chat.completions.create(model="m", messages=messages, tools=TOOL_SCHEMAS).choices[0]
+        except openai.BadRequestError as e:
+            SEEN["long_winded"] = [e.code]
+            return None
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "7 " * 40})
+
+
 # ---- token in, token out ------------------------------------------------------------------------
+
+
+def test_a_conversation_that_outgrows_its_budget_is_refused_and_the_row_stays_within_it(tokenizer):
+    """The refused request's tool reply is not kept: the row holds what fitted, the sample is not lost."""
+    question = "What is 123*456?"
+    loop = _agent_loop(ScriptedPolicy(tokenizer, {question: [CALL] * 20}), tokenizer, "long_winded", response_length=96)
+    out = loop.generate_sequences(_prompts(tokenizer, {"tools": TOOL_SCHEMAS}, [question]))
+    assert SEEN["long_winded"] == ["context_length_exceeded"]
+    assert out.non_tensor_batch["stop_reason"][0] == "agent_done"
+    assert 0 < int(out.batch["attention_mask"][0, out.batch["prompts"].shape[1]:].sum()) <= 96
 
 
 def test_a_react_agent_gets_the_tool_agents_tokens_masks_and_log_probs(tokenizer):

@@ -146,10 +146,6 @@ class _Recorder:
     async def complete(self, request: ChatRequest) -> dict[str, Any]:
         bases = self._bases(request)
         rooms = [self._room(s) for s in bases]
-        if min(rooms) <= 0:
-            raise RequestError(400, f"the conversation leaves no room in this trajectory's budget of "
-                               f"{self.loop.response_length} tokens (data.max_response_length)", "messages",
-                               "context_length_exceeded")
         for s in bases:
             s.busy = True
         try:  # shielded: a request cut off at its deadline must not cancel the engine's batch entry
@@ -176,6 +172,7 @@ class _Recorder:
         if extended is not None:
             delta = request.messages[len(extended.history):]
             ids = self._after_turn(extended, request, delta)
+            self._check_room(extended, len(ids))  # before the segment changes: a refused request leaves it as it was
             extended.ids += ids
             extended.mask += [0] * len(ids)
             extended.log_probs += [0.0] * len(ids)
@@ -202,6 +199,7 @@ class _Recorder:
         text = apply_template(self.tok, self._template_kwargs(request), _renderable(request.messages), True)
         ids = self.tok.encode(text, add_special_tokens=False)
         segment = _Segment(ids, [0] * len(ids), [0.0] * len(ids), request.tools, canon, list(request.messages))
+        self._check_room(segment, 0)
         self.segments.append(segment)
         return segment
 
@@ -228,6 +226,14 @@ class _Recorder:
 
     def _room(self, s: _Segment) -> int:
         return self.loop.response_length - (len(s.ids) - self._split(s))
+
+    def _check_room(self, s: _Segment, more: int) -> None:
+        """A request whose context (``more`` tokens added to ``s``) leaves nothing to sample within the
+        trajectory's budget is OpenAI's ``context_length_exceeded``; the recorded segments stay within it."""
+        if self._room(s) - more <= 0:
+            raise RequestError(400, f"the conversation leaves no room in this trajectory's budget of "
+                               f"{self.loop.response_length} tokens (data.max_response_length)", "messages",
+                               "context_length_exceeded")
 
     # ---- recording a reply ----------------------------------------------------------------------------
 
