@@ -544,6 +544,7 @@ def test_the_calculator_demo_trains_with_vllm_rollout(tmp_path):
     log-probs of the sampled tokens agreeing with the actor's."""
     stdout = _run_python(["-c", _CALCULATOR_SCRIPT, f"trainer.default_local_dir={tmp_path}",
                           "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32",
+                          "actor_rollout_ref.rollout.calculate_log_probs=true",  # the engine's log-probs, logged
                           "actor_rollout_ref.rollout.max_num_seqs=32", "data.synthetic.train_size=32",
                           "data.synthetic.val_size=8", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=8",
                           "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=2",
@@ -637,6 +638,7 @@ def _verl_lora_grpo_args(data, model) -> list[str]:
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # verl: 2
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
         "actor_rollout_ref.rollout.n=2",  # verl: 5
+        "actor_rollout_ref.rollout.calculate_log_probs=true",  # verl: off; on, training/rollout_probs_diff_* are logged
         "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.layered_summon=True",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",  # verl: 40
         "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
