@@ -76,6 +76,22 @@ def _placement(stdout: str) -> dict[str, list[str]]:
     return {m.group(1): re.findall(r"\(([0-9a-f]{40,})\)", m.group(3)) for m in PLACED.finditer(stdout)}
 
 
+def _power_off(node) -> None:
+    """The node's raylet and every worker it started die at once, as when a machine loses power. Killing
+    the raylet alone leaves its workers running until they notice; on a loaded machine the two remaining
+    tiny steps can finish in that window and the run ends 0 with nothing to report."""
+    import psutil
+
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    workers = raylet.children(recursive=True)
+    node.kill_raylet()
+    for proc in workers:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def _steps(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in E.read_records(run) if "timing_s/step" in r}
 
@@ -99,11 +115,11 @@ def test_default_job_on_two_nodes_names_a_killed_node_and_resumes(tiny_model_dir
                  f"trainer.total_training_steps={STEPS}")
     proc = _cli(args, _env(cluster))
     latest = run / "latest_checkpointed_iteration.txt"
-    while not (latest.exists() and int(latest.read_text() or 0) >= 2) and proc.poll() is None:
+    while not (latest.exists() and int(latest.read_text() or 0) >= 1) and proc.poll() is None:
         time.sleep(0.2)
     assert proc.poll() is None, _finish(proc)[2][-3000:]
     victim = next(iter(cluster.worker_nodes))  # never the head: the driver is there
-    victim.kill_raylet()
+    _power_off(victim)
     killed = time.monotonic()
     rc, out, err = _finish(proc)
     took = time.monotonic() - killed
@@ -123,7 +139,7 @@ def test_default_job_on_two_nodes_names_a_killed_node_and_resumes(tiny_model_dir
     rc, out, err = _finish(_cli([*args, "trainer.resume_mode=auto"], _env(cluster)))
     assert rc == 0, out[-3000:] + err[-3000:]
     resumed = int(re.search(r"resumed from \S*global_step_(\d+)", out + err).group(1))
-    assert resumed >= 2
+    assert resumed >= 1
     steps = _steps(run)
     assert sorted(steps) == list(range(1, STEPS + 1))
     # the job learns as on one node: two ranks of one machine (process back end) make the same updates
