@@ -31,7 +31,7 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.common import (
@@ -134,8 +134,14 @@ def _prompt_tokens(train_file: str, model_dir: str, per_step: int) -> float:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = load_prompts(train_file)[:per_step]
-    lengths = [len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)) for m, _ in rows]
+    lengths = [len(_token_ids(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True))) for m, _ in rows]
     return sum(lengths) / len(lengths)
+
+
+def _token_ids(encoded: Any) -> list[int]:
+    """The ids of one tokenized prompt: transformers 5's ``apply_chat_template(tokenize=True)`` returns
+    a ``BatchEncoding`` (a dict; its ``len()`` is its number of keys, 2), older versions the id list."""
+    return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
 
 
 def phase_efficiency(median: dict[str, Any], w, costs: dict[str, float], peaks: dict[str, Any],
