@@ -640,7 +640,7 @@ class RewardManagerConfig:
 class RewardConfig:
     """verl's top-level ``reward`` (>= 0.7). Its rule-reward keys are the older top-level and
     ``reward_model.*`` ones spelled anew: set this way, ``load_config`` copies them to the older
-    places (``VERL_REWARD_KEYS`` in trainer/config.py), which hold the values in effect."""
+    places (``VERL_REWARD_KEYS`` in config/verl_compat.py), which hold the values in effect."""
 
     num_workers: Optional[int] = None  # = reward_model.reward_kwargs.num_workers (scorer processes). verl: 8
     custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import fnmatch
 import importlib.util
 import json
 import os
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
@@ -39,7 +38,17 @@ from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.schema import PPOConfig
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
-from rlfoundry.utils.tracking import VERL_ONLY_BACKENDS, SUPPORTED_BACKENDS
+from rlfoundry.config.verl_compat import (
+    CHECKPOINT_ROLES,
+    IGNORED_LOGGERS,
+    NO_EFFECT_KEYS,
+    NoEffectKeyWarning,
+    adopt_verl_reward_keys,
+    loggers,
+    prefer_user_deprecated_keys,
+    warn_no_effect,
+)
+from rlfoundry.utils.tracking import SUPPORTED_BACKENDS
 
 __all__ = [
     "CONFIG_DIR",
@@ -64,70 +73,9 @@ __all__ = [
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 ASSET_SCHEME = "rlfoundry://"
-# trainer.logger's values: the tracking back ends we ship, and verl's that we recognise but drop
-# (with the no-effect warning). One list each, in utils/tracking.py, which runs them.
-SUPPORTED_LOGGERS = SUPPORTED_BACKENDS
-IGNORED_LOGGERS = VERL_ONLY_BACKENDS
+SUPPORTED_LOGGERS = SUPPORTED_BACKENDS  # trainer.logger's values we run; verl's others: verl_compat.IGNORED_LOGGERS
+# verl-key translation (no-effect keys, other spellings, deprecated keys): config/verl_compat.py
 
-
-class NoEffectKeyWarning(UserWarning):
-    """A verl key that rlfoundry accepts for compatibility but does not act on."""
-
-
-# ───────────────────────────── keys with no effect / choices ─────────────────────────────
-
-# verl keys that are accepted so verl command lines run unchanged, but change nothing here.
-# fnmatch patterns over full dotted keys; setting any of them gives ONE warning naming them all.
-# docs/verl_keys.md lists them with these reasons. Two kinds: keys that cannot change results, speed or
-# memory here, and (last) verl features not built yet, which would.
-NO_EFFECT_KEYS: tuple[str, ...] = (
-    "data.tokenizer",  # unused in verl too: the tokenizer is actor_rollout_ref.model.path's
-    "*.use_shm",  # a copy to /dev/shm before loading; files are read where they are
-    # the whole file is tokenised in one batch call (the Rust tokenizer's own threads) and filtered with
-    # one array comparison: there is no per-row map for worker processes to share
-    "data.filter_overlong_prompts_workers",
-    "actor_rollout_ref.hybrid_engine",  # verl requires true; actor and rollout always share a worker here
-    "actor_rollout_ref.rollout.layered_summon",  # weights always stream to the rollout one tensor at a time
-    # always on: entropy is computed in blocks of at most 2**25 values and its backward recomputes the
-    # softmax block by block from saved row statistics (utils/torch_functional.py)
-    "*.entropy_from_logits_with_chunking", "*.entropy_checkpointing",
-    "*.profiler.*", "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",  # profiling only
-    "actor_rollout_ref.rollout.trace*",  # rollout tracing: observability only (utils/rollout_trace.py)
-    "ray_init.timeline_json_file",  # a Ray timeline dump: observability only
-    "*.fsdp_config.grad_offload",  # removed in verl >= 0.2: gradients follow param_offload
-    # FSDP1's size-based wrapping; FSDP2 (verl's fsdp2 strategy and this engine) wraps by layer class
-    "*.fsdp_config.wrap_policy.min_num_params",
-    "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
-    "reward_model.strategy",  # the reward model always runs on the FSDP engine
-    # verl's switch between its SPMD and server rollouts and <= 0.3's chat scheduler: each engine here has
-    # one path, and agent loops follow rollout.multi_turn / rollout.agent
-    "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
-    "actor_rollout_ref.rollout.micro_batch_size",  # verl <= 0.2, unused there too
-    # verl's agent-loop worker processes: here a batch's trajectories are tasks of one event loop per worker
-    "actor_rollout_ref.rollout.agent.num_workers",
-    "actor_rollout_ref.rollout.multi_turn.format",  # hermes, the only format (verl's too)
-    "trainer.esi_redundant_time",  # a save before a cloud instance expires (ESI), which these machines lack
-    "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",  # HDFS copies: checkpoints stay local
-    "trainer.ray_wait_register_center_timeout",  # verl's register-center actor, which rlfoundry has no need of
-    "trainer.use_legacy_worker_impl",  # one worker implementation here
-    # Not built yet; these would change speed (GPU kernels: the GPU-speed issue), memory or results:
-    "*.use_liger", "*.use_fused_kernels", "*.fused_kernel_options*", "*.use_torch_compile",
-    "actor_rollout_ref.rollout.multi_stage_wake_up",  # vLLM sleep mode: weights, then KV cache
-    "actor_rollout_ref.rollout.use_fire_sampling",  # FIRE: the first token at a high temperature
-    "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class
-    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",  # re-render turns with the template
-    "reward_model.launch_reward_fn_async",  # rule rewards overlapping the log-prob passes
-    "data.image_key", "data.video_key",  # multimodal data: rlfoundry trains text models
-)
-
-# Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.
-VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
-    f"actor_rollout_ref.rollout.{k}"
-    for k in ("dtype", "gpu_memory_utilization", "enforce_eager", "free_cache_engine", "load_format",
-              "layered_summon", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len",
-              "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "engine_kwargs*",
-              "update_weights_bucket_megabytes")
-)
 
 # Choice lists live beside the fields they constrain (schema.one_of / follows metadata); replaced
 # keys (model.cpu_linear ...) in schema.REPLACED_KEYS; config/typed.py checks both.
@@ -240,85 +188,11 @@ def load_config(
         overlay = _find_config_file(config_name, config_path)
     cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay)
     adopt_verl_reward_keys(cfg, user_keys)
-    _prefer_user_deprecated_keys(cfg, user_keys)
+    prefer_user_deprecated_keys(cfg, user_keys)
     _fill_fully_async_batch(cfg)
-    _warn_no_effect(cfg, user_keys)
+    warn_no_effect(cfg, user_keys)
     validate_config(cfg)
     return cfg
-
-
-# verl >= 0.7 spells the rule-reward settings under a top-level ``reward``; the rest of rlfoundry
-# reads them where older verl put them. New spelling -> old place (dicts merge into the old dict).
-VERL_REWARD_KEYS = {
-    "reward.reward_manager.name": "reward_model.reward_manager",
-    "reward.reward_kwargs": "reward_model.reward_kwargs",
-    "reward.num_workers": "reward_model.reward_kwargs.num_workers",
-    "reward.compute_score_kwargs": "reward_model.reward_kwargs.compute_score_kwargs",
-    "reward.custom_reward_function.path": "custom_reward_function.path",
-    "reward.custom_reward_function.name": "custom_reward_function.name",
-    "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
-    "reward.sandbox_fusion": "reward_model.sandbox_fusion",
-}
-
-
-def _set_by_user(user_keys: Sequence[str], key: str) -> bool:
-    return any(k == key or k.startswith(key + ".") for k in user_keys)
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
-def _agree(new: Any, old: Any) -> bool:
-    """Two spellings of one setting agree: dicts on the keys both have, anything else by value."""
-    if isinstance(new, dict) and isinstance(old, dict):
-        return all(old[k] == v for k, v in new.items() if k in old)
-    return new == old
-
-
-# verl <= 0.2's names of keys that verl renamed since: old name -> the key rlfoundry reads.
-VERL_OLD_NAMES = {"trainer.val_generations_to_log_to_wandb": "trainer.log_val_generations"}
-
-
-def adopt_verl_reward_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
-    """Copy each ``reward.*`` key the user set onto its older place, and each of verl <= 0.2's old
-    names onto the key read; one setting spelled both ways must agree (else a ConfigError naming both)."""
-    spellings = [(new, old, "verl >= 0.7", "older verl") for new, old in VERL_REWARD_KEYS.items()]
-    spellings += [(old, new, "verl <= 0.2", "verl's current name") for old, new in VERL_OLD_NAMES.items()]
-    for given, read, given_by, read_by in spellings:
-        if not _set_by_user(user_keys, given):
-            continue
-        value, before = OmegaConf.select(cfg, given), OmegaConf.select(cfg, read)
-        if _set_by_user(user_keys, read) and not _agree(_plain(value), _plain(before)):
-            raise ConfigError(f"{given} ({given_by}) and {read} ({read_by}) are one setting and were given "
-                              f"different values ({_plain(value)} vs {_plain(before)}); set one of them.")
-        with open_dict(cfg):  # the older dicts take the new keys (struct mode would refuse them)
-            OmegaConf.update(cfg, read, value, merge=isinstance(value, DictConfig))
-
-
-# verl's deprecated global micro-batch keys and the per-rank keys that replaced them.
-_DEPRECATED_MICRO = {
-    f"{role}.{old}": f"{role}.{old}_per_gpu"
-    for role, old in (("actor_rollout_ref.actor", "ppo_micro_batch_size"), ("critic", "ppo_micro_batch_size"),
-                      ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
-                      ("actor_rollout_ref.ref", "log_prob_micro_batch_size"), ("reward_model", "micro_batch_size"))
-}
-
-
-def _prefer_user_deprecated_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
-    """An old script's global micro-batch key replaces our per-rank *default* (not a per-rank key it also set);
-    verl <= 0.3's ``checkpoint.contents`` is both lists unless the newer key is set too."""
-    for old, new in _DEPRECATED_MICRO.items():
-        if old in user_keys and new not in user_keys:
-            OmegaConf.update(cfg, new, None, merge=False)
-    for role in _CHECKPOINT_ROLES:
-        contents = OmegaConf.select(cfg, f"{role}.checkpoint.contents")
-        for new in ("save_contents", "load_contents"):
-            if contents is not None and f"{role}.checkpoint.{new}" not in user_keys:
-                OmegaConf.update(cfg, f"{role}.checkpoint.{new}", list(contents), merge=False)
-
-
-_CHECKPOINT_ROLES = ("actor_rollout_ref.actor", "critic")
 
 
 def _check_checkpoint_contents(cfg: DictConfig) -> list[str]:
@@ -327,7 +201,7 @@ def _check_checkpoint_contents(cfg: DictConfig) -> list[str]:
     from rlfoundry.checkpoint.state import CHECKPOINT_CONTENTS
 
     errors = []
-    for role in _CHECKPOINT_ROLES:
+    for role in CHECKPOINT_ROLES:
         for which in ("save_contents", "load_contents"):
             listed = list(OmegaConf.select(cfg, f"{role}.checkpoint.{which}"))
             unknown = [x for x in listed if x not in CHECKPOINT_CONTENTS]
@@ -338,31 +212,6 @@ def _check_checkpoint_contents(cfg: DictConfig) -> list[str]:
                 errors.append(f"{role}.checkpoint.{which}={listed} must include 'model' (the weights; leave out "
                               "'optimizer' to save or restore the weights alone).")
     return errors
-
-
-def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:
-    engine = OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") in ("vllm", "sglang")
-    return NO_EFFECT_KEYS if engine else NO_EFFECT_KEYS + VLLM_ONLY_KEYS
-
-
-def no_effect_keys_set(cfg: DictConfig, keys: Sequence[str]) -> list[str]:
-    """The keys among ``keys`` (as the user set them) that have no effect here, in first-seen order."""
-    patterns = _no_effect_patterns(cfg)
-    hits = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
-    return list(dict.fromkeys(hits))
-
-
-def _warn_no_effect(cfg: DictConfig, keys: Sequence[str]) -> None:
-    hits = no_effect_keys_set(cfg, keys)
-    dropped = [x for x in _loggers(cfg) if x in IGNORED_LOGGERS]
-    if dropped:
-        hits.append(f"trainer.logger entries {dropped}")
-    if hits:
-        warnings.warn(
-            "These verl settings are accepted but have no effect in rlfoundry: " + ", ".join(hits) + ".",
-            NoEffectKeyWarning,
-            stacklevel=3,
-        )
 
 
 # ───────────────────────────────────── validation ─────────────────────────────────────
@@ -398,13 +247,6 @@ def _fill_fully_async_batch(cfg: DictConfig) -> None:
             cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
 
 
-def _loggers(cfg: DictConfig) -> list[str]:
-    value = cfg.trainer.logger
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else [str(x) for x in value]
-
-
 def adv_estimator(cfg: DictConfig) -> str:
     """``algorithm.adv_estimator``; null means gae when a critic model is given (verl's PPO), else grpo."""
     est = cfg.algorithm.adv_estimator
@@ -426,7 +268,7 @@ def need_reference_policy(cfg: DictConfig) -> bool:
 
 def _check_choices(cfg: DictConfig) -> list[str]:
     errors = typed.choice_errors(cfg, keys_of(PPOConfig))
-    for name in _loggers(cfg):
+    for name in loggers(cfg):
         if name not in SUPPORTED_LOGGERS + IGNORED_LOGGERS:
             errors.append(f"trainer.logger entry {name!r} is not one of {list(SUPPORTED_LOGGERS)}.")
     return errors
@@ -855,7 +697,7 @@ def resolve_config(
     trainer.device = _resolve_device(cfg.trainer.device, cuda_available)
     trainer.worker_backend = cfg.trainer.worker_backend if cfg.trainer.worker_backend != "auto" else (
         _auto_backend(cfg))
-    trainer.logger = [x for x in _loggers(cfg) if x in SUPPORTED_LOGGERS]
+    trainer.logger = [x for x in loggers(cfg) if x in SUPPORTED_LOGGERS]
     out.algorithm.adv_estimator = adv_estimator(cfg)
     if cfg.algorithm.rollout_correction.bypass_mode:  # the actor's loss needs the settings (verl does this too)
         out.actor_rollout_ref.actor.policy_loss.loss_mode = "bypass_mode"
