@@ -60,3 +60,11 @@ def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2-VL (one-block vision tower) with its processor, saved as one HF directory."""
+    from rlfoundry.models.tiny_vlm import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp("tiny-qwen2-vl"))

@@ -24,6 +24,11 @@ with a few keys is filled from it). Keys read (verl's names): ``prompt_key``, ``
   base models that have no chat template.
 - ``apply_chat_template_kwargs``: extra keyword arguments for ``apply_chat_template``.
 
+With a ``processor`` (a vision-language model's), rows may carry images (``data.image_key``,
+verl's layout, ``data/multimodal.py``): the processor renders and expands them, each item gains
+``multi_modal_data`` (the images, for the rollout) and ``multi_modal_inputs`` (pixel inputs, for
+the trainer), and ``position_ids`` are the model's 3-D rotary positions (3, max_prompt_length).
+
 The whole file is tokenised once, up front, with the fast tokenizer's batch call: filtering and the
 ``truncation=error`` check then happen at start-up, not hours into a run.
 """
@@ -45,6 +50,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from rlfoundry.config import ConfigError, to_typed
 from rlfoundry.config.schema import DataConfig
+from rlfoundry.data import multimodal as mm
 from rlfoundry.utils.import_utils import ExternObjectError, load_extern_object
 from rlfoundry.utils.tokenizer import pad_id
 
@@ -199,20 +205,26 @@ class RLHFDataset(Dataset):
     """
 
     def __init__(self, data_files: Any, tokenizer: Any, config: Any = None, processor: Any = None) -> None:
-        if processor is not None:
-            raise NotImplementedError("multimodal prompts (a processor) are not supported yet; pass processor=None")
         self.tokenizer = tokenizer
+        self.processor = processor
         self.config = typed_data_config(config)
         # Rows stay in Arrow (compact, converted per item); only the token ids are materialised.
         self.tables = load_tables(data_files, self.config)
+        self._check_media_columns()
         where, messages = self._all_prompts()
+        image_tokens = None
+        if processor is not None and not self.config.apply_chat_template:
+            raise DataError("data.apply_chat_template=false with a vision-language model: its processor's chat template "
+                            "places the image tokens; set data.apply_chat_template=true")
+        if processor is not None:
+            where, messages, image_tokens = self._vision_prompts(where, messages)
         if not messages:  # else the chat template fails on "an empty conversation", naming no file
             files = [str(path) for path, _ in self.tables]
             raise DataError(f"{files} hold no rows: the data set is empty. Point data.train_files / "
                             "data.val_files at parquet files with at least data.train_batch_size prompts.")
-        texts = render_prompts(messages, tokenizer, self.config)
+        texts = render_prompts(messages, processor or tokenizer, self.config)
         token_ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        self._keep(where, texts, token_ids)
+        self._keep(where, texts, token_ids, image_tokens)
         logger.info("RLHFDataset: %d prompts from %s", len(self), data_files)
 
     def _all_prompts(self) -> tuple[list[tuple[int, int]], list[list[dict]]]:
@@ -224,16 +236,60 @@ class RLHFDataset(Dataset):
                 where.append((t, i))
         return where, messages
 
-    def _keep(self, where: list[tuple[int, int]], texts: list[str], token_ids: list[list[int]]) -> None:
-        """Drop over-long prompts when asked, enforce truncation=error, refuse an empty result."""
+    def _check_media_columns(self) -> None:
+        """Images need the model's processor; video prompts are not built (a start-up error, not a silent skip)."""
+        opts = self.config
+        for path, table in self.tables:
+            if opts.video_key in table.column_names and any(v for v in table.column(opts.video_key).to_pylist()):
+                raise DataError(f"{path} has videos in column {opts.video_key!r} (data.video_key): video prompts are "
+                                "not built in rlfoundry yet (docs/vision.md); drop the column or its rows")
+            if self.processor is None and opts.image_key in table.column_names and \
+                    any(v for v in table.column(opts.image_key).to_pylist()):
+                raise DataError(f"{path} has images in column {opts.image_key!r} (data.image_key) but the model has no "
+                                "processor (a text-only model): use a vision-language model such as Qwen2-VL, or drop "
+                                "the column")
+
+    def _row_images(self, table: int, row: int) -> list:
+        path, arrow = self.tables[table]
+        if self.config.image_key not in arrow.column_names:
+            return []
+        return mm.row_images(arrow.column(self.config.image_key)[row].as_py(), path.parent)
+
+    def _vision_prompts(self, where: list[tuple[int, int]], messages: list[list[dict]]):
+        """Decode every image once at start-up: a row whose image does not decode is reported (file,
+        row) and skipped. Returns the rows kept, their messages with image parts, and the image tokens
+        each adds beyond the one placeholder token per image its rendered text holds."""
+        kept, parts, extra = [], [], []
+        for (t, i), chat in zip(where, messages):
+            try:
+                images = self._row_images(t, i)
+                chat = mm.vision_messages(chat, len(images))
+            except (mm.ImageDecodeError, ValueError) as err:
+                logger.warning("%s, row %d: skipped, its image does not load (%s)", self.tables[t][0], i, err)
+                continue
+            kept.append((t, i))
+            parts.append(chat)
+            extra.append(sum(n - 1 for n in mm.image_token_counts(self.processor, images)))
+        self.rope_index = mm_rope_index(self.processor)
+        return kept, parts, np.asarray(extra, dtype=np.int64)
+
+    def _keep(self, where: list[tuple[int, int]], texts: list[str], token_ids: list[list[int]],
+              image_tokens: np.ndarray | None = None) -> None:
+        """Drop over-long prompts when asked, enforce truncation=error, refuse an empty result.
+
+        ``image_tokens``: per row, the tokens its images add beyond their placeholders (counted in
+        ``data.max_prompt_length``); an over-long image prompt is never truncated (the cut would
+        part image tokens from their pixels)."""
         limit = self.config.max_prompt_length
-        lengths = np.array([len(ids) for ids in token_ids], dtype=np.int64)
+        text_lengths = lengths = np.array([len(ids) for ids in token_ids], dtype=np.int64)
+        if image_tokens is not None:
+            lengths = lengths + image_tokens
         if self.config.filter_overlong_prompts:
             keep = np.flatnonzero(lengths <= limit)
             logger.info("filter_overlong_prompts dropped %d of %d prompts", len(where) - len(keep), len(where))
         else:
             keep = np.arange(len(where))
-            if self.config.truncation == "error":
+            if self.config.truncation == "error" or self.processor is not None:
                 self._raise_if_overlong(where, lengths)
         if len(keep) == 0:
             files = [str(path) for path, _ in self.tables]
@@ -243,9 +299,9 @@ class RLHFDataset(Dataset):
                 "data.filter_overlong_prompts=False with data.truncation=left|right|middle"
             )
         self.where = np.asarray(where, dtype=np.int64).reshape(-1, 2)[keep]
-        self.texts = [texts[i] for i in keep] if self.config.return_full_prompt else None
+        self.texts = [texts[i] for i in keep] if self.config.return_full_prompt or self.processor else None
         # One flat int array + offsets instead of a Python list per prompt: ~4 bytes per token.
-        self.offsets = np.concatenate([[0], np.cumsum(lengths[keep])])
+        self.offsets = np.concatenate([[0], np.cumsum(text_lengths[keep])])
         flat = (t for i in keep for t in token_ids[i])
         self.flat_ids = np.fromiter(flat, dtype=np.int64, count=int(self.offsets[-1]))
 
@@ -271,11 +327,14 @@ class RLHFDataset(Dataset):
         path, arrow = self.tables[table]
         row = arrow.slice(int(row_index), 1).to_pylist()[0]
         messages = _check_messages(row.pop(opts.prompt_key), path, int(row_index), opts.prompt_key)
-        ids = self.flat_ids[self.offsets[item] : self.offsets[item + 1]].tolist()
-        ids = truncate_ids(ids, opts.max_prompt_length, opts.truncation)
-        input_ids, attention_mask = left_pad(ids, opts.max_prompt_length, pad_id(self.tokenizer))
-        row.update(input_ids=input_ids, attention_mask=attention_mask, raw_prompt_ids=ids)
-        row["position_ids"] = position_ids_from_mask(attention_mask)
+        if self.processor is not None:
+            row.update(self._vision_item(row, int(table), int(row_index), item))
+        else:
+            ids = self.flat_ids[self.offsets[item] : self.offsets[item + 1]].tolist()
+            ids = truncate_ids(ids, opts.max_prompt_length, opts.truncation)
+            input_ids, attention_mask = left_pad(ids, opts.max_prompt_length, pad_id(self.tokenizer))
+            row.update(input_ids=input_ids, attention_mask=attention_mask, raw_prompt_ids=ids)
+            row["position_ids"] = position_ids_from_mask(attention_mask)
         if opts.return_raw_chat:
             row["raw_prompt"] = messages
         if opts.return_full_prompt:
@@ -283,6 +342,37 @@ class RLHFDataset(Dataset):
         extra = row.get("extra_info")
         row["index"] = extra.get("index", 0) if isinstance(extra, Mapping) else 0
         return row
+
+
+    def _vision_item(self, row: dict, table: int, row_index: int, item: int) -> dict:
+        """The processor's own ids and pixel inputs for one row, left-padded, with its 3-D positions."""
+        row.pop(self.config.image_key, None)
+        row.pop(self.config.video_key, None)
+        images = self._row_images(table, row_index)
+        out = mm.process_prompt(self.processor, self.texts[item], images)
+        ids = out["input_ids"].tolist()
+        input_ids, attention_mask = left_pad(ids, self.config.max_prompt_length, pad_id(self.tokenizer))
+        types = torch.cat([out["mm_token_type_ids"].new_zeros(len(input_ids) - len(ids)), out["mm_token_type_ids"]])
+        grid = out.get("image_grid_thw")
+        positions = self.rope_index(input_ids[None], attention_mask[None], types[None], grid)[:, 0]
+        inputs = {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "raw_prompt_ids": ids,
+                "position_ids": positions, "multi_modal_data": {"image": images} if images else {},
+                "multi_modal_inputs": inputs}
+
+
+def mm_rope_index(processor: Any) -> Any:
+    """The model's own 3-D rotary positions for the processor's model (its directory holds config.json)."""
+    from transformers import AutoConfig
+
+    from rlfoundry.models.vision import RopeIndex
+
+    path = getattr(processor, "name_or_path", None) or getattr(processor.tokenizer, "name_or_path", None)
+    try:
+        return RopeIndex(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError) as err:
+        raise DataError(f"the processor's directory {path!r} holds no model config.json, which the 3-D rotary "
+                        f"positions of image prompts need ({err}); load the processor from the model directory") from err
 
 
 def collate_fn(data_list: list[dict]) -> dict:

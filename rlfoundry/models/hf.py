@@ -100,6 +100,13 @@ def load_hf_model(
         raise ValueError(f"model_kind must be one of {sorted(classes)}, got {model_kind!r}")
     if model_kind == "token_classification":
         config.num_labels = 1
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model (models/vision.py)
+        if model_kind != "causal_lm":
+            raise ValueError(f"{p} is a vision-language model ({config.model_type}); only the actor, rollout and "
+                             f"reference take one here, not a {model_kind} model (critic / reward model)")
+        from transformers import AutoModelForImageTextToText
+
+        classes["causal_lm"] = AutoModelForImageTextToText
     model = classes[model_kind].from_pretrained(
         p,
         config=config,

@@ -1,0 +1,132 @@
+"""Vision-language models (Qwen2-VL / Qwen2.5-VL family): their processor, their 3-D rotary
+positions, and the pixel inputs a forward takes (docs/vision.md).
+
+transformers builds Qwen2-VL's processor with a video processor, and that one needs torchvision.
+Where torchvision is missing, ``load_processor`` builds the same processor without it
+(``ImageTextProcessor``: the model's image processor, tokenizer and chat template, the processor's
+own image-token expansion), so image prompts work everywhere and video is a start-up error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import ProcessorMixin, Qwen2VLProcessor
+
+__all__ = ["ImageTextProcessor", "VISION_TOKENS", "freeze_vision_tower", "is_vision_language", "load_processor",
+           "model_multimodal_kwargs", "model_position_ids", "RopeIndex"]
+
+logger = logging.getLogger(__name__)
+
+# Qwen2-VL's vision special tokens: an image is <|vision_start|> <|image_pad|> x N <|vision_end|>
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+class ImageTextProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor with its image processor and tokenizer only (no video processor).
+
+    Same ``__call__`` as ``Qwen2VLProcessor`` (each image token expanded to grid_t·grid_h·grid_w /
+    merge² copies, ``mm_token_type_ids`` returned); it exists because transformers cannot build a
+    video processor without torchvision, and so no Qwen2-VL processor at all.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+def is_vision_language(config: Any) -> bool:
+    """A config with a vision tower (Qwen2-VL, Qwen2.5-VL, …)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def load_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """The model directory's processor, or None for a text-only model.
+
+    ``AutoProcessor`` first; where it cannot build a Qwen2-VL processor (no torchvision for its video
+    processor), the image-only ``ImageTextProcessor`` from the same files.
+    """
+    from transformers import AutoConfig, AutoProcessor
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if not is_vision_language(config):
+        return None
+    saved = path / "processor_config.json"
+    ours = saved.is_file() and json.loads(saved.read_text()).get("processor_class") == "ImageTextProcessor"
+    if not ours:
+        try:
+            return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            if _model_type(path) not in ("qwen2_vl", "qwen2_5_vl"):
+                raise
+            logger.warning("AutoProcessor could not build %s's processor (%s); using its image processor and "
+                           "tokenizer without video (install torchvision for video)", path, err)
+    return ImageTextProcessor.from_pretrained(path)
+
+
+class RopeIndex:
+    """The model's own ``get_rope_index`` (Qwen2-VL's multimodal rotary positions), without weights.
+
+    The model is built on the meta device (no memory): ``get_rope_index`` reads only its config.
+    ``__call__`` returns (3, B, T) positions for one left-padded batch of prompts.
+    """
+
+    def __init__(self, config: Any):
+        from transformers import AutoModel
+
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+        self._get_rope_index = model.get_rope_index
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mm_token_type_ids: torch.Tensor,
+                 image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        positions, _ = self._get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
+                                            image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+        return positions
+
+
+def model_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Batch-first positions as the model takes them: (B, 3, T) multimodal ones become (3, B, T)."""
+    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
+
+
+def model_multimodal_kwargs(rows: Any, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The pixel inputs of a micro-batch: each row's ``multi_modal_inputs`` dict, concatenated in row
+    order (``pixel_values`` (patches, C·t·p·p), ``image_grid_thw`` (images, 3)); {} for text rows."""
+    if rows is None:
+        return {}
+    dicts = [r for r in rows if r]
+    if not dicts:
+        return {}
+    keys = sorted({k for r in dicts for k in r})
+    return {k: torch.cat([torch.as_tensor(r[k]) for r in dicts if k in r]).to(device) for k in keys}
+
+
+def freeze_vision_tower(model: nn.Module) -> int:
+    """``model.freeze_vision_tower`` (verl's key): the vision encoder and its merger take no gradient.
+
+    Returns the number of parameters frozen. The tower is ``model.visual`` (transformers 5.x) or
+    ``visual`` on older layouts."""
+    inner = getattr(model, "model", model)
+    tower = getattr(inner, "visual", None) or getattr(model, "visual", None)
+    if tower is None:
+        raise ValueError(f"model.freeze_vision_tower=true but {type(model).__name__} has no vision tower "
+                         "(a text-only model); set it to false")
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
