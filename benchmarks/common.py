@@ -268,18 +268,25 @@ class StepClock:
     samples: list[int] = field(default_factory=list)
     reward_mean: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)  # optional per-step phase times
+    # optional per-step rollout-vs-trainer mismatch: {"max", "mean"} of |log p_rollout − log p_trainer|
+    # over the step's valid response tokens (the sampler's log-prob of each sampled token vs the
+    # trainer's forward on the same tokens, before any update)
+    logprob_diff: list[dict[str, float]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
     def step_begin(self) -> None:
         self.begin.append(time.time())
 
-    def step_end(self, gen_tokens: int, samples: int, reward_mean: float, phases: dict | None = None) -> None:
+    def step_end(self, gen_tokens: int, samples: int, reward_mean: float, phases: dict | None = None,
+                 logprob_diff: dict | None = None) -> None:
         self.end.append(time.time())
         self.gen_tokens.append(int(gen_tokens))
         self.samples.append(int(samples))
         self.reward_mean.append(float(reward_mean))
         if phases is not None:
             self.phases.append({k: float(v) for k, v in phases.items()})
+        if logprob_diff is not None:
+            self.logprob_diff.append({k: float(v) for k, v in logprob_diff.items()})
 
     def save(self, path: str | Path | None) -> None:
         """Write the JSON result, or (no path: a standalone run) print one line per step."""
@@ -495,11 +502,22 @@ def summarize(clock: dict[str, Any], w: Workload, launched: float) -> dict[str, 
     gpu_peak = clock.get("info", {}).get("cuda_max_memory_allocated_mb")
     if gpu_peak is not None:  # --device cuda: torch's peak allocation in the runner (rank 0) process
         row["peak_gpu_mb"] = float(gpu_peak)
+    row |= logprob_diff_summary(clock.get("logprob_diff") or [])
     if clock.get("phases"):
         phases = clock["phases"][k:]
         row["phases_s"] = {name: statistics.median(p.get(name, 0.0) for p in phases)
                            for name in sorted({n for p in phases for n in p})}
     return row
+
+
+def logprob_diff_summary(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """The run's mismatch column from per-step ``{"max", "mean"}``: the largest per-step max and the
+    mean of the per-step means, over every step (a framework's first step samples from the same
+    weights as its later ones; a drifting engine shows at once). Empty when the runner recorded none."""
+    if not per_step:
+        return {}
+    return {"logprob_diff_max": max(d["max"] for d in per_step),
+            "logprob_diff_mean": statistics.fmean(d["mean"] for d in per_step)}
 
 
 # ───────────────────────────────────── repeats, medians, ratios ─────────────────────────────────────
@@ -528,7 +546,8 @@ def interleaved_runs(frameworks: Sequence[str], w: Workload, prepared: Prepared,
 
 MEDIAN_KEYS = ("step_s", "step_inner_s", "startup_s", "gen_tokens_per_s", "samples_per_s", "gen_tokens_per_step",
                "peak_rss_mb", "peak_tree_rss_mb", "peak_tree_pss_mb", "reward_first", "reward_last")
-OPTIONAL_MEDIAN_KEYS = ("peak_gpu_mb",)  # present only in some runs (--device cuda)
+# present only in some runs: --device cuda; the mismatch column (runners that can see both log-probs)
+OPTIONAL_MEDIAN_KEYS = ("peak_gpu_mb", "logprob_diff_max", "logprob_diff_mean")
 
 
 def median_row(runs: list[dict]) -> dict[str, Any]:
@@ -605,6 +624,11 @@ def _git_revision() -> str:
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+# The mismatch column beside the speed (``logprob_diff_summary``): a faster engine that drifts further
+# from the trainer shows it. '-' where a framework has no separate sampler log-probs to compare.
+MISMATCH_COLUMNS = [("|dlogp| max", "logprob_diff_max", ".2e"), ("|dlogp| mean", "logprob_diff_mean", ".2e")]
 
 
 def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:

@@ -37,6 +37,7 @@ from typing import Any
 from benchmarks.common import (
     REPO_ROOT,
     _child_env,
+    MISMATCH_COLUMNS,
     add_workload_args,
     format_table,
     interleaved_runs,
@@ -171,7 +172,7 @@ def phase_efficiency(median: dict[str, Any], w, costs: dict[str, float], peaks: 
 COLUMNS = [("framework", "framework", ""), ("s/step", "step_s", ".2f"), ("samples/s", "samples_per_s", ".2f"),
            ("gen s", "gen_s", ".2f"), ("gen/bound", "gen_frac_of_bound", ".0%"), ("old_lp s", "old_s", ".2f"),
            ("update s", "update_s", ".2f"), ("update/peak", "update_frac_of_peak", ".0%"),
-           ("tree PSS MB", "peak_tree_pss_mb", ".0f")]
+           ("tree PSS MB", "peak_tree_pss_mb", ".0f"), *MISMATCH_COLUMNS]
 GPU_COLUMNS = [("GPU peak MB", "peak_gpu_mb", ".0f")]  # --device cuda: torch's peak allocation, rank 0
 
 

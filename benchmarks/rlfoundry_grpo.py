@@ -60,6 +60,9 @@ def verl_keys(w, prepared, run_dir: Path, rows: int) -> list[str]:
         "actor_rollout_ref.rollout.top_k=-1",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={rows}",
         f"actor_rollout_ref.rollout.seed={w.seed}",
+        # keep the sampler's log-probs in the batch, so the trainer logs how far its own differ
+        # (training/rollout_log_probs_diff_*: the benchmark's mismatch column)
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
         f"trainer.total_training_steps={w.steps}",
@@ -92,6 +95,17 @@ def speed_keys(w) -> list[str]:
     ]
 
 
+def logprob_diff(metrics: dict) -> dict[str, float] | None:
+    """The step's rollout-vs-trainer |Δ log p| (max, mean): the trainer's rescoring of the rollout's
+    tokens where it ran one (``training/rollout_log_probs_diff_*``); else (``use_rollout_log_probs``,
+    on by default here) the update's first forward against the rollout's log-probs
+    (``actor/log_ratio_abs_*``: one mini-batch and one epoch per step, so before any optimiser step)."""
+    for prefix in ("training/rollout_log_probs_diff", "actor/log_ratio_abs"):
+        if f"{prefix}_max" in metrics and f"{prefix}_mean" in metrics:
+            return {"max": float(metrics[f"{prefix}_max"]), "mean": float(metrics[f"{prefix}_mean"])}
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     show = "--print-overrides" in argv
@@ -118,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         samples = w.samples_per_step
         phases = {k.split("/", 1)[1]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")}
         clock.step_end(round(float(metrics["response_length/mean"]) * samples), samples,
-                       float(metrics["critic/score/mean"]), phases)
+                       float(metrics["critic/score/mean"]), phases, logprob_diff(metrics))
         return metrics
 
     PPOTrainer.train_step = timed_train_step

@@ -18,6 +18,12 @@ Settings are chosen so that one TRL step is the benchmark's GRPO step and nothin
 
 Per-step stamps come from a ``TrainerCallback`` (on_step_begin / on_step_end); generated tokens and
 rewards are counted inside the reward function, which TRL calls once per step with all P·n samples.
+
+Mismatch column: TRL (without vLLM) keeps no sampler log-probs, so this runner records them: a logits
+processor added to ``generate`` keeps log softmax(scores / T) of each sampled token (transformers runs
+a caller's processors before its temperature warper, hence the division; top-k/top-p are off here),
+and the trainer's first log-prob pass of the step (the loss's, before the optimiser step) is compared
+row by row. TRL shuffles the batch between the two, so rows are matched by their tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +57,66 @@ def build_config(w, output_dir: str):
     )
 
 
+class SamplerLogProbs:
+    """What TRL's sampler drew each token from, recorded around ``model.generate``; matched later to the
+    trainer's log-probs of the same rows (``diff``). Keys are a row's valid tokens (prompt + response)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.rows, self._prev, self._steps = temperature, {}, None, []
+
+    def __call__(self, input_ids, scores):  # a transformers LogitsProcessor
+        import torch
+
+        if self._prev is not None:  # the token sampled from the previous step's distribution
+            self._steps.append(self._prev.gather(-1, input_ids[:, -1:]))
+        self._prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def wrap(self, generate):
+        """``model.generate`` that also records the rollout's log-probs of what it sampled."""
+        import torch
+        from transformers import LogitsProcessorList
+
+        def recorded_generate(*args, **kwargs):
+            self._prev, self._steps = None, []
+            kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), self])
+            sequences = generate(*args, **kwargs)
+            self._steps.append(self._prev.gather(-1, sequences[:, -1:]))
+            config = kwargs.get("generation_config")
+            eos = getattr(config, "eos_token_id", None)
+            self._store(kwargs["input_ids"], kwargs["attention_mask"], sequences, torch.cat(self._steps, dim=1),
+                        [eos] if isinstance(eos, int) else list(eos or []))
+            return sequences
+
+        return recorded_generate
+
+    def _store(self, input_ids, attention_mask, sequences, log_probs, eos_ids) -> None:
+        self.rows = {}
+        width = input_ids.shape[1]
+        for i in range(sequences.shape[0]):
+            response = sequences[i, width:].tolist()
+            length = next((t + 1 for t, tok in enumerate(response) if tok in eos_ids), len(response))
+            key = tuple(input_ids[i][attention_mask[i].bool()].tolist() + response[:length])
+            self.rows[key] = log_probs[i, :length].float().cpu()
+
+    def diff(self, input_ids, attention_mask, trainer_log_probs) -> dict[str, float] | None:
+        """max and mean |log p_rollout − log p_trainer| over the valid response tokens of the matched rows."""
+        diffs = []
+        width = trainer_log_probs.shape[1]  # the response columns end input_ids
+        for i in range(input_ids.shape[0]):
+            key = tuple(input_ids[i][attention_mask[i].bool()].tolist())
+            rollout = self.rows.get(key)
+            if rollout is not None:
+                valid = attention_mask[i, -width:].bool()
+                diffs.append((trainer_log_probs[i][valid].detach().float().cpu() - rollout).abs())
+        if not diffs:
+            return None
+        import torch
+
+        every = torch.cat(diffs)
+        return {"max": float(every.max()), "mean": float(every.mean())} if every.numel() else None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -74,8 +140,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         step["reward_sum"] = step.get("reward_sum", 0.0) + sum(scores)
         return scores
 
+    sampler = SamplerLogProbs(w.temperature)
+
     class TimedGRPOTrainer(GRPOTrainer):
-        """Times generation and generation+scoring (the rest of the step is the update)."""
+        """Times generation and generation+scoring (the rest of the step is the update); records the
+        rollout-vs-trainer log-prob mismatch of the step (``SamplerLogProbs``)."""
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **k)
+            if model.training and "logprob_diff" not in step:  # the loss's pass, before the optimiser step
+                diff = sampler.diff(input_ids, attention_mask, out[0])
+                if diff is not None:
+                    step["logprob_diff"] = diff
+            return out
 
         def _generate_single_turn(self, *a, **k):
             t0 = time.perf_counter()
@@ -102,10 +179,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             gen, scored = step.get("gen", 0.0), step.get("gen_and_score", 0.0)
             phases = {"gen": gen, "reward+adv": scored - gen, "update_actor": total - scored, "step": total}
             samples = step.get("samples", 0)
-            clock.step_end(step.get("tokens", 0), samples, step.get("reward_sum", 0.0) / max(samples, 1), phases)
+            clock.step_end(step.get("tokens", 0), samples, step.get("reward_sum", 0.0) / max(samples, 1), phases,
+                           step.get("logprob_diff"))
 
     tokenizer = AutoTokenizer.from_pretrained(prepared.model_dir)
     model = AutoModelForCausalLM.from_pretrained(prepared.model_dir, dtype="float32")
+    model.generate = sampler.wrap(model.generate)  # an instance attribute: TRL's unwrapped model is this one
     config = build_config(w, str(args.work_dir / "trl-out"))
     trainer = TimedGRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[StepTimer()])

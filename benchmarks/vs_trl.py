@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.common import (
+    MISMATCH_COLUMNS,
     add_workload_args,
     format_table,
     interleaved_runs,
@@ -44,6 +45,7 @@ COLUMNS = [
     ("start-up s", "startup_s", ".1f"),
     ("reward 1st", "reward_first", ".3f"),
     ("reward last", "reward_last", ".3f"),
+    *MISMATCH_COLUMNS,
     ("runs ok", "ok_runs", "d"),
 ]
 

@@ -95,13 +95,15 @@ class LossOutput(NamedTuple):
 
     ``summed``: values already divided by the global counts (losses): summed over micro-batches and
     over ranks, then divided by the rank count. ``weighted``: micro-batch means (clip fractions,
-    ratios): weighted by the micro-batch's counted tokens. Either way the reported number is the
-    mini-batch-wide one, the same on every rank.
+    ratios): weighted by the micro-batch's counted tokens. ``maxed``: micro-batch maxima (the
+    largest over micro-batches and ranks). Either way the reported number is the mini-batch-wide
+    one, the same on every rank.
     """
 
     loss: torch.Tensor
     summed: dict[str, float]
     weighted: dict[str, float]
+    maxed: dict[str, float] = {}
 
 
 # (forward outputs of one micro-batch, its tensors, the mini-batch-wide counts) -> LossOutput

@@ -72,6 +72,7 @@ class MiniBatchStats:
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.weighted: dict[str, float] = {}
+        self.maxed: dict[str, float] = {}
         self.tokens = 0.0
 
     def add(self, out: LossOutput, tokens: float) -> None:
@@ -79,6 +80,8 @@ class MiniBatchStats:
             self.sums[k] = self.sums.get(k, 0.0) + float(v)
         for k, v in out.weighted.items():
             self.weighted[k] = self.weighted.get(k, 0.0) + float(v) * tokens
+        for k, v in out.maxed.items():
+            self.maxed[k] = max(self.maxed.get(k, float("-inf")), float(v))
         self.tokens += tokens
 
     def reduce(self, dp_size: int, group: Any) -> dict[str, float]:
@@ -91,6 +94,12 @@ class MiniBatchStats:
         out = {k: float(values[i]) / dp_size for i, k in enumerate(summed)}
         total, offset = max(float(values[-1]), 1.0), len(summed)
         out.update({k: float(values[offset + i]) / total for i, k in enumerate(weighted)})
+        if self.maxed:
+            maxed = sorted(self.maxed)
+            highest = torch.tensor([self.maxed[k] for k in maxed], dtype=torch.float64)
+            if dp_size > 1:
+                dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+            out.update({k: float(highest[i]) for i, k in enumerate(maxed)})
         return out
 
 

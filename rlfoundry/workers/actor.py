@@ -35,6 +35,16 @@ class ActorBatchSizes:
     max_token_len: int = 16384  # token budget per micro-batch with use_dynamic_bsz
 
 
+def _log_ratio_abs(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """|log π_θ − log π_old| over the valid tokens (B, Tr): mean and max. In the first mini-batch of
+    the first epoch (before any optimiser step) with the rollout's log-probs as ``old_log_probs``,
+    this is how far the trainer's forward is from the sampler's: the PPO ratio's starting offset."""
+    valid = mask.bool()
+    diff = (log_prob.detach().float() - old_log_prob.float()).abs().masked_fill(~valid, 0.0)
+    mean = diff.sum() / valid.sum().clamp(min=1)
+    return {"actor/log_ratio_abs_mean": float(mean), "actor/log_ratio_abs_max": float(diff.max())}
+
+
 class DataParallelPPOActor:
     """Log-probs and PPO updates of one policy on one data-parallel rank.
 
@@ -109,6 +119,8 @@ class DataParallelPPOActor:
         )
         agg = {k: v for k, v in info.items() if k != "dp_size"}
         loss, losses = pg_loss, {"actor/pg_loss": float(pg_loss.detach())}
+        ratios, maxima = {**ratios, **_log_ratio_abs(log_prob, batch["old_log_probs"], mask)}, {}
+        maxima["actor/log_ratio_abs_max"] = ratios.pop("actor/log_ratio_abs_max")
         entropy_coeff = cfg.entropy_coeff
         if entropy is not None:
             entropy_agg = core_algos.agg_loss(entropy, mask, mode, dp_size=info["dp_size"], **agg)
@@ -120,7 +132,7 @@ class DataParallelPPOActor:
             kl_loss = core_algos.agg_loss(kld, mask, mode, dp_size=info["dp_size"], **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             losses["actor/kl_loss"] = float(kl_loss.detach())
-        return LossOutput(loss, losses, ratios)
+        return LossOutput(loss, losses, ratios, maxima)
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """Run ``ppo_epochs`` passes of mini-batch PPO steps over ``data``; metrics per mini-batch.
@@ -131,7 +143,8 @@ class DataParallelPPOActor:
         ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
         ``actor/grad_norm``, ``actor/entropy`` (when ``entropy_coeff`` ≠ 0 or
         ``meta_info["calculate_entropy"]``; otherwise the trainer takes it from
-        ``compute_log_prob``), ``actor/kl_loss`` (with ``use_kl_loss``), and
+        ``compute_log_prob``), ``actor/kl_loss`` (with ``use_kl_loss``),
+        ``actor/log_ratio_abs_{mean,max}`` (|log π_θ − old_log_probs|, ``_log_ratio_abs``), and
         ``actor/nan_skipped`` (steps skipped in this call). Every value is the
         mini-batch-wide number, all-reduced, so it is the same on every rank.
         """

@@ -159,6 +159,9 @@ def test_rollout_probs_diff_only_counts_valid_tokens():
     m = rollout_probs_diff_metrics(rollout, actor, torch.tensor([[1, 0]]))
     assert m["training/rollout_probs_diff_max"] == pytest.approx(0.25)
     assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.25)
+    # log scale: |log 0.5 - log 0.25| = log 2 on the one valid token
+    assert m["training/rollout_log_probs_diff_max"] == pytest.approx(np.log(2))
+    assert m["training/rollout_log_probs_diff_mean"] == pytest.approx(np.log(2))
 
 
 def test_trim_prompt_padding_drops_only_columns_every_prompt_pads():

@@ -171,18 +171,23 @@ def _numeric_column(values: Any) -> np.ndarray | None:
 
 def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                                mask: torch.Tensor) -> dict[str, float]:
-    """|p_rollout − p_actor| per valid token (verl's ``training/rollout_probs_diff_*``).
+    """|p_rollout − p_actor| per valid token (verl's ``training/rollout_probs_diff_*``), and the same
+    on the log scale (``training/rollout_log_probs_diff_{max,mean}``, |log p_rollout − log p_actor|).
 
     The rollout engine and the actor should score a sampled token alike; a gap means the engine
     samples from another distribution (stale weights, other dtype, top-k/top-p filtering), which
-    makes the PPO ratio off-policy without anyone noticing. All (B, Tr).
+    makes the PPO ratio off-policy without anyone noticing. The log scale is the PPO ratio's:
+    exp(diff) is how far off that token's ratio starts. All (B, Tr).
     """
     valid = mask.bool()
     if not valid.any():
         return {}
     diff = (rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs()[valid]
+    log_diff = (rollout_log_probs.float() - old_log_probs.float()).abs()[valid]
     return {"training/rollout_probs_diff_max": float(diff.max()), "training/rollout_probs_diff_mean": float(diff.mean()),
-            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}
+            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0,
+            "training/rollout_log_probs_diff_max": float(log_diff.max()),
+            "training/rollout_log_probs_diff_mean": float(log_diff.mean())}
 
 
 def trim_prompt_padding(prompts: DataProto) -> DataProto:
