@@ -80,6 +80,10 @@ class Workload:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int | None = None  # None: 2 × hidden_size
+    # None: the byte tokenizer's ~260 tokens; else its vocabulary padded with filler tokens to this size
+    # (rlfoundry.models.tiny.build_tokenizer), e.g. Qwen2.5's 151,936, with the LM head tied or not
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
     model_seed: int = 0
     model_path: str | None = None  # an existing HF directory instead of the model built from the config
     # supervised warm start of the built model on held-apart arithmetic problems (0: random weights).
@@ -161,6 +165,10 @@ def _model_key(w: Workload) -> str:
     key = f"qwen2-h{w.hidden_size}-l{w.num_layers}-a{w.num_heads}-kv{w.num_kv_heads}-seed{w.model_seed}"
     if w.intermediate_size:
         key += f"-i{w.intermediate_size}"
+    if w.vocab_size:
+        key += f"-v{w.vocab_size}"
+    if w.tie_word_embeddings:
+        key += "-tied"
     return key + (f"-sft{w.warm_start_steps}" if w.warm_start_steps else "")
 
 
@@ -234,7 +242,8 @@ def prepare_in_process(w: Workload, work_dir: Path = DEFAULT_WORK_DIR) -> Prepar
 
             tmp = model_dir.with_name(model_dir.name + ".tmp")
             save_tiny_model(tmp, hidden_size=w.hidden_size, num_layers=w.num_layers, num_heads=w.num_heads,
-                            num_kv_heads=w.num_kv_heads, intermediate_size=w.intermediate_size, seed=w.model_seed)
+                            num_kv_heads=w.num_kv_heads, intermediate_size=w.intermediate_size, seed=w.model_seed,
+                            vocab_size=w.vocab_size, tie_word_embeddings=w.tie_word_embeddings)
             if w.warm_start_steps:
                 warm_start(tmp, w.warm_start_steps, seed=w.model_seed)
             tmp.rename(model_dir)  # complete or absent: an interrupted build is never reused
@@ -659,9 +668,13 @@ def save_results(name: str, payload: dict[str, Any], results_dir: Path = RESULTS
     return path
 
 
-# Layer shapes of real models (the byte tokenizer keeps the vocabulary small, so these are the layers' cost)
+# Layer shapes of real models (the byte tokenizer keeps the vocabulary small, so these are the layers' cost);
+# "-vocab": the whole shape, with the real vocabulary (filler tokens beyond the bytes) and the tied LM head,
+# where the log-softmax over 151,936 tokens, not the layers, decides the update's memory and time
 SHAPES = {
     "qwen2.5-0.5b": {"hidden_size": 896, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864},
+    "qwen2.5-0.5b-vocab": {"hidden_size": 896, "num_heads": 14, "num_kv_heads": 2, "intermediate_size": 4864,
+                           "vocab_size": 151936, "tie_word_embeddings": True},
 }
 
 
@@ -679,7 +692,10 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: Workload = Workload(
     p.add_argument("--num-kv-heads", type=int, default=defaults.num_kv_heads)
     p.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size, help="default: 2 × hidden")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="a named layer shape (sets hidden/heads/intermediate size; --num-layers still applies)")
+                   help="a named layer shape (sets hidden/heads/intermediate size, and with -vocab the vocabulary; "
+                        "--num-layers still applies)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="pad the byte tokenizer's vocabulary to this many tokens (default: ~260)")
     p.add_argument("--warm-start-steps", type=int, default=defaults.warm_start_steps,
                    help="SFT steps on arithmetic before RL (0: random weights); for the learning check")
     p.add_argument("--model-path", default=None, help="an HF model directory (or rlfoundry://name) instead of "
@@ -705,6 +721,8 @@ def workload_from_args(a: argparse.Namespace, **changes: Any) -> Workload:
     shape = SHAPES[a.shape] if getattr(a, "shape", None) else {
         "hidden_size": a.hidden_size, "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
         "intermediate_size": a.intermediate_size}
+    if getattr(a, "vocab_size", None):
+        shape = {**shape, "vocab_size": a.vocab_size}
     return Workload(steps=a.steps, warmup_steps=a.warmup_steps, prompts_per_step=a.prompts_per_step, n=a.n,
                     lr=a.lr, **shape, num_layers=a.num_layers, model_path=a.model_path,
                     warm_start_steps=a.warm_start_steps,

@@ -4,9 +4,12 @@
     python -m benchmarks.realistic --num-layers 24 --response-lengths 32 --repeats 1
     python -m benchmarks.realistic --rlfoundry-keys tuned            # with the runner's speed keys
     python -m benchmarks.realistic --device cuda --layers 24         # one GPU, bf16 compute
+    python -m benchmarks.realistic --shape qwen2.5-0.5b-vocab --layers 24   # + the real 151,936 vocabulary
 
 The model has Qwen2.5-0.5B's layer shape (hidden 896, MLP 4864, 14 heads, 2 KV heads; the project's
-byte tokenizer, so the vocabulary is small and the layers are the cost), random weights, fp32
+byte tokenizer, so the vocabulary is small and the layers are the cost; ``--shape qwen2.5-0.5b-vocab``
+adds its 151,936-token vocabulary and tied LM head, the byte tokenizer padded with filler tokens, so
+the log-softmax over the vocabulary weighs as in the real model), random weights, fp32
 (``--device cuda``: fp32 master weights computing in bf16 on one GPU, for both frameworks).
 GRPO, ``--prompts-per-step`` × ``--n`` samples, one optimiser step per step, the same workload for
 both frameworks (``benchmarks/common.py``). By default rlfoundry gets only the keys a verl user
@@ -204,7 +207,7 @@ def print_result(result: dict[str, Any]) -> None:
     w = result["workload"]
     print(f"\n== {w['num_layers']} layers, response length {w['max_response_length']}: {w['prompts_per_step']} "
           f"prompts x n={w['n']}, rlfoundry keys: {w['rlfoundry_keys']}, {w['threads']} threads, "
-          f"{w.get('device', 'cpu')}; "
+          f"{w.get('device', 'cpu')}, vocabulary {w.get('vocab_size') or 'bytes'}; "
           f"forward {result['rows'][0].get('forward_tflop', 0):.3f} TFLOP/step")
     columns = COLUMNS + (GPU_COLUMNS if w.get("device") == "cuda" else [])
     print(format_table([r for r in result["rows"] if "error" not in r], columns))

@@ -54,15 +54,25 @@ def _byte_alphabet() -> list[str]:
     return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
 
 
-def build_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
+def build_tokenizer(chat_template: bool = True, vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer with one token per byte plus ChatML special tokens.
 
     It is the GPT-2/Qwen2 byte-level BPE scheme with an empty merge list, so any text round-trips
     exactly (``decode(encode(s)) == s``), and ``AutoTokenizer`` may load it as a Qwen2 tokenizer
     (which re-applies byte-level pre-tokenisation) without changing a single id.
+
+    ``vocab_size``: pad the vocabulary to this many tokens with three-byte filler tokens that no
+    merge produces (encoding is unchanged; a sampled filler decodes to its bytes), so a model can
+    have a real model's vocabulary — e.g. Qwen2.5's 151,936 — where the softmax over it, not the
+    layers, decides the memory and time of log-probs.
     """
     alphabet = _byte_alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
+    tokens = SPECIAL_TOKENS + alphabet
+    if vocab_size is not None and vocab_size > len(tokens):
+        n = len(alphabet)
+        tokens += [alphabet[i // (n * n) % n] + alphabet[i // n % n] + alphabet[i % n]
+                   for i in range(vocab_size - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
@@ -131,7 +141,7 @@ def save_tiny_model(out_dir: str | Path, **kwargs) -> Path:
     """Build tokenizer + model and save both as one Hugging Face directory; returns the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
+    tok = build_tokenizer(vocab_size=kwargs.pop("vocab_size", None))
     model = build_tiny_model(tok, **kwargs)
     model.save_pretrained(out)
     tok.save_pretrained(out)

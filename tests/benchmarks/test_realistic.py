@@ -28,3 +28,36 @@ def test_prompt_tokens_is_the_mean_templated_prompt_length_in_tokens(prepared):
     assert min(lengths) > 10  # arithmetic prompts in a chat template: tens of tokens, never the 2 keys of a dict
     assert _prompt_tokens(files.train_file, files.model_dir, w.prompts_per_step) == pytest.approx(
         sum(lengths) / len(lengths))
+
+
+def test_the_real_vocabulary_shape_is_qwen25_05b_whole():
+    import argparse
+
+    from benchmarks.common import add_workload_args, workload_from_args
+
+    p = argparse.ArgumentParser()
+    add_workload_args(p)
+    w = workload_from_args(p.parse_args(["--shape", "qwen2.5-0.5b-vocab", "--num-layers", "24"]))
+    assert (w.hidden_size, w.num_heads, w.num_kv_heads, w.intermediate_size, w.num_layers) == (896, 14, 2, 4864, 24)
+    assert w.vocab_size == 151936 and w.tie_word_embeddings
+    assert workload_from_args(p.parse_args(["--vocab-size", "1000"])).vocab_size == 1000
+
+
+def test_a_padded_vocabulary_reaches_the_model_and_keeps_the_prompt_ids(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from benchmarks.realistic import model_costs
+    from rlfoundry.models.tiny import build_tokenizer
+
+    small = Workload(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, prompts_per_step=2, n=2, steps=2)
+    big = small.replace(vocab_size=3000, tie_word_embeddings=True)
+    files = prepare_in_process(big, tmp_path)
+    config, tok = AutoConfig.from_pretrained(files.model_dir), AutoTokenizer.from_pretrained(files.model_dir)
+    assert config.vocab_size == len(tok) == 3000 and config.tie_word_embeddings
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert tok(text)["input_ids"] == build_tokenizer()(text)["input_ids"]  # fillers are never produced by encoding
+    assert tok.decode(tok(text)["input_ids"]) == text
+    # the head's cost grows by hidden × (3000 − the byte vocabulary): 2 FLOPs per weight and token
+    base = model_costs(prepare_in_process(small, tmp_path).model_dir)
+    assert model_costs(files.model_dir)["flops_per_token"] - base["flops_per_token"] == 2 * 32 * (3000 - len(build_tokenizer()))
