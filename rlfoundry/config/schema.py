@@ -302,6 +302,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = one_of(KL_ESTIMATORS, "low_var_kl")
     ppo_epochs: int = 1
+    freeze_vision_tower: bool = False  # vision-language models: the vision encoder takes no gradient
     shuffle: bool = False
     # reuse the HF rollout's log-probs as old_log_probs, skipping compute_log_prob: the same numbers where
     # the update is on the sampling policy (HF engine, one epoch, one mini-batch per step; trainer/config.py).

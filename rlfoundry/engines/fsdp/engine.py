@@ -40,6 +40,7 @@ from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.engines.fsdp.forward import (
     MODEL_INPUTS,
     CausalLMForward,
+    model_batch,
     plain_context,
     plain_micro_batches,
     restore,
@@ -49,6 +50,7 @@ from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry import cpu as cpu_kernels
 from rlfoundry.models import lora as lora_lib
 from rlfoundry.models.hf import load_hf_model
+from rlfoundry.models.vision import freeze_vision_tower
 from rlfoundry.protocol import DataProto
 
 __all__ = ["FSDPEngine", "FSDPEngineConfig"]
@@ -80,6 +82,7 @@ class FSDPEngineConfig:
     activation_offload: bool = False  # verl's model.enable_activation_offload (fu.activation_offload)
     # Ulysses: groups of this many ranks split each packed sequence (engines/fsdp/ulysses.py)
     ulysses_sequence_parallel_size: int = 1
+    freeze_vision_tower: bool = False  # verl's model.freeze_vision_tower (vision-language models)
 
     @property
     def trainable(self) -> bool:
@@ -93,7 +96,8 @@ class FSDPEngineConfig:
         has it); ``fields`` sets (or replaces) the rest."""
         base = dict(path=str(model.path), cpu_kernels=model.cpu_kernels, trust_remote_code=model.trust_remote_code,
                     use_remove_padding=model.use_remove_padding,
-                    activation_offload=bool(getattr(model, "enable_activation_offload", False)))
+                    activation_offload=bool(getattr(model, "enable_activation_offload", False)),
+                    freeze_vision_tower=bool(getattr(model, "freeze_vision_tower", False)))
         return cls(fsdp=fsdp, optim=optim, grad_clip=grad_clip, **{**base, **fields})
 
 
@@ -182,7 +186,7 @@ class FSDPEngine(TrainingEngine):
             for m, entry in zip(micros, plan):
                 # An empty micro-batch (token budgets across ranks) still runs a forward on a
                 # stand-in row so FSDP's collectives line up; its output is dropped.
-                for k, v in self._forward((m if len(m) else inputs[:1]).batch, output, entry).items():
+                for k, v in self._forward(model_batch(m if len(m) else inputs[:1]), output, entry).items():
                     outs.setdefault(k, []).append(v[: len(m)])
         self._module.train(was_training)
         return {k: restore(torch.cat(v), order) for k, v in outs.items()}
@@ -205,7 +209,7 @@ class FSDPEngine(TrainingEngine):
                 empty = len(micro) == 0
                 micro = zero_loss_row(mini, plan.mask_key) if empty else micro
                 with fu.activation_offload(self.device) if self.config.activation_offload else contextlib.nullcontext():
-                    out = loss_fn(self._forward(micro.batch, output, entry), micro.batch, info)
+                    out = loss_fn(self._forward(model_batch(micro), output, entry), micro.batch, info)
                 before_backward(i == len(micros) - 1)
                 out.loss.backward()  # summed over micro-batches: the loss already divided by the global count
                 stats.add(out, 0.0 if empty else float(micro.batch[plan.mask_key].sum()))
@@ -365,6 +369,8 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
     if not cfg.trainable:
         module.requires_grad_(False)
         module.eval()
+    elif cfg.freeze_vision_tower:
+        _say_once(f"model.freeze_vision_tower: {freeze_vision_tower(module):,} vision parameters take no gradient")
     if cfg.ulysses_sequence_parallel_size > 1:
         ulysses.install_attention(module, cfg.ulysses_sequence_parallel_size)
     if prepare is not None:

@@ -30,6 +30,7 @@ from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.models.hf import kv_cache_kwargs
+from rlfoundry.models.vision import model_multimodal_kwargs, model_position_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch, unpack_to_padded
 from rlfoundry.utils.seqlen_balancing import (
@@ -40,9 +41,12 @@ from rlfoundry.utils.seqlen_balancing import (
 )
 from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-__all__ = ["CausalLMForward", "MODEL_INPUTS", "restore", "value_forward", "plain_micro_batches"]
+__all__ = ["CausalLMForward", "MODEL_INPUTS", "model_batch", "restore", "value_forward", "plain_micro_batches"]
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+# The pixel inputs of image rows (verl's name): one dict per row, a non-tensor column of the batch
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
 
 # (module, prompt ids, prompt mask, prompt positions, responses, response positions, group of each row)
 SharedPromptLogits = Callable[..., torch.Tensor]
@@ -80,7 +84,10 @@ class CausalLMForward:
     def __call__(self, micro: Any, spec: LogProbs, prompt_groups: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """``log_probs`` (b, Tr) and, if asked, ``entropy`` (b, Tr); zero wherever the response is padding."""
         batch, full_width = trim_response_padding(micro)
-        if prompt_groups is not None:
+        pixels = _pixel_inputs(micro)
+        if pixels:  # image rows: the padded forward (rows packed or sharing a prompt would need their pixels cut too)
+            logits, labels, scatter = self._padded_response_logits(batch, pixels)
+        elif prompt_groups is not None:
             logits, labels, scatter = self._shared_prompt_response_logits(batch, *prompt_groups)
         elif self.use_remove_padding:
             logits, labels, scatter = self._packed_response_logits(batch)
@@ -95,12 +102,13 @@ class CausalLMForward:
                 out["entropy"] = _pad_width(scatter(entropy_from_logits(logits)), full_width).masked_fill(padding, 0.0)
         return out
 
-    def _padded_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _padded_response_logits(self, batch, pixels: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         responses = batch["responses"]
         width = responses.shape[-1]
         out = self.module(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"], use_cache=False, logits_to_keep=width + 1,
+            position_ids=model_position_ids(batch["position_ids"]), use_cache=False, logits_to_keep=width + 1,
+            **(pixels or {}),
         )
         # position t predicts token t+1: the response logits are the ones just before each token
         return out.logits[:, :-1, :], responses, _identity
@@ -231,8 +239,8 @@ class CausalLMForward:
         pair FSDP's gathers and reductions wrongly and hang. One all-reduce (MIN) settles all the
         micro-batches of a call, before any compute, so no rank waits on another there.
         """
-        if not self.use_shared_prompt:
-            return [None] * len(micros)
+        if not self.use_shared_prompt or any(MULTI_MODAL_INPUTS in m.non_tensor_batch for m in micros):
+            return [None] * len(micros)  # equal prompt ids may hold different images
         groups = [self._prompt_groups(trim_response_padding(m.batch)[0]) if len(m) > 0 else None for m in micros]
         if self.dp_size > 1:
             agreed = all_reduce_ints([int(g is not None) for g in groups], dist.ReduceOp.MIN, self.group_if_dist())
@@ -302,6 +310,20 @@ def plain_micro_batches(data: DataProto, micro: MicroBatching, group: Any) -> tu
     if micro.max_token_len is not None:
         return rearrange_micro_batches(data, max_token_len=micro.max_token_len, dp_group=group)
     return data.split(micro.size or len(data)), None
+
+
+def model_batch(micro: DataProto) -> Any:
+    """What a forward reads of a micro-batch: its tensors, and the rows' pixel inputs where it has them."""
+    if MULTI_MODAL_INPUTS not in micro.non_tensor_batch:
+        return micro.batch
+    return {**{k: micro.batch[k] for k in micro.batch.keys()}, MULTI_MODAL_INPUTS: micro.non_tensor_batch[MULTI_MODAL_INPUTS]}
+
+
+def _pixel_inputs(micro: Any) -> dict[str, torch.Tensor]:
+    """The micro-batch's pixel inputs as model keyword arguments ({} for text rows)."""
+    if not isinstance(micro, dict) or MULTI_MODAL_INPUTS not in micro:
+        return {}
+    return model_multimodal_kwargs(micro[MULTI_MODAL_INPUTS], micro["input_ids"].device)
 
 
 def restore(values: torch.Tensor, order: list[list[int]] | None) -> torch.Tensor:

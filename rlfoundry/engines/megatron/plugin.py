@@ -55,7 +55,20 @@ class MegatronPlugin(EnginePlugin):
                 if listed is not None and sorted(listed) != ["extra", "model", "optimizer"]:
                     errors.append(f"{key}.checkpoint.{which}={list(listed)}: the Megatron engine saves and loads "
                                   "['model','optimizer','extra'] only; strategy=fsdp takes other lists.")
+        if _is_vision_language(pick(cfg, "actor_rollout_ref.model.path")):
+            errors.append("actor_rollout_ref.model.path is a vision-language model: the Megatron engine takes text "
+                          "models only (docs/vision.md); use strategy=fsdp for image prompts.")
         return errors
+
+
+def _is_vision_language(path: Any) -> bool:
+    """A local HF directory whose config.json has a vision tower (None: nothing to read here)."""
+    import json
+
+    from rlfoundry.models.hf import resolve_model_path
+
+    config = resolve_model_path(path) / "config.json" if path else None
+    return bool(config and config.is_file() and "vision_config" in json.loads(config.read_text()))
 
 
 def _check_role(key: str, m: Any, world_size: int) -> list[str]:
