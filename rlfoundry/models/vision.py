@@ -19,7 +19,7 @@ from torch import nn
 from transformers import ProcessorMixin, Qwen2VLProcessor
 
 __all__ = ["ImageTextProcessor", "VISION_TOKENS", "freeze_vision_tower", "is_vision_language", "load_processor",
-           "model_multimodal_kwargs", "model_position_ids", "RopeIndex"]
+           "mask_placeholders", "model_multimodal_kwargs", "model_position_ids", "placeholder_ids", "RopeIndex"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,25 @@ def model_multimodal_kwargs(rows: Any, device: torch.device | None = None) -> di
         return {}
     keys = sorted({k for r in dicts for k in r})
     return {k: torch.cat([torch.as_tensor(r[k]) for r in dicts if k in r]).to(device) for k in keys}
+
+
+def placeholder_ids(module: nn.Module) -> list[int]:
+    """The image / video placeholder token ids of a vision-language model ([] for a text model).
+
+    The policy never samples them (``mask_placeholders``): a placeholder in a response would be one
+    more image token than the prompt's pixels fill, and the model's forward refuses that."""
+    config = getattr(module, "config", None)
+    if not is_vision_language(config):
+        return []
+    return [i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if i is not None]
+
+
+def mask_placeholders(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """Logits with the placeholder ids at the dtype's lowest value (probability 0, and unlike -inf no
+    NaN in the entropy's p·logit): the sampling rule and the trainer's log-probs agree."""
+    if not ids:
+        return logits
+    return logits.index_fill(-1, torch.tensor(ids, device=logits.device), torch.finfo(logits.dtype).min)
 
 
 def freeze_vision_tower(model: nn.Module) -> int:

@@ -72,6 +72,8 @@ def _reference_log_probs(module, data: DataProto) -> torch.Tensor:
     with torch.no_grad():
         logits = module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                         position_ids=b["position_ids"].transpose(0, 1), **pixels).logits
+    # the policy's vocabulary leaves out the image / video placeholders (never sampled)
+    logits[..., [module.config.image_token_id, module.config.video_token_id]] = float("-inf")
     lp = logprobs_from_logits(logits[:, -RESPONSE - 1:-1], b["responses"])
     return lp * b["response_mask"]
 

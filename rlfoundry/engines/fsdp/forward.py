@@ -30,7 +30,7 @@ from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.models.hf import kv_cache_kwargs
-from rlfoundry.models.vision import model_multimodal_kwargs, model_position_ids
+from rlfoundry.models.vision import mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch, unpack_to_padded
 from rlfoundry.utils.seqlen_balancing import (
@@ -75,6 +75,7 @@ class CausalLMForward:
         self.use_shared_prompt = use_shared_prompt
         self.shared_prompt_logits = shared_prompt_logits
         self.continued_forward = continued_forward or plain_context
+        self.placeholder_ids = placeholder_ids(module)  # a vision-language policy never samples them
 
     def group_if_dist(self) -> Any:
         return (self.dp_group if self.dp_group is not None else dist.group.WORLD) if self.dp_size > 1 else None
@@ -95,6 +96,7 @@ class CausalLMForward:
             logits, labels, scatter = self._padded_response_logits(batch)
         if spec.temperature != 1.0:
             logits = logits / spec.temperature
+        logits = mask_placeholders(logits, self.placeholder_ids)
         padding = _response_padding(micro)
         out = {"log_probs": _pad_width(scatter(logprobs_from_logits(logits, labels)), full_width).masked_fill(padding, 0.0)}
         if spec.entropy:

@@ -55,7 +55,7 @@ class MegatronPlugin(EnginePlugin):
                 if listed is not None and sorted(listed) != ["extra", "model", "optimizer"]:
                     errors.append(f"{key}.checkpoint.{which}={list(listed)}: the Megatron engine saves and loads "
                                   "['model','optimizer','extra'] only; strategy=fsdp takes other lists.")
-        if _is_vision_language(pick(cfg, "actor_rollout_ref.model.path")):
+        if _is_vision_language(((cfg.get("actor_rollout_ref") or {}).get("model") or {}).get("path")):
             errors.append("actor_rollout_ref.model.path is a vision-language model: the Megatron engine takes text "
                           "models only (docs/vision.md); use strategy=fsdp for image prompts.")
         return errors

@@ -23,6 +23,7 @@ from torch import nn
 
 from rlfoundry.cpu.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.models.hf import kv_cache_kwargs
+from rlfoundry.models.vision import mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
 from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
@@ -283,6 +284,7 @@ class HFRollout(BaseRollout):
         self.rank = rank
         self.seed = self.config.seed
         self.calls = 0  # generate_sequences calls so far; with the seed it fixes the next draws
+        self.placeholder_ids = placeholder_ids(module)  # a vision-language policy never samples them
 
     @property
     def device(self) -> torch.device:
@@ -360,49 +362,54 @@ class HFRollout(BaseRollout):
         position_ids = batch["position_ids"] if "position_ids" in batch.keys() else None
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        # image rows (docs/vision.md): pixel inputs go into the prefill; positions are (B, 3, Tp)
+        pixels = model_multimodal_kwargs(prompts.non_tensor_batch.get("multi_modal_inputs"), device)
         generator = self._next_generator(device)
         lead = common_left_padding(attention_mask)  # the prefill skips them; the output keeps them
         with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
             responses, log_probs, lengths = self._decode(
-                input_ids[:, lead:], attention_mask[:, lead:], position_ids[:, lead:], params, generator, pad_id, eos_ids
+                input_ids[:, lead:], attention_mask[:, lead:], position_ids[..., lead:], params, generator, pad_id, eos_ids,
+                pixels,
             )
         return self._assemble(prompts, params, responses, log_probs, lengths, position_ids)
 
     # ---- the decode loop -----------------------------------------------------------------
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache, **pixels) -> torch.Tensor:
         """One model call; returns only the last position's logits (N, V)."""
         out = self.module(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids,
+            position_ids=model_position_ids(position_ids),
             **kv_cache_kwargs(self.module, cache),
             use_cache=True,
             logits_to_keep=1,  # never materialise (N, T, V) logits for the prompt
+            **pixels,
         )
-        return out.logits[:, -1, :]
+        return mask_placeholders(out.logits[:, -1, :], self.placeholder_ids)
 
-    def _prefill(self, input_ids, attention_mask, position_ids, n: int, response_length: int):
-        """Run each prompt once, then repeat its cache and logits for its n samples."""
+    def _prefill(self, input_ids, attention_mask, position_ids, n: int, response_length: int, pixels=None):
+        """Run each prompt once (with its images' pixel inputs), then repeat its cache and logits for its n samples."""
         cache = _new_kv_cache(getattr(self.module, "config", None), input_ids.shape[1] + response_length)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache, **(pixels or {}))
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
         mask = attention_mask.repeat_interleave(n, dim=0)
         full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], response_length)], dim=1)
-        next_pos = position_ids[:, -1].repeat_interleave(n, dim=0) + 1
+        next_pos = position_ids[..., -1].repeat_interleave(n, dim=0) + 1  # (N,) or (N, 3)
         return logits, _DecodeState(cache, full_mask, mask.shape[1], next_pos, response_length)
 
     def _decode_step(self, state: _DecodeState, max_positions: int):
         """The one-token step: ``FusedDecoder`` where it reproduces the model, else the HF forward."""
         preallocated = all(hasattr(layer, "key_buf") for layer in getattr(state.cache, "layers", []) or [None])
-        if self.cpu_kernels and preallocated and \
+        if self.cpu_kernels and preallocated and state.next_pos.dim() == 1 and \
                 unsupported_reason(self.module, state.full_mask.shape[1]) is None:
             return FusedDecoder(self.module, max_positions).step
-        return lambda tokens, pos, mask, cache: self._forward(tokens.unsqueeze(1), mask, pos.unsqueeze(1), cache)
+        return lambda tokens, pos, mask, cache: self._forward(tokens.unsqueeze(1), mask, pos.unsqueeze(-1), cache)
 
-    def _decode(self, input_ids, attention_mask, position_ids, params: SamplingParams, generator, pad_id, eos_ids):
+    def _decode(self, input_ids, attention_mask, position_ids, params: SamplingParams, generator, pad_id, eos_ids,
+                pixels: dict | None = None):
         """Sample until every row hit EOS or ``response_length``; finished rows leave the batch."""
         total, width, device = input_ids.shape[0] * params.n, params.response_length, input_ids.device
         # every output row is written once, by ``flush``; positions after a row's EOS are masked below
@@ -411,7 +418,7 @@ class HFRollout(BaseRollout):
         lengths = torch.empty((total,), dtype=torch.long, device=device)
         outputs = (responses, log_probs, lengths)
         eos = torch.tensor(eos_ids or [-1], device=device)
-        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width)
+        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width, pixels)
         step = self._decode_step(state, int(position_ids.max()) + width + 1)
         for t in range(width):
             tokens, token_lp = sample_tokens(logits, params, generator)
@@ -440,7 +447,8 @@ class HFRollout(BaseRollout):
             "responses": responses,
             "input_ids": torch.cat([prompt_ids, responses], dim=1),
             "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
-            "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], dim=1),
+            # text after the prompt goes on from its last position (in each of the 3 rotary axes of image rows)
+            "position_ids": torch.cat([prompt_pos, prompt_pos[..., -1:] + steps], dim=-1),
             "response_mask": response_mask,
             "rollout_log_probs": log_probs,
         }
