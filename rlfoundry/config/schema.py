@@ -442,6 +442,9 @@ class RolloutConfig:
     n: int = 8  # verl: 1
     seed: int = 0
     calculate_log_probs: bool = False
+    # the HF engine's static-shape decode compiled with torch.compile (CUDA graphs on CUDA; static_decode.py).
+    # null (auto): on on CUDA, off on the CPU (the dynamic loop with the CPU kernels is faster there)
+    use_torch_compile: Optional[bool] = None
     multi_stage_wake_up: bool = False
     update_weights_bucket_megabytes: int = 512
     # a separate rollout pool's weight transfer (workers/checkpoint_engine.py)

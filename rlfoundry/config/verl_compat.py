@@ -84,7 +84,10 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "trainer.ray_wait_register_center_timeout",  # verl's register-center actor, which rlfoundry has no need of
     "trainer.use_legacy_worker_impl",  # one worker implementation here
     # Not built yet; these would change speed (GPU kernels: the GPU-speed issue), memory or results:
-    "*.use_liger", "*.use_fused_kernels", "*.fused_kernel_options*", "*.use_torch_compile",
+    "*.use_liger", "*.use_fused_kernels", "*.fused_kernel_options*",
+    # the training forwards are not compiled (the HF rollout's decode is: rollout.use_torch_compile)
+    "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
+    "critic.*use_torch_compile", "reward_model.*use_torch_compile",
     "actor_rollout_ref.rollout.multi_stage_wake_up",  # vLLM sleep mode: weights, then KV cache
     "actor_rollout_ref.rollout.use_fire_sampling",  # FIRE: the first token at a high temperature
     "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class

@@ -73,7 +73,7 @@ def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
 
 def _rollout(model, fused: bool, **over) -> HFRollout:
     cfg = {"n": 4, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "do_sample": True, "response_length": 16,
-           "seed": 3, "val_kwargs": {}, **over}
+           "seed": 4, "val_kwargs": {}, **over}  # a seed where some rows end early and some run to 16 tokens
     return HFRollout(model, OmegaConf.create(cfg), pad_token_id=0, eos_token_id=list(range(3, 97, 7)), cpu_kernels=fused)
 
 

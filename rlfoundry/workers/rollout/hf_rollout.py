@@ -28,6 +28,7 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
 from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
 from rlfoundry.workers.rollout.token_requests import as_id_list
+from rlfoundry.workers.rollout.static_decode import StaticDecoder, draw_uniforms, static_unsupported_reason
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
 
 __all__ = ["HFRollout", "compute_device", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
@@ -57,22 +58,27 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def _sample_from_cdf(cdf: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from (N, V) cumulative (unnormalised) probabilities with a single uniform per row.
+def _sample_from_cdf(cdf: torch.Tensor, generator: torch.Generator | None,
+                     uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """One draw per row from (N, V) cumulative (unnormalised) probabilities with a single uniform per row
+    (``uniforms`` (N, 1) when given, else drawn here).
 
     The first index whose cumulative mass exceeds u·total: exact inverse-CDF sampling, and on CPU
     about 10× faster than ``torch.multinomial`` (which draws V exponentials per row).
     ``right=True`` keeps zero-probability tokens unreachable even when u is exactly 0.
     """
-    u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)
+    u = uniforms if uniforms is not None else torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device)
+    u = u.to(cdf.dtype)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return picked.squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and its log-prob. logits (N, V) -> tokens (N,), log-probs (N,) fp32.
+    ``uniforms`` (N, 1): each row's draw (``static_decode.draw_uniforms``); None draws N here.
 
     The reported log-prob is under softmax(logits / T), *before* top-k/top-p filtering: that is the
     distribution the actor's ``compute_log_prob`` scores (it applies the same temperature and no
@@ -86,7 +92,7 @@ def sample_tokens(
     if filtered is None:
         tokens, lse = scaled.argmax(dim=-1), torch.logsumexp(scaled, dim=-1)
     elif filtered is not scaled:
-        tokens = _sample_from_cdf(torch.softmax(filtered, dim=-1).cumsum(dim=-1), generator)
+        tokens = _sample_from_cdf(torch.softmax(filtered, dim=-1).cumsum(dim=-1), generator, uniforms)
         lse = torch.logsumexp(scaled, dim=-1)
     else:
         # unfiltered (the RL default): one exponential pass gives both the CDF to sample from and
@@ -94,7 +100,7 @@ def sample_tokens(
         # that the kernels saved show
         shift = scaled.amax(dim=-1, keepdim=True)
         cdf = (scaled - shift).exp_().cumsum_(dim=-1)
-        tokens = _sample_from_cdf(cdf, generator)
+        tokens = _sample_from_cdf(cdf, generator, uniforms)
         lse = (shift + cdf[:, -1:].log()).squeeze(-1)
     return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
 
@@ -262,6 +268,9 @@ class HFRollout(BaseRollout):
         rank: data-parallel rank, mixed into the sampling seed so ranks draw independently.
         cpu_kernels: the resolved ``model.cpu_kernels`` switch (on only on the CPU): the fused decode
             step and FSDP hook skipping; off is the plain HF forward.
+        static_decode: decode with static shapes (``static_decode.py``: static KV cache, bucketed
+            batch, no per-token host sync). None: wherever ``rollout.use_torch_compile`` compiles it
+            (its default, null, means on CUDA only); the CPU keeps the dynamic loop below.
 
     Prompts may arrive on any device: the engine works on its module's (``device``), and its output is there.
     """
@@ -274,10 +283,12 @@ class HFRollout(BaseRollout):
         eos_token_id: int | Sequence[int],
         rank: int = 0,
         cpu_kernels: bool = False,
+        static_decode: bool | None = None,
     ):
         self.module = module
         self.cpu_kernels = cpu_kernels
-        self._gathered = inference_unsharded if cpu_kernels else unsharded
+        self.static_decode = static_decode
+        self._static: StaticDecoder | None = None
         self.config = rollout_config(config)
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = as_id_list(eos_token_id)
@@ -375,6 +386,34 @@ class HFRollout(BaseRollout):
 
     # ---- the decode loop -----------------------------------------------------------------
 
+    def _gathered(self, module: nn.Module):
+        """Parameters gathered for the whole call; FSDP's per-forward hooks skipped with the CPU
+        kernels and on the static path (a captured graph must not run Python hooks)."""
+        static = self._static_decoder(compute_device(module)) is not None
+        return inference_unsharded(module) if self.cpu_kernels or static else unsharded(module)
+
+    def _static_decoder(self, device: torch.device) -> StaticDecoder | None:
+        """The static-shape decoder where this call uses one (``static_decode`` in the class doc)."""
+        compile_on = self.config.use_torch_compile
+        compile_on = device.type == "cuda" if compile_on is None else compile_on
+        wanted = compile_on if self.static_decode is None else self.static_decode
+        if not wanted or static_unsupported_reason(self.module) is not None:
+            return None
+        if self._static is None:
+            self._static = StaticDecoder(self.module, compile=compile_on,
+                                         mode="reduce-overhead" if device.type == "cuda" else None)
+        return self._static
+
+    def _decode_static(self, input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids, static):
+        """``_decode`` with static shapes (``static_decode.py``): the same prefill, then ``static.decode``."""
+        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, 0)
+        eos = torch.tensor(eos_ids or [-1], device=input_ids.device)
+        prefilled, state.cache = state.cache, None  # copied into the static cache, then freed
+        responses, log_probs, lengths = static.decode(logits, prefilled, state.full_mask, state.next_pos, params,
+                                                      generator, pad_id, eos, sample_tokens)
+        valid = response_mask_from_lengths(lengths, params.response_length).bool()
+        return responses.masked_fill_(~valid, pad_id), log_probs.masked_fill_(~valid, 0.0), lengths
+
     def _forward(self, input_ids, attention_mask, position_ids, cache, **pixels) -> torch.Tensor:
         """One model call; returns only the last position's logits (N, V)."""
         out = self.module(
@@ -412,6 +451,10 @@ class HFRollout(BaseRollout):
                 pixels: dict | None = None):
         """Sample until every row hit EOS or ``response_length``; finished rows leave the batch."""
         total, width, device = input_ids.shape[0] * params.n, params.response_length, input_ids.device
+        static = self._static_decoder(device) if position_ids.dim() == 2 else None
+        if static is not None:
+            return self._decode_static(input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids,
+                                       static)
         # every output row is written once, by ``flush``; positions after a row's EOS are masked below
         responses = torch.empty((total, width), dtype=torch.long, device=device)
         log_probs = torch.empty((total, width), dtype=torch.float32, device=device)
@@ -421,7 +464,8 @@ class HFRollout(BaseRollout):
         logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width, pixels)
         step = self._decode_step(state, int(position_ids.max()) + width + 1)
         for t in range(width):
-            tokens, token_lp = sample_tokens(logits, params, generator)
+            uniforms = None if params.greedy else draw_uniforms(generator, total, state.rows)
+            tokens, token_lp = sample_tokens(logits, params, generator, uniforms)
             live = state.record(t, tokens, token_lp, eos)
             if t == width - 1 or live == 0:
                 break

@@ -1,0 +1,155 @@
+"""The HF rollout's static-shape decode (``workers/rollout/static_decode.py``) gives the dynamic loop's
+tokens, log-probs and lengths: greedy and seeded sampling, stop tokens ending rows at different steps,
+several batch sizes and bucket shrinks, without per-token host syncs, and its step traces as one graph."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlfoundry.workers.rollout.hf_rollout import HFRollout
+from rlfoundry.workers.rollout.static_decode import StaticDecoder, bucket_for, draw_uniforms
+from tests.workers import make_prompts, one_thread, worker_config  # noqa: F401 (fixture)
+
+TEXTS = ["hello world", "a", "the quick brown fox", "12+7=", "what is 3*4?"]
+EOS_THIRD = list(range(0, 260, 3))  # a third of the vocabulary: samples end at assorted lengths
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def _engines(model, tiny_model_dir, tokenizer, overrides=(), sync_every=2, cpu_kernels=False):
+    """The dynamic engine and the static one on the same module and seed; the static one reads the live
+    count every ``sync_every`` steps (small here, so the bucket shrinks several times per call)."""
+    cfg = worker_config(tiny_model_dir, ["rollout.response_length=20", *overrides])["rollout"]
+    dynamic = HFRollout(model, cfg, tokenizer.pad_token_id, tokenizer.eos_token_id, cpu_kernels=cpu_kernels,
+                        static_decode=False)
+    static = HFRollout(model, cfg, tokenizer.pad_token_id, tokenizer.eos_token_id, static_decode=True)
+    static._static = StaticDecoder(model, sync_every=sync_every)
+    return dynamic, static
+
+
+def _generate(engine, prompts, **meta):
+    data = prompts.select()
+    data.meta_info.update(meta)
+    return engine.generate_sequences(data).batch
+
+
+def _assert_same(a, b):
+    assert torch.equal(a["responses"], b["responses"])
+    assert torch.equal(a["response_mask"], b["response_mask"])
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["position_ids"], b["position_ids"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prompts_n", [(1, 1), (3, 2), (5, 3), (4, 4)])  # 1, 6, 15, 16 rows: buckets 1, 8, 16, 16
+@pytest.mark.parametrize("meta", [
+    {"do_sample": False},
+    {"eos_token_id": EOS_THIRD},
+    {"eos_token_id": EOS_THIRD, "top_k": 20, "top_p": 0.9, "temperature": 0.7},
+], ids=["greedy", "sampled", "top-k-top-p"])
+def test_static_equals_dynamic(model, tiny_model_dir, tokenizer, prompts_n, meta):
+    n_prompts, n = prompts_n
+    dynamic, static = _engines(model, tiny_model_dir, tokenizer)
+    prompts = make_prompts(tokenizer, TEXTS[:n_prompts])
+    for _ in range(2):  # a second call: a new seed, the static caches reused
+        a, b = _generate(dynamic, prompts, n=n, **meta), _generate(static, prompts, n=n, **meta)
+        _assert_same(a, b)
+    if meta.get("eos_token_id") and n_prompts * n > 1:
+        lengths = a["response_mask"].sum(-1)
+        assert len(set(lengths.tolist())) > 2 and lengths.min() < 20, "rows should end at different steps"
+
+
+def test_greedy_rows_stopping_at_different_steps_shrink_the_bucket(model, tiny_model_dir, tokenizer):
+    """Greedy EOS ids picked from what greedy decoding emits midway: rows end at different steps, the
+    static batch drops from 16 slots to smaller buckets, and every output still equals the dynamic one."""
+    dynamic, static = _engines(model, tiny_model_dir, tokenizer, sync_every=1)
+    prompts = make_prompts(tokenizer, TEXTS[:4])
+    free = _generate(dynamic, prompts, n=4, eos_token_id=[-5], do_sample=False)
+    eos = sorted({int(t) for t in free["responses"][:, 2:9].flatten()})[:4]
+    a = _generate(dynamic, prompts, n=4, do_sample=False, eos_token_id=eos)
+    sizes = []
+    repack = static._static._repack
+    static._static._repack = lambda cache, keep, size, filled: sizes.append(size) or repack(cache, keep, size, filled)
+    b = _generate(static, prompts, n=4, do_sample=False, eos_token_id=eos)
+    _assert_same(a, b)
+    assert sizes and sizes == sorted(sizes, reverse=True) and all(s < 16 for s in sizes)
+
+
+def test_static_equals_the_cpu_default_path(model, tiny_model_dir, tokenizer):
+    """Against the engine as the CPU runs it by default (the fused decode step of the CPU kernels)."""
+    dynamic, static = _engines(model, tiny_model_dir, tokenizer, cpu_kernels=True)
+    prompts = make_prompts(tokenizer, TEXTS[:3])
+    _assert_same(_generate(dynamic, prompts, n=3, eos_token_id=EOS_THIRD),
+                 _generate(static, prompts, n=3, eos_token_id=EOS_THIRD))
+
+
+def test_the_host_reads_the_live_count_once_per_sync_interval_only(model, tiny_model_dir, tokenizer, monkeypatch):
+    """No per-token host sync: over 20 tokens with ``sync_every=8`` the decode loop converts a tensor to a
+    Python number at most twice (steps 8 and 16), counted on every Tensor-to-host method."""
+    _, static = _engines(model, tiny_model_dir, tokenizer, sync_every=8)
+    prompts = make_prompts(tokenizer, TEXTS[:2])
+    reads = []
+    decode = static._static.decode
+
+    def counted_decode(*args, **kwargs):
+        for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu"):
+            original = getattr(torch.Tensor, name)
+
+            def counting(self, *a, __original=original, __name=name, **k):
+                reads.append(__name)
+                return __original(self, *a, **k)
+            monkeypatch.setattr(torch.Tensor, name, counting)
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            monkeypatch.undo()
+
+    static._static.decode = counted_decode
+    _generate(static, prompts, n=2, eos_token_id=[-5])  # nobody stops: the whole 20 steps
+    assert static._static.host_reads == 2
+    assert reads.count("__int__") == 2  # the instrument sees the two reads of the live count ...
+    assert len([r for r in reads if r != "nonzero"]) == 2, reads  # ... and nothing else reads the host
+
+
+def test_uniforms_follow_the_output_row_not_the_slot():
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    every = draw_uniforms(g1, 5, torch.arange(5))
+    # rows 4 and 1 packed into slots 0 and 1, two padding slots (5, 6) after them
+    picked = draw_uniforms(g2, 5, torch.tensor([4, 1, 5, 6]))
+    assert torch.equal(picked[:2], every[[4, 1]])
+    assert [bucket_for(k) for k in (1, 2, 3, 8, 9, 64, 65)] == [1, 2, 4, 8, 16, 64, 128]
+
+
+def test_the_decode_step_traces_as_one_graph(model, tiny_model_dir, tokenizer):
+    """What CUDA graphs need: ``torch.compile(fullgraph=True)`` of the step raises on any graph break
+    (data-dependent control flow, a host read, an unsupported op). The eager backend compiles nothing,
+    so this runs in seconds on the CPU; the outputs still equal the dynamic loop's."""
+    torch._dynamo.reset()
+    dynamic, static = _engines(model, tiny_model_dir, tokenizer, sync_every=4)
+    decoder = static._static
+    decoder._step = torch.compile(decoder._forward, backend="eager", fullgraph=True, dynamic=False)
+    prompts = make_prompts(tokenizer, TEXTS[:3])
+    _assert_same(_generate(dynamic, prompts, n=2, eos_token_id=EOS_THIRD),
+                 _generate(static, prompts, n=2, eos_token_id=EOS_THIRD))
+
+
+def test_use_torch_compile_decides_the_path(model, tiny_model_dir, tokenizer):
+    """verl's key: null (auto) compiles the static decode on CUDA only; the CPU keeps the dynamic loop."""
+    def engine(*overrides, static=None):
+        cfg = worker_config(tiny_model_dir, list(overrides))["rollout"]
+        return HFRollout(model, cfg, tokenizer.pad_token_id, tokenizer.eos_token_id, static_decode=static)
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert engine()._static_decoder(cpu) is None
+    assert engine("rollout.use_torch_compile=false")._static_decoder(cuda) is None
+    plain = engine(static=True)._static_decoder(cpu)
+    assert plain is not None and plain._step == plain._forward  # static, not compiled
+    auto_cuda = engine()._static_decoder(cuda)
+    assert auto_cuda is not None and auto_cuda._step != auto_cuda._forward  # compiled (lazily: nothing runs here)
+    assert math.isfinite(auto_cuda.sync_every)
