@@ -12,6 +12,7 @@ from rlfoundry.rewards import arithmetic, code, gsm8k
 from rlfoundry.rewards import math as math_scorer
 
 ARITHMETIC_DATA_SOURCE = "rlfoundry/arithmetic"
+SHAPES_DATA_SOURCE = "rlfoundry/count_shapes"  # data/preprocess/shapes.py: an integer answer, as arithmetic
 
 SCORERS: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k.compute_score,
@@ -19,6 +20,7 @@ SCORERS: dict[str, Callable[..., float]] = {
     "DigitalLearningGmbH/MATH-lighteval": math_scorer.compute_score,
     "HuggingFaceH4/MATH-500": math_scorer.compute_score,
     ARITHMETIC_DATA_SOURCE: arithmetic.compute_score,
+    SHAPES_DATA_SOURCE: arithmetic.compute_score,
     # programs run against the row's unit tests in the sandbox (rewards/code.py)
     **{source: code.compute_score for source in code.CODE_DATA_SOURCES},
 }
@@ -28,7 +30,7 @@ SCORERS: dict[str, Callable[..., float]] = {
 # (~190 MB, seconds to start) would protect against nothing here, so with reward_kwargs.num_workers
 # unset the reward manager scores batches made only of these in the driver. MATH is absent on
 # purpose: math-verify/sympy can hang on adversarial LaTeX and needs the pool's per-sample timeout.
-IN_DRIVER_SOURCES: frozenset[str] = frozenset({ARITHMETIC_DATA_SOURCE, "openai/gsm8k"})
+IN_DRIVER_SOURCES: frozenset[str] = frozenset({ARITHMETIC_DATA_SOURCE, SHAPES_DATA_SOURCE, "openai/gsm8k"})
 
 
 class UnknownDataSourceError(KeyError):
