@@ -93,7 +93,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",  # re-render turns with the template
     "reward_model.launch_reward_fn_async",  # rule rewards overlapping the log-prob passes
-    "data.image_key", "data.video_key",  # image rows: data set and FSDP engine built, the trainer not yet (docs/vision.md)
 )
 
 # Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.

@@ -165,6 +165,15 @@ def load_tokenizer(cfg: DictConfig) -> Any:
     return tokenizer
 
 
+def load_model_processor(cfg: DictConfig) -> Any:
+    """The actor model's processor when it is a vision-language model (verl's ``hf_processor``), else
+    None: image rows are tokenised by it (its image tokens, the model's 3-D positions)."""
+    from rlfoundry.models.vision import load_processor
+
+    path = resolve_asset_path(cfg.actor_rollout_ref.model.path)
+    return load_processor(path, trust_remote_code=bool(cfg.actor_rollout_ref.model.trust_remote_code))
+
+
 def rollout_data_config(cfg: DictConfig) -> DictConfig:
     """``data`` as the rollout needs it: with ``rollout.multi_turn.enable`` the prompts offer the
     configured tools (``apply_chat_template_kwargs.tools``) and keep their messages (``return_raw_chat``),
@@ -193,16 +202,17 @@ def train_loader(dataset: Any, data: DictConfig, batch_size: int) -> Any:
                             drop_last=True, sampler=create_rl_sampler(data, dataset))
 
 
-def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_files: Any) -> tuple[Any, Any]:
+def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_files: Any,
+                      processor: Any = None) -> tuple[Any, Any]:
     """Train loader (seeded, resumable, drop_last) and validation loader (whole set as one batch), over
-    ``RLHFDataset`` or the user's ``data.custom_cls``."""
+    ``RLHFDataset`` or the user's ``data.custom_cls`` (verl's ``create_rl_dataset(..., processor)``)."""
     from rlfoundry.data import build_dataloader, create_rl_dataset
 
     data = rollout_data_config(cfg)
-    train = train_loader(create_rl_dataset(train_files, data, tokenizer), data, int(data.train_batch_size))
+    train = train_loader(create_rl_dataset(train_files, data, tokenizer, processor), data, int(data.train_batch_size))
     if val_files is None:
         return train, None
-    val_ds = create_rl_dataset(val_files, data, tokenizer)
+    val_ds = create_rl_dataset(val_files, data, tokenizer, processor)
     val = build_dataloader(val_ds, batch_size=int(data.val_batch_size or len(val_ds)),
                            shuffle=bool(data.validation_shuffle), seed=int(data.seed), drop_last=False)
     return train, val
@@ -371,7 +381,7 @@ def build_trainer(cfg: DictConfig):
     tokenizer = load_tokenizer(cfg)
     train_files = cfg.data.train_files if cfg.data.train_files is not None else syn_train
     val_files = cfg.data.val_files if cfg.data.val_files is not None else syn_val
-    train, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files)
+    train, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files, load_model_processor(cfg))
     check_sandbox(cfg, [loader.dataset for loader in (train, val_loader) if loader is not None])
     resolved = resolve_config(cfg, steps_per_epoch=len(train), cuda_available=torch.cuda.is_available(),
                               train_files=syn_train, val_files=syn_val, run_dir=str(run_dir))
