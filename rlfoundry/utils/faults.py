@@ -18,7 +18,10 @@ written), ``save.step_marked`` (step marker written, ``latest`` pointer not yet)
 ``update_actor``, ``update_critic``; the weight syncs ``checkpoint_engine.connect`` (a bridge member
 before it announces itself), ``checkpoint_engine.send_bucket`` / ``checkpoint_engine.receive_bucket``
 (the sender before a bucket, a rollout rank after one) and ``sync_weights.tensor`` (a tensor on its way
-into the rollout engine, after its digest was taken: ``nan`` corrupts it).
+into the rollout engine, after its digest was taken: ``nan`` corrupts it); the asynchronous pipelines'
+driver-side moments ``rollouter.queued`` (a generation of the fully asynchronous rollouter queued,
+not yet trained) and ``partial_rollout.between_chunks`` (a chunked generation with some of its tokens
+generated, before the boundary where a sync may come).
 
 Unset (production), :func:`inject` is one environment lookup. Examples::
 

@@ -22,6 +22,7 @@ Driver-facing methods (dispatch mode in brackets):
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
 | ``open_weight_bridge`` [RANK_ZERO], ``connect_weight_bridge`` [ONE_TO_ALL] | — / host, port, rollout ranks | (host, port) / — |
 | ``send_weights`` (trainer) / ``receive_weights`` (rollout pool) [ONE_TO_ALL] | — | transfer sizes / param_version |
+| ``rollout_sampling_state`` [RANK_ZERO] / ``load_rollout_sampling_state`` [ONE_TO_ALL] (rollout pool) | — / state | the engine's sampling position / — |
 
 **Policy versions.** ``param_version`` counts the actor's updates (restored with a checkpoint); every
 sync hands it to the rollout engine with the weights, and every generated sample carries the version
@@ -411,6 +412,20 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.rollout, "receive_weights")
         self._load_into_rollout(self._bridge.receive(), None, "the rollout pool", sent=self._bridge.sent_digests)
         return self.rollout_version
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def rollout_sampling_state(self) -> dict[str, Any]:
+        """A rollout pool's engine state (the sampling RNG's position: calls so far), which the trainer's
+        checkpoint keeps for it: the pool is not checkpointed itself (the trainer's weights are its)."""
+        self._require(self.rollout, "rollout_sampling_state")
+        return self.rollout.state_dict()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_rollout_sampling_state(self, state: dict[str, Any]) -> None:
+        """A resumed run: the pool's engines go on sampling where the checkpointed run's did at its
+        oldest untrained prompt, so regenerated prompts get the draws the uninterrupted run gave them."""
+        self._require(self.rollout, "load_rollout_sampling_state")
+        self.rollout.load_state_dict(state)
 
     # ---- checkpoints -------------------------------------------------------------------
 

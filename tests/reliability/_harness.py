@@ -8,6 +8,7 @@ goes to a log file per run; faults come from ``RLFOUNDRY_FAULT_INJECT`` (``rlfou
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing as mp
 import os
@@ -85,7 +86,12 @@ def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
     torch.set_num_threads(1)
     from rlfoundry.trainer.main_ppo import main
 
-    sys.exit(main(argv))
+    code = main(argv)
+    # A multiprocessing child ends in os._exit, after joining its non-daemonic children: run the exit
+    # hooks a real process runs first (the process back end's rank shutdown), or a run with a pool of
+    # child ranks (one-step-off, fully async) would wait for them for ever.
+    atexit._run_exitfuncs()
+    sys.exit(code)
 
 
 def _context() -> Any:

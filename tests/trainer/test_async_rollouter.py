@@ -114,8 +114,8 @@ def test_the_staleness_bound_holds_under_random_schedules(staleness, seed, slow_
     seen, worst, deepest = [], 0, 0
     try:
         for step in range(1, steps + 1):
-            items = rollouter.take(step_prompts, timeout_s=30)
             version = (step - 1) // sync_every
+            items = rollouter.take(step_prompts, timeout_s=30, trainer_version=version)  # the trainer's check on
             for item in items:
                 assert 0 <= version - item.version <= math.ceil(staleness)
                 worst = max(worst, version - item.version)
@@ -161,6 +161,25 @@ def test_a_rollout_that_keeps_ahead_is_stopped_exactly_at_the_bound(staleness):
         rollouter.stop()
     assert worst == math.ceil(staleness)
     assert deepest == per_sync * (1 + staleness)
+
+
+@pytest.mark.parametrize("staleness", [0.0, 0.5, 1.0])
+def test_samples_older_than_the_threshold_are_refused_not_trained(staleness):
+    """The trainer's side holds the bound on its own: samples more than ⌈s⌉ versions older than the
+    trainer (as a trainer that synced without telling the rollouter would meet) stop the run with an
+    error; exactly at the bound they are trained. The refused samples stay queued."""
+    rollouter = Rollouter(_Rollout(random.Random(0), 0.0), _prompt_batches(2), per_sync=4,
+                          staleness_threshold=staleness, first_index=0, total_prompts=16, version=0)
+    rollouter.start(2)
+    try:
+        _wait_until(lambda: rollouter.queued_prompts() >= 4, "version 0's prompts generated")
+        bound = math.ceil(staleness)
+        assert [item.version for item in rollouter.take(2, timeout_s=30, trainer_version=bound)] == [0]
+        with pytest.raises(RunAbortedError, match=f"version 0 reached the trainer at version {bound + 1}"):
+            rollouter.take(2, timeout_s=30, trainer_version=bound + 1)
+        assert rollouter.queued_prompts() >= 2
+    finally:
+        rollouter.stop()
 
 
 def test_a_paused_rollouter_reports_the_position_of_the_oldest_untrained_prompt():

@@ -49,7 +49,14 @@ def _trainer(loader: _Loader, total: int) -> SimpleNamespace:
     t.generated = lambda out: _Batch(meta_info={}, batch_dict=out)
     t.reward = lambda batch, timing: (batch, {})
     t.sync_weights = lambda timing: {}
-    t.rollout_wg = SimpleNamespace(generate_sequences=SimpleNamespace(future=lambda p: _Future(p)))
+    calls = []  # the stand-in pool's generation calls (an engine seeds each call's draws by their count)
+
+    def future(p):
+        calls.append(p)
+        return _Future(p)
+
+    t.rollout_wg = SimpleNamespace(generate_sequences=SimpleNamespace(future=future),
+                                   rollout_sampling_state=lambda: {"seed": 7, "calls": len(calls)})
     return t
 
 
@@ -77,8 +84,9 @@ def test_one_step_off_checkpoints_the_loader_before_the_batch_in_flight_and_afte
     trainer = _trainer(_Loader(10), total=3)
     source = OneStepOffSource(trainer)
     assert _run(source, trainer, 2) == [0, 1]
-    # step 2 started batch 2's generation: a resume must generate batch 2 again
-    assert source.checkpoint_state() == {"dataloader": {"next": 2}}
+    # step 2 started batch 2's generation: a resume must generate batch 2 again, with the pool's sampling
+    # counter where it was before that generation (2 calls), so the batch gets the same draws
+    assert source.checkpoint_state() == {"dataloader": {"next": 2}, "rollout_sampling": {"seed": 7, "calls": 2}}
     assert _run(source, trainer, 1) == [2]
     # the last step starts nothing: a resume with a larger budget continues at batch 3, not 2
-    assert source.checkpoint_state() == {"dataloader": {"next": 3}}
+    assert source.checkpoint_state() == {"dataloader": {"next": 3}, "rollout_sampling": {"seed": 7, "calls": 3}}

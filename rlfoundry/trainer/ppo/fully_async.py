@@ -17,11 +17,14 @@ rollouter generates prompt j under version v only if j < B·T·(v + 1 + s), s =
 prompts. So every sample's staleness (the trainer's version when it trains the sample minus the
 version that sampled it) is at most ⌈s⌉; with s = 0 the pipeline trains on what the synchronous
 trainer would, in the same order. Nothing is dropped: the rollouter waits instead (its idle time is
-reported). A sync waits for the rollouter's generation in flight (no partial rollout yet).
+reported). A sync waits for the rollouter's generation in flight (with partial rollout, only for its
+current chunk). The trainer checks the bound again on every sample it takes (``Rollouter.take``):
+one older than that stops the run rather than being trained on.
 
 **Checkpoints** store the loader's position before the oldest prompt not yet trained (queued or
-in flight): a resumed run generates those again under the restored weights — none trained twice,
-none skipped; the resumed run says how many.
+in flight) and the rollout pool's sampling position before those prompts' engine calls: a resumed
+run generates them again under the restored weights, with the uninterrupted run's draws — none
+trained twice, none skipped; the resumed run says how many (``docs/async.md``, the kill test).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.metric_utils import marked_timer
 from rlfoundry.trainer.ppo.one_step_off import staleness_metrics
 from rlfoundry.trainer.ppo.partial_rollout import ChunkedGeneration
-from rlfoundry.trainer.ppo.sources import SampleSource, loader_batches
+from rlfoundry.trainer.ppo.sources import SampleSource, loader_batches, rewound_sampling_state
+from rlfoundry.utils import faults
 from rlfoundry.utils.errors import RunAbortedError
 from rlfoundry.utils.tokenizer import pad_id
 
@@ -110,6 +114,7 @@ class Rollouter:
                     self._queue.append(_Item(out, prompts, version, loader_state))
                     self.index += prompts
                     self._cond.notify_all()
+                faults.inject("rollouter.queued")  # tests: a crash with generated, untrained samples queued
         except _Stopped:
             return
         except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
@@ -162,8 +167,12 @@ class Rollouter:
             self._cond.notify_all()
         self._thread.join(timeout=1.0)
 
-    def take(self, prompts: int, timeout_s: float | None) -> list[_Item]:
-        """The oldest ``prompts`` prompts' samples; raises the rollouter's error, or after ``timeout_s``."""
+    def take(self, prompts: int, timeout_s: float | None, trainer_version: int | None = None) -> list[_Item]:
+        """The oldest ``prompts`` prompts' samples; raises the rollouter's error, or after ``timeout_s``.
+
+        With ``trainer_version`` (the version that will train them), a sample more than
+        ⌈staleness_threshold⌉ versions older is refused (``RunAbortedError``, the queue left as it was):
+        the bound above makes that impossible, and this check keeps it so, rather than train on it."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._cond:
             while sum(item.prompts for item in self._queue) < prompts:
@@ -179,12 +188,28 @@ class Rollouter:
                         f"{len(self._queue)} queued, rollouter {'generating' if self._busy else 'waiting'} at "
                         f"version {self.version}; a rollout worker may be stuck.")
                 self._cond.wait(timeout=left)
+            if trainer_version is not None:
+                self._refuse_stale(prompts, trainer_version)
             taken, count = [], 0
             while count < prompts:
                 taken.append(self._queue.popleft())
                 count += taken[-1].prompts
             self._cond.notify_all()
             return taken
+
+    def _refuse_stale(self, prompts: int, trainer_version: int) -> None:
+        count, bound = 0, math.ceil(self.staleness - 1e-9)
+        for item in self._queue:
+            if count >= prompts:
+                return
+            if trainer_version - item.version > bound:
+                raise RunAbortedError(
+                    f"fully async: samples generated with weight version {item.version} reached the trainer at "
+                    f"version {trainer_version}, more than async_training.staleness_threshold={self.staleness:g} "
+                    f"(at most {bound}) versions behind; they are not trained on. This is a bug in the "
+                    "rollouter's bound: please report it with the run's log (resume_mode=auto continues from "
+                    "the last checkpoint).")
+            count += item.prompts
 
     def pause(self) -> float:
         """Stop after the generation in flight (waited for); returns the seconds waited."""
@@ -203,6 +228,11 @@ class Rollouter:
                 self.version = version
             self._paused = False
             self._cond.notify_all()
+
+    def queued_calls(self) -> int:
+        """Generations queued (each was one engine call unless chunked)."""
+        with self._cond:
+            return len(self._queue)
 
     def queued_prompts(self) -> int:
         with self._cond:
@@ -284,8 +314,9 @@ class FullyAsyncSource(SampleSource):
         if self.rollouter is None:
             self._start_rollouter()
         with marked_timer("wait_rollout", timing):
-            items = self.rollouter.take(self.step_prompts, trainer.config.trainer.worker_call_timeout_s)
-        version = (trainer.state.global_steps - 1) // self.sync_every
+            version = (trainer.state.global_steps - 1) // self.sync_every
+            items = self.rollouter.take(self.step_prompts, trainer.config.trainer.worker_call_timeout_s,
+                                        trainer_version=version)
         metrics = staleness_metrics([version - it.version for it in items for _ in range(len(it.batch))])
         batch = trainer.finish_generation(trainer.concat_generations([it.batch for it in items]))
         if "param_version_end" in batch.non_tensor_batch:  # partial rollout: samples that met a sync
@@ -317,6 +348,8 @@ class FullyAsyncSource(SampleSource):
             self.rollouter.resume()
 
     def on_resume(self, state: dict[str, Any]) -> None:
+        if "rollout_sampling" in state:
+            self.trainer.rollout_wg.load_rollout_sampling_state(state["rollout_sampling"])
         print(f"[rlfoundry] fully async: {state.get('regenerate_prompts', 0)} prompts that were queued or being "
               "generated at the save are generated again", flush=True)
 
@@ -324,7 +357,11 @@ class FullyAsyncSource(SampleSource):
         if self.rollouter is None:
             return {}
         loader, regenerate = self.rollouter.position(self.trainer.train_dataloader.state_dict)
-        return {"dataloader": loader, "regenerate_prompts": regenerate}
+        # one engine call per queued item (gen_batch_size prompts); a partial rollout's chunks are not
+        # counted (its draws depend on when syncs came anyway): its pool just draws afresh
+        redo = 0 if self.trainer.config.async_training.partial_rollout else self.rollouter.queued_calls()
+        return {"dataloader": loader, "regenerate_prompts": regenerate,
+                "rollout_sampling": rewound_sampling_state(self.trainer, redo)}
 
     def close(self) -> None:
         if self.rollouter is not None:

@@ -10,9 +10,9 @@ recomputed under its own weights (the decoupled PPO objective); the rollout's lo
 batch for ``algorithm.rollout_correction`` and the ``rollout_corr/*`` metrics. This is a sample
 source (``sources.py``): everything after the rewards is the trainer's one code path (``PPOTrainer.train_on``).
 
-Checkpoints store the loader's position *before* the batch in flight: a resumed run generates that
-batch again (under the restored weights, so with staleness 0) — no prompt is trained twice or
-skipped.
+Checkpoints store the loader's position *before* the batch in flight, and the rollout pool's sampling
+position before its generation call: a resumed run generates that batch again (under the restored
+weights, so with staleness 0) — no prompt is trained twice or skipped.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.metric_utils import marked_timer
-from rlfoundry.trainer.ppo.sources import SampleSource, loader_batches
+from rlfoundry.trainer.ppo.sources import SampleSource, loader_batches, rewound_sampling_state
 
 __all__ = ["OneStepOffSource", "staleness_metrics"]
 
@@ -71,5 +71,13 @@ class OneStepOffSource(SampleSource):
         self._pending_version = version
 
     def checkpoint_state(self) -> dict[str, Any]:
-        # the batch in flight is generated again after a resume
-        return {} if self._loader_state is None else {"dataloader": self._loader_state}
+        # the batch in flight is generated again after a resume (the pool answers the state query after
+        # that generation, whose call it then counts: one call to redo)
+        if self._loader_state is None:
+            return {}
+        return {"dataloader": self._loader_state,
+                "rollout_sampling": rewound_sampling_state(self.trainer, int(self._pending is not None))}
+
+    def on_resume(self, state: dict[str, Any]) -> None:
+        if "rollout_sampling" in state:
+            self.trainer.rollout_wg.load_rollout_sampling_state(state["rollout_sampling"])

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlfoundry.protocol import DataProto
+from rlfoundry.utils import faults
 from rlfoundry.utils.torch_functional import left_padded, rollout_layout
 
 __all__ = ["ChunkedGeneration"]
@@ -34,6 +35,7 @@ class _Sample:
     log_probs: list[float] = field(default_factory=list)
     done: bool = False
     versions: list[int] = field(default_factory=list)
+    param_version: int | None = None  # actor updates behind the weights of its first chunk (the oldest)
 
 
 class ChunkedGeneration:
@@ -60,6 +62,7 @@ class ChunkedGeneration:
             self._chunk(live, prompts.meta_info, version)
             if all(s.done for s in samples):
                 break
+            faults.inject("partial_rollout.between_chunks")  # tests: a crash with a generation half done
             version = boundary()
         tensors = rollout_layout(ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0),
                                  [s.response for s in samples], [[1] * len(s.response) for s in samples],
@@ -67,6 +70,8 @@ class ChunkedGeneration:
         extras = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         extras["param_version_start"] = np.array([s.versions[0] for s in samples], dtype=object)
         extras["param_version_end"] = np.array([s.versions[-1] for s in samples], dtype=object)
+        if all(s.param_version is not None for s in samples):
+            extras["param_version"] = np.array([s.param_version for s in samples], dtype=object)
         return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))
 
     def _chunk(self, live: list[_Sample], meta: dict, version: int) -> None:
@@ -76,7 +81,10 @@ class ChunkedGeneration:
                                     meta_info={**meta, "n": 1, "response_length": step})
         out = self.call(batch)
         self.engine_calls += 1
+        engine_versions = out.non_tensor_batch.get("param_version")
         for k, s in enumerate(live):
+            if s.param_version is None and engine_versions is not None:
+                s.param_version = int(engine_versions[k])
             allowed = min(step, self.width - len(s.response))
             length = min(int(out.batch["response_mask"][k].sum()), allowed)
             new = out.batch["responses"][k][:length].tolist()

@@ -227,8 +227,9 @@ def _concat_generations(parts: list[DataProto], pad_id: int) -> DataProto:
 
 
 def generation_records(batch: DataProto, scores: list[float], tokenizer: Any, step: int) -> list[dict[str, Any]]:
-    """One dict per sample, verl's dump fields (input, output, gts, score, step) and the row's
-    data-set index: what ``trainer.rollout_data_dir`` / ``validation_data_dir`` write."""
+    """One dict per sample, verl's dump fields (input, output, gts, score, step), the row's data-set
+    index and, where the rollout recorded it, the policy version that sampled it (``param_version``:
+    actor updates behind the weights): what ``trainer.rollout_data_dir`` / ``validation_data_dir`` write."""
     decode = lambda key: tokenizer.batch_decode(batch.batch[key], skip_special_tokens=True)  # noqa: E731
     rows = batch.non_tensor_batch
     records = []
@@ -237,6 +238,8 @@ def generation_records(batch: DataProto, scores: list[float], tokenizer: Any, st
         records.append({"input": prompt, "output": response, "score": scores[i], "step": step,
                         "gts": (rows["reward_model"][i] or {}).get("ground_truth") if "reward_model" in rows else None,
                         "index": info.get("index") if isinstance(info, dict) else None})
+        if "param_version" in rows:
+            records[-1]["param_version"] = int(rows["param_version"][i])
     return records
 
 

@@ -27,7 +27,18 @@ from rlfoundry.algos import filter_groups
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.errors import RunAbortedError
 
-__all__ = ["DynamicSamplingSource", "SampleSource", "SyncSource", "loader_batches"]
+__all__ = ["DynamicSamplingSource", "SampleSource", "SyncSource", "loader_batches", "rewound_sampling_state"]
+
+
+def rewound_sampling_state(trainer: Any, calls_to_redo: int) -> dict[str, Any]:
+    """The rollout pool's sampling state as it was before the last ``calls_to_redo`` generation calls
+    (those of prompts a resumed run generates again), for a checkpoint: the engines count their calls
+    and seed each call's draws from that count (``HFRollout._next_generator``), so a resumed pool that
+    restarted from 0 would sample the regenerated prompts with other draws than the uninterrupted run."""
+    state = dict(trainer.rollout_wg.rollout_sampling_state())
+    if "calls" in state:
+        state["calls"] = max(0, int(state["calls"]) - calls_to_redo)
+    return state
 
 
 def loader_batches(loader: Any, with_state: bool = False) -> Iterator[Any]:
