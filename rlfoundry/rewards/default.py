@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rlfoundry.rewards import arithmetic, code, gsm8k
+from rlfoundry.rewards import arithmetic, code, geo3k, gsm8k
 from rlfoundry.rewards import math as math_scorer
 
 ARITHMETIC_DATA_SOURCE = "rlfoundry/arithmetic"
@@ -21,6 +21,7 @@ SCORERS: dict[str, Callable[..., float]] = {
     "HuggingFaceH4/MATH-500": math_scorer.compute_score,
     ARITHMETIC_DATA_SOURCE: arithmetic.compute_score,
     SHAPES_DATA_SOURCE: arithmetic.compute_score,
+    "hiyouga/geometry3k": geo3k.compute_score,
     # programs run against the row's unit tests in the sandbox (rewards/code.py)
     **{source: code.compute_score for source in code.CODE_DATA_SOURCES},
 }
