@@ -613,3 +613,24 @@ def test_save_load_json_values_property(values, meta):
         data.save_to_disk(os.path.join(tmp, "batch.pt"))
         loaded = DataProto.load_from_disk(os.path.join(tmp, "batch.pt"))
     assert loaded.non_tensor_batch["v"].tolist() == values and loaded.meta_info == {"m": meta}
+
+
+@pytest.mark.parametrize("op", ["slice", "index", "numpy_index", "repeat", "chunk", "concat", "pad", "split",
+                                "select_idxs", "reorder", "iterator"])
+def test_row_operations_keep_the_tensors_device(op):
+    """Issue 33's audit: every row operation a worker or the driver applies leaves a batch on the device
+    it was on (CUDA on a worker); checked on the meta device, which carries the device but no data
+    (an index or a pad made on the host must not move, or fail to combine with, device tensors)."""
+    from rlfoundry.protocol import pad_dataproto_to_divisor
+
+    meta = torch.device("meta")
+    d = DataProto.from_dict(tensors={"x": torch.zeros(4, 3, device=meta), "m": torch.ones(4, 3, dtype=torch.long, device=meta)},
+                            non_tensors={"uid": np.array(list("abcd"), dtype=object)})
+    ops = {"slice": lambda: d[1:3], "index": lambda: d[[0, 2]], "numpy_index": lambda: d[np.array([0, 2])],
+           "repeat": lambda: d.repeat(2, interleave=True), "chunk": lambda: d.chunk(2)[1],
+           "concat": lambda: DataProto.concat([d, d]), "pad": lambda: pad_dataproto_to_divisor(d, 3)[0],
+           "split": lambda: d.split(3)[1], "select_idxs": lambda: d.select_idxs([1, 3]),
+           "reorder": lambda: (d.reorder(torch.tensor([3, 2, 1, 0])), d)[1],
+           "iterator": lambda: next(d.make_iterator(2, 1, seed=0))}
+    out = ops[op]()
+    assert {t.device for t in out.batch.values()} == {meta}

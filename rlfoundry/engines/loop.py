@@ -19,7 +19,8 @@ import torch.distributed as dist
 from rlfoundry.engines.base import GlobalBatchInfo, LossOutput, TrainingEngine, UpdatePlan
 from rlfoundry.protocol import DataProto
 
-__all__ = ["MiniBatchStats", "global_batch_info", "iter_mini_batches", "mix_seed", "run_update", "zero_loss_row"]
+__all__ = ["MiniBatchStats", "batch_counts", "collective_device", "device_for_backend", "global_batch_info",
+           "iter_mini_batches", "mix_seed", "run_update", "zero_loss_row"]
 
 
 def mix_seed(seed: int, call: int) -> int:
@@ -60,10 +61,34 @@ def global_batch_info(mask: torch.Tensor, dp_size: int, dp_group: Any = None) ->
     Every micro-batch normalises by these mini-batch-wide counts, so the summed gradient does not
     depend on the micro-batch size or on how many ranks share the mini-batch.
     """
-    counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
+    counts = batch_counts(mask)
     if dp_size > 1:
+        counts = counts.to(collective_device(dp_group))
         dist.all_reduce(counts, group=dp_group)
-    return GlobalBatchInfo(dp_size=dp_size, batch_num_tokens=counts[0].item(), global_batch_size=counts[1].item())
+    tokens, sequences = counts.tolist()  # one host read
+    return GlobalBatchInfo(dp_size=dp_size, batch_num_tokens=tokens, global_batch_size=sequences)
+
+
+def batch_counts(mask: torch.Tensor) -> torch.Tensor:
+    """(tokens, sequences with a token) of ``mask`` (B, T) as float64, on ``mask``'s device (no host sync)."""
+    return torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64)
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor must be to go through a collective on ``group``: see ``device_for_backend``."""
+    return device_for_backend(str(dist.get_backend(group)))
+
+
+def device_for_backend(backend: str) -> torch.device:
+    """The host for a group that has a CPU back end (gloo; the worker groups' ``cpu:gloo,cuda:nccl``),
+    else the current accelerator: megatron-core may make its data-parallel groups NCCL-only, and NCCL
+    takes no host tensors (issue 33: the loop all-reduced host float64 counts over such a group)."""
+    parts = {p.split(":")[0]: p.split(":")[-1] for p in backend.lower().split(",")}
+    if "gloo" in parts.values() or "cpu" in parts:
+        return torch.device("cpu")
+    if "nccl" in parts.values():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class MiniBatchStats:
@@ -89,7 +114,9 @@ class MiniBatchStats:
         values = torch.tensor([*(self.sums[k] for k in summed), *(self.weighted[k] for k in weighted), self.tokens],
                               dtype=torch.float64)
         if dp_size > 1:
+            values = values.to(collective_device(group))
             dist.all_reduce(values, group=group)
+            values = values.cpu()
         # each rank's losses carry a factor dp_size (agg_loss contract); the rank sum undoes it
         out = {k: float(values[i]) / dp_size for i, k in enumerate(summed)}
         total, offset = max(float(values[-1]), 1.0), len(summed)
@@ -98,7 +125,9 @@ class MiniBatchStats:
             maxed = sorted(self.maxed)
             highest = torch.tensor([self.maxed[k] for k in maxed], dtype=torch.float64)
             if dp_size > 1:
+                highest = highest.to(collective_device(group))
                 dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+                highest = highest.cpu()
             out.update({k: float(highest[i]) for i, k in enumerate(maxed)})
         return out
 

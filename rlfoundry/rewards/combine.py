@@ -77,10 +77,11 @@ class Combined:
 
 
 def place_scores(scores: Sequence[float], lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, width) zeros with each score on its sequence's last valid response token."""
-    tensor = torch.zeros(len(scores), width, dtype=torch.float32)
+    """(B, width) zeros with each score on its sequence's last valid response token, on ``lengths``' device."""
+    device = lengths.device
+    tensor = torch.zeros(len(scores), width, dtype=torch.float32, device=device)
     last = torch.clamp(lengths - 1, min=0)  # an empty response still gets its score somewhere (masked out later)
-    tensor[torch.arange(len(scores)), last] = torch.tensor(list(scores), dtype=torch.float32)
+    tensor[torch.arange(len(scores), device=device), last] = torch.tensor(list(scores), dtype=torch.float32, device=device)
     return tensor
 
 

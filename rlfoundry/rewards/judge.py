@@ -225,7 +225,7 @@ class GenerativeRewardModel:
         rows = left_padded([prompts[i] for i in sent], self.pad_id)  # one judgement each
         out = self.generate(DataProto.from_dict(tensors=rows, meta_info={
             "n": 1, "do_sample": bool(self.config.rollout.do_sample)}))
-        responses = out.batch["responses"]
+        responses = out.batch["responses"].cpu()  # one copy from the judge's device, not one per row
         for j, (i, n) in enumerate(zip(sent, response_lengths(out).tolist())):
             texts[i] = self.judge_tokenizer.decode(responses[j, :n].tolist(), skip_special_tokens=True)
         return texts

@@ -273,8 +273,8 @@ class ProcessWorkerGroup(WorkerGroup):
         self.name, self.world_size, self.worker_cls = name_prefix, world_size, cls_with_init.cls
         self.call_timeout_s = call_timeout_s
         self._threads = threads
-        self._procs: dict[int, Any] = {}
-        self._conns: dict[int, Connection] = {}
+        self._ranks = _Ranks()  # shared with the role views ``spawn`` copies from this group
+        self._procs, self._conns = self._ranks.procs, self._ranks.conns
         self._sent: dict[int, int] = {}  # calls sent to each rank (replies come back in that order)
         self._received: dict[int, int] = {}  # replies read from each rank
         self._early: dict[_Call, tuple] = {}  # replies read before their call was collected
@@ -282,8 +282,10 @@ class ProcessWorkerGroup(WorkerGroup):
         self.worker = None
         # runs before multiprocessing's own exit hook, which would wait for the (non-daemonic) ranks
         # forever; a weak reference, so that a dropped group is still collected (its ranks then see
-        # their pipes close and exit)
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        # their pipes close and exit). It refers to the ranks, not to this object: the trainer keeps
+        # only the role views (copies), and a hook on the dropped original left a one-step-off run's
+        # rollout rank alive at exit, the driver waiting for it forever (issue 33).
+        atexit.register(_shutdown_at_exit, weakref.ref(self._ranks))
         try:
             self._start(cls_with_init, host_rank_zero, start_timeout_s, start_method, preload)
         except BaseException:
@@ -417,25 +419,38 @@ class ProcessWorkerGroup(WorkerGroup):
             raise WorkerDiedError(self.name, rank, method, err) from err
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask the remote ranks to exit, then kill whatever is left."""
-        for conn in self._conns.values():
+        """Ask the remote ranks to exit, then kill whatever is left (for this group and all its views)."""
+        self._ranks.shutdown(timeout_s)
+        self._sent, self._received, self._early, self._abandoned = {}, {}, {}, set()
+
+
+class _Ranks:
+    """A group's child processes and the driver's ends of their pipes, by rank: one object shared by
+    the group and every role view of it, emptied in place when they are shut down."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, Any] = {}
+        self.conns: dict[int, Connection] = {}
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        for conn in self.conns.values():
             try:
                 conn.send((None, (), {}))
             except OSError:
                 pass
-        for proc in self._procs.values():
+        for proc in self.procs.values():
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for conn in self._conns.values():
+        for conn in self.conns.values():
             conn.close()
-        self._procs, self._conns = {}, {}
-        self._sent, self._received, self._early, self._abandoned = {}, {}, {}, set()
+        self.procs.clear()
+        self.conns.clear()
 
 
-def _shutdown_at_exit(group_ref: weakref.ref) -> None:
-    group = group_ref()
-    if group is not None:
-        group.shutdown()
+def _shutdown_at_exit(ranks_ref: weakref.ref) -> None:
+    ranks = ranks_ref()
+    if ranks is not None:
+        ranks.shutdown()
 

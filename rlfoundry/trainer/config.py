@@ -627,6 +627,35 @@ def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
     return errors
 
 
+_FP32 = ("fp32", "float32", "torch.float32", "float", "fp64", "float64", "torch.float64")
+
+
+def rollout_log_probs_inexact(device: str, strategy: str, param_dtype: str | None, megatron_dtype: str) -> str | None:
+    """Why the HF engine's sampling log-probs are *not* the old log-probs to fp32 rounding on ``device``
+    (None where they are), from the dtype the actor computes in there.
+
+    The engine scores each token in a cached one-token decode step, the actor's recompute in one
+    forward over the whole sequence: the same arithmetic in another order, equal to fp32 rounding
+    (~1e-6) when the matmuls run in fp32. In bf16 (FSDP2's default on CUDA, Megatron's default
+    everywhere) they differ by ~1e-2 (issue 33), so PPO's ratio is not 1 at a step's start.
+    """
+    if strategy == "megatron":
+        compute, key = str(megatron_dtype), "actor.megatron.dtype"
+    else:
+        compute = str(param_dtype) if param_dtype is not None else ("bf16" if device == "cuda" else "fp32")
+        key = "actor.fsdp_config.mixed_precision.param_dtype" + ("" if param_dtype is not None else
+                                                                f" (default on {device})")
+    if compute.lower() in _FP32:
+        return None
+    return f"the actor computes in {compute} on {device} ({key}): its log-probs differ from the engine's beyond rounding"
+
+
+def _inexact_rollout_log_probs(cfg: DictConfig, device: str) -> str | None:
+    actor = cfg.actor_rollout_ref.actor
+    mixed = getattr(actor.fsdp_config, "mixed_precision", None) or {}
+    return rollout_log_probs_inexact(device, str(actor.strategy), mixed.get("param_dtype"), actor.megatron.dtype)
+
+
 def _soft_warnings(cfg: DictConfig) -> None:
     est, n = adv_estimator(cfg), cfg.actor_rollout_ref.rollout.n
     if est in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo") and n < 2:
@@ -704,7 +733,8 @@ def resolve_config(
         out.actor_rollout_ref.actor.policy_loss.rollout_correction = copy.deepcopy(cfg.algorithm.rollout_correction)
     out.critic.enable = use_critic(cfg)
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
-        out.actor_rollout_ref.actor.use_rollout_log_probs = not _rollout_log_prob_reuse_problems(cfg, "auto")
+        out.actor_rollout_ref.actor.use_rollout_log_probs = not (_rollout_log_prob_reuse_problems(cfg, "auto")
+                                                                 or _inexact_rollout_log_probs(cfg, trainer.device))
     if cfg.async_training.mode != "sync":  # the sampling policy lags the trainer's: recompute old log-probs
         out.actor_rollout_ref.actor.use_rollout_log_probs = bool(cfg.actor_rollout_ref.actor.use_rollout_log_probs)
     out.actor_rollout_ref.rollout.calculate_log_probs = bool(cfg.actor_rollout_ref.rollout.calculate_log_probs
@@ -751,9 +781,11 @@ def auto_choices(cfg: DictConfig, resolved: DictConfig) -> list[str]:
     out = []
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
         on = resolved.actor_rollout_ref.actor.use_rollout_log_probs
+        inexact = _inexact_rollout_log_probs(cfg, resolved.trainer.device)
         why = ("the HF engine's sampling log-probs are the old log-probs (one epoch, one mini-batch per step): "
                "no separate old_log_prob pass" if on else
-               "old log-probs are recomputed (reuse needs the HF engine, ppo_epochs=1 and one mini-batch per step)")
+               "old log-probs are recomputed (reuse needs the HF engine computing in fp32, ppo_epochs=1 and one "
+               "mini-batch per step" + (f"; {inexact}" if inexact else "") + ")")
         out.append(f"actor_rollout_ref.actor.use_rollout_log_probs={str(on).lower()}: {why}")
     reader = _rollout_log_probs_reader(resolved)
     # (the reuse of use_rollout_log_probs is named by the line above)

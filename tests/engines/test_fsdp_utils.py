@@ -17,16 +17,21 @@ from rlfoundry.models.hf import load_hf_model
 from tests.workers import local_worker, one_thread, worker_config  # noqa: F401 (fixture)
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    """World size 1 over gloo, as Worker.init_distributed makes it (shared if one already exists)."""
+def world_of_one(backend: str = "gloo"):
+    """World size 1, as Worker.init_distributed makes it: gloo on the CPU, ``cpu:gloo,cuda:nccl`` on
+    CUDA (shared if one already exists)."""
     if not dist.is_initialized():
         from rlfoundry.single_controller.base.worker import find_free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group(backend, rank=0, world_size=1)
     return dist.group.WORLD
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    return world_of_one()
 
 
 # ---- LR schedule -------------------------------------------------------------------------

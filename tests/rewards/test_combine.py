@@ -25,6 +25,14 @@ def rows(*values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
+def test_place_scores_builds_on_the_lengths_device():
+    """A judge or reward model whose lengths live on the GPU gets its scores there (issue 33's audit);
+    checked on the meta device, which carries the device but no data."""
+    meta = torch.device("meta")
+    placed = place_scores([2.0, -1.0], torch.tensor([3, 1]).to(meta), 4)
+    assert placed.device == meta and placed.shape == (2, 4) and placed.dtype == torch.float32
+
+
 def test_place_scores_puts_each_score_on_the_last_valid_token():
     # extents 3 and 1 -> indices 2 and 0; an empty response (extent 0) is clamped to index 0
     placed = place_scores([2.0, -1.0, 0.5], torch.tensor([3, 1, 0]), 4)

@@ -457,3 +457,46 @@ def test_a_process_leaves_its_group_and_closes_its_store_before_it_exits():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["before True gloo", "later True True", "earlier False False"], \
         out.stdout + out.stderr[-2000:]
+
+
+_VIEWS_AT_EXIT = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from rlfoundry.single_controller import ClassWithInitArgs, create_colocated_worker_cls
+from rlfoundry.single_controller.process import ProcessWorkerGroup
+from tests.single_controller.test_process_worker_group import Critic, Probe
+fused = create_colocated_worker_cls({{"actor": ClassWithInitArgs(Probe), "critic": ClassWithInitArgs(Critic)}})
+# as the trainer keeps them: the role views only (the group they were copied from is dropped), held
+# in a reference cycle (trainer <-> its sample source) that the interpreter has not collected at exit
+views = ProcessWorkerGroup(fused, 1, name_prefix="rollout_pool", host_rank_zero=False,
+                           start_method=sys.argv[1]).spawn({{"actor", "critic"}})
+cycle = {{"views": views}}
+cycle["self"] = cycle
+import gc
+gc.collect()  # a long run collects the dropped group (a cycle through its bound methods) long before exit
+print(json.dumps(views["critic"].pid()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_a_driver_that_keeps_only_role_views_exits_and_ends_its_ranks(start_method):
+    """Issue 33: a one-step-off run printed ``finished at step 4`` and never exited: the exit hook held
+    the group the views were copied from (already collected), so nothing asked the rollout rank to stop
+    and multiprocessing's own exit hook waited for it forever. The driver must exit by itself (the
+    timeout here only bounds the test; the old code never returns) and leave no rank behind."""
+    cmd = [sys.executable, "-c", _VIEWS_AT_EXIT.format(repo=str(REPO)), start_method]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pids = json.loads(out.splitlines()[0]) if out.strip() else []
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the driver did not exit after its last line (ranks {pids} left running)")
+    assert proc.returncode == 0, err[-3000:]
+    pids = json.loads(out.splitlines()[0])
+    assert len(pids) == 1 and not any(_alive(pid) for pid in pids)

@@ -663,3 +663,30 @@ def test_process_backend_over_several_nodes_says_it_is_single_node():
     with pytest.raises(ConfigError, match=r"trainer.worker_backend=process is single-node \(processes on this machine\), "
                        r"but trainer.nnodes=2; use trainer.worker_backend=ray for several nodes"):
         load_config(["trainer.worker_backend=process", "trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
+
+
+def test_rollout_log_probs_are_exact_only_where_the_actor_computes_in_fp32():
+    """``actor.use_rollout_log_probs=auto`` decides from the device in use (issue 33): the HF engine's
+    one-token decode and the actor's full forward agree to fp32 rounding only in fp32; in bf16 (the CUDA
+    default of FSDP2, and Megatron's default) they differ by ~1e-2."""
+    from rlfoundry.trainer.config import rollout_log_probs_inexact as inexact
+
+    assert inexact("cpu", "fsdp", None, "bfloat16") is None  # FSDP on the CPU computes in fp32
+    assert "bf16 on cuda" in inexact("cuda", "fsdp", None, "bfloat16")  # its CUDA default: bf16
+    assert inexact("cuda", "fsdp2", "fp32", "bfloat16") is None  # fp32 asked for on CUDA: exact
+    assert "bf16 on cpu" in inexact("cpu", "fsdp", "bf16", "float32")  # bf16 asked for on the CPU: not
+    assert inexact("cpu", "megatron", None, "float32") is None  # Megatron: its own dtype, either device
+    assert "actor.megatron.dtype" in inexact("cuda", "megatron", "fp32", "bfloat16")
+
+
+@pytest.mark.parametrize("device,overrides,reuses", [
+    ("cpu", [], True), ("cuda", [], False),
+    ("cuda", ["+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"], True)])
+def test_auto_reuses_rollout_log_probs_only_where_exact_on_the_device(device, overrides, reuses):
+    from rlfoundry.trainer.config import auto_choices, resolve_config
+
+    cfg = load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=16", f"trainer.device={device}", *overrides])
+    out = resolve_config(cfg, steps_per_epoch=4, cuda_available=device == "cuda")
+    assert out.actor_rollout_ref.actor.use_rollout_log_probs is reuses
+    said = auto_choices(cfg, out)[0]
+    assert ("bf16 on cuda" in said) is (not reuses)

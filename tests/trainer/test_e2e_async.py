@@ -157,3 +157,17 @@ def test_a_dead_rollout_worker_stops_the_run_naming_it(tiny_model_dir, tmp_path)
         out.stdout + out.stderr)
     assert "Traceback" not in out.stderr
     assert time.monotonic() - start < 300
+
+
+def test_one_step_off_with_spawned_ranks_exits_after_its_last_step(tiny_model_dir, tmp_path):
+    """Issue 33: on a GPU (where the ranks are spawned: the driver holds a CUDA context) the run printed
+    ``finished at step 4`` and never exited. The timeout only bounds the test: the old code never ends."""
+    cmd = [sys.executable, "-m", "rlfoundry", "train", "--config-name", "one_step_off_ppo_trainer",
+           *_args(tiny_model_dir, tmp_path / "run", *_ASYNC, "trainer.worker_backend=process",
+                  "trainer.process_start_method=spawn")]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=E.subprocess_env(), timeout=240)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the run did not exit: {(err.stdout or b'')[-2000:]!r}")
+    _ok(out)
+    assert f"finished at step {STEPS}" in out.stdout

@@ -150,7 +150,7 @@ class DynamicSamplingSource(SyncSource):
     @staticmethod
     def _metric(batch: DataProto, result: dict, metric: str) -> np.ndarray:
         if metric in ("seq_reward", "seq_final_reward"):  # no KL in the reward (config check): final = scores
-            return batch.batch["token_level_scores"].sum(-1).numpy()
+            return batch.batch["token_level_scores"].sum(-1).cpu().numpy()  # host whatever device scored it
         info = result.get("reward_extra_info", {})
         if metric not in info:
             raise RunAbortedError(f"algorithm.filter_groups.metric={metric!r} is neither seq_reward, seq_final_reward nor "

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh: every rlfoundry feature on one CUDA GPU (H100 / H200), one command, at most
+# 8 minutes (the parts' limits, 30 + 200 + 80 + 160 = 470 s, plus the wheel install).
+#
+#     bash scripts/gpu_check.sh [OUT_DIR]          # results in OUT_DIR, else $OUT (the device tool's), else /tmp/gpu_check
+#     bash scripts/gpu_check.sh --dry-run [OUT_DIR] # the same commands on the CPU at tiny sizes (tests/scripts runs it)
+#
+# On the project's device tool, with the packages the GPU image lacks carried as wheels (made here by
+# `bash scripts/gpu_wheels.sh`, into the git-ignored .whl/):
+#     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# The wheels are installed with pip --target into $WORK/site, ahead of the machine's own packages on the
+# path; nothing on the machine changes, no network and no Ray are needed.
+#
+# Parts, each under its own `timeout` (a hang in one loses none of the others):
+#   env    nvidia-smi, Python and package versions, every import the parts need, a bf16 matmul, NCCL
+#   tier   the GPU tier: `pytest -m gpu` over every test file that marks tests `gpu` (tests/gpu/, ...):
+#          the default GRPO job learns, PPO with a critic saves and resumes, bf16 vs fp32 log-probs,
+#          offload, LoRA, a real CUDA OOM, the calculator demo, code rewards, dynamic sampling,
+#          rollout correction, one-step-off on one GPU with the process back end ending cleanly
+#   demo   `rlfoundry train --config-name calculator_grpo` on CUDA, process back end, 10 steps
+#   bench  `python -m benchmarks.realistic --device cuda` (issue 34's shape: 24 layers, 128 tokens, 8 x 8)
+#
+# Files left in OUT (the device tool returns at most 8): summary.txt (one line per part: PASS/FAIL, time,
+# figures; then RESULT), summary.json, env.log, tier.log, demo.log, bench.log, realistic_<device>.json,
+# extras.tar.gz (the tier's JUnit report, the demo's metrics, the benchmark's per-run logs).
+# Exit status: 0 when every part passed.
+#
+# Knobs (environment): PYTHON (python3), WORK (/tmp/gpu_check_work), GPU_CHECK_WHEELS (.whl),
+# GPU_CHECK_PARTS ("env tier demo bench"), T_ENV / T_TIER / T_DEMO / T_BENCH (seconds per part).
+
+set -u -o pipefail
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${1:-${OUT:-/tmp/gpu_check}}
+WORK=${WORK:-/tmp/gpu_check_work}
+PYTHON=${PYTHON:-python3}
+PARTS=${GPU_CHECK_PARTS:-env tier demo bench}
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+if [ "$DRY" = 1 ]; then
+    DEVICE=cpu
+    T_ENV=${T_ENV:-60} T_TIER=${T_TIER:-120} T_DEMO=${T_DEMO:-180} T_BENCH=${T_BENCH:-240}
+else
+    DEVICE=cuda
+    T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-200} T_DEMO=${T_DEMO:-80} T_BENCH=${T_BENCH:-160}
+fi
+mkdir -p "$OUT" "$WORK"
+rm -f "$WORK/parts.tsv" "$WORK/tier.xml" "$OUT/summary.txt" "$OUT/summary.json"
+SUMMARY=$OUT/summary.txt
+START=$SECONDS
+say() { echo "[gpu_check +$((SECONDS - START))s] $*" | tee -a "$SUMMARY"; }
+say "device $DEVICE$([ "$DRY" = 1 ] && echo ' (dry run: tiny sizes)'), parts: $PARTS, output in $OUT"
+
+# ── packages: carried wheels go to $WORK/site, ahead of the machine's own on the path ───────────────
+export PYTHONPATH=$REPO
+if [ "$DRY" = 0 ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+    if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+            "$WHEELS"/*.whl > "$WORK/pip.log" 2>&1; then
+        export PYTHONPATH=$WORK/site:$REPO
+        say "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $WORK/site"
+    else
+        say "WHEEL INSTALL FAILED (going on with the machine's packages):"; tail -20 "$WORK/pip.log" | tee -a "$SUMMARY"
+    fi
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+       TRANSFORMERS_VERBOSITY=error WANDB_DISABLED=true
+
+# part NAME SECONDS CMD...: CMD under `timeout`, its output to the console and OUT/NAME.log; the exit
+# code and time go to WORK/parts.tsv for the report
+part() {
+    local name=$1 limit=$2; shift 2
+    case " $PARTS " in *" $name "*) ;; *) say "$name: skipped (GPU_CHECK_PARTS)"; return 0 ;; esac
+    local t0=$SECONDS
+    say "$name: start (limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -5 "$OUT/$name.log"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" >> "$WORK/parts.tsv"
+    say "$name: exit $rc in $((SECONDS - t0))s"
+}
+
+# ── env ──────────────────────────────────────────────────────────────────────────────────────────
+part env "$T_ENV" "$PYTHON" - "$DEVICE" <<'EOF'
+import importlib, subprocess, sys, time
+from importlib import metadata
+device = sys.argv[1]
+if device == "cuda":
+    subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"], check=False)
+print("python", sys.version.split()[0], sys.executable)
+for n in ["torch", "transformers", "accelerate", "peft", "tokenizers", "safetensors", "numpy", "pyarrow", "datasets",
+          "tensordict", "hydra-core", "omegaconf", "torchdata", "math-verify", "pydantic", "pyseccomp", "trl", "pytest",
+          "megatron-core", "ray"]:
+    try:
+        print(f"  {n:16s} {metadata.version(n)}")
+    except metadata.PackageNotFoundError:
+        print(f"  {n:16s} -")
+failed = []
+for mod in ["torch", "transformers", "peft", "tensordict", "hydra", "omegaconf", "torchdata.stateful_dataloader",
+            "math_verify", "pydantic", "datasets", "pytest", "trl", "rlfoundry.protocol", "rlfoundry.trainer.main_ppo",
+            "rlfoundry.workers.actor_rollout_ref", "rlfoundry.rewards.code", "benchmarks.realistic"]:
+    try:
+        importlib.import_module(mod)
+    except Exception as e:  # noqa: BLE001 - report every failing import, not the first
+        failed.append(mod)
+        print(f"IMPORT FAILED {mod}: {type(e).__name__}: {e}")
+print("ray imported by rlfoundry:", "ray" in sys.modules)
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if device == "cuda":
+    print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
+          f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB",
+          "bf16", torch.cuda.is_bf16_supported(), "nccl", torch.distributed.is_nccl_available())
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    (x @ x).sum().item()
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(10):
+        y = x @ x
+    torch.cuda.synchronize()
+    print(f"bf16 8192^3 matmul: {10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12:.0f} TFLOP/s")
+sys.exit(1 if failed else 0)
+EOF
+
+# ── tier: every test marked gpu ──────────────────────────────────────────────────────────────────
+mapfile -t TIER_FILES < <(grep -rlE "^(@pytest\.mark\.gpu|pytestmark = .*pytest\.mark\.gpu)" tests --include='test_*.py' | sort)
+part tier "$T_TIER" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rA --junitxml="$WORK/tier.xml" \
+    "${TIER_FILES[@]}"
+
+# ── demo: the calculator agent on CUDA, process back end ───────────────────────────────────────────
+if [ "$DRY" = 1 ]; then
+    DEMO_KEYS=(trainer.total_training_steps=1 trainer.test_freq=1 data.synthetic.val_size=4 data.train_batch_size=2
+               actor_rollout_ref.rollout.n=2 actor_rollout_ref.actor.ppo_mini_batch_size=2
+               actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 data.max_response_length=96)
+else
+    DEMO_KEYS=(trainer.total_training_steps=10 trainer.test_freq=5)
+fi
+rm -rf "$WORK/demo"
+part demo "$T_DEMO" "$PYTHON" -m rlfoundry train --config-name calculator_grpo trainer.device="$DEVICE" \
+    trainer.worker_backend=process trainer.n_gpus_per_node=1 trainer.resume_mode=disable trainer.save_freq=-1 \
+    trainer.logger=file reward_model.reward_kwargs.num_workers=0 trainer.default_local_dir="$WORK/demo" "${DEMO_KEYS[@]}"
+
+# ── bench: rlfoundry vs TRL, bf16 on the GPU (issue 34's workload) ────────────────────────────────
+if [ "$DRY" = 1 ]; then
+    BENCH_ARGS=(--layers 1 --response-lengths 4 --prompts-per-step 2 --n 2 --steps 1 --warmup-steps 0 --repeats 1 --threads 1)
+else
+    BENCH_ARGS=(--layers 24 --response-lengths 128 --prompts-per-step 8 --n 8 --steps 6 --warmup-steps 3 --repeats 1 --threads 8)
+fi
+rm -rf "$WORK/bench/runs"
+part bench "$T_BENCH" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" \
+    --timeout $(((T_BENCH - 30) / 2)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_$DEVICE"
+
+# ── summary ──────────────────────────────────────────────────────────────────────────────────────
+(cd "$WORK" && tar czf "$OUT/extras.tar.gz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' \
+    --exclude='*.png' --exclude='*.html' --exclude='checkpoints' pip.log parts.tsv tier.xml demo/metrics.jsonl \
+    bench/runs 2> /dev/null || true)
+"$PYTHON" scripts/gpu_check_report.py "$OUT" "$WORK" "$DEVICE" | tee -a "$SUMMARY"
+rc=${PIPESTATUS[0]}
+say "done in $((SECONDS - START))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit "$rc"

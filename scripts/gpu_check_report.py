@@ -1,0 +1,168 @@
+"""The summary of ``scripts/gpu_check.sh``: one line per part (verdict, time, figures) and a verdict.
+
+    python scripts/gpu_check_report.py OUT WORK DEVICE
+
+reads what the parts left (``WORK/parts.tsv``: name, exit code, seconds, limit; ``WORK/tier.xml``:
+the GPU tier's JUnit report; ``WORK/demo/metrics.jsonl``: the calculator demo's metrics;
+``OUT/realistic_<device>.json``: the benchmark's results) and writes ``OUT/summary.json`` and the
+lines it prints (the script appends them to ``OUT/summary.txt``). A part passes when it exited 0 and
+its own condition holds: the tier ran every test it collected without a failure (on CUDA at least
+one passed: all skipped means CUDA was not seen), the demo logged validation and tool calls (on CUDA,
+over its 10 steps, at least one call), the benchmark produced a samples/s figure for every framework.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+VAL = "val-core/rlfoundry/arithmetic/reward/mean@1"
+CALLS = "multi_turn/tool_calls/mean"
+
+
+def read_parts(work: Path) -> dict[str, dict[str, Any]]:
+    parts = {}
+    path = work / "parts.tsv"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        name, rc, seconds, limit = line.split("\t")
+        parts[name] = {"rc": int(rc), "seconds": int(seconds), "limit_s": int(limit)}
+    return parts
+
+
+def tier_figures(xml_path: Path) -> dict[str, Any]:
+    """Counts of the JUnit report and the names of the tests that failed or were skipped."""
+    if not xml_path.exists():
+        return {"error": "no JUnit report (pytest did not finish)"}
+    root = ET.parse(xml_path).getroot()
+    failed, skipped, passed = [], [], []
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(name)
+        elif case.find("skipped") is not None:
+            skipped.append(name)
+        else:
+            passed.append(name)
+    return {"passed": len(passed), "failed": len(failed), "skipped": len(skipped), "failed_tests": failed,
+            "passed_tests": passed, "skipped_tests": skipped}
+
+
+def demo_figures(metrics: Path) -> dict[str, Any]:
+    """Validation first -> last and the tool calls per trajectory of the first and last steps."""
+    if not metrics.exists():
+        return {"error": f"no metrics at {metrics}"}
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    val = {r["step"]: r[VAL] for r in records if VAL in r}
+    calls = [r[CALLS] for r in records if CALLS in r and "timing_s/step" in r]
+    steps = [r["step"] for r in records if "timing_s/step" in r]
+    if not val or not calls:
+        return {"error": "the demo logged no validation or no tool calls"}
+    first, last = min(val), max(val)
+    return {"steps": max(steps), "val_first": val[first], "val_last": val[last], "val_steps": [first, last],
+            "tool_calls_first": calls[0], "tool_calls_last": calls[-1], "tool_calls_max": max(calls)}
+
+
+def bench_figures(result_json: Path) -> dict[str, Any]:
+    """samples/s (and s/step) per framework and the rlfoundry/TRL ratio, per benchmarked shape."""
+    if not result_json.exists():
+        return {"error": f"no result file {result_json.name}"}
+    data = json.loads(result_json.read_text())
+    shapes = []
+    for result in data.get("results", []):
+        w = result.get("workload", {})
+        rows = {r["framework"]: r for r in result.get("rows", [])}
+        ratio = (result.get("ratios", {}).get("rlfoundry/trl samples_per_s") or {}).get("median")
+        shapes.append({"layers": w.get("num_layers"), "response_length": w.get("max_response_length"),
+                       "samples_per_s": {fw: r.get("samples_per_s") for fw, r in rows.items()},
+                       "errors": {fw: r["error"][:300] for fw, r in rows.items() if "error" in r},
+                       "ratio": ratio})
+    return {"device": data.get("peaks", {}).get("device_name") or data.get("peaks", {}).get("device"),
+            "shapes": shapes}
+
+
+def _ok_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def judge(name: str, part: dict[str, Any], figures: dict[str, Any], device: str) -> tuple[bool, str]:
+    """(passed, why not) for one part."""
+    if part["rc"] in (124, 137):
+        return False, f"timed out after {part['limit_s']}s"
+    if part["rc"] != 0 and name != "tier":  # a failing test makes pytest exit 1: the counts say which
+        return False, f"exit {part['rc']}"
+    if "error" in figures:
+        return False, figures["error"]
+    if name == "tier":
+        if figures["failed"]:
+            return False, f"{figures['failed']} failed: {', '.join(figures['failed_tests'])}"
+        if part["rc"] != 0:
+            return False, f"pytest exit {part['rc']}"
+        if device == "cuda" and not figures["passed"]:
+            return False, "every test skipped: CUDA was not seen"
+    if name == "demo" and device == "cuda" and not figures["tool_calls_max"] > 0:  # a dry run's step may call none
+        return False, "no tool call in any step"
+    if name == "bench":
+        if not figures["shapes"]:
+            return False, "no benchmark result"
+        for shape in figures["shapes"]:
+            if shape["errors"] or not all(_ok_number(v) for v in shape["samples_per_s"].values()):
+                return False, f"a framework failed: {shape['errors'] or shape['samples_per_s']}"
+    return True, ""
+
+
+def describe(name: str, figures: dict[str, Any]) -> str:
+    if "error" in figures:
+        return ""
+    if name == "tier":
+        return f"{figures['passed']} passed, {figures['failed']} failed, {figures['skipped']} skipped"
+    if name == "demo":
+        return (f"validation {figures['val_first']:.3f} (step {figures['val_steps'][0]}) -> {figures['val_last']:.3f} "
+                f"(step {figures['val_steps'][1]}), tool calls per trajectory {figures['tool_calls_first']:.2f} -> "
+                f"{figures['tool_calls_last']:.2f}")
+    if name == "bench":
+        out = []
+        for s in figures["shapes"]:
+            per = ", ".join(f"{fw} {v:.2f}" for fw, v in s["samples_per_s"].items() if _ok_number(v))
+            ratio = f", rlfoundry/TRL {s['ratio']:.2f}x" if _ok_number(s["ratio"]) else ""
+            out.append(f"{s['layers']} layers, {s['response_length']} tokens: samples/s {per}{ratio}")
+        return "; ".join(out)
+    return ""
+
+
+FIGURES = {"tier": lambda out, work, dev: tier_figures(work / "tier.xml"),
+           "demo": lambda out, work, dev: demo_figures(work / "demo" / "metrics.jsonl"),
+           "bench": lambda out, work, dev: bench_figures(out / f"realistic_{dev}.json")}
+
+
+def report(out: Path, work: Path, device: str) -> tuple[dict[str, Any], list[str]]:
+    parts, lines, summary = read_parts(work), [], {"device": device, "parts": {}}
+    for name, part in parts.items():
+        figures = FIGURES[name](out, work, device) if name in FIGURES else {}
+        passed, why = judge(name, part, figures, device)
+        summary["parts"][name] = {**part, "passed": passed, "why": why, "figures": figures}
+        detail = describe(name, figures)
+        verdict = "PASS" if passed else f"FAIL ({why})"
+        lines.append(f"{name:6s} {verdict} in {part['seconds']}s (limit {part['limit_s']}s)"
+                     + (f": {detail}" if detail else ""))
+    summary["passed"] = bool(parts) and all(p["passed"] for p in summary["parts"].values())
+    summary["total_s"] = sum(p["seconds"] for p in parts.values())
+    n_pass = sum(p["passed"] for p in summary["parts"].values())
+    lines.append(f"RESULT {'PASS' if summary['passed'] else 'FAIL'}: {n_pass}/{len(parts)} parts passed "
+                 f"on {device} in {summary['total_s']}s")
+    return summary, lines
+
+
+def main(argv: list[str]) -> int:
+    out, work, device = Path(argv[0]), Path(argv[1]), argv[2]
+    summary, lines = report(out, work, device)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n".join(lines))
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
