@@ -59,6 +59,55 @@ KL_ESTIMATORS = (*_KL_BASE, *(k + "+" for k in _KL_BASE), "full")
 ROLLOUT_NAMES = tuple(name for name, engine in ROLLOUT_ENGINES.items() if engine.module is not None)
 
 
+class Node:
+    """Base of every config dataclass: the resolved config reads as the DictConfig verl code expects
+    (``cfg.get("key", default)``, ``cfg["key"]``, ``"key" in cfg``) besides attribute access, so user
+    code written against verl's DictConfig (datasets, reward functions) takes the typed config as is."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.__dataclass_fields__  # type: ignore[attr-defined]
+
+    def check(self) -> list[str]:
+        """This section's own rules, one message per problem naming the key and the fix (none by default)."""
+        return []
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"the resolved config is read-only: '{name}' cannot change after start-up")
+        object.__setattr__(self, name, value)
+
+
+def freeze(node: Any) -> Any:
+    """Make ``node`` and every section under it read-only (the resolved config); returns ``node``."""
+    for name in getattr(node, "__dataclass_fields__", {}):
+        child = getattr(node, name)
+        if isinstance(child, Node):
+            freeze(child)
+    object.__setattr__(node, "_frozen", True)
+    return node
+
+
+def section_errors(node: Any) -> list[str]:
+    """The errors of every section under ``node`` that has a ``check`` (children before parents)."""
+    errors: list[str] = []
+    for name in getattr(node, "__dataclass_fields__", {}):
+        child = getattr(node, name)
+        if isinstance(child, Node):
+            errors += section_errors(child)
+            if type(child).check is not Node.check:
+                errors += child.check()
+    return errors
+
+
 def one_of(choices: tuple, default: Any) -> Any:
     """A field that accepts only ``choices``."""
     assert default is None or default in choices, (default, choices)
@@ -88,13 +137,13 @@ def _list(*items: Any) -> Any:
 
 
 @dataclass
-class CustomClsConfig:
+class CustomClsConfig(Node):
     path: Optional[str] = None
     name: Optional[str] = None
 
 
 @dataclass
-class SamplerConfig:
+class SamplerConfig(Node):
     class_path: Optional[str] = None
     class_name: Optional[str] = None
 
@@ -111,7 +160,7 @@ class SyntheticDataConfig:  # rlfoundry: the built-in task used when data.train_
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Node):
     tokenizer: Optional[str] = None
     use_shm: bool = False
     train_files: Any = None  # str | list[str]; null -> the synthetic task below, generated into <run_dir>/data (rlfoundry)
@@ -143,12 +192,16 @@ class DataConfig:
     sampler: SamplerConfig = _sub(SamplerConfig)
     synthetic: SyntheticDataConfig = _sub(SyntheticDataConfig)  # rlfoundry
 
+    def check(self) -> list[str]:
+        return [f"data.{k}={getattr(self, k)} must be positive." for k in ("max_prompt_length", "max_response_length")
+                if getattr(self, k) <= 0]
+
 
 # ───────────────────────────────────── shared pieces ─────────────────────────────────────
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Node):
     lr: float = 5e-5  # verl: 1e-6 (actor); the critic's is set in CriticConfig
     lr_warmup_steps: int = -1  # takes priority; negative -> lr_warmup_steps_ratio
     lr_warmup_steps_ratio: float = 0.0
@@ -163,7 +216,7 @@ class OptimConfig:
 
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(Node):
     wrap_policy: Dict[str, Any] = _dict(min_num_params=0)
     param_offload: bool = False
     optimizer_offload: bool = False
@@ -180,7 +233,7 @@ class FSDPConfig:
 
 
 @dataclass
-class MegatronConfig:
+class MegatronConfig(Node):
     """verl's ``*.megatron`` keys (``strategy=megatron``; ``engines/megatron``)."""
 
     tensor_model_parallel_size: int = 1
@@ -207,21 +260,21 @@ def model_parallel_size(megatron: Any) -> int:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Node):
     save_contents: List[str] = _list("model", "optimizer", "extra")
     load_contents: List[str] = _list("model", "optimizer", "extra")
     contents: Optional[List[str]] = None  # verl <= 0.3 spelling of save_contents
 
 
 @dataclass
-class ProfilerConfig:
+class ProfilerConfig(Node):
     discrete: bool = False
     all_ranks: bool = False
     ranks: List[int] = _list()
 
 
 @dataclass
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(Node):
     """verl 0.9's ``algorithm.rollout_correction`` (``algos/rollout_corr.py``): correct for the rollout
     engine's distribution differing from the trainer's. Nothing set: no correction, no metrics."""
 
@@ -240,7 +293,7 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class PolicyLossConfig:
+class PolicyLossConfig(Node):
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
@@ -255,7 +308,7 @@ class PolicyLossConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Node):
     path: str = "rlfoundry://arithmetic-policy"  # verl: ~/models/deepseek-llm-7b-chat (ours: rlfoundry/assets/arithmetic-policy)
     custom_chat_template: Optional[str] = None
     use_shm: bool = False
@@ -264,6 +317,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False  # verl: True
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
+    freeze_vision_tower: bool = False  # vision-language models: the vision encoder takes no gradient
     # rlfoundry: a prompt's n samples share one prompt forward (KV cache), when that computes fewer tokens
     use_shared_prompt: bool = True
     # rlfoundry: the CPU speed-ups (oneDNN linears, fused forward and decode, FSDP hook skipping;
@@ -282,7 +336,7 @@ class ModelConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Node):
     strategy: str = one_of(STRATEGIES, "fsdp")
     ppo_mini_batch_size: int = 8  # in prompts; the worker multiplies by rollout.n. verl: 256
     ppo_micro_batch_size: Optional[int] = None  # deprecated: global; use ppo_micro_batch_size_per_gpu
@@ -302,7 +356,6 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = one_of(KL_ESTIMATORS, "low_var_kl")
     ppo_epochs: int = 1
-    freeze_vision_tower: bool = False  # vision-language models: the vision encoder takes no gradient
     shuffle: bool = False
     # reuse the HF rollout's log-probs as old_log_probs, skipping compute_log_prob: the same numbers where
     # the update is on the sampling policy (HF engine, one epoch, one mini-batch per step; trainer/config.py).
@@ -319,9 +372,13 @@ class ActorConfig:
     megatron: MegatronConfig = _sub(MegatronConfig)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
+    def check(self) -> list[str]:
+        key = "actor_rollout_ref.actor.ppo_epochs"
+        return [f"{key}={self.ppo_epochs} must be positive."] if self.ppo_epochs <= 0 else []
+
 
 @dataclass
-class RefConfig:
+class RefConfig(Node):
     strategy: str = follows("actor_rollout_ref.actor.strategy", "fsdp", STRATEGIES)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
     megatron: MegatronConfig = _sub(MegatronConfig)  # the actor's layout (ppo_megatron_trainer interpolates it)
@@ -337,7 +394,7 @@ class RefConfig:
 
 
 @dataclass
-class ValKwargsConfig:
+class ValKwargsConfig(Node):
     top_k: int = -1
     top_p: float = 1.0
     temperature: float = 0.0
@@ -346,7 +403,7 @@ class ValKwargsConfig:
 
 
 @dataclass
-class MultiTurnConfig:
+class MultiTurnConfig(Node):
     """verl's ``rollout.multi_turn`` keys (``workers/rollout/agent_loop/``)."""
 
     enable: bool = False
@@ -364,7 +421,7 @@ class MultiTurnConfig:
 
 
 @dataclass
-class OpenAIAgentConfig:
+class OpenAIAgentConfig(Node):
     """rlfoundry: ``agent_name: openai_agent`` — an agent function that talks to a local OpenAI-compatible
     endpoint over the rollout engine (``workers/rollout/agent_loop/openai_agent.py``)."""
 
@@ -377,7 +434,7 @@ class OpenAIAgentConfig:
 
 
 @dataclass
-class AgentConfig:
+class AgentConfig(Node):
     """verl's ``rollout.agent`` keys."""
 
     # a row's loop when it has no agent_name: single_turn_agent, tool_agent or a registered name;
@@ -393,7 +450,7 @@ class AgentConfig:
 
 
 @dataclass
-class CheckpointEngineConfig:
+class CheckpointEngineConfig(Node):
     """verl 0.9's ``rollout.checkpoint_engine``: how weights reach a rollout pool of its own."""
 
     backend: str = one_of(("auto", "gloo"), "auto")  # auto: gloo (buckets staged in CPU memory)
@@ -407,7 +464,7 @@ class CheckpointEngineConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Node):
     name: str = one_of(ROLLOUT_NAMES, "hf")  # verl: vllm
     mode: str = "sync"
     chat_scheduler: Optional[str] = None
@@ -456,9 +513,24 @@ class RolloutConfig:
     trace: Dict[str, Any] = _dict()
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
+    def check(self) -> list[str]:
+        """Sampling that means something, and the limits of the agent loop and of a weight sync."""
+        key, errors = "actor_rollout_ref.rollout", []
+        if self.val_kwargs.n <= 0:
+            errors.append(f"{key}.val_kwargs.n={self.val_kwargs.n} must be positive.")
+        if self.do_sample and self.temperature <= 0:
+            errors.append(f"{key}.temperature={self.temperature} must be > 0 when sampling (do_sample=True).")
+        if self.multi_turn.enable and self.multi_turn.max_parallel_calls < 1:
+            errors.append(f"{key}.multi_turn.max_parallel_calls must be >= 1.")
+        timeout = self.checkpoint_engine.timeout_s
+        if timeout is not None and timeout <= 0:
+            errors.append(f"{key}.checkpoint_engine.timeout_s={timeout} must be positive (the limit of each "
+                          "weight-sync step), or null: trainer.dist_timeout_s.")
+        return errors
+
 
 @dataclass
-class ActorRolloutRefConfig:
+class ActorRolloutRefConfig(Node):
     hybrid_engine: bool = True
     model: ModelConfig = _sub(ModelConfig)
     actor: ActorConfig = _sub(ActorConfig)
@@ -470,7 +542,7 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class CriticModelConfig:
+class CriticModelConfig(Node):
     path: Optional[str] = None  # an HF directory; required for gae. verl: ~/models/deepseek-llm-7b-chat
     tokenizer_path: Optional[str] = follows("actor_rollout_ref.model.path", None)
     use_shm: bool = False
@@ -489,7 +561,7 @@ class CriticModelConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(Node):
     enable: Optional[bool] = None  # null -> on exactly when algorithm.adv_estimator is gae
     rollout_n: int = follows("actor_rollout_ref.rollout.n", 8)
     strategy: str = one_of(STRATEGIES, "fsdp")
@@ -518,7 +590,7 @@ class CriticConfig:
 
 
 @dataclass
-class RewardModelModelConfig:
+class RewardModelModelConfig(Node):
     input_tokenizer: Optional[str] = follows("actor_rollout_ref.model.path", None)
     path: Optional[str] = None  # verl: ~/models/FsfairX-LLaMA3-RM-v0.1
     use_shm: bool = False
@@ -531,7 +603,7 @@ class RewardModelModelConfig:
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(Node):
     enable: bool = False
     strategy: str = "fsdp"
     model: RewardModelModelConfig = _sub(RewardModelModelConfig)
@@ -553,7 +625,7 @@ JUDGE_PARSERS = ("verdict", "number")  # reward.reward_model.parser; rewards/jud
 
 
 @dataclass
-class JudgeRolloutConfig:
+class JudgeRolloutConfig(Node):
     """verl's ``reward.reward_model.rollout``: the engine the judge generates on. Its weights are
     loaded from ``model_path`` and never change. Keys as ``actor_rollout_ref.rollout``'s."""
 
@@ -585,7 +657,7 @@ class JudgeRolloutConfig:
 
 
 @dataclass
-class GenerativeRewardModelConfig:
+class GenerativeRewardModelConfig(Node):
     """verl's ``reward.reward_model`` (>= 0.7): a language model that judges each response in text.
     The template, parser and failure score are rlfoundry's (verl leaves them to a custom function)."""
 
@@ -606,7 +678,7 @@ class GenerativeRewardModelConfig:
 
 
 @dataclass
-class RewardWeightsConfig:
+class RewardWeightsConfig(Node):
     """rlfoundry: how the reward sources add up per sample: rule × rule score + judge × judge score."""
 
     rule: Optional[float] = None  # null: 0 when the judge is enabled (it replaces the rule score), else 1
@@ -614,7 +686,7 @@ class RewardWeightsConfig:
 
 
 @dataclass
-class CustomRewardFunctionConfig:
+class CustomRewardFunctionConfig(Node):
     path: Optional[str] = None
     name: str = "compute_score"
     reward_kwargs: Dict[str, Any] = _dict()
@@ -624,13 +696,13 @@ REWARD_MANAGER_SOURCES = ("register", "importlib")  # reward.reward_manager.sour
 
 
 @dataclass
-class RewardManagerModuleConfig:
+class RewardManagerModuleConfig(Node):
     path: Optional[str] = None  # a .py file, or pkg://package.module
     name: str = "custom_reward_manager"
 
 
 @dataclass
-class RewardManagerConfig:
+class RewardManagerConfig(Node):
     """verl's ``reward.reward_manager`` (>= 0.7). ``register``: ``name`` is a registered manager
     (naive, batch, dapo, or one made with ``@register_reward_manager``); ``importlib``: the class
     ``module.name`` in ``module.path``, a subclass of ``rewards.reward_manager.RuleRewardManager``."""
@@ -641,7 +713,7 @@ class RewardManagerConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Node):
     """verl's top-level ``reward`` (>= 0.7). Its rule-reward keys are the older top-level and
     ``reward_model.*`` ones spelled anew: set this way, ``load_config`` copies them to the older
     places (``VERL_REWARD_KEYS`` in config/verl_compat.py), which hold the values in effect."""
@@ -660,7 +732,7 @@ class RewardConfig:
 
 
 @dataclass
-class KLCtrlConfig:
+class KLCtrlConfig(Node):
     type: str = one_of(("fixed", "adaptive"), "fixed")
     kl_coef: float = 0.001
     horizon: int = 10000
@@ -668,7 +740,7 @@ class KLCtrlConfig:
 
 
 @dataclass
-class FilterGroupsConfig:
+class FilterGroupsConfig(Node):
     """verl's ``algorithm.filter_groups`` (DAPO dynamic sampling, ``algos/filter_groups.py``)."""
 
     enable: bool = False
@@ -679,7 +751,7 @@ class FilterGroupsConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Node):
     gamma: float = 1.0
     lam: float = 1.0
     adv_estimator: Optional[str] = None  # null -> gae when critic.model.path is set, else grpo. verl: gae
@@ -692,12 +764,70 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = _sub(FilterGroupsConfig)
 
+    def check(self) -> list[str]:
+        """Numbers in range and known levels: ``gamma``/``lam``, the adaptive KL controller, PF-PPO,
+        rollout correction and dynamic sampling (``filter_groups``)."""
+        errors = [f"algorithm.{k}={getattr(self, k)} must lie in [0, 1]." for k in ("gamma", "lam")
+                  if not 0.0 <= getattr(self, k) <= 1.0]
+        if self.kl_ctrl.type == "adaptive" and self.kl_ctrl.horizon <= 0:
+            errors.append(f"algorithm.kl_ctrl.horizon={self.kl_ctrl.horizon} must be positive for the adaptive controller.")
+        return errors + self._check_pf_ppo() + self._check_rollout_correction() + self._check_filter_groups()
+
+    def _check_pf_ppo(self) -> list[str]:
+        from rlfoundry.algos.pf_ppo import PF_PPO_METHODS
+
+        if not self.use_pf_ppo:
+            return []
+        errors, method, power = [], self.pf_ppo.get("reweight_method", "pow"), self.pf_ppo.get("weight_pow", 2.0)
+        if method not in PF_PPO_METHODS:
+            errors.append(f"algorithm.pf_ppo.reweight_method={method!r} is not one of {list(PF_PPO_METHODS)}.")
+        if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
+            errors.append(f"algorithm.pf_ppo.weight_pow={power!r} must be a number >= 0 (weights are |score| ** weight_pow; "
+                          "a negative power makes a zero score's weight infinite).")
+        return errors
+
+    def _check_rollout_correction(self) -> list[str]:
+        from rlfoundry.algos.rollout_corr import IS_LEVELS, RS_LEVELS
+
+        rc, key, errors = self.rollout_correction, "algorithm.rollout_correction", []
+        if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
+            errors.append(f"{key}.rollout_is={rc.rollout_is!r}: one of {list(IS_LEVELS)} or null.")
+        if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
+            errors.append(f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
+        if rc.rollout_rs is not None and rc.rollout_rs not in RS_LEVELS:
+            errors.append(f"{key}.rollout_rs={rc.rollout_rs!r}: one of {list(RS_LEVELS)} or null.")
+        if rc.rollout_rs is not None and not (rc.rollout_rs_threshold or 0) > 0:
+            errors.append(f"{key}.rollout_rs needs rollout_rs_threshold > 0 (the upper bound of the ratio), "
+                          f"got {rc.rollout_rs_threshold}.")
+        if rc.rollout_token_veto_threshold is not None and not rc.rollout_token_veto_threshold > 0:
+            errors.append(f"{key}.rollout_token_veto_threshold={rc.rollout_token_veto_threshold} must be > 0.")
+        if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
+            errors.append(f"{key}.loss_type={rc.loss_type} applies to bypass_mode only; set bypass_mode=true or "
+                          "loss_type=ppo_clip.")
+        return errors
+
+    def _check_filter_groups(self) -> list[str]:
+        """DAPO dynamic sampling."""
+        fg, key = self.filter_groups, "algorithm.filter_groups"
+        if not fg.enable:
+            return []
+        errors = []
+        if not fg.metric:
+            errors.append(f"{key}.enable=true needs {key}.metric: seq_reward, seq_final_reward or a key of the reward "
+                          "function's reward_extra_info (acc, score, ...).")
+        if fg.metric == "seq_final_reward" and self.use_kl_in_reward:
+            errors.append(f"{key}.metric=seq_final_reward with algorithm.use_kl_in_reward=true is not supported: the KL "
+                          "penalty is applied after the groups are chosen; use seq_reward.")
+        if fg.max_num_gen_batches < 0:
+            errors.append(f"{key}.max_num_gen_batches={fg.max_num_gen_batches} must be >= 0 (0: no cap).")
+        return errors
+
 
 # ──────────────────────────────────────── trainer ────────────────────────────────────────
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Node):
     balance_batch: bool = True
     total_epochs: int = 1  # verl: 30
     total_training_steps: Optional[int] = None
@@ -742,9 +872,44 @@ class TrainerConfig:
     tune_malloc: bool = True  # rlfoundry: glibc malloc in worker processes keeps freed memory (cpu/malloc.py)
     max_consecutive_nan_steps: int = 3  # rlfoundry: stop after this many NaN/Inf-skipped steps in a row; 0: never
 
+    def check(self) -> list[str]:
+        """Positive numbers, output directories that are directories, what resume and the back end need."""
+        import os
+        from pathlib import Path
+
+        errors = []
+        if self.total_epochs <= 0:
+            errors.append(f"trainer.total_epochs={self.total_epochs} must be positive.")
+        if self.total_training_steps is not None and self.total_training_steps <= 0:
+            errors.append(f"trainer.total_training_steps={self.total_training_steps} must be positive (or null).")
+        if self.log_val_generations < 0:
+            errors.append(f"trainer.log_val_generations={self.log_val_generations} must be >= 0 (the number of "
+                          "validation samples to log; 0: none).")
+        for key in ("rollout_data_dir", "validation_data_dir"):
+            where = getattr(self, key)
+            if where is not None and Path(os.path.expanduser(str(where))).is_file():
+                errors.append(f"trainer.{key}={where} is a file; it must be a directory (one <step>.jsonl per step "
+                              "is written into it) or null.")
+        if self.worker_call_timeout_s is not None and self.worker_call_timeout_s <= 0:
+            errors.append(f"trainer.worker_call_timeout_s={self.worker_call_timeout_s} must be positive (or null: no limit).")
+        if self.dist_timeout_s <= 0:
+            errors.append(f"trainer.dist_timeout_s={self.dist_timeout_s} must be positive.")
+        if self.max_consecutive_nan_steps < 0:
+            errors.append(f"trainer.max_consecutive_nan_steps={self.max_consecutive_nan_steps} must be >= 0 (0: never stop).")
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>.")
+        ws = int(self.nnodes) * int(self.n_gpus_per_node)
+        if self.worker_backend == "local" and ws != 1:
+            errors.append(f"trainer.worker_backend=local runs one in-process rank, but nnodes × n_gpus_per_node = {ws}; "
+                          "use trainer.worker_backend=process (one machine) or ray (or auto).")
+        if self.worker_backend == "process" and int(self.nnodes) != 1:
+            errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but trainer.nnodes={self.nnodes}; "
+                          "use trainer.worker_backend=ray for several nodes.")
+        return errors
+
 
 @dataclass
-class RolloutPoolConfig:
+class RolloutPoolConfig(Node):
     """verl's top-level ``rollout`` of its one-step-off / fully-async recipes: the rollout's own pool."""
 
     nnodes: int = 1
@@ -753,7 +918,7 @@ class RolloutPoolConfig:
 
 
 @dataclass
-class SandboxConfig:
+class SandboxConfig(Node):
     """Where generated code (code rewards, the code_interpreter tool) runs; see docs/sandbox.md."""
 
     # run it without kernel isolation (an audit-hook policy only) where bubblewrap or user namespaces
@@ -762,7 +927,7 @@ class SandboxConfig:
 
 
 @dataclass
-class AsyncTrainingConfig:
+class AsyncTrainingConfig(Node):
     """verl's ``async_training`` keys (``trainer/ppo/fully_async.py``, ``one_step_off.py``)."""
 
     mode: str = one_of(("sync", "one_step_off", "fully_async"), "sync")  # rlfoundry: --config-name sets it
@@ -776,9 +941,18 @@ class AsyncTrainingConfig:
     partial_rollout: bool = False
     partial_rollout_chunk_tokens: Optional[int] = None  # rlfoundry: null: a quarter of data.max_response_length
 
+    def check(self) -> list[str]:
+        errors = []
+        if self.partial_rollout_chunk_tokens is not None and self.partial_rollout_chunk_tokens < 1:
+            errors.append("async_training.partial_rollout_chunk_tokens must be >= 1 (or null: a quarter of the response).")
+        if self.staleness_threshold < 0 or self.trigger_parameter_sync_step < 1 or self.require_batches < 1:
+            errors.append("async_training.staleness_threshold must be >= 0, trigger_parameter_sync_step and "
+                          "require_batches >= 1.")
+        return errors
+
 
 @dataclass
-class PPOConfig:
+class PPOConfig(Node):
     data: DataConfig = _sub(DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = _sub(ActorRolloutRefConfig)
     critic: CriticConfig = _sub(CriticConfig)
@@ -791,6 +965,11 @@ class PPOConfig:
     async_training: AsyncTrainingConfig = _sub(AsyncTrainingConfig)
     sandbox: SandboxConfig = _sub(SandboxConfig)  # rlfoundry
     ray_init: Dict[str, Any] = _dict(num_cpus=None, timeline_json_file=None)
+
+    def check(self) -> list[str]:
+        """Each section's own rules (its ``check``), in schema order; the rules between sections and
+        those that load files or registries are ``trainer/config.py``'s ``validate_config``."""
+        return section_errors(self)
 
 
 # ─────────────────────────────────────── replaced keys ───────────────────────────────────────

@@ -41,6 +41,8 @@ __all__ = [
     "apply_setting",
     "choice_errors",
     "closest_key",
+    "pick",
+    "plain",
     "schema_keys",
     "structured",
     "to_typed",
@@ -261,6 +263,17 @@ def leaves(node: Mapping, keys: Mapping[str, KeyInfo], prefix: str = "", path: s
     return out
 
 
+def pick(cfg: Any, key: str, default: Any = None) -> Any:
+    """The value at dotted ``key`` of a typed config, a DictConfig or a mapping; ``default`` where a
+    part of the path is missing or null (``OmegaConf.select`` for either kind of config)."""
+    node = cfg
+    for part in key.split("."):
+        if node is None:
+            return default
+        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
+    return default if node is None else node
+
+
 # ───────────────────────────────────── to_typed ─────────────────────────────────────
 
 
@@ -277,6 +290,11 @@ def _as_mapping(cfg: Any, where: str) -> Mapping:
     if isinstance(cfg, Mapping):
         return cfg
     raise ConfigError(f"{where}: expected a mapping, a DictConfig, a dataclass instance or None, got {type(cfg).__name__}.")
+
+
+def plain(cfg: Any) -> dict:
+    """A typed config, a DictConfig (resolved) or a mapping as plain nested dicts and lists."""
+    return dict(_as_mapping(cfg, type(cfg).__name__))
 
 
 def to_typed(cls: type[T], cfg: Any = None, *, name: str | None = None) -> T:

@@ -35,9 +35,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
-from rlfoundry.config.schema import PPOConfig
+from rlfoundry.config.schema import PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
-from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of
+from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
 from rlfoundry.config.verl_compat import (
     CHECKPOINT_ROLES,
     IGNORED_LOGGERS,
@@ -203,7 +203,7 @@ def _check_checkpoint_contents(cfg: DictConfig) -> list[str]:
     errors = []
     for role in CHECKPOINT_ROLES:
         for which in ("save_contents", "load_contents"):
-            listed = list(OmegaConf.select(cfg, f"{role}.checkpoint.{which}"))
+            listed = list(pick(cfg, f"{role}.checkpoint.{which}"))
             unknown = [x for x in listed if x not in CHECKPOINT_CONTENTS]
             if unknown:
                 errors.append(f"{role}.checkpoint.{which}={listed}: unknown {unknown}; the entries are "
@@ -335,67 +335,14 @@ def _data_parallel_size(role: DictConfig, ws: int) -> int:
         ws, role.get("megatron"), int(role.get("ulysses_sequence_parallel_size", 1) or 1))
 
 
-def _check_lengths_and_numbers(cfg: DictConfig) -> list[str]:
-    data, arr, alg = cfg.data, cfg.actor_rollout_ref, cfg.algorithm
-    errors = []
+def _check_lengths(cfg: PPOConfig) -> list[str]:
+    """A dynamic batch must hold one full sequence (the sections' own numbers: their ``check``)."""
+    data, actor = cfg.data, cfg.actor_rollout_ref.actor
     seq = data.max_prompt_length + data.max_response_length
-    if arr.actor.use_dynamic_bsz and arr.actor.ppo_max_token_len_per_gpu < seq:
-        errors.append(f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={arr.actor.ppo_max_token_len_per_gpu} is below "
-                      f"one full sequence (data.max_prompt_length + data.max_response_length = {seq}).")
-    for key in ("data.max_prompt_length", "data.max_response_length", "trainer.total_epochs",
-                "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.rollout.val_kwargs.n"):
-        if OmegaConf.select(cfg, key) <= 0:
-            errors.append(f"{key}={OmegaConf.select(cfg, key)} must be positive.")
-    for key in ("algorithm.gamma", "algorithm.lam"):
-        if not 0.0 <= OmegaConf.select(cfg, key) <= 1.0:
-            errors.append(f"{key}={OmegaConf.select(cfg, key)} must lie in [0, 1].")
-    if arr.rollout.do_sample and arr.rollout.temperature <= 0:
-        errors.append(f"actor_rollout_ref.rollout.temperature={arr.rollout.temperature} must be > 0 when sampling (do_sample=True).")
-    if cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps <= 0:
-        errors.append(f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be positive (or null).")
-    if alg.kl_ctrl.type == "adaptive" and alg.kl_ctrl.horizon <= 0:
-        errors.append(f"algorithm.kl_ctrl.horizon={alg.kl_ctrl.horizon} must be positive for the adaptive controller.")
-    return errors + _check_reliability_numbers(cfg.trainer) + _check_outputs(cfg.trainer) + _check_pf_ppo(cfg.algorithm)
-
-
-def _check_pf_ppo(alg: DictConfig) -> list[str]:
-    """``algorithm.pf_ppo`` when ``use_pf_ppo``: a known reweight method and a usable power."""
-    from rlfoundry.algos.pf_ppo import PF_PPO_METHODS
-
-    if not alg.use_pf_ppo:
-        return []
-    errors, method, power = [], alg.pf_ppo.get("reweight_method", "pow"), alg.pf_ppo.get("weight_pow", 2.0)
-    if method not in PF_PPO_METHODS:
-        errors.append(f"algorithm.pf_ppo.reweight_method={method!r} is not one of {list(PF_PPO_METHODS)}.")
-    if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
-        errors.append(f"algorithm.pf_ppo.weight_pow={power!r} must be a number >= 0 (weights are |score| ** weight_pow; "
-                      "a negative power makes a zero score's weight infinite).")
-    return errors
-
-
-def _check_outputs(trainer: DictConfig) -> list[str]:
-    """``trainer.log_val_generations`` and the generation dump directories."""
-    errors = []
-    if trainer.log_val_generations < 0:
-        errors.append(f"trainer.log_val_generations={trainer.log_val_generations} must be >= 0 (the number of "
-                      "validation samples to log; 0: none).")
-    for key in ("rollout_data_dir", "validation_data_dir"):
-        where = trainer[key]
-        if where is not None and Path(os.path.expanduser(str(where))).is_file():
-            errors.append(f"trainer.{key}={where} is a file; it must be a directory (one <step>.jsonl per step "
-                          "is written into it) or null.")
-    return errors
-
-
-def _check_reliability_numbers(trainer: DictConfig) -> list[str]:
-    errors = []
-    if trainer.worker_call_timeout_s is not None and trainer.worker_call_timeout_s <= 0:
-        errors.append(f"trainer.worker_call_timeout_s={trainer.worker_call_timeout_s} must be positive (or null: no limit).")
-    if trainer.dist_timeout_s <= 0:
-        errors.append(f"trainer.dist_timeout_s={trainer.dist_timeout_s} must be positive.")
-    if trainer.max_consecutive_nan_steps < 0:
-        errors.append(f"trainer.max_consecutive_nan_steps={trainer.max_consecutive_nan_steps} must be >= 0 (0: never stop).")
-    return errors
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < seq:
+        return [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} is below "
+                f"one full sequence (data.max_prompt_length + data.max_response_length = {seq})."]
+    return []
 
 
 def _check_multi_turn(cfg: DictConfig) -> list[str]:
@@ -418,8 +365,6 @@ def _check_multi_turn(cfg: DictConfig) -> list[str]:
             initialize_interactions_from_config(resolve_asset_path(multi_turn.interaction_config_path))
         except InteractionConfigError as e:
             errors.append(f"actor_rollout_ref.rollout.multi_turn.interaction_config_path: {e}")
-    if multi_turn.max_parallel_calls < 1:
-        errors.append("actor_rollout_ref.rollout.multi_turn.max_parallel_calls must be >= 1.")
     return errors
 
 
@@ -445,18 +390,8 @@ def _check_judge(cfg: DictConfig) -> list[str]:
     return errors + check_judge_config(to_typed(GenerativeRewardModelConfig, judge, name=key))
 
 
-def _check_unsupported(cfg: DictConfig) -> list[str]:
-    errors = _check_lora(cfg) + _check_multi_turn(cfg) + _check_judge(cfg)
-    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
-        errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<.../global_step_N>.")
-    backend, ws = cfg.trainer.worker_backend, world_size(cfg)
-    if backend == "local" and ws != 1:
-        errors.append(f"trainer.worker_backend=local runs one in-process rank, but nnodes × n_gpus_per_node = {ws}; "
-                      "use trainer.worker_backend=process (one machine) or ray (or auto).")
-    if backend == "process" and int(cfg.trainer.nnodes) != 1:
-        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but trainer.nnodes={cfg.trainer.nnodes}; "
-                      "use trainer.worker_backend=ray for several nodes.")
-    return errors + _check_engines(cfg)
+def _check_unsupported(cfg: PPOConfig) -> list[str]:
+    return _check_lora(cfg) + _check_multi_turn(cfg) + _check_judge(cfg) + _check_engines(cfg)
 
 
 def _check_lora(cfg: DictConfig) -> list[str]:
@@ -487,54 +422,21 @@ def _check_engines(cfg: DictConfig) -> list[str]:
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
     by_engine: dict[str, list[str]] = {}
     for key in roles:
-        strategy = OmegaConf.select(cfg, f"{key}.strategy")
+        strategy = pick(cfg, f"{key}.strategy")
         if strategy in TRAINING_ENGINES:  # an unknown one is the choice check's error, named there
             by_engine.setdefault(engine_plugin(strategy).name, []).append(key)
     ws = world_size(cfg)
     return [e for name, keys in by_engine.items() for e in engine_plugin(name).check(cfg, keys, ws)]
 
 
-def _check_rollout_correction(cfg: DictConfig) -> list[str]:
-    """``algorithm.rollout_correction``: levels and thresholds that mean something."""
-    rc, key, errors = cfg.algorithm.rollout_correction, "algorithm.rollout_correction", []
-    from rlfoundry.algos.rollout_corr import IS_LEVELS, RS_LEVELS
-
-    if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
-        errors.append(f"{key}.rollout_is={rc.rollout_is!r}: one of {list(IS_LEVELS)} or null.")
-    if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
-        errors.append(f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
-    if rc.rollout_rs is not None and rc.rollout_rs not in RS_LEVELS:
-        errors.append(f"{key}.rollout_rs={rc.rollout_rs!r}: one of {list(RS_LEVELS)} or null.")
-    if rc.rollout_rs is not None and not (rc.rollout_rs_threshold or 0) > 0:
-        errors.append(f"{key}.rollout_rs needs rollout_rs_threshold > 0 (the upper bound of the ratio), "
-                      f"got {rc.rollout_rs_threshold}.")
-    if rc.rollout_token_veto_threshold is not None and not rc.rollout_token_veto_threshold > 0:
-        errors.append(f"{key}.rollout_token_veto_threshold={rc.rollout_token_veto_threshold} must be > 0.")
+def _check_rollout_correction(cfg: PPOConfig) -> list[str]:
+    """Bypass mode brings its own policy loss (the section's own rules: ``AlgorithmConfig.check``)."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
     mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if rc.bypass_mode and mode not in ("vanilla", "bypass_mode"):
-        errors.append(f"{key}.bypass_mode=true runs its own policy loss (ppo_clip or reinforce, {key}.loss_type), "
-                      f"not actor_rollout_ref.actor.policy_loss.loss_mode={mode}; drop one of them.")
-    if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
-        errors.append(f"{key}.loss_type={rc.loss_type} applies to bypass_mode only; set bypass_mode=true or "
-                      "loss_type=ppo_clip.")
-    return errors
-
-
-def _check_filter_groups(cfg: DictConfig) -> list[str]:
-    """``algorithm.filter_groups`` (DAPO dynamic sampling)."""
-    fg, key = cfg.algorithm.filter_groups, "algorithm.filter_groups"
-    if not fg.enable:
-        return []
-    errors = []
-    if not fg.metric:
-        errors.append(f"{key}.enable=true needs {key}.metric: seq_reward, seq_final_reward or a key of the reward "
-                      "function's reward_extra_info (acc, score, ...).")
-    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        errors.append(f"{key}.metric=seq_final_reward with algorithm.use_kl_in_reward=true is not supported: the KL "
-                      "penalty is applied after the groups are chosen; use seq_reward.")
-    if fg.max_num_gen_batches < 0:
-        errors.append(f"{key}.max_num_gen_batches={fg.max_num_gen_batches} must be >= 0 (0: no cap).")
-    return errors
+        return [f"{key}.bypass_mode=true runs its own policy loss (ppo_clip or reinforce, {key}.loss_type), "
+                f"not actor_rollout_ref.actor.policy_loss.loss_mode={mode}; drop one of them."]
+    return []
 
 
 def _check_async(cfg: DictConfig) -> list[str]:
@@ -569,15 +471,6 @@ def _check_async(cfg: DictConfig) -> list[str]:
         errors.append(f"actor_rollout_ref.actor.use_rollout_log_probs=true with {key}: the rollout's log-probs come "
                       "from an older policy; leave it null (old log-probs are recomputed) or use "
                       "algorithm.rollout_correction.bypass_mode=true, which corrects for the lag.")
-    if at.partial_rollout_chunk_tokens is not None and at.partial_rollout_chunk_tokens < 1:
-        errors.append("async_training.partial_rollout_chunk_tokens must be >= 1 (or null: a quarter of the response).")
-    sync_timeout = cfg.actor_rollout_ref.rollout.checkpoint_engine.timeout_s
-    if sync_timeout is not None and sync_timeout <= 0:
-        errors.append(f"actor_rollout_ref.rollout.checkpoint_engine.timeout_s={sync_timeout} must be positive (the "
-                      "limit of each weight-sync step), or null: trainer.dist_timeout_s.")
-    if at.staleness_threshold < 0 or at.trigger_parameter_sync_step < 1 or at.require_batches < 1:
-        errors.append("async_training.staleness_threshold must be >= 0, trigger_parameter_sync_step and "
-                      "require_batches >= 1.")
     if mode == "fully_async":
         want = int(at.require_batches) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
         if cfg.data.train_batch_size != want:
@@ -670,19 +563,23 @@ def _soft_warnings(cfg: DictConfig) -> None:
                       stacklevel=3)
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Cross-key checks; raises one ``ConfigError`` that lists every problem found."""
+def validate_config(cfg: DictConfig | PPOConfig) -> None:
+    """Every rule, on the typed config: the values each field accepts, each section's own ``check``
+    (beside its dataclass in ``config/schema.py``), then the rules between sections and those that load
+    registries (here). Raises one ``ConfigError`` that lists every problem found."""
     try:
-        errors = (_check_choices(cfg) + _check_estimator(cfg) + _check_batch_sizes(cfg)
-                  + _check_lengths_and_numbers(cfg) + _check_unsupported(cfg) + _check_rollout_log_prob_reuse(cfg)
-                  + _check_rollout_correction(cfg) + _check_filter_groups(cfg) + _check_async(cfg)
-                  + _check_reward_function(cfg) + _check_checkpoint_contents(cfg))
+        errors = _check_choices(cfg)
+        typed_cfg = cfg if isinstance(cfg, PPOConfig) else OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
+    errors += (typed_cfg.check() + _check_estimator(typed_cfg) + _check_batch_sizes(typed_cfg)
+               + _check_lengths(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
+               + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
+               + _check_checkpoint_contents(typed_cfg))
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))
-    _soft_warnings(cfg)
+    _soft_warnings(typed_cfg)
 
 
 # ───────────────────────────────────── resolution ─────────────────────────────────────
@@ -708,8 +605,9 @@ def resolve_config(
     train_files: Any = None,
     val_files: Any = None,
     run_dir: str | None = None,
-) -> DictConfig:
-    """A resolved, read-only copy of ``cfg`` with every run-dependent value filled in (pure).
+) -> PPOConfig:
+    """A resolved copy of ``cfg`` with every run-dependent value filled in, as the typed ``PPOConfig``
+    (pure; nothing changes it afterwards).
 
     Args:
         steps_per_epoch: batches per epoch of the train loader (``len(loader)``).
@@ -721,7 +619,6 @@ def resolve_config(
         raise ConfigError("The training data yields no full batch: it has fewer prompts than "
                           f"data.train_batch_size={cfg.data.train_batch_size}. Lower the batch size or add data.")
     out = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(out, False)
     trainer, ws = out.trainer, world_size(cfg)
     trainer.device = _resolve_device(cfg.trainer.device, cuda_available)
     trainer.worker_backend = cfg.trainer.worker_backend if cfg.trainer.worker_backend != "auto" else (
@@ -752,8 +649,7 @@ def resolve_config(
     out.actor_rollout_ref.actor.optim.total_training_steps = int(total)
     out.critic.optim.total_training_steps = int(total)
     OmegaConf.resolve(out)
-    OmegaConf.set_readonly(out, True)
-    return out
+    return freeze(OmegaConf.to_object(out))  # the typed config the driver and the workers read
 
 
 def _rollout_log_probs_reader(resolved: DictConfig) -> str | None:
@@ -889,7 +785,7 @@ def _check_data_classes(data: DictConfig) -> list[str]:
     """``data.custom_cls`` / ``data.sampler``: a file that exists, and a class name with it."""
     errors = []
     for path_key, name_key in (("custom_cls.path", "custom_cls.name"), ("sampler.class_path", "sampler.class_name")):
-        path, name = OmegaConf.select(data, path_key), OmegaConf.select(data, name_key)
+        path, name = pick(data, path_key), pick(data, name_key)
         if path is None:
             continue
         if not str(path).startswith("pkg://") and not Path(os.path.expanduser(str(path))).is_file():

@@ -252,13 +252,12 @@ def judge_worker_config(cfg: DictConfig) -> dict[str, Any]:
     weight syncs) on ``reward.reward_model.model_path`` with ``reward.reward_model.rollout``'s engine."""
     import dataclasses
 
-    from omegaconf import OmegaConf
-
     from rlfoundry.config.schema import RolloutConfig
+    from rlfoundry.config.typed import plain
 
     judge = cfg.reward.reward_model
     known = {f.name for f in dataclasses.fields(RolloutConfig)}
-    rollout = {k: v for k, v in OmegaConf.to_container(judge.rollout, resolve=True).items() if k in known}
+    rollout = {k: v for k, v in plain(judge.rollout).items() if k in known}
     model = {"path": judge.model_path, "trust_remote_code": bool(judge.trust_remote_code),
              "cpu_kernels": cfg.actor_rollout_ref.model.cpu_kernels}
     return {"model": model, "rollout": rollout}
@@ -395,7 +394,7 @@ def build_trainer(cfg: DictConfig):
     factory = factories[resolved.trainer.worker_backend](resolved)
     gen = int(resolved.data.gen_batch_size)
     if resolved.async_training.mode == "fully_async" and gen != int(resolved.data.train_batch_size):
-        train = train_loader(train.dataset, resolved.data, gen)  # the rollouter draws gen_batch_size at a time
+        train = train_loader(train.dataset, cfg.data, gen)  # the rollouter draws gen_batch_size at a time
     trainer = trainer_class(resolved)(resolved, tokenizer, factory, worker_classes(resolved), reward_fn, val_reward_fn,
                                       train, val_loader)
     trainer.init_workers()

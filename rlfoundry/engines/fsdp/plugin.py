@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
+from rlfoundry.config.typed import pick
 from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
 
 __all__ = ["PLUGIN"]
@@ -35,7 +35,7 @@ class FSDPPlugin(EnginePlugin):
 
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
         errors = [e for key in roles for e in _check_ulysses(cfg, key, world_size)]
-        if int(OmegaConf.select(cfg, "reward_model.ulysses_sequence_parallel_size", default=1) or 1) > 1:
+        if int(pick(cfg, "reward_model.ulysses_sequence_parallel_size", 1) or 1) > 1:
             errors.append("reward_model.ulysses_sequence_parallel_size > 1: sequence parallelism for the reward "
                           "model is not built (actor, reference and critic have it); set it to 1.")
         return errors
@@ -44,7 +44,7 @@ class FSDPPlugin(EnginePlugin):
 def _check_ulysses(cfg: Any, key: str, world_size: int) -> list[str]:
     """verl's rules for ``<role>.ulysses_sequence_parallel_size``: it divides the ranks and the model's
     attention heads, and rows are packed (``model.use_remove_padding``)."""
-    sp = int(OmegaConf.select(cfg, f"{key}.ulysses_sequence_parallel_size", default=1) or 1)
+    sp = int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1)
     if sp == 1:
         return []
     model = "critic.model" if key == "critic" else "actor_rollout_ref.model"
@@ -52,10 +52,10 @@ def _check_ulysses(cfg: Any, key: str, world_size: int) -> list[str]:
     errors = []
     if sp < 1 or world_size % sp:
         errors.append(f"{name} does not divide the {world_size} ranks (trainer.nnodes × n_gpus_per_node); use a divisor.")
-    if not OmegaConf.select(cfg, f"{model}.use_remove_padding", default=False):
+    if not pick(cfg, f"{model}.use_remove_padding", False):
         errors.append(f"{name} needs {model}.use_remove_padding=true: only packed rows are split by sequence "
                       "(verl's rule too).")
-    heads = _attention_heads(OmegaConf.select(cfg, f"{model}.path", default=None))
+    heads = _attention_heads(pick(cfg, f"{model}.path", None))
     if heads is not None and heads % sp:
         errors.append(f"{name} does not divide the model's {heads} attention heads: each rank of a group "
                       "attends with heads / SP of them; use a divisor of the head count.")

@@ -8,9 +8,9 @@ import importlib.util
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from rlfoundry.config.schema import MEGATRON_INSTALL, model_parallel_size
+from rlfoundry.config.typed import pick
 from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
 
 __all__ = ["PLUGIN"]
@@ -38,20 +38,20 @@ class MegatronPlugin(EnginePlugin):
         errors: list[str] = []
         if any(importlib.util.find_spec(m) is None for m in ("megatron", "mbridge")):
             errors.append(f"strategy=megatron needs megatron-core and mbridge: {MEGATRON_INSTALL}")
-        sizes = {k: tuple(OmegaConf.select(cfg, f"{k}.megatron.{n}") for n in _LAYOUT) for k in roles}
+        sizes = {k: tuple(pick(cfg, f"{k}.megatron.{n}") for n in _LAYOUT) for k in roles}
         for key in roles[1:]:
             if sizes[key] != sizes[roles[0]]:
                 errors.append(f"{key}.megatron: every role runs in the same processes, and megatron-core has one "
                               f"parallel layout per process; set its {', '.join(_LAYOUT)} as {roles[0]}'s "
                               f"({sizes[roles[0]]}).")
         for key in roles:
-            errors += _check_role(key, OmegaConf.select(cfg, f"{key}.megatron"), world_size)
-            if int(OmegaConf.select(cfg, f"{key}.ulysses_sequence_parallel_size", default=1) or 1) > 1:
+            errors += _check_role(key, pick(cfg, f"{key}.megatron"), world_size)
+            if int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1) > 1:
                 errors.append(f"{key}.ulysses_sequence_parallel_size > 1: Ulysses is the FSDP engine's sequence "
                               "parallelism; with strategy=megatron set it to 1 (megatron-core splits sequences "
                               "with megatron.context_parallel_size, not built yet).")
             for which in ("save_contents", "load_contents"):  # the ref has no checkpoint subtree
-                listed = OmegaConf.select(cfg, f"{key}.checkpoint.{which}")
+                listed = pick(cfg, f"{key}.checkpoint.{which}")
                 if listed is not None and sorted(listed) != ["extra", "model", "optimizer"]:
                     errors.append(f"{key}.checkpoint.{which}={list(listed)}: the Megatron engine saves and loads "
                                   "['model','optimizer','extra'] only; strategy=fsdp takes other lists.")

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from rlfoundry.config.schema import PPOConfig
 from rlfoundry.algos import core_algos, rollout_corr
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
@@ -132,7 +133,7 @@ def balance_batch(data: DataProto, world_size: int) -> tuple[DataProto, dict[str
     return data, {"training/seqlen_max_rank_tokens": float(max(sums)), "training/seqlen_min_rank_tokens": float(min(sums))}
 
 
-def _generative_reward_model(config: DictConfig, tokenizer: Any, judge_wg: WorkerGroup) -> Any:
+def _generative_reward_model(config: PPOConfig, tokenizer: Any, judge_wg: WorkerGroup) -> Any:
     """The driver's side of the judge: templates and parses; ``judge_wg`` generates the judgements."""
     from transformers import AutoTokenizer
 
@@ -305,13 +306,13 @@ class PPOTrainer:
     """Driver of PPO-family training: a sample source (``sources.py``: synchronous, dynamic sampling,
     one-step-off or fully asynchronous, by ``async_training.mode`` and ``algorithm.filter_groups``)
     hands each step a generated, scored batch; ``train_on`` does the rest. ``config`` is the
-    resolved, read-only config (see ``resolve_config``)."""
+    resolved, typed config (``PPOConfig``, see ``resolve_config``)."""
 
     reward_metrics = staticmethod(reward_result_metrics)  # the step metrics of a reward result
 
     def __init__(
         self,
-        config: DictConfig,
+        config: PPOConfig,
         tokenizer: Any,
         worker_group_factory: WorkerGroupFactory,
         worker_classes: dict[str, ClassWithInitArgs],
@@ -782,7 +783,7 @@ class PPOTrainer:
         trainer = self.config.trainer
         return Tracking(
             project_name=trainer.project_name, experiment_name=trainer.experiment_name,
-            default_backend=list(trainer.logger), config=OmegaConf.to_container(self.config),
+            default_backend=list(trainer.logger), config=self.config,
             run_dir=trainer.run_dir, total_training_steps=self.total_training_steps,
             resume_step=self.state.global_steps if self.state.resumed_from else None,
         )
