@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: every rlfoundry feature on one CUDA GPU (H100 / H200), one command, at most
-# 8 minutes (the parts' limits, 30 + 200 + 80 + 160 = 470 s, plus the wheel install).
+# 8 minutes (the parts' limits, 30 + 210 + 70 + 160 = 470 s, plus the wheel install).
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]          # results in OUT_DIR, else $OUT (the device tool's), else /tmp/gpu_check
 #     bash scripts/gpu_check.sh --dry-run [OUT_DIR] # the same commands on the CPU at tiny sizes (tests/scripts runs it)
@@ -43,7 +43,7 @@ if [ "$DRY" = 1 ]; then
     T_ENV=${T_ENV:-60} T_TIER=${T_TIER:-120} T_DEMO=${T_DEMO:-180} T_BENCH=${T_BENCH:-240}
 else
     DEVICE=cuda
-    T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-200} T_DEMO=${T_DEMO:-80} T_BENCH=${T_BENCH:-160}
+    T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-210} T_DEMO=${T_DEMO:-70} T_BENCH=${T_BENCH:-160}
 fi
 mkdir -p "$OUT" "$WORK"
 rm -f "$WORK/parts.tsv" "$WORK/tier.xml" "$OUT/summary.txt" "$OUT/summary.json"
@@ -123,7 +123,7 @@ EOF
 
 # ── tier: every test marked gpu ──────────────────────────────────────────────────────────────────
 mapfile -t TIER_FILES < <(grep -rlE "^(@pytest\.mark\.gpu|pytestmark = .*pytest\.mark\.gpu)" tests --include='test_*.py' | sort)
-part tier "$T_TIER" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rA --junitxml="$WORK/tier.xml" \
+part tier "$T_TIER" "$PYTHON" -m pytest -v -p no:cacheprovider -m gpu -rfEs --durations=0 --junitxml="$WORK/tier.xml" \
     "${TIER_FILES[@]}"
 
 # ── demo: the calculator agent on CUDA, process back end ───────────────────────────────────────────

@@ -40,15 +40,20 @@ def _finite(record: dict, *keys: str) -> None:
         assert key in record and np.isfinite(record[key]), (key, record.get(key))
 
 
-def _dense(tmp_path: Path, *extra: str) -> list[str]:
-    """The e2e helpers' tiny run (2 prompts × 4 samples, 4 tokens) with a dense reward, on CUDA."""
-    model = tmp_path.parent / "model"
-    if not model.exists():
-        from rlfoundry.models.tiny import save_tiny_model
+# the e2e helpers' dense score without the rows that raise (a run whose stderr must stay clean)
+QUIET_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                "    return (sum(ord(c) for c in solution_str) % 11) / 10.0\n")
 
-        save_tiny_model(model)
-    reward = E.write_reward_file(tmp_path)
-    return E.tiny_overrides(model, tmp_path / "run", f"custom_reward_function.path={reward}", CUDA, *extra)
+
+def _dense(model: Path, run_dir: Path, *extra: str, reward: str | None = E.REWARD_FILE) -> list[str]:
+    """The e2e helpers' tiny run (2 prompts × 4 samples, 4 tokens) on CUDA, scored by ``reward`` (the
+    dense test score; None: the caller names its own reward)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    keys = [CUDA]
+    if reward is not None:
+        (run_dir / "reward.py").write_text(reward)
+        keys.append(f"custom_reward_function.path={run_dir / 'reward.py'}")
+    return E.tiny_overrides(model, run_dir / "run", *keys, *extra)
 
 
 # ---- the default job, PPO with a critic, resume ------------------------------------------------------
@@ -70,7 +75,8 @@ def test_ppo_with_a_critic_saves_and_resumes_the_next_step_on_cuda(tmp_path):
     """``--config-name arithmetic_ppo`` (GAE, a critic): 3 straight steps against 2 saved + 1 resumed.
     The checkpoint holds the CUDA generator's state; the resumed step samples the same tokens (the
     engine's seeded generator) and trains to the same losses within bf16's run-to-run noise."""
-    from rlfoundry.checkpoint.state import get_rng_state, safe_torch_load
+    from rlfoundry.checkpoint.layout import safe_torch_load
+    from rlfoundry.checkpoint.state import get_rng_state
 
     def overrides(run_dir: Path, steps: int, *extra: str) -> list[str]:
         return [CUDA, f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={steps}",
@@ -111,7 +117,8 @@ def test_bf16_mixed_precision_log_probs_are_within_the_stated_bound_of_fp32(cuda
     from tests.engines.test_fsdp_engine import _batch
 
     def log_probs(**mixed) -> torch.Tensor:
-        config = FSDPEngineConfig(path=str(tiny_model_dir), fsdp=FSDPConfig(mixed_precision=mixed), cpu_kernels="off")
+        config = FSDPEngineConfig(path=str(tiny_model_dir), fsdp=FSDPConfig(mixed_precision=mixed), optim=None,
+                                  grad_clip=None, cpu_kernels="off")
         engine = FSDPEngine.build(config, "cuda", role="ref")
         return engine.infer_batch(data, LogProbs(), MicroBatching(size=4))["log_probs"].float().cpu()
 
@@ -122,15 +129,20 @@ def test_bf16_mixed_precision_log_probs_are_within_the_stated_bound_of_fp32(cuda
     assert 0 < diff.max() <= 0.1 and diff.mean() <= 0.02
 
 
-def test_auto_does_not_reuse_bf16_rollout_log_probs_on_cuda(tmp_path):
-    """``actor.use_rollout_log_probs=auto`` on CUDA in bf16: the old log-probs are recomputed, and the
-    first update starts on-policy (PPO ratio 1: ppo_kl ~ 0, nothing clipped)."""
-    run = E.train(_dense(tmp_path, "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                         "actor_rollout_ref.actor.use_rollout_log_probs=null"), keep_trainer=True)
-    assert run.trainer.config.actor_rollout_ref.actor.use_rollout_log_probs is False
-    first = run.step(1)
-    print(f"gpu tier: step 1 ppo_kl {first['actor/ppo_kl']:.2e}, pg_clipfrac {first['actor/pg_clipfrac']:.3f}")
-    assert abs(first["actor/ppo_kl"]) < 1e-6 and first["actor/pg_clipfrac"] == 0.0
+def test_auto_does_not_reuse_bf16_rollout_log_probs_on_cuda(tiny_model_dir, tmp_path):
+    """``actor.use_rollout_log_probs=auto`` on CUDA in bf16: the old log-probs are recomputed, so the
+    first update starts on the policy it samples from (ratio 1 up to bf16's batch-shape noise: nothing
+    clipped). The same run reusing the engine's bf16 log-probs is printed beside it (issue 33's
+    measurement: ppo_kl and pg_clipfrac at step 1)."""
+    auto = E.train(_dense(tiny_model_dir, tmp_path / "auto", "actor_rollout_ref.actor.use_rollout_log_probs=null"),
+                   keep_trainer=True)
+    reuse = E.train(_dense(tiny_model_dir, tmp_path / "reuse", "actor_rollout_ref.actor.use_rollout_log_probs=true"))
+    assert auto.trainer.config.actor_rollout_ref.actor.use_rollout_log_probs is False
+    a, r = auto.step(1), reuse.step(1)
+    print(f"gpu tier: step 1 recomputed: ppo_kl {a['actor/ppo_kl']:.2e}, pg_clipfrac {a['actor/pg_clipfrac']:.4f}; "
+          f"reused bf16 rollout log-probs: ppo_kl {r['actor/ppo_kl']:.2e}, pg_clipfrac {r['actor/pg_clipfrac']:.4f}")
+    assert abs(a["actor/ppo_kl"]) < 1e-3 and a["actor/pg_clipfrac"] == 0.0
+    _finite(r, "actor/ppo_kl", "actor/pg_clipfrac")
 
 
 # ---- memory -------------------------------------------------------------------------------------------
@@ -140,16 +152,159 @@ def _actor_module(run: E.Run) -> torch.nn.Module:
     return run.trainer.actor_rollout_wg.worker.workers["actor_rollout"].actor.module
 
 
-def test_parameter_and_optimiser_offload_keep_them_on_the_host_and_train_alike(tmp_path):
+def _param_devices(module: torch.nn.Module) -> set[str]:
+    """Where the parameters' storage is (an FSDP2 parameter's local shard)."""
+    return {(p.to_local() if hasattr(p, "to_local") else p).device.type for p in module.parameters()}
+
+
+def test_parameter_and_optimiser_offload_keep_them_on_the_host_and_train_alike(tiny_model_dir, tmp_path):
     offload = ("actor_rollout_ref.actor.fsdp_config.param_offload=true",
                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
-    plain = E.train(_dense(tmp_path / "plain"), keep_trainer=True)
-    moved = E.train(_dense(tmp_path / "offload", *offload), keep_trainer=True)
-    assert {p.device.type for p in _actor_module(plain).parameters()} == {"cuda"}
-    assert {p.device.type for p in _actor_module(moved).parameters()} == {"cpu"}  # between uses: the host
+    plain = E.train(_dense(tiny_model_dir, tmp_path / "plain"), keep_trainer=True)
+    moved = E.train(_dense(tiny_model_dir, tmp_path / "offload", *offload), keep_trainer=True)
+    assert _param_devices(_actor_module(plain)) == {"cuda"}
+    assert _param_devices(_actor_module(moved)) == {"cpu"}  # between uses: the host
     assert torch.equal(moved.batches[0]["responses"], plain.batches[0]["responses"])  # same weights, same draw
     for key in ("actor/pg_loss", "actor/grad_norm"):
         assert moved.step(1)[key] == pytest.approx(plain.step(1)[key], rel=2e-2, abs=1e-4), key
+
+
+# ---- LoRA, rewards, sample sources ---------------------------------------------------------------------
+
+
+def test_lora_trains_only_the_adapter_on_cuda(tiny_model_dir, tmp_path):
+    from tests.trainer.test_e2e_lora import LORA
+
+    run = E.train(_dense(tiny_model_dir, tmp_path, *LORA, "actor_rollout_ref.actor.optim.lr=1e-2"), keep_trainer=True)
+    module = _actor_module(run)
+    lora_b = {n: p for n, p in module.named_parameters() if "lora_B" in n}
+    assert lora_b and all(p.requires_grad for p in lora_b.values())
+    assert any(float(p.detach().float().abs().max()) > 0 for p in lora_b.values())  # B starts at zero: it trained
+    assert not any(p.requires_grad for n, p in module.named_parameters() if "lora_" not in n)
+    _finite(run.step(2), "actor/pg_loss", "actor/grad_norm")
+
+
+def test_the_calculator_demo_calls_its_tool_and_trains_on_cuda(tmp_path):
+    """The multi-turn agent loop on CUDA (issue 33's crash at the first validation): greedy validation
+    and sampled training conversations call the calculator; the update trains."""
+    run = E.train([CUDA, f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=3",
+                   "trainer.test_freq=3", "trainer.save_freq=-1", "trainer.logger=file",
+                   "reward_model.reward_kwargs.num_workers=0"], config_name="calculator_grpo")
+    calls = [run.step(s)["multi_turn/tool_calls/mean"] for s in (1, 2, 3)]
+    print(f"gpu tier: calculator tool calls per trajectory {calls}, validation {_val(run)}")
+    assert sum(calls) > 0
+    assert set(_val(run)) == {0, 3}
+    _finite(run.step(3), "actor/pg_loss", "actor/grad_norm")
+    assert run.step(3)["actor/grad_norm"] > 0
+
+
+def test_code_rewards_score_programs_in_a_cuda_run(tiny_model_dir, tmp_path):
+    """The code reward in the reward pool, fed by a CUDA run: each kind of program its expected score."""
+    from tests.rewards.test_code import _REWARD_FILE, PROGRAMS, _preprocess
+
+    data, _ = _preprocess(tmp_path)
+    (tmp_path / "reward.py").write_text(_REWARD_FILE)
+    run = E.train(_dense(tiny_model_dir, tmp_path, f"data.train_files={data}/train.parquet",
+                         f"data.val_files={data}/test.parquet", "data.max_prompt_length=256",
+                         f"custom_reward_function.path={tmp_path / 'reward.py'}",
+                         "reward_model.reward_kwargs.num_workers=2", "reward_model.reward_kwargs.timeout_s=30",
+                         "data.train_batch_size=3", "actor_rollout_ref.rollout.n=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6", reward=None))
+    kinds = ["correct", "one_right", "looping", "forking", "memory_hungry", "crashing"]
+    seen = set()
+    for batch in run.batches:
+        for score, info in zip(E.sequence_scores(batch).tolist(), batch["extra_info"]):
+            kind = kinds[int(info["index"]) // 2 % len(kinds)]
+            assert score == pytest.approx(PROGRAMS[kind][1]), (kind, score)
+            seen.add(kind)
+    assert seen == set(kinds)
+
+
+def test_dynamic_sampling_keeps_only_informative_groups_on_cuda(tiny_model_dir, tmp_path):
+    from tests.trainer.test_e2e_filter_groups import REWARD
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    run = E.train(_dense(tiny_model_dir, tmp_path, f"reward.custom_reward_function.path={reward}",
+                         "reward.reward_manager.name=dapo", "algorithm.filter_groups.enable=true",
+                         "algorithm.filter_groups.metric=acc", "actor_rollout_ref.rollout.temperature=1.5", reward=None))
+    dropped = 0
+    for step, batch in enumerate(run.batches, start=1):
+        assert len(E.groups(batch)) == 2
+        assert all(info["index"] % 2 == 1 for info in batch["extra_info"])  # the constant groups were dropped
+        dropped += run.step(step)["train/dropped_groups"]
+    assert dropped >= 1
+
+
+def test_rollout_correction_in_bypass_mode_on_cuda(tiny_model_dir, tmp_path):
+    rc = "algorithm.rollout_correction"
+    run = E.train(_dense(tiny_model_dir, tmp_path, "actor_rollout_ref.actor.use_rollout_log_probs=false",
+                         f"{rc}.bypass_mode=true", f"{rc}.rollout_is=token"), keep_trainer=True)
+    assert run.trainer.config.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode"
+    for step, batch in enumerate(run.batches, start=1):
+        assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])  # no recompute
+        record = run.step(step)
+        assert "timing_s/old_log_prob" not in record and record["rollout_corr/rollout_is_mean"] > 0
+        _finite(record, "actor/pg_loss", "actor/grad_norm")
+
+
+# ---- processes: one-step-off on one GPU, a clean end ---------------------------------------------------
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Processes still alive in session ``sid`` (the run was started in a session of its own)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(f"{entry.name} {(entry / 'cmdline').read_bytes()[:120]!r}")
+    return alive
+
+
+def test_one_step_off_on_one_gpu_trains_and_the_process_back_end_ends_cleanly(tiny_model_dir, tmp_path):
+    """Trainer and rollout pools of one process each, sharing the GPU (NCCL in each pool, the gloo weight
+    bridge between them). The run must exit by itself after its last step (issue 33: it hung), with no
+    traceback and no process of its left behind. The timeout only bounds the test."""
+    args = _dense(tiny_model_dir, tmp_path, "rollout.n_gpus_per_node=1", "trainer.worker_backend=process",
+                  "trainer.total_training_steps=3", "actor_rollout_ref.actor.use_rollout_log_probs=false",
+                  reward=QUIET_REWARD)
+    proc = subprocess.Popen([sys.executable, "-m", "rlfoundry", "train", "--config-name", "one_step_off_ppo_trainer",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=E.subprocess_env(), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not exit after its last step:\n{out[-1500:]}\n{err[-1500:]}")
+    left = _session_processes(proc.pid)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "finished at step 3" in out
+    assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+    assert not left, left
+    steps = {r["step"]: r for r in E.read_records(tmp_path / "run") if "timing_s/step" in r}
+    assert [steps[s]["async/staleness_max"] for s in (1, 2, 3)] == [0, 1, 1]
+
+
+# ---- Megatron (when megatron-core is installed) ---------------------------------------------------------
+
+
+def test_megatron_in_bf16_trains_on_cuda(tiny_model_dir, tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed on this machine")
+    run = E.train(_dense(tiny_model_dir, tmp_path, "actor_rollout_ref.actor.strategy=megatron",
+                         "actor_rollout_ref.actor.megatron.dtype=bfloat16"),
+                  config_name="ppo_megatron_trainer")
+    _finite(run.step(2), "actor/pg_loss", "actor/grad_norm")
+
+
+# ---- last: a capped allocator (reset afterwards) -------------------------------------------------------
 
 
 def test_a_cuda_out_of_memory_stops_the_run_with_the_documented_message(tmp_path):
@@ -179,138 +334,3 @@ def test_a_cuda_out_of_memory_stops_the_run_with_the_documented_message(tmp_path
     print(f"gpu tier: OOM message: {message[:300]}")
     assert re.search(r"Out of memory in (the actor update|\w+ even with 1 rows per micro-batch)", message), message
     assert "param_offload" in message
-
-
-# ---- LoRA, rewards, sample sources ---------------------------------------------------------------------
-
-
-def test_lora_trains_only_the_adapter_on_cuda(tmp_path):
-    from tests.trainer.test_e2e_lora import LORA
-
-    run = E.train(_dense(tmp_path, *LORA, "actor_rollout_ref.actor.optim.lr=1e-2", "trainer.total_training_steps=2"),
-                  keep_trainer=True)
-    module = _actor_module(run)
-    lora_b = {n: p for n, p in module.named_parameters() if "lora_B" in n}
-    assert lora_b and all(p.requires_grad for p in lora_b.values())
-    assert any(float(p.detach().float().abs().max()) > 0 for p in lora_b.values())  # B starts at zero: it trained
-    assert not any(p.requires_grad for n, p in module.named_parameters() if "lora_" not in n)
-    _finite(run.step(2), "actor/pg_loss", "actor/grad_norm")
-
-
-def test_the_calculator_demo_calls_its_tool_and_trains_on_cuda(tmp_path):
-    """The multi-turn agent loop on CUDA (issue 33's crash at the first validation): greedy validation
-    and sampled training conversations call the calculator; the update trains."""
-    run = E.train([CUDA, f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=3",
-                   "trainer.test_freq=3", "trainer.save_freq=-1", "trainer.logger=file",
-                   "reward_model.reward_kwargs.num_workers=0"], config_name="calculator_grpo")
-    calls = [run.step(s)["multi_turn/tool_calls/mean"] for s in (1, 2, 3)]
-    print(f"gpu tier: calculator tool calls per trajectory {calls}, validation {_val(run)}")
-    assert sum(calls) > 0
-    assert set(_val(run)) == {0, 3}
-    _finite(run.step(3), "actor/pg_loss", "actor/grad_norm")
-    assert run.step(3)["actor/grad_norm"] > 0
-
-
-def test_code_rewards_score_programs_in_a_cuda_run(tmp_path):
-    """The code reward in the reward pool, fed by a CUDA run: each kind of program its expected score."""
-    from tests.rewards.test_code import _REWARD_FILE, PROGRAMS, _preprocess
-
-    data, _ = _preprocess(tmp_path)
-    (tmp_path / "reward.py").write_text(_REWARD_FILE)
-    run = E.train(_dense(tmp_path, f"data.train_files={data}/train.parquet", f"data.val_files={data}/test.parquet",
-                         "data.max_prompt_length=256", f"custom_reward_function.path={tmp_path / 'reward.py'}",
-                         "reward_model.reward_kwargs.num_workers=2", "reward_model.reward_kwargs.timeout_s=30",
-                         "data.train_batch_size=3", "actor_rollout_ref.rollout.n=2",
-                         "actor_rollout_ref.actor.ppo_mini_batch_size=3",
-                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"))
-    kinds = ["correct", "one_right", "looping", "forking", "memory_hungry", "crashing"]
-    seen = set()
-    for batch in run.batches:
-        for score, info in zip(E.sequence_scores(batch).tolist(), batch["extra_info"]):
-            kind = kinds[int(info["index"]) // 2 % len(kinds)]
-            assert score == pytest.approx(PROGRAMS[kind][1]), (kind, score)
-            seen.add(kind)
-    assert seen == set(kinds)
-
-
-def test_dynamic_sampling_keeps_only_informative_groups_on_cuda(tmp_path):
-    from tests.trainer.test_e2e_filter_groups import REWARD
-
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    run = E.train(_dense(tmp_path, f"reward.custom_reward_function.path={reward}", "reward.reward_manager.name=dapo",
-                         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-                         "actor_rollout_ref.rollout.temperature=1.5"))
-    dropped = 0
-    for step, batch in enumerate(run.batches, start=1):
-        assert len(E.groups(batch)) == 2
-        assert all(info["index"] % 2 == 1 for info in batch["extra_info"])  # the constant groups were dropped
-        dropped += run.step(step)["train/dropped_groups"]
-    assert dropped >= 1
-
-
-def test_rollout_correction_in_bypass_mode_on_cuda(tmp_path):
-    rc = "algorithm.rollout_correction"
-    run = E.train(_dense(tmp_path, "actor_rollout_ref.actor.use_rollout_log_probs=false", f"{rc}.bypass_mode=true",
-                         f"{rc}.rollout_is=token"), keep_trainer=True)
-    assert run.trainer.config.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode"
-    for step, batch in enumerate(run.batches, start=1):
-        assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])  # no recompute
-        record = run.step(step)
-        assert "timing_s/old_log_prob" not in record and record["rollout_corr/rollout_is_mean"] > 0
-        _finite(record, "actor/pg_loss", "actor/grad_norm")
-
-
-# ---- processes: one-step-off on one GPU, a clean end ---------------------------------------------------
-
-
-def _session_processes(sid: int) -> list[str]:
-    """Processes still alive in session ``sid`` (the run was started in a session of its own)."""
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                alive.append(f"{entry.name} {(entry / 'cmdline').read_bytes()[:120]!r}")
-    return alive
-
-
-def test_one_step_off_on_one_gpu_trains_and_the_process_back_end_ends_cleanly(tmp_path):
-    """Trainer and rollout pools of one process each, sharing the GPU (NCCL in each pool, the gloo weight
-    bridge between them). The run must exit by itself after its last step (issue 33: it hung), with no
-    traceback and no process of its left behind. The timeout only bounds the test."""
-    args = _dense(tmp_path, "rollout.n_gpus_per_node=1", "trainer.worker_backend=process",
-                  "trainer.total_training_steps=3", "actor_rollout_ref.actor.use_rollout_log_probs=false")
-    proc = subprocess.Popen([sys.executable, "-m", "rlfoundry", "train", "--config-name", "one_step_off_ppo_trainer",
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=E.subprocess_env(), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the run did not exit after its last step:\n{out[-1500:]}\n{err[-1500:]}")
-    left = _session_processes(proc.pid)
-    if left:
-        os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
-    assert "finished at step 3" in out
-    assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
-    assert not left, left
-    steps = {r["step"]: r for r in E.read_records(tmp_path / "run") if "timing_s/step" in r}
-    assert [steps[s]["async/staleness_max"] for s in (1, 2, 3)] == [0, 1, 1]
-
-
-# ---- Megatron (when megatron-core is installed) ---------------------------------------------------------
-
-
-def test_megatron_in_bf16_trains_on_cuda(tmp_path):
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed on this machine")
-    run = E.train(_dense(tmp_path, "actor_rollout_ref.actor.strategy=megatron",
-                         "actor_rollout_ref.actor.megatron.dtype=bfloat16"),
-                  config_name="ppo_megatron_trainer")
-    _finite(run.step(2), "actor/pg_loss", "actor/grad_norm")
-

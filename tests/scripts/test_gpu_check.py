@@ -76,5 +76,6 @@ def test_a_part_over_its_limit_fails_the_check(tmp_path):
     proc = _dry_run(tmp_path / "out", tmp_path / "work", GPU_CHECK_PARTS="tier", T_TIER="1")
     assert proc.returncode == 1
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert re.search(r"^tier\s+FAIL \(timed out after 1s\)", summary, re.M), summary
+    # no JUnit report from a killed pytest: the verbose log says how far it got
+    assert re.search(r"^tier\s+FAIL \(timed out after 1s \(0 passed, 0 failed before\)\)", summary, re.M), summary
     assert "RESULT FAIL: 0/1 parts passed" in summary
