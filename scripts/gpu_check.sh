@@ -16,7 +16,7 @@
 #   tier   the GPU tier: `pytest -m gpu` over every test file that marks tests `gpu` (tests/gpu/, ...):
 #          the default GRPO job learns, PPO with a critic saves and resumes, bf16 vs fp32 log-probs,
 #          offload, LoRA, a real CUDA OOM, the calculator demo, code rewards, dynamic sampling,
-#          rollout correction, one-step-off on one GPU with the process back end ending cleanly
+#          rollout correction, one-step-off and fully async on one GPU, each ending cleanly
 #   demo   `rlfoundry train --config-name calculator_grpo` on CUDA, process back end, 10 steps
 #   bench  `python -m benchmarks.realistic --device cuda` (issue 34's shape: 24 layers, 128 tokens, 8 x 8)
 #

@@ -266,16 +266,12 @@ def _session_processes(sid: int) -> list[str]:
     return alive
 
 
-def test_one_step_off_on_one_gpu_trains_and_the_process_back_end_ends_cleanly(tiny_model_dir, tmp_path):
-    """Trainer and rollout pools of one process each, sharing the GPU (NCCL in each pool, the gloo weight
-    bridge between them). The run must exit by itself after its last step (issue 33: it hung), with no
-    traceback and no process of its left behind. The timeout only bounds the test."""
-    args = _dense(tiny_model_dir, tmp_path, "rollout.n_gpus_per_node=1", "trainer.worker_backend=process",
-                  "trainer.total_training_steps=3", "actor_rollout_ref.actor.use_rollout_log_probs=false",
-                  reward=QUIET_REWARD)
-    proc = subprocess.Popen([sys.executable, "-m", "rlfoundry", "train", "--config-name", "one_step_off_ppo_trainer",
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=E.subprocess_env(), start_new_session=True)
+def _run_to_its_end(tmp_path: Path, config_name: str, args: list[str]) -> dict[int, dict]:
+    """``rlfoundry train`` in a session of its own: it must exit by itself (the timeout only bounds the
+    test), with exit 0, no traceback and no process of the session left; its steps' records."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlfoundry", "train", "--config-name", config_name, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=E.subprocess_env(),
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -289,8 +285,29 @@ def test_one_step_off_on_one_gpu_trains_and_the_process_back_end_ends_cleanly(ti
     assert "finished at step 3" in out
     assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
     assert not left, left
-    steps = {r["step"]: r for r in E.read_records(tmp_path / "run") if "timing_s/step" in r}
+    return {r["step"]: r for r in E.read_records(tmp_path / "run") if "timing_s/step" in r}
+
+
+def test_one_step_off_on_one_gpu_trains_and_the_process_back_end_ends_cleanly(tiny_model_dir, tmp_path):
+    """Trainer and rollout pools of one process each, sharing the GPU (NCCL in each pool, the gloo weight
+    bridge between them). The run must exit by itself after its last step (issue 33: it hung)."""
+    steps = _run_to_its_end(tmp_path, "one_step_off_ppo_trainer", _dense(
+        tiny_model_dir, tmp_path, "rollout.n_gpus_per_node=1", "trainer.worker_backend=process",
+        "trainer.total_training_steps=3", "actor_rollout_ref.actor.use_rollout_log_probs=false", reward=QUIET_REWARD))
     assert [steps[s]["async/staleness_max"] for s in (1, 2, 3)] == [0, 1, 1]
+
+
+def test_fully_async_on_one_gpu_trains_and_ends_cleanly(tiny_model_dir, tmp_path):
+    """The rollouter streaming samples to the trainer, both pools on the one GPU; staleness stays within
+    its bound (1) and every sync arrives."""
+    steps = _run_to_its_end(tmp_path, "fully_async_ppo_trainer", _dense(
+        tiny_model_dir, tmp_path, "rollout.n_gpus_per_node=1", "trainer.worker_backend=process",
+        "trainer.total_training_steps=3", "actor_rollout_ref.actor.use_rollout_log_probs=false",
+        "data.gen_batch_size=2", "async_training.require_batches=1", "async_training.staleness_threshold=1",
+        reward=QUIET_REWARD))
+    assert sorted(steps) == [1, 2, 3]
+    assert all(steps[s]["async/staleness_max"] <= 1 for s in steps)
+    assert all(steps[s]["async/sync_megabytes"] > 0 for s in steps)
 
 
 # ---- Megatron (when megatron-core is installed) ---------------------------------------------------------
