@@ -105,6 +105,9 @@ for mod in ["torch", "transformers", "peft", "tensordict", "hydra", "omegaconf",
         failed.append(mod)
         print(f"IMPORT FAILED {mod}: {type(e).__name__}: {e}")
 print("ray imported by rlfoundry:", "ray" in sys.modules)
+import ctypes.util, shutil
+print("code sandbox: libseccomp", ctypes.util.find_library("seccomp") or "NOT FOUND", "| bwrap",
+      shutil.which("bwrap") or "not found (the unshare backend is used)")
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if device == "cuda":

@@ -124,6 +124,8 @@ _RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAST
 
 
 def subprocess_env() -> dict[str, str]:
-    """The environment for running the CLI as a user would: this repo importable, one torch thread."""
+    """The environment for running the CLI as a user would: this repo importable (ahead of what the
+    path held: on a GPU machine, the carried wheels' folder), one torch thread."""
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_ENV}
-    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
