@@ -111,28 +111,30 @@ def _tensors_to_batch(tensors: dict) -> TensorDict:
     return TensorDict(dict(tensors), batch_size=[rows])
 
 
-def _index_tensor(idxs: Any, length: int) -> torch.Tensor:
-    """Normalise list / numpy / torch indices or boolean masks to a 1-D int64 CPU tensor."""
+def _index_array(idxs: Any, length: int) -> np.ndarray:
+    """Normalise list / numpy / torch indices or boolean masks to a 1-D int64 numpy array.
+
+    Checked on the host: a list or array index never touches a tensor, and a tensor index is read
+    to the host once (a device tensor's one device-to-host copy)."""
     if isinstance(idxs, torch.Tensor):
-        idx = idxs.detach().cpu()
+        arr = (idxs.detach() if idxs.requires_grad else idxs).cpu().numpy()
     else:
         arr = np.ascontiguousarray(idxs)
         if arr.size == 0 or arr.dtype == object:  # [] has dtype float64; lists of ints may be object
             arr = arr.astype(np.int64)
-        idx = torch.from_numpy(arr)
-    if idx.dim() != 1:
-        raise IndexError(f"indices must be 1-D, got shape {tuple(idx.shape)}")
-    if idx.dtype == torch.bool:
-        if idx.numel() != length:
-            raise IndexError(f"boolean mask has {idx.numel()} entries but DataProto has {length} rows")
-        return idx.nonzero().flatten()
-    if idx.is_floating_point() or idx.is_complex():
-        raise IndexError(f"indices must be integers or booleans, got dtype {idx.dtype}")
-    idx = idx.long()
-    bad = (idx < -length) | (idx >= length)
+    if arr.ndim != 1:
+        raise IndexError(f"indices must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype == np.bool_:
+        if arr.size != length:
+            raise IndexError(f"boolean mask has {arr.size} entries but DataProto has {length} rows")
+        return np.flatnonzero(arr)
+    if arr.dtype.kind not in "iu":
+        raise IndexError(f"indices must be integers or booleans, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    bad = (arr < -length) | (arr >= length)
     if bad.any():
-        raise IndexError(f"index {int(idx[bad][0])} is out of range for DataProto with {length} rows")
-    return idx % max(length, 1)
+        raise IndexError(f"index {int(arr[bad][0])} is out of range for DataProto with {length} rows")
+    return arr % max(length, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,9 +442,11 @@ class DataProto:
 
     def select_idxs(self, idxs: Any) -> DataProto:
         """Rows at integer indices (list, numpy, tensor; negatives allowed) or a boolean mask."""
-        idx = _index_tensor(idxs, len(self))
+        np_idx = _index_array(idxs, len(self))
+        idx = torch.from_numpy(np_idx)
+        if self.batch is not None and self.batch.device is not None and self.batch.device.type == "cuda":
+            idx = idx.pin_memory().to(self.batch.device, non_blocking=True)  # no wait for the GPU's queue
         batch = self.batch[idx.to(self.batch.device)] if self.batch is not None else None
-        np_idx = idx.numpy()
         non_tensors = {key: value[np_idx] for key, value in self.non_tensor_batch.items()}
         return type(self)(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(self.meta_info))
 

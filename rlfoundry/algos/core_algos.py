@@ -695,14 +695,16 @@ def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tens
     return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
 
 
-def _metrics(clipfrac: Any, ppo_kl: torch.Tensor, clipfrac_lower: Any = 0.0) -> dict[str, float]:
-    def as_float(x: Any) -> float:
-        return float(x.detach().item()) if isinstance(x, torch.Tensor) else float(x)
+def _metrics(clipfrac: Any, ppo_kl: torch.Tensor, clipfrac_lower: Any = 0.0) -> dict[str, Any]:
+    """The policy loss's metrics as detached 0-d tensors (plain floats stay floats): the update reads them
+    to the host once per mini-batch, together (``engines/loop.MiniBatchStats``), not once each per micro-batch."""
+    def as_metric(x: Any) -> Any:
+        return x.detach() if isinstance(x, torch.Tensor) else float(x)
 
     return {
-        "actor/pg_clipfrac": as_float(clipfrac),
-        "actor/ppo_kl": as_float(ppo_kl),
-        "actor/pg_clipfrac_lower": as_float(clipfrac_lower),
+        "actor/pg_clipfrac": as_metric(clipfrac),
+        "actor/ppo_kl": as_metric(ppo_kl),
+        "actor/pg_clipfrac_lower": as_metric(clipfrac_lower),
     }
 
 

@@ -92,44 +92,74 @@ def device_for_backend(backend: str) -> torch.device:
 
 
 class MiniBatchStats:
-    """Accumulates one mini-batch's ``LossOutput`` metrics (see its docstring for the two kinds)."""
+    """Accumulates one mini-batch's ``LossOutput`` metrics (see its docstring for the three kinds).
+
+    Values stay tensors where the losses made them (0-d, on the compute device) and are summed there;
+    ``gather`` all-reduces them in one vector and ``read`` turns the host copy of that vector into
+    numbers, so a mini-batch's metrics cost one device-to-host read, not one per value and micro-batch
+    (issue 34). ``reduce`` is both.
+    """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weighted: dict[str, float] = {}
-        self.maxed: dict[str, float] = {}
-        self.tokens = 0.0
+        self.sums: dict[str, Any] = {}
+        self.weighted: dict[str, Any] = {}
+        self.maxed: dict[str, Any] = {}
+        self.tokens: Any = 0.0
 
-    def add(self, out: LossOutput, tokens: float) -> None:
+    def add(self, out: LossOutput, tokens: Any) -> None:
+        """``tokens``: the micro-batch's counted tokens (a number or a 0-d tensor)."""
         for k, v in out.summed.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+            self.sums[k] = self.sums.get(k, 0.0) + _detached(v)
         for k, v in out.weighted.items():
-            self.weighted[k] = self.weighted.get(k, 0.0) + float(v) * tokens
+            self.weighted[k] = self.weighted.get(k, 0.0) + _detached(v) * tokens
         for k, v in out.maxed.items():
-            self.maxed[k] = max(self.maxed.get(k, float("-inf")), float(v))
-        self.tokens += tokens
+            self.maxed[k] = _detached(v) if k not in self.maxed else _maximum(self.maxed[k], _detached(v))
+        self.tokens = self.tokens + tokens
 
-    def reduce(self, dp_size: int, group: Any) -> dict[str, float]:
-        summed, weighted = sorted(self.sums), sorted(self.weighted)  # same loss on every rank: same keys
-        values = torch.tensor([*(self.sums[k] for k in summed), *(self.weighted[k] for k in weighted), self.tokens],
-                              dtype=torch.float64)
+    def _keys(self) -> tuple[list[str], list[str], list[str]]:
+        return sorted(self.sums), sorted(self.weighted), sorted(self.maxed)  # same loss on every rank: same keys
+
+    def gather(self, dp_size: int, group: Any) -> torch.Tensor:
+        """[sums..., weighted sums..., tokens, maxima...] as one float64 vector, summed (maxima: maxed)
+        over the ranks; on the metrics' device, nothing read."""
+        summed, weighted, maxed = self._keys()
+        parts = [*(self.sums[k] for k in summed), *(self.weighted[k] for k in weighted), self.tokens,
+                 *(self.maxed[k] for k in maxed)]
+        device = next((p.device for p in parts if isinstance(p, torch.Tensor)), torch.device("cpu"))
+        values = torch.stack([torch.as_tensor(p, dtype=torch.float64, device=device).reshape(()) for p in parts])
         if dp_size > 1:
             values = values.to(collective_device(group))
-            dist.all_reduce(values, group=group)
-            values = values.cpu()
+            split = len(parts) - len(maxed)
+            dist.all_reduce(values[:split], group=group)
+            if maxed:
+                dist.all_reduce(values[split:], op=dist.ReduceOp.MAX, group=group)
+        return values
+
+    def read(self, values: list[float], dp_size: int) -> dict[str, float]:
+        """The metrics from the host copy of ``gather``'s vector."""
+        summed, weighted, maxed = self._keys()
         # each rank's losses carry a factor dp_size (agg_loss contract); the rank sum undoes it
-        out = {k: float(values[i]) / dp_size for i, k in enumerate(summed)}
-        total, offset = max(float(values[-1]), 1.0), len(summed)
-        out.update({k: float(values[offset + i]) / total for i, k in enumerate(weighted)})
-        if self.maxed:
-            maxed = sorted(self.maxed)
-            highest = torch.tensor([self.maxed[k] for k in maxed], dtype=torch.float64)
-            if dp_size > 1:
-                highest = highest.to(collective_device(group))
-                dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
-                highest = highest.cpu()
-            out.update({k: float(highest[i]) for i, k in enumerate(maxed)})
+        out = {k: values[i] / dp_size for i, k in enumerate(summed)}
+        offset = len(summed)
+        total = max(values[offset + len(weighted)], 1.0)
+        out.update({k: values[offset + i] / total for i, k in enumerate(weighted)})
+        offset += len(weighted) + 1
+        out.update({k: values[offset + i] for i, k in enumerate(maxed)})
         return out
+
+    def reduce(self, dp_size: int, group: Any) -> dict[str, float]:
+        return self.read(self.gather(dp_size, group).tolist(), dp_size)  # one read
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else float(value)
+
+
+def _maximum(a: Any, b: Any) -> Any:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        device = a.device if isinstance(a, torch.Tensor) else b.device
+        return torch.maximum(torch.as_tensor(a, device=device), torch.as_tensor(b, device=device))
+    return max(a, b)
 
 
 def zero_loss_row(mini: DataProto, mask_key: str) -> DataProto:

@@ -35,14 +35,14 @@ class ActorBatchSizes:
     max_token_len: int = 16384  # token budget per micro-batch with use_dynamic_bsz
 
 
-def _log_ratio_abs(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def _log_ratio_abs(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """|log π_θ − log π_old| over the valid tokens (B, Tr): mean and max. In the first mini-batch of
     the first epoch (before any optimiser step) with the rollout's log-probs as ``old_log_probs``,
     this is how far the trainer's forward is from the sampler's: the PPO ratio's starting offset."""
     valid = mask.bool()
     diff = (log_prob.detach().float() - old_log_prob.float()).abs().masked_fill(~valid, 0.0)
     mean = diff.sum() / valid.sum().clamp(min=1)
-    return {"actor/log_ratio_abs_mean": float(mean), "actor/log_ratio_abs_max": float(diff.max())}
+    return {"actor/log_ratio_abs_mean": mean, "actor/log_ratio_abs_max": diff.max()}
 
 
 class DataParallelPPOActor:
@@ -118,7 +118,8 @@ class DataParallelPPOActor:
             config=core_algos.with_global_batch_info(cfg, info), rollout_is_weights=weights,
         )
         agg = {k: v for k, v in info.items() if k != "dp_size"}
-        loss, losses = pg_loss, {"actor/pg_loss": float(pg_loss.detach())}
+        # metrics stay 0-d tensors: the engine reads a mini-batch's metrics to the host once, together
+        loss, losses = pg_loss, {"actor/pg_loss": pg_loss.detach()}
         ratios, maxima = {**ratios, **_log_ratio_abs(log_prob, batch["old_log_probs"], mask)}, {}
         maxima["actor/log_ratio_abs_max"] = ratios.pop("actor/log_ratio_abs_max")
         entropy_coeff = cfg.entropy_coeff
@@ -126,12 +127,12 @@ class DataParallelPPOActor:
             entropy_agg = core_algos.agg_loss(entropy, mask, mode, dp_size=info["dp_size"], **agg)
             if entropy_coeff != 0:
                 loss = loss - entropy_coeff * entropy_agg
-            losses["actor/entropy"] = float(entropy_agg.detach())
+            losses["actor/entropy"] = entropy_agg.detach()
         if cfg.use_kl_loss:
             kld = core_algos.kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
             kl_loss = core_algos.agg_loss(kld, mask, mode, dp_size=info["dp_size"], **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            losses["actor/kl_loss"] = float(kl_loss.detach())
+            losses["actor/kl_loss"] = kl_loss.detach()
         return LossOutput(loss, losses, ratios, maxima)
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:

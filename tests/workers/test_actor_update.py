@@ -126,7 +126,11 @@ def test_micro_batches_go_longest_first_and_are_cut_after_their_longest_response
     computed; outputs are 0 there."""
     actor = local_worker(worker_config(tiny_model_dir, ["model.use_shared_prompt=false"]), role="actor").worker.actor
     masks: list[torch.Tensor] = []
-    hook = actor.module.register_forward_pre_hook(lambda m, a, kw: masks.append(kw["attention_mask"]),
+
+    def padding_mask(mask):  # the engine hands sdpa models transformers' prepared 4-D causal mask
+        return mask if mask.dim() == 2 else mask[:, 0, -1, :]  # the last query sees every real key
+
+    hook = actor.module.register_forward_pre_hook(lambda m, a, kw: masks.append(padding_mask(kw["attention_mask"])),
                                                   with_kwargs=True)
     try:
         log_probs, _ = actor.compute_log_prob(batch, micro_batch_size=2)

@@ -158,7 +158,7 @@ class FSDPEngine(TrainingEngine):
 
     def _plan(self, micros: list[DataProto], output: Output) -> list[Any]:
         if isinstance(output, LogProbs):
-            return self.lm.shared_prompt_plan(micros)
+            return self.lm.plan_entries(micros)
         return [None] * len(micros)
 
     def _forward(self, micro: Any, output: Output, plan_entry: Any) -> dict[str, torch.Tensor]:
@@ -212,14 +212,20 @@ class FSDPEngine(TrainingEngine):
                     out = loss_fn(self._forward(model_batch(micro), output, entry), micro.batch, info)
                 before_backward(i == len(micros) - 1)
                 out.loss.backward()  # summed over micro-batches: the loss already divided by the global count
-                stats.add(out, 0.0 if empty else float(micro.batch[plan.mask_key].sum()))
-        metrics = stats.reduce(self.dp_size, self.batch_group)
-        metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
+                stats.add(out, 0.0 if empty else micro.batch[plan.mask_key].sum())
+        values = stats.gather(self.dp_size, self.batch_group)
+        norm = fu.clip_grad_norm_tensor_(self._module.parameters(), self.config.grad_clip)
+        # the mini-batch's one read of its numbers: the grad norm (to decide the step) and every metric
+        host = torch.cat([norm.reshape(1).to(values), values]).tolist()
+        metrics = stats.read(host[1:], self.dp_size)
+        metrics[f"{self.role}/grad_norm"] = self._optimizer_step(host[0])
         return metrics
 
-    def _optimizer_step(self) -> float:
-        """Clip and step; a non-finite grad norm skips the step (weights and moments untouched)."""
-        grad_norm = fu.clip_grad_norm_(self._module.parameters(), self.config.grad_clip)
+    def _optimizer_step(self, grad_norm: float | None = None) -> float:
+        """Clip (unless ``grad_norm`` says the gradients were clipped already) and step; a non-finite grad
+        norm skips the step (weights and moments untouched; the gradients are dropped)."""
+        if grad_norm is None:
+            grad_norm = fu.clip_grad_norm_(self._module.parameters(), self.config.grad_clip)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:

@@ -19,8 +19,9 @@ outputs come back zero there, so nothing depends on micro-batching.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,8 @@ from rlfoundry.utils.seqlen_balancing import (
 )
 from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-__all__ = ["CausalLMForward", "MODEL_INPUTS", "model_batch", "restore", "value_forward", "plain_micro_batches"]
+__all__ = ["CausalLMForward", "MODEL_INPUTS", "MicroPlan", "RowSummary", "model_batch", "restore", "row_summary",
+           "value_forward", "plain_micro_batches"]
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -82,9 +84,13 @@ class CausalLMForward:
 
     # ---- one micro-batch ------------------------------------------------------------------
 
-    def __call__(self, micro: Any, spec: LogProbs, prompt_groups: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """``log_probs`` (b, Tr) and, if asked, ``entropy`` (b, Tr); zero wherever the response is padding."""
-        batch, full_width = trim_response_padding(micro)
+    def __call__(self, micro: Any, spec: LogProbs, entry: "MicroPlan | tuple | None" = None) -> dict[str, torch.Tensor]:
+        """``log_probs`` (b, Tr) and, if asked, ``entropy`` (b, Tr); zero wherever the response is padding.
+        ``entry``: the micro-batch's plan (``plan_entries``: its trim, known without reading the device, and
+        its prompt groups), or just the prompt groups, or None."""
+        plan = entry if isinstance(entry, MicroPlan) else MicroPlan(None, entry)
+        prompt_groups = plan.prompt_groups
+        batch, full_width = trim_response_padding(micro, plan.trim)
         pixels = _pixel_inputs(micro)
         if pixels:  # image rows: the padded forward (rows packed or sharing a prompt would need their pixels cut too)
             logits, labels, scatter = self._padded_response_logits(batch, pixels)
@@ -107,8 +113,10 @@ class CausalLMForward:
     def _padded_response_logits(self, batch, pixels: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         responses = batch["responses"]
         width = responses.shape[-1]
+        mask = batch["attention_mask"] if pixels else _prepared_causal_mask(self.module, batch["attention_mask"],
+                                                                             batch["position_ids"])
         out = self.module(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+            input_ids=batch["input_ids"], attention_mask=mask,
             position_ids=model_position_ids(batch["position_ids"]), use_cache=False, logits_to_keep=width + 1,
             **(pixels or {}),
         )
@@ -132,11 +140,13 @@ class CausalLMForward:
             if logits is not None:
                 return logits, batch["responses"], _identity
         cache = DynamicCache(config=getattr(self.module, "config", None))
-        head = self.module(input_ids=ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
+        head_mask = _prepared_causal_mask(self.module, mask[first, :tp], pos[first, :tp], cache)
+        head = self.module(input_ids=ids[first, :tp], attention_mask=head_mask, position_ids=pos[first, :tp],
                            **kv_cache_kwargs(self.module, cache), use_cache=True, logits_to_keep=1)
         cache.batch_select_indices(group)  # differentiable gather: each row gets its prompt's keys/values
+        tail_mask = _prepared_causal_mask(self.module, mask, pos[:, tp:], cache)
         with self.continued_forward(self.module):
-            tail = self.module(input_ids=batch["responses"], attention_mask=mask, position_ids=pos[:, tp:],
+            tail = self.module(input_ids=batch["responses"], attention_mask=tail_mask, position_ids=pos[:, tp:],
                                **kv_cache_kwargs(self.module, cache), use_cache=True, logits_to_keep=width)
         logits = torch.cat([head.logits[group], tail.logits[:, :-1]], dim=1)
         return logits, batch["responses"], _identity
@@ -189,16 +199,17 @@ class CausalLMForward:
         group = self.group_if_dist()
         if micro.max_token_len is not None and self.use_remove_padding:
             return rearrange_micro_batches(data, max_token_len=micro.max_token_len, dp_group=group)
+        summary = row_summary(data.batch)  # the plan's one read of the device
         if micro.max_token_len is not None:
-            width = data.batch["input_ids"].shape[-1] - data.batch["responses"].shape[-1]
-            parts = length_sorted_micro_batches(_response_lengths(data.batch).tolist(), width, micro.max_token_len, group)
-            return [data.select_idxs(part) for part in parts], parts
+            parts = length_sorted_micro_batches(list(summary.lengths), summary.prompt_width, micro.max_token_len, group)
+            return _with_summaries(data, summary, parts), parts
         size = micro.size or len(data)
         if self.use_remove_padding:
-            return data.split(size), None
-        return self._cheapest_fixed_size_plan(data, size, group)
+            parts = [list(range(i, min(i + size, len(data)))) for i in range(0, len(data), size)]
+            return [_summarised(m, summary.select(p)) for m, p in zip(data.split(size), parts)], None
+        return self._cheapest_fixed_size_plan(data, size, group, summary)
 
-    def _cheapest_fixed_size_plan(self, data: DataProto, size: int, group: Any):
+    def _cheapest_fixed_size_plan(self, data: DataProto, size: int, group: Any, summary: "RowSummary | None" = None):
         """Rows in the given order, or longest response first cut into 1, 2, 4 or 8 times as many
         (smaller) micro-batches: whichever computes the fewest tokens, counting each call's fixed cost.
 
@@ -208,31 +219,45 @@ class CausalLMForward:
         given order keeps a prompt's n samples together for the shared-prompt forward. The ranks
         sum their costs and take the same plan, so they make the same number of calls.
         """
-        order = _longest_response_first(data.batch)
+        summary = summary if summary is not None else row_summary(data.batch)
+        order = sorted(range(len(data)), key=lambda i: -summary.lengths[i])  # stable: longest response first
         plans: list[list[list[int]] | None] = [None]
         for k in (1, 2, 4, 8):
             chunk = min(size, -(-len(order) // k))
             plan = [order[i: i + chunk] for i in range(0, len(order), chunk)]
             if k == 1 or len(plan) > len(plans[-1] or []):
                 plans.append(plan)
-        costs = [self._plan_cost(data, plan, size) for plan in plans]
+        in_order = [list(range(i, min(i + size, len(data)))) for i in range(0, len(data), size)]
+        costs = [self._plan_cost(summary, in_order if plan is None else plan) for plan in plans]
         if group is not None:
             costs = all_reduce_ints(costs, dist.ReduceOp.SUM, group)
         best = plans[min(range(len(plans)), key=lambda i: (costs[i], i))]
         if best is None:
-            return data.split(size), None
-        return [data.select_idxs(part) for part in best], best
+            return [_summarised(m, summary.select(p)) for m, p in zip(data.split(size), in_order)], None
+        return _with_summaries(data, summary, best), best
 
-    def _plan_cost(self, data: DataProto, plan: list[list[int]] | None, size: int) -> int:
-        """Tokens the plan's forwards compute plus its calls' fixed cost; reads only the model inputs
-        (no micro-batch is built for a plan that is not taken)."""
-        inputs = {k: data.batch[k] for k in MODEL_INPUTS}
-        if plan is None:
-            rows = len(data)
-            parts = [{k: v[i: i + size] for k, v in inputs.items()} for i in range(0, rows, size)]
-        else:
-            parts = [{k: v[part] for k, v in inputs.items()} for part in plan]
-        return sum(self._forward_tokens(part) + self.call_cost_tokens for part in parts)
+    def _plan_cost(self, summary: "RowSummary", parts: list[list[int]]) -> int:
+        """Tokens the plan's forwards compute plus its calls' fixed cost, from the rows' summary (no
+        micro-batch is built, and the device is not read, for a plan that is not taken)."""
+        return sum(self._summary_tokens(summary.select(part)) + self.call_cost_tokens for part in parts)
+
+    def _summary_tokens(self, s: "RowSummary") -> int:
+        """``_forward_tokens`` of the micro-batch ``s`` summarises."""
+        if not s.rows:
+            return 0
+        width, lead = s.trim()
+        prompt = s.prompt_width - lead
+        unshared = sum(s.prompt_tokens) + sum(s.lengths) if self.use_remove_padding else s.rows * (prompt + width)
+        if not self.use_shared_prompt:
+            return unshared
+        return min(unshared, len(set(s.group)) * prompt + s.rows * width)
+
+    def plan_entries(self, micros: list[DataProto]) -> list["MicroPlan"]:
+        """Per micro-batch, what its forward needs to know beforehand: its trim (from the row summary
+        ``micro_batches`` attached, so the forward reads nothing from the device) and its prompt groups."""
+        groups = self.shared_prompt_plan(micros)
+        return [MicroPlan(_summary_of(m).trim() if _summary_of(m) is not None and len(m) else None, g)
+                for m, g in zip(micros, groups)]
 
     def shared_prompt_plan(self, micros: list[DataProto]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per micro-batch, its prompt groups when it takes the shared-prompt path, else None.
@@ -243,7 +268,7 @@ class CausalLMForward:
         """
         if not self.use_shared_prompt or any(MULTI_MODAL_INPUTS in m.non_tensor_batch for m in micros):
             return [None] * len(micros)  # equal prompt ids may hold different images
-        groups = [self._prompt_groups(trim_response_padding(m.batch)[0]) if len(m) > 0 else None for m in micros]
+        groups = [self._micro_prompt_groups(m) if len(m) > 0 else None for m in micros]
         if self.dp_size > 1:
             agreed = all_reduce_ints([int(g is not None) for g in groups], dist.ReduceOp.MIN, self.group_if_dist())
             groups = [g if ok else None for g, ok in zip(groups, agreed)]
@@ -274,6 +299,25 @@ class CausalLMForward:
         if not self.use_shared_prompt:
             return unshared
         return min(unshared, self._shared_tokens(batch, self._distinct_prompts(batch)[0].shape[0]))
+
+    def _micro_prompt_groups(self, micro: DataProto) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``_prompt_groups`` of a micro-batch: from its row summary where it has one (no device read)."""
+        s = _summary_of(micro)
+        if s is None:
+            return self._prompt_groups(trim_response_padding(micro.batch)[0])
+        width, lead = s.trim()
+        prompt = s.prompt_width - lead
+        unshared = sum(s.prompt_tokens) + sum(s.lengths) if self.use_remove_padding else s.rows * (prompt + width)
+        distinct = list(dict.fromkeys(s.group))  # each prompt's first row in the mini-batch, in order
+        if len(distinct) * prompt + s.rows * width >= unshared:
+            return None
+        index = {g: k for k, g in enumerate(distinct)}
+        first_row: dict[int, int] = {}
+        for row, g in enumerate(s.group):
+            first_row.setdefault(g, row)
+        device = micro.batch["input_ids"].device
+        return (_host_to(torch.tensor([first_row[g] for g in distinct]), device),
+                _host_to(torch.tensor([index[g] for g in s.group]), device))
 
     def _prompt_groups(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(one row per distinct prompt, group of each row), or None when sharing saves no tokens.
@@ -354,25 +398,132 @@ def _response_padding(batch) -> torch.Tensor:
     return batch["attention_mask"][:, batch["input_ids"].shape[-1] - batch["responses"].shape[-1]:] == 0
 
 
-def _longest_response_first(batch) -> list[int]:
-    return torch.argsort(_response_lengths(batch), descending=True, stable=True).tolist()
+# ---- the rows' summary: everything the micro-batch plan reads, in one copy from the device ----------
+
+_SUMMARY = "_rlf_row_summary"  # meta_info key of a micro-batch's RowSummary (set by micro_batches)
 
 
-def trim_response_padding(batch) -> tuple[Any, int]:
+class MicroPlan(NamedTuple):
+    """A micro-batch's forward plan: its (width, lead) trim when known, and its prompt groups."""
+
+    trim: tuple[int, int] | None
+    prompt_groups: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class RowSummary:
+    """Per row: real response tokens, leading prompt columns that are padding, real prompt tokens, and
+    the first row (of the summarised batch) with the same prompt — host integers, read once."""
+
+    lengths: tuple[int, ...]
+    lead: tuple[int, ...]
+    prompt_tokens: tuple[int, ...]
+    group: tuple[int, ...]
+    prompt_width: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def select(self, rows: Sequence[int]) -> "RowSummary":
+        pick = lambda values: tuple(values[i] for i in rows)  # noqa: E731
+        return RowSummary(pick(self.lengths), pick(self.lead), pick(self.prompt_tokens), pick(self.group),
+                          self.prompt_width)
+
+    def trim(self) -> tuple[int, int]:
+        """(response width, leading prompt columns) ``trim_response_padding`` cuts to."""
+        return max(1, max(self.lengths, default=0)), min(self.lead, default=0)
+
+
+def row_summary(batch) -> RowSummary:
+    """The ``RowSummary`` of a (B, Tp+Tr) batch: computed on its device, copied to the host in one read.
+
+    A row without prompt tokens counts ``Tp - 1`` leading pad columns (``common_left_padding`` leaves
+    one column). Prompts are equal when their real tokens are (ids under a zero mask are ignored)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    tp = ids.shape[-1] - batch["responses"].shape[-1]
+    if ids.shape[0] == 0:
+        return RowSummary((), (), (), (), tp)
+    prompt_mask = mask[:, :tp]
+    lead = torch.where(prompt_mask.any(-1), prompt_mask.int().argmax(-1), max(tp - 1, 0))
+    group = _first_equal_rows(ids[:, :tp].masked_fill(prompt_mask == 0, -1))
+    lengths, lead, prompt_tokens, group = torch.stack(
+        [mask[:, tp:].sum(-1), lead, prompt_mask.sum(-1), group]).tolist()  # one read
+    return RowSummary(tuple(lengths), tuple(lead), tuple(prompt_tokens), tuple(group), tp)
+
+
+def _first_equal_rows(keys: torch.Tensor) -> torch.Tensor:
+    """(B,) index of the first row equal to each row of ``keys`` (B, T), on the device (no sort, no read:
+    ``torch.unique`` must read its output size). Compared in chunks of rows to bound the B x B x T memory."""
+    rows = keys.shape[0]
+    chunk = max(1, 2**24 // max(1, rows * keys.shape[1]))
+    return torch.cat([(keys[i:i + chunk, None, :] == keys[None, :, :]).all(-1).int().argmax(-1)
+                      for i in range(0, rows, chunk)])
+
+
+def _summarised(micro: DataProto, summary: RowSummary) -> DataProto:
+    micro.meta_info[_SUMMARY] = summary
+    return micro
+
+
+def _with_summaries(data: DataProto, summary: RowSummary, parts: list[list[int]]) -> list[DataProto]:
+    return [_summarised(data.select_idxs(part), summary.select(part)) for part in parts]
+
+
+def _summary_of(micro: DataProto) -> RowSummary | None:
+    return micro.meta_info.get(_SUMMARY)
+
+
+def _host_to(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
+def _prepared_causal_mask(module: nn.Module, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any = None) -> Any:
+    """A forward's attention mask, built here with transformers' own ``create_causal_mask`` for sdpa
+    models with full attention only: HF would otherwise test the 2-D padding mask for an all-ones fast
+    path (``fast_all``), a device read in every forward. The 4-D mask is the one HF builds itself (and
+    takes as prepared); same math. Other models get the 2-D mask. ``mask`` (b, past + new tokens); ``position_ids`` (b, new tokens); ``cache``: the KV cache
+    the forward continues (None: no past)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    config = getattr(base, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    windowed = any(t != "full_attention" for t in layer_types) if layer_types else \
+        getattr(config, "sliding_window", None) is not None
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or windowed or \
+            getattr(config, "vision_config", None) is not None:
+        return mask
+    try:
+        from transformers.masking_utils import create_causal_mask
+    except ImportError:
+        return mask
+    position_ids = model_position_ids(position_ids)
+    stub = torch.empty((mask.shape[0], position_ids.shape[-1], 0), device=mask.device)  # only its shape and device count
+    return create_causal_mask(config=config, inputs_embeds=stub, attention_mask=mask, cache=cache,
+                              position_ids=position_ids, allow_is_causal_skip=False)
+
+
+def trim_response_padding(batch, known: tuple[int, int] | None = None) -> tuple[Any, int]:
     """The model inputs without the columns that are padding in every row, and the uncut response width.
 
     Cut: the responses' right padding after the longest response, and the prompts' left padding
     before the longest prompt (``data.max_prompt_length`` is usually far above the batch's longest
     prompt). The columns cut hold padding only: a right-cut logit would only predict padding, and a
     left-cut key is masked out of every query, while positions are explicit (``position_ids``), so
-    no log-prob the loss reads changes.
+    no log-prob the loss reads changes. ``known``: (width, lead) from the rows' summary
+    (``RowSummary.trim``), so nothing is read from the device here.
     """
     full = batch["responses"].shape[-1]
     if not batch["responses"].shape[0]:
         return batch, full
-    width = max(1, int(_response_lengths(batch).max()))
-    prompt_mask = batch["attention_mask"][:, : batch["input_ids"].shape[-1] - full]
-    lead = common_left_padding(prompt_mask)
+    if known is not None:
+        width, lead = known
+    else:
+        width = max(1, int(_response_lengths(batch).max()))
+        prompt_mask = batch["attention_mask"][:, : batch["input_ids"].shape[-1] - full]
+        lead = common_left_padding(prompt_mask)
     if width >= full and lead == 0:
         return batch, full
     end = batch["input_ids"].shape[-1] - (full - width)

@@ -401,6 +401,24 @@ def clip_grad_norm_(parameters: Any, max_norm: float | None) -> float:
     return norm
 
 
+def clip_grad_norm_tensor_(parameters: Any, max_norm: float | None) -> torch.Tensor:
+    """``clip_grad_norm_`` without reading the norm: returns it as a 0-d tensor on the gradients' device.
+
+    Clips whatever the norm: a non-finite one leaves non-finite gradients, which is harmless because
+    the caller reads the norm next (with its metrics, in one read) and then skips the optimiser step
+    and drops the gradients."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, error_if_nonfinite=False,
+                                          foreach=None)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm is not None and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+    return total
+
+
 # --------------------------------------------------------------------------- optimiser offload
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
