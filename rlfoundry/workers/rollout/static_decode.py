@@ -106,9 +106,11 @@ class StaticDecoder:
         self._caches: dict[tuple, Any] = {}
         self._cache_keyword = next(iter(kv_cache_kwargs(module, None)))  # looked up here, not in a traced step
         self._step: Callable = self._forward
+        self._graphs = compile and mode == "reduce-overhead"
         if compile:
             # one graph per (bucket, cache length): more than dynamo's default 8 recompiles of a function
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
             self._step = torch.compile(self._forward, mode=mode, dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, position: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -197,6 +199,8 @@ class StaticDecoder:
                     cache = self._repack(cache, keep, size, filled + t)
                     slots, tokens = slots.take(keep, size, total), torch.cat([tokens[keep], tokens.new_zeros(size - live)])
             tokens = torch.where(slots.alive, tokens, pad_id)
+            if self._graphs:  # a new decode step: the last replay's logits were consumed (CUDA graph trees)
+                torch.compiler.cudagraph_mark_step_begin()
             logits = self._step(tokens, slots.next_pos, slots.mask, cache)
             slots.next_pos = slots.next_pos + 1
         return responses[:total], log_probs[:total], lengths[:total]
