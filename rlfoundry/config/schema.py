@@ -428,8 +428,10 @@ class OpenAIAgentConfig(Node):
     path: Optional[str] = None  # a .py file or a dotted module that defines the agent function
     name: str = "run_agent"  # the function: name(base_url=, api_key=, prompt=, extra_info=) -> answer
     timeout_s: float = 300.0  # per trajectory; later requests are refused and the sample is lost
-    host: str = "127.0.0.1"  # bind address (loopback; the node's address for an agent elsewhere)
+    host: str = "127.0.0.1"  # bind address (loopback; the node's address or 0.0.0.0 for an agent elsewhere)
     port: int = 0  # 0: any free port
+    # the host name agents are given in base_url; null: host, or this node's address when host is 0.0.0.0 / ::
+    advertise_host: Optional[str] = None
     max_segments: int = 1  # training rows per trajectory: an agent that rewrites its history makes several
 
 

@@ -379,3 +379,25 @@ def test_n_choices_are_one_segment_each(tokenizer):
     sampled = tokenizer.encode("a<|im_end|>", add_special_tokens=False)
     assert [_row_text(tokenizer, out, r)[1:] for r in range(2)] == [(sampled, [1] * len(sampled))] * 2
     assert list(out.non_tensor_batch["stop_reason"]) == ["agent_done", "agent_done"]
+
+
+def test_a_wildcard_bind_gives_agents_an_address_they_can_reach():
+    """``rollout.agent.openai.host=0.0.0.0`` (an agent on another machine): base_url names this node's
+    address, never the wildcard, and the endpoint answers there; ``advertise_host`` overrides the name."""
+    import asyncio
+    import ipaddress
+
+    from rlfoundry.workers.rollout.agent_loop.openai_agent import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1" and advertised_host("0.0.0.0", "gpu-7") == "gpu-7"
+    server = OpenAIEndpoint("0.0.0.0", 0, advertised_host("0.0.0.0"))  # as endpoint() starts it
+    loop = asyncio.new_event_loop()
+    try:
+        sid, base_url = server.open(lambda request: None, loop, 30.0)
+        host = base_url.split("//", 1)[1].split(":", 1)[0]
+        assert not ipaddress.ip_address(host).is_unspecified
+        assert [m.id for m in _client(base_url, server.api_key).models.list()] == ["rlfoundry-policy"]
+        server.close(sid)
+    finally:
+        server.shutdown()
+        loop.close()

@@ -64,12 +64,38 @@ _ENDPOINTS_LOCK = threading.Lock()
 _SENTINEL = "\x00rlfoundry-assistant\x00"  # stands for an assistant turn's text when finding what follows it
 
 
-def endpoint(host: str = "127.0.0.1", port: int = 0) -> OpenAIEndpoint:
-    """The process's endpoint on ``host:port``, started on first use (one secret per run)."""
+def endpoint(host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> OpenAIEndpoint:
+    """The process's endpoint on ``host:port``, started on first use (one secret per run); agents are
+    given ``advertise`` as its host (see ``advertised_host``)."""
     with _ENDPOINTS_LOCK:
         if (host, int(port)) not in _ENDPOINTS:
-            _ENDPOINTS[(host, int(port))] = OpenAIEndpoint(host, port)
+            _ENDPOINTS[(host, int(port))] = OpenAIEndpoint(host, port, advertised_host(host, advertise))
         return _ENDPOINTS[(host, int(port))]
+
+
+def advertised_host(host: str, advertise: str | None = None) -> str:
+    """The name an agent reaches the endpoint by: ``advertise`` if given; for a wildcard bind (``0.0.0.0``,
+    ``::``), which is no address to connect to, this node's address as Ray reports it (the one other nodes
+    reach it by), else the address of the interface that routes outwards; otherwise ``host`` itself."""
+    if advertise:
+        return advertise
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: only a route lookup
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -310,7 +336,7 @@ class OpenAIAgentLoop(AgentLoopBase):
         settings = self.agent.openai
         fn = load_agent_function(settings.path, settings.name)
         recorder = _Recorder(self, list(row["prompt_ids"]))
-        server = endpoint(settings.host, settings.port)
+        server = endpoint(settings.host, settings.port, settings.advertise_host)
         sid, base_url = server.open(recorder.complete, asyncio.get_running_loop(), settings.timeout_s)
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
         kwargs = {"base_url": base_url, "api_key": server.api_key, "prompt": list(row.get("raw_prompt") or []),
