@@ -501,8 +501,8 @@ def _prepared_causal_mask(module: nn.Module, mask: torch.Tensor, position_ids: t
         return mask
     position_ids = model_position_ids(position_ids)
     stub = torch.empty((mask.shape[0], position_ids.shape[-1], 0), device=mask.device)  # only its shape and device count
-    return create_causal_mask(config=config, inputs_embeds=stub, attention_mask=mask, cache=cache,
-                              position_ids=position_ids, allow_is_causal_skip=False)
+    # the cache goes by position: transformers < 5.2x names it past_key_values, later ones cache
+    return create_causal_mask(config, stub, mask, cache, position_ids=position_ids, allow_is_causal_skip=False)
 
 
 def trim_response_padding(batch, known: tuple[int, int] | None = None) -> tuple[Any, int]:
