@@ -92,7 +92,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.use_fire_sampling",  # FIRE: the first token at a high temperature
     "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",  # re-render turns with the template
-    "reward_model.launch_reward_fn_async",  # rule rewards overlapping the log-prob passes
 )
 
 # Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.

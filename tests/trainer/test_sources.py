@@ -48,6 +48,7 @@ def _trainer(loader: _Loader, total: int) -> SimpleNamespace:
     t.generate = lambda batch_dict, timing, balance=True: _Batch(meta_info={}, batch_dict=batch_dict)
     t.generated = lambda out: _Batch(meta_info={}, batch_dict=out)
     t.reward = lambda batch, timing: (batch, {})
+    t.reward_in_background = t.reward  # the synchronous source's way in (launch_reward_fn_async)
     t.sync_weights = lambda timing: {}
     calls = []  # the stand-in pool's generation calls (an engine seeds each call's draws by their count)
 

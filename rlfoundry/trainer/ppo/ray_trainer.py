@@ -334,6 +334,7 @@ class PPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
         self.state = _RunState()
         self.tracker = None
+        self._reward_thread, self._pending_reward = None, None  # reward_model.launch_reward_fn_async
         self.source = make_source(self)
 
     # ---- workers -------------------------------------------------------------------------------
@@ -393,6 +394,8 @@ class PPOTrainer:
             return self._fit(start)
         finally:
             self.source.close()
+            if self._reward_thread is not None:
+                self._reward_thread.shutdown(wait=True, cancel_futures=True)
 
     def _fit(self, start: float) -> dict[str, Any]:
         from rlfoundry.trainer.reliability import NonFiniteGuard, log_extra
@@ -472,15 +475,17 @@ class PPOTrainer:
             sampler.update(batch=batch)
 
     def train_on(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
-        """Everything after the rewards: old / ref log-probs, values, advantages, the updates."""
+        """Everything after the rewards: old / ref log-probs, values, advantages, the updates. A reward
+        still being computed (``reward_in_background``) is collected before the advantages need it."""
         metrics: dict[str, float] = {}
+        batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
+        batch = self._ref_log_prob(batch, timing)
+        batch = self._values(batch, timing)
+        batch, m = self._collect_reward(batch, timing); metrics |= m  # noqa: E702
         if self.config.trainer.rollout_data_dir:
             scores = batch.batch["token_level_scores"].sum(-1).tolist()
             write_generations(generation_records(batch, scores, self.tokenizer, self.state.global_steps),
                               Path(self.config.trainer.rollout_data_dir), self.state.global_steps)
-        batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
-        batch = self._ref_log_prob(batch, timing)
-        batch = self._values(batch, timing)
         batch, m = self._advantage(batch, timing); metrics |= m  # noqa: E702
         metrics |= self._update_critic(batch, timing)
         metrics |= self._update_actor(batch, timing)
@@ -544,6 +549,34 @@ class PPOTrainer:
             result = self.reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
         return batch, (result if return_result else reward_result_metrics(result))
+
+    def reward_in_background(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """verl's ``reward_model.launch_reward_fn_async``: the reward function scores in a thread while the
+        log-prob and value passes run; ``train_on`` collects it before the advantages. Only a reward
+        that needs no worker (no reward model, no judge) can overlap them: otherwise this is ``reward``."""
+        if not self.config.reward_model.launch_reward_fn_async or self.use_rm or self.judge is not None:
+            return self.reward(batch, timing)
+        if self._reward_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlfoundry-reward")
+        # its own containers of the batch's columns: the passes add theirs to the batch meanwhile
+        columns = batch.select(batch_keys=list(batch.batch.keys()), non_tensor_batch_keys=list(batch.non_tensor_batch))
+        self._pending_reward = (self._reward_thread.submit(self.reward_fn, columns, return_dict=True),
+                                time.perf_counter())
+        return batch, {}
+
+    def _collect_reward(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
+        """The scores of ``reward_in_background`` (nothing to do when the batch came scored); ``timing_s/reward``
+        is the time the step waited for them, ``timing_s/reward_overlapped`` how long they ran in all."""
+        if self._pending_reward is None:
+            return batch, {}
+        future, started = self._pending_reward
+        self._pending_reward = None
+        with marked_timer("reward", timing):
+            result = future.result()
+        batch.batch["token_level_scores"] = result["reward_tensor"]
+        return batch, reward_result_metrics(result) | {"timing_s/reward_overlapped": time.perf_counter() - started}
 
     def _judged(self, batch: DataProto) -> DataProto:
         """The batch with the generative reward model's judgements (``judge_scores`` ...), if there is one."""

@@ -105,7 +105,7 @@ class SyncSource(SampleSource):
 
     def next_batch(self, timing: dict) -> tuple[DataProto, dict[str, float]]:
         batch = self.trainer.generate(next(self.loader), timing)
-        return self.trainer.reward(batch, timing)
+        return self.trainer.reward_in_background(batch, timing)  # = reward unless launch_reward_fn_async
 
 
 class DynamicSamplingSource(SyncSource):
