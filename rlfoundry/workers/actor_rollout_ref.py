@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -70,6 +71,8 @@ from rlfoundry import cpu as cpu_kernels
 
 __all__ = ["ActorRolloutRefWorker", "ROLES"]
 
+logger = logging.getLogger(__name__)
+
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
 
@@ -98,6 +101,7 @@ class ActorRolloutRefWorker(Worker):
         self._ref_in_actor = False  # LoRA: the reference is the actor's module with the adapter off
         self.param_version = 0  # the actor's updates so far (the trainer's policy version)
         self.rollout_version = 0  # the version of the weights the rollout engine samples with
+        self._unverified_logged = False  # verify on, an engine that cannot report its weights: said once
 
     def _actor_batch_sizes(self) -> ActorBatchSizes:
         """verl's normalisation: mini-batch prompts × rollout.n, divided over the dp ranks."""
@@ -331,22 +335,69 @@ class ActorRolloutRefWorker(Worker):
         return {"rollout/param_staleness_mean": float(lag.mean()), "rollout/param_staleness_max": float(lag.max())}
 
     def _refresh_rollout(self) -> None:
-        """After the actor's weights changed: a rollout on a copy takes them tensor by tensor (verified
-        when ``checkpoint_engine.verify``); one on the engine's own module (or one that pulls, as vLLM) is told."""
+        """After the actor's weights changed: a rollout on a copy takes them tensor by tensor; one that
+        pulls them (vLLM, SGLang) is told and pulls; one on the engine's own module (HF) is told. Both
+        loads are verified when ``checkpoint_engine.verify``."""
         if self.rollout is None:
             return
         if self.engine.rollout_module() is None:
             self._load_into_rollout(self.engine.iter_hf_weights(), self.param_version, "the hybrid rollout engine")
         else:
-            self.rollout.on_actor_update()
+            self._pull_into_rollout()
             self.rollout_version = self.param_version
+
+    def _verify_dtypes(self) -> dict[str, torch.dtype] | None:
+        """The engine's storage dtypes when this sync is to be verified; None: verify off, or an engine
+        that cannot report its weights (said once: its syncs go unverified)."""
+        if not self.config.rollout.checkpoint_engine.verify:
+            return None
+        dtypes = self.rollout.weight_dtypes()
+        if dtypes is None and not self._unverified_logged:
+            self._unverified_logged = True
+            logger.warning("rank %d: rollout.checkpoint_engine.verify is on but the %s engine cannot report "
+                           "digests of its weights; its weight syncs go unverified (docs/async.md, verify).",
+                           self.rank, type(self.rollout).__name__)
+        return dtypes
+
+    def _pull_into_rollout(self) -> None:
+        """``on_actor_update``; for an engine that pulls the actor's weights, with verify on, the pulled
+        stream is recorded on its way in (``weight_tap``) and the engine's digests compared after."""
+        from rlfoundry.workers.weight_sync import DigestRecorder
+
+        dtypes = self._verify_dtypes() if self.rollout.pulls_weights() else None
+        if dtypes is None:
+            self.rollout.on_actor_update()
+            return
+        recorder, streams = DigestRecorder(dtypes), []
+
+        def tap(weights):
+            streams.append(recorder.wrap(weights))
+            return streams[-1]
+
+        self.rollout.weight_tap = tap
+        try:
+            self.rollout.on_actor_update()
+            if not streams:  # the engine pulled nothing (a skipped sync): what it should hold, to compare
+                self.rollout._weights(None)
+        finally:
+            self.rollout.weight_tap = None
+        for stream in streams:  # what the engine left unread must still match (and every rank gather it)
+            for _ in stream:
+                pass
+        self._compare_rollout_digests(recorder.expected, self.param_version, "the hybrid rollout engine")
+
+    def _compare_rollout_digests(self, expected: dict[str, int], version: int, where: str) -> None:
+        from rlfoundry.workers.weight_sync import compare_digests
+
+        compare_digests(expected, self.rollout.weight_digests(), where=f"{where} on rank {self.rank}",
+                        version=version, engine_name=self.rollout.engine_weight_name)
 
     def _load_into_rollout(self, weights: Any, version: int | None, where: str, sent: dict[str, int] | None = None) -> None:
         """Load a weight stream into the rollout engine; with verify on, compare its digests after.
         ``version`` None: the one the bridge's stream carried (known once it has ended)."""
-        from rlfoundry.workers.weight_sync import DigestRecorder, compare_digests
+        from rlfoundry.workers.weight_sync import DigestRecorder
 
-        dtypes = self.rollout.weight_dtypes() if self.config.rollout.checkpoint_engine.verify else None
+        dtypes = self._verify_dtypes()
         if dtypes is None:  # verify off, or an engine that cannot report its weights
             self.rollout.sync_weights(weights)
         else:
@@ -356,8 +407,7 @@ class ActorRolloutRefWorker(Worker):
             for _ in stream:  # what the engine left unread must still match (and the bridge be read to its end)
                 pass
             version = self._bridge.version if version is None else version
-            compare_digests(recorder.expected, self.rollout.weight_digests(), where=f"{where} on rank {self.rank}",
-                            version=version)
+            self._compare_rollout_digests(recorder.expected, version, where)
         self.rollout_version = self._bridge.version if version is None else version
 
     def _update_policy(self, data: DataProto) -> dict[str, list[float]]:

@@ -21,14 +21,14 @@ few elements; and checking only the first sync (a resume that reloads the initia
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import StaleWeightsError
 
-__all__ = ["DigestRecorder", "compare_digests", "tensor_digest", "weight_digests"]
+__all__ = ["DigestRecorder", "compare_digests", "fold_digests", "tensor_digest", "weight_digests"]
 
 _MASK = (1 << 64) - 1
 _CHUNK = 1 << 22  # elements hashed at once: bounds the int64 temporaries to 32 MiB
@@ -100,17 +100,45 @@ class DigestRecorder:
             yield name, box["tensor"]
 
 
-def compare_digests(expected: Mapping[str, int], actual: Mapping[str, int], *, where: str, version: int) -> None:
+def fold_digests(expected: Mapping[str, int], engine_name: Callable[[str], str | None]
+                 ) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """The sent digests under the engine's names: ``engine_name(sent name)`` is the engine tensor that holds
+    it (q/k/v_proj all map to vLLM's ``qkv_proj``), None when the engine keeps no copy of its own (a tied
+    ``lm_head``). Parts of one engine tensor add up (the digest is additive). Returns ({engine name:
+    digest}, {engine name: the sent names folded into it}), both in the order the sent names came."""
+    folded: dict[str, int] = {}
+    parts: dict[str, list[str]] = {}
+    for name, digest in expected.items():
+        target = engine_name(name)
+        if target is None:
+            continue
+        folded[target] = (folded.get(target, 0) + digest) & _MASK
+        parts.setdefault(target, []).append(name)
+    return folded, parts
+
+
+def compare_digests(expected: Mapping[str, int], actual: Mapping[str, int], *, where: str, version: int,
+                    engine_name: Callable[[str], str | None] | None = None) -> None:
     """Raise ``StaleWeightsError`` naming the first tensor the engine holds differently (in the
-    trainer's order) or did not receive; names only the engine has are the engine's business."""
+    trainer's order) or did not receive; names only the engine has are the engine's business.
+    ``engine_name``: for an engine that fuses or renames tensors, as ``fold_digests`` (``actual`` then
+    has the engine's names); the error names the engine's tensor and the sent tensors fused into it."""
+    parts: dict[str, list[str]] = {}
+    if engine_name is not None:
+        expected, parts = fold_digests(expected, engine_name)
+
+    def label(name: str) -> str:
+        sent = parts.get(name, [name])
+        return repr(name) if sent == [name] else f"{name!r} (the engine's tensor holding {', '.join(sent)})"
+
     for name, digest in expected.items():
         if name not in actual:
             raise StaleWeightsError(
-                f"weight sync to {where} (param_version {version}): the engine has no tensor {name!r} after the "
+                f"weight sync to {where} (param_version {version}): the engine has no tensor {label(name)} after the "
                 f"sync; it holds {len(actual)} tensors, the trainer sent {len(expected)}.")
         if actual[name] != digest:
             differing = sum(1 for k, d in expected.items() if actual.get(k) != d)
             raise StaleWeightsError(
-                f"weight sync to {where} (param_version {version}): tensor {name!r} differs from the trainer's "
+                f"weight sync to {where} (param_version {version}): tensor {label(name)} differs from the trainer's "
                 f"after the sync ({differing} of {len(expected)} tensors differ); the engine would sample from "
                 "stale or corrupted weights. Check the engine's weight loader (names, dtypes, LoRA merge).")

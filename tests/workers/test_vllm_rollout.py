@@ -12,6 +12,7 @@ them by > 5e-2, so a missed weight sync cannot hide inside it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -230,11 +231,13 @@ def test_actor_update_reaches_vllm_and_a_skipped_sync_is_detected(group, hf_engi
         out = _greedy(group, prompts)
         return _max_abs(out.batch["rollout_log_probs"], _actor_log_probs(group, out), out.batch["response_mask"])
 
-    # 1. an update whose sync is skipped: the engine still samples from the old weights
+    # 1. an update whose sync is skipped: the engine still samples from the old weights (verify mode
+    # off, which would refuse the update: test_verify_mode_catches_a_skipped_corrupted_or_partial_pull)
     syncs = engine.syncs
     engine.sync_weights = lambda *a, **k: None  # instance attribute shadows the method
     try:
-        group.update_actor(_training_batch(group, prompts, seed=0))
+        with _unverified(group):
+            group.update_actor(_training_batch(group, prompts, seed=0))
     finally:
         del engine.sync_weights
     stale = engine_vs_actor()
@@ -257,6 +260,101 @@ def test_actor_update_reaches_vllm_and_a_skipped_sync_is_detected(group, hf_engi
     group.update_actor(_training_batch(group, prompts, seed=1))
     assert engine.syncs == syncs + 3
     assert engine_vs_actor() < LOGP_TOL
+
+
+@contextlib.contextmanager
+def _unverified(group):
+    """``rollout.checkpoint_engine.verify`` off for a block (a test that skips a sync on purpose)."""
+    ce = group.worker.config.rollout.checkpoint_engine
+    ce.verify = False
+    try:
+        yield
+    finally:
+        ce.verify = True
+
+
+def _folded_actor_digests(group) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """The actor's HF weights' digests in the engine's dtype, folded into the engine's names."""
+    from rlfoundry.workers.weight_sync import fold_digests, tensor_digest
+
+    engine = group.worker.rollout
+    dtypes = engine.weight_dtypes()
+    sent = {name: tensor_digest(t, dtypes[name]) for name, t in group.worker.engine.iter_hf_weights()}
+    return fold_digests(sent, engine.engine_weight_name)
+
+
+@vllm_test
+def test_vllms_digests_are_the_actors_under_its_fused_names(group, prompts):
+    """Computed in vLLM's worker from its own weights (on CPU: as loaded, before the oneDNN repacking
+    empties the linear layers' parameters): equal to the actor's HF weights summed into qkv_proj and
+    gate_up_proj, the padded vocabulary rows left out; after an update they move with the actor."""
+    assert group.worker.config.rollout.checkpoint_engine.verify  # the default
+    group.update_actor(_training_batch(group, prompts, seed=3))  # a verified pull (raises if stale)
+    expected, parts = _folded_actor_digests(group)
+    held = group.worker.rollout.weight_digests()
+    assert parts["model.layers.0.self_attn.qkv_proj.weight"] == [
+        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert parts["model.layers.1.mlp.gate_up_proj.weight"] == ["model.layers.1.mlp.gate_proj.weight",
+                                                               "model.layers.1.mlp.up_proj.weight"]
+    assert {k: held[k] for k in expected} == expected
+    before = dict(held)
+    group.update_actor(_training_batch(group, prompts, seed=4))
+    after = group.worker.rollout.weight_digests()
+    assert after["model.layers.0.self_attn.qkv_proj.weight"] != before["model.layers.0.self_attn.qkv_proj.weight"]
+    assert {k: after[k] for k in expected} == _folded_actor_digests(group)[0]
+
+
+def _hf_names(group) -> list[str]:
+    return [name for name, _ in group.worker.engine.iter_hf_weights()]
+
+
+@vllm_test
+def test_verify_mode_catches_a_skipped_corrupted_or_partial_pull(group, prompts, monkeypatch):
+    """The hybrid path (update_actor -> on_actor_update -> vLLM pulls the actor's weights): with verify
+    on, a pull the engine skipped, a tensor corrupted on its way in (the ``sync_weights.tensor`` fault)
+    and a load that drops one tensor each end the update with StaleWeightsError naming the tensor, and
+    the stale engine then refuses to generate; the next good pull passes."""
+    from rlfoundry.utils import faults
+    from rlfoundry.utils.errors import StaleWeightsError
+
+    worker, engine = group.worker, group.worker.rollout
+    names = _hf_names(group)
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+
+    def caught(pattern: str) -> None:
+        batch = _training_batch(group, prompts, seed=worker.param_version)
+        with pytest.raises(StaleWeightsError, match=pattern):
+            group.update_actor(batch)
+        with pytest.raises(StaleWeightsError, match="weight sync after update_actor was skipped"):
+            group.generate_sequences(prompts)
+        monkeypatch.undo()
+        faults.reset()
+        worker._refresh_rollout()  # a good, verified pull: the engine is current again
+        assert worker.rollout_version == worker.param_version
+
+    # a skipped pull: every tensor differs, the first named
+    monkeypatch.setattr(engine, "sync_weights", lambda *a, **k: None)
+    caught(rf"tensor '{names[0]}' differs from the trainer's after the sync \((\d+) of \1 tensors differ")
+
+    # one tensor corrupted after its digest was taken (as a broken loader would): named by the fused
+    # tensor it went into, with its parts
+    monkeypatch.setenv(faults.ENV_VAR, f"sync_weights.tensor@{names.index(q_proj) + 1}:nan")
+    faults.reset()
+    caught(r"tensor 'model\.layers\.0\.self_attn\.qkv_proj\.weight' \(the engine's tensor holding "
+           rf"{q_proj}, .*\) differs .*\(1 of ")
+
+    # the engine's load drops one tensor: that layer keeps its old weights
+    rpc = engine.llm.collective_rpc
+
+    def dropping(method, *args, kwargs=None, **kw):
+        if method == "reload_weights":
+            kwargs = {**kwargs, "weights_iterator": ((n, t) for n, t in kwargs["weights_iterator"] if n != down)}
+        return rpc(method, *args, kwargs=kwargs, **kw)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", dropping)
+    caught(rf"tensor '{down}' differs .*\(1 of ")
+    assert _greedy(group, prompts).batch["responses"].shape[0] == len(TEXTS)  # generates again
 
 
 # The end-to-end run and the two-rank run each get fresh processes: vLLM keeps its parallel state in
@@ -580,11 +678,14 @@ def engine_vs_actor():
 
 result = {"start": engine_vs_actor(), "enable_lora": bool(engine.engine_kwargs.get("enable_lora"))}
 engine.sync_weights = lambda *a, **k: None  # a skipped sync: the engine keeps the old adapter
+verify = group.worker.config.rollout.checkpoint_engine
+verify.verify = False  # merged syncs are verified, and the skip would fail the update (see the verify tests)
 try:
     for seed in range(3):
         group.update_actor(_training_batch(group, prompts, seed=seed))
 finally:
     del engine.sync_weights
+    verify.verify = True
 result["stale"] = engine_vs_actor()
 engine.sync_weights()
 result["synced"] = engine_vs_actor()

@@ -3,6 +3,8 @@ mode's catch of a skipped or corrupted sync, and ``param_version`` on every samp
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -42,6 +44,35 @@ def test_compare_names_the_first_tensor_that_differs_or_is_missing():
         compare_digests(expected, {"a": 1, "b": 5, "c": 6}, where="x", version=4)
     with pytest.raises(StaleWeightsError, match="the engine has no tensor 'c'"):
         compare_digests(expected, {"a": 1, "b": 2}, where="x", version=4)
+
+
+def test_an_engine_that_fuses_is_compared_under_its_names_and_names_the_parts():
+    """vLLM's qkv_proj holds q/k/v_proj: the sent digests fold into it by addition, a tied lm_head
+    (None) is left out, and an error names the engine's tensor with the sent tensors in it."""
+    from rlfoundry.workers.weight_sync import fold_digests
+
+    parts = {n: torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i, n in enumerate("qkvo")}
+    sent = {f"attn.{n}_proj.weight": tensor_digest(t) for n, t in parts.items()} | {"lm_head.weight": 7}
+    fused = {"attn.qkv_proj.weight": tensor_digest(torch.cat([parts[n] for n in "qkv"])),
+             "attn.o_proj.weight": tensor_digest(parts["o"])}
+
+    def engine_name(name: str) -> str | None:
+        if name == "lm_head.weight":
+            return None
+        return re.sub(r"\.[qkv]_proj\.", ".qkv_proj.", name)
+
+    folded, names = fold_digests(sent, engine_name)
+    assert folded == fused and names["attn.qkv_proj.weight"] == ["attn.q_proj.weight", "attn.k_proj.weight",
+                                                                  "attn.v_proj.weight"]
+    compare_digests(sent, fused, where="x", version=1, engine_name=engine_name)
+    stale = fused | {"attn.qkv_proj.weight": tensor_digest(torch.cat([parts["q"], parts["k"], parts["k"]]))}
+    with pytest.raises(StaleWeightsError, match=r"tensor 'attn\.qkv_proj\.weight' \(the engine's tensor holding "
+                                                r"attn\.q_proj\.weight, attn\.k_proj\.weight, attn\.v_proj\.weight\) "
+                                                r"differs .*\(1 of 2 tensors"):
+        compare_digests(sent, stale, where="x", version=1, engine_name=engine_name)
+    with pytest.raises(StaleWeightsError, match=r"no tensor 'attn\.o_proj\.weight' after"):
+        compare_digests(sent, {"attn.qkv_proj.weight": fused["attn.qkv_proj.weight"]}, where="x", version=1,
+                        engine_name=engine_name)
 
 
 # ---- the verify mode on a rollout that holds a copy ----------------------------------------------

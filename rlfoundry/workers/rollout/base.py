@@ -10,7 +10,7 @@ the actor's state dict after every update, and the trainer never knows the diffe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,12 +91,24 @@ class BaseRollout(ABC):
         if named_tensors is not None:
             return named_tensors
         if getattr(self, "weight_source", None) is not None:
-            return self.weight_source()
-        if getattr(self, "module", None) is None:
+            pulled = self.weight_source()
+        elif getattr(self, "module", None) is None:
             raise RuntimeError("sync_weights(None) needs the actor module; pass (name, tensor) pairs instead")
-        from rlfoundry.engines.fsdp.utils import iter_full_parameters
+        else:
+            from rlfoundry.engines.fsdp.utils import iter_full_parameters
 
-        return iter_full_parameters(self.module)
+            pulled = iter_full_parameters(self.module)
+        return pulled if self.weight_tap is None else self.weight_tap(pulled)
+
+    # set by the worker around a verified pull (``rollout.checkpoint_engine.verify``): wraps the stream a
+    # pull loads (``DigestRecorder.wrap``), so what the engine took is recorded on its way in
+    weight_tap: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] | None = None
+
+    def pulls_weights(self) -> bool:
+        """Whether ``on_actor_update`` loads a weight stream through ``_weights(None)`` (vLLM, SGLang), which
+        verify mode records through ``weight_tap``; False: the engine samples with the actor's own module
+        (HF) or syncs some other way (a LoRA adapter request)."""
+        return False
 
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
         """{HF name: the dtype the engine stores it in}, for ``rollout.checkpoint_engine.verify``; None:
@@ -104,8 +116,15 @@ class BaseRollout(ABC):
         return None
 
     def weight_digests(self) -> dict[str, int] | None:
-        """{HF name: ``weight_sync.tensor_digest``} of the weights the engine samples with (None: as above)."""
+        """{name: ``weight_sync.tensor_digest``} of the weights the engine samples with (None: as above), by
+        the engine's names (``engine_weight_name``)."""
         return None
+
+    def engine_weight_name(self, name: str) -> str | None:
+        """The engine's name for the tensor that holds HF ``name`` (several HF tensors fused into one engine
+        tensor share it: its digest is the sum of theirs); None: the engine keeps no copy of its own (a
+        tied ``lm_head``). Default: the HF name."""
+        return name
 
     def on_actor_update(self) -> None:
         """Called by the worker after every optimiser step of the actor."""

@@ -261,6 +261,19 @@ class SGLangRollout(BaseRollout):
         self._release()
         self.syncs += 1
 
+    # ---- verify mode (rollout.checkpoint_engine.verify) ------------------------------------
+
+    def pulls_weights(self) -> bool:
+        return True
+
+    def weight_dtypes(self) -> dict[str, torch.dtype] | None:
+        """None: unverified. The model lives in SGLang's scheduler process, and ``sglang.Engine`` has no
+        call that computes something there and returns it: ``collective_rpc`` runs one of the scheduler's
+        own methods by name and returns only whether it succeeded, and ``get_weights_by_name`` returns a
+        parameter's values as Python lists (truncated by default): a copy of every weight through the
+        tokenizer manager per sync, not a digest. The worker logs once that this engine's syncs go unverified."""
+        return None
+
     # ---- generation ----------------------------------------------------------------------
 
     def _sampling_params(self, params: SamplingParams, eos_ids: list[int], max_tokens: int) -> dict[str, Any]:

@@ -12,6 +12,11 @@ The load goes through the worker's ``reload_weights`` (in-place reload, which al
 per-layer post-processing: on CPU vLLM repacks linear weights for oneDNN, so copying into
 ``param.data`` would not reach the kernels).
 
+Verify mode (``rollout.checkpoint_engine.verify``, docs/async.md): after each full or merged sync the
+engine's digests are computed in its worker (``LLM.apply_model``) under its own names, and the
+trainer's HF-named digests are summed into them (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj);
+an adapter sync (``lora_sync=adapter``) is not verified.
+
 Output contract: exactly ``HFRollout.generate_sequences`` (B·n interleaved rows, right-padded
 ``responses`` of width ``response_length``, ``response_mask`` 1 through EOS, ``rollout_log_probs``).
 Log-probs are vLLM's ``processed_logprobs``: log softmax(logits / T) of the sampled token, the value
@@ -314,6 +319,80 @@ def _check_cpu_head_dim(hf_config: Any) -> None:
         )
 
 
+# --------------------------------------------------------------------------- verify mode (in the engine's worker)
+
+# Run inside vLLM's worker by ``LLM.apply_model`` (the model is the engine's own ``nn.Module``).
+_LOAD_DIGESTS = "_rlfoundry_load_digests"
+
+
+def _checkpoint_part(layer: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of an engine tensor that holds checkpoint values: vLLM pads the vocabulary rows of its
+    embedding and LM head (``org_vocab_size`` onwards: nothing loaded there)."""
+    vocab = getattr(layer, "org_vocab_size", None)
+    if name == "weight" and vocab is not None and tensor.dim() == 2 and tensor.shape[0] > vocab:
+        return tensor[:vocab]
+    return tensor
+
+
+def _install_load_taps(model: nn.Module) -> None:
+    """Record each layer's digests as vLLM's loader wrote its parameters, just before the layer's
+    ``process_weights_after_loading`` turns them into kernel form. On CPU that repacks every linear
+    layer's weight for oneDNN and empties the parameter, so after a load no parameter holds those
+    weights; the digest taken here is the engine's copy as loaded (fused q/k/v, in its dtype). Idempotent."""
+    if hasattr(model, _LOAD_DIGESTS):
+        return
+    from rlfoundry.workers.weight_sync import tensor_digest
+
+    store: dict[str, tuple[int, torch.dtype, int]] = {}
+    prefixes: dict[int, str] = {}
+    methods: dict[int, Any] = {}
+    for prefix, layer in model.named_modules():
+        method = getattr(layer, "quant_method", None)
+        if callable(getattr(method, "process_weights_after_loading", None)):
+            prefixes[id(layer)] = prefix
+            methods[id(method)] = method
+    for method in methods.values():  # a method shared by several layers is wrapped once
+        def tapped(layer, _process=method.process_weights_after_loading):
+            prefix = prefixes.get(id(layer))
+            if prefix is not None:
+                for name, param in layer.named_parameters(recurse=False):
+                    part = _checkpoint_part(layer, name, param)
+                    store[f"{prefix}.{name}" if prefix else name] = (tensor_digest(part), part.dtype, part.numel())
+            return _process(layer)
+
+        method.process_weights_after_loading = tapped
+    setattr(model, _LOAD_DIGESTS, store)
+
+
+def _engine_layout(model: nn.Module) -> tuple[dict[str, torch.dtype], dict[str, list[str]], bool]:
+    """({engine parameter name: dtype as loaded}, the model's ``packed_modules_mapping``, tied embeddings)."""
+    loaded = getattr(model, _LOAD_DIGESTS, {})
+    dtypes = {}
+    for prefix, layer in model.named_modules():
+        for name, param in layer.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            dtypes[full] = loaded[full][1] if full in loaded else param.dtype
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    return dtypes, {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}, tied
+
+
+def _engine_digests(model: nn.Module) -> dict[str, int]:
+    """{engine parameter name: digest}: of the parameter itself, or, where vLLM processed it into kernel
+    form after the load (emptied or cast on CPU), of the parameter as the load left it (``_install_load_taps``)."""
+    from rlfoundry.workers.weight_sync import tensor_digest
+
+    loaded = getattr(model, _LOAD_DIGESTS, {})
+    out = {}
+    for prefix, layer in model.named_modules():
+        for name, param in layer.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            part = _checkpoint_part(layer, name, param)
+            record = loaded.get(full)
+            processed = record is not None and (part.numel() != record[2] or part.dtype != record[1])
+            out[full] = record[0] if processed else tensor_digest(part)
+    return out
+
+
 # --------------------------------------------------------------------------- the engine
 
 class VLLMRollout(BaseRollout):
@@ -354,6 +433,7 @@ class VLLMRollout(BaseRollout):
         self.adapter = _AdapterSync(adapter_source) if adapter_source is not None else None
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), as_id_list(eos_token_id)
         self.seed, self.calls, self.syncs = self.config.seed, 0, 0
+        self._weight_layout: tuple[dict[str, torch.dtype], dict[str, str], bool] | None = None  # verify mode
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
         if not model_path:
             raise ValueError("VLLMRollout needs model_path (an HF directory) when the module does not carry one")
@@ -456,6 +536,66 @@ class VLLMRollout(BaseRollout):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         self.syncs += 1
+
+    # ---- verify mode (rollout.checkpoint_engine.verify) ------------------------------------
+
+    def pulls_weights(self) -> bool:
+        return self.adapter is None  # an adapter sync is a LoRA request, not a weight stream
+
+    def _layout(self) -> tuple[dict[str, torch.dtype], dict[str, str], bool]:
+        """({engine name: dtype}, {HF module name: the fused module holding it}, tied), read once."""
+        if self._weight_layout is None:
+            self._require_engine()
+            dtypes, packed, tied = self.llm.apply_model(_engine_layout)[0]
+            fused = {part: module for module, parts in packed.items() for part in parts}
+            self._weight_layout = (dtypes, fused, tied)
+        return self._weight_layout
+
+    def weight_dtypes(self) -> dict[str, torch.dtype] | None:
+        """{HF name: the engine's dtype}, the fused tensors' parts each under its own name. Asking starts
+        the engine's recording of its loads (``_install_load_taps``), which the digests after a sync use.
+        None with a LoRA adapter sync (unverified: the engine's base weights do not move)."""
+        if self.adapter is not None:
+            return None
+        self._require_engine()
+        self.llm.apply_model(_install_load_taps)
+        dtypes, fused, _ = self._layout()
+        packed: dict[str, list[str]] = {}
+        for part, module in fused.items():
+            packed.setdefault(module, []).append(part)
+        out = {}
+        for name, dtype in dtypes.items():
+            head, _, param = name.rpartition(".")
+            prefix, _, module = head.rpartition(".")
+            for part in packed.get(module, [module]):
+                out[f"{prefix}.{part}.{param}" if prefix else f"{part}.{param}"] = dtype
+        return out
+
+    def weight_digests(self) -> dict[str, int] | None:
+        """{engine name: digest} of the engine's own weights, computed in its worker (``_engine_digests``);
+        the trainer's HF-named digests fold into these names by ``engine_weight_name``."""
+        if self.adapter is not None:
+            return None
+        self._require_engine()
+        self._wake_up(["weights"])
+        return self.llm.apply_model(_engine_digests)[0]
+
+    def engine_weight_name(self, name: str) -> str | None:
+        """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj (the model's ``packed_modules_mapping``);
+        a tied ``lm_head.weight`` -> None (the engine's LM head is its embedding)."""
+        dtypes, fused, tied = self._layout()
+        name = hf_parameter_name(name)
+        if name in dtypes:
+            return name
+        head, _, param = name.rpartition(".")
+        prefix, _, module = head.rpartition(".")
+        if module in fused:
+            packed = f"{prefix}.{fused[module]}.{param}" if prefix else f"{fused[module]}.{param}"
+            if packed in dtypes:
+                return packed
+        if tied and name == "lm_head.weight":
+            return None
+        return name
 
     # ---- generation ----------------------------------------------------------------------
 
