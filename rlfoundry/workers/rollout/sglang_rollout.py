@@ -267,11 +267,12 @@ class SGLangRollout(BaseRollout):
         return True
 
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
-        """None: unverified. The model lives in SGLang's scheduler process, and ``sglang.Engine`` has no
-        call that computes something there and returns it: ``collective_rpc`` runs one of the scheduler's
-        own methods by name and returns only whether it succeeded, and ``get_weights_by_name`` returns a
-        parameter's values as Python lists (truncated by default): a copy of every weight through the
-        tokenizer manager per sync, not a digest. The worker logs once that this engine's syncs go unverified."""
+        """None: unverified. The model lives in SGLang's scheduler process, and ``sglang.Engine`` (0.5.23)
+        has no call that computes something there and returns it: ``collective_rpc`` runs one of the
+        scheduler's own methods by name and returns nothing but success, and ``get_weights_by_name`` is
+        documented as for unit tests only, exists only on some model classes (not Qwen2's) and returns a
+        parameter's values truncated, as Python lists: a copy of every weight per sync, not a digest. The
+        worker logs once that this engine's syncs go unverified."""
         return None
 
     # ---- generation ----------------------------------------------------------------------
