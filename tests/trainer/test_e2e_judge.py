@@ -90,7 +90,7 @@ def fixed_batch(extra_rows: int = 0) -> DataProto:
                      "reward_model": np.array([{"ground_truth": g, "style": "model"} for _, g, _ in rows], dtype=object)})
 
 
-# The judge on another engine (tests/workers/test_vllm_rollout.py, test_sglang_rollout.py run it in
+# The judge on another engine (tests/workers/test_rollout_contract.py runs it for vLLM and SGLang in
 # their environments): the fixed set, then one GRPO step. A file, as SGLang's processes re-import it.
 ENGINE_SCRIPT = r"""
 import json, sys
