@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from rlfoundry.workers.rollout.hf_rollout import HFRollout
 from rlfoundry.workers.rollout.static_decode import StaticDecoder, bucket_for, draw_uniforms
+from tests.host_reads import count_host_reads
 from tests.workers import make_prompts, one_thread, worker_config  # noqa: F401 (fixture)
 
 TEXTS = ["hello world", "a", "the quick brown fox", "12+7=", "what is 3*4?"]
@@ -90,31 +91,22 @@ def test_static_equals_the_cpu_default_path(model, tiny_model_dir, tokenizer):
 
 
 def test_the_host_reads_the_live_count_once_per_sync_interval_only(model, tiny_model_dir, tokenizer, monkeypatch):
-    """No per-token host sync: over 20 tokens with ``sync_every=8`` the decode loop converts a tensor to a
-    Python number at most twice (steps 8 and 16), counted on every Tensor-to-host method."""
+    """No per-token host sync: over 20 tokens with ``sync_every=8`` the decode loop reads the device twice
+    (the live count at steps 8 and 16), counted on every tensor-to-Python method (``tests/host_reads.py``)."""
     _, static = _engines(model, tiny_model_dir, tokenizer, sync_every=8)
     prompts = make_prompts(tokenizer, TEXTS[:2])
-    reads = []
-    decode = static._static.decode
+    decode, seen = static._static.decode, {}
 
     def counted_decode(*args, **kwargs):
-        for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu"):
-            original = getattr(torch.Tensor, name)
-
-            def counting(self, *a, __original=original, __name=name, **k):
-                reads.append(__name)
-                return __original(self, *a, **k)
-            monkeypatch.setattr(torch.Tensor, name, counting)
-        try:
-            return decode(*args, **kwargs)
-        finally:
-            monkeypatch.undo()
+        with count_host_reads(monkeypatch) as reads:
+            out = decode(*args, **kwargs)
+        seen["reads"] = reads
+        return out
 
     static._static.decode = counted_decode
     _generate(static, prompts, n=2, eos_token_id=[-5])  # nobody stops: the whole 20 steps
     assert static._static.host_reads == 2
-    assert reads.count("__int__") == 2  # the instrument sees the two reads of the live count ...
-    assert len([r for r in reads if r != "nonzero"]) == 2, reads  # ... and nothing else reads the host
+    assert [name for name, _ in seen["reads"]] == ["__int__", "__int__"], seen["reads"]
 
 
 def test_uniforms_follow_the_output_row_not_the_slot():
