@@ -29,10 +29,25 @@ def _is_bool_mask(index) -> bool:
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
+_MISSING = object()
+
+
 @contextlib.contextmanager
-def count_host_reads(monkeypatch) -> Iterator[list[tuple[str, str]]]:
-    """Yields a list that fills with (method, caller file:line) for each read in the block."""
+def count_host_reads(monkeypatch=None) -> Iterator[list[tuple[str, str]]]:
+    """Yields a list that fills with (method, caller file:line) for each read in the block.
+
+    The wrappers are removed on exit exactly as they were found: a method ``torch.Tensor`` inherits
+    (``__index__``, ``__bool__`` ...) is deleted again rather than set to the inherited one, which
+    would leave a Python-level slot on the class and change how later code converts tensors (e.g.
+    ``torch.tensor`` of a list of 0-d tensors). ``monkeypatch`` is not used (the caller's own patches
+    stay theirs to undo)."""
     reads: list[tuple[str, str]] = []
+    saved: list[tuple[object, str, object]] = []
+    depth: list[str] = []  # the wrapped calls under way
+
+    def patch(owner, name, value):
+        saved.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, value)
 
     def caller() -> str:
         frame = [f for f in traceback.extract_stack()[:-2] if not f.filename.endswith("host_reads.py")][-1]
@@ -43,10 +58,14 @@ def count_host_reads(monkeypatch) -> Iterator[list[tuple[str, str]]]:
 
         def counted(*args, **kwargs):
             first = args[0] if args else None
-            if counts(*args, **kwargs) and not (isinstance(first, torch.Tensor) and _host_made(first)):
+            if not depth and counts(*args, **kwargs) and not (isinstance(first, torch.Tensor) and _host_made(first)):
                 reads.append((name, caller()))
-            return original(*args, **kwargs)
-        monkeypatch.setattr(owner, name, counted)
+            depth.append(name)  # the original re-enters through the mode below: one read, counted once
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth.pop()
+        patch(owner, name, counted)
 
     def tag(name):
         original = getattr(torch, name)
@@ -56,16 +75,32 @@ def count_host_reads(monkeypatch) -> Iterator[list[tuple[str, str]]]:
             if kwargs.get("device") in (None, "cpu", torch.device("cpu")):
                 out._rlf_host_made = True
             return out
-        monkeypatch.setattr(torch, name, made)
+        patch(torch, name, made)
 
     for name in _METHODS:
         wrap(torch.Tensor, name)
     for name in _FUNCTIONS:
         wrap(torch, name)
-    wrap(torch.Tensor, "__getitem__", lambda self, index: _is_bool_mask(index))
     for name in _HOST_MADE:
         tag(name)
+
+    class BoolMaskReads(torch.overrides.TorchFunctionMode):
+        """Indexing with a boolean mask (its output size depends on the data). Seen through a mode, not
+        by wrapping ``Tensor.__getitem__``: replacing that slot, even for a while, leaves tensors looking
+        like sequences to CPython for the rest of the process."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if not depth and func is torch.Tensor.__getitem__ and len(args) > 1 and _is_bool_mask(args[1]) \
+                    and not _host_made(args[0]):
+                reads.append(("__getitem__", caller()))
+            return func(*args, **(kwargs or {}))
+
     try:
-        yield reads
+        with BoolMaskReads():
+            yield reads
     finally:
-        monkeypatch.undo()
+        for owner, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)

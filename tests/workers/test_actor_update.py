@@ -161,6 +161,12 @@ def test_remove_padding_gives_the_same_log_probs_and_update(tiny_model_dir, batc
     torch.testing.assert_close(ref[mask], batch.batch["ref_log_prob"][mask], atol=1e-5, rtol=0)
 
 
+# The shared-prompt forward sums a row's attention over the prompt's cache and its own tokens in another
+# order than one padded forward: the losses agree to ~1e-7 relative, but Adam divides each gradient
+# element by its own running scale, so an element whose gradient is near zero turns that rounding into
+# up to ~1% of the learning rate (measured 1.07e-5 at lr 1e-3 on the batch of the seeded rollout).
+SHARED_ATOL = 2e-5
+
 @pytest.mark.parametrize("micro", [2, 4])
 def test_shared_prompt_forward_gives_the_same_log_probs_and_update(tiny_model_dir, batch, micro):
     """Each prompt once + its rows from the shared KV cache == one padded forward per row."""
@@ -175,7 +181,7 @@ def test_shared_prompt_forward_gives_the_same_log_probs_and_update(tiny_model_di
     ref = group.compute_ref_log_prob(batch).batch["ref_log_prob"]
     torch.testing.assert_close(ref[mask], batch.batch["ref_log_prob"][mask], atol=1e-5, rtol=0)
     padded = _update(tiny_model_dir, batch, [f"actor.ppo_micro_batch_size_per_gpu={micro}", "model.use_shared_prompt=false"])
-    _assert_same_update(padded, _update(tiny_model_dir, batch, shared_cfg))
+    _assert_same_update(padded, _update(tiny_model_dir, batch, shared_cfg), atol=SHARED_ATOL)
 
 
 def test_shared_prompt_is_skipped_when_it_saves_nothing(tiny_model_dir, batch):
@@ -292,7 +298,7 @@ def test_shared_prompt_gathers_and_reduces_each_unit_once_per_mini_batch(tiny_mo
             "model.cpu_kernels=auto", "actor.fsdp_config.single_rank=fsdp"]
     shared, counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=true"])
     padded, padded_counts = _fsdp_collectives(tiny_model_dir, batch, kept + ["model.use_shared_prompt=false"])
-    _assert_same_update(padded, shared)
+    _assert_same_update(padded, shared, atol=SHARED_ATOL)
     units = [name for name in counts if name.startswith("FSDP::post_backward_reduce")]
     assert len(units) >= 1, counts  # the root (on one CPU rank it is the only unit: apply_fsdp2)
     mini_batches = len(shared[1]["actor/grad_norm"])
