@@ -331,8 +331,14 @@ def runner_args(argv: Sequence[str] | None, description: str) -> tuple[Workload,
 # ───────────────────────────────────── in the parent: one run ─────────────────────────────────────
 
 
+# a torch.distributed rendezvous left in this process's environment (a launcher, a test that ran ranks
+# in-process) would make each framework's run try to join it: TRL's TrainingArguments initialises a
+# process group when LOCAL_RANK is set. Each run is a job of its own.
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _child_env(w: Workload, framework: str = "") -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     # every framework gets the same cores: rlfoundry's ranks split them (one process per rank)
     workers = w.rlfoundry_workers if framework == "rlfoundry" else 1
     threads = str(max(1, w.threads // workers))

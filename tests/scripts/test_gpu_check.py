@@ -19,7 +19,8 @@ SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 
 def _dry_run(out: Path, work: Path, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    environ = {k: v for k, v in os.environ.items() if k not in rendezvous}  # left by in-process ranks of other tests
     return subprocess.run(["bash", str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True, cwd=REPO,
                           env={**environ, "PYTHON": sys.executable, "WORK": str(work), "OMP_NUM_THREADS": "1", **env},
                           timeout=600)
