@@ -222,6 +222,9 @@ class EnginePlugin(abc.ABC):
 
     name: str
     supports_lora: bool = False
+    # the role's key naming the dtype the engine computes in, for engines with their own (None: FSDP2's
+    # mixed-precision policy, bf16 on CUDA and fp32 on the CPU by default)
+    dtype_key: str | None = None
 
     @abc.abstractmethod
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:

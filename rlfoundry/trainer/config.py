@@ -532,8 +532,9 @@ def rollout_log_probs_inexact(device: str, strategy: str, param_dtype: str | Non
     (~1e-6) when the matmuls run in fp32. In bf16 (FSDP2's default on CUDA, Megatron's default
     everywhere) they differ by ~1e-2 (issue 33), so PPO's ratio is not 1 at a step's start.
     """
-    if strategy == "megatron":
-        compute, key = str(megatron_dtype), "actor.megatron.dtype"
+    own = engine_plugin(strategy).dtype_key if strategy in TRAINING_ENGINES else None
+    if own is not None:
+        compute, key = str(megatron_dtype), f"actor.{own}"
     else:
         compute = str(param_dtype) if param_dtype is not None else ("bf16" if device == "cuda" else "fp32")
         key = "actor.fsdp_config.mixed_precision.param_dtype" + ("" if param_dtype is not None else

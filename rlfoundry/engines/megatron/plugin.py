@@ -22,6 +22,7 @@ _LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
 class MegatronPlugin(EnginePlugin):
     name = "megatron"
     supports_lora = False
+    dtype_key = "megatron.dtype"
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
         from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
