@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: every rlfoundry feature on one CUDA GPU (H100 / H200), one command, at most
-# 8 minutes (the parts' limits, 30 + 210 + 70 + 160 = 470 s, plus the wheel install).
+# 8 minutes (the default parts' limits, 30 + 150 + 70 + 220 = 470 s, plus the wheel install).
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]          # results in OUT_DIR, else $OUT (the device tool's), else /tmp/gpu_check
 #     bash scripts/gpu_check.sh --dry-run [OUT_DIR] # the same commands on the CPU at tiny sizes (tests/scripts runs it)
@@ -19,6 +19,9 @@
 #          rollout correction, one-step-off and fully async on one GPU, each ending cleanly
 #   demo   `rlfoundry train --config-name calculator_grpo` on CUDA, process back end, 10 steps
 #   bench  `python -m benchmarks.realistic --device cuda` (issue 34's shape: 24 layers, 128 tokens, 8 x 8)
+#   dynamic  (not in the default parts) rlfoundry alone on the same shape with the rollout's dynamic,
+#          uncompiled decode (rollout.use_torch_compile=false), to set beside bench's compiled one
+#   vocab  (not in the default parts) bench's two frameworks with the real 151,936-token vocabulary
 #
 # Files left in OUT (the device tool returns at most 8): summary.txt (one line per part: PASS/FAIL, time,
 # figures; then RESULT), summary.json, env.log, tier.log, demo.log, bench.log, realistic_<device>.json,
@@ -26,7 +29,9 @@
 # Exit status: 0 when every part passed.
 #
 # Knobs (environment): PYTHON (python3), WORK (/tmp/gpu_check_work), GPU_CHECK_WHEELS (.whl),
-# GPU_CHECK_PARTS ("env tier demo bench"), T_ENV / T_TIER / T_DEMO / T_BENCH (seconds per part).
+# GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab"), T_ENV / T_TIER / T_DEMO / T_BENCH /
+# T_DYNAMIC / T_VOCAB (seconds per part), TIER_WORKERS (pytest-xdist processes for the tier where
+# pytest-xdist is installed, as on the GPU image: 4; the tests' runs are small and the card is shared).
 
 set -u -o pipefail
 DRY=0
@@ -41,9 +46,11 @@ WHEELS=${GPU_CHECK_WHEELS:-.whl}
 if [ "$DRY" = 1 ]; then
     DEVICE=cpu
     T_ENV=${T_ENV:-60} T_TIER=${T_TIER:-120} T_DEMO=${T_DEMO:-180} T_BENCH=${T_BENCH:-240}
+    T_DYNAMIC=${T_DYNAMIC:-120} T_VOCAB=${T_VOCAB:-240}
 else
     DEVICE=cuda
-    T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-210} T_DEMO=${T_DEMO:-70} T_BENCH=${T_BENCH:-160}
+    T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-150} T_DEMO=${T_DEMO:-70} T_BENCH=${T_BENCH:-220}
+    T_DYNAMIC=${T_DYNAMIC:-90} T_VOCAB=${T_VOCAB:-220}
 fi
 mkdir -p "$OUT" "$WORK"
 rm -f "$WORK/parts.tsv" "$WORK/tier.xml" "$OUT/summary.txt" "$OUT/summary.json"
@@ -90,7 +97,7 @@ if device == "cuda":
 print("python", sys.version.split()[0], sys.executable)
 for n in ["torch", "transformers", "accelerate", "peft", "tokenizers", "safetensors", "numpy", "pyarrow", "datasets",
           "tensordict", "hydra-core", "omegaconf", "torchdata", "math-verify", "pydantic", "pyseccomp", "trl", "pytest",
-          "megatron-core", "ray"]:
+          "megatron-core", "ray", "pytest-xdist"]:
     try:
         print(f"  {n:16s} {metadata.version(n)}")
     except metadata.PackageNotFoundError:
@@ -126,8 +133,10 @@ EOF
 
 # ── tier: every test marked gpu ──────────────────────────────────────────────────────────────────
 mapfile -t TIER_FILES < <(grep -rlE "^(@pytest\.mark\.gpu|pytestmark = .*pytest\.mark\.gpu)" tests --include='test_*.py' | sort)
+TIER_XDIST=()
+if "$PYTHON" -c "import xdist" 2> /dev/null; then TIER_XDIST=(-n "${TIER_WORKERS:-4}"); fi
 part tier "$T_TIER" "$PYTHON" -m pytest -v -p no:cacheprovider -m gpu -rfEs --durations=0 --junitxml="$WORK/tier.xml" \
-    "${TIER_FILES[@]}"
+    "${TIER_XDIST[@]}" "${TIER_FILES[@]}"
 
 # ── demo: the calculator agent on CUDA, process back end ───────────────────────────────────────────
 if [ "$DRY" = 1 ]; then
@@ -151,6 +160,11 @@ fi
 rm -rf "$WORK/bench/runs"
 part bench "$T_BENCH" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" \
     --timeout $(((T_BENCH - 30) / 2)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_$DEVICE"
+part dynamic "$T_DYNAMIC" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" --frameworks rlfoundry \
+    --rlfoundry-override actor_rollout_ref.rollout.use_torch_compile=false \
+    --timeout $((T_DYNAMIC - 20)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_dynamic_$DEVICE"
+part vocab "$T_VOCAB" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" --shape qwen2.5-0.5b-vocab \
+    --timeout $(((T_VOCAB - 30) / 2)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_vocab_$DEVICE"
 
 # ── summary ──────────────────────────────────────────────────────────────────────────────────────
 (cd "$WORK" && tar czf "$OUT/extras.tar.gz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' \

@@ -113,7 +113,7 @@ def judge(name: str, part: dict[str, Any], figures: dict[str, Any], device: str)
             return False, "every test skipped: CUDA was not seen"
     if name == "demo" and device == "cuda" and not figures["tool_calls_max"] > 0:  # a dry run's step may call none
         return False, "no tool call in any step"
-    if name == "bench":
+    if name in BENCHES:
         if not figures["shapes"]:
             return False, "no benchmark result"
         for shape in figures["shapes"]:
@@ -131,7 +131,7 @@ def describe(name: str, figures: dict[str, Any]) -> str:
         return (f"validation {figures['val_first']:.3f} (step {figures['val_steps'][0]}) -> {figures['val_last']:.3f} "
                 f"(step {figures['val_steps'][1]}), tool calls per trajectory {figures['tool_calls_first']:.2f} -> "
                 f"{figures['tool_calls_last']:.2f}")
-    if name == "bench":
+    if name in BENCHES:
         out = []
         for s in figures["shapes"]:
             per = ", ".join(f"{fw} {v:.2f}" for fw, v in s["samples_per_s"].items() if _ok_number(v))
@@ -143,7 +143,10 @@ def describe(name: str, figures: dict[str, Any]) -> str:
 
 FIGURES = {"tier": lambda out, work, dev: tier_figures(work / "tier.xml", out / "tier.log"),
            "demo": lambda out, work, dev: demo_figures(work / "demo" / "metrics.jsonl"),
-           "bench": lambda out, work, dev: bench_figures(out / f"realistic_{dev}.json")}
+           "bench": lambda out, work, dev: bench_figures(out / f"realistic_{dev}.json"),
+           "dynamic": lambda out, work, dev: bench_figures(out / f"realistic_dynamic_{dev}.json"),
+           "vocab": lambda out, work, dev: bench_figures(out / f"realistic_vocab_{dev}.json")}
+BENCHES = ("bench", "dynamic", "vocab")
 
 
 def report(out: Path, work: Path, device: str) -> tuple[dict[str, Any], list[str]]:
