@@ -30,7 +30,7 @@
 #
 # Knobs (environment): PYTHON (python3), WORK (/tmp/gpu_check_work), GPU_CHECK_WHEELS (.whl),
 # GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab"), T_ENV / T_TIER / T_DEMO / T_BENCH /
-# T_DYNAMIC / T_VOCAB (seconds per part), TIER_WORKERS (pytest-xdist processes for the tier where
+# T_DYNAMIC / T_VOCAB (seconds per part), BENCH_STEPS / BENCH_WARMUP (6 / 3), TIER_WORKERS (pytest-xdist processes for the tier where
 # pytest-xdist is installed, as on the GPU image: 4; the tests' runs are small and the card is shared).
 
 set -u -o pipefail
@@ -155,7 +155,8 @@ part demo "$T_DEMO" "$PYTHON" -m rlfoundry train --config-name calculator_grpo t
 if [ "$DRY" = 1 ]; then
     BENCH_ARGS=(--layers 1 --response-lengths 4 --prompts-per-step 2 --n 2 --steps 1 --warmup-steps 0 --repeats 1 --threads 1)
 else
-    BENCH_ARGS=(--layers 24 --response-lengths 128 --prompts-per-step 8 --n 8 --steps 6 --warmup-steps 3 --repeats 1 --threads 8)
+    BENCH_ARGS=(--layers 24 --response-lengths 128 --prompts-per-step 8 --n 8 --steps "${BENCH_STEPS:-6}"
+                --warmup-steps "${BENCH_WARMUP:-3}" --repeats 1 --threads 8)
 fi
 rm -rf "$WORK/bench/runs"
 part bench "$T_BENCH" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" \

@@ -9,8 +9,9 @@ Start method (``start_method``): ``fork`` children share the driver's already-im
 transformers pages copy-on-write (about 300 MB of private memory per rank otherwise, most of the
 cost of a rank on a small model); ``spawn`` children import everything afresh. ``auto`` forks
 only where that is safe: Linux, one intra-op thread per rank (GNU OpenMP's thread pool does not
-survive a fork: a child that runs a parallel region with more threads hangs), and a driver with
-no CUDA context, torch.distributed group or Ray runtime yet. Children are started before rank 0's
+survive a fork: a child that runs a parallel region with more threads hangs), ranks on the CPU
+(a child cannot initialise CUDA once its parent asked CUDA anything), and a driver with no CUDA
+context, torch.distributed group or Ray runtime yet. Children are started before rank 0's
 worker exists, so no model, process group or CUDA state is ever inherited; each receives its
 environment (rendezvous address included) as its first message.
 The ranks form a torch.distributed group exactly as on Ray, so FSDP2 and every collective run
@@ -197,11 +198,12 @@ def _rank_main(conn: Connection, spec: tuple, threads: int, inherited: list[Conn
             conn.send(_error_reply(err))
 
 
-def resolve_start_method(requested: str, threads: int) -> str:
-    """``fork`` or ``spawn`` for ``requested`` (one of ``START_METHODS``); see the module docstring."""
+def resolve_start_method(requested: str, threads: int, device: str = "cpu") -> str:
+    """``fork`` or ``spawn`` for ``requested`` (one of ``START_METHODS``) and ranks on ``device``
+    (``trainer.device``); see the module docstring."""
     if requested not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {requested!r}")
-    unsafe = _fork_hazards(threads)
+    unsafe = _fork_hazards(threads, device)
     if requested == "fork" and unsafe:
         raise RuntimeError(f"cannot fork worker ranks: {unsafe}; use start_method='spawn' (or 'auto')")
     if requested == "auto":
@@ -209,8 +211,8 @@ def resolve_start_method(requested: str, threads: int) -> str:
     return requested
 
 
-def _fork_hazards(threads: int) -> str | None:
-    """Why forking this process now would be unsafe, or None."""
+def _fork_hazards(threads: int, device: str = "cpu") -> str | None:
+    """Why forking this process now for ranks on ``device`` would be unsafe, or None."""
     import torch
     import torch.distributed as dist
 
@@ -220,12 +222,27 @@ def _fork_hazards(threads: int) -> str | None:
         return f"{threads} intra-op threads per rank (GNU OpenMP's pool does not survive a fork)"
     if torch.cuda.is_initialized():
         return "this process already holds a CUDA context"
+    # torch marks a process's future children unable to initialise CUDA as soon as it asks the CUDA
+    # runtime anything (torch.cuda.is_available() and device_count() included), with no way to ask
+    # whether it has: a driver hosting a rank, or one that only checked the device, had done so on
+    # the H100 (issue 33: a one-step-off run's rollout rank died at torch.cuda.set_device)
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return "the ranks use CUDA, which a forked child cannot initialise once its parent asked CUDA anything"
     if dist.is_initialized():
         return "this process already belongs to a torch.distributed group"
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         return "this process runs a Ray driver"
     return None
+
+
+def _ranks_device(cls_with_init: ClassWithInitArgs) -> str:
+    """The ``trainer.device`` the ranks will use: their ``WorkerRuntime``'s (an argument of the
+    colocated class), else a worker's default, ``auto``."""
+    from rlfoundry.single_controller.base.worker import WorkerRuntime
+
+    found = [a for a in (*cls_with_init.args, *cls_with_init.kwargs.values()) if isinstance(a, WorkerRuntime)]
+    return found[0].device if found else "auto"
 
 
 def _check_no_other_group(world_size: int) -> None:
@@ -299,7 +316,7 @@ class ProcessWorkerGroup(WorkerGroup):
         threads, spec = self._threads or threads_per_rank(world_size), _portable(cls_with_init)
         if host_rank_zero:
             _check_no_other_group(world_size)
-        self.start_method = resolve_start_method(start_method, threads)
+        self.start_method = resolve_start_method(start_method, threads, _ranks_device(cls_with_init))
         if self.start_method == "fork":
             if preload is not None:
                 preload()

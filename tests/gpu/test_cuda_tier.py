@@ -120,7 +120,8 @@ def test_bf16_mixed_precision_log_probs_are_within_the_stated_bound_of_fp32(cuda
         config = FSDPEngineConfig(path=str(tiny_model_dir), fsdp=FSDPConfig(mixed_precision=mixed), optim=None,
                                   grad_clip=None, cpu_kernels="off")
         engine = FSDPEngine.build(config, "cuda", role="ref")
-        return engine.infer_batch(data, LogProbs(), MicroBatching(size=4))["log_probs"].float().cpu()
+        # engines compute on what they are given; the workers move batches to the device (on_device)
+        return engine.infer_batch(data.to("cuda"), LogProbs(), MicroBatching(size=4))["log_probs"].float().cpu()
 
     data = _batch(rows=8, tp=12, tr=24)
     mask = data.batch["response_mask"].bool()

@@ -362,6 +362,17 @@ def test_start_method_auto_forks_only_where_it_is_safe(monkeypatch):
         resolve_start_method("fork", 1)
     with pytest.raises(ValueError, match="start_method must be one of"):
         resolve_start_method("forkserver", 1)
+    # ranks on CUDA are spawned even before the driver holds a context: asking CUDA anything (as the
+    # device check does) already leaves forked children unable to initialise it
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    assert resolve_start_method("auto", 1, "cuda") == "spawn"
+    with pytest.raises(RuntimeError, match="the ranks use CUDA"):
+        resolve_start_method("fork", 1, "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_start_method("auto", 1, "auto") == "spawn"
+    assert resolve_start_method("auto", 1, "cpu") == "fork"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_start_method("auto", 1, "auto") == "fork"
 
 
 # Rows (4 prompts x n=2; rows 2i, 2i+1 share prompt i; rank r gets rows 4r..4r+3) and micro-batch:

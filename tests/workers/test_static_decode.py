@@ -145,3 +145,50 @@ def test_use_torch_compile_decides_the_path(model, tiny_model_dir, tokenizer):
     auto_cuda = engine()._static_decoder(cuda)
     assert auto_cuda is not None and auto_cuda._step != auto_cuda._forward  # compiled (lazily: nothing runs here)
     assert math.isfinite(auto_cuda.sync_every)
+
+
+def test_a_thread_other_than_the_importing_one_gets_graph_trees_state():
+    """CUDA graph trees keep per-thread state that inductor sets up only on its importing thread; the
+    agent loop's engine thread and the asynchronous rollouter decode elsewhere (on the H100 their
+    first compiled step failed ``get_obj``'s assertion, issue 33). The lookup that failed must
+    succeed on such a thread after ``_graph_trees_on_this_thread``."""
+    import threading
+
+    from torch._inductor import cudagraph_trees
+
+    from rlfoundry.workers.rollout.static_decode import _graph_trees_on_this_thread
+
+    seen: dict[str, object] = {}
+
+    def probe():
+        seen["before"] = torch._C._is_key_in_tls("tree_manager_containers")
+        _graph_trees_on_this_thread()
+        seen["containers"] = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers")
+        seen["locks"] = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_locks")
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    assert seen["before"] is False  # what the engine thread found
+    assert isinstance(seen["containers"], dict) and "locks" in seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_decode_on_cuda_from_a_worker_thread_equals_the_dynamic_loop(tiny_model_dir, tokenizer):
+    """The compiled, CUDA-graphed decode run from a thread that is not the importing one (as the agent
+    loop's engine thread runs it), greedy: the dynamic loop's tokens, row for row (inductor's fp32
+    kernels round differently, so a near tie may flip one row's argmax; not most)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gpu = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
+    cfg = worker_config(tiny_model_dir, ["rollout.response_length=20"])["rollout"]
+    dynamic = HFRollout(gpu, cfg, tokenizer.pad_token_id, tokenizer.eos_token_id, static_decode=False)
+    compiled = HFRollout(gpu, cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)  # use_torch_compile auto: on
+    prompts = make_prompts(tokenizer, TEXTS[:3]).to("cuda")
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(_generate, compiled, prompts, n=2, do_sample=False).result()
+    assert compiled._static_decoder(torch.device("cuda"))._graphs
+    want = _generate(dynamic, prompts, n=2, do_sample=False)
+    same_rows = (got["responses"].cpu() == want["responses"].cpu()).all(dim=1)
+    assert same_rows.float().mean() >= 0.8, same_rows

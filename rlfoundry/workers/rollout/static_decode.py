@@ -43,6 +43,21 @@ SYNC_EVERY = 16
 _CACHE_LEN_MULTIPLE = 64
 
 
+def _graph_trees_on_this_thread() -> None:
+    """Give the calling thread CUDA graph trees' per-thread state when it has none.
+
+    inductor sets that state up only on the thread that imported it (and copies it into autograd's
+    threads); a compiled step replayed from any other thread fails an assertion in
+    ``cudagraph_trees.get_obj`` — on the H100 the agent loop's engine thread and the fully
+    asynchronous rollouter did (issue 33). The thread then keeps graphs of its own."""
+    if torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    from torch._inductor import cudagraph_trees  # its first import sets up the importing thread
+
+    if not torch._C._is_key_in_tls("tree_manager_containers"):
+        cudagraph_trees._initialize_tls(cudagraph_trees.local)
+
+
 def bucket_for(rows: int) -> int:
     """The smallest power of two >= rows: the batch sizes a graph is captured for."""
     return 1 << max(0, (rows - 1).bit_length())
@@ -178,6 +193,8 @@ class StaticDecoder:
         responses = torch.full((total + size, width), pad_id, dtype=torch.long, device=device)
         log_probs = torch.zeros((total + size, width), dtype=torch.float32, device=device)
         lengths = torch.full((total + size,), width, dtype=torch.long, device=device)
+        if self._graphs:
+            _graph_trees_on_this_thread()
         for t in range(width):
             uniforms = None if params.greedy else draw_uniforms(generator, total, slots.rows)
             tokens, token_lp = sample(logits, params, generator, uniforms)
