@@ -171,6 +171,11 @@ def test_a_thread_other_than_the_importing_one_gets_graph_trees_state():
     thread.join()
     assert seen["before"] is False  # what the engine thread found
     assert isinstance(seen["containers"], dict) and "locks" in seen
+    # a thread that has the state keeps it (its graphs live in those containers)
+    own = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers")
+    _graph_trees_on_this_thread()
+    assert cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers") is own
+    assert seen["containers"] is not own
 
 
 @pytest.mark.gpu

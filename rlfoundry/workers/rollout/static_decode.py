@@ -27,6 +27,8 @@ steps and several buckets, and that the step traces as one graph (``fullgraph=Tr
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Any, Callable
 
 import torch
@@ -46,16 +48,22 @@ _CACHE_LEN_MULTIPLE = 64
 def _graph_trees_on_this_thread() -> None:
     """Give the calling thread CUDA graph trees' per-thread state when it has none.
 
-    inductor sets that state up only on the thread that imported it (and copies it into autograd's
-    threads); a compiled step replayed from any other thread fails an assertion in
-    ``cudagraph_trees.get_obj`` — on the H100 the agent loop's engine thread and the fully
-    asynchronous rollouter did (issue 33). The thread then keeps graphs of its own."""
-    if torch._C._is_key_in_tls("tree_manager_containers"):
-        return
-    from torch._inductor import cudagraph_trees  # its first import sets up the importing thread
+    inductor sets that state up only on the thread that imports ``cudagraph_trees`` (and copies it
+    into the threads autograd starts); a compiled step replayed from any other thread fails the
+    assertion in ``cudagraph_trees.get_obj`` (pytorch issue 123177) — on the H100 the agent loop's
+    engine thread, the fully asynchronous rollouter and pytest-xdist's test thread did (issue 33).
+    ``get_obj`` looks at the module's ``threading.local`` first, in every torch this project
+    supports, so the thread gets a container and lock table of its own there (graphs of its own),
+    also stashed where autograd's threads started from it look."""
+    from torch._inductor import cudagraph_trees
 
-    if not torch._C._is_key_in_tls("tree_manager_containers"):
-        cudagraph_trees._initialize_tls(cudagraph_trees.local)
+    local = cudagraph_trees.local
+    if hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 def bucket_for(rows: int) -> int:
