@@ -7,7 +7,7 @@
 #
 # On the project's device tool, with the packages the GPU image lacks carried as wheels (made here by
 # `bash scripts/gpu_wheels.sh`, into the git-ignored .whl/):
-#     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=520)
 # The wheels are installed with pip --target into $WORK/site, ahead of the machine's own packages on the
 # path; nothing on the machine changes, no network and no Ray are needed.
 #
@@ -50,7 +50,7 @@ if [ "$DRY" = 1 ]; then
 else
     DEVICE=cuda
     T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-150} T_DEMO=${T_DEMO:-70} T_BENCH=${T_BENCH:-220}
-    T_DYNAMIC=${T_DYNAMIC:-90} T_VOCAB=${T_VOCAB:-220}
+    T_DYNAMIC=${T_DYNAMIC:-150} T_VOCAB=${T_VOCAB:-240}
 fi
 mkdir -p "$OUT" "$WORK"
 rm -f "$WORK/parts.tsv" "$WORK/tier.xml" "$OUT/summary.txt" "$OUT/summary.json"
