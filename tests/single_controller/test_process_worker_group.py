@@ -375,6 +375,19 @@ def test_start_method_auto_forks_only_where_it_is_safe(monkeypatch):
     assert resolve_start_method("auto", 1, "auto") == "fork"
 
 
+def test_the_group_reads_the_ranks_device_from_their_runtime():
+    """What ``_start`` hands ``resolve_start_method``: the colocated class's ``WorkerRuntime`` device
+    (trainer.device), else a worker's default, auto."""
+    from rlfoundry.single_controller import create_colocated_worker_cls
+    from rlfoundry.single_controller.base.worker import WorkerRuntime
+    from rlfoundry.single_controller.process import _ranks_device
+
+    roles = {"probe": ClassWithInitArgs(Probe)}
+    assert _ranks_device(create_colocated_worker_cls(roles, WorkerRuntime(device="cuda"))) == "cuda"
+    assert _ranks_device(create_colocated_worker_cls(roles, WorkerRuntime(device="cpu"))) == "cpu"
+    assert _ranks_device(ClassWithInitArgs(Probe)) == "auto"
+
+
 # Rows (4 prompts x n=2; rows 2i, 2i+1 share prompt i; rank r gets rows 4r..4r+3) and micro-batch:
 # "paired": both ranks see each prompt twice, 2 micro-batches accumulate; "mixed": rank 0 sees two
 # prompts twice (shared-prompt path: two forwards) while rank 1's four prompts are distinct (one
