@@ -168,10 +168,20 @@ part vocab "$T_VOCAB" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BE
     --timeout $(((T_VOCAB - 30) / 2)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_vocab_$DEVICE"
 
 # ── summary ──────────────────────────────────────────────────────────────────────────────────────
-(cd "$WORK" && tar czf "$OUT/extras.tar.gz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' \
-    --exclude='*.png' --exclude='*.html' --exclude='checkpoints' pip.log parts.tsv tier.xml demo/metrics.jsonl \
-    bench/runs 2> /dev/null || true)
 "$PYTHON" scripts/gpu_check_report.py "$OUT" "$WORK" "$DEVICE" | tee -a "$SUMMARY"
 rc=${PIPESTATUS[0]}
+# The device tool returns at most 8 files (it dropped summary.txt and tier.log when a run left 10):
+# past the 7 named here, the other parts' logs and JSON travel inside extras.tar.gz (summary.json
+# already holds their figures).
+rm -rf "$WORK/more" && mkdir -p "$WORK/more"
+for f in "$OUT"/*; do
+    case " summary.txt summary.json env.log tier.log demo.log bench.log realistic_$DEVICE.json " in
+        *" $(basename "$f") "*) ;;
+        *) [ "$(ls "$OUT" | wc -l)" -gt 7 ] && mv "$f" "$WORK/more/" ;;
+    esac
+done
+(cd "$WORK" && tar czf "$OUT/extras.tar.gz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' \
+    --exclude='*.png' --exclude='*.html' --exclude='checkpoints' pip.log parts.tsv tier.xml demo/metrics.jsonl \
+    bench/runs more 2> /dev/null || true)
 say "done in $((SECONDS - START))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit "$rc"
