@@ -473,6 +473,7 @@ class RolloutConfig(Node):
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    # FIRE: the first response token at temperature 30, top-k 16 (SamplingParams.for_token); HF engine only
     use_fire_sampling: bool = False
     prompt_length: int = follows("data.max_prompt_length", 64)
     response_length: int = follows("data.max_response_length", 16)
@@ -522,6 +523,9 @@ class RolloutConfig(Node):
             errors.append(f"{key}.val_kwargs.n={self.val_kwargs.n} must be positive.")
         if self.do_sample and self.temperature <= 0:
             errors.append(f"{key}.temperature={self.temperature} must be > 0 when sampling (do_sample=True).")
+        if self.use_fire_sampling and self.name != "hf":
+            errors.append(f"{key}.use_fire_sampling=true is built for the HF engine only (rollout.name=hf), not "
+                          f"rollout.name={self.name}; set {key}.use_fire_sampling=false or {key}.name=hf.")
         if self.multi_turn.enable and self.multi_turn.max_parallel_calls < 1:
             errors.append(f"{key}.multi_turn.max_parallel_calls must be >= 1.")
         timeout = self.checkpoint_engine.timeout_s

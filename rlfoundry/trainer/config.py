@@ -510,6 +510,9 @@ def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
     if arr.rollout.name != "hf":
         errors.append(f"{key} needs actor_rollout_ref.rollout.name=hf (got {arr.rollout.name}): only the HF engine's "
                       "log-probs are the actor's own; set use_rollout_log_probs=false.")
+    if arr.rollout.use_fire_sampling:
+        errors.append(f"{key}: with actor_rollout_ref.rollout.use_fire_sampling=true the first token's log-prob is "
+                      "at FIRE's temperature 30, not the actor's; set use_rollout_log_probs=false.")
     if arr.actor.ppo_epochs != 1:
         errors.append(f"{key} needs actor_rollout_ref.actor.ppo_epochs=1 (got {arr.actor.ppo_epochs}); "
                       "set ppo_epochs=1 or use_rollout_log_probs=false.")

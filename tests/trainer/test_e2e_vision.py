@@ -76,4 +76,4 @@ def test_image_and_video_keys_are_no_longer_no_effect_keys():
     keys = ["data.image_key", "data.video_key"]
     cfg = load_config([f"{k}=x" for k in keys])
     assert no_effect_keys_set(cfg, keys) == []
-    assert no_effect_keys_set(cfg, ["actor_rollout_ref.rollout.use_fire_sampling"])  # the check itself works
+    assert no_effect_keys_set(cfg, ["actor_rollout_ref.rollout.multi_stage_wake_up"])  # the check itself works

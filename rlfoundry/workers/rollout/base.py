@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,10 @@ from rlfoundry.protocol import DataProto
 __all__ = ["BaseRollout", "SamplingParams", "resolve_sampling_params", "rollout_config"]
 
 ROLLOUT_KEY = "actor_rollout_ref.rollout"  # where RolloutConfig sits in the trainer config (for messages)
+# FIRE sampling (rollout.use_fire_sampling; verl's fire_vllm_rollout.py): the first response token's
+# temperature, and its top-k where the user's is off
+FIRE_TEMPERATURE = 30.0
+FIRE_TOP_K = 16
 
 
 def rollout_config(config: Any) -> RolloutConfig:
@@ -41,6 +45,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # <= 0 disables (verl/vLLM write -1, HF writes 0)
     response_length: int = 512
+    fire: bool = False  # rollout.use_fire_sampling, in a sampled training call: see ``for_token``
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +55,19 @@ class SamplingParams:
     def logprob_temperature(self) -> float:
         """Temperature the reported log-probs use: the sampling one, or 1 when it is 0 (greedy)."""
         return self.temperature if self.temperature > 0 else 1.0
+
+    def for_token(self, t: int) -> SamplingParams:
+        """The settings response token ``t`` is drawn with (every decode loop asks per step, so all agree).
+
+        FIRE (Flaming-hot Initiation with Regular Execution, arXiv 2410.21236): the first token at
+        temperature 30 among the top 16 (a positive user top_k is kept, top_p too), every later one with
+        these settings; a hot first token diversifies the n samples of a prompt. Greedy stays greedy:
+        verl's greedy call sets temperature 0 on its first-token parameters too.
+        """
+        if t > 0 or not self.fire or self.greedy:
+            return self
+        return replace(self, temperature=FIRE_TEMPERATURE, top_k=self.top_k if self.top_k > 0 else FIRE_TOP_K,
+                       fire=False)
 
 
 _SAMPLING_KEYS = ("n", "do_sample", "temperature", "top_p", "top_k")
@@ -61,13 +79,16 @@ def resolve_sampling_params(config: Any, meta_info: Mapping[str, Any] | None) ->
     ``config``: a ``RolloutConfig`` (or anything ``rollout_config`` takes).
     """
     config, meta = rollout_config(config), dict(meta_info or {})
-    source = config.val_kwargs if meta.get("validate", False) else config
+    validate = bool(meta.get("validate", False))
+    source = config.val_kwargs if validate else config
     values = {k: getattr(source, k) for k in _SAMPLING_KEYS}
     values["response_length"] = config.response_length
     values.update({k: meta[k] for k in (*_SAMPLING_KEYS, "response_length") if meta.get(k) is not None})
     params = SamplingParams(
         n=int(values["n"]), do_sample=bool(values["do_sample"]), temperature=float(values["temperature"]),
         top_p=float(values["top_p"]), top_k=int(values["top_k"]), response_length=int(values["response_length"]),
+        # validation scores the policy as val_kwargs set it (verl's validation never draws a FIRE token)
+        fire=bool(config.use_fire_sampling) and not validate,
     )
     if params.n < 1 or params.response_length < 1:
         raise ValueError(f"rollout n and response_length must be >= 1, got n={params.n}, "

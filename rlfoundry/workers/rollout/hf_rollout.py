@@ -84,6 +84,8 @@ def sample_tokens(
     distribution the actor's ``compute_log_prob`` scores (it applies the same temperature and no
     filtering), so the two agree exactly when top_p=1 and top_k is off. With filtering on, the
     true sampling probability is renormalised over the kept set and differs from this value.
+    ``params`` is one token's (``SamplingParams.for_token``): FIRE's first token reports its log-prob
+    under softmax(logits / 30), the temperature it was drawn at.
     """
     scaled = logits.float()
     if params.logprob_temperature != 1.0:
@@ -358,7 +360,8 @@ class HFRollout(BaseRollout):
         ``prompts`` (B·n, Tp); ``responses`` (B·n, Tr) right-padded with the pad id, Tr =
         response_length exactly; ``input_ids``/``attention_mask``/``position_ids`` (B·n, Tp+Tr);
         ``response_mask`` (B·n, Tr) 1 up to and including EOS; ``rollout_log_probs`` (B·n, Tr)
-        log-probs of the sampled tokens under softmax(logits / T) (0 after EOS).
+        log-probs of the sampled tokens under softmax(logits / T) (0 after EOS; with
+        ``rollout.use_fire_sampling`` the first token's T is FIRE's 30).
         """
         params = resolve_sampling_params(self.config, prompts.meta_info)
         pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
@@ -465,7 +468,7 @@ class HFRollout(BaseRollout):
         step = self._decode_step(state, int(position_ids.max()) + width + 1)
         for t in range(width):
             uniforms = None if params.greedy else draw_uniforms(generator, total, state.rows)
-            tokens, token_lp = sample_tokens(logits, params, generator, uniforms)
+            tokens, token_lp = sample_tokens(logits, params.for_token(t), generator, uniforms)
             live = state.record(t, tokens, token_lp, eos)
             if t == width - 1 or live == 0:
                 break

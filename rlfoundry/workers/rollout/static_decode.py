@@ -205,7 +205,7 @@ class StaticDecoder:
             _graph_trees_on_this_thread()
         for t in range(width):
             uniforms = None if params.greedy else draw_uniforms(generator, total, slots.rows)
-            tokens, token_lp = sample(logits, params, generator, uniforms)
+            tokens, token_lp = sample(logits, params.for_token(t), generator, uniforms)
             responses[:, t].index_copy_(0, slots.rows, tokens)
             log_probs[:, t].index_copy_(0, slots.rows, token_lp)
             finished = torch.isin(tokens, eos).logical_and_(slots.alive)
