@@ -38,6 +38,7 @@ PEFT_INSTALL = "pip install 'peft>=0.17'"  # the `lora` extra of pyproject.toml
 ADAPTER = "default"  # peft's name for the one adapter a run trains
 _PREFIX = "base_model.model."
 _INIT_SEED = 0
+VISION_TOWER = r"(?:.*\.)?visual\..*"  # a Qwen2-VL-style tower's modules (models/vision.py freeze_vision_tower)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class LoraSpec:
     adapter_path: str | None = None
     task_type: str = "CAUSAL_LM"  # TOKEN_CLS: the critic
     modules_to_save: tuple[str, ...] = ()  # trained in full beside the adapter (the critic's head)
+    frozen_vision_tower: bool = False  # model.freeze_vision_tower: no adapter on the tower either
 
     @classmethod
     def of(cls, model: Any, **fields: Any) -> LoraSpec | None:
@@ -62,7 +64,8 @@ class LoraSpec:
         return cls(rank=int(model.lora_rank), alpha=float(model.lora_alpha),
                    target_modules=targets if isinstance(targets, str) else list(targets),
                    exclude_modules=_plain(getattr(model, "exclude_modules", None)),
-                   adapter_path=getattr(model, "lora_adapter_path", None), **fields)
+                   adapter_path=getattr(model, "lora_adapter_path", None),
+                   frozen_vision_tower=bool(getattr(model, "freeze_vision_tower", False)), **fields)
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
@@ -73,12 +76,18 @@ class LoraSpec:
                           task_type=self.task_type, modules_to_save=list(self.modules_to_save) or None)
 
     def _excluded(self) -> Any:
-        """The user's exclusions plus the modules trained in full (an adapter on them would clash)."""
+        """The user's exclusions plus the modules trained in full (an adapter on them would clash) and,
+        with ``freeze_vision_tower``, a vision-language model's tower (``all-linear`` would adapt its
+        linear layers too, and the update would move what the key freezes; verl's VLM LoRA scripts
+        exclude ``.*visual.*`` by hand)."""
         full = list(self.modules_to_save)
-        if not full:
+        tower = [VISION_TOWER] if self.frozen_vision_tower else []
+        if not full and not tower:
             return self.exclude_modules
-        if isinstance(self.exclude_modules, str):  # peft reads a string as one regular expression
-            return "|".join([f"(?:{self.exclude_modules})", *(rf"(?:.*\.)?{re.escape(m)}" for m in full)])
+        if isinstance(self.exclude_modules, str) or tower:  # peft reads a string as one regular expression
+            user = self.exclude_modules
+            mine = [f"(?:{user})"] if isinstance(user, str) else [rf"(?:.*\.)?{re.escape(m)}" for m in user or []]
+            return "|".join([*mine, *(rf"(?:.*\.)?{re.escape(m)}" for m in full), *tower])
         return [*(self.exclude_modules or []), *full]
 
 
