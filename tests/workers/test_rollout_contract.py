@@ -7,8 +7,10 @@ whichever engine generates.
   and sampled at the sampling temperature);
 - after ``update_actor`` the engine samples from the new weights, and a skipped weight sync is caught
   (an engine that shares the actor's module, HF, has no sync to skip);
-- end to end: two GRPO steps through the trainer, the same tool conversation as the HF engine, a judge
-  served by the engine writing the HF engine's judgements.
+- end to end: two GRPO steps through the trainer, the same tool conversation as the HF engine, an
+  agent written against the OpenAI API (the ReAct demo, official client) getting the tool agent
+  loop's trajectories through the endpoint over the engine, a judge served by the engine writing the
+  HF engine's judgements.
 
 Each engine is a parameter: the HF one runs in the main environment; the vLLM and SGLang ones carry
 the ``vllm`` / ``sglang`` marks and run in their own CI steps (``scripts/test_vllm.sh``,
@@ -75,6 +77,7 @@ ENGINES = {
 }
 # the agent-loop script reads the overrides by "module:NAME"
 VLLM_OVERRIDES, SGLANG_OVERRIDES = list(ENGINES["vllm"].overrides), list(ENGINES["sglang"].overrides)
+HF_OVERRIDES = list(ENGINES["hf"].overrides)
 
 
 def _engine_params(*names: str) -> list:
@@ -314,6 +317,61 @@ def test_the_same_tool_conversation_as_the_hf_engine(engine, tmp_path):
     assert result["same_tokens"] and result["same_mask"], result
     assert result["turns"][0] == 3 and "<tool_response>\n56088\n</tool_response>" in result["text"], result
     assert result["max_abs_dlogp"] < engine.logp_tol
+
+
+_OPENAI_AGENT_SCRIPT = r"""
+import importlib, json, sys
+from pathlib import Path
+from tests.workers import local_worker, worker_config
+from tests.workers.test_agent_loop import QUESTION, TOOLS, _prompts, tool_policy
+from tests.workers.test_openai_agent import TOOL_SCHEMAS, _agent_loop
+from rlfoundry.models.tiny import build_tokenizer
+
+if __name__ == "__main__":  # an engine may spawn processes that re-import this script
+    module, name = sys.argv[2].split(":")
+    path = tool_policy(Path(sys.argv[1]))
+    multi_turn = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={TOOLS}",
+                  "rollout.multi_turn.max_assistant_turns=2", "rollout.prompt_length=160",
+                  "rollout.response_length=200", "rollout.val_kwargs.n=1"]
+    group = local_worker(worker_config(path, getattr(importlib.import_module(module), name) + multi_turn),
+                         role="actor_rollout")
+    w = group.worker
+    tokenizer = build_tokenizer()
+    prompts = _prompts(tokenizer, {"tools": TOOL_SCHEMAS}, [QUESTION, "What is 2+2?"])
+    prompts.meta_info["validate"] = True  # greedy
+    tool = group.generate_sequences(prompts)  # the worker's own tool agent loop on this engine
+    agent = _agent_loop(w.rollout, tokenizer, "react_scripted", response_length=200, max_assistant_turns=2)
+    got = agent.generate_sequences(prompts)
+    same = {k: bool(got.batch[k].shape == tool.batch[k].shape and (got.batch[k] == tool.batch[k]).all())
+            for k in ("input_ids", "attention_mask", "responses", "response_mask")}
+    mask = tool.batch["response_mask"].bool()
+    print("RESULT " + json.dumps({
+        "same": same, "turns": [int(t) for t in got.non_tensor_batch["num_turns"]],
+        "stop": [str(r) for r in got.non_tensor_batch["stop_reason"]],
+        "answer": got.non_tensor_batch["extra_info"][0],
+        "max_abs_dlogp": float((got.batch["rollout_log_probs"] - tool.batch["rollout_log_probs"])[mask].abs().max()),
+    }))
+    if hasattr(w.rollout, "shutdown"):
+        w.rollout.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ALL)
+def test_an_openai_api_agent_gets_the_tool_agents_trajectories_from_the_engine(engine, tmp_path):
+    """agent_name openai_agent over the engine: the ReAct demo agent (official client, its own
+    calculator) through the endpoint, greedy, on the policy taught one tool conversation, gets the
+    worker's tool agent loop's rows on the same engine, token for token and mask for mask."""
+    pytest.importorskip("openai")
+    script = tmp_path / "openai_agent.py"  # a file: SGLang's spawned processes re-import the main module
+    script.write_text(_OPENAI_AGENT_SCRIPT)
+    names = f"tests.workers.test_rollout_contract:{engine.name.upper()}_OVERRIDES"
+    result = json.loads(next(line for line in _run_python([str(script), str(tmp_path / "policy"), names]).splitlines()
+                             if line.startswith("RESULT "))[7:])
+    assert all(result["same"].values()), result
+    assert result["turns"][0] == 3 and result["stop"][0] == "agent_done", result  # a call, its answer, the reply
+    assert "56088" in json.dumps(result["answer"]), result
+    assert result["max_abs_dlogp"] == 0.0  # the same engine calls: the same scores
 
 
 @pytest.mark.slow
