@@ -414,7 +414,7 @@ class MultiTurnConfig(Node):
     max_tool_response_length: int = 256  # characters of a tool's text; cut on the side below
     tool_response_truncate_side: str = one_of(("left", "middle", "right"), "middle")
     interaction_config_path: Optional[str] = None
-    use_inference_chat_template: bool = False
+    use_inference_chat_template: bool = False  # the engine sees the chat re-rendered each turn; the row keeps its tokens
     tokenization_sanity_check_mode: str = one_of(("strict", "ignore_strippable", "disable"), "strict")
     format: str = one_of(("hermes",), "hermes")
     tool_timeout_s: float = 30.0  # rlfoundry: a call that takes longer answers with an error

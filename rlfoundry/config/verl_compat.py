@@ -90,7 +90,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "critic.*use_torch_compile", "reward_model.*use_torch_compile",
     "actor_rollout_ref.rollout.multi_stage_wake_up",  # vLLM sleep mode: weights, then KV cache
     "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class
-    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",  # re-render turns with the template
 )
 
 # Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.

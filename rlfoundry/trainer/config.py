@@ -513,6 +513,10 @@ def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
     if arr.rollout.use_fire_sampling:
         errors.append(f"{key}: with actor_rollout_ref.rollout.use_fire_sampling=true the first token's log-prob is "
                       "at FIRE's temperature 30, not the actor's; set use_rollout_log_probs=false.")
+    if arr.rollout.multi_turn.enable and arr.rollout.multi_turn.use_inference_chat_template:
+        errors.append(f"{key}: with actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true the engine "
+                      "scores each turn after the re-rendered chat, not the row's tokens the actor trains on; set "
+                      "use_rollout_log_probs=false.")
     if arr.actor.ppo_epochs != 1:
         errors.append(f"{key} needs actor_rollout_ref.actor.ppo_epochs=1 (got {arr.actor.ppo_epochs}); "
                       "set ppo_epochs=1 or use_rollout_log_probs=false.")

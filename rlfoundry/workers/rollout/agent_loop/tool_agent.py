@@ -2,7 +2,9 @@
 
 From the prompt's token ids (rendered by the data set with the tools offered) the trajectory alternates:
 
-1. the engine generates an assistant turn (``server.generate``, batched with other trajectories' turns);
+1. the engine generates an assistant turn (``server.generate``, batched with other trajectories' turns)
+   from the row's tokens so far — or, with ``use_inference_chat_template``, from the chat's messages
+   rendered afresh by the template (verl's meaning; the row still gets the sampled tokens unchanged);
 2. hermes tool calls are parsed from the turn's text; a malformed call becomes an error message;
 3. the calls run (``tools/runner.py``: concurrently, each under ``tool_timeout_s``, failures contained)
    and their texts, cut to ``max_tool_response_length`` characters, are appended as the chat template
@@ -104,7 +106,7 @@ async def _in_thread(make, timeout_s: float) -> Any:
 @dataclass
 class _State:
     prompt_ids: list[int]
-    messages: list[dict]  # the chat so far (for the sanity check and the interaction)
+    messages: list[dict]  # the chat so far (sanity check, interaction, use_inference_chat_template)
     tools_kwargs: dict[str, Any]
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -165,6 +167,9 @@ class ToolAgentLoop(AgentLoopBase):
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        if self.config.use_inference_chat_template and not row.get("raw_prompt"):
+            raise AgentLoopError("rollout.multi_turn.use_inference_chat_template=true renders each turn from the "
+                                 "chat's messages, but this row has no raw_prompt: set data.return_raw_chat=True")
         state = _State(list(row["prompt_ids"]), list(row.get("raw_prompt") or []),
                        dict(extra.get("tools_kwargs") or {}))
         interaction, interaction_kwargs = self._interaction_for(extra)
@@ -187,7 +192,7 @@ class ToolAgentLoop(AgentLoopBase):
         """Generates a turn; returns its calls to run and the answers already known (malformed calls,
         calls over the limit), or None when there is no call (``state.stop`` says if it ended)."""
         room = self.response_length - len(state.response_ids)
-        turn = await self.server.generate(self.key, state.prompt_ids + state.response_ids, room)
+        turn = await self.server.generate(self.key, self._engine_prompt(state), room)
         state.last_turn_start = len(state.response_ids)
         state.append(turn.token_ids, True, turn.log_probs)
         state.assistant_turns += 1
@@ -309,6 +314,16 @@ class ToolAgentLoop(AgentLoopBase):
                 logger.warning("multi-turn: %s.%s failed: %s: %s", name, phase, type(e).__name__, e)
 
     # ---- the chat template ------------------------------------------------------------------
+
+    def _engine_prompt(self, state: _State) -> list[int]:
+        """The tokens the engine continues: the row's own (token in, token out), or with
+        ``use_inference_chat_template`` the chat so far rendered afresh with the generation prompt, as
+        verl's SGLang rollout does (a template such as Qwen3's then drops earlier turns' reasoning). The
+        row keeps the sampled tokens either way; only the engine's context differs."""
+        if not self.config.use_inference_chat_template:
+            return state.prompt_ids + state.response_ids
+        text = apply_template(self.tokenizer, self.chat_template_kwargs, state.messages, True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _render_after_assistant(self, messages: list[dict], end_token: int) -> list[int]:
         return render_after_assistant(self.tokenizer, self.chat_template_kwargs, messages, end_token)
