@@ -83,12 +83,14 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",  # HDFS copies: checkpoints stay local
     "trainer.ray_wait_register_center_timeout",  # verl's register-center actor, which rlfoundry has no need of
     "trainer.use_legacy_worker_impl",  # one worker implementation here
+    # always on: the vLLM and SGLang rollouts wake the weights for a sync and the KV cache only to
+    # generate (vllm_rollout._wake_up, sglang_rollout._resume); verl's false, all at once, only raises the peak
+    "actor_rollout_ref.rollout.multi_stage_wake_up",
     # Not built yet; these would change speed (GPU kernels: the GPU-speed issue), memory or results:
     "*.use_liger", "*.use_fused_kernels", "*.fused_kernel_options*",
     # the training forwards are not compiled (the HF rollout's decode is: rollout.use_torch_compile)
     "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
     "critic.*use_torch_compile", "reward_model.*use_torch_compile",
-    "actor_rollout_ref.rollout.multi_stage_wake_up",  # vLLM sleep mode: weights, then KV cache
     "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class
 )
 
