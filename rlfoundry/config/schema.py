@@ -528,6 +528,14 @@ class RolloutConfig(Node):
                           f"rollout.name={self.name}; set {key}.use_fire_sampling=false or {key}.name=hf.")
         if self.multi_turn.enable and self.multi_turn.max_parallel_calls < 1:
             errors.append(f"{key}.multi_turn.max_parallel_calls must be >= 1.")
+        server = self.agent.custom_async_server or {}
+        if server.get("path") or server.get("name"):
+            # verl's AsyncServerBase subclasses drive verl's own engine workers; none would run here, and
+            # ignoring the key would train with another engine than the command line names
+            errors.append(f"{key}.agent.custom_async_server={dict(server)}: verl's async server classes cannot "
+                          "run in rlfoundry; remove the key, and bring an inference engine as a rollout engine "
+                          "plug-in (config/rollout_engines.py, docs/rollout.md) or an agent through "
+                          f"{key}.agent.default_agent_loop=openai_agent (docs/agents.md).")
         timeout = self.checkpoint_engine.timeout_s
         if timeout is not None and timeout <= 0:
             errors.append(f"{key}.checkpoint_engine.timeout_s={timeout} must be positive (the limit of each "

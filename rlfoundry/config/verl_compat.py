@@ -91,7 +91,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # the training forwards are not compiled (the HF rollout's decode is: rollout.use_torch_compile)
     "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
     "critic.*use_torch_compile", "reward_model.*use_torch_compile",
-    "actor_rollout_ref.rollout.agent.custom_async_server*",  # a user's inference server class
 )
 
 # Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.

@@ -690,3 +690,13 @@ def test_auto_reuses_rollout_log_probs_only_where_exact_on_the_device(device, ov
     assert out.actor_rollout_ref.actor.use_rollout_log_probs is reuses
     said = auto_choices(cfg, out)[0]
     assert ("bf16 on cuda" in said) is (not reuses)
+
+
+def test_a_verl_async_server_class_is_a_start_up_error_not_ignored():
+    """``rollout.agent.custom_async_server`` names a class that drives verl's own engine workers; a run
+    that ignored it would generate with another engine than its command line names."""
+    key = "actor_rollout_ref.rollout.agent.custom_async_server"
+    with pytest.raises(ConfigError, match=r"custom_async_server=.*my_server.*rollout engine plug-in"):
+        validate_config(_load(f"+{key}.path=my_server.py", f"+{key}.name=MyServer"))
+    validate_config(_load())  # unset (verl's default: null path and name) stays valid
+    validate_config(_load(f"+{key}.path=null", f"+{key}.name=null"))
