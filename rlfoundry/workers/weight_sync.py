@@ -28,7 +28,8 @@ import torch
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import StaleWeightsError
 
-__all__ = ["DigestRecorder", "compare_digests", "fold_digests", "tensor_digest", "weight_digests"]
+__all__ = ["DigestRecorder", "FusedNames", "compare_digests", "fold_digests", "module_digests", "module_layout",
+           "tensor_digest", "weight_digests"]
 
 _MASK = (1 << 64) - 1
 _CHUNK = 1 << 22  # elements hashed at once: bounds the int64 temporaries to 32 MiB
@@ -71,6 +72,87 @@ def tensor_digest(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int
 def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
     """{name: digest} of tensors as they are (an engine's own weights)."""
     return {name: tensor_digest(t) for name, t in named_tensors}
+
+
+# --------------------------------------------------------------------------- an engine's own module
+# Run inside an engine's process (vLLM's worker, SGLang's scheduler) on the engine's ``nn.Module``.
+
+# q/k/v and gate/up fused as vLLM's and SGLang's loaders stack them (``stacked_params_mapping``), for a
+# model class that declares no ``packed_modules_mapping`` (SGLang's Qwen2)
+DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def checkpoint_part(layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of an engine tensor that holds checkpoint values: vLLM and SGLang pad the vocabulary rows
+    of their embedding and LM head (``org_vocab_size`` onwards: nothing loaded there)."""
+    vocab = getattr(layer, "org_vocab_size", None)
+    if name == "weight" and vocab is not None and tensor.dim() == 2 and tensor.shape[0] > vocab:
+        return tensor[:vocab]
+    return tensor
+
+
+def module_layout(model: torch.nn.Module, loaded: Mapping[str, tuple[int, torch.dtype, int]] | None = None
+                  ) -> tuple[dict[str, torch.dtype], dict[str, list[str]], bool]:
+    """({engine parameter name: dtype}, the fused modules' parts, tied embeddings). ``loaded``: {name:
+    (digest, dtype, numel)} recorded as the loader wrote a parameter later processed into kernel form."""
+    loaded = loaded or {}
+    dtypes = {}
+    for prefix, layer in model.named_modules():
+        for name, param in layer.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            dtypes[full] = loaded[full][1] if full in loaded else param.dtype
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    packed = dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED)
+    return dtypes, {k: list(v) for k, v in packed.items()}, tied
+
+
+def module_digests(model: torch.nn.Module, loaded: Mapping[str, tuple[int, torch.dtype, int]] | None = None
+                   ) -> dict[str, int]:
+    """{engine parameter name: digest} of the parameter itself (its checkpoint part), or, where the engine
+    processed it into kernel form after the load (a changed size or dtype), of ``loaded``'s record."""
+    loaded = loaded or {}
+    out = {}
+    for prefix, layer in model.named_modules():
+        for name, param in layer.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            part = checkpoint_part(layer, name, param)
+            record = loaded.get(full)
+            processed = record is not None and (part.numel() != record[2] or part.dtype != record[1])
+            out[full] = record[0] if processed else tensor_digest(part)
+    return out
+
+
+class FusedNames:
+    """The trainer's (HF) names against an engine that fuses tensors, from ``module_layout``'s answer."""
+
+    def __init__(self, dtypes: Mapping[str, torch.dtype], packed: Mapping[str, Iterable[str]], tied: bool):
+        self.dtypes, self.packed, self.tied = dict(dtypes), {k: list(v) for k, v in packed.items()}, tied
+        self.fused = {part: module for module, parts in self.packed.items() for part in parts}
+
+    def hf_dtypes(self) -> dict[str, torch.dtype]:
+        """{HF name: the engine's dtype}, a fused tensor's parts each under its own name."""
+        out = {}
+        for name, dtype in self.dtypes.items():
+            head, _, param = name.rpartition(".")
+            prefix, _, module = head.rpartition(".")
+            for part in self.packed.get(module, [module]):
+                out[f"{prefix}.{part}.{param}" if prefix else f"{part}.{param}"] = dtype
+        return out
+
+    def engine_name(self, name: str) -> str | None:
+        """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj; a tied ``lm_head.weight`` -> None (the
+        engine's LM head is its embedding); any other name as it is."""
+        if name in self.dtypes:
+            return name
+        head, _, param = name.rpartition(".")
+        prefix, _, module = head.rpartition(".")
+        if module in self.fused:
+            packed = f"{prefix}.{self.fused[module]}.{param}" if prefix else f"{self.fused[module]}.{param}"
+            if packed in self.dtypes:
+                return packed
+        if self.tied and name == "lm_head.weight":
+            return None
+        return name
 
 
 class DigestRecorder:

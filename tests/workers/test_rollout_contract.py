@@ -210,11 +210,11 @@ def test_an_update_reaches_the_engine_and_a_skipped_sync_is_caught(engine, group
     assert torch.equal(after.batch["responses"], _greedy(hf_engine, prompts).batch["responses"])
 
 
-def test_verify_mode_catches_a_skipped_pull_or_says_the_engine_cannot(engine, group, prompts, caplog):
-    """``rollout.checkpoint_engine.verify`` (on by default) on the hybrid path: an engine that pulls the
-    actor's weights and reports digests (vLLM) fails the update whose pull it skipped, naming the first
-    tensor; one that cannot report them (SGLang) is said to be unverified in the log; the HF engine
-    samples with the actor's own module, with nothing to pull."""
+def test_verify_mode_catches_a_skipped_pull(engine, group, prompts, caplog):
+    """``rollout.checkpoint_engine.verify`` (on by default) on the hybrid path: every engine that pulls the
+    actor's weights (vLLM, SGLang) reports digests of its own weights, fails the update whose pull it
+    skipped, naming the first tensor, and passes the next real pull; the HF engine samples with the
+    actor's own module, with nothing to pull."""
     import logging
 
     from rlfoundry.utils.errors import StaleWeightsError
@@ -224,21 +224,22 @@ def test_verify_mode_catches_a_skipped_pull_or_says_the_engine_cannot(engine, gr
     if engine.shares_actor_module:
         assert not rollout.pulls_weights()
         return
+    assert rollout.pulls_weights() and rollout.weight_dtypes() is not None
     batch = _training_batch(group, prompts, seed=11)
     rollout.sync_weights = lambda *a, **k: None  # an instance attribute shadows the method
-    worker._unverified_logged = False  # said once per worker: say it again here
+    worker._unverified_logged = False  # said once per worker: say it again here (it must not be)
     try:
-        if rollout.weight_dtypes() is None:
-            with caplog.at_level(logging.WARNING, logger="rlfoundry.workers.actor_rollout_ref"):
-                group.update_actor(batch)
-            assert f"the {engine.rollout_class} engine cannot report digests" in caplog.text
-        else:
-            first = next(iter(worker.engine.iter_hf_weights()))[0]
-            with pytest.raises(StaleWeightsError, match=rf"tensor '{first}' differs from the trainer's after the sync"):
-                group.update_actor(batch)
+        first = next(iter(worker.engine.iter_hf_weights()))[0]
+        stale = rf"tensor '{first}' differs from the trainer's after the sync"
+        with (caplog.at_level(logging.WARNING, logger="rlfoundry.workers.actor_rollout_ref"),
+              pytest.raises(StaleWeightsError, match=stale)):
+            group.update_actor(batch)
+        assert "cannot report digests" not in caplog.text
     finally:
         del rollout.sync_weights
-    worker._refresh_rollout()  # a real pull: the engine is current again
+    syncs = rollout.syncs
+    worker._refresh_rollout()  # a real pull, verified: the engine is current again
+    assert rollout.syncs == syncs + 1
     assert worker.rollout_version == worker.param_version
     assert _engine_vs_actor(group, prompts) < engine.logp_tol
 

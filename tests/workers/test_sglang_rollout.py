@@ -37,6 +37,10 @@ def test_module_imports_without_sglang_and_maps_verl_keys():
     assert (gpu["tp_size"], gpu["mem_fraction_static"], gpu["enable_memory_saver"]) == (2, 0.4, True)
     assert gpu["enable_weights_cpu_backup"]  # a step without an update generates with the last weights
     assert "device" not in gpu and "max_total_tokens" not in gpu
+    # verify mode's digests run in the scheduler as a custom loader, kept beside the user's own
+    assert cpu["custom_weight_loader"] == [sr._REPORT_WEIGHTS]
+    cfg.engine_kwargs.sglang.custom_weight_loader = ["my_pkg.load"]
+    assert sr.build_engine_kwargs(cfg, "/m", "cpu")["custom_weight_loader"] == ["my_pkg.load", sr._REPORT_WEIGHTS]
 
 
 @pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed here")

@@ -5,6 +5,12 @@ model, the KV cache) and detokenizer in processes it spawns. After every actor u
 stream to it in Hugging Face names, in buckets, through ``update_weights_from_tensor`` (no disk
 round trip); SGLang's model classes stack q/k/v and gate/up themselves.
 
+Verify mode (``rollout.checkpoint_engine.verify``, docs/async.md): after each sync the engine's digests
+are computed in its scheduler process over its own full tensors, under its names (``_report_weights``,
+reached as a ``custom_weight_loader`` through ``update_weights_from_tensor``: ``sglang.Engine`` has no
+call that returns a value computed there), and the trainer's HF-named digests are summed into them
+(q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj). Not verified with tensor parallelism.
+
 Output contract: exactly ``HFRollout.generate_sequences`` (B·n interleaved rows, right-padded
 ``responses`` of width ``response_length``, ``response_mask`` 1 through EOS, ``rollout_log_probs``).
 Log-probs are SGLang's ``output_token_logprobs``: log softmax(logits / T) of the sampled token, before
@@ -52,6 +58,7 @@ from rlfoundry.engines.fsdp.utils import hf_parameter_name
 from rlfoundry.protocol import DataProto
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, rollout_config
 from rlfoundry.workers.rollout.token_requests import TokenRequests, as_id_list, assemble
+from rlfoundry.workers.weight_sync import FusedNames
 
 __all__ = ["SGLangRollout", "build_engine_kwargs"]
 
@@ -79,6 +86,8 @@ def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: in
         # prompts arrive as token ids and responses leave as token ids: no tokenizer in the engine
         "skip_tokenizer_init": True,
         "disable_cuda_graph": bool(config.enforce_eager),
+        # verify mode's digests are computed in the scheduler process by this "loader" (SGLangRollout._report)
+        "custom_weight_loader": [_REPORT_WEIGHTS],
     }
     if hf_overrides:
         kwargs["json_model_override_args"] = json.dumps(dict(hf_overrides))
@@ -97,6 +106,8 @@ def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: in
                    "max_total_tokens": max(_CPU_MIN_KV_TOKENS, context * min(int(config.max_num_seqs), 64))}
     extra = config.engine_kwargs.get("sglang") or {}
     kwargs.update({k: v for k, v in dict(extra).items() if v is not None})
+    if _REPORT_WEIGHTS not in kwargs["custom_weight_loader"]:  # the user's own loaders, and ours
+        kwargs["custom_weight_loader"] = [*kwargs["custom_weight_loader"], _REPORT_WEIGHTS]
     return kwargs
 
 
@@ -178,6 +189,7 @@ class SGLangRollout(BaseRollout):
         self.weight_source = weight_source
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), as_id_list(eos_token_id)
         self.calls, self.syncs = 0, 0
+        self._weight_layout: FusedNames | None = None  # verify mode
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
         if not model_path:
             raise ValueError("SGLangRollout needs model_path (an HF directory) when the module does not carry one")
@@ -266,14 +278,61 @@ class SGLangRollout(BaseRollout):
     def pulls_weights(self) -> bool:
         return True
 
+    def _report(self, what: str) -> Any:
+        """``_report_weights(what)`` run in the engine's scheduler process on its model, the answer read back.
+        It goes as an ``update_weights_from_tensor`` call whose ``load_format`` is that function (registered
+        as the engine's ``custom_weight_loader``) and whose one tensor's name carries the answer's file,
+        inside a weight-update session: SGLang restores weights it packed for its kernels (CPU) at the
+        session's start, so the model holds them as loaded, and packs them again at its end."""
+        import json
+        import tempfile
+
+        self._require_engine()
+        self._resume(["weights"])
+        try:
+            with tempfile.TemporaryDirectory(prefix="rlfoundry-sglang-") as tmp:
+                path = os.path.join(tmp, "weights.json")
+                self.engine.begin_weight_update()
+                try:
+                    ok, message = self.engine.update_weights_from_tensor(
+                        named_tensors=[(f"{what}:{path}", torch.zeros(1))], load_format=_REPORT_WEIGHTS,
+                        flush_cache=False)
+                finally:
+                    self.engine.end_weight_update()
+                if not ok or not os.path.exists(path):
+                    raise RuntimeError(f"the SGLang engine did not report its weights ({what}): {message}")
+                with open(path) as f:
+                    return json.load(f)
+        finally:
+            self._release()
+
+    def _layout(self) -> FusedNames:
+        """The engine's names, dtypes and fused tensors (``weight_sync.FusedNames``), read once."""
+        if self._weight_layout is None:
+            answer = self._report("layout")
+            dtypes = {name: getattr(torch, dtype.removeprefix("torch.")) for name, dtype in answer["dtypes"].items()}
+            self._weight_layout = FusedNames(dtypes, answer["packed"], answer["tied"])
+        return self._weight_layout
+
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
-        """None: unverified. The model lives in SGLang's scheduler process, and ``sglang.Engine`` (0.5.23)
-        has no call that computes something there and returns it: ``collective_rpc`` runs one of the
-        scheduler's own methods by name and returns nothing but success, and ``get_weights_by_name`` is
-        documented as for unit tests only, exists only on some model classes (not Qwen2's) and returns a
-        parameter's values truncated, as Python lists: a copy of every weight per sync, not a digest. The
-        worker logs once that this engine's syncs go unverified."""
-        return None
+        """{HF name: the engine's dtype}, the fused tensors' parts each under its own name. None with
+        tensor parallelism (unverified: each rank holds a shard and its own copy of replicated tensors)."""
+        if int(self.engine_kwargs.get("tp_size", 1)) > 1:
+            return None
+        return self._layout().hf_dtypes()
+
+    def weight_digests(self) -> dict[str, int] | None:
+        """{engine name: digest} of the engine's own weights, computed in its scheduler process over the
+        full tensors (``_report_weights``); the trainer's HF-named digests fold into these names by
+        ``engine_weight_name``."""
+        if int(self.engine_kwargs.get("tp_size", 1)) > 1:
+            return None
+        return {name: int(d) for name, d in self._report("digests")["digests"].items()}
+
+    def engine_weight_name(self, name: str) -> str | None:
+        """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj (as SGLang's loaders stack them); a tied
+        ``lm_head.weight`` -> None (the engine's LM head is its embedding)."""
+        return self._layout().engine_name(hf_parameter_name(name))
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -304,6 +363,31 @@ class SGLangRollout(BaseRollout):
         self._release()
         responses, log_probs, lengths = _collect(outputs, req.params.n, req.params.response_length, req.pad_id)
         return assemble(prompts, req.params.n, responses, log_probs, lengths, req.position_ids)
+
+
+def _report_weights(model: nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Run by SGLang's scheduler as a custom weight loader (``SGLangRollout._report``): loads nothing; the
+    one tensor's name is ``what:path``, and the answer (``layout``: ``weight_sync.module_layout``;
+    ``digests``: ``module_digests`` of the model's own tensors) goes to ``path`` as JSON."""
+    import json
+
+    from rlfoundry.workers.weight_sync import module_digests, module_layout
+
+    for name, _ in named_tensors:
+        what, _, path = name.partition(":")
+        if what == "layout":
+            dtypes, packed, tied = module_layout(model)
+            answer: dict[str, Any] = {"dtypes": {k: str(v) for k, v in dtypes.items()}, "packed": packed, "tied": tied}
+        elif what == "digests":
+            answer = {"digests": module_digests(model)}
+        else:
+            raise ValueError(f"_report_weights: unknown request {what!r}")
+        with open(path + ".part", "w") as f:
+            json.dump(answer, f)
+        os.replace(path + ".part", path)
+
+
+_REPORT_WEIGHTS = f"{__name__}.{_report_weights.__name__}"
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

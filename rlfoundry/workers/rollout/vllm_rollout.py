@@ -65,6 +65,7 @@ from rlfoundry.config.schema import RolloutConfig
 from rlfoundry.engines.fsdp.utils import hf_parameter_name, iter_full_parameters
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, rollout_config
 from rlfoundry.workers.rollout.token_requests import TokenRequests, as_id_list, assemble
+from rlfoundry.workers.weight_sync import FusedNames
 
 __all__ = ["VLLMRollout", "vLLMRollout", "build_engine_kwargs", "hf_parameter_name", "iter_full_parameters",
            "INSTALL_HINT"]
@@ -325,15 +326,6 @@ def _check_cpu_head_dim(hf_config: Any) -> None:
 _LOAD_DIGESTS = "_rlfoundry_load_digests"
 
 
-def _checkpoint_part(layer: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The part of an engine tensor that holds checkpoint values: vLLM pads the vocabulary rows of its
-    embedding and LM head (``org_vocab_size`` onwards: nothing loaded there)."""
-    vocab = getattr(layer, "org_vocab_size", None)
-    if name == "weight" and vocab is not None and tensor.dim() == 2 and tensor.shape[0] > vocab:
-        return tensor[:vocab]
-    return tensor
-
-
 def _install_load_taps(model: nn.Module) -> None:
     """Record each layer's digests as vLLM's loader wrote its parameters, just before the layer's
     ``process_weights_after_loading`` turns them into kernel form. On CPU that repacks every linear
@@ -341,7 +333,7 @@ def _install_load_taps(model: nn.Module) -> None:
     weights; the digest taken here is the engine's copy as loaded (fused q/k/v, in its dtype). Idempotent."""
     if hasattr(model, _LOAD_DIGESTS):
         return
-    from rlfoundry.workers.weight_sync import tensor_digest
+    from rlfoundry.workers.weight_sync import checkpoint_part, tensor_digest
 
     store: dict[str, tuple[int, torch.dtype, int]] = {}
     prefixes: dict[int, str] = {}
@@ -356,7 +348,7 @@ def _install_load_taps(model: nn.Module) -> None:
             prefix = prefixes.get(id(layer))
             if prefix is not None:
                 for name, param in layer.named_parameters(recurse=False):
-                    part = _checkpoint_part(layer, name, param)
+                    part = checkpoint_part(layer, name, param)
                     store[f"{prefix}.{name}" if prefix else name] = (tensor_digest(part), part.dtype, part.numel())
             return _process(layer)
 
@@ -365,32 +357,18 @@ def _install_load_taps(model: nn.Module) -> None:
 
 
 def _engine_layout(model: nn.Module) -> tuple[dict[str, torch.dtype], dict[str, list[str]], bool]:
-    """({engine parameter name: dtype as loaded}, the model's ``packed_modules_mapping``, tied embeddings)."""
-    loaded = getattr(model, _LOAD_DIGESTS, {})
-    dtypes = {}
-    for prefix, layer in model.named_modules():
-        for name, param in layer.named_parameters(recurse=False):
-            full = f"{prefix}.{name}" if prefix else name
-            dtypes[full] = loaded[full][1] if full in loaded else param.dtype
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    return dtypes, {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}, tied
+    """``weight_sync.module_layout`` of the engine's model, dtypes as loaded (``_install_load_taps``)."""
+    from rlfoundry.workers.weight_sync import module_layout
+
+    return module_layout(model, getattr(model, _LOAD_DIGESTS, {}))
 
 
 def _engine_digests(model: nn.Module) -> dict[str, int]:
-    """{engine parameter name: digest}: of the parameter itself, or, where vLLM processed it into kernel
-    form after the load (emptied or cast on CPU), of the parameter as the load left it (``_install_load_taps``)."""
-    from rlfoundry.workers.weight_sync import tensor_digest
+    """``weight_sync.module_digests``: of the parameter itself, or, where vLLM processed it into kernel form
+    after the load (emptied or cast on CPU), of the parameter as the load left it (``_install_load_taps``)."""
+    from rlfoundry.workers.weight_sync import module_digests
 
-    loaded = getattr(model, _LOAD_DIGESTS, {})
-    out = {}
-    for prefix, layer in model.named_modules():
-        for name, param in layer.named_parameters(recurse=False):
-            full = f"{prefix}.{name}" if prefix else name
-            part = _checkpoint_part(layer, name, param)
-            record = loaded.get(full)
-            processed = record is not None and (part.numel() != record[2] or part.dtype != record[1])
-            out[full] = record[0] if processed else tensor_digest(part)
-    return out
+    return module_digests(model, getattr(model, _LOAD_DIGESTS, {}))
 
 
 # --------------------------------------------------------------------------- the engine
@@ -433,7 +411,7 @@ class VLLMRollout(BaseRollout):
         self.adapter = _AdapterSync(adapter_source) if adapter_source is not None else None
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), as_id_list(eos_token_id)
         self.seed, self.calls, self.syncs = self.config.seed, 0, 0
-        self._weight_layout: tuple[dict[str, torch.dtype], dict[str, str], bool] | None = None  # verify mode
+        self._weight_layout: FusedNames | None = None  # verify mode
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
         if not model_path:
             raise ValueError("VLLMRollout needs model_path (an HF directory) when the module does not carry one")
@@ -542,13 +520,11 @@ class VLLMRollout(BaseRollout):
     def pulls_weights(self) -> bool:
         return self.adapter is None  # an adapter sync is a LoRA request, not a weight stream
 
-    def _layout(self) -> tuple[dict[str, torch.dtype], dict[str, str], bool]:
-        """({engine name: dtype}, {HF module name: the fused module holding it}, tied), read once."""
+    def _layout(self) -> FusedNames:
+        """The engine's names, dtypes and fused tensors (``weight_sync.FusedNames``), read once."""
         if self._weight_layout is None:
             self._require_engine()
-            dtypes, packed, tied = self.llm.apply_model(_engine_layout)[0]
-            fused = {part: module for module, parts in packed.items() for part in parts}
-            self._weight_layout = (dtypes, fused, tied)
+            self._weight_layout = FusedNames(*self.llm.apply_model(_engine_layout)[0])
         return self._weight_layout
 
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
@@ -559,17 +535,7 @@ class VLLMRollout(BaseRollout):
             return None
         self._require_engine()
         self.llm.apply_model(_install_load_taps)
-        dtypes, fused, _ = self._layout()
-        packed: dict[str, list[str]] = {}
-        for part, module in fused.items():
-            packed.setdefault(module, []).append(part)
-        out = {}
-        for name, dtype in dtypes.items():
-            head, _, param = name.rpartition(".")
-            prefix, _, module = head.rpartition(".")
-            for part in packed.get(module, [module]):
-                out[f"{prefix}.{part}.{param}" if prefix else f"{part}.{param}"] = dtype
-        return out
+        return self._layout().hf_dtypes()
 
     def weight_digests(self) -> dict[str, int] | None:
         """{engine name: digest} of the engine's own weights, computed in its worker (``_engine_digests``);
@@ -583,19 +549,7 @@ class VLLMRollout(BaseRollout):
     def engine_weight_name(self, name: str) -> str | None:
         """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj (the model's ``packed_modules_mapping``);
         a tied ``lm_head.weight`` -> None (the engine's LM head is its embedding)."""
-        dtypes, fused, tied = self._layout()
-        name = hf_parameter_name(name)
-        if name in dtypes:
-            return name
-        head, _, param = name.rpartition(".")
-        prefix, _, module = head.rpartition(".")
-        if module in fused:
-            packed = f"{prefix}.{fused[module]}.{param}" if prefix else f"{fused[module]}.{param}"
-            if packed in dtypes:
-                return packed
-        if tied and name == "lm_head.weight":
-            return None
-        return name
+        return self._layout().engine_name(hf_parameter_name(name))
 
     # ---- generation ----------------------------------------------------------------------
 
