@@ -30,7 +30,7 @@ its engine held as the non-tensor column ``param_version``. ``update_actor`` rep
 ``actor/param_version`` and ``rollout/param_staleness_{mean,max}`` (its version minus the samples'),
 and a hybrid worker whose rollout fell behind its actor refuses to generate (``StaleWeightsError``).
 With ``rollout.checkpoint_engine.verify`` every sync into an engine that holds a copy of the weights
-ends with a digest comparison (``weight_sync.py``).
+ends with a digest comparison (``weight_sync.py``), and so does a vLLM LoRA adapter sync, over the adapter.
 
 ``config`` is the ``actor_rollout_ref`` subtree with verl's keys (a DictConfig, a dict of the keys to
 change, or an ``ActorRolloutRefConfig``); the worker keeps it typed, with the schema's defaults filled in.
@@ -364,6 +364,9 @@ class ActorRolloutRefWorker(Worker):
         stream is recorded on its way in (``weight_tap``) and the engine's digests compared after."""
         from rlfoundry.workers.weight_sync import DigestRecorder
 
+        if self.rollout.pulls_adapter() and self.config.rollout.checkpoint_engine.verify:
+            self._pull_adapter_into_rollout()
+            return
         dtypes = self._verify_dtypes() if self.rollout.pulls_weights() else None
         if dtypes is None:
             self.rollout.on_actor_update()
@@ -385,6 +388,23 @@ class ActorRolloutRefWorker(Worker):
             for _ in stream:
                 pass
         self._compare_rollout_digests(recorder.expected, self.param_version, "the hybrid rollout engine")
+
+    def _pull_adapter_into_rollout(self) -> None:
+        """A verified LoRA adapter sync (vLLM, ``lora_sync=adapter``): the adapter the engine was sent is
+        recorded (``adapter_tap``), or, if it was sent nothing (a skipped sync), the actor's adapter is
+        gathered to compare with; then the engine's digests of the adapter its LoRA layers hold."""
+        from rlfoundry.workers.weight_sync import compare_digests
+
+        sent: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
+        self.rollout.adapter_tap = lambda config, tensors: sent.append((config, tensors))
+        try:
+            self.rollout.on_actor_update()
+        finally:
+            self.rollout.adapter_tap = None
+        config, tensors = sent[-1] if sent else self._adapter_for_rollout()
+        expected, held = self.rollout.adapter_digests(config, tensors)
+        compare_digests(expected, held, where=f"the hybrid rollout engine's LoRA adapter on rank {self.rank}",
+                        version=self.param_version)
 
     def _compare_rollout_digests(self, expected: dict[str, int], version: int, where: str) -> None:
         from rlfoundry.workers.weight_sync import compare_digests

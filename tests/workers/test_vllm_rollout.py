@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
@@ -599,6 +600,39 @@ group.save_checkpoint(saved)
 group.update_actor(_training_batch(group, prompts, seed=10))
 group.load_checkpoint(saved)  # the actor goes back a step: the engine must follow (a resumed run)
 result["after_load"] = engine_vs_actor()
+
+# verify mode (on): the syncs above passed it; what it compares, and what it catches
+from rlfoundry.utils.errors import StaleWeightsError
+
+def refused(seed):
+    try:
+        group.update_actor(_training_batch(group, prompts, seed=seed))
+    except StaleWeightsError as e:
+        return str(e)
+    return None
+
+if mode == "adapter":
+    expected, held = engine.adapter_digests(*group.worker._adapter_for_rollout())
+    result["adapter_tensors"] = [len(expected), len(held), sum(expected[k] == held.get(k) for k in expected)]
+engine.sync_weights = lambda *a, **k: None  # a skipped sync: the engine keeps the old adapter / weights
+result["skipped"] = refused(11)
+del engine.sync_weights
+group.worker._refresh_rollout()  # a good, verified sync: current again
+if mode == "adapter":  # one adapter tensor altered between the trainer's record and vLLM's load
+    victim = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    load = engine.adapter.load
+
+    def corrupting(llm, tap=None):
+        def record_then_corrupt(config, tensors):
+            tap(config, dict(tensors))
+            tensors[victim] = tensors[victim] + 1e-2
+        load(llm, record_then_corrupt)
+
+    engine.adapter.load = corrupting
+    result["corrupted"] = refused(12)
+    del engine.adapter.load
+    group.worker._refresh_rollout()
+result["after_verify"] = engine_vs_actor()
 print("RESULT " + json.dumps(result))
 engine.shutdown()
 """
@@ -616,7 +650,18 @@ def test_a_lora_actor_reaches_vllm_as_an_adapter_or_merged(vllm_model_dir, mode)
     result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["enable_lora"] == (mode == "adapter")
     assert result["stale"] > STALE_MIN, result
-    assert max(result["start"], result["synced"], result["after_update"], result["after_load"]) < 1e-4, result
+    assert max(result["start"], result["synced"], result["after_update"], result["after_load"],
+               result["after_verify"]) < 1e-4, result
+    # verify mode (rollout.checkpoint_engine.verify, on) checks both kinds of sync and names a stale tensor
+    if mode == "adapter":  # vLLM's LoRA layers' A/B (B scaled by alpha/r) against the peft tensors sent
+        count = result["adapter_tensors"][0]
+        assert count == 2 * 7 * 2 and result["adapter_tensors"] == [count] * 3, result  # A, B x 7 modules x 2 layers
+        assert re.search(r"adapter on rank 0 \(param_version \d+\): tensor 'base_model\.model\.model\.layers\.\d+\."
+                         r"\w+\.\w+_proj\.lora_[AB]\.weight' differs", result["skipped"]), result["skipped"]
+        assert re.search(r"tensor 'base_model\.model\.model\.layers\.1\.self_attn\.v_proj\.lora_B\.weight' "
+                         r"differs .*\(1 of \d+ tensors differ\)", result["corrupted"]), result["corrupted"]
+    else:  # merged: the full-weights path, under vLLM's fused names
+        assert re.search(r"tensor 'model\.layers\.\d+\.\w+\.\w+_proj\.weight'.* differs", result["skipped"]), result
 
 
 def _verl_lora_grpo_args(data, model) -> list[str]:

@@ -131,6 +131,21 @@ class BaseRollout(ABC):
         (HF) or syncs some other way (a LoRA adapter request)."""
         return False
 
+    # set by the worker around a verified adapter sync: called with the (peft config, peft-named tensors)
+    # the sync loads, so what the engine was sent is recorded
+    adapter_tap: Callable[[dict[str, Any], dict[str, torch.Tensor]], None] | None = None
+
+    def pulls_adapter(self) -> bool:
+        """Whether ``on_actor_update`` loads the actor's LoRA adapter alone (vLLM, ``lora_sync=adapter``),
+        passing what it loads to ``adapter_tap``; verify mode then compares ``adapter_digests``."""
+        return False
+
+    def adapter_digests(self, config: dict[str, Any], tensors: Mapping[str, torch.Tensor]
+                        ) -> tuple[dict[str, int], dict[str, int]] | None:
+        """For an engine that ``pulls_adapter``: ({peft name: the digest ``tensors[name]`` has as the engine
+        would hold it}, {peft name: the digest of what the engine holds there}); None: not verifiable."""
+        return None
+
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
         """{HF name: the dtype the engine stores it in}, for ``rollout.checkpoint_engine.verify``; None:
         this engine cannot report its weights, and its syncs go unverified."""

@@ -14,8 +14,10 @@ per-layer post-processing: on CPU vLLM repacks linear weights for oneDNN, so cop
 
 Verify mode (``rollout.checkpoint_engine.verify``, docs/async.md): after each full or merged sync the
 engine's digests are computed in its worker (``LLM.apply_model``) under its own names, and the
-trainer's HF-named digests are summed into them (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj);
-an adapter sync (``lora_sync=adapter``) is not verified.
+trainer's HF-named digests are summed into them (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
+After an adapter sync (``lora_sync=adapter``) the digests are of the adapter as vLLM's LoRA layers hold
+it for their kernels (``_engine_adapter_digests``: the slot's ``lora_a_stacked`` / ``lora_b_stacked``),
+against the sent peft tensors transformed as vLLM's loader transforms them (``expected_adapter_digests``).
 
 Output contract: exactly ``HFRollout.generate_sequences`` (B·n interleaved rows, right-padded
 ``responses`` of width ``response_length``, ``response_mask`` 1 through EOS, ``rollout_log_probs``).
@@ -53,6 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -188,23 +191,58 @@ class _AdapterSync:
         self.dir = tempfile.mkdtemp(prefix="rlfoundry-lora-")
         self.request: Any = None
 
-    def load(self, llm: Any) -> None:
+    LORA_ID = 1
+
+    def load(self, llm: Any, tap: Callable[[dict[str, Any], dict[str, torch.Tensor]], None] | None = None) -> None:
         import json
 
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         config, tensors = self.source()  # collective (FSDP2 gathers): every rank calls it
+        if tap is not None:  # verify mode: what this sync sends
+            tap(config, tensors)
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(self.dir, "adapter_model.safetensors"))
         with open(os.path.join(self.dir, "adapter_config.json"), "w") as f:
             json.dump(config, f)
-        self.request = LoRARequest("rlfoundry-policy", 1, self.dir, load_inplace=True)
+        self.request = LoRARequest("rlfoundry-policy", self.LORA_ID, self.dir, load_inplace=True)
         llm.llm_engine.add_lora(self.request)
 
     def close(self) -> None:
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_PEFT_LORA = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight$")
+
+
+def expected_adapter_digests(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+                             ) -> dict[str, int]:
+    """{peft name: digest} of the adapter's ``lora_A``/``lora_B`` tensors as vLLM holds them after loading
+    them: cast to its LoRA dtype (``from_lora_tensors``), B then multiplied in place by the module's
+    scaling, alpha/r (alpha/sqrt(r) with rsLoRA; ``rank_pattern``/``alpha_pattern`` per module: vLLM's own
+    ``PEFTHelper``), on the host, as ``LoRALayerWeights.optimize`` does; no transposition (A is (r, in),
+    B is (out, r) in both). Other tensors of the file (none for a policy's adapter) are not compared."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from rlfoundry.workers.weight_sync import tensor_digest
+
+    helper = PEFTHelper.from_dict(dict(config))
+    out = {}
+    for name, tensor in tensors.items():
+        match = _PEFT_LORA.match(name)
+        if match is None:
+            continue
+        if match.group(2) == "A":
+            out[name] = tensor_digest(tensor, dtype)
+            continue
+        b = tensor.detach().to("cpu", dtype, copy=True)
+        scaling = helper.get_rank_and_scaling(match.group(1))[1]
+        if scaling != 1:
+            b *= scaling
+        out[name] = tensor_digest(b)
+    return out
 
 
 def _request_seeds(seed: int, rank: int, call: int, count: int) -> list[int]:
@@ -371,6 +409,43 @@ def _engine_digests(model: nn.Module) -> dict[str, int]:
     return module_digests(model, getattr(model, _LOAD_DIGESTS, {}))
 
 
+def _engine_adapter_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the LoRA layers' buffers (vLLM's ``lora_dtype``); None without LoRA layers."""
+    manager = getattr(model, "lora_manager", None)
+    for layer in getattr(manager, "modules", {}).values():
+        stacked = getattr(layer, "lora_a_stacked", None)
+        if stacked:
+            return stacked[0].dtype
+    return None
+
+
+def _engine_adapter_digests(model: nn.Module, lora_id: int, shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """{peft name: digest} of the adapter ``lora_id`` as the LoRA layers hold it for their kernels: its slot
+    of ``lora_a_stacked[i]`` (r, in) / ``lora_b_stacked[i]`` (out, r), zero-padded there to max_lora_rank,
+    the region of the peft tensor's ``shapes`` read (a smaller buffer gives fewer elements: a different
+    digest). A packed layer (``qkv_proj``) holds its parts' adapters as slices i (``packed_modules``).
+    Empty when the adapter is not in a slot."""
+    from rlfoundry.workers.weight_sync import tensor_digest
+
+    manager = getattr(model, "lora_manager", None)
+    if manager is None or lora_id not in manager.lora_index_to_id:
+        return {}
+    slot = manager.lora_index_to_id.index(lora_id)
+    where = {name: (name, 0) for name in manager.modules}
+    for packed, parts in manager.packed_modules.items():
+        where.update({part: (packed, i) for i, part in enumerate(parts)})
+    out = {}
+    for name, shape in shapes.items():
+        match = _PEFT_LORA.match(name)
+        if match is None or match.group(1) not in where:
+            continue
+        layer_name, i = where[match.group(1)]
+        layer = manager.modules[layer_name]
+        stacked = (layer.lora_a_stacked if match.group(2) == "A" else layer.lora_b_stacked)[i][slot, 0]
+        out[name] = tensor_digest(stacked[: shape[0], : shape[1]])
+    return out
+
+
 # --------------------------------------------------------------------------- the engine
 
 class VLLMRollout(BaseRollout):
@@ -412,6 +487,7 @@ class VLLMRollout(BaseRollout):
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), as_id_list(eos_token_id)
         self.seed, self.calls, self.syncs = self.config.seed, 0, 0
         self._weight_layout: FusedNames | None = None  # verify mode
+        self._adapter_dtype: torch.dtype | None = None  # verify mode, adapter syncs
         model_path = model_path or getattr(getattr(module, "config", None), "name_or_path", None)
         if not model_path:
             raise ValueError("VLLMRollout needs model_path (an HF directory) when the module does not carry one")
@@ -505,7 +581,7 @@ class VLLMRollout(BaseRollout):
         self._require_engine()
         if named_tensors is None and self.adapter is not None:
             self._wake_up(["weights"])
-            self.adapter.load(self.llm)
+            self.adapter.load(self.llm, self.adapter_tap)
             self.llm.reset_prefix_cache()
             self.syncs += 1
             return
@@ -520,6 +596,27 @@ class VLLMRollout(BaseRollout):
     def pulls_weights(self) -> bool:
         return self.adapter is None  # an adapter sync is a LoRA request, not a weight stream
 
+    def pulls_adapter(self) -> bool:
+        return self.adapter is not None
+
+    def adapter_digests(self, config: dict[str, Any], tensors: Mapping[str, torch.Tensor]
+                        ) -> tuple[dict[str, int], dict[str, int]] | None:
+        """(``expected_adapter_digests`` of the sent adapter, ``_engine_adapter_digests`` of vLLM's LoRA
+        layers over the same regions), both by peft's names; None without an adapter sync."""
+        if self.adapter is None:
+            return None
+        import functools
+
+        self._require_engine()
+        self._wake_up(["weights"])
+        if self._adapter_dtype is None:
+            self._adapter_dtype = self.llm.apply_model(_engine_adapter_dtype)[0]
+        expected = expected_adapter_digests(config, tensors, self._adapter_dtype)
+        shapes = {name: tuple(tensors[name].shape) for name in expected}
+        held = self.llm.apply_model(functools.partial(_engine_adapter_digests, lora_id=self.adapter.LORA_ID,
+                                                      shapes=shapes))[0]
+        return expected, held
+
     def _layout(self) -> FusedNames:
         """The engine's names, dtypes and fused tensors (``weight_sync.FusedNames``), read once."""
         if self._weight_layout is None:
@@ -530,7 +627,7 @@ class VLLMRollout(BaseRollout):
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
         """{HF name: the engine's dtype}, the fused tensors' parts each under its own name. Asking starts
         the engine's recording of its loads (``_install_load_taps``), which the digests after a sync use.
-        None with a LoRA adapter sync (unverified: the engine's base weights do not move)."""
+        None with a LoRA adapter sync: the base weights do not move; the adapter is verified by ``adapter_digests``."""
         if self.adapter is not None:
             return None
         self._require_engine()
@@ -539,7 +636,8 @@ class VLLMRollout(BaseRollout):
 
     def weight_digests(self) -> dict[str, int] | None:
         """{engine name: digest} of the engine's own weights, computed in its worker (``_engine_digests``);
-        the trainer's HF-named digests fold into these names by ``engine_weight_name``."""
+        the trainer's HF-named digests fold into these names by ``engine_weight_name``. None with an adapter sync
+        (``adapter_digests``)."""
         if self.adapter is not None:
             return None
         self._require_engine()
