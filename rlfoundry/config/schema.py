@@ -150,7 +150,7 @@ class SamplerConfig(Node):
 
 @dataclass
 class SyntheticDataConfig:  # rlfoundry: the built-in task used when data.train_files is null
-    task: str = "arithmetic"
+    task: str = one_of(("arithmetic", "shape_colour"), "arithmetic")  # shape_colour: image rows (the vision demo)
     train_size: int = 640
     val_size: int = 128
     seed: int = 0

@@ -13,6 +13,13 @@ from rlfoundry.rewards import math as math_scorer
 
 ARITHMETIC_DATA_SOURCE = "rlfoundry/arithmetic"
 SHAPES_DATA_SOURCE = "rlfoundry/count_shapes"  # data/preprocess/shapes.py: an integer answer, as arithmetic
+SHAPE_COLOUR_DATA_SOURCE = "rlfoundry/shape_colour"  # data/preprocess/shapes.py --question colour: a colour's name
+
+
+def exact_word_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the response is the ground-truth word (surrounding white space and case aside), else 0.0."""
+    return float(solution_str.strip().lower() == str(ground_truth).strip().lower())
+
 
 SCORERS: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k.compute_score,
@@ -21,6 +28,7 @@ SCORERS: dict[str, Callable[..., float]] = {
     "HuggingFaceH4/MATH-500": math_scorer.compute_score,
     ARITHMETIC_DATA_SOURCE: arithmetic.compute_score,
     SHAPES_DATA_SOURCE: arithmetic.compute_score,
+    SHAPE_COLOUR_DATA_SOURCE: exact_word_score,
     "hiyouga/geometry3k": geo3k.compute_score,
     # programs run against the row's unit tests in the sandbox (rewards/code.py)
     **{source: code.compute_score for source in code.CODE_DATA_SOURCES},
@@ -31,7 +39,8 @@ SCORERS: dict[str, Callable[..., float]] = {
 # (~190 MB, seconds to start) would protect against nothing here, so with reward_kwargs.num_workers
 # unset the reward manager scores batches made only of these in the driver. MATH is absent on
 # purpose: math-verify/sympy can hang on adversarial LaTeX and needs the pool's per-sample timeout.
-IN_DRIVER_SOURCES: frozenset[str] = frozenset({ARITHMETIC_DATA_SOURCE, SHAPES_DATA_SOURCE, "openai/gsm8k"})
+IN_DRIVER_SOURCES: frozenset[str] = frozenset({ARITHMETIC_DATA_SOURCE, SHAPES_DATA_SOURCE, SHAPE_COLOUR_DATA_SOURCE,
+                                                "openai/gsm8k"})
 
 
 class UnknownDataSourceError(KeyError):

@@ -127,8 +127,10 @@ def prepare_synthetic_data(cfg: DictConfig, run_dir: Path) -> tuple[str | None, 
     if cfg.data.train_files is not None:
         return None, None
     syn = cfg.data.synthetic
+    if syn.task == "shape_colour":
+        return _prepare_shape_colour(cfg, run_dir)
     if syn.task != "arithmetic":
-        raise ConfigError(f"data.synthetic.task={syn.task!r}: the only built-in task is 'arithmetic'.")
+        raise ConfigError(f"data.synthetic.task={syn.task!r}: the built-in tasks are 'arithmetic' and 'shape_colour'.")
     from rlfoundry.data.preprocess.arithmetic import ArithmeticSpec, generate_splits, make_row
     from rlfoundry.data.preprocess.common import PreprocessError, write_splits
 
@@ -145,6 +147,20 @@ def prepare_synthetic_data(cfg: DictConfig, run_dir: Path) -> tuple[str | None, 
             write_splits(generate_splits(syn.train_size, syn.val_size, seed=syn.seed, spec=spec), out, make_row)
         except PreprocessError as e:
             raise ConfigError(f"data.synthetic: {e}") from e
+    val = str(out / "test.parquet") if cfg.data.val_files is None else None
+    return str(out / "train.parquet"), val
+
+
+def _prepare_shape_colour(cfg: DictConfig, run_dir: Path) -> tuple[str, str | None]:
+    """The vision demo's task (``data/preprocess/shapes.py --question colour``): image rows for a
+    vision-language policy, seeded by ``data.synthetic.seed`` (``digits``, ``ops`` do not apply)."""
+    from rlfoundry.data.preprocess.common import write_splits
+    from rlfoundry.data.preprocess.shapes import generate_splits, make_row
+
+    syn = cfg.data.synthetic
+    out = run_dir / "data" / f"shape_colour_seed{syn.seed}_{syn.train_size}_{syn.val_size}"
+    if not (out / "train.parquet").is_file() or not (out / "test.parquet").is_file():
+        write_splits(generate_splits(syn.train_size, syn.val_size, seed=syn.seed, task="colour"), out, make_row)
     val = str(out / "test.parquet") if cfg.data.val_files is None else None
     return str(out / "train.parquet"), val
 
