@@ -16,6 +16,11 @@ columns, which the driver turns into the step's metrics (``trainer/metric_utils.
 A loop may give a trajectory several rows (``openai_agent``'s segments): each repeats its sample's
 columns; a row it marks ``excluded`` (a lost sample, padding) gets a ``uid`` of its own, so group
 estimators leave it out of its prompt's group, and an ``extra_info`` it returns replaces the row's.
+
+Image rows (a ``multi_modal_inputs`` column, (B, 3, Tp) ``position_ids``; docs/vision.md) go to loops
+that take images (``takes_images``: ``tool_agent``, ``single_turn_agent``) with their
+``prompt_vision``; the output keeps the columns and its positions are 3-D, the prompt's and then each
+response token one past the one before in all three axes, as the single-turn rollout gives them.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from rlfoundry.workers.rollout.agent_loop.base import (
     register,
     resolve_agent_loops,
 )
-from rlfoundry.workers.rollout.agent_loop.server import GenerationServer
+from rlfoundry.workers.rollout.agent_loop.server import GenerationServer, PromptVision
 from rlfoundry.workers.rollout.agent_loop.tool_agent import apply_template, truncate_text
 
 __all__ = ["AgentLoop", "AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "format_trajectory", "register",
@@ -87,6 +92,10 @@ class AgentLoop:
         n = int(prompts.meta_info.get("n", default_n))
         rows = [self._row(prompts, i) for i in range(len(prompts)) for _ in range(n)]
         classes = resolve_agent_loops({r["agent_name"] for r in rows}, self.loop_config_path)
+        for r in rows:
+            if r.get("prompt_vision") is not None and not getattr(classes[r["agent_name"]], "takes_images", False):
+                raise AgentLoopError(f"agent loop {r['agent_name']!r} does not take image rows (its class sets no "
+                                     "takes_images = True); use tool_agent or single_turn_agent for them")
         with ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-agent-loop") as pool:  # callers may own a loop
             results = pool.submit(asyncio.run, self._run_all(rows, classes, dict(prompts.meta_info))).result()
         outputs, sample = [], []  # one entry per row; a loop may give a trajectory several rows
@@ -102,6 +111,10 @@ class AgentLoop:
         row = {k: v[i] for k, v in prompts.non_tensor_batch.items()}
         row["prompt_ids"] = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
         row["agent_name"] = row.get("agent_name") or self.default_loop
+        positions = batch["position_ids"][i] if "position_ids" in batch.keys() else None
+        if row.get("multi_modal_inputs") and positions is not None and positions.dim() == 2:  # (3, Tp)
+            row["prompt_vision"] = PromptVision(row["multi_modal_inputs"],
+                                                positions[:, batch["attention_mask"][i].bool()].cpu())
         return row
 
     async def _run_all(self, rows: list[dict], classes: dict[str, type], meta: dict) -> list:
@@ -165,6 +178,9 @@ class AgentLoop:
         tensors = rollout_layout(prompt_ids, prompt_mask, [o.response_ids for o in outputs],
                                  [o.response_mask for o in outputs], [o.response_logprobs for o in outputs],
                                  self.response_length, self.pad_id)
+        if "position_ids" in prompts.batch.keys() and prompts.batch["position_ids"].dim() == 3:
+            tensors["position_ids"] = _positions_3d(prompts.batch["position_ids"][index], no_prompt.squeeze(1),
+                                                    tensors["position_ids"], self.response_length)
         extras = {k: v[prompt_of] for k, v in prompts.non_tensor_batch.items()}
         columns = _columns(outputs)
         excluded, own_info = columns.pop("excluded", None), columns.pop("extra_info", None)
@@ -188,6 +204,15 @@ def format_trajectory(tokenizer: Any, response_ids: list[int], response_mask: li
             parts.append(text if response_mask[start] else open_mark + text + close_mark)
             start = end
     return "".join(parts)
+
+
+def _positions_3d(prompt_pos: torch.Tensor, no_prompt: torch.Tensor, flat: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, 3, Tp + width) positions of an image batch's rows: the prompt's, then the response going on from its
+    last one in every axis (HF rollout's layout); a row without prompt ids counts over its own tokens
+    (``flat``, (B, Tp + width)) in each axis."""
+    steps = torch.arange(1, width + 1, device=prompt_pos.device).view(1, 1, -1)
+    positions = torch.cat([prompt_pos, prompt_pos[..., -1:] + steps], dim=-1)
+    return torch.where(no_prompt.view(-1, 1, 1), flat.unsqueeze(1).expand_as(positions), positions)
 
 
 def _columns(outputs: list[AgentLoopOutput]) -> dict[str, np.ndarray]:

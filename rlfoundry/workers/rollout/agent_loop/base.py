@@ -54,11 +54,15 @@ class AgentLoopOutput:
 
 
 class AgentLoopBase:
-    """Subclass and implement ``run``. Attributes: ``server`` (``generate(key, token_ids, max_tokens)``),
+    """Subclass and implement ``run``. A loop that sets ``takes_images = True`` gets image rows (else they
+    are refused): their ``prompt_vision`` (``server.PromptVision``), to pass to every ``server.generate``
+    whose context starts with the prompt's tokens. Attributes: ``server`` (``generate(key, token_ids, max_tokens)``),
     ``tokenizer``, ``config`` (the typed ``rollout.multi_turn``), ``tools`` (by name),
     ``interactions`` (by name), ``response_length`` (the whole trajectory's budget after the prompt),
     ``chat_template_kwargs`` (what the data set rendered the prompt with), ``key`` (this trajectory's
     index in the batch, to pass to ``server.generate``), ``agent`` (the typed ``rollout.agent``, or None)."""
+
+    takes_images = False
 
     def __init__(self, *, server: Any, tokenizer: Any, config: Any, tools: dict, interactions: dict,
                  response_length: int, chat_template_kwargs: dict, key: int, agent: Any = None):

@@ -10,6 +10,12 @@ delays the others by at most ``grace_s``, not by its own duration. The grace is 
 loop's clock, the one its timeouts run on (a test's virtual-time loop makes it exact). Each call's
 meta-info carries every row's own budget (``max_response_lengths``): vLLM caps each request by it, the
 HF engine generates to the largest and the server cuts each row to its own.
+
+Image rows (docs/vision.md): a request may carry its prompt's :class:`PromptVision` (the row's
+``multi_modal_inputs`` and 3-D rotary positions); the engine call then gets every row's pixel inputs
+(``multi_modal_inputs``, {} for text rows) and (B, 3, T) positions: the prompt's own, then text going
+on from its last one in all three axes, as the single-turn rollout continues a prompt. Later turns
+extend the context with text only, so their positions go on the same way.
 """
 
 from __future__ import annotations
@@ -19,10 +25,32 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.torch_functional import left_padded
 
-__all__ = ["GenerationServer", "Generated"]
+__all__ = ["GenerationServer", "Generated", "PromptVision"]
+
+
+@dataclass
+class PromptVision:
+    """An image prompt's inputs for every turn of its trajectory: ``multi_modal_inputs`` (the processor's
+    ``pixel_values``, ``image_grid_thw``) and ``positions`` (3, P), the prompt's 3-D rotary positions over
+    its P tokens (no padding). The context the engine continues starts with those P prompt tokens."""
+
+    multi_modal_inputs: dict
+    positions: torch.Tensor
+
+    def context_positions(self, length: int) -> torch.Tensor:
+        """(3, length): the prompt's positions, then each later (text) token one past the one before."""
+        extra = length - self.positions.shape[1]
+        if extra < 0:
+            raise ValueError(f"an image prompt's context of {length} tokens is shorter than its prompt "
+                             f"({self.positions.shape[1]} tokens)")
+        steps = torch.arange(1, extra + 1, dtype=self.positions.dtype)
+        return torch.cat([self.positions, self.positions[:, -1:] + steps], dim=1)
 
 
 @dataclass
@@ -39,6 +67,7 @@ class _Request:
     token_ids: list[int]
     max_tokens: int
     future: asyncio.Future
+    vision: PromptVision | None = None
 
 
 class GenerationServer:
@@ -63,9 +92,12 @@ class GenerationServer:
         self.live -= 1
         self._notify()
 
-    async def generate(self, key: int, token_ids: list[int], max_tokens: int) -> Generated:
+    async def generate(self, key: int, token_ids: list[int], max_tokens: int,
+                       vision: PromptVision | None = None) -> Generated:
+        """The next turn after ``token_ids``; ``vision``: the image prompt they start with (see the module
+        docstring), None for a text context."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(key, list(token_ids), int(max_tokens), future))
+        self._pending.append(_Request(key, list(token_ids), int(max_tokens), future, vision))
         self._notify()
         return await future
 
@@ -114,7 +146,7 @@ class GenerationServer:
         self.engine_calls += 1
         budget = max(r.max_tokens for r in batch)
         meta = {**self.meta, "n": 1, "response_length": budget, "max_response_lengths": [r.max_tokens for r in batch]}
-        out = self.engine.generate_sequences(self._rows([r.token_ids for r in batch], meta))
+        out = self.engine.generate_sequences(self._rows(batch, meta))
         # to Python lists in one copy per tensor (from the engine's device), not one sync per row
         lengths = out.batch["response_mask"].sum(-1).tolist()
         responses, log_probs = out.batch["responses"].tolist(), out.batch["rollout_log_probs"].tolist()
@@ -124,7 +156,21 @@ class GenerationServer:
             results.append(Generated(responses[k][:length], log_probs[k][:length]))
         return results
 
-    def _rows(self, rows: list[list[int]], meta: dict) -> DataProto:
+    def _rows(self, batch: list[_Request], meta: dict) -> DataProto:
         """The engine's input, on the engine's device where it has one (the HF engine: its module's)."""
         device = getattr(self.engine, "device", None)
-        return DataProto.from_dict(tensors=left_padded(rows, self.pad_id, device), meta_info=meta)
+        tensors = left_padded([r.token_ids for r in batch], self.pad_id, device)
+        if all(r.vision is None for r in batch):
+            return DataProto.from_dict(tensors=tensors, meta_info=meta)
+        # (B, 3, T): image rows their prompt's positions and on; text rows 0, 1, … in each axis; padding
+        # 1 (as the model's get_rope_index fills it; masked out, so any value would do)
+        width = tensors["input_ids"].shape[1]
+        positions = torch.ones((len(batch), 3, width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.token_ids)
+            row = r.vision.context_positions(n) if r.vision is not None else torch.arange(n).expand(3, n)
+            positions[i, :, width - n:] = row
+        tensors["position_ids"] = positions.to(tensors["input_ids"].device)
+        inputs = np.empty(len(batch), dtype=object)
+        inputs[:] = [r.vision.multi_modal_inputs if r.vision is not None else {} for r in batch]
+        return DataProto.from_dict(tensors=tensors, non_tensors={"multi_modal_inputs": inputs}, meta_info=meta)

@@ -17,6 +17,10 @@ until a turn has no call (and no interaction continues it), a turn limit is reac
 budget (``data.max_response_length`` tokens over all turns) runs out. ``response_mask`` is 1 exactly on
 the tokens the policy sampled, ``response_logprobs`` their log-probs (0 elsewhere).
 
+Image rows (docs/vision.md): every turn's engine call gets the prompt's pixel inputs and 3-D rotary
+positions (``server.PromptVision``; the turns after the first add text only), tools see the images as
+``agent_data.image_data``, and the batch keeps the row's ``multi_modal_inputs`` for the trainer.
+
 Extra columns per row: ``tool_calls``, ``tool_errors``, ``tool_reward`` (the tools' ``calc_reward`` plus
 step rewards), ``turn_scores`` (the interaction's score per user turn), ``stop_reason`` (``no_call``,
 ``length``, ``max_assistant_turns``, ``max_user_turns``, ``interaction_done``) and ``last_turn_start``
@@ -48,6 +52,7 @@ from rlfoundry.tools.runner import ToolCall, ToolCallResult, run_in_thread, run_
 from rlfoundry.tools.schemas import OpenAIFunctionParsedSchema
 from rlfoundry.utils.rollout_trace import rollout_trace_op
 from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopError, AgentLoopOutput, register
+from rlfoundry.workers.rollout.agent_loop.server import PromptVision
 
 __all__ = ["AgentData", "ToolAgentLoop", "apply_template", "render_after_assistant", "truncate_text"]
 
@@ -123,6 +128,8 @@ class _State:
     interaction: str | None = None  # the simulated user's instance id, if the row has one
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     extra_fields: dict[str, Any] = field(default_factory=dict)  # the tools' store, see AgentData
+    vision: PromptVision | None = None  # an image prompt's pixel inputs and positions, for every turn
+    images: list[Any] | None = None  # its images (the row's multi_modal_data), for the tools
 
     def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -157,12 +164,14 @@ class AgentData:
         return cls(state.request_id, [dict(m) for m in state.messages], state.tools_kwargs,
                    state.prompt_ids + state.response_ids, state.response_ids[state.last_turn_start:],
                    list(state.mask), list(state.log_probs), parsed, list(state.turn_scores), state.user_turns,
-                   state.assistant_turns, state.extra_fields)
+                   state.assistant_turns, state.extra_fields, state.images)
 
 
 @register("tool_agent")
 class ToolAgentLoop(AgentLoopBase):
     """See the module docstring."""
+
+    takes_images = True  # every turn's context starts with the prompt: each gets its pixels (server.py)
 
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
@@ -170,8 +179,14 @@ class ToolAgentLoop(AgentLoopBase):
         if self.config.use_inference_chat_template and not row.get("raw_prompt"):
             raise AgentLoopError("rollout.multi_turn.use_inference_chat_template=true renders each turn from the "
                                  "chat's messages, but this row has no raw_prompt: set data.return_raw_chat=True")
+        vision = row.get("prompt_vision")
+        if vision is not None and self.config.use_inference_chat_template:
+            raise AgentLoopError("rollout.multi_turn.use_inference_chat_template=true re-renders each turn from the "
+                                 "chat's text, which would part the image tokens from their pixels: image rows take "
+                                 "the row's own tokens (set it to false)")
         state = _State(list(row["prompt_ids"]), list(row.get("raw_prompt") or []),
-                       dict(extra.get("tools_kwargs") or {}))
+                       dict(extra.get("tools_kwargs") or {}), vision=vision,
+                       images=list((row.get("multi_modal_data") or {}).get("image") or []) or None)
         interaction, interaction_kwargs = self._interaction_for(extra)
         await self._lifecycle(state, "create")
         instance = await self._start_interaction(state, interaction, interaction_kwargs)
@@ -192,7 +207,7 @@ class ToolAgentLoop(AgentLoopBase):
         """Generates a turn; returns its calls to run and the answers already known (malformed calls,
         calls over the limit), or None when there is no call (``state.stop`` says if it ended)."""
         room = self.response_length - len(state.response_ids)
-        turn = await self.server.generate(self.key, self._engine_prompt(state), room)
+        turn = await self.server.generate(self.key, self._engine_prompt(state), room, state.vision)
         state.last_turn_start = len(state.response_ids)
         state.append(turn.token_ids, True, turn.log_probs)
         state.assistant_turns += 1
