@@ -1,0 +1,80 @@
+"""The FSDP engine on a vision-language model over two gloo ranks (CPU) against one rank: the same
+log-probs for an image batch (each rank forwards its rows with their own pixel inputs) and the same
+update. One two-rank job computes both batches' numbers; it runs once per module."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlfoundry.config.schema import FSDPConfig, OptimConfig
+from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePlan
+from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+from rlfoundry.protocol import DataProto
+from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
+from tests.engines.test_fsdp_vision import image_batch  # noqa: F401 - fixture
+
+
+def _nll(outputs, batch, info) -> LossOutput:
+    """Token-mean NLL over the mini-batch (divided by the mini-batch-wide count, times dp_size)."""
+    loss = -(outputs["log_probs"] * batch["response_mask"]).sum() / info["batch_num_tokens"] * info["dp_size"]
+    return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
+
+
+def _compute(model_dir, batches: dict[str, DataProto]) -> dict:
+    """Per batch (this rank's rows): log-probs at micro-batch 1 and 2, then one update's metrics and weights."""
+    out = {}
+    for name, data in batches.items():
+        engine = FSDPEngine.build(FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(), grad_clip=1.0,
+                                                   cpu_kernels="off", optim=OptimConfig(lr=1e-2, weight_decay=0.0)),
+                                  "cpu", role="actor")
+        got = {mb: engine.infer_batch(data, LogProbs(entropy=True), MicroBatching(mb)) for mb in (1, 2)}
+        metrics = engine.train_batch(data, LogProbs(), _nll, UpdatePlan(mini_batch_size=len(data),
+                                                                        micro=MicroBatching(1)))
+        out[name] = {"log_probs": got[1]["log_probs"], "log_probs_mb2": got[2]["log_probs"],
+                     "entropy": got[1]["entropy"], "metrics": dict(metrics),
+                     "weights": {k: v.clone() for k, v in engine.iter_hf_weights()}}
+    return out
+
+
+def _rank_main(rank: int, store: str, result: str, model_dir, batches: dict[str, DataProto]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.save(_compute(model_dir, {name: data.chunk(2)[rank] for name, data in batches.items()}),
+               f"{result}.{rank}")  # each rank its own rows' numbers and the (gathered) weights
+    dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)  # skip gloo's thread teardown (see tests/workers/test_critic.py)
+
+
+@pytest.fixture(scope="module")
+def both(tiny_vlm_dir, image_batch, tmp_path_factory, process_group):  # noqa: F811
+    # rank 0: a one- and a two-image row; rank 1: two one-image rows of other sizes. Every micro-batch
+    # holds an image: a text-only micro-batch on one rank while the other's has pixels skips the sharded
+    # vision tower there and the ranks' collectives part (gloo aborts; docs/vision.md, not built)
+    batches = {"images": image_batch.select_idxs([0, 1, 3, 0])}
+    tmp = tmp_path_factory.mktemp("vision-ranks")
+    mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), tiny_vlm_dir, batches), nprocs=2, join=True)
+    return _compute(tiny_vlm_dir, batches), [torch.load(f"{tmp / 'out.pt'}.{r}") for r in (0, 1)]
+
+
+@pytest.mark.parametrize("name", ["images"])
+def test_two_ranks_give_the_log_probs_and_update_of_one(both, name):
+    single, ranks = both[0][name], [part[name] for part in both[1]]
+    for key in ("log_probs", "log_probs_mb2", "entropy"):  # fp32 rounding only
+        torch.testing.assert_close(torch.cat([p[key] for p in ranks]), single[key], atol=1e-5, rtol=0, msg=key)
+    assert single["log_probs"].abs().sum() > 0
+    for part in ranks:  # both ranks report the group's numbers
+        assert part["metrics"]["actor/loss"] == pytest.approx(single["metrics"]["actor/loss"], rel=1e-5)
+        assert part["metrics"]["actor/grad_norm"] == pytest.approx(single["metrics"]["actor/grad_norm"], rel=1e-4)
+    # Adam moves each weight by ~lr = 1e-2 whatever its gradient's size; a gradient at fp32 rounding level
+    # may move differently (as in tests/engines/test_ulysses.py), a wrongly reduced one would move thousands
+    for k, w in single["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][k], w, atol=1e-4, rtol=0, msg=k)
+        assert torch.equal(ranks[1]["weights"][k], ranks[0]["weights"][k]), k  # one model, gathered on both
