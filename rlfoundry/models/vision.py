@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from transformers import ProcessorMixin, Qwen2VLProcessor
 
-__all__ = ["ImageTextProcessor", "VISION_TOKENS", "freeze_vision_tower", "is_vision_language", "load_processor",
-           "mask_placeholders", "model_multimodal_kwargs", "model_position_ids", "placeholder_ids", "RopeIndex"]
+__all__ = ["ImageTextProcessor", "VISION_TOKENS", "freeze_vision_tower", "idle_vision_tower", "is_vision_language",
+           "load_processor", "mask_placeholders", "model_multimodal_kwargs", "model_position_ids", "placeholder_ids",
+           "RopeIndex"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,28 @@ def mask_placeholders(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
     if not ids:
         return logits
     return logits.index_fill(-1, torch.tensor(ids, device=logits.device), torch.finfo(logits.dtype).min)
+
+
+def idle_vision_tower(model: nn.Module) -> torch.Tensor:
+    """0 × the vision tower's output on the smallest image it takes (one merged patch of zeros).
+
+    FSDP2 gathers a sharded unit's weights when the unit runs, as a collective of every rank: a
+    micro-batch of text rows on one rank while another rank's holds images would run the tower on
+    that rank only, and the ranks' collectives part (gloo aborts: "Received data size doesn't match").
+    Added to such a micro-batch's embeddings it changes no value and gives the tower a zero
+    gradient, so the tower's gathers and gradient reductions happen on every rank alike."""
+    inner = getattr(model, "model", model)
+    tower = getattr(inner, "visual", None) or getattr(model, "visual", None)
+    vision = model.config.vision_config
+    merge = int(getattr(vision, "spatial_merge_size", 2))
+    channels = int(getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3))
+    width = channels * int(getattr(vision, "temporal_patch_size", 1)) * int(vision.patch_size) ** 2
+    device = next(tower.parameters()).device
+    pixels = torch.zeros(merge * merge, width, device=device)
+    out = tower(pixels, grid_thw=torch.tensor([[1, merge, merge]], device=device))
+    parts = [out] if isinstance(out, torch.Tensor) else [v for v in (out.values() if hasattr(out, "values") else out)
+                                                         if isinstance(v, torch.Tensor)]
+    return sum(part.float().sum() for part in parts) * 0.0
 
 
 def freeze_vision_tower(model: nn.Module) -> int:

@@ -55,16 +55,16 @@ def _rank_main(rank: int, store: str, result: str, model_dir, batches: dict[str,
 
 @pytest.fixture(scope="module")
 def both(tiny_vlm_dir, image_batch, tmp_path_factory, process_group):  # noqa: F811
-    # rank 0: a one- and a two-image row; rank 1: two one-image rows of other sizes. Every micro-batch
-    # holds an image: a text-only micro-batch on one rank while the other's has pixels skips the sharded
-    # vision tower there and the ranks' collectives part (gloo aborts; docs/vision.md, not built)
-    batches = {"images": image_batch.select_idxs([0, 1, 3, 0])}
+    # "images": rank 0 a one- and a two-image row, rank 1 two one-image rows of other sizes. "mixed":
+    # rank 1's first micro-batch is the text row while rank 0's holds an image: the tower must still run
+    # there (idle_vision_tower), or the ranks' collectives part and gloo aborts
+    batches = {"images": image_batch.select_idxs([0, 1, 3, 0]), "mixed": image_batch.select_idxs([0, 1, 2, 3])}
     tmp = tmp_path_factory.mktemp("vision-ranks")
     mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), tiny_vlm_dir, batches), nprocs=2, join=True)
     return _compute(tiny_vlm_dir, batches), [torch.load(f"{tmp / 'out.pt'}.{r}") for r in (0, 1)]
 
 
-@pytest.mark.parametrize("name", ["images"])
+@pytest.mark.parametrize("name", ["images", "mixed"])
 def test_two_ranks_give_the_log_probs_and_update_of_one(both, name):
     single, ranks = both[0][name], [part[name] for part in both[1]]
     for key in ("log_probs", "log_probs_mb2", "entropy"):  # fp32 rounding only

@@ -31,7 +31,13 @@ from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.models.hf import kv_cache_kwargs
-from rlfoundry.models.vision import mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
+from rlfoundry.models.vision import (
+    idle_vision_tower,
+    mask_placeholders,
+    model_multimodal_kwargs,
+    model_position_ids,
+    placeholder_ids,
+)
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch, unpack_to_padded
 from rlfoundry.utils.seqlen_balancing import (
@@ -78,6 +84,22 @@ class CausalLMForward:
         self.shared_prompt_logits = shared_prompt_logits
         self.continued_forward = continued_forward or plain_context
         self.placeholder_ids = placeholder_ids(module)  # a vision-language policy never samples them
+        # a vision-language model sharded over ranks runs its tower on every micro-batch, where the model
+        # would (idle_vision_tower): inside its forward, before the language model, so every rank's
+        # gathers and gradient reductions come in one order
+        self.idle_tower = bool(self.placeholder_ids) and dist.is_initialized() and dist.get_world_size() > 1
+        self._idle_next = False
+        if self.idle_tower:
+            language = getattr(getattr(module, "model", module), "language_model")
+            language.register_forward_pre_hook(self._add_idle_tower, with_kwargs=True)
+
+    def _add_idle_tower(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The language model's pre-forward hook: a text-only micro-batch's embeddings + 0 × the tower's output."""
+        if not self._idle_next or kwargs.get("inputs_embeds") is None:
+            return None
+        self._idle_next = False
+        embeds = kwargs["inputs_embeds"]
+        return args, {**kwargs, "inputs_embeds": embeds + idle_vision_tower(self.module).to(embeds.dtype)}
 
     def group_if_dist(self) -> Any:
         return (self.dp_group if self.dp_group is not None else dist.group.WORLD) if self.dp_size > 1 else None
@@ -92,7 +114,10 @@ class CausalLMForward:
         prompt_groups = plan.prompt_groups
         batch, full_width = trim_response_padding(micro, plan.trim)
         pixels = _pixel_inputs(micro)
-        if pixels:  # image rows: the padded forward (rows packed or sharing a prompt would need their pixels cut too)
+        if pixels or self.idle_tower:
+            # image rows: the padded forward (rows packed or sharing a prompt would need their pixels cut too);
+            # text rows of a sharded vision-language model too: one model call per micro-batch on every rank
+            self._idle_next = not pixels
             logits, labels, scatter = self._padded_response_logits(batch, pixels)
         elif prompt_groups is not None:
             logits, labels, scatter = self._shared_prompt_response_logits(batch, *prompt_groups)
