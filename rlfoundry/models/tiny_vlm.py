@@ -11,6 +11,7 @@ Images are resized to multiples of 16 pixels (patch 8 x merge 2) between 16² an
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -83,7 +84,22 @@ def save_tiny_vlm(out_dir: str | Path, **kwargs) -> Path:
     processor = build_processor()
     build_tiny_vlm(processor, **kwargs).save_pretrained(out)
     processor.save_pretrained(out)
+    write_video_processor_config(out)
     return out
+
+
+def write_video_processor_config(out: Path) -> None:
+    """Qwen2-VL's video processor settings, so that engines that build the model's full
+    ``Qwen2VLProcessor`` (vLLM does, and refuses a directory without them) can load the directory.
+    Written as JSON: transformers builds that processor only with torchvision, which the main
+    environment lacks. rlfoundry itself takes no videos."""
+    settings = {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "do_sample_frames": False, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "merge_size": MERGE_SIZE, "patch_size": PATCH_SIZE,
+        "resample": 3, "rescale_factor": 1 / 255, "size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS},
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE, "video_processor_type": "Qwen2VLVideoProcessor"}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,9 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4, help="2 gives head_dim 32, which vLLM-CPU needs")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    path = save_tiny_vlm(a.out, hidden_size=a.hidden_size, num_layers=a.num_layers, seed=a.seed)
+    path = save_tiny_vlm(a.out, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
+                        seed=a.seed)
     print(f"saved tiny qwen2_vl to {path}")
 
 

@@ -81,7 +81,8 @@ def assemble(prompts: DataProto, n: int, responses, log_probs, lengths, position
         "responses": responses,
         "input_ids": torch.cat([prompt_ids, responses], dim=1),
         "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
-        "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps.unsqueeze(0)], dim=1),
+        # text after the prompt goes on from its last position (in each of the 3 rotary axes of image rows)
+        "position_ids": torch.cat([prompt_pos, prompt_pos[..., -1:] + steps], dim=-1),
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
     }

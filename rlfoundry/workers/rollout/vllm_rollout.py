@@ -66,6 +66,7 @@ from torch import nn
 from rlfoundry.protocol import DataProto
 from rlfoundry.config.schema import RolloutConfig
 from rlfoundry.engines.fsdp.utils import hf_parameter_name, iter_full_parameters
+from rlfoundry.models.vision import is_vision_language
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, rollout_config
 from rlfoundry.workers.rollout.token_requests import TokenRequests, as_id_list, assemble
 from rlfoundry.workers.weight_sync import FusedNames
@@ -90,7 +91,8 @@ _CPU_KV_MIN, _CPU_KV_MAX = 64 << 20, 4 << 30
 # --------------------------------------------------------------------------- pure helpers
 
 def _model_shape(hf_config: Any) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of an HF decoder config."""
+    """(layers, kv heads, head dim) of an HF decoder config (a vision-language config's text model)."""
+    hf_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(getattr(hf_config, "num_attention_heads"))
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
@@ -150,13 +152,18 @@ def build_engine_kwargs(
         "tensor_parallel_size": 1,
         "seed": config.seed,
         "trust_remote_code": trust_remote_code,
-        # prompts arrive as token ids and responses leave as token ids: no tokenizer in the engine
-        "skip_tokenizer_init": True,
+        # prompts arrive as token ids and responses leave as token ids: no tokenizer in the engine, except
+        # for a vision-language model, whose multimodal processor (image token expansion) needs it
+        "skip_tokenizer_init": not is_vision_language(hf_config),
         # the model's generation_config.json (e.g. repetition_penalty=1.05) must not silently change
         # the sampling distribution away from the one the actor's log-probs describe
         "generation_config": "vllm",
         "logprobs_mode": "processed_logprobs",  # after temperature: what compute_log_prob scores
     }
+    if is_vision_language(hf_config):
+        # the pixels as the processor gives them (the trainer's): with vLLM 0.32's default for Qwen2-VL
+        # (normalisation moved into the model) the tiny VLM's images were normalised twice, |dlogp| ~0.2
+        kwargs["mm_device_do_normalize"] = False
     if hf_overrides:
         kwargs["hf_overrides"] = dict(hf_overrides)
     if lora_rank > 0:
@@ -503,6 +510,7 @@ class VLLMRollout(BaseRollout):
                                                  hf_overrides, trust_remote_code,
                                                  lora_rank if self.adapter is not None else 0)
         self.max_model_len = int(self.engine_kwargs["max_model_len"])
+        self._vision = _VisionPrompts.of(hf_config)
         self._sleep_enabled = bool(self.engine_kwargs.get("enable_sleep_mode", False))
         # vLLM joins a process group that already exists (the worker's, for FSDP) as data-parallel
         # ranks that generate independently; it must then leave that group alive on shutdown.
@@ -680,8 +688,16 @@ class VLLMRollout(BaseRollout):
         seeds = _request_seeds(self.seed, self.rank, self.calls, len(rows))
         self.calls += 1
         self._wake_up(["weights", "kv_cache"])
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows],
-                                    [self._sampling_params(params, eos_ids, s, b) for s, b in zip(seeds, budgets)],
+        images = prompts.non_tensor_batch.get("multi_modal_data")
+        if images is not None and self._vision is None:
+            raise ValueError("the batch has multi_modal_data (images) but the vLLM engine's model is a text model")
+        requests = [self._vision.prompt(r, images[i]) if images is not None else TokensPrompt(prompt_token_ids=r)
+                    for i, r in enumerate(rows)]
+        sampling = [self._sampling_params(params, eos_ids, s, b) for s, b in zip(seeds, budgets)]
+        if self._vision is not None:  # as the HF engine and the trainer: placeholders are never sampled
+            for sp in sampling:
+                sp.allowed_token_ids = self._vision.allowed_ids
+        outputs = self.llm.generate(requests, sampling,
                                     use_tqdm=False, lora_request=self.adapter.request if self.adapter else None)
         self._sleep()
         responses, log_probs, lengths = _collect(outputs, params.n, params.response_length, req.pad_id)
@@ -689,3 +705,37 @@ class VLLMRollout(BaseRollout):
 
 
 vLLMRollout = VLLMRollout  # verl's spelling
+
+
+class _VisionPrompts:
+    """Image + text prompts for a vision-language model (Qwen2-VL's token layout), as verl's vLLM rollout
+    sends them: the prompt's token ids with each image's ``<|image_pad|>`` run collapsed to one token
+    (vLLM's processor expands it again from the image, to the same count the data set's processor
+    gave) and the row's ``multi_modal_data`` images (``{"image": [PIL images]}``) beside them."""
+
+    def __init__(self, image_token_id: int, allowed_ids: list[int]):
+        self.image_token_id, self.allowed_ids = image_token_id, allowed_ids
+
+    @classmethod
+    def of(cls, hf_config: Any) -> _VisionPrompts | None:
+        if not is_vision_language(hf_config):
+            return None
+        placeholders = {int(i) for i in (getattr(hf_config, "image_token_id", None),
+                                         getattr(hf_config, "video_token_id", None)) if i is not None}
+        vocab = int(hf_config.get_text_config().vocab_size)
+        return cls(int(hf_config.image_token_id), [i for i in range(vocab) if i not in placeholders])
+
+    def prompt(self, ids: list[int], data: Mapping[str, Any] | None) -> dict[str, Any]:
+        from vllm.inputs import TokensPrompt
+
+        collapsed = [t for k, t in enumerate(ids) if not (t == self.image_token_id and k and ids[k - 1] == t)]
+        images = list((data or {}).get("image") or [])
+        runs = sum(t == self.image_token_id for t in collapsed)
+        if runs != len(images):
+            raise ValueError(f"a prompt row has {runs} image placeholder runs but {len(images)} images in its "
+                             "multi_modal_data")
+        if (data or {}).get("video"):
+            raise ValueError("video prompts are not built for the vLLM rollout (images only)")
+        if not images:
+            return TokensPrompt(prompt_token_ids=collapsed)
+        return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": images})
