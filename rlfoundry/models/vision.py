@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import ProcessorMixin, Qwen2VLProcessor
 
-__all__ = ["ImageTextProcessor", "VISION_TOKENS", "freeze_vision_tower", "idle_vision_tower", "is_vision_language",
+__all__ = ["ImageTextProcessor", "VISION_TOKENS", "continued_positions", "freeze_vision_tower", "idle_vision_tower", "is_vision_language",
            "load_processor", "mask_placeholders", "model_multimodal_kwargs", "model_position_ids", "placeholder_ids",
            "RopeIndex"]
 
@@ -100,6 +100,13 @@ class RopeIndex:
         positions, _ = self._get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids,
                                             image_grid_thw=image_grid_thw, attention_mask=attention_mask)
         return positions
+
+
+def continued_positions(prompt_pos: torch.Tensor, extra: int) -> torch.Tensor:
+    """(..., T) positions followed by ``extra`` more, each one past the last: text after a prompt, in
+    each of the 3 rotary axes of an image row's (..., 3, T) positions as in a text row's (..., T)."""
+    steps = torch.arange(1, extra + 1, dtype=prompt_pos.dtype, device=prompt_pos.device)
+    return torch.cat([prompt_pos, prompt_pos[..., -1:] + steps], dim=-1)
 
 
 def model_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 
 from rlfoundry.cpu.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.models.hf import kv_cache_kwargs
-from rlfoundry.models.vision import mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
+from rlfoundry.models.vision import continued_positions, mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
 from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
@@ -488,14 +488,12 @@ class HFRollout(BaseRollout):
         prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
         prompt_pos = position_ids.repeat_interleave(n, dim=0)
         response_mask = response_mask_from_lengths(lengths, width)
-        steps = torch.arange(1, width + 1, device=prompt_pos.device).unsqueeze(0)
         tensors = {
             "prompts": prompt_ids,
             "responses": responses,
             "input_ids": torch.cat([prompt_ids, responses], dim=1),
             "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
-            # text after the prompt goes on from its last position (in each of the 3 rotary axes of image rows)
-            "position_ids": torch.cat([prompt_pos, prompt_pos[..., -1:] + steps], dim=-1),
+            "position_ids": continued_positions(prompt_pos, width),
             "response_mask": response_mask,
             "rollout_log_probs": log_probs,
         }

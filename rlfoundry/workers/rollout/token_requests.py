@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfoundry.models.vision import continued_positions
 from rlfoundry.protocol import DataProto
 from rlfoundry.workers.rollout.base import SamplingParams, resolve_sampling_params
 
@@ -81,8 +82,7 @@ def assemble(prompts: DataProto, n: int, responses, log_probs, lengths, position
         "responses": responses,
         "input_ids": torch.cat([prompt_ids, responses], dim=1),
         "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1),
-        # text after the prompt goes on from its last position (in each of the 3 rotary axes of image rows)
-        "position_ids": torch.cat([prompt_pos, prompt_pos[..., -1:] + steps], dim=-1),
+        "position_ids": continued_positions(prompt_pos, width),
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
     }

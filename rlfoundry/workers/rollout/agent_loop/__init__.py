@@ -35,6 +35,7 @@ import torch
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.tokenizer import pad_id
+from rlfoundry.models.vision import continued_positions
 from rlfoundry.utils.torch_functional import rollout_layout
 from rlfoundry.workers.rollout.agent_loop.base import (
     AgentLoopBase,
@@ -210,8 +211,7 @@ def _positions_3d(prompt_pos: torch.Tensor, no_prompt: torch.Tensor, flat: torch
     """(B, 3, Tp + width) positions of an image batch's rows: the prompt's, then the response going on from its
     last one in every axis (HF rollout's layout); a row without prompt ids counts over its own tokens
     (``flat``, (B, Tp + width)) in each axis."""
-    steps = torch.arange(1, width + 1, device=prompt_pos.device).view(1, 1, -1)
-    positions = torch.cat([prompt_pos, prompt_pos[..., -1:] + steps], dim=-1)
+    positions = continued_positions(prompt_pos, width)
     return torch.where(no_prompt.view(-1, 1, 1), flat.unsqueeze(1).expand_as(positions), positions)
 
 

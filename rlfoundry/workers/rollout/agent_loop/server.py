@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfoundry.models.vision import continued_positions
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.torch_functional import left_padded
 
@@ -49,8 +50,7 @@ class PromptVision:
         if extra < 0:
             raise ValueError(f"an image prompt's context of {length} tokens is shorter than its prompt "
                              f"({self.positions.shape[1]} tokens)")
-        steps = torch.arange(1, extra + 1, dtype=self.positions.dtype)
-        return torch.cat([self.positions, self.positions[:, -1:] + steps], dim=1)
+        return continued_positions(self.positions, extra)
 
 
 @dataclass
