@@ -87,7 +87,8 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # generate (vllm_rollout._wake_up, sglang_rollout._resume); verl's false, all at once, only raises the peak
     "actor_rollout_ref.rollout.multi_stage_wake_up",
     # Not built yet; these would change speed (GPU kernels: the GPU-speed issue), memory or results:
-    "*.use_liger", "*.use_fused_kernels", "*.fused_kernel_options*",
+    "*.use_liger",
+    "*.use_fused_kernels", "*.fused_kernel_options*",
     # the training forwards are not compiled (the HF rollout's decode is: rollout.use_torch_compile)
     "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
     "critic.*use_torch_compile", "reward_model.*use_torch_compile",
