@@ -20,6 +20,7 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "entropy_from_logits",
     "entropy_from_logits_with_chunking",
+    "fused_logprobs_entropy",
     "logprobs_from_logits",
     "logprobs_from_logits_naive",
     "masked_mean",
@@ -166,6 +167,105 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> 
 def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
     """verl's name for the chunked entropy: ``chunk_size`` rows per block. (..., V) -> (...,)."""
     return _EntropyFromLogits.apply(logits, chunk_size)
+
+
+class _FusedLinearLogProbs(torch.autograd.Function):
+    """Log-probs and entropies of ``softmax(hidden @ weight.T / T)`` without the (N, V) logits.
+
+    verl's ``FusedLinearForPPO`` (``model.use_fused_kernels``, torch backend), written anew: the
+    forward walks the N rows in chunks, each chunk's logits live only inside its iteration, and only
+    the per-row log-sum-exp and entropy are kept. The backward recomputes each chunk's logits and
+    accumulates dL/dhidden and dL/dweight (fp32 for a low-precision weight: one rounding at the end,
+    as one big matmul would give). With z = logits / T and p = softmax(z):
+    d logp(y)/dz = onehot(y) - p and dH/dz = -p (z - E_p[z]), so dL/dlogits = (those) / T.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, excluded, chunk_rows, entropy_grad):
+        ctype = _compute_dtype(hidden.dtype)
+        rows = hidden.shape[0]
+        lse = torch.empty(rows, dtype=ctype, device=hidden.device)
+        logp, entropy = torch.empty_like(lse), torch.empty_like(lse)
+        for start in range(0, rows, chunk_rows):
+            sl = slice(start, start + chunk_rows)
+            z = _chunk_logits(hidden[sl], weight, temperature, excluded, ctype)
+            lse[sl] = torch.logsumexp(z, dim=-1)
+            logp[sl] = z.gather(-1, labels[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
+            entropy[sl] = lse[sl] - (torch.exp(z - lse[sl].unsqueeze(-1)) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy, excluded)
+        ctx.temperature, ctx.chunk_rows, ctx.entropy_grad = temperature, chunk_rows, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, labels, lse, entropy, excluded = ctx.saved_tensors
+        ctype, t = lse.dtype, ctx.temperature
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=ctype, device=weight.device) if ctx.needs_input_grad[1] else None
+        use_entropy = ctx.entropy_grad and grad_entropy is not None
+        for start in range(0, hidden.shape[0], ctx.chunk_rows):
+            sl = slice(start, start + ctx.chunk_rows)
+            z = _chunk_logits(hidden[sl], weight, t, excluded, ctype)
+            p = torch.exp(z - lse[sl].unsqueeze(-1))
+            g = torch.zeros_like(z) if grad_logp is None else grad_logp[sl].to(ctype).unsqueeze(-1) * -p
+            if grad_logp is not None:
+                g.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_logp[sl].to(ctype).unsqueeze(-1))
+            if use_entropy:
+                mean_z = (lse[sl] - entropy[sl]).unsqueeze(-1)  # E_p[z] = lse - H
+                g -= grad_entropy[sl].to(ctype).unsqueeze(-1) * p * (z - mean_z)
+            if excluded is not None:
+                g.index_fill_(-1, excluded, 0.0)  # constants: no gradient reaches their logits
+            g = (g / t).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[sl] = g @ weight
+            if grad_weight is not None and grad_weight.dtype == g.dtype:
+                grad_weight.addmm_(g.t(), hidden[sl])
+            elif grad_weight is not None:  # a bf16 product (as autograd's), summed over chunks in fp32
+                grad_weight += g.t() @ hidden[sl]
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, excluded: torch.Tensor | None,
+                  ctype: torch.dtype) -> torch.Tensor:
+    """One chunk's (rows, V) logits / T in the compute dtype, excluded ids at its lowest value (as
+    ``models.vision.mask_placeholders``: probability 0 and no NaN in p·z)."""
+    z = (hidden @ weight.t()).to(ctype)
+    if temperature != 1.0:
+        z = z / temperature
+    if excluded is not None:
+        z.index_fill_(-1, excluded, torch.finfo(ctype).min)
+    return z
+
+
+def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           temperature: float = 1.0, excluded_ids: list[int] | None = None,
+                           chunk_rows: int | None = None, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``labels`` and entropies under ``softmax(hidden @ weight.T / temperature)``.
+
+    Args:
+        hidden: (..., H) final hidden states (the LM head's input), any float dtype.
+        weight: (V, H) the LM head's weight (no bias).
+        labels: (...,) int64 token ids.
+        excluded_ids: token ids never sampled (vision placeholders): probability 0.
+        chunk_rows: rows per chunk; default keeps a chunk's logits under ``CHUNK_ELEMENTS`` values.
+        entropy_grad: False: the entropy carries no gradient (and backward skips its term).
+
+    Returns:
+        (log_probs, entropy), each (...,) float32 (float64 for float64 inputs). The largest tensor
+        made is one chunk's (chunk_rows, V) logits, in forward and backward alike.
+    """
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    rows = chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // max(weight.shape[0], 1))
+    excluded = torch.tensor(excluded_ids, device=hidden.device) if excluded_ids else None
+    logp, entropy = _FusedLinearLogProbs.apply(flat, weight, labels.reshape(-1), float(temperature), excluded,
+                                               rows, bool(entropy_grad))
+    return logp.reshape(lead), entropy.reshape(lead)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:
