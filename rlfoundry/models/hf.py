@@ -79,7 +79,7 @@ def load_hf_model(
     """Load a model from a local HF directory on the CPU.
 
     ``model_kind`` is ``causal_lm`` (policy, reference), ``token_classification`` (critic: one
-    value per token; ``num_labels`` is forced to 1) or ``sequence_classification`` (reward model). ``override_config`` entries replace config
+    value per token; ``num_labels`` is forced to 1; a VLM's is ``models/vision_value.py``'s) or ``sequence_classification`` (reward model). ``override_config`` entries replace config
     fields before the weights load (verl's ``model.override_config``). The model stays on the CPU;
     ``apply_fsdp2`` moves it. ``attn_implementation`` defaults to SDPA, which needs no extra package.
     """
@@ -101,11 +101,14 @@ def load_hf_model(
     if model_kind == "token_classification":
         config.num_labels = 1
     if getattr(config, "vision_config", None) is not None:  # a vision-language model (models/vision.py)
-        if model_kind != "causal_lm":
-            raise ValueError(f"{p} is a vision-language model ({config.model_type}); only the actor, rollout and "
-                             f"reference take one here, not a {model_kind} model (critic / reward model)")
+        if model_kind == "sequence_classification":
+            raise ValueError(f"{p} is a vision-language model ({config.model_type}); a reward model on one is not "
+                             "built (the actor, rollout, reference and critic take one)")
         from transformers import AutoModelForImageTextToText
 
+        from rlfoundry.models.vision_value import register_value_models
+
+        register_value_models()  # the critic: backbone + value head (models/vision_value.py)
         classes["causal_lm"] = AutoModelForImageTextToText
     model = classes[model_kind].from_pretrained(
         p,

@@ -64,14 +64,18 @@ def _engine(path, optim=None, **fields) -> FSDPEngine:
     return FSDPEngine.build(config, "cpu", role="actor")
 
 
-def _reference_log_probs(module, data: DataProto) -> torch.Tensor:
-    """One plain HF forward over the whole batch with every row's pixels."""
+def plain_logits(module, data: DataProto) -> torch.Tensor:
+    """One plain HF forward over the whole batch with every row's pixels (the model's logits)."""
     inputs = data.non_tensor_batch["multi_modal_inputs"]
     pixels = {k: torch.cat([r[k] for r in inputs if r]) for k in ("pixel_values", "image_grid_thw")}
     b = data.batch
     with torch.no_grad():
-        logits = module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                        position_ids=b["position_ids"].transpose(0, 1), **pixels).logits
+        return module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                      position_ids=b["position_ids"].transpose(0, 1), **pixels).logits
+
+
+def _reference_log_probs(module, data: DataProto) -> torch.Tensor:
+    b, logits = data.batch, plain_logits(module, data)
     # the policy's vocabulary leaves out the image / video placeholders (never sampled)
     logits[..., [module.config.image_token_id, module.config.video_token_id]] = float("-inf")
     lp = logprobs_from_logits(logits[:, -RESPONSE - 1:-1], b["responses"])

@@ -361,13 +361,20 @@ class CausalLMForward:
 
 def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool,
                   sp: ulysses.SequenceParallel | None = None) -> dict[str, torch.Tensor]:
-    """``values`` (b, Tr) of a one-label token classifier (``sp``: split over a Ulysses group, packed).
+    """``values`` (b, Tr) of a one-label token classifier (``sp``: split over a Ulysses group, packed;
+    image rows: padded, with their pixel inputs).
 
     For a row ``[prompt (Tp) | response (Tr)]`` the value of response token t is the head output at
     position ``Tp - 1 + t``: the state after the prompt and t response tokens, before token t.
     """
     width = micro["responses"].shape[-1]
-    if sp is not None:
+    pixels = _pixel_inputs(micro)
+    if pixels or micro["position_ids"].dim() == 3:
+        # a vision-language critic (models/vision_value.py): the padded forward with the rows' pixel inputs
+        # and (3, B, T) positions, as the actor's image rows take it (packing would need the pixels cut too)
+        logits = module(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                        position_ids=model_position_ids(micro["position_ids"]), use_cache=False, **pixels).logits
+    elif sp is not None:
         packed = pack_padded_batch(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
         logits = unpack_to_padded(ulysses.packed_outputs(module, packed.input_ids, packed.position_ids, sp), packed)
     else:
