@@ -2,12 +2,27 @@
 one worker group (see ``engines/base.py`` for the contract).
 
 Building: ``load_hf_model`` → a peft LoRA adapter when ``lora`` is set (``models/lora.py``) → CPU
-kernels when on (``rlfoundry/cpu``) → ``apply_fsdp2`` → AdamW over the trainable parameters +
-LR schedule (trainable models only). Updates: mini-batches from ``engines/loop.py``, each
+kernels when on (``rlfoundry/cpu``) → ``apply_fsdp2`` (or, alone on one rank with nothing to
+shard, the plain module: see "One rank" below) → AdamW over the trainable parameters + LR schedule
+(trainable models only). Updates: mini-batches from ``engines/loop.py``, each
 cut into micro-batches whose gradients accumulate (with one gather and one reduction per
 mini-batch where the units keep their parameters gathered), then clip + step, or skip the step
 when the gradient norm is not finite. Checkpoints: ``torch.distributed.checkpoint`` shards with an
 atomic publish and a manifest of sizes and checksums (``checkpoint/state.py``).
+
+One rank (``fsdp_config.single_rank=auto``; ``=fsdp`` wraps anyway): a model with nothing to shard or
+offload is not wrapped. Computing in its weights' dtype it runs as it is; computing in bf16 over
+fp32 weights (CUDA's default ``mixed_precision``) it runs every forward (training, log-probs,
+values, the reference's and the reward model's) under ``torch.autocast(dtype=bf16)``: fp32 master
+weights, fp32 gradients on them, no ``reduce_dtype`` (nothing is reduced). Both that and FSDP2's
+policy are bf16 mixed precision, not the same arithmetic: FSDP2 casts the weights to bf16 and every
+op runs in bf16 (the residual stream included) except where the model upcasts (RMSNorm, attention's
+softmax); autocast runs matmuls and convolutions in bf16 and keeps the residual stream, norms,
+softmax and log-softmax in fp32 — at least as accurate, and what TRL/accelerate's ``bf16`` does.
+Log-probs of the two agree within bf16 rounding (tests/engines/test_fsdp_single_rank.py). The
+reference keeps fp32 weights under the same autocast, so it computes what the actor computes from
+the same weights (KL 0 at the first step, as under FSDP2). The HF rollout decodes from a bf16 copy
+of the weights (``utils.decode_copy``), refreshed on every ``on_actor_update``.
 """
 
 from __future__ import annotations
@@ -162,6 +177,10 @@ class FSDPEngine(TrainingEngine):
         return [None] * len(micros)
 
     def _forward(self, micro: Any, output: Output, plan_entry: Any) -> dict[str, torch.Tensor]:
+        with fu.compute_precision(self._module, self.device):  # autocast on the one-rank bf16 path
+            return self._forward_in_precision(micro, output, plan_entry)
+
+    def _forward_in_precision(self, micro: Any, output: Output, plan_entry: Any) -> dict[str, torch.Tensor]:
         if isinstance(output, LogProbs):
             return self.lm(micro, output, plan_entry)
         if isinstance(output, Values):
@@ -329,7 +348,9 @@ class FSDPEngine(TrainingEngine):
         return lora_lib.adapter_disabled(self._module)
 
     def rollout_module(self) -> nn.Module:
-        """The HF rollout samples from the actor's own (sharded) module: no copy, no sync."""
+        """The HF rollout samples from the actor's own (sharded) module: no copy, no sync; from a plain
+        module under autocast it decodes from a bf16 copy it refreshes on ``on_actor_update``
+        (``fu.plain_autocast_dtype``, ``hf_rollout.HFRollout``)."""
         return self._module
 
 
@@ -389,8 +410,13 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
     module_dtype = next(module.parameters()).dtype
     if fsdp.single_rank == "auto" and fu.fsdp_does_nothing(device, mixed.get("param_dtype"),
                                                            fsdp.param_offload or fsdp.offload_policy, module_dtype):
-        _say_once(f"one rank computing in {str(module_dtype).removeprefix('torch.')} with nothing to offload: "
-                  "the model is not wrapped in FSDP2, which would only copy weights and gradients")
+        compute = fu.compute_dtype(device, mixed.get("param_dtype"))
+        name = str(compute).removeprefix("torch.")
+        if compute != module_dtype:
+            setattr(module, fu.AUTOCAST_ATTR, compute)  # every forward autocasts (fu.compute_precision)
+            name += f" (torch.autocast over {str(module_dtype).removeprefix('torch.')} weights)"
+        _say_once(f"one rank computing in {name} with nothing to offload: the model is not wrapped in FSDP2, "
+                  "which would only copy and cast weights and gradients (fsdp_config.single_rank=fsdp wraps it)")
         return module.to(device)
     return fu.apply_fsdp2(
         module, device, param_dtype=mixed.get("param_dtype"), reduce_dtype=mixed.get("reduce_dtype"),

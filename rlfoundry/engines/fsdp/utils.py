@@ -5,6 +5,8 @@
 - ``clip_grad_norm_``    works on FSDP2 DTensor gradients, returns a plain float
 - ``offload_optimizer`` / ``load_optimizer``     move AdamW state between host and device (GPU)
 - ``unsharded``          context manager: gather the parameters once for many forwards (rollout)
+- ``fsdp_does_nothing``  one rank, nothing to shard: the plain module (under ``compute_precision``'s
+  autocast where it computes in bf16 over fp32 weights; ``decode_copy`` for the rollout)
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ __all__ = [
     "default_device",
     "hf_parameter_name",
     "iter_full_parameters",
+    "fsdp_does_nothing",
+    "compute_dtype",
+    "plain_autocast_dtype",
+    "compute_precision",
+    "decode_copy",
+    "refresh_decode_copy",
 ]
 
 
@@ -111,14 +119,66 @@ def device_mesh(device_type: str, fsdp_size: int = -1) -> Any:
 
 def fsdp_does_nothing(device: torch.device | str, param_dtype: torch.dtype | str | None = None,
                       param_offload: bool = False, module_dtype: torch.dtype = torch.float32) -> bool:
-    """True when FSDP2 would have nothing to shard, cast or offload: one rank, compute in the
-    weights' own dtype, no offload. It would still copy every parameter into an unsharded buffer on
-    each forward and every gradient out of one on each backward (for a 120 M-parameter model on a
-    2-core CPU ~2 s of a 5.6 s update, and ~1 GB more memory), so the engine uses the plain module.
+    """True when FSDP2 would have nothing to shard or offload and no cast that autocast does not do:
+    one rank, no offload, computing in the weights' own dtype or in bf16 over fp32 weights (CUDA's
+    default mixed precision: the plain module under ``torch.autocast``, see ``plain_autocast_dtype``).
+    FSDP2 would still copy every parameter into an unsharded buffer on each forward and every gradient
+    out of one on each backward (for a 120 M-parameter model on a 2-core CPU ~2 s of a 5.6 s update,
+    and ~1 GB more memory; on a GPU, per-layer hooks, gathers and casts that buy nothing there), so
+    the engine uses the plain module.
     """
     device = torch.device(device)
-    compute = resolve_dtype(param_dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return dist.get_world_size() == 1 and compute == module_dtype and not (param_offload and device.type == "cuda")
+    compute = compute_dtype(device, param_dtype)
+    autocast = compute == torch.bfloat16 and module_dtype == torch.float32
+    return (dist.get_world_size() == 1 and (compute == module_dtype or autocast)
+            and not (param_offload and device.type == "cuda"))
+
+
+def compute_dtype(device: torch.device | str, param_dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """``mixed_precision.param_dtype``, or its default: bf16 on CUDA, fp32 elsewhere."""
+    return resolve_dtype(param_dtype, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+
+
+# On a plain (unwrapped) module: the dtype its engine computes in under torch.autocast, where that
+# is not the weights' own. The HF rollout reads it to decode from a copy in that dtype.
+AUTOCAST_ATTR = "_rlf_autocast_dtype"
+
+
+def plain_autocast_dtype(module: nn.Module) -> torch.dtype | None:
+    """The autocast dtype of a plain single-rank module (``AUTOCAST_ATTR``); None: it computes as it is."""
+    return getattr(module, AUTOCAST_ATTR, None)
+
+
+def compute_precision(module: nn.Module, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The context every forward of ``module`` runs in: ``torch.autocast`` to its autocast dtype on a
+    plain module computing below its weights' precision, else nothing (FSDP2 casts by itself)."""
+    dtype = plain_autocast_dtype(module)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def decode_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen copy of ``module`` with its parameters in ``dtype`` (buffers as they are, as FSDP2's
+    mixed precision casts parameters only), for the rollout to decode from: half the weight reads of
+    an fp32 module under autocast, and every cast done once per update instead of once per token.
+    Built without a second full-precision copy; tied parameters stay tied. ``refresh_decode_copy``
+    keeps it equal to ``module``'s weights rounded to ``dtype``, in place (a captured CUDA graph
+    keeps reading the same storage)."""
+    import copy
+
+    with torch.no_grad():
+        memo: dict[int, Any] = {id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+                                for p in module.parameters()}
+        twin = copy.deepcopy(module, memo)
+    twin.__dict__.pop(AUTOCAST_ATTR, None)
+    return twin.eval()
+
+
+@torch.no_grad()
+def refresh_decode_copy(twin: nn.Module, module: nn.Module) -> None:
+    """Copy ``module``'s current weights into its ``decode_copy`` (rounded to the copy's dtype)."""
+    held = dict(twin.named_parameters())
+    for name, p in module.named_parameters():
+        held[name].copy_(p)
 
 
 def apply_fsdp2(
@@ -157,7 +217,7 @@ def apply_fsdp2(
     device = torch.device(device)
     _ensure_process_group(device)
     on_gpu = device.type == "cuda"
-    param_dtype = resolve_dtype(param_dtype, torch.bfloat16 if on_gpu else torch.float32)
+    param_dtype = compute_dtype(device, param_dtype)
     reduce_dtype = resolve_dtype(reduce_dtype, torch.float32)
     if mesh is None:
         mesh = device_mesh(device.type, fsdp_size)

@@ -5,10 +5,12 @@ per prompt from one prefill, and finished sequences dropped from the batch inste
 as padding until the longest one ends. A 60-line loop does exactly that and nothing else.
 
 The engine holds no copy of the weights: it calls the (possibly FSDP2-sharded) module the actor
-trains, so ``sync_weights`` is a no-op. Under FSDP2 the parameters are gathered once per call
-(``engines/fsdp/utils.unsharded``) rather than once per token. With the CPU kernels on
-(``model.cpu_kernels``), FSDP's per-forward hooks are also skipped while decoding and Llama-family
-models take a lean one-token step (``cpu/fused_decode.py``); both are tested against this plain path.
+trains, so ``sync_weights`` is a no-op (but for a plain module under autocast, one rank in bf16 over
+fp32 weights: it decodes from a bf16 copy that ``sync_weights`` refreshes). Under FSDP2 the
+parameters are gathered once per call (``engines/fsdp/utils.unsharded``) rather than once per token.
+With the CPU kernels on (``model.cpu_kernels``), FSDP's per-forward hooks are also skipped while
+decoding and Llama-family models take a lean one-token step (``cpu/fused_decode.py``); both are
+tested against this plain path.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.models.vision import continued_positions, mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
-from rlfoundry.engines.fsdp.utils import inference_unsharded, unsharded
+from rlfoundry.engines.fsdp.utils import (
+    decode_copy,
+    inference_unsharded,
+    plain_autocast_dtype,
+    refresh_decode_copy,
+    unsharded,
+)
 from rlfoundry.workers.rollout.token_requests import as_id_list
 from rlfoundry.workers.rollout.static_decode import StaticDecoder, draw_uniforms, static_unsupported_reason
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
@@ -261,7 +269,10 @@ class HFRollout(BaseRollout):
     """KV-cached batched sampling with a Hugging Face causal LM (the actor's own module).
 
     Args:
-        module: the causal LM (plain or FSDP2-wrapped) the actor trains.
+        module: the causal LM (plain or FSDP2-wrapped) the actor trains. A plain one its engine runs
+            under autocast (bf16 over fp32 weights on one rank: ``engines/fsdp/engine.py``) is decoded
+            from a bf16 copy (``actor_module`` keeps the original), refreshed by ``sync_weights(None)``
+            (``on_actor_update``), as FSDP2 would decode from its gathered bf16 parameters.
         config: the ``actor_rollout_ref.rollout`` subtree: a ``RolloutConfig``, or a DictConfig/dict
             that ``to_typed`` fills with the schema's defaults (this engine reads n, temperature,
             top_p, top_k, do_sample, response_length, val_kwargs, seed, ignore_eos).
@@ -287,6 +298,10 @@ class HFRollout(BaseRollout):
         cpu_kernels: bool = False,
         static_decode: bool | None = None,
     ):
+        self.actor_module: nn.Module | None = None
+        dtype = plain_autocast_dtype(module)
+        if dtype is not None:
+            self.actor_module, module = module, decode_copy(module, dtype)
         self.module = module
         self.cpu_kernels = cpu_kernels
         self.static_decode = static_decode
@@ -307,9 +322,11 @@ class HFRollout(BaseRollout):
     # ---- weights --------------------------------------------------------------------------
 
     def sync_weights(self, named_tensors: Any = None) -> None:
-        """None: the module is the actor's own (nothing to do). Else (HF name, full tensor) pairs,
-        e.g. a Megatron actor's export, copied into the module one tensor at a time."""
+        """None: the module is the actor's own (nothing to do, or its decode copy refreshed). Else (HF
+        name, full tensor) pairs, e.g. a Megatron actor's export, copied into the module one at a time."""
         if named_tensors is None:
+            if self.actor_module is not None:
+                refresh_decode_copy(self.module, self.actor_module)
             return
         params = dict(self.module.named_parameters())
         missing = set(params)
