@@ -50,6 +50,8 @@ class SFTDataConfig:
     response_key: str = "response"  # a string; the trainer appends the tokenizer's EOS
     prompt_dict_keys: Optional[List[str]] = None  # e.g. [question]: the prompt is row[prompt_key]['question']
     response_dict_keys: Optional[List[str]] = None
+    # the column of each row's images (verl's RL data key; a vision-language model's processor encodes them)
+    image_key: str = "images"
     max_length: int = 256  # prompt + response tokens
     # error | left (drop the start of the prompt) | right (drop the end of the response)
     truncation: str = _choice("error", "left", "right")

@@ -6,23 +6,38 @@ list of chat messages, so verl's RL parquet serves SFT too) or from the built-in
 The prompt goes through the tokenizer's chat template (with the generation prompt); the response
 gets EOS appended; ``loss_mask`` is 1 on the response tokens. ``collate_sft`` makes the rows the
 engine's causal-LM layout: left-padded prompt | right-padded response, with ``response_mask``.
+
+Image rows (verl's multimodal layout, ``data.image_key``, ``<image>`` markers; docs/vision.md): the
+images are decoded when the file is read (a row whose image does not load is reported and skipped,
+as ``RLHFDataset`` does) and ride in the prompt's ``{"type": "image"}`` content parts. With a
+vision-language model's processor every row is encoded by it: the processor's chat template and image
+tokens, the pixel inputs (``multi_modal_inputs``) and the model's own 3-D rotary positions over prompt
++ response, so text rows and image rows share one batch layout.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from rlfoundry.data import multimodal as mm
 from rlfoundry.data.rl_dataset import position_ids_from_mask
 
-__all__ = ["Pair", "SFTDataError", "SFTDataset", "collate_sft", "encode_pair", "load_pairs", "synthetic_pairs"]
+__all__ = ["Pair", "SFTDataError", "SFTDataset", "VisionEncoder", "collate_sft", "encode_pair", "images_of", "load_pairs",
+           "synthetic_pairs", "with_images"]
 
-Pair = tuple[list[dict], str]  # (chat messages of the prompt, response text)
+logger = logging.getLogger(__name__)
+
+# (chat messages of the prompt, response text); an image row's messages hold its images in their
+# {"type": "image", "image": PIL image} content parts
+Pair = tuple[list[dict], str]
 
 
 class SFTDataError(ValueError):
@@ -61,7 +76,8 @@ def _as_messages(prompt: Any, where: str) -> list[dict]:
 
 
 def load_pairs(files: str | Sequence[str], data_cfg: Any) -> list[Pair]:
-    """(messages, response) pairs from the files named by ``data.train_files`` / ``data.val_files``."""
+    """(messages, response) pairs from the files named by ``data.train_files`` / ``data.val_files``;
+    a row with images in ``data.image_key`` gets them in its messages (``with_images``)."""
     pairs: list[Pair] = []
     for file in [files] if isinstance(files, str) else list(files):
         path = Path(os.path.expanduser(str(file)))
@@ -69,10 +85,35 @@ def load_pairs(files: str | Sequence[str], data_cfg: Any) -> list[Pair]:
             where = f"{path}, row {i}"
             prompt = _field(row, data_cfg.prompt_key, data_cfg.prompt_dict_keys, where, "data.prompt_key")
             response = _field(row, data_cfg.response_key, data_cfg.response_dict_keys, where, "data.response_key")
-            pairs.append((_as_messages(prompt, where), str(response)))
+            try:
+                messages = with_images(_as_messages(prompt, where), row.get(data_cfg.image_key), path.parent, where)
+            except mm.ImageDecodeError as err:  # one bad image costs its row, never the run
+                logger.warning("%s: skipped, its image does not load (%s)", where, err)
+                continue
+            pairs.append((messages, str(response)))
     if not pairs:
         raise SFTDataError(f"no rows in {files}")
     return pairs
+
+
+def with_images(messages: list[dict], images: Any, base_dir: Path, where: str) -> list[dict]:
+    """``messages`` with the row's decoded images in ``{"type": "image", "image": ...}`` parts where its
+    ``<image>`` markers are (``data/multimodal.py``'s rule); unchanged for a row without images."""
+    decoded = mm.row_images(images, base_dir)
+    if not decoded:
+        return messages
+    try:
+        parts = mm.vision_messages(messages, len(decoded))
+    except ValueError as err:
+        raise SFTDataError(f"{where}: {err}") from None
+    found = iter(decoded)
+    return [{**m, "content": [{**c, "image": next(found)} if c["type"] == "image" else c for c in m["content"]]}
+            for m in parts]
+
+
+def images_of(messages: list[dict]) -> list:
+    """The images in a pair's message parts, in order (``with_images``)."""
+    return [c["image"] for m in messages if isinstance(m["content"], list) for c in m["content"] if c["type"] == "image"]
 
 
 def synthetic_pairs(syn: Any) -> tuple[list[Pair], list[Pair]]:
@@ -108,10 +149,49 @@ def encode_pair(tokenizer: Any, messages: list[dict], response: str, max_length:
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
 
-class SFTDataset(Dataset):
-    """Pairs tokenised once up front (SFT sets for this trainer are small; it keeps epochs cheap)."""
+class VisionEncoder:
+    """Pairs encoded by a vision-language model's processor: its chat template and image tokens, the
+    pixel inputs, and the model's own 3-D rotary positions (``get_rope_index``) over prompt + response."""
 
-    def __init__(self, pairs: Sequence[Pair], tokenizer: Any, max_length: int, truncation: str = "error") -> None:
+    def __init__(self, processor: Any):
+        from rlfoundry.data.rl_dataset import mm_rope_index
+
+        self.processor, self.tokenizer = processor, processor.tokenizer
+        self.rope_index = mm_rope_index(processor)
+
+    def __call__(self, messages: list[dict], response: str, max_length: int, where: str) -> dict[str, Any]:
+        images = images_of(messages)
+        bare = [{**m, "content": [{k: v for k, v in c.items() if k != "image"} for c in m["content"]]}
+                if isinstance(m["content"], list) else m for m in messages]
+        text = self.processor.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
+        prompt = mm.process_prompt(self.processor, text, images)
+        response_ids = torch.tensor(self.tokenizer(response, add_special_tokens=False)["input_ids"]
+                                    + [self.tokenizer.eos_token_id], dtype=torch.long)
+        ids = torch.cat([prompt["input_ids"], response_ids])
+        if len(ids) > max_length:  # never cut: a cut would part image tokens from their pixels
+            raise SFTDataError(f"{where}: {len(ids)} tokens (prompt with its image tokens + response + EOS) > "
+                               f"data.max_length={max_length}; raise data.max_length (image rows are not truncated)")
+        types = torch.cat([prompt["mm_token_type_ids"], response_ids.new_zeros(len(response_ids))])
+        grid = prompt.get("image_grid_thw")
+        positions = self.rope_index(ids[None], torch.ones_like(ids)[None], types[None], grid)[:, 0]
+        loss_mask = torch.cat([torch.zeros_like(prompt["input_ids"]), torch.ones_like(response_ids)])
+        inputs = {k: prompt[k] for k in ("pixel_values", "image_grid_thw") if k in prompt}
+        return {"input_ids": ids, "loss_mask": loss_mask, "position_ids": positions, "multi_modal_inputs": inputs}
+
+
+class SFTDataset(Dataset):
+    """Pairs tokenised once up front (SFT sets for this trainer are small; it keeps epochs cheap).
+    With ``processor`` (a vision-language model's) every pair goes through ``VisionEncoder``."""
+
+    def __init__(self, pairs: Sequence[Pair], tokenizer: Any, max_length: int, truncation: str = "error",
+                 processor: Any = None) -> None:
+        if processor is None and any(images_of(m) for m, _ in pairs):
+            raise SFTDataError("the data has image rows (data.image_key) but the model has no processor (a text-only "
+                               "model): use a vision-language model such as Qwen2-VL, or drop the images")
+        if processor is not None:
+            encode = VisionEncoder(processor)
+            self.examples = [encode(m, r, max_length, f"example {i}") for i, (m, r) in enumerate(pairs)]
+            return
         self.examples = [encode_pair(tokenizer, m, r, max_length, truncation, where=f"example {i}")
                          for i, (m, r) in enumerate(pairs)]
 
@@ -131,15 +211,24 @@ def _response_start(loss_mask: torch.Tensor) -> int:
 def collate_sft(examples: Sequence[Mapping[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """verl's RL batch layout: ``input_ids``/``attention_mask``/``position_ids`` (B, Tp+Tr) =
     left-padded prompt | right-padded response, ``responses`` (B, Tr), and ``response_mask`` (B, Tr)
-    = the loss mask over the response (padding is never a target)."""
+    = the loss mask over the response (padding is never a target). Rows a processor encoded add
+    ``multi_modal_inputs`` (B,) and have (B, 3, Tp+Tr) positions (0 on the padding)."""
     starts = [_response_start(e["loss_mask"]) for e in examples]
     tp = max(starts)
     tr = max([1] + [len(e["input_ids"]) - s for e, s in zip(examples, starts)])
     ids = torch.full((len(examples), tp + tr), pad_token_id, dtype=torch.long)
     attention, loss = torch.zeros_like(ids), torch.zeros_like(ids)
+    vision = "multi_modal_inputs" in examples[0]
+    positions = torch.zeros(len(examples), 3, tp + tr, dtype=torch.long) if vision else None  # (B, 3, T)
     for i, (e, s) in enumerate(zip(examples, starts)):
         n = len(e["input_ids"])
         cols = slice(tp - s, tp - s + n)  # the prompt ends at column tp, the response starts there
         ids[i, cols], attention[i, cols], loss[i, cols] = e["input_ids"], 1, e["loss_mask"]
-    return {"input_ids": ids, "attention_mask": attention, "position_ids": position_ids_from_mask(attention),
-            "responses": ids[:, tp:], "response_mask": loss[:, tp:]}
+        if vision:
+            positions[i, :, cols] = e["position_ids"]
+    out = {"input_ids": ids, "attention_mask": attention,
+           "position_ids": positions if vision else position_ids_from_mask(attention),
+           "responses": ids[:, tp:], "response_mask": loss[:, tp:]}
+    if vision:  # one dict per row, a non-tensor column (verl's name)
+        out["multi_modal_inputs"] = np.array([e["multi_modal_inputs"] for e in examples] + [None], dtype=object)[:-1]
+    return out

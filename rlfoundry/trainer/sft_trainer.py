@@ -189,9 +189,16 @@ class SFTTrainer:
             raise ConfigError(f"model.partial_pretrain={self.config.model.partial_pretrain!r} is not a local "
                               "Hugging Face model directory (no config.json); no hub downloads happen here "
                               "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
+        from rlfoundry.models.vision import load_processor
+
+        # a vision-language model's processor (None for a text model) encodes image rows (data/sft_dataset.py)
+        self.processor = load_processor(path, trust_remote_code=self.config.model.trust_remote_code)
+        tokenizer = self.processor.tokenizer if self.processor is not None else \
+            AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
         if self.config.data.chat_template:
             tokenizer.chat_template = self.config.data.chat_template
+            if self.processor is not None:
+                self.processor.chat_template = self.config.data.chat_template
         if tokenizer.pad_token_id is None:  # many base models ship without one; padding is masked anyway
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
@@ -214,13 +221,13 @@ class SFTTrainer:
             raise SFTDataError(f"{len(train_pairs)} training examples, fewer than data.train_batch_size "
                                f"({data.train_batch_size}); lower the batch size or add data")
         collate = lambda batch: collate_sft(batch, self.tokenizer.pad_token_id)  # noqa: E731
-        train_set = SFTDataset(train_pairs, self.tokenizer, data.max_length, data.truncation)
+        train_set = SFTDataset(train_pairs, self.tokenizer, data.max_length, data.truncation, self.processor)
         sampler = DistributedSampler(train_set, self.world_size, self.rank, shuffle=data.shuffle,
                                      seed=self.config.trainer.seed, drop_last=True)
         train_loader = DataLoader(train_set, batch_size=per_rank, sampler=sampler, collate_fn=collate, drop_last=True)
         if not val_pairs:
             return train_loader, None
-        val_set = SFTDataset(val_pairs, self.tokenizer, data.max_length, data.truncation)
+        val_set = SFTDataset(val_pairs, self.tokenizer, data.max_length, data.truncation, self.processor)
         val_sampler = DistributedSampler(val_set, self.world_size, self.rank, shuffle=False)
         return train_loader, DataLoader(val_set, batch_size=data.micro_batch_size_per_gpu,
                                         sampler=val_sampler, collate_fn=collate)
@@ -267,8 +274,11 @@ class SFTTrainer:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _on_device(self, batch: Mapping[str, torch.Tensor]) -> DataProto:
-        return DataProto.from_dict({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+    def _on_device(self, batch: Mapping[str, Any]) -> DataProto:
+        """The batch's tensors on the device; image rows' ``multi_modal_inputs`` as a non-tensor column (the
+        forward moves the pixels)."""
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        return DataProto.from_dict(tensors, non_tensors={k: v for k, v in batch.items() if k not in tensors})
 
     def _all_reduce(self, *values: float) -> list[float]:
         """Sums over ranks (float64 on the CPU: gloo carries it on every back end)."""
@@ -322,7 +332,8 @@ class SFTTrainer:
         config = self.engine.module.config
         config.use_cache = True  # training runs without a KV cache; the exported model is for inference
         try:
-            self.engine.save_hf_model(str(staging), self.tokenizer)
+            # a vision-language model's processor writes its tokenizer and image processor: the output takes images
+            self.engine.save_hf_model(str(staging), self.processor or self.tokenizer)
         finally:
             config.use_cache = False
         if self.rank == 0:

@@ -9,6 +9,8 @@ Tests then check the algorithm's arithmetic on those batches and the logged metr
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,3 +131,12 @@ def subprocess_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_ENV}
     path = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def preprocess_shapes(out: Path, train_size: int, test_size: int, seed: int) -> Path:
+    """``rlfoundry preprocess shapes`` (the counting task's image rows) into ``out``, as a user runs it."""
+    done = subprocess.run([sys.executable, "-m", "rlfoundry.cli", "preprocess", "shapes", "--output", str(out),
+                           "--train-size", str(train_size), "--test-size", str(test_size), "--seed", str(seed)],
+                          check=False, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out

@@ -8,8 +8,6 @@ pixels, and the actor's log-prob and update forwards take them.
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,12 +18,7 @@ from tests.trainer import _e2e as E
 
 @pytest.fixture(scope="module")
 def shapes_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    done = subprocess.run([sys.executable, "-m", "rlfoundry.cli", "preprocess", "shapes", "--output", str(out),
-                           "--train-size", "8", "--test-size", "4", "--seed", "3"],
-                          check=False, env=E.subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return out
+    return E.preprocess_shapes(tmp_path_factory.mktemp("shapes"), 8, 4, seed=3)
 
 
 def _overrides(model, run_dir, data, *extra):
