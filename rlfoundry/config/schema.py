@@ -227,8 +227,9 @@ class FSDPConfig(Node):
     model_dtype: str = "fp32"
     mixed_precision: Dict[str, Any] = _dict()
     grad_offload: bool = False  # removed in verl >= 0.2; accepted for old scripts
-    # rlfoundry: auto = a model alone on one rank, computing in its own dtype with nothing to offload, is
-    # not wrapped (FSDP2 would only copy every weight and gradient; engines/fsdp/utils.py); fsdp = wrap anyway
+    # rlfoundry: auto = a model alone on one rank with nothing to offload, computing in its own dtype or in
+    # bf16 over fp32 weights (then under torch.autocast), is not wrapped (FSDP2 would only copy and cast
+    # every weight and gradient; engines/fsdp/utils.py fsdp_does_nothing); fsdp = wrap anyway
     single_rank: str = one_of(("auto", "fsdp"), "auto")
 
 

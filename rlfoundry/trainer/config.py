@@ -536,8 +536,9 @@ def rollout_log_probs_inexact(device: str, strategy: str, param_dtype: str | Non
 
     The engine scores each token in a cached one-token decode step, the actor's recompute in one
     forward over the whole sequence: the same arithmetic in another order, equal to fp32 rounding
-    (~1e-6) when the matmuls run in fp32. In bf16 (FSDP2's default on CUDA, Megatron's default
-    everywhere) they differ by ~1e-2 (issue 33), so PPO's ratio is not 1 at a step's start.
+    (~1e-6) when the matmuls run in fp32. In bf16 (the FSDP engine's default on CUDA, autocast on one
+    GPU and FSDP2's mixed precision on several; Megatron's default everywhere) they differ by ~1e-2
+    (issue 33), so PPO's ratio is not 1 at a step's start.
     """
     own = engine_plugin(strategy).dtype_key if strategy in TRAINING_ENGINES else None
     if own is not None:
