@@ -72,6 +72,8 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.fsdp_config.wrap_policy.min_num_params",
     "reward_model.model.fsdp_config.fsdp_size",  # the reward model is not sharded: one copy per rank
     "reward_model.strategy",  # the reward model always runs on the FSDP engine
+    # a sequence classifier scores with a 1-label head: no vocabulary head whose logits the fused path avoids
+    "reward_model.model.use_fused_kernels",
     # verl's switch between its SPMD and server rollouts and <= 0.3's chat scheduler: each engine here has
     # one path, and agent loops follow rollout.multi_turn / rollout.agent
     "actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.chat_scheduler",
@@ -88,7 +90,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.multi_stage_wake_up",
     # Not built yet; these would change speed (GPU kernels: the GPU-speed issue), memory or results:
     "*.use_liger",
-    "*.use_fused_kernels", "*.fused_kernel_options*",
     # the training forwards are not compiled (the HF rollout's decode is: rollout.use_torch_compile)
     "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
     "critic.*use_torch_compile", "reward_model.*use_torch_compile",

@@ -263,8 +263,13 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // max(weight.shape[0], 1))
     excluded = torch.tensor(excluded_ids, device=hidden.device) if excluded_ids else None
-    logp, entropy = _FusedLinearLogProbs.apply(flat, weight, labels.reshape(-1), float(temperature), excluded,
-                                               rows, bool(entropy_grad))
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # the LM head's autocast dtype, cast once (backward runs outside autocast)
+        dtype = torch.get_autocast_dtype(device)
+        flat, weight = flat.to(dtype), weight.to(dtype)
+    with torch.autocast(device, enabled=False):
+        logp, entropy = _FusedLinearLogProbs.apply(flat, weight, labels.reshape(-1), float(temperature), excluded,
+                                                   rows, bool(entropy_grad))
     return logp.reshape(lead), entropy.reshape(lead)
 
 

@@ -130,3 +130,17 @@ def test_the_largest_tensor_is_one_chunk_of_logits_not_all_of_them():
 
     assert _largest(fused) <= max(chunk * vocab, vocab * hidden) == 32_000
     assert _largest(unfused) >= rows * vocab
+
+
+def test_under_autocast_the_product_is_in_the_autocast_dtype_as_the_lm_head():
+    """fp32 weights under bf16 autocast (the one-rank mixed-precision path): the fused chunk products are
+    bf16 like autocast's ``lm_head``, in forward and backward alike (gradients come back fp32)."""
+    h, w, labels = _inputs(40, 32, 300, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = fused_logprobs_entropy(h, w, labels, chunk_rows=16)
+        ref = logprobs_from_logits(h @ w.t(), labels)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    exact = logprobs_from_logits(h.detach() @ w.detach().t(), labels)
+    assert (lp - exact).abs().max() > 1e-4  # bf16 products, not fp32 ones
+    (gh,) = torch.autograd.grad(lp.sum(), h)
+    assert gh.dtype == torch.float32

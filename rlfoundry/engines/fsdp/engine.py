@@ -61,6 +61,7 @@ from rlfoundry.engines.fsdp.forward import (
     restore,
     value_forward,
 )
+from rlfoundry.engines.fsdp.fused_head import check_fused_kernels
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
 from rlfoundry import cpu as cpu_kernels
 from rlfoundry.models import lora as lora_lib
@@ -94,6 +95,10 @@ class FSDPEngineConfig:
     use_remove_padding: bool = False
     use_shared_prompt: bool = False
     lora: lora_lib.LoraSpec | None = None  # an adapter on the frozen model (trainable models only)
+    # verl's model.use_fused_kernels / fused_kernel_options: causal-LM log-probs from hidden states in
+    # chunks (fused_head.py); a reward model or critic has no vocabulary head, so there it does nothing
+    use_fused_kernels: bool = False
+    fused_kernel_options: dict[str, Any] = field(default_factory=dict)
     activation_offload: bool = False  # verl's model.enable_activation_offload (fu.activation_offload)
     # Ulysses: groups of this many ranks split each packed sequence (engines/fsdp/ulysses.py)
     ulysses_sequence_parallel_size: int = 1
@@ -112,7 +117,9 @@ class FSDPEngineConfig:
         base = dict(path=str(model.path), cpu_kernels=model.cpu_kernels, trust_remote_code=model.trust_remote_code,
                     use_remove_padding=model.use_remove_padding,
                     activation_offload=bool(getattr(model, "enable_activation_offload", False)),
-                    freeze_vision_tower=bool(getattr(model, "freeze_vision_tower", False)))
+                    freeze_vision_tower=bool(getattr(model, "freeze_vision_tower", False)),
+                    use_fused_kernels=bool(getattr(model, "use_fused_kernels", False)),
+                    fused_kernel_options=dict(getattr(model, "fused_kernel_options", None) or {}))
         return cls(fsdp=fsdp, optim=optim, grad_clip=grad_clip, **{**base, **fields})
 
 
@@ -138,6 +145,7 @@ class FSDPEngine(TrainingEngine):
             config.use_shared_prompt and self.sp is None,  # the shared-prompt forward is not split by sequence
             cpu_kernels.fused_shared_prompt_logits if self.cpu_kernels else None,
             fu.continued_forward if self.cpu_kernels else plain_context, sp=self.sp,
+            fused_kernels=_fused_kernels(config),
         )
 
     @classmethod
@@ -148,6 +156,7 @@ class FSDPEngine(TrainingEngine):
         ``prepare`` runs on the loaded model before sharding (the critic zeroes a fresh value head).
         """
         device = torch.device(device)
+        _fused_kernels(config)  # its start-up errors before the model loads
         module = _build_module(config, device, prepare)
         optimizer = lr_scheduler = None
         if config.trainable:
@@ -375,6 +384,19 @@ def _sequence_parallel(config: FSDPEngineConfig, dp_group: Any) -> ulysses.Seque
         raise ValueError("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true (verl's rule: "
                          "only packed rows are split by sequence) and the engine on the whole worker group")
     return ulysses.SequenceParallel.create(size)
+
+
+def _fused_kernels(config: FSDPEngineConfig) -> bool:
+    """Whether log-probs take the fused head: start-up errors for what it does not build."""
+    if not config.use_fused_kernels or config.model_kind != "causal_lm":
+        return False
+    errors = check_fused_kernels(config.fused_kernel_options, config.ulysses_sequence_parallel_size)
+    if errors:
+        raise ValueError(" ".join(errors))
+    if config.fused_kernel_options.get("impl_backend") == "triton":
+        _say_once("model.fused_kernel_options.impl_backend=triton runs the torch backend (the same chunked "
+                  "log-probs and memory bound; verl's Triton kernel is not built here)")
+    return True
 
 
 def _say_once(text: str) -> None:

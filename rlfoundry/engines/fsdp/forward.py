@@ -13,7 +13,9 @@ Causal-LM log-probs take one of three forwards per micro-batch, all the same mat
 
 Only positions that predict a response token go through the LM head (``logits_to_keep``), and each
 micro-batch is cut after its own longest response: the columns cut hold padding only, and the
-outputs come back zero there, so nothing depends on micro-batching.
+outputs come back zero there, so nothing depends on micro-batching. With ``model.use_fused_kernels``
+the head's log-probs and entropies come out of the model call itself, chunk by chunk
+(``fused_head.py``); the shared-prompt path's first call (one position per prompt) keeps its logits.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.engines.fsdp import ulysses
+from rlfoundry.engines.fsdp.fused_head import FusedHead
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.models.vision import (
     idle_vision_tower,
@@ -68,11 +72,14 @@ class CausalLMForward:
     ``continued_forward``: the context that runs the HF second call inside the first one's FSDP
     scope (``engines/fsdp/utils.py``), or a plain one. ``sp``: this rank's Ulysses groups
     (``engines/fsdp/ulysses.py``) when the packed forward is split over a sequence-parallel group.
+    ``fused_kernels``: verl's ``model.use_fused_kernels`` (``fused_head.py``; the one-pass CPU
+    shared-prompt forward, which returns logits, then gives way to the HF two-call one).
     """
 
     def __init__(self, module: nn.Module, dp_size: int, dp_group: Any, use_remove_padding: bool,
                  use_shared_prompt: bool, shared_prompt_logits: SharedPromptLogits | None = None,
-                 continued_forward: Any = None, sp: ulysses.SequenceParallel | None = None):
+                 continued_forward: Any = None, sp: ulysses.SequenceParallel | None = None,
+                 fused_kernels: bool = False):
         self.module = module
         self.sp = sp
         self.dp_size, self.dp_group = dp_size, dp_group
@@ -81,9 +88,11 @@ class CausalLMForward:
         self.call_cost_tokens = call_cost_tokens(sum(p.numel() for p in module.parameters()))
         self.use_remove_padding = use_remove_padding
         self.use_shared_prompt = use_shared_prompt
-        self.shared_prompt_logits = shared_prompt_logits
+        self.shared_prompt_logits = None if fused_kernels else shared_prompt_logits
         self.continued_forward = continued_forward or plain_context
         self.placeholder_ids = placeholder_ids(module)  # a vision-language policy never samples them
+        self.fused = FusedHead(module, self.placeholder_ids) if fused_kernels else None
+        self._spec = LogProbs()  # the running call's (temperature, entropy): the fused head reads them
         # a vision-language model sharded over ranks runs its tower on every micro-batch, where the model
         # would (idle_vision_tower): inside its forward, before the language model, so every rank's
         # gathers and gradient reductions come in one order
@@ -112,6 +121,7 @@ class CausalLMForward:
         its prompt groups), or just the prompt groups, or None."""
         plan = entry if isinstance(entry, MicroPlan) else MicroPlan(None, entry)
         prompt_groups = plan.prompt_groups
+        self._spec = spec
         batch, full_width = trim_response_padding(micro, plan.trim)
         pixels = _pixel_inputs(micro)
         if pixels or self.idle_tower:
@@ -125,28 +135,55 @@ class CausalLMForward:
             logits, labels, scatter = self._packed_response_logits(batch)
         else:
             logits, labels, scatter = self._padded_response_logits(batch)
+        log_probs, entropy = self._per_token(logits, labels, spec.entropy)
+        padding = _response_padding(micro)
+        out = {"log_probs": _pad_width(scatter(log_probs), full_width).masked_fill(padding, 0.0)}
+        if spec.entropy:
+            out["entropy"] = _pad_width(scatter(entropy), full_width).masked_fill(padding, 0.0)
+        return out
+
+    def _per_token(self, logits: torch.Tensor, labels: torch.Tensor, entropy: bool):
+        """(log-probs, entropies or None) from a path's output: logits (..., V), or under the fused head
+        its (..., 2) pairs, already computed in the model's forward."""
+        if self.fused is not None:
+            with_grad = self._spec.entropy_grad and torch.is_grad_enabled()
+            return logits[..., 0], logits[..., 1] if with_grad else logits[..., 1].detach()
+        return self._unfused(logits, labels, entropy)
+
+    def _unfused(self, logits: torch.Tensor, labels: torch.Tensor, entropy: bool = True):
+        """(log-probs, entropies or None) from logits (..., V): temperature, placeholders, chunked ops."""
+        spec = self._spec
         if spec.temperature != 1.0:
             logits = logits / spec.temperature
         logits = mask_placeholders(logits, self.placeholder_ids)
-        padding = _response_padding(micro)
-        out = {"log_probs": _pad_width(scatter(logprobs_from_logits(logits, labels)), full_width).masked_fill(padding, 0.0)}
-        if spec.entropy:
-            with torch.set_grad_enabled(spec.entropy_grad and torch.is_grad_enabled()):
-                out["entropy"] = _pad_width(scatter(entropy_from_logits(logits)), full_width).masked_fill(padding, 0.0)
-        return out
+        log_probs = logprobs_from_logits(logits, labels)
+        if not entropy:
+            return log_probs, None
+        with torch.set_grad_enabled(spec.entropy_grad and torch.is_grad_enabled()):
+            return log_probs, entropy_from_logits(logits)
+
+    def _lm(self, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        """The model's ``logits`` at the kept positions; under the fused head, given ``labels`` (the next
+        token of each kept position, (b, kept)), their (log-prob, entropy) pairs (b, kept, 2) instead."""
+        if self.fused is None or labels is None:
+            return self.module(**inputs).logits
+        spec = self._spec
+        with self.fused.labelled(labels, spec.temperature, spec.entropy_grad and torch.is_grad_enabled()):
+            return self.module(**inputs).logits
 
     def _padded_response_logits(self, batch, pixels: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         responses = batch["responses"]
         width = responses.shape[-1]
         mask = batch["attention_mask"] if pixels else _prepared_causal_mask(self.module, batch["attention_mask"],
                                                                              batch["position_ids"])
-        out = self.module(
+        logits = self._lm(
+            F.pad(responses, (0, 1)),  # the last kept position predicts past the end: dropped below
             input_ids=batch["input_ids"], attention_mask=mask,
             position_ids=model_position_ids(batch["position_ids"]), use_cache=False, logits_to_keep=width + 1,
             **(pixels or {}),
         )
         # position t predicts token t+1: the response logits are the ones just before each token
-        return out.logits[:, :-1, :], responses, _identity
+        return logits[:, :-1, :], responses, _identity
 
     def _shared_prompt_response_logits(self, batch, first: torch.Tensor, group: torch.Tensor):
         """Each distinct prompt runs once; its rows continue from its KV cache (with gradients).
@@ -171,10 +208,13 @@ class CausalLMForward:
         cache.batch_select_indices(group)  # differentiable gather: each row gets its prompt's keys/values
         tail_mask = _prepared_causal_mask(self.module, mask, pos[:, tp:], cache)
         with self.continued_forward(self.module):
-            tail = self.module(input_ids=batch["responses"], attention_mask=tail_mask, position_ids=pos[:, tp:],
-                               **kv_cache_kwargs(self.module, cache), use_cache=True, logits_to_keep=width)
-        logits = torch.cat([head.logits[group], tail.logits[:, :-1]], dim=1)
-        return logits, batch["responses"], _identity
+            tail = self._lm(F.pad(batch["responses"][:, 1:], (0, 1)), input_ids=batch["responses"],
+                            attention_mask=tail_mask, position_ids=pos[:, tp:], **kv_cache_kwargs(self.module, cache),
+                            use_cache=True, logits_to_keep=width)
+        first_logits = head.logits[group]
+        if self.fused is not None:  # the first response token's pair from the head call's logits
+            first_logits = torch.stack(self._unfused(first_logits, batch["responses"][:, :1]), dim=-1)
+        return torch.cat([first_logits, tail[:, :-1]], dim=1), batch["responses"], _identity
 
     def _packed_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Real tokens only, packed into one row; logits only where a real token predicts a response.
@@ -198,10 +238,9 @@ class CausalLMForward:
             logits, labels, gather = ulysses.packed_logits_at(self.module, packed.input_ids, packed.position_ids,
                                                               where[valid], responses[valid], self.sp)
         else:
-            logits, labels = self.module(
-                input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-                use_cache=False, logits_to_keep=where[valid],
-            ).logits[0], responses[valid]
+            labels = responses[valid]
+            logits = self._lm(labels[None], input_ids=packed.input_ids, attention_mask=None,
+                              position_ids=packed.position_ids, use_cache=False, logits_to_keep=where[valid])[0]
 
         def scatter(values: torch.Tensor) -> torch.Tensor:
             full = values.new_zeros((rows, width))

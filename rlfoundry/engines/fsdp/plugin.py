@@ -12,6 +12,7 @@ import torch
 
 from rlfoundry.config.typed import pick
 from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
+from rlfoundry.engines.fsdp.fused_head import check_fused_kernels
 
 __all__ = ["PLUGIN"]
 
@@ -38,7 +39,7 @@ class FSDPPlugin(EnginePlugin):
         if int(pick(cfg, "reward_model.ulysses_sequence_parallel_size", 1) or 1) > 1:
             errors.append("reward_model.ulysses_sequence_parallel_size > 1: sequence parallelism for the reward "
                           "model is not built (actor, reference and critic have it); set it to 1.")
-        return errors
+        return errors + _check_fused_kernels(cfg, roles)
 
 
 def _check_ulysses(cfg: Any, key: str, world_size: int) -> list[str]:
@@ -60,6 +61,16 @@ def _check_ulysses(cfg: Any, key: str, world_size: int) -> list[str]:
         errors.append(f"{name} does not divide the model's {heads} attention heads: each rank of a group "
                       "attends with heads / SP of them; use a divisor of the head count.")
     return errors
+
+
+def _check_fused_kernels(cfg: Any, roles: list[str]) -> list[str]:
+    """``actor_rollout_ref.model.use_fused_kernels``: its backend named, no Ulysses on the actor or reference."""
+    model = "actor_rollout_ref.model"
+    if not pick(cfg, f"{model}.use_fused_kernels", False):
+        return []
+    sp = max([int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1) for key in roles
+              if key.startswith("actor_rollout_ref.")] or [1])
+    return check_fused_kernels(pick(cfg, f"{model}.fused_kernel_options", None), sp, model)
 
 
 def _attention_heads(path: Any) -> int | None:

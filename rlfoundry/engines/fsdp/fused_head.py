@@ -1,0 +1,87 @@
+"""verl's ``model.use_fused_kernels``: the LM head's log-probs and entropies from the final hidden
+states in chunks of tokens, never the whole (tokens, vocabulary) logits.
+
+How: for one model call, the causal LM's ``lm_head`` forward is swapped for
+``fused_logprobs_entropy`` (``utils/torch_functional.py``) over the labels the caller gives (the
+next token of each kept position); what the model returns as ``logits`` is then (..., 2): each
+position's (log-prob, entropy) in fp32. verl patches the whole ``*ForCausalLM.forward`` per model
+family to the same end; swapping the head alone keeps every family whose forward ends in
+``self.lm_head(hidden)`` (all of transformers' causal LMs that have no logit soft-capping).
+
+Why inside the model call: under FSDP2 the head's weight is gathered only while the root unit's
+forward runs, and FSDP's backward hooks hang on the root's outputs; a head computed after the call
+would read a freed shard and bypass the hooks.
+
+``fused_kernel_options.impl_backend``: "torch" is this. verl's "triton" is its GPU kernel of the
+same math; here it runs as "torch" (same values, same memory bound; a start-up line says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlfoundry.utils.torch_functional import fused_logprobs_entropy
+
+__all__ = ["BACKENDS", "FusedHead", "check_fused_kernels"]
+
+BACKENDS = ("torch", "triton")
+
+
+def check_fused_kernels(options: dict[str, Any] | None, sequence_parallel: int, key: str = "model") -> list[str]:
+    """Start-up errors for ``<key>.use_fused_kernels=true`` with these options and this Ulysses size."""
+    backend = (options or {}).get("impl_backend", "torch")
+    errors = []
+    if backend not in BACKENDS:
+        errors.append(f"{key}.fused_kernel_options.impl_backend={backend!r}: use one of {', '.join(BACKENDS)}.")
+    if sequence_parallel > 1:
+        errors.append(f"{key}.use_fused_kernels=true with ulysses_sequence_parallel_size={sequence_parallel}: "
+                      "the fused head on a rank's slice of the pack is not built; set one of them off.")
+    return errors
+
+
+def output_head(module: nn.Module) -> nn.Linear:
+    """The causal LM's ``lm_head`` (through a peft wrapper), checked to be one the fused path reproduces."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    config = getattr(base, "config", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError("model.use_fused_kernels=true on a vision-language model is not built (its image rows "
+                         "take the padded forward with pixels); set model.use_fused_kernels=false.")
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ValueError(f"model.use_fused_kernels=true needs the LM head to be a plain linear map without bias; "
+                         f"this model's is {type(head).__name__} (a LoRA adapter on lm_head?): "
+                         "set model.use_fused_kernels=false.")
+    if getattr(config, "final_logit_softcapping", None):
+        raise ValueError("model.use_fused_kernels=true: this model soft-caps its logits after the head, which the "
+                         "fused head does not; set model.use_fused_kernels=false.")
+    return head
+
+
+class FusedHead:
+    """The swap of one causal LM's head for ``fused_logprobs_entropy`` (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, excluded_ids: list[int] | None = None):
+        self.head = output_head(module)
+        self.excluded_ids = list(excluded_ids or [])
+
+    @contextlib.contextmanager
+    def labelled(self, labels: torch.Tensor, temperature: float, entropy_grad: bool) -> Iterator[None]:
+        """Within: a model call keeping positions (b, n) returns ``logits`` (b, n, 2) = (log p(labels), entropy),
+        fp32, with the logits divided by ``temperature``. ``labels`` (b, n): each kept position's next token."""
+        head = self.head
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            log_probs, entropy = fused_logprobs_entropy(hidden, head.weight, labels, temperature, self.excluded_ids,
+                                                        entropy_grad=entropy_grad)
+            return torch.stack([log_probs, entropy], dim=-1)
+
+        head.forward = forward
+        try:
+            yield
+        finally:
+            del head.forward  # the class's forward again

@@ -1,0 +1,124 @@
+"""verl's ``model.use_fused_kernels`` on the FSDP engine: log-probs, entropies, loss and gradient norm
+equal the unfused forward's on every causal-LM path (padded, packed, shared prompt), with a tied and an
+untied LM head, plain and wrapped in FSDP2; and the model's head really returns (log-prob, entropy)
+pairs instead of logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfoundry.config.schema import FSDPConfig, OptimConfig
+from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePlan
+from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+from rlfoundry.protocol import DataProto
+from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
+
+PATHS = {  # (use_remove_padding, use_shared_prompt)
+    "padded": (False, False),
+    "packed": (True, False),
+    "shared_prompt": (False, True),
+}
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def model_dir(request, tmp_path_factory):
+    from rlfoundry.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp(f"fused-{request.param}"),
+                           tie_word_embeddings=request.param == "tied")
+
+
+def _batch() -> DataProto:
+    """2 prompts x 3 samples (left-padded prompts of 6 and 8 tokens, responses of 7, 3 and 5 tokens):
+    sharing each prompt computes 2 x 8 + 6 x 7 = 58 tokens instead of 6 x 15 = 90."""
+    gen = torch.Generator().manual_seed(0)
+    tp, tr = 8, 7
+    prompts = torch.randint(3, 200, (2, tp), generator=gen).repeat_interleave(3, dim=0)
+    responses = torch.randint(3, 200, (6, tr), generator=gen)
+    mask = torch.ones(6, tp + tr, dtype=torch.long)
+    mask[:3, :2] = 0  # the first prompt has 6 tokens
+    for row, length in enumerate([7, 3, 5, 7, 5, 3]):
+        mask[row, tp + length:] = 0
+    prompts[:3, :2] = 0
+    responses = responses.masked_fill(mask[:, tp:] == 0, 0)
+    return DataProto.from_dict(tensors={
+        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": responses,
+        "response_mask": mask[:, tp:].clone(),
+    })
+
+
+def _loss(outputs, batch, info) -> LossOutput:
+    """Token-mean NLL minus 0.1 x entropy: both outputs carry gradient (their backward terms both count)."""
+    mask = batch["response_mask"]
+    total = (-outputs["log_probs"] - 0.1 * outputs["entropy"]) * mask
+    loss = total.sum() / info["batch_num_tokens"] * info["dp_size"]
+    return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
+
+
+def _engine(model_dir, path: str, fused: bool, wrap: str, **options) -> FSDPEngine:
+    remove_padding, shared = PATHS[path]
+    config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(single_rank=wrap), grad_clip=1.0,
+                              cpu_kernels="off", optim=OptimConfig(lr=1e-2, weight_decay=0.0),
+                              use_remove_padding=remove_padding, use_shared_prompt=shared,
+                              use_fused_kernels=fused, fused_kernel_options=options)
+    return FSDPEngine.build(config, "cpu", role="actor")
+
+
+def _head_widths(engine: FSDPEngine) -> list[int]:
+    """The last dim of every ``logits`` the model returns (V unfused, 2 where the fused head ran)."""
+    widths: list[int] = []
+    engine.module.register_forward_hook(lambda _m, _a, out: widths.append(out.logits.shape[-1]))
+    return widths
+
+
+@pytest.mark.parametrize("wrap", ["auto", "fsdp"])  # one rank: a plain module, or wrapped in FSDP2 anyway
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fused_log_probs_and_update_equal_the_unfused(process_group, model_dir, path, wrap):
+    data = _batch()
+    spec = LogProbs(temperature=0.7, entropy=True)
+    plan = UpdatePlan(mini_batch_size=6, micro=MicroBatching(size=3))
+    results = {}
+    for fused in (False, True):
+        engine = _engine(model_dir, path, fused, wrap)
+        widths = _head_widths(engine)
+        inferred = engine.infer_batch(data, spec, MicroBatching(size=3))
+        metrics = engine.train_batch(data, spec, _loss, plan)
+        results[fused] = inferred, metrics, widths
+    (plain, m_plain, w_plain), (fused, m_fused, w_fused) = results[False], results[True]
+    vocab = w_plain[0]
+    assert set(w_plain) == {vocab} and vocab > 100
+    # shared prompt: the prompts' call keeps its logits (one position each), the responses' call is fused
+    assert set(w_fused) == ({vocab, 2} if path == "shared_prompt" else {2})
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(fused[key], plain[key], atol=1e-5, rtol=1e-5)
+    assert torch.all(fused["log_probs"][1, 3:] == 0) and torch.all(fused["entropy"][1, 3:] == 0)
+    assert m_fused["actor/loss"] == pytest.approx(m_plain["actor/loss"], rel=1e-5)
+    assert m_fused["actor/grad_norm"] == pytest.approx(m_plain["actor/grad_norm"], rel=1e-5)
+
+
+def test_entropy_as_a_metric_and_the_triton_backend(process_group, model_dir):
+    """entropy_grad=False (entropy only logged) leaves the NLL's gradient as it is; impl_backend=triton
+    runs the torch backend (same numbers)."""
+    data = _batch()
+    spec = LogProbs(entropy=True, entropy_grad=False)
+    plan = UpdatePlan(mini_batch_size=6, micro=MicroBatching(size=6))
+
+    def nll(outputs, batch, info):
+        assert not outputs["entropy"].requires_grad
+        loss = -(outputs["log_probs"] * batch["response_mask"]).sum() / info["batch_num_tokens"]
+        return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
+
+    plain = _engine(model_dir, "padded", False, "auto").train_batch(data, spec, nll, plan)
+    fused = _engine(model_dir, "padded", True, "auto", impl_backend="triton").train_batch(data, spec, nll, plan)
+    assert fused["actor/grad_norm"] == pytest.approx(plain["actor/grad_norm"], rel=1e-5)
+
+
+def test_what_the_fused_head_does_not_build_is_a_start_up_error(process_group, model_dir):
+    with pytest.raises(ValueError, match="impl_backend='cuda'"):
+        _engine(model_dir, "padded", True, "auto", impl_backend="cuda")
+    config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(), grad_clip=None, cpu_kernels="off", optim=None,
+                              use_remove_padding=True, use_fused_kernels=True, ulysses_sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="use_fused_kernels=true with ulysses_sequence_parallel_size=2"):
+        FSDPEngine.build(config, "cpu", role="ref")
