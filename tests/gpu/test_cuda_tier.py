@@ -3,7 +3,8 @@
 Every test here is marked ``gpu`` and skips without CUDA (tests/conftest.py); ``bash
 scripts/gpu_check.sh`` runs them with ``pytest -m gpu`` on one H100/H200 in a few minutes, without Ray
 (the in-process back end, and the process back end where a test needs processes). Each run names
-``trainer.device=cuda``; on CUDA the FSDP2 engine computes in bf16 over fp32 weights, so values that
+``trainer.device=cuda``; on CUDA the FSDP engine computes in bf16 over fp32 weights (on one GPU the
+plain module under torch.autocast, tests/gpu/test_single_gpu_update.py), so values that
 the CPU tests compare exactly are compared here within stated bounds, and sampled tokens — made by
 the engine's own seeded generator — exactly.
 
@@ -108,8 +109,8 @@ def cuda_group():
 
 
 def test_bf16_mixed_precision_log_probs_are_within_the_stated_bound_of_fp32(cuda_group, tiny_model_dir):
-    """The same weights and tokens through the FSDP2 engine in its CUDA default (bf16 compute over fp32
-    weights) and in fp32. Bound: |Δ log p| <= 0.1 per token and <= 0.02 on average over the response
+    """The same weights and tokens through the FSDP engine in its CUDA default (bf16 compute over fp32
+    weights: on one GPU, torch.autocast over the plain module) and in fp32. Bound: |Δ log p| <= 0.1 per token and <= 0.02 on average over the response
     tokens (bf16 keeps 8 bits of mantissa: ~0.4 % of a logit); and bf16 must really be in use (Δ > 0)."""
     from rlfoundry.config.schema import FSDPConfig
     from rlfoundry.engines.base import LogProbs, MicroBatching
