@@ -141,9 +141,13 @@ def test_gradient_checkpointing_under_autocast_is_the_same_step(process_group, t
     keeps it): the same bf16 activations, the same gradients."""
     data = _data()
     m_off, _, dw_off = _step(_engine(tiny_model_dir, eps=1.0), data)
-    m_on, _, dw_on = _step(_engine(tiny_model_dir, eps=1.0, fields={"gradient_checkpointing": True}), data)
+    checkpointed = _engine(tiny_model_dir, eps=1.0, fields={"gradient_checkpointing": True})
+    m_on, _, dw_on = _step(checkpointed, data)
     assert m_on["actor/grad_norm"][0] == pytest.approx(m_off["actor/grad_norm"][0], rel=1e-5)
     assert _rel(dw_on, dw_off) <= 1e-5
+    rollout = HFRollout(checkpointed.rollout_module(), {"n": 1, "response_length": 3}, pad_token_id=0, eos_token_id=1)
+    prompts = data[:2].select(batch_keys=["input_ids", "attention_mask", "position_ids"])
+    assert rollout.generate_sequences(prompts).batch["responses"].shape == (2, 3)  # the copy decodes (no checkpointing)
 
 
 def test_save_then_load_reproduces_the_next_step_exactly(process_group, tiny_model_dir, tmp_path):
