@@ -88,3 +88,14 @@ def _one_thread():
 
 
 one_thread = _one_thread()
+
+
+def scripted_turn(batch: DataProto, token_ids: list[int]) -> DataProto:
+    """An engine's answer to ``batch`` in which every row's turn is ``token_ids`` (log-prob -0.5 each):
+    agent-loop tests script a turn, e.g. a tool call the tiny random policy would never make."""
+    width, rows = int(batch.meta_info["response_length"]), len(batch)
+    responses = torch.zeros((rows, width), dtype=torch.long)
+    responses[:, :len(token_ids)] = torch.tensor(token_ids)
+    mask = (torch.arange(width) < len(token_ids)).long().expand(rows, width)
+    return DataProto.from_dict(tensors={"responses": responses, "response_mask": mask,
+                                        "rollout_log_probs": -0.5 * mask.float()})

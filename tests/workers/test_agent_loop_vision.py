@@ -20,6 +20,7 @@ from rlfoundry.workers.rollout.agent_loop import AgentLoop, AgentLoopError
 from rlfoundry.workers.rollout.hf_rollout import HFRollout
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
 from tests.engines.test_fsdp_vision import image_batch  # noqa: F401 - fixture
+from tests.workers import scripted_turn
 
 TOOLS = Path(__file__).resolve().parents[2] / "rlfoundry" / "config" / "tools" / "calculator.yaml"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
@@ -38,12 +39,7 @@ class Recording:
         self.seen.append(batch)
         if self.first is None or len(self.seen) > 1:
             return self.rollout.generate_sequences(batch)
-        width, rows = int(batch.meta_info["response_length"]), len(batch)
-        responses = torch.zeros((rows, width), dtype=torch.long)
-        responses[:, :len(self.first)] = torch.tensor(self.first)
-        mask = (torch.arange(width) < len(self.first)).long().expand(rows, width)
-        return DataProto.from_dict(tensors={"responses": responses, "response_mask": mask,
-                                            "rollout_log_probs": -0.5 * mask.float()})
+        return scripted_turn(batch, self.first)
 
 
 @pytest.fixture(scope="module")

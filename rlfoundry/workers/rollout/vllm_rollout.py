@@ -691,8 +691,10 @@ class VLLMRollout(BaseRollout):
         images = prompts.non_tensor_batch.get("multi_modal_data")
         if images is not None and self._vision is None:
             raise ValueError("the batch has multi_modal_data (images) but the vLLM engine's model is a text model")
-        requests = [self._vision.prompt(r, images[i]) if images is not None else TokensPrompt(prompt_token_ids=r)
-                    for i, r in enumerate(rows)]
+        # a vision model's rows all go through _VisionPrompts: image tokens without images are an error there,
+        # not a prompt sampled as text
+        requests = [self._vision.prompt(r, images[i] if images is not None else None) if self._vision is not None
+                    else TokensPrompt(prompt_token_ids=r) for i, r in enumerate(rows)]
         sampling = [self._sampling_params(params, eos_ids, s, b) for s, b in zip(seeds, budgets)]
         if self._vision is not None:  # as the HF engine and the trainer: placeholders are never sampled
             for sp in sampling:

@@ -115,7 +115,8 @@ class AgentLoop:
         positions = batch["position_ids"][i] if "position_ids" in batch.keys() else None
         if row.get("multi_modal_inputs") and positions is not None and positions.dim() == 2:  # (3, Tp)
             row["prompt_vision"] = PromptVision(row["multi_modal_inputs"],
-                                                positions[:, batch["attention_mask"][i].bool()].cpu())
+                                                positions[:, batch["attention_mask"][i].bool()].cpu(),
+                                                row.get("multi_modal_data") or None)
         return row
 
     async def _run_all(self, rows: list[dict], classes: dict[str, type], meta: dict) -> list:

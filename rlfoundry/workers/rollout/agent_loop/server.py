@@ -12,10 +12,11 @@ meta-info carries every row's own budget (``max_response_lengths``): vLLM caps e
 HF engine generates to the largest and the server cuts each row to its own.
 
 Image rows (docs/vision.md): a request may carry its prompt's :class:`PromptVision` (the row's
-``multi_modal_inputs`` and 3-D rotary positions); the engine call then gets every row's pixel inputs
-(``multi_modal_inputs``, {} for text rows) and (B, 3, T) positions: the prompt's own, then text going
-on from its last one in all three axes, as the single-turn rollout continues a prompt. Later turns
-extend the context with text only, so their positions go on the same way.
+``multi_modal_inputs``, ``multi_modal_data`` and 3-D rotary positions); the engine call then gets every
+row's pixel inputs (``multi_modal_inputs``, what the HF engine reads), its images (``multi_modal_data``,
+what vLLM reads; {} for text rows, both) and (B, 3, T) positions: the prompt's own, then text going on
+from its last one in all three axes, as the single-turn rollout continues a prompt. Later turns extend
+the context with text only, so their positions go on the same way.
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ __all__ = ["GenerationServer", "Generated", "PromptVision"]
 @dataclass
 class PromptVision:
     """An image prompt's inputs for every turn of its trajectory: ``multi_modal_inputs`` (the processor's
-    ``pixel_values``, ``image_grid_thw``) and ``positions`` (3, P), the prompt's 3-D rotary positions over
-    its P tokens (no padding). The context the engine continues starts with those P prompt tokens."""
+    ``pixel_values``, ``image_grid_thw``), ``positions`` (3, P), the prompt's 3-D rotary positions over
+    its P tokens (no padding), and ``multi_modal_data`` (the row's ``{"image": [PIL images]}``, for engines
+    that process the images themselves: vLLM). The context the engine continues starts with those P
+    prompt tokens."""
 
     multi_modal_inputs: dict
     positions: torch.Tensor
+    multi_modal_data: dict | None = None
 
     def context_positions(self, length: int) -> torch.Tensor:
         """(3, length): the prompt's positions, then each later (text) token one past the one before."""
@@ -171,6 +175,10 @@ class GenerationServer:
             row = r.vision.context_positions(n) if r.vision is not None else torch.arange(n).expand(3, n)
             positions[i, :, width - n:] = row
         tensors["position_ids"] = positions.to(tensors["input_ids"].device)
-        inputs = np.empty(len(batch), dtype=object)
+        inputs, data = np.empty(len(batch), dtype=object), np.empty(len(batch), dtype=object)
         inputs[:] = [r.vision.multi_modal_inputs if r.vision is not None else {} for r in batch]
-        return DataProto.from_dict(tensors=tensors, non_tensors={"multi_modal_inputs": inputs}, meta_info=meta)
+        data[:] = [(r.vision.multi_modal_data or {}) if r.vision is not None else {} for r in batch]
+        non_tensors = {"multi_modal_inputs": inputs}
+        if any(r.vision is not None and r.vision.multi_modal_data for r in batch):
+            non_tensors["multi_modal_data"] = data
+        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
