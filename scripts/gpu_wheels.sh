@@ -31,4 +31,10 @@ for name in "${NAMES[@]}"; do
         "${PLATFORMS[@]}" -d "$DIR" "$spec" || { echo "gpu_wheels: no wheel for $spec" >&2; exit 1; }
 done
 "$PYTHON" -m pip wheel -q --no-deps -w "$DIR" "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
+# GPU-only packages this checkout's (CPU) environment lacks, at pinned versions, pure Python: liger-kernel
+# (model.use_liger; Triton kernels, on the GPU image's torch + triton; tests/gpu/test_compile_liger.py)
+for spec in liger-kernel==0.8.5; do
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${PLATFORMS[@]}" -d "$DIR" "$spec" || { echo "gpu_wheels: no wheel for $spec" >&2; exit 1; }
+done
 ls "$DIR"

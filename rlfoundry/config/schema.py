@@ -330,7 +330,7 @@ class ModelConfig(Node):
     target_modules: Any = "all-linear"  # or a list of module names
     exclude_modules: Any = None
     lora_adapter_path: Optional[str] = None  # a peft adapter directory to start from
-    use_liger: bool = False
+    use_liger: bool = False  # Liger's Triton kernels in the actor and reference (CUDA + liger-kernel; models/liger.py)
     use_fused_kernels: bool = False
     fused_kernel_options: Dict[str, Any] = _dict()
     trust_remote_code: bool = False
@@ -353,7 +353,10 @@ class ActorConfig(Node):
     loss_agg_mode: str = one_of(LOSS_AGG_MODES, "token-mean")
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
-    use_torch_compile: bool = False  # verl: True
+    # each decoder layer's training forward compiled (engines/fsdp/compile.py; the reference follows).
+    # verl: True. Off here: compiling costs ~25 s per graph on a small CPU run (two graphs), more than the
+    # update time it saves there; on GPUs it pays back within a run
+    use_torch_compile: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = one_of(KL_ESTIMATORS, "low_var_kl")
     ppo_epochs: int = 1

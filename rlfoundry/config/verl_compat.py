@@ -51,8 +51,8 @@ class NoEffectKeyWarning(UserWarning):
 
 # verl keys that are accepted so verl command lines run unchanged, but change nothing here.
 # fnmatch patterns over full dotted keys; setting any of them gives ONE warning naming them all.
-# docs/verl_keys.md lists them with these reasons. Two kinds: keys that cannot change results, speed or
-# memory here, and (last) verl features not built yet, which would.
+# docs/verl_keys.md lists them with these reasons. Each is a key that cannot change results, speed or
+# memory here; a verl feature not built yet is an error at start-up, not an entry here.
 NO_EFFECT_KEYS: tuple[str, ...] = (
     "data.tokenizer",  # unused in verl too: the tokenizer is actor_rollout_ref.model.path's
     "*.use_shm",  # a copy to /dev/shm before loading; files are read where they are
@@ -88,11 +88,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # always on: the vLLM and SGLang rollouts wake the weights for a sync and the KV cache only to
     # generate (vllm_rollout._wake_up, sglang_rollout._resume); verl's false, all at once, only raises the peak
     "actor_rollout_ref.rollout.multi_stage_wake_up",
-    # Not built yet; these would change speed (GPU kernels: the GPU-speed issue), memory or results:
-    "*.use_liger",
-    # the training forwards are not compiled (the HF rollout's decode is: rollout.use_torch_compile)
-    "actor_rollout_ref.actor.use_torch_compile", "actor_rollout_ref.ref.use_torch_compile",
-    "critic.*use_torch_compile", "reward_model.*use_torch_compile",
 )
 
 # Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.

@@ -212,6 +212,7 @@ class EngineRequest:
     lora: Any = None  # models.lora.LoraSpec: an adapter on the frozen model (trainable models only)
     prepare: Callable[[torch.nn.Module], None] | None = None  # runs on the loaded model before sharding
     ulysses_sequence_parallel_size: int = 1  # the role's key: ranks that split each sequence (FSDP engine)
+    use_torch_compile: bool = False  # the role's key: compile the training forward's layers (FSDP engine)
 
 
 class EnginePlugin(abc.ABC):

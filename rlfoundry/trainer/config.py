@@ -48,6 +48,7 @@ from rlfoundry.config.verl_compat import (
     prefer_user_deprecated_keys,
     warn_no_effect,
 )
+from rlfoundry.models.liger import liger_problems
 from rlfoundry.utils.tracking import SUPPORTED_BACKENDS
 
 __all__ = [
@@ -417,6 +418,18 @@ def _check_lora(cfg: DictConfig) -> list[str]:
     return errors
 
 
+def _check_liger(cfg: PPOConfig) -> list[str]:
+    """``model.use_liger``: Liger's Triton kernels need CUDA and liger-kernel (models/liger.py)."""
+    if not cfg.actor_rollout_ref.model.use_liger:
+        return []
+    device = cfg.trainer.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return liger_problems(str(device))
+
+
 def _check_engines(cfg: DictConfig) -> list[str]:
     """Each training engine checks the roles that name it (``EnginePlugin.check``)."""
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
@@ -584,7 +597,7 @@ def validate_config(cfg: DictConfig | PPOConfig) -> None:
     errors += (typed_cfg.check() + _check_estimator(typed_cfg) + _check_batch_sizes(typed_cfg)
                + _check_lengths(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
                + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
-               + _check_checkpoint_contents(typed_cfg))
+               + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg))
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))

@@ -129,6 +129,7 @@ class ActorRolloutRefWorker(Worker):
             use_shared_prompt=model.use_shared_prompt and not model.enable_gradient_checkpointing,
             lora=self.lora if trainable else None,
             ulysses_sequence_parallel_size=policy.ulysses_sequence_parallel_size,
+            use_torch_compile=policy.use_torch_compile,
         )
         return engine_plugin(policy.strategy).build(request, self.device, role)
 

@@ -272,6 +272,32 @@ def test_fused_kernels_take_effect_and_what_is_not_built_is_a_start_up_error():
                               "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"))
 
 
+def test_torch_compile_and_liger_keys_take_effect_without_the_no_effect_warning(monkeypatch):
+    """actor/ref use_torch_compile and model.use_liger are off the no-effect list (engines/fsdp/compile.py,
+    models/liger.py); use_liger where Liger cannot run is a ConfigError naming the key, through load_config."""
+    import importlib.util
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(["actor_rollout_ref.actor.use_torch_compile=true", "actor_rollout_ref.ref.use_torch_compile=false"])
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert cfg.actor_rollout_ref.actor.use_torch_compile and not cfg.actor_rollout_ref.ref.use_torch_compile
+    assert _load("actor_rollout_ref.actor.use_torch_compile=true").actor_rollout_ref.ref.use_torch_compile  # follows
+    liger = "actor_rollout_ref.model.use_liger=true"
+    with pytest.raises(ConfigError, match=r"use_liger=true: Liger's kernels are Triton GPU kernels and the training "
+                                          r"device is cpu; set actor_rollout_ref.model.use_liger=false"):
+        load_config([liger, "trainer.device=cpu"])
+    # on CUDA without liger-kernel installed (this machine has neither: both stand-ins)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.use_liger=true needs liger-kernel, which is not "
+                                          r"installed: pip install liger-kernel"):
+        load_config([liger])  # trainer.device=auto: CUDA
+
+
 def test_ulysses_takes_effect_and_bad_layouts_are_start_up_errors():
     sp2 = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.model.use_remove_padding=true",
            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]

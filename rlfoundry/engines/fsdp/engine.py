@@ -51,6 +51,7 @@ from rlfoundry.engines.base import (
     Values,
 )
 from rlfoundry.engines.fsdp import ulysses
+from rlfoundry.engines.fsdp.compile import CompiledLayers, compile_problems, is_vision_model
 from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.engines.fsdp.forward import (
     MODEL_INPUTS,
@@ -66,6 +67,7 @@ from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry import cpu as cpu_kernels
 from rlfoundry.models import lora as lora_lib
 from rlfoundry.models.hf import load_hf_model
+from rlfoundry.models.liger import apply_liger
 from rlfoundry.models.vision import freeze_vision_tower
 from rlfoundry.protocol import DataProto
 
@@ -103,6 +105,10 @@ class FSDPEngineConfig:
     # Ulysses: groups of this many ranks split each packed sequence (engines/fsdp/ulysses.py)
     ulysses_sequence_parallel_size: int = 1
     freeze_vision_tower: bool = False  # verl's model.freeze_vision_tower (vision-language models)
+    # verl's actor/ref use_torch_compile: each decoder layer's forward compiled (engines/fsdp/compile.py);
+    # the CPU kernels (model.cpu_kernels=auto) then stay off for this model: dynamo cannot trace them
+    use_torch_compile: bool = False
+    use_liger: bool = False  # verl's model.use_liger: Liger's Triton kernels patched in (CUDA only; models/liger.py)
 
     @property
     def trainable(self) -> bool:
@@ -112,14 +118,15 @@ class FSDPEngineConfig:
     def for_model(cls, model: Any, fsdp: FSDPConfig, optim: OptimConfig | None = None, grad_clip: float | None = None,
                   **fields: Any) -> FSDPEngineConfig:
         """From a role's typed ``model`` subtree (its path, trust_remote_code, cpu_kernels and
-        use_remove_padding, which every role's schema has, and enable_activation_offload where it
-        has it); ``fields`` sets (or replaces) the rest."""
+        use_remove_padding, which every role's schema has, and enable_activation_offload and use_liger
+        where it has them); ``fields`` sets (or replaces) the rest."""
         base = dict(path=str(model.path), cpu_kernels=model.cpu_kernels, trust_remote_code=model.trust_remote_code,
                     use_remove_padding=model.use_remove_padding,
                     activation_offload=bool(getattr(model, "enable_activation_offload", False)),
                     freeze_vision_tower=bool(getattr(model, "freeze_vision_tower", False)),
                     use_fused_kernels=bool(getattr(model, "use_fused_kernels", False)),
-                    fused_kernel_options=dict(getattr(model, "fused_kernel_options", None) or {}))
+                    fused_kernel_options=dict(getattr(model, "fused_kernel_options", None) or {}),
+                    use_liger=bool(getattr(model, "use_liger", False)))
         return cls(fsdp=fsdp, optim=optim, grad_clip=grad_clip, **{**base, **fields})
 
 
@@ -138,11 +145,13 @@ class FSDPEngine(TrainingEngine):
         self.sp = _sequence_parallel(config, dp_group)
         self.batch_group = self.sp.dp_group if self.sp else dp_group
         self.dp_size = self.sp.dp_size if self.sp else self.dp_size
-        self.cpu_kernels = cpu_kernels.enabled(config.cpu_kernels, self.device)
+        self.cpu_kernels = _cpu_kernels_on(config, self.device)
+        self.compiled = CompiledLayers(fu.get_decoder_layers(module)) if config.use_torch_compile else None
         self._module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
         self.lm = CausalLMForward(
             module, self.dp_size, self.batch_group, config.use_remove_padding,
-            config.use_shared_prompt and self.sp is None,  # the shared-prompt forward is not split by sequence
+            # the shared-prompt forward is not split by sequence, nor compiled (its KV cache: compile.py)
+            config.use_shared_prompt and self.sp is None and self.compiled is None,
             cpu_kernels.fused_shared_prompt_logits if self.cpu_kernels else None,
             fu.continued_forward if self.cpu_kernels else plain_context, sp=self.sp,
             fused_kernels=_fused_kernels(config),
@@ -185,6 +194,11 @@ class FSDPEngine(TrainingEngine):
             return self.lm.plan_entries(micros)
         return [None] * len(micros)
 
+    def _compiled(self) -> contextlib.AbstractContextManager:
+        """The compiled layers for the engine's own forwards and backwards (gradient checkpointing
+        recomputes the forward in backward); the rollout, outside, samples with the eager ones."""
+        return self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
+
     def _forward(self, micro: Any, output: Output, plan_entry: Any) -> dict[str, torch.Tensor]:
         with fu.compute_precision(self._module, self.device):  # autocast on the one-rank bf16 path
             return self._forward_in_precision(micro, output, plan_entry)
@@ -210,7 +224,7 @@ class FSDPEngine(TrainingEngine):
         was_training = self._module.training
         self._module.eval()
         outs: dict[str, list[torch.Tensor]] = {}
-        with torch.no_grad():
+        with torch.no_grad(), self._compiled():
             for m, entry in zip(micros, plan):
                 # An empty micro-batch (token budgets across ranks) still runs a forward on a
                 # stand-in row so FSDP's collectives line up; its output is dropped.
@@ -232,7 +246,7 @@ class FSDPEngine(TrainingEngine):
         stats = MiniBatchStats()
         micros, _ = self._micro_batches(mini, output, plan.micro)
         entries = self._plan(micros, output)
-        with fu.accumulate_unsharded(self._module) as before_backward:
+        with fu.accumulate_unsharded(self._module) as before_backward, self._compiled():
             for i, (micro, entry) in enumerate(zip(micros, entries)):
                 empty = len(micro) == 0
                 micro = zero_loss_row(mini, plan.mask_key) if empty else micro
@@ -409,6 +423,24 @@ def _say_once(text: str) -> None:
 _said: set[str] = set()
 
 
+def _cpu_kernels_on(cfg: FSDPEngineConfig, device: torch.device) -> bool:
+    """``model.cpu_kernels=auto`` on the CPU, unless the layers are compiled (dynamo cannot trace the
+    oneDNN linears and the fused forward; the compiled layers take their place)."""
+    return cpu_kernels.enabled(cfg.cpu_kernels, device) and not cfg.use_torch_compile
+
+
+def _check_compile(cfg: FSDPEngineConfig, module: nn.Module, device: torch.device) -> None:
+    problems = compile_problems(ulysses=cfg.ulysses_sequence_parallel_size, vision=is_vision_model(module))
+    if problems:
+        raise ValueError(f"use_torch_compile=true: {'; '.join(problems)}")
+    if cfg.use_shared_prompt:
+        _say_once("use_torch_compile: rows that share a prompt run the plain forward (the shared-prompt forward "
+                  "keeps a KV cache, which the compiled layers do not take)")
+    if cpu_kernels.enabled(cfg.cpu_kernels, device):
+        _say_once("use_torch_compile: decoder layers compiled (torch.compile, dynamic shapes); the CPU kernels "
+                  "(model.cpu_kernels) are off for this model, the compiled layers replace them")
+
+
 def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable[[nn.Module], None] | None) -> nn.Module:
     fsdp, mixed = cfg.fsdp, cfg.fsdp.mixed_precision or {}
     module = load_hf_model(
@@ -420,13 +452,17 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         module.eval()
     elif cfg.freeze_vision_tower:
         _say_once(f"model.freeze_vision_tower: {freeze_vision_tower(module):,} vision parameters take no gradient")
+    if cfg.use_liger:  # verl patches the HF model before anything wraps it
+        _say_once(apply_liger(module, device.type))
     if cfg.ulysses_sequence_parallel_size > 1:
         ulysses.install_attention(module, cfg.ulysses_sequence_parallel_size)
     if prepare is not None:
         prepare(module)
     if cfg.lora is not None and cfg.trainable:
         module = lora_lib.apply_lora(module, cfg.lora)
-    fast = cpu_kernels.enabled(cfg.cpu_kernels, device)
+    if cfg.use_torch_compile:
+        _check_compile(cfg, module, device)
+    fast = _cpu_kernels_on(cfg, device)
     if fast:
         _say_once(cpu_kernels.apply_cpu_kernels(module, device))
     module_dtype = next(module.parameters()).dtype
