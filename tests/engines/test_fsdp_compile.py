@@ -91,3 +91,15 @@ def test_what_is_not_compiled_is_a_start_up_error_naming_the_key():
     problems = compile_problems(ulysses=2, vision=True)
     assert len(problems) == 2 and "ulysses_sequence_parallel_size" in problems[0] and "vision" in problems[1]
     assert all("use_torch_compile" in p for p in problems)
+
+
+def test_the_workers_keys_reach_the_actor_and_reference_engines(tiny_model_dir):
+    """actor_rollout_ref.actor.use_torch_compile compiles the actor's engine and, followed by default,
+    the reference's; ref.use_torch_compile=false keeps the reference eager (nothing runs: no compile)."""
+    from tests.workers import local_worker, worker_config
+
+    both = local_worker(worker_config(tiny_model_dir, ["actor.use_torch_compile=true"])).worker
+    assert both.engine.compiled is not None and both.ref_policy.engine.compiled is not None
+    actor_only = local_worker(worker_config(tiny_model_dir, ["actor.use_torch_compile=true",
+                                                             "ref.use_torch_compile=false"])).worker
+    assert actor_only.engine.compiled is not None and actor_only.ref_policy.engine.compiled is None

@@ -1,8 +1,10 @@
 """The FSDP2 training engine: one Hugging Face model, sharded with ``fully_shard``, on the ranks of
 one worker group (see ``engines/base.py`` for the contract).
 
-Building: ``load_hf_model`` → a peft LoRA adapter when ``lora`` is set (``models/lora.py``) → CPU
-kernels when on (``rlfoundry/cpu``) → ``apply_fsdp2`` (or, alone on one rank with nothing to
+Building: ``load_hf_model`` → Liger's kernels when ``use_liger`` (``models/liger.py``) → a peft LoRA
+adapter when ``lora`` is set (``models/lora.py``) → CPU kernels when on (``rlfoundry/cpu``; not with
+``use_torch_compile``, whose compiled decoder layers run inside the engine's forwards:
+``compile.py``) → ``apply_fsdp2`` (or, alone on one rank with nothing to
 shard, the plain module: see "One rank" below) → AdamW over the trainable parameters + LR schedule
 (trainable models only). Updates: mini-batches from ``engines/loop.py``, each
 cut into micro-batches whose gradients accumulate (with one gather and one reduction per
