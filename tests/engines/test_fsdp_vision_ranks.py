@@ -1,6 +1,7 @@
 """The FSDP engine on a vision-language model over two gloo ranks (CPU) against one rank: the same
 log-probs for an image batch (each rank forwards its rows with their own pixel inputs) and the same
-update. One two-rank job computes both batches' numbers; it runs once per module."""
+update. The same for a vision-language critic's values (``models/vision_value.py``). One two-rank job per role
+computes both batches' numbers; it runs once per module."""
 
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlfoundry.config.schema import FSDPConfig, OptimConfig
-from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePlan
+from rlfoundry.engines.base import (
+    LogProbs,
+    LossOutput,
+    MicroBatching,
+    UpdatePlan,
+    Values,
+)
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.protocol import DataProto
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
 from tests.engines.test_fsdp_vision import image_batch  # noqa: F401 - fixture
+from tests.workers.test_critic_vision import vlm_critic_dir  # noqa: F401 - fixture
 
 
 def _nll(outputs, batch, info) -> LossOutput:
@@ -26,26 +34,38 @@ def _nll(outputs, batch, info) -> LossOutput:
     return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
 
 
-def _compute(model_dir, batches: dict[str, DataProto]) -> dict:
-    """Per batch (this rank's rows): log-probs at micro-batch 1 and 2, then one update's metrics and weights."""
+def _squared_error(outputs, batch, info) -> LossOutput:
+    """A critic's token-mean squared error to fixed targets (the mini-batch-wide count, times dp_size)."""
+    err = (outputs["values"] - batch["response_mask"].float()) ** 2 * batch["response_mask"]
+    loss = err.sum() / info["batch_num_tokens"] * info["dp_size"]
+    return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
+
+
+# the actor's log-probs, or a vision-language critic's values (models/vision_value.py)
+ROLES = {"actor": ("causal_lm", LogProbs(entropy=True), _nll, ("log_probs", "entropy")),
+         "critic": ("token_classification", Values(), _squared_error, ("values",))}
+
+
+def _compute(model_dir, batches: dict[str, DataProto], role: str = "actor") -> dict:
+    """Per batch (this rank's rows): outputs at micro-batch 1 and 2, then one update's metrics and weights."""
+    kind, output, loss_fn, keys = ROLES[role]
     out = {}
     for name, data in batches.items():
         engine = FSDPEngine.build(FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(), grad_clip=1.0,
-                                                   cpu_kernels="off", optim=OptimConfig(lr=1e-2, weight_decay=0.0)),
-                                  "cpu", role="actor")
-        got = {mb: engine.infer_batch(data, LogProbs(entropy=True), MicroBatching(mb)) for mb in (1, 2)}
-        metrics = engine.train_batch(data, LogProbs(), _nll, UpdatePlan(mini_batch_size=len(data),
-                                                                        micro=MicroBatching(1)))
-        out[name] = {"log_probs": got[1]["log_probs"], "log_probs_mb2": got[2]["log_probs"],
-                     "entropy": got[1]["entropy"], "metrics": dict(metrics),
+                                                   cpu_kernels="off", optim=OptimConfig(lr=1e-2, weight_decay=0.0),
+                                                   model_kind=kind), "cpu", role="actor")
+        got = {mb: engine.infer_batch(data, output, MicroBatching(mb)) for mb in (1, 2)}
+        metrics = engine.train_batch(data, output, loss_fn, UpdatePlan(mini_batch_size=len(data),
+                                                                       micro=MicroBatching(1)))
+        out[name] = {**{k: got[1][k] for k in keys}, f"{keys[0]}_mb2": got[2][keys[0]], "metrics": dict(metrics),
                      "weights": {k: v.clone() for k, v in engine.iter_hf_weights()}}
     return out
 
 
-def _rank_main(rank: int, store: str, result: str, model_dir, batches: dict[str, DataProto]) -> None:
+def _rank_main(rank: int, store: str, result: str, model_dir, batches: dict[str, DataProto], role: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch.save(_compute(model_dir, {name: data.chunk(2)[rank] for name, data in batches.items()}),
+    torch.save(_compute(model_dir, {name: data.chunk(2)[rank] for name, data in batches.items()}, role),
                f"{result}.{rank}")  # each rank its own rows' numbers and the (gathered) weights
     dist.destroy_process_group()
     for stream in (sys.stdout, sys.stderr):
@@ -53,23 +73,36 @@ def _rank_main(rank: int, store: str, result: str, model_dir, batches: dict[str,
     os._exit(0)  # skip gloo's thread teardown (see tests/workers/test_critic.py)
 
 
-@pytest.fixture(scope="module")
-def both(tiny_vlm_dir, image_batch, tmp_path_factory, process_group):  # noqa: F811
+def _one_and_two_ranks(model_dir, image_batch, tmp, role: str):
     # "images": rank 0 a one- and a two-image row, rank 1 two one-image rows of other sizes. "mixed":
     # rank 1's first micro-batch is the text row while rank 0's holds an image: the tower must still run
     # there (idle_vision_tower), or the ranks' collectives part and gloo aborts
     batches = {"images": image_batch.select_idxs([0, 1, 3, 0]), "mixed": image_batch.select_idxs([0, 1, 2, 3])}
-    tmp = tmp_path_factory.mktemp("vision-ranks")
-    mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), tiny_vlm_dir, batches), nprocs=2, join=True)
-    return _compute(tiny_vlm_dir, batches), [torch.load(f"{tmp / 'out.pt'}.{r}") for r in (0, 1)]
+    mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), model_dir, batches, role), nprocs=2, join=True)
+    return _compute(model_dir, batches, role), [torch.load(f"{tmp / 'out.pt'}.{r}") for r in (0, 1)]
 
 
+@pytest.fixture(scope="module")
+def both(tiny_vlm_dir, image_batch, tmp_path_factory, process_group):  # noqa: F811
+    return _one_and_two_ranks(tiny_vlm_dir, image_batch, tmp_path_factory.mktemp("vision-ranks"), "actor")
+
+
+@pytest.fixture(scope="module")
+def both_critic(vlm_critic_dir, image_batch, tmp_path_factory, process_group):  # noqa: F811
+    return _one_and_two_ranks(vlm_critic_dir, image_batch, tmp_path_factory.mktemp("vision-critic-ranks"), "critic")
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
 @pytest.mark.parametrize("name", ["images", "mixed"])
-def test_two_ranks_give_the_log_probs_and_update_of_one(both, name):
+def test_two_ranks_give_the_outputs_and_update_of_one(request, role, name):
+    """The actor's log-probs and entropies, or a vision-language critic's values (its own idle tower for a
+    text micro-batch), and one update: two ranks give one rank's numbers."""
+    both = request.getfixturevalue("both" if role == "actor" else "both_critic")
+    keys = ROLES[role][3]
     single, ranks = both[0][name], [part[name] for part in both[1]]
-    for key in ("log_probs", "log_probs_mb2", "entropy"):  # fp32 rounding only
+    for key in (*keys, f"{keys[0]}_mb2"):  # fp32 rounding only
         torch.testing.assert_close(torch.cat([p[key] for p in ranks]), single[key], atol=1e-5, rtol=0, msg=key)
-    assert single["log_probs"].abs().sum() > 0
+    assert single[keys[0]].abs().sum() > 0
     for part in ranks:  # both ranks report the group's numbers
         assert part["metrics"]["actor/loss"] == pytest.approx(single["metrics"]["actor/loss"], rel=1e-5)
         assert part["metrics"]["actor/grad_norm"] == pytest.approx(single["metrics"]["actor/grad_norm"], rel=1e-4)
