@@ -13,7 +13,7 @@ if ! "$VPY" -c "import sglang" >/dev/null 2>&1; then
   echo "[rlfoundry] no SGLang in $VENV; build it with: bash scripts/setup_sglang_cpu.sh" >&2
   exit 1
 fi
-"$VPY" -m pytest tests/workers/test_sglang_rollout.py tests/workers/test_rollout_contract.py -m sglang -q -p no:cacheprovider "$@"
+"$VPY" -m pytest tests/workers/test_sglang_rollout.py tests/workers/test_sglang_vision.py tests/workers/test_rollout_contract.py -m sglang -q -p no:cacheprovider "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "[rlfoundry] pytest collected no SGLang tests" >&2; exit 1; fi
 exit "$rc"

@@ -68,7 +68,8 @@ def build_tiny_vlm(processor: ImageTextProcessor, hidden_size: int = 64, num_lay
                 bos_token_id=tok.convert_tokens_to_ids(BOS_TOKEN),
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
     vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
-                  patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE)
+                  patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+                  in_chans=3)  # the hub's Qwen2-VL configs carry it (transformers reads in_channels); SGLang reads it
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], pad_token_id=tok.pad_token_id,

@@ -44,6 +44,23 @@ class ImageTextProcessor(Qwen2VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
+def register_image_text_processor() -> None:
+    """Let ``AutoProcessor`` resolve a directory whose ``processor_class`` is ``ImageTextProcessor`` (the tiny
+    VLM's) in this process: engines that build the processor themselves with ``AutoProcessor`` (SGLang)
+    otherwise get the bare tokenizer. Registered under a config class of its own, so no model type's
+    processor changes."""
+    from transformers import AutoProcessor, PretrainedConfig
+
+    if getattr(register_image_text_processor, "done", False):
+        return
+
+    class _ImageTextProcessorConfig(PretrainedConfig):
+        model_type = "rlfoundry_image_text_processor"
+
+    AutoProcessor.register(_ImageTextProcessorConfig, ImageTextProcessor, exist_ok=True)
+    register_image_text_processor.done = True
+
+
 def is_vision_language(config: Any) -> bool:
     """A config with a vision tower (Qwen2-VL, Qwen2.5-VL, …)."""
     return getattr(config, "vision_config", None) is not None

@@ -103,3 +103,19 @@ def test_the_workers_keys_reach_the_actor_and_reference_engines(tiny_model_dir):
     actor_only = local_worker(worker_config(tiny_model_dir, ["actor.use_torch_compile=true",
                                                              "ref.use_torch_compile=false"])).worker
     assert actor_only.engine.compiled is not None and actor_only.ref_policy.engine.compiled is None
+
+
+@pytest.mark.slow
+def test_lora_and_gradient_checkpointing_compile_to_the_same_update(process_group, tiny_model_dir):
+    """A peft adapter on the compiled layers, and HF gradient checkpointing (its recompute in backward
+    runs inside the engine's compiled block): same log-probs, gradient norm and adapter after one step."""
+    from rlfoundry.models.lora import LoraSpec
+
+    fields = dict(lora=LoraSpec(rank=4), gradient_checkpointing=True)
+    a, graphs = _step(_engine(tiny_model_dir, False, **fields)), _graphs()
+    b = _step(_engine(tiny_model_dir, True, **fields))
+    assert _graphs() > graphs  # the adapted, checkpointed layers ran compiled (graphs of their own)
+    torch.testing.assert_close(b[0]["log_probs"], a[0]["log_probs"], atol=1e-5, rtol=1e-5)
+    assert b[1]["actor/grad_norm"] == pytest.approx(a[1]["actor/grad_norm"], rel=1e-4)
+    for name in a[2]:  # merged weights: W + scaling * B A after the adapter's first Adam step
+        torch.testing.assert_close(b[2][name], a[2][name], atol=3e-4, rtol=0, msg=name)

@@ -51,3 +51,32 @@ def test_engine_without_sglang_names_the_install_commands(tiny_model_dir):
 
     with pytest.raises(ImportError, match=r"pip install sglang.*setup_sglang_cpu\.sh"):
         SGLangRollout(None, OmegaConf.create({}), 0, 2, model_path=str(tiny_model_dir))
+
+
+def test_image_rows_become_sglang_processor_output_requests(tiny_vlm_dir):
+    """Without SGLang: a vision model's rows as SGLang requests (one processor-output item per image row, None
+    for a text row; image tokens without pixel inputs refused), the weight names SGLang's Qwen2-VL loads, and
+    the tiny VLM's processor resolvable by AutoProcessor, as SGLang builds it."""
+    import torch
+    from transformers import AutoConfig, AutoProcessor
+
+    from rlfoundry.models.vision import ImageTextProcessor
+    from rlfoundry.workers.rollout.sglang_rollout import _VisionRequests
+
+    config = AutoConfig.from_pretrained(tiny_vlm_dir)
+    vision = _VisionRequests.of(None, str(tiny_vlm_dir), False)
+    assert isinstance(AutoProcessor.from_pretrained(tiny_vlm_dir), ImageTextProcessor)
+    assert set(vision.logit_bias) == {str(config.image_token_id), str(config.video_token_id)}
+    image = config.image_token_id
+    pixels = {"pixel_values": torch.ones(16, 384), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    data = vision.image_data([[5, image, image, 6], [7, 8]], [pixels, {}])
+    assert data[1] is None and data[0][0]["format"] == "processor_output"
+    assert data[0][0]["pixel_values"] is pixels["pixel_values"] and data[0][0]["image_grid_thw"] is pixels["image_grid_thw"]
+    with pytest.raises(ValueError, match="image tokens but no multi_modal_inputs"):
+        vision.image_data([[5, image, 6]], None)
+    with pytest.raises(ValueError, match="no image tokens but multi_modal_inputs"):
+        vision.image_data([[5, 6]], [pixels])
+    assert _VisionRequests.checkpoint_name("model.visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv.weight"
+    assert _VisionRequests.checkpoint_name("model.language_model.layers.1.mlp.up_proj.weight") == \
+        "model.layers.1.mlp.up_proj.weight"
+    assert _VisionRequests.checkpoint_name("lm_head.weight") == "lm_head.weight"

@@ -55,24 +55,28 @@ def vlm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def image_prompts(vlm_dir, tmp_path_factory) -> DataProto:
+    from rlfoundry.models.vision import load_processor
+
+    return image_rows(load_processor(vlm_dir), tmp_path_factory.mktemp("vl"))
+
+
+def image_rows(processor, directory: Path) -> DataProto:
     """Shapes-task rows through the data set (its processor expands the image tokens), plus a text row
     and a row with two images; sizes that are multiples of 16 (no resize: PIL and torchvision agree)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from rlfoundry.data.rl_dataset import RLHFDataset, collate_fn
-    from rlfoundry.models.vision import load_processor
 
     q = "<image>How many squares are in the picture? Answer with a number."
     rows = [(q, [_png((32, 32), "red", (2, 2, 12, 12))]), (q, [_png((32, 32), "blue", (18, 4, 28, 14))]),
             ("What colour is the shape? <image>", [_png((32, 32), "green", (8, 8, 24, 24))]),
             ("Count: <image><image>", [_png((48, 32), "blue", (4, 4, 20, 20)), _png((16, 16), "red", (0, 0, 8, 8))]),
             ("no picture here", [])]
-    path = tmp_path_factory.mktemp("vl") / "d.parquet"
+    path = directory / "d.parquet"
     pq.write_table(pa.Table.from_pylist(
         [{"data_source": "rlfoundry/count_shapes", "prompt": [{"role": "user", "content": p}],
           "images": [{"bytes": b} for b in imgs], "reward_model": {"ground_truth": "1"}} for p, imgs in rows]), path)
-    processor = load_processor(vlm_dir)
     ds = RLHFDataset(path, processor.tokenizer, {"max_prompt_length": TP}, processor=processor)
     batch = collate_fn([ds[i] for i in range(len(ds))])
     return DataProto.from_dict(

@@ -36,6 +36,15 @@ Sampling seeds: SGLang's CPU path has no per-request seed (only its deterministi
 attention backend lacks, uses one); the engine's RNG is seeded once from ``rollout.seed + rank``, so a
 resumed run does not redraw the interrupted run's samples (the HF and vLLM engines do).
 
+Image + text prompts (a vision-language model, docs/vision.md): each image row goes to SGLang with the
+data set's token ids (image tokens expanded) and, as ``image_data``, the data set's own processor output for
+its images (``{"format": "processor_output", "pixel_values", "image_grid_thw"}``, one item per row: SGLang's
+precomputed multimodal input), so the engine's vision tower sees the trainer's very pixels; SGLang computes the
+3-D rotary positions itself. The placeholder ids are never sampled (``logit_bias`` -1e30, applied before
+SGLang's log-probs, as the trainer masks them). verl's SGLang rollout sends the PIL images for SGLang to
+process again; that processing differs here (SGLang resizes Qwen2-VL images to at least 56x56 pixels,
+whatever the model's processor says) and on the CPU needs a working torchvision.
+
 Setting up SGLang: ``pip install sglang`` on GPU; ``bash scripts/setup_sglang_cpu.sh`` (``.venv-sglang``)
 on a CPU-only machine. Nothing here imports SGLang at module level.
 """
@@ -114,6 +123,10 @@ def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: in
 def _import_sglang() -> Any:
     if not torch.cuda.is_available():
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # read when sglang is first imported
+        try:  # on the CPU the stand-in (setup_sglang_cpu.sh) defines op schemas SGLang's Qwen-VL imports read
+            import sgl_kernel  # noqa: F401
+        except ImportError:
+            pass
     try:
         import sglang
     except ImportError as e:
@@ -194,6 +207,7 @@ class SGLangRollout(BaseRollout):
         if not model_path:
             raise ValueError("SGLangRollout needs model_path (an HF directory) when the module does not carry one")
         sglang = _import_sglang()
+        self._vision = _VisionRequests.of(module, model_path, trust_remote_code)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine_kwargs = build_engine_kwargs(self.config, str(model_path), self.device_type, rank, hf_overrides,
                                                  trust_remote_code)
@@ -260,6 +274,8 @@ class SGLangRollout(BaseRollout):
         the weight source, or gathered from the actor module. Collective under FSDP2."""
         self._require_engine()
         named_tensors = self._weights(named_tensors)
+        if self._vision is not None:  # SGLang's Qwen2-VL loads the hub checkpoint's names
+            named_tensors = ((_VisionRequests.checkpoint_name(hf_parameter_name(n)), t) for n, t in named_tensors)
         self._resume(["weights"])
         self.engine.begin_weight_update()
         try:
@@ -352,17 +368,71 @@ class SGLangRollout(BaseRollout):
         self._require_engine()
         req = TokenRequests.of(prompts, self.config, self.pad_token_id, self.eos_token_ids)
         req.check_fits(self.context_length, "the SGLang engine's context length")
+        sampling = [self._sampling_params(req.params, req.eos_ids, b) for b in req.budgets]
+        images = None
+        if self._vision is not None:
+            images = self._vision.image_data(req.rows, prompts.non_tensor_batch.get("multi_modal_inputs"))
+            for params in sampling:
+                params["logit_bias"] = self._vision.logit_bias
+        elif any(prompts.non_tensor_batch.get("multi_modal_inputs", ())):
+            raise ValueError("the batch has multi_modal_inputs (images) but the SGLang engine's model is a text model")
         self.calls += 1
         self._resume()
         try:
-            outputs = self.engine.generate(
-                input_ids=req.rows, return_logprob=True,
-                sampling_params=[self._sampling_params(req.params, req.eos_ids, b) for b in req.budgets])
+            outputs = self.engine.generate(input_ids=req.rows, image_data=images, return_logprob=True,
+                                           sampling_params=sampling)
         finally:
             self._host.restore()
         self._release()
         responses, log_probs, lengths = _collect(outputs, req.params.n, req.params.response_length, req.pad_id)
         return assemble(prompts, req.params.n, responses, log_probs, lengths, req.position_ids)
+
+
+class _VisionRequests:
+    """Image rows of a vision-language model as SGLang requests (see the module docstring)."""
+
+    def __init__(self, image_token_id: int, placeholders: list[int]):
+        self.image_token_id = image_token_id
+        self.logit_bias = {str(i): -1e30 for i in placeholders}  # never sampled, out of the log-probs' softmax
+
+    @classmethod
+    def of(cls, module: nn.Module | None, model_path: str, trust_remote_code: bool) -> _VisionRequests | None:
+        from transformers import AutoConfig
+
+        from rlfoundry.models.vision import is_vision_language, register_image_text_processor
+
+        config = getattr(module, "config", None) or AutoConfig.from_pretrained(model_path,
+                                                                               trust_remote_code=trust_remote_code)
+        if not is_vision_language(config):
+            return None
+        register_image_text_processor()  # SGLang builds the directory's processor with AutoProcessor, here
+        placeholders = [int(i) for i in (getattr(config, "image_token_id", None),
+                                         getattr(config, "video_token_id", None)) if i is not None]
+        return cls(int(config.image_token_id), placeholders)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """transformers' module name -> the Qwen2-VL checkpoint's (``model.visual.*`` -> ``visual.*``,
+        ``model.language_model.*`` -> ``model.*``), the names SGLang's loader takes."""
+        for live, saved in (("model.visual.", "visual."), ("model.language_model.", "model.")):
+            if name.startswith(live):
+                return saved + name[len(live):]
+        return name
+
+    def image_data(self, rows: list[list[int]], inputs: Sequence[Any] | None) -> list[Any]:
+        """One ``image_data`` entry per row: its processor output, or None for a text row."""
+        data = []
+        for i, ids in enumerate(rows):
+            row = inputs[i] if inputs is not None else None
+            has_tokens = self.image_token_id in ids
+            if has_tokens != bool(row):
+                raise ValueError(f"prompt row {i} has {'image tokens but no' if has_tokens else 'no image tokens but'} "
+                                 "multi_modal_inputs: an image row needs both (RLHFDataset with the model's processor)")
+            if row and row.get("pixel_values_videos") is not None:
+                raise ValueError("video prompts are not built for the SGLang rollout (images only)")
+            data.append([{"format": "processor_output", "pixel_values": row["pixel_values"],
+                          "image_grid_thw": row["image_grid_thw"]}] if row else None)
+        return data
 
 
 def _report_weights(model: nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -14,6 +14,14 @@ when serving a plain causal LM:
 * The names below are called only by speculative decoding (EAGLE / tree verification / DFlash slot
   assignment) and the KV-cache moves it does; rlfoundry's CPU setup does not enable speculative decoding.
 
+* A few torch ops that SGLang's Qwen3.5-family model files look up at module level
+  (``torch.ops.sgl_kernel.<name>``, ``_TORCH_OPS`` below) are defined here, schema only: its multimodal
+  processor for Qwen2-VL (``sglang/srt/multimodal/processors/qwen_vl.py``) imports those files, and
+  without the ops that import fails and SGLang finds no processor for any Qwen-VL model
+  (``No processor registered for architecture: ['Qwen2VLForConditionalGeneration']``). Defining them does
+  not turn on the AMX path (that checks ``convert_weight_packed``, which stays undefined). rlfoundry's
+  SGLang rollout imports this package before SGLang on the CPU so they exist in time.
+
 If anything does call one of them, it raises a ``RuntimeError`` naming this stand-in. Distributed as
 ``rlfoundry-standin-sgl-kernel`` so pip never reports a real sgl-kernel as installed.
 """
@@ -57,5 +65,27 @@ _CPU_NAMES = (
 for _name in _CPU_NAMES:
     globals()[_name] = _standin(_name)
 del _name
+
+# torch ops read at module level by sglang/srt/models/qwen3_5.py (imported by the Qwen-VL multimodal processor)
+_TORCH_OPS = (
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+)
+
+
+def _define_torch_ops() -> object:
+    import torch
+
+    library = torch.library.Library("sgl_kernel", "FRAGMENT")
+    for name in _TORCH_OPS:
+        if not hasattr(torch.ops.sgl_kernel, name):
+            library.define(f"{name}(Tensor x) -> Tensor")
+            library.impl(name, _standin(name), "CompositeImplicitAutograd")
+    return library
+
+
+_LIBRARY = _define_torch_ops()  # kept: the ops live as long as the library object
 
 __all__ = list(_CPU_NAMES)
