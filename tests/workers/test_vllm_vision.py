@@ -93,22 +93,11 @@ def group(vlm_dir):
 
 @vllm_test
 def test_vllm_generates_from_images_as_the_hf_engine_and_the_actor_score_it(group, image_prompts):
-    from rlfoundry.workers.rollout.hf_rollout import HFRollout
     from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout
 
     w = group.worker
     assert isinstance(w.rollout, VLLMRollout)
-    image_id = w.actor.module.config.image_token_id
-    assert all(int((r == image_id).sum()) >= 1 for r in image_prompts.batch["input_ids"][:4])  # expanded runs
-
-    # greedy: vLLM's tokens are the HF engine's (same module, same pixels)
-    greedy = _with_meta(image_prompts, validate=True)
-    out = group.generate_sequences(greedy)
-    hf = HFRollout(w.actor.module, w.config.rollout, pad_token_id=w.tokenizer.pad_token_id,
-                   eos_token_id=w.tokenizer.eos_token_id).generate_sequences(greedy)
-    assert torch.equal(out.batch["responses"], hf.batch["responses"])
-    assert torch.equal(out.batch["position_ids"], hf.batch["position_ids"])  # 3-D positions continue alike
-    assert out.batch["position_ids"].shape == (5, 3, TP + 8)
+    greedy_as_hf(group, image_prompts)
     # the pixels reach vLLM: a blanked image changes its first token's log-prob (same seed)
     from PIL import Image
 
@@ -122,14 +111,39 @@ def test_vllm_generates_from_images_as_the_hf_engine_and_the_actor_score_it(grou
     assert abs(float(first_log_prob(image_prompts) - first_log_prob(blank))) > 1e-4
 
     # sampled: vLLM's log-probs of its tokens are the actor's (FSDP2 forward with the pixel inputs)
-    sampled = group.generate_sequences(_with_meta(image_prompts, temperature=1.0))
-    assert len(sampled.non_tensor_batch["multi_modal_inputs"]) == 10  # n=2: each sample keeps its pixels
+    sampled_as_actor(group, image_prompts, LOGP_TOL)
+
+
+def greedy_as_hf(group, image_prompts) -> DataProto:
+    """The engine's greedy tokens on the image rows are the HF engine's (same module, same pixels), its 3-D
+    positions continue alike; returns the engine's output."""
+    from rlfoundry.workers.rollout.hf_rollout import HFRollout
+
+    w = group.worker
+    image_id = w.actor.module.config.image_token_id
+    assert all(int((r == image_id).sum()) >= 1 for r in image_prompts.batch["input_ids"][:4])  # expanded runs
+    greedy = _with_meta(image_prompts, validate=True)
+    out = group.generate_sequences(greedy)
+    hf = HFRollout(w.actor.module, w.config.rollout, pad_token_id=w.tokenizer.pad_token_id,
+                   eos_token_id=w.tokenizer.eos_token_id).generate_sequences(greedy)
+    assert torch.equal(out.batch["responses"], hf.batch["responses"])
+    assert torch.equal(out.batch["position_ids"], hf.batch["position_ids"])
+    assert out.batch["position_ids"].shape == (5, 3, TP + 8)
+    return out
+
+
+def sampled_as_actor(group, image_prompts, tol: float) -> None:
+    """n=2 samples at temperature 1 on the image rows: each keeps its pixel inputs, the engine's log-probs
+    of its tokens are the actor's forward with them (within ``tol``), no image placeholder is sampled."""
+    w = group.worker
+    sampled = group.generate_sequences(_with_meta(image_prompts, temperature=1.0, n=2))
+    assert len(sampled.non_tensor_batch["multi_modal_inputs"]) == 10
     actor = group.compute_log_prob(_with_meta(sampled, temperature=1.0)).batch["old_log_probs"]
     mask = sampled.batch["response_mask"]
     assert int(mask.sum()) > 10
-    assert _max_abs(actor, sampled.batch["rollout_log_probs"], mask) < LOGP_TOL
-    # no sampled image placeholder (the policy's vocabulary leaves them out, as the HF engine's does)
-    placeholders = [image_id, w.actor.module.config.video_token_id]
+    assert _max_abs(actor, sampled.batch["rollout_log_probs"], mask) < tol
+    # the policy's vocabulary leaves the placeholders out, as the HF engine's does
+    placeholders = [w.actor.module.config.image_token_id, w.actor.module.config.video_token_id]
     assert not torch.isin(sampled.batch["responses"], torch.tensor(placeholders)).any()
 
 
