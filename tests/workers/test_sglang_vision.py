@@ -1,7 +1,7 @@
 """The SGLang rollout on image + text prompts (issue 37, "the engines agree"), for real on CPU (SGLang's CPU
 engine, scripts/setup_sglang_cpu.sh): greedy SGLang gives the HF engine's tokens on the same image rows, and
 SGLang's log-probs of its samples are the actor's (FSDP2 forward with the pixel inputs) within the text
-contract's SGLang bound (1e-4, fp32).
+contract's SGLang bound (1e-4, fp32); the same through the multi-turn agent loop.
 
 Runs in the SGLang environment (``bash scripts/test_sglang.sh``); skipped without SGLang. The rows are the vLLM
 test's (tests/workers/test_vllm_vision.py), through the data set with Qwen2-VL's PIL image processor: the
@@ -19,6 +19,7 @@ from tests.workers import local_worker, worker_config
 from tests.workers.test_vllm_rollout import _with_meta
 from tests.workers.test_vllm_vision import (  # noqa: F401 - vlm_dir: fixture
     TP,
+    agent_loop_as_hf,
     greedy_as_hf,
     image_rows,
     sampled_as_actor,
@@ -28,7 +29,8 @@ from tests.workers.test_vllm_vision import (  # noqa: F401 - vlm_dir: fixture
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 LOGP_TOL = 1e-4  # the rollout contract's SGLang bound
 OVERRIDES = ["rollout.name=sglang", "rollout.dtype=float32", "rollout.load_format=dummy_dtensor",
-             f"rollout.prompt_length={TP}", "rollout.response_length=8", "rollout.max_num_seqs=16"]
+             f"rollout.prompt_length={TP}", "rollout.response_length=8", "rollout.max_num_seqs=16",
+             "rollout.max_model_len=320"]  # room for the agent loop's tool turn after a prompt
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run "
                                                      "scripts/setup_sglang_cpu.sh then scripts/test_sglang.sh")]
 
@@ -69,3 +71,11 @@ def test_sglang_generates_from_images_as_the_hf_engine_and_the_actor_score_it(gr
 
     # sampled: SGLang's log-probs of its tokens are the actor's (FSDP2 forward with the pixel inputs)
     sampled_as_actor(group, image_prompts, LOGP_TOL)
+
+
+def test_the_agent_loop_drives_sglang_on_image_rows_as_the_hf_engine(group, image_prompts):
+    """single_turn_agent and tool_agent over SGLang on the image rows (the loop's requests carry each image
+    row's pixel inputs, which SGLang takes as processor output, on every turn): greedy tokens and 3-D
+    positions equal the loop over the HF engine's, and SGLang's sampled turn after a tool reply is scored by
+    the actor within the bound."""
+    agent_loop_as_hf(group, image_prompts, LOGP_TOL)

@@ -167,6 +167,12 @@ def test_the_agent_loop_drives_vllm_on_image_rows_as_the_hf_engine(group, image_
     """single_turn_agent and tool_agent over vLLM on the image rows: the loop sends each row's images
     (multi_modal_data) with its context on every turn; greedy tokens and 3-D positions equal the loop over
     the HF engine's, and vLLM's sampled turn after a tool reply is scored by the actor within the bound."""
+    agent_loop_as_hf(group, image_prompts, LOGP_TOL)
+
+
+def agent_loop_as_hf(group, image_prompts, tol: float) -> None:
+    """The agent loop over the worker's engine on the image rows (see the vLLM test's docstring); the engine's
+    context must hold the prompt, a calculator call, its reply and 48 tokens (rollout.max_model_len)."""
     from rlfoundry.config.schema import MultiTurnConfig
     from rlfoundry.tools.registry import initialize_tools_from_config
     from rlfoundry.workers.rollout.agent_loop import AgentLoop
@@ -215,6 +221,6 @@ def test_the_agent_loop_drives_vllm_on_image_rows_as_the_hf_engine(group, image_
     turn2 = sampled.batch["response_mask"].bool().clone()
     turn2[:, :len(call)] = False
     assert int(turn2.sum()) >= 5
-    assert _max_abs(actor, sampled.batch["rollout_log_probs"], turn2) < LOGP_TOL
+    assert _max_abs(actor, sampled.batch["rollout_log_probs"], turn2) < tol
     placeholders = [w.actor.module.config.image_token_id, w.actor.module.config.video_token_id]
     assert not torch.isin(sampled.batch["responses"], torch.tensor(placeholders)).any()
