@@ -189,9 +189,13 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
             z = _chunk_logits(hidden[sl], weight, temperature, excluded, ctype)
-            lse[sl] = torch.logsumexp(z, dim=-1)
+            top = z.amax(-1, keepdim=True)
+            p = (z - top).exp_()  # unnormalised: two chunk-sized tensors in all (z, p), updated in place
+            total = p.sum(-1, keepdim=True)
+            lse[sl] = (top + total.log()).squeeze(-1)
             logp[sl] = z.gather(-1, labels[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
-            entropy[sl] = lse[sl] - (torch.exp(z - lse[sl].unsqueeze(-1)) * z).sum(-1)
+            entropy[sl] = lse[sl] - p.div_(total).mul_(z).sum(-1)  # H = lse - E_p[z]
+            del z, p  # before the next chunk's product
         ctx.save_for_backward(hidden, weight, labels, lse, entropy, excluded)
         ctx.temperature, ctx.chunk_rows, ctx.entropy_grad = temperature, chunk_rows, entropy_grad
         if not entropy_grad:
@@ -209,16 +213,21 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
             sl = slice(start, start + ctx.chunk_rows)
             z = _chunk_logits(hidden[sl], weight, t, excluded, ctype)
-            p = torch.exp(z - lse[sl].unsqueeze(-1))
-            g = torch.zeros_like(z) if grad_logp is None else grad_logp[sl].to(ctype).unsqueeze(-1) * -p
-            if grad_logp is not None:
-                g.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_logp[sl].to(ctype).unsqueeze(-1))
-            if use_entropy:
+            p = z.sub(lse[sl].unsqueeze(-1)).exp_()
+            g_logp = grad_logp[sl].to(ctype).unsqueeze(-1)
+            if use_entropy:  # z becomes the entropy's term in place, then p the gradient: two chunks in all
                 mean_z = (lse[sl] - entropy[sl]).unsqueeze(-1)  # E_p[z] = lse - H
-                g -= grad_entropy[sl].to(ctype).unsqueeze(-1) * p * (z - mean_z)
+                z.sub_(mean_z).mul_(p).mul_(-grad_entropy[sl].to(ctype).unsqueeze(-1))
+                g = p.mul_(-g_logp).add_(z)
+            else:
+                g = p.mul_(-g_logp)
+            del z
+            g.scatter_add_(-1, labels[sl].unsqueeze(-1), g_logp)
             if excluded is not None:
                 g.index_fill_(-1, excluded, 0.0)  # constants: no gradient reaches their logits
-            g = (g / t).to(hidden.dtype)
+            if t != 1.0:
+                g.div_(t)
+            g = g.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[sl] = g @ weight
             if grad_weight is not None and grad_weight.dtype == g.dtype:
@@ -234,9 +243,9 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
                   ctype: torch.dtype) -> torch.Tensor:
     """One chunk's (rows, V) logits / T in the compute dtype, excluded ids at its lowest value (as
     ``models.vision.mask_placeholders``: probability 0 and no NaN in p·z)."""
-    z = (hidden @ weight.t()).to(ctype)
+    z = (hidden @ weight.t()).to(ctype)  # a fresh tensor: the callers update it in place
     if temperature != 1.0:
-        z = z / temperature
+        z.div_(temperature)
     if excluded is not None:
         z.index_fill_(-1, excluded, torch.finfo(ctype).min)
     return z

@@ -57,12 +57,12 @@ def _loss(outputs, batch, info) -> LossOutput:
     return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
 
 
-def _engine(model_dir, path: str, fused: bool, wrap: str, **options) -> FSDPEngine:
+def _engine(model_dir, path: str, fused: bool, wrap: str, lora=None, **options) -> FSDPEngine:
     remove_padding, shared = PATHS[path]
     config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(single_rank=wrap), grad_clip=1.0,
                               cpu_kernels="off", optim=OptimConfig(lr=1e-2, weight_decay=0.0),
                               use_remove_padding=remove_padding, use_shared_prompt=shared,
-                              use_fused_kernels=fused, fused_kernel_options=options)
+                              use_fused_kernels=fused, fused_kernel_options=options, lora=lora)
     return FSDPEngine.build(config, "cpu", role="actor")
 
 
@@ -115,6 +115,21 @@ def test_entropy_as_a_metric_and_the_triton_backend(process_group, model_dir):
     assert fused["actor/grad_norm"] == pytest.approx(plain["actor/grad_norm"], rel=1e-5)
 
 
+def test_lora_on_the_layers_fused_equals_unfused_and_an_adapted_head_is_refused(process_group, model_dir):
+    """peft's all-linear LoRA leaves lm_head plain: the fused head runs under the peft wrapper with the
+    same loss and gradient norm (the adapter's). An adapter on lm_head itself is a start-up error."""
+    from rlfoundry.models.lora import LoraSpec
+
+    data, spec = _batch(), LogProbs(temperature=0.7, entropy=True)
+    plan = UpdatePlan(mini_batch_size=6, micro=MicroBatching(size=3))
+    metrics = {fused: _engine(model_dir, "packed", fused, "auto", lora=LoraSpec(rank=4, alpha=8))
+               .train_batch(data, spec, _loss, plan) for fused in (False, True)}
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5)
+    with pytest.raises(ValueError, match="use_fused_kernels=true needs the LM head to be a plain linear map"):
+        _engine(model_dir, "padded", True, "auto", lora=LoraSpec(rank=4, alpha=8, target_modules=["lm_head"]))
+
+
 def test_what_the_fused_head_does_not_build_is_a_start_up_error(process_group, model_dir):
     with pytest.raises(ValueError, match="impl_backend='cuda'"):
         _engine(model_dir, "padded", True, "auto", impl_backend="cuda")
@@ -122,3 +137,57 @@ def test_what_the_fused_head_does_not_build_is_a_start_up_error(process_group, m
                               use_remove_padding=True, use_fused_kernels=True, ulysses_sequence_parallel_size=2)
     with pytest.raises(ValueError, match="use_fused_kernels=true with ulysses_sequence_parallel_size=2"):
         FSDPEngine.build(config, "cpu", role="ref")
+
+
+# ---- two ranks: the LM head's weight sharded by FSDP2 ---------------------------------------------
+
+
+def _rank_main(rank: int, store: str, result: str, model_dir, data: DataProto) -> None:
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    mine = data.chunk(2)[rank]  # rank 0 the first prompt's 3 rows, rank 1 the second's
+    out = {}
+    for path in PATHS:
+        for fused in (False, True):
+            engine = _engine(model_dir, path, fused, "auto")  # two ranks: wrapped, each unit sharded
+            spec = LogProbs(temperature=0.7, entropy=True)
+            inferred = engine.infer_batch(mine, spec, MicroBatching(size=3))
+            metrics = engine.train_batch(mine, spec, _loss, UpdatePlan(mini_batch_size=3, micro=MicroBatching(size=2)))
+            out[path, fused] = {**inferred, "metrics": dict(metrics),
+                                "weights": {k: v.clone() for k, v in engine.iter_hf_weights()}}
+    torch.save(out, f"{result}.{rank}")
+    dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)  # skip gloo's thread teardown (see tests/workers/test_critic.py)
+
+
+def test_two_sharded_ranks_fused_equal_unfused(process_group, tmp_path):
+    """Over two gloo ranks (FSDP2 shards every unit, the LM head's weight included; tied, so the head's
+    gradient meets the embedding's): on each path the fused log-probs, entropies, loss, grad norm and
+    weights after one AdamW step equal the unfused."""
+    import torch.multiprocessing as mp
+
+    from rlfoundry.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+
+    mp.spawn(_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), model_dir, _batch()), nprocs=2,
+             join=True)
+    for rank in (0, 1):
+        out = torch.load(f"{tmp_path / 'out.pt'}.{rank}")
+        for path in PATHS:
+            plain, fused = out[path, False], out[path, True]
+            for key in ("log_probs", "entropy"):
+                torch.testing.assert_close(fused[key], plain[key], atol=1e-5, rtol=1e-5, msg=f"{path} {key}")
+            for key in ("actor/loss", "actor/grad_norm"):
+                assert fused["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-5), (path, key)
+            # Adam's first step moves a weight by ~lr = 1e-2 whatever its gradient's size, so a gradient at
+            # fp32 rounding level may move it differently (as in test_fsdp_vision_ranks.py); a wrong one by ~1e-2
+            for name, w in plain["weights"].items():
+                torch.testing.assert_close(fused["weights"][name], w, atol=1e-4, rtol=0, msg=f"{path} {name}")
