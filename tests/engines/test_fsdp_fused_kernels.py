@@ -57,10 +57,10 @@ def _loss(outputs, batch, info) -> LossOutput:
     return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
 
 
-def _engine(model_dir, path: str, fused: bool, wrap: str, lora=None, **options) -> FSDPEngine:
+def _engine(model_dir, path: str, fused: bool, wrap: str, lora=None, cpu_kernels="off", **options) -> FSDPEngine:
     remove_padding, shared = PATHS[path]
     config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(single_rank=wrap), grad_clip=1.0,
-                              cpu_kernels="off", optim=OptimConfig(lr=1e-2, weight_decay=0.0),
+                              cpu_kernels=cpu_kernels, optim=OptimConfig(lr=1e-2, weight_decay=0.0),
                               use_remove_padding=remove_padding, use_shared_prompt=shared,
                               use_fused_kernels=fused, fused_kernel_options=options, lora=lora)
     return FSDPEngine.build(config, "cpu", role="actor")
@@ -96,6 +96,23 @@ def test_fused_log_probs_and_update_equal_the_unfused(process_group, model_dir, 
     assert torch.all(fused["log_probs"][1, 3:] == 0) and torch.all(fused["entropy"][1, 3:] == 0)
     assert m_fused["actor/loss"] == pytest.approx(m_plain["actor/loss"], rel=1e-5)
     assert m_fused["actor/grad_norm"] == pytest.approx(m_plain["actor/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_with_the_cpu_kernels_fused_equals_their_unfused_forward(process_group, model_dir, path):
+    """model.cpu_kernels=auto (the CPU default: oneDNN linears, the LM head among them, and the one-pass
+    shared-prompt forward, which gives way to the HF two-call one under the fused head): the same
+    log-probs, entropies, loss and gradient norm as the CPU kernels' unfused forward."""
+    data, spec = _batch(), LogProbs(temperature=0.7, entropy=True)
+    plan = UpdatePlan(mini_batch_size=6, micro=MicroBatching(size=3))
+    out = {}
+    for fused in (False, True):
+        engine = _engine(model_dir, path, fused, "auto", cpu_kernels="auto")
+        out[fused] = engine.infer_batch(data, spec, MicroBatching(size=3)), engine.train_batch(data, spec, _loss, plan)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(out[True][0][key], out[False][0][key], atol=1e-5, rtol=1e-5)
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert out[True][1][key] == pytest.approx(out[False][1][key], rel=1e-5)
 
 
 def test_entropy_as_a_metric_and_the_triton_backend(process_group, model_dir):

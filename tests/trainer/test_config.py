@@ -270,6 +270,8 @@ def test_fused_kernels_take_effect_and_what_is_not_built_is_a_start_up_error():
     with pytest.raises(ConfigError, match=r"use_fused_kernels=true with ulysses_sequence_parallel_size=2"):
         validate_config(_load(fused[0], "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
                               "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"))
+    with pytest.raises(ConfigError, match=r"use_fused_kernels=true: the Megatron engine's log-probs"):
+        validate_config(_load(fused[0], "actor_rollout_ref.actor.strategy=megatron"))
 
 
 def test_torch_compile_and_liger_keys_take_effect_without_the_no_effect_warning(monkeypatch):

@@ -59,6 +59,10 @@ class MegatronPlugin(EnginePlugin):
         if _is_vision_language(((cfg.get("actor_rollout_ref") or {}).get("model") or {}).get("path")):
             errors.append("actor_rollout_ref.model.path is a vision-language model: the Megatron engine takes text "
                           "models only (docs/vision.md); use strategy=fsdp for image prompts.")
+        policy = any(k.startswith("actor_rollout_ref.") for k in roles)
+        if policy and pick(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
+            errors.append("actor_rollout_ref.model.use_fused_kernels=true: the Megatron engine's log-probs come from "
+                          "vocab-parallel logits, the fused head is the FSDP engine's; set it false or use strategy=fsdp.")
         return errors
 
 
