@@ -283,6 +283,11 @@ class SGLangRollout(BaseRollout):
                 ok, message = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
                 if not ok:
                     raise RuntimeError(f"SGLang refused a weight update: {message}")
+            if self._vision is not None:  # the vision tower's cached outputs came from the old weights
+                ok, message = self.engine.update_weights_from_tensor(
+                    named_tensors=[("clear_mm_cache:", torch.zeros(1))], load_format=_REPORT_WEIGHTS, flush_cache=False)
+                if not ok:
+                    raise RuntimeError(f"SGLang did not clear its multimodal embedding cache: {message}")
         finally:
             self.engine.end_weight_update()
         self.engine.flush_cache()  # the cached prefixes' KV blocks were computed by the old weights
@@ -335,6 +340,8 @@ class SGLangRollout(BaseRollout):
         tensor parallelism (unverified: each rank holds a shard and its own copy of replicated tensors)."""
         if int(self.engine_kwargs.get("tp_size", 1)) > 1:
             return None
+        if self._vision is not None:
+            return _VisionRequests.live_dtypes(self._layout())
         return self._layout().hf_dtypes()
 
     def weight_digests(self) -> dict[str, int] | None:
@@ -348,7 +355,12 @@ class SGLangRollout(BaseRollout):
     def engine_weight_name(self, name: str) -> str | None:
         """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj (as SGLang's loaders stack them); a tied
         ``lm_head.weight`` -> None (the engine's LM head is its embedding)."""
-        return self._layout().engine_name(hf_parameter_name(name))
+        name = hf_parameter_name(name)
+        if self._vision is not None:
+            name = _VisionRequests.checkpoint_name(name)
+            if name.startswith("visual."):  # SGLang's vision attention: HF's attn.qkv, whole, as attn.qkv_proj
+                return name.replace(".attn.qkv.", ".attn.qkv_proj.")
+        return self._layout().engine_name(name)
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -419,6 +431,20 @@ class _VisionRequests:
                 return saved + name[len(live):]
         return name
 
+    @staticmethod
+    def live_dtypes(layout: FusedNames) -> dict[str, torch.dtype]:
+        """Verify mode's {transformers' name: the engine's dtype}: the language model's fused tensors split
+        into their parts (``FusedNames.hf_dtypes``), the vision tower's tensors one for one (its
+        ``attn.qkv_proj`` is HF's ``attn.qkv``), under the live module's names."""
+        text = FusedNames({k: v for k, v in layout.dtypes.items() if not k.startswith("visual.")}, layout.packed,
+                          layout.tied).hf_dtypes()
+        out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in text.items()}
+        for name, dtype in layout.dtypes.items():
+            if name.startswith("visual."):
+                out["model." + name.replace(".attn.qkv_proj.", ".attn.qkv.")] = dtype
+        return out
+
     def image_data(self, rows: list[list[int]], inputs: Sequence[Any] | None) -> list[Any]:
         """One ``image_data`` entry per row: its processor output, or None for a text row."""
         data = []
@@ -438,13 +464,21 @@ class _VisionRequests:
 def _report_weights(model: nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Run by SGLang's scheduler as a custom weight loader (``SGLangRollout._report``): loads nothing; the
     one tensor's name is ``what:path``, and the answer (``layout``: ``weight_sync.module_layout``;
-    ``digests``: ``module_digests`` of the model's own tensors) goes to ``path`` as JSON."""
+    ``digests``: ``module_digests`` of the model's own tensors) goes to ``path`` as JSON.
+    ``clear_mm_cache:`` (no answer) empties SGLang's multimodal embedding cache, which holds the vision
+    tower's outputs by image and which SGLang's ``flush_cache`` leaves: after a sync they are stale."""
     import json
 
     from rlfoundry.workers.weight_sync import module_digests, module_layout
 
     for name, _ in named_tensors:
         what, _, path = name.partition(":")
+        if what == "clear_mm_cache":
+            from sglang.srt.managers import mm_schedule
+
+            if mm_schedule.embedding_cache is not None:
+                mm_schedule.embedding_cache.clear()
+            continue
         if what == "layout":
             dtypes, packed, tied = module_layout(model)
             answer: dict[str, Any] = {"dtypes": {k: str(v) for k, v in dtypes.items()}, "packed": packed, "tied": tied}
