@@ -13,6 +13,7 @@ from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePl
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.protocol import DataProto
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
+from tests.engines.test_fsdp_vision import image_batch  # noqa: F401 - fixture
 
 PATHS = {  # (use_remove_padding, use_shared_prompt)
     "padded": (False, False),
@@ -109,6 +110,26 @@ def test_with_the_cpu_kernels_fused_equals_their_unfused_forward(process_group, 
     for fused in (False, True):
         engine = _engine(model_dir, path, fused, "auto", cpu_kernels="auto")
         out[fused] = engine.infer_batch(data, spec, MicroBatching(size=3)), engine.train_batch(data, spec, _loss, plan)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(out[True][0][key], out[False][0][key], atol=1e-5, rtol=1e-5)
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert out[True][1][key] == pytest.approx(out[False][1][key], rel=1e-5)
+
+
+def test_a_vision_language_model_fused_equals_unfused(process_group, tiny_vlm_dir, image_batch):  # noqa: F811
+    """Qwen2-VL on image rows (one and two images) and a text row: the padded forward with pixels, the
+    placeholders excluded from the vocabulary (never sampled) in the fused head as in the logits path."""
+    spec = LogProbs(temperature=0.7, entropy=True)
+    plan = UpdatePlan(mini_batch_size=4, micro=MicroBatching(size=2))
+    out = {}
+    for fused in (False, True):
+        config = FSDPEngineConfig(path=str(tiny_vlm_dir), fsdp=FSDPConfig(), grad_clip=1.0, cpu_kernels="off",
+                                  optim=OptimConfig(lr=1e-2, weight_decay=0.0), use_fused_kernels=fused)
+        engine = FSDPEngine.build(config, "cpu", role="actor")
+        widths = _head_widths(engine)
+        out[fused] = (engine.infer_batch(image_batch, spec, MicroBatching(size=2)),
+                      engine.train_batch(image_batch, spec, _loss, plan), widths)
+    assert set(out[True][2]) == {2} and min(out[False][2]) > 2
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(out[True][0][key], out[False][0][key], atol=1e-5, rtol=1e-5)
     for key in ("actor/loss", "actor/grad_norm"):

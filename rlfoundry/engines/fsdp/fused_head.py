@@ -49,9 +49,6 @@ def output_head(module: nn.Module) -> nn.Linear:
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     config = getattr(base, "config", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if getattr(config, "vision_config", None) is not None:
-        raise ValueError("model.use_fused_kernels=true on a vision-language model is not built (its image rows "
-                         "take the padded forward with pixels); set model.use_fused_kernels=false.")
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ValueError(f"model.use_fused_kernels=true needs the LM head to be a plain linear map without bias; "
                          f"this model's is {type(head).__name__} (a LoRA adapter on lm_head?): "
@@ -63,7 +60,8 @@ def output_head(module: nn.Module) -> nn.Linear:
 
 
 class FusedHead:
-    """The swap of one causal LM's head for ``fused_logprobs_entropy`` (see the module docstring)."""
+    """The swap of one causal LM's head for ``fused_logprobs_entropy`` (see the module docstring).
+    ``excluded_ids``: a vision-language policy's image/video placeholders, never sampled (probability 0)."""
 
     def __init__(self, module: nn.Module, excluded_ids: list[int] | None = None):
         self.head = output_head(module)
