@@ -58,12 +58,14 @@ def _loss(outputs, batch, info) -> LossOutput:
     return LossOutput(loss, {"actor/loss": float(loss.detach())}, {})
 
 
-def _engine(model_dir, path: str, fused: bool, wrap: str, lora=None, cpu_kernels="off", **options) -> FSDPEngine:
+def _engine(model_dir, path: str, fused: bool, wrap: str, lora=None, cpu_kernels="off", sp=1,
+            **options) -> FSDPEngine:
     remove_padding, shared = PATHS[path]
     config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(single_rank=wrap), grad_clip=1.0,
                               cpu_kernels=cpu_kernels, optim=OptimConfig(lr=1e-2, weight_decay=0.0),
                               use_remove_padding=remove_padding, use_shared_prompt=shared,
-                              use_fused_kernels=fused, fused_kernel_options=options, lora=lora)
+                              use_fused_kernels=fused, fused_kernel_options=options, lora=lora,
+                              ulysses_sequence_parallel_size=sp)
     return FSDPEngine.build(config, "cpu", role="actor")
 
 
@@ -168,13 +170,9 @@ def test_lora_on_the_layers_fused_equals_unfused_and_an_adapted_head_is_refused(
         _engine(model_dir, "padded", True, "auto", lora=LoraSpec(rank=4, alpha=8, target_modules=["lm_head"]))
 
 
-def test_what_the_fused_head_does_not_build_is_a_start_up_error(process_group, model_dir):
+def test_an_unknown_backend_is_a_start_up_error(process_group, model_dir):
     with pytest.raises(ValueError, match="impl_backend='cuda'"):
         _engine(model_dir, "padded", True, "auto", impl_backend="cuda")
-    config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(), grad_clip=None, cpu_kernels="off", optim=None,
-                              use_remove_padding=True, use_fused_kernels=True, ulysses_sequence_parallel_size=2)
-    with pytest.raises(ValueError, match="use_fused_kernels=true with ulysses_sequence_parallel_size=2"):
-        FSDPEngine.build(config, "cpu", role="ref")
 
 
 # ---- two ranks: the LM head's weight sharded by FSDP2 ---------------------------------------------
@@ -198,6 +196,15 @@ def _rank_main(rank: int, store: str, result: str, model_dir, data: DataProto) -
             metrics = engine.train_batch(mine, spec, _loss, UpdatePlan(mini_batch_size=3, micro=MicroBatching(size=2)))
             out[path, fused] = {**inferred, "metrics": dict(metrics),
                                 "weights": {k: v.clone() for k, v in engine.iter_hf_weights()}}
+    for fused in (False, True):  # Ulysses SP=2: both ranks run the pooled rows, each a slice of the pack
+        engine = _engine(model_dir, "packed", fused, "auto", sp=2)
+        widths = _head_widths(engine)
+        spec = LogProbs(temperature=0.7, entropy=True)
+        rows, own = engine.model_parallel_rows(mine)
+        inferred = engine.infer_batch(rows, spec, MicroBatching(size=3))
+        metrics = engine.train_batch(rows, spec, _loss, UpdatePlan(mini_batch_size=6, micro=MicroBatching(size=3)))
+        out["ulysses", fused] = {**{k: v[own] for k, v in inferred.items()}, "metrics": dict(metrics), "widths": widths,
+                                 "weights": {k: v.clone() for k, v in engine.iter_hf_weights()}}
     torch.save(out, f"{result}.{rank}")
     dist.destroy_process_group()
     for stream in (sys.stdout, sys.stderr):
@@ -207,8 +214,9 @@ def _rank_main(rank: int, store: str, result: str, model_dir, data: DataProto) -
 
 def test_two_sharded_ranks_fused_equal_unfused(process_group, tmp_path):
     """Over two gloo ranks (FSDP2 shards every unit, the LM head's weight included; tied, so the head's
-    gradient meets the embedding's): on each path the fused log-probs, entropies, loss, grad norm and
-    weights after one AdamW step equal the unfused."""
+    gradient meets the embedding's): on each path, and packed under Ulysses SP=2 (each rank's head on
+    its slice of the pack), the fused log-probs, entropies, loss, grad norm and weights after one AdamW
+    step equal the unfused."""
     import torch.multiprocessing as mp
 
     from rlfoundry.models.tiny import save_tiny_model
@@ -219,7 +227,8 @@ def test_two_sharded_ranks_fused_equal_unfused(process_group, tmp_path):
              join=True)
     for rank in (0, 1):
         out = torch.load(f"{tmp_path / 'out.pt'}.{rank}")
-        for path in PATHS:
+        assert set(out["ulysses", True]["widths"]) == {2} and min(out["ulysses", False]["widths"]) > 2
+        for path in (*PATHS, "ulysses"):
             plain, fused = out[path, False], out[path, True]
             for key in ("log_probs", "entropy"):
                 torch.testing.assert_close(fused[key], plain[key], atol=1e-5, rtol=1e-5, msg=f"{path} {key}")

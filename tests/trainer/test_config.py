@@ -255,7 +255,7 @@ def test_no_effect_keys_give_exactly_one_warning_naming_them():
 
 def test_fused_kernels_take_effect_and_what_is_not_built_is_a_start_up_error():
     """actor_rollout_ref.model.use_fused_kernels (+ impl_backend) is off the no-effect list; the reward
-    model's stays there (a 1-label head); an unknown backend or Ulysses with it is a ConfigError."""
+    model's stays there (a 1-label head); an unknown backend or strategy=megatron with it is a ConfigError."""
     fused = ["actor_rollout_ref.model.use_fused_kernels=true",
              "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"]
     with warnings.catch_warnings(record=True) as caught:
@@ -267,9 +267,8 @@ def test_fused_kernels_take_effect_and_what_is_not_built_is_a_start_up_error():
     assert "actor_rollout_ref.model.use_fused_kernels" not in texts[0] and "fused_kernel_options" not in texts[0]
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.fused_kernel_options.impl_backend='cuda'"):
         validate_config(_load(fused[0], "actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda"))
-    with pytest.raises(ConfigError, match=r"use_fused_kernels=true with ulysses_sequence_parallel_size=2"):
-        validate_config(_load(fused[0], "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
-                              "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"))
+    validate_config(_load(fused[0], "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
+                          "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"))  # with Ulysses: valid
     with pytest.raises(ConfigError, match=r"use_fused_kernels=true: the Megatron engine's log-probs"):
         validate_config(_load(fused[0], "actor_rollout_ref.actor.strategy=megatron"))
 

@@ -406,7 +406,7 @@ def _fused_kernels(config: FSDPEngineConfig) -> bool:
     """Whether log-probs take the fused head: start-up errors for what it does not build."""
     if not config.use_fused_kernels or config.model_kind != "causal_lm":
         return False
-    errors = check_fused_kernels(config.fused_kernel_options, config.ulysses_sequence_parallel_size)
+    errors = check_fused_kernels(config.fused_kernel_options)
     if errors:
         raise ValueError(" ".join(errors))
     if config.fused_kernel_options.get("impl_backend") == "triton":

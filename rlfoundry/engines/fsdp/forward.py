@@ -236,7 +236,7 @@ class CausalLMForward:
         gather = _identity
         if self.sp is not None:  # this rank's slice of the pack; per-token results gathered over the group
             logits, labels, gather = ulysses.packed_logits_at(self.module, packed.input_ids, packed.position_ids,
-                                                              where[valid], responses[valid], self.sp)
+                                                              where[valid], responses[valid], self.sp, lm=self._lm)
         else:
             labels = responses[valid]
             logits = self._lm(labels[None], input_ids=packed.input_ids, attention_mask=None,

@@ -32,16 +32,12 @@ __all__ = ["BACKENDS", "FusedHead", "check_fused_kernels"]
 BACKENDS = ("torch", "triton")
 
 
-def check_fused_kernels(options: dict[str, Any] | None, sequence_parallel: int, key: str = "model") -> list[str]:
-    """Start-up errors for ``<key>.use_fused_kernels=true`` with these options and this Ulysses size."""
+def check_fused_kernels(options: dict[str, Any] | None, key: str = "model") -> list[str]:
+    """Start-up errors for ``<key>.use_fused_kernels=true`` with these ``fused_kernel_options``."""
     backend = (options or {}).get("impl_backend", "torch")
-    errors = []
     if backend not in BACKENDS:
-        errors.append(f"{key}.fused_kernel_options.impl_backend={backend!r}: use one of {', '.join(BACKENDS)}.")
-    if sequence_parallel > 1:
-        errors.append(f"{key}.use_fused_kernels=true with ulysses_sequence_parallel_size={sequence_parallel}: "
-                      "the fused head on a rank's slice of the pack is not built; set one of them off.")
-    return errors
+        return [f"{key}.fused_kernel_options.impl_backend={backend!r}: use one of {', '.join(BACKENDS)}."]
+    return []
 
 
 def output_head(module: nn.Module) -> nn.Linear:

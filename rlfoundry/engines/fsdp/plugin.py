@@ -65,13 +65,11 @@ def _check_ulysses(cfg: Any, key: str, world_size: int) -> list[str]:
 
 
 def _check_fused_kernels(cfg: Any, roles: list[str]) -> list[str]:
-    """``actor_rollout_ref.model.use_fused_kernels``: its backend named, no Ulysses on the actor or reference."""
+    """``actor_rollout_ref.model.use_fused_kernels``: a backend it has."""
     model = "actor_rollout_ref.model"
-    if not pick(cfg, f"{model}.use_fused_kernels", False):
+    if not any(k.startswith("actor_rollout_ref.") for k in roles) or not pick(cfg, f"{model}.use_fused_kernels", False):
         return []
-    sp = max([int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1) for key in roles
-              if key.startswith("actor_rollout_ref.")] or [1])
-    return check_fused_kernels(pick(cfg, f"{model}.fused_kernel_options", None), sp, model)
+    return check_fused_kernels(pick(cfg, f"{model}.fused_kernel_options", None), model)
 
 
 def _attention_heads(path: Any) -> int | None:

@@ -23,6 +23,7 @@ loss's gradient; FSDP averages over all dp x sp ranks, hence the factor ``sp`` i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,24 +222,31 @@ def sp_model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, sp: Seq
 
 
 def packed_logits_at(module: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
-                     labels: torch.Tensor, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                     labels: torch.Tensor, sp: SequenceParallel,
+                     lm: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Logits of the packed positions ``keep`` (K,) that fall in this rank's slice, their ``labels``,
     and ``gather``: per-kept-position values computed from those logits (k_local,) -> (K,) for
-    ``keep`` in order, the same on every rank of the group (with gradients)."""
+    ``keep`` in order, the same on every rank of the group (with gradients). ``lm(labels, **inputs)``:
+    the model call given the kept positions' labels (the fused head's, ``forward.py``, returns
+    (log-prob, entropy) pairs in place of logits); None: ``module(**inputs).logits``."""
     kwargs, part = sp_model_inputs(input_ids, position_ids, sp)
     dev = input_ids.device
     at = torch.full((part.total,), -1, dtype=torch.long, device=dev)
     at[keep] = torch.arange(keep.numel(), device=dev)
     local_at = at[part.start: part.stop]
     local_keep = (local_at >= 0).nonzero().squeeze(1)  # positions in this rank's slice
-    out = module(**kwargs, logits_to_keep=local_keep)
+    local_labels = labels[local_at[local_keep]]
+    if lm is not None:
+        logits = lm(local_labels[None], **kwargs, logits_to_keep=local_keep)
+    else:
+        logits = module(**kwargs, logits_to_keep=local_keep).logits
 
     def gather(values: torch.Tensor) -> torch.Tensor:
         local = values.new_zeros((part.stop - part.start,))
         local = local.index_put((local_keep,), values)
         return gather_sequence(local, sp)[keep]
 
-    return out.logits[0], labels[local_at[local_keep]], gather
+    return logits[0], local_labels, gather
 
 
 def packed_outputs(module: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
