@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from tests.workers import local_worker, worker_config
-from tests.workers.test_vllm_rollout import _max_abs, _with_meta
+from tests.workers.test_vllm_rollout import _with_meta
 from tests.workers.test_vllm_vision import (  # noqa: F401 - vlm_dir: fixture
     TP,
     agent_loop_as_hf,
+    an_update_reaches_the_engine,
     greedy_as_hf,
     image_rows,
     sampled_as_actor,
@@ -84,16 +85,5 @@ def test_the_agent_loop_drives_sglang_on_image_rows_as_the_hf_engine(group, imag
 def test_an_update_reaches_sglang_and_verify_mode_checks_it(group, image_prompts):
     """A PPO step on image rows syncs the vision-language weights into SGLang under the checkpoint's names,
     verify mode (on by default) compares the engine's digests with the actor's and passes, and SGLang's
-    log-probs after the step are the updated actor's."""
-    from tests.workers.test_vllm_rollout import _training_batch
-
-    assert group.worker.config.rollout.checkpoint_engine.verify
-    before = group.generate_sequences(_with_meta(image_prompts, validate=True))
-    syncs = group.worker.rollout.syncs
-    group.update_actor(_training_batch(group, image_prompts.slice(0, 4), seed=3))  # the image rows, n=2
-    assert group.worker.rollout.syncs == syncs + 1
-    after = group.generate_sequences(_with_meta(image_prompts, validate=True))
-    both = after.batch["response_mask"] * before.batch["response_mask"]
-    assert _max_abs(after.batch["rollout_log_probs"], before.batch["rollout_log_probs"], both) > 1e-3  # it moved
-    actor = group.compute_log_prob(_with_meta(after, temperature=1.0)).batch["old_log_probs"]
-    assert _max_abs(actor, after.batch["rollout_log_probs"], after.batch["response_mask"]) < LOGP_TOL
+    log-probs after the step are the updated actor's (its multimodal embedding cache emptied)."""
+    an_update_reaches_the_engine(group, image_prompts, LOGP_TOL)

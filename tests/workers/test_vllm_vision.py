@@ -147,6 +147,23 @@ def sampled_as_actor(group, image_prompts, tol: float) -> None:
     assert not torch.isin(sampled.batch["responses"], torch.tensor(placeholders)).any()
 
 
+def an_update_reaches_the_engine(group, image_prompts, tol: float) -> None:
+    """A PPO step on the image rows (n=2) syncs the engine once, verify mode (on by default) passes, and the
+    engine's greedy log-probs move and equal the updated actor's within ``tol``."""
+    from tests.workers.test_vllm_rollout import _training_batch
+
+    assert group.worker.config.rollout.checkpoint_engine.verify
+    before = group.generate_sequences(_with_meta(image_prompts, validate=True))
+    syncs = group.worker.rollout.syncs
+    group.update_actor(_training_batch(group, image_prompts.slice(0, 4), seed=3))  # the image rows
+    assert group.worker.rollout.syncs == syncs + 1
+    after = group.generate_sequences(_with_meta(image_prompts, validate=True))
+    both = after.batch["response_mask"] * before.batch["response_mask"]
+    assert _max_abs(after.batch["rollout_log_probs"], before.batch["rollout_log_probs"], both) > 1e-3  # it moved
+    actor = group.compute_log_prob(_with_meta(after, temperature=1.0)).batch["old_log_probs"]
+    assert _max_abs(actor, after.batch["rollout_log_probs"], after.batch["response_mask"]) < tol
+
+
 class _ScriptedFirstTurn:
     """An engine whose first call answers ``first`` (token ids) for every row; later calls are the engine's
     (the tiny random policy never calls a tool by itself)."""
@@ -224,3 +241,10 @@ def agent_loop_as_hf(group, image_prompts, tol: float) -> None:
     assert _max_abs(actor, sampled.batch["rollout_log_probs"], turn2) < tol
     placeholders = [w.actor.module.config.image_token_id, w.actor.module.config.video_token_id]
     assert not torch.isin(sampled.batch["responses"], torch.tensor(placeholders)).any()
+
+
+@vllm_test
+def test_an_update_reaches_vllm_and_verify_mode_checks_it(group, image_prompts):
+    """A PPO step on image rows: the vision-language weights reach vLLM, verify mode passes, and vLLM's
+    log-probs after the step are the updated actor's (no vision output cached from the old weights)."""
+    an_update_reaches_the_engine(group, image_prompts, LOGP_TOL)

@@ -584,7 +584,7 @@ class VLLMRollout(BaseRollout):
 
         Names are Hugging Face checkpoint names (wrapper prefixes are stripped here). Collective
         under FSDP2: every rank calls this after every update. The prefix cache is dropped after:
-        its KV blocks were computed by the old weights.
+        its KV blocks were computed by the old weights; so is a vision model's encoder cache.
         """
         self._require_engine()
         if named_tensors is None and self.adapter is not None:
@@ -597,6 +597,8 @@ class VLLMRollout(BaseRollout):
         self._wake_up(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+        if self._vision is not None:  # the vision encoder's outputs kept by image (scheduler and runner sides)
+            self.llm.llm_engine.reset_encoder_cache()
         self.syncs += 1
 
     # ---- verify mode (rollout.checkpoint_engine.verify) ------------------------------------
@@ -640,7 +642,10 @@ class VLLMRollout(BaseRollout):
             return None
         self._require_engine()
         self.llm.apply_model(_install_load_taps)
-        return self._layout().hf_dtypes()
+        dtypes = self._layout().hf_dtypes()
+        if self._vision is not None:  # under transformers' names, as the trainer's stream has them
+            return {_VisionPrompts.live_name(k): v for k, v in dtypes.items()}
+        return dtypes
 
     def weight_digests(self) -> dict[str, int] | None:
         """{engine name: digest} of the engine's own weights, computed in its worker (``_engine_digests``);
@@ -655,7 +660,8 @@ class VLLMRollout(BaseRollout):
     def engine_weight_name(self, name: str) -> str | None:
         """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj (the model's ``packed_modules_mapping``);
         a tied ``lm_head.weight`` -> None (the engine's LM head is its embedding)."""
-        return self._layout().engine_name(hf_parameter_name(name))
+        name = hf_parameter_name(name)
+        return self._layout().engine_name(_VisionPrompts.engine_name(name) if self._vision is not None else name)
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -726,6 +732,18 @@ class _VisionPrompts:
                                          getattr(hf_config, "video_token_id", None)) if i is not None}
         vocab = int(hf_config.get_text_config().vocab_size)
         return cls(int(hf_config.image_token_id), [i for i in range(vocab) if i not in placeholders])
+
+    # transformers' module names <-> vLLM's Qwen2-VL (its hf_to_vllm_mapper), for verify mode's digests
+    NAMES = (("model.visual.", "visual."), ("model.language_model.", "language_model.model."),
+             ("lm_head.", "language_model.lm_head."))
+
+    @classmethod
+    def engine_name(cls, name: str) -> str:
+        return next((new + name[len(old):] for old, new in cls.NAMES if name.startswith(old)), name)
+
+    @classmethod
+    def live_name(cls, name: str) -> str:
+        return next((old + name[len(new):] for old, new in cls.NAMES if name.startswith(new)), name)
 
     def prompt(self, ids: list[int], data: Mapping[str, Any] | None) -> dict[str, Any]:
         from vllm.inputs import TokensPrompt
