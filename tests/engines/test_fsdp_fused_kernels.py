@@ -138,6 +138,28 @@ def test_a_vision_language_model_fused_equals_unfused(process_group, tiny_vlm_di
         assert out[True][1][key] == pytest.approx(out[False][1][key], rel=1e-5)
 
 
+@pytest.mark.parametrize("wrap", ["auto", "fsdp"])  # bf16 autocast over fp32 weights, or FSDP2's bf16 policy
+def test_bf16_compute_fused_equals_unfused_within_bf16_rounding(process_group, model_dir, wrap):
+    """bf16 compute (CUDA's default, here on the CPU): both paths take the head's product in bf16 and
+    the softmax statistics in fp32, so they agree to bf16 rounding of the hidden states' product."""
+    data, spec = _batch(), LogProbs(temperature=0.7, entropy=True)
+    plan = UpdatePlan(mini_batch_size=6, micro=MicroBatching(size=3))
+    out = {}
+    for fused in (False, True):
+        config = FSDPEngineConfig(path=str(model_dir), grad_clip=1.0, cpu_kernels="off",
+                                  fsdp=FSDPConfig(single_rank=wrap, mixed_precision={"param_dtype": "bf16"}),
+                                  optim=OptimConfig(lr=1e-2, weight_decay=0.0), use_fused_kernels=fused)
+        engine = FSDPEngine.build(config, "cpu", role="actor")
+        out[fused] = engine.infer_batch(data, spec, MicroBatching(size=3)), engine.train_batch(data, spec, _loss, plan)
+    mask = data.batch["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        diff = (out[True][0][key] - out[False][0][key])[mask].abs()
+        print(f"bf16 {wrap} {key}: max {diff.max():.2e} mean {diff.mean():.2e}")
+        assert diff.max() <= 2e-2 and diff.mean() <= 5e-3, (key, diff.max(), diff.mean())
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert out[True][1][key] == pytest.approx(out[False][1][key], rel=2e-2)
+
+
 def test_entropy_as_a_metric_and_the_triton_backend(process_group, model_dir):
     """entropy_grad=False (entropy only logged) leaves the NLL's gradient as it is; impl_backend=triton
     runs the torch backend (same numbers)."""
