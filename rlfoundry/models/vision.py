@@ -87,15 +87,34 @@ def load_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
         return None
     saved = path / "processor_config.json"
     ours = saved.is_file() and json.loads(saved.read_text()).get("processor_class") == "ImageTextProcessor"
+    processor = None
     if not ours:
         try:
-            return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             if _model_type(path) not in ("qwen2_vl", "qwen2_5_vl"):
                 raise
             logger.warning("AutoProcessor could not build %s's processor (%s); using its image processor and "
                            "tokenizer without video (install torchvision for video)", path, err)
-    return ImageTextProcessor.from_pretrained(path)
+    processor = processor or ImageTextProcessor.from_pretrained(path)
+    if _torchvision_is_a_standin() and getattr(processor.image_processor, "backend", None) == "torchvision":
+        # the SGLang CPU environment's import-only torchvision: transformers takes it for torchvision and
+        # would call it to resize; the PIL backend does the same work (the main environment's, no torchvision)
+        from transformers import AutoImageProcessor
+
+        processor.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil",
+                                                                       trust_remote_code=trust_remote_code)
+    return processor
+
+
+def _torchvision_is_a_standin() -> bool:
+    """Whether ``torchvision`` is rlfoundry's import-only stand-in (scripts/sglang_cpu_standins/)."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    return bool(getattr(importlib.import_module("torchvision"), "STANDIN", False))
 
 
 class RopeIndex:

@@ -4,8 +4,8 @@ SGLang's log-probs of its samples are the actor's (FSDP2 forward with the pixel 
 contract's SGLang bound (1e-4, fp32); the same through the multi-turn agent loop.
 
 Runs in the SGLang environment (``bash scripts/test_sglang.sh``); skipped without SGLang. The rows are the vLLM
-test's (tests/workers/test_vllm_vision.py), through the data set with Qwen2-VL's PIL image processor: the
-environment's torchvision is an import-only stand-in, which transformers would otherwise pick to resize.
+test's (tests/workers/test_vllm_vision.py), through the data set with Qwen2-VL's PIL image processor, which
+``load_processor`` takes where torchvision is the environment's import-only stand-in.
 """
 
 from __future__ import annotations
@@ -38,14 +38,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not HAVE_SGLANG, reason="SG
 
 @pytest.fixture(scope="module")
 def image_prompts(vlm_dir, tmp_path_factory):  # noqa: F811
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     from rlfoundry.models.vision import load_processor
 
-    processor = load_processor(vlm_dir)
-    processor.image_processor = Qwen2VLImageProcessorPil.from_pretrained(vlm_dir)
+    processor = load_processor(vlm_dir)  # Qwen2-VL's PIL image processor here (the torchvision is a stand-in)
+    assert processor.image_processor.backend == "pil"
     return image_rows(processor, tmp_path_factory.mktemp("vl"))
 
 
