@@ -269,6 +269,9 @@ def test_fused_kernels_take_effect_and_what_is_not_built_is_a_start_up_error():
         validate_config(_load(fused[0], "actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda"))
     validate_config(_load(fused[0], "trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
                           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"))  # with Ulysses: valid
+    with pytest.raises(ConfigError, match=r"fused_kernel_options.impl_backnd: not an option; verl's fused kernels "
+                                          r"take impl_backend only"):
+        validate_config(_load(fused[0], "actor_rollout_ref.model.fused_kernel_options.impl_backnd=torch"))
     with pytest.raises(ConfigError, match=r"use_fused_kernels=true: the Megatron engine's log-probs"):
         validate_config(_load(fused[0], "actor_rollout_ref.actor.strategy=megatron"))
 

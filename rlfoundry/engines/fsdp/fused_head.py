@@ -34,10 +34,14 @@ BACKENDS = ("torch", "triton")
 
 def check_fused_kernels(options: dict[str, Any] | None, key: str = "model") -> list[str]:
     """Start-up errors for ``<key>.use_fused_kernels=true`` with these ``fused_kernel_options``."""
-    backend = (options or {}).get("impl_backend", "torch")
+    options = dict(options or {})
+    unknown = sorted(set(options) - {"impl_backend"})
+    errors = [f"{key}.fused_kernel_options.{name}: not an option; verl's fused kernels take impl_backend only."
+              for name in unknown]
+    backend = options.get("impl_backend", "torch")
     if backend not in BACKENDS:
-        return [f"{key}.fused_kernel_options.impl_backend={backend!r}: use one of {', '.join(BACKENDS)}."]
-    return []
+        errors.append(f"{key}.fused_kernel_options.impl_backend={backend!r}: use one of {', '.join(BACKENDS)}.")
+    return errors
 
 
 def output_head(module: nn.Module) -> nn.Linear:
