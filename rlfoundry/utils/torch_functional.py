@@ -6,6 +6,8 @@ The log-prob and entropy functions never materialise a full (B, T, V) float32 co
 they walk the rows in blocks of at most ``CHUNK_ELEMENTS`` elements, upcast one block at a time,
 and keep only per-row statistics (log-sum-exp) for the backward pass, which recomputes the softmax
 block by block. The only (B, T, V) tensor they allocate is the gradient itself, in the logits' dtype.
+``fused_logprobs_entropy`` (verl's ``use_fused_kernels``) starts one step earlier, from the hidden
+states and the LM head's weight, and makes no (B, T, V) tensor at all: one chunk of logits at a time.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ position's (log-prob, entropy) in fp32. verl patches the whole ``*ForCausalLM.fo
 family to the same end; swapping the head alone keeps every family whose forward ends in
 ``self.lm_head(hidden)`` (all of transformers' causal LMs that have no logit soft-capping).
 
-Why inside the model call: under FSDP2 the head's weight is gathered only while the root unit's
-forward runs, and FSDP's backward hooks hang on the root's outputs; a head computed after the call
-would read a freed shard and bypass the hooks.
+Why inside the model call: FSDP2 gathers the head's weight for the root unit's forward and may hold
+only this rank's shard outside it, and its backward hooks (gather again, reduce the gradient) hang on
+the root's outputs; a head computed from the weight after the call could see a shard and would
+bypass the hooks.
 
 ``fused_kernel_options.impl_backend``: "torch" is this. verl's "triton" is its GPU kernel of the
 same math; here it runs as "torch" (same values, same memory bound; a start-up line says so).
