@@ -24,6 +24,7 @@ from tests.workers.test_vllm_vision import (  # noqa: F401 - vlm_dir: fixture
     greedy_as_hf,
     image_rows,
     sampled_as_actor,
+    two_grpo_steps_on_image_rows,
     vlm_dir,
 )
 
@@ -83,3 +84,8 @@ def test_an_update_reaches_sglang_and_verify_mode_checks_it(group, image_prompts
     verify mode (on by default) compares the engine's digests with the actor's and passes, and SGLang's
     log-probs after the step are the updated actor's (its multimodal embedding cache emptied)."""
     an_update_reaches_the_engine(group, image_prompts, LOGP_TOL)
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_on_image_rows_with_sglang(vlm_dir, tmp_path):  # noqa: F811
+    two_grpo_steps_on_image_rows("sglang", vlm_dir, tmp_path, LOGP_TOL)

@@ -164,6 +164,46 @@ def an_update_reaches_the_engine(group, image_prompts, tol: float) -> None:
     assert _max_abs(actor, after.batch["rollout_log_probs"], after.batch["response_mask"]) < tol
 
 
+_TRAIN_SCRIPT = r"""
+import json, sys
+from tests.trainer import _e2e as E
+
+if __name__ == "__main__":  # an engine may spawn processes that re-import this script
+    run = E.train(sys.argv[1:])
+    print("RESULT " + json.dumps({"global_step": run.summary["global_step"], "steps": [run.step(s) for s in (1, 2)]},
+                                 default=str))
+"""
+
+
+def two_grpo_steps_on_image_rows(engine: str, model_dir: Path, tmp_path: Path, tol: float) -> None:
+    """``rlfoundry train``'s builder with ``rollout.name=engine`` on the shapes task's image rows (in a fresh
+    process): two GRPO steps, the engine's log-probs of each step's samples equal the actor's recompute
+    (step 2 sampled after a verified sync), and the KL loss moves off 0 (reference and actor took pixels)."""
+    import json
+
+    from tests.trainer import _e2e as E
+    from tests.workers.test_vllm_rollout import _run_python
+
+    data = E.preprocess_shapes(tmp_path / "shapes", 8, 4, seed=3)
+    overrides = E.tiny_overrides(
+        model_dir, tmp_path / "run", f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}", "data.max_prompt_length=128", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.actor.use_kl_loss=true", f"custom_reward_function.path={E.write_reward_file(tmp_path)}",
+        f"actor_rollout_ref.rollout.name={engine}", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.load_format=dummy_dtensor", "actor_rollout_ref.actor.use_rollout_log_probs=false",
+        "actor_rollout_ref.rollout.calculate_log_probs=true")  # the actor rescores: the diff is logged
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN_SCRIPT)
+    stdout = _run_python([str(script), *overrides])
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["global_step"] == 2
+    for rec in result["steps"]:
+        assert rec["response_length/mean"] > 0
+        assert rec["training/rollout_log_probs_diff_max"] < tol, rec
+    assert result["steps"][1]["actor/kl_loss"] > 0
+
+
 class _ScriptedFirstTurn:
     """An engine whose first call answers ``first`` (token ids) for every row; later calls are the engine's
     (the tiny random policy never calls a tool by itself)."""
@@ -248,3 +288,9 @@ def test_an_update_reaches_vllm_and_verify_mode_checks_it(group, image_prompts):
     """A PPO step on image rows: the vision-language weights reach vLLM, verify mode passes, and vLLM's
     log-probs after the step are the updated actor's (no vision output cached from the old weights)."""
     an_update_reaches_the_engine(group, image_prompts, LOGP_TOL)
+
+
+@pytest.mark.slow
+@vllm_test
+def test_two_grpo_steps_on_image_rows_with_vllm(vlm_dir, tmp_path):
+    two_grpo_steps_on_image_rows("vllm", vlm_dir, tmp_path, LOGP_TOL)
