@@ -160,6 +160,21 @@ def test_bf16_compute_fused_equals_unfused_within_bf16_rounding(process_group, m
         assert out[True][1][key] == pytest.approx(out[False][1][key], rel=2e-2)
 
 
+def test_gradient_checkpointing_fused_equals_unfused(process_group, model_dir):
+    """Layers recomputed in backward (model.enable_gradient_checkpointing): the fused head's backward,
+    after its swap is undone, still gives the unfused loss and gradient norm."""
+    data, spec = _batch(), LogProbs(temperature=0.7, entropy=True)
+    plan = UpdatePlan(mini_batch_size=6, micro=MicroBatching(size=3))
+    metrics = {}
+    for fused in (False, True):
+        config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(), grad_clip=1.0, cpu_kernels="off",
+                                  optim=OptimConfig(lr=1e-2, weight_decay=0.0), use_remove_padding=True,
+                                  gradient_checkpointing=True, use_fused_kernels=fused)
+        metrics[fused] = FSDPEngine.build(config, "cpu", role="actor").train_batch(data, spec, _loss, plan)
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5)
+
+
 def test_entropy_as_a_metric_and_the_triton_backend(process_group, model_dir):
     """entropy_grad=False (entropy only logged) leaves the NLL's gradient as it is; impl_backend=triton
     runs the torch backend (same numbers)."""
