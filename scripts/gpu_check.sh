@@ -22,6 +22,10 @@
 #   dynamic  (not in the default parts) rlfoundry alone on the same shape with the rollout's dynamic,
 #          uncompiled decode (rollout.use_torch_compile=false), to set beside bench's compiled one
 #   vocab  (not in the default parts) bench's two frameworks with the real 151,936-token vocabulary
+#   fused  (not in the default parts) rlfoundry alone on vocab's shape with model.use_fused_kernels=true
+#          (log-probs from hidden states in chunks), to set beside vocab's logits path
+#   wrapped  (not in the default parts) rlfoundry alone on bench's shape with fsdp_config.single_rank=fsdp
+#          (the actor FSDP2-wrapped on one GPU, as before 2026-11-27), to set beside bench's plain module
 #
 # Files left in OUT (the device tool returns at most 8): summary.txt (one line per part: PASS/FAIL, time,
 # figures; then RESULT), summary.json, env.log, tier.log, demo.log, bench.log, realistic_<device>.json,
@@ -29,8 +33,8 @@
 # Exit status: 0 when every part passed.
 #
 # Knobs (environment): PYTHON (python3), WORK (/tmp/gpu_check_work), GPU_CHECK_WHEELS (.whl),
-# GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab"), T_ENV / T_TIER / T_DEMO / T_BENCH /
-# T_DYNAMIC / T_VOCAB (seconds per part), BENCH_STEPS / BENCH_WARMUP (6 / 3), TIER_WORKERS (pytest-xdist processes for the tier where
+# GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab", "fused", "wrapped"), T_ENV / T_TIER /
+# T_DEMO / T_BENCH / T_DYNAMIC / T_VOCAB / T_FUSED / T_WRAPPED (seconds per part), BENCH_STEPS / BENCH_WARMUP (6 / 3), TIER_WORKERS (pytest-xdist processes for the tier where
 # pytest-xdist is installed, as on the GPU image: 4; the tests' runs are small and the card is shared).
 
 set -u -o pipefail
@@ -46,11 +50,11 @@ WHEELS=${GPU_CHECK_WHEELS:-.whl}
 if [ "$DRY" = 1 ]; then
     DEVICE=cpu
     T_ENV=${T_ENV:-60} T_TIER=${T_TIER:-120} T_DEMO=${T_DEMO:-180} T_BENCH=${T_BENCH:-240}
-    T_DYNAMIC=${T_DYNAMIC:-120} T_VOCAB=${T_VOCAB:-240}
+    T_DYNAMIC=${T_DYNAMIC:-120} T_VOCAB=${T_VOCAB:-240} T_FUSED=${T_FUSED:-120} T_WRAPPED=${T_WRAPPED:-120}
 else
     DEVICE=cuda
     T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-150} T_DEMO=${T_DEMO:-70} T_BENCH=${T_BENCH:-220}
-    T_DYNAMIC=${T_DYNAMIC:-150} T_VOCAB=${T_VOCAB:-240}
+    T_DYNAMIC=${T_DYNAMIC:-150} T_VOCAB=${T_VOCAB:-240} T_FUSED=${T_FUSED:-150} T_WRAPPED=${T_WRAPPED:-150}
 fi
 mkdir -p "$OUT" "$WORK"
 rm -f "$WORK/parts.tsv" "$WORK/tier.xml" "$OUT/summary.txt" "$OUT/summary.json"
@@ -166,6 +170,13 @@ part dynamic "$T_DYNAMIC" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "
     --timeout $((T_DYNAMIC - 20)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_dynamic_$DEVICE"
 part vocab "$T_VOCAB" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" --shape qwen2.5-0.5b-vocab \
     --timeout $(((T_VOCAB - 30) / 2)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_vocab_$DEVICE"
+part fused "$T_FUSED" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" --shape qwen2.5-0.5b-vocab \
+    --frameworks rlfoundry --rlfoundry-override actor_rollout_ref.model.use_fused_kernels=true \
+    --timeout $((T_FUSED - 20)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_fused_$DEVICE"
+part wrapped "$T_WRAPPED" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" --frameworks rlfoundry \
+    --rlfoundry-override actor_rollout_ref.actor.fsdp_config.single_rank=fsdp \
+    --rlfoundry-override actor_rollout_ref.ref.fsdp_config.single_rank=fsdp \
+    --timeout $((T_WRAPPED - 20)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_wrapped_$DEVICE"
 
 # ── summary ──────────────────────────────────────────────────────────────────────────────────────
 "$PYTHON" scripts/gpu_check_report.py "$OUT" "$WORK" "$DEVICE" | tee -a "$SUMMARY"

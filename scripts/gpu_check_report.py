@@ -145,8 +145,10 @@ FIGURES = {"tier": lambda out, work, dev: tier_figures(work / "tier.xml", out / 
            "demo": lambda out, work, dev: demo_figures(work / "demo" / "metrics.jsonl"),
            "bench": lambda out, work, dev: bench_figures(out / f"realistic_{dev}.json"),
            "dynamic": lambda out, work, dev: bench_figures(out / f"realistic_dynamic_{dev}.json"),
-           "vocab": lambda out, work, dev: bench_figures(out / f"realistic_vocab_{dev}.json")}
-BENCHES = ("bench", "dynamic", "vocab")
+           "vocab": lambda out, work, dev: bench_figures(out / f"realistic_vocab_{dev}.json"),
+           "fused": lambda out, work, dev: bench_figures(out / f"realistic_fused_{dev}.json"),
+           "wrapped": lambda out, work, dev: bench_figures(out / f"realistic_wrapped_{dev}.json")}
+BENCHES = ("bench", "dynamic", "vocab", "fused", "wrapped")
 
 
 def report(out: Path, work: Path, device: str) -> tuple[dict[str, Any], list[str]]:
