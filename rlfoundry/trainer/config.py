@@ -48,7 +48,6 @@ from rlfoundry.config.verl_compat import (
     prefer_user_deprecated_keys,
     warn_no_effect,
 )
-from rlfoundry.models.liger import liger_problems
 from rlfoundry.utils.tracking import SUPPORTED_BACKENDS
 
 __all__ = [
@@ -427,6 +426,8 @@ def _check_liger(cfg: PPOConfig) -> list[str]:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    from rlfoundry.models.liger import liger_problems  # here: rlfoundry.models imports torch (entry modules must not)
+
     return liger_problems(str(device))
 
 
