@@ -110,13 +110,11 @@ def load_hf_model(
 
         register_value_models()  # the critic: backbone + value head (models/vision_value.py)
         classes["causal_lm"] = AutoModelForImageTextToText
-    model = classes[model_kind].from_pretrained(
-        p,
-        config=config,
-        dtype=resolve_dtype(torch_dtype),
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation or "sdpa",
-    )
+    kwargs = dict(config=config, dtype=resolve_dtype(torch_dtype), trust_remote_code=trust_remote_code,
+                  attn_implementation=attn_implementation or "sdpa")
+    model, info = classes[model_kind].from_pretrained(p, output_loading_info=True, **kwargs)
+    if model_kind == "token_classification" and getattr(config, "vision_config", None) is not None:
+        _load_vision_backbone(model, info, p, kwargs)
     if enable_gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks; the reentrant flavour does not.
         # transformers >= 5.x renamed the switch; older versions only have the first name.
@@ -126,6 +124,19 @@ def load_hf_model(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # training forwards must not build KV caches; rollout asks explicitly
     return model
+
+
+def _load_vision_backbone(model: Any, info: dict[str, Any], path: Path, kwargs: dict[str, Any]) -> None:
+    """A VLM critic built from a policy directory: transformers renames a Qwen2-VL checkpoint's keys
+    (``model.*`` / ``visual.*``) only for the family's own classes, so the value model's backbone came
+    up freshly initialised; it takes the backbone the family's class loads. A saved critic (its own
+    keys) loads directly and skips this."""
+    if not any(k.startswith("model.") for k in info.get("missing_keys", ())):
+        return
+    from transformers import AutoModelForImageTextToText
+
+    policy = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    model.model.load_state_dict(policy.model.state_dict(), strict=True)
 
 
 def import_model_code(path: str | Path, model_kind: str = "causal_lm", trust_remote_code: bool = False) -> None:
