@@ -422,14 +422,19 @@ class _VisionRequests:
                                          getattr(config, "video_token_id", None)) if i is not None]
         return cls(int(config.image_token_id), placeholders)
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        """transformers' module name -> the Qwen2-VL checkpoint's (``model.visual.*`` -> ``visual.*``,
-        ``model.language_model.*`` -> ``model.*``), the names SGLang's loader takes."""
-        for live, saved in (("model.visual.", "visual."), ("model.language_model.", "model.")):
-            if name.startswith(live):
-                return saved + name[len(live):]
-        return name
+    # transformers' module-name prefixes <-> the Qwen2-VL checkpoint's, the names SGLang's loader takes
+    NAMES = (("model.visual.", "visual."), ("model.language_model.", "model."))
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """transformers' module name -> the checkpoint's (``model.visual.*`` -> ``visual.*``,
+        ``model.language_model.*`` -> ``model.*``)."""
+        return next((saved + name[len(live):] for live, saved in cls.NAMES if name.startswith(live)), name)
+
+    @classmethod
+    def live_name(cls, name: str) -> str:
+        """The checkpoint's name -> transformers' (``checkpoint_name``'s inverse)."""
+        return next((live + name[len(saved):] for live, saved in cls.NAMES if name.startswith(saved)), name)
 
     @staticmethod
     def live_dtypes(layout: FusedNames) -> dict[str, torch.dtype]:
@@ -438,11 +443,10 @@ class _VisionRequests:
         ``attn.qkv_proj`` is HF's ``attn.qkv``), under the live module's names."""
         text = FusedNames({k: v for k, v in layout.dtypes.items() if not k.startswith("visual.")}, layout.packed,
                           layout.tied).hf_dtypes()
-        out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-               for k, v in text.items()}
+        out = {_VisionRequests.live_name(k): v for k, v in text.items()}
         for name, dtype in layout.dtypes.items():
             if name.startswith("visual."):
-                out["model." + name.replace(".attn.qkv_proj.", ".attn.qkv.")] = dtype
+                out[_VisionRequests.live_name(name.replace(".attn.qkv_proj.", ".attn.qkv."))] = dtype
         return out
 
     def image_data(self, rows: list[list[int]], inputs: Sequence[Any] | None) -> list[Any]:
