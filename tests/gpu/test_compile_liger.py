@@ -5,6 +5,7 @@ weights, so compiled and Liger log-probs are compared with eager ones within bf1
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -67,8 +68,10 @@ _LIGER = textwrap.dedent("""
 
 def test_liger_log_probs_equal_the_unpatched_model_on_cuda(tiny_model_dir):
     pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (pip install liger-kernel)")
+    # the child makes its own world of one: a MASTER_PORT inherited from this process's store would be taken
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run([sys.executable, "-c", _LIGER, str(tiny_model_dir)], capture_output=True, text=True,
-                         timeout=300, cwd=Path(__file__).resolve().parents[2])
+                         timeout=300, cwd=Path(__file__).resolve().parents[2], env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["norm"].startswith("Liger"), result  # the kernels really are in the model
