@@ -161,7 +161,7 @@ class ActorRolloutRefWorker(Worker):
         one to share (FSDP); else, for the HF engine an HF copy of the policy that ``update_actor``
         refreshes tensor by tensor from the engine's weights, and for vLLM none (it loads the same
         stream). A rollout pool of its own (role ``rollout``) holds such a copy too: a whole replica
-        per rank, refreshed by ``receive_weights``."""
+        per rank, refreshed by ``receive_weights``. A copy is loaded in ``_copy_dtype``."""
         shared = self.engine.rollout_module() if self.engine is not None else None
         if shared is not None:
             return shared
@@ -169,12 +169,29 @@ class ActorRolloutRefWorker(Worker):
             return None
         from rlfoundry.models.hf import load_hf_model
 
-        module = load_hf_model(self.config.model.path, torch_dtype="fp32",
+        module = load_hf_model(self.config.model.path, torch_dtype=self._copy_dtype(),
                                trust_remote_code=self.config.model.trust_remote_code).to(self.device)
         module.requires_grad_(False)
         if cpu_kernels.enabled(self.config.model.cpu_kernels, self.device):
             cpu_kernels.apply_cpu_kernels(module, self.device)
         return module
+
+    def _copy_dtype(self) -> torch.dtype:
+        """The dtype of the HF rollout's own copy of the policy: the dtype the actor computes in on this
+        device, as the shared module decodes in it (``rollout_log_probs_inexact`` decides from the same
+        dtype): FSDP's ``mixed_precision.param_dtype``, by default bf16 on CUDA (half the memory and weight
+        reads of fp32, for a rollout pool sharing the GPU with the trainer, or a judge) and fp32 on a CPU;
+        an engine with a dtype key of its own (Megatron's ``megatron.dtype``) on CUDA, fp32 on a CPU, where
+        bf16 matmuls are slow and the copy stayed fp32 before."""
+        from rlfoundry.config.typed import pick
+        from rlfoundry.engines.fsdp.utils import compute_dtype
+        from rlfoundry.models.hf import resolve_dtype
+
+        actor = self.config.actor
+        own = engine_plugin(actor.strategy).dtype_key
+        if own is not None:
+            return resolve_dtype(pick(actor, own, None)) if self.device.type == "cuda" else torch.float32
+        return compute_dtype(self.device, (actor.fsdp_config.mixed_precision or {}).get("param_dtype"))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

@@ -139,6 +139,41 @@ def test_with_verify_off_a_skipped_sync_goes_unnoticed(tiny_model_dir, monkeypat
     assert worker.rollout_version == 4
 
 
+
+def _copy_syncs_in_bf16(worker, tokenizer, monkeypatch) -> None:
+    """A rollout copy in bf16 takes the trainer's fp32 tensors rounded, verified in its own dtype (a skipped
+    sync still caught), and samples with finite log-probs."""
+    assert {p.dtype for p in worker.rollout.module.parameters()} == {torch.bfloat16}
+    weights = [(n, t.float()) for n, t in _trained(worker, 1.01)]
+    worker._load_into_rollout(iter(weights), 3, "test")
+    assert all(torch.equal(p, dict(weights)[n].to(p.device, torch.bfloat16))
+               for n, p in worker.rollout.module.named_parameters())
+    load = worker.rollout.sync_weights
+    monkeypatch.setattr(worker.rollout, "sync_weights", lambda named: None)
+    with pytest.raises(StaleWeightsError, match="differs"):
+        worker._load_into_rollout(iter([(n, t * 1.5) for n, t in weights]), 4, "test")
+    monkeypatch.setattr(worker.rollout, "sync_weights", load)
+    out = worker.rollout.generate_sequences(make_prompts(tokenizer, TEXTS).to(worker.device))
+    logp = out.batch["rollout_log_probs"][out.batch["response_mask"].bool()]
+    assert logp.numel() and bool(torch.isfinite(logp).all()) and bool((logp <= 0).all())
+
+
+def test_a_rollout_copy_takes_the_dtype_the_actor_computes_in(tiny_model_dir, tokenizer, monkeypatch):
+    """A rollout pool's copy decodes in the actor's compute dtype (fp32 on a CPU by default, above;
+    here mixed_precision.param_dtype=bf16), as the actor's shared module does."""
+    worker = local_worker(worker_config(tiny_model_dir, ["actor.fsdp_config.mixed_precision.param_dtype=bf16"]),
+                          role="rollout").worker
+    _copy_syncs_in_bf16(worker, tokenizer, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_a_rollout_copy_is_bf16_on_cuda_by_default(tiny_model_dir, tokenizer, monkeypatch):
+    """On CUDA the actor computes in bf16 by default: a rollout pool's (or a judge's) copy is bf16 too,
+    half the memory of the fp32 copy it held before, beside the trainer on the same GPU."""
+    worker = local_worker(worker_config(tiny_model_dir), role="rollout").worker
+    assert worker.device.type == "cuda"
+    _copy_syncs_in_bf16(worker, tokenizer, monkeypatch)
+
 # ---- param_version on the hybrid path -------------------------------------------------------------
 
 def _scored(group, prompts):
