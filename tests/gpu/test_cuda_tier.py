@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.trainer import _e2e as E
+from tests.trainer.test_e2e_judge import judge_dir  # noqa: F401 - fixture: a judge taught by rlfoundry sft
 
 pytestmark = pytest.mark.gpu
 
@@ -221,6 +222,26 @@ def test_code_rewards_score_programs_in_a_cuda_run(tiny_model_dir, tmp_path):
             assert score == pytest.approx(PROGRAMS[kind][1]), (kind, score)
             seen.add(kind)
     assert seen == set(kinds)
+
+
+
+def test_a_judge_scores_as_taught_and_trains_a_policy_on_cuda(judge_dir, tmp_path):
+    """The generative reward model on CUDA (its copy of the judge in bf16, as the actor computes): the
+    responses it was taught to judge get the taught verdicts, a malformed judgement costs failure_score,
+    a response too long for its prompt is not sent, and it trains the policy two steps unchanged."""
+    from tests.trainer.test_e2e_judge import ERRORS, FIXED, fixed_batch, judge_module, judge_overrides
+
+    run = E.train(E.tiny_overrides("rlfoundry://arithmetic-policy", tmp_path, CUDA, *judge_overrides(judge_dir)),
+                  keep_trainer=True)
+    judge = judge_module(run.trainer)
+    assert {(p.device.type, p.dtype) for p in judge.parameters()} == {("cuda", torch.bfloat16)}
+    out = run.trainer.judge.compute_rm_score(fixed_batch(extra_rows=1))
+    scores, errors = out.batch["judge_scores"].sum(-1).tolist(), list(out.non_tensor_batch["judge_error"])
+    taught = [score for *_, score in FIXED]
+    assert scores[:6] == taught[:6] and errors[:6] == ERRORS[:6]  # the verdicts it was taught, in bf16
+    assert scores[6:] == [-1.0] * 3 and all(e is not None for e in errors[6:]) and errors[-1] == "prompt_too_long"
+    for step in (1, 2):
+        _finite(run.step(step), "actor/pg_loss", "actor/grad_norm")
 
 
 def test_dynamic_sampling_keeps_only_informative_groups_on_cuda(tiny_model_dir, tmp_path):
