@@ -24,11 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["PackedBatch", "common_left_padding", "pack_padded_batch", "unpack_to_padded", "packed_next_token_ids",
-           "forward_logits"]
+__all__ = ["PackedBatch", "PackLayout", "common_left_padding", "pack_layout", "pack_padded_batch", "unpack_to_padded",
+           "packed_next_token_ids", "forward_logits", "packed_causal_mask"]
 
 
 def common_left_padding(attention_mask: torch.Tensor) -> int:
@@ -101,6 +102,54 @@ def pack_padded_batch(
         batch_size=batch_size,
         seqlen=seqlen,
     )
+
+
+@dataclass
+class PackLayout:
+    """Where a micro-batch's real tokens go in the pack, worked out on the host from per-row counts read
+    once for the whole batch (``RowSummary``), so packing reads nothing from the device (issue 34).
+
+    Attributes (host ``long`` tensors):
+        indices: (nnz,) flat index into the (B*T) grid of each packed token.
+        position_ids: (nnz,) its position, 0, 1, ... within its row.
+        sequence_ids: (nnz,) its row.
+        keep: (K,) packed index of each real token that predicts a response slot.
+        slots: (K,) flat index into the (B*Tr) response grid of the slot it predicts.
+    """
+
+    indices: torch.Tensor
+    position_ids: torch.Tensor
+    sequence_ids: torch.Tensor
+    keep: torch.Tensor
+    slots: torch.Tensor
+
+
+def pack_layout(starts: list[int], counts: list[int], seqlen: int, response_width: int) -> PackLayout:
+    """The pack of rows whose real tokens are one run each: row i's ``counts[i]`` tokens from column
+    ``starts[i]`` of a (B, ``seqlen``) batch whose last ``response_width`` columns are the responses.
+    The run must hold each row's positions 0, 1, ... (the summary checks both on the device). Computed
+    in numpy: host arithmetic that no device ever waits for."""
+    rows = len(counts)
+    start, count = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    offsets = np.cumsum(count) - count
+    sequence_ids = np.repeat(np.arange(rows), count)
+    position_ids = np.arange(int(count.sum())) - offsets[sequence_ids]
+    indices = sequence_ids * seqlen + start[sequence_ids] + position_ids
+    # response slot j of a row is predicted by column seqlen - response_width - 1 + j, if that is a real token
+    column = seqlen - response_width - 1 + np.arange(response_width)
+    local = column[None, :] - start[:, None]  # (B, Tr) position of the predictor in its row's run
+    valid = (local >= 0) & (local < count[:, None])
+    keep = (offsets[:, None] + local)[valid]
+    slots = (np.arange(rows)[:, None] * response_width + np.arange(response_width))[valid]
+    return PackLayout(*(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+                        for a in (indices, position_ids, sequence_ids, keep, slots)))
+
+
+def packed_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """(1, 1, nnz, nnz) boolean mask of a pack: each token sees the earlier tokens of its own row — the
+    mask transformers builds for sdpa from the position resets, built here without reading the device."""
+    same = sequence_ids[:, None] == sequence_ids[None, :]
+    return (same & torch.ones_like(same).tril())[None, None]
 
 
 def unpack_to_padded(values: torch.Tensor, packed: PackedBatch, pad_value: float = 0.0) -> torch.Tensor:

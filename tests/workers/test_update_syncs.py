@@ -26,7 +26,9 @@ def test_the_counter_sees_reads_and_skips_host_made_indices(monkeypatch):
     ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=80"],
     ["actor.ppo_micro_batch_size_per_gpu=2", "model.use_shared_prompt=true"],
     ["actor.ppo_micro_batch_size_per_gpu=2", "actor.use_kl_loss=true", "actor.entropy_coeff=0.01"],
-], ids=["fixed", "token-budget", "shared-prompt", "kl-entropy"])
+    ["actor.ppo_micro_batch_size_per_gpu=2", "model.use_fused_kernels=true", "actor.entropy_coeff=0.01"],
+    ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=80", "model.use_remove_padding=true"],
+], ids=["fixed", "token-budget", "shared-prompt", "kl-entropy", "fused-head", "packed"])
 def test_one_mini_batch_update_reads_the_device_three_times(tiny_model_dir, batch, overrides, monkeypatch):
     actor = local_worker(worker_config(tiny_model_dir, ["actor.ppo_mini_batch_size=4", *overrides]),
                          role="actor").worker.actor

@@ -43,10 +43,18 @@ from rlfoundry.models.vision import (
     placeholder_ids,
 )
 from rlfoundry.protocol import DataProto
-from rlfoundry.utils.padding import common_left_padding, forward_logits, pack_padded_batch, unpack_to_padded
+from rlfoundry.utils.padding import (
+    common_left_padding,
+    forward_logits,
+    pack_layout,
+    pack_padded_batch,
+    packed_causal_mask,
+    unpack_to_padded,
+)
 from rlfoundry.utils.seqlen_balancing import (
     all_reduce_ints,
     length_sorted_micro_batches,
+    num_micro_batches_for_budget,
     rearrange_micro_batches,
     restore_order,
 )
@@ -132,7 +140,7 @@ class CausalLMForward:
         elif prompt_groups is not None:
             logits, labels, scatter = self._shared_prompt_response_logits(batch, *prompt_groups)
         elif self.use_remove_padding:
-            logits, labels, scatter = self._packed_response_logits(batch)
+            logits, labels, scatter = self._packed_response_logits(batch, plan.rows)
         else:
             logits, labels, scatter = self._padded_response_logits(batch)
         log_probs, entropy = self._per_token(logits, labels, spec.entropy)
@@ -216,12 +224,16 @@ class CausalLMForward:
             first_logits = torch.stack(self._unfused(first_logits, batch["responses"][:, :1]), dim=-1)
         return torch.cat([first_logits, tail[:, :-1]], dim=1), batch["responses"], _identity
 
-    def _packed_response_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _packed_response_logits(self, batch, rows: "RowSummary | None" = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Real tokens only, packed into one row; logits only where a real token predicts a response.
 
         From the second slot after EOS on, a response slot's predictor is itself padding and not in
         the pack: its log-prob (and entropy) come back as 0. Those slots are masked out anyway.
+        ``rows``: the micro-batch's summary; where every row is one run of counted positions the pack is
+        laid out on the host (``_planned_pack``), else here, reading the device (and checking the layout).
         """
+        if rows is not None and rows.rows and all(rows.packable):
+            return self._planned_pack(batch, rows)
         input_ids, responses = batch["input_ids"], batch["responses"]
         rows, seqlen = input_ids.shape
         width = responses.shape[-1]
@@ -249,6 +261,38 @@ class CausalLMForward:
 
         return logits, labels, scatter
 
+    def _planned_pack(self, batch, rows: "RowSummary") -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``_packed_response_logits`` from the rows' summary: every index of the pack made on the host and
+        copied over without waiting, the sdpa mask built from them, so nothing is read from the device
+        (a packed micro-batch made ~10 reads: the pack's size, its layout check, transformers' look for
+        position resets, the trim)."""
+        input_ids, responses = batch["input_ids"], batch["responses"]
+        n_rows, seqlen = input_ids.shape
+        width = responses.shape[-1]
+        cut = rows.prompt_width - (seqlen - width)  # leading columns the trim took off
+        starts = [(lead if prompt else rows.prompt_width) - cut for lead, prompt in zip(rows.lead, rows.prompt_tokens)]
+        counts = [prompt + length for prompt, length in zip(rows.prompt_tokens, rows.lengths)]
+        layout = pack_layout(starts, counts, seqlen, width)
+        dev = input_ids.device
+        indices, keep, slots = (_host_to(t, dev) for t in (layout.indices, layout.keep, layout.slots))
+        ids, positions = input_ids.reshape(-1)[indices][None], _host_to(layout.position_ids, dev)[None]
+        labels = responses.reshape(-1)[slots]
+        gather = _identity
+        if self.sp is not None:
+            logits, labels, gather = ulysses.packed_logits_at(self.module, ids, positions, keep, labels, self.sp,
+                                                              lm=self._lm)
+        else:
+            mask = packed_causal_mask(_host_to(layout.sequence_ids, dev)) if _sdpa_full_attention(self.module) else None
+            logits = self._lm(labels[None], input_ids=ids, attention_mask=mask, position_ids=positions,
+                              use_cache=False, logits_to_keep=keep)[0]
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            full = values.new_zeros((n_rows * width,))
+            full[slots] = gather(values)  # integer indices: no read of a count
+            return full.view(n_rows, width)
+
+        return logits, labels, scatter
+
     # ---- the micro-batch plan ----------------------------------------------------------------
 
     def micro_batches(self, data: DataProto, micro: MicroBatching) -> tuple[list[DataProto], list[list[int]] | None]:
@@ -261,9 +305,12 @@ class CausalLMForward:
         keep their order, budgets count real tokens.
         """
         group = self.group_if_dist()
-        if micro.max_token_len is not None and self.use_remove_padding:
-            return rearrange_micro_batches(data, max_token_len=micro.max_token_len, dp_group=group)
         summary = row_summary(data.batch)  # the plan's one read of the device
+        if micro.max_token_len is not None and self.use_remove_padding:  # budgets count real tokens
+            seqlens = [p + r for p, r in zip(summary.prompt_tokens, summary.lengths)]
+            _, parts = num_micro_batches_for_budget(seqlens, micro.max_token_len, group)
+            parts.sort(key=lambda p: (p[0] if p else float("inf")))
+            return _with_summaries(data, summary, parts), parts
         if micro.max_token_len is not None:
             parts = length_sorted_micro_batches(list(summary.lengths), summary.prompt_width, micro.max_token_len, group)
             return _with_summaries(data, summary, parts), parts
@@ -320,8 +367,8 @@ class CausalLMForward:
         """Per micro-batch, what its forward needs to know beforehand: its trim (from the row summary
         ``micro_batches`` attached, so the forward reads nothing from the device) and its prompt groups."""
         groups = self.shared_prompt_plan(micros)
-        return [MicroPlan(_summary_of(m).trim() if _summary_of(m) is not None and len(m) else None, g)
-                for m, g in zip(micros, groups)]
+        summaries = [_summary_of(m) if len(m) else None for m in micros]
+        return [MicroPlan(rows.trim() if rows is not None else None, g, rows) for rows, g in zip(summaries, groups)]
 
     def shared_prompt_plan(self, micros: list[DataProto]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per micro-batch, its prompt groups when it takes the shared-prompt path, else None.
@@ -475,22 +522,26 @@ _SUMMARY = "_rlf_row_summary"  # meta_info key of a micro-batch's RowSummary (se
 
 
 class MicroPlan(NamedTuple):
-    """A micro-batch's forward plan: its (width, lead) trim when known, and its prompt groups."""
+    """A micro-batch's forward plan: its (width, lead) trim when known, its prompt groups, and its rows'
+    summary (a packed forward lays the pack out from it)."""
 
     trim: tuple[int, int] | None
     prompt_groups: tuple[torch.Tensor, torch.Tensor] | None
+    rows: "RowSummary | None" = None
 
 
 @dataclass(frozen=True)
 class RowSummary:
-    """Per row: real response tokens, leading prompt columns that are padding, real prompt tokens, and
-    the first row (of the summarised batch) with the same prompt — host integers, read once."""
+    """Per row: real response tokens, leading prompt columns that are padding, real prompt tokens, the
+    first row (of the summarised batch) with the same prompt, and whether its real tokens are one run
+    holding positions 0, 1, ... (what padding removal needs) — host integers, read once."""
 
     lengths: tuple[int, ...]
     lead: tuple[int, ...]
     prompt_tokens: tuple[int, ...]
     group: tuple[int, ...]
     prompt_width: int
+    packable: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -499,7 +550,7 @@ class RowSummary:
     def select(self, rows: Sequence[int]) -> "RowSummary":
         pick = lambda values: tuple(values[i] for i in rows)  # noqa: E731
         return RowSummary(pick(self.lengths), pick(self.lead), pick(self.prompt_tokens), pick(self.group),
-                          self.prompt_width)
+                          self.prompt_width, pick(self.packable) if self.packable else ())
 
     def trim(self) -> tuple[int, int]:
         """(response width, leading prompt columns) ``trim_response_padding`` cuts to."""
@@ -518,9 +569,21 @@ def row_summary(batch) -> RowSummary:
     prompt_mask = mask[:, :tp]
     lead = torch.where(prompt_mask.any(-1), prompt_mask.int().argmax(-1), max(tp - 1, 0))
     group = _first_equal_rows(ids[:, :tp].masked_fill(prompt_mask == 0, -1))
-    lengths, lead, prompt_tokens, group = torch.stack(
-        [mask[:, tp:].sum(-1), lead, prompt_mask.sum(-1), group]).tolist()  # one read
-    return RowSummary(tuple(lengths), tuple(lead), tuple(prompt_tokens), tuple(group), tp)
+    packable = _packable_rows(mask, batch.get("position_ids", None))
+    lengths, lead, prompt_tokens, group, packable = torch.stack(
+        [mask[:, tp:].sum(-1), lead, prompt_mask.sum(-1), group, packable]).tolist()  # one read
+    return RowSummary(tuple(lengths), tuple(lead), tuple(prompt_tokens), tuple(group), tp, tuple(packable))
+
+
+def _packable_rows(mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """(B,) 1 where a row's real tokens are one run holding positions 0, 1, ... (``cumsum(mask) - 1``):
+    the layout padding removal packs; 0 for 3-D (vision) positions, which are never packed."""
+    if position_ids is None or position_ids.dim() != 2:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    real = mask.bool()
+    runs = (real & ~F.pad(real, (1, 0))[:, :-1]).sum(-1)  # columns where a run of real tokens starts
+    counted = (position_ids == real.long().cumsum(-1) - 1) | ~real
+    return ((runs <= 1) & counted.all(-1)).long()
 
 
 def _first_equal_rows(keys: torch.Tensor) -> torch.Tensor:
@@ -552,12 +615,9 @@ def _host_to(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.pin_memory().to(device, non_blocking=True)
 
 
-def _prepared_causal_mask(module: nn.Module, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any = None) -> Any:
-    """A forward's attention mask, built here with transformers' own ``create_causal_mask`` for sdpa
-    models with full attention only: HF would otherwise test the 2-D padding mask for an all-ones fast
-    path (``fast_all``), a device read in every forward. The 4-D mask is the one HF builds itself (and
-    takes as prepared); same math. Other models get the 2-D mask. ``mask`` (b, past + new tokens); ``position_ids`` (b, new tokens); ``cache``: the KV cache
-    the forward continues (None: no past)."""
+def _sdpa_full_attention(module: nn.Module) -> Any:
+    """The model's config where it is a text model on sdpa with full attention in every layer (a 4-D
+    boolean mask built here is the one transformers would build), else None."""
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     config = getattr(base, "config", None)
     layer_types = getattr(config, "layer_types", None)
@@ -565,6 +625,18 @@ def _prepared_causal_mask(module: nn.Module, mask: torch.Tensor, position_ids: t
         getattr(config, "sliding_window", None) is not None
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or windowed or \
             getattr(config, "vision_config", None) is not None:
+        return None
+    return config
+
+
+def _prepared_causal_mask(module: nn.Module, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any = None) -> Any:
+    """A forward's attention mask, built here with transformers' own ``create_causal_mask`` for sdpa
+    models with full attention only: HF would otherwise test the 2-D padding mask for an all-ones fast
+    path (``fast_all``), a device read in every forward. The 4-D mask is the one HF builds itself (and
+    takes as prepared); same math. Other models get the 2-D mask. ``mask`` (b, past + new tokens); ``position_ids`` (b, new tokens); ``cache``: the KV cache
+    the forward continues (None: no past)."""
+    config = _sdpa_full_attention(module)
+    if config is None:
         return mask
     try:
         from transformers.masking_utils import create_causal_mask
