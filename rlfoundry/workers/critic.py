@@ -126,8 +126,9 @@ class DataParallelPPOCritic:
             cliprange_value=self.config.cliprange_value, loss_agg_mode=self.config.loss_agg_mode,
             **info,
         )
-        ratios = {"critic/vf_clipfrac": float(vf_clipfrac), "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
-        return LossOutput(vf_loss, {"critic/vf_loss": float(vf_loss.detach())}, ratios)
+        # 0-d tensors, summed on the device and read once per mini-batch with the grad norm (MiniBatchStats)
+        ratios = {"critic/vf_clipfrac": vf_clipfrac.detach(), "critic/vpred_mean": masked_mean(vpreds.detach(), mask)}
+        return LossOutput(vf_loss, {"critic/vf_loss": vf_loss.detach()}, ratios)
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """``ppo_epochs`` passes of mini-batch value-loss steps over ``data``; metrics per step.

@@ -47,3 +47,20 @@ def test_reads_grow_with_mini_batches_not_micro_batches(tiny_model_dir, batch, m
     with count_host_reads(monkeypatch) as reads:
         actor.update_policy(batch)
     assert len(reads) <= 6, reads
+
+
+@pytest.mark.parametrize("overrides", [{}, {"use_dynamic_bsz": True}, {"use_remove_padding": True},
+                                       {"use_dynamic_bsz": True, "use_remove_padding": True}],
+                         ids=["fixed", "token-budget", "packed", "packed-token-budget"])
+def test_a_critic_update_reads_the_device_three_times_per_mini_batch(tiny_critic_dir, overrides):
+    """The critic as the actor: its value losses stay on the device, the padded forward gets its 4-D mask
+    prepared, a packed one is laid out from the rows' summary (7 reads per mini-batch padded and 10
+    packed before)."""
+    from tests.workers.test_critic import _config, _critic, _rollout_batch, _with_values
+
+    group = _critic(_config(tiny_critic_dir, **overrides))
+    data = _with_values(group, _rollout_batch())  # 8 rows: two mini-batches of 4
+    with count_host_reads() as reads:
+        metrics = group.update_critic(data).meta_info["metrics"]
+    assert len(metrics["critic/grad_norm"]) == 2 and len(reads) <= 6, reads
+    assert all(v > 0 for v in metrics["critic/vf_loss"])

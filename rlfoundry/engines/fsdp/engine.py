@@ -62,7 +62,9 @@ from rlfoundry.engines.fsdp.forward import (
     plain_context,
     plain_micro_batches,
     restore,
+    summary_entries,
     value_forward,
+    value_micro_batches,
 )
 from rlfoundry.engines.fsdp.fused_head import check_fused_kernels
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
@@ -189,11 +191,15 @@ class FSDPEngine(TrainingEngine):
             micro = MicroBatching(size=micro.size, max_token_len=micro.max_token_len * self.sp.size)
         if isinstance(output, LogProbs):
             return self.lm.micro_batches(data, micro)
+        if isinstance(output, Values):
+            return value_micro_batches(data, micro, self.lm.group_if_dist(), self.config.use_remove_padding)
         return plain_micro_batches(data, micro, self.lm.group_if_dist())
 
     def _plan(self, micros: list[DataProto], output: Output) -> list[Any]:
         if isinstance(output, LogProbs):
             return self.lm.plan_entries(micros)
+        if isinstance(output, Values):
+            return summary_entries(micros)
         return [None] * len(micros)
 
     def _compiled(self) -> contextlib.AbstractContextManager:
@@ -209,7 +215,7 @@ class FSDPEngine(TrainingEngine):
         if isinstance(output, LogProbs):
             return self.lm(micro, output, plan_entry)
         if isinstance(output, Values):
-            return value_forward(self._module, micro, self.config.use_remove_padding, self.sp)
+            return value_forward(self._module, micro, self.config.use_remove_padding, self.sp, plan_entry)
         if self.sp is not None:
             raise NotImplementedError(f"{self.role}: a role's own forward function under Ulysses sequence "
                                       "parallelism is not built; use ulysses_sequence_parallel_size=1")

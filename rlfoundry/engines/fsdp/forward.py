@@ -266,32 +266,16 @@ class CausalLMForward:
         copied over without waiting, the sdpa mask built from them, so nothing is read from the device
         (a packed micro-batch made ~10 reads: the pack's size, its layout check, transformers' look for
         position resets, the trim)."""
-        input_ids, responses = batch["input_ids"], batch["responses"]
-        n_rows, seqlen = input_ids.shape
-        width = responses.shape[-1]
-        cut = rows.prompt_width - (seqlen - width)  # leading columns the trim took off
-        starts = [(lead if prompt else rows.prompt_width) - cut for lead, prompt in zip(rows.lead, rows.prompt_tokens)]
-        counts = [prompt + length for prompt, length in zip(rows.prompt_tokens, rows.lengths)]
-        layout = pack_layout(starts, counts, seqlen, width)
-        dev = input_ids.device
-        indices, keep, slots = (_host_to(t, dev) for t in (layout.indices, layout.keep, layout.slots))
-        ids, positions = input_ids.reshape(-1)[indices][None], _host_to(layout.position_ids, dev)[None]
-        labels = responses.reshape(-1)[slots]
+        pack = planned_pack(self.module, batch, rows, mask=self.sp is None)
+        labels = batch["responses"].reshape(-1)[pack.slots]
         gather = _identity
         if self.sp is not None:
-            logits, labels, gather = ulysses.packed_logits_at(self.module, ids, positions, keep, labels, self.sp,
-                                                              lm=self._lm)
+            logits, labels, gather = ulysses.packed_logits_at(self.module, pack.input_ids, pack.position_ids, pack.keep,
+                                                              labels, self.sp, lm=self._lm)
         else:
-            mask = packed_causal_mask(_host_to(layout.sequence_ids, dev)) if _sdpa_full_attention(self.module) else None
-            logits = self._lm(labels[None], input_ids=ids, attention_mask=mask, position_ids=positions,
-                              use_cache=False, logits_to_keep=keep)[0]
-
-        def scatter(values: torch.Tensor) -> torch.Tensor:
-            full = values.new_zeros((n_rows * width,))
-            full[slots] = gather(values)  # integer indices: no read of a count
-            return full.view(n_rows, width)
-
-        return logits, labels, scatter
+            logits = self._lm(labels[None], input_ids=pack.input_ids, attention_mask=pack.mask,
+                              position_ids=pack.position_ids, use_cache=False, logits_to_keep=pack.keep)[0]
+        return logits, labels, lambda values: pack.scatter(gather(values))
 
     # ---- the micro-batch plan ----------------------------------------------------------------
 
@@ -306,19 +290,12 @@ class CausalLMForward:
         """
         group = self.group_if_dist()
         summary = row_summary(data.batch)  # the plan's one read of the device
-        if micro.max_token_len is not None and self.use_remove_padding:  # budgets count real tokens
-            seqlens = [p + r for p, r in zip(summary.prompt_tokens, summary.lengths)]
-            _, parts = num_micro_batches_for_budget(seqlens, micro.max_token_len, group)
-            parts.sort(key=lambda p: (p[0] if p else float("inf")))
-            return _with_summaries(data, summary, parts), parts
+        if self.use_remove_padding:
+            return summarised_micro_batches(data, summary, micro, group)
         if micro.max_token_len is not None:
             parts = length_sorted_micro_batches(list(summary.lengths), summary.prompt_width, micro.max_token_len, group)
             return _with_summaries(data, summary, parts), parts
-        size = micro.size or len(data)
-        if self.use_remove_padding:
-            parts = [list(range(i, min(i + size, len(data)))) for i in range(0, len(data), size)]
-            return [_summarised(m, summary.select(p)) for m, p in zip(data.split(size), parts)], None
-        return self._cheapest_fixed_size_plan(data, size, group, summary)
+        return self._cheapest_fixed_size_plan(data, micro.size or len(data), group, summary)
 
     def _cheapest_fixed_size_plan(self, data: DataProto, size: int, group: Any, summary: "RowSummary | None" = None):
         """Rows in the given order, or longest response first cut into 1, 2, 4 or 8 times as many
@@ -367,7 +344,7 @@ class CausalLMForward:
         """Per micro-batch, what its forward needs to know beforehand: its trim (from the row summary
         ``micro_batches`` attached, so the forward reads nothing from the device) and its prompt groups."""
         groups = self.shared_prompt_plan(micros)
-        summaries = [_summary_of(m) if len(m) else None for m in micros]
+        summaries = summary_entries(micros)
         return [MicroPlan(rows.trim() if rows is not None else None, g, rows) for rows, g in zip(summaries, groups)]
 
     def shared_prompt_plan(self, micros: list[DataProto]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -445,16 +422,60 @@ class CausalLMForward:
         return first, group
 
 
+class PlannedPack(NamedTuple):
+    """A micro-batch packed from its rows' summary (``planned_pack``): model inputs on the device, the
+    packed index of each response slot's predictor (``keep``) and the slot's flat index (``slots``)."""
+
+    input_ids: torch.Tensor  # (1, nnz)
+    position_ids: torch.Tensor  # (1, nnz)
+    mask: torch.Tensor | None  # (1, 1, nnz, nnz) for sdpa models, else None (HF finds the position resets)
+    keep: torch.Tensor  # (K,)
+    slots: torch.Tensor  # (K,) into the (b * Tr) response grid
+    shape: tuple[int, int]  # (b, Tr)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(K,) per-slot values -> (b, Tr), zero where no real token predicts the slot."""
+        full = values.new_zeros((self.shape[0] * self.shape[1],))
+        full[self.slots] = values  # integer indices: no read of a count
+        return full.view(self.shape)
+
+
+def planned_pack(module: nn.Module, batch: Any, rows: "RowSummary", mask: bool = True) -> PlannedPack:
+    """The padding-removed inputs of a (b, Tp+Tr) batch whose rows are all ``packable``, from their
+    summary: laid out on the host (``pack_layout``) and copied over without waiting, so packing reads
+    nothing from the device (a packed micro-batch used to read it ~10 times: the pack's size, its layout
+    check, transformers' look for position resets, the trim). ``batch`` may be trimmed (fewer leading
+    prompt columns, a narrower response) after ``rows`` were read. ``mask``: build the sdpa mask."""
+    input_ids = batch["input_ids"]
+    n_rows, seqlen = input_ids.shape
+    width = batch["responses"].shape[-1]
+    cut = rows.prompt_width - (seqlen - width)  # leading columns a trim took off
+    starts = [(lead if prompt else rows.prompt_width) - cut for lead, prompt in zip(rows.lead, rows.prompt_tokens)]
+    layout = pack_layout(starts, list(rows.real_tokens), seqlen, width)
+    dev = input_ids.device
+    indices = _host_to(layout.indices, dev)
+    attention = packed_causal_mask(_host_to(layout.sequence_ids, dev)) if mask and _sdpa_full_attention(module) else None
+    return PlannedPack(input_ids.reshape(-1)[indices][None], _host_to(layout.position_ids, dev)[None], attention,
+                       _host_to(layout.keep, dev), _host_to(layout.slots, dev), (n_rows, width))
+
+
 def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool,
-                  sp: ulysses.SequenceParallel | None = None) -> dict[str, torch.Tensor]:
+                  sp: ulysses.SequenceParallel | None = None, rows: "RowSummary | None" = None) -> dict[str, torch.Tensor]:
     """``values`` (b, Tr) of a one-label token classifier (``sp``: split over a Ulysses group, packed;
     image rows: padded, with their pixel inputs).
 
     For a row ``[prompt (Tp) | response (Tr)]`` the value of response token t is the head output at
-    position ``Tp - 1 + t``: the state after the prompt and t response tokens, before token t.
+    position ``Tp - 1 + t``: the state after the prompt and t response tokens, before token t — the
+    position that predicts token t, so a pack planned from the rows' summary (``rows``) has them at its
+    ``keep`` (slots no real token predicts are 0: padding, masked out).
     """
     width = micro["responses"].shape[-1]
     pixels = _pixel_inputs(micro)
+    if use_remove_padding and sp is None and not pixels and rows is not None and rows.rows and all(rows.packable):
+        pack = planned_pack(module, micro, rows)
+        out = module(input_ids=pack.input_ids, attention_mask=pack.mask, position_ids=pack.position_ids,
+                     use_cache=False).logits
+        return {"values": pack.scatter(out[0, pack.keep, 0].float())}
     if pixels or micro["position_ids"].dim() == 3:
         # a vision-language critic (models/vision_value.py): the padded forward with the rows' pixel inputs
         # and (3, B, T) positions, as the actor's image rows take it (packing would need the pixels cut too)
@@ -463,10 +484,40 @@ def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool,
     elif sp is not None:
         packed = pack_padded_batch(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
         logits = unpack_to_padded(ulysses.packed_outputs(module, packed.input_ids, packed.position_ids, sp), packed)
-    else:
+    elif use_remove_padding:
         logits = forward_logits(module, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
-                                use_remove_padding=use_remove_padding)
+                                use_remove_padding=True)
+    else:  # transformers' own 4-D mask prepared here: its all-ones check of the 2-D one reads the device
+        logits = module(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False,
+                        attention_mask=_prepared_causal_mask(module, micro["attention_mask"], micro["position_ids"])).logits
     return {"values": logits[:, -width - 1: -1, 0].float()}
+
+
+def summarised_micro_batches(data: DataProto, summary: "RowSummary", micro: MicroBatching,
+                             group: Any) -> tuple[list[DataProto], list[list[int]] | None]:
+    """Micro-batches of packed rows in row order, each with its rows' summary: fixed-size, or token
+    budgets counting real tokens only (padding is not computed), the same count on every rank."""
+    if micro.max_token_len is not None:
+        _, parts = num_micro_batches_for_budget(list(summary.real_tokens), micro.max_token_len, group)
+        parts.sort(key=lambda p: (p[0] if p else float("inf")))
+        return _with_summaries(data, summary, parts), parts
+    size = micro.size or len(data)
+    parts = [list(range(i, min(i + size, len(data)))) for i in range(0, len(data), size)]
+    return [_summarised(m, summary.select(p)) for m, p in zip(data.split(size), parts)], None
+
+
+def value_micro_batches(data: DataProto, micro: MicroBatching, group: Any,
+                        packed: bool) -> tuple[list[DataProto], list[list[int]] | None]:
+    """The critic's micro-batches: packed ones from one read of the rows' summary (the forward lays the
+    pack out from it), else ``plain_micro_batches``."""
+    if packed and len(data) and data.batch["position_ids"].dim() == 2:
+        return summarised_micro_batches(data, row_summary(data.batch), micro, group)
+    return plain_micro_batches(data, micro, group)
+
+
+def summary_entries(micros: list[DataProto]) -> list["RowSummary | None"]:
+    """Each micro-batch's rows' summary, for its forward (None: empty or not summarised)."""
+    return [_summary_of(m) if len(m) else None for m in micros]
 
 
 def plain_micro_batches(data: DataProto, micro: MicroBatching, group: Any) -> tuple[list[DataProto], list[list[int]] | None]:
@@ -551,6 +602,11 @@ class RowSummary:
         pick = lambda values: tuple(values[i] for i in rows)  # noqa: E731
         return RowSummary(pick(self.lengths), pick(self.lead), pick(self.prompt_tokens), pick(self.group),
                           self.prompt_width, pick(self.packable) if self.packable else ())
+
+    @property
+    def real_tokens(self) -> tuple[int, ...]:
+        """Per row, its real tokens (prompt and response): the cost of a packed forward."""
+        return tuple(p + r for p, r in zip(self.prompt_tokens, self.lengths))
 
     def trim(self) -> tuple[int, int]:
         """(response width, leading prompt columns) ``trim_response_padding`` cuts to."""
