@@ -25,6 +25,10 @@ phase: time; for the actor update (forward + backward: 3 × the forward's FLOPs,
 valid tokens) its achieved FLOP/s as a fraction of that peak; for generation, tokens/s against the
 roofline bound (each decode step reads every weight once and does 2 FLOPs per weight and token,
 so it takes at least max(weight bytes / bandwidth, FLOPs / peak)); peak tree memory (PSS).
+With ``--hf-static-generate``, after the frameworks, transformers' own ``generate`` with its static
+cache (compiled on CUDA by transformers itself) samples the same step's rows on the same model (bf16 on
+CUDA), timed after a first call that pays the compile: issue 34's reference for the decode, reported
+as seconds per call and per token step beside rlfoundry's generation phase.
 Writes ``benchmarks/results/<name>.json``.
 """
 
@@ -97,6 +101,62 @@ print(json.dumps({"device": "cuda", "device_name": torch.cuda.get_device_name(),
                   "torch": torch.__version__, "matmul_gflops": max(gflops.values()),
                   "matmul_gflops_by_path": gflops, "read_gb_s": read}))
 """
+
+
+_HF_GENERATE_CODE = r"""
+import json, statistics, sys, time, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model_dir, device, n, new_tokens, repeats, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+torch.set_num_threads(threads)
+prompts = [m for m in json.loads(sys.stdin.read()) for _ in range(n)]  # each prompt's n samples, as GRPO's step
+tok = AutoTokenizer.from_pretrained(model_dir)
+tok.padding_side = "left"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32  # what rlfoundry decodes in on that device
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+enc = tok.apply_chat_template(prompts, add_generation_prompt=True, padding=True, return_tensors="pt",
+                              return_dict=True).to(device)
+def sync():
+    if device == "cuda":
+        torch.cuda.synchronize()
+def call():
+    sync(); start = time.perf_counter()
+    out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
+                         cache_implementation="static", pad_token_id=tok.pad_token_id)
+    sync()
+    return time.perf_counter() - start, out.shape[1] - enc["input_ids"].shape[1]
+first, _ = call()  # transformers compiles the static-cache decode step here (on CUDA)
+calls = [call() for _ in range(repeats)]
+gen = statistics.median(t for t, _ in calls)
+steps = statistics.median(k for _, k in calls)
+print(json.dumps({"rows": len(prompts), "first_call_s": first, "gen_s": gen, "steps": steps,
+                  "ms_per_step": 1e3 * gen / max(steps, 1), "calls_s": [t for t, _ in calls]}))
+"""
+
+
+def hf_static_generate(w, prepared, threads: int, repeats: int = 3) -> dict[str, Any]:
+    """transformers' ``generate`` with its static cache on the step's rows (``w.prompts_per_step``
+    prompts × ``w.n``), in a child process on ``w.device``: the first call (compile included) and the
+    median of ``repeats`` later ones, per call and per token step."""
+    from benchmarks.common import load_prompts
+
+    prompts = [m for m, _ in load_prompts(prepared.train_file)[: w.prompts_per_step]]
+    args = [prepared.model_dir, w.device, w.n, w.max_response_length, repeats, threads]
+    out = subprocess.run([sys.executable, "-c", _HF_GENERATE_CODE, *map(str, args)], input=json.dumps(prompts),
+                         cwd=str(REPO_ROOT), env=_child_env(w, "trl"), capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def versus_hf_generate(rows: list[dict[str, Any]], hf: dict[str, Any], w) -> dict[str, Any]:
+    """rlfoundry's generation phase against transformers' static-cache ``generate`` on the same rows: the
+    ratio of whole-call times (< 1: rlfoundry faster) and each one's time per token step (rlfoundry's
+    batch decodes until its longest sample ends, bounded by the response length: taken as that)."""
+    ours = next((r.get("gen_s") for r in rows if r.get("framework") == "rlfoundry"), None)
+    if "error" in hf or not ours:
+        return {}
+    return {"rlfoundry_gen_s": ours, "hf_static_gen_s": hf["gen_s"], "rlfoundry/hf_static gen time": ours / hf["gen_s"],
+            "rlfoundry_ms_per_step": 1e3 * ours / w.max_response_length, "hf_static_ms_per_step": hf["ms_per_step"]}
 
 
 def machine_peaks(w, threads: int) -> dict[str, Any]:
@@ -199,8 +259,12 @@ def compare(a: argparse.Namespace, layers: int, response_length: int, peaks: dic
     if "rlfoundry" in runs and "trl" in runs:
         for key in ("samples_per_s", "peak_tree_pss_mb"):
             ratios[f"rlfoundry/trl {key}"] = paired_ratios(runs["rlfoundry"], runs["trl"], key)
-    return {"workload": w.to_json(), "costs": costs, "prompt_tokens": prompt_len, "rows": rows, "ratios": ratios,
-            "runs": runs}
+    out = {"workload": w.to_json(), "costs": costs, "prompt_tokens": prompt_len, "rows": rows, "ratios": ratios,
+           "runs": runs}
+    if a.hf_static_generate:  # after the frameworks, so that it never shares the machine with them
+        hf = hf_static_generate(w, prepared, a.threads)
+        out["hf_static_generate"] = {**hf, **versus_hf_generate(rows, hf, w)}
+    return out
 
 
 def print_result(result: dict[str, Any]) -> None:
@@ -217,6 +281,14 @@ def print_result(result: dict[str, Any]) -> None:
     for name, r in result["ratios"].items():
         if r:
             print(f"  {name}: {r['median']:.2f}x  [per-round {', '.join(f'{x:.2f}' for x in r['per_repeat'])}]")
+    hf = result.get("hf_static_generate")
+    if hf and "error" in hf:
+        print(f"  transformers static-cache generate FAILED: {hf['error'][:1500]}")
+    elif hf:
+        mine = (f"; rlfoundry's generation {hf['rlfoundry_gen_s']:.2f} s ({hf['rlfoundry_ms_per_step']:.2f} ms/step), "
+                f"{hf['rlfoundry/hf_static gen time']:.2f}x its time") if "rlfoundry_gen_s" in hf else ""
+        print(f"  transformers static-cache generate, {hf['rows']} rows: {hf['gen_s']:.2f} s a call "
+              f"({hf['ms_per_step']:.2f} ms/step over {hf['steps']:.0f} steps; first call {hf['first_call_s']:.1f} s){mine}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -225,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--response-lengths", type=int, nargs="+", default=[32, 128])
     p.add_argument("--frameworks", nargs="+", default=["rlfoundry", "trl"], choices=["rlfoundry", "trl"])
     p.add_argument("--name", default="realistic")
+    p.add_argument("--hf-static-generate", action="store_true",
+                   help="also time transformers' generate with its static cache on the same rows (issue 34)")
     add_workload_args(p)
     p.set_defaults(shape="qwen2.5-0.5b", prompts_per_step=4, n=4, steps=3, repeats=2, rlfoundry_keys="verl",
                    rlfoundry_workers=1)

@@ -34,8 +34,8 @@
 # Exit status: 0 when every part passed.
 #
 # Knobs (environment): PYTHON (python3), WORK (/tmp/gpu_check_work), GPU_CHECK_WHEELS (.whl),
-# GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab", "fused", "wrapped"), T_ENV / T_TIER /
-# T_DEMO / T_BENCH / T_DYNAMIC / T_VOCAB / T_FUSED / T_WRAPPED (seconds per part), BENCH_STEPS / BENCH_WARMUP (6 / 3), TIER_WORKERS (pytest-xdist processes for the tier where
+# GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab", "fused", "wrapped", "hfgen"), T_ENV / T_TIER /
+# T_DEMO / T_BENCH / T_DYNAMIC / T_VOCAB / T_FUSED / T_WRAPPED / T_HFGEN (seconds per part), BENCH_STEPS / BENCH_WARMUP (6 / 3), TIER_WORKERS (pytest-xdist processes for the tier where
 # pytest-xdist is installed, as on the GPU image: 4; the tests' runs are small and the card is shared).
 
 set -u -o pipefail
@@ -52,10 +52,12 @@ if [ "$DRY" = 1 ]; then
     DEVICE=cpu
     T_ENV=${T_ENV:-60} T_TIER=${T_TIER:-120} T_DEMO=${T_DEMO:-180} T_BENCH=${T_BENCH:-240}
     T_DYNAMIC=${T_DYNAMIC:-120} T_VOCAB=${T_VOCAB:-240} T_FUSED=${T_FUSED:-120} T_WRAPPED=${T_WRAPPED:-120}
+    T_HFGEN=${T_HFGEN:-120}
 else
     DEVICE=cuda
     T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-200} T_DEMO=${T_DEMO:-70} T_BENCH=${T_BENCH:-220}
     T_DYNAMIC=${T_DYNAMIC:-150} T_VOCAB=${T_VOCAB:-240} T_FUSED=${T_FUSED:-150} T_WRAPPED=${T_WRAPPED:-150}
+    T_HFGEN=${T_HFGEN:-180}
 fi
 mkdir -p "$OUT" "$WORK"
 rm -f "$WORK/parts.tsv" "$WORK/tier.xml" "$OUT/summary.txt" "$OUT/summary.json"
@@ -178,6 +180,10 @@ part wrapped "$T_WRAPPED" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "
     --rlfoundry-override actor_rollout_ref.actor.fsdp_config.single_rank=fsdp \
     --rlfoundry-override actor_rollout_ref.ref.fsdp_config.single_rank=fsdp \
     --timeout $((T_WRAPPED - 20)) --work-dir "$WORK/bench" --results-dir "$OUT" --name "realistic_wrapped_$DEVICE"
+# rlfoundry's generation and transformers' compiled static-cache generate on the same rows, in one run (issue 34)
+part hfgen "$T_HFGEN" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" --frameworks rlfoundry \
+    --hf-static-generate --timeout $((T_HFGEN - 70)) --work-dir "$WORK/bench" --results-dir "$OUT" \
+    --name "realistic_hfgen_$DEVICE"
 
 # ── summary ──────────────────────────────────────────────────────────────────────────────────────
 "$PYTHON" scripts/gpu_check_report.py "$OUT" "$WORK" "$DEVICE" | tee -a "$SUMMARY"

@@ -83,10 +83,14 @@ def bench_figures(result_json: Path) -> dict[str, Any]:
         w = result.get("workload", {})
         rows = {r["framework"]: r for r in result.get("rows", [])}
         ratio = (result.get("ratios", {}).get("rlfoundry/trl samples_per_s") or {}).get("median")
+        hf = result.get("hf_static_generate")
+        errors = {fw: r["error"][:300] for fw, r in rows.items() if "error" in r}
+        if hf and "error" in hf:
+            errors["hf_static_generate"] = hf["error"][:300]
         shapes.append({"layers": w.get("num_layers"), "response_length": w.get("max_response_length"),
                        "samples_per_s": {fw: r.get("samples_per_s") for fw, r in rows.items()},
-                       "errors": {fw: r["error"][:300] for fw, r in rows.items() if "error" in r},
-                       "ratio": ratio})
+                       "errors": errors, "ratio": ratio,
+                       **({"hf_static_generate": hf} if hf and "error" not in hf else {})})
     return {"device": data.get("peaks", {}).get("device_name") or data.get("peaks", {}).get("device"),
             "shapes": shapes}
 
@@ -136,6 +140,10 @@ def describe(name: str, figures: dict[str, Any]) -> str:
         for s in figures["shapes"]:
             per = ", ".join(f"{fw} {v:.2f}" for fw, v in s["samples_per_s"].items() if _ok_number(v))
             ratio = f", rlfoundry/TRL {s['ratio']:.2f}x" if _ok_number(s["ratio"]) else ""
+            hf = s.get("hf_static_generate") or {}
+            if "rlfoundry_ms_per_step" in hf:
+                ratio += (f", decode {hf['rlfoundry_ms_per_step']:.2f} ms/step vs transformers' static-cache generate "
+                          f"{hf['hf_static_ms_per_step']:.2f} ({hf['rlfoundry/hf_static gen time']:.2f}x its time)")
             out.append(f"{s['layers']} layers, {s['response_length']} tokens: samples/s {per}{ratio}")
         return "; ".join(out)
     return ""
@@ -147,8 +155,9 @@ FIGURES = {"tier": lambda out, work, dev: tier_figures(work / "tier.xml", out / 
            "dynamic": lambda out, work, dev: bench_figures(out / f"realistic_dynamic_{dev}.json"),
            "vocab": lambda out, work, dev: bench_figures(out / f"realistic_vocab_{dev}.json"),
            "fused": lambda out, work, dev: bench_figures(out / f"realistic_fused_{dev}.json"),
-           "wrapped": lambda out, work, dev: bench_figures(out / f"realistic_wrapped_{dev}.json")}
-BENCHES = ("bench", "dynamic", "vocab", "fused", "wrapped")
+           "wrapped": lambda out, work, dev: bench_figures(out / f"realistic_wrapped_{dev}.json"),
+           "hfgen": lambda out, work, dev: bench_figures(out / f"realistic_hfgen_{dev}.json")}
+BENCHES = ("bench", "dynamic", "vocab", "fused", "wrapped", "hfgen")
 
 
 def report(out: Path, work: Path, device: str) -> tuple[dict[str, Any], list[str]]:

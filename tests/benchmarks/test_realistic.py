@@ -61,3 +61,39 @@ def test_a_padded_vocabulary_reaches_the_model_and_keeps_the_prompt_ids(tmp_path
     # the head's cost grows by hidden × (3000 − the byte vocabulary): 2 FLOPs per weight and token
     base = model_costs(prepare_in_process(small, tmp_path).model_dir)
     assert model_costs(files.model_dir)["flops_per_token"] - base["flops_per_token"] == 2 * 32 * (3000 - len(build_tokenizer()))
+
+
+def test_transformers_static_cache_generate_samples_the_steps_rows(prepared):
+    """The reference decode of issue 34: transformers' generate with its static cache on the step's rows
+    (prompts_per_step × n), timed after a first call, per call and per token step."""
+    from benchmarks.realistic import hf_static_generate
+
+    w, files = prepared
+    w = w.replace(max_response_length=5, threads=1)
+    hf = hf_static_generate(w, files, threads=1, repeats=2)
+    assert "error" not in hf, hf
+    assert hf["rows"] == w.prompts_per_step * w.n == 6
+    assert 1 <= hf["steps"] <= 5 and len(hf["calls_s"]) == 2 and hf["first_call_s"] > 0
+    assert hf["ms_per_step"] == pytest.approx(1e3 * hf["gen_s"] / hf["steps"])
+
+
+def test_rlfoundrys_generation_is_set_beside_it_by_hand(tmp_path):
+    import json
+
+    from benchmarks.realistic import versus_hf_generate
+    from scripts.gpu_check_report import bench_figures, describe
+
+    w = Workload(max_response_length=100)
+    hf = {"rows": 64, "gen_s": 4.0, "ms_per_step": 40.0, "steps": 100, "first_call_s": 40.0}
+    mine = versus_hf_generate([{"framework": "rlfoundry", "gen_s": 2.0}], hf, w)
+    assert mine == {"rlfoundry_gen_s": 2.0, "hf_static_gen_s": 4.0, "rlfoundry/hf_static gen time": 0.5,
+                    "rlfoundry_ms_per_step": 20.0, "hf_static_ms_per_step": 40.0}
+    assert versus_hf_generate([{"framework": "rlfoundry", "gen_s": 2.0}], {"error": "exit 1"}, w) == {}
+    # the GPU check's summary line for the part
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"peaks": {"device": "cuda"}, "results": [{
+        "workload": {"num_layers": 24, "max_response_length": 100}, "ratios": {},
+        "rows": [{"framework": "rlfoundry", "samples_per_s": 30.0}], "hf_static_generate": {**hf, **mine}}]}))
+    line = describe("hfgen", bench_figures(path))
+    assert line == ("24 layers, 100 tokens: samples/s rlfoundry 30.00, decode 20.00 ms/step vs transformers' "
+                    "static-cache generate 40.00 (0.50x its time)")
