@@ -196,7 +196,7 @@ class MegatronEngine(TrainingEngine):
 
         def loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor]):
             out: LossOutput = loss_fn(outputs, micro, info)
-            stats.add(out, float(micro[plan.mask_key].sum()))
+            stats.add(out, micro[plan.mask_key].sum())  # a 0-d tensor: read once with the metrics, not per micro-batch
             return out.loss, {}
 
         for chunk in self.chunks:
