@@ -104,7 +104,7 @@ if device == "cuda":
 print("python", sys.version.split()[0], sys.executable)
 for n in ["torch", "transformers", "accelerate", "peft", "tokenizers", "safetensors", "numpy", "pyarrow", "datasets",
           "tensordict", "hydra-core", "omegaconf", "torchdata", "math-verify", "pydantic", "pyseccomp", "trl", "pytest",
-          "megatron-core", "ray", "pytest-xdist", "liger-kernel", "triton"]:
+          "megatron-core", "mbridge", "ray", "pytest-xdist", "liger-kernel", "triton"]:
     try:
         print(f"  {n:16s} {metadata.version(n)}")
     except metadata.PackageNotFoundError:

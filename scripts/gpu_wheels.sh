@@ -6,7 +6,8 @@
 # The GPU image already holds torch, transformers, accelerate, peft, tokenizers, safetensors, numpy,
 # pyarrow, pandas, fsspec, huggingface-hub, xxhash, sympy, psutil, pytest and the like
 # (/work/.library/device/KINDS.md); these are the project's other imports (rlfoundry without Ray, the
-# GPU tier, the benchmark's TRL side), and transformers at this checkout's version (the image's is older;
+# GPU tier, the benchmark's TRL side, megatron-core and mbridge for the Megatron engine's bf16 test), and
+# transformers at this checkout's version (the image's is older;
 # the GPU run then tests the transformers that CI tests; it needs only the image's tokenizers and
 # huggingface-hub). antlr4-python3-runtime 4.9.3 (hydra's pin) has no wheel on the
 # index: pip builds one from its pure-Python source.
@@ -18,7 +19,7 @@ mkdir -p "$DIR"
 grep -qxF "/$DIR/" .git/info/exclude 2> /dev/null || { mkdir -p .git/info; echo "/$DIR/" >> .git/info/exclude; }
 
 NAMES=(tensordict pyvers hydra-core omegaconf datasets dill multiprocess torchdata math-verify latex2sympy2_extended
-       pydantic pydantic_core annotated-types typing-inspection pyseccomp trl transformers)
+       pydantic pydantic_core annotated-types typing-inspection pyseccomp trl transformers megatron-core mbridge)
 PLATFORMS=()
 for n in 17 24 27 28 31 34 35; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
 PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
