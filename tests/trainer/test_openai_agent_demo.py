@@ -15,22 +15,29 @@ pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 AGENT = Path(__file__).resolve().parents[2] / "scripts" / "react_calculator_agent.py"
+STEPS = 3
 
 
-def test_the_calculator_demo_learns_through_the_openai_endpoint(tmp_path):
-    """As ``test_e2e_learning.test_the_calculator_demo_learns_to_call_its_tool`` (20 of the 40 steps),
-    the trajectories made by the ReAct agent over HTTP: greedy validation starts near zero and rises by
-    more than 0.3 as GRPO teaches the policy to call the calculator; no sample is lost."""
-    run = E.train([f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=20",
-                   "trainer.test_freq=20", "trainer.save_freq=-1", "trainer.logger=file",
-                   "reward_model.reward_kwargs.num_workers=0", f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"],
-                  config_name="calculator_openai_agent")
-    key = "val-core/rlfoundry/arithmetic/reward/mean@1"
-    val = {r["step"]: r[key] for r in run.records if key in r}
-    turns = [run.step(s)["num_turns/mean"] for s in range(1, 21)]
-    print(f"calculator demo through the endpoint: validation {val}, turns per trajectory {np.round(turns, 2)}")
-    assert val[0] < 0.15, f"the packaged policy should start near zero: {val}"
-    assert val[20] > val[0] + 0.3, f"validation did not rise: {val}"
-    assert np.mean(turns[-5:]) > np.mean(turns[:5]) + 0.1, turns  # more calls: a call, its reply, the answer
-    assert not any(k.startswith("multi_turn/stop/agent_") and k != "multi_turn/stop/agent_done" and v > 0
-                   for s in range(1, 21) for k, v in run.step(s).items())
+def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains(tmp_path):
+    """The ReAct agent over HTTP against the built-in tool agent on the same seed (``calculator_grpo``):
+    every step's batch token for token, the same rewards, turns and losses. The agent runs its own code
+    between requests, so its requests are batched as they happen to arrive; the server keys each one's
+    draws by trajectory and turn, so that does not change a token (before 2026-11-27 two endpoint runs on
+    one seed differed from the first step). What ``test_e2e_learning``'s calculator demo learns in 20 steps
+    (0.05 -> 0.73 greedy validation; through the endpoint 0.047 -> 0.70 when it was run for 20 steps, 195 s
+    of CI) is therefore this run's too."""
+    common = [f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+              "trainer.save_freq=-1", "trainer.logger=file", "reward_model.reward_kwargs.num_workers=0"]
+    tool = E.train([f"trainer.default_local_dir={tmp_path / 'tool'}", *common], config_name="calculator_grpo")
+    endpoint = E.train([f"trainer.default_local_dir={tmp_path / 'endpoint'}", *common,
+                        f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"], config_name="calculator_openai_agent")
+    assert len(tool.batches) == len(endpoint.batches) == STEPS
+    for step, (a, b) in enumerate(zip(tool.batches, endpoint.batches), start=1):
+        for key in ("responses", "response_mask", "attention_mask"):
+            assert np.array_equal(np.asarray(a[key]), np.asarray(b[key])), (step, key)
+        assert E.sequence_scores(a).tolist() == E.sequence_scores(b).tolist()
+        ra, rb = tool.step(step), endpoint.step(step)
+        assert ra["num_turns/mean"] == rb["num_turns/mean"] and ra["num_turns/max"] >= 3  # a call, its reply, the answer
+        assert rb["actor/pg_loss"] == pytest.approx(ra["actor/pg_loss"], rel=1e-4, abs=1e-6)
+        assert not any(k.startswith("multi_turn/stop/agent_") and k != "multi_turn/stop/agent_done" and v > 0
+                       for k, v in rb.items())  # no trajectory lost to the agent

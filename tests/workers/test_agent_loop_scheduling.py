@@ -347,3 +347,46 @@ def test_format_trajectory_marks_exactly_the_unsampled_spans(tokenizer):
     assert format_trajectory(tokenizer, ids, [1, 1, 1, 0, 0, 1, 1]) == "ab<|im_end|>⟦cd⟧ef"
     assert format_trajectory(tokenizer, ids, [0] * 7, "[", "]") == "[ab<|im_end|>cdef]"
     assert format_trajectory(tokenizer, [], []) == ""
+
+
+# ---- sampling that does not depend on the batching ---------------------------------------------------
+
+def test_a_requests_tokens_do_not_depend_on_how_the_server_batched_it(tiny_model_dir, tokenizer):
+    """On the HF engine the server keys each request's draws by (the batch's reserved call, trajectory,
+    turn): four trajectories' two turns sampled all together (2 engine calls) or arriving one by one
+    (an engine call each) give the same tokens, and the engine's call counter moves by one either way, so
+    the next batch draws the same too. (A black-box agent's requests arrive as its own code runs.)"""
+    from tests.workers import local_worker, worker_config
+
+    engine = local_worker(worker_config(tiny_model_dir), role="rollout").worker.rollout
+    contexts = [tokenizer.encode(t) for t in ("hello world", "a", "the quick brown fox", "12+7=")]
+
+    async def run(grace_s: float, stagger_s: float):
+        server = GenerationServer(engine, tokenizer.pad_token_id, {}, grace_s)
+        for _ in contexts:
+            server.join()
+        serving = asyncio.create_task(server.serve())
+
+        async def trajectory(k: int):
+            await asyncio.sleep(stagger_s * k)
+            first = await server.generate(k, contexts[k], 6)
+            second = await server.generate(k, contexts[k] + first.token_ids, 6)
+            server.leave()
+            return first, second
+
+        try:
+            turns = await asyncio.gather(*(trajectory(k) for k in range(len(contexts))))
+        finally:
+            serving.cancel()
+        return turns, server.engine_calls
+
+    start = engine.calls
+    together, calls_together = asyncio.run(run(grace_s=30.0, stagger_s=0.0))
+    assert engine.calls == start + 1
+    engine.calls = start  # the same reserved call number: as a rerun of the same step
+    apart, calls_apart = asyncio.run(run(grace_s=0.0, stagger_s=0.5))
+    assert calls_together == 2 and calls_apart >= 4 and engine.calls == start + 1
+    for (a1, a2), (b1, b2) in zip(together, apart):
+        assert a1.token_ids == b1.token_ids and a2.token_ids == b2.token_ids
+        np.testing.assert_allclose(a1.log_probs + a2.log_probs, b1.log_probs + b2.log_probs, atol=1e-5)
+    assert len({tuple(a.token_ids) for a, _ in together}) > 1  # sampled, not one fixed string

@@ -36,7 +36,7 @@ from rlfoundry.engines.fsdp.utils import (
     unsharded,
 )
 from rlfoundry.workers.rollout.token_requests import as_id_list
-from rlfoundry.workers.rollout.static_decode import StaticDecoder, draw_uniforms, static_unsupported_reason
+from rlfoundry.workers.rollout.static_decode import KeyedDraws, StaticDecoder, draw_uniforms, static_unsupported_reason
 from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
 
 __all__ = ["HFRollout", "compute_device", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
@@ -133,9 +133,13 @@ def compute_device(module: nn.Module) -> torch.device:
     return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
-def _seed_for_call(seed: int, rank: int, call: int) -> int:
-    """A well-mixed 63-bit seed per (config seed, dp rank, call number): resumable from the counter."""
-    return int(np.random.SeedSequence([seed, rank, call]).generate_state(1, dtype=np.uint64)[0] >> 1)
+_KEYED = 1 << 40  # in the call-number slot of a keyed row's seed: never a real call number
+
+
+def _seed_for_call(seed: int, rank: int, call: int, *more: int) -> int:
+    """A well-mixed 63-bit seed per (config seed, dp rank, call number[, row key, sample]): resumable from
+    the counter."""
+    return int(np.random.SeedSequence([seed, rank, call, *more]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def _preallocated_layer_class():
@@ -356,6 +360,24 @@ class HFRollout(BaseRollout):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed, self.calls = int(state["seed"]), int(state["calls"])
 
+    def reserve_draws(self) -> int:
+        """One call number for a batch of calls that key their rows' draws (``sample_keys``; an agent loop's
+        server mixes it into each request's key): however many calls the batch then makes, the counter
+        moves by one, so the next draws do not depend on how its requests were batched."""
+        self.calls += 1
+        return self.calls - 1
+
+    def _draws(self, meta: Mapping[str, Any], rows: int, params: "SamplingParams", device: torch.device):
+        """The call's source of uniforms: the next call's generator, or with ``meta_info["sample_keys"]``
+        (one int per prompt row) each output row's own stream (``KeyedDraws``), the counter left alone."""
+        keys = meta.get("sample_keys")
+        if keys is None:
+            return self._next_generator(device)
+        if len(keys) != rows:
+            raise ValueError(f"sample_keys has {len(keys)} keys for {rows} prompt rows")
+        seeds = [_seed_for_call(self.seed, self.rank, _KEYED, int(k), j) for k in keys for j in range(params.n)]
+        return KeyedDraws(seeds, params.response_length, device)
+
     def _next_generator(self, device: torch.device) -> torch.Generator:
         gen = torch.Generator(device=device)
         gen.manual_seed(_seed_for_call(self.seed, self.rank, self.calls))
@@ -395,7 +417,7 @@ class HFRollout(BaseRollout):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         # image rows (docs/vision.md): pixel inputs go into the prefill; positions are (B, 3, Tp)
         pixels = model_multimodal_kwargs(prompts.non_tensor_batch.get("multi_modal_inputs"), device)
-        generator = self._next_generator(device)
+        generator = self._draws(prompts.meta_info, input_ids.shape[0], params, device)
         lead = common_left_padding(attention_mask)  # the prefill skips them; the output keeps them
         with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
             responses, log_probs, lengths = self._decode(

@@ -36,7 +36,7 @@ from torch import nn
 
 from rlfoundry.models.hf import kv_cache_kwargs
 
-__all__ = ["StaticDecoder", "bucket_for", "draw_uniforms", "static_unsupported_reason", "SYNC_EVERY"]
+__all__ = ["KeyedDraws", "StaticDecoder", "bucket_for", "draw_uniforms", "static_unsupported_reason", "SYNC_EVERY"]
 
 # Steps between the host's reads of the live-row count: the only host syncs of a decode. Larger
 # means fewer syncs but up to this many steps decoded after the last row finished.
@@ -71,13 +71,32 @@ def bucket_for(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length())
 
 
-def draw_uniforms(generator: torch.Generator | None, total: int, rows: torch.Tensor) -> torch.Tensor:
+class KeyedDraws:
+    """Each output row's uniforms from a stream of its own, seeded by the row's key, one per decode step:
+    a row's samples then depend on its key alone, not on which call or batch slot it was sampled in (an
+    agent loop's server batches requests as they arrive; ``server.py``). ``seeds``: one 63-bit seed per
+    output row; ``steps``: the call's response length."""
+
+    def __init__(self, seeds: list[int], steps: int, device: torch.device):
+        table = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        self.table, self.step = table.to(device), 0
+
+    def next(self, rows: torch.Tensor) -> torch.Tensor:
+        """The next step's uniforms (N, 1) for the batch's rows (``rows``: output row of each batch row)."""
+        u = self.table[:, self.step: self.step + 1]
+        self.step += 1
+        return u[rows.clamp(max=u.shape[0] - 1)]
+
+
+def draw_uniforms(generator: "torch.Generator | KeyedDraws | None", total: int, rows: torch.Tensor) -> torch.Tensor:
     """One uniform per output row (``total`` of them, a fixed number per step), picked for the rows the
     batch holds now (``rows``: output row of each batch row; values >= total are padding slots).
 
     Drawing per output row rather than per batch row makes the samples independent of how the
     batch is laid out (which rows were dropped, packed or padded): the dynamic and static loops
-    draw the same numbers for the same row."""
+    draw the same numbers for the same row. ``KeyedDraws``: each row's next uniform from its own stream."""
+    if isinstance(generator, KeyedDraws):
+        return generator.next(rows)
     u = torch.rand((total, 1), generator=generator, device=rows.device)
     return u[rows.clamp(max=total - 1)]
 

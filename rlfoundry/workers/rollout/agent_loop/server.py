@@ -7,7 +7,12 @@ starts when every live trajectory is waiting for the engine — the batch of the
 composed the same way whatever the tools' timing, so a seeded run draws the same tokens — or, when
 some trajectories are still in their tools, ``grace_s`` after the first request: a slow tool then
 delays the others by at most ``grace_s``, not by its own duration. The grace is timed by the event
-loop's clock, the one its timeouts run on (a test's virtual-time loop makes it exact). Each call's
+loop's clock, the one its timeouts run on (a test's virtual-time loop makes it exact). A black-box
+agent (``openai_agent``) runs its own code between requests, so how its requests are batched depends on
+timing: on an engine that keys its draws (the HF engine's ``reserve_draws``), each request's tokens are
+sampled from a stream of its own, keyed by the batch's reserved call number, its trajectory and its turn
+in that trajectory, so a seeded run samples the same tokens however the requests were batched (a
+trajectory's concurrent requests are keyed in the order they reach the server). Each call's
 meta-info carries every row's own budget (``max_response_lengths``): vLLM caps each request by it, the
 HF engine generates to the largest and the server cuts each row to its own.
 
@@ -72,6 +77,7 @@ class _Request:
     max_tokens: int
     future: asyncio.Future
     vision: PromptVision | None = None
+    draw_key: int = 0  # (reserved call, trajectory, turn) mixed: the key of its sampling stream
 
 
 class GenerationServer:
@@ -83,6 +89,9 @@ class GenerationServer:
         self.eos_ids = set(getattr(engine, "eos_token_ids", None) or [])
         self.live = 0  # trajectories started and not yet finished
         self.engine_calls = 0
+        reserve = getattr(engine, "reserve_draws", None)
+        self._salt = reserve() if callable(reserve) else None  # None: the engine draws per call
+        self._turns: dict[int, int] = {}  # requests so far per trajectory
         self._pending: list[_Request] = []
         self._wake: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-engine")
@@ -101,7 +110,10 @@ class GenerationServer:
         """The next turn after ``token_ids``; ``vision``: the image prompt they start with (see the module
         docstring), None for a text context."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(key, list(token_ids), int(max_tokens), future, vision))
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        draw_key = 0 if self._salt is None else _mix(self._salt, key, turn)
+        self._pending.append(_Request(key, list(token_ids), int(max_tokens), future, vision, draw_key))
         self._notify()
         return await future
 
@@ -150,6 +162,8 @@ class GenerationServer:
         self.engine_calls += 1
         budget = max(r.max_tokens for r in batch)
         meta = {**self.meta, "n": 1, "response_length": budget, "max_response_lengths": [r.max_tokens for r in batch]}
+        if self._salt is not None:
+            meta["sample_keys"] = [r.draw_key for r in batch]
         out = self.engine.generate_sequences(self._rows(batch, meta))
         # to Python lists in one copy per tensor (from the engine's device), not one sync per row
         lengths = out.batch["response_mask"].sum(-1).tolist()
@@ -182,3 +196,8 @@ class GenerationServer:
         if any(r.vision is not None and r.vision.multi_modal_data for r in batch):
             non_tensors["multi_modal_data"] = data
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
+
+
+def _mix(*values: int) -> int:
+    """A well-mixed 63-bit key of non-negative ints."""
+    return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0] >> 1)
