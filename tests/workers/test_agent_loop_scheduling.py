@@ -351,14 +351,10 @@ def test_format_trajectory_marks_exactly_the_unsampled_spans(tokenizer):
 
 # ---- sampling that does not depend on the batching ---------------------------------------------------
 
-def test_a_requests_tokens_do_not_depend_on_how_the_server_batched_it(tiny_model_dir, tokenizer):
-    """On the HF engine the server keys each request's draws by (the batch's reserved call, trajectory,
-    turn): four trajectories' two turns sampled all together (2 engine calls) or arriving one by one
-    (an engine call each) give the same tokens, and the engine's call counter moves by one either way, so
-    the next batch draws the same too. (A black-box agent's requests arrive as its own code runs.)"""
-    from tests.workers import local_worker, worker_config
-
-    engine = local_worker(worker_config(tiny_model_dir), role="rollout").worker.rollout
+def check_draws_do_not_depend_on_batching(engine, tokenizer, atol: float = 1e-5) -> None:
+    """Four trajectories' two turns through a ``GenerationServer`` on ``engine``, sampled all together (two
+    engine calls) or arriving one by one (an engine call each): the same tokens, and the engine's call
+    counter moved by one either way, so the next batch draws the same too."""
     contexts = [tokenizer.encode(t) for t in ("hello world", "a", "the quick brown fox", "12+7=")]
 
     async def run(grace_s: float, stagger_s: float):
@@ -388,5 +384,14 @@ def test_a_requests_tokens_do_not_depend_on_how_the_server_batched_it(tiny_model
     assert calls_together == 2 and calls_apart >= 4 and engine.calls == start + 1
     for (a1, a2), (b1, b2) in zip(together, apart):
         assert a1.token_ids == b1.token_ids and a2.token_ids == b2.token_ids
-        np.testing.assert_allclose(a1.log_probs + a2.log_probs, b1.log_probs + b2.log_probs, atol=1e-5)
+        np.testing.assert_allclose(a1.log_probs + a2.log_probs, b1.log_probs + b2.log_probs, atol=atol)
     assert len({tuple(a.token_ids) for a, _ in together}) > 1  # sampled, not one fixed string
+
+
+def test_a_requests_tokens_do_not_depend_on_how_the_server_batched_it(tiny_model_dir, tokenizer):
+    """On the HF engine the server keys each request's draws by (the batch's reserved call, trajectory,
+    turn). (A black-box agent's requests arrive as its own code runs; vLLM's test reuses the check.)"""
+    from tests.workers import local_worker, worker_config
+
+    check_draws_do_not_depend_on_batching(local_worker(worker_config(tiny_model_dir), role="rollout").worker.rollout,
+                                          tokenizer)

@@ -168,6 +168,15 @@ def test_seeded_sampling_reproduces_from_the_rollout_state(group, prompts):
     assert torch.equal(first, again) and not torch.equal(first, second)
 
 
+
+@vllm_test
+def test_an_agent_loops_requests_sample_the_same_however_they_are_batched(group, vtokenizer):
+    """vLLM seeds each request from the key the agent loop's server gives it (trajectory, turn): the same
+    tokens whether a batch's requests share engine calls or arrive one by one (the HF engine's check)."""
+    from tests.workers.test_agent_loop_scheduling import check_draws_do_not_depend_on_batching
+
+    check_draws_do_not_depend_on_batching(group.worker.rollout, vtokenizer, atol=1e-4)
+
 def _training_batch(group, prompts, seed: int):
     """A rollout with random advantages and the actor's old log-probs: enough for one PPO step."""
     out = group.generate_sequences(_with_meta(prompts, n=2))

@@ -259,6 +259,16 @@ def _request_seeds(seed: int, rank: int, call: int, count: int) -> list[int]:
     return [int(s) for s in state]
 
 
+_KEYED = 1 << 40  # in the call-number slot of a keyed request's seed: never a real call number
+
+
+def _keyed_seeds(seed: int, rank: int, keys: list[int]) -> list[int]:
+    """One seed per prompt from its own key (``meta_info["sample_keys"]``; an agent loop's server keys each
+    request by trajectory and turn): what it samples does not depend on the call or batch it is in."""
+    return [int(np.random.SeedSequence([seed, rank, _KEYED, int(k)]).generate_state(1, dtype=np.uint32)[0])
+            for k in keys]
+
+
 # --------------------------------------------------------------------------- output
 
 def _collect(outputs: Sequence[Any], n: int, width: int, pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -532,6 +542,12 @@ class VLLMRollout(BaseRollout):
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "calls": self.calls}
 
+    def reserve_draws(self) -> int:
+        """One call number for a batch of calls whose requests carry their own keys (``sample_keys``), as
+        ``HFRollout.reserve_draws``: vLLM seeds each request, so its samples do not depend on the batching."""
+        self.calls += 1
+        return self.calls - 1
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed, self.calls = int(state["seed"]), int(state["calls"])
 
@@ -691,8 +707,14 @@ class VLLMRollout(BaseRollout):
         req = TokenRequests.of(prompts, self.config, self.pad_token_id, self.eos_token_ids)
         req.check_fits(self.max_model_len, "the vLLM engine's max_model_len")
         params, eos_ids, rows, budgets = req.params, req.eos_ids, req.rows, req.budgets
-        seeds = _request_seeds(self.seed, self.rank, self.calls, len(rows))
-        self.calls += 1
+        keys = prompts.meta_info.get("sample_keys")
+        if keys is not None:  # per-request streams: the counter was reserved for the batch (reserve_draws)
+            if len(keys) != len(rows):
+                raise ValueError(f"sample_keys has {len(keys)} keys for {len(rows)} prompt rows")
+            seeds = _keyed_seeds(self.seed, self.rank, keys)
+        else:
+            seeds = _request_seeds(self.seed, self.rank, self.calls, len(rows))
+            self.calls += 1
         self._wake_up(["weights", "kv_cache"])
         images = prompts.non_tensor_batch.get("multi_modal_data")
         if images is not None and self._vision is None:

@@ -9,7 +9,7 @@ some trajectories are still in their tools, ``grace_s`` after the first request:
 delays the others by at most ``grace_s``, not by its own duration. The grace is timed by the event
 loop's clock, the one its timeouts run on (a test's virtual-time loop makes it exact). A black-box
 agent (``openai_agent``) runs its own code between requests, so how its requests are batched depends on
-timing: on an engine that keys its draws (the HF engine's ``reserve_draws``), each request's tokens are
+timing: on an engine that keys its draws (``reserve_draws``: HF, vLLM), each request's tokens are
 sampled from a stream of its own, keyed by the batch's reserved call number, its trajectory and its turn
 in that trajectory, so a seeded run samples the same tokens however the requests were batched (a
 trajectory's concurrent requests are keyed in the order they reach the server). Each call's
