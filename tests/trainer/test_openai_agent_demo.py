@@ -18,14 +18,14 @@ AGENT = Path(__file__).resolve().parents[2] / "scripts" / "react_calculator_agen
 STEPS = 3
 
 
-def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains(tmp_path):
+def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains_and_resumes(tmp_path):
     """The ReAct agent over HTTP against the built-in tool agent on the same seed (``calculator_grpo``):
     every step's batch token for token, the same rewards, turns and losses. The agent runs its own code
     between requests, so its requests are batched as they happen to arrive; the server keys each one's
     draws by trajectory and turn, so that does not change a token (before 2026-11-27 two endpoint runs on
     one seed differed from the first step). What ``test_e2e_learning``'s calculator demo learns in 20 steps
     (0.05 -> 0.73 greedy validation; through the endpoint 0.047 -> 0.70 when it was run for 20 steps, 195 s
-    of CI) is therefore this run's too."""
+    of CI) is therefore this run's too. Saved at step 2 and resumed, it repeats its third step."""
     common = [f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",
               "trainer.save_freq=-1", "trainer.logger=file", "reward_model.reward_kwargs.num_workers=0"]
     tool = E.train([f"trainer.default_local_dir={tmp_path / 'tool'}", *common], config_name="calculator_grpo")
@@ -41,3 +41,11 @@ def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains(tmp_path
         assert rb["actor/pg_loss"] == pytest.approx(ra["actor/pg_loss"], rel=1e-4, abs=1e-6)
         assert not any(k.startswith("multi_turn/stop/agent_") and k != "multi_turn/stop/agent_done" and v > 0
                        for k, v in rb.items())  # no trajectory lost to the agent
+    # saved at step 2 and resumed, the endpoint run repeats its third step
+    split = [f"trainer.default_local_dir={tmp_path / 'split'}", *common[1:], f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"]
+    E.train(["trainer.total_training_steps=2", *split, "trainer.save_freq=2"], config_name="calculator_openai_agent")
+    resumed = E.train([f"trainer.total_training_steps={STEPS}", *split], config_name="calculator_openai_agent")
+    assert len(resumed.batches) == 1
+    for key in ("responses", "response_mask"):
+        assert np.array_equal(np.asarray(resumed.batches[0][key]), np.asarray(endpoint.batches[-1][key])), key
+    assert resumed.step(STEPS)["actor/pg_loss"] == pytest.approx(endpoint.step(STEPS)["actor/pg_loss"], rel=1e-4, abs=1e-6)
