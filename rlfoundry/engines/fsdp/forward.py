@@ -232,7 +232,7 @@ class CausalLMForward:
         ``rows``: the micro-batch's summary; where every row is one run of counted positions the pack is
         laid out on the host (``_planned_pack``), else here, reading the device (and checking the layout).
         """
-        if rows is not None and rows.rows and all(rows.packable):
+        if rows is not None and rows.packs:
             return self._planned_pack(batch, rows)
         input_ids, responses = batch["input_ids"], batch["responses"]
         rows, seqlen = input_ids.shape
@@ -471,7 +471,7 @@ def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool,
     """
     width = micro["responses"].shape[-1]
     pixels = _pixel_inputs(micro)
-    if use_remove_padding and sp is None and not pixels and rows is not None and rows.rows and all(rows.packable):
+    if use_remove_padding and sp is None and not pixels and rows is not None and rows.packs:
         pack = planned_pack(module, micro, rows)
         out = module(input_ids=pack.input_ids, attention_mask=pack.mask, position_ids=pack.position_ids,
                      use_cache=False).logits
@@ -602,6 +602,11 @@ class RowSummary:
         pick = lambda values: tuple(values[i] for i in rows)  # noqa: E731
         return RowSummary(pick(self.lengths), pick(self.lead), pick(self.prompt_tokens), pick(self.group),
                           self.prompt_width, pick(self.packable) if self.packable else ())
+
+    @property
+    def packs(self) -> bool:
+        """Whether a packed forward can be laid out from this summary: rows, each one run of counted positions."""
+        return bool(self.rows) and all(self.packable)
 
     @property
     def real_tokens(self) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlfoundry.config import to_typed
@@ -96,8 +97,30 @@ def resolve_sampling_params(config: Any, meta_info: Mapping[str, Any] | None) ->
     return params
 
 
+KEYED_CALL = 1 << 40  # in the call-number slot of a keyed request's seed: never a real call number
+
+
+def mixed_seed(*values: int) -> int:
+    """A well-mixed 63-bit seed from non-negative ints (config seed, rank, call number, request key ...)."""
+    return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
 class BaseRollout(ABC):
     """A generation engine. Subclasses implement ``generate_sequences``."""
+
+    # engines that sample each request from a stream keyed by ``meta_info["sample_keys"]`` (HF, vLLM) and
+    # count their calls in ``calls``; an agent loop's server then keys its requests (``reserve_draws``)
+    keyed_draws: bool = False
+
+    def reserve_draws(self) -> int | None:
+        """One call number for a batch of calls whose requests carry their own keys (``sample_keys``; an
+        agent loop's server mixes it into each request's key): however many calls the batch then makes,
+        the counter moves by one, so the next draws do not depend on how its requests were batched. None:
+        this engine draws per call."""
+        if not self.keyed_draws:
+            return None
+        self.calls += 1
+        return self.calls - 1
 
     @abstractmethod
     def generate_sequences(self, prompts: DataProto) -> DataProto:

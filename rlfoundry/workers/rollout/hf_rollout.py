@@ -37,7 +37,14 @@ from rlfoundry.engines.fsdp.utils import (
 )
 from rlfoundry.workers.rollout.token_requests import as_id_list
 from rlfoundry.workers.rollout.static_decode import KeyedDraws, StaticDecoder, draw_uniforms, static_unsupported_reason
-from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, resolve_sampling_params, rollout_config
+from rlfoundry.workers.rollout.base import (
+    KEYED_CALL,
+    BaseRollout,
+    SamplingParams,
+    mixed_seed,
+    resolve_sampling_params,
+    rollout_config,
+)
 
 __all__ = ["HFRollout", "compute_device", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
 
@@ -133,13 +140,9 @@ def compute_device(module: nn.Module) -> torch.device:
     return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
-_KEYED = 1 << 40  # in the call-number slot of a keyed row's seed: never a real call number
-
-
-def _seed_for_call(seed: int, rank: int, call: int, *more: int) -> int:
-    """A well-mixed 63-bit seed per (config seed, dp rank, call number[, row key, sample]): resumable from
-    the counter."""
-    return int(np.random.SeedSequence([seed, rank, call, *more]).generate_state(1, dtype=np.uint64)[0] >> 1)
+def _seed_for_call(seed: int, rank: int, call: int) -> int:
+    """A well-mixed 63-bit seed per (config seed, dp rank, call number): resumable from the counter."""
+    return mixed_seed(seed, rank, call)
 
 
 def _preallocated_layer_class():
@@ -292,6 +295,8 @@ class HFRollout(BaseRollout):
     Prompts may arrive on any device: the engine works on its module's (``device``), and its output is there.
     """
 
+    keyed_draws = True  # each row's uniforms from its own stream with sample_keys (KeyedDraws)
+
     def __init__(
         self,
         module: nn.Module,
@@ -360,22 +365,18 @@ class HFRollout(BaseRollout):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed, self.calls = int(state["seed"]), int(state["calls"])
 
-    def reserve_draws(self) -> int:
-        """One call number for a batch of calls that key their rows' draws (``sample_keys``; an agent loop's
-        server mixes it into each request's key): however many calls the batch then makes, the counter
-        moves by one, so the next draws do not depend on how its requests were batched."""
-        self.calls += 1
-        return self.calls - 1
-
     def _draws(self, meta: Mapping[str, Any], rows: int, params: "SamplingParams", device: torch.device):
         """The call's source of uniforms: the next call's generator, or with ``meta_info["sample_keys"]``
-        (one int per prompt row) each output row's own stream (``KeyedDraws``), the counter left alone."""
+        (one int per prompt row) each output row's own stream (``KeyedDraws``), the counter left alone
+        (None for a greedy keyed call: nothing is drawn)."""
         keys = meta.get("sample_keys")
         if keys is None:
             return self._next_generator(device)
         if len(keys) != rows:
             raise ValueError(f"sample_keys has {len(keys)} keys for {rows} prompt rows")
-        seeds = [_seed_for_call(self.seed, self.rank, _KEYED, int(k), j) for k in keys for j in range(params.n)]
+        if params.greedy:
+            return None
+        seeds = [mixed_seed(self.seed, self.rank, KEYED_CALL, int(k), j) for k in keys for j in range(params.n)]
         return KeyedDraws(seeds, params.response_length, device)
 
     def _next_generator(self, device: torch.device) -> torch.Generator:

@@ -67,7 +67,7 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.config.schema import RolloutConfig
 from rlfoundry.engines.fsdp.utils import hf_parameter_name, iter_full_parameters
 from rlfoundry.models.vision import is_vision_language
-from rlfoundry.workers.rollout.base import BaseRollout, SamplingParams, rollout_config
+from rlfoundry.workers.rollout.base import KEYED_CALL, BaseRollout, SamplingParams, mixed_seed, rollout_config
 from rlfoundry.workers.rollout.token_requests import TokenRequests, as_id_list, assemble
 from rlfoundry.workers.weight_sync import FusedNames
 
@@ -259,14 +259,10 @@ def _request_seeds(seed: int, rank: int, call: int, count: int) -> list[int]:
     return [int(s) for s in state]
 
 
-_KEYED = 1 << 40  # in the call-number slot of a keyed request's seed: never a real call number
-
-
 def _keyed_seeds(seed: int, rank: int, keys: list[int]) -> list[int]:
-    """One seed per prompt from its own key (``meta_info["sample_keys"]``; an agent loop's server keys each
-    request by trajectory and turn): what it samples does not depend on the call or batch it is in."""
-    return [int(np.random.SeedSequence([seed, rank, _KEYED, int(k)]).generate_state(1, dtype=np.uint32)[0])
-            for k in keys]
+    """One 32-bit seed per prompt from its own key (``meta_info["sample_keys"]``; an agent loop's server keys
+    each request by trajectory and turn): what it samples does not depend on the call or batch it is in."""
+    return [mixed_seed(seed, rank, KEYED_CALL, int(k)) % 2**32 for k in keys]
 
 
 # --------------------------------------------------------------------------- output
@@ -483,6 +479,8 @@ class VLLMRollout(BaseRollout):
             at a time); collective like the FSDP gather.
     """
 
+    keyed_draws = True  # each request seeded from its own key with sample_keys (_keyed_seeds)
+
     def __init__(
         self,
         module: nn.Module | None,
@@ -541,12 +539,6 @@ class VLLMRollout(BaseRollout):
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "calls": self.calls}
-
-    def reserve_draws(self) -> int:
-        """One call number for a batch of calls whose requests carry their own keys (``sample_keys``), as
-        ``HFRollout.reserve_draws``: vLLM seeds each request, so its samples do not depend on the batching."""
-        self.calls += 1
-        return self.calls - 1
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seed, self.calls = int(state["seed"]), int(state["calls"])

@@ -37,6 +37,7 @@ import torch
 from rlfoundry.models.vision import continued_positions
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.torch_functional import left_padded
+from rlfoundry.workers.rollout.base import mixed_seed
 
 __all__ = ["GenerationServer", "Generated", "PromptVision"]
 
@@ -112,7 +113,7 @@ class GenerationServer:
         future = asyncio.get_running_loop().create_future()
         turn = self._turns.get(key, 0)
         self._turns[key] = turn + 1
-        draw_key = 0 if self._salt is None else _mix(self._salt, key, turn)
+        draw_key = 0 if self._salt is None else mixed_seed(self._salt, key, turn)
         self._pending.append(_Request(key, list(token_ids), int(max_tokens), future, vision, draw_key))
         self._notify()
         return await future
@@ -197,7 +198,3 @@ class GenerationServer:
             non_tensors["multi_modal_data"] = data
         return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
-
-def _mix(*values: int) -> int:
-    """A well-mixed 63-bit key of non-negative ints."""
-    return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0] >> 1)
