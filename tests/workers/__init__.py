@@ -69,6 +69,23 @@ def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def first_step_gradients(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradient each parameter took into an Adam/AdamW optimizer's first step (after clipping).
+
+    The optimizer frees ``.grad`` after the step; its first moment after one step is exactly
+    ``(1 - beta1) * grad``, so dividing by ``1 - beta1`` recovers the gradient without hooking the update.
+    """
+    out = {}
+    for name, p in module.named_parameters():
+        state = optimizer.state[p]
+        assert int(state["step"]) == 1, f"{name}: {int(state['step'])} optimizer steps, expected the first"
+        (beta1, _), = {tuple(g["betas"]) for g in optimizer.param_groups if any(q is p for q in g["params"])}
+        moment = state["exp_avg"]
+        moment = moment.full_tensor() if hasattr(moment, "full_tensor") else moment
+        out[name] = moment.detach() / (1.0 - beta1)
+    return out
+
+
 def _one_thread():
     """Run a test module's tiny-model math on one intra-op thread, restoring the setting after.
 
