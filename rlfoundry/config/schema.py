@@ -42,6 +42,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
 from rlfoundry.config.training_engines import TRAINING_ENGINES
+from rlfoundry.tools.parser import TOOL_CALL_FORMATS
 
 # Value lists that code outside the config also checks against (one list each).
 CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; rlfoundry/cpu
@@ -420,7 +421,7 @@ class MultiTurnConfig(Node):
     interaction_config_path: Optional[str] = None
     use_inference_chat_template: bool = False  # the engine sees the chat re-rendered each turn; the row keeps its tokens
     tokenization_sanity_check_mode: str = one_of(("strict", "ignore_strippable", "disable"), "strict")
-    format: str = one_of(("hermes",), "hermes")
+    format: str = one_of(TOOL_CALL_FORMATS, "hermes")  # the tool-call parser (tools/parser.py)
     tool_timeout_s: float = 30.0  # rlfoundry: a call that takes longer answers with an error
 
 

@@ -80,7 +80,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.micro_batch_size",  # verl <= 0.2, unused there too
     # verl's agent-loop worker processes: here a batch's trajectories are tasks of one event loop per worker
     "actor_rollout_ref.rollout.agent.num_workers",
-    "actor_rollout_ref.rollout.multi_turn.format",  # hermes, the only format (verl's too)
     "trainer.esi_redundant_time",  # a save before a cloud instance expires (ESI), which these machines lack
     "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load",  # HDFS copies: checkpoints stay local
     "trainer.ray_wait_register_center_timeout",  # verl's register-center actor, which rlfoundry has no need of

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfoundry.tools.base import BaseTool
+from rlfoundry.tools.parser import ParsedCall
 from rlfoundry.tools.schemas import OpenAIFunctionCallSchema, ToolResponse
 
 __all__ = ["ToolCall", "ToolCallResult", "run_in_thread", "run_tool_calls"]
@@ -34,7 +35,7 @@ class ToolCall:
     """One call of one trajectory: its tool instance and the parsed call."""
 
     instance_id: str
-    call: OpenAIFunctionCallSchema
+    call: ParsedCall | OpenAIFunctionCallSchema  # .name, .arguments (a dict)
 
 
 @dataclass

@@ -112,7 +112,7 @@ def test_hermes_calls_are_parsed_and_bad_ones_become_messages():
     turn = parse_hermes(text)
     assert turn.content == "Let me compute."
     assert [c.arguments for c in turn.calls] == [{"expression": "2*3"}, {"expression": "1+1"}]
-    assert len(turn.errors) == 2 and "not valid JSON" in turn.errors[0] and '"name"' in turn.errors[1]
+    assert len(turn.errors) == 2 and "not valid JSON" in turn.errors[0].message and '"name"' in turn.errors[1].message
     assert parse_hermes("The answer is 6.").calls == []
 
 

@@ -132,6 +132,46 @@ def test_n_samples_per_prompt_bad_calls_and_turn_limits(tokenizer):
     assert list(extras["num_turns"]) == [3, 3, 3, 3]  # two assistant turns, one tool turn between them
 
 
+def test_gpt_oss_format_reads_harmony_calls_and_answers_in_harmony(tokenizer):
+    """multi_turn.format=gpt-oss: the calls are read from the harmony markup (a call inside the reasoning
+    is not one), and the answers are harmony tool messages, masked, as verl writes them."""
+    question = "What is 12*3 and 2+2?"
+    call = '<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{}<|call|>'
+    reasoning = "<|channel|>analysis<|message|>" + call.format('{"expression": "9*9"}') + "<|end|>"
+    turn1 = reasoning + call.format('{"expression": "12*3"}') + call.format('{"expression": "2+2"}')
+    loop, kwargs = _loop(tokenizer, {question: [turn1, "36 and 4"]}, response_length=1024, max_parallel_calls=2,
+                         format="gpt-oss")
+    # harmony answers end with "<|start|>assistant", not ChatML's: the turn is the number of answered turns
+    loop.engine._turn = lambda ids: tokenizer.encode(
+        [turn1, "36 and 4"][tokenizer.decode(ids).count("<|start|>functions.") // 2] + "<|im_end|>",
+        add_special_tokens=False)
+    out = loop.generate_sequences(_prompts(tokenizer, kwargs, [question]))
+    length = int(out.batch["attention_mask"][0, 160:].sum())
+    responses, mask = out.batch["responses"][0, :length].tolist(), out.batch["response_mask"][0, :length].tolist()
+    first = tokenizer.encode(turn1 + "<|im_end|>", add_special_tokens=False)
+    answers = tokenizer.encode("<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>36<|end|>"
+                               "<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>4<|end|>"
+                               "<|start|>assistant", add_special_tokens=False)
+    last = tokenizer.encode("36 and 4<|im_end|>", add_special_tokens=False)
+    assert responses == first + answers + last  # 81 (the reasoning's 9*9) was never computed
+    assert mask == [1] * len(first) + [0] * len(answers) + [1] * len(last)
+    extras = out.non_tensor_batch
+    assert (extras["tool_calls"][0], extras["stop_reason"][0], extras["num_turns"][0]) == (2, "no_call", 3)
+    # the template cannot re-render hand-written harmony answers, so no sanity check compares them with it
+    assert not extras["sanity_check_failed"][0]
+
+
+def test_a_bad_call_in_a_format_is_an_error_message_for_the_model(tokenizer):
+    question = "Compute."
+    bad = "<tool_call>\n<function=calculator>\n<parameter=expression>\n6*7\n</parameter>\n</function>\n</tool_call>"
+    loop, kwargs = _loop(tokenizer, {question: [bad, "42"]}, format="hermes")
+    text = tokenizer.decode(loop.generate_sequences(_prompts(tokenizer, kwargs, [question])).batch["responses"][0])
+    assert "error: the tool call is not valid JSON" in text  # qwen3_coder's XML is not a hermes call
+    loop, kwargs = _loop(tokenizer, {question: [bad, "42"]}, format="qwen3_coder")
+    text = tokenizer.decode(loop.generate_sequences(_prompts(tokenizer, kwargs, [question])).batch["responses"][0])
+    assert "<tool_response>\n42\n</tool_response>" in text  # the same turn read as qwen3_coder runs the call
+
+
 def test_the_budget_cuts_a_trajectory_and_long_tool_output_is_truncated(tokenizer):
     question, value = "Big.", str(2 ** 300)
     call = CALL.replace("123*456", "2**300")

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from rlfoundry.tools.parser import parse_hermes
+from rlfoundry.tools.parser import FORMATS, parse_tool_calls
 from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopError, AgentLoopOutput, register
 from rlfoundry.workers.rollout.agent_loop.openai_server import ChatRequest, OpenAIEndpoint, RequestError
 from rlfoundry.workers.rollout.agent_loop.tool_agent import _in_thread, apply_template, render_after_assistant
@@ -274,18 +274,20 @@ class _Recorder:
         s.ended, s.turns = ended, s.turns + 1
         self.clock += 1
         s.touched = self.clock
-        message, finish = self._message(text, request.tools is not None)
+        message, finish = self._message(text, request.tools)
         s.history = s.history + [_canon(message)]
         s.chat = s.chat + [{"role": "assistant", "content": text}]
         if not (ended or stopped is not None):
             finish = "length"
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": None, "_count": len(ids)}
 
-    @staticmethod
-    def _message(text: str, tools: bool) -> tuple[dict, str]:
-        """OpenAI's assistant message: hermes calls as ``tool_calls`` when tools were offered and every
-        call parses (else the text as content, as vLLM's hermes parser does)."""
-        parsed = parse_hermes(text) if tools else None
+    def _message(self, text: str, tools: list[dict] | None) -> tuple[dict, str]:
+        """OpenAI's assistant message: the calls (in ``multi_turn.format``) as ``tool_calls`` when tools were
+        offered and every call parses (else the text as content, as vLLM's tool parsers do)."""
+        types = {t["function"]["name"]: {k: (p or {}).get("type") for k, p in
+                                         ((t["function"].get("parameters") or {}).get("properties") or {}).items()}
+                 for t in tools or []}
+        parsed = parse_tool_calls(self.loop.config.format, text, types) if tools else None
         if not parsed or not parsed.calls or parsed.errors:
             return {"role": "assistant", "content": text}, "stop"
         calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -333,6 +335,10 @@ class OpenAIAgentLoop(AgentLoopBase):
     """See the module docstring."""
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> list[AgentLoopOutput]:
+        if FORMATS[self.config.format].special_tokens:
+            raise AgentLoopError(f"rollout.multi_turn.format={self.config.format} writes its calls in special "
+                                 "tokens, which the OpenAI endpoint does not read (it answers from the text): "
+                                 "use the tool_agent loop for it")
         settings = self.agent.openai
         fn = load_agent_function(settings.path, settings.name)
         recorder = _Recorder(self, list(row["prompt_ids"]))

@@ -5,11 +5,13 @@ From the prompt's token ids (rendered by the data set with the tools offered) th
 1. the engine generates an assistant turn (``server.generate``, batched with other trajectories' turns)
    from the row's tokens so far — or, with ``use_inference_chat_template``, from the chat's messages
    rendered afresh by the template (verl's meaning; the row still gets the sampled tokens unchanged);
-2. hermes tool calls are parsed from the turn's text; a malformed call becomes an error message;
+2. tool calls are parsed from the turn's text by the parser ``rollout.multi_turn.format`` names
+   (``tools/parser.py``: hermes, qwen, gpt-oss, qwen3_coder); a malformed call becomes an error message;
 3. the calls run (``tools/runner.py``: concurrently, each under ``tool_timeout_s``, failures contained)
    and their texts, cut to ``max_tool_response_length`` characters, are appended as the chat template
-   renders tool messages after an assistant turn — tokenised once, the turn's own tokens never
-   re-tokenised; or, with no call and an interaction configured for the row
+   renders tool messages after an assistant turn (gpt-oss: harmony's tool messages written out, as verl
+   does, since its template renders a tool message only after the call it answers) — tokenised once, the
+   turn's own tokens never re-tokenised; or, with no call and an interaction configured for the row
    (``extra_info.interaction_kwargs.name``), the simulated user answers as a user turn, or ends the
    trajectory (its last words are not appended: they would be masked tokens after the last sampled one);
 
@@ -47,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfoundry.tools.parser import parse_hermes
+from rlfoundry.tools.parser import FORMATS, ParsedTurn, parse_tool_calls
 from rlfoundry.tools.runner import ToolCall, ToolCallResult, run_in_thread, run_tool_calls
 from rlfoundry.tools.schemas import OpenAIFunctionParsedSchema
 from rlfoundry.utils.rollout_trace import rollout_trace_op
@@ -180,6 +182,10 @@ class ToolAgentLoop(AgentLoopBase):
             raise AgentLoopError("rollout.multi_turn.use_inference_chat_template=true renders each turn from the "
                                  "chat's messages, but this row has no raw_prompt: set data.return_raw_chat=True")
         vision = row.get("prompt_vision")
+        if FORMATS[self.config.format].render_answers is not None and self.config.use_inference_chat_template:
+            raise AgentLoopError(f"rollout.multi_turn.use_inference_chat_template=true re-renders the chat with the "
+                                 f"template, which cannot render format={self.config.format}'s tool answers "
+                                 "without their calls: set it to false")
         if vision is not None and self.config.use_inference_chat_template:
             raise AgentLoopError("rollout.multi_turn.use_inference_chat_template=true re-renders each turn from the "
                                  "chat's text, which would part the image tokens from their pixels: image rows take "
@@ -199,7 +205,9 @@ class ToolAgentLoop(AgentLoopBase):
         await self._lifecycle(state, "finish")
         if instance is not None:
             await self._interaction_call(state, interaction, "finalize_interaction", instance)
-        return self._output(state, has_chat=bool(row.get("raw_prompt")))
+        # the template cannot re-render hand-written tool answers: no chat to check the tokens against
+        has_chat = bool(row.get("raw_prompt")) and FORMATS[self.config.format].render_answers is None
+        return self._output(state, has_chat=has_chat)
 
     # ---- turns --------------------------------------------------------------------------------
 
@@ -213,7 +221,7 @@ class ToolAgentLoop(AgentLoopBase):
         state.assistant_turns += 1
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
         state.messages.append({"role": "assistant", "content": text})
-        parsed = parse_hermes(text)
+        parsed = self._parse(turn.token_ids, text)
         eos = self.server.eos_ids or {self.tokenizer.eos_token_id}
         if not (turn.token_ids and turn.token_ids[-1] in eos):
             state.stop = "length"
@@ -228,7 +236,17 @@ class ToolAgentLoop(AgentLoopBase):
         calls = [ToolCall(state.instances.get(c.name, ""), c) for c in parsed.calls[:limit]]
         refused = [ToolCallResult(c.name, f"error: at most {limit} tool calls per turn", error="too_many_calls")
                    for c in parsed.calls[limit:]]
-        return calls, [ToolCallResult("", e, error="bad_call") for e in parsed.errors] + refused
+        return calls, [ToolCallResult(e.name, e.message, error="bad_call") for e in parsed.errors] + refused
+
+    def _parse(self, token_ids: list[int], text: str) -> ParsedTurn:
+        """The turn's calls; a format whose markup is special tokens reads them (padding removed, as verl does)."""
+        if FORMATS[self.config.format].special_tokens:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+            if self.tokenizer.pad_token:
+                text = text.replace(self.tokenizer.pad_token, "")
+        types = {name: {arg: p.type for arg, p in tool.tool_schema.function.parameters.properties.items()}
+                 for name, tool in self.tools.items()}
+        return parse_tool_calls(self.config.format, text, types)
 
     async def _tool_turn(self, state: _State, calls: list[ToolCall], early: list[ToolCallResult]) -> None:
         """The calls run in threads (this trajectory waits; the others go on generating)."""
@@ -239,13 +257,21 @@ class ToolAgentLoop(AgentLoopBase):
         for a in answers:
             state.step_reward += a.reward
             if a.error:
-                state.errors[f"{a.tool or 'parse'}/{a.error}"] += 1
+                state.errors[f"{'parse' if a.error == 'bad_call' else a.tool}/{a.error}"] += 1
         limit, side = self.config.max_tool_response_length, self.config.tool_response_truncate_side
-        self._user_turn(state, [{"role": "tool", "content": truncate_text(a.text, limit, side)} for a in answers])
+        messages = [{"role": "tool", "content": truncate_text(a.text, limit, side)} for a in answers]
+        render = FORMATS[self.config.format].render_answers
+        if render is None:
+            self._user_turn(state, messages)
+        else:
+            text = render([a.tool for a in answers], [m["content"] for m in messages])
+            self._append_turn(state, messages, self.tokenizer.encode(text, add_special_tokens=False))
 
     def _user_turn(self, state: _State, messages: list[dict]) -> None:
-        """Appends tool or user messages (never sampled) and the next generation prompt."""
-        ids = self._render_after_assistant(messages, state.response_ids[-1])
+        self._append_turn(state, messages, self._render_after_assistant(messages, state.response_ids[-1]))
+
+    def _append_turn(self, state: _State, messages: list[dict], ids: list[int]) -> None:
+        """Appends tool or user messages (never sampled) as ``ids``, which end with the next generation prompt."""
         room = self.response_length - len(state.response_ids)
         state.append(ids[:room], False)
         state.messages += messages
