@@ -934,6 +934,10 @@ class RolloutPoolConfig(Node):
     nnodes: int = 1
     n_gpus_per_node: int = 0  # 0: the rollout shares the trainer's processes (hybrid engine). CPU: processes
     total_rollout_steps: Optional[int] = None  # fully async: prompts to generate; null: from the training steps
+    # verl's January fully-async spellings: the rollouter's passes over the data (-> trainer.total_epochs) and
+    # validation every N weight syncs (-> trainer.test_freq = N × trigger_parameter_sync_step); trainer/config.py
+    total_epochs: Optional[int] = None
+    test_freq: Optional[int] = None
 
 
 @dataclass
@@ -959,6 +963,11 @@ class AsyncTrainingConfig(Node):
     # false: a sync waits for the generation in flight
     partial_rollout: bool = False
     partial_rollout_chunk_tokens: Optional[int] = None  # rlfoundry: null: a quarter of data.max_response_length
+    # verl: old log-probs of steps 2..T of a sync period under the period's first weights (not built for T > 1;
+    # with T = 1 they are the current weights', as here); null/false: recomputed with the current weights
+    use_rollout_log_probs: Optional[bool] = None
+    compute_prox_log_prob: bool = False  # verl's proximal-policy log-probs (decoupled PPO): not built
+    use_trainer_do_validate: bool = False  # verl: validate on the trainer's pool; here the rollout pool validates
 
     def check(self) -> list[str]:
         errors = []

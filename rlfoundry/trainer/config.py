@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
+from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
 from rlfoundry.config.schema import PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
@@ -131,64 +132,84 @@ def _apply(cfg: DictConfig, ov: Override) -> None:
 # ───────────────────────────────────── loading ─────────────────────────────────────
 
 
-def _merge_yaml(cfg: DictConfig, path: Path, what: str) -> list[str]:
-    """Merge a YAML file into the typed config key by key (same checks as the command line).
-
-    Returns the dotted keys it set. A Hydra ``defaults:`` list is ignored: an overlay always sits
-    on the schema's defaults.
-    """
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    raw.pop("defaults", None)
-    raw.pop("hydra", None)
+def _merge_layers(cfg: DictConfig, layers: Sequence[Layer]) -> list[str]:
+    """Merge composed YAML layers (``config/compose.py``) into the typed config key by key, with the
+    command line's checks; returns the dotted keys they set."""
     keys = []
-    for key, value in typed.leaves(raw, keys_of(OmegaConf.get_type(cfg))).items():
-        _apply(cfg, Override(key, value, "set", f"{what} {path}: {key}"))
-        keys.append(key)
+    schema_keys_ = keys_of(OmegaConf.get_type(cfg))
+    for layer in layers:
+        for key, value in typed.leaves(layer.values, schema_keys_).items():
+            _apply(cfg, Override(key, value, "set", f"{layer.source}: {key}"))
+            keys.append(key)
     return keys
 
 
 def _find_config_file(name: str, config_path: str | None) -> Path:
-    """``--config-name`` lookup: an explicit path, ``config_path/name[.yaml]``, or a packaged config."""
-    candidates = [Path(name)]
-    base = Path(config_path) if config_path else CONFIG_DIR
-    candidates += [base / name, base / f"{name}.yaml", CONFIG_DIR / f"{name}.yaml"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    packaged = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise ConfigError(f"Config file '{name}' not found (looked in {base}); packaged configs: {packaged}.")
+    """``--config-name`` lookup, as Hydra does it (``config/compose.py``: ``find_config``)."""
+    return find_config(name, config_path)
+
+
+def _split_engine(overrides: Sequence[str]) -> tuple[str | None, list[str]]:
+    """verl's August engine group on the command line (``model_engine=megatron``): a choice of config,
+    not a key; returns it (None: not given) and the other overrides."""
+    engine, rest = None, []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        if sep and key.lstrip("+") == "model_engine":
+            engine = value.strip()
+        else:
+            rest.append(text)
+    return engine, rest
 
 
 def load_typed_config(
-    schema: type, overrides: Sequence[str] = (), overlay: Path | None = None
+    schema: type, overrides: Sequence[str] = (), overlay: Path | None = None, *,
+    config_path: str | None = None, engine: str | None = None,
 ) -> tuple[DictConfig, list[str]]:
-    """Typed ``schema`` (its defaults) ← ``overlay`` YAML ← Hydra-style ``overrides``, key by key.
+    """Typed ``schema`` (its defaults) ← the engine's layers ← ``overlay`` YAML with its ``defaults:``
+    composed ← Hydra-style ``overrides``, key by key.
 
     Any schema dataclass (``PPOConfig``, ``sft_schema.SFTConfig``): an unknown key names the
-    nearest valid one, a wrong type the expected type. Returns the config (unvalidated,
-    unresolved) and the keys the user set (overlay and overrides).
+    nearest valid one, a wrong type the expected type. ``engine`` is verl's ``model_engine`` choice
+    from the command line; it wins over one in the overlay's defaults. Returns the config
+    (unvalidated, unresolved) and the keys the user set (overlay and overrides).
     """
     cfg = typed.structured(schema)
-    user_keys = _merge_yaml(cfg, overlay, "config file") if overlay is not None else []
+    layers, chosen = compose(overlay, config_path) if overlay is not None else ([], None)
+    choice = engine or chosen
+    if choice is not None:
+        layers = engine_layers(choice, "the command line" if engine else str(overlay)) + layers
+    user_keys = _merge_layers(cfg, layers)
     parsed = parse_overrides(overrides)
     for ov in parsed:
         _apply(cfg, ov)
+    _check_engine_choice(cfg, choice)
     return cfg, user_keys + [ov.key for ov in parsed]
+
+
+def _check_engine_choice(cfg: DictConfig, engine: str | None) -> None:
+    """``model_engine=dp`` with a config that puts the actor on Megatron (or the reverse) would run on an
+    engine the command line did not ask for: say which key decides."""
+    strategy = OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy")
+    if engine is None or strategy is None:
+        return
+    megatron = strategy == "megatron"
+    if megatron != (engine == "megatron"):
+        raise ConfigError(f"model_engine={engine} but actor_rollout_ref.actor.strategy={strategy} (set by the config "
+                          "or an override): drop one of them, or make them agree.")
 
 
 def load_config(
     overrides: Sequence[str] = (), config_name: str | None = None, config_path: str | None = None
 ) -> DictConfig:
-    """PPO: schema defaults ← overlay ``config_name`` ← ``overrides``; then validate. Unresolved.
-
-    ``--config-name ppo_trainer`` (verl's name for its defaults) means no overlay.
-    """
-    overlay = None
-    if config_name and Path(config_name).stem != "ppo_trainer":
-        overlay = _find_config_file(config_name, config_path)
-    cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay)
+    """PPO: schema defaults ← overlay ``config_name`` (its defaults composed) ← ``overrides``; then
+    validate. Unresolved. ``model_engine=fsdp|dp|megatron`` among the overrides picks the engine."""
+    overlay = _find_config_file(config_name, config_path) if config_name else None
+    engine, overrides = _split_engine(overrides)
+    cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay, config_path=config_path, engine=engine)
     adopt_verl_reward_keys(cfg, user_keys)
     prefer_user_deprecated_keys(cfg, user_keys)
+    _adopt_async_keys(cfg, user_keys)
     _fill_fully_async_batch(cfg)
     warn_no_effect(cfg, user_keys)
     validate_config(cfg)
@@ -237,6 +258,25 @@ def judge_world_size(cfg: DictConfig) -> int:
 def pool_config(cfg: DictConfig, pool: str) -> DictConfig:
     """The node holding ``nnodes`` / ``n_gpus_per_node`` of a worker pool."""
     return {"rollout_pool": cfg.rollout, "reward_pool": cfg.reward.reward_model}.get(pool, cfg.trainer)
+
+
+def _adopt_async_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
+    """verl's January fully-async spellings onto the keys the trainer reads: ``rollout.total_epochs`` is
+    ``trainer.total_epochs`` (the rollouter's passes over the data are the trainer's: it trains every
+    sample once, in order) and ``rollout.test_freq`` counts weight syncs, each
+    ``trigger_parameter_sync_step`` training steps. A verl key given beside ours with another value is an
+    error (which would win is not obvious)."""
+    pool, steps = cfg.rollout, int(cfg.async_training.trigger_parameter_sync_step)
+    for verl_key, ours, value in (("rollout.total_epochs", "trainer.total_epochs", pool.total_epochs),
+                                  ("rollout.test_freq", "trainer.test_freq",
+                                   None if pool.test_freq is None else int(pool.test_freq) * steps
+                                   if int(pool.test_freq) > 0 else int(pool.test_freq))):
+        if value is None:
+            continue
+        if ours in user_keys and OmegaConf.select(cfg, ours) != value:
+            raise ConfigError(f"{verl_key}={OmegaConf.select(cfg, verl_key)} (verl's fully-async spelling) and "
+                              f"{ours}={OmegaConf.select(cfg, ours)} disagree: give one of them.")
+        OmegaConf.update(cfg, ours, value)
 
 
 def _fill_fully_async_batch(cfg: DictConfig) -> None:
@@ -453,6 +493,24 @@ def _check_rollout_correction(cfg: PPOConfig) -> list[str]:
     return []
 
 
+def _verl_async_errors(cfg: DictConfig) -> list[str]:
+    """verl's fully-async switches whose behaviour is not built here: start-up errors naming it."""
+    at, errors = cfg.async_training, []
+    if at.use_rollout_log_probs and int(at.trigger_parameter_sync_step) > 1:
+        errors.append(f"async_training.use_rollout_log_probs=true with trigger_parameter_sync_step="
+                      f"{at.trigger_parameter_sync_step}: verl then computes the old log-probs of a sync period's "
+                      "later steps under the period's first weights, which is not built here; set it to false "
+                      "(old log-probs under the current weights, the lag corrected by algorithm.rollout_correction) "
+                      "or trigger_parameter_sync_step=1 (where both are the current weights).")
+    if at.compute_prox_log_prob:
+        errors.append("async_training.compute_prox_log_prob=true (verl's proximal-policy log-probs) is not built; "
+                      "leave it false: old log-probs are recomputed under the current weights.")
+    if at.use_trainer_do_validate:
+        errors.append("async_training.use_trainer_do_validate=true (validation on the trainer's pool) is not built; "
+                      "leave it false: the rollout pool generates the validation samples.")
+    return errors
+
+
 def _check_async(cfg: DictConfig) -> list[str]:
     """``async_training.mode`` and the rollout's own pool (``rollout.*``): what each needs."""
     at, pool, mode = cfg.async_training, cfg.rollout, cfg.async_training.mode
@@ -485,6 +543,7 @@ def _check_async(cfg: DictConfig) -> list[str]:
         errors.append(f"actor_rollout_ref.actor.use_rollout_log_probs=true with {key}: the rollout's log-probs come "
                       "from an older policy; leave it null (old log-probs are recomputed) or use "
                       "algorithm.rollout_correction.bypass_mode=true, which corrects for the lag.")
+    errors += _verl_async_errors(cfg)
     if mode == "fully_async":
         want = int(at.require_batches) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
         if cfg.data.train_batch_size != want:

@@ -20,6 +20,7 @@ import random
 import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +55,11 @@ Trains with verl's config keys, e.g.
       actor_rollout_ref.model.path=/models/Qwen2.5-0.5B-Instruct trainer.device=cuda
 
 Options:
-  --config-name NAME   overlay YAML (packaged: {packaged}) on the defaults
-  --config-path DIR    directory to look up --config-name in
+  --config-name NAME   overlay YAML, with or without .yaml (packaged: {packaged}) on the defaults;
+                       its Hydra defaults: list is composed
+  --config-path DIR    directory to look up --config-name in first (relative to the working directory);
+                       then the packaged configs
+  model_engine=NAME    verl's engine group: dp/fsdp (the default) or megatron
   --cfg job            print the resolved config and exit
   --help-keys          list every config key with its type
 """
@@ -472,7 +476,16 @@ def _import_external_lib(cfg: DictConfig) -> None:
         importlib.import_module(lib)
 
 
-def run(argv: Sequence[str]) -> dict:
+@dataclass(frozen=True)
+class Entry:
+    """What a verl entry module fixes (``rlfoundry/experimental``): its default ``--config-name`` and the
+    pipeline (``async_training.mode``), set under the user's overrides and over any config's."""
+
+    config_name: str | None = None
+    mode: str | None = None
+
+
+def run(argv: Sequence[str], entry: Entry = Entry()) -> dict:
     """Parse, validate, build and train; returns the trainer's summary. Raises on errors."""
     flags, overrides = _split_args(argv)
     if "help" in flags:
@@ -481,7 +494,10 @@ def run(argv: Sequence[str]) -> dict:
     if "help-keys" in flags:
         print(_keys_help())
         return {}
-    cfg = load_config(overrides, config_name=flags.get("config-name"), config_path=flags.get("config-path"))
+    if entry.mode is not None:
+        overrides = [f"async_training.mode={entry.mode}", *overrides]
+    cfg = load_config(overrides, config_name=flags.get("config-name") or entry.config_name,
+                      config_path=flags.get("config-path"))
     if flags.get("cfg"):
         from omegaconf import OmegaConf
 
@@ -510,11 +526,11 @@ def _run_error_types() -> tuple[type[BaseException], ...]:
     return RunAbortedError, WorkerGroupError
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, entry: Entry = Entry()) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.simplefilter("default")  # show each distinct warning once
     try:
-        run(argv)
+        run(argv, entry)
     except _user_error_types() as e:
         if os.environ.get("RLFOUNDRY_DEBUG"):
             raise

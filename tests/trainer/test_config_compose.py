@@ -1,0 +1,208 @@
+"""``--config-name`` / ``--config-path`` and a YAML's ``defaults:`` list, as Hydra resolves them
+(``rlfoundry/config/compose.py``), verl's config names and engine group, and verl's async entry
+modules' keys (``rlfoundry/experimental``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from rlfoundry.trainer.config import ConfigError, load_config
+from tests.trainer import _e2e as E
+
+ASYNC = ["trainer.worker_backend=process"]  # two pools: the in-process back end cannot hold them
+
+
+def _strategies(cfg) -> tuple[str, str, str]:
+    return cfg.actor_rollout_ref.actor.strategy, cfg.actor_rollout_ref.ref.strategy, cfg.critic.strategy
+
+
+def _write(path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# ───────────────────────────── lookup: suffix, relative path, fallback ─────────────────────────────
+
+
+def test_a_name_with_or_without_yaml_is_the_same_config():
+    with_suffix = load_config([], config_name="ppo_megatron_trainer.yaml", config_path="config")
+    without = load_config([], config_name="ppo_megatron_trainer")
+    assert _strategies(with_suffix) == _strategies(without) == ("megatron", "megatron", "megatron")
+
+
+def test_config_path_is_relative_to_the_working_directory(tmp_path, monkeypatch):
+    _write(tmp_path / "work" / "conf" / "mine.yaml", "data:\n  train_batch_size: 8\n")
+    monkeypatch.chdir(tmp_path / "work")
+    assert load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=8"], "mine", "conf").data.train_batch_size == 8
+    monkeypatch.chdir(tmp_path)  # from elsewhere the same relative path is not there
+    with pytest.raises(ConfigError, match="no such directory"):
+        load_config([], "mine", "conf")
+
+
+def test_a_missing_user_directory_falls_back_to_the_packaged_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # verl's scripts pass verl's own `config` dir, absent here
+    cfg = load_config([], config_name="ppo_megatron_trainer.yaml", config_path="recipe/dapo/config")
+    assert _strategies(cfg) == ("megatron",) * 3
+
+
+def test_the_users_file_wins_over_the_packaged_one_of_that_name(tmp_path):
+    _write(tmp_path / "ppo_megatron_trainer.yaml", "data:\n  train_batch_size: 16\n")
+    cfg = load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=8"], "ppo_megatron_trainer", str(tmp_path))
+    assert cfg.data.train_batch_size == 16 and cfg.actor_rollout_ref.actor.strategy == "fsdp"
+
+
+def test_verls_own_trainer_config_directory_is_stood_in_for_by_the_packaged_configs(tmp_path):
+    # verl's dir holds its full defaults (hundreds of keys composed from group files); ours replace them
+    _write(tmp_path / "_generated_ppo_trainer.yaml", "{}\n")
+    _write(tmp_path / "ppo_megatron_trainer.yaml", "defaults:\n  - actor@actor_rollout_ref.actor: megatron_actor\n"
+                                                   "verl_only_key: 1\n")
+    assert _strategies(load_config([], "ppo_megatron_trainer", str(tmp_path))) == ("megatron",) * 3
+
+
+# ───────────────────────────── the defaults list ─────────────────────────────
+
+
+def test_a_defaults_list_is_composed_not_ignored(tmp_path):
+    # before: the overlay's defaults were dropped and this ran with strategy fsdp
+    _write(tmp_path / "mine.yaml", "defaults:\n  - ppo_megatron_trainer\n  - _self_\ndata:\n  train_batch_size: 32\n")
+    cfg = load_config([], "mine", str(tmp_path))
+    assert _strategies(cfg) == ("megatron",) * 3 and cfg.data.train_batch_size == 32
+
+
+@pytest.mark.parametrize(("defaults", "want"), [
+    ("[base, _self_]", 16),  # the file's own keys over its defaults
+    ("[_self_, base]", 32),  # its defaults over its own keys
+    ("[base]", 16),  # no _self_: at the end (Hydra 1.1)
+])
+def test_self_places_the_files_own_keys(tmp_path, defaults, want):
+    _write(tmp_path / "base.yaml", "defaults: [ppo_trainer, _self_]\ndata:\n  train_batch_size: 32\n")
+    _write(tmp_path / "mine.yaml", f"defaults: {defaults}\ndata:\n  train_batch_size: 16\n")
+    assert load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=16"], "mine.yaml", str(tmp_path)) \
+        .data.train_batch_size == want
+
+
+def test_group_entries_resolve_in_the_users_directory_then_as_verls_components(tmp_path):
+    _write(tmp_path / "optim" / "fast.yaml", "lr: 0.25\n")
+    _write(tmp_path / "mine.yaml", "defaults:\n  - actor@actor_rollout_ref.actor: megatron_actor\n"
+                                   "  - optim@actor_rollout_ref.actor.optim: fast\n  - _self_\n")
+    cfg = load_config([], "mine", str(tmp_path))
+    assert cfg.actor_rollout_ref.actor.strategy == "megatron" and cfg.actor_rollout_ref.actor.optim.lr == 0.25
+
+
+def test_an_override_entry_replaces_the_earlier_choice(tmp_path):
+    _write(tmp_path / "mine.yaml", "defaults:\n  - actor@actor_rollout_ref.actor: dp_actor\n"
+                                   "  - override actor@actor_rollout_ref.actor: megatron_actor\n")
+    assert load_config([], "mine", str(tmp_path)).actor_rollout_ref.actor.strategy == "megatron"
+
+
+def test_an_entry_that_resolves_nowhere_is_an_error_naming_file_entry_and_choices(tmp_path):
+    path = _write(tmp_path / "mine.yaml", "defaults:\n  - ppo_megatorn_trainer\n  - _self_\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([], "mine", str(tmp_path))
+    assert str(path) in str(e.value) and "ppo_megatorn_trainer" in str(e.value) and "ppo_megatron_trainer" in str(e.value)
+    _write(tmp_path / "grp.yaml", "defaults:\n  - actor@actor_rollout_ref.actor: fancy_actor\n")
+    with pytest.raises(ConfigError, match="fancy_actor.*dp_actor"):
+        load_config([], "grp", str(tmp_path))
+
+
+def test_an_optional_entry_that_does_not_exist_adds_nothing(tmp_path):
+    _write(tmp_path / "mine.yaml", "defaults:\n  - optional local_settings\n  - _self_\n")
+    assert load_config([], "mine", str(tmp_path)).data.train_batch_size == load_config([]).data.train_batch_size
+
+
+# ───────────────────────────── verl's engine group ─────────────────────────────
+
+
+@pytest.mark.parametrize(("engine", "want"), [("megatron", "megatron"), ("dp", "fsdp"), ("fsdp", "fsdp")])
+def test_model_engine_picks_the_strategy(engine, want):
+    assert _strategies(load_config([f"model_engine={engine}"])) == (want,) * 3
+
+
+def test_model_engine_in_a_defaults_list(tmp_path):
+    _write(tmp_path / "mine.yaml", "defaults:\n  - ppo_trainer\n  - override model_engine: megatron\n  - _self_\n")
+    assert _strategies(load_config([], "mine", str(tmp_path))) == ("megatron",) * 3
+
+
+def test_engines_not_built_and_contradictions_are_errors():
+    with pytest.raises(ConfigError, match="veomni"):
+        load_config(["model_engine=veomni"])
+    with pytest.raises(ConfigError, match="model_engine=dp but actor_rollout_ref.actor.strategy=megatron"):
+        load_config(["model_engine=dp"], config_name="ppo_megatron_trainer")
+
+
+# ───────────────────────────── verl's config names ─────────────────────────────
+
+
+@pytest.mark.parametrize(("name", "strategy", "mode"), [
+    ("ppo_trainer", "fsdp", "sync"), ("ppo_megatron_trainer", "megatron", "sync"),
+    ("one_step_off_ppo_trainer", "fsdp", "one_step_off"), ("one_step_off_ppo_megatron_trainer", "megatron", "one_step_off"),
+    ("fully_async_ppo_trainer", "fsdp", "fully_async"), ("fully_async_ppo_megatron_trainer", "megatron", "fully_async"),
+    ("fully_async_dapo_trainer", "fsdp", "fully_async"), ("dapo_trainer", "fsdp", "sync"),
+    ("dapo_megatron_trainer", "megatron", "sync"), ("gsm8k_multiturn_grpo", "fsdp", "sync"),
+    ("gsm8k_multiturn_megatron_grpo", "megatron", "sync"),
+])
+def test_verls_config_names_are_packaged(name, strategy, mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_config(ASYNC if mode != "sync" else [], config_name=f"{name}.yaml", config_path="config")
+    assert (cfg.actor_rollout_ref.actor.strategy, cfg.async_training.mode) == (strategy, mode)
+    if "dapo" in name:
+        assert cfg.reward_model.reward_manager == "dapo"
+
+
+# ───────────────────────────── verl's async entry modules' keys ─────────────────────────────
+
+
+def test_january_rollout_epochs_and_test_freq_in_syncs():
+    from rlfoundry.experimental.fully_async_policy.fully_async_main import verl_spellings
+
+    base = [*ASYNC, "async_training.mode=fully_async", "async_training.trigger_parameter_sync_step=4"]
+    cfg = load_config([*base, "rollout.total_epochs=3", "rollout.test_freq=2"], "fully_async_ppo_trainer")
+    assert (cfg.trainer.total_epochs, cfg.trainer.test_freq) == (3, 8)  # 2 syncs x 4 steps
+    # August's fully-async main spells the same period trainer.test_freq
+    cfg = load_config([*base, *verl_spellings(["trainer.test_freq=2"])], "fully_async_ppo_trainer")
+    assert cfg.trainer.test_freq == 8
+    with pytest.raises(ConfigError, match="rollout.total_epochs=3.*disagree"):
+        load_config([*base, "rollout.total_epochs=3", "trainer.total_epochs=2"], "fully_async_ppo_trainer")
+
+
+def test_use_rollout_log_probs_is_honoured_where_built_and_an_error_where_not():
+    base = [*ASYNC, "async_training.use_rollout_log_probs=true"]
+    load_config([*base, "async_training.trigger_parameter_sync_step=1"], "fully_async_ppo_trainer")
+    with pytest.raises(ConfigError, match="period's first weights"):
+        load_config([*base, "async_training.trigger_parameter_sync_step=4"], "fully_async_ppo_trainer")
+    with pytest.raises(ConfigError, match="compute_prox_log_prob"):
+        load_config([*ASYNC, "async_training.compute_prox_log_prob=true"], "fully_async_ppo_trainer")
+
+
+def test_the_entry_modules_fix_their_pipeline_and_print_it(capsys):
+    from omegaconf import OmegaConf
+
+    from rlfoundry.experimental.fully_async_policy.fully_async_main import ENTRY as FULLY
+    from rlfoundry.experimental.one_step_off_policy.main_ppo import ENTRY as ONE_STEP
+    from rlfoundry.trainer.main_ppo import run
+
+    for entry, argv, mode, strategy in ((ONE_STEP, [], "one_step_off", "fsdp"),
+                                        (FULLY, ["--config-name", "fully_async_ppo_megatron_trainer.yaml"],
+                                         "fully_async", "megatron"),
+                                        (ONE_STEP, ["--config-name", "ppo_trainer"], "one_step_off", "fsdp")):
+        assert run([*argv, *ASYNC, "rollout.n_gpus_per_node=1", "--cfg", "job"], entry) == {}
+        printed = OmegaConf.create(capsys.readouterr().out)
+        assert (printed.async_training.mode, printed.actor_rollout_ref.actor.strategy) == (mode, strategy)
+
+
+# ───────────────────────────── one real step ─────────────────────────────
+
+
+def test_a_user_config_over_ppo_trainer_trains_one_step(tiny_model_dir, tmp_path):
+    # verl's recipe shape: defaults [ppo_trainer, _self_] plus the recipe's keys; the file's rollout.n reaches the run
+    path = _write(tmp_path / "recipe" / "mine.yaml",
+                  "defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n    n: 2\n")
+    overrides = [o for o in E.tiny_overrides(tiny_model_dir, tmp_path / "run", "trainer.total_training_steps=1")
+                 if o != "actor_rollout_ref.rollout.n=4"]
+    run = E.train(overrides, config_name=str(path))
+    assert len(run.batches) == 1
+    assert run.batches[0]["responses"].shape[0] == 2 * 2  # 2 prompts x the file's n=2 (the default is 4+)
