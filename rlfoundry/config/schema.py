@@ -50,6 +50,7 @@ LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync; models/lora.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
 STRATEGIES = tuple(TRAINING_ENGINES)  # the training engines a role's strategy can name
+TORCH_PROFILER_TOOLS = ("torch", "torch_memory")  # global_profiler.tool values utils/profiler.py's trace serves
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
@@ -190,6 +191,7 @@ class DataConfig(Node):
     apply_chat_template: bool = True  # rlfoundry: False joins the messages with newlines (no chat template)
     apply_chat_template_kwargs: Dict[str, Any] = _dict()
     custom_cls: CustomClsConfig = _sub(CustomClsConfig)
+    return_multi_modal_inputs: bool = True  # no effect: image rows always carry their pixel inputs
     sampler: SamplerConfig = _sub(SamplerConfig)
     synthetic: SyntheticDataConfig = _sub(SyntheticDataConfig)  # rlfoundry
 
@@ -218,6 +220,15 @@ class OptimConfig(Node):
 
 @dataclass
 class FSDPConfig(Node):
+    clip_grad: Optional[float] = None  # verl >= 0.5's name of the role's grad_clip (verl_compat copies it there)
+    # Megatron's spellings of the schedule (verl's optim/megatron.yaml), honoured on every engine:
+    lr_decay_style: Optional[str] = None  # constant | cosine: = lr_scheduler_type (verl_compat copies it there)
+    lr_warmup_init: float = 0.0  # the warm-up rises linearly from this lr to lr (engines/fsdp/utils.py lr_lambda)
+    min_lr: Optional[float] = None  # cosine's floor as an lr: = min_lr_ratio × lr (verl_compat converts it)
+    weight_decay_incr_style: str = "constant"  # Megatron's weight-decay schedule; only constant is built
+    # more optimizer settings: megatron-core OptimizerConfig fields (strategy=megatron) or AdamW keyword
+    # arguments (fsdp); checked at start-up (trainer/config.py _check_optimizers). verl: null (fsdp)
+    override_optimizer_config: Dict[str, Any] = _dict()
     wrap_policy: Dict[str, Any] = _dict(min_num_params=0)
     param_offload: bool = False
     optimizer_offload: bool = False
@@ -232,6 +243,8 @@ class FSDPConfig(Node):
     # bf16 over fp32 weights (then under torch.autocast), is not wrapped (FSDP2 would only copy and cast
     # every weight and gradient; engines/fsdp/utils.py fsdp_does_nothing); fsdp = wrap anyway
     single_rank: str = one_of(("auto", "fsdp"), "auto")
+    # verl (Aug 2026) spells the role's ulysses_sequence_parallel_size here (verl_compat copies it there)
+    ulysses_sequence_parallel_size: Optional[int] = None
 
 
 @dataclass
@@ -274,9 +287,34 @@ class ProfilerConfig(Node):
     all_ranks: bool = False
     ranks: List[int] = _list()
 
+    """verl's per-role ``profiler`` (Nsight / NPU / torch ranges around the role's calls): observability
+    only, listed in verl_compat.NO_EFFECT_KEYS; the torch traces here come from ``global_profiler``."""
+
+    tool: Optional[str] = None  # verl: ${global_profiler.tool}
+    enable: bool = False
 
 @dataclass
 class RolloutCorrectionConfig(Node):
+    save_path: Optional[str] = None
+    tool_config: Dict[str, Any] = _dict()
+
+
+@dataclass
+class GlobalProfilerConfig(Node):
+    """verl's ``global_profiler``. ``tool=torch`` (or ``torch_memory``) with ``steps`` is
+    ``trainer.profile_steps`` (utils/profiler.py: torch.profiler traces, and a CUDA memory snapshot on a
+    GPU) written into ``save_path``; verl_compat copies them there. nsys and npu: no effect here."""
+
+    tool: Optional[str] = None  # torch | torch_memory | nsys | npu
+    steps: Optional[List[int]] = None
+    profile_continuous_steps: bool = False
+    save_path: str = "outputs/profile"
+    global_tool_config: Dict[str, Any] = _dict()
+    # verl (Aug 2026): moving the traces and a command run after them: observability only
+    relocate_results: bool = False
+    finish_hook_cmd: Optional[str] = None
+    finish_hook_all_ranks: bool = False
+    finish_hook_ranks: List[int] = _list()
     """verl 0.9's ``algorithm.rollout_correction`` (``algos/rollout_corr.py``): correct for the rollout
     engine's distribution differing from the trainer's. Nothing set: no correction, no metrics."""
 
@@ -386,6 +424,7 @@ class ActorConfig(Node):
 class RefConfig(Node):
     strategy: str = follows("actor_rollout_ref.actor.strategy", "fsdp", STRATEGIES)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
+    freeze_vision_tower: Optional[bool] = None  # verl's spelling of model.freeze_vision_tower (copied there)
     megatron: MegatronConfig = _sub(MegatronConfig)  # the actor's layout (ppo_megatron_trainer interpolates it)
     use_torch_compile: bool = follows("actor_rollout_ref.actor.use_torch_compile", False)
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
@@ -515,6 +554,11 @@ class RolloutConfig(Node):
     # a separate rollout pool's weight transfer (workers/checkpoint_engine.py)
     checkpoint_engine: CheckpointEngineConfig = _sub(CheckpointEngineConfig)
     engine_kwargs: Dict[str, Any] = _dict()
+    # vLLM/SGLang data and expert parallelism inside one rollout replica: only 1 is built (RolloutConfig.check)
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    # verl: stop a training rollout once (1 - rate) of its requests are done; only 0 is built (check)
+    over_sample_rate: float = 0.0
     val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig)
     multi_turn: MultiTurnConfig = _sub(MultiTurnConfig)
     agent: AgentConfig = _sub(AgentConfig)
@@ -563,6 +607,7 @@ class ActorRolloutRefConfig(Node):
 @dataclass
 class CriticModelConfig(Node):
     path: Optional[str] = None  # an HF directory; required for gae. verl: ~/models/deepseek-llm-7b-chat
+        errors += self._check_parallel_and_over_sampling()
     tokenizer_path: Optional[str] = follows("actor_rollout_ref.model.path", None)
     use_shm: bool = False
     override_config: Dict[str, Any] = _dict()
@@ -570,9 +615,27 @@ class CriticModelConfig(Node):
     enable_gradient_checkpointing: bool = False  # verl: True
     enable_activation_offload: bool = False
     use_remove_padding: bool = False
+    def _check_parallel_and_over_sampling(self) -> list[str]:
+        """verl's engine layout keys beyond tensor parallelism, and over-sampling: what is not built."""
+        key, errors = "actor_rollout_ref.rollout", []
+        if self.data_parallel_size != 1:
+            errors.append(f"{key}.data_parallel_size={self.data_parallel_size}: data parallelism inside one vLLM/SGLang "
+                          "replica is not built; the rollout runs one replica per trainer rank group "
+                          f"(tensor_model_parallel_size ranks each). Set {key}.data_parallel_size=1.")
+        if self.expert_parallel_size != 1:
+            errors.append(f"{key}.expert_parallel_size={self.expert_parallel_size}: expert parallelism in the rollout "
+                          "engine (MoE) is not built (the large-models issue); set it to 1.")
+        if self.over_sample_rate != 0:
+            errors.append(f"{key}.over_sample_rate={self.over_sample_rate}: cancelling the slowest requests of a "
+                          "rollout once (1 - rate) of them finished is not built; every request runs to its end. "
+                          "Set it to 0.")
+        return errors
+
+
     cpu_kernels: str = one_of(CPU_KERNELS, "auto")  # rlfoundry: as ModelConfig.cpu_kernels
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
+    nccl_timeout: Optional[float] = None  # seconds; verl's name of trainer.dist_timeout_s (copied there). verl: 600
     lora_rank: int = 0  # LoRA on the critic: the value head trains in full beside the adapter
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -656,6 +719,12 @@ class JudgeRolloutConfig(Node):
     tensor_model_parallel_size: int = 1  # verl: 2
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
+    # verl (Jan 2026): score through the reward loop (true) or the legacy reward-model worker; the same scores
+    # either way, so one path here (verl_compat.NO_EFFECT_KEYS). verl: true
+    use_reward_loop: bool = True
+    num_workers: Optional[int] = None  # verl's reward-loop workers = reward_kwargs.num_workers (scorer processes)
+    # the engine verl's reward loop serves the classifier on; here it runs on the FSDP engine (no effect)
+    rollout: "JudgeRolloutConfig" = field(default_factory=lambda: JudgeRolloutConfig())
     max_num_seqs: int = 1024
     load_format: str = "auto"
     seed: int = 42
@@ -920,6 +989,8 @@ class TrainerConfig(Node):
         ws = int(self.nnodes) * int(self.n_gpus_per_node)
         if self.worker_backend == "local" and ws != 1:
             errors.append(f"trainer.worker_backend=local runs one in-process rank, but nnodes × n_gpus_per_node = {ws}; "
+    use_v1: bool = True  # verl (Aug 2026): its newer trainer implementation; one trainer here (no effect)
+    v1: Dict[str, Any] = _dict(trainer_mode="sync")  # verl's v1 trainer; trainer_mode other than sync: check()
                           "use trainer.worker_backend=process (one machine) or ray (or auto).")
         if self.worker_backend == "process" and int(self.nnodes) != 1:
             errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but trainer.nnodes={self.nnodes}; "
@@ -954,6 +1025,10 @@ class AsyncTrainingConfig(Node):
     """verl's ``async_training`` keys (``trainer/ppo/fully_async.py``, ``one_step_off.py``)."""
 
     mode: str = one_of(("sync", "one_step_off", "fully_async"), "sync")  # rlfoundry: --config-name sets it
+        mode = (self.v1 or {}).get("trainer_mode", "sync")
+        if mode != "sync":
+            errors.append(f"trainer.v1.trainer_mode={mode}: verl's v1 asynchronous trainer modes are not built; for an "
+                          "asynchronous run use --config-name one_step_off_ppo_trainer or fully_async_ppo_trainer.")
     # fully async: per weight version the rollouter generates at most (1 + staleness_threshold) × the prompts
     # the trainer uses between two syncs; 0: every sample is trained by the version that sampled it
     staleness_threshold: float = 0.0
@@ -997,7 +1072,7 @@ class PPOConfig(Node):
     def check(self) -> list[str]:
         """Each section's own rules (its ``check``), in schema order; the rules between sections and
         those that load files or registries are ``trainer/config.py``'s ``validate_config``."""
-        return section_errors(self)
+        return section_errors(self) + self._check_distillation()
 
 
 # ─────────────────────────────────────── replaced keys ───────────────────────────────────────
@@ -1029,3 +1104,12 @@ REPLACED_KEYS: dict[str, Replaced] = {
     "actor_rollout_ref.model.fused_forward": _by_cpu_kernels("actor_rollout_ref.model", True),
     "actor_rollout_ref.rollout.fused_decode": _by_cpu_kernels("actor_rollout_ref.model", True),
 }
+    global_profiler: GlobalProfilerConfig = _sub(GlobalProfilerConfig)
+    # verl (Aug 2026): on-policy distillation from teacher models; enabled=true is a start-up error (not built)
+    distillation: Dict[str, Any] = _dict(enabled=False)
+
+    def _check_distillation(self) -> list[str]:
+        if not (self.distillation or {}).get("enabled"):
+            return []
+        return ["distillation.enabled=true: verl's on-policy distillation from teacher models (distillation.*) is "
+                "not built in rlfoundry; remove the distillation keys."]

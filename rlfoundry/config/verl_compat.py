@@ -3,8 +3,10 @@
 - ``NO_EFFECT_KEYS`` / ``VLLM_ONLY_KEYS``: verl keys accepted so verl command lines run unchanged, each
   with the reason it changes nothing here (docs/verl_keys.md lists them); ``warn_no_effect`` names the
   ones a run sets in one warning;
-- ``VERL_REWARD_KEYS`` / ``VERL_OLD_NAMES``: verl's newer and older spellings of one setting, copied onto
-  the key rlfoundry reads by ``adopt_verl_reward_keys`` (two spellings given different values is an error);
+- ``VERL_REWARD_KEYS`` / ``VERL_OLD_NAMES`` / ``VERL_OTHER_NAMES``: verl's newer, older and other spellings
+  of one setting, copied onto the key rlfoundry reads by ``adopt_verl_spellings`` (two spellings given
+  different values is an error), which also turns Megatron's schedule keys, ``global_profiler`` and an
+  adapter's own LoRA settings into the keys read;
 - ``prefer_user_deprecated_keys``: verl's deprecated global micro-batch keys and ``checkpoint.contents``.
 
 The loader (``trainer/config.py`` ``load_config``) calls these once, after the overrides are applied.
@@ -13,12 +15,15 @@ The loader (``trainer/config.py`` ``load_config``) calls these once, after the o
 from __future__ import annotations
 
 import fnmatch
+import json
 import warnings
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from rlfoundry.config.schema import LR_SCHEDULES, TORCH_PROFILER_TOOLS
 from rlfoundry.config.typed import ConfigError
 from rlfoundry.utils.tracking import VERL_ONLY_BACKENDS
 
@@ -28,9 +33,10 @@ __all__ = [
     "NO_EFFECT_KEYS",
     "NoEffectKeyWarning",
     "VERL_OLD_NAMES",
+    "VERL_OTHER_NAMES",
     "VERL_REWARD_KEYS",
     "VLLM_ONLY_KEYS",
-    "adopt_verl_reward_keys",
+    "adopt_verl_spellings",
     "loggers",
     "no_effect_keys_set",
     "prefer_user_deprecated_keys",
@@ -87,7 +93,21 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # always on: the vLLM and SGLang rollouts wake the weights for a sync and the KV cache only to
     # generate (vllm_rollout._wake_up, sglang_rollout._resume); verl's false, all at once, only raises the peak
     "actor_rollout_ref.rollout.multi_stage_wake_up",
+    # verl's profiler settings other than a torch trace's (global_profiler.tool=torch: trainer.profile_steps):
+    # Nsight / NPU tool options, trace relocation and post-profiling hooks: observability only
+    "global_profiler.global_tool_config*", "global_profiler.profile_continuous_steps",
+    "global_profiler.relocate_results", "global_profiler.finish_hook*",
+    # verl's reward loop and its legacy reward-model worker give the classifier's same score; here the
+    # classifier always scores on a RewardModel worker on the FSDP engine, so the loop's serving engine
+    # (reward_model.rollout.*: vLLM/SGLang, memory, TP, lengths) is not used
+    "reward_model.use_reward_loop", "reward_model.rollout.*",
+    "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
+    # image rows always carry their pixel inputs (verl recomputes them in its agent loop when false)
+    "data.return_multi_modal_inputs",
 )
+# global_profiler's keys that a torch trace reads (verl_compat._adopt_global_profiler); with another tool
+# (nsys, npu) they have no effect
+_GLOBAL_PROFILER_TRACE_KEYS = ("global_profiler.tool", "global_profiler.steps", "global_profiler.save_path")
 
 # Engine knobs that only the vLLM and SGLang rollouts read: no effect (and a warning) with rollout.name=hf.
 VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
@@ -133,21 +153,98 @@ def _agree(new: Any, old: Any) -> bool:
 # verl <= 0.2's names of keys that verl renamed since: old name -> the key rlfoundry reads.
 VERL_OLD_NAMES = {"trainer.val_generations_to_log_to_wandb": "trainer.log_val_generations"}
 
+_ROLES_WITH_OPTIM = ("actor_rollout_ref.actor", "critic")
+# verl's other names (newer layouts, its Megatron config, its worker groups) of settings rlfoundry reads
+# elsewhere: given -> read. Each is the same setting: the value read is the value in effect.
+VERL_OTHER_NAMES = {
+    **{f"{role}.optim.clip_grad": f"{role}.grad_clip" for role in _ROLES_WITH_OPTIM},
+    # Megatron's name of the schedule (its linear, inverse-square-root and WSD are not built: _check_decay_style)
+    **{f"{role}.optim.lr_decay_style": f"{role}.optim.lr_scheduler_type" for role in _ROLES_WITH_OPTIM},
+    # verl sets the actor/rollout/ref workers' process-group timeout; here one limit covers every collective
+    "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
+    "actor_rollout_ref.actor.freeze_vision_tower": "actor_rollout_ref.model.freeze_vision_tower",
+    # verl's reward-loop workers score rule rewards in parallel: the scorer processes here
+    "reward_model.num_workers": "reward_model.reward_kwargs.num_workers",
+    # verl (Aug 2026) moved sequence parallelism into the engine config
+    **{f"{role}.fsdp_config.ulysses_sequence_parallel_size": f"{role}.ulysses_sequence_parallel_size"
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
+    "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+}
 
-def adopt_verl_reward_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
-    """Copy each ``reward.*`` key the user set onto its older place, and each of verl <= 0.2's old
-    names onto the key read; one setting spelled both ways must agree (else a ConfigError naming both)."""
+
+def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
+    """Copy each verl spelling the user set onto the key rlfoundry reads (``reward.*`` onto its older
+    place, verl <= 0.2's old names, ``VERL_OTHER_NAMES``); one setting spelled two ways must agree (else
+    a ConfigError naming both). Then Megatron's ``min_lr``, ``global_profiler`` and an adapter's LoRA
+    settings (``_adopt_*``)."""
     spellings = [(new, old, "verl >= 0.7", "older verl") for new, old in VERL_REWARD_KEYS.items()]
     spellings += [(old, new, "verl <= 0.2", "verl's current name") for old, new in VERL_OLD_NAMES.items()]
+    spellings += [(given, read, "verl", "the key read here") for given, read in VERL_OTHER_NAMES.items()]
+    set_keys, set_as = list(user_keys), {}  # set_as: a key read -> the other spelling that set it
     for given, read, given_by, read_by in spellings:
-        if not _set_by_user(user_keys, given):
+        if _set_by_user(user_keys, given):
+            _check_decay_style(given, OmegaConf.select(cfg, given))
+            other = f"{set_as[read]} (also {read})" if read in set_as else f"{read} ({read_by})"
+            _copy_setting(cfg, given, read, set_keys, f"{given} ({given_by}) and {other}")
+            set_keys.append(read)  # a third spelling of the same setting is checked against this one
+            set_as.setdefault(read, given)
+    _adopt_min_lr(cfg, set_keys)
+    _adopt_global_profiler(cfg, set_keys)
+    _adopt_adapter_lora(cfg, set_keys)
+
+
+def _copy_setting(cfg: DictConfig, given: str, read: str, set_keys: Sequence[str], both: str) -> None:
+    value, before = OmegaConf.select(cfg, given), OmegaConf.select(cfg, read)
+    if _set_by_user(set_keys, read) and not _agree(_plain(value), _plain(before)):
+        raise ConfigError(f"{both} are one setting and were given different values ({_plain(value)} vs "
+                          f"{_plain(before)}); set one of them.")
+    with open_dict(cfg):  # the older dicts take the new keys (struct mode would refuse them)
+        OmegaConf.update(cfg, read, value, merge=isinstance(value, DictConfig))
+
+
+def _check_decay_style(key: str, value: Any) -> None:
+    if key.endswith(".lr_decay_style") and value not in LR_SCHEDULES:
+        raise ConfigError(f"{key}={value}: Megatron's {value} learning-rate decay is not built here; the schedules "
+                          f"built are {list(LR_SCHEDULES)} (warm-up, then constant or cosine down to min_lr).")
+
+
+def _adopt_min_lr(cfg: DictConfig, set_keys: Sequence[str]) -> None:
+    """Megatron's ``optim.min_lr`` (an lr) is ``min_lr_ratio`` × ``lr`` (the floor of the cosine)."""
+    for role in _ROLES_WITH_OPTIM:
+        optim, key = OmegaConf.select(cfg, f"{role}.optim"), f"{role}.optim"
+        if optim.min_lr is None:
             continue
-        value, before = OmegaConf.select(cfg, given), OmegaConf.select(cfg, read)
-        if _set_by_user(user_keys, read) and not _agree(_plain(value), _plain(before)):
-            raise ConfigError(f"{given} ({given_by}) and {read} ({read_by}) are one setting and were given "
-                              f"different values ({_plain(value)} vs {_plain(before)}); set one of them.")
-        with open_dict(cfg):  # the older dicts take the new keys (struct mode would refuse them)
-            OmegaConf.update(cfg, read, value, merge=isinstance(value, DictConfig))
+        ratio = float(optim.min_lr) / float(optim.lr)
+        if _set_by_user(set_keys, f"{key}.min_lr_ratio") and optim.min_lr_ratio is not None and \
+                abs(float(optim.min_lr_ratio) - ratio) > 1e-9 * max(1.0, ratio):
+            raise ConfigError(f"{key}.min_lr={optim.min_lr} (Megatron's floor, = min_lr_ratio × lr = {ratio:g}) and "
+                              f"{key}.min_lr_ratio={optim.min_lr_ratio} disagree; set one of them.")
+        optim.min_lr_ratio = ratio
+
+
+def _adopt_global_profiler(cfg: DictConfig, set_keys: Sequence[str]) -> None:
+    """``global_profiler.tool=torch`` (or ``torch_memory``) with ``steps``: ``trainer.profile_steps``."""
+    gp = cfg.global_profiler
+    if gp.tool not in TORCH_PROFILER_TOOLS or not gp.steps:
+        return
+    _copy_setting(cfg, "global_profiler.steps", "trainer.profile_steps", set_keys,
+                  "global_profiler.steps (verl, with global_profiler.tool=torch) and trainer.profile_steps")
+
+
+def _adopt_adapter_lora(cfg: DictConfig, set_keys: Sequence[str]) -> None:
+    """``model.lora_adapter_path`` without ``lora_rank``: the adapter's own rank, alpha and target modules
+    (its ``adapter_config.json``), as verl does; keys the user set win."""
+    model = cfg.actor_rollout_ref.model
+    path = model.lora_adapter_path
+    config = Path(str(path)).expanduser() / "adapter_config.json" if path else None
+    if config is None or not config.is_file() or int(model.lora_rank or 0) > 0:
+        return  # a missing adapter is reported by the LoRA check, naming the key
+    adapter = json.loads(config.read_text())
+    fields = {"lora_rank": adapter.get("r"), "lora_alpha": adapter.get("lora_alpha"),
+              "target_modules": adapter.get("target_modules")}
+    for name, value in fields.items():
+        if value is not None and not _set_by_user(set_keys, f"actor_rollout_ref.model.{name}"):
+            model[name] = value
 
 
 # verl's deprecated global micro-batch keys and the per-rank keys that replaced them.
@@ -174,7 +271,9 @@ def prefer_user_deprecated_keys(cfg: DictConfig, user_keys: Sequence[str]) -> No
 
 def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:
     engine = OmegaConf.select(cfg, "actor_rollout_ref.rollout.name") in ("vllm", "sglang")
-    return NO_EFFECT_KEYS if engine else NO_EFFECT_KEYS + VLLM_ONLY_KEYS
+    torch_trace = OmegaConf.select(cfg, "global_profiler.tool") in TORCH_PROFILER_TOOLS
+    return (NO_EFFECT_KEYS + (() if engine else VLLM_ONLY_KEYS)
+            + (() if torch_trace else _GLOBAL_PROFILER_TRACE_KEYS))
 
 
 def no_effect_keys_set(cfg: DictConfig, keys: Sequence[str]) -> list[str]:

@@ -44,12 +44,12 @@ from rlfoundry.config.verl_compat import (
     IGNORED_LOGGERS,
     NO_EFFECT_KEYS,
     NoEffectKeyWarning,
-    adopt_verl_reward_keys,
+    adopt_verl_spellings,
     loggers,
     prefer_user_deprecated_keys,
     warn_no_effect,
 )
-from rlfoundry.utils.tracking import SUPPORTED_BACKENDS
+from rlfoundry.utils.tracking import SUPPORTED_BACKENDS, missing_packages
 
 __all__ = [
     "CONFIG_DIR",
@@ -207,7 +207,7 @@ def load_config(
     overlay = _find_config_file(config_name, config_path) if config_name else None
     engine, overrides = _split_engine(overrides)
     cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay, config_path=config_path, engine=engine)
-    adopt_verl_reward_keys(cfg, user_keys)
+    adopt_verl_spellings(cfg, user_keys)
     prefer_user_deprecated_keys(cfg, user_keys)
     _adopt_async_keys(cfg, user_keys)
     _fill_fully_async_batch(cfg)
@@ -311,7 +311,7 @@ def _check_choices(cfg: DictConfig) -> list[str]:
     for name in loggers(cfg):
         if name not in SUPPORTED_LOGGERS + IGNORED_LOGGERS:
             errors.append(f"trainer.logger entry {name!r} is not one of {list(SUPPORTED_LOGGERS)}.")
-    return errors
+    return errors + missing_packages(loggers(cfg))
 
 
 def _check_estimator(cfg: DictConfig) -> list[str]:
@@ -376,11 +376,14 @@ def _data_parallel_size(role: DictConfig, ws: int) -> int:
 
 
 def _check_lengths(cfg: PPOConfig) -> list[str]:
-    """A dynamic batch must hold one full sequence (the sections' own numbers: their ``check``)."""
+    """A dynamic micro-batch of the actor's update must hold one full sequence. The budget is per GPU:
+    under Ulysses sequence parallelism each rank of a group holds 1/sp of a sequence, so the group's
+    budget is sp × the key (the FSDP engine's ``_micro_batches`` multiplies, as verl's dp_actor does)."""
     data, actor = cfg.data, cfg.actor_rollout_ref.actor
-    seq = data.max_prompt_length + data.max_response_length
-    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < seq:
-        return [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} is below "
+    seq, sp = data.max_prompt_length + data.max_response_length, int(actor.ulysses_sequence_parallel_size)
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * max(1, sp) < seq:
+        times = f" × actor.ulysses_sequence_parallel_size {sp}" if sp > 1 else ""
+        return [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}{times} is below "
                 f"one full sequence (data.max_prompt_length + data.max_response_length = {seq})."]
     return []
 
@@ -455,6 +458,73 @@ def _check_lora(cfg: DictConfig) -> list[str]:
     if path and int(arr.model.lora_rank or 0) <= 0:
         errors.append("actor_rollout_ref.model.lora_adapter_path needs model.lora_rank > 0 (set it to the adapter's rank).")
     return errors
+
+
+# override_optimizer_config keys that an rlfoundry key sets (one setting, one key): override -> the key
+_OPTIMIZER_KEYS_SET_ELSEWHERE = {
+    "lr": "optim.lr", "min_lr": "optim.min_lr", "weight_decay": "optim.weight_decay", "clip_grad": "optim.clip_grad",
+    "betas": "optim.betas", "adam_beta1": "optim.betas", "adam_beta2": "optim.betas", "eps": "optim.eps",
+    "adam_eps": "optim.eps", "use_distributed_optimizer": "megatron.use_distributed_optimizer",
+    "bf16": "megatron.dtype", "fp16": "megatron.dtype", "params_dtype": "megatron.dtype", "params": None,
+}
+# megatron-core's optimizer offload to the CPU: not built (the large-models issue)
+_OPTIMIZER_OFFLOAD_KEYS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "use_torch_optimizer_for_cpu_offload",
+                           "overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params")
+
+
+def _check_optimizers(cfg: PPOConfig) -> list[str]:
+    """Each trained role's ``optim``: Megatron's weight-decay schedule and ``override_optimizer_config``."""
+    roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)] + ([("critic", cfg.critic)] if use_critic(cfg) else [])
+    errors = []
+    for role, node in roles:
+        key = f"{role}.optim"
+        if node.optim.weight_decay_incr_style != "constant":
+            errors.append(f"{key}.weight_decay_incr_style={node.optim.weight_decay_incr_style}: Megatron's weight-decay "
+                          "schedules are not built; weight decay is constant (optim.weight_decay). Set constant.")
+        errors += _check_optimizer_overrides(key, dict(node.optim.override_optimizer_config or {}), str(node.strategy))
+    return errors
+
+
+def _check_optimizer_overrides(key: str, overrides: dict, strategy: str) -> list[str]:
+    """verl's ``override_optimizer_config``: megatron-core ``OptimizerConfig`` fields (strategy=megatron) or
+    ``torch.optim.AdamW`` arguments (fsdp); offload and keys an rlfoundry key sets are errors naming why."""
+    errors, key = [], f"{key}.override_optimizer_config"
+    for name, value in overrides.items():
+        if name in _OPTIMIZER_OFFLOAD_KEYS and value:
+            errors.append(f"{key}.{name}={value}: offloading the Megatron optimizer to the CPU is not built here (the "
+                          "large-models issue); remove the optimizer offload keys.")
+        elif name in _OPTIMIZER_KEYS_SET_ELSEWHERE:
+            where = _OPTIMIZER_KEYS_SET_ELSEWHERE[name]
+            errors.append(f"{key}.{name}: " + (f"set it as {where} (one key per setting)." if where else
+                                               "the optimizer's parameters are the model's, not a setting."))
+    accepted = _optimizer_fields(strategy) - set(_OPTIMIZER_OFFLOAD_KEYS) - set(_OPTIMIZER_KEYS_SET_ELSEWHERE)
+    unknown = sorted(set(overrides) - accepted - set(_OPTIMIZER_OFFLOAD_KEYS) - set(_OPTIMIZER_KEYS_SET_ELSEWHERE))
+    if unknown:
+        what = "megatron-core OptimizerConfig fields" if strategy == "megatron" else "torch.optim.AdamW arguments"
+        errors.append(f"{key}: {unknown} are not {what} (strategy={strategy}); the accepted ones are {sorted(accepted)}.")
+    if overrides.get("use_precision_aware_optimizer") and strategy == "megatron" and \
+            importlib.util.find_spec("transformer_engine") is None:
+        errors.append(f"{key}.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam "
+                      "(pip install transformer_engine[pytorch], CUDA); remove it, or install it.")
+    return errors
+
+
+def _optimizer_fields(strategy: str) -> set[str]:
+    """The names an override may set on the engine's optimizer (empty where megatron-core is missing: the
+    engine check reports that)."""
+    import inspect
+
+    if strategy != "megatron":
+        import torch
+
+        return set(inspect.signature(torch.optim.AdamW).parameters)
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return set()
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    return {f.name for f in dataclasses.fields(OptimizerConfig)}
 
 
 def _check_liger(cfg: PPOConfig) -> list[str]:
@@ -657,7 +727,7 @@ def validate_config(cfg: DictConfig | PPOConfig) -> None:
     errors += (typed_cfg.check() + _check_estimator(typed_cfg) + _check_batch_sizes(typed_cfg)
                + _check_lengths(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
                + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
-               + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg))
+               + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg) + _check_optimizers(typed_cfg))
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))

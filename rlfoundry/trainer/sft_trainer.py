@@ -47,7 +47,7 @@ from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.config import ConfigError, load_typed_config
 from rlfoundry.utils.errors import EXIT_RUN_ABORTED, CheckpointCorruptError
 from rlfoundry.utils.fs import fsync_dir
-from rlfoundry.utils.tracking import SUPPORTED_BACKENDS
+from rlfoundry.utils.tracking import SUPPORTED_BACKENDS, missing_packages
 
 __all__ = ["ROLE", "SFTTrainer", "load_sft_config", "main", "run_sft", "sft_loss", "validate_sft_config"]
 
@@ -56,13 +56,78 @@ ROLE = "sft"  # the engine's role: metric prefix of its own metrics, checkpoint 
 
 # =========================================================================== configuration
 
-def load_sft_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """Typed defaults <- ``key=value`` overrides (the PPO config's loader), validated, read-only."""
-    cfg, _ = load_typed_config(SFTConfig, overrides)
+# verl's names for its SFT defaults files; here the defaults are the schema's (config/sft_schema.py)
+SFT_CONFIG_NAMES = ("sft_trainer", "sft_trainer_engine")
+SFT_ENGINES = ("fsdp", "dp")  # verl's August engine group (engine=...); both are the FSDP2 engine here
+
+
+def load_sft_config(overrides: Sequence[str] = (), config_name: str | None = None,
+                    config_path: str | None = None) -> DictConfig:
+    """Typed defaults <- overlay ``config_name`` (its ``defaults:`` composed) <- ``key=value`` overrides
+    (the PPO config's loader), verl's spellings adopted, validated, read-only."""
+    overrides = _engine_choice(overrides)
+    cfg, user_keys = load_typed_config(SFTConfig, overrides, _sft_overlay(config_name, config_path),
+                                       config_path=config_path)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _adopt_verl_spellings(cfg, user_keys, world_size)
     OmegaConf.resolve(cfg)
-    validate_sft_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    validate_sft_config(cfg, world_size=world_size)
     OmegaConf.set_readonly(cfg, True)  # validated once; nothing changes it afterwards
     return cfg
+
+
+def _sft_overlay(name: str | None, config_path: str | None) -> Path | None:
+    """``--config-name``: verl's SFT defaults names mean the schema's defaults unless the user's
+    ``--config-path`` holds such a file; any other name is looked up as for PPO."""
+    from rlfoundry.config.compose import PACKAGED_DIR, find_config, search_roots
+
+    if not name:
+        return None
+    stem = Path(name).name.removesuffix(".yaml")
+    user_roots = [r for r in search_roots(config_path) if r != PACKAGED_DIR]
+    if stem in SFT_CONFIG_NAMES and not any((r / f"{stem}.yaml").is_file() for r in user_roots):
+        return None
+    return find_config(name, config_path)
+
+
+def _engine_choice(overrides: Sequence[str]) -> list[str]:
+    """verl's ``engine=fsdp|megatron`` (a config group in its newer SFT layout, not a key): FSDP is the
+    engine here; another is an error naming it."""
+    rest = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        if sep and key.lstrip("+") == "engine":
+            if value.strip() not in SFT_ENGINES:
+                raise ConfigError(f"engine={value}: rlfoundry sft trains on the FSDP2 engine only (engine=fsdp); "
+                                  f"verl's {value} SFT engine is not built here.")
+            continue
+        rest.append(text)
+    return rest
+
+
+def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size: int) -> None:
+    """verl's other SFT spellings onto the keys the trainer reads; two spellings given with different
+    values are an error (which would win is not obvious)."""
+    data = cfg.data
+    if data.micro_batch_size is not None:  # verl's deprecated global size: per rank, as verl divides it
+        if data.micro_batch_size % world_size:
+            raise ConfigError(f"data.micro_batch_size={data.micro_batch_size} (global) does not split over "
+                              f"{world_size} ranks; give data.micro_batch_size_per_gpu instead.")
+        _adopt(cfg, user_keys, "data.micro_batch_size", "data.micro_batch_size_per_gpu",
+               data.micro_batch_size // world_size)
+    for verl_key, ours in (("model.path", "model.partial_pretrain"), ("model.use_remove_padding", "use_remove_padding"),
+                           ("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio"),
+                           ("optim.lr_scheduler_type", "optim.lr_scheduler")):
+        value = OmegaConf.select(cfg, verl_key)
+        if value is not None:
+            _adopt(cfg, user_keys, verl_key, ours, value)
+
+
+def _adopt(cfg: DictConfig, user_keys: Sequence[str], verl_key: str, ours: str, value: Any) -> None:
+    if ours in user_keys and OmegaConf.select(cfg, ours) != value:
+        raise ConfigError(f"{verl_key}={OmegaConf.select(cfg, verl_key)} and {ours}={OmegaConf.select(cfg, ours)} "
+                          "are two spellings of one setting with different values: give one of them.")
+    OmegaConf.update(cfg, ours, value)
 
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
@@ -89,7 +154,11 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
 
         errors.append(f"model.lora_rank={cfg.model.lora_rank} needs peft: {PEFT_INSTALL}")
     if cfg.ulysses_sequence_parallel_size != 1:
-        errors.append("ulysses_sequence_parallel_size must be 1: sequence parallelism is not supported")
+        errors.append(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size}: Ulysses sequence "
+                      "parallelism is not built for rlfoundry sft (the PPO roles have it); use 1")
+    if cfg.data.multiturn.enable:
+        errors.append("data.multiturn.enable=true: conversation rows with every assistant turn trained are not "
+                      "built for rlfoundry sft; give prompt/response columns (data.prompt_key, data.response_key)")
     if cfg.data.max_length < 2:
         errors.append(f"data.max_length ({cfg.data.max_length}) must be at least 2")
     if t.device == "cuda" and not torch.cuda.is_available():
@@ -99,6 +168,7 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     unknown = [x for x in ([t.logger] if isinstance(t.logger, str) else t.logger or []) if x not in SUPPORTED_BACKENDS]
     if unknown:
         errors.append(f"trainer.logger entries {unknown} are not among {list(SUPPORTED_BACKENDS)}")
+    errors += missing_packages([t.logger] if isinstance(t.logger, str) else list(t.logger or []))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
     return errors
@@ -433,9 +503,24 @@ class SFTTrainer:
         return {"seconds": seconds, "steps": self.global_step}
 
 
-def run_sft(overrides: Sequence[str] = ()) -> dict[str, Any]:
+def run_sft(overrides: Sequence[str] = (), config_name: str | None = None,
+            config_path: str | None = None) -> dict[str, Any]:
     """Load the config from ``overrides``, train, return ``SFTTrainer.fit()``'s summary."""
-    return SFTTrainer(load_sft_config(overrides)).fit()
+    return SFTTrainer(load_sft_config(overrides, config_name, config_path)).fit()
+
+
+def _split_flags(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """verl's Hydra flags (``--config-name``, ``--config-path``, ``--cfg job``) and the overrides."""
+    flags, rest, it = {}, [], iter(argv)
+    for arg in it:
+        name, sep, value = arg[2:].partition("=")
+        if arg.startswith("--") and name in ("config-name", "config-path", "cfg"):
+            flags[name] = value if sep else next(it, "")
+        elif arg.startswith("--"):
+            raise ConfigError(f"Unknown option '{arg}'. Config keys are given without dashes: key=value.")
+        else:
+            rest.append(arg)
+    return flags, rest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -445,7 +530,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               + OmegaConf.to_yaml(OmegaConf.structured(SFTConfig)))
         return 0
     try:
-        run_sft(argv)
+        flags, overrides = _split_flags(argv)
+        if flags.get("cfg"):  # verl's dry run: the config this command line gives, nothing trained
+            cfg = load_sft_config(overrides, flags.get("config-name"), flags.get("config-path"))
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        run_sft(overrides, flags.get("config-name"), flags.get("config-path"))
     except (ConfigError, SFTDataError) as e:  # people's mistakes: the message, not a traceback
         print(f"rlfoundry sft: {e}", file=sys.stderr)
         raise SystemExit(2) from None

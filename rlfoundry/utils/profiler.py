@@ -21,7 +21,19 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["StepProfiler"]
+from rlfoundry.config.schema import TORCH_PROFILER_TOOLS
+
+__all__ = ["StepProfiler", "profile_dir"]
+
+
+def profile_dir(config) -> Path:
+    """Where a PPO run's traces go: verl's ``global_profiler.save_path`` when ``global_profiler.tool`` is a
+    torch one (its ``steps`` are then ``trainer.profile_steps``: config/verl_compat.py), else
+    ``<run_dir>/profile``."""
+    gp = config.global_profiler
+    if gp.tool in TORCH_PROFILER_TOOLS:
+        return Path(gp.save_path).expanduser()
+    return Path(config.trainer.run_dir) / "profile"
 
 
 class StepProfiler:

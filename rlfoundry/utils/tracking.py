@@ -9,12 +9,16 @@ Back ends (``trainer.logger``, a name or a list of names, as in verl):
 - ``tensorboard``  ``torch.utils.tensorboard.SummaryWriter`` in ``<run_dir>/tensorboard``
                    (or ``$TENSORBOARD_DIR``, verl's variable)
 - ``wandb``        optional dependency; ``WANDB_MODE=offline`` works without network
+- ``mlflow``       optional dependency (``mlflow-skinny`` is enough): a run in the tracking store
+                   ``$MLFLOW_TRACKING_URI`` (verl's variable), by default the local directory
+                   ``<run_dir>/mlruns`` (``mlflow ui --backend-store-uri <run_dir>/mlruns`` shows it)
 
 Validation samples (``trainer.log_val_generations``, verl's generations table) go to the same back
 ends through ``log_generations(samples, step)``: ``console`` prints them under the step's line,
 ``file`` appends them to ``<run_dir>/val_generations.jsonl`` (one line per sample: step, input,
-output, score), ``tensorboard`` adds them as the text ``val/generations`` and ``wandb`` as the table
-``val/generations`` (one row per validation, as verl's).
+output, score), ``tensorboard`` adds them as the text ``val/generations``, ``wandb`` as the table
+``val/generations`` (one row per validation, as verl's) and ``mlflow`` as the artifact
+``val_generations/step_<N>.json`` (verl's ``log_table`` file).
 
 Resuming: pass ``resume_step=N`` (the global step of the checkpoint the run continues from). Records
 after step N, written by the interrupted run after its last checkpoint, are dropped, so the file keeps
@@ -28,6 +32,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 import time
 import uuid
@@ -36,11 +41,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tracking", "SUPPORTED_BACKENDS", "read_metrics_jsonl", "METRICS_FILE", "GENERATIONS_FILE"]
+__all__ = ["Tracking", "SUPPORTED_BACKENDS", "read_metrics_jsonl", "METRICS_FILE", "GENERATIONS_FILE", "missing_packages"]
 
-SUPPORTED_BACKENDS = ("console", "file", "tensorboard", "wandb")
+SUPPORTED_BACKENDS = ("console", "file", "tensorboard", "wandb", "mlflow")
 # verl back ends a user's script may name; they get a specific message rather than "unknown".
-VERL_ONLY_BACKENDS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio")
+VERL_ONLY_BACKENDS = ("swanlab", "vemlp_wandb", "clearml", "trackio")
+MLFLOW_INSTALL = "pip install mlflow-skinny  (or pip install 'rlfoundry[mlflow]')"
+
+
+def missing_packages(names: list[str]) -> list[str]:
+    """For the start-up checks: each back end among ``names`` whose optional package is not installed
+    (mlflow), with how to install it."""
+    import importlib.util
+
+    if "mlflow" in names and importlib.util.find_spec("mlflow") is None:
+        return [f"trainer.logger includes 'mlflow', which is not installed: {MLFLOW_INSTALL}"]
+    return []
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_FILE = "val_generations.jsonl"  # trainer.log_val_generations, file back end
 
@@ -272,6 +288,64 @@ class _WandbBackend:
         self.run.finish()
 
 
+class _MlflowBackend:
+    """One MLflow run per training run, in ``$MLFLOW_TRACKING_URI`` or the local file store
+    ``<run_dir>/mlruns``: the experiment is the project, the run is named after the experiment (verl's
+    mapping), the config its parameters. A resumed run continues its run (the id is kept in the run
+    directory); ``$MLFLOW_RUN_ID`` attaches to a run made elsewhere, as in verl."""
+
+    def __init__(self, project: str, experiment: str, run_dir: Path, resume_step: int | None, config: dict) -> None:
+        try:
+            import mlflow
+        except ImportError as e:
+            raise ImportError(f"trainer.logger includes 'mlflow' but mlflow is not installed: {MLFLOW_INSTALL}") from e
+        self.mlflow = mlflow
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # a directory needs no server nor database (MLflow >= 3.7 asks for this opt-in to use one)
+            uri = (run_dir / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(project)
+        id_file = run_dir / "mlflow_run_id.txt"
+        run_id = os.environ.get("MLFLOW_RUN_ID") or (
+            id_file.read_text().strip() if resume_step is not None and id_file.exists() else None)
+        self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else experiment)
+        id_file.write_text(self.run.info.run_id)
+        if config and run_id is None:  # a run's parameters cannot change once logged
+            mlflow.log_params(_flat_params(config))
+
+    def log(self, data: Mapping[str, Scalar], step: int) -> None:
+        numbers = {_mlflow_name(k): float(v) for k, v in data.items() if _is_number(v)}
+        if numbers:
+            self.mlflow.log_metrics(numbers, step=step, run_id=self.run.info.run_id)
+
+    def log_generations(self, samples: list[Sample], step: int) -> None:
+        rows = [{"input": i, "output": o, "score": s} for i, o, s in samples]
+        self.mlflow.log_dict(rows, f"val_step{step}.json", run_id=self.run.info.run_id)  # verl's artifact name
+
+    def finish(self) -> None:
+        self.mlflow.end_run()
+
+
+def _mlflow_name(key: str) -> str:
+    """verl's rule for MLflow metric names (MLflow allows letters, digits and ``_ - . / :`` and space):
+    '@' becomes '_at_', runs of '/' one '/', any other character '_'."""
+    key = re.sub("/+", "/", key.replace("@", "_at_"))
+    return re.sub(r"[^/\w.\- :]", "_", key)
+
+
+def _flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """The config as MLflow parameters: nested keys joined with '/', values as text (lists as JSON)."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_flat_params(value, name + "/"))
+        else:
+            out[_mlflow_name(name)] = json.dumps(value, default=str) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
 # Headline numbers for the console line: (label, keys tried in order). A key ending in "*" matches
 # the first metric with that prefix (validation names carry the data source and N).
 _CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -415,6 +489,8 @@ class Tracking:
             return _FileBackend(self.run_dir, resume, config)
         if name == "tensorboard":
             return _TensorBoardBackend(self.run_dir, resume, config)
+        if name == "mlflow":
+            return _MlflowBackend(project, experiment, self.run_dir, resume, config)
         return _WandbBackend(project, experiment, self.run_dir, resume, config)
 
     @property

@@ -266,9 +266,9 @@ def test_batch_sizes_choices_and_required_keys_are_reported_together():
     with pytest.raises(ConfigError, match=r"10 sequences per rank, not divisible by data.micro_batch_size_per_gpu \(4\)"):
         load_sft_config(["model.partial_pretrain=x", "data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"])
     with pytest.raises(ConfigError, match="model.partial_pretrain is required") as e:
-        load_sft_config(["model.cpu_kernels=fast", "trainer.logger=[console,mlflow]"])
+        load_sft_config(["model.cpu_kernels=fast", "trainer.logger=[console,swanlab]"])
     assert "model.cpu_kernels='fast' must be one of ['auto', 'off']" in str(e.value)
-    assert "trainer.logger entries ['mlflow']" in str(e.value)
+    assert "trainer.logger entries ['swanlab']" in str(e.value)
 
 
 def test_command_line_errors_and_help(capsys, tmp_path):

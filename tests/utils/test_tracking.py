@@ -1,4 +1,4 @@
-"""Tracking back ends: the JSON-lines record, resume semantics, TensorBoard events, console, wandb."""
+"""Tracking back ends: the JSON-lines record, resume semantics, TensorBoard events, console, wandb, mlflow."""
 
 from __future__ import annotations
 
@@ -153,8 +153,8 @@ def test_generations_are_printed_on_the_console(tmp_path, capsys):
 def test_unknown_backend_names_the_closest(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'tensorboard'"):
         Tracking("p", "e", default_backend=["console", "tensorbord"], run_dir=tmp_path)
-    with pytest.raises(ValueError, match="mlflow"):
-        Tracking("p", "e", default_backend="mlflow", run_dir=tmp_path)
+    with pytest.raises(ValueError, match="swanlab"):
+        Tracking("p", "e", default_backend="swanlab", run_dir=tmp_path)
 
 
 def test_wandb_missing_says_how_to_install(tmp_path, monkeypatch):
@@ -177,3 +177,41 @@ def test_wandb_offline(tmp_path, monkeypatch):
     t.finish()
     assert list((tmp_path / "wandb").glob("offline-run-*")), "offline run directory not written"
     assert _lines(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5}]
+
+
+def test_mlflow_missing_says_how_to_install(tmp_path, monkeypatch):
+    from rlfoundry.utils.tracking import missing_packages
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # makes `import mlflow` raise ImportError
+    with pytest.raises(ImportError, match="pip install mlflow-skinny"):
+        Tracking("p", "e", default_backend="mlflow", run_dir=tmp_path)
+    if __import__("importlib").util.find_spec("mlflow") is None:
+        assert "pip install mlflow-skinny" in missing_packages(["console", "mlflow"])[0]
+    assert missing_packages(["console", "file"]) == []
+
+
+def test_mlflow_local_store_has_the_metrics_params_and_generations(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    t = Tracking("proj", "exp", default_backend=["mlflow"], config={"actor": {"lr": 1e-6, "betas": [0.9, 0.99]}},
+                 run_dir=tmp_path, always_file=False)
+    t.log({"actor/pg_loss": 0.5, "val-core/gsm8k/acc/mean@1": 0.25, "note": "text"}, step=1)
+    t.log({"actor/pg_loss": 0.25}, step=2)
+    t.log_generations(_SAMPLES, step=2)
+    t.finish()
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    run_id = (tmp_path / "mlflow_run_id.txt").read_text()
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "proj" and run.info.run_name == "exp"
+    assert run.data.params == {"actor/lr": "1e-06", "actor/betas": "[0.9, 0.99]"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "actor/pg_loss")] == [(1, 0.5), (2, 0.25)]
+    assert run.data.metrics["val-core/gsm8k/acc/mean_at_1"] == 0.25  # verl's renaming of '@'
+    artifact = client.download_artifacts(run_id, "val_step2.json", str(tmp_path / "dl"))
+    assert json.loads(open(artifact).read()) == [{"input": i, "output": o, "score": s} for i, o, s in _SAMPLES]
+    resumed = Tracking("proj", "exp", default_backend=["mlflow"], run_dir=tmp_path, resume_step=2, always_file=False)
+    resumed.log({"actor/pg_loss": 0.125}, step=3)
+    resumed.finish()
+    assert len(client.get_metric_history(run_id, "actor/pg_loss")) == 3  # the same run continued

@@ -390,8 +390,12 @@ def build_optimizer(module: nn.Module, optim: OptimConfig) -> torch.optim.Optimi
     """
     params = [p for p in module.parameters() if p.requires_grad]
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    # verl's optim.override_optimizer_config: more AdamW arguments (amsgrad, ...; checked at start-up). One
+    # that picks the implementation (fused / foreach) replaces this choice
+    overrides = dict(getattr(optim, "override_optimizer_config", None) or {})
+    impl = {} if {"fused", "foreach"} & overrides.keys() else {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                             eps=optim.eps, **({"fused": True} if fused else {"foreach": True}))
+                             eps=optim.eps, **impl, **overrides)
 
 
 def _total_steps(optim: OptimConfig, total_training_steps: int | None) -> int | None:
@@ -407,17 +411,19 @@ def _warmup_steps(optim: OptimConfig, total: int | None) -> int:
 
 
 def lr_lambda(
-    step: int, warmup: int, total: int | None, style: str, min_lr_ratio: float, num_cycles: float = 0.5
+    step: int, warmup: int, total: int | None, style: str, min_lr_ratio: float, num_cycles: float = 0.5,
+    warmup_init_ratio: float = 0.0,
 ) -> float:
     """Multiplier of the base lr after ``step`` optimiser steps.
 
-    Warm-up is linear from 0 (HF/verl convention: step 0 has factor 0). After warm-up, ``constant``
+    Warm-up is linear from ``warmup_init_ratio`` (0: the HF/verl convention, step 0 has factor 0;
+    Megatron's ``lr_warmup_init`` / lr otherwise) up to 1. After warm-up, ``constant``
     stays at 1; ``cosine`` follows min + (1 - min)·½(1 + cos(2π·num_cycles·progress)), which with
     the default ``num_cycles`` 0.5 is half a cosine from 1 down to ``min_lr_ratio`` at ``total``.
     Without a known total (None/-1) there is no decay.
     """
     if step < warmup:
-        return step / max(1, warmup)
+        return warmup_init_ratio + (1.0 - warmup_init_ratio) * step / max(1, warmup)
     if style == "constant" or total is None:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -428,7 +434,8 @@ def lr_lambda(
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, optim: OptimConfig, total_training_steps: int | None = None
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warm-up then constant or cosine, from ``lr_scheduler_type`` (verl ≥0.5) or ``warmup_style``."""
+    """Warm-up (from ``lr_warmup_init``) then constant or cosine, from ``lr_scheduler_type`` (verl ≥0.5;
+    Megatron's ``lr_decay_style`` is copied there at load) or ``warmup_style``."""
     total = _total_steps(optim, total_training_steps)
     style = optim.lr_scheduler_type or optim.warmup_style
     if style not in LR_SCHEDULES:
@@ -436,6 +443,7 @@ def build_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_lambda, warmup=_warmup_steps(optim, total), total=total, style=style,
         min_lr_ratio=float(optim.min_lr_ratio or 0.0), num_cycles=optim.num_cycles,
+        warmup_init_ratio=float(getattr(optim, "lr_warmup_init", 0.0) or 0.0) / float(optim.lr),
     ))
 
 

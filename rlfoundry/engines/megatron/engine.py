@@ -126,6 +126,9 @@ class MegatronEngine(TrainingEngine):
             adam_eps=o.eps, clip_grad=float(self.config.grad_clip or 0.0),
             use_distributed_optimizer=m.use_distributed_optimizer,
             bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, params_dtype=dtype,
+            # verl's optim.override_optimizer_config: more OptimizerConfig fields, checked at start-up
+            # (trainer/config.py _check_optimizer_overrides: no offload, none that an rlfoundry key sets)
+            **dict(o.override_optimizer_config or {}),
         )
         # config_overrides={}: one parameter group, weight decay on every parameter as in the FSDP
         # engine's AdamW (megatron-core's default marks biases and norms wd_mult=0, which only its own

@@ -399,7 +399,7 @@ class PPOTrainer:
 
     def _fit(self, start: float) -> dict[str, Any]:
         from rlfoundry.trainer.reliability import NonFiniteGuard, log_extra
-        from rlfoundry.utils.profiler import StepProfiler
+        from rlfoundry.utils.profiler import StepProfiler, profile_dir
 
         self._load_checkpoint()
         if self.state.resumed_from:
@@ -411,7 +411,7 @@ class PPOTrainer:
             self._log_validation()
         if self.config.trainer.val_only:
             return self._finish(start)
-        profiler = StepProfiler(self.config.trainer.profile_steps, Path(self.config.trainer.run_dir) / "profile")
+        profiler = StepProfiler(self.config.trainer.profile_steps, profile_dir(self.config))
         nan_guard = NonFiniteGuard(self.config.trainer.max_consecutive_nan_steps)
         try:
             while self.state.global_steps < self.total_training_steps:

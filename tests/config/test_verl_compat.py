@@ -1,0 +1,276 @@
+"""verl's other spellings (config/verl_compat.py and the start-up checks in trainer/config.py): each key
+reaches the place that reads it, two spellings of one setting must agree, and what is not built is a
+start-up error naming it (issue 46)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlfoundry.config.training_engines import engine_plugin
+from rlfoundry.trainer.config import ConfigError, NoEffectKeyWarning, load_config, resolve_config
+
+
+def _load(*overrides: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config(list(overrides))
+
+
+def _resolved(*overrides: str):
+    return resolve_config(_load(*overrides), steps_per_epoch=10, cuda_available=False)
+
+
+def _no_effect_warning(*overrides: str) -> str:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(list(overrides))
+    texts = [str(w.message) for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    return texts[0] if texts else ""
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_config(list(overrides))
+    return str(e.value)
+
+
+# ───────────────────────────── optim.clip_grad ─────────────────────────────
+
+
+def _actor_request(resolved, monkeypatch):
+    """The EngineRequest the actor worker builds its engine from (workers/actor_rollout_ref.py)."""
+    from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    seen = {}
+    plugin = engine_plugin("fsdp")
+    monkeypatch.setattr(type(plugin), "build", lambda self, request, device, role: seen.setdefault("r", request))
+    arr = resolved.actor_rollout_ref
+    fake = SimpleNamespace(config=arr, lora=None, device="cpu")
+    ActorRolloutRefWorker._build_engine(fake, arr.actor, True, "actor")
+    return seen["r"]
+
+
+def test_optim_clip_grad_is_the_grad_clip_the_engines_apply(monkeypatch):
+    from rlfoundry.engines.fsdp.engine import FSDPEngineConfig
+    from rlfoundry.workers.critic import CriticWorker
+
+    r = _resolved("actor_rollout_ref.actor.optim.clip_grad=0.5", "critic.optim.clip_grad=0.25",
+                  "critic.model.path=/some/critic", "algorithm.adv_estimator=gae")
+    assert (r.actor_rollout_ref.actor.grad_clip, r.critic.grad_clip) == (0.5, 0.25)
+    request = _actor_request(r, monkeypatch)
+    assert request.grad_clip == 0.5
+    # the FSDP engine's clip (engine.py: clip_grad_norm_(..., self.config.grad_clip)) is the request's
+    assert FSDPEngineConfig.for_model(request.model, request.fsdp, request.optim, request.grad_clip).grad_clip == 0.5
+    fake = SimpleNamespace(config=r.critic, _model_path=lambda: "/some/critic", _zero_new_head=None)
+    assert CriticWorker._engine_request(fake).grad_clip == 0.25
+
+
+def test_clip_grad_and_grad_clip_given_different_values_is_an_error():
+    assert "optim.clip_grad (verl) and actor_rollout_ref.actor.grad_clip" in _error(
+        "actor_rollout_ref.actor.optim.clip_grad=0.5", "actor_rollout_ref.actor.grad_clip=0.3")
+    r = _resolved("actor_rollout_ref.actor.optim.clip_grad=0.5", "actor_rollout_ref.actor.grad_clip=0.5")
+    assert r.actor_rollout_ref.actor.grad_clip == 0.5
+
+
+# ───────────────────────────── actor_rollout_ref.nccl_timeout ─────────────────────────────
+
+
+def test_nccl_timeout_is_the_timeout_of_init_process_group(monkeypatch):
+    from rlfoundry.single_controller.base import worker as worker_mod
+    from rlfoundry.trainer.main_ppo import _runtime
+
+    r = _resolved("actor_rollout_ref.nccl_timeout=1800")
+    assert r.trainer.dist_timeout_s == 1800
+    seen = {}
+    monkeypatch.setattr(worker_mod.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(worker_mod.dist, "TCPStore", lambda *a, **k: "store")
+    monkeypatch.setattr(worker_mod.dist, "init_process_group", lambda **k: seen.update(k))
+    monkeypatch.setattr(worker_mod, "_close_at_exit", lambda: None)
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    worker_mod.Worker(_runtime(r)).init_distributed()
+    assert seen["timeout"] == datetime.timedelta(seconds=1800)
+    assert "trainer.dist_timeout_s" in _error("actor_rollout_ref.nccl_timeout=1800", "trainer.dist_timeout_s=600")
+
+
+# ───────────────────────────── Megatron's schedule keys ─────────────────────────────
+
+
+def _lrs(optim, steps: int) -> list[float]:
+    """The learning rate after each of ``steps`` optimiser steps, from the engines' scheduler."""
+    from rlfoundry.engines.fsdp.utils import build_lr_scheduler
+
+    sched = build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr), optim)
+    return [optim.lr * sched.lr_lambdas[0](step) for step in range(steps)]
+
+
+def test_megatron_decay_style_min_lr_and_warmup_init_shape_the_schedule():
+    r = _resolved("actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
+                  "actor_rollout_ref.actor.optim.min_lr=1e-6", "actor_rollout_ref.actor.optim.lr_warmup_init=2e-6",
+                  "actor_rollout_ref.actor.optim.lr_warmup_steps=2", "trainer.total_training_steps=10")
+    optim = r.actor_rollout_ref.actor.optim
+    assert optim.lr_scheduler_type == "cosine" and optim.min_lr_ratio == pytest.approx(0.1)
+    lrs = _lrs(optim, 11)
+    # warm-up from 2e-6 to 1e-5 over 2 steps: 2e-6, 6e-6; then cosine from 1e-5 to 1e-6 over steps 2..10:
+    # step 6 (half way) = 1e-6 + 9e-6 / 2 = 5.5e-6, step 10 = 1e-6
+    assert lrs[:3] == pytest.approx([2e-6, 6e-6, 1e-5])
+    assert lrs[6] == pytest.approx(5.5e-6)
+    assert lrs[4] == pytest.approx(1e-6 + 9e-6 * (1 + math.cos(math.pi / 4)) / 2)
+    assert lrs[10] == pytest.approx(1e-6)
+
+
+def test_megatron_schedules_not_built_are_errors_naming_them():
+    assert "WSD learning-rate decay is not built" in _error("actor_rollout_ref.actor.optim.lr_decay_style=WSD")
+    assert "weight-decay schedules are not built" in _error("actor_rollout_ref.actor.optim.weight_decay_incr_style=linear")
+    assert "disagree" in _error("actor_rollout_ref.actor.optim.min_lr=1e-7", "actor_rollout_ref.actor.optim.min_lr_ratio=0.5")
+
+
+# ───────────────────────────── override_optimizer_config ─────────────────────────────
+
+
+def test_override_optimizer_config_reaches_adamw():
+    from rlfoundry.engines.fsdp.utils import build_optimizer
+
+    r = _resolved("+actor_rollout_ref.actor.optim.override_optimizer_config.amsgrad=true")
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), r.actor_rollout_ref.actor.optim)
+    assert optimizer.param_groups[0]["amsgrad"] is True
+    plain = build_optimizer(torch.nn.Linear(2, 2), _resolved().actor_rollout_ref.actor.optim)
+    assert plain.param_groups[0]["amsgrad"] is False
+
+
+def test_override_optimizer_config_offload_and_unknown_keys_are_errors():
+    key = "+actor_rollout_ref.actor.optim.override_optimizer_config"
+    text = _error(f"{key}.optimizer_cpu_offload=True", f"{key}.optimizer_offload_fraction=1")
+    assert "optimizer_cpu_offload=True: offloading the Megatron optimizer to the CPU is not built" in text
+    assert "optimizer_offload_fraction=1" in text
+    assert "['amsgrd'] are not torch.optim.AdamW arguments" in _error(f"{key}.amsgrd=true")
+    assert "set it as optim.lr" in _error(f"{key}.lr=0.1")
+
+
+def test_megatron_overrides_are_optimizer_config_fields():
+    pytest.importorskip("megatron.core")
+    from rlfoundry.trainer.config import _check_optimizer_overrides
+
+    key = "actor_rollout_ref.actor.optim"
+    assert _check_optimizer_overrides(key, {"barrier_with_L1_time": False, "loss_scale_window": 500.0}, "megatron") == []
+    errors = _check_optimizer_overrides(key, {"use_precision_aware_optimizer": True, "nope": 1}, "megatron")
+    assert any("['nope'] are not megatron-core OptimizerConfig fields" in e for e in errors)
+    if __import__("importlib").util.find_spec("transformer_engine") is None:
+        assert any("use_precision_aware_optimizer=true needs TransformerEngine" in e for e in errors)
+
+
+# ───────────────────────────── profiler keys ─────────────────────────────
+
+
+def test_both_profiler_layouts_are_accepted_and_named_as_no_effect():
+    text = _no_effect_warning(
+        "actor_rollout_ref.actor.profiler.enable=True", "actor_rollout_ref.actor.profiler.tool_config.npu.level=level1",
+        "critic.profiler.all_ranks=True", "global_profiler.tool=nsys", "global_profiler.steps=[1,2]",
+        "global_profiler.global_tool_config.nsys.discrete=True", "global_profiler.finish_hook_cmd=true")
+    for key in ("actor_rollout_ref.actor.profiler.enable", "actor_rollout_ref.actor.profiler.tool_config.npu.level",
+                "global_profiler.tool", "global_profiler.steps", "global_profiler.global_tool_config.nsys.discrete",
+                "global_profiler.finish_hook_cmd"):
+        assert key in text
+    assert _resolved("global_profiler.tool=nsys", "global_profiler.steps=[1,2]").trainer.profile_steps is None
+
+
+def test_global_profiler_torch_is_the_step_profiler(tmp_path):
+    from rlfoundry.utils.profiler import profile_dir
+
+    r = _resolved("global_profiler.tool=torch", "global_profiler.steps=[2,3]", f"global_profiler.save_path={tmp_path}")
+    assert r.trainer.profile_steps == [2, 3]
+    assert profile_dir(r) == tmp_path  # ray_trainer's StepProfiler writes there
+    assert profile_dir(_resolved("trainer.profile_steps=[1]")) == Path(_resolved().trainer.run_dir) / "profile"
+    assert "global_profiler.steps" not in _no_effect_warning("global_profiler.tool=torch", "global_profiler.steps=[2]")
+    assert "trainer.profile_steps" in _error("global_profiler.tool=torch", "global_profiler.steps=[2]",
+                                             "trainer.profile_steps=[3]")
+
+
+# ───────────────────────────── reward loop keys ─────────────────────────────
+
+
+def test_reward_loop_workers_are_the_scorer_processes_and_its_engine_keys_are_named():
+    r = _resolved("reward_model.num_workers=4")
+    assert r.reward_model.reward_kwargs["num_workers"] == 4
+    assert "reward.num_workers" in _error("reward_model.num_workers=4", "reward.num_workers=8")
+    text = _no_effect_warning("reward_model.use_reward_loop=True", "reward_model.rollout.name=vllm",
+                              "reward_model.rollout.gpu_memory_utilization=0.8")
+    assert "reward_model.use_reward_loop" in text and "reward_model.rollout.gpu_memory_utilization" in text
+
+
+# ───────────────────────────── model, rollout and data keys ─────────────────────────────
+
+
+def test_actor_freeze_vision_tower_is_the_models():
+    from rlfoundry.engines.fsdp.engine import FSDPEngineConfig
+
+    model = _resolved("actor_rollout_ref.actor.freeze_vision_tower=True").actor_rollout_ref.model
+    assert model.freeze_vision_tower is True
+    assert FSDPEngineConfig.for_model(model, None).freeze_vision_tower is True
+    assert "freeze_vision_tower" in _error("actor_rollout_ref.actor.freeze_vision_tower=True",
+                                           "actor_rollout_ref.model.freeze_vision_tower=False")
+
+
+def test_rollout_parallelism_and_over_sampling_not_built_are_errors():
+    key = "actor_rollout_ref.rollout"
+    assert "data parallelism inside one vLLM/SGLang replica is not built" in _error(f"{key}.data_parallel_size=2")
+    assert "expert parallelism in the rollout engine (MoE) is not built" in _error(f"{key}.expert_parallel_size=4")
+    assert "over_sample_rate=0.1: cancelling the slowest requests" in _error(f"{key}.over_sample_rate=0.1")
+    _load(f"{key}.data_parallel_size=1", f"{key}.expert_parallel_size=1", f"{key}.over_sample_rate=0")
+
+
+def test_return_multi_modal_inputs_is_accepted_as_no_effect():
+    assert "data.return_multi_modal_inputs" in _no_effect_warning("data.return_multi_modal_inputs=False")
+
+
+def test_lora_adapter_path_alone_takes_the_adapters_rank_alpha_and_targets(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}))
+    model = _resolved(f"actor_rollout_ref.model.lora_adapter_path={tmp_path}").actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, list(model.target_modules)) == (8, 32, ["q_proj", "v_proj"])
+    mine = _resolved(f"actor_rollout_ref.model.lora_adapter_path={tmp_path}", "actor_rollout_ref.model.lora_alpha=4")
+    assert (mine.actor_rollout_ref.model.lora_rank, mine.actor_rollout_ref.model.lora_alpha) == (8, 4)
+
+
+def test_dynamic_batch_budget_is_per_gpu_times_the_ulysses_size():
+    base = ("data.max_prompt_length=1024", "data.max_response_length=1024", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512", "actor_rollout_ref.model.use_remove_padding=true",
+            "trainer.n_gpus_per_node=4", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    _load(*base, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4")  # 512 × 4 = 2048: one sequence fits
+    text = _error(*base, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+    assert "ppo_max_token_len_per_gpu=512 × actor.ulysses_sequence_parallel_size 2 is below one full sequence" in text
+
+
+# ───────────────────────────── the August 2026 layout ─────────────────────────────
+
+
+def test_august_fsdp_config_ulysses_size_is_the_roles():
+    r = _resolved("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+                  "actor_rollout_ref.model.use_remove_padding=true", "trainer.n_gpus_per_node=2")
+    assert r.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert r.actor_rollout_ref.ref.ulysses_sequence_parallel_size == 2  # follows the actor's, as before
+
+
+def test_august_trainer_v1_and_distillation():
+    assert "trainer.use_v1" in _no_effect_warning("trainer.use_v1=true")
+    assert "v1 asynchronous trainer modes are not built" in _error("trainer.v1.trainer_mode=separate_async")
+    assert "distillation" in _error("distillation.enabled=true")
+    _load("distillation.enabled=false", "distillation.distillation_loss.loss_mode=k3")
+
+
+# ───────────────────────────── mlflow ─────────────────────────────
+
+
+def test_mlflow_logger_without_mlflow_says_how_to_install():
+    if __import__("importlib").util.find_spec("mlflow") is not None:
+        pytest.skip("mlflow is installed")
+    assert "pip install mlflow-skinny" in _error("trainer.logger=[console,mlflow]")
