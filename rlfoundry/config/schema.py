@@ -42,7 +42,6 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 from rlfoundry.config.rollout_engines import ROLLOUT_ENGINES
 from rlfoundry.config.training_engines import TRAINING_ENGINES
-from rlfoundry.tools.parser import TOOL_CALL_FORMATS
 
 # Value lists that code outside the config also checks against (one list each).
 CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; rlfoundry/cpu
@@ -52,6 +51,7 @@ WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto)
 STRATEGIES = tuple(TRAINING_ENGINES)  # the training engines a role's strategy can name
 TORCH_PROFILER_TOOLS = ("torch", "torch_memory")  # global_profiler.tool values utils/profiler.py's trace serves
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
+TOOL_CALL_FORMATS = ("hermes", "qwen", "gpt-oss", "qwen3_coder")  # multi_turn.format; tools/parser.py (tested equal)
 LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

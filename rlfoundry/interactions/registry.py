@@ -33,6 +33,10 @@ class InteractionConfigError(ValueError):
 
 
 def _load_class(class_name: str, where: str) -> type[BaseInteraction]:
+    if class_name.startswith("verl.") and class_name not in _VERL_CLASSES:  # e.g. verl's weather demo
+        raise InteractionConfigError(f"{where}: class_name {class_name!r} is not one of verl's interactions that "
+                                     f"rlfoundry provides ({sorted(_VERL_CLASSES)}); port the class (change its "
+                                     "imports to rlfoundry.interactions) and name it")
     module_name, _, attr = _VERL_CLASSES.get(class_name, class_name).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), attr)

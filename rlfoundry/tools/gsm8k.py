@@ -1,56 +1,21 @@
-"""verl's GSM8K answer tool: the model submits an answer and is told whether it is right so far.
-
-The ground truth comes from ``create``: as ``ground_truth=`` or inside ``create_kwargs={...}`` (how
-verl's agent loop passes the row's ``extra_info.tools_kwargs.<name>.create_kwargs``). Each call scores
-``#### <answer>`` with the GSM8K rule scorer (flexible), answers ``Current parsed answer='…' reward=…``
-as verl's tool does (the scorer's value as it is: ``0`` when no number was found), and gives a step
-reward of 0 when the score improved and a small penalty otherwise (resubmitting the same wrong answer
-does not pay); ``calc_reward`` is the score of the last answer.
+"""verl's GSM8K answer tool (``verl.tools.gsm8k_tool.Gsm8kTool``): each answer is scored as ``#### <answer>``
+with the GSM8K rule scorer (flexible), the value as it is (``0`` when no number was found). The life
+cycle, the reply text and the step rewards are ``answer.AnswerTool``'s.
 """
 
 from __future__ import annotations
 
-from typing import Any
-from uuid import uuid4
-
 from rlfoundry.rewards import gsm8k
-from rlfoundry.tools.base import BaseTool
-from rlfoundry.tools.schemas import ToolResponse
-from rlfoundry.utils.rollout_trace import rollout_trace_op
+from rlfoundry.tools.answer import AnswerTool
 
 __all__ = ["Gsm8kTool"]
 
-_NO_GAIN_PENALTY = -0.05
 
-
-class Gsm8kTool(BaseTool):
+class Gsm8kTool(AnswerTool):
     """``calc_gsm8k_reward(answer)`` for one trajectory's question."""
 
-    def __init__(self, config: dict, tool_schema=None):
-        super().__init__(config, tool_schema)
-        self._instances: dict[str, dict[str, Any]] = {}
+    def as_response(self, answer: str) -> str:
+        return answer if answer.startswith("#### ") else f"#### {answer}"
 
-    async def create(self, instance_id: str | None = None, ground_truth: str | None = None,
-                     **kwargs: Any) -> tuple[str, ToolResponse]:
-        instance_id = instance_id or str(uuid4())
-        if ground_truth is None:
-            ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
-        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
-        return instance_id, ToolResponse()
-
-    @rollout_trace_op
-    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[ToolResponse, float, dict]:
-        state = self._instances[instance_id]
-        answer = str(parameters.get("answer", ""))
-        state["response"] = answer if answer.startswith("#### ") else f"#### {answer}"
-        reward = await self.calc_reward(instance_id)
-        step = 0.0 if reward > state["reward"] else _NO_GAIN_PENALTY
-        state["reward"] = reward
-        return ToolResponse(text=f"Current parsed answer={answer!r} reward={reward!r}"), step, {}
-
-    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
-        state = self._instances[instance_id]
-        return gsm8k.compute_score(state["response"], str(state["ground_truth"]), method="flexible")
-
-    async def release(self, instance_id: str, **kwargs: Any) -> None:
-        self._instances.pop(instance_id, None)
+    def score(self, response: str, ground_truth: str) -> float:
+        return gsm8k.compute_score(response, ground_truth, method="flexible")

@@ -7,8 +7,10 @@
           type: function
           function: {name: calculator, description: ..., parameters: {type: object, properties: ..., required: [...]}}
 
-verl's built-in class names (``verl.tools.gsm8k_tool.Gsm8kTool`` …) resolve to this package's
-equivalents, so a verl config loads unchanged; any other ``module.Class`` is imported as it is.
+verl's built-in class names resolve to this package's equivalents, so a verl config loads unchanged:
+the GSM8K and Geo3K answer tools, SandboxFusion code execution (``sandbox_fusion``: the server, or this
+machine's sandbox) and Search-R1 retrieval (``search``). verl's image zoom-in and MCP tools are refused
+with the reason (``_NOT_BUILT``); any other ``module.Class`` is imported as it is.
 An entry may leave out ``tool_schema`` when its class supplies one (``get_openai_tool_schema()``), as
 in verl. A class whose ``create`` or ``execute`` takes no ``**kwargs`` is refused here, not at its
 first call: the agent loop passes ``create_kwargs=`` and ``agent_data=``, as verl's does.
@@ -31,7 +33,19 @@ __all__ = ["ToolConfigError", "initialize_tools_from_config", "load_tool_class"]
 
 _VERL_CLASSES = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "rlfoundry.tools.gsm8k.Gsm8kTool",
+    "verl.tools.geo3k_tool.Geo3kTool": "rlfoundry.tools.geo3k.Geo3kTool",
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rlfoundry.tools.sandbox_fusion.SandboxFusionTool",
+    "verl.tools.search_tool.SearchTool": "rlfoundry.tools.search.SearchTool",
     "verl.tools.base_tool.BaseTool": "rlfoundry.tools.base.BaseTool",
+}
+_MCP = ("verl's MCP tools list and call tools of an MCP server through the mcp / fastmcp client, which "
+        "rlfoundry does not ship; wrap the server's tools in a BaseTool subclass (docs/agents.md)")
+_NOT_BUILT = {
+    "verl.tools.image_zoom_in_tool.ImageZoomInTool": (
+        "it answers with an image, and the tool agent loop appends tools' text only (an image answer would "
+        "need its pixels added to the trajectory's vision inputs, not built)"),
+    "verl.tools.mcp_search_tool.MCPSearchTool": _MCP,
+    "verl.tools.mcp_base_tool.MCPBaseTool": _MCP,
 }
 
 
@@ -40,6 +54,11 @@ class ToolConfigError(ValueError):
 
 
 def load_tool_class(class_name: str) -> type[BaseTool]:
+    if class_name in _NOT_BUILT:
+        raise ToolConfigError(f"{class_name} cannot run here: {_NOT_BUILT[class_name]}")
+    if class_name.startswith("verl.") and class_name not in _VERL_CLASSES:
+        raise ToolConfigError(f"class_name {class_name!r} is not one of verl's tools that rlfoundry provides "
+                              f"({sorted(_VERL_CLASSES)}); port the class (change its imports) and name it")
     module_name, _, attr = _VERL_CLASSES.get(class_name, class_name).rpartition(".")
     if not module_name:
         raise ToolConfigError(f"class_name {class_name!r} is not a dotted path module.Class")
@@ -77,6 +96,8 @@ def _build(path: Path, index: int, entry: Any) -> BaseTool:
         raise ToolConfigError(f"{where} needs a class_name (and a tool_schema unless the class supplies one)")
     config = dict(entry.get("config") or {})
     kind = config.get("type", "native")
+    if kind == "mcp":
+        raise ToolConfigError(f"{where} ({entry['class_name']}): config.type=mcp cannot run here: {_MCP}")
     if kind != "native":
         raise ToolConfigError(f"{where}: config.type={kind!r} is not supported; only native (in-process) tools run here")
     try:

@@ -11,7 +11,7 @@ Threads start in a copy of the caller's context (as ``asyncio.to_thread`` does),
 
 Whatever a tool does — raise, hang, return something that is not text — the result is a
 :class:`ToolCallResult` whose ``text`` goes back to the model and whose ``error`` names the failure
-(``unknown_tool``, ``exception``, ``timeout``, ``non_text``, ``too_many_calls``) for the metrics.
+(``unknown_tool``, ``exception``, ``timeout``, ``non_text``, ``image_answer``, ``too_many_calls``) for the metrics.
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ def _run_one(tool: BaseTool, job: ToolCall, timeout_s: float, results: list, i: 
 def _as_result(name: str, value: Any) -> ToolCallResult:
     """verl's ``(ToolResponse | str, reward, metrics)`` (or a bare response) -> a result."""
     response, reward, metrics = value if isinstance(value, tuple) and len(value) == 3 else (value, 0.0, {})
+    if isinstance(response, ToolResponse) and (response.image or response.video):
+        return ToolCallResult(name, f"error: {name} answered with an image or video, which this agent loop cannot "
+                              "show the model (text answers only)", error="image_answer")
     text = response.text if isinstance(response, ToolResponse) else response
     if not isinstance(text, str):
         return ToolCallResult(name, f"error: {name} returned {type(text).__name__}, not text", error="non_text")

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from rlfoundry.config import schema
 from rlfoundry.tools.parser import (
     FORMATS,
     TOOL_CALL_FORMATS,
@@ -19,7 +20,7 @@ from rlfoundry.trainer.config import ConfigError, load_config
 
 
 def test_the_config_accepts_exactly_the_registered_formats_with_no_warning():
-    assert TOOL_CALL_FORMATS == ("hermes", "qwen", "gpt-oss", "qwen3_coder")
+    assert TOOL_CALL_FORMATS == schema.TOOL_CALL_FORMATS == ("hermes", "qwen", "gpt-oss", "qwen3_coder")
     for name in TOOL_CALL_FORMATS:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "accepted with no effect" warning: the key takes effect

@@ -46,7 +46,10 @@ def test_packaged_configs_load_and_verl_class_names_resolve():
     ("tools:\n  - class_name: x.Y\n    tool_schema: {type: function, function: {name: a, description: d}}",
      "tools[0]: class_name 'x.Y' cannot be imported"),
     ("tools:\n  - class_name: rlfoundry.tools.calculator.CalculatorTool\n    config: {type: mcp}\n"
-     "    tool_schema: {type: function, function: {name: a, description: d}}", "config.type='mcp' is not supported"),
+     "    tool_schema: {type: function, function: {name: a, description: d}}",
+     "CalculatorTool.: config.type=mcp cannot run here: verl.s MCP tools"),
+    ("tools:\n  - class_name: rlfoundry.tools.calculator.CalculatorTool\n    config: {type: sse}\n"
+     "    tool_schema: {type: function, function: {name: a, description: d}}", "config.type='sse' is not supported"),
     ("tools:\n  - class_name: rlfoundry.tools.calculator.CalculatorTool\n    tool_schema: {type: function}",
      "tool_schema is not an OpenAI function schema"),
     ("tools:\n" + "".join("  - class_name: rlfoundry.tools.calculator.CalculatorTool\n"
