@@ -65,7 +65,9 @@ def load_tool_class(class_name: str) -> type[BaseTool]:
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ToolConfigError(f"class_name {class_name!r} cannot be imported: {e}") from e
+        hint = ("; it imports verl: change those imports to rlfoundry's (docs/agents.md, verl's tool files)"
+                if (getattr(e, "name", None) or "").split(".")[0] == "verl" else "")
+        raise ToolConfigError(f"class_name {class_name!r} cannot be imported: {e}{hint}") from e
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
         raise ToolConfigError(f"class_name {class_name!r} is not a subclass of rlfoundry.tools.base.BaseTool")
     for method, call in (("create", "create(create_kwargs={...}, **create_kwargs)"),

@@ -242,3 +242,11 @@ def test_an_image_answer_is_an_error_not_a_silently_dropped_image():
     tool = Zoom({"type": "native"}, OpenAIFunctionToolSchema.model_validate(_schema("zoom")))
     [result] = run_tool_calls({"zoom": tool}, [ToolCall("i", ParsedCall("zoom", {}))], 1, 5.0)
     assert result.error == "image_answer" and "cannot show the model" in result.text
+
+
+def test_a_ported_tool_module_that_still_imports_verl_is_told_to_change_its_imports(tmp_path, monkeypatch):
+    (tmp_path / "my_recipe_tool.py").write_text("from verl.tools.sandbox_fusion_tools import SandboxFusionTool\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _config(tmp_path, "my_recipe_tool.CustomTool", {}, _schema("code_interpreter", code="string"))
+    with pytest.raises(ToolConfigError, match="No module named 'verl'; it imports verl: change those imports"):
+        initialize_tools_from_config(path)
