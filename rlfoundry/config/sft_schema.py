@@ -43,6 +43,14 @@ class SFTSyntheticConfig:  # rlfoundry: the built-in task used when data.train_f
 
 
 @dataclass
+class SFTMultiturnConfig:
+    enable: bool = False  # true: rows are whole conversations, every assistant turn trained (not built)
+    messages_key: str = "messages"
+    tools_key: str = "tools"
+    enable_thinking_key: str = "enable_thinking"
+
+
+@dataclass
 class SFTDataConfig:
     train_files: Any = None  # parquet / jsonl / json files (str or list); null -> data.synthetic
     val_files: Any = None  # null with synthetic data -> the task's held-out split
@@ -58,8 +66,10 @@ class SFTDataConfig:
     chat_template: Optional[str] = None  # a Jinja template replacing the tokenizer's own
     train_batch_size: int = 64  # sequences per optimiser step, over all ranks
     micro_batch_size_per_gpu: int = 64  # sequences per forward/backward on one rank (gradient accumulation)
+    micro_batch_size: Optional[int] = None  # verl's older global spelling: divided over the ranks
     shuffle: bool = True
     synthetic: SFTSyntheticConfig = _sub(SFTSyntheticConfig)  # rlfoundry
+    multiturn: SFTMultiturnConfig = _sub(SFTMultiturnConfig)  # verl's conversation rows: not built (enable=false)
 
 
 @dataclass
@@ -74,6 +84,9 @@ class SFTFSDPConfig:
 @dataclass
 class SFTModelConfig:
     partial_pretrain: Optional[str] = None  # local HF directory (or rlfoundry://NAME for a packaged model)
+    path: Optional[str] = None  # verl's newer spelling of partial_pretrain
+    strategy: str = _choice("fsdp2", "fsdp")  # verl's FSDP versions; both run on the FSDP2 engine here
+    use_remove_padding: Optional[bool] = None  # verl's newer spelling of the top-level use_remove_padding
     trust_remote_code: bool = False
     enable_gradient_checkpointing: bool = False
     external_lib: Optional[str] = None  # a module to import first (registers custom model classes)
@@ -98,6 +111,8 @@ class SFTOptimConfig:
     warmup_steps_ratio: float = 0.05
     clip_grad: float = 1.0
     lr_scheduler: str = _choice("cosine", "constant")
+    lr_warmup_steps_ratio: Optional[float] = None  # verl's newer spelling of warmup_steps_ratio
+    lr_scheduler_type: Optional[str] = None  # verl's newer spelling of lr_scheduler
     min_lr_ratio: float = 0.0
 
 
@@ -128,7 +143,7 @@ class SFTConfig:
     data: SFTDataConfig = _sub(SFTDataConfig)
     model: SFTModelConfig = _sub(SFTModelConfig)
     optim: SFTOptimConfig = _sub(SFTOptimConfig)
-    ulysses_sequence_parallel_size: int = 1  # accepted for verl command lines; only 1 is supported
+    ulysses_sequence_parallel_size: int = 1  # verl's Ulysses sequence parallelism: only 1 (not built for SFT)
     use_remove_padding: bool = False  # pack the real tokens of a micro-batch into one row (same loss)
     trainer: SFTTrainerConfig = _sub(SFTTrainerConfig)
 

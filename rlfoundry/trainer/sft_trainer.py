@@ -56,8 +56,6 @@ ROLE = "sft"  # the engine's role: metric prefix of its own metrics, checkpoint 
 
 # =========================================================================== configuration
 
-# verl's names for its SFT defaults files; here the defaults are the schema's (config/sft_schema.py)
-SFT_CONFIG_NAMES = ("sft_trainer", "sft_trainer_engine")
 SFT_ENGINES = ("fsdp", "dp")  # verl's August engine group (engine=...); both are the FSDP2 engine here
 
 
@@ -77,17 +75,10 @@ def load_sft_config(overrides: Sequence[str] = (), config_name: str | None = Non
 
 
 def _sft_overlay(name: str | None, config_path: str | None) -> Path | None:
-    """``--config-name``: verl's SFT defaults names mean the schema's defaults unless the user's
-    ``--config-path`` holds such a file; any other name is looked up as for PPO."""
-    from rlfoundry.config.compose import PACKAGED_DIR, find_config, search_roots
+    """``--config-name`` looked up as for PPO (``config/compose.py``); verl's SFT names are packaged."""
+    from rlfoundry.config.compose import find_config
 
-    if not name:
-        return None
-    stem = Path(name).name.removesuffix(".yaml")
-    user_roots = [r for r in search_roots(config_path) if r != PACKAGED_DIR]
-    if stem in SFT_CONFIG_NAMES and not any((r / f"{stem}.yaml").is_file() for r in user_roots):
-        return None
-    return find_config(name, config_path)
+    return find_config(name, config_path) if name else None
 
 
 def _engine_choice(overrides: Sequence[str]) -> list[str]:

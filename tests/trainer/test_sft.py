@@ -277,3 +277,39 @@ def test_command_line_errors_and_help(capsys, tmp_path):
     assert e.value.code == 2 and "rlfoundry sft: Unknown config key 'optim.lrr'" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "micro_batch_size_per_gpu: 64" in capsys.readouterr().out  # the schema's defaults
+
+
+# ───────────────────────────── verl's SFT command lines ─────────────────────────────
+
+
+def test_verls_other_sft_spellings_reach_the_keys_the_trainer_reads(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # data.micro_batch_size is global: verl divides it over the ranks
+    cfg = load_sft_config(["model.path=/m", "data.micro_batch_size=8", "data.train_batch_size=16",
+                           "model.use_remove_padding=true", "optim.lr_warmup_steps_ratio=0.2",
+                           "optim.lr_scheduler_type=constant", "model.strategy=fsdp", "engine=fsdp"])
+    assert (cfg.model.partial_pretrain, cfg.data.micro_batch_size_per_gpu, cfg.use_remove_padding) == ("/m", 4, True)
+    assert (cfg.optim.warmup_steps_ratio, cfg.optim.lr_scheduler) == (0.2, "constant")
+    with pytest.raises(ConfigError, match="two spellings"):
+        load_sft_config(["model.path=/m", "model.partial_pretrain=/other"])
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("engine=megatron", "megatron SFT engine"), ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
+    ("data.multiturn.enable=true", "data.multiturn.enable"), ("model.strategy=megatron", "model.strategy"),
+])
+def test_what_sft_does_not_build_is_an_error_naming_it(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_sft_config(["model.partial_pretrain=/m", override])
+
+
+def test_sft_config_names_and_the_dry_run(tmp_path, monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    monkeypatch.chdir(tmp_path)  # verl's scripts pass its own config dir: absent here, the schema's defaults
+    assert main(["--config-path=config", "--config-name=sft_trainer", "model.partial_pretrain=/m",
+                 "data.micro_batch_size_per_gpu=4", "--cfg", "job"]) == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert printed.data.micro_batch_size_per_gpu == 4 and printed.model.partial_pretrain == "/m"
+    (tmp_path / "mine").mkdir()  # a user's SFT YAML with a defaults list over verl's SFT name
+    (tmp_path / "mine" / "sft.yaml").write_text("defaults: [sft_trainer, _self_]\noptim:\n  lr: 0.5\n")
+    assert load_sft_config(["model.partial_pretrain=/m"], "sft.yaml", "mine").optim.lr == 0.5
