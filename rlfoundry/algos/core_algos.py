@@ -46,7 +46,10 @@ __all__ = [
     "agg_loss",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
     "compute_global_batch_info",
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
@@ -56,9 +59,14 @@ __all__ = [
     "compute_policy_loss",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -106,6 +114,9 @@ class AdvantageEstimator(str, Enum):
     GPG = "gpg"
     RLOO_VECTORIZED = "rloo_vectorized"
     GRPO_VECTORIZED = "grpo_vectorized"
+    OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
+    TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
+    GDPO = "gdpo"
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable] = {}
@@ -331,6 +342,70 @@ def compute_grpo_outcome_advantage(
 compute_grpo_vectorized_outcome_advantage = compute_grpo_outcome_advantage
 
 
+@register_adv_est(AdvantageEstimator.GDPO)
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    non_tensor_batch: Mapping[str, Any] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO, group reward-decoupled normalisation (arXiv:2601.05242; verl 0.9.1's ``gdpo``).
+
+    Summing reward components before GRPO lets the component with the largest spread decide every
+    group's ranking; GDPO normalises each component k within its prompt group first:
+      A_k = GRPO advantage of component k;  A = sum_k w_k A_k;  advantages = whiten(A) over the mask.
+    Components are the columns ``config.gdpo_reward_keys`` of ``non_tensor_batch`` (the reward
+    function's ``reward_extra_info``), weights ``config.gdpo_reward_weights`` (default all 1).
+    Without ``non_tensor_batch`` the single component is the summed ``token_level_rewards``.
+
+    Args:
+        token_level_rewards, response_mask: (B, T);  index: (B,) prompt ids.
+        non_tensor_batch: column name -> (B,) numbers.
+    Returns:
+        advantages, returns: (B, T), identical, 0 outside the mask.
+    """
+    components, weights = _gdpo_components(token_level_rewards, config, non_tensor_batch)
+    with torch.no_grad():
+        total = torch.zeros_like(token_level_rewards)
+        for weight, scores in zip(weights, components):
+            adv, _ = compute_grpo_outcome_advantage(scores.unsqueeze(-1), response_mask, index, epsilon,
+                                                    norm_adv_by_std_in_grpo)
+            total = total + weight * adv
+        mask = response_mask.to(total.dtype)
+        advantages = _zero_outside(F_.masked_whiten(total, mask), mask)
+    return advantages, advantages
+
+
+def _gdpo_components(token_level_rewards, config, non_tensor_batch) -> tuple[list[torch.Tensor], list[float]]:
+    """GDPO's per-component sequence scores (B,) and their weights; errors name the missing key."""
+    if non_tensor_batch is None:
+        return [token_level_rewards.sum(dim=-1)], [1.0]
+    keys = list(_cfg(config, "gdpo_reward_keys", None) or [])
+    if not keys:
+        raise ValueError("adv_estimator 'gdpo' needs algorithm.gdpo_reward_keys: the reward function's "
+                         "reward_extra_info keys to normalise separately, e.g. [format_reward,accuracy_reward]")
+    weights = list(_cfg(config, "gdpo_reward_weights", None) or [1.0] * len(keys))
+    if len(weights) != len(keys):
+        raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} gdpo_reward_keys")
+    components = []
+    for key in keys:
+        if key not in non_tensor_batch:
+            raise ValueError(f"GDPO reward component {key!r} (algorithm.gdpo_reward_keys) is not a column of the batch "
+                             f"({sorted(non_tensor_batch)}): the reward function must return it in its dict "
+                             "(reward_extra_info) for every sample")
+        scores = torch.as_tensor(np.asarray(non_tensor_batch[key], dtype=np.float64), device=token_level_rewards.device)
+        if not torch.isfinite(scores).all():
+            bad = int((~torch.isfinite(scores)).sum())
+            raise ValueError(f"GDPO reward component {key!r} is missing (NaN) or infinite for {bad} of {scores.numel()} "
+                             "samples: compute_score must return it, as a number, for every sample")
+        components.append(scores.to(token_level_rewards.dtype))
+    return components, [float(w) for w in weights]
+
+
 @register_adv_est(AdvantageEstimator.RLOO)
 @register_adv_est(AdvantageEstimator.RLOO_VECTORIZED)
 def compute_rloo_outcome_advantage(
@@ -533,6 +608,124 @@ def compute_remax_outcome_advantage(
         returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask
         advantages = returns - reward_baselines.to(returns.dtype).unsqueeze(-1) * mask
     return advantages, returns
+
+
+def _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights):
+    """Return-to-go G and cumulative path-variance proxy W of the optimal token baseline. -> (B, T) each.
+
+    ||grad log pi(a_t)||^2 w.r.t. the logits is ||e_a - pi||^2 = 1 - 2 pi(a_t) + sum_v pi_v^2 per token;
+    W_t sums it over the valid tokens up to t, scaled by the squared rollout IS weight where given.
+    """
+    if sum_pi_squared is None or old_log_probs is None:
+        raise ValueError("the optimal token baseline needs old_log_probs and sum_pi_squared (the actor's per-token "
+                         "sum of squared probabilities, verl's actor.calculate_sum_pi_squared)")
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    w = 1.0 - 2.0 * torch.exp(old_log_probs) + sum_pi_squared
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights**2
+    return returns, (w * mask).cumsum(-1)
+
+
+def _optimal_baseline(returns, w_cum, lengths, g, num_groups, in_group, handle_zero_tail, epsilon):
+    """Per-position baseline b_t = sum_i G_it W_it / (sum_i W_it + eps) over each prompt group.
+
+    ``returns``/``w_cum`` (B, T) are 0 where a row has no token at t; rows outside ``in_group`` do not
+    count toward a group's size. A group of one gets baseline 0. With ``handle_zero_tail``, a group's
+    single longest row gets baseline 0 from the second-longest row's length on (no other row is there
+    to estimate it). -> (B, T).
+    """
+    T = returns.shape[-1]
+    num = torch.zeros(num_groups, T, dtype=returns.dtype, device=returns.device).index_add_(0, g, returns * w_cum)
+    den = torch.zeros_like(num).index_add_(0, g, w_cum) + epsilon
+    baseline = (num / den)[g]
+    sizes = _group_sum(in_group.to(returns.dtype), g, num_groups)[g]
+    baseline = torch.where((sizes > 1).unsqueeze(-1), baseline, torch.zeros_like(baseline))
+    if handle_zero_tail:
+        lens = torch.where(in_group, lengths, torch.full_like(lengths, -1))
+        gmax = torch.full((num_groups,), -1, dtype=lens.dtype, device=lens.device).scatter_reduce(0, g, lens, "amax")
+        at_max = in_group & (lens == gmax[g])
+        others = torch.where(at_max, torch.full_like(lens, -1), lens)
+        second = torch.full_like(gmax, -1).scatter_reduce(0, g, others, "amax")[g].clamp(min=0)
+        unique_longest = at_max & (_group_sum(at_max.to(returns.dtype), g, num_groups)[g] == 1) & (sizes > 1)
+        tail = torch.arange(T, device=returns.device).unsqueeze(0) >= second.unsqueeze(-1)
+        baseline = torch.where(unique_longest.unsqueeze(-1) & tail, torch.zeros_like(baseline), baseline)
+    return baseline
+
+
+@register_adv_est(AdvantageEstimator.OPTIMAL_TOKEN_BASELINE)
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline (verl 0.9.1's ``optimal_token_baseline``): a baseline per position t.
+
+    The variance-minimising baseline of a policy gradient weights each sample's return by its squared
+    score norm (Greensmith et al. 2004); per token this is b_t = E[G_t W_t] / E[W_t] over the prompt
+    group, W_t the cumulative 1 - 2 pi(a_j) + sum pi^2 (``_otb_inputs``). A_t = G_t - b_t, positions
+    aligned by column. Rows of a group of one keep A = G.
+
+    Args:
+        token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights: (B, T);
+        index: (B,) prompt ids.
+    Returns:
+        advantages, returns (return-to-go G): (B, T), 0 outside the mask.
+    """
+    with torch.no_grad():
+        returns, w_cum = _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                     rollout_is_weights)
+        mask = response_mask.to(returns.dtype)
+        g, num_groups = _group_ids(index, returns.device)
+        lengths = response_mask.sum(-1).long()
+        in_group = torch.ones_like(lengths, dtype=torch.bool)
+        baseline = _optimal_baseline(returns * mask, w_cum * mask, lengths, g, num_groups, in_group,
+                                     handle_zero_tail, epsilon)
+        advantages = _zero_outside(returns - baseline, mask)
+    return advantages, _zero_outside(returns, mask)
+
+
+@register_adv_est(AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE)
+def compute_multi_turn_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline for tool-integrated (multi-turn) rollouts (verl's ``tir_optimal_token_baseline``).
+
+    As ``compute_optimal_token_baseline_advantage``, but positions are aligned by the index of the
+    *generated* token (the k-th valid token of each row), not by column: tool output between turns
+    is masked and would otherwise shift one row's k-th action against another's. Rows without a
+    valid token leave their group. -> advantages, returns (G): (B, T), 0 outside the mask.
+    """
+    with torch.no_grad():
+        returns, w_cum = _otb_inputs(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                     rollout_is_weights)
+        valid = response_mask.bool()
+        lengths = valid.sum(-1)
+        # k-th valid token of row i -> column k of a compacted (B, T) layout
+        rows, cols = valid.nonzero(as_tuple=True)
+        k = (valid.cumsum(-1) - 1)[rows, cols]
+        compact_g, compact_w = torch.zeros_like(returns), torch.zeros_like(w_cum)
+        compact_g[rows, k], compact_w[rows, k] = returns[rows, cols], w_cum[rows, cols]
+        g, num_groups = _group_ids(index, returns.device)
+        baseline = _optimal_baseline(compact_g, compact_w, lengths, g, num_groups, lengths > 0,
+                                     handle_zero_tail, epsilon)
+        advantages = torch.zeros_like(returns)
+        advantages[rows, cols] = (compact_g - baseline)[rows, k]
+    return advantages, _zero_outside(returns, response_mask)
 
 
 # ─────────────────────────────── rewards ───────────────────────────────
@@ -872,8 +1065,9 @@ def compute_policy_loss_gspo(
     Sequence ratio s_i = exp(mean_t log(pi / pi_old)) over valid tokens; the token-level form
     s_{i,t} = sg(s_i) * pi_t / sg(pi_t) has value s_i and gradient s_i * grad log pi_t (GSPO-token).
     l = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)), with log s clamped at 10 for overflow.
-    Aggregated with seq-mean-token-mean whatever ``loss_agg_mode`` says: the paper's objective is a
-    mean over sequences of the length-normalised sum (as verl). ``pg_clipfrac_lower`` is 0.
+    Aggregated by ``loss_agg_mode`` as verl 0.9.1 does (the actor passes ``actor.loss_agg_mode``,
+    default token-mean); the paper's own objective is seq-mean-token-mean, which verl <= 0.9.0
+    forced and which stays this function's default. ``pg_clipfrac_lower`` is 0.
     """
     if config is None:
         raise ValueError("policy loss 'gspo' needs the actor config (clip_ratio, ...)")
@@ -886,7 +1080,7 @@ def compute_policy_loss_gspo(
     unclipped = -advantages * s
     clipped = -advantages * torch.clamp(s, 1.0 - low, 1.0 + high)
     losses = torch.maximum(unclipped, clipped)
-    loss = _finish(losses, response_mask, "seq-mean-token-mean", config, rollout_is_weights)
+    loss = _finish(losses, response_mask, loss_agg_mode, config, rollout_is_weights)
     clipfrac = F_.masked_mean((clipped > unclipped).float(), response_mask)
     return loss, _metrics(clipfrac, F_.masked_mean(-log_ratio, response_mask))
 
@@ -1029,6 +1223,185 @@ def compute_policy_loss_cispo(
     loss = _finish(losses, response_mask, loss_agg_mode, config, rollout_is_weights)
     clipfrac = F_.masked_mean((weight != ratio).float(), response_mask)
     return loss, _metrics(clipfrac, F_.masked_mean(-log_ratio, response_mask))
+
+
+
+@register_policy_loss("sapo")
+@_with_contract_doc
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO, soft adaptive policy optimisation (Gao et al. 2025, arXiv:2511.20347).
+
+    A smooth gate replaces the hard clip: l = -A f(r), f(r) = sigmoid(tau (r - 1)) * 4 / tau, so
+    df/dlog r = 4 r sigmoid'(.) equals 1 at r = 1 (PPO's on-policy gradient) and fades as r leaves 1
+    instead of dropping to 0 at 1 +- eps. tau = ``config.tau_pos`` where A > 0, else ``config.tau_neg``
+    (larger: negative updates, which spread mass over the vocabulary, fade faster).
+    Aggregated seq-mean-token-mean whatever ``loss_agg_mode`` says, as verl 0.9.1 does. No clipping:
+    ``pg_clipfrac`` and ``pg_clipfrac_lower`` are 0.
+    """
+    tau_pos, tau_neg = _cfg(config, "tau_pos", 1.0), _cfg(config, "tau_neg", 1.05)
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"policy loss 'sapo' needs actor.tau_pos and actor.tau_neg > 0, got {tau_pos}, {tau_neg}")
+    log_ratio = _log_ratio(log_prob, old_log_prob)
+    tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=advantages.dtype, device=advantages.device),
+                      torch.as_tensor(tau_neg, dtype=advantages.dtype, device=advantages.device))
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    loss = _finish(-gate * advantages, response_mask, "seq-mean-token-mean", config, rollout_is_weights)
+    return loss, _metrics(0.0, F_.masked_mean(-log_ratio, response_mask))
+
+
+@register_policy_loss("geo_mean")
+@_with_contract_doc
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673).
+
+    The sequence objective uses the geometric mean of the token ratios, so one outlier token moves
+    it far less than GRPO's arithmetic mean. Per token the log-ratio is clipped the PPO way in log
+    space: for A > 0 min(log r, eps_high), for A < 0 max(log r, -eps_low) (unclipped on the other
+    side; A = 0 gives 0). Per sequence: s = exp(mean_t clipped log r), a = mean_t A, l = -a s
+    (a per-sequence advantage is assumed, as in verl). Rollout IS weights enter as their geometric
+    mean per sequence. The mean over sequences ignores ``loss_agg_mode`` (verl: ``torch.mean`` over
+    the micro-batch's rows); with ``global_batch_info`` it divides by the mini-batch's count of
+    sequences with a valid token, and locally rows without one do not count (verl counts them).
+    ``pg_clipfrac``/``pg_clipfrac_lower``: tokens outside [-eps_low, eps_high] with A > 0 / A < 0.
+    """
+    if config is None:
+        raise ValueError("policy loss 'geo_mean' needs the actor config (clip_ratio, ...)")
+    low, high = _clip_range(config)
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob  # unclamped, as verl: the clip below bounds what reaches exp()
+    clamped = torch.clamp(log_ratio, -low, high)
+    sign = torch.sign(advantages)
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = mask.sum(dim=-1).clamp(min=1)
+    seq_ratio = torch.exp(F_.masked_sum(clipped_log_ratio, mask, axis=-1) / lengths)
+    seq_losses = -(F_.masked_sum(advantages, mask, axis=-1) / lengths) * seq_ratio
+    if rollout_is_weights is not None:
+        seq_losses = seq_losses * torch.exp(F_.masked_sum(torch.log(rollout_is_weights + 1e-10), mask, axis=-1) / lengths)
+    has_tokens = (mask.sum(dim=-1) > 0).unsqueeze(-1)
+    loss = agg_loss(seq_losses.unsqueeze(-1), has_tokens, "seq-mean-token-sum", **_agg_kwargs(config))
+    outside = (log_ratio != clamped).float()
+    return loss, _metrics(F_.masked_mean(outside * (advantages > 0), response_mask),
+                          F_.masked_mean(-log_ratio, response_mask),
+                          F_.masked_mean(outside * (advantages < 0), response_mask))
+
+
+@register_policy_loss("dro")
+@_with_contract_doc
+def compute_policy_loss_dro(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DRO, direct reward optimisation (Richemond et al. 2024, arXiv:2405.19107; verl 0.9.1's ``dro``).
+
+    A policy gradient with a quadratic trust region instead of a clip: l = -(A log pi - beta/2 (log r)^2),
+    beta = ``config.policy_loss.dro_beta`` (> 0, no default), so the pull back toward pi_old grows
+    with the log-ratio and never switches a token off. No clipping: both clip fractions are 0.
+    """
+    beta = _cfg(_cfg(config, "policy_loss"), "dro_beta")
+    if beta is None or not beta > 0:
+        raise ValueError(f"policy loss 'dro' needs actor.policy_loss.dro_beta > 0, got {beta}")
+    log_ratio = log_prob - old_log_prob  # unclamped, as verl: the penalty is what bounds it
+    losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
+    loss = _finish(losses, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return loss, _metrics(0.0, F_.masked_mean(-log_ratio, response_mask))
+
+
+def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+               inside: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+    """DPPO's shared loss (Yang et al. 2026, arXiv:2602.04879): l = -A sg(min(r, c)) log pi on tokens
+    whose probability change stays inside the divergence trust region, 0 elsewhere.
+
+    ``inside(log_prob, old_log_prob, delta_low, delta_high)`` -> (ok where A > 0, ok where A <= 0); deltas are
+    ``clip_ratio_low``/``clip_ratio_high`` read as divergence thresholds. c = ``clip_ratio_c`` truncates
+    the importance weight (TIS, not dual clip; the paper's §5.4 advises a large one). Metrics:
+    ``pg_clipfrac`` = tokens outside the region, ``pg_clipfrac_lower`` = inside ones with r > c.
+    """
+    if config is None:
+        raise ValueError("the DPPO policy losses need the actor config (clip_ratio, clip_ratio_c, ...)")
+    low, high = _clip_range(config)
+    c = _cfg(config, "clip_ratio_c", 20.0)
+    log_ratio = _log_ratio(log_prob, old_log_prob)
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        ok_pos, ok_neg = inside(log_prob, old_log_prob, low, high)
+        keep = torch.where(advantages > 0, ok_pos, ok_neg).to(log_prob.dtype)
+        weight = torch.clamp(ratio, max=c)
+    losses = -advantages * weight * log_prob * keep
+    loss = _finish(losses, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return loss, _metrics(F_.masked_mean(1.0 - keep, response_mask), F_.masked_mean(-log_ratio, response_mask),
+                          F_.masked_mean((ratio > c).to(keep.dtype) * keep, response_mask))
+
+
+def _tv_region(log_prob, old_log_prob, low, high):
+    """Binary total variation |pi - pi_old| of the sampled token: only the move the advantage asks
+    for is bounded (up by ``high`` for A > 0, down by ``low`` otherwise)."""
+    change = torch.exp(log_prob) - torch.exp(old_log_prob)
+    return change <= high, change >= -low
+
+
+def _kl_region(log_prob, old_log_prob, low, high):
+    """Binary KL(Bern(pi_old) || Bern(pi)) of the sampled token, bounded only in the direction the
+    advantage pushes; 1e-8 keeps log(1 - p) finite at p = 1."""
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+        (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+    return (kl <= high) | (prob <= old_prob), (kl <= low) | (prob >= old_prob)
+
+
+@register_policy_loss("dppo_tv")
+@_with_contract_doc
+def compute_policy_loss_dppo_tv(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO-Binary-TV (arXiv:2602.04879): PPO's ratio clip replaced by a bound on the sampled token's
+    probability change, pi - pi_old <= delta_high (A > 0) or >= -delta_low (A <= 0); see ``_dppo_loss``."""
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                      rollout_is_weights, _tv_region)
+
+
+@register_policy_loss("dppo_kl")
+@_with_contract_doc
+def compute_policy_loss_dppo_kl(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO-Binary-KL (arXiv:2602.04879): the token is dropped when the binary KL between old and new
+    probability of the sampled token exceeds delta_high (A > 0, probability rising) or delta_low
+    (A <= 0, probability falling); see ``_dppo_loss``."""
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                      rollout_is_weights, _kl_region)
 
 
 

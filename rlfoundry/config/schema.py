@@ -59,6 +59,10 @@ _KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # "+": the estimator's value with k2's gradient (core_algos.kl_penalty); "full" is a clear error there
 KL_ESTIMATORS = (*_KL_BASE, *(k + "+" for k in _KL_BASE), "full")
 ROLLOUT_NAMES = tuple(name for name, engine in ROLLOUT_ENGINES.items() if engine.module is not None)
+# the optimal token baselines (verl 0.9.1) need the actor's per-token sum of squared probabilities
+SUM_PI_SQUARED_MISSING = ("the actor's log-prob pass does not compute sum_v pi_v^2 per token in rlfoundry yet, which "
+                          "verl's optimal_token_baseline / tir_optimal_token_baseline estimators need; choose another "
+                          "estimator (grpo, rloo, opo, ...) and leave calculate_sum_pi_squared false.")
 
 
 class Node:
@@ -340,8 +344,16 @@ class PolicyLossConfig(Node):
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    dro_beta: Optional[float] = None  # loss_mode=dro: weight of its (log r)^2 penalty; no default, must be > 0
     # a copy of algorithm.rollout_correction when its bypass_mode is on (as verl does at run time)
     rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig)
+
+    def check(self) -> list[str]:
+        key = "actor_rollout_ref.actor.policy_loss"
+        if self.loss_mode == "dro" and not (self.dro_beta or 0) > 0:
+            return [f"{key}.loss_mode=dro needs {key}.dro_beta > 0 (the weight of its squared log-ratio penalty), "
+                    f"got {self.dro_beta}."]
+        return []
 
 
 # ─────────────────────────────────── actor / rollout / ref ───────────────────────────────────
@@ -391,6 +403,10 @@ class ActorConfig(Node):
     loss_scale_factor: Optional[float] = None  # a fixed divisor of seq-mean-token-sum* losses (verl >= 0.6)
     loss_agg_mode: str = one_of(LOSS_AGG_MODES, "token-mean")
     entropy_coeff: float = 0.0
+    tau_pos: float = 1.0  # policy_loss.loss_mode=sapo: gate temperature where A > 0
+    tau_neg: float = 1.05  # ... and where A <= 0
+    # verl: the log-prob pass also returns sum_v pi_v^2 per token (for the optimal token baseline); not built here
+    calculate_sum_pi_squared: bool = False
     use_kl_loss: bool = False
     # each decoder layer's training forward compiled (engines/fsdp/compile.py; the reference follows).
     # verl: True. Off here: compiling costs ~25 s per graph on a small CPU run (two graphs), more than the
@@ -417,7 +433,13 @@ class ActorConfig(Node):
 
     def check(self) -> list[str]:
         key = "actor_rollout_ref.actor.ppo_epochs"
-        return [f"{key}={self.ppo_epochs} must be positive."] if self.ppo_epochs <= 0 else []
+        errors = [f"{key}={self.ppo_epochs} must be positive."] if self.ppo_epochs <= 0 else []
+        if self.calculate_sum_pi_squared:
+            errors.append(f"actor_rollout_ref.actor.calculate_sum_pi_squared=true: {SUM_PI_SQUARED_MISSING}")
+        if not (self.tau_pos > 0 and self.tau_neg > 0):
+            errors.append(f"actor_rollout_ref.actor.tau_pos={self.tau_pos} and tau_neg={self.tau_neg} (SAPO's gate "
+                          "temperatures) must be > 0.")
+        return errors
 
 
 @dataclass
@@ -851,15 +873,34 @@ class AlgorithmConfig(Node):
     pf_ppo: Dict[str, Any] = _dict(reweight_method="pow", weight_pow=2.0)
     rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = _sub(FilterGroupsConfig)
+    # adv_estimator=gdpo: the reward function's reward_extra_info keys normalised one by one, and their weights
+    gdpo_reward_keys: Optional[List[str]] = None
+    gdpo_reward_weights: Optional[List[float]] = None  # null: all 1
 
     def check(self) -> list[str]:
         """Numbers in range and known levels: ``gamma``/``lam``, the adaptive KL controller, PF-PPO,
-        rollout correction and dynamic sampling (``filter_groups``)."""
+        rollout correction, dynamic sampling (``filter_groups``) and the estimators' own inputs."""
         errors = [f"algorithm.{k}={getattr(self, k)} must lie in [0, 1]." for k in ("gamma", "lam")
                   if not 0.0 <= getattr(self, k) <= 1.0]
         if self.kl_ctrl.type == "adaptive" and self.kl_ctrl.horizon <= 0:
             errors.append(f"algorithm.kl_ctrl.horizon={self.kl_ctrl.horizon} must be positive for the adaptive controller.")
-        return errors + self._check_pf_ppo() + self._check_rollout_correction() + self._check_filter_groups()
+        return (errors + self._check_pf_ppo() + self._check_rollout_correction() + self._check_filter_groups()
+                + self._check_estimator_inputs())
+
+    def _check_estimator_inputs(self) -> list[str]:
+        """GDPO's reward components; the optimal token baselines' sum pi^2, which no engine computes yet."""
+        est, keys, weights = self.adv_estimator, self.gdpo_reward_keys, self.gdpo_reward_weights
+        if est in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+            return [f"algorithm.adv_estimator={est}: {SUM_PI_SQUARED_MISSING}"]
+        if est != "gdpo":
+            return []
+        if not keys:
+            return ["algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the reward_extra_info keys of "
+                    "your reward function to normalise one by one, e.g. algorithm.gdpo_reward_keys=[format,accuracy]."]
+        if weights is not None and len(weights) != len(keys):
+            return [f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} gdpo_reward_keys; give "
+                    "one weight per key or leave it null (all 1)."]
+        return []
 
     def _check_pf_ppo(self) -> list[str]:
         from rlfoundry.algos.pf_ppo import PF_PPO_METHODS

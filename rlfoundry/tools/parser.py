@@ -30,7 +30,7 @@ and parser names; ``FORMATS`` is the registry, ``TOOL_CALL_FORMATS`` the names t
 
 A call that cannot be read (arguments that are not a JSON object, no name) is not dropped silently as
 verl drops it: it comes back as an error text for the model (the trajectory goes on). Pure functions of
-the text; the agent loop decodes the turn (``FORMATS[name].special_tokens`` says how).
+the text, which the agent loop decodes with its special tokens (padding removed), as verl does.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class ParsedTurn:
 @dataclass(frozen=True)
 class ToolCallFormat:
     parse: Callable[[str, ArgumentTypes], ParsedTurn]
-    special_tokens: bool  # decode the turn keeping special tokens: the format's markup is made of them
+    special_tokens: bool  # the markup is special tokens: text decoded without them (the OpenAI endpoint's) has no calls
     # (tool names, answer texts) -> the text after the turn, generation prompt included; None: the chat
     # template renders the tool messages
     render_answers: Callable[[list[str], list[str]], str] | None = None

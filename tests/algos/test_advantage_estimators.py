@@ -286,6 +286,137 @@ def test_gpg_by_hand():
     _close(adv[:, 0], [1.0, -1.0, 2.0, -2.0])
 
 
+# ───────────── verl 0.9.1: GDPO, optimal token baselines ─────────────
+# Expected values derived by hand from the formulas of verl 0.9.1's verl/trainer/ppo/core_algos.py
+# (PyPI wheel verl-0.9.1 = verl-project/verl 1dda039b for these functions).
+
+GDPO_INDEX = np.array(["a", "a", "b", "b"], dtype=object)
+GDPO_COMPONENTS = {"fmt": [1.0, 0.0, 1.0, 1.0], "acc": [0.0, 1.0, 3.0, 1.0]}
+
+
+def test_gdpo_normalises_each_component_in_its_group_by_hand():
+    # GRPO per component (unbiased std, eps 1e-6 ~ 0):
+    #   fmt: a [1, 0] -> [+1, -1]/sqrt2 ; b [1, 1] -> std 0 -> [0, 0]
+    #   acc: a [0, 1] -> [-1, +1]/sqrt2 ; b [3, 1] -> mean 2, std sqrt2 -> [+1, -1]/sqrt2
+    # weights [1, .5]: a [1/sqrt2 - .5/sqrt2, ...] = [+.35355, -.35355]; b [+.35355, -.35355]
+    # whitened over the 4 valid tokens: mean 0, unbiased var 4 * .125 / 3 = 1/6 -> +-.35355 * sqrt6 = +-sqrt3/2
+    rewards, mask = _outcome([9.0, 9.0, 9.0, 9.0], length=1)  # the summed reward is not used
+    cfg = SimpleNamespace(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=[1.0, 0.5])
+    adv, ret = ca.compute_gdpo_outcome_advantage(rewards, mask, GDPO_INDEX, config=cfg, non_tensor_batch=GDPO_COMPONENTS)
+    _close(adv[:, 0], [math.sqrt(3) / 2, -math.sqrt(3) / 2] * 2, atol=1e-5)
+    assert ret is adv
+    # equal weights: a [0, 0] (the components cancel), b [+1, -1]/sqrt2 -> var 2 * .5 / 3 -> [0, 0, +-sqrt(3/2)]
+    adv, _ = ca.compute_gdpo_outcome_advantage(rewards, mask, GDPO_INDEX, config=SimpleNamespace(
+        gdpo_reward_keys=["fmt", "acc"]), non_tensor_batch=GDPO_COMPONENTS)
+    _close(adv[:, 0], [0.0, 0.0, math.sqrt(1.5), -math.sqrt(1.5)], atol=1e-5)
+
+
+def test_gdpo_differs_from_grpo_on_the_summed_reward_and_masks():
+    # GRPO on fmt + acc = [1, 1, 4, 2] gives group a nothing to learn from; GDPO (weights 1, .5) does.
+    # Two tokens per response, the last of row 3 masked: the whitening runs over the 7 valid tokens only
+    # and masked positions are exactly 0.
+    summed = torch.tensor([[0.0, 1.0], [0.0, 1.0], [0.0, 4.0], [2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0]] * 3 + [[1.0, 0.0]])
+    grpo, _ = ca.compute_grpo_outcome_advantage(summed, mask, GDPO_INDEX)
+    _close(grpo[:2], torch.zeros(2, 2))
+    cfg = SimpleNamespace(gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=[1.0, 0.5])
+    adv, _ = ca.compute_gdpo_outcome_advantage(summed, mask, GDPO_INDEX, config=cfg, non_tensor_batch=GDPO_COMPONENTS)
+    raw = torch.tensor([1.0, -1.0, 1.0, -1.0]) * 0.5 / math.sqrt(2)  # the weighted sums, before whitening
+    flat = torch.tensor([raw[0], raw[0], raw[1], raw[1], raw[2], raw[2], raw[3]])
+    sd = math.sqrt(flat.var().item() + 1e-8)
+    expected = (raw.unsqueeze(-1) - flat.mean()) / sd * mask
+    _close(adv, expected, atol=1e-5)
+    assert adv[3, 1].item() == 0.0
+
+
+def test_gdpo_without_components_whitens_grpo_and_names_what_is_missing():
+    # no non_tensor_batch (a direct call, as in verl): one component, the summed reward
+    rewards, mask = _outcome([1.0, 0.0, 2.0, 2.0], length=1)
+    adv, _ = ca.compute_gdpo_outcome_advantage(rewards, mask, GDPO_INDEX)
+    grpo, _ = ca.compute_grpo_outcome_advantage(rewards, mask, GDPO_INDEX)
+    _close(adv, F_.masked_whiten(grpo, mask) * mask)
+    with pytest.raises(ValueError, match="gdpo_reward_keys"):
+        ca.compute_gdpo_outcome_advantage(rewards, mask, GDPO_INDEX, config=SimpleNamespace(), non_tensor_batch={})
+    with pytest.raises(ValueError, match="'acc'.*not a column"):
+        ca.compute_gdpo_outcome_advantage(rewards, mask, GDPO_INDEX, config=SimpleNamespace(gdpo_reward_keys=["acc"]),
+                                          non_tensor_batch={"fmt": [1, 0, 1, 1]})
+    with pytest.raises(ValueError, match="'acc' is missing \\(NaN\\).*1 of 4"):
+        ca.compute_gdpo_outcome_advantage(rewards, mask, GDPO_INDEX, config=SimpleNamespace(gdpo_reward_keys=["acc"]),
+                                          non_tensor_batch={"acc": [1.0, float("nan"), 0.0, 1.0]})
+    with pytest.raises(ValueError, match="2 entries for 1"):
+        ca.compute_gdpo_outcome_advantage(rewards, mask, GDPO_INDEX, config=SimpleNamespace(
+            gdpo_reward_keys=["acc"], gdpo_reward_weights=[1.0, 2.0]), non_tensor_batch={"acc": [1, 0, 1, 1]})
+
+
+def _otb_inputs(w):
+    """pi(a_t) = .5 everywhere and sum pi^2 = w, so that the per-token variance proxy 1 - 2 pi + sum pi^2 is w."""
+    w = torch.tensor(w, dtype=torch.float64)
+    return torch.full_like(w, math.log(0.5)), w
+
+
+def test_optimal_token_baseline_by_hand():
+    # group a: row 0 mask [1,1,1], reward 1 at t2 -> G = [1, 1, 1], w = [1, 1, 1] -> W = [1, 2, 3]
+    #          row 1 mask [1,1,0], reward 0       -> G = [0, 0, 0], w = [.5, .5, -] -> W = [.5, 1, -]
+    #   b_t = sum_i G W / sum_i W over valid rows: t0 1/1.5 = 2/3, t1 2/3 = 2/3, t2 (row 0 alone) 3/3 = 1
+    #   zero tail: row 0 is the unique longest (3 > 2): its baseline from column 2 on is 0
+    #   row 0: A = [1/3, 1/3, 1] ; row 1: A = [-2/3, -2/3, 0 (masked)]
+    # group b: row 2 alone, reward .7 at t0, mask [1,0,0]: A = G = [.7, 0, 0]
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.7, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    old, spi = _otb_inputs([[1.0, 1.0, 1.0], [0.5, 0.5, 9.0], [0.3, 9.0, 9.0]])
+    index = np.array(["a", "a", "b"], dtype=object)
+    fn = ca.get_adv_estimator_fn("optimal_token_baseline")
+    adv, ret = fn(rewards, mask, index, old_log_probs=old, sum_pi_squared=spi)
+    _close(adv, [[1 / 3, 1 / 3, 1.0], [-2 / 3, -2 / 3, 0.0], [0.7, 0.0, 0.0]])
+    _close(ret, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.7, 0.0, 0.0]])
+    # without the zero tail row 0's last baseline is its own return: A = 0 there
+    adv, _ = fn(rewards, mask, index, old_log_probs=old, sum_pi_squared=spi, handle_zero_tail=False)
+    _close(adv[0], [1 / 3, 1 / 3, 0.0])
+    # rollout IS weight 2 on row 1 scales its w by 4: W1 = [2, 4] -> b = [1/3, 1/3]: row 0 [2/3, 2/3, 1], row 1 -1/3
+    is_w = torch.tensor([[1.0] * 3, [2.0] * 3, [1.0] * 3], dtype=torch.float64)
+    adv, _ = fn(rewards, mask, index, old_log_probs=old, sum_pi_squared=spi, rollout_is_weights=is_w)
+    _close(adv[:2], [[2 / 3, 2 / 3, 1.0], [-1 / 3, -1 / 3, 0.0]])
+    with pytest.raises(ValueError, match="sum_pi_squared"):
+        fn(rewards, mask, index)
+
+
+def test_tir_optimal_token_baseline_aligns_generated_tokens_by_hand():
+    # row 0 mask [1, 0, 1, 1] (t1 is tool output), reward 1 at t3: G = 1 on its 3 tokens; w = 1 -> W = [1, -, 2, 3]
+    # row 1 mask [1, 1, 0, 0], reward 0: G = 0; w = .5 -> W = [.5, 1]
+    # aligned by generated-token index k: b_k = [1/1.5, 2/3, 3/3] = [2/3, 2/3, 1]; zero tail for row 0 from k = 2:
+    #   row 0: k0 (t0) 1/3, k1 (t2) 1/3, k2 (t3) 1 ; row 1: [-2/3, -2/3]
+    # column-aligned OTB on the same rows instead compares row 0's 2nd action (t2) with nothing and row 1's
+    # 2nd (t1) with row 0's tool output: row 0 [1/3, 0, 1, 1], row 1 [-2/3, 0, 0, 0]
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    old, spi = _otb_inputs([[1.0, 7.0, 1.0, 1.0], [0.5, 0.5, 7.0, 7.0]])
+    index = np.array([0, 0])
+    adv, ret = ca.get_adv_estimator_fn("tir_optimal_token_baseline")(rewards, mask, index, old_log_probs=old,
+                                                                       sum_pi_squared=spi)
+    _close(adv, [[1 / 3, 0.0, 1 / 3, 1.0], [-2 / 3, -2 / 3, 0.0, 0.0]])
+    _close(ret, [[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    column, _ = ca.compute_optimal_token_baseline_advantage(rewards, mask, index, old, spi)
+    _close(column, [[1 / 3, 0.0, 1.0, 1.0], [-2 / 3, 0.0, 0.0, 0.0]])
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_optimal_token_baselines_agree_without_holes_and_on_singletons(seed):
+    # with contiguous masks (no tool output) the two alignments coincide; a group of one keeps A = G
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 5
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(-1)).double()
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64) * mask
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    spi = torch.rand(B, T, generator=g, dtype=torch.float64)
+    index = np.array([0, 0, 1, 1, 1, 2])
+    a, ret = ca.compute_optimal_token_baseline_advantage(rewards, mask, index, old, spi)
+    b, _ = ca.compute_multi_turn_optimal_token_baseline_advantage(rewards, mask, index, old, spi)
+    _close(a, b, atol=1e-9)
+    _close(a[5], ret[5], atol=0)
+
+
 # ───────────── registry ─────────────
 
 
@@ -302,6 +433,8 @@ def test_every_estimator_accepts_one_uniform_set_of_kwargs():
         epsilon=1e-6,
         norm_adv_by_std_in_grpo=True,
         config=SimpleNamespace(gamma=1.0, lam=0.95, norm_adv_by_std_in_grpo=True),
+        old_log_probs=torch.full_like(rewards, -1.0),  # the optimal token baselines' inputs (verl passes them)
+        sum_pi_squared=torch.full_like(rewards, 0.5),
     )
     for name in ca.AdvantageEstimator:
         adv, ret = ca.get_adv_estimator_fn(name)(**kwargs)

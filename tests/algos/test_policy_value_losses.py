@@ -1,4 +1,10 @@
-"""Policy losses (vanilla PPO + dual clip, GSPO, GPG, Clip-Cov, KL-Cov, CISPO), value and entropy losses."""
+"""Policy losses (vanilla PPO + dual clip, GSPO, GPG, Clip-Cov, KL-Cov, CISPO, and verl 0.9.1's SAPO, GMPO,
+DRO, DPPO-TV/KL), value and entropy losses.
+
+Expected values for the verl 0.9.1 losses are derived by hand from the formulas of verl 0.9.1's
+``verl/trainer/ppo/core_algos.py`` (PyPI wheel verl-0.9.1; identical to verl-project/verl 1dda039b,
+2026-08-22, except that there GSPO still forces seq-mean-token-mean).
+"""
 
 import math
 from types import SimpleNamespace
@@ -112,7 +118,8 @@ def test_global_batch_info_reaches_agg_loss_through_config():
         ca.compute_policy_loss_vanilla(old, log_prob, ADV, mask, config=_cfg(global_batch_info={"dp": 2}))
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo"])
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "cispo", "sapo", "geo_mean", "dro",
+                                  "dppo_tv", "dppo_kl"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), micro=st.integers(1, 3))
@@ -125,7 +132,8 @@ def test_policy_loss_micro_batch_invariance(name, mode, seed, micro):
     mask = (torch.rand(6, 5, generator=g) > 0.3).double()
     mask[:, 0] = 1.0
     # ratio thresholds so that Clip-Cov selects nothing and KL-Cov everything: both then act token-locally
-    cfg = _cfg(policy_loss=SimpleNamespace(clip_cov_ratio=1e-9, clip_cov_lb=1e9, clip_cov_ub=2e9, kl_cov_ratio=1.0))
+    cfg = _cfg(policy_loss=SimpleNamespace(clip_cov_ratio=1e-9, clip_cov_lb=1e9, clip_cov_ub=2e9, kl_cov_ratio=1.0,
+                                           dro_beta=0.5))
     fn = ca.get_policy_loss_fn(name)
     whole = new.clone().requires_grad_(True)
     g_whole = _grad(fn(old, whole, adv, mask, mode, cfg)[0], whole)
@@ -146,7 +154,8 @@ def test_policy_loss_micro_batch_invariance(name, mode, seed, micro):
 def test_gspo_by_hand():
     # seq 0: log-ratios [log 1.1, log 1.1] -> s = exp(mean) = 1.1 (inside [.8, 1.2]); A = +1 -> token loss -1.1
     # seq 1: log-ratios [log 2, log .5, masked] -> mean 0 -> s = 1; A = -1 -> token loss +1
-    # seq-mean-token-mean: (-1.1 + 1) / 2 = -.05 (also when token-mean is asked: GSPO is defined per sequence)
+    # seq-mean-token-mean: (-1.1 + 1) / 2 = -.05; token-mean (-2.2 + 2) / 4 is the same here (equal lengths;
+    # test_gspo_honours_loss_agg_mode_as_verl_091 tells them apart)
     # grad of -A s_{i,t} wrt log pi_t is -A s_i, times 1 / (2 sequences x 2 tokens):
     #   seq 0: -1.1 / 4 = -.275 per token; seq 1: +1 / 4 = .25 per valid token, 0 on the masked one
     old = torch.zeros(2, 3, dtype=torch.float64)
@@ -169,6 +178,28 @@ def test_gspo_sequence_clip():
     assert loss.item() == pytest.approx(-1.2)
     assert _grad(loss, log_prob).abs().max().item() == 0.0
     assert metrics["actor/pg_clipfrac"] == 1.0
+
+
+def test_gspo_honours_loss_agg_mode_as_verl_091():
+    # verl 0.9.1 aggregates GSPO by the actor's loss_agg_mode (<= 0.9.0 forced seq-mean-token-mean).
+    # seq 0: 3 valid tokens, log-ratios log 1.1 -> s = 1.1, A = +1 -> token losses -1.1 x 3
+    # seq 1: 1 valid token, log-ratio 0 -> s = 1, A = -1 -> token loss +1
+    #   token-mean          (-3.3 + 1) / 4 = -.575   grads -A s_i / 4 = [-.275 x 3], [.25]
+    #   seq-mean-token-mean (-1.1 + 1) / 2 = -.05    (the old, forced result: fails the token-mean check)
+    #   token-sum           -3.3 + 1 = -2.3
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    log_prob = torch.tensor([[math.log(1.1)] * 3, [0.0, 7.0, 7.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    loss, _ = ca.compute_policy_loss_gspo(old, log_prob, adv, mask, "token-mean", _cfg())
+    assert loss.item() == pytest.approx(-0.575)
+    expected = torch.tensor([[-0.275] * 3, [0.25, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(_grad(loss, log_prob), expected)
+    assert ca.compute_policy_loss_gspo(old, log_prob, adv, mask, "seq-mean-token-mean", _cfg())[0].item() == \
+        pytest.approx(-0.05)
+    assert ca.compute_policy_loss_gspo(old, log_prob, adv, mask, "token-sum", _cfg())[0].item() == pytest.approx(-2.3)
+    # the function's own default stays the paper's seq-mean-token-mean (verl 0.9.1's signature)
+    assert ca.compute_policy_loss_gspo(old, log_prob, adv, mask, config=_cfg())[0].item() == pytest.approx(-0.05)
 
 
 # ───────────── GPG, CISPO ─────────────
@@ -268,3 +299,160 @@ def test_entropy_loss_by_hand():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     assert ca.compute_entropy_loss(logits, mask).item() == pytest.approx(math.log(4))
     assert ca.compute_entropy_loss(logits, mask, "token-sum").item() == pytest.approx(2 * math.log(4))
+
+
+# ───────────── SAPO ─────────────
+
+
+def test_sapo_gates_by_hand():
+    # f(r) = sigmoid(tau (r - 1)) * 4 / tau, l = -A f(r); tau_pos = 1 (A > 0), tau_neg = 2 (A <= 0)
+    # row 0 (3 valid): t0 r = 1, A = +1: f = .5 * 4 = 2 -> -2 ; t1 r = 1, A = -1: f = .5 * 4/2 = 1 -> +1
+    #                  t2 r = 2, A = +1: f = sigmoid(1) * 4 = 2.9242344 -> -2.9242344
+    # row 1 (1 valid): r = 1, A = -1 -> +1
+    # seq-mean-token-mean whatever the mode (verl 0.9.1): ((-2 + 1 - 2.9242344) / 3 + 1) / 2 = -.1540391
+    # d l / d log pi = -A * 4 r sigmoid'(tau (r - 1)), sigmoid' = s (1 - s):
+    #   r = 1: -A (= PPO's on-policy gradient, whatever tau); t2: -4 * 2 * .7310586 * .2689414 = -1.5728954
+    #   each times 1 / (2 sequences x its length): row 0 / 6, row 1 / 2
+    s1 = 1 / (1 + math.exp(-1))
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    log_prob = torch.tensor([[0.0, 0.0, math.log(2.0)], [0.0, 3.0, 3.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    cfg = _cfg(tau_pos=1.0, tau_neg=2.0)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        loss, metrics = ca.compute_policy_loss_sapo(old, log_prob, adv, mask, mode, cfg)
+        assert loss.item() == pytest.approx(((-2 + 1 - 4 * s1) / 3 + 1) / 2)
+    expected = torch.tensor([[-1 / 6, 1 / 6, -8 * s1 * (1 - s1) / 6], [0.5, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(_grad(loss, log_prob), expected)
+    assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/pg_clipfrac_lower"] == 0.0
+    with pytest.raises(ValueError, match="tau_pos"):
+        ca.compute_policy_loss_sapo(old, log_prob, adv, mask, config=_cfg(tau_pos=0.0))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), tau_pos=st.floats(0.1, 5.0), tau_neg=st.floats(0.1, 5.0))
+def test_sapo_on_policy_gradient_is_ppo_gradient(seed, tau_pos, tau_neg):
+    # at r = 1 the gate's slope is 4 sigmoid'(0) = 1: SAPO's gradient equals vanilla PPO's for any temperatures
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(3, 4, generator=g, dtype=torch.float64)
+    adv = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 4)
+    a, b = old.clone().requires_grad_(True), old.clone().requires_grad_(True)
+    sapo, _ = ca.compute_policy_loss_sapo(old, a, adv, mask, config=_cfg(tau_pos=tau_pos, tau_neg=tau_neg))
+    ppo, _ = ca.compute_policy_loss_vanilla(old, b, adv, mask, "seq-mean-token-mean", _cfg())
+    torch.testing.assert_close(_grad(sapo, a), _grad(ppo, b))
+
+
+# ───────────── GMPO (geo_mean) ─────────────
+
+
+def test_geo_mean_by_hand():
+    # eps_low = eps_high = .2; log-ratios clipped the PPO way in log space, then a geometric mean per sequence
+    # row 0, A = +1: log r = [.5, -.1] -> min(log r, .2) = [.2 (clipped), -.1] -> s = exp(.05), a = 1 -> -s
+    # row 1, A = -2: log r = [-.5, .3] -> max(log r, -.2) = [-.2 (clipped), .3] -> s = exp(.05), a = -2 -> 2s
+    # mean over the 2 sequences: s / 2 = .5256355 (loss_agg_mode is not used)
+    # grad: clipped tokens 0; d s / d log pi_t = s / 2 for the other: row 0 -s/2 / 2, row 1 +2 s/2 / 2
+    # metrics count tokens outside [-.2, .2] (verl: clipped in the loss or not): A > 0: row 0 t0 -> 1/4;
+    #   A < 0: row 1 t0 and t1 (.3 is outside but not clipped for A < 0) -> 2/4
+    s = math.exp(0.05)
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], dtype=torch.float64)
+    log_prob = (old + torch.tensor([[0.5, -0.1], [-0.5, 0.3]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    for mode in ("token-mean", "seq-mean-token-sum"):
+        loss, metrics = ca.compute_policy_loss_geo_mean(old, log_prob, adv, mask, mode, _cfg())
+        assert loss.item() == pytest.approx(s / 2)
+    torch.testing.assert_close(_grad(loss, log_prob), torch.tensor([[0.0, -s / 4], [0.0, s / 2]], dtype=torch.float64))
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.25)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.5)
+    # rollout IS weights enter as their geometric mean per sequence: row 0 [4, 1] -> 2: (-2s + 2s) / 2 = 0
+    w = torch.tensor([[4.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    loss, _ = ca.compute_policy_loss_geo_mean(old, log_prob, adv, mask, config=_cfg(), rollout_is_weights=w)
+    assert loss.item() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_geo_mean_on_policy_is_the_mean_sequence_advantage():
+    # r = 1 everywhere: s = 1, l_i = -mean_t A_it; masked tokens do not enter the mean
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    adv = torch.tensor([[3.0, 3.0, 99.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, metrics = ca.compute_policy_loss_geo_mean(old, old.clone(), adv, mask, config=_cfg())
+    assert loss.item() == pytest.approx((-3.0 + 1.0) / 2)
+    assert metrics["actor/pg_clipfrac"] == 0.0
+
+
+# ───────────── DRO ─────────────
+
+
+def test_dro_by_hand():
+    # l = -(A log pi - beta/2 (log r)^2), beta = .5
+    # t0: log pi = -.5, old -1 (log r = .5), A = +1: -(-.5 - .25 * .25) = .5625 ; t1: log pi = old = -2, A = -1: -2
+    # token-mean (.5625 - 2) / 2 = -.71875 ; grad -A + beta log r: [-1 + .25, 1] / 2 = [-.375, .5]
+    old = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    log_prob = torch.tensor([[-0.5, -2.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    cfg = _cfg(policy_loss=SimpleNamespace(dro_beta=0.5))
+    loss, metrics = ca.compute_policy_loss_dro(old, log_prob, adv, torch.ones(1, 2), "token-mean", cfg)
+    assert loss.item() == pytest.approx(-0.71875)
+    torch.testing.assert_close(_grad(loss, log_prob), torch.tensor([[-0.375, 0.5]], dtype=torch.float64))
+    assert metrics["actor/ppo_kl"] == pytest.approx(-0.25)
+    for beta in (None, 0.0):
+        with pytest.raises(ValueError, match="dro_beta"):
+            ca.compute_policy_loss_dro(old, log_prob, adv, torch.ones(1, 2), config=_cfg(policy_loss=SimpleNamespace(
+                dro_beta=beta)))
+
+
+# ───────────── DPPO ─────────────
+
+# Five tokens (probabilities of the sampled token, old -> new), divergence bounds .2 (clip_ratio), c = 3:
+#   t0 A = +1  .5 -> .6    r 1.2   TV change  .1 (keep)   binary KL .0204110 (keep)
+#   t1 A = +1  .01 -> .02  r 2     TV change  .01 (keep: PPO would clip r = 2)   KL .0031194 (keep)
+#   t2 A = +1  .2 -> .5    r 2.5   TV change  .3 > .2 (drop)                     KL .1927448 <= .2 (keep)
+#   t3 A = -1  .9 -> .6    r 2/3   TV change -.3 < -.2 (drop)                    KL .2262892 > .2 (drop)
+#   t4 A = -1  .01 -> .05  r 5     TV change +.04 (keep: only falls are bounded for A < 0), weight min(5, 3) = 3
+# binary KL = p_old ln(p_old / p) + (1 - p_old) ln((1 - p_old) / (1 - p)); for A < 0 a rising probability
+# is kept whatever its KL (t4), for A > 0 a falling one.
+# l = -A sg(min(r, 3)) log p on kept tokens; d l / d log p = -A min(r, 3) there.
+DPPO_OLD = torch.tensor([[0.5, 0.01, 0.2, 0.9, 0.01]], dtype=torch.float64).log()
+DPPO_NEW = torch.tensor([[0.6, 0.02, 0.5, 0.6, 0.05]], dtype=torch.float64).log()
+DPPO_ADV = torch.tensor([[1.0, 1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+
+
+def test_dppo_tv_by_hand():
+    # kept t0, t1, t4: (-1.2 ln .6 - 2 ln .02 + 3 ln .05) / 5 ; grads [-1.2, -2, 0, 0, 3] / 5
+    # pg_clipfrac = dropped 2/5 ; pg_clipfrac_lower = kept with r > c (t4) 1/5
+    log_prob = DPPO_NEW.clone().requires_grad_(True)
+    loss, metrics = ca.compute_policy_loss_dppo_tv(DPPO_OLD, log_prob, DPPO_ADV, torch.ones(1, 5), config=_cfg())
+    assert loss.item() == pytest.approx((-1.2 * math.log(0.6) - 2 * math.log(0.02) + 3 * math.log(0.05)) / 5)
+    expected = torch.tensor([[-1.2, -2.0, 0.0, 0.0, 3.0]], dtype=torch.float64) / 5
+    torch.testing.assert_close(_grad(loss, log_prob), expected)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.4)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.2)
+
+
+def test_dppo_kl_by_hand():
+    # kept t0, t1, t2, t4: (-1.2 ln .6 - 2 ln .02 - 2.5 ln .5 + 3 ln .05) / 5 ; grads [-1.2, -2, -2.5, 0, 3] / 5
+    log_prob = DPPO_NEW.clone().requires_grad_(True)
+    loss, metrics = ca.compute_policy_loss_dppo_kl(DPPO_OLD, log_prob, DPPO_ADV, torch.ones(1, 5), config=_cfg())
+    expected_loss = (-1.2 * math.log(0.6) - 2 * math.log(0.02) - 2.5 * math.log(0.5) + 3 * math.log(0.05)) / 5
+    assert loss.item() == pytest.approx(expected_loss)
+    expected = torch.tensor([[-1.2, -2.0, -2.5, 0.0, 3.0]], dtype=torch.float64) / 5
+    torch.testing.assert_close(_grad(loss, log_prob), expected)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.2)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_on_policy_is_reinforce_and_thresholds_are_read(name):
+    # r = 1: no token leaves the region, weight 1: l = -A log pi, GPG's loss; a larger clip_ratio_high keeps
+    # t2 under TV too (.3 <= .35), and clip_ratio_c = 20 no longer truncates t4's r = 5
+    fn = ca.get_policy_loss_fn(name)
+    a, b = DPPO_OLD.clone().requires_grad_(True), DPPO_OLD.clone().requires_grad_(True)
+    mask = torch.ones(1, 5)
+    torch.testing.assert_close(_grad(fn(DPPO_OLD, a, DPPO_ADV, mask, config=_cfg())[0], a),
+                               _grad(ca.compute_policy_loss_gpg(DPPO_OLD, b, DPPO_ADV, mask, config=_cfg())[0], b))
+    log_prob = DPPO_NEW.clone().requires_grad_(True)
+    loss, _ = fn(DPPO_OLD, log_prob, DPPO_ADV, mask, config=_cfg(clip_ratio_high=0.35, clip_ratio_c=20.0))
+    grad = _grad(loss, log_prob)
+    assert grad[0, 2].item() == pytest.approx(-2.5 / 5)
+    assert grad[0, 4].item() == pytest.approx(5.0 / 5)

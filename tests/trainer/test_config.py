@@ -750,3 +750,29 @@ def test_a_verl_async_server_class_is_a_start_up_error_not_ignored():
         validate_config(_load(f"+{key}.path=my_server.py", f"+{key}.name=MyServer"))
     validate_config(_load())  # unset (verl's default: null path and name) stays valid
     validate_config(_load(f"+{key}.path=null", f"+{key}.name=null"))
+
+
+def test_verl_091_algorithms_validate_and_their_missing_inputs_are_start_up_errors():
+    # every verl 0.9.1 loss and GDPO load with verl's keys, which reach the typed config
+    arr = "actor_rollout_ref.actor"
+    for mode in ("sapo", "geo_mean", "dppo_tv", "dppo_kl", "gspo"):
+        assert _load(f"{arr}.policy_loss.loss_mode={mode}").actor_rollout_ref.actor.policy_loss.loss_mode == mode
+    cfg = _load(f"{arr}.policy_loss.loss_mode=dro", f"{arr}.policy_loss.dro_beta=0.1", f"{arr}.tau_pos=2.0",
+                "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[fmt,acc]",
+                "algorithm.gdpo_reward_weights=[1.0,0.5]")
+    assert cfg.actor_rollout_ref.actor.policy_loss.dro_beta == 0.1 and cfg.actor_rollout_ref.actor.tau_pos == 2.0
+    assert list(cfg.algorithm.gdpo_reward_keys) == ["fmt", "acc"]
+    with pytest.raises(ConfigError, match=r"loss_mode=dro needs actor_rollout_ref.actor.policy_loss.dro_beta > 0"):
+        _load(f"{arr}.policy_loss.loss_mode=dro")
+    with pytest.raises(ConfigError, match=r"tau_pos=0.0 and tau_neg=1.05 \(SAPO's gate temperatures\) must be > 0"):
+        _load(f"{arr}.policy_loss.loss_mode=sapo", f"{arr}.tau_pos=0")
+    with pytest.raises(ConfigError, match=r"adv_estimator=gdpo needs algorithm.gdpo_reward_keys"):
+        _load("algorithm.adv_estimator=gdpo")
+    with pytest.raises(ConfigError, match=r"gdpo_reward_weights has 1 entries for 2 gdpo_reward_keys"):
+        _load("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]")
+    # the optimal token baselines need the actor's sum of squared probabilities, which is not built
+    for est in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        with pytest.raises(ConfigError, match=rf"adv_estimator={est}: the actor's log-prob pass does not compute"):
+            _load(f"algorithm.adv_estimator={est}")
+    with pytest.raises(ConfigError, match=r"calculate_sum_pi_squared=true: the actor's log-prob pass does not"):
+        _load(f"{arr}.calculate_sum_pi_squared=true")

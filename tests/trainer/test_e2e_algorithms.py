@@ -250,3 +250,25 @@ def test_ppo_kl_in_reward_with_adaptive_controller(tiny_model_dir, tiny_critic_d
         seq_kl = (kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean().item()
         assert kls[s] == pytest.approx(seq_kl, abs=1e-6)
     assert kls[2] > 0 and math.isfinite(run.step(3)["critic/vf_loss"])
+
+
+def test_gdpo_normalises_the_reward_components_the_function_returned(tiny_model_dir, tmp_path, reward_file):
+    # verl 0.9.1's gdpo: the scorer's own `score` and `acc` columns (reward_extra_info) reach the estimator;
+    # each is normalised in its prompt group (GRPO), weighted 1 and .5, summed, whitened over valid tokens.
+    # A failed sample (NaN in the columns) counts as failure_score = 0 in both, as its score does.
+    run = _train(tiny_model_dir, tmp_path, reward_file, "algorithm.adv_estimator=gdpo",
+                 "algorithm.gdpo_reward_keys=[score,acc]", "algorithm.gdpo_reward_weights=[1.0,0.5]")
+    for batch in run.batches:
+        mask = batch["response_mask"].float()
+        failed = np.array([E.scorer_fails(x) for x in batch["extra_info"]])
+        score = torch.tensor(batch["score"].astype(float), dtype=torch.float32)
+        acc = torch.tensor(batch["acc"].astype(float), dtype=torch.float32)
+        assert torch.equal(score, _outcome(batch)) and np.all(acc.numpy()[failed] == 0.0)
+        total = torch.zeros_like(score)
+        for column, weight in ((score, 1.0), (acc, 0.5)):
+            for rows in E.groups(batch).values():
+                group = column[rows]
+                total[rows] += weight * (group - group.mean()) / (group.std() + 1e-6)
+        tokens = total.unsqueeze(-1).expand_as(mask)[mask.bool()]
+        expected = (total.unsqueeze(-1) - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8) * mask
+        torch.testing.assert_close(batch["advantages"], expected, atol=1e-4, rtol=1e-4)

@@ -161,6 +161,18 @@ def test_gpt_oss_format_reads_harmony_calls_and_answers_in_harmony(tokenizer):
     assert not extras["sanity_check_failed"][0]
 
 
+def test_calls_whose_tags_are_special_tokens_are_read_as_verl_reads_them():
+    """A tokenizer that makes <tool_call> a special token: the turn is parsed from its text with the
+    special tokens (as verl decodes it), so the call still runs (without them the tags would vanish)."""
+    special = build_tokenizer()
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    question = "What is 123*456?"
+    loop, kwargs = _loop(special, {question: [CALL, "56088"]})
+    out = loop.generate_sequences(_prompts(special, kwargs, [question]))
+    assert out.non_tensor_batch["tool_calls"][0] == 1
+    assert "<tool_response>\n56088\n</tool_response>" in special.decode(out.batch["responses"][0])
+
+
 def test_a_bad_call_in_a_format_is_an_error_message_for_the_model(tokenizer):
     question = "Compute."
     bad = "<tool_call>\n<function=calculator>\n<parameter=expression>\n6*7\n</parameter>\n</function>\n</tool_call>"

@@ -104,6 +104,8 @@ def compute_advantage(
             kwargs[key] = tensors[key]
     if "uid" in data.non_tensor_batch:
         kwargs["index"] = data.non_tensor_batch["uid"]
+    if adv_estimator == "gdpo":  # its reward components (carried by carry_gdpo_components)
+        kwargs["non_tensor_batch"] = data.non_tensor_batch
     advantages, returns = fn(**kwargs)
     data.batch["advantages"] = advantages
     data.batch["returns"] = returns
@@ -145,6 +147,24 @@ def _generative_reward_model(config: PPOConfig, tokenizer: Any, judge_wg: Worker
     judge_tokenizer = AutoTokenizer.from_pretrained(judge.model_path, trust_remote_code=judge.trust_remote_code)
     return GenerativeRewardModel(judge_wg.generate_sequences, tokenizer, judge_tokenizer, judge,
                                  reward_fn_key=str(config.data.reward_fn_key))
+
+
+def carry_gdpo_components(batch: DataProto, result: dict[str, Any], algorithm: Any, failure_score: float = 0.0) -> None:
+    """GDPO's reward components, the ``algorithm.gdpo_reward_keys`` columns of the reward function's
+    ``reward_extra_info``, into ``batch.non_tensor_batch`` where the estimator reads them (as verl
+    keeps them). A sample whose scorer failed has NaN there (counted in ``reward/errors``); like its
+    score, its components become ``failure_score``. A key the function never returned is reported by
+    the estimator."""
+    if algorithm.adv_estimator != "gdpo":
+        return
+    info = result.get("reward_extra_info", {})
+    for key in algorithm.gdpo_reward_keys or []:
+        if key in info:
+            column = _numeric_column(info[key])
+            if column is None:
+                raise ValueError(f"algorithm.gdpo_reward_keys names {key!r}, but the reward function's {key!r} values are "
+                                 f"not all numbers (e.g. {info[key][:3]!r}); GDPO normalises numeric components only")
+            batch.non_tensor_batch[key] = np.where(np.isnan(column), failure_score, column).astype(object)
 
 
 def reward_result_metrics(result: dict[str, Any]) -> dict[str, float]:
@@ -548,6 +568,7 @@ class PPOTrainer:
             batch = self._judged(batch)
             result = self.reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
+        carry_gdpo_components(batch, result, self.config.algorithm, self._failure_score())
         return batch, (result if return_result else reward_result_metrics(result))
 
     def reward_in_background(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
@@ -576,7 +597,12 @@ class PPOTrainer:
         with marked_timer("reward", timing):
             result = future.result()
         batch.batch["token_level_scores"] = result["reward_tensor"]
+        carry_gdpo_components(batch, result, self.config.algorithm, self._failure_score())
         return batch, reward_result_metrics(result) | {"timing_s/reward_overlapped": time.perf_counter() - started}
+
+    def _failure_score(self) -> float:
+        """The reward manager's score for a failed sample (``reward_kwargs.failure_score``; 0 for a custom one)."""
+        return float(getattr(getattr(self.reward_fn, "options", None), "failure_score", 0.0))
 
     def _judged(self, batch: DataProto) -> DataProto:
         """The batch with the generative reward model's judgements (``judge_scores`` ...), if there is one."""

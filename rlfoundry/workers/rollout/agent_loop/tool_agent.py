@@ -221,7 +221,7 @@ class ToolAgentLoop(AgentLoopBase):
         state.assistant_turns += 1
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
         state.messages.append({"role": "assistant", "content": text})
-        parsed = self._parse(turn.token_ids, text)
+        parsed = self._parse(turn.token_ids)
         eos = self.server.eos_ids or {self.tokenizer.eos_token_id}
         if not (turn.token_ids and turn.token_ids[-1] in eos):
             state.stop = "length"
@@ -238,12 +238,12 @@ class ToolAgentLoop(AgentLoopBase):
                    for c in parsed.calls[limit:]]
         return calls, [ToolCallResult(e.name, e.message, error="bad_call") for e in parsed.errors] + refused
 
-    def _parse(self, token_ids: list[int], text: str) -> ParsedTurn:
-        """The turn's calls; a format whose markup is special tokens reads them (padding removed, as verl does)."""
-        if FORMATS[self.config.format].special_tokens:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-            if self.tokenizer.pad_token:
-                text = text.replace(self.tokenizer.pad_token, "")
+    def _parse(self, token_ids: list[int]) -> ParsedTurn:
+        """The turn's calls, read from its text with the special tokens (padding removed), as verl's parsers
+        read it: a tokenizer may make the markup special (harmony's always, ``<tool_call>`` in some)."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        if self.tokenizer.pad_token:
+            text = text.replace(self.tokenizer.pad_token, "")
         types = {name: {arg: p.type for arg, p in tool.tool_schema.function.parameters.properties.items()}
                  for name, tool in self.tools.items()}
         return parse_tool_calls(self.config.format, text, types)
