@@ -191,6 +191,7 @@ def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     _adopt_min_lr(cfg, set_keys)
     _adopt_global_profiler(cfg, set_keys)
     _adopt_adapter_lora(cfg, set_keys)
+    _adopt_classifier_reward_model(cfg)
 
 
 def _copy_setting(cfg: DictConfig, given: str, read: str, set_keys: Sequence[str], both: str) -> None:
@@ -229,6 +230,23 @@ def _adopt_global_profiler(cfg: DictConfig, set_keys: Sequence[str]) -> None:
         return
     _copy_setting(cfg, "global_profiler.steps", "trainer.profile_steps", set_keys,
                   "global_profiler.steps (verl, with global_profiler.tool=torch) and trainer.profile_steps")
+
+
+def _adopt_classifier_reward_model(cfg: DictConfig) -> None:
+    """verl >= 0.7's ``reward.reward_model`` with a classifier (and no custom reward function) is verl's
+    discriminative reward model: here that is ``reward_model.enable`` with ``reward_model.model.path``
+    (the classifier on the RewardModel worker); a causal LM there stays the LLM judge. Decided from the
+    model's ``config.json`` where it can be read; otherwise the start-up file check names the fix."""
+    from rlfoundry.trainer.config import classifier_head  # trainer/config imports this module
+
+    judge = cfg.reward.reward_model
+    if not judge.enable or cfg.reward_model.enable or cfg.custom_reward_function.path or \
+            not (classifier_head(judge.model_path) or "").endswith("ForSequenceClassification"):
+        return  # (both enabled: the judge check says to enable one; a token classifier is refused there)
+    with open_dict(cfg):
+        cfg.reward_model.enable, judge.enable = True, False
+        cfg.reward_model.model.path = judge.model_path
+        cfg.reward_model.model.trust_remote_code = bool(judge.trust_remote_code)
 
 
 def _adopt_adapter_lora(cfg: DictConfig, set_keys: Sequence[str]) -> None:
@@ -276,9 +294,17 @@ def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:
             + (() if torch_trace else _GLOBAL_PROFILER_TRACE_KEYS))
 
 
+# reward.reward_model's serving engine and pool when it holds a classifier (_adopt_classifier_reward_model):
+# the classifier scores on the RewardModel worker, colocated with the actor
+_CLASSIFIER_JUDGE_KEYS = ("reward.reward_model.rollout.*", "reward.reward_model.enable_resource_pool",
+                          "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes")
+
+
 def no_effect_keys_set(cfg: DictConfig, keys: Sequence[str]) -> list[str]:
     """The keys among ``keys`` (as the user set them) that have no effect here, in first-seen order."""
     patterns = _no_effect_patterns(cfg)
+    if "reward.reward_model.enable" in keys and not cfg.reward.reward_model.enable and cfg.reward_model.enable:
+        patterns += _CLASSIFIER_JUDGE_KEYS
     hits = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
     return list(dict.fromkeys(hits))
 

@@ -966,13 +966,22 @@ def _check_judge_model(path: str | None) -> list[str]:
     problems = _check_model(key, path)
     if path is None or problems:
         return problems
-    config = json.loads((Path(resolve_asset_path(path)) / "config.json").read_text())
-    heads = [a for a in config.get("architectures") or []
-             if a.endswith(("ForSequenceClassification", "ForTokenClassification"))]
-    if heads:
-        return [f"{key}={path} is a {heads[0]}, a reward model that scores without writing text; use it as "
+    head = classifier_head(path)
+    if head:
+        return [f"{key}={path} is a {head}, a reward model that scores without writing text; use it as "
                 f"reward_model.enable=true reward_model.model.path={path} (the classifier reward model) instead."]
     return []
+
+
+def classifier_head(path: str | None) -> str | None:
+    """The classification architecture of the HF directory at ``path`` (``...ForSequenceClassification``),
+    None for another model or where there is no readable ``config.json``."""
+    config_file = Path(resolve_asset_path(path) or "") / "config.json" if path else None
+    if config_file is None or not config_file.is_file():
+        return None
+    heads = [a for a in json.loads(config_file.read_text()).get("architectures") or []
+             if a.endswith(("ForSequenceClassification", "ForTokenClassification"))]
+    return heads[0] if heads else None
 
 
 def _check_resume(cfg: DictConfig) -> list[str]:

@@ -274,3 +274,16 @@ def test_mlflow_logger_without_mlflow_says_how_to_install():
     if __import__("importlib").util.find_spec("mlflow") is not None:
         pytest.skip("mlflow is installed")
     assert "pip install mlflow-skinny" in _error("trainer.logger=[console,mlflow]")
+
+
+def test_august_reward_model_holding_a_classifier_is_the_classifier_reward_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"]}))
+    keys = ("reward.reward_model.enable=true", f"reward.reward_model.model_path={tmp_path}",
+            "reward.reward_model.rollout.name=vllm", "reward.reward_model.rollout.gpu_memory_utilization=0.8")
+    cfg = _load(*keys)
+    assert cfg.reward_model.enable and cfg.reward_model.model.path == str(tmp_path)
+    assert not cfg.reward.reward_model.enable  # no judge: the classifier scores on the RewardModel worker
+    assert "reward.reward_model.rollout.gpu_memory_utilization" in _no_effect_warning(*keys)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    judge = _load(*keys[:2])
+    assert judge.reward.reward_model.enable and not judge.reward_model.enable  # a causal LM stays the judge
