@@ -49,8 +49,8 @@ LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync; models/lora.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
 STRATEGIES = tuple(TRAINING_ENGINES)  # the training engines a role's strategy can name
-TORCH_PROFILER_TOOLS = ("torch", "torch_memory")  # global_profiler.tool values utils/profiler.py's trace serves
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
+TORCH_PROFILER_TOOLS = ("torch", "torch_memory")  # global_profiler.tool values utils/profiler.py's trace serves
 TOOL_CALL_FORMATS = ("hermes", "qwen", "gpt-oss", "qwen3_coder")  # multi_turn.format; tools/parser.py (tested equal)
 LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
@@ -191,11 +191,11 @@ class DataConfig(Node):
     truncation: str = one_of(("error", "left", "right", "middle"), "error")
     image_key: str = "images"
     video_key: str = "videos"
+    return_multi_modal_inputs: bool = True  # no effect: image rows always carry their pixel inputs
     trust_remote_code: bool = False
     apply_chat_template: bool = True  # rlfoundry: False joins the messages with newlines (no chat template)
     apply_chat_template_kwargs: Dict[str, Any] = _dict()
     custom_cls: CustomClsConfig = _sub(CustomClsConfig)
-    return_multi_modal_inputs: bool = True  # no effect: image rows always carry their pixel inputs
     sampler: SamplerConfig = _sub(SamplerConfig)
     synthetic: SyntheticDataConfig = _sub(SyntheticDataConfig)  # rlfoundry
 
@@ -220,19 +220,22 @@ class OptimConfig(Node):
     weight_decay: float = 0.01
     betas: List[float] = _list(0.9, 0.999)
     eps: float = 1e-8  # rlfoundry: AdamW's eps (verl fixes it at torch's default, the same value)
-
-
-@dataclass
-class FSDPConfig(Node):
     clip_grad: Optional[float] = None  # verl >= 0.5's name of the role's grad_clip (verl_compat copies it there)
     # Megatron's spellings of the schedule (verl's optim/megatron.yaml), honoured on every engine:
     lr_decay_style: Optional[str] = None  # constant | cosine: = lr_scheduler_type (verl_compat copies it there)
     lr_warmup_init: float = 0.0  # the warm-up rises linearly from this lr to lr (engines/fsdp/utils.py lr_lambda)
     min_lr: Optional[float] = None  # cosine's floor as an lr: = min_lr_ratio × lr (verl_compat converts it)
     weight_decay_incr_style: str = "constant"  # Megatron's weight-decay schedule; only constant is built
+    # verl's optimizer class (FSDP: optimizer_impl.optimizer): AdamW here; Megatron's "adam" is its AdamW
+    optimizer: str = "AdamW"
+    optimizer_impl: str = "torch.optim"
     # more optimizer settings: megatron-core OptimizerConfig fields (strategy=megatron) or AdamW keyword
     # arguments (fsdp); checked at start-up (trainer/config.py _check_optimizers). verl: null (fsdp)
     override_optimizer_config: Dict[str, Any] = _dict()
+
+
+@dataclass
+class FSDPConfig(Node):
     wrap_policy: Dict[str, Any] = _dict(min_num_params=0)
     param_offload: bool = False
     optimizer_offload: bool = False
@@ -243,12 +246,16 @@ class FSDPConfig(Node):
     model_dtype: str = "fp32"
     mixed_precision: Dict[str, Any] = _dict()
     grad_offload: bool = False  # removed in verl >= 0.2; accepted for old scripts
+    # verl (Aug 2026) spells the role's ulysses_sequence_parallel_size here (verl_compat copies it there)
+    ulysses_sequence_parallel_size: Optional[int] = None
+    # verl (Aug 2026): the entropy keys here too (always on: verl_compat.NO_EFFECT_KEYS); FSDP1's flag
+    entropy_from_logits_with_chunking: bool = False
+    entropy_checkpointing: bool = False
+    use_orig_params: bool = False  # FSDP1 only; FSDP2 always keeps the original parameters (no effect)
     # rlfoundry: auto = a model alone on one rank with nothing to offload, computing in its own dtype or in
     # bf16 over fp32 weights (then under torch.autocast), is not wrapped (FSDP2 would only copy and cast
     # every weight and gradient; engines/fsdp/utils.py fsdp_does_nothing); fsdp = wrap anyway
     single_rank: str = one_of(("auto", "fsdp"), "auto")
-    # verl (Aug 2026) spells the role's ulysses_sequence_parallel_size here (verl_compat copies it there)
-    ulysses_sequence_parallel_size: Optional[int] = None
 
 
 @dataclass
@@ -268,6 +275,8 @@ class MegatronConfig(Node):
     seed: int = 42
     override_transformer_config: Dict[str, Any] = _dict()
     use_mbridge: bool = True  # the only converter here: HF <-> Megatron through mbridge
+    # verl (Aug 2026): mbridge (true) or Megatron-Bridge (its default false); mbridge here either way (no effect)
+    vanilla_mbridge: bool = True
     dtype: str = "bfloat16"
 
 
@@ -287,18 +296,14 @@ class CheckpointConfig(Node):
 
 @dataclass
 class ProfilerConfig(Node):
-    discrete: bool = False
-    all_ranks: bool = False
-    ranks: List[int] = _list()
-
     """verl's per-role ``profiler`` (Nsight / NPU / torch ranges around the role's calls): observability
     only, listed in verl_compat.NO_EFFECT_KEYS; the torch traces here come from ``global_profiler``."""
 
     tool: Optional[str] = None  # verl: ${global_profiler.tool}
     enable: bool = False
-
-@dataclass
-class RolloutCorrectionConfig(Node):
+    discrete: bool = False
+    all_ranks: bool = False
+    ranks: List[int] = _list()
     save_path: Optional[str] = None
     tool_config: Dict[str, Any] = _dict()
 
@@ -319,6 +324,10 @@ class GlobalProfilerConfig(Node):
     finish_hook_cmd: Optional[str] = None
     finish_hook_all_ranks: bool = False
     finish_hook_ranks: List[int] = _list()
+
+
+@dataclass
+class RolloutCorrectionConfig(Node):
     """verl 0.9's ``algorithm.rollout_correction`` (``algos/rollout_corr.py``): correct for the rollout
     engine's distribution differing from the trainer's. Nothing set: no correction, no metrics."""
 
@@ -424,6 +433,7 @@ class ActorConfig(Node):
     data_loader_seed: Optional[int] = None
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
+    freeze_vision_tower: Optional[bool] = None  # verl's spelling of model.freeze_vision_tower (copied there)
     policy_loss: PolicyLossConfig = _sub(PolicyLossConfig)
     checkpoint: CheckpointConfig = _sub(CheckpointConfig)
     optim: OptimConfig = _sub(OptimConfig)
@@ -446,7 +456,6 @@ class ActorConfig(Node):
 class RefConfig(Node):
     strategy: str = follows("actor_rollout_ref.actor.strategy", "fsdp", STRATEGIES)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
-    freeze_vision_tower: Optional[bool] = None  # verl's spelling of model.freeze_vision_tower (copied there)
     megatron: MegatronConfig = _sub(MegatronConfig)  # the actor's layout (ppo_megatron_trainer interpolates it)
     use_torch_compile: bool = follows("actor_rollout_ref.actor.use_torch_compile", False)
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
@@ -554,9 +563,15 @@ class RolloutConfig(Node):
     # LoRA request on the unchanged base) or the merged weights (W + scaling·BA, as without LoRA)
     lora_sync: str = one_of(LORA_SYNCS, "adapter")
     tensor_model_parallel_size: int = 1  # verl: 2
+    # vLLM/SGLang data and expert parallelism inside one rollout replica: only 1 is built (RolloutConfig.check)
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    # verl: stop a training rollout once (1 - rate) of its requests are done; only 0 is built (check)
+    over_sample_rate: float = 0.0
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
     max_num_seqs: int = 1024
+    enable_prefix_caching: bool = True  # vLLM's prefix caching, SGLang's radix cache
     micro_batch_size: Optional[int] = None  # verl <= 0.2; no effect
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
@@ -576,11 +591,6 @@ class RolloutConfig(Node):
     # a separate rollout pool's weight transfer (workers/checkpoint_engine.py)
     checkpoint_engine: CheckpointEngineConfig = _sub(CheckpointEngineConfig)
     engine_kwargs: Dict[str, Any] = _dict()
-    # vLLM/SGLang data and expert parallelism inside one rollout replica: only 1 is built (RolloutConfig.check)
-    data_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    # verl: stop a training rollout once (1 - rate) of its requests are done; only 0 is built (check)
-    over_sample_rate: float = 0.0
     val_kwargs: ValKwargsConfig = _sub(ValKwargsConfig)
     multi_turn: MultiTurnConfig = _sub(MultiTurnConfig)
     agent: AgentConfig = _sub(AgentConfig)
@@ -607,6 +617,7 @@ class RolloutConfig(Node):
                           "run in rlfoundry; remove the key, and bring an inference engine as a rollout engine "
                           "plug-in (config/rollout_engines.py, docs/rollout.md) or an agent through "
                           f"{key}.agent.default_agent_loop=openai_agent (docs/agents.md).")
+        errors += self._check_parallel_and_over_sampling()
         timeout = self.checkpoint_engine.timeout_s
         if timeout is not None and timeout <= 0:
             errors.append(f"{key}.checkpoint_engine.timeout_s={timeout} must be positive (the limit of each "
@@ -614,29 +625,6 @@ class RolloutConfig(Node):
         return errors
 
 
-@dataclass
-class ActorRolloutRefConfig(Node):
-    hybrid_engine: bool = True
-    model: ModelConfig = _sub(ModelConfig)
-    actor: ActorConfig = _sub(ActorConfig)
-    ref: RefConfig = _sub(RefConfig)
-    rollout: RolloutConfig = _sub(RolloutConfig)
-
-
-# ───────────────────────────────────────── critic ─────────────────────────────────────────
-
-
-@dataclass
-class CriticModelConfig(Node):
-    path: Optional[str] = None  # an HF directory; required for gae. verl: ~/models/deepseek-llm-7b-chat
-        errors += self._check_parallel_and_over_sampling()
-    tokenizer_path: Optional[str] = follows("actor_rollout_ref.model.path", None)
-    use_shm: bool = False
-    override_config: Dict[str, Any] = _dict()
-    external_lib: Optional[str] = follows("actor_rollout_ref.model.external_lib", None)
-    enable_gradient_checkpointing: bool = False  # verl: True
-    enable_activation_offload: bool = False
-    use_remove_padding: bool = False
     def _check_parallel_and_over_sampling(self) -> list[str]:
         """verl's engine layout keys beyond tensor parallelism, and over-sampling: what is not built."""
         key, errors = "actor_rollout_ref.rollout", []
@@ -654,10 +642,32 @@ class CriticModelConfig(Node):
         return errors
 
 
+@dataclass
+class ActorRolloutRefConfig(Node):
+    hybrid_engine: bool = True
+    nccl_timeout: Optional[float] = None  # seconds; verl's name of trainer.dist_timeout_s (copied there). verl: 600
+    model: ModelConfig = _sub(ModelConfig)
+    actor: ActorConfig = _sub(ActorConfig)
+    ref: RefConfig = _sub(RefConfig)
+    rollout: RolloutConfig = _sub(RolloutConfig)
+
+
+# ───────────────────────────────────────── critic ─────────────────────────────────────────
+
+
+@dataclass
+class CriticModelConfig(Node):
+    path: Optional[str] = None  # an HF directory; required for gae. verl: ~/models/deepseek-llm-7b-chat
+    tokenizer_path: Optional[str] = follows("actor_rollout_ref.model.path", None)
+    use_shm: bool = False
+    override_config: Dict[str, Any] = _dict()
+    external_lib: Optional[str] = follows("actor_rollout_ref.model.external_lib", None)
+    enable_gradient_checkpointing: bool = False  # verl: True
+    enable_activation_offload: bool = False
+    use_remove_padding: bool = False
     cpu_kernels: str = one_of(CPU_KERNELS, "auto")  # rlfoundry: as ModelConfig.cpu_kernels
     trust_remote_code: bool = False
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
-    nccl_timeout: Optional[float] = None  # seconds; verl's name of trainer.dist_timeout_s (copied there). verl: 600
     lora_rank: int = 0  # LoRA on the critic: the value head trains in full beside the adapter
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -719,6 +729,12 @@ class RewardModelConfig(Node):
     forward_max_token_len_per_gpu: int = follows("critic.forward_max_token_len_per_gpu", 32768)
     reward_manager: str = "naive"
     launch_reward_fn_async: bool = False
+    # verl (Jan 2026): score through the reward loop (true) or the legacy reward-model worker; the same scores
+    # either way, so one path here (verl_compat.NO_EFFECT_KEYS). verl: true
+    use_reward_loop: bool = True
+    num_workers: Optional[int] = None  # verl's reward-loop workers = reward_kwargs.num_workers (scorer processes)
+    # the engine verl's reward loop serves the classifier on; here it runs on the FSDP engine (no effect)
+    rollout: "JudgeRolloutConfig" = field(default_factory=lambda: JudgeRolloutConfig())
     reward_kwargs: Dict[str, Any] = _dict()
     overlong_buffer: Dict[str, Any] = _dict(enable=False, len=0, penalty_factor=0.0, log=False)  # DAPO recipe
     sandbox_fusion: Dict[str, Any] = _dict()
@@ -741,12 +757,6 @@ class JudgeRolloutConfig(Node):
     tensor_model_parallel_size: int = 1  # verl: 2
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
-    # verl (Jan 2026): score through the reward loop (true) or the legacy reward-model worker; the same scores
-    # either way, so one path here (verl_compat.NO_EFFECT_KEYS). verl: true
-    use_reward_loop: bool = True
-    num_workers: Optional[int] = None  # verl's reward-loop workers = reward_kwargs.num_workers (scorer processes)
-    # the engine verl's reward loop serves the classifier on; here it runs on the FSDP engine (no effect)
-    rollout: "JudgeRolloutConfig" = field(default_factory=lambda: JudgeRolloutConfig())
     max_num_seqs: int = 1024
     load_format: str = "auto"
     seed: int = 42
@@ -989,6 +999,8 @@ class TrainerConfig(Node):
     ray_wait_register_center_timeout: int = 300
     device: str = one_of(("auto", "cuda", "cpu"), "auto")  # auto: cuda when available, else cpu. verl: cuda
     use_legacy_worker_impl: str = "auto"
+    use_v1: bool = True  # verl (Aug 2026): its newer trainer implementation; one trainer here (no effect)
+    v1: Dict[str, Any] = _dict(trainer_mode="sync")  # verl's v1 trainer; trainer_mode other than sync: check()
     # rlfoundry: local (in-process) | process (one machine, no Ray) | ray | auto (local iff one worker, else ray)
     worker_backend: str = one_of(("auto", *WORKER_BACKENDS), "auto")
     # rlfoundry: process back end: fork (ranks share the driver's imported libraries) | spawn | auto (fork where safe)
@@ -1023,6 +1035,10 @@ class TrainerConfig(Node):
             errors.append(f"trainer.worker_call_timeout_s={self.worker_call_timeout_s} must be positive (or null: no limit).")
         if self.dist_timeout_s <= 0:
             errors.append(f"trainer.dist_timeout_s={self.dist_timeout_s} must be positive.")
+        mode = (self.v1 or {}).get("trainer_mode", "sync")
+        if mode != "sync":
+            errors.append(f"trainer.v1.trainer_mode={mode}: verl's v1 asynchronous trainer modes are not built; for an "
+                          "asynchronous run use --config-name one_step_off_ppo_trainer or fully_async_ppo_trainer.")
         if self.max_consecutive_nan_steps < 0:
             errors.append(f"trainer.max_consecutive_nan_steps={self.max_consecutive_nan_steps} must be >= 0 (0: never stop).")
         if self.resume_mode == "resume_path" and not self.resume_from_path:
@@ -1030,8 +1046,6 @@ class TrainerConfig(Node):
         ws = int(self.nnodes) * int(self.n_gpus_per_node)
         if self.worker_backend == "local" and ws != 1:
             errors.append(f"trainer.worker_backend=local runs one in-process rank, but nnodes × n_gpus_per_node = {ws}; "
-    use_v1: bool = True  # verl (Aug 2026): its newer trainer implementation; one trainer here (no effect)
-    v1: Dict[str, Any] = _dict(trainer_mode="sync")  # verl's v1 trainer; trainer_mode other than sync: check()
                           "use trainer.worker_backend=process (one machine) or ray (or auto).")
         if self.worker_backend == "process" and int(self.nnodes) != 1:
             errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but trainer.nnodes={self.nnodes}; "
@@ -1066,10 +1080,6 @@ class AsyncTrainingConfig(Node):
     """verl's ``async_training`` keys (``trainer/ppo/fully_async.py``, ``one_step_off.py``)."""
 
     mode: str = one_of(("sync", "one_step_off", "fully_async"), "sync")  # rlfoundry: --config-name sets it
-        mode = (self.v1 or {}).get("trainer_mode", "sync")
-        if mode != "sync":
-            errors.append(f"trainer.v1.trainer_mode={mode}: verl's v1 asynchronous trainer modes are not built; for an "
-                          "asynchronous run use --config-name one_step_off_ppo_trainer or fully_async_ppo_trainer.")
     # fully async: per weight version the rollouter generates at most (1 + staleness_threshold) × the prompts
     # the trainer uses between two syncs; 0: every sample is trained by the version that sampled it
     staleness_threshold: float = 0.0
@@ -1109,6 +1119,15 @@ class PPOConfig(Node):
     async_training: AsyncTrainingConfig = _sub(AsyncTrainingConfig)
     sandbox: SandboxConfig = _sub(SandboxConfig)  # rlfoundry
     ray_init: Dict[str, Any] = _dict(num_cpus=None, timeline_json_file=None)
+    global_profiler: GlobalProfilerConfig = _sub(GlobalProfilerConfig)
+    # verl (Aug 2026): on-policy distillation from teacher models; enabled=true is a start-up error (not built)
+    distillation: Dict[str, Any] = _dict(enabled=False)
+
+    def _check_distillation(self) -> list[str]:
+        if not (self.distillation or {}).get("enabled"):
+            return []
+        return ["distillation.enabled=true: verl's on-policy distillation from teacher models (distillation.*) is "
+                "not built in rlfoundry; remove the distillation keys."]
 
     def check(self) -> list[str]:
         """Each section's own rules (its ``check``), in schema order; the rules between sections and
@@ -1145,12 +1164,3 @@ REPLACED_KEYS: dict[str, Replaced] = {
     "actor_rollout_ref.model.fused_forward": _by_cpu_kernels("actor_rollout_ref.model", True),
     "actor_rollout_ref.rollout.fused_decode": _by_cpu_kernels("actor_rollout_ref.model", True),
 }
-    global_profiler: GlobalProfilerConfig = _sub(GlobalProfilerConfig)
-    # verl (Aug 2026): on-policy distillation from teacher models; enabled=true is a start-up error (not built)
-    distillation: Dict[str, Any] = _dict(enabled=False)
-
-    def _check_distillation(self) -> list[str]:
-        if not (self.distillation or {}).get("enabled"):
-            return []
-        return ["distillation.enabled=true: verl's on-policy distillation from teacher models (distillation.*) is "
-                "not built in rlfoundry; remove the distillation keys."]
