@@ -401,3 +401,37 @@ def test_a_wildcard_bind_gives_agents_an_address_they_can_reach():
     finally:
         server.shutdown()
         loop.close()
+
+
+def test_the_endpoint_returns_calls_in_the_configured_format_typed_by_the_requests_tools():
+    from types import SimpleNamespace
+
+    from rlfoundry.workers.rollout.agent_loop.openai_agent import _Recorder
+
+    def recorder(fmt):
+        return SimpleNamespace(loop=SimpleNamespace(config=MultiTurnConfig(format=fmt)))
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}, "digits": {"type": "integer"},
+                                         "odd": ["not", "a", "schema"]}}}}]
+    xml = ("Let me compute.\n<tool_call>\n<function=calculator>\n<parameter=expression>\n2*3\n</parameter>\n"
+           "<parameter=digits>\n4\n</parameter>\n<parameter=odd>\n5\n</parameter>\n</function>\n</tool_call>")
+    message, finish = _Recorder._message(recorder("qwen3_coder"), xml, tools)
+    assert finish == "tool_calls" and message["content"] == "Let me compute."
+    [call] = message["tool_calls"]
+    # digits typed by the request's schema; a malformed property gives no type, so its value stays text
+    assert json.loads(call["function"]["arguments"]) == {"expression": "2*3", "digits": 4, "odd": "5"}
+    # the same text under hermes holds no hermes call: it comes back as content, as vLLM's parser answers
+    assert _Recorder._message(recorder("hermes"), xml, tools) == ({"role": "assistant", "content": xml}, "stop")
+
+
+def test_the_endpoint_refuses_a_format_written_in_special_tokens():
+    import asyncio
+
+    from rlfoundry.workers.rollout.agent_loop.base import AgentLoopError
+    from rlfoundry.workers.rollout.agent_loop.openai_agent import OpenAIAgentLoop
+
+    loop = OpenAIAgentLoop(server=None, tokenizer=None, config=MultiTurnConfig(format="gpt-oss"), tools={},
+                           interactions={}, response_length=8, chat_template_kwargs={}, key=0)
+    with pytest.raises(AgentLoopError, match="format=gpt-oss writes its calls in special tokens"):
+        asyncio.run(loop.run({}, prompt_ids=[1]))

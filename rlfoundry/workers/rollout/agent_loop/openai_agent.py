@@ -284,9 +284,7 @@ class _Recorder:
     def _message(self, text: str, tools: list[dict] | None) -> tuple[dict, str]:
         """OpenAI's assistant message: the calls (in ``multi_turn.format``) as ``tool_calls`` when tools were
         offered and every call parses (else the text as content, as vLLM's tool parsers do)."""
-        types = {t["function"]["name"]: {k: (p or {}).get("type") for k, p in
-                                         ((t["function"].get("parameters") or {}).get("properties") or {}).items()}
-                 for t in tools or []}
+        types = {t["function"]["name"]: _argument_types(t["function"]) for t in tools or []}
         parsed = parse_tool_calls(self.loop.config.format, text, types) if tools else None
         if not parsed or not parsed.calls or parsed.errors:
             return {"role": "assistant", "content": text}, "stop"
@@ -366,6 +364,16 @@ class OpenAIAgentLoop(AgentLoopBase):
         for out in rows:
             out.extra_fields["extra_info"] = {**extra, **inputs} if inputs else None
         return rows
+
+
+def _argument_types(function: dict) -> dict[str, Any]:
+    """An OpenAI function's ``{argument: JSON type}`` (what qwen3_coder's values are typed by); a request's
+    schema is the agent's JSON, so anything malformed in it just gives no type."""
+    parameters = function.get("parameters")
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(properties, dict):
+        return {}
+    return {k: p.get("type") if isinstance(p, dict) else None for k, p in properties.items()}
 
 
 async def _call(fn: Callable, kwargs: dict) -> Any:
