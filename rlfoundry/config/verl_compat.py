@@ -102,6 +102,9 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # (reward_model.rollout.*: vLLM/SGLang, memory, TP, lengths) is not used
     "reward_model.use_reward_loop", "reward_model.rollout.*",
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
+    "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
+    # HF <-> Megatron weights convert through mbridge whichever converter verl is told to use: the same weights
+    "*.megatron.vanilla_mbridge",
     # image rows always carry their pixel inputs (verl recomputes them in its agent loop when false)
     "data.return_multi_modal_inputs",
 )
@@ -114,7 +117,7 @@ VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
     f"actor_rollout_ref.rollout.{k}"
     for k in ("dtype", "gpu_memory_utilization", "enforce_eager", "free_cache_engine", "load_format",
               "layered_summon", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len",
-              "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "engine_kwargs*",
+              "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "enable_prefix_caching", "engine_kwargs*",
               "update_weights_bucket_megabytes")
 )
 

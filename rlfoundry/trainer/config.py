@@ -482,6 +482,9 @@ def _check_optimizers(cfg: PPOConfig) -> list[str]:
             errors.append(f"{key}.weight_decay_incr_style={node.optim.weight_decay_incr_style}: Megatron's weight-decay "
                           "schedules are not built; weight decay is constant (optim.weight_decay). Set constant.")
         errors += _check_optimizer_overrides(key, dict(node.optim.override_optimizer_config or {}), str(node.strategy))
+        if node.optim.optimizer.lower() not in ("adamw", "adam") or node.optim.optimizer_impl != "torch.optim":
+            errors.append(f"{key}.optimizer={node.optim.optimizer} ({key}.optimizer_impl={node.optim.optimizer_impl}): "
+                          "only AdamW (torch.optim; megatron-core's adam is AdamW) is built; other optimizers are not.")
     return errors
 
 

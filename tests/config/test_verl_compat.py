@@ -287,3 +287,25 @@ def test_august_reward_model_holding_a_classifier_is_the_classifier_reward_model
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     judge = _load(*keys[:2])
     assert judge.reward.reward_model.enable and not judge.reward_model.enable  # a causal LM stays the judge
+
+
+def test_enable_prefix_caching_reaches_both_engines():
+    from transformers import Qwen2Config
+
+    from rlfoundry.workers.rollout import sglang_rollout, vllm_rollout
+
+    hf = Qwen2Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2)
+    for value in (True, False):
+        rollout = _resolved(f"actor_rollout_ref.rollout.enable_prefix_caching={value}").actor_rollout_ref.rollout
+        assert vllm_rollout.build_engine_kwargs(rollout, "/m", hf, "cpu")["enable_prefix_caching"] is value
+        assert sglang_rollout.build_engine_kwargs(rollout, "/m", "cpu")["disable_radix_cache"] is (not value)
+
+
+def test_august_engine_keys_and_optimizer_class():
+    text = _no_effect_warning("actor_rollout_ref.actor.fsdp_config.entropy_checkpointing=true",
+                              "actor_rollout_ref.actor.fsdp_config.use_orig_params=true",
+                              "actor_rollout_ref.actor.megatron.vanilla_mbridge=true")
+    for key in ("fsdp_config.entropy_checkpointing", "fsdp_config.use_orig_params", "megatron.vanilla_mbridge"):
+        assert f"actor_rollout_ref.actor.{key}" in text
+    _load("actor_rollout_ref.actor.optim.optimizer=AdamW", "actor_rollout_ref.actor.optim.optimizer_impl=torch.optim")
+    assert "only AdamW" in _error("actor_rollout_ref.actor.optim.optimizer=Muon")

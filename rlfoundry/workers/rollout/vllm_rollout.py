@@ -33,8 +33,8 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 | prompt_length (+ response_length) | ``max_model_len`` unless ``max_model_len`` is set |
 | dtype | vLLM dtype (bf16/fp16/fp32); use ``float32`` on CPU to match an fp32 actor |
 | max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, | passed to ``LLM`` |
-| enforce_eager, disable_log_stats, seed | passed to ``LLM`` (``enable_prefix_caching`` is always on, as in |
-|   | verl; ``engine_kwargs.vllm.enable_prefix_caching=false`` turns it off) |
+| enforce_eager, disable_log_stats, seed, | passed to ``LLM`` (``enable_prefix_caching`` on by default, as in |
+|   enable_prefix_caching | verl; ``engine_kwargs.vllm.enable_prefix_caching`` wins over the key) |
 | load_format | ``dummy*``: random init, synced from the actor at start-up; else read from disk once |
 | ignore_eos | passed to ``SamplingParams`` |
 | engine_kwargs.vllm.* | passed to ``LLM`` last (override everything above) |
@@ -146,7 +146,7 @@ def build_engine_kwargs(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "enable_chunked_prefill": config.enable_chunked_prefill,
-        "enable_prefix_caching": True,  # as verl; engine_kwargs.vllm may turn it off
+        "enable_prefix_caching": config.enable_prefix_caching,  # verl's default on; engine_kwargs.vllm wins
         "enforce_eager": config.enforce_eager,
         "disable_log_stats": config.disable_log_stats,
         "tensor_parallel_size": 1,
