@@ -434,6 +434,7 @@ class ActorConfig(Node):
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
     freeze_vision_tower: Optional[bool] = None  # verl's spelling of model.freeze_vision_tower (copied there)
+    use_prefix_grouper: Optional[bool] = None  # verl's shared-prefix forward = model.use_shared_prompt (copied there)
     policy_loss: PolicyLossConfig = _sub(PolicyLossConfig)
     checkpoint: CheckpointConfig = _sub(CheckpointConfig)
     optim: OptimConfig = _sub(OptimConfig)
@@ -572,6 +573,7 @@ class RolloutConfig(Node):
     max_model_len: Optional[int] = None
     max_num_seqs: int = 1024
     enable_prefix_caching: bool = True  # vLLM's prefix caching, SGLang's radix cache
+    sglang_rollout_mode: Optional[str] = None  # verl <= 0.4's SGLang switch, read by no verl code either (no effect)
     micro_batch_size: Optional[int] = None  # verl <= 0.2; no effect
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
@@ -733,6 +735,10 @@ class RewardModelConfig(Node):
     # either way, so one path here (verl_compat.NO_EFFECT_KEYS). verl: true
     use_reward_loop: bool = True
     num_workers: Optional[int] = None  # verl's reward-loop workers = reward_kwargs.num_workers (scorer processes)
+    # verl: the classifier in a pool of its own; here it runs beside the actor (no effect)
+    enable_resource_pool: bool = False
+    n_gpus_per_node: int = 0
+    nnodes: int = 0
     # the engine verl's reward loop serves the classifier on; here it runs on the FSDP engine (no effect)
     rollout: "JudgeRolloutConfig" = field(default_factory=lambda: JudgeRolloutConfig())
     reward_kwargs: Dict[str, Any] = _dict()

@@ -101,6 +101,9 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # classifier always scores on a RewardModel worker on the FSDP engine, so the loop's serving engine
     # (reward_model.rollout.*: vLLM/SGLang, memory, TP, lengths) is not used
     "reward_model.use_reward_loop", "reward_model.rollout.*",
+    # and in a pool of its own in verl: here the classifier runs on a RewardModel worker beside the actor
+    "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
+    "actor_rollout_ref.rollout.sglang_rollout_mode",  # verl <= 0.4's SGLang switch, which verl's code no longer reads
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     # HF <-> Megatron weights convert through mbridge whichever converter verl is told to use: the same weights
@@ -166,6 +169,8 @@ VERL_OTHER_NAMES = {
     # verl sets the actor/rollout/ref workers' process-group timeout; here one limit covers every collective
     "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
     "actor_rollout_ref.actor.freeze_vision_tower": "actor_rollout_ref.model.freeze_vision_tower",
+    # verl's PrefixGrouper: a group's shared prompt computed once in the forward, as the shared-prompt forward
+    "actor_rollout_ref.actor.use_prefix_grouper": "actor_rollout_ref.model.use_shared_prompt",
     # verl's reward-loop workers score rule rewards in parallel: the scorer processes here
     "reward_model.num_workers": "reward_model.reward_kwargs.num_workers",
     # verl (Aug 2026) moved sequence parallelism into the engine config

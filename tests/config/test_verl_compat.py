@@ -203,8 +203,9 @@ def test_reward_loop_workers_are_the_scorer_processes_and_its_engine_keys_are_na
     assert r.reward_model.reward_kwargs["num_workers"] == 4
     assert "reward.num_workers" in _error("reward_model.num_workers=4", "reward.num_workers=8")
     text = _no_effect_warning("reward_model.use_reward_loop=True", "reward_model.rollout.name=vllm",
-                              "reward_model.rollout.gpu_memory_utilization=0.8")
-    assert "reward_model.use_reward_loop" in text and "reward_model.rollout.gpu_memory_utilization" in text
+                              "reward_model.rollout.gpu_memory_utilization=0.8", "reward_model.enable_resource_pool=true")
+    for key in ("use_reward_loop", "rollout.gpu_memory_utilization", "enable_resource_pool"):
+        assert f"reward_model.{key}" in text
 
 
 # ───────────────────────────── model, rollout and data keys ─────────────────────────────
@@ -218,6 +219,13 @@ def test_actor_freeze_vision_tower_is_the_models():
     assert FSDPEngineConfig.for_model(model, None).freeze_vision_tower is True
     assert "freeze_vision_tower" in _error("actor_rollout_ref.actor.freeze_vision_tower=True",
                                            "actor_rollout_ref.model.freeze_vision_tower=False")
+
+
+def test_prefix_grouper_is_the_shared_prompt_forward(monkeypatch):
+    r = _resolved("actor_rollout_ref.actor.use_prefix_grouper=False")
+    assert r.actor_rollout_ref.model.use_shared_prompt is False
+    assert _actor_request(r, monkeypatch).use_shared_prompt is False  # what the engine is built with
+    assert _actor_request(_resolved("actor_rollout_ref.actor.use_prefix_grouper=True"), monkeypatch).use_shared_prompt
 
 
 def test_rollout_parallelism_and_over_sampling_not_built_are_errors():
