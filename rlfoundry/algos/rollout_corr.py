@@ -14,7 +14,13 @@ ratio ``log ρ_t = log π_train − log π_rollout`` this module gives verl 0.9'
   (``sequence``: ``Π_t ρ_t``; ``geometric``: ``exp(mean_t log ρ_t)``) whose ratio lies outside
   ``[lower, upper]`` (``lower`` defaults to ``1 / upper``) leave ``response_mask``;
 - **veto** (``rollout_token_veto_threshold``): a sequence with any token ``ρ_t`` below the threshold
-  leaves ``response_mask`` whole.
+  leaves ``response_mask`` whole;
+- **divergence rejection** (verl >= 0.7's ``rollout_rs`` options, ``divergence_rejection_mask``): a
+  comma list of ``token_k{1,2,3}``, ``seq_{sum,mean}_k{1,2,3}``, ``seq_max_k{2,3}`` over the per-token
+  estimators k1 = −log ρ_t, k2 = ½(log ρ_t)², k3 = ρ_t − 1 − log ρ_t (Schulman's KL estimators), each
+  option keeping what lies within its threshold, all options together (AND). ``rollout_rs_threshold``
+  is one spec for all options or one per option, comma-separated; a k1 spec is ``lower_upper`` on the
+  ratio scale (compared with k1 in logs) or ``upper`` alone (lower = 1/upper); k2/k3 specs are an upper bound.
 
 In ``bypass_mode`` the rollout's log-probs are the old log-probs (no recompute pass) and the same
 functions run inside the policy loss against the current policy (``core_algos``'s ``bypass_mode``
@@ -33,11 +39,85 @@ import torch
 
 from rlfoundry.utils.torch_functional import masked_mean as _mean
 
-__all__ = ["importance_weights", "mismatch_metrics", "rejection_mask", "rollout_correction", "veto_mask"]
+__all__ = ["divergence_rejection_mask", "importance_weights", "mismatch_metrics", "parse_rs_thresholds",
+           "rejection_mask", "rollout_correction", "rs_options", "veto_mask"]
 
 SAFETY_BOUND = 20.0  # |log ratio| beyond this is clamped before exponentiating
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
+DIVERGENCE_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                         "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+def rs_options(rollout_rs: str) -> list[str] | None:
+    """The divergence options of a ``rollout_rs`` comma list (duplicates dropped); None for one of the
+    ratio levels (``RS_LEVELS``). Raises ValueError naming an option that is neither."""
+    if rollout_rs in RS_LEVELS:
+        return None
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
+    unknown = [o for o in options if o not in DIVERGENCE_RS_OPTIONS]
+    if unknown or not options:
+        raise ValueError(f"rollout_rs={rollout_rs!r}: {unknown or 'no option'}; one of {list(RS_LEVELS)} or a comma "
+                         f"list of {list(DIVERGENCE_RS_OPTIONS)}")
+    return options
+
+
+def parse_rs_thresholds(options: list[str], spec: float | str) -> dict[str, tuple[float | None, float]]:
+    """``rollout_rs_threshold`` for divergence options: option -> (lower or None, upper). One spec for every
+    option or one per option (comma-separated); k1: ``lower_upper`` or ``upper`` (lower = 1/upper)."""
+    specs = [str(spec)] if isinstance(spec, (int, float)) else [p.strip() for p in str(spec).split(",") if p.strip()]
+    if len(specs) not in (1, len(options)):
+        raise ValueError(f"rollout_rs_threshold={spec!r}: give one threshold for all {len(options)} rollout_rs "
+                         f"options or one per option ({','.join(options)})")
+    out = {}
+    for option, text in zip(options, specs * len(options) if len(specs) == 1 else specs):
+        if "_" in text and not option.endswith("k1"):
+            raise ValueError(f"rollout_rs_threshold {text!r} for {option}: a k2/k3 option takes one upper bound")
+        try:
+            bounds = [float(x) for x in text.split("_", 1)]
+        except ValueError:
+            raise ValueError(f"rollout_rs_threshold {text!r} for {option} is not a number (or lower_upper)") from None
+        if min(bounds) <= 0:
+            raise ValueError(f"rollout_rs_threshold {text!r} for {option}: bounds must be > 0")
+        lower = (bounds[0] if len(bounds) == 2 else 1.0 / bounds[0]) if option.endswith("k1") else None
+        out[option] = (lower, bounds[-1])
+    return out
+
+
+def _divergence_stat(option: str, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The option's statistic: (B, T) per token, or (B, 1) per sequence (masked sum / mean / max)."""
+    k = {"k1": -log_ratio, "k2": 0.5 * log_ratio.square(), "k3": torch.expm1(log_ratio) - log_ratio}[option[-2:]]
+    if option.startswith("token"):
+        return k
+    if option.startswith("seq_sum"):
+        return (k * mask).sum(-1, keepdim=True)
+    if option.startswith("seq_mean"):
+        return _mean(k, mask, axis=-1).unsqueeze(-1)
+    largest = k.masked_fill(~mask.bool(), float("-inf")).amax(-1, keepdim=True)
+    return torch.where(torch.isinf(largest), torch.zeros_like(largest), largest)  # an empty row: 0
+
+
+def divergence_rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, options: list[str],
+                              threshold: float | str) -> tuple[torch.Tensor, dict[str, float]]:
+    """``response_mask`` without the tokens / sequences that any option rejects (verl's trust-region masks):
+    k1 statistics must lie in [log lower, log upper], k2 / k3 statistics at most upper."""
+    bounds = parse_rs_thresholds(options, threshold)
+    log_ratio = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    keep = torch.ones_like(response_mask, dtype=torch.bool)
+    metrics = {}
+    for option in options:
+        lower, upper = bounds[option]
+        stat = _divergence_stat(option, log_ratio, response_mask)
+        ok = (stat >= math.log(lower)) & (stat <= math.log(upper)) if lower is not None else stat <= upper
+        ok = ok.expand_as(response_mask)
+        metrics[f"rollout_rs_{option}_masked_fraction"] = float(_mean((~ok).float(), response_mask))
+        keep &= ok
+    kept = response_mask * keep.to(response_mask.dtype)
+    dropped = response_mask.bool() & ~keep
+    rows = response_mask.bool().any(-1)
+    metrics["rollout_rs_masked_fraction"] = float(_mean(dropped.float(), response_mask))
+    metrics["rollout_rs_seq_masked_fraction"] = float(dropped.any(-1)[rows].float().mean())
+    return kept, metrics
 
 
 def _per_level(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +231,7 @@ def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
 
 def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                        rollout_is: str | None = None, rollout_is_threshold: float = 2.0,
-                       rollout_rs: str | None = None, rollout_rs_threshold: float | None = None,
+                       rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
                        rollout_rs_threshold_lower: float | None = None,
                        rollout_token_veto_threshold: float | None = None,
                        rollout_is_batch_normalize: bool = False,
@@ -174,7 +254,12 @@ def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     if rollout_rs is not None:
         if rollout_rs_threshold is None:
             raise ValueError("rollout_rs is set but rollout_rs_threshold is null; give the upper bound")
-        mask, m = rejection_mask(log_ratio, response_mask, rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
+        options = rs_options(rollout_rs)
+        if options is None:
+            mask, m = rejection_mask(log_ratio, response_mask, rollout_rs, float(rollout_rs_threshold),
+                                     rollout_rs_threshold_lower)
+        else:
+            mask, m = divergence_rejection_mask(log_ratio, response_mask, options, rollout_rs_threshold)
         metrics |= m
     if rollout_token_veto_threshold is not None:
         vetoed, m = veto_mask(log_ratio, response_mask, rollout_token_veto_threshold)

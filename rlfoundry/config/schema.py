@@ -334,8 +334,12 @@ class RolloutCorrectionConfig(Node):
     rollout_is: Optional[str] = None  # token | sequence: truncated IS weights on the policy loss
     rollout_is_threshold: float = 2.0  # the truncation C of min(ρ, C)
     rollout_is_batch_normalize: bool = False  # scale the weights to mean 1 over the batch
-    rollout_rs: Optional[str] = None  # token | sequence | geometric: drop tokens/sequences out of bounds
-    rollout_rs_threshold: Optional[float] = None  # upper bound of ρ (required with rollout_rs)
+    # token | sequence | geometric: drop tokens/sequences whose ratio is out of bounds; or verl >= 0.7's comma
+    # list of divergence options (token_k1, seq_mean_k3, ...: algos/rollout_corr.py divergence_rejection_mask)
+    rollout_rs: Optional[str] = None
+    # required with rollout_rs: the ratio's upper bound; for divergence options a spec such as "0.999_1.001"
+    # or one per option, "0.6_1.6,2.5" (a number or a string)
+    rollout_rs_threshold: Any = None
     rollout_rs_threshold_lower: Optional[float] = None  # null: 1 / rollout_rs_threshold
     rollout_token_veto_threshold: Optional[float] = None  # drop a sequence with any token ρ below this
     # the rollout's log-probs as old_log_probs (no recompute pass); IS / RS are then computed in the
@@ -932,24 +936,40 @@ class AlgorithmConfig(Node):
         return errors
 
     def _check_rollout_correction(self) -> list[str]:
-        from rlfoundry.algos.rollout_corr import IS_LEVELS, RS_LEVELS
+        from rlfoundry.algos.rollout_corr import IS_LEVELS
 
         rc, key, errors = self.rollout_correction, "algorithm.rollout_correction", []
         if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
             errors.append(f"{key}.rollout_is={rc.rollout_is!r}: one of {list(IS_LEVELS)} or null.")
         if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
             errors.append(f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
-        if rc.rollout_rs is not None and rc.rollout_rs not in RS_LEVELS:
-            errors.append(f"{key}.rollout_rs={rc.rollout_rs!r}: one of {list(RS_LEVELS)} or null.")
-        if rc.rollout_rs is not None and not (rc.rollout_rs_threshold or 0) > 0:
-            errors.append(f"{key}.rollout_rs needs rollout_rs_threshold > 0 (the upper bound of the ratio), "
-                          f"got {rc.rollout_rs_threshold}.")
+        if rc.rollout_rs is not None:
+            errors += self._check_rejection(rc, key)
         if rc.rollout_token_veto_threshold is not None and not rc.rollout_token_veto_threshold > 0:
             errors.append(f"{key}.rollout_token_veto_threshold={rc.rollout_token_veto_threshold} must be > 0.")
         if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
             errors.append(f"{key}.loss_type={rc.loss_type} applies to bypass_mode only; set bypass_mode=true or "
                           "loss_type=ppo_clip.")
         return errors
+
+    @staticmethod
+    def _check_rejection(rc: RolloutCorrectionConfig, key: str) -> list[str]:
+        """``rollout_rs``: a ratio level with a positive bound, or divergence options whose threshold spec parses."""
+        from rlfoundry.algos.rollout_corr import parse_rs_thresholds, rs_options
+
+        try:
+            options = rs_options(rc.rollout_rs)
+            threshold = rc.rollout_rs_threshold
+            if options is None and not (isinstance(threshold, (int, float)) and threshold > 0):
+                return [f"{key}.rollout_rs needs rollout_rs_threshold > 0 (the upper bound of the ratio) with "
+                        f"rollout_rs={rc.rollout_rs}, got {threshold!r}."]
+            if options is not None:
+                if threshold is None:
+                    return [f"{key}.rollout_rs={rc.rollout_rs} needs rollout_rs_threshold (e.g. 0.999_1.001 for k1)."]
+                parse_rs_thresholds(options, threshold)
+        except ValueError as e:
+            return [f"{key}: {e}."]
+        return []
 
     def _check_filter_groups(self) -> list[str]:
         """DAPO dynamic sampling."""

@@ -151,3 +151,50 @@ def test_bypass_ppo_clip_is_ppo_on_the_rollouts_log_probs_over_the_tokens_reject
                                vanilla(rollout, log_prob, adv, kept, "token-mean", cfg)[0])
     with pytest.raises(ValueError, match="needs actor.policy_loss.rollout_correction"):
         bypass(rollout, log_prob, adv, mask, "token-mean", SimpleNamespace(policy_loss=SimpleNamespace()))
+
+
+# verl >= 0.7's divergence options (k1 = -log rho, k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho).
+# Row 0 log ratios 0, 0.1, -0.2; row 1: 0.5, 0 and a padding token whose 3.0 must not count.
+_LOG_RATIO = torch.tensor([[0.0, 0.1, -0.2], [0.5, 0.0, 3.0]])
+_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_divergence_rejection_by_hand():
+    from rlfoundry.algos.rollout_corr import divergence_rejection_mask
+
+    # token_k1 in [log 0.9, log 1.1] = [-0.1054, 0.0953]: k1 = 0, -0.1, 0.2 | -0.5, 0 -> keep 1,1,0 | 0,1
+    kept, m = divergence_rejection_mask(_LOG_RATIO, _MASK, ["token_k1"], "0.9_1.1")
+    assert kept.tolist() == [[1, 1, 0], [0, 1, 0]]
+    assert m["rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
+    # seq_max_k2 <= 0.1: row maxima 0.5*0.2^2 = 0.02 (kept), 0.5*0.5^2 = 0.125 (the padding's 4.5 ignored)
+    kept, _ = divergence_rejection_mask(_LOG_RATIO, _MASK, ["seq_max_k2"], 0.1)
+    assert kept.tolist() == [[1, 1, 1], [0, 0, 0]]
+    # both (AND), one spec per option: 3 of 5 tokens dropped, both rows touched
+    kept, m = divergence_rejection_mask(_LOG_RATIO, _MASK, ["token_k1", "seq_max_k2"], "0.9_1.1,0.1")
+    assert kept.tolist() == [[1, 1, 0], [0, 0, 0]]
+    assert (m["rollout_rs_masked_fraction"], m["rollout_rs_seq_masked_fraction"]) == (pytest.approx(0.6), 1.0)
+    # seq_mean_k3 <= 0.01: row 0 (0 + 0.0051709 + 0.0187308) / 3 = 0.00797 kept; row 1 0.1487213 / 2 = 0.0744 not
+    kept, _ = divergence_rejection_mask(_LOG_RATIO, _MASK, ["seq_mean_k3"], "0.01")
+    assert kept.tolist() == [[1, 1, 1], [0, 0, 0]]
+    # seq_sum_k1 with a bare upper bound 2: [1/2, 2] in logs; sums of k1 are 0.1 and -0.5: both kept
+    kept, _ = divergence_rejection_mask(_LOG_RATIO, _MASK, ["seq_sum_k1"], 2.0)
+    assert kept.tolist() == _MASK.tolist()
+
+
+def test_divergence_threshold_specs_and_the_combined_call():
+    from rlfoundry.algos.rollout_corr import parse_rs_thresholds, rs_options
+
+    assert rs_options("token") is None and rs_options("token_k1, seq_max_k2,token_k1") == ["token_k1", "seq_max_k2"]
+    assert parse_rs_thresholds(["token_k1", "seq_max_k2"], "0.6_1.6,2.5") == {"token_k1": (0.6, 1.6),
+                                                                           "seq_max_k2": (None, 2.5)}
+    assert parse_rs_thresholds(["token_k1"], 4) == {"token_k1": (0.25, 4.0)}
+    for options, spec, message in ((["seq_max_k2"], "1_2", "one upper bound"), (["token_k1", "token_k2"], "1,2,3", "one per"),
+                                   (["token_k1"], "0_1", "> 0")):
+        with pytest.raises(ValueError, match=message):
+            parse_rs_thresholds(options, spec)
+    with pytest.raises(ValueError, match="seq_max_k1"):
+        rs_options("seq_max_k1")
+    old = torch.zeros_like(_LOG_RATIO)
+    _, mask, metrics = rollout_correction(old, old - _LOG_RATIO, _MASK, rollout_rs="token_k1,seq_max_k2",
+                                          rollout_rs_threshold="0.9_1.1,0.1")
+    assert mask.tolist() == [[1, 1, 0], [0, 0, 0]] and "rollout_corr/rollout_rs_token_k1_masked_fraction" in metrics

@@ -317,3 +317,13 @@ def test_august_engine_keys_and_optimizer_class():
         assert f"actor_rollout_ref.actor.{key}" in text
     _load("actor_rollout_ref.actor.optim.optimizer=AdamW", "actor_rollout_ref.actor.optim.optimizer_impl=torch.optim")
     assert "only AdamW" in _error("actor_rollout_ref.actor.optim.optimizer=Muon")
+
+
+def test_rollout_rs_threshold_strings_of_verls_divergence_options():
+    key = "algorithm.rollout_correction"
+    rc = _resolved(f"{key}.rollout_rs='token_k1,seq_max_k2'", f"{key}.rollout_rs_threshold='0.6_1.6,2.5'",
+                   "actor_rollout_ref.actor.use_rollout_log_probs=false").algorithm.rollout_correction
+    assert (rc.rollout_rs, rc.rollout_rs_threshold) == ("token_k1,seq_max_k2", "0.6_1.6,2.5")
+    assert "a k2/k3 option takes one upper bound" in _error(f"{key}.rollout_rs=seq_max_k2",
+                                                           f"{key}.rollout_rs_threshold='1_2'")
+    assert "rollout_rs needs rollout_rs_threshold > 0" in _error(f"{key}.rollout_rs=token", f"{key}.rollout_rs_threshold='0.9_1.1'")
