@@ -451,13 +451,20 @@ def _check_lora(cfg: DictConfig) -> list[str]:
         from rlfoundry.models.lora import PEFT_INSTALL
 
         errors.append(f"model.lora_rank > 0 needs peft: {PEFT_INSTALL}")
-    path = arr.model.lora_adapter_path
-    if path and not (Path(str(path)).expanduser() / "adapter_config.json").is_file():
-        errors.append(f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a peft adapter directory "
-                      "(no adapter_config.json); use what `rlfoundry export --format adapter` wrote.")
-    if path and int(arr.model.lora_rank or 0) <= 0:
-        errors.append("actor_rollout_ref.model.lora_adapter_path needs model.lora_rank > 0 (set it to the adapter's rank).")
     return errors
+
+
+def _check_lora_adapter(model: DictConfig) -> list[str]:
+    """``model.lora_adapter_path``: a peft adapter directory (a file check, at start-up as for the model's path;
+    its rank, alpha and targets were read from it at load: verl_compat._adopt_adapter_lora)."""
+    path = model.lora_adapter_path
+    if path and not (Path(str(path)).expanduser() / "adapter_config.json").is_file():
+        return [f"actor_rollout_ref.model.lora_adapter_path={path!r} is not a peft adapter directory "
+                "(no adapter_config.json); use what `rlfoundry export --format adapter` wrote."]
+    if path and int(model.lora_rank or 0) <= 0:
+        return ["actor_rollout_ref.model.lora_adapter_path: its adapter_config.json gives no rank `r`; set "
+                "model.lora_rank to the adapter's rank."]
+    return []
 
 
 # override_optimizer_config keys that an rlfoundry key sets (one setting, one key): override -> the key
@@ -925,7 +932,7 @@ def check_startup_paths(cfg: DictConfig) -> None:
     if cfg.reward.reward_model.enable:
         errors += _check_judge_model(cfg.reward.reward_model.model_path)
         errors += _check_rollout_engine(cfg.reward.reward_model.rollout.name)
-    errors += _check_resume(cfg)
+    errors += _check_resume(cfg) + _check_lora_adapter(cfg.actor_rollout_ref.model)
     errors += _check_rollout_engine(cfg.actor_rollout_ref.rollout.name)
     crf = cfg.custom_reward_function
     if crf.path is not None and not Path(os.path.expanduser(crf.path)).is_file():

@@ -114,16 +114,27 @@ def test_a_full_model_checkpoint_has_no_adapter_to_export(tiny_model_dir, tmp_pa
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.strategy=megatron"],
      r"lora_rank > 0 needs the FSDP engine"),
-    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_adapter_path=/nowhere"],
-     r"lora_adapter_path='/nowhere' is not a peft adapter directory"),
-    (["actor_rollout_ref.model.lora_adapter_path=/nowhere"], r"needs model.lora_rank > 0"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.lora_sync=both"], r"lora_sync"),
-], ids=["megatron", "adapter_path_missing", "adapter_path_without_rank", "bad_sync_mode"])
+], ids=["megatron", "bad_sync_mode"])
 def test_bad_lora_configs_say_what_to_change(overrides, message):
     from rlfoundry.trainer.config import ConfigError, load_config, validate_config
 
     with pytest.raises(ConfigError, match=message):
         validate_config(load_config(overrides))
+
+
+def test_a_missing_or_rankless_adapter_stops_the_start_not_the_dry_run(tiny_model_dir, tmp_path):
+    """As for model.path, the adapter directory is checked when the run starts (``--cfg job`` loads without it);
+    an adapter_config.json without ``r`` cannot give the rank verl infers."""
+    from rlfoundry.trainer.config import ConfigError, check_startup_paths, load_config
+
+    model = f"actor_rollout_ref.model.path={tiny_model_dir}"
+    cfg = load_config([model, "actor_rollout_ref.model.lora_adapter_path=/nowhere"])  # the dry run's load
+    with pytest.raises(ConfigError, match=r"lora_adapter_path='/nowhere' is not a peft adapter directory"):
+        check_startup_paths(cfg)
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    with pytest.raises(ConfigError, match=r"gives no rank `r`; set model.lora_rank"):
+        check_startup_paths(load_config([model, f"actor_rollout_ref.model.lora_adapter_path={tmp_path}"]))
 
 
 def test_a_lora_checkpoint_into_a_full_model_run_says_why(tiny_model_dir, tmp_path):
