@@ -277,6 +277,8 @@ class MegatronConfig(Node):
     use_mbridge: bool = True  # the only converter here: HF <-> Megatron through mbridge
     # verl (Aug 2026): mbridge (true) or Megatron-Bridge (its default false); mbridge here either way (no effect)
     vanilla_mbridge: bool = True
+    # verl (Aug 2026): packed (thd) micro-batches; the engine here pads rows and masks them: the same numbers
+    use_remove_padding: bool = True
     dtype: str = "bfloat16"
 
 

@@ -108,6 +108,8 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     # HF <-> Megatron weights convert through mbridge whichever converter verl is told to use: the same weights
     "*.megatron.vanilla_mbridge",
+    # packed (thd) or padded micro-batches: the Megatron engine here pads and masks rows, the same numbers
+    "*.megatron.use_remove_padding",
     # image rows always carry their pixel inputs (verl recomputes them in its agent loop when false)
     "data.return_multi_modal_inputs",
 )

@@ -312,8 +312,10 @@ def test_enable_prefix_caching_reaches_both_engines():
 def test_august_engine_keys_and_optimizer_class():
     text = _no_effect_warning("actor_rollout_ref.actor.fsdp_config.entropy_checkpointing=true",
                               "actor_rollout_ref.actor.fsdp_config.use_orig_params=true",
-                              "actor_rollout_ref.actor.megatron.vanilla_mbridge=true")
-    for key in ("fsdp_config.entropy_checkpointing", "fsdp_config.use_orig_params", "megatron.vanilla_mbridge"):
+                              "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
+                              "actor_rollout_ref.actor.megatron.use_remove_padding=true")
+    for key in ("fsdp_config.entropy_checkpointing", "fsdp_config.use_orig_params", "megatron.vanilla_mbridge",
+                "megatron.use_remove_padding"):
         assert f"actor_rollout_ref.actor.{key}" in text
     _load("actor_rollout_ref.actor.optim.optimizer=AdamW", "actor_rollout_ref.actor.optim.optimizer_impl=torch.optim")
     assert "only AdamW" in _error("actor_rollout_ref.actor.optim.optimizer=Muon")
