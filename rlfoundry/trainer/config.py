@@ -928,7 +928,7 @@ def check_startup_paths(cfg: DictConfig) -> None:
     if use_critic(cfg):
         errors += _check_model("critic.model.path", cfg.critic.model.path)
     if cfg.reward_model.enable:
-        errors += _check_model("reward_model.model.path", cfg.reward_model.model.path)
+        errors += _check_reward_model(cfg.reward_model.model.path)
     if cfg.reward.reward_model.enable:
         errors += _check_judge_model(cfg.reward.reward_model.model_path)
         errors += _check_rollout_engine(cfg.reward.reward_model.rollout.name)
@@ -968,6 +968,18 @@ def _check_reward_function(cfg: DictConfig) -> list[str]:
         errors.append("reward.reward_manager.source=importlib needs reward.reward_manager.module.path (a .py file "
                       "or pkg://package.module) and module.name (the class).")
     return errors
+
+
+def _check_reward_model(path: str | None) -> list[str]:
+    """The classifier reward model must have a classification head: loaded as a sequence classifier, a
+    causal LM would score with a freshly initialised head (random rewards, no error)."""
+    key = "reward_model.model.path"
+    problems = _check_model(key, path)
+    if path is None or problems or classifier_head(path):
+        return problems
+    return [f"{key}={path} is not a sequence classifier (its config.json names no ...ForSequenceClassification "
+            "head). A language model that judges in text is reward.reward_model.* (the LLM judge, docs/rewards.md); "
+            "verl's reward loop calling a generative model's server from a custom reward function is not built."]
 
 
 def _check_judge_model(path: str | None) -> list[str]:

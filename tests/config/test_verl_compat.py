@@ -329,3 +329,12 @@ def test_rollout_rs_threshold_strings_of_verls_divergence_options():
     assert "a k2/k3 option takes one upper bound" in _error(f"{key}.rollout_rs=seq_max_k2",
                                                            f"{key}.rollout_rs_threshold='1_2'")
     assert "rollout_rs needs rollout_rs_threshold > 0" in _error(f"{key}.rollout_rs=token", f"{key}.rollout_rs_threshold='0.9_1.1'")
+
+
+def test_a_causal_lm_as_the_classifier_reward_model_stops_the_start(tiny_model_dir, tiny_critic_dir):
+    from rlfoundry.trainer.config import check_startup_paths
+
+    base = f"actor_rollout_ref.model.path={tiny_model_dir}"
+    with pytest.raises(ConfigError, match="is not a sequence classifier"):  # it would score with a random head
+        check_startup_paths(_load(base, "reward_model.enable=true", f"reward_model.model.path={tiny_model_dir}"))
+    check_startup_paths(_load(base, "reward_model.enable=true", f"reward_model.model.path={tiny_critic_dir}"))
