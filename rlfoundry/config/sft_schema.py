@@ -66,7 +66,12 @@ class SFTDataConfig:
     chat_template: Optional[str] = None  # a Jinja template replacing the tokenizer's own
     train_batch_size: int = 64  # sequences per optimiser step, over all ranks
     micro_batch_size_per_gpu: int = 64  # sequences per forward/backward on one rank (gradient accumulation)
-    micro_batch_size: Optional[int] = None  # verl's older global spelling: divided over the ranks
+    # verl's older key, which its trainer does not read (micro_batch_size_per_gpu sets the micro-batch): no
+    # effect, with a warning; the update does not depend on the micro-batch size anyway
+    micro_batch_size: Optional[int] = None
+    # verl's newer layout: no_padding packs each micro-batch's real tokens (= use_remove_padding=true, the
+    # same loss), right_padding pads; null: use_remove_padding decides
+    pad_mode: Optional[str] = field(default=None, metadata={"choices": (None, "no_padding", "right_padding")})
     shuffle: bool = True
     synthetic: SFTSyntheticConfig = _sub(SFTSyntheticConfig)  # rlfoundry
     multiturn: SFTMultiturnConfig = _sub(SFTMultiturnConfig)  # verl's conversation rows: not built (enable=false)
@@ -87,6 +92,7 @@ class SFTModelConfig:
     path: Optional[str] = None  # verl's newer spelling of partial_pretrain
     strategy: str = _choice("fsdp2", "fsdp")  # verl's FSDP versions; both run on the FSDP2 engine here
     use_remove_padding: Optional[bool] = None  # verl's newer spelling of the top-level use_remove_padding
+    use_liger: bool = False  # Liger's Triton kernels patched in (CUDA and liger-kernel; models/liger.py)
     trust_remote_code: bool = False
     enable_gradient_checkpointing: bool = False
     external_lib: Optional[str] = None  # a module to import first (registers custom model classes)

@@ -100,12 +100,15 @@ def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size:
     """verl's other SFT spellings onto the keys the trainer reads; two spellings given with different
     values are an error (which would win is not obvious)."""
     data = cfg.data
-    if data.micro_batch_size is not None:  # verl's deprecated global size: per rank, as verl divides it
-        if data.micro_batch_size % world_size:
-            raise ConfigError(f"data.micro_batch_size={data.micro_batch_size} (global) does not split over "
-                              f"{world_size} ranks; give data.micro_batch_size_per_gpu instead.")
-        _adopt(cfg, user_keys, "data.micro_batch_size", "data.micro_batch_size_per_gpu",
-               data.micro_batch_size // world_size)
+    if data.micro_batch_size is not None:
+        from rlfoundry.config.verl_compat import NoEffectKeyWarning
+
+        warnings.warn(f"These verl settings are accepted but have no effect in rlfoundry: data.micro_batch_size="
+                      f"{data.micro_batch_size} (verl's trainer does not read it either; "
+                      f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} sets the micro-batch, which "
+                      "does not change the update).", NoEffectKeyWarning, stacklevel=2)
+    if data.pad_mode is not None:
+        _adopt(cfg, user_keys, "data.pad_mode", "use_remove_padding", data.pad_mode == "no_padding")
     for verl_key, ours in (("model.path", "model.partial_pretrain"), ("model.use_remove_padding", "use_remove_padding"),
                            ("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio"),
                            ("optim.lr_scheduler_type", "optim.lr_scheduler")):
@@ -147,6 +150,11 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if cfg.ulysses_sequence_parallel_size != 1:
         errors.append(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size}: Ulysses sequence "
                       "parallelism is not built for rlfoundry sft (the PPO roles have it); use 1")
+    if cfg.model.use_liger:
+        from rlfoundry.models.liger import liger_problems
+
+        device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        errors += liger_problems(device)
     if cfg.data.multiturn.enable:
         errors.append("data.multiturn.enable=true: conversation rows with every assistant turn trained are not "
                       "built for rlfoundry sft; give prompt/response columns (data.prompt_key, data.response_key)")
@@ -320,6 +328,7 @@ class SFTTrainer:
                             reshard_after_forward=fsdp.reshard_after_forward),
             trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
             gradient_checkpointing=m.enable_gradient_checkpointing, use_remove_padding=self.config.use_remove_padding,
+            use_liger=m.use_liger,
             lora=LoraSpec.of(m),
         )
         return FSDPEngine.build(config, self.device, role=ROLE)

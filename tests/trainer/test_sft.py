@@ -282,20 +282,32 @@ def test_command_line_errors_and_help(capsys, tmp_path):
 # ───────────────────────────── verl's SFT command lines ─────────────────────────────
 
 
-def test_verls_other_sft_spellings_reach_the_keys_the_trainer_reads(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # data.micro_batch_size is global: verl divides it over the ranks
-    cfg = load_sft_config(["model.path=/m", "data.micro_batch_size=8", "data.train_batch_size=16",
-                           "model.use_remove_padding=true", "optim.lr_warmup_steps_ratio=0.2",
-                           "optim.lr_scheduler_type=constant", "model.strategy=fsdp", "engine=fsdp"])
+def test_verls_other_sft_spellings_reach_the_keys_the_trainer_reads():
+    cfg = load_sft_config(["model.path=/m", "data.micro_batch_size_per_gpu=4", "model.use_remove_padding=true",
+                           "optim.lr_warmup_steps_ratio=0.2", "optim.lr_scheduler_type=constant", "model.strategy=fsdp",
+                           "engine=fsdp"])
     assert (cfg.model.partial_pretrain, cfg.data.micro_batch_size_per_gpu, cfg.use_remove_padding) == ("/m", 4, True)
     assert (cfg.optim.warmup_steps_ratio, cfg.optim.lr_scheduler) == (0.2, "constant")
+    assert load_sft_config(["model.path=/m", "data.pad_mode=no_padding"]).use_remove_padding is True
+    assert load_sft_config(["model.path=/m", "data.pad_mode=right_padding"]).use_remove_padding is False
     with pytest.raises(ConfigError, match="two spellings"):
         load_sft_config(["model.path=/m", "model.partial_pretrain=/other"])
+    with pytest.raises(ConfigError, match="two spellings"):
+        load_sft_config(["model.path=/m", "data.pad_mode=no_padding", "use_remove_padding=false"])
+
+
+def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
+    from rlfoundry.config.verl_compat import NoEffectKeyWarning
+
+    with pytest.warns(NoEffectKeyWarning, match="data.micro_batch_size=8"):
+        cfg = load_sft_config(["model.path=/m", "data.micro_batch_size=8"])
+    assert cfg.data.micro_batch_size_per_gpu == load_sft_config(["model.path=/m"]).data.micro_batch_size_per_gpu
 
 
 @pytest.mark.parametrize(("override", "named"), [
     ("engine=megatron", "megatron SFT engine"), ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
     ("data.multiturn.enable=true", "data.multiturn.enable"), ("model.strategy=megatron", "model.strategy"),
+    ("model.use_liger=true", "liger"),  # CPU here: Liger's kernels need CUDA
 ])
 def test_what_sft_does_not_build_is_an_error_naming_it(override, named):
     with pytest.raises(ConfigError, match=named):
