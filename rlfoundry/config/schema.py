@@ -252,6 +252,7 @@ class FSDPConfig(Node):
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
     use_orig_params: bool = False  # FSDP1 only; FSDP2 always keeps the original parameters (no effect)
+    strategy: Optional[str] = None  # verl's fsdp | fsdp2 here: one FSDP2 engine either way (no effect)
     # rlfoundry: auto = a model alone on one rank with nothing to offload, computing in its own dtype or in
     # bf16 over fp32 weights (then under torch.autocast), is not wrapped (FSDP2 would only copy and cast
     # every weight and gradient; engines/fsdp/utils.py fsdp_does_nothing); fsdp = wrap anyway
@@ -689,6 +690,7 @@ class CriticConfig(Node):
     strategy: str = one_of(STRATEGIES, "fsdp")
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # verl: lr 1e-5
     model: CriticModelConfig = _sub(CriticModelConfig)
+    fsdp: FSDPConfig = _sub(FSDPConfig)  # verl (Aug 2026)'s place of model.fsdp_config (verl_compat copies it there)
     ppo_mini_batch_size: int = follows("actor_rollout_ref.actor.ppo_mini_batch_size", 8)
     ppo_micro_batch_size: Optional[int] = None  # deprecated: global
     ppo_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null

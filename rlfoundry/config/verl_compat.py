@@ -106,6 +106,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.sglang_rollout_mode",  # verl <= 0.4's SGLang switch, which verl's code no longer reads
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
+    "*.fsdp_config.strategy",  # fsdp or fsdp2 (checked): one FSDP2 engine
     # HF <-> Megatron weights convert through mbridge whichever converter verl is told to use: the same weights
     "*.megatron.vanilla_mbridge",
     # packed (thd) or padded micro-batches: the Megatron engine here pads and masks rows, the same numbers
@@ -162,6 +163,8 @@ def _agree(new: Any, old: Any) -> bool:
 VERL_OLD_NAMES = {"trainer.val_generations_to_log_to_wandb": "trainer.log_val_generations"}
 
 _ROLES_WITH_OPTIM = ("actor_rollout_ref.actor", "critic")
+# verl's subtrees that moved (August 2026): each key the user set under the first is the second's
+VERL_MOVED_SUBTREES = {"critic.fsdp.": "critic.model.fsdp_config."}
 # verl's other names (newer layouts, its Megatron config, its worker groups) of settings rlfoundry reads
 # elsewhere: given -> read. Each is the same setting: the value read is the value in effect.
 VERL_OTHER_NAMES = {
@@ -189,10 +192,15 @@ def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     settings (``_adopt_*``)."""
     spellings = [(new, old, "verl >= 0.7", "older verl") for new, old in VERL_REWARD_KEYS.items()]
     spellings += [(old, new, "verl <= 0.2", "verl's current name") for old, new in VERL_OLD_NAMES.items()]
+    moved = [(k, read + k[len(given):]) for given, read in VERL_MOVED_SUBTREES.items() for k in user_keys
+             if k.startswith(given)]
+    spellings += [(given, read, "verl (Aug 2026)", "older verl") for given, read in moved]
     spellings += [(given, read, "verl", "the key read here") for given, read in VERL_OTHER_NAMES.items()]
+    given_keys = list(user_keys) + [read for _, read in moved]  # a moved key's other names are adopted too
+    _check_fsdp_strategy(cfg, given_keys)
     set_keys, set_as = list(user_keys), {}  # set_as: a key read -> the other spelling that set it
     for given, read, given_by, read_by in spellings:
-        if _set_by_user(user_keys, given):
+        if _set_by_user(given_keys, given):
             _check_decay_style(given, OmegaConf.select(cfg, given))
             other = f"{set_as[read]} (also {read})" if read in set_as else f"{read} ({read_by})"
             _copy_setting(cfg, given, read, set_keys, f"{given} ({given_by}) and {other}")
@@ -202,6 +210,15 @@ def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     _adopt_global_profiler(cfg, set_keys)
     _adopt_adapter_lora(cfg, set_keys)
     _adopt_classifier_reward_model(cfg)
+
+
+def _check_fsdp_strategy(cfg: DictConfig, user_keys: Sequence[str]) -> None:
+    """verl's ``fsdp_config.strategy``: fsdp and fsdp2 are the one FSDP2 engine here; anything else is no FSDP."""
+    for key in user_keys:
+        value = OmegaConf.select(cfg, key) if key.endswith(".fsdp_config.strategy") else None
+        if value is not None and value not in ("fsdp", "fsdp2"):
+            raise ConfigError(f"{key}={value}: an FSDP engine config's strategy is fsdp or fsdp2 (the FSDP2 engine "
+                              "here either way); the role's engine is its strategy key.")
 
 
 def _copy_setting(cfg: DictConfig, given: str, read: str, set_keys: Sequence[str], both: str) -> None:

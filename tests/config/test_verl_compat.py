@@ -338,3 +338,14 @@ def test_a_causal_lm_as_the_classifier_reward_model_stops_the_start(tiny_model_d
     with pytest.raises(ConfigError, match="is not a sequence classifier"):  # it would score with a random head
         check_startup_paths(_load(base, "reward_model.enable=true", f"reward_model.model.path={tiny_model_dir}"))
     check_startup_paths(_load(base, "reward_model.enable=true", f"reward_model.model.path={tiny_critic_dir}"))
+
+
+def test_august_critic_fsdp_is_the_critics_fsdp_config_and_fsdp_strategy_is_checked():
+    r = _resolved("critic.fsdp.forward_prefetch=true", "critic.fsdp.ulysses_sequence_parallel_size=2",
+                  "critic.model.use_remove_padding=true", "trainer.n_gpus_per_node=2")
+    assert r.critic.model.fsdp_config.forward_prefetch is True  # what the critic's engine is built from
+    assert r.critic.ulysses_sequence_parallel_size == 2  # through the older place's own spelling
+    assert "older verl" in _error("critic.fsdp.forward_prefetch=true", "critic.model.fsdp_config.forward_prefetch=false")
+    assert "actor_rollout_ref.actor.fsdp_config.strategy" in _no_effect_warning(
+        "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2")
+    assert "strategy is fsdp or fsdp2" in _error("actor_rollout_ref.actor.fsdp_config.strategy=megatron")
