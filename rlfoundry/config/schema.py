@@ -581,6 +581,9 @@ class RolloutConfig(Node):
     max_num_seqs: int = 1024
     enable_prefix_caching: bool = True  # vLLM's prefix caching, SGLang's radix cache
     sglang_rollout_mode: Optional[str] = None  # verl <= 0.4's SGLang switch, read by no verl code either (no effect)
+    # batch sizes the engine captures CUDA graphs for (vLLM compilation_config, SGLang cuda_graph_bs); null: the engine's
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    skip_tokenizer_init: bool = True  # no effect: token ids in and out; the engine loads a tokenizer only for images
     micro_batch_size: Optional[int] = None  # verl <= 0.2; no effect
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null

@@ -104,6 +104,8 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # and in a pool of its own in verl: here the classifier runs on a RewardModel worker beside the actor
     "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
     "actor_rollout_ref.rollout.sglang_rollout_mode",  # verl <= 0.4's SGLang switch, which verl's code no longer reads
+    # prompts go in and responses come out as token ids: the engines skip their tokenizer wherever the model allows
+    "actor_rollout_ref.rollout.skip_tokenizer_init",
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     "*.fsdp_config.strategy",  # fsdp or fsdp2 (checked): one FSDP2 engine
@@ -123,7 +125,8 @@ VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
     f"actor_rollout_ref.rollout.{k}"
     for k in ("dtype", "gpu_memory_utilization", "enforce_eager", "free_cache_engine", "load_format",
               "layered_summon", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len",
-              "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "enable_prefix_caching", "engine_kwargs*",
+              "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "enable_prefix_caching", "cudagraph_capture_sizes",
+              "engine_kwargs*",
               "update_weights_bucket_megabytes")
 )
 

@@ -297,7 +297,7 @@ def test_august_reward_model_holding_a_classifier_is_the_classifier_reward_model
     assert judge.reward.reward_model.enable and not judge.reward_model.enable  # a causal LM stays the judge
 
 
-def test_enable_prefix_caching_reaches_both_engines():
+def test_prefix_caching_and_cuda_graph_sizes_reach_both_engines():
     from transformers import Qwen2Config
 
     from rlfoundry.workers.rollout import sglang_rollout, vllm_rollout
@@ -307,6 +307,11 @@ def test_enable_prefix_caching_reaches_both_engines():
         rollout = _resolved(f"actor_rollout_ref.rollout.enable_prefix_caching={value}").actor_rollout_ref.rollout
         assert vllm_rollout.build_engine_kwargs(rollout, "/m", hf, "cpu")["enable_prefix_caching"] is value
         assert sglang_rollout.build_engine_kwargs(rollout, "/m", "cpu")["disable_radix_cache"] is (not value)
+    sizes = _resolved("actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,2,4]").actor_rollout_ref.rollout
+    assert vllm_rollout.build_engine_kwargs(sizes, "/m", hf, "cuda")["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 2, 4]}
+    assert sglang_rollout.build_engine_kwargs(sizes, "/m", "cuda")["cuda_graph_bs"] == [1, 2, 4]
+    assert "compilation_config" not in vllm_rollout.build_engine_kwargs(rollout, "/m", hf, "cuda")
 
 
 def test_august_engine_keys_and_optimizer_class():

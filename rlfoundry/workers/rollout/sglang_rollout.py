@@ -22,7 +22,7 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 |---|---|
 | n, temperature, top_p, top_k, do_sample, response_length, val_kwargs.*, ignore_eos | per request |
 | prompt_length (+ response_length) | ``context_length`` unless ``max_model_len`` is set |
-| dtype, seed (``random_seed``), max_num_seqs (``max_running_requests``), enforce_eager, enable_prefix_caching (``disable_radix_cache`` when false) | passed to the engine |
+| dtype, seed (``random_seed``), max_num_seqs (``max_running_requests``), enforce_eager, enable_prefix_caching (``disable_radix_cache`` when false), cudagraph_capture_sizes (``cuda_graph_bs``) | passed to the engine |
 | load_format | ``dummy*``: random init, synced from the actor at start-up; else read from disk once |
 | gpu_memory_utilization | GPU: ``mem_fraction_static``. CPU: a KV cache of ``max_num_seqs`` full sequences |
 |   | (at least 4096 tokens; ``engine_kwargs.sglang.max_total_tokens`` sets it) |
@@ -96,6 +96,7 @@ def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: in
         "skip_tokenizer_init": True,
         "disable_cuda_graph": bool(config.enforce_eager),
         "disable_radix_cache": not config.enable_prefix_caching,  # SGLang's prefix caching
+        **({"cuda_graph_bs": list(config.cudagraph_capture_sizes)} if config.cudagraph_capture_sizes else {}),
         # verify mode's digests are computed in the scheduler process by this "loader" (SGLangRollout._report)
         "custom_weight_loader": [_REPORT_WEIGHTS],
     }

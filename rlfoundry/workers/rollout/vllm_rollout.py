@@ -36,6 +36,7 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 | enforce_eager, disable_log_stats, seed, | passed to ``LLM`` (``enable_prefix_caching`` on by default, as in |
 |   enable_prefix_caching | verl; ``engine_kwargs.vllm.enable_prefix_caching`` wins over the key) |
 | load_format | ``dummy*``: random init, synced from the actor at start-up; else read from disk once |
+| cudagraph_capture_sizes | GPU: ``compilation_config.cudagraph_capture_sizes`` (the batch sizes graphs are captured for) |
 | ignore_eos | passed to ``SamplingParams`` |
 | engine_kwargs.vllm.* | passed to ``LLM`` last (override everything above) |
 | gpu_memory_utilization | GPU only. CPU: KV cache for max_num_seqs full sequences (64 MiB..4 GiB), or |
@@ -172,6 +173,8 @@ def build_engine_kwargs(
     if device_type == "cuda":
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.free_cache_engine
+        if config.cudagraph_capture_sizes:
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": list(config.cudagraph_capture_sizes)}
     else:
         kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(hf_config, dtype, int(max_model_len), max_num_seqs)
     extra = config.engine_kwargs.get("vllm") or {}
