@@ -206,3 +206,17 @@ def test_a_user_config_over_ppo_trainer_trains_one_step(tiny_model_dir, tmp_path
     run = E.train(overrides, config_name=str(path))
     assert len(run.batches) == 1
     assert run.batches[0]["responses"].shape[0] == 2 * 2  # 2 prompts x the file's n=2 (the default is 4+)
+
+
+def test_the_entry_modules_import_no_torch():
+    # they are __main__ of async runs, whose reward-pool processes re-import the main module
+    import subprocess
+    import sys
+
+    code = ("import sys, rlfoundry.experimental.one_step_off_policy.main_ppo, "
+            "rlfoundry.experimental.fully_async_policy.fully_async_main; "
+            "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
+            "sys.exit(f'imported at module level: {heavy}' if heavy else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=E.subprocess_env(),
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
