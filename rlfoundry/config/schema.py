@@ -742,8 +742,9 @@ class RewardModelConfig(Node):
     forward_max_token_len_per_gpu: int = follows("critic.forward_max_token_len_per_gpu", 32768)
     reward_manager: str = "naive"
     launch_reward_fn_async: bool = False
-    # verl (Jan 2026): score through the reward loop (true) or the legacy reward-model worker; the same scores
-    # either way, so one path here (verl_compat.NO_EFFECT_KEYS). verl: true
+    # verl (Jan 2026): score through the reward loop (true) or the legacy reward-model worker: the classifier's
+    # same score, one path here; with custom_reward_function.path the loop scores with the function alone,
+    # which is not built (a start-up error: trainer/config.py _check_reward_function). verl: true
     use_reward_loop: bool = True
     num_workers: Optional[int] = None  # verl's reward-loop workers = reward_kwargs.num_workers (scorer processes)
     # verl: the classifier in a pool of its own; here it runs beside the actor (no effect)

@@ -99,8 +99,9 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "global_profiler.relocate_results", "global_profiler.finish_hook*",
     # verl's reward loop and its legacy reward-model worker give the classifier's same score; here the
     # classifier always scores on a RewardModel worker on the FSDP engine, so the loop's serving engine
-    # (reward_model.rollout.*: vLLM/SGLang, memory, TP, lengths) is not used
-    "reward_model.use_reward_loop", "reward_model.rollout.*",
+    # (reward_model.rollout.*: vLLM/SGLang, memory, TP, lengths) is not used (use_reward_loop itself is
+    # read where it changes the reward: with a custom reward function, trainer/config.py)
+    "reward_model.rollout.*",
     # and in a pool of its own in verl: here the classifier runs on a RewardModel worker beside the actor
     "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
     "actor_rollout_ref.rollout.sglang_rollout_mode",  # verl <= 0.4's SGLang switch, which verl's code no longer reads

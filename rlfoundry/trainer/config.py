@@ -964,6 +964,14 @@ def _check_reward_function(cfg: DictConfig) -> list[str]:
     if crf.path is not None and cfg.reward_model.reward_kwargs.get("compute_score_kwargs"):
         errors.append("reward.compute_score_kwargs go to the built-in scorer, which custom_reward_function.path "
                       "replaces; give your function its arguments in custom_reward_function.reward_kwargs.")
+    if cfg.reward_model.enable and crf.path is not None and cfg.reward_model.use_reward_loop and \
+            cfg.reward_model.reward_kwargs.get("rm_combine", "replace") == "replace":
+        # verl's reward loop then scores with the custom function alone, which may call the reward model's server
+        errors.append("reward_model.enable=true with custom_reward_function.path: verl's reward loop "
+                      "(reward_model.use_reward_loop=true, its default) scores with your function, which calls the "
+                      "reward model's server; that server is not built here. Set reward_model.use_reward_loop=false "
+                      "for verl's legacy path (the classifier's score replaces the function's), or "
+                      "+reward_model.reward_kwargs.rm_combine=add (rlfoundry: the two scores added).")
     if manager.source == "importlib" and not manager.module.path:
         errors.append("reward.reward_manager.source=importlib needs reward.reward_manager.module.path (a .py file "
                       "or pkg://package.module) and module.name (the class).")

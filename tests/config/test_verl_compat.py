@@ -204,8 +204,18 @@ def test_reward_loop_workers_are_the_scorer_processes_and_its_engine_keys_are_na
     assert "reward.num_workers" in _error("reward_model.num_workers=4", "reward.num_workers=8")
     text = _no_effect_warning("reward_model.use_reward_loop=True", "reward_model.rollout.name=vllm",
                               "reward_model.rollout.gpu_memory_utilization=0.8", "reward_model.enable_resource_pool=true")
-    for key in ("use_reward_loop", "rollout.gpu_memory_utilization", "enable_resource_pool"):
+    for key in ("rollout.gpu_memory_utilization", "enable_resource_pool"):
         assert f"reward_model.{key}" in text
+    assert "reward_model.use_reward_loop" not in text  # it decides the reward with a custom function (below)
+
+
+def test_reward_loop_with_a_custom_function_is_not_built_and_the_legacy_path_is(tmp_path):
+    fn = tmp_path / "fn.py"
+    fn.write_text("def compute_score(**kw):\n    return 0.0\n")
+    keys = ("reward_model.enable=true", "reward_model.model.path=/rm", f"custom_reward_function.path={fn}")
+    assert "Set reward_model.use_reward_loop=false" in _error(*keys)  # verl's default: the function alone
+    _load(*keys, "reward_model.use_reward_loop=false")  # verl's legacy path: the classifier's score replaces it
+    _load(*keys, "+reward_model.reward_kwargs.rm_combine=add")  # rlfoundry's own sum of the two, asked for
 
 
 # ───────────────────────────── model, rollout and data keys ─────────────────────────────
