@@ -584,6 +584,7 @@ class RolloutConfig(Node):
     # batch sizes the engine captures CUDA graphs for (vLLM compilation_config, SGLang cuda_graph_bs); null: the engine's
     cudagraph_capture_sizes: Optional[List[int]] = None
     skip_tokenizer_init: bool = True  # no effect: token ids in and out; the engine loads a tokenizer only for images
+    prometheus: Dict[str, Any] = _dict(enable=False)  # verl's rollout-server metrics export: observability only
     micro_batch_size: Optional[int] = None  # verl <= 0.2; no effect
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null

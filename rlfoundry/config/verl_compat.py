@@ -107,6 +107,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.sglang_rollout_mode",  # verl <= 0.4's SGLang switch, which verl's code no longer reads
     # prompts go in and responses come out as token ids: the engines skip their tokenizer wherever the model allows
     "actor_rollout_ref.rollout.skip_tokenizer_init",
+    "actor_rollout_ref.rollout.prometheus*",  # verl's Prometheus export of its rollout servers: observability only
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     "*.fsdp_config.strategy",  # fsdp or fsdp2 (checked): one FSDP2 engine

@@ -246,8 +246,11 @@ def test_rollout_parallelism_and_over_sampling_not_built_are_errors():
     _load(f"{key}.data_parallel_size=1", f"{key}.expert_parallel_size=1", f"{key}.over_sample_rate=0")
 
 
-def test_return_multi_modal_inputs_is_accepted_as_no_effect():
-    assert "data.return_multi_modal_inputs" in _no_effect_warning("data.return_multi_modal_inputs=False")
+def test_return_multi_modal_inputs_and_prometheus_are_accepted_as_no_effect():
+    text = _no_effect_warning("data.return_multi_modal_inputs=False", "actor_rollout_ref.rollout.prometheus.enable=true",
+                              "+actor_rollout_ref.rollout.prometheus.port=9090")
+    for key in ("data.return_multi_modal_inputs", "rollout.prometheus.enable", "rollout.prometheus.port"):
+        assert key in text
 
 
 def test_lora_adapter_path_alone_takes_the_adapters_rank_alpha_and_targets(tmp_path):
