@@ -330,6 +330,10 @@ class DataProto:
     ``rollout_log_probs``                             (B, Tr)     rollout engine (optional)
     ``old_log_probs`` / ``ref_log_prob``              (B, Tr)     actor / ref
     ``entropys``                                      (B, Tr)     actor
+    ``sum_pi_squared``                                (B, Tr)     actor, with
+                                                                  ``actor.calculate_sum_pi_squared``
+                                                                  (sum_v pi(v|s_t)^2; the optimal
+                                                                  token baselines read it)
     ``values``                                        (B, Tr)     critic
     ``token_level_scores`` / ``token_level_rewards``  (B, Tr)     reward / KL penalty
     ``reward_baselines``                              (B,)        ReMax (greedy-rollout reward)

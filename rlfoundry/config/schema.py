@@ -59,10 +59,8 @@ _KL_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # "+": the estimator's value with k2's gradient (core_algos.kl_penalty); "full" is a clear error there
 KL_ESTIMATORS = (*_KL_BASE, *(k + "+" for k in _KL_BASE), "full")
 ROLLOUT_NAMES = tuple(name for name, engine in ROLLOUT_ENGINES.items() if engine.module is not None)
-# the optimal token baselines (verl 0.9.1) need the actor's per-token sum of squared probabilities
-SUM_PI_SQUARED_MISSING = ("the actor's log-prob pass does not compute sum_v pi_v^2 per token in rlfoundry yet, which "
-                          "verl's optimal_token_baseline / tir_optimal_token_baseline estimators need; choose another "
-                          "estimator (grpo, rloo, opo, ...) and leave calculate_sum_pi_squared false.")
+# the estimators that read the actor's sum_pi_squared (verl 0.9.1's optimal token baselines; trainer/config.py)
+SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 class Node:
@@ -421,7 +419,8 @@ class ActorConfig(Node):
     entropy_coeff: float = 0.0
     tau_pos: float = 1.0  # policy_loss.loss_mode=sapo: gate temperature where A > 0
     tau_neg: float = 1.05  # ... and where A <= 0
-    # verl: the log-prob pass also returns sum_v pi_v^2 per token (for the optimal token baseline); not built here
+    # the log-prob pass also returns sum_pi_squared = sum_v pi_v^2 per token (B, Tr): what the optimal token
+    # baselines read (trainer/config.py requires it for them, as verl's trainer does)
     calculate_sum_pi_squared: bool = False
     use_kl_loss: bool = False
     # each decoder layer's training forward compiled (engines/fsdp/compile.py; the reference follows).
@@ -452,8 +451,6 @@ class ActorConfig(Node):
     def check(self) -> list[str]:
         key = "actor_rollout_ref.actor.ppo_epochs"
         errors = [f"{key}={self.ppo_epochs} must be positive."] if self.ppo_epochs <= 0 else []
-        if self.calculate_sum_pi_squared:
-            errors.append(f"actor_rollout_ref.actor.calculate_sum_pi_squared=true: {SUM_PI_SQUARED_MISSING}")
         if not (self.tau_pos > 0 and self.tau_neg > 0):
             errors.append(f"actor_rollout_ref.actor.tau_pos={self.tau_pos} and tau_neg={self.tau_neg} (SAPO's gate "
                           "temperatures) must be > 0.")
@@ -917,10 +914,8 @@ class AlgorithmConfig(Node):
                 + self._check_estimator_inputs())
 
     def _check_estimator_inputs(self) -> list[str]:
-        """GDPO's reward components; the optimal token baselines' sum pi^2, which no engine computes yet."""
+        """GDPO's reward components (the optimal token baselines' sum pi^2: trainer/config.py, it is the actor's)."""
         est, keys, weights = self.adv_estimator, self.gdpo_reward_keys, self.gdpo_reward_weights
-        if est in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-            return [f"algorithm.adv_estimator={est}: {SUM_PI_SQUARED_MISSING}"]
         if est != "gdpo":
             return []
         if not keys:

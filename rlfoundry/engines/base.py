@@ -46,12 +46,15 @@ class LogProbs:
     """Ask a causal LM for ``log_probs`` (B, Tr) of ``responses`` (and ``entropy`` (B, Tr)).
 
     Logits are divided by ``temperature`` (the rollout's sampling temperature). ``entropy_grad``
-    False: the entropy is only a metric, computed without a graph.
+    False: the entropy is only a metric, computed without a graph. ``sum_pi_squared``: also
+    ``sum_pi_squared`` (B, Tr), sum_v pi(v|s_t)^2 at the same temperature, without gradient (the
+    optimal token baselines' input, verl's ``actor.calculate_sum_pi_squared``).
     """
 
     temperature: float = 1.0
     entropy: bool = False
     entropy_grad: bool = True
+    sum_pi_squared: bool = False
 
 
 @dataclass(frozen=True)

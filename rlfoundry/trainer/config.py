@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
-from rlfoundry.config.schema import PPOConfig, freeze
+from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
 from rlfoundry.config.verl_compat import (
@@ -332,7 +332,21 @@ def _check_estimator(cfg: DictConfig) -> list[str]:
             "directory (often the actor's, e.g. critic.model.path=rlfoundry://arithmetic-policy), "
             "or choose a critic-free estimator such as algorithm.adv_estimator=grpo."
         )
-    return errors
+    return errors + _check_sum_pi_squared(cfg, est)
+
+
+def _check_sum_pi_squared(cfg: DictConfig, est: str) -> list[str]:
+    """The optimal token baselines read ``sum_pi_squared``, which the actor's log-prob pass writes only with
+    ``actor.calculate_sum_pi_squared``: required for them, as verl's trainer requires it (it asserts the
+    key), and that pass must run (bypass mode takes the rollout's log-probs instead and skips it)."""
+    key = "actor_rollout_ref.actor.calculate_sum_pi_squared"
+    if est in SUM_PI_SQUARED_ESTIMATORS and not cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:
+        return [f"algorithm.adv_estimator={est} reads the actor's per-token sum_v pi_v^2: set {key}=true "
+                "(verl requires it too)."]
+    if cfg.actor_rollout_ref.actor.calculate_sum_pi_squared and cfg.algorithm.rollout_correction.bypass_mode:
+        return [f"{key}=true with algorithm.rollout_correction.bypass_mode=true: bypass mode skips the actor's "
+                "log-prob pass, which computes sum_pi_squared; set bypass_mode=false (old log-probs recomputed)."]
+    return []
 
 
 def _check_batch_sizes(cfg: DictConfig) -> list[str]:
@@ -669,6 +683,10 @@ def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
     if arr.rollout.multi_turn.enable and arr.rollout.multi_turn.use_inference_chat_template:
         errors.append(f"{key}: with actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true the engine "
                       "scores each turn after the re-rendered chat, not the row's tokens the actor trains on; set "
+                      "use_rollout_log_probs=false.")
+    if arr.actor.calculate_sum_pi_squared:
+        errors.append(f"{key}: actor_rollout_ref.actor.calculate_sum_pi_squared=true needs the actor's log-prob pass "
+                      "(it writes sum_pi_squared), which reusing the rollout's log-probs skips; set "
                       "use_rollout_log_probs=false.")
     if arr.actor.ppo_epochs != 1:
         errors.append(f"{key} needs actor_rollout_ref.actor.ppo_epochs=1 (got {arr.actor.ppo_epochs}); "

@@ -20,6 +20,8 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "calculate_sum_pi_squared_from_logits",
+    "entropy_and_sum_pi_squared",
     "entropy_from_logits",
     "entropy_from_logits_with_chunking",
     "fused_logprobs_entropy",
@@ -106,25 +108,35 @@ class _LogProbsFromLogits(torch.autograd.Function):
 
 
 class _EntropyFromLogits(torch.autograd.Function):
-    """H = logsumexp(x) - sum_j p_j x_j, with dH/dx_j = -p_j (x_j - E_p[x]) computed block-wise."""
+    """H = logsumexp(x) - sum_j p_j x_j, with dH/dx_j = -p_j (x_j - E_p[x]) computed block-wise.
+
+    With ``sum_pi_squared`` the same blocks also give sum_j p_j^2 (the optimal token baseline's input,
+    verl's ``calculate_sum_pi_squared``) from the probabilities already there: one dot product per row,
+    no second pass over the logits. It carries no gradient (the estimators read it as data).
+    """
 
     @staticmethod
-    def forward(ctx, logits, chunk_rows):
+    def forward(ctx, logits, chunk_rows, sum_pi_squared=False):
         ctype = _compute_dtype(logits.dtype)
         lse = torch.empty(logits.shape[:-1], dtype=ctype, device=logits.device)
         entropy = torch.empty_like(lse)
+        squares = torch.empty_like(lse) if sum_pi_squared else None
         for idx in _blocks_for(logits, chunk_rows):
             x = logits[idx].to(ctype)
             lse[idx] = torch.logsumexp(x, dim=-1)
             probs = torch.exp(x - lse[idx].unsqueeze(-1))
             entropy[idx] = lse[idx] - (probs * x).sum(-1)
+            if squares is not None:
+                squares[idx] = torch.linalg.vecdot(probs, probs)
         ctx.save_for_backward(logits, lse, entropy)
         ctx.chunk_rows = chunk_rows
-        return entropy
+        if squares is not None:
+            ctx.mark_non_differentiable(squares)
+        return entropy, squares
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_squares):
         logits, lse, entropy = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for idx in _blocks_for(logits, ctx.chunk_rows):
@@ -132,7 +144,7 @@ class _EntropyFromLogits(torch.autograd.Function):
             probs = torch.exp(x - lse[idx].unsqueeze(-1))
             mean_x = (lse[idx] - entropy[idx]).unsqueeze(-1)  # E_p[x] = lse - H
             grad[idx] = (-grad_out[idx].to(lse.dtype).unsqueeze(-1) * probs * (x - mean_x)).to(logits.dtype)
-        return grad, None
+        return grad, None, None
 
 
 def logprobs_from_logits(
@@ -163,12 +175,24 @@ def logprobs_from_logits_naive(logits: torch.Tensor, labels: torch.Tensor) -> to
 
 def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` per row. (..., V) -> (...,) in float32 (float64 for float64)."""
-    return _EntropyFromLogits.apply(logits, chunk_rows)
+    return _EntropyFromLogits.apply(logits, chunk_rows)[0]
 
 
 def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
     """verl's name for the chunked entropy: ``chunk_size`` rows per block. (..., V) -> (...,)."""
-    return _EntropyFromLogits.apply(logits, chunk_size)
+    return _EntropyFromLogits.apply(logits, chunk_size)[0]
+
+
+def entropy_and_sum_pi_squared(logits: torch.Tensor, chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy, sum_v p_v^2) of ``softmax(logits)`` per row from one block-wise pass; the entropy keeps its
+    gradient, the sum of squares has none. (..., V) -> (...,), (...,) in float32 (float64 for float64)."""
+    return _EntropyFromLogits.apply(logits, chunk_rows, True)
+
+
+def calculate_sum_pi_squared_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+    """sum_v softmax(logits)_v^2 per row (verl's name), block-wise, without gradient. (..., V) -> (...,)."""
+    with torch.no_grad():
+        return entropy_and_sum_pi_squared(logits, chunk_rows)[1]
 
 
 class _FusedLinearLogProbs(torch.autograd.Function):
@@ -183,11 +207,12 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, excluded, chunk_rows, entropy_grad):
+    def forward(ctx, hidden, weight, labels, temperature, excluded, chunk_rows, entropy_grad, sum_pi_squared=False):
         ctype = _compute_dtype(hidden.dtype)
         rows = hidden.shape[0]
         lse = torch.empty(rows, dtype=ctype, device=hidden.device)
         logp, entropy = torch.empty_like(lse), torch.empty_like(lse)
+        squares = torch.empty_like(lse) if sum_pi_squared else None
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
             z = _chunk_logits(hidden[sl], weight, temperature, excluded, ctype)
@@ -196,17 +221,22 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             total = p.sum(-1, keepdim=True)
             lse[sl] = (top + total.log()).squeeze(-1)
             logp[sl] = z.gather(-1, labels[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
-            entropy[sl] = lse[sl] - p.div_(total).mul_(z).sum(-1)  # H = lse - E_p[z]
+            p.div_(total)
+            if squares is not None:  # sum_v p_v^2 from the normalised chunk, before p is reused in place
+                squares[sl] = torch.linalg.vecdot(p, p)
+            entropy[sl] = lse[sl] - p.mul_(z).sum(-1)  # H = lse - E_p[z]
             del z, p  # before the next chunk's product
         ctx.save_for_backward(hidden, weight, labels, lse, entropy, excluded)
         ctx.temperature, ctx.chunk_rows, ctx.entropy_grad = temperature, chunk_rows, entropy_grad
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        if squares is not None:
+            ctx.mark_non_differentiable(squares)
+        return logp, entropy, squares
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_squares):
         hidden, weight, labels, lse, entropy, excluded = ctx.saved_tensors
         ctype, t = lse.dtype, ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -238,7 +268,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 grad_weight += g.t() @ hidden[sl]
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, excluded: torch.Tensor | None,
@@ -255,7 +285,8 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 
 def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                            temperature: float = 1.0, excluded_ids: list[int] | None = None,
-                           chunk_rows: int | None = None, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_rows: int | None = None, entropy_grad: bool = True,
+                           sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
     """Log-probs of ``labels`` and entropies under ``softmax(hidden @ weight.T / temperature)``.
 
     Args:
@@ -265,10 +296,12 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         excluded_ids: token ids never sampled (vision placeholders): probability 0.
         chunk_rows: rows per chunk; default keeps a chunk's logits under ``CHUNK_ELEMENTS`` values.
         entropy_grad: False: the entropy carries no gradient (and backward skips its term).
+        sum_pi_squared: also return sum_v p_v^2 per row (no gradient), from the same chunks.
 
     Returns:
-        (log_probs, entropy), each (...,) float32 (float64 for float64 inputs). The largest tensor
-        made is one chunk's (chunk_rows, V) logits, in forward and backward alike.
+        (log_probs, entropy), or (log_probs, entropy, sum_pi_squared) with ``sum_pi_squared``, each
+        (...,) float32 (float64 for float64 inputs). The largest tensor made is one chunk's
+        (chunk_rows, V) logits, in forward and backward alike.
     """
     lead = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -279,9 +312,11 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         dtype = torch.get_autocast_dtype(device)
         flat, weight = flat.to(dtype), weight.to(dtype)
     with torch.autocast(device, enabled=False):
-        logp, entropy = _FusedLinearLogProbs.apply(flat, weight, labels.reshape(-1), float(temperature), excluded,
-                                                   rows, bool(entropy_grad))
-    return logp.reshape(lead), entropy.reshape(lead)
+        logp, entropy, squares = _FusedLinearLogProbs.apply(flat, weight, labels.reshape(-1), float(temperature),
+                                                            excluded, rows, bool(entropy_grad), bool(sum_pi_squared))
+    if squares is None:
+        return logp.reshape(lead), entropy.reshape(lead)
+    return logp.reshape(lead), entropy.reshape(lead), squares.reshape(lead)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis=None) -> torch.Tensor:

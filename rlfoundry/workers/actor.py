@@ -82,15 +82,29 @@ class DataParallelPPOActor:
         The arguments default to verl's ``meta_info`` keys ``micro_batch_size``, ``max_token_len``
         (only with ``use_dynamic_bsz``) and ``temperature`` (required: the sampling temperature).
         """
+        out = self.compute_log_prob_outputs(data, calculate_entropy, False, micro_batch_size, max_token_len, temperature)
+        return out["log_probs"], out.get("entropy")
+
+    def compute_log_prob_outputs(
+        self,
+        data: DataProto,
+        calculate_entropy: bool = False,
+        calculate_sum_pi_squared: bool = False,
+        micro_batch_size: int | None = None,
+        max_token_len: int | None = None,
+        temperature: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``compute_log_prob``'s outputs by name: ``log_probs``, and as asked ``entropy`` and
+        ``sum_pi_squared`` (sum_v pi(v|s_t)^2 at the same temperature), each (B, Tr)."""
         meta = data.meta_info
         temperature = float(temperature if temperature is not None else meta["temperature"])
         micro_batch_size = micro_batch_size or meta.get("micro_batch_size")
         if max_token_len is None and meta.get("use_dynamic_bsz", False):
             max_token_len = meta["max_token_len"]
-        out = self.engine.infer_batch(data.select(batch_keys=list(MODEL_INPUTS)),
-                                      LogProbs(temperature, entropy=calculate_entropy),
-                                      MicroBatching(micro_batch_size, max_token_len))
-        return out["log_probs"], out.get("entropy")
+        return self.engine.infer_batch(data.select(batch_keys=list(MODEL_INPUTS)),
+                                       LogProbs(temperature, entropy=calculate_entropy,
+                                                sum_pi_squared=calculate_sum_pi_squared),
+                                       MicroBatching(micro_batch_size, max_token_len))
 
     # ---- update ---------------------------------------------------------------------------
 

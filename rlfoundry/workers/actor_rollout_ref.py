@@ -16,7 +16,7 @@ Driver-facing methods (dispatch mode in brackets):
 |---|---|---|
 | ``init_model`` [ONE_TO_ALL] | — | — |
 | ``generate_sequences`` [DP_COMPUTE_PROTO] | prompts, one row each | B·n rows (see ``HFRollout``) |
-| ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr) |
+| ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr); ``sum_pi_squared`` (B, Tr) with ``actor.calculate_sum_pi_squared`` |
 | ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
@@ -280,20 +280,23 @@ class ActorRolloutRefWorker(Worker):
         }
 
     def _log_prob_with_backoff(self, name: str, policy: DataParallelPPOActor, data: DataProto,
-                               kwargs: dict[str, Any], calculate_entropy: bool) -> tuple[torch.Tensor, Any]:
-        """``policy.compute_log_prob``; on OOM the micro-batch (or token budget) halves and stays halved."""
+                               kwargs: dict[str, Any], **asked: bool) -> dict[str, torch.Tensor]:
+        """``policy.compute_log_prob_outputs`` (``asked``: its ``calculate_*`` flags); on OOM the micro-batch
+        (or token budget) halves and stays halved."""
         key = "micro_batch_size" if kwargs["max_token_len"] is None else "max_token_len"
         floor = 1 if key == "micro_batch_size" else int(data.batch["attention_mask"].sum(-1).max())
 
         def run(size: int):
-            return policy.compute_log_prob(data, calculate_entropy=calculate_entropy, **{**kwargs, key: size})
+            return policy.compute_log_prob_outputs(data, **asked, **{**kwargs, key: size})
 
         unit = "rows" if key == "micro_batch_size" else "tokens"
         return oom.backoff_of(self).run(name, kwargs[key], run, floor=floor, unit=unit)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        """``old_log_probs`` and ``entropys`` (B, Tr) of the responses under the current policy.
+        """``old_log_probs`` and ``entropys`` (B, Tr) of the responses under the current policy, and with
+        ``actor.calculate_sum_pi_squared`` ``sum_pi_squared`` (B, Tr): sum_v pi(v|s_t)^2, what the optimal
+        token baselines read (verl's key), from the same forward.
 
         Uses ``rollout.log_prob_*`` micro-batching and ``meta_info["temperature"]`` (default:
         ``rollout.temperature``), so the numbers match what the rollout sampled with.
@@ -302,12 +305,13 @@ class ActorRolloutRefWorker(Worker):
         data = on_device(data, self.device)
         data, mine = self.actor.engine.model_parallel_rows(data)
         kwargs = self._log_prob_kwargs(self.config.rollout, data)
-        log_prob, entropy = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, True)
-        out = DataProto.from_dict(
-            tensors={"old_log_probs": log_prob[mine], "entropys": entropy[mine]},
-            meta_info={"temperature": kwargs["temperature"]},
-        )
-        return out.to("cpu")
+        squares = bool(self.config.actor.calculate_sum_pi_squared)
+        out = self._log_prob_with_backoff("compute_log_prob", self.actor, data, kwargs, calculate_entropy=True,
+                                          calculate_sum_pi_squared=squares)
+        tensors = {"old_log_probs": out["log_probs"][mine], "entropys": out["entropy"][mine]}
+        if squares:
+            tensors["sum_pi_squared"] = out["sum_pi_squared"][mine]
+        return DataProto.from_dict(tensors=tensors, meta_info={"temperature": kwargs["temperature"]}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -317,8 +321,8 @@ class ActorRolloutRefWorker(Worker):
         data, mine = self.ref_policy.engine.model_parallel_rows(data)
         kwargs = self._log_prob_kwargs(self.config.ref, data)
         with self.engine.adapter_disabled() if self._ref_in_actor else contextlib.nullcontext():
-            log_prob, _ = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, False)
-        return DataProto.from_dict(tensors={"ref_log_prob": log_prob[mine]}).to("cpu")
+            out = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs)
+        return DataProto.from_dict(tensors={"ref_log_prob": out["log_probs"][mine]}).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:

@@ -1,5 +1,5 @@
 """The Megatron engine under the PPO actor (the same role and loss as FSDP): on CPU processes over
-gloo, log-probs and one actor update (two optimiser steps, KL and entropy terms, clipping) at TP=2,
+gloo, log-probs (and sum_v p_v^2, ``calculate_sum_pi_squared``) and one actor update (two optimiser steps, KL and entropy terms, clipping) at TP=2,
 at PP=2, at PP=2 with two virtual stages each (the interleaved 1F1B schedule) and at DP=2 with the
 distributed optimiser equal the 1-rank FSDP2 engine's."""
 
@@ -64,9 +64,9 @@ def _fsdp_update(rank: int, model_dir: str, data):
     engine = FSDPEngine.build(FSDPEngineConfig(path=model_dir, fsdp=FSDPConfig(), optim=cfg.optim,
                                                grad_clip=cfg.grad_clip, cpu_kernels="off"), "cpu")
     actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI, MICRO))
-    log_probs, _ = actor.compute_log_prob(data)
+    out = actor.compute_log_prob_outputs(data, calculate_sum_pi_squared=True)
     metrics = actor.update_policy(data)
-    return log_probs, metrics, dict(engine.iter_hf_weights())
+    return out["log_probs"], metrics, dict(engine.iter_hf_weights()), out["sum_pi_squared"]
 
 
 def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distributed_optimizer: bool,
@@ -84,10 +84,10 @@ def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distribu
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = data.chunk(dp)[dp_rank]  # what the worker's dispatch will hand this data-parallel rank
     actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // dp, MICRO))
-    log_probs, _ = actor.compute_log_prob(mine)
+    out = actor.compute_log_prob_outputs(mine, calculate_sum_pi_squared=True)
     metrics = actor.update_policy(mine)
-    return {"dp": dp, "dp_rank": dp_rank, "log_probs": log_probs, "metrics": metrics,
-            "weights": dict(engine.iter_hf_weights())}
+    return {"dp": dp, "dp_rank": dp_rank, "log_probs": out["log_probs"], "sum_pi_squared": out["sum_pi_squared"],
+            "metrics": metrics, "weights": dict(engine.iter_hf_weights())}
 
 
 @pytest.mark.parametrize("tp, pp, world, distributed_optimizer", [
@@ -122,8 +122,9 @@ def _check_update_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world:
     # data-parallel rank r takes rows [r·8/dp, (r+1)·8/dp) and steps on its own mini-batches of 4/dp
     # rows (verl's semantics): one rank steps on the same rows when they come in this order
     order = torch.arange(ROWS).view(dp, ROWS // MINI, MINI // dp).transpose(0, 1).reshape(-1)
-    [(ref_lp, ref_metrics, ref_weights)] = run_ranks(_fsdp_update, 1, tmp_path, args=(model_dir, data[order]))
-    ref_lp = ref_lp[torch.argsort(order)]
+    [(ref_lp, ref_metrics, ref_weights, ref_squares)] = run_ranks(_fsdp_update, 1, tmp_path,
+                                                                   args=(model_dir, data[order]))
+    ref_lp, ref_squares = ref_lp[torch.argsort(order)], ref_squares[torch.argsort(order)]
     results = run_ranks(_megatron_update, world, tmp_path, tp=tp, pp=pp, vpp=vpp,
                         args=(model_dir, data, tp, pp, distributed_optimizer, vpp))
     assert results[0]["dp"] == dp
@@ -133,6 +134,10 @@ def _check_update_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world:
         rows = ROWS // dp
         expected = ref_lp[r["dp_rank"] * rows:(r["dp_rank"] + 1) * rows]
         torch.testing.assert_close(r["log_probs"], expected, atol=1e-5, rtol=0)
+        # calculate_sum_pi_squared: sum_v p_v^2 from the vocabulary slices equals the FSDP engine's
+        # (|dS| <= 2 max|d logit|, and the logits agree as the log-probs do)
+        squares = ref_squares[r["dp_rank"] * rows:(r["dp_rank"] + 1) * rows]
+        torch.testing.assert_close(r["sum_pi_squared"], squares, atol=1e-6, rtol=0)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
             assert r["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
         assert set(r["weights"]) == set(ref_weights)

@@ -1,5 +1,5 @@
 """megatron-core models built from HF checkpoints through mbridge, on CPU processes over gloo: the
-response log-probs and entropy at TP=2, PP=2 and PP=2 with two virtual stages equal HF's forward
+response log-probs, entropy and sum_v p_v^2 (``calculate_sum_pi_squared``) at TP=2, PP=2 and PP=2 with two virtual stages equal HF's forward
 (vocab-parallel log-softmax, no full-vocabulary logits on any rank), and weights exported back to
 HF names equal the checkpoint's."""
 
@@ -36,7 +36,7 @@ def _batch(seed: int = 0, rows: int = 4, tp: int = 6, tr: int = 5):
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, tp:]}
 
 
-def _hf_log_probs(path: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _hf_log_probs(path: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -46,7 +46,8 @@ def _hf_log_probs(path: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     width = batch["responses"].shape[1]
     logits = logits[:, -width - 1:-1]
     logp = torch.log_softmax(logits, -1)
-    return logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    return (logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1),
+            logp.exp().square().sum(-1))
 
 
 def _megatron_log_probs(rank: int, path: str, batch: dict):
@@ -63,8 +64,9 @@ def _megatron_log_probs(rank: int, path: str, batch: dict):
     width = batch["responses"].shape[1]
 
     def outputs(logits, micro):
-        lp, ent = vocab_parallel_log_probs(response_logits(logits, width), micro["responses"], entropy=True)
-        return {"log_probs": lp, "entropy": ent, "vocab_slice": torch.tensor(logits.shape[-1])}
+        lp, ent, squares = vocab_parallel_log_probs(response_logits(logits, width), micro["responses"], entropy=True,
+                                                    sum_pi_squared=True)
+        return {"log_probs": lp, "entropy": ent, "sum_pi_squared": squares, "vocab_slice": torch.tensor(logits.shape[-1])}
 
     micros = [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], 2)]
     with torch.no_grad():
@@ -79,7 +81,7 @@ def test_log_probs_entropy_and_export_equal_hf(four_layer_model, tmp_path, tp, p
     from safetensors.torch import load_file
 
     batch = _batch()
-    ref_lp, ref_ent = _hf_log_probs(four_layer_model, batch)
+    ref_lp, ref_ent, ref_squares = _hf_log_probs(four_layer_model, batch)
     results = run_ranks(_megatron_log_probs, tp * pp, tmp_path, tp=tp, pp=pp, vpp=vpp,
                         args=(four_layer_model, batch))
     last = [r for r in results if r["last"]]
@@ -90,6 +92,8 @@ def test_log_probs_entropy_and_export_equal_hf(four_layer_model, tmp_path, tp, p
         ent = torch.cat([o["entropy"] for o in r["outs"]])
         torch.testing.assert_close(lp[valid], ref_lp[valid], atol=1e-5, rtol=0)
         torch.testing.assert_close(ent[valid], ref_ent[valid], atol=1e-5, rtol=0)
+        squares = torch.cat([o["sum_pi_squared"] for o in r["outs"]])  # |dS| <= 2 max|d logit|: as tight
+        torch.testing.assert_close(squares[valid], ref_squares[valid], atol=1e-6, rtol=0)
         assert all(int(o["vocab_slice"]) == 260 // tp for o in r["outs"])  # each rank saw its slice only
     hf = load_file(f"{four_layer_model}/model.safetensors")
     for r in results:

@@ -770,9 +770,21 @@ def test_verl_091_algorithms_validate_and_their_missing_inputs_are_start_up_erro
         _load("algorithm.adv_estimator=gdpo")
     with pytest.raises(ConfigError, match=r"gdpo_reward_weights has 1 entries for 2 gdpo_reward_keys"):
         _load("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]")
-    # the optimal token baselines need the actor's sum of squared probabilities, which is not built
+    # the optimal token baselines read the actor's sum_v pi_v^2: verl requires calculate_sum_pi_squared for them;
+    # the pass that computes it must run, so the rollout's log-probs are not reused for the old ones (auto: off)
+    one_mini_batch = f"{arr}.ppo_mini_batch_size=16"  # = data.train_batch_size: reuse is on by default here
+    assert resolve_config(_load(one_mini_batch), steps_per_epoch=1,
+                          cuda_available=False).actor_rollout_ref.actor.use_rollout_log_probs
     for est in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-        with pytest.raises(ConfigError, match=rf"adv_estimator={est}: the actor's log-prob pass does not compute"):
+        with pytest.raises(ConfigError, match=rf"adv_estimator={est} reads the actor's per-token sum_v pi_v\^2: "
+                                              rf"set {arr}.calculate_sum_pi_squared=true"):
             _load(f"algorithm.adv_estimator={est}")
-    with pytest.raises(ConfigError, match=r"calculate_sum_pi_squared=true: the actor's log-prob pass does not"):
-        _load(f"{arr}.calculate_sum_pi_squared=true")
+        cfg = _load(f"algorithm.adv_estimator={est}", f"{arr}.calculate_sum_pi_squared=true", one_mini_batch)
+        resolved = resolve_config(cfg, steps_per_epoch=1, cuda_available=False)
+        assert resolved.actor_rollout_ref.actor.calculate_sum_pi_squared
+        assert resolved.actor_rollout_ref.actor.use_rollout_log_probs is False
+    with pytest.raises(ConfigError, match=r"use_rollout_log_probs=true: actor_rollout_ref.actor.calculate_sum_pi_squared"
+                                          r"=true needs the actor's log-prob pass"):
+        _load(f"{arr}.calculate_sum_pi_squared=true", f"{arr}.use_rollout_log_probs=true")
+    with pytest.raises(ConfigError, match=r"calculate_sum_pi_squared=true with algorithm.rollout_correction.bypass_mode"):
+        _load(f"{arr}.calculate_sum_pi_squared=true", "algorithm.rollout_correction.bypass_mode=true")

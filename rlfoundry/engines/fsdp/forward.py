@@ -21,6 +21,7 @@ the head's log-probs and entropies come out of the model call itself, chunk by c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,7 +34,7 @@ from torch import nn
 from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.engines.fsdp import ulysses
-from rlfoundry.engines.fsdp.fused_head import FusedHead
+from rlfoundry.engines.fsdp.fused_head import COLUMNS, FusedHead
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.models.vision import (
     idle_vision_tower,
@@ -58,7 +59,7 @@ from rlfoundry.utils.seqlen_balancing import (
     rearrange_micro_batches,
     restore_order,
 )
-from rlfoundry.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from rlfoundry.utils.torch_functional import entropy_and_sum_pi_squared, entropy_from_logits, logprobs_from_logits
 
 __all__ = ["CausalLMForward", "MODEL_INPUTS", "MicroPlan", "RowSummary", "model_batch", "restore", "row_summary",
            "value_forward", "plain_micro_batches"]
@@ -143,32 +144,42 @@ class CausalLMForward:
             logits, labels, scatter = self._packed_response_logits(batch, plan.rows)
         else:
             logits, labels, scatter = self._padded_response_logits(batch)
-        log_probs, entropy = self._per_token(logits, labels, spec.entropy)
         padding = _response_padding(micro)
-        out = {"log_probs": _pad_width(scatter(log_probs), full_width).masked_fill(padding, 0.0)}
-        if spec.entropy:
-            out["entropy"] = _pad_width(scatter(entropy), full_width).masked_fill(padding, 0.0)
+        return {key: _pad_width(scatter(values), full_width).masked_fill(padding, 0.0)
+                for key, values in self._per_token(logits, labels, spec).items()}
+
+    def _per_token(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs) -> dict[str, torch.Tensor]:
+        """``log_probs`` and what ``spec`` asks besides (``entropy``, ``sum_pi_squared``) per kept position,
+        from a path's output: logits (..., V), or under the fused head its columns (``fused_head.COLUMNS``),
+        already computed in the model's forward."""
+        if self.fused is None:
+            return self._unfused(logits, labels, spec)
+        out = dict(zip(COLUMNS, logits.unbind(-1)))
+        if not spec.entropy:
+            del out["entropy"]
+        elif not (spec.entropy_grad and torch.is_grad_enabled()):
+            out["entropy"] = out["entropy"].detach()
         return out
 
-    def _per_token(self, logits: torch.Tensor, labels: torch.Tensor, entropy: bool):
-        """(log-probs, entropies or None) from a path's output: logits (..., V), or under the fused head
-        its (..., 2) pairs, already computed in the model's forward."""
-        if self.fused is not None:
-            with_grad = self._spec.entropy_grad and torch.is_grad_enabled()
-            return logits[..., 0], logits[..., 1] if with_grad else logits[..., 1].detach()
-        return self._unfused(logits, labels, entropy)
-
-    def _unfused(self, logits: torch.Tensor, labels: torch.Tensor, entropy: bool = True):
-        """(log-probs, entropies or None) from logits (..., V): temperature, placeholders, chunked ops."""
-        spec = self._spec
+    def _unfused(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs) -> dict[str, torch.Tensor]:
+        """``_per_token`` from logits (..., V): temperature, placeholders, chunked ops. The entropy's blocks
+        give sum pi^2 too (``entropy_and_sum_pi_squared``): no pass over the logits of its own."""
         if spec.temperature != 1.0:
             logits = logits / spec.temperature
         logits = mask_placeholders(logits, self.placeholder_ids)
-        log_probs = logprobs_from_logits(logits, labels)
-        if not entropy:
-            return log_probs, None
-        with torch.set_grad_enabled(spec.entropy_grad and torch.is_grad_enabled()):
-            return log_probs, entropy_from_logits(logits)
+        out = {"log_probs": logprobs_from_logits(logits, labels)}
+        if not (spec.entropy or spec.sum_pi_squared):
+            return out
+        with torch.set_grad_enabled(spec.entropy and spec.entropy_grad and torch.is_grad_enabled()):
+            if spec.sum_pi_squared:
+                entropy, squares = entropy_and_sum_pi_squared(logits)
+            else:
+                entropy, squares = entropy_from_logits(logits), None
+        if spec.entropy:
+            out["entropy"] = entropy
+        if squares is not None:
+            out["sum_pi_squared"] = squares
+        return out
 
     def _lm(self, labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
         """The model's ``logits`` at the kept positions; under the fused head, given ``labels`` (the next
@@ -176,7 +187,8 @@ class CausalLMForward:
         if self.fused is None or labels is None:
             return self.module(**inputs).logits
         spec = self._spec
-        with self.fused.labelled(labels, spec.temperature, spec.entropy_grad and torch.is_grad_enabled()):
+        with self.fused.labelled(labels, spec.temperature, spec.entropy_grad and torch.is_grad_enabled(),
+                                 spec.sum_pi_squared):
             return self.module(**inputs).logits
 
     def _padded_response_logits(self, batch, pixels: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -220,8 +232,9 @@ class CausalLMForward:
                             attention_mask=tail_mask, position_ids=pos[:, tp:], **kv_cache_kwargs(self.module, cache),
                             use_cache=True, logits_to_keep=width)
         first_logits = head.logits[group]
-        if self.fused is not None:  # the first response token's pair from the head call's logits
-            first_logits = torch.stack(self._unfused(first_logits, batch["responses"][:, :1]), dim=-1)
+        if self.fused is not None:  # the first response token's columns from the head call's logits
+            first = self._unfused(first_logits, batch["responses"][:, :1], dataclasses.replace(self._spec, entropy=True))
+            first_logits = torch.stack([first[key] for key in COLUMNS if key in first], dim=-1)
         return torch.cat([first_logits, tail[:, :-1]], dim=1), batch["responses"], _identity
 
     def _packed_response_logits(self, batch, rows: "RowSummary | None" = None) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -4,7 +4,7 @@ states in chunks of tokens, never the whole (tokens, vocabulary) logits.
 How: for one model call, the causal LM's ``lm_head`` forward is swapped for
 ``fused_logprobs_entropy`` (``utils/torch_functional.py``) over the labels the caller gives (the
 next token of each kept position); what the model returns as ``logits`` is then (..., 2): each
-position's (log-prob, entropy) in fp32. verl patches the whole ``*ForCausalLM.forward`` per model
+position's (log-prob, entropy) in fp32, or (..., 3) with sum_v p_v^2 as well (``COLUMNS``). verl patches the whole ``*ForCausalLM.forward`` per model
 family to the same end; swapping the head alone keeps every family whose forward ends in
 ``self.lm_head(hidden)`` (all of transformers' causal LMs that have no logit soft-capping).
 
@@ -28,9 +28,10 @@ from torch import nn
 
 from rlfoundry.utils.torch_functional import fused_logprobs_entropy
 
-__all__ = ["BACKENDS", "FusedHead", "check_fused_kernels"]
+__all__ = ["BACKENDS", "COLUMNS", "FusedHead", "check_fused_kernels"]
 
 BACKENDS = ("torch", "triton")
+COLUMNS = ("log_probs", "entropy", "sum_pi_squared")  # the fused head's output columns, in order
 
 
 def check_fused_kernels(options: dict[str, Any] | None, key: str = "model") -> list[str]:
@@ -69,15 +70,17 @@ class FusedHead:
         self.excluded_ids = list(excluded_ids or [])
 
     @contextlib.contextmanager
-    def labelled(self, labels: torch.Tensor, temperature: float, entropy_grad: bool) -> Iterator[None]:
+    def labelled(self, labels: torch.Tensor, temperature: float, entropy_grad: bool,
+                 sum_pi_squared: bool = False) -> Iterator[None]:
         """Within: a model call keeping positions (b, n) returns ``logits`` (b, n, 2) = (log p(labels), entropy),
-        fp32, with the logits divided by ``temperature``. ``labels`` (b, n): each kept position's next token."""
+        fp32, with the logits divided by ``temperature``; (b, n, 3) with ``sum_pi_squared`` (``COLUMNS``).
+        ``labels`` (b, n): each kept position's next token."""
         head = self.head
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
-            log_probs, entropy = fused_logprobs_entropy(hidden, head.weight, labels, temperature, self.excluded_ids,
-                                                        entropy_grad=entropy_grad)
-            return torch.stack([log_probs, entropy], dim=-1)
+            columns = fused_logprobs_entropy(hidden, head.weight, labels, temperature, self.excluded_ids,
+                                             entropy_grad=entropy_grad, sum_pi_squared=sum_pi_squared)
+            return torch.stack(columns, dim=-1)
 
         head.forward = forward
         try:

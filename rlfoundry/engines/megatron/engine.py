@@ -147,12 +147,11 @@ class MegatronEngine(TrainingEngine):
             logits = response_logits(logits, responses.shape[1])
             if spec.temperature != 1.0:
                 logits = logits / spec.temperature
-            log_probs, entropy = vocab_parallel_log_probs(logits, responses, spec.entropy, spec.entropy_grad)
+            log_probs, entropy, squares = vocab_parallel_log_probs(logits, responses, spec.entropy, spec.entropy_grad,
+                                                                   spec.sum_pi_squared)
             padding = micro["attention_mask"][:, -responses.shape[1]:] == 0
-            out = {"log_probs": log_probs.masked_fill(padding, 0.0)}
-            if entropy is not None:
-                out["entropy"] = entropy.masked_fill(padding, 0.0)
-            return out
+            out = {"log_probs": log_probs, "entropy": entropy, "sum_pi_squared": squares}
+            return {key: values.masked_fill(padding, 0.0) for key, values in out.items() if values is not None}
         return outputs
 
     @staticmethod

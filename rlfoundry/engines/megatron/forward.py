@@ -33,9 +33,11 @@ def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, entropy: bool = False,
-                             entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(label) and (optionally) the entropy from this rank's vocabulary slice of ``logits``
-    (..., V / tp); ``labels`` index the whole vocabulary. Same result on every tensor-parallel rank."""
+                             entropy_grad: bool = True, sum_pi_squared: bool = False,
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log p(label), and optionally the entropy and sum_v p_v^2 (no gradient), from this rank's vocabulary
+    slice of ``logits`` (..., V / tp); ``labels`` index the whole vocabulary. Same result on every
+    tensor-parallel rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
@@ -54,11 +56,15 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, entropy
     target = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine
     log_z = sum_exp.log()
     log_probs = tp_sum(target) - log_z
+    squares = None
+    if sum_pi_squared:  # sum_v p_v^2 = sum_v exp(x_v - peak)^2 / (sum_v exp(x_v - peak))^2, one more slice sum
+        with torch.no_grad():
+            squares = tp_sum(torch.linalg.vecdot(exp, exp)) / sum_exp.square()
     if not entropy:
-        return log_probs, None
+        return log_probs, None, squares
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         weighted = tp_sum((exp * shifted).sum(dim=-1)) / sum_exp  # E_p[logit - peak]
-        return log_probs, log_z - weighted
+        return log_probs, log_z - weighted, squares
 
 
 def response_logits(output: torch.Tensor, response_width: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from rlfoundry.config.schema import PPOConfig
+from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig
 from rlfoundry.algos import core_algos, rollout_corr
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
@@ -85,7 +85,8 @@ def compute_advantage(
 
     Every estimator takes ``**kwargs``, so the same call serves all of them: ``values`` (GAE),
     ``index`` = ``uid`` (group baselines), ``reward_baselines`` (ReMax) are passed when the batch
-    has them. ``num_repeat`` is kept for verl's signature (groups come from ``uid``). With GAE and
+    has them; the optimal token baselines also get ``old_log_probs``, ``sum_pi_squared`` and
+    ``rollout_is_weights`` (``_optimal_token_baseline_inputs``). ``num_repeat`` is kept for verl's signature (groups come from ``uid``). With GAE and
     ``config.use_pf_ppo`` the batch is then resampled by score (PF-PPO, ``algos/pf_ppo.py``; only
     after GAE, as in verl), drawing with ``generator``.
     """
@@ -106,6 +107,8 @@ def compute_advantage(
         kwargs["index"] = data.non_tensor_batch["uid"]
     if adv_estimator == "gdpo":  # its reward components (carried by carry_gdpo_components)
         kwargs["non_tensor_batch"] = data.non_tensor_batch
+    if adv_estimator in SUM_PI_SQUARED_ESTIMATORS:
+        kwargs |= _optimal_token_baseline_inputs(data, adv_estimator)
     advantages, returns = fn(**kwargs)
     data.batch["advantages"] = advantages
     data.batch["returns"] = returns
@@ -114,6 +117,20 @@ def compute_advantage(
         data = core_algos.compute_pf_ppo_reweight_data(data, pf.get("reweight_method", "pow"),
                                                        float(pf.get("weight_pow", 2.0)), generator=generator)
     return data
+
+
+def _optimal_token_baseline_inputs(data: DataProto, adv_estimator: str) -> dict[str, Any]:
+    """What the optimal token baselines read besides rewards (verl passes the same): the actor's
+    ``old_log_probs`` and ``sum_pi_squared`` (B, Tr), and ``rollout_is_weights`` (B, Tr) when rollout
+    correction wrote them (W_t is then scaled by their square)."""
+    tensors = data.batch
+    missing = [k for k in ("old_log_probs", "sum_pi_squared") if k not in tensors.keys()]
+    if missing:  # config validation requires calculate_sum_pi_squared; this is the batch's own check
+        raise KeyError(f"algorithm.adv_estimator={adv_estimator} needs {missing} in the batch: the actor's "
+                       "compute_log_prob writes them with actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+    weights = tensors["rollout_is_weights"] if "rollout_is_weights" in tensors.keys() else None
+    return {"old_log_probs": tensors["old_log_probs"], "sum_pi_squared": tensors["sum_pi_squared"],
+            "rollout_is_weights": weights}
 
 
 def balance_batch(data: DataProto, world_size: int) -> tuple[DataProto, dict[str, float]]:
