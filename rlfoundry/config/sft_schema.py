@@ -44,7 +44,7 @@ class SFTSyntheticConfig:  # rlfoundry: the built-in task used when data.train_f
 
 @dataclass
 class SFTMultiturnConfig:
-    enable: bool = False  # true: rows are whole conversations, every assistant turn trained (not built)
+    enable: bool = False  # true: rows are whole conversations (messages_key), every assistant turn trained
     messages_key: str = "messages"
     tools_key: str = "tools"
     enable_thinking_key: str = "enable_thinking"
@@ -74,7 +74,11 @@ class SFTDataConfig:
     pad_mode: Optional[str] = field(default=None, metadata={"choices": (None, "no_padding", "right_padding")})
     shuffle: bool = True
     synthetic: SFTSyntheticConfig = _sub(SFTSyntheticConfig)  # rlfoundry
-    multiturn: SFTMultiturnConfig = _sub(SFTMultiturnConfig)  # verl's conversation rows: not built (enable=false)
+    # verl's conversation rows, every assistant turn trained (data/sft_dataset.py): data.multiturn.enable=true,
+    # or the newer trainer's data.messages_key (its rows are always conversations) with data.tools_key
+    multiturn: SFTMultiturnConfig = _sub(SFTMultiturnConfig)
+    messages_key: Optional[str] = None
+    tools_key: Optional[str] = None
 
 
 @dataclass

@@ -7,6 +7,12 @@ The prompt goes through the tokenizer's chat template (with the generation promp
 gets EOS appended; ``loss_mask`` is 1 on the response tokens. ``collate_sft`` makes the rows the
 engine's causal-LM layout: left-padded prompt | right-padded response, with ``response_mask``.
 
+Conversation rows (verl's multi-turn SFT: ``data.multiturn.enable=true`` or its newer trainer's
+``data.messages_key``): a row is a list of chat messages (optionally with tools, ``tools_key``), and
+every assistant turn is trained: ``loss_mask`` is 1 on the tokens the chat template writes for each
+assistant message (its end-of-turn marker included), 0 on system, user and tool turns. Such a
+"pair" carries ``None`` as its response.
+
 Image rows (verl's multimodal layout, ``data.image_key``, ``<image>`` markers; docs/vision.md): the
 images are decoded when the file is read (a row whose image does not load is reported and skipped,
 as ``RLHFDataset`` does) and ride in the prompt's ``{"type": "image"}`` content parts. With a
@@ -17,6 +23,7 @@ tokens, the pixel inputs (``multi_modal_inputs``) and the model's own 3-D rotary
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -30,14 +37,16 @@ from torch.utils.data import Dataset
 from rlfoundry.data import multimodal as mm
 from rlfoundry.data.rl_dataset import position_ids_from_mask
 
-__all__ = ["Pair", "SFTDataError", "SFTDataset", "VisionEncoder", "collate_sft", "encode_pair", "images_of", "load_pairs",
-           "synthetic_pairs", "with_images"]
+__all__ = ["Pair", "SFTDataError", "SFTDataset", "VisionEncoder", "collate_sft", "conversation_keys", "encode_conversation",
+           "encode_pair", "images_of", "load_pairs", "synthetic_pairs", "with_images"]
 
 logger = logging.getLogger(__name__)
 
 # (chat messages of the prompt, response text); an image row's messages hold its images in their
-# {"type": "image", "image": PIL image} content parts
-Pair = tuple[list[dict], str]
+# {"type": "image", "image": PIL image} content parts. A conversation row: (its messages, None), led by
+# {"role": TEMPLATE_ARGS, ...} holding the chat template's arguments for the row (tools, enable_thinking)
+TEMPLATE_ARGS = "_template_args"
+Pair = tuple[list[dict], str | None]
 
 
 class SFTDataError(ValueError):
@@ -75,14 +84,50 @@ def _as_messages(prompt: Any, where: str) -> list[dict]:
     raise SFTDataError(f"{where}: the prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
+def conversation_keys(data_cfg: Any) -> tuple[str, str, str] | None:
+    """The (messages, tools, enable_thinking) columns when rows are conversations (verl's ``data.multiturn.enable`` or its
+    newer ``data.messages_key``), else None (prompt/response pairs)."""
+    multiturn = data_cfg.get("multiturn") or {}
+    thinking = multiturn.get("enable_thinking_key", "enable_thinking")
+    if data_cfg.get("messages_key"):
+        return data_cfg.messages_key, data_cfg.get("tools_key") or multiturn.get("tools_key") or "tools", thinking
+    if multiturn.get("enable"):
+        return multiturn.get("messages_key", "messages"), multiturn.get("tools_key", "tools"), thinking
+    return None
+
+
+def _conversation(row: Mapping, keys: tuple[str, str, str], where: str) -> Pair:
+    """A conversation row as (messages, None), led by the template's arguments: its tools (a list or a
+    JSON string) and its ``enable_thinking`` flag (verl's per-row column), where it has them."""
+    messages_key, tools_key, thinking_key = keys
+    messages = row.get(messages_key)
+    if messages_key not in row:
+        raise SFTDataError(f"{where}: no column {messages_key!r} (columns: {sorted(row)}); set data.messages_key")
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) and "role" in m for m in messages):
+        raise SFTDataError(f"{where}: column {messages_key!r} must be a list of chat messages with roles")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SFTDataError(f"{where}: the conversation has no assistant turn, so nothing to train on")
+    tools = row.get(tools_key)
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    args = {"tools": list(tools) if tools else None}
+    if row.get(thinking_key) is not None:
+        args["enable_thinking"] = bool(row[thinking_key])
+    return [{"role": TEMPLATE_ARGS, **args}] + [{k: v for k, v in m.items() if v is not None} for m in messages], None
+
+
 def load_pairs(files: str | Sequence[str], data_cfg: Any) -> list[Pair]:
     """(messages, response) pairs from the files named by ``data.train_files`` / ``data.val_files``;
-    a row with images in ``data.image_key`` gets them in its messages (``with_images``)."""
+    a row with images in ``data.image_key`` gets them in its messages (``with_images``); conversation
+    rows (``conversation_keys``) come as (messages, None)."""
     pairs: list[Pair] = []
+    conversations = conversation_keys(data_cfg)
     for file in [files] if isinstance(files, str) else list(files):
         path = Path(os.path.expanduser(str(file)))
         for i, row in enumerate(_read_rows(path)):
             where = f"{path}, row {i}"
+            if conversations is not None:
+                pairs.append(_conversation(row, conversations, where))
+                continue
             prompt = _field(row, data_cfg.prompt_key, data_cfg.prompt_dict_keys, where, "data.prompt_key")
             response = _field(row, data_cfg.response_key, data_cfg.response_dict_keys, where, "data.response_key")
             try:
@@ -113,7 +158,8 @@ def with_images(messages: list[dict], images: Any, base_dir: Path, where: str) -
 
 def images_of(messages: list[dict]) -> list:
     """The images in a pair's message parts, in order (``with_images``)."""
-    return [c["image"] for m in messages if isinstance(m["content"], list) for c in m["content"] if c["type"] == "image"]
+    return [c["image"] for m in messages if isinstance(m.get("content"), list) for c in m["content"]
+            if c["type"] == "image"]
 
 
 def synthetic_pairs(syn: Any) -> tuple[list[Pair], list[Pair]]:
@@ -146,6 +192,35 @@ def encode_pair(tokenizer: Any, messages: list[dict], response: str, max_length:
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids, mask = _truncate(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids),
                           max_length, truncation, where)
+    return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
+
+
+def encode_conversation(tokenizer: Any, messages: list[dict], max_length: int, truncation: str = "error",
+                        where: str = "example") -> dict[str, torch.Tensor]:
+    """Token ids of a chat-templated conversation and ``loss_mask``: 1 on what the template writes for
+    each assistant message, 0 elsewhere. An assistant turn's text is the template of the messages up
+    to it minus the template of those before it with the generation prompt; a template for which that
+    is not a prefix (it rewrites earlier turns, e.g. drops past reasoning) is an error naming the row."""
+    lead = messages[0] if messages and messages[0]["role"] == TEMPLATE_ARGS else {"role": TEMPLATE_ARGS}
+    args = {k: v for k, v in lead.items() if k != "role" and v is not None}
+    turns = messages[1:] if messages and messages[0] is lead else messages
+
+    def render(upto: list[dict], generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(upto, add_generation_prompt=generation_prompt, tokenize=False,
+                                             **args) if upto else ""
+
+    ids, mask, done = [], [], ""
+    for i, message in enumerate(turns):
+        if message["role"] != "assistant":
+            continue
+        before, upto = render(turns[:i], generation_prompt=True), render(turns[: i + 1])
+        if not before.startswith(done) or not upto.startswith(before):
+            raise SFTDataError(f"{where}: the chat template rewrites earlier turns when assistant turn {i} is added, "
+                               "so its tokens cannot be told apart; use a template that appends (data.chat_template)")
+        for text, trained in ((before[len(done):], 0), (upto[len(before):], 1)):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids, mask, done = ids + piece, mask + [trained] * len(piece), upto
+    ids, mask = _truncate(ids, mask, max_length, truncation, where)
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
 
@@ -188,11 +263,15 @@ class SFTDataset(Dataset):
         if processor is None and any(images_of(m) for m, _ in pairs):
             raise SFTDataError("the data has image rows (data.image_key) but the model has no processor (a text-only "
                                "model): use a vision-language model such as Qwen2-VL, or drop the images")
+        if processor is not None and any(r is None for _, r in pairs):
+            raise SFTDataError("conversation rows (data.messages_key / data.multiturn) on a vision-language model are "
+                               "not built; give prompt/response pairs, or a text model")
         if processor is not None:
             encode = VisionEncoder(processor)
             self.examples = [encode(m, r, max_length, f"example {i}") for i, (m, r) in enumerate(pairs)]
             return
-        self.examples = [encode_pair(tokenizer, m, r, max_length, truncation, where=f"example {i}")
+        self.examples = [encode_pair(tokenizer, m, r, max_length, truncation, where=f"example {i}") if r is not None
+                         else encode_conversation(tokenizer, m, max_length, truncation, where=f"example {i}")
                          for i, (m, r) in enumerate(pairs)]
 
     def __len__(self) -> int:

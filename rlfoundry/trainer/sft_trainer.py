@@ -155,9 +155,6 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
 
         device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         errors += liger_problems(device)
-    if cfg.data.multiturn.enable:
-        errors.append("data.multiturn.enable=true: conversation rows with every assistant turn trained are not "
-                      "built for rlfoundry sft; give prompt/response columns (data.prompt_key, data.response_key)")
     if cfg.data.max_length < 2:
         errors.append(f"data.max_length ({cfg.data.max_length}) must be at least 2")
     if t.device == "cuda" and not torch.cuda.is_available():

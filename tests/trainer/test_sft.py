@@ -306,7 +306,7 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
 
 @pytest.mark.parametrize(("override", "named"), [
     ("engine=megatron", "megatron SFT engine"), ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
-    ("data.multiturn.enable=true", "data.multiturn.enable"), ("model.strategy=megatron", "model.strategy"),
+    ("model.strategy=megatron", "model.strategy"),
     ("model.use_liger=true", "liger"),  # CPU here: Liger's kernels need CUDA
 ])
 def test_what_sft_does_not_build_is_an_error_naming_it(override, named):
@@ -325,3 +325,59 @@ def test_sft_config_names_and_the_dry_run(tmp_path, monkeypatch, capsys):
     (tmp_path / "mine").mkdir()  # a user's SFT YAML with a defaults list over verl's SFT name
     (tmp_path / "mine" / "sft.yaml").write_text("defaults: [sft_trainer, _self_]\noptim:\n  lr: 0.5\n")
     assert load_sft_config(["model.partial_pretrain=/m"], "sft.yaml", "mine").optim.lr == 0.5
+
+
+# ───────────────────────────── conversation rows (verl's multi-turn SFT) ─────────────────────────────
+
+_CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+         {"role": "assistant", "content": "6"}]
+
+
+def test_a_conversation_trains_every_assistant_turn_and_nothing_else():
+    from rlfoundry.data.sft_dataset import _conversation, encode_conversation
+
+    tokenizer = build_tokenizer()
+    messages, response = _conversation({"messages": _CHAT}, ("messages", "tools", "enable_thinking"), "row 0")
+    example = encode_conversation(tokenizer, messages, 512)
+    ids, mask = example["input_ids"].tolist(), example["loss_mask"].tolist()
+    assert response is None
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(_CHAT, tokenize=False)  # the whole template
+    # the trained tokens are the two assistant turns with their end-of-turn markers, in order
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "4<|im_end|>\n6<|im_end|>\n"
+    batch = collate_sft([example], tokenizer.pad_token_id)
+    assert int(batch["response_mask"].sum()) == sum(mask)  # the RL layout keeps every trained token
+
+
+def test_conversation_rows_from_either_verl_layout(tmp_path):
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps({"conv": _CHAT, "tools": json.dumps([{"type": "function"}]),
+                                           "enable_thinking": False}) for _ in range(2)))
+    newer = OmegaConf.create({"messages_key": "conv", "tools_key": "tools", "image_key": "images"})
+    older = OmegaConf.create({"multiturn": {"enable": True, "messages_key": "conv", "tools_key": "tools",
+                                            "enable_thinking_key": "enable_thinking"}, "image_key": "images"})
+    for cfg in (newer, older):
+        (messages, response), _ = load_pairs(str(path), cfg)
+        assert response is None and messages[1:] == _CHAT
+        assert messages[0] == {"role": "_template_args", "tools": [{"type": "function"}], "enable_thinking": False}
+    with pytest.raises(SFTDataError, match="no column 'messages'"):
+        load_pairs(str(path), OmegaConf.create({"multiturn": {"enable": True}, "image_key": "images"}))
+
+
+def test_sft_trains_on_conversation_rows(tiny_model_dir, tmp_path):
+    from rlfoundry.data.sft_dataset import _conversation, encode_conversation
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": _CHAT}) for _ in range(16)))
+    trainer = SFTTrainer(load_sft_config(_overrides(tiny_model_dir, tmp_path / "run", "data.messages_key=messages",
+                                                    f"data.train_files={path}", "data.max_length=128")))
+    try:
+        metrics = trainer.train_step(next(iter(trainer.train_loader)))
+    finally:
+        trainer._finish(0.0)
+    per_row = int(encode_conversation(trainer.tokenizer, _conversation({"messages": _CHAT}, ("messages", "t", "e"),
+                                                                       "")[0], 128)["loss_mask"].sum())
+    assert metrics["train/response_tokens"] == 16 * per_row  # the assistant turns' tokens, nothing else
+    assert math.isfinite(metrics["train/loss"])
