@@ -66,6 +66,10 @@ class SFTDataConfig:
     chat_template: Optional[str] = None  # a Jinja template replacing the tokenizer's own
     train_batch_size: int = 64  # sequences per optimiser step, over all ranks
     micro_batch_size_per_gpu: int = 64  # sequences per forward/backward on one rank (gradient accumulation)
+    # verl's token budgets: micro-batches of at most max_token_len_per_gpu tokens instead of
+    # micro_batch_size_per_gpu rows (the update is the same; the global batch normalises the loss)
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192
     # verl's older key, which its trainer does not read (micro_batch_size_per_gpu sets the micro-batch): no
     # effect, with a warning; the update does not depend on the micro-batch size anyway
     micro_batch_size: Optional[int] = None
@@ -149,11 +153,17 @@ class SFTTrainerConfig:
 
 
 @dataclass
+class SFTEngineConfig:  # verl's newer SFT layout: the engine group's keys (engine=fsdp)
+    ulysses_sequence_parallel_size: Optional[int] = None  # its spelling of the top-level key
+
+
+@dataclass
 class SFTConfig:
     data: SFTDataConfig = _sub(SFTDataConfig)
     model: SFTModelConfig = _sub(SFTModelConfig)
     optim: SFTOptimConfig = _sub(SFTOptimConfig)
     ulysses_sequence_parallel_size: int = 1  # verl's Ulysses sequence parallelism: only 1 (not built for SFT)
+    engine: SFTEngineConfig = _sub(SFTEngineConfig)
     use_remove_padding: bool = False  # pack the real tokens of a micro-batch into one row (same loss)
     trainer: SFTTrainerConfig = _sub(SFTTrainerConfig)
 

@@ -111,7 +111,8 @@ def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size:
         _adopt(cfg, user_keys, "data.pad_mode", "use_remove_padding", data.pad_mode == "no_padding")
     for verl_key, ours in (("model.path", "model.partial_pretrain"), ("model.use_remove_padding", "use_remove_padding"),
                            ("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio"),
-                           ("optim.lr_scheduler_type", "optim.lr_scheduler")):
+                           ("optim.lr_scheduler_type", "optim.lr_scheduler"),
+                           ("engine.ulysses_sequence_parallel_size", "ulysses_sequence_parallel_size")):
         value = OmegaConf.select(cfg, verl_key)
         if value is not None:
             _adopt(cfg, user_keys, verl_key, ours, value)
@@ -150,6 +151,9 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if cfg.ulysses_sequence_parallel_size != 1:
         errors.append(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size}: Ulysses sequence "
                       "parallelism is not built for rlfoundry sft (the PPO roles have it); use 1")
+    if cfg.data.use_dynamic_bsz and cfg.data.max_token_len_per_gpu < cfg.data.max_length:
+        errors.append(f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) < data.max_length "
+                      f"({cfg.data.max_length}): a micro-batch's token budget must hold the longest row")
     if cfg.model.use_liger:
         from rlfoundry.models.liger import liger_problems
 
@@ -356,7 +360,9 @@ class SFTTrainer:
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One optimiser step on this rank's share of the global batch, in micro-batches."""
-        plan = UpdatePlan(micro=MicroBatching(self.config.data.micro_batch_size_per_gpu))
+        data = self.config.data
+        budget = int(data.max_token_len_per_gpu) if data.use_dynamic_bsz else None  # wins over the row count
+        plan = UpdatePlan(micro=MicroBatching(data.micro_batch_size_per_gpu, budget))
         out = self.engine.train_batch(self._on_device(batch), LogProbs(), sft_loss, plan)
         lr = self.engine.step_lr_scheduler()  # the lr this step used
         (tokens,) = self._all_reduce(float(batch["response_mask"].sum()))

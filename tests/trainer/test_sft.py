@@ -381,3 +381,19 @@ def test_sft_trains_on_conversation_rows(tiny_model_dir, tmp_path):
                                                                        "")[0], 128)["loss_mask"].sum())
     assert metrics["train/response_tokens"] == 16 * per_row  # the assistant turns' tokens, nothing else
     assert math.isfinite(metrics["train/loss"])
+
+
+def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, tmp_path):
+    # verl's data.use_dynamic_bsz: micro-batches of at most max_token_len_per_gpu tokens (each row here is
+    # at most data.max_length=64 tokens, so a 64-token budget cuts the 16 rows into many micro-batches)
+    loss16, w16 = _one_step_params(tiny_model_dir, tmp_path / "a", "data.micro_batch_size_per_gpu=16")
+    budget, w_budget = _one_step_params(tiny_model_dir, tmp_path / "b", "data.use_dynamic_bsz=true",
+                                        "data.max_token_len_per_gpu=64")
+    assert budget == pytest.approx(loss16, rel=1e-5)
+    torch.testing.assert_close(w_budget, w16, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError, match="max_token_len_per_gpu"):
+        load_sft_config(["model.path=/m", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=32"])
+    cfg = load_sft_config(["model.path=/m", "engine.ulysses_sequence_parallel_size=1"])
+    assert cfg.ulysses_sequence_parallel_size == 1
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2"):
+        load_sft_config(["model.path=/m", "engine.ulysses_sequence_parallel_size=2"])
