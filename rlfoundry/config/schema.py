@@ -1148,7 +1148,12 @@ class PPOConfig(Node):
     rollout: RolloutPoolConfig = _sub(RolloutPoolConfig)
     async_training: AsyncTrainingConfig = _sub(AsyncTrainingConfig)
     sandbox: SandboxConfig = _sub(SandboxConfig)  # rlfoundry
+    # ray.init's arguments for the Ray back end: address, num_cpus, num_gpus, runtime_env (py_executable,
+    # env_vars, ...); trainer/main_ppo.py passes them to single_controller/ray/cluster.py init_ray
     ray_init: Dict[str, Any] = _dict(num_cpus=None, timeline_json_file=None)
+    # verl >= 0.5's place of ray_init: ray_kwargs.ray_init.* is copied there (timeline_json_file: no effect)
+    ray_kwargs: Dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
+                                                               "timeline_json_file": None})
     global_profiler: GlobalProfilerConfig = _sub(GlobalProfilerConfig)
     # verl (Aug 2026): on-policy distillation from teacher models; enabled=true is a start-up error (not built)
     distillation: Dict[str, Any] = _dict(enabled=False)

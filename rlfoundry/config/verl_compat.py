@@ -72,7 +72,7 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.entropy_from_logits_with_chunking", "*.entropy_checkpointing",
     "*.profiler.*", "trainer.controller_nsight_options*", "trainer.worker_nsight_options*",  # profiling only
     "actor_rollout_ref.rollout.trace*",  # rollout tracing: observability only (utils/rollout_trace.py)
-    "ray_init.timeline_json_file",  # a Ray timeline dump: observability only
+    "ray_init.timeline_json_file", "ray_kwargs.timeline_json_file",  # a Ray timeline dump: observability only
     "*.fsdp_config.grad_offload",  # removed in verl >= 0.2: gradients follow param_offload
     # FSDP1's size-based wrapping; FSDP2 (verl's fsdp2 strategy and this engine) wraps by layer class
     "*.fsdp_config.wrap_policy.min_num_params",
@@ -169,7 +169,7 @@ VERL_OLD_NAMES = {"trainer.val_generations_to_log_to_wandb": "trainer.log_val_ge
 
 _ROLES_WITH_OPTIM = ("actor_rollout_ref.actor", "critic")
 # verl's subtrees that moved (August 2026): each key the user set under the first is the second's
-VERL_MOVED_SUBTREES = {"critic.fsdp.": "critic.model.fsdp_config."}
+VERL_MOVED_SUBTREES = {"critic.fsdp.": "critic.model.fsdp_config.", "ray_kwargs.ray_init.": "ray_init."}
 # verl's other names (newer layouts, its Megatron config, its worker groups) of settings rlfoundry reads
 # elsewhere: given -> read. Each is the same setting: the value read is the value in effect.
 VERL_OTHER_NAMES = {

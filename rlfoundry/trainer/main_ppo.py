@@ -283,6 +283,18 @@ def judge_worker_config(cfg: DictConfig) -> dict[str, Any]:
     return {"model": model, "rollout": rollout}
 
 
+def ray_init_args(cfg: DictConfig) -> dict[str, Any]:
+    """``init_ray``'s arguments from ``ray_init`` (verl's ``ray_kwargs.ray_init``): the cluster address, a
+    local instance's CPUs and GPUs, and the workers' ``runtime_env`` (``py_executable``, ``env_vars``, ...),
+    whose unset (null) entries are left to Ray."""
+    ray_init = cfg.ray_init
+    runtime_env = {k: v for k, v in dict(ray_init.get("runtime_env") or {}).items() if v is not None}
+    if runtime_env.get("env_vars"):  # Ray takes strings only (a command line's TRANSFER_QUEUE_ENABLE=1 is an int)
+        runtime_env["env_vars"] = {str(k): str(v) for k, v in dict(runtime_env["env_vars"]).items()}
+    return {"address": ray_init.get("address"), "num_cpus": ray_init.get("num_cpus"),
+            "num_gpus": ray_init.get("num_gpus"), "runtime_env": runtime_env or None}
+
+
 def _runtime(cfg: DictConfig) -> WorkerRuntime:
     """What every rank's process needs from ``trainer.*`` before its roles are built."""
     from rlfoundry.single_controller.base.worker import WorkerRuntime
@@ -349,7 +361,7 @@ def ray_factory(cfg: DictConfig):
     def manager() -> ResourcePoolManager:
         if not managers:  # both pools at once: the resource check sees the whole demand
             trainer = cfg.trainer
-            init_ray(address=cfg.ray_init.get("address"), num_cpus=cfg.ray_init.get("num_cpus"))
+            init_ray(**ray_init_args(cfg))
             spec, mapping = {"global_pool": [int(trainer.n_gpus_per_node)] * int(trainer.nnodes)}, {Role.ActorRollout: "global_pool"}
             for pool, role, ranks in (("rollout_pool", Role.Rollout, rollout_world_size(cfg)),
                                       ("reward_pool", Role.RewardModel, judge_world_size(cfg))):

@@ -367,3 +367,17 @@ def test_august_critic_fsdp_is_the_critics_fsdp_config_and_fsdp_strategy_is_chec
     assert "actor_rollout_ref.actor.fsdp_config.strategy" in _no_effect_warning(
         "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2")
     assert "strategy is fsdp or fsdp2" in _error("actor_rollout_ref.actor.fsdp_config.strategy=megatron")
+
+
+def test_ray_kwargs_ray_init_is_what_init_ray_gets():
+    from rlfoundry.trainer.main_ppo import ray_init_args
+
+    # 69 August scripts pass the workers' interpreter (null: Ray's own); ray_init_args is init_ray's call
+    assert ray_init_args(_load("ray_kwargs.ray_init.runtime_env.py_executable=null"))["runtime_env"] is None
+    args = ray_init_args(_load("ray_kwargs.ray_init.runtime_env.py_executable='uv run --frozen'",
+                               "+ray_kwargs.ray_init.runtime_env.env_vars.TRANSFER_QUEUE_ENABLE=1",
+                               "ray_kwargs.ray_init.num_cpus=4", "+ray_kwargs.ray_init.num_gpus=0"))
+    assert args == {"address": None, "num_cpus": 4, "num_gpus": 0, "runtime_env": {
+        "py_executable": "uv run --frozen", "env_vars": {"TRANSFER_QUEUE_ENABLE": "1"}}}
+    assert "older verl" in _error("ray_kwargs.ray_init.num_cpus=4", "ray_init.num_cpus=2")
+    assert "ray_kwargs.timeline_json_file" in _no_effect_warning("ray_kwargs.timeline_json_file=/tmp/t.json")
