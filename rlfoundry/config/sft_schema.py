@@ -83,6 +83,7 @@ class SFTDataConfig:
     multiturn: SFTMultiturnConfig = _sub(SFTMultiturnConfig)
     messages_key: Optional[str] = None
     tools_key: Optional[str] = None
+    ignore_input_ids_mismatch: bool = False  # conversation tokens turn by turn != the whole text's: error unless true
 
 
 @dataclass

@@ -196,11 +196,14 @@ def encode_pair(tokenizer: Any, messages: list[dict], response: str, max_length:
 
 
 def encode_conversation(tokenizer: Any, messages: list[dict], max_length: int, truncation: str = "error",
-                        where: str = "example") -> dict[str, torch.Tensor]:
+                        where: str = "example", ignore_mismatch: bool = False) -> dict[str, torch.Tensor]:
     """Token ids of a chat-templated conversation and ``loss_mask``: 1 on what the template writes for
     each assistant message, 0 elsewhere. An assistant turn's text is the template of the messages up
     to it minus the template of those before it with the generation prompt; a template for which that
-    is not a prefix (it rewrites earlier turns, e.g. drops past reasoning) is an error naming the row."""
+    is not a prefix (it rewrites earlier turns, e.g. drops past reasoning) is an error naming the row.
+    The turns are tokenised piece by piece; where that differs from tokenising the whole text (a token
+    across a turn boundary) it is an error, as in verl, unless ``ignore_mismatch``
+    (``data.ignore_input_ids_mismatch``), which keeps the pieces' tokens."""
     lead = messages[0] if messages and messages[0]["role"] == TEMPLATE_ARGS else {"role": TEMPLATE_ARGS}
     args = {k: v for k, v in lead.items() if k != "role" and v is not None}
     turns = messages[1:] if messages and messages[0] is lead else messages
@@ -220,6 +223,10 @@ def encode_conversation(tokenizer: Any, messages: list[dict], max_length: int, t
         for text, trained in ((before[len(done):], 0), (upto[len(before):], 1)):
             piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
             ids, mask, done = ids + piece, mask + [trained] * len(piece), upto
+    if not ignore_mismatch and tokenizer(done, add_special_tokens=False)["input_ids"] != ids:
+        raise SFTDataError(f"{where}: the conversation's turns tokenised one by one differ from the whole text "
+                           "tokenised at once (a token spans a turn boundary); set data.ignore_input_ids_mismatch=true "
+                           "to train on the turn-by-turn tokens, as verl does with it")
     ids, mask = _truncate(ids, mask, max_length, truncation, where)
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
@@ -259,7 +266,7 @@ class SFTDataset(Dataset):
     With ``processor`` (a vision-language model's) every pair goes through ``VisionEncoder``."""
 
     def __init__(self, pairs: Sequence[Pair], tokenizer: Any, max_length: int, truncation: str = "error",
-                 processor: Any = None) -> None:
+                 processor: Any = None, ignore_mismatch: bool = False) -> None:
         if processor is None and any(images_of(m) for m, _ in pairs):
             raise SFTDataError("the data has image rows (data.image_key) but the model has no processor (a text-only "
                                "model): use a vision-language model such as Qwen2-VL, or drop the images")
@@ -271,7 +278,7 @@ class SFTDataset(Dataset):
             self.examples = [encode(m, r, max_length, f"example {i}") for i, (m, r) in enumerate(pairs)]
             return
         self.examples = [encode_pair(tokenizer, m, r, max_length, truncation, where=f"example {i}") if r is not None
-                         else encode_conversation(tokenizer, m, max_length, truncation, where=f"example {i}")
+                         else encode_conversation(tokenizer, m, max_length, truncation, f"example {i}", ignore_mismatch)
                          for i, (m, r) in enumerate(pairs)]
 
     def __len__(self) -> int:

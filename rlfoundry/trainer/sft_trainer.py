@@ -291,13 +291,14 @@ class SFTTrainer:
             raise SFTDataError(f"{len(train_pairs)} training examples, fewer than data.train_batch_size "
                                f"({data.train_batch_size}); lower the batch size or add data")
         collate = lambda batch: collate_sft(batch, self.tokenizer.pad_token_id)  # noqa: E731
-        train_set = SFTDataset(train_pairs, self.tokenizer, data.max_length, data.truncation, self.processor)
+        ignore = bool(data.ignore_input_ids_mismatch)
+        train_set = SFTDataset(train_pairs, self.tokenizer, data.max_length, data.truncation, self.processor, ignore)
         sampler = DistributedSampler(train_set, self.world_size, self.rank, shuffle=data.shuffle,
                                      seed=self.config.trainer.seed, drop_last=True)
         train_loader = DataLoader(train_set, batch_size=per_rank, sampler=sampler, collate_fn=collate, drop_last=True)
         if not val_pairs:
             return train_loader, None
-        val_set = SFTDataset(val_pairs, self.tokenizer, data.max_length, data.truncation, self.processor)
+        val_set = SFTDataset(val_pairs, self.tokenizer, data.max_length, data.truncation, self.processor, ignore)
         val_sampler = DistributedSampler(val_set, self.world_size, self.rank, shuffle=False)
         return train_loader, DataLoader(val_set, batch_size=data.micro_batch_size_per_gpu,
                                         sampler=val_sampler, collate_fn=collate)

@@ -397,3 +397,32 @@ def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, tmp_pat
     assert cfg.ulysses_sequence_parallel_size == 1
     with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2"):
         load_sft_config(["model.path=/m", "engine.ulysses_sequence_parallel_size=2"])
+
+
+class _WordTokenizer:
+    """Whitespace words as tokens, the template joining the contents: a turn boundary inside a word makes the
+    turn-by-turn tokens ("hel" | "lo") differ from the whole text's ("hello")."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False, **_):
+        return "".join(m["content"] for m in messages)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]}
+
+
+def test_turn_tokens_that_differ_from_the_whole_texts_are_an_error_unless_ignored():
+    from rlfoundry.data.sft_dataset import _conversation, encode_conversation
+
+    chat = [{"role": "user", "content": "hel"}, {"role": "assistant", "content": "lo world"}]
+    messages, _ = _conversation({"messages": chat}, ("messages", "tools", "enable_thinking"), "row 3")
+    tokenizer = _WordTokenizer()
+    with pytest.raises(SFTDataError, match="row 3.*ignore_input_ids_mismatch"):
+        encode_conversation(tokenizer, messages, 64, where="row 3")
+    kept = encode_conversation(tokenizer, messages, 64, ignore_mismatch=True)
+    v = tokenizer.vocab
+    assert kept["input_ids"].tolist() == [v["hel"], v["lo"], v["world"]]  # verl's choice: the turn-by-turn tokens
+    assert kept["loss_mask"].tolist() == [0, 1, 1]
+    assert load_sft_config(["model.path=/m", "data.ignore_input_ids_mismatch=true"]).data.ignore_input_ids_mismatch
