@@ -81,16 +81,22 @@ def _sft_overlay(name: str | None, config_path: str | None) -> Path | None:
     return find_config(name, config_path) if name else None
 
 
+# verl's newer SFT layout picks its parts by Hydra groups (not keys): the choices that are the FSDP2
+# engine and the HF model here; any other names a part that is not built
+SFT_GROUPS = {"engine": SFT_ENGINES, "optim": SFT_ENGINES, "model": ("hf_model",)}
+
+
 def _engine_choice(overrides: Sequence[str]) -> list[str]:
-    """verl's ``engine=fsdp|megatron`` (a config group in its newer SFT layout, not a key): FSDP is the
-    engine here; another is an error naming it."""
+    """verl's ``engine=fsdp|megatron`` / ``optim=…`` / ``model=hf_model`` group choices: the FSDP engine,
+    its optimiser and the HF model are what runs here; another choice is an error naming it."""
     rest = []
     for text in overrides:
         key, sep, value = text.partition("=")
-        if sep and key.lstrip("+") == "engine":
-            if value.strip() not in SFT_ENGINES:
-                raise ConfigError(f"engine={value}: rlfoundry sft trains on the FSDP2 engine only (engine=fsdp); "
-                                  f"verl's {value} SFT engine is not built here.")
+        group = key.lstrip("+")
+        if sep and group in SFT_GROUPS:
+            if value.strip() not in SFT_GROUPS[group]:
+                raise ConfigError(f"{group}={value}: rlfoundry sft trains on the FSDP2 engine with an HF model "
+                                  f"({group}={SFT_GROUPS[group][0]}); verl's {value} {group} is not built here.")
             continue
         rest.append(text)
     return rest

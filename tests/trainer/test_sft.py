@@ -285,7 +285,7 @@ def test_command_line_errors_and_help(capsys, tmp_path):
 def test_verls_other_sft_spellings_reach_the_keys_the_trainer_reads():
     cfg = load_sft_config(["model.path=/m", "data.micro_batch_size_per_gpu=4", "model.use_remove_padding=true",
                            "optim.lr_warmup_steps_ratio=0.2", "optim.lr_scheduler_type=constant", "model.strategy=fsdp",
-                           "engine=fsdp"])
+                           "engine=fsdp", "optim=fsdp", "model=hf_model"])
     assert (cfg.model.partial_pretrain, cfg.data.micro_batch_size_per_gpu, cfg.use_remove_padding) == ("/m", 4, True)
     assert (cfg.optim.warmup_steps_ratio, cfg.optim.lr_scheduler) == (0.2, "constant")
     assert load_sft_config(["model.path=/m", "data.pad_mode=no_padding"]).use_remove_padding is True
@@ -305,7 +305,7 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("engine=megatron", "megatron SFT engine"), ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
+    ("engine=megatron", "megatron engine"), ("optim=automodel", "automodel optim"), ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
     ("model.strategy=megatron", "model.strategy"),
     ("model.use_liger=true", "liger"),  # CPU here: Liger's kernels need CUDA
 ])
