@@ -8,7 +8,8 @@ ratio ``log ρ_t = log π_train − log π_rollout`` this module gives verl 0.9'
 
 - **truncated importance sampling** (TIS, ``rollout_is``): loss weights ``min(ρ, C)`` per token
   (``token``) or one per sequence, ``ρ = Π_t ρ_t`` (``sequence``), optionally scaled to mean 1 over the
-  batch (``rollout_is_batch_normalize``). The policy losses multiply each token's loss by its weight
+  batch (``rollout_is_batch_normalize``). A threshold ``"lower_upper"`` (verl >= 0.7's IcePop) keeps
+  ``ρ`` where it lies in ``[lower, upper]`` and gives 0 elsewhere, instead of truncating. The policy losses multiply each token's loss by its weight
   (``core_algos._finish``); the weights carry no gradient;
 - **rejection sampling** (masked IS, ``rollout_rs``): tokens (``token``) or whole sequences
   (``sequence``: ``Π_t ρ_t``; ``geometric``: ``exp(mean_t log ρ_t)``) whose ratio lies outside
@@ -39,7 +40,7 @@ import torch
 
 from rlfoundry.utils.torch_functional import masked_mean as _mean
 
-__all__ = ["divergence_rejection_mask", "importance_weights", "mismatch_metrics", "parse_rs_thresholds",
+__all__ = ["divergence_rejection_mask", "importance_weights", "mismatch_metrics", "parse_is_threshold", "parse_rs_thresholds",
            "rejection_mask", "rollout_correction", "rs_options", "veto_mask"]
 
 SAFETY_BOUND = 20.0  # |log ratio| beyond this is clamped before exponentiating
@@ -154,16 +155,37 @@ def _ratio_stats(prefix: str, at_level: torch.Tensor, ratios: torch.Tensor, mask
     return {f"{prefix}_{k}": float(v) for k, v in stats.items()}
 
 
+def parse_is_threshold(spec: float | str) -> tuple[float | None, float]:
+    """``rollout_is_threshold``: (lower or None, upper) from a number or a number-like string (truncation at
+    upper) or ``"lower_upper"`` (IcePop's bounds)."""
+    if isinstance(spec, bool):
+        raise ValueError(f"rollout_is_threshold={spec!r} must be a number or a 'lower_upper' string")
+    try:
+        bounds = [float(x) for x in str(spec).strip().split("_", 1)]
+    except ValueError:
+        raise ValueError(f"rollout_is_threshold={spec!r} must be a number or a 'lower_upper' string") from None
+    lower, upper = (bounds[0], bounds[1]) if len(bounds) == 2 else (None, bounds[0])
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"rollout_is_threshold={spec!r}: bounds must be > 0 (and lower <= upper)")
+    return lower, upper
+
+
 def importance_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str = "token",
-                       threshold: float = 2.0, batch_normalize: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated IS weights ``min(ρ, threshold)`` (0 on padding), detached; and their metrics."""
+                       threshold: float | str = 2.0, batch_normalize: bool = False
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    """IS weights (0 on padding), detached, and their metrics: ``min(ρ, upper)`` for a number, or ρ within
+    ``[lower, upper]`` and 0 outside for a ``"lower_upper"`` threshold (IcePop)."""
     if level not in IS_LEVELS:
         raise ValueError(f"rollout_is={level!r}: one of {IS_LEVELS} (or null)")
-    if threshold <= 0:
-        raise ValueError(f"rollout_is_threshold={threshold} must be > 0")
+    lower, upper = parse_is_threshold(threshold)
     at_level, ratios = _per_level(log_ratio, response_mask, level)
-    metrics = _ratio_stats("rollout_is", at_level, ratios, response_mask, threshold, 1.0 / threshold)
-    weights = (ratios.clamp(max=threshold) * response_mask).detach()
+    metrics = _ratio_stats("rollout_is", at_level, ratios, response_mask, upper, 1.0 / upper if lower is None else lower)
+    if lower is None:
+        weights = (ratios.clamp(max=upper) * response_mask).detach()
+    else:
+        inside = (ratios >= lower) & (ratios <= upper)
+        weights = (torch.where(inside, ratios, torch.zeros_like(ratios)) * response_mask).detach()
+        metrics["rollout_is_oob_ratio"] = float(_mean((~inside).float(), response_mask))
     if batch_normalize:
         if level == "token":
             scale = _mean(weights, response_mask)
@@ -230,7 +252,7 @@ def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
 
 
 def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                       rollout_is: str | None = None, rollout_is_threshold: float = 2.0,
+                       rollout_is: str | None = None, rollout_is_threshold: float | str = 2.0,
                        rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
                        rollout_rs_threshold_lower: float | None = None,
                        rollout_token_veto_threshold: float | None = None,

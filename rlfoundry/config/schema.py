@@ -333,7 +333,8 @@ class RolloutCorrectionConfig(Node):
     engine's distribution differing from the trainer's. Nothing set: no correction, no metrics."""
 
     rollout_is: Optional[str] = None  # token | sequence: truncated IS weights on the policy loss
-    rollout_is_threshold: float = 2.0  # the truncation C of min(ρ, C)
+    # the truncation C of min(ρ, C); or "lower_upper" (verl >= 0.7's IcePop: ρ kept within the bounds, else 0)
+    rollout_is_threshold: Any = 2.0
     rollout_is_batch_normalize: bool = False  # scale the weights to mean 1 over the batch
     # token | sequence | geometric: drop tokens/sequences whose ratio is out of bounds; or verl >= 0.7's comma
     # list of divergence options (token_k1, seq_mean_k3, ...: algos/rollout_corr.py divergence_rejection_mask)
@@ -945,8 +946,13 @@ class AlgorithmConfig(Node):
         rc, key, errors = self.rollout_correction, "algorithm.rollout_correction", []
         if rc.rollout_is is not None and rc.rollout_is not in IS_LEVELS:
             errors.append(f"{key}.rollout_is={rc.rollout_is!r}: one of {list(IS_LEVELS)} or null.")
-        if rc.rollout_is is not None and not rc.rollout_is_threshold > 0:
-            errors.append(f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 0.")
+        if rc.rollout_is is not None:
+            from rlfoundry.algos.rollout_corr import parse_is_threshold
+
+            try:
+                parse_is_threshold(rc.rollout_is_threshold)
+            except ValueError as e:
+                errors.append(f"{key}: {e}.")
         if rc.rollout_rs is not None:
             errors += self._check_rejection(rc, key)
         if rc.rollout_token_veto_threshold is not None and not rc.rollout_token_veto_threshold > 0:

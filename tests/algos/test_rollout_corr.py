@@ -198,3 +198,20 @@ def test_divergence_threshold_specs_and_the_combined_call():
     _, mask, metrics = rollout_correction(old, old - _LOG_RATIO, _MASK, rollout_rs="token_k1,seq_max_k2",
                                           rollout_rs_threshold="0.9_1.1,0.1")
     assert mask.tolist() == [[1, 1, 0], [0, 0, 0]] and "rollout_corr/rollout_rs_token_k1_masked_fraction" in metrics
+
+
+def test_icepop_threshold_keeps_ratios_within_bounds_and_zeroes_the_rest():
+    from rlfoundry.algos.rollout_corr import importance_weights, parse_is_threshold
+
+    assert parse_is_threshold(2.0) == (None, 2.0) and parse_is_threshold("0.5_4.0") == (0.5, 4.0)
+    assert parse_is_threshold("3") == (None, 3.0)
+    for bad in ("4_0.5", "0_2", "x", True):
+        with pytest.raises(ValueError, match="rollout_is_threshold"):
+            parse_is_threshold(bad)
+    # token ratios e^0 = 1, e^0.1 = 1.105, e^-0.2 = 0.819 | e^0.5 = 1.649, e^0 = 1 (the padding's e^3 dropped)
+    weights, m = importance_weights(_LOG_RATIO, _MASK, "token", "0.9_1.5")
+    expected = [[1.0, math.exp(0.1), 0.0], [0.0, 1.0, 0.0]]  # 0.819 < 0.9 and 1.649 > 1.5: zero, not truncated
+    torch.testing.assert_close(weights, torch.tensor(expected))
+    assert m["rollout_is_oob_ratio"] == pytest.approx(2 / 5)
+    truncated, _ = importance_weights(_LOG_RATIO, _MASK, "token", 1.5)
+    assert truncated[1, 0] == pytest.approx(1.5) and truncated[0, 2] == pytest.approx(math.exp(-0.2))

@@ -381,3 +381,11 @@ def test_ray_kwargs_ray_init_is_what_init_ray_gets():
         "py_executable": "uv run --frozen", "env_vars": {"TRANSFER_QUEUE_ENABLE": "1"}}}
     assert "older verl" in _error("ray_kwargs.ray_init.num_cpus=4", "ray_init.num_cpus=2")
     assert "ray_kwargs.timeline_json_file" in _no_effect_warning("ray_kwargs.timeline_json_file=/tmp/t.json")
+
+
+def test_rollout_is_threshold_icepop_string():
+    key = "algorithm.rollout_correction"
+    rc = _resolved(f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0.5_4.0",
+                   "actor_rollout_ref.actor.use_rollout_log_probs=false").algorithm.rollout_correction
+    assert rc.rollout_is_threshold == "0.5_4.0"
+    assert "bounds must be > 0 (and lower <= upper)" in _error(f"{key}.rollout_is=token", f"{key}.rollout_is_threshold='4_0.5'")
