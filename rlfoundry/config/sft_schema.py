@@ -128,6 +128,7 @@ class SFTOptimConfig:
     lr_scheduler: str = _choice("cosine", "constant")
     lr_warmup_steps_ratio: Optional[float] = None  # verl's newer spelling of warmup_steps_ratio
     lr_scheduler_type: Optional[str] = None  # verl's newer spelling of lr_scheduler
+    warmup_style: Optional[str] = None  # verl's deprecated spelling of lr_scheduler_type
     min_lr_ratio: float = 0.0
 
 

@@ -117,7 +117,7 @@ def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size:
         _adopt(cfg, user_keys, "data.pad_mode", "use_remove_padding", data.pad_mode == "no_padding")
     for verl_key, ours in (("model.path", "model.partial_pretrain"), ("model.use_remove_padding", "use_remove_padding"),
                            ("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio"),
-                           ("optim.lr_scheduler_type", "optim.lr_scheduler"),
+                           ("optim.lr_scheduler_type", "optim.lr_scheduler"), ("optim.warmup_style", "optim.lr_scheduler"),
                            ("engine.ulysses_sequence_parallel_size", "ulysses_sequence_parallel_size")):
         value = OmegaConf.select(cfg, verl_key)
         if value is not None:
@@ -164,7 +164,7 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
         from rlfoundry.models.liger import liger_problems
 
         device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        errors += liger_problems(device)
+        errors += [p.replace("actor_rollout_ref.model.use_liger", "model.use_liger") for p in liger_problems(device)]
     if cfg.data.max_length < 2:
         errors.append(f"data.max_length ({cfg.data.max_length}) must be at least 2")
     if t.device == "cuda" and not torch.cuda.is_available():

@@ -288,6 +288,7 @@ def test_verls_other_sft_spellings_reach_the_keys_the_trainer_reads():
                            "engine=fsdp", "optim=fsdp", "model=hf_model"])
     assert (cfg.model.partial_pretrain, cfg.data.micro_batch_size_per_gpu, cfg.use_remove_padding) == ("/m", 4, True)
     assert (cfg.optim.warmup_steps_ratio, cfg.optim.lr_scheduler) == (0.2, "constant")
+    assert load_sft_config(["model.path=/m", "optim.warmup_style=constant"]).optim.lr_scheduler == "constant"
     assert load_sft_config(["model.path=/m", "data.pad_mode=no_padding"]).use_remove_padding is True
     assert load_sft_config(["model.path=/m", "data.pad_mode=right_padding"]).use_remove_padding is False
     with pytest.raises(ConfigError, match="two spellings"):
@@ -307,7 +308,7 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
 @pytest.mark.parametrize(("override", "named"), [
     ("engine=megatron", "megatron engine"), ("optim=automodel", "automodel optim"), ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
     ("model.strategy=megatron", "model.strategy"),
-    ("model.use_liger=true", "liger"),  # CPU here: Liger's kernels need CUDA
+    ("model.use_liger=true", "- model.use_liger=true"),  # CPU here: Liger's kernels need CUDA
 ])
 def test_what_sft_does_not_build_is_an_error_naming_it(override, named):
     with pytest.raises(ConfigError, match=named):
