@@ -266,6 +266,9 @@ class MegatronConfig(Node):
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # the experts' tensor parallelism (null: Megatron's, the tensor_model_parallel_size); experts are not built
+    # here (expert_model_parallel_size=1, dense models), so only null or 1 is accepted (engines/megatron/plugin.py)
+    expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = True  # with tensor parallelism only (verl turns it off at TP=1 too)
     use_distributed_optimizer: bool = True
     param_offload: bool = False

@@ -389,3 +389,10 @@ def test_rollout_is_threshold_icepop_string():
                    "actor_rollout_ref.actor.use_rollout_log_probs=false").algorithm.rollout_correction
     assert rc.rollout_is_threshold == "0.5_4.0"
     assert "bounds must be > 0 (and lower <= upper)" in _error(f"{key}.rollout_is=token", f"{key}.rollout_is_threshold='4_0.5'")
+
+
+def test_megatron_expert_tensor_parallel_size_one_or_null_is_accepted_and_more_is_named():
+    base = "actor_rollout_ref.actor.strategy=megatron"
+    _load(base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+          "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=null")
+    assert "expert_tensor_parallel_size=1 or null" in _error(base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4")

@@ -87,9 +87,10 @@ def _check_role(key: str, m: Any, world_size: int) -> list[str]:
     if not m.use_mbridge:
         errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
                       "set it to True (the default).")
-    if m.context_parallel_size != 1 or m.expert_model_parallel_size != 1:
+    expert_tp = m.get("expert_tensor_parallel_size") or 1  # null: Megatron's own; no experts to split here
+    if m.context_parallel_size != 1 or m.expert_model_parallel_size != 1 or expert_tp != 1:
         errors.append(f"{key}.megatron: context and expert parallelism are not supported yet (dense models, "
-                      "context_parallel_size=1, expert_model_parallel_size=1).")
+                      "context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1 or null).")
     return errors
 
 
