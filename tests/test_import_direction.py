@@ -21,7 +21,8 @@ LAYERS = {
     "cpu": 1,  # the CPU kernels: conversions the engines, workers and trainer apply; they pass in what a kernel needs
     "engines": 2,
     "workers": 3,
-    "trainer": 4, "cli": 4, "__main__": 4, "__init__": 4,
+    "trainer": 4, "experimental": 4, "cli": 4,  # experimental: verl's async entry modules
+    "__main__": 4, "__init__": 4,
 }
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
 WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model"}

@@ -214,7 +214,6 @@ def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     _adopt_min_lr(cfg, set_keys)
     _adopt_global_profiler(cfg, set_keys)
     _adopt_adapter_lora(cfg, set_keys)
-    _adopt_classifier_reward_model(cfg)
 
 
 def _check_fsdp_strategy(cfg: DictConfig, user_keys: Sequence[str]) -> None:
@@ -264,23 +263,6 @@ def _adopt_global_profiler(cfg: DictConfig, set_keys: Sequence[str]) -> None:
                   "global_profiler.steps (verl, with global_profiler.tool=torch) and trainer.profile_steps")
 
 
-def _adopt_classifier_reward_model(cfg: DictConfig) -> None:
-    """verl >= 0.7's ``reward.reward_model`` with a classifier (and no custom reward function) is verl's
-    discriminative reward model: here that is ``reward_model.enable`` with ``reward_model.model.path``
-    (the classifier on the RewardModel worker); a causal LM there stays the LLM judge. Decided from the
-    model's ``config.json`` where it can be read; otherwise the start-up file check names the fix."""
-    from rlfoundry.trainer.config import classifier_head  # trainer/config imports this module
-
-    judge = cfg.reward.reward_model
-    if not judge.enable or cfg.reward_model.enable or cfg.custom_reward_function.path or \
-            not (classifier_head(judge.model_path) or "").endswith("ForSequenceClassification"):
-        return  # (both enabled: the judge check says to enable one; a token classifier is refused there)
-    with open_dict(cfg):
-        cfg.reward_model.enable, judge.enable = True, False
-        cfg.reward_model.model.path = judge.model_path
-        cfg.reward_model.model.trust_remote_code = bool(judge.trust_remote_code)
-
-
 def _adopt_adapter_lora(cfg: DictConfig, set_keys: Sequence[str]) -> None:
     """``model.lora_adapter_path`` without ``lora_rank``: the adapter's own rank, alpha and target modules
     (its ``adapter_config.json``), as verl does; keys the user set win."""
@@ -326,7 +308,7 @@ def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:
             + (() if torch_trace else _GLOBAL_PROFILER_TRACE_KEYS))
 
 
-# reward.reward_model's serving engine and pool when it holds a classifier (_adopt_classifier_reward_model):
+# reward.reward_model's serving engine and pool when it holds a classifier (trainer/config.py adopt_classifier_reward_model):
 # the classifier scores on the RewardModel worker, colocated with the actor
 _CLASSIFIER_JUDGE_KEYS = ("reward.reward_model.rollout.*", "reward.reward_model.enable_resource_pool",
                           "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes")

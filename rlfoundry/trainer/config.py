@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config import typed
@@ -208,6 +208,7 @@ def load_config(
     engine, overrides = _split_engine(overrides)
     cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay, config_path=config_path, engine=engine)
     adopt_verl_spellings(cfg, user_keys)
+    adopt_classifier_reward_model(cfg)
     prefer_user_deprecated_keys(cfg, user_keys)
     _adopt_async_keys(cfg, user_keys)
     _fill_fully_async_batch(cfg)
@@ -1019,6 +1020,21 @@ def _check_judge_model(path: str | None) -> list[str]:
         return [f"{key}={path} is a {head}, a reward model that scores without writing text; use it as "
                 f"reward_model.enable=true reward_model.model.path={path} (the classifier reward model) instead."]
     return []
+
+
+def adopt_classifier_reward_model(cfg: DictConfig) -> None:
+    """verl >= 0.7's ``reward.reward_model`` with a classifier (and no custom reward function) is verl's
+    discriminative reward model: here that is ``reward_model.enable`` with ``reward_model.model.path``
+    (the classifier on the RewardModel worker); a causal LM there stays the LLM judge. Decided from the
+    model's ``config.json`` where it can be read; otherwise the start-up file check names the fix."""
+    judge = cfg.reward.reward_model
+    if not judge.enable or cfg.reward_model.enable or cfg.custom_reward_function.path or \
+            not (classifier_head(judge.model_path) or "").endswith("ForSequenceClassification"):
+        return  # (both enabled: the judge check says to enable one; a token classifier is refused there)
+    with open_dict(cfg):
+        cfg.reward_model.enable, judge.enable = True, False
+        cfg.reward_model.model.path = judge.model_path
+        cfg.reward_model.model.trust_remote_code = bool(judge.trust_remote_code)
 
 
 def classifier_head(path: str | None) -> str | None:
