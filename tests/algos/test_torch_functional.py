@@ -17,6 +17,7 @@ def _naive_entropy(logits):
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 1, 3, 4, 100])
+@pytest.mark.numerics
 def test_logprobs_match_naive_values_and_grads_on_noncontiguous_slice(chunk_rows):
     torch.manual_seed(0)
     full = torch.randn(3, 6, 11, dtype=torch.float64, requires_grad=True)
@@ -29,11 +30,13 @@ def test_logprobs_match_naive_values_and_grads_on_noncontiguous_slice(chunk_rows
     ref = F_.logprobs_from_logits_naive(full[:, 1:5], labels)
     (g_ref,) = torch.autograd.grad((ref * weights).sum(), full)
 
+    # float64, the same math in another op order: ~1e-16 x a few hundred terms
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(g_ours, g_ref, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 2, 5])
+@pytest.mark.numerics
 def test_entropy_matches_naive_values_and_grads(chunk_rows):
     torch.manual_seed(1)
     logits = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
@@ -42,6 +45,7 @@ def test_entropy_matches_naive_values_and_grads(chunk_rows):
     (g_ours,) = torch.autograd.grad((ours * weights).sum(), logits)
     ref = _naive_entropy(logits)
     (g_ref,) = torch.autograd.grad((ref * weights).sum(), logits)
+    # float64, the same math in another op order: ~1e-16 x a few hundred terms
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(g_ours, g_ref, rtol=0, atol=1e-12)
 
@@ -54,6 +58,7 @@ def test_entropy_hand_values():
     torch.testing.assert_close(F_.entropy_from_logits_with_chunking(logits, chunk_size=1), h)
 
 
+@pytest.mark.numerics
 def test_logprob_and_entropy_share_logits_in_backward():
     # the logits are not overwritten in backward (inplace_backward is ignored), so both terms are right
     torch.manual_seed(2)
@@ -63,9 +68,11 @@ def test_logprob_and_entropy_share_logits_in_backward():
     (g,) = torch.autograd.grad(loss, logits)
     ref = F_.logprobs_from_logits_naive(logits, labels).sum() + _naive_entropy(logits).sum()
     (g_ref,) = torch.autograd.grad(ref, logits)
+    # float64, the same math in another op order: ~1e-16 x a few hundred terms
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
 
 
+@pytest.mark.numerics
 def test_bf16_logits_reduce_in_fp32_and_grad_keeps_dtype():
     torch.manual_seed(3)
     logits = (torch.randn(2, 3, 50) * 5).to(torch.bfloat16).requires_grad_(True)

@@ -43,6 +43,7 @@ def _left_padded(batch: int = 3, width: int = 9, vocab: int = 97):
     # wide enough that the projections run on oneDNN-packed weights (cpu/tuning.py: DECODE_PACK_MIN)
     ("qwen2", {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}),
 ])
+@pytest.mark.numerics
 def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
     model = _model(model_type, **extra)
     assert unsupported_reason(model, 40) is None
@@ -66,6 +67,7 @@ def test_step_logits_equal_hf_forward_with_cache(model_type, extra):
             ref = model(input_ids=tokens[:, None], attention_mask=full, position_ids=next_pos[:, None],
                         past_key_values=ref_cache, use_cache=True).logits[:, -1]
             ours = fused.step(tokens, next_pos, full, our_cache)
+            # the fused step re-associates the layer sums (oneDNN/MKL blocking): fp32 rounding of logits ~O(10)
             assert torch.allclose(ours, ref, atol=2e-5, rtol=1e-5), (t, (ours - ref).abs().max())
             tokens, next_pos = ref.argmax(-1), next_pos + 1
         assert our_cache.layers[0].keys.shape[2] == ids.shape[1] + steps
@@ -78,6 +80,7 @@ def _rollout(model, fused: bool, **over) -> HFRollout:
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.numerics
 def test_rollouts_match_with_sampling_eos_and_row_dropping(model_type):
     """Same seed: same tokens, lengths and log-probs; many EOS ids make rows finish (and leave) early."""
     model = _model(model_type)
@@ -89,6 +92,7 @@ def test_rollouts_match_with_sampling_eos_and_row_dropping(model_type):
     lengths = out.batch["response_mask"].sum(-1)
     assert torch.equal(lengths, ref.batch["response_mask"].sum(-1))
     assert lengths.min() < 16 and lengths.max() == 16, "rows should stop at assorted steps"
+    # fp32 rounding only: the same forward in another order (~u·sqrt(H + V)·|logit| ~ 1e-6 per log-prob)
     assert torch.allclose(out.batch["rollout_log_probs"], ref.batch["rollout_log_probs"], atol=1e-5)
 
 
@@ -131,6 +135,7 @@ def test_cpu_kernels_off_takes_the_plain_path(monkeypatch):
 
 @pytest.mark.parametrize("extra", [{}, {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}],
                          ids=["small", "packed"])
+@pytest.mark.numerics
 def test_a_lora_adapter_folds_into_the_fused_step(extra):
     """A peft model (adapter B ≠ 0): the fused step folds W + scaling·BA into the weights it copies and
     gives peft's own forward; with the adapter disabled, the base model's."""
@@ -154,8 +159,10 @@ def test_a_lora_adapter_folds_into_the_fused_step(extra):
                 ref = model(input_ids=tokens[:, None], attention_mask=full, position_ids=next_pos[:, None],
                             past_key_values=ref_cache, use_cache=True).logits[:, -1]
                 ours = fused.step(tokens, next_pos, full, our_cache)
+            # as above, plus the adapter folded into W (one more rounding of W + s·BA)
             assert torch.allclose(ours, ref, atol=5e-5, rtol=1e-5), (disabled, (ours - ref).abs().max())
     prompts = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask, "position_ids": pos})
     plain, folded = (_rollout(model, fused=f).generate_sequences(prompts) for f in (False, True))
     assert torch.equal(folded.batch["responses"], plain.batch["responses"])
+    # fp32 rounding only: the same forward in another order (~u·sqrt(H + V)·|logit| ~ 1e-6 per log-prob)
     assert torch.allclose(folded.batch["rollout_log_probs"], plain.batch["rollout_log_probs"], atol=1e-5)

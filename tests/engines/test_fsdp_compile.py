@@ -19,6 +19,7 @@ from rlfoundry.engines.fsdp.compile import compile_problems
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from tests.engines.test_fsdp_engine import _batch, _nll
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
+from tests.workers import assert_same_gradients, first_step_gradients, reassociation_bound, vocab_rows
 
 
 def _engine(model_dir, compile_: bool, cpu_kernels: str = "off", **fields) -> FSDPEngine:
@@ -32,10 +33,18 @@ def _graphs() -> int:
 
 
 def _step(engine, tr: int = 6):
+    """Log-probs before, the update's metrics, and (on the engine's first step) the gradients it took."""
     data = _batch(tr=tr)
     before = engine.infer_batch(data, LogProbs(entropy=True), MicroBatching(size=2))
     metrics = engine.train_batch(data, LogProbs(), _nll, UpdatePlan(mini_batch_size=4, micro=MicroBatching(size=2)))
-    return before, metrics, {n: w.clone() for n, w in engine.iter_hf_weights()}
+    first = int(next(iter(engine.optimizer.state.values()))["step"]) == 1
+    return before, metrics, first_step_gradients(engine.optimizer, engine.module) if first else None
+
+
+def _bound(engine, tr: int = 6) -> float:
+    """float32 re-association over the vocabulary and the batch's tokens (tests/workers/__init__.py)."""
+    vocab = vocab_rows(dict(engine.module.named_parameters()))
+    return reassociation_bound(vocab, int(_batch(tr=tr).batch["input_ids"].numel()))
 
 
 def _shared():
@@ -46,6 +55,7 @@ def _shared():
     return data
 
 
+@pytest.mark.numerics
 def test_compiled_layers_give_eager_numbers_and_do_not_recompile_for_other_lengths(process_group, tiny_model_dir):
     torch._dynamo.reset()
     counters.clear()
@@ -60,17 +70,20 @@ def test_compiled_layers_give_eager_numbers_and_do_not_recompile_for_other_lengt
     # numbers move by rounding only (measured ~1e-7 on log-probs)
     torch.testing.assert_close(b[0]["log_probs"], a[0]["log_probs"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b[0]["entropy"], a[0]["entropy"], atol=1e-5, rtol=1e-5)
+    # losses/norms summed over the batch's tokens in another order: fp32 rounding, u x tokens x a few terms
     assert b[1]["actor/grad_norm"] == pytest.approx(a[1]["actor/grad_norm"], rel=1e-4)
-    # weights after one Adam step at lr 1e-2: the first step is ~lr * sign(g) per element, which turns
-    # rounding in gradients near zero into up to ~1e-4 (measured 9.7e-5), 1 % of the step; 3e-4 bounds it
-    for name in a[2]:
-        torch.testing.assert_close(b[2][name], a[2][name], atol=3e-4, rtol=0, msg=name)
+    # the gradients of the one Adam step, not the weights after it: the first step is ~lr * sign(g) per
+    # element, which turned rounding in gradients near zero into weight differences of 9.7e-5 at lr 1e-2
+    # on one CPU and up to 2 lr on another (#51). Inductor re-associates the element-wise ops only, well
+    # within the bound; a wrongly compiled op (a rotary sign, a dropped residual) moves them by O(1)
+    assert_same_gradients(b[2], a[2], _bound(eager), "compiled")
     # micro-batches of another length (11 -> 14 tokens) reuse both graphs: dynamic shapes, no recompile
     _step(compiled, tr=9)
     assert _graphs() == 2, dict(counters["stats"])
     # rows sharing a prompt: the shared-prompt forward (its KV cache would recompile per layer) steps aside
     fresh = [_engine(tiny_model_dir, c, use_shared_prompt=True) for c in (False, True)]
     a, b = (e.infer_batch(_shared(), LogProbs(), MicroBatching(size=4))["log_probs"] for e in fresh)
+    # fp32 rounding only: the same forward in another order (~u·sqrt(H + V)·|logit| ~ 1e-6 per log-prob)
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     assert _graphs() == 2, dict(counters["stats"])
     # outside the engine's forwards (the HF rollout samples from this module) the layers are eager
@@ -106,16 +119,20 @@ def test_the_workers_keys_reach_the_actor_and_reference_engines(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_lora_and_gradient_checkpointing_compile_to_the_same_update(process_group, tiny_model_dir):
     """A peft adapter on the compiled layers, and HF gradient checkpointing (its recompute in backward
     runs inside the engine's compiled block): same log-probs, gradient norm and adapter after one step."""
     from rlfoundry.models.lora import LoraSpec
 
     fields = dict(lora=LoraSpec(rank=4), gradient_checkpointing=True)
-    a, graphs = _step(_engine(tiny_model_dir, False, **fields)), _graphs()
+    eager = _engine(tiny_model_dir, False, **fields)
+    a, graphs = _step(eager), _graphs()
     b = _step(_engine(tiny_model_dir, True, **fields))
     assert _graphs() > graphs  # the adapted, checkpointed layers ran compiled (graphs of their own)
+    # fp32 rounding only: the same forward in another order (~u·sqrt(H + V)·|logit| ~ 1e-6 per log-prob)
     torch.testing.assert_close(b[0]["log_probs"], a[0]["log_probs"], atol=1e-5, rtol=1e-5)
     assert b[1]["actor/grad_norm"] == pytest.approx(a[1]["actor/grad_norm"], rel=1e-4)
-    for name in a[2]:  # merged weights: W + scaling * B A after the adapter's first Adam step
-        torch.testing.assert_close(b[2][name], a[2][name], atol=3e-4, rtol=0, msg=name)
+    # the adapter's gradients in its first Adam step (A's are exactly 0 on both sides: B starts at 0),
+    # not the merged weights W + scaling * B A after it (Adam's ~lr * sign(g): #51)
+    assert_same_gradients(b[2], a[2], _bound(eager), "compiled LoRA")

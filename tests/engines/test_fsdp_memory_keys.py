@@ -19,6 +19,7 @@ from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from tests.engines.test_fsdp_engine import _batch, _nll
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
+from tests.workers import assert_same_gradients, first_step_gradients, reassociation_bound, vocab_rows
 
 
 def _engine(model_dir, device="cpu", activation_offload=False, **fsdp) -> FSDPEngine:
@@ -32,21 +33,28 @@ def _units(engine) -> list[str]:
 
 
 def _step(engine, device="cpu") -> tuple[dict, dict, dict]:
-    """Log-probs before, the update's metrics, and the weights after one update."""
+    """Log-probs before, the update's metrics, and the gradients its one optimiser step took."""
     data = _batch().to(device)
     before = engine.infer_batch(data, LogProbs(entropy=True), MicroBatching(size=2))
     metrics = engine.train_batch(data, LogProbs(), _nll, UpdatePlan(mini_batch_size=4, micro=MicroBatching(size=2)))
-    return before, metrics, {n: w.cpu() for n, w in engine.iter_hf_weights()}
+    grads = {n: g.cpu() for n, g in first_step_gradients(engine.optimizer, engine.module).items()}
+    return before, metrics, grads
 
 
 def _assert_same_step(a, b) -> None:
+    # fp32 rounding only (another unit layout or prefetch order re-associates nothing larger)
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(a[0][key].cpu(), b[0][key].cpu(), atol=1e-5, rtol=1e-5)
+    # losses/norms summed over the batch's tokens in another order: fp32 rounding, u x tokens x a few terms
     assert a[1]["actor/grad_norm"] == pytest.approx(b[1]["actor/grad_norm"], rel=1e-4)
-    for name in a[2]:
-        torch.testing.assert_close(a[2][name], b[2][name], atol=1e-6, rtol=1e-5, msg=name)
+    # the gradients of the step, not the weights after it: Adam's first step is ~lr * sign(g), so a
+    # gradient near zero whose last bits differ moves its weight anywhere in [-lr, lr] (#51); a unit
+    # whose gradient is not reduced or is reduced twice is off by O(1)
+    vocab, tokens = vocab_rows(a[2]), int(_batch().batch["input_ids"].numel())
+    assert_same_gradients(b[2], a[2], reassociation_bound(vocab, tokens))
 
 
+@pytest.mark.numerics
 def test_wrap_policy_layer_classes_are_the_units_and_the_step_is_the_same(process_group, tiny_model_dir):
     plain = _engine(tiny_model_dir)  # one CPU rank, fp32: not wrapped at all
     assert _units(plain) == []
@@ -65,6 +73,7 @@ def test_a_wrap_class_the_model_lacks_is_an_error_naming_the_key(process_group, 
         _engine(tiny_model_dir, single_rank="fsdp", wrap_policy={"transformer_layer_cls_to_wrap": "LlamaDecoderLayer"})
 
 
+@pytest.mark.numerics
 def test_forward_prefetch_chains_each_unit_to_the_next_with_the_same_numbers(process_group, tiny_model_dir):
     layers = {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
     off = _engine(tiny_model_dir, single_rank="fsdp", wrap_policy=layers)
@@ -80,6 +89,7 @@ def test_forward_prefetch_chains_each_unit_to_the_next_with_the_same_numbers(pro
     _assert_same_step(_step(off), _step(on))
 
 
+@pytest.mark.numerics
 def test_activation_offload_saves_on_the_host_only_where_there_is_an_accelerator(process_group, tiny_model_dir,
                                                                                  monkeypatch):
     assert isinstance(fu.activation_offload(torch.device("cuda")), torch.autograd.graph.save_on_cpu)
@@ -99,6 +109,7 @@ def test_activation_offload_saves_on_the_host_only_where_there_is_an_accelerator
     assert entered == ["cpu", "cpu"]  # each micro-batch's training forward, never the inference pass
 
 
+@pytest.mark.numerics
 def test_offload_policy_on_the_cpu_changes_nothing(process_group, tiny_model_dir):
     plain, offload = _engine(tiny_model_dir), _engine(tiny_model_dir, offload_policy=True)
     assert _units(offload) == []  # nothing to offload on the host: the single-rank shortcut stands
@@ -106,6 +117,7 @@ def test_offload_policy_on_the_cpu_changes_nothing(process_group, tiny_model_dir
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.numerics
 def test_offloads_lower_peak_gpu_memory_with_the_same_step(process_group, tiny_model_dir):
     """On CUDA: offload_policy keeps the parameters on the host; activation offload lowers the peak."""
     def peak(**kw):

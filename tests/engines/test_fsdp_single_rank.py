@@ -97,6 +97,7 @@ def test_one_rank_in_bf16_over_fp32_weights_is_the_plain_module_and_single_rank_
     assert not fu.fsdp_does_nothing("cpu", "fp16") and not fu.fsdp_does_nothing("cpu", "fp32", module_dtype=torch.bfloat16)
 
 
+@pytest.mark.numerics
 def test_log_probs_match_fsdp2_mixed_precision_within_bf16_rounding_and_really_are_bf16(process_group,
                                                                                         tiny_model_dir):
     data = _data()
@@ -117,6 +118,7 @@ def test_log_probs_match_fsdp2_mixed_precision_within_bf16_rounding_and_really_a
     assert torch.all(a["log_probs"][~mask] == 0)
 
 
+@pytest.mark.numerics
 def test_an_update_matches_fsdp2_mixed_with_fp32_master_weights_and_gradients(process_group, tiny_model_dir):
     """Adam with eps=1 and lr=1: each weight moves by ≈ -gradient, so the weight change compares the
     gradients themselves (a tiny eps would move every weight by ±lr whatever its gradient's size)."""
@@ -129,13 +131,16 @@ def test_an_update_matches_fsdp2_mixed_with_fp32_master_weights_and_gradients(pr
     assert {dtype for dtype, _ in g_plain.values()} == {torch.float32}  # master weights
     assert {g.dtype for _, g in g_plain.values()} == {torch.float32}  # and their gradients
     assert {p.dtype for p in plain.module.parameters()} == {torch.float32}
+    # bf16 autocast (u = 2^-8) vs FSDP2's bf16 mixed precision, rounded at other points: ~0.1% of the loss
     assert m_plain["sft/loss"][0] == pytest.approx(m_wrapped["sft/loss"][0], rel=1e-3)
     assert m_plain["actor/grad_norm"][0] == pytest.approx(m_wrapped["actor/grad_norm"][0], rel=5e-3)
+    # eps=1 makes Adam's step ~ -g: the gradients compared normwise, within bf16 rounding (2^-8) x a few layers
     assert 0 < _rel(dw_plain, dw_wrapped) <= 3e-2
     moved = max(float(v.abs().max()) for v in dw_plain.values())
     assert moved > 1e-3
 
 
+@pytest.mark.numerics
 def test_gradient_checkpointing_under_autocast_is_the_same_step(process_group, tiny_model_dir):
     """The recomputed forward runs under the autocast state of the first (torch.utils.checkpoint
     keeps it): the same bf16 activations, the same gradients."""
@@ -143,13 +148,16 @@ def test_gradient_checkpointing_under_autocast_is_the_same_step(process_group, t
     m_off, _, dw_off = _step(_engine(tiny_model_dir, eps=1.0), data)
     checkpointed = _engine(tiny_model_dir, eps=1.0, fields={"gradient_checkpointing": True})
     m_on, _, dw_on = _step(checkpointed, data)
+    # checkpointing recomputes the same bf16 forward: rounding-level (fp32 accumulation of the recomputed grads)
     assert m_on["actor/grad_norm"][0] == pytest.approx(m_off["actor/grad_norm"][0], rel=1e-5)
+    # eps=1: the step is ~ -g, so this is the gradients' normwise difference: fp32 re-association only
     assert _rel(dw_on, dw_off) <= 1e-5
     rollout = HFRollout(checkpointed.rollout_module(), {"n": 1, "response_length": 3}, pad_token_id=0, eos_token_id=1)
     prompts = data[:2].select(batch_keys=["input_ids", "attention_mask", "position_ids"])
     assert rollout.generate_sequences(prompts).batch["responses"].shape == (2, 3)  # the copy decodes (no checkpointing)
 
 
+@pytest.mark.numerics
 def test_save_then_load_reproduces_the_next_step_exactly(process_group, tiny_model_dir, tmp_path):
     data = _data()
     first = _engine(tiny_model_dir)
@@ -278,6 +286,7 @@ def test_a_lora_actor_trains_its_adapter_under_autocast_and_its_rollout_copy_car
     assert torch.isfinite(base).all()
 
 
+@pytest.mark.numerics
 def test_a_critic_gives_fp32_values_matching_fsdp2_mixed(process_group, tiny_critic_dir):
     """Measured: values up to 0.42, the two paths 2.9e-3 apart (autocast 1.7e-3 from fp32, FSDP2 3.7e-3)."""
     from rlfoundry.engines.base import Values
@@ -292,9 +301,11 @@ def test_a_critic_gives_fp32_values_matching_fsdp2_mixed(process_group, tiny_cri
     b = wrapped.infer_batch(data, Values(), MicroBatching(size=4))["values"]
     assert a.dtype == torch.float32
     scale = float(b[mask].abs().max())
+    # bf16 autocast vs FSDP2's bf16 mixed precision: 2^-8 x a few layers, relative to the values' scale
     assert float((a - b)[mask].abs().max()) <= 2e-2 * max(scale, 1.0), (a - b)[mask].abs().max()
 
 
+@pytest.mark.numerics
 def test_a_vision_language_model_takes_its_pixels_under_autocast_and_decodes_from_its_copy(process_group, tiny_vlm_dir,
                                                                                           image_batch):
     """Image rows through the plain bf16 path: log-probs within the bf16 bound of FSDP2 mixed, and the

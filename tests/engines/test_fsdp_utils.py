@@ -91,6 +91,7 @@ def test_token_classification_is_a_one_value_head(tiny_critic_dir):
 
 # ---- sharding ----------------------------------------------------------------------------
 
+@pytest.mark.numerics
 def test_fsdp2_wraps_each_layer_and_keeps_outputs_and_grad_norm(tiny_model_dir, process_group):
     plain = load_hf_model(tiny_model_dir)
     sharded = fu.apply_fsdp2(load_hf_model(tiny_model_dir), "cpu", layer_units=True)
@@ -99,9 +100,11 @@ def test_fsdp2_wraps_each_layer_and_keeps_outputs_and_grad_norm(tiny_model_dir, 
     x = torch.tensor([[3, 9, 27, 81, 12], [4, 5, 6, 7, 8]])
     for model in (plain, sharded):
         model(input_ids=x).logits.square().mean().backward()
+    # FSDP2's one-rank shard runs the same ops: default fp32 tolerances (1.3e-6 rel) hold
     torch.testing.assert_close(sharded(input_ids=x).logits, plain(input_ids=x).logits)
     expected = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]).item()
     norm = fu.clip_grad_norm_(sharded.parameters(), max_norm=expected / 2)
+    # the norm of sharded DTensor gradients: the same squares summed per shard, then across: fp32 rounding
     assert isinstance(norm, float) and norm == pytest.approx(expected, rel=1e-5)
     # clipped to half: the norm measured again is max_norm
     assert fu.clip_grad_norm_(sharded.parameters(), max_norm=None) == pytest.approx(expected / 2, rel=1e-4)
@@ -122,6 +125,7 @@ def test_unsharded_cpu_model_is_one_unit_with_one_gradient_reduction(tiny_model_
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.numerics
 def test_optimizer_steps_sharded_weights_exactly_like_plain_adamw(tiny_model_dir, process_group):
     """build_optimizer's fused AdamW over DTensor shards == torch's fused AdamW on a plain copy, bit
     for bit (weight decay, betas and eps from verl's keys), and torch's default AdamW to rounding."""
@@ -141,6 +145,8 @@ def test_optimizer_steps_sharded_weights_exactly_like_plain_adamw(tiny_model_dir
     full = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
     for name, value in plain.state_dict().items():
         assert torch.equal(full[name], value), name
+        # torch's foreach AdamW vs the fused kernel on bit-equal gradients: the update's own rounding, ~u x |w|, not
+        # amplified
         torch.testing.assert_close(default.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(full["lm_head.weight"], load_hf_model(tiny_model_dir).lm_head.weight)
 
@@ -174,6 +180,7 @@ def test_device_mesh_from_fsdp_size(process_group):
         fu.device_mesh("cpu", 0)
 
 
+@pytest.mark.numerics
 def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(tiny_model_dir, process_group):
     """Through the root unit's own hooks the fused pass gathers and reduces like the HF forward; with
     per-layer units those layers' hooks would be skipped, so it declines."""
@@ -194,6 +201,7 @@ def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(ti
         grads[name] = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                        for k, p in model.named_parameters()}
     for key, grad in grads["plain"].items():
+        # the fused pass under FSDP2's root hooks vs on the plain module: the same ops, fp32 rounding at most
         torch.testing.assert_close(grads["fsdp"][key], grad, atol=1e-6, rtol=1e-5, msg=key)
 
 

@@ -49,6 +49,7 @@ def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, distr
 
 
 @pytest.mark.parametrize("tp, distributed_optimizer", [(2, False), (1, True)])
+@pytest.mark.numerics
 def test_resume_takes_exactly_the_next_update(tiny_model_dir, tmp_path, tp, distributed_optimizer):
     data = _scored_batch(str(tiny_model_dir))
     ckpt = str(tmp_path / "global_step_1" / "actor")

@@ -13,7 +13,7 @@ from tests.engines.megatron_ranks import run_ranks
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # every test compares Megatron with FSDP or HF (#51)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,8 @@ def test_log_probs_entropy_and_export_equal_hf(four_layer_model, tmp_path, tp, p
     for r in last:
         lp = torch.cat([o["log_probs"] for o in r["outs"]])
         ent = torch.cat([o["entropy"] for o in r["outs"]])
+        # TP splits the hidden and vocabulary sums across ranks: fp32 rounding only: the same forward in another order
+        # (~u·sqrt(H + V)·|logit| ~ 1e-6 per log-prob)
         torch.testing.assert_close(lp[valid], ref_lp[valid], atol=1e-5, rtol=0)
         torch.testing.assert_close(ent[valid], ref_ent[valid], atol=1e-5, rtol=0)
         squares = torch.cat([o["sum_pi_squared"] for o in r["outs"]])  # |dS| <= 2 max|d logit|: as tight

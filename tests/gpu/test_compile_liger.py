@@ -33,6 +33,7 @@ def _cuda_engine(model_dir, **fields):
     return FSDPEngine.build(config, "cuda", role="actor")
 
 
+@pytest.mark.numerics
 def test_compiled_training_forward_equals_eager_on_cuda(process_group, tiny_model_dir):
     before = counters["stats"]["unique_graphs"]  # other tier tests in this process compile their own decode
     data = _batch().to("cuda")

@@ -73,6 +73,7 @@ def test_the_default_grpo_job_learns_on_cuda(tmp_path):
     assert val[20] > val[0] + 0.2, f"validation did not rise on CUDA: {val}"
 
 
+@pytest.mark.numerics
 def test_ppo_with_a_critic_saves_and_resumes_the_next_step_on_cuda(tmp_path):
     """``--config-name arithmetic_ppo`` (GAE, a critic): 3 straight steps against 2 saved + 1 resumed.
     The checkpoint holds the CUDA generator's state; the resumed step samples the same tokens (the
@@ -160,6 +161,7 @@ def _param_devices(module: torch.nn.Module) -> set[str]:
     return {(p.to_local() if hasattr(p, "to_local") else p).device.type for p in module.parameters()}
 
 
+@pytest.mark.numerics
 def test_parameter_and_optimiser_offload_keep_them_on_the_host_and_train_alike(tiny_model_dir, tmp_path):
     offload = ("actor_rollout_ref.actor.fsdp_config.param_offload=true",
                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")

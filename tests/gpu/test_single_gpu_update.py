@@ -30,6 +30,7 @@ def cuda_group():
     return world_of_one("cpu:gloo,cuda:nccl")
 
 
+@pytest.mark.numerics
 def test_cuda_default_is_the_plain_module_under_autocast_and_matches_fsdp2(cuda_group, tiny_model_dir):
     data = _data("cuda")
     mask = data.batch["response_mask"].bool()

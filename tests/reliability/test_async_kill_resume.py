@@ -119,6 +119,7 @@ def straight_staleness0(tiny_model_dir, reward_file, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("lineage", sorted(LINEAGES))
+@pytest.mark.numerics
 def test_killed_async_runs_resume_without_losing_or_repeating_a_prompt(lineage, tiny_model_dir, reward_file,
                                                                        straight_staleness0, tmp_path):
     config, extra, kills = LINEAGES[lineage]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from rlfoundry.checkpoint import layout as ckpt_dirs
 from tests.reliability._harness import (
     SIGKILLED,
@@ -37,6 +39,7 @@ def _debris(run_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.name.endswith(ckpt_dirs.TMP_SUFFIX))
 
 
+@pytest.mark.numerics
 def test_kill_at_each_point_of_a_save_resumes_from_the_newest_complete_checkpoint(
         tiny_model_dir, reward_file, reference_run, tmp_path):
     run_dir = tmp_path / "run"
@@ -69,6 +72,7 @@ def test_kill_at_each_point_of_a_save_resumes_from_the_newest_complete_checkpoin
         assert_same_metrics(reference_run["records"][record["step"]], record, f"step {record['step']}")
 
 
+@pytest.mark.numerics
 def test_kill_mid_step_resumes_with_the_same_data_order_and_metrics(tiny_model_dir, reward_file, reference_run,
                                                                     tmp_path):
     run_dir, order = tmp_path / "run", tmp_path / "order.txt"

@@ -73,6 +73,7 @@ def soak(model: Path, reward_file: Path, tmp_path: Path, steps: int, kills: int,
     return raw_records(run_dir)
 
 
+@pytest.mark.numerics
 def test_soak_short_random_kills_lose_and_double_nothing(tiny_model_dir, reward_file, reference_run, tmp_path):
     records = soak(tiny_model_dir, reward_file, tmp_path, steps=4, kills=3, seed=7)
     for record in records:

@@ -72,6 +72,7 @@ def sync_run(tiny_model_dir, tmp_path_factory):
     return run
 
 
+@pytest.mark.numerics
 def test_fully_async_with_staleness_zero_trains_what_the_synchronous_run_trains(tiny_model_dir, tmp_path, sync_run):
     run = tmp_path / "async"
     _ok(_cli(_args(tiny_model_dir, run, *_ASYNC, "data.gen_batch_size=2", "async_training.require_batches=1",
@@ -82,6 +83,8 @@ def test_fully_async_with_staleness_zero_trains_what_the_synchronous_run_trains(
         assert fully[step]["async/staleness_max"] == 0
         assert fully[step]["rollout_corr/log_ppl_abs_diff"] <= 1e-6  # the sync arrived, every time
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            # the same ranks, batches and update code as the synchronous run: bit for bit in practice, a stale or lost
+            # sync moves them by >1e-2
             assert fully[step][key] == pytest.approx(sync[step][key], rel=1e-5, abs=1e-7), key
 
 

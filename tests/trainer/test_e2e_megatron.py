@@ -18,11 +18,16 @@ from tests.trainer._e2e import subprocess_env, tiny_overrides, write_reward_file
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # every test compares Megatron with FSDP or HF (#51)
 
+# optim.eps=1e-4 (as tests/engines/test_megatron_engine.py): Megatron and FSDP sum the gradients in
+# another order, and with eps=1e-8 Adam moves a weight whose gradient is ~0 anywhere in [-lr, lr] on
+# either side (#51), which steps 2 and 3 (their samples, losses, grad norms) would inherit; with 1e-4
+# each step changes by at most lr/eps = 100x its gradient's rounding (~1e-5 on a weight)
 COMMON = ["trainer.n_gpus_per_node=2", "trainer.worker_backend=process", "trainer.total_training_steps=3",
           "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
-          "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.use_rollout_log_probs=false"]
+          "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.optim.eps=1e-4",
+          "actor_rollout_ref.actor.use_rollout_log_probs=false"]
 LAYOUTS = {"tp2": "tensor_model_parallel_size=2", "pp2": "pipeline_model_parallel_size=2"}
 
 
@@ -55,6 +60,7 @@ def test_tensor_and_pipeline_parallel_grpo_match_fsdp(tiny_model_dir, tmp_path, 
         # identical samples at steps 2 and 3 only if the rollout follows the Megatron updates
         assert a["response_length/mean"] == b["response_length/mean"], a["step"]
         assert a["critic/score/mean"] == pytest.approx(b["critic/score/mean"], abs=1e-6), a["step"]
+        # steps 2-3 at weights up to ~1e-5 apart (COMMON's eps), TP/PP re-associating the sums
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
     assert megatron[-1]["actor/kl_loss"] > 0  # the policy moved away from the reference
@@ -74,10 +80,11 @@ def test_tensor_parallel_resume_gives_the_straight_runs_third_step(tiny_model_di
     assert (tmp_path / "split" / "global_step_2" / "actor" / "mcore").is_dir()
     a, b = straight[-1], next(r for r in resumed if r["step"] == 3)
     for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
-        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key  # the same arithmetic resumed
 
 
-PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "critic.ppo_micro_batch_size_per_gpu=2"]
+PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "critic.optim.eps=1e-4",  # eps: as COMMON's
+       "critic.ppo_micro_batch_size_per_gpu=2"]
 
 
 @pytest.mark.ray
@@ -100,7 +107,7 @@ def test_ppo_with_the_critic_on_megatron_matches_fsdp_resumes_and_exports(tiny_m
     resumed = _run(tmp_path, "split", tiny_model_dir, reward, tp2, config_name="ppo_megatron_trainer")
     a, b = straight[-1], next(r for r in resumed if r["step"] == 3)
     for key in ("critic/score/mean", "response_length/mean", *value_keys):
-        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key  # the same arithmetic resumed
     out = tmp_path / "exported"
     cli = subprocess.run([sys.executable, "-m", "rlfoundry.cli", "export", str(tmp_path / "split"), str(out)],
                          capture_output=True, text=True, env=subprocess_env(), timeout=300)

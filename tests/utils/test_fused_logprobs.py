@@ -27,6 +27,7 @@ def _naive(h, w, labels, temperature, excluded):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.numerics
 def test_values_and_gradients_equal_the_full_logits(dtype, tol, chunk):
     """23 rows in chunks of 1, 7 (not a divisor) and 64 (one chunk); temperature 0.7; ids 5 and 11
     excluded (labels avoid them: their log-prob is -inf-like either way). A loss mixing log-probs and
@@ -51,6 +52,7 @@ def test_values_and_gradients_equal_the_full_logits(dtype, tol, chunk):
     assert torch.all(fused_grads[1][excluded] == 0)
 
 
+@pytest.mark.numerics
 def test_entropy_without_gradient_skips_its_term():
     """entropy_grad=False: the entropy is a constant (no grad_fn), the log-prob gradient is unchanged."""
     h, w, labels = _inputs(9, 6, 30, torch.float64)
@@ -63,6 +65,7 @@ def test_entropy_without_gradient_skips_its_term():
     torch.testing.assert_close(got, h.grad, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.numerics
 def test_leading_dims_and_empty_input():
     """(b, n, H) hidden and (b, n) labels come back (b, n); zero rows give empty outputs and gradients."""
     h, w, labels = _inputs(12, 6, 30, torch.float32)
@@ -74,6 +77,7 @@ def test_leading_dims_and_empty_input():
     assert empty_lp.shape == (0,) and torch.all(w.grad == 0)
 
 
+@pytest.mark.numerics
 def test_bf16_compute_matches_the_bf16_lm_head():
     """bf16 hidden and weight (FSDP2's mixed precision): the chunk's product is bf16 as the LM head's,
     statistics in fp32 — the unfused path's numbers within bf16 product rounding."""
@@ -85,8 +89,10 @@ def test_bf16_compute_matches_the_bf16_lm_head():
     logits = h @ w.t()
     logprobs_from_logits(logits, labels).sum().backward()
     assert lp.dtype == torch.float32
+    # the fused head in bf16 vs the bf16 lm_head, accumulating in fp32 both: rounding of the fp32 reductions
     torch.testing.assert_close(lp, logprobs_from_logits(logits.detach(), labels), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, entropy_from_logits(logits.detach()), atol=1e-5, rtol=1e-5)
+    # bf16 gradients (u = 2^-8 = 4e-3) rounded at other points: a few bf16 ulps
     torch.testing.assert_close(gh.float(), h.grad.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(gw.float(), w.grad.float(), atol=2e-2, rtol=2e-2)
 
@@ -132,6 +138,7 @@ def test_the_largest_tensor_is_one_chunk_of_logits_not_all_of_them():
     assert _largest(unfused) >= rows * vocab
 
 
+@pytest.mark.numerics
 def test_under_autocast_the_product_is_in_the_autocast_dtype_as_the_lm_head():
     """fp32 weights under bf16 autocast (the one-rank mixed-precision path): the fused chunk products are
     bf16 like autocast's ``lm_head``, in forward and backward alike (gradients come back fp32)."""
@@ -139,6 +146,7 @@ def test_under_autocast_the_product_is_in_the_autocast_dtype_as_the_lm_head():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lp, _ = fused_logprobs_entropy(h, w, labels, chunk_rows=16)
         ref = logprobs_from_logits(h @ w.t(), labels)
+    # fp32 rounding only: the same forward in another order (~u·sqrt(H + V)·|logit| ~ 1e-6 per log-prob)
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
     exact = logprobs_from_logits(h.detach() @ w.detach().t(), labels)
     assert (lp - exact).abs().max() > 1e-4  # bf16 products, not fp32 ones

@@ -40,6 +40,7 @@ def models(tiny_model_dir, tiny_critic_dir):
 
 
 @pytest.mark.parametrize("kind, impl", [("causal_lm", "sdpa"), ("causal_lm", "eager"), ("token_classification", "sdpa")])
+@pytest.mark.numerics
 def test_packed_forward_matches_padded(models, kind, impl):
     # A full row, a one-token row, and rows of other lengths, mixing left and right padding: a
     # token attending across a row boundary would change the outputs far beyond 1e-5.
@@ -49,10 +50,13 @@ def test_packed_forward_matches_padded(models, kind, impl):
         padded = forward_logits(model, ids, mask, pos, use_remove_padding=False)
         packed = forward_logits(model, ids, mask, pos, use_remove_padding=True)
     valid = mask.bool()
+    # packed (varlen) attention vs padded masks: fp32 rounding only: the same forward in another order (~u·sqrt(H +
+    # V)·|logit| ~ 1e-6 per log-prob)
     torch.testing.assert_close(packed[valid], padded[valid], atol=1e-5, rtol=1e-5)
     assert (packed[~valid] == 0).all()
 
 
+@pytest.mark.numerics
 def test_log_probs_in_packed_space_match_padded(models):
     # The actor may score tokens without unpacking (B, T, vocab) logits: roll the packed ids by one.
     ids, mask, pos = _mixed_padding_batch([9, 4, 7], width=9, seed=1)
@@ -65,6 +69,8 @@ def test_log_probs_in_packed_space_match_padded(models):
     lp_padded = logprobs_from_logits(padded_logits[:, :-1], ids[:, 1:])
     # position t predicts token t+1; compare where both t and t+1 are real tokens
     both = (mask[:, :-1] * mask[:, 1:]).bool()
+    # packed (varlen) attention vs padded masks: fp32 rounding only: the same forward in another order (~u·sqrt(H +
+    # V)·|logit| ~ 1e-6 per log-prob)
     torch.testing.assert_close(lp_packed[:, :-1][both], lp_padded[both], atol=1e-5, rtol=1e-5)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +70,63 @@ def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# Comparing weights after an Adam step across code paths is fragile (#51): the first step moves each
+# weight by lr * g / (|g| + eps), about lr * sign(g), so a gradient near zero whose last bits differ
+# between the paths (another summation order, another CPU's vector width) moves its weight anywhere
+# in [-lr, lr]. Tests of "the same update" compare the gradients the optimizer took instead, normwise
+# per tensor, within float32 re-association over the longest reductions (reassociation_bound).
+UNIT_ROUNDOFF = 2.0 ** -24  # float32
+
+
+def reassociation_bound(vocab: int, tokens: int) -> float:
+    """Normwise relative bound on a gradient summed in another order: u times the longest reductions,
+    the vocabulary (log-softmax and the head's backward) plus the batch's tokens (each weight's
+    gradient sums over them). For the tiny models (V=260, ~100-300 tokens) it is ~2-3e-5, while the
+    smallest plausible bug (one token of the batch dropped or counted twice) moves a gradient by
+    ~1/tokens, 1e-2 to 3e-3 normwise: two orders of magnitude above the bound."""
+    return UNIT_ROUNDOFF * (vocab + tokens)
+
+
+def vocab_rows(tensors: dict[str, torch.Tensor]) -> int:
+    """The vocabulary size, read off the input embedding among ``tensors`` (parameters or gradients by name)."""
+    return next(t.shape[0] for name, t in tensors.items() if name.endswith("embed_tokens.weight"))
+
+
+def assert_same_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bound: float,
+                          what: str = "") -> None:
+    """``got`` equals ``want`` per tensor in the 2-norm, relative to ``want``, within ``bound``
+    (a tensor whose gradient is exactly zero on both sides, e.g. LoRA's A at its first step, passes)."""
+    assert set(got) == set(want), (what, set(got) ^ set(want))
+    for name, grad in want.items():
+        err = float((got[name] - grad).norm() / grad.norm().clamp_min(1e-30))
+        assert err <= bound, f"{what} {name}: gradient {err:.2e} from the reference's (bound {bound:.1e})"
+
+
+def step_gradients(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """From now on, the gradient each trainable parameter takes into every ``optimizer.step()``
+    (after clipping), one dict per step: for updates of several steps, where Adam's first moment
+    (first_step_gradients) no longer holds the first gradient alone. In-process engines only."""
+    steps: list[dict[str, torch.Tensor]] = []
+
+    def record(_optimizer, *_):
+        steps.append({name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                      for name, p in module.named_parameters() if p.grad is not None})
+
+    optimizer.register_step_pre_hook(record)
+    return steps
+
+
 def first_step_gradients(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The gradient each parameter took into an Adam/AdamW optimizer's first step (after clipping).
+    """The gradient each trainable parameter took into an Adam/AdamW optimizer's first step (after clipping).
 
     The optimizer frees ``.grad`` after the step; its first moment after one step is exactly
     ``(1 - beta1) * grad``, so dividing by ``1 - beta1`` recovers the gradient without hooking the update.
+    Frozen parameters (a LoRA model's base) have no optimizer state and are left out.
     """
     out = {}
     for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
         state = optimizer.state[p]
         assert int(state["step"]) == 1, f"{name}: {int(state['step'])} optimizer steps, expected the first"
         (beta1, _), = {tuple(g["betas"]) for g in optimizer.param_groups if any(q is p for q in g["params"])}
@@ -97,7 +147,8 @@ def _one_thread():
     @pytest.fixture(scope="module", autouse=True)
     def one_thread():
         before = torch.get_num_threads()
-        torch.set_num_threads(1)
+        # RLFOUNDRY_TEST_THREADS: scripts/test_cpu_variants.sh threads2 runs these with two threads
+        torch.set_num_threads(int(os.environ.get("RLFOUNDRY_TEST_THREADS", "1")))
         yield
         torch.set_num_threads(before)
 

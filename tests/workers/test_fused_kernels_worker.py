@@ -14,6 +14,7 @@ FUSED = ["model.use_fused_kernels=true", "model.fused_kernel_options.impl_backen
 UNIT_ROUNDOFF = 2.0 ** -24  # float32
 
 
+@pytest.mark.numerics
 def test_actor_and_reference_take_the_fused_head_and_give_the_same_round(tiny_model_dir, tokenizer):
     prompts = make_prompts(tokenizer, TEXTS)
     plain = local_worker(worker_config(tiny_model_dir, FUSED[2:]), role="actor_rollout_ref")
@@ -31,8 +32,11 @@ def test_actor_and_reference_take_the_fused_head_and_give_the_same_round(tiny_mo
         outs[name] = scored, metrics, first_step_gradients(group.worker.optimizer, group.worker.actor.module)
     (p_data, p_metrics, p_grads), (f_data, f_metrics, f_grads) = outs["plain"], outs["fused"]
     for key in ("old_log_probs", "ref_log_prob"):
+        # the fused head sums the vocabulary in chunks: fp32 rounding only: the same forward in another order
+        # (~u·sqrt(H + V)·|logit| ~ 1e-6 per log-prob)
         torch.testing.assert_close(f_data.batch[key], p_data.batch[key], atol=1e-5, rtol=1e-5, msg=key)
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        # losses/norms summed over the batch's tokens in another order: fp32 rounding, u x tokens x a few terms
         assert f_metrics[key] == pytest.approx(p_metrics[key], rel=1e-4)
     # What the head is responsible for is the gradient it sends back, not Adam's step: the first step
     # moves each weight by lr * g / (|g| + eps), about lr * sign(g), so a gradient near zero whose last

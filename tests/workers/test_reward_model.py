@@ -95,6 +95,7 @@ def test_through_a_worker_group_into_the_reward_manager(rm_dir: Path) -> None:
     torch.testing.assert_close(added, batch.batch["rm_scores"] + rule)
 
 
+@pytest.mark.numerics
 def test_scores_last_response_token_and_matches_unpadded_forward(rm_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(rm_dir)
     batch = rollout_batch(tok)
@@ -105,13 +106,16 @@ def test_scores_last_response_token_and_matches_unpadded_forward(rm_dir: Path) -
     for i in range(3):
         last = int(batch.batch["response_mask"][i].sum()) - 1  # "85"+EOS -> 2, "6"+EOS -> 1, ...
         ids = batch.batch["input_ids"][i][batch.batch["attention_mask"][i].bool()].tolist()
+        # batched scoring vs one plain forward: fp32 rounding of O(1) scores
         assert rm_scores[i, last].item() == pytest.approx(reference_score(model, ids), abs=1e-5)
         assert rm_scores[i].count_nonzero() == 1
     # micro-batching does not change the scores
     one_by_one = make_worker(rm_dir, micro_batch_size_per_gpu=1).compute_rm_score(batch).batch["rm_scores"]
+    # one row at a time vs batched: fp32 rounding of O(1) scores
     torch.testing.assert_close(one_by_one, rm_scores, atol=1e-5, rtol=0)
 
 
+@pytest.mark.numerics
 def test_retokenises_with_the_rm_chat_template(rm_dir: Path, policy_tokenizer_dir: Path) -> None:
     policy_tok = AutoTokenizer.from_pretrained(policy_tokenizer_dir)
     batch = rollout_batch(policy_tok)
@@ -125,6 +129,7 @@ def test_retokenises_with_the_rm_chat_template(rm_dir: Path, policy_tokenizer_di
         assert text.startswith("<|im_start|>") and text.endswith(f"{response}<|im_end|>\n")
         last = int(batch.batch["response_mask"][i].sum()) - 1
         expected = reference_score(model, rm_tok.encode(text))
+        # batched scoring vs one plain forward: fp32 rounding of O(1) scores
         assert rm_scores[i, last].item() == pytest.approx(expected, abs=1e-5)
     # the same tokenizer as input_tokenizer means no re-tokenising
     assert not make_worker(rm_dir, model={"input_tokenizer": str(rm_dir)}).retokenize
