@@ -405,7 +405,7 @@ def cause_of(problem: str) -> str:
         if match:
             return template.format(_generalise(match.group(1)), *match.groups()[1:])
     first = re.split(r"(?<=[.;])\s", problem, maxsplit=1)[0]
-    first = re.sub(r"\s\(did you mean .*", "", first)
+    first = re.sub(r"\s\((did you mean .*|[^()]*\)?)", "", first)  # asides and suggestions
     return re.sub(r"(?<==)-?\d[\d.e+-]*", "N", first).rstrip(".;:, ")[:160]
 
 
@@ -505,11 +505,20 @@ def check(cap: Captured, tree: Path, timeout: float, in_process: bool) -> Result
     source = Path(spec.origin).read_text() if spec.origin else ""
     if '"cfg"' in source or "'cfg'" in source or "--cfg" in source:  # it has the dry run
         if in_process:
-            return check_in_process(module, argv, cwd, cap.world_size)
-        return check_subprocess(module, argv, cwd, cap.world_size, timeout)
+            return _portable(check_in_process(module, argv, cwd, cap.world_size), tree)
+        return _portable(check_subprocess(module, argv, cwd, cap.world_size, timeout), tree)
     if "def load_sft_config" in source:
-        return check_sft_loader(module, argv, cap.world_size)
+        return _portable(check_sft_loader(module, argv, cap.world_size), tree)
     return Result("unchecked", f"{module} has no --cfg job dry run", ["no dry run"])
+
+
+def _portable(result: Result, tree: Path) -> Result:
+    """The temporary tree's path written as ``{tree}``: causes group across runs and machines."""
+    def fix(text: str) -> str:
+        return text.replace(str(tree), "{tree}")
+
+    return dataclasses.replace(result, message=fix(result.message), detail=fix(result.detail),
+                               causes=[fix(c) for c in result.causes], warnings=[fix(w) for w in result.warnings])
 
 
 def blockers(cap: Captured, tree: Path, first: Result, timeout: float, in_process: bool,
