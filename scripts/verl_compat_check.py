@@ -74,7 +74,9 @@ SANDBOX_ROOT = f"{SANDBOX}/verl"  # the tree copy: the script's working director
 # Launchers forward to the python they start; tools print nothing and succeed.
 PYTHONS = ("python", "python3")
 LAUNCHERS = ("torchrun", "ray", "uv", "srun", "accelerate", "deepspeed", "mpirun", "sudo")
-TOLERANT = ("cp",)  # done for real, but a missing source (a model's file) does not stop the script
+# done for real, but a missing source (a model's file) or a directory outside the sandbox (/data) does
+# not stop the script
+TOLERANT = ("cp", "mkdir")
 NOOPS = ("nvidia-smi", "npu-smi", "rocm-smi", "huggingface-cli", "hf", "modelscope", "pip", "pip3", "wget",
          "curl", "git", "git-lfs", "sleep", "docker", "ssh", "scp", "rsync", "nvcc", "apt", "apt-get", "conda",
          "wandb", "tensorboard", "swanlab", "ifconfig", "ip", "ibstat", "ibv_devinfo")
@@ -191,7 +193,7 @@ def write_shims(directory: Path) -> None:
     me = Path(__file__).resolve()
     for name in PYTHONS + LAUNCHERS + NOOPS + TOLERANT:
         if name in TOLERANT:
-            body = f'/bin/{name} "$@" 2>/dev/null\nexit 0\n'
+            body = f'{shutil.which(name, path="/usr/bin:/bin")} "$@" 2>/dev/null\nexit 0\n'
         elif name in NOOPS and name != "nvidia-smi":
             body = "exit 0\n"  # no interpreter start: most scripts call several of these
         else:
@@ -262,12 +264,15 @@ def capture(tree: Path, script: str, work: Path, shims: Path, timeout: float,
     given: dict[str, Any] = {"env": {}, "args": []}
     for _ in range(MAX_RETRIES):
         caps, problem, stderr = _run_script(tree, script, work, shims, timeout, sandbox, given)
-        unbound = re.search(r"(\w+): unbound variable", stderr)
+        # `set -u` on an unset variable, or `${VAR:?message}`: bash names the variable after the line number
+        unbound = re.search(r"line \d+: ([A-Z_][A-Z0-9_]*): ", stderr)
         if caps or problem is None or problem.startswith("timed out"):
             break
-        # an UPPER_CASE name is the launch environment's; a lower-case one is the script's own bug
-        if unbound and unbound.group(1).isupper() and unbound.group(1) not in given["env"]:
-            given["env"][unbound.group(1)] = _placeholder(unbound.group(1), sandbox, work)
+        # an UPPER_CASE name is the launch environment's (a lower-case one is the script's own bug); only
+        # names whose kind is plain get a value: a path, a count (never a guessed engine or model name)
+        value = _placeholder(unbound.group(1), sandbox, work) if unbound else None
+        if value is not None and unbound.group(1) not in given["env"]:
+            given["env"][unbound.group(1)] = value
         elif len(given["args"]) < len(USAGE_ARGS):  # the fewest arguments its usage check accepts
             home = str(_inside(sandbox, work) / "home")
             given["args"] = [a.replace("{home}", home) for a in USAGE_ARGS[:len(given["args"]) + 1]]
@@ -282,14 +287,16 @@ def _inside(sandbox: bool, work: Path) -> Path:
     return Path(SANDBOX) if sandbox else work
 
 
-def _placeholder(name: str, sandbox: bool, work: Path) -> str:
+def _placeholder(name: str, sandbox: bool, work: Path) -> str | None:
     if "GPU" in name:
         return str(FAKE_GPUS)
     if re.search(r"NUM|NODES|COUNT|SIZE", name):
         return "1"
     if "RANK" in name or name.endswith("_ID"):
         return "0"
-    return str(_inside(sandbox, work) / "home" / name.lower())
+    if re.search(r"(PATH|DIR|HOME|ROOT|FILES?|DATA|CKPTS?|CHECKPOINTS?|OUTPUT)$", name):
+        return str(_inside(sandbox, work) / "home" / name.lower())
+    return None
 
 
 def _run_script(tree: Path, script: str, work: Path, shims: Path, timeout: float, sandbox: bool,

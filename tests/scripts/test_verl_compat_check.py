@@ -155,6 +155,14 @@ def test_torchrun_world_size_and_module(harness, tmp_path, monkeypatch):
     assert harness.family_of(rec["module"]) == "sft"
 
 
+def test_placeholders_only_for_paths_and_counts(harness):
+    """A launch variable a script insists on gets a value only when its kind is plain."""
+    assert harness._placeholder("HDFS_ROOT", True, Path("/w")) == "/tmp/vcc/home/hdfs_root"
+    assert harness._placeholder("NUM_GPUS", True, Path("/w")) == "8"
+    assert harness._placeholder("NNODES", True, Path("/w")) == "1"
+    assert harness._placeholder("INFER_BACKEND", True, Path("/w")) is None  # never a guessed engine name
+
+
 def test_problem_lists_give_one_cause_each(harness):
     stderr = ("\nrlfoundry: ConfigError: 2 config problem(s):\n"
               "  - actor_rollout_ref.rollout.name='trtllm' is not one of ['hf', 'vllm', 'sglang'] "
