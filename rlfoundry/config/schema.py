@@ -223,6 +223,7 @@ class OptimConfig(Node):
     lr_decay_style: Optional[str] = None  # constant | cosine: = lr_scheduler_type (verl_compat copies it there)
     lr_warmup_init: float = 0.0  # the warm-up rises linearly from this lr to lr (engines/fsdp/utils.py lr_lambda)
     min_lr: Optional[float] = None  # cosine's floor as an lr: = min_lr_ratio × lr (verl_compat converts it)
+    lr_decay_steps: Optional[int] = None  # the schedule's length (warm-up ratio and cosine); null: the run's steps
     weight_decay_incr_style: str = "constant"  # Megatron's weight-decay schedule; only constant is built
     # verl's optimizer class (FSDP: optimizer_impl.optimizer): AdamW here; Megatron's "adam" is its AdamW
     optimizer: str = "AdamW"

@@ -57,6 +57,16 @@ def test_warmup_then_cosine_by_hand():
     assert lrs[10] == pytest.approx(0.1) and lrs[11] == pytest.approx(0.1)
 
 
+def test_lr_decay_steps_is_the_schedules_length():
+    # Megatron's lr_decay_steps=6 in a 10-step run: warm-up ratio 1/3 of 6 = 2 steps (0, 1/2), then the
+    # cosine from 1 at s=2 to 0.1 at s=6 (p = (s - 2) / 4: s=4 -> 0.55), held at 0.1 to the run's end.
+    lrs = _lrs({"lr_warmup_steps_ratio": 1 / 3, "warmup_style": "cosine", "min_lr_ratio": 0.1,
+                "lr_decay_steps": 6}, 10, total=10)
+    assert lrs[:3] == pytest.approx([0.0, 0.5, 1.0])
+    assert lrs[4] == pytest.approx(0.55)
+    assert lrs[6:] == pytest.approx([0.1] * 4)
+
+
 def test_warmup_ratio_constant_and_no_decay_without_total():
     # ratio 0.25 of 8 steps = 2 warm-up steps, then constant 1 (verl's lr_scheduler_type name)
     assert _lrs({"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.25, "lr_scheduler_type": "constant"}, 4, 8) == \

@@ -399,7 +399,11 @@ def build_optimizer(module: nn.Module, optim: OptimConfig) -> torch.optim.Optimi
 
 
 def _total_steps(optim: OptimConfig, total_training_steps: int | None) -> int | None:
-    total = total_training_steps if total_training_steps is not None else optim.total_training_steps
+    """The schedule's length: Megatron's ``lr_decay_steps`` when set (the warm-up ratio and the cosine
+    count in it, the lr holds at its floor after it), else the run's steps."""
+    decay = getattr(optim, "lr_decay_steps", None)
+    total = decay if decay is not None else \
+        total_training_steps if total_training_steps is not None else optim.total_training_steps
     return int(total) if total is not None and int(total) > 0 else None
 
 
