@@ -587,6 +587,9 @@ class RolloutConfig(Node):
     cudagraph_capture_sizes: Optional[List[int]] = None
     skip_tokenizer_init: bool = True  # no effect: token ids in and out; the engine loads a tokenizer only for images
     prometheus: Dict[str, Any] = _dict(enable=False)  # verl's rollout-server metrics export: observability only
+    # verl's SGLang HTTP-client settings: declared in its config, passed by no verl code (no effect here either)
+    server: Dict[str, Any] = _dict(timeout=60.0, max_attempts=3, retry_delay=2.0, max_connections=1000,
+                                   max_start_wait_time=300.0)
     micro_batch_size: Optional[int] = None  # verl <= 0.2; no effect
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null

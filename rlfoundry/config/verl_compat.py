@@ -108,6 +108,9 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # prompts go in and responses come out as token ids: the engines skip their tokenizer wherever the model allows
     "actor_rollout_ref.rollout.skip_tokenizer_init",
     "actor_rollout_ref.rollout.prometheus*",  # verl's Prometheus export of its rollout servers: observability only
+    # verl's HTTP-client limits for its SGLang server, which verl declares and never passes to the client (its
+    # adapter keeps its own defaults); SGLang runs in-process here, with no HTTP client to limit
+    "actor_rollout_ref.rollout.server.*",
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     "*.fsdp_config.strategy",  # fsdp or fsdp2 (checked): one FSDP2 engine

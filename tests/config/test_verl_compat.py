@@ -253,6 +253,13 @@ def test_return_multi_modal_inputs_and_prometheus_are_accepted_as_no_effect():
         assert key in text
 
 
+def test_rollout_server_limits_are_accepted_as_no_effect():
+    # verl's examples/sglang_multiturn server config sets these; no verl code reads them
+    text = _no_effect_warning("actor_rollout_ref.rollout.server.timeout=60",
+                              "actor_rollout_ref.rollout.server.max_start_wait_time=300.0")
+    assert "rollout.server.timeout" in text and "rollout.server.max_start_wait_time" in text
+
+
 def test_lora_adapter_path_alone_takes_the_adapters_rank_alpha_and_targets(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(
         {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}))
