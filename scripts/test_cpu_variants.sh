@@ -35,10 +35,14 @@ env_of() {
 }
 status=0
 for v in "${variants[@]}"; do
-  settings=$(env_of "$v")
+  settings=$(env_of "$v") extra=()
+  # torch 2.13's inductor C++ backend, told by ATEN_CPU_CAPABILITY=default to vectorise nothing, still
+  # emits at::vec code and fails to compile it (g++: 'at::vec' has not been declared): a torch limit,
+  # so the torch.compile tests sit this variant out
+  [ "$v" = scalar ] && extra=(--ignore=tests/engines/test_fsdp_compile.py)
   echo "[cpu-variants] $v: $settings"
   # shellcheck disable=SC2086  # the settings are words on purpose
-  env $settings "$PY" -m pytest "${args[@]}" -q -p no:cacheprovider
+  env $settings "$PY" -m pytest "${args[@]}" "${extra[@]}" -q -p no:cacheprovider
   rc=$?
   if [ "$rc" -eq 5 ]; then echo "[cpu-variants] $v: pytest collected no tests" >&2; rc=1; fi
   [ "$rc" -eq 0 ] || { echo "[cpu-variants] $v: FAILED (rc $rc)" >&2; status=1; }

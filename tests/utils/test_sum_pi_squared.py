@@ -10,6 +10,9 @@ import torch
 
 from rlfoundry.utils import torch_functional as F_
 
+# every path's sum against a float64 softmax, within float32 bounds: a comparison across numerics (#51)
+pytestmark = pytest.mark.numerics
+
 
 def _direct(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.double(), -1).square().sum(-1)
