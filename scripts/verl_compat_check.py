@@ -52,7 +52,7 @@ import sys
 import tempfile
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 

@@ -81,6 +81,8 @@ def parse_rs_thresholds(options: list[str], spec: float | str) -> dict[str, tupl
         if min(bounds) <= 0:
             raise ValueError(f"rollout_rs_threshold {text!r} for {option}: bounds must be > 0")
         lower = (bounds[0] if len(bounds) == 2 else 1.0 / bounds[0]) if option.endswith("k1") else None
+        if lower is not None and lower > bounds[-1]:  # an empty band would reject every token, silently
+            raise ValueError(f"rollout_rs_threshold {text!r} for {option}: the lower bound is above the upper")
         out[option] = (lower, bounds[-1])
     return out
 

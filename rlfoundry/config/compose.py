@@ -55,12 +55,13 @@ ENGINES: dict[str, str | None] = {"dp": None, "fsdp": None, "megatron": "ppo_meg
 MISSING_ENGINES = ("veomni", "torchtitan", "automodel")
 
 # verl's own component configs (verl/trainer/config/<group>/<option>.yaml): their keys are the typed
-# schema's defaults, so they add nothing here, except the Megatron roles' engine.
-_MEGATRON = {"strategy": "megatron"}
+# schema's defaults, so they add nothing here, except each role's engine (so that `override actor@...:
+# dp_actor` over a Megatron config takes effect, as in Hydra).
+_MEGATRON, _FSDP = {"strategy": "megatron"}, {"strategy": "fsdp"}
 BUILTIN_GROUPS: dict[str, dict[str, dict]] = {
-    "actor": {"dp_actor": {}, "megatron_actor": _MEGATRON},
-    "ref": {"dp_ref": {}, "megatron_ref": _MEGATRON},
-    "critic": {"dp_critic": {}, "megatron_critic": _MEGATRON},
+    "actor": {"dp_actor": _FSDP, "megatron_actor": _MEGATRON},
+    "ref": {"dp_ref": _FSDP, "megatron_ref": _MEGATRON},
+    "critic": {"dp_critic": _FSDP, "megatron_critic": _MEGATRON},
     "data": {"legacy_data": {}},
     "rollout": {"rollout": {}},
     "model": {"hf_model": {}},
@@ -71,6 +72,10 @@ BUILTIN_GROUPS: dict[str, dict[str, dict]] = {
     "legacy_reward_impl": {"legacy_reward_impl": {}},
     "distillation": {"distillation": {}},
     "transfer_queue": {"transfer_queue": {}},
+    # verl's SFT engine layout (sft_trainer_engine.yaml); its megatron engine is refused by the SFT loader
+    "engine": {"fsdp": {}, "dp": {}},
+    "optim": {"fsdp": {}},
+    "profiler": {"profiler": {}},
 }
 
 
@@ -227,8 +232,9 @@ class _Composer:
             return self.file(found, package, chain)
         group, choice = (name, option) if option is not None else (name.split("/")[0], name.split("/")[-1])
         builtin = BUILTIN_GROUPS.get(group, {})
-        if choice in builtin:
-            return [Layer(f"{path}: defaults entry '{text}' (verl's {rel})", _at(package, dict(builtin[choice])))]
+        if choice in builtin:  # an empty one adds nothing (not even its package: profiler@profiler in SFT)
+            values = dict(builtin[choice])
+            return [Layer(f"{path}: defaults entry '{text}' (verl's {rel})", _at(package, values))] if values else []
         if optional:
             return []  # Hydra: an optional entry that does not exist adds nothing
         there = sorted({p.relative_to(r).with_suffix("").as_posix() for r in self.roots

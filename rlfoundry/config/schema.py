@@ -983,6 +983,9 @@ class AlgorithmConfig(Node):
             if options is not None:
                 if threshold is None:
                     return [f"{key}.rollout_rs={rc.rollout_rs} needs rollout_rs_threshold (e.g. 0.999_1.001 for k1)."]
+                if rc.rollout_rs_threshold_lower is not None:  # the divergence options read their spec only
+                    return [f"{key}.rollout_rs_threshold_lower is for the ratio levels; with rollout_rs="
+                            f"{rc.rollout_rs} give the lower bound in the spec: rollout_rs_threshold=LOWER_UPPER."]
                 parse_rs_thresholds(options, threshold)
         except ValueError as e:
             return [f"{key}: {e}."]

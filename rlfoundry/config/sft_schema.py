@@ -74,8 +74,8 @@ class SFTDataConfig:
     # effect, with a warning; the update does not depend on the micro-batch size anyway
     micro_batch_size: Optional[int] = None
     # verl's newer layout: no_padding packs each micro-batch's real tokens (= use_remove_padding=true, the
-    # same loss), right_padding pads; null: use_remove_padding decides
-    pad_mode: Optional[str] = field(default=None, metadata={"choices": (None, "no_padding", "right_padding")})
+    # same loss), right and left_right pad (verl's names); null: use_remove_padding decides
+    pad_mode: Optional[str] = field(default=None, metadata={"choices": (None, "no_padding", "right", "left_right")})  # verl's DatasetPadMode
     shuffle: bool = True
     synthetic: SFTSyntheticConfig = _sub(SFTSyntheticConfig)  # rlfoundry
     # verl's conversation rows, every assistant turn trained (data/sft_dataset.py): data.multiturn.enable=true,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config.schema import LR_SCHEDULES, TORCH_PROFILER_TOOLS
 from rlfoundry.config.typed import ConfigError
@@ -249,6 +250,11 @@ def _adopt_min_lr(cfg: DictConfig, set_keys: Sequence[str]) -> None:
         optim, key = OmegaConf.select(cfg, f"{role}.optim"), f"{role}.optim"
         if optim.min_lr is None:
             continue
+        if float(optim.lr) == 0.0:
+            if float(optim.min_lr) != 0.0:
+                raise ConfigError(f"{key}.min_lr={optim.min_lr} with {key}.lr=0: Megatron's floor is a fraction of "
+                                  f"lr here (min_lr_ratio); a run at lr=0 has no floor above it. Set lr or min_lr=0.")
+            continue
         ratio = float(optim.min_lr) / float(optim.lr)
         if _set_by_user(set_keys, f"{key}.min_lr_ratio") and optim.min_lr_ratio is not None and \
                 abs(float(optim.min_lr_ratio) - ratio) > 1e-9 * max(1.0, ratio):
@@ -266,6 +272,9 @@ def _adopt_global_profiler(cfg: DictConfig, set_keys: Sequence[str]) -> None:
                   "global_profiler.steps (verl, with global_profiler.tool=torch) and trainer.profile_steps")
 
 
+_ADAPTER_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "target_modules": "target_modules"}
+
+
 def _adopt_adapter_lora(cfg: DictConfig, set_keys: Sequence[str]) -> None:
     """``model.lora_adapter_path`` without ``lora_rank``: the adapter's own rank, alpha and target modules
     (its ``adapter_config.json``), as verl does; keys the user set win."""
@@ -279,7 +288,11 @@ def _adopt_adapter_lora(cfg: DictConfig, set_keys: Sequence[str]) -> None:
               "target_modules": adapter.get("target_modules")}
     for name, value in fields.items():
         if value is not None and not _set_by_user(set_keys, f"actor_rollout_ref.model.{name}"):
-            model[name] = value
+            try:
+                model[name] = value
+            except OmegaConfBaseException as e:  # e.g. a fractional lora_alpha: the schema's is an int
+                raise ConfigError(f"{config}: {_ADAPTER_FIELDS[name]}={value!r} cannot be "
+                                  f"actor_rollout_ref.model.{name} ({e.msg}); set that key yourself.") from None
 
 
 # verl's deprecated global micro-batch keys and the per-rank keys that replaced them.

@@ -488,6 +488,7 @@ _OPTIMIZER_KEYS_SET_ELSEWHERE = {
     "betas": "optim.betas", "adam_beta1": "optim.betas", "adam_beta2": "optim.betas", "eps": "optim.eps",
     "adam_eps": "optim.eps", "use_distributed_optimizer": "megatron.use_distributed_optimizer",
     "bf16": "megatron.dtype", "fp16": "megatron.dtype", "params_dtype": "megatron.dtype", "params": None,
+    "optimizer": "optim.optimizer",  # the engine names megatron-core's optimizer itself (AdamW only)
 }
 # megatron-core's optimizer offload to the CPU: not built (the large-models issue)
 _OPTIMIZER_OFFLOAD_KEYS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "use_torch_optimizer_for_cpu_offload",

@@ -18,7 +18,7 @@ ends through ``log_generations(samples, step)``: ``console`` prints them under t
 ``file`` appends them to ``<run_dir>/val_generations.jsonl`` (one line per sample: step, input,
 output, score), ``tensorboard`` adds them as the text ``val/generations``, ``wandb`` as the table
 ``val/generations`` (one row per validation, as verl's) and ``mlflow`` as the artifact
-``val_generations/step_<N>.json`` (verl's ``log_table`` file).
+``val_step<N>.json`` (verl's ``log_table`` file).
 
 Resuming: pass ``resume_step=N`` (the global step of the checkpoint the run continues from). Records
 after step N, written by the interrupted run after its last checkpoint, are dropped, so the file keeps

@@ -403,3 +403,38 @@ def test_megatron_expert_tensor_parallel_size_one_or_null_is_accepted_and_more_i
     _load(base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
           "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=null")
     assert "expert_tensor_parallel_size=1 or null" in _error(base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4")
+
+
+# ───────────────────────────── from the review of issue 46's changes ─────────────────────────────
+
+
+def test_lr_zero_builds_a_flat_schedule_and_min_lr_above_it_is_an_error():
+    from rlfoundry.engines.fsdp.utils import build_lr_scheduler, build_optimizer
+
+    optim = _resolved("actor_rollout_ref.actor.optim.lr=0").actor_rollout_ref.actor.optim
+    scheduler = build_lr_scheduler(build_optimizer(torch.nn.Linear(2, 2), optim), optim, 10)  # was 0/0
+    assert scheduler.get_last_lr() == [0.0]
+    _load("actor_rollout_ref.actor.optim.lr=0", "+actor_rollout_ref.actor.optim.min_lr=0")  # was 0/0 too
+    assert "a run at lr=0 has no floor" in _error("actor_rollout_ref.actor.optim.lr=0",
+                                                  "+actor_rollout_ref.actor.optim.min_lr=1e-7")
+
+
+def test_the_optimizer_class_is_not_an_override():
+    # megatron-core's OptimizerConfig has `optimizer`, which the engine passes itself (a duplicate
+    # keyword at build time, and a way round the AdamW-only rule)
+    text = _error("+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer=sgd")
+    assert "set it as optim.optimizer" in text
+
+
+def test_divergence_thresholds_take_their_lower_bound_in_the_spec_and_in_order():
+    rc = "algorithm.rollout_correction"
+    text = _error(f"{rc}.rollout_rs=token_k1", f"{rc}.rollout_rs_threshold=1.5", f"{rc}.rollout_rs_threshold_lower=0.9")
+    assert "rollout_rs_threshold_lower is for the ratio levels" in text and "LOWER_UPPER" in text
+    assert "the lower bound is above the upper" in _error(f"{rc}.rollout_rs=token_k1", f"{rc}.rollout_rs_threshold='2.0_0.5'")
+    _load(f"{rc}.rollout_rs=token_k1", f"{rc}.rollout_rs_threshold='0.5_2.0'")
+
+
+def test_an_adapter_setting_the_schema_cannot_hold_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16.5, "peft_type": "LORA"}))
+    text = _error(f"actor_rollout_ref.model.lora_adapter_path={tmp_path}")
+    assert "adapter_config.json: lora_alpha=16.5 cannot be actor_rollout_ref.model.lora_alpha" in text

@@ -220,3 +220,19 @@ def test_the_entry_modules_import_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=E.subprocess_env(),
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_override_to_dp_over_a_megatron_config_takes_effect(tmp_path):
+    # verl's dp_* components are the FSDP engine: overriding a Megatron file's roles back to them is not a no-op
+    _write(tmp_path / "mine.yaml", "defaults:\n  - ppo_megatron_trainer\n"
+                                   "  - override actor@actor_rollout_ref.actor: dp_actor\n  - _self_\n")
+    assert load_config([], "mine", str(tmp_path)).actor_rollout_ref.actor.strategy == "fsdp"
+
+
+def test_verls_sft_engine_layout_composes(tmp_path):
+    from rlfoundry.trainer.sft_trainer import load_sft_config
+
+    _write(tmp_path / "sft.yaml", "defaults:\n  - model@model: hf_model\n  - engine@engine: fsdp\n"
+                                  "  - optim@optim: fsdp\n  - profiler@profiler: profiler\n  - _self_\n"
+                                  "model:\n  path: /m\n")
+    assert load_sft_config([], "sft", str(tmp_path)).model.partial_pretrain == "/m"

@@ -447,8 +447,14 @@ def build_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_lambda, warmup=_warmup_steps(optim, total), total=total, style=style,
         min_lr_ratio=float(optim.min_lr_ratio or 0.0), num_cycles=optim.num_cycles,
-        warmup_init_ratio=float(getattr(optim, "lr_warmup_init", 0.0) or 0.0) / float(optim.lr),
+        warmup_init_ratio=_warmup_init_ratio(optim),
     ))
+
+
+def _warmup_init_ratio(optim: Any) -> float:
+    """Megatron's ``lr_warmup_init`` as a fraction of ``lr`` (0 when either is 0: a frozen lr has no warm-up)."""
+    init, lr = float(getattr(optim, "lr_warmup_init", 0.0) or 0.0), float(optim.lr)
+    return init / lr if init and lr else 0.0
 
 
 # --------------------------------------------------------------------------- gradients
