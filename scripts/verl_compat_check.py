@@ -315,8 +315,8 @@ def _run_script(tree: Path, script: str, work: Path, shims: Path, timeout: float
            **given["env"]}
     command = ["bash", str(inside / "verl" / script), *given["args"]]
     if sandbox:
-        command = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--bind", str(work), SANDBOX,
-                   "--ro-bind", str(shims), f"{SANDBOX}/shims", "--dev", "/dev", "--proc", "/proc",
+        command = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp", *_python_under_tmp(), "--bind", str(work),
+                   SANDBOX, "--ro-bind", str(shims), f"{SANDBOX}/shims", "--dev", "/dev", "--proc", "/proc",
                    "--unshare-all", "--die-with-parent", "--chdir", SANDBOX_ROOT, *command]
     else:
         (work / "shims").symlink_to(shims)
@@ -330,6 +330,13 @@ def _run_script(tree: Path, script: str, work: Path, shims: Path, timeout: float
     except subprocess.TimeoutExpired:
         problem = f"timed out after {timeout:g} s"
     return _read_records(work / "records.jsonl", script, str(inside / "verl")), problem, stderr
+
+
+def _python_under_tmp() -> list[str]:
+    """bwrap arguments that keep this Python visible when it lives under /tmp (a venv made there, as CI's
+    may be): the sandbox's /tmp is empty, and the shims exec this interpreter."""
+    homes = {Path(sys.prefix).resolve(), Path(sys.executable).parent.resolve()}
+    return [arg for home in sorted(homes) if home.is_relative_to("/tmp") for arg in ("--ro-bind", str(home), str(home))]
 
 
 def _last_line(text: str) -> str:
