@@ -50,7 +50,7 @@ START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; singl
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
 STRATEGIES = tuple(TRAINING_ENGINES)  # the training engines a role's strategy can name
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
-TORCH_PROFILER_TOOLS = ("torch", "torch_memory")  # global_profiler.tool values utils/profiler.py's trace serves
+from rlfoundry.utils.profile_tools import TORCH_PROFILER_TOOLS  # noqa: E402  (global_profiler.tool values the trace serves)
 TOOL_CALL_FORMATS = ("hermes", "qwen", "gpt-oss", "qwen3_coder")  # multi_turn.format; tools/parser.py (tested equal)
 LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree

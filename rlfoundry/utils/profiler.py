@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rlfoundry.config.schema import TORCH_PROFILER_TOOLS
+from rlfoundry.utils.profile_tools import TORCH_PROFILER_TOOLS
 
 __all__ = ["StepProfiler", "profile_dir"]
 
