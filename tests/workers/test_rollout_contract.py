@@ -372,7 +372,10 @@ def test_an_openai_api_agent_gets_the_tool_agents_trajectories_from_the_engine(e
     assert all(result["same"].values()), result
     assert result["turns"][0] == 3 and result["stop"][0] == "agent_done", result  # a call, its answer, the reply
     assert "56088" in json.dumps(result["answer"]), result
-    assert result["max_abs_dlogp"] == 0.0  # the same engine calls: the same scores
+    # the same tokens from the same engine, scored by it: equal up to float32 rounding. Not bitwise: a
+    # serving engine batches requests as they arrive (the two loops' threads interleave differently from
+    # run to run) and a CPU GEMM's rounding depends on its row count (CI: SGLang 1.15e-7, 2026-11-28)
+    assert result["max_abs_dlogp"] < engine.logp_tol
 
 
 @pytest.mark.slow
