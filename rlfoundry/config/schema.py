@@ -1135,8 +1135,9 @@ class AsyncTrainingConfig(Node):
     # false: a sync waits for the generation in flight
     partial_rollout: bool = False
     partial_rollout_chunk_tokens: Optional[int] = None  # rlfoundry: null: a quarter of data.max_response_length
-    # verl: old log-probs of steps 2..T of a sync period under the period's first weights (not built for T > 1;
-    # with T = 1 they are the current weights', as here); null/false: recomputed with the current weights
+    # verl's January spelling of actor.use_rollout_log_probs for the async mains (verl interpolates one from the
+    # other): true: the old log-probs are the rollout's, PPO's ratio is against the version that sampled;
+    # null: the actor's key decides (null there: recomputed under the trainer's current weights)
     use_rollout_log_probs: Optional[bool] = None
     compute_prox_log_prob: bool = False  # verl's proximal-policy log-probs (decoupled PPO): not built
     use_trainer_do_validate: bool = False  # verl: validate on the trainer's pool; here the rollout pool validates

@@ -278,6 +278,21 @@ def _adopt_async_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
             raise ConfigError(f"{verl_key}={OmegaConf.select(cfg, verl_key)} (verl's fully-async spelling) and "
                               f"{ours}={OmegaConf.select(cfg, ours)} disagree: give one of them.")
         OmegaConf.update(cfg, ours, value)
+    _adopt_async_rollout_log_probs(cfg)
+
+
+def _adopt_async_rollout_log_probs(cfg: DictConfig) -> None:
+    """verl's January fully-async ``async_training.use_rollout_log_probs`` is the actor's
+    ``use_rollout_log_probs`` (verl's config interpolates one from the other; August keeps only the
+    actor's): the rollout's log-probs are the old log-probs. Both given and different is an error."""
+    async_value, actor = cfg.async_training.use_rollout_log_probs, cfg.actor_rollout_ref.actor
+    if async_value is None:
+        return
+    if actor.use_rollout_log_probs is not None and bool(actor.use_rollout_log_probs) != bool(async_value):
+        raise ConfigError(f"async_training.use_rollout_log_probs={async_value} (verl's January fully-async spelling) "
+                          f"and actor_rollout_ref.actor.use_rollout_log_probs={actor.use_rollout_log_probs} disagree: "
+                          "give one of them.")
+    actor.use_rollout_log_probs = bool(async_value)
 
 
 def _fill_fully_async_batch(cfg: DictConfig) -> None:
@@ -592,12 +607,6 @@ def _check_rollout_correction(cfg: PPOConfig) -> list[str]:
 def _verl_async_errors(cfg: DictConfig) -> list[str]:
     """verl's fully-async switches whose behaviour is not built here: start-up errors naming it."""
     at, errors = cfg.async_training, []
-    if at.use_rollout_log_probs and int(at.trigger_parameter_sync_step) > 1:
-        errors.append(f"async_training.use_rollout_log_probs=true with trigger_parameter_sync_step="
-                      f"{at.trigger_parameter_sync_step}: verl then computes the old log-probs of a sync period's "
-                      "later steps under the period's first weights, which is not built here; set it to false "
-                      "(old log-probs under the current weights, the lag corrected by algorithm.rollout_correction) "
-                      "or trigger_parameter_sync_step=1 (where both are the current weights).")
     if at.compute_prox_log_prob:
         errors.append("async_training.compute_prox_log_prob=true (verl's proximal-policy log-probs) is not built; "
                       "leave it false: old log-probs are recomputed under the current weights.")
@@ -635,10 +644,6 @@ def _check_async(cfg: DictConfig) -> list[str]:
                    "async_training.partial_rollout=true with rollout.multi_turn (the agent loop runs in the worker)":
                        at.partial_rollout and cfg.actor_rollout_ref.rollout.multi_turn.enable}
     errors += [f"{what} is not supported with {key} yet." for what, bad in unsupported.items() if bad]
-    if cfg.actor_rollout_ref.actor.use_rollout_log_probs and not cfg.algorithm.rollout_correction.bypass_mode:
-        errors.append(f"actor_rollout_ref.actor.use_rollout_log_probs=true with {key}: the rollout's log-probs come "
-                      "from an older policy; leave it null (old log-probs are recomputed) or use "
-                      "algorithm.rollout_correction.bypass_mode=true, which corrects for the lag.")
     errors += _verl_async_errors(cfg)
     if mode == "fully_async":
         want = int(at.require_batches) * int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
@@ -660,25 +665,27 @@ def _corrects_rollout(cfg: DictConfig) -> bool:
 def _check_rollout_log_prob_reuse(cfg: DictConfig) -> list[str]:
     """``actor.use_rollout_log_probs``: only where the sampling log-probs *are* the old log-probs.
 
-    The HF engine scores samples with the actor's own module (same temperature, before top-p/top-k),
-    so its log-probs equal a recomputed ``compute_log_prob`` to float rounding; vLLM's may not. One
-    epoch in one mini-batch keeps the update on the sampling policy, so the ``actor/entropy`` the
-    update reports in place of the skipped pass is still the sampling distribution's.
+    Synchronous: they stand in for the actor's recomputation, so they must equal it. The HF engine
+    scores samples with the actor's own module (same temperature, before top-p/top-k), so its
+    log-probs equal a recomputed ``compute_log_prob`` to float rounding; vLLM's may not. One epoch in
+    one mini-batch keeps the update on the sampling policy, so the ``actor/entropy`` the update reports
+    in place of the skipped pass is still the sampling distribution's.
+
+    Asynchronous (verl's fully-async default): PPO's old policy *is* the policy that sampled, an
+    older version than the trainer's, whatever the engine; only the rows' own tokens at the actor's
+    temperature are required.
     """
     arr, key = cfg.actor_rollout_ref, "actor_rollout_ref.actor.use_rollout_log_probs=true"
     if arr.actor.use_rollout_log_probs is not True:  # null (auto) turns it on only where these hold
         return []
+    if cfg.async_training.mode != "sync":
+        return _behaviour_log_prob_problems(cfg, key)
     return _rollout_log_prob_reuse_problems(cfg, key)
 
 
-def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
+def _behaviour_log_prob_problems(cfg: DictConfig, key: str) -> list[str]:
+    """What makes the rollout's log-probs not the sampling policy's log-probs of the row's tokens."""
     arr, errors = cfg.actor_rollout_ref, []
-    if _corrects_rollout(cfg) and not cfg.algorithm.rollout_correction.bypass_mode:
-        errors.append(f"{key}: algorithm.rollout_correction compares the rollout's log-probs with recomputed ones; "
-                      "set use_rollout_log_probs=false (or algorithm.rollout_correction.bypass_mode=true).")
-    if arr.rollout.name != "hf":
-        errors.append(f"{key} needs actor_rollout_ref.rollout.name=hf (got {arr.rollout.name}): only the HF engine's "
-                      "log-probs are the actor's own; set use_rollout_log_probs=false.")
     if arr.rollout.use_fire_sampling:
         errors.append(f"{key}: with actor_rollout_ref.rollout.use_fire_sampling=true the first token's log-prob is "
                       "at FIRE's temperature 30, not the actor's; set use_rollout_log_probs=false.")
@@ -690,6 +697,17 @@ def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
         errors.append(f"{key}: actor_rollout_ref.actor.calculate_sum_pi_squared=true needs the actor's log-prob pass "
                       "(it writes sum_pi_squared), which reusing the rollout's log-probs skips; set "
                       "use_rollout_log_probs=false.")
+    return errors
+
+
+def _rollout_log_prob_reuse_problems(cfg: DictConfig, key: str) -> list[str]:
+    arr, errors = cfg.actor_rollout_ref, _behaviour_log_prob_problems(cfg, key)
+    if _corrects_rollout(cfg) and not cfg.algorithm.rollout_correction.bypass_mode:
+        errors.append(f"{key}: algorithm.rollout_correction compares the rollout's log-probs with recomputed ones; "
+                      "set use_rollout_log_probs=false (or algorithm.rollout_correction.bypass_mode=true).")
+    if arr.rollout.name != "hf":
+        errors.append(f"{key} needs actor_rollout_ref.rollout.name=hf (got {arr.rollout.name}): only the HF engine's "
+                      "log-probs are the actor's own; set use_rollout_log_probs=false.")
     if arr.actor.ppo_epochs != 1:
         errors.append(f"{key} needs actor_rollout_ref.actor.ppo_epochs=1 (got {arr.actor.ppo_epochs}); "
                       "set ppo_epochs=1 or use_rollout_log_probs=false.")
@@ -740,6 +758,13 @@ def _soft_warnings(cfg: DictConfig) -> None:
         warnings.warn(f"algorithm.use_pf_ppo has no effect with algorithm.adv_estimator={est}: PF-PPO resamples the "
                       "batch after GAE advantages only (as verl does). Use adv_estimator=gae with a critic, or drop "
                       "use_pf_ppo.", NoEffectKeyWarning, stacklevel=3)
+    if cfg.async_training.mode != "sync" and cfg.actor_rollout_ref.actor.use_rollout_log_probs \
+            and _corrects_rollout(cfg) and not cfg.algorithm.rollout_correction.bypass_mode:
+        warnings.warn("algorithm.rollout_correction (rollout_is / rollout_rs / rollout_token_veto_threshold) has no "
+                      "effect with actor.use_rollout_log_probs=true (async_training.use_rollout_log_probs): the old "
+                      "log-probs are the rollout's, so there is no lag between them to correct. For the decoupled "
+                      "correction, set use_rollout_log_probs=false (old log-probs recomputed under the trainer's "
+                      "weights).", NoEffectKeyWarning, stacklevel=3)
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("Both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL term is applied twice.",
                       stacklevel=3)

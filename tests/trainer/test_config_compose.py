@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 
-from rlfoundry.trainer.config import ConfigError, load_config
+from rlfoundry.config.verl_compat import NoEffectKeyWarning
+from rlfoundry.trainer.config import ConfigError, load_config, resolve_config
 from tests.trainer import _e2e as E
 
 ASYNC = ["trainer.worker_backend=process"]  # two pools: the in-process back end cannot hold them
@@ -169,11 +170,25 @@ def test_january_rollout_epochs_and_test_freq_in_syncs():
         load_config([*base, "rollout.total_epochs=3", "trainer.total_epochs=2"], "fully_async_ppo_trainer")
 
 
-def test_use_rollout_log_probs_is_honoured_where_built_and_an_error_where_not():
-    base = [*ASYNC, "async_training.use_rollout_log_probs=true"]
-    load_config([*base, "async_training.trigger_parameter_sync_step=1"], "fully_async_ppo_trainer")
-    with pytest.raises(ConfigError, match="period's first weights"):
-        load_config([*base, "async_training.trigger_parameter_sync_step=4"], "fully_async_ppo_trainer")
+def test_verls_async_use_rollout_log_probs_is_the_actors_for_any_sync_period():
+    """verl (January: async_training.use_rollout_log_probs, interpolated into the actor's key; August: the
+    actor's key) takes the rollout's log-probs as the old log-probs whatever trigger_parameter_sync_step is
+    (its period-start weights are only for compute_prox_log_prob, not built)."""
+    base = [*ASYNC, "async_training.use_rollout_log_probs=true", "actor_rollout_ref.rollout.name=vllm"]
+    for period in (1, 4):
+        with pytest.warns(NoEffectKeyWarning, match="rollout_correction.*has no effect"):  # the overlay's token IS
+            cfg = load_config([*base, f"async_training.trigger_parameter_sync_step={period}"], "fully_async_ppo_trainer")
+        resolved = resolve_config(cfg, steps_per_epoch=4, cuda_available=False)
+        assert resolved.actor_rollout_ref.actor.use_rollout_log_probs is True
+        assert resolved.actor_rollout_ref.rollout.calculate_log_probs is True  # the engine must return them
+    off = load_config([*ASYNC, "async_training.use_rollout_log_probs=false"], "fully_async_ppo_trainer")
+    assert resolve_config(off, steps_per_epoch=4, cuda_available=False).actor_rollout_ref.actor.use_rollout_log_probs \
+        is False
+    with pytest.raises(ConfigError, match="async_training.use_rollout_log_probs=True.*disagree"):
+        load_config([*base, "actor_rollout_ref.actor.use_rollout_log_probs=false"], "fully_async_ppo_trainer")
+    with pytest.raises(ConfigError, match="FIRE's temperature"):  # not the sampling policy's log-probs
+        load_config([*base, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.use_fire_sampling=true"],
+                    "fully_async_ppo_trainer")
     with pytest.raises(ConfigError, match="compute_prox_log_prob"):
         load_config([*ASYNC, "async_training.compute_prox_log_prob=true"], "fully_async_ppo_trainer")
 

@@ -97,7 +97,26 @@ def test_one_step_off_trains_the_same_prompts_one_update_behind(tiny_model_dir, 
     assert steps[2]["rollout_corr/log_ppl_abs_diff"] > 1e-3  # then one update behind, really
     for step in range(1, STEPS + 1):
         assert [r["index"] for r in _trained(run, step)] == [r["index"] for r in _trained(sync_run, step)]
+        # recomputed old log-probs: one mini-batch, one epoch, so the update's ratio starts at exactly 1
+        assert abs(steps[step]["actor/ppo_kl"]) < 1e-6
     assert all(steps[s]["async/sync_megabytes"] > 0 for s in steps)
+
+
+def test_one_step_off_with_verls_use_rollout_log_probs_takes_the_ratio_against_the_sampling_version(
+        tiny_model_dir, tmp_path):
+    """verl's async default (``async_training.use_rollout_log_probs=true``, any trigger_parameter_sync_step):
+    the old log-probs are the rollout's, so from step 2 (samples one update behind) PPO's ratio is
+    against the version that sampled, not the trainer's current weights as in the run above."""
+    run = tmp_path / "reuse"
+    out = _cli(_args(tiny_model_dir, run, *_ASYNC, "actor_rollout_ref.actor.use_rollout_log_probs=null",
+                     "async_training.use_rollout_log_probs=true"),
+               config_name="one_step_off_ppo_trainer")
+    _ok(out)
+    assert "has no effect with actor.use_rollout_log_probs=true" in out.stdout + out.stderr  # the overlay's IS
+    steps = _steps(run)
+    assert abs(steps[1]["actor/ppo_kl"]) < 1e-6  # the HF engine at the trainer's weights: its log-probs are the actor's
+    assert all(abs(steps[s]["actor/ppo_kl"]) > 1e-4 for s in (2, 3)), [steps[s]["actor/ppo_kl"] for s in steps]
+    assert not any("rollout_corr/log_ppl_abs_diff" in steps[s] for s in steps)  # nothing recomputed, nothing compared
 
 
 @pytest.mark.parametrize("config_name", ["fully_async_ppo_trainer", "one_step_off_ppo_trainer"])
