@@ -567,6 +567,9 @@ class RolloutConfig(Node):
     ignore_eos: bool = False
     enforce_eager: bool = True
     free_cache_engine: bool = True
+    # verl's switch for the engine's sleep mode (vLLM enable_sleep_mode, SGLang's memory saver): false keeps
+    # the engine's memory between rollouts whatever free_cache_engine says (GPU; nothing is released on CPU)
+    enable_sleep_mode: bool = True
     load_format: str = "dummy_dtensor"
     layered_summon: bool = False  # no effect: weights always stream one tensor at a time
     # rlfoundry: with model.lora_rank > 0, what vLLM receives after each update: the adapter alone (a

@@ -317,7 +317,7 @@ def test_august_reward_model_holding_a_classifier_is_the_classifier_reward_model
     assert judge.reward.reward_model.enable and not judge.reward_model.enable  # a causal LM stays the judge
 
 
-def test_prefix_caching_and_cuda_graph_sizes_reach_both_engines():
+def test_prefix_caching_cuda_graph_sizes_and_sleep_mode_reach_both_engines():
     from transformers import Qwen2Config
 
     from rlfoundry.workers.rollout import sglang_rollout, vllm_rollout
@@ -332,6 +332,13 @@ def test_prefix_caching_and_cuda_graph_sizes_reach_both_engines():
         "cudagraph_capture_sizes": [1, 2, 4]}
     assert sglang_rollout.build_engine_kwargs(sizes, "/m", "cuda")["cuda_graph_bs"] == [1, 2, 4]
     assert "compilation_config" not in vllm_rollout.build_engine_kwargs(rollout, "/m", hf, "cuda")
+    # rollout.enable_sleep_mode=false keeps the engine's memory between rollouts, free_cache_engine or not
+    for sleep in (True, False):
+        held = _resolved(f"actor_rollout_ref.rollout.enable_sleep_mode={sleep}").actor_rollout_ref.rollout
+        assert held.free_cache_engine is True
+        assert vllm_rollout.build_engine_kwargs(held, "/m", hf, "cuda")["enable_sleep_mode"] is sleep
+        saver = sglang_rollout.build_engine_kwargs(held, "/m", "cuda")
+        assert saver["enable_memory_saver"] is saver["enable_weights_cpu_backup"] is sleep
 
 
 def test_august_engine_keys_and_optimizer_class():

@@ -26,7 +26,7 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 | load_format | ``dummy*``: random init, synced from the actor at start-up; else read from disk once |
 | gpu_memory_utilization | GPU: ``mem_fraction_static``. CPU: a KV cache of ``max_num_seqs`` full sequences |
 |   | (at least 4096 tokens; ``engine_kwargs.sglang.max_total_tokens`` sets it) |
-| free_cache_engine | GPU: ``enable_memory_saver`` (weights keep a host copy); memory released after each |
+| free_cache_engine, enable_sleep_mode | GPU: ``enable_memory_saver`` (both true) (weights keep a host copy); memory released after each |
 |   | generation, weights resumed for each sync, everything for each generation. CPU: nothing to release |
 | tensor_model_parallel_size | honoured on GPU (``tp_size``); 1 on the CPU |
 | update_weights_bucket_megabytes | tensors per ``update_weights_from_tensor`` call |
@@ -107,8 +107,8 @@ def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: in
         # update (critic warm-up) must generate with the last synced weights, not freed memory
         kwargs |= {"mem_fraction_static": config.gpu_memory_utilization,
                    "tp_size": int(config.tensor_model_parallel_size),
-                   "enable_memory_saver": bool(config.free_cache_engine),
-                   "enable_weights_cpu_backup": bool(config.free_cache_engine)}
+                   "enable_memory_saver": bool(config.free_cache_engine and config.enable_sleep_mode),
+                   "enable_weights_cpu_backup": bool(config.free_cache_engine and config.enable_sleep_mode)}
     else:
         # the CPU engine: torch's own attention, no overlap thread, an idle scheduler that sleeps
         # (it polls a whole core otherwise), a KV cache sized for max_num_seqs full sequences

@@ -41,7 +41,7 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 | engine_kwargs.vllm.* | passed to ``LLM`` last (override everything above) |
 | gpu_memory_utilization | GPU only. CPU: KV cache for max_num_seqs full sequences (64 MiB..4 GiB), or |
 |   | ``engine_kwargs.vllm.kv_cache_memory_bytes``; env ``VLLM_CPU_KVCACHE_SPACE`` (GiB) wins over both |
-| free_cache_engine | GPU only: ``enable_sleep_mode``; KV cache and weights released (level 1) after each |
+| free_cache_engine, enable_sleep_mode | GPU only: ``enable_sleep_mode`` (both true); KV cache and weights released (level 1) after each |
 |   | generation, weights woken for each sync, KV cache for each generation |
 | tensor_model_parallel_size | 1 only (TP inside a hybrid worker needs a TP-aware dispatch) |
 | lora_sync (``model.lora_rank > 0``) | ``adapter``: ``enable_lora``, the base read from disk once, the actor's adapter |
@@ -172,7 +172,7 @@ def build_engine_kwargs(
                    "max_lora_rank": min(r for r in _LORA_RANKS if r >= lora_rank)}
     if device_type == "cuda":
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        kwargs["enable_sleep_mode"] = config.free_cache_engine
+        kwargs["enable_sleep_mode"] = bool(config.free_cache_engine and config.enable_sleep_mode)
         if config.cudagraph_capture_sizes:
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": list(config.cudagraph_capture_sizes)}
     else:
