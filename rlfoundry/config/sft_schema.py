@@ -164,7 +164,8 @@ class SFTConfig:
     data: SFTDataConfig = _sub(SFTDataConfig)
     model: SFTModelConfig = _sub(SFTModelConfig)
     optim: SFTOptimConfig = _sub(SFTOptimConfig)
-    ulysses_sequence_parallel_size: int = 1  # verl's Ulysses sequence parallelism: only 1 (not built for SFT)
+    # verl's Ulysses sequence parallelism: groups of this many ranks split each packed row (use_remove_padding)
+    ulysses_sequence_parallel_size: int = 1
     engine: SFTEngineConfig = _sub(SFTEngineConfig)
     use_remove_padding: bool = False  # pack the real tokens of a micro-batch into one row (same loss)
     trainer: SFTTrainerConfig = _sub(SFTTrainerConfig)

@@ -132,15 +132,21 @@ def _adopt(cfg: DictConfig, user_keys: Sequence[str], verl_key: str, ours: str, 
 
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
-    """The global batch must split evenly over ranks, and each rank's share into micro-batches."""
-    batch, micro = cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu
-    if batch <= 0 or micro <= 0:
-        return [f"data.train_batch_size ({batch}) and data.micro_batch_size_per_gpu ({micro}) must be positive"]
-    if batch % world_size:
-        return [f"data.train_batch_size ({batch}) is not divisible by the number of ranks ({world_size})"]
-    per_rank = batch // world_size
+    """The global batch must split evenly over the data-parallel ranks (the ranks of one Ulysses group
+    share their rows, as in verl), and each one's share into micro-batches."""
+    batch, micro, sp = cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu, cfg.ulysses_sequence_parallel_size
+    if batch <= 0 or micro <= 0 or sp <= 0:
+        return [f"data.train_batch_size ({batch}), data.micro_batch_size_per_gpu ({micro}) and "
+                f"ulysses_sequence_parallel_size ({sp}) must be positive"]
+    if world_size % sp:
+        return [f"ulysses_sequence_parallel_size={sp} does not divide the {world_size} ranks; use a divisor of it"]
+    dp = world_size // sp
+    if batch % dp:
+        return [f"data.train_batch_size ({batch}) is not divisible by the data-parallel ranks ({world_size} ranks / "
+                f"ulysses_sequence_parallel_size {sp} = {dp})"]
+    per_rank = batch // dp
     if per_rank % micro:
-        return [f"data.train_batch_size / ranks = {batch} / {world_size} = {per_rank} sequences per rank, "
+        return [f"data.train_batch_size / data-parallel ranks = {batch} / {dp} = {per_rank} sequences per rank, "
                 f"not divisible by data.micro_batch_size_per_gpu ({micro})"]
     return []
 
@@ -154,12 +160,14 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
         from rlfoundry.models.lora import PEFT_INSTALL
 
         errors.append(f"model.lora_rank={cfg.model.lora_rank} needs peft: {PEFT_INSTALL}")
-    if cfg.ulysses_sequence_parallel_size != 1:
-        errors.append(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size}: Ulysses sequence "
-                      "parallelism is not built for rlfoundry sft (the PPO roles have it); use 1")
-    if cfg.data.use_dynamic_bsz and cfg.data.max_token_len_per_gpu < cfg.data.max_length:
-        errors.append(f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) < data.max_length "
-                      f"({cfg.data.max_length}): a micro-batch's token budget must hold the longest row")
+    sp = cfg.ulysses_sequence_parallel_size
+    if sp > 1 and not cfg.use_remove_padding:
+        errors.append(f"ulysses_sequence_parallel_size={sp} splits packed rows only: set use_remove_padding=true "
+                      "(verl: model.use_remove_padding=true or data.pad_mode=no_padding)")
+    if cfg.data.use_dynamic_bsz and cfg.data.max_token_len_per_gpu * sp < cfg.data.max_length:
+        errors.append(f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) x ulysses_sequence_parallel_size "
+                      f"({sp}) < data.max_length ({cfg.data.max_length}): a micro-batch's token budget must hold the "
+                      "longest row")
     if cfg.model.use_liger:
         from rlfoundry.models.liger import liger_problems
 
@@ -292,20 +300,23 @@ class SFTTrainer:
     def _build_loaders(self) -> tuple[DataLoader, DataLoader | None]:
         data = self.config.data
         train_pairs, val_pairs = self._pairs()
-        per_rank = data.train_batch_size // self.world_size
+        # the ranks of one Ulysses group (consecutive ranks, engines/fsdp/ulysses.py) read the same rows
+        sp = self.config.ulysses_sequence_parallel_size
+        dp, dp_rank = self.world_size // sp, self.rank // sp
+        per_rank = data.train_batch_size // dp
         if len(train_pairs) < data.train_batch_size:
             raise SFTDataError(f"{len(train_pairs)} training examples, fewer than data.train_batch_size "
                                f"({data.train_batch_size}); lower the batch size or add data")
         collate = lambda batch: collate_sft(batch, self.tokenizer.pad_token_id)  # noqa: E731
         ignore = bool(data.ignore_input_ids_mismatch)
         train_set = SFTDataset(train_pairs, self.tokenizer, data.max_length, data.truncation, self.processor, ignore)
-        sampler = DistributedSampler(train_set, self.world_size, self.rank, shuffle=data.shuffle,
+        sampler = DistributedSampler(train_set, dp, dp_rank, shuffle=data.shuffle,
                                      seed=self.config.trainer.seed, drop_last=True)
         train_loader = DataLoader(train_set, batch_size=per_rank, sampler=sampler, collate_fn=collate, drop_last=True)
         if not val_pairs:
             return train_loader, None
         val_set = SFTDataset(val_pairs, self.tokenizer, data.max_length, data.truncation, self.processor, ignore)
-        val_sampler = DistributedSampler(val_set, self.world_size, self.rank, shuffle=False)
+        val_sampler = DistributedSampler(val_set, dp, dp_rank, shuffle=False)
         return train_loader, DataLoader(val_set, batch_size=data.micro_batch_size_per_gpu,
                                         sampler=val_sampler, collate_fn=collate)
 
@@ -337,7 +348,7 @@ class SFTTrainer:
             trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
             gradient_checkpointing=m.enable_gradient_checkpointing, use_remove_padding=self.config.use_remove_padding,
             use_liger=m.use_liger,
-            lora=LoraSpec.of(m),
+            lora=LoraSpec.of(m), ulysses_sequence_parallel_size=int(self.config.ulysses_sequence_parallel_size),
         )
         return FSDPEngine.build(config, self.device, role=ROLE)
 
@@ -367,12 +378,13 @@ class SFTTrainer:
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One optimiser step on this rank's share of the global batch, in micro-batches."""
-        data = self.config.data
-        budget = int(data.max_token_len_per_gpu) if data.use_dynamic_bsz else None  # wins over the row count
+        data, sp = self.config.data, int(self.config.ulysses_sequence_parallel_size)
+        # a Ulysses group's ranks each hold 1/sp of a micro-batch's tokens: its budget is sp GPUs' (verl's rule)
+        budget = int(data.max_token_len_per_gpu) * sp if data.use_dynamic_bsz else None  # wins over the row count
         plan = UpdatePlan(micro=MicroBatching(data.micro_batch_size_per_gpu, budget))
         out = self.engine.train_batch(self._on_device(batch), LogProbs(), sft_loss, plan)
         lr = self.engine.step_lr_scheduler()  # the lr this step used
-        (tokens,) = self._all_reduce(float(batch["response_mask"].sum()))
+        (tokens,) = self._all_reduce(float(batch["response_mask"].sum()) / sp)  # sp ranks hold each row
         return {"train/loss": out["train/loss"][0], "train/lr": lr, "train/grad_norm": out[f"{ROLE}/grad_norm"][0],
                 "train/response_tokens": tokens}
 
@@ -461,7 +473,7 @@ class SFTTrainer:
         timing: dict[str, float] = {}
         with self.profiler.step(self.global_step), marked_timer("step", timing):
             metrics = self.train_step(batch)
-        (tokens,) = self._all_reduce(float(batch["attention_mask"].sum()))
+        (tokens,) = self._all_reduce(float(batch["attention_mask"].sum()) / self.config.ulysses_sequence_parallel_size)
         metrics |= {"training/global_step": self.global_step, "training/epoch": epoch,
                     "timing_s/step": timing["step"], "perf/total_num_tokens": tokens,
                     "perf/throughput": tokens / (timing["step"] * self.world_size)}

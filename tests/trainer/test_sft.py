@@ -321,7 +321,7 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("engine=megatron", "megatron engine"), ("optim=automodel", "automodel optim"), ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2"),
+    ("engine=megatron", "megatron engine"), ("optim=automodel", "automodel optim"),
     ("model.strategy=megatron", "model.strategy"),
     ("model.use_liger=true", "- model.use_liger=true"),  # CPU here: Liger's kernels need CUDA
 ])
@@ -411,10 +411,80 @@ def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, tmp_pat
     assert_same_gradients(g_budget, g16, bound, "token budget")
     with pytest.raises(ConfigError, match="max_token_len_per_gpu"):
         load_sft_config(["model.path=/m", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=32"])
-    cfg = load_sft_config(["model.path=/m", "engine.ulysses_sequence_parallel_size=1"])
-    assert cfg.ulysses_sequence_parallel_size == 1
-    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2"):
-        load_sft_config(["model.path=/m", "engine.ulysses_sequence_parallel_size=2"])
+
+
+def _ulysses_rank(rank: int, model_dir, run_dir, port: int, out) -> None:
+    """One of two ranks of an SP=2 group: the SFT trainer under torchrun's variables, one step."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    trainer = SFTTrainer(load_sft_config(_overrides(model_dir, run_dir, "engine.ulysses_sequence_parallel_size=2",
+                                                    "data.pad_mode=no_padding", "trainer.n_gpus_per_node=2")))
+    try:
+        metrics = trainer.train_step(_fixed_batch(trainer))
+        grads = first_step_gradients(trainer.engine.optimizer, trainer.engine.module)  # collective: every rank
+        if rank == 0:
+            # the group really splits each row (with one whole copy of the rows per rank, plain data
+            # parallelism would give the same numbers)
+            from rlfoundry.engines.fsdp.ulysses import ATTN_IMPLEMENTATION
+
+            module = trainer.engine.module
+            split = (trainer.engine.sp.size, module.config._attn_implementation == ATTN_IMPLEMENTATION)
+            torch.save({"metrics": metrics, "grads": grads, "split": split}, out)
+    finally:
+        trainer._finish(0.0)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_ulysses_sft_on_two_ranks_takes_the_one_rank_step(tiny_model_dir, tmp_path):
+    """verl's SFT ulysses_sequence_parallel_size: an SP=2 group (two gloo ranks, each half of every packed
+    row, both reading the same rows) takes the step one rank takes on the whole rows: the loss, the
+    token count and the gradients, within float32 re-association."""
+    import torch.multiprocessing as mp
+
+    from rlfoundry.single_controller.base.worker import find_free_port
+
+    out = tmp_path / "sp2.pt"
+    mp.spawn(_ulysses_rank, args=(tiny_model_dir, tmp_path / "sp2", find_free_port(), out), nprocs=2, join=True)
+    two = torch.load(out)
+    assert two["split"] == (2, True)
+    loss, grads, bound = _one_step_grads(tiny_model_dir, tmp_path / "sp1", "use_remove_padding=true")
+    assert two["metrics"]["train/loss"] == pytest.approx(loss, rel=1e-5)
+    one_tokens = _one_step_tokens(tiny_model_dir, tmp_path / "tokens")
+    assert two["metrics"]["train/response_tokens"] == one_tokens  # each row counted once, not once per SP rank
+    assert_same_gradients(two["grads"], grads, bound, "Ulysses SP=2")
+
+
+def _one_step_tokens(model_dir, run_dir) -> float:
+    trainer = SFTTrainer(load_sft_config(_overrides(model_dir, run_dir)))
+    try:
+        return float(_fixed_batch(trainer)["response_mask"].sum())
+    finally:
+        trainer._finish(0.0)
+
+
+def test_ulysses_sft_config_rules(monkeypatch):
+    def load(*keys, world=1):
+        monkeypatch.setenv("WORLD_SIZE", str(world))  # torchrun's, which the loader reads
+        return load_sft_config(["model.path=/m", *keys])
+
+    assert load("engine.ulysses_sequence_parallel_size=1").ulysses_sequence_parallel_size == 1
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 splits packed rows only"):
+        load("engine.ulysses_sequence_parallel_size=2", world=2)
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 does not divide the 1 ranks"):
+        load("ulysses_sequence_parallel_size=2", "use_remove_padding=true")
+    # verl's batch arithmetic: 8 ranks in SP groups of 2 are 4 data-parallel ranks of 64 / 4 = 16 rows
+    sp = ("ulysses_sequence_parallel_size=2", "use_remove_padding=true")
+    load(*sp, "data.train_batch_size=64", "data.micro_batch_size_per_gpu=16", world=8)
+    with pytest.raises(ConfigError, match="64 / 8 = 8 sequences per rank"):
+        load("data.train_batch_size=64", "data.micro_batch_size_per_gpu=16", world=8)
+    # the token budget is a GPU's: an SP group holds sp of them
+    load(*sp, "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=32", "data.max_length=64", world=2)
+    with pytest.raises(ConfigError, match="max_token_len_per_gpu"):
+        load("data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=32", "data.max_length=64")
 
 
 class _WordTokenizer:
