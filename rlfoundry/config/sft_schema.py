@@ -93,6 +93,7 @@ class SFTFSDPConfig:
     reduce_dtype: Optional[str] = None  # null: fp32
     offload_params: bool = False  # GPU only
     reshard_after_forward: bool = True
+    fsdp_size: int = -1  # ranks that shard the model (-1: all); groups of them replicate it (hybrid sharding)
 
 
 @dataclass
@@ -157,6 +158,16 @@ class SFTTrainerConfig:
 @dataclass
 class SFTEngineConfig:  # verl's newer SFT layout: the engine group's keys (engine=fsdp)
     ulysses_sequence_parallel_size: Optional[int] = None  # its spelling of the top-level key
+    strategy: Optional[str] = None  # its spelling of model.strategy (fsdp | fsdp2: one FSDP2 engine here)
+    fsdp_size: Optional[int] = None  # its spelling of model.fsdp_config.fsdp_size
+
+
+@dataclass
+class SFTCheckpointConfig:  # verl's newer SFT layout
+    # null: model, optimizer and extra (the resumable state) and the Hugging Face model in global_step_N.
+    # A list: verl's entries (model, optimizer, extra, hf_model), 'model' always; hf_model: the HF export
+    save_contents: Optional[List[str]] = None
+    load_contents: Optional[List[str]] = None  # null: what a save writes
 
 
 @dataclass
@@ -167,6 +178,7 @@ class SFTConfig:
     # verl's Ulysses sequence parallelism: groups of this many ranks split each packed row (use_remove_padding)
     ulysses_sequence_parallel_size: int = 1
     engine: SFTEngineConfig = _sub(SFTEngineConfig)
+    checkpoint: SFTCheckpointConfig = _sub(SFTCheckpointConfig)
     use_remove_padding: bool = False  # pack the real tokens of a micro-batch into one row (same loss)
     trainer: SFTTrainerConfig = _sub(SFTTrainerConfig)
 

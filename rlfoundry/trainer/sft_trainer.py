@@ -118,7 +118,8 @@ def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size:
     for verl_key, ours in (("model.path", "model.partial_pretrain"), ("model.use_remove_padding", "use_remove_padding"),
                            ("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio"),
                            ("optim.lr_scheduler_type", "optim.lr_scheduler"), ("optim.warmup_style", "optim.lr_scheduler"),
-                           ("engine.ulysses_sequence_parallel_size", "ulysses_sequence_parallel_size")):
+                           ("engine.ulysses_sequence_parallel_size", "ulysses_sequence_parallel_size"),
+                           ("engine.strategy", "model.strategy"), ("engine.fsdp_size", "model.fsdp_config.fsdp_size")):
         value = OmegaConf.select(cfg, verl_key)
         if value is not None:
             _adopt(cfg, user_keys, verl_key, ours, value)
@@ -183,8 +184,24 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if unknown:
         errors.append(f"trainer.logger entries {unknown} are not among {list(SUPPORTED_BACKENDS)}")
     errors += missing_packages([t.logger] if isinstance(t.logger, str) else list(t.logger or []))
+    errors += _checkpoint_contents_errors(cfg.checkpoint)
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
+    return errors
+
+
+def _checkpoint_contents_errors(checkpoint: DictConfig) -> list[str]:
+    from rlfoundry.checkpoint.state import CHECKPOINT_CONTENTS
+
+    errors = []
+    for which in ("save_contents", "load_contents"):
+        listed = checkpoint[which]
+        if listed is None:
+            continue
+        unknown = [x for x in listed if x not in CHECKPOINT_CONTENTS]
+        if unknown or "model" not in listed:
+            errors.append(f"checkpoint.{which}={list(listed)}: the entries are {list(CHECKPOINT_CONTENTS)} and "
+                          "'model' is always one (leave out 'optimizer' to save or restore the weights alone)")
     return errors
 
 
@@ -344,7 +361,7 @@ class SFTTrainer:
         config = FSDPEngineConfig(
             path=str(m.partial_pretrain), optim=optim, grad_clip=o.clip_grad, cpu_kernels=m.cpu_kernels,
             fsdp=FSDPConfig(model_dtype=fsdp.model_dtype, mixed_precision=mixed, param_offload=fsdp.offload_params,
-                            reshard_after_forward=fsdp.reshard_after_forward),
+                            reshard_after_forward=fsdp.reshard_after_forward, fsdp_size=int(fsdp.fsdp_size)),
             trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
             gradient_checkpointing=m.enable_gradient_checkpointing, use_remove_padding=self.config.use_remove_padding,
             use_liger=m.use_liger,
@@ -409,8 +426,12 @@ class SFTTrainer:
         directory in ``global_step_N`` itself; then, on rank 0, the step marker and the
         ``latest_checkpointed_iteration.txt`` pointer, and retention (``trainer.max_ckpt_to_keep``)."""
         step_dir = self.run_dir / ckpt.STEP_DIR_FORMAT.format(step)
-        self.engine.save_checkpoint(str(step_dir / ROLE), {"global_step": step}, tokenizer=self.tokenizer)
-        self._export_hf(step_dir)
+        listed = self.config.checkpoint.save_contents  # null: the resumable state and the HF model
+        contents = None if listed is None else [x for x in listed if x != "hf_model"]
+        self.engine.save_checkpoint(str(step_dir / ROLE), {"global_step": step}, tokenizer=self.tokenizer,
+                                    contents=contents)
+        if listed is None or "hf_model" in listed:
+            self._export_hf(step_dir)
         if self.rank == 0:
             ckpt.write_latest_checkpointed_iteration(self.run_dir, step)
             ckpt.remove_old_checkpoints(self.run_dir, self.config.trainer.max_ckpt_to_keep)
@@ -457,7 +478,11 @@ class SFTTrainer:
         """Model, optimiser, schedule and RNG from ``path``; returns its step (0: a fresh start)."""
         if path is None:
             return 0
-        extra = self.engine.load_checkpoint(str(path / ROLE), verify=False)  # the whole step was verified above
+        c = self.config.checkpoint
+        listed = c.load_contents if c.load_contents is not None else c.save_contents
+        contents = None if listed is None else [x for x in listed if x != "hf_model"]
+        # the whole step was verified above
+        extra = self.engine.load_checkpoint(str(path / ROLE), verify=False, contents=contents)
         if self.rank == 0:
             print(f"[rlfoundry sft] resuming from {path}")
         return int(extra["global_step"])

@@ -231,6 +231,25 @@ def test_retention_and_resume_give_the_same_next_step(tiny_model_dir, tmp_path):
     assert again["steps"] == 3 and again["checkpoint"] == tmp_path / "global_step_3"
 
 
+def test_verls_checkpoint_contents_choose_what_a_step_directory_holds(tiny_model_dir, tmp_path):
+    """verl's SFT ``checkpoint.save_contents``: without 'hf_model' no Hugging Face model is written (verl's
+    default list), the step still resumes to the uninterrupted run's next step; with it, the model reloads."""
+    sharded = ("checkpoint.save_contents=[model,optimizer,extra]", "engine.strategy=fsdp2", "engine.fsdp_size=-1")
+    full, w_full = _run(tiny_model_dir, tmp_path / "a", *sharded)
+    step = tmp_path / "a" / "global_step_3"
+    assert (step / "sft" / "checkpoint_complete.json").is_file() and (step / "step_complete.json").is_file()
+    assert not (step / "config.json").exists() and not (step / "model.safetensors").exists()
+    shutil.rmtree(step)  # as if the run had died during step 3
+    resumed, w_resumed = _run(tiny_model_dir, tmp_path / "a", *sharded)
+    assert resumed["metrics"]["train/loss"] == full["metrics"]["train/loss"]
+    torch.testing.assert_close(w_resumed, w_full, rtol=0, atol=0)
+    _run(tiny_model_dir, tmp_path / "b", "checkpoint.save_contents=[model,hf_model]")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "global_step_3") is not None
+    with pytest.raises(ConfigError, match=r"checkpoint.save_contents=\['hf_model'\].*'model' is always one"):
+        load_sft_config(["model.path=/m", "checkpoint.save_contents=[hf_model]"])
+    assert load_sft_config(["model.path=/m", "engine.fsdp_size=2", "engine.strategy=fsdp"]).model.fsdp_config.fsdp_size == 2
+
+
 def test_lora_sft_trains_the_adapter_resumes_exactly_and_saves_the_merged_model(tiny_model_dir, tmp_path):
     """``rlfoundry sft model.lora_rank=8``: only the adapter trains; the step directory holds the merged
     model (``from_pretrained`` gives the trainer's logits); a resumed run repeats the next step."""
