@@ -579,7 +579,8 @@ class RolloutConfig(Node):
     # vLLM/SGLang data and expert parallelism inside one rollout replica: only 1 is built (RolloutConfig.check)
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
-    # verl: stop a training rollout once (1 - rate) of its requests are done; only 0 is built (check)
+    # verl declares it (stop a rollout once (1 - rate) of its requests are done) and no verl code reads it, in
+    # January or August: every request runs to its end there and here (no effect, verl_compat.NO_EFFECT_KEYS)
     over_sample_rate: float = 0.0
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
@@ -647,7 +648,7 @@ class RolloutConfig(Node):
 
 
     def _check_parallel_and_over_sampling(self) -> list[str]:
-        """verl's engine layout keys beyond tensor parallelism, and over-sampling: what is not built."""
+        """verl's engine layout keys beyond tensor parallelism: what is not built."""
         key, errors = "actor_rollout_ref.rollout", []
         if self.data_parallel_size != 1:
             errors.append(f"{key}.data_parallel_size={self.data_parallel_size}: data parallelism inside one vLLM/SGLang "
@@ -656,10 +657,6 @@ class RolloutConfig(Node):
         if self.expert_parallel_size != 1:
             errors.append(f"{key}.expert_parallel_size={self.expert_parallel_size}: expert parallelism in the rollout "
                           "engine (MoE) is not built (the large-models issue); set it to 1.")
-        if self.over_sample_rate != 0:
-            errors.append(f"{key}.over_sample_rate={self.over_sample_rate}: cancelling the slowest requests of a "
-                          "rollout once (1 - rate) of them finished is not built; every request runs to its end. "
-                          "Set it to 0.")
         return errors
 
 

@@ -112,6 +112,9 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # verl's HTTP-client limits for its SGLang server, which verl declares and never passes to the client (its
     # adapter keeps its own defaults); SGLang runs in-process here, with no HTTP client to limit
     "actor_rollout_ref.rollout.server.*",
+    # verl's early stop of a rollout's slowest requests: declared in its RolloutConfig, read by no verl code
+    # (b178a3cd5, August HEAD); every request runs to its end, there as here
+    "actor_rollout_ref.rollout.over_sample_rate",
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     "*.fsdp_config.strategy",  # fsdp or fsdp2 (checked): one FSDP2 engine
