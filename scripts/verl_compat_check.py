@@ -366,6 +366,8 @@ class Result:
     causes: list[str] = dataclasses.field(default_factory=list)  # every problem the error lists, grouped
     warnings: list[str] = dataclasses.field(default_factory=list)
     detail: str = ""  # the whole error text
+    # what the dry run printed (the in-process check: the config as the run would use it); not in the report
+    stdout: str = dataclasses.field(default="", repr=False)
 
 
 def family_of(module: str) -> str:
@@ -455,7 +457,8 @@ def check_in_process(module: str, argv: Sequence[str], cwd: Path, world_size: in
         os.chdir(saved[0])
         sys.argv[:], sys.path[:] = saved[1], saved[2]
         os.environ.pop("WORLD_SIZE") if saved[3] is None else os.environ.__setitem__("WORLD_SIZE", saved[3])
-    return classify(rc, err.getvalue(), [str(w.message) for w in caught if _ours(w.filename)])
+    result = classify(rc, err.getvalue(), [str(w.message) for w in caught if _ours(w.filename)])
+    return dataclasses.replace(result, stdout=out.getvalue())
 
 
 WARNING_LINE = re.compile(r"^(.+?):\d+: \w*Warning: (.*)$")
@@ -579,7 +582,7 @@ def _row(cap: Captured, problem: str | None, tree: Path, args: argparse.Namespac
            "rlfoundry_module": rlfoundry_module(cap.module), "launcher": cap.launcher,
            "world_size": cap.world_size, "cwd": cap.cwd, "argv": cap.args, "given": cap.given,
            "script_problem": problem,
-           **dataclasses.asdict(result)}
+           **{k: v for k, v in dataclasses.asdict(result).items() if k != "stdout"}}
     if args.all_causes and result.status == "rejected":
         row["blockers"] = blockers(cap, tree, result, args.check_timeout, not args.subprocess)
     return row

@@ -64,8 +64,10 @@ class SFTDataConfig:
     # error | left (drop the start of the prompt) | right (drop the end of the response)
     truncation: str = _choice("error", "left", "right")
     chat_template: Optional[str] = None  # a Jinja template replacing the tokenizer's own
-    train_batch_size: int = 64  # sequences per optimiser step, over all ranks
-    micro_batch_size_per_gpu: int = 64  # sequences per forward/backward on one rank (gradient accumulation)
+    # verl's defaults (January's fsdp_sft_trainer and August's sft_trainer alike): a verl command line that
+    # leaves them out trains the same batches here
+    train_batch_size: int = 256  # sequences per optimiser step, over all ranks
+    micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one rank (gradient accumulation)
     # verl's token budgets: micro-batches of at most max_token_len_per_gpu tokens instead of
     # micro_batch_size_per_gpu rows (the update is the same; the global batch normalises the loss)
     use_dynamic_bsz: bool = False

@@ -3,13 +3,13 @@ scripts' own defaults) and how each is classified under rlfoundry's ``--cfg job`
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_compat_harness
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "verl_compat_check.py"
 
@@ -54,11 +54,7 @@ python3 -m verl.model_merger merge --backend fsdp --local_dir $HOME/ckpt
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("verl_compat_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
+    return load_compat_harness()
 
 
 @pytest.fixture(scope="module")

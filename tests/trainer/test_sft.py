@@ -310,7 +310,7 @@ def test_command_line_errors_and_help(capsys, tmp_path):
         main(["model.partial_pretrain=x", "optim.lrr=1"])
     assert e.value.code == 2 and "rlfoundry sft: Unknown config key 'optim.lrr'" in capsys.readouterr().err
     assert main(["--help"]) == 0
-    assert "micro_batch_size_per_gpu: 64" in capsys.readouterr().out  # the schema's defaults
+    assert "micro_batch_size_per_gpu: 4" in capsys.readouterr().out  # the schema's defaults
 
 
 # ───────────────────────────── verl's SFT command lines ─────────────────────────────
