@@ -81,8 +81,8 @@ _HINTS = {
     "verl.workers.megatron_workers": "rlfoundry's workers are engine-neutral: rlfoundry.workers.fsdp_workers "
                                      "runs Megatron with actor_rollout_ref.actor.strategy=megatron",
     "verl.utils.hdfs_io": "rlfoundry reads and writes local paths; copy with shutil (or fsspec) instead",
-    "verl.utils.reward_score.math_dapo": "rlfoundry's MATH scorer is rlfoundry.rewards.math (1.0 / 0.0 by "
-                                         "math-verify); verl's DAPO scorer (score ±1, acc, pred) is not built",
+    "verl.utils.reward_score.prime_math": "rlfoundry's MATH scorer is rlfoundry.rewards.math (math-verify), "
+                                          "DAPO's is rlfoundry.rewards.math_dapo",
 }
 
 

@@ -115,9 +115,9 @@ def test_a_verl_module_with_no_counterpart_is_named_with_the_file_that_imported_
     assert "verl.utils.megatron_utils" in message and f"{tool_file}:2" in message
     assert "no rlfoundry.utils.megatron_utils" in message and "install verl" in message
 
-    reward_file = _write(tmp_path / "dapo_reward.py", "from verl.utils.reward_score import math_dapo\n")
-    with pytest.raises(RewardFunctionError, match=r"verl\.utils\.reward_score\.math_dapo \(imported by "
-                                                  rf"{reward_file}:1\).*rlfoundry\.rewards\.math"):
+    reward_file = _write(tmp_path / "prime_reward.py", "from verl.utils.reward_score import prime_math\n")
+    with pytest.raises(RewardFunctionError, match=r"verl\.utils\.reward_score\.prime_math \(imported by "
+                                                  rf"{reward_file}:1\).*rlfoundry\.rewards\.math_dapo"):
         load_custom_reward_fn({"custom_reward_function": {"path": str(reward_file)}})
 
 
