@@ -195,7 +195,7 @@ def real_verl_hint() -> str:
     if isinstance(loaded, _VerlModule):
         return ""
     spec = importlib.machinery.PathFinder.find_spec("verl") if loaded is None else loaded.__spec__
-    if spec is None or _mode() == "rlfoundry":
+    if spec is None or os.environ.get(ENV, "").strip().lower() == "rlfoundry":  # (a bad value: _mode's own error)
         return ""
     where = (spec.submodule_search_locations or [spec.origin])[0]
     return (f" (verl's imports went to the verl at {where}, not to rlfoundry: an installed verl, or a verl "
