@@ -1,5 +1,5 @@
 """The interfaces of a user's sampler (``data.sampler.{class_path,class_name}``), verl's
-``verl.experimental.dataset.sampler`` under rlfoundry's name (change the import, keep the class).
+``verl.experimental.dataset.sampler`` under rlfoundry's name (verl's import of it resolves here).
 
 The loader builds it as ``cls(data_source=dataset, data_config=config.data)``. A sampler that also
 has ``state_dict()`` / ``load_state_dict()`` is saved in every checkpoint with the loader's position

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from rlfoundry.tools.base import BaseTool, ToolSchemaError
 from rlfoundry.tools.schemas import OpenAIFunctionToolSchema
+from rlfoundry.utils.verl_imports import real_verl_hint
 
 __all__ = ["ToolConfigError", "initialize_tools_from_config", "load_tool_class"]
 
@@ -58,18 +59,17 @@ def load_tool_class(class_name: str) -> type[BaseTool]:
         raise ToolConfigError(f"{class_name} cannot run here: {_NOT_BUILT[class_name]}")
     if class_name.startswith("verl.") and class_name not in _VERL_CLASSES:
         raise ToolConfigError(f"class_name {class_name!r} is not one of verl's tools that rlfoundry provides "
-                              f"({sorted(_VERL_CLASSES)}); port the class (change its imports) and name it")
+                              f"({sorted(_VERL_CLASSES)}); copy the class into your project (its verl imports resolve here) and name it")
     module_name, _, attr = _VERL_CLASSES.get(class_name, class_name).rpartition(".")
     if not module_name:
         raise ToolConfigError(f"class_name {class_name!r} is not a dotted path module.Class")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        hint = ("; it imports verl: change those imports to rlfoundry's (docs/agents.md, verl's tool files)"
-                if (getattr(e, "name", None) or "").split(".")[0] == "verl" else "")
-        raise ToolConfigError(f"class_name {class_name!r} cannot be imported: {e}{hint}") from e
+        raise ToolConfigError(f"class_name {class_name!r} cannot be imported: {e}{real_verl_hint()}") from e
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise ToolConfigError(f"class_name {class_name!r} is not a subclass of rlfoundry.tools.base.BaseTool")
+        raise ToolConfigError(f"class_name {class_name!r} is not a subclass of rlfoundry.tools.base.BaseTool"
+                              f"{real_verl_hint()}")
     for method, call in (("create", "create(create_kwargs={...}, **create_kwargs)"),
                          ("execute", "execute(instance_id, parameters, agent_data=...)")):
         if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(getattr(cls, method)).parameters.values()):

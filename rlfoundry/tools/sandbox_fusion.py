@@ -8,7 +8,7 @@ verl's config keys: ``default_timeout`` (30 s), ``memory_limit_mb`` (1024), ``de
 (python, the only language here), ``rate_limit`` with ``enable_global_rate_limit`` (else ``num_workers``):
 this tool's programs running at once, per process (verl's limit is one Ray actor for the cluster). verl's
 ``execution_pool.execute.remote(self.execute_code, …)`` and ``execute_code`` are here, so a recipe's
-subclass (retool's ``CustomSandboxFusionTool``) runs with its imports changed. A call
+subclass (retool's ``CustomSandboxFusionTool``) runs unchanged. A call
 may set ``timeout`` and ``language`` among its arguments, as verl reads them; the timeout is capped at
 ``default_timeout`` (a model must not buy unbounded time). Step reward 0, ``calc_reward`` 0.0 (verl's
 returns an empty list, which is not a reward).
@@ -50,7 +50,7 @@ class _Call:
 
 class ExecutionPool:
     """verl's execution pool as its tool subclasses call it (``self.execution_pool.execute.remote(...)``,
-    a Ray actor there; a thread per call here), so a recipe's subclass runs with its imports changed."""
+    a Ray actor there; a thread per call here), so a recipe's subclass runs unchanged."""
 
     def __init__(self, slots: int):
         self.execute = _Call(slots)

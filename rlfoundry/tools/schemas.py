@@ -1,5 +1,5 @@
 """Tool schemas in OpenAI's function-calling format, under verl's class names (``verl.tools.schemas``),
-so that verl users' tool classes and tool configs carry over with their imports changed.
+so that verl users' tool classes and tool configs carry over (their ``verl`` imports resolve here: utils/verl_imports.py).
 
 A tool config's ``tool_schema`` validates into :class:`OpenAIFunctionToolSchema`; the chat
 template renders ``model_dump()`` of it as the ``tools`` it offers the model. A parsed call is an

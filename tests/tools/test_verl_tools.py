@@ -244,9 +244,10 @@ def test_an_image_answer_is_an_error_not_a_silently_dropped_image():
     assert result.error == "image_answer" and "cannot show the model" in result.text
 
 
-def test_a_ported_tool_module_that_still_imports_verl_is_told_to_change_its_imports(tmp_path, monkeypatch):
-    (tmp_path / "my_recipe_tool.py").write_text("from verl.tools.sandbox_fusion_tools import SandboxFusionTool\n")
+def test_a_tool_module_importing_a_verl_module_rlfoundry_lacks_is_told_which(tmp_path, monkeypatch):
+    (tmp_path / "my_recipe_tool.py").write_text("from verl.tools.mcp_base_tool import MCPBaseTool\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     path = _config(tmp_path, "my_recipe_tool.CustomTool", {}, _schema("code_interpreter", code="string"))
-    with pytest.raises(ToolConfigError, match="No module named 'verl'; it imports verl: change those imports"):
+    with pytest.raises(ToolConfigError, match=r"cannot be imported: verl\.tools\.mcp_base_tool \(imported by "
+                                              r".*my_recipe_tool\.py:1\) has no counterpart in rlfoundry"):
         initialize_tools_from_config(path)
