@@ -25,11 +25,12 @@ from tests.scripts import load_compat_harness
 HERE = Path(__file__).resolve().parent
 LINES = json.loads((HERE / "verl_command_lines.json").read_text())
 
-# Files the lines name inside verl's tree, written in verl's layout (the suite runs without a verl checkout).
+# Files the lines name inside verl's tree, written in verl's layout with verl's class names (the suite runs
+# without a verl checkout: rlfoundry answers the verl imports, rlfoundry/utils/verl_imports.py).
 TREE_FILES = {
     "examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml": """\
 tools:
-  - class_name: "rlfoundry.tools.gsm8k.Gsm8kTool"
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
     config:
       type: native
     tool_schema:
@@ -48,7 +49,7 @@ tools:
     "examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml": """\
 interaction:
   - name: "gsm8k"
-    class_name: "rlfoundry.interactions.gsm8k.Gsm8kInteraction"
+    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
     config: {}
 """,
     "verl/utils/reward_score/rlla.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
