@@ -364,6 +364,10 @@ class PolicyLossConfig(Node):
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     dro_beta: Optional[float] = None  # loss_mode=dro: weight of its (log r)^2 penalty; no default, must be > 0
+    # verl's SAPO scripts add these (+...policy_loss.tau_pos) but verl's sapo loss reads actor.tau_pos /
+    # actor.tau_neg: no effect there or here (verl_compat.NO_EFFECT_KEYS)
+    tau_pos: Optional[float] = None
+    tau_neg: Optional[float] = None
     # a copy of algorithm.rollout_correction when its bypass_mode is on (as verl does at run time)
     rollout_correction: RolloutCorrectionConfig = _sub(RolloutCorrectionConfig)
 

@@ -115,6 +115,8 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # verl's early stop of a rollout's slowest requests: declared in its RolloutConfig, read by no verl code
     # (b178a3cd5, August HEAD); every request runs to its end, there as here
     "actor_rollout_ref.rollout.over_sample_rate",
+    # verl's sapo scripts (August) add these; its sapo loss reads actor.tau_pos / actor.tau_neg instead
+    "actor_rollout_ref.actor.policy_loss.tau_pos", "actor_rollout_ref.actor.policy_loss.tau_neg",
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     "*.fsdp_config.strategy",  # fsdp or fsdp2 (checked): one FSDP2 engine

@@ -242,6 +242,11 @@ def test_rollout_parallelism_not_built_is_an_error_and_over_sampling_has_no_effe
     key = "actor_rollout_ref.rollout"
     assert "data parallelism inside one vLLM/SGLang replica is not built" in _error(f"{key}.data_parallel_size=2")
     assert "expert parallelism in the rollout engine (MoE) is not built" in _error(f"{key}.expert_parallel_size=4")
+    # verl's SAPO scripts add policy_loss.tau_pos/tau_neg, which its sapo loss never reads (it reads actor.tau_*)
+    warned = _no_effect_warning("+actor_rollout_ref.actor.policy_loss.tau_pos=2.0",
+                                "+actor_rollout_ref.actor.policy_loss.tau_neg=2.5")
+    assert "actor_rollout_ref.actor.policy_loss.tau_pos" in warned and "policy_loss.tau_neg" in warned
+    assert _resolved("+actor_rollout_ref.actor.policy_loss.tau_pos=2.0").actor_rollout_ref.actor.tau_pos == 1.0
     # verl declares over_sample_rate and reads it nowhere: accepted, with the no-effect warning
     assert f"{key}.over_sample_rate" in _no_effect_warning(f"{key}.over_sample_rate=0.1")
     _load(f"{key}.data_parallel_size=1", f"{key}.expert_parallel_size=1", f"{key}.over_sample_rate=0")
