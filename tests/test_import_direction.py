@@ -23,6 +23,7 @@ LAYERS = {
     "workers": 3,
     "trainer": 4, "experimental": 4, "cli": 4,  # experimental: verl's async entry modules
     "__main__": 4, "__init__": 4,
+    "scripts": 4,  # command-line tools (python -m rlfoundry.scripts.<name>), as cli
 }
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
 WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model"}

@@ -283,6 +283,12 @@ class MegatronConfig(Node):
     # verl (Aug 2026): packed (thd) micro-batches; the engine here pads rows and masks them: the same numbers
     use_remove_padding: bool = True
     dtype: str = "bfloat16"
+    # verl's: the initial weights from a megatron-core dist checkpoint (its directory, verl's converter layout;
+    # python -m rlfoundry.scripts.converter_hf_to_mcore writes one) instead of model.path's HF weights, which
+    # still give the config and tokenizer; the prefix: its keys' (NeMo 2: "module."). engines/megatron/dist_weights.py
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: Optional[str] = None
+    dist_checkpointing_prefix: str = ""
 
 
 def model_parallel_size(megatron: Any) -> int:
@@ -290,6 +296,12 @@ def model_parallel_size(megatron: Any) -> int:
     not; data parallel size = ranks / this."""
     return (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
             * megatron.context_parallel_size)
+
+
+def starts_from_dist_checkpoint(actor: Any) -> bool:
+    """Whether an actor's engine takes its first weights from a Megatron dist checkpoint rather than
+    model.path, which the rollout loads: then the rollout needs the actor's weights before it samples."""
+    return actor.strategy == "megatron" and bool(actor.megatron.use_dist_checkpointing)
 
 
 @dataclass

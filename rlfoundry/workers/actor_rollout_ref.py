@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from rlfoundry.config.batch import per_gpu, role_batch
-from rlfoundry.config.schema import ActorRolloutRefConfig
+from rlfoundry.config.schema import ActorRolloutRefConfig, starts_from_dist_checkpoint
 from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.config.typed import to_typed
 from rlfoundry.models.hf import check_model_dir, generation_eos_ids, resolve_model_path
@@ -209,6 +209,8 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self.rollout = self._build_rollout(self._rollout_module())
             self.agent_loop = self._build_agent_loop()
+            if self._is_actor and starts_from_dist_checkpoint(self.config.actor):
+                self._refresh_rollout()  # its copy came from model.path, the actor's weights from the dist checkpoint
         if self._is_ref and self._is_actor and self.lora is not None:
             self._ref_in_actor = True
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.engine)

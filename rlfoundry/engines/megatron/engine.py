@@ -36,6 +36,7 @@ from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, plain_micro_batches, re
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry.engines.megatron import bridge as mb
+from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
 from rlfoundry.engines.megatron.forward import response_logits, run_schedule, vocab_parallel_log_probs
 from rlfoundry.protocol import DataProto
 
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
+
+
+# a role's config subtree, for errors that name its keys
+_ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -92,7 +97,10 @@ class MegatronEngine(TrainingEngine):
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
                                       value_model=config.value_model)
         chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
-        if config.load_hf_weights:
+        if m.use_dist_checkpointing:  # verl's: the weights from a megatron-core dist checkpoint, not model.path's
+            load_dist_weights(chunks, m.dist_checkpointing_path, m.dist_checkpointing_prefix, config.value_model,
+                              key=f"{_ROLE_KEYS.get(role, role)}.megatron")
+        elif config.load_hf_weights:
             mb.load_hf_weights(self.bridge, chunks, config.path)
         self.optimizer = self.lr_scheduler = None
         if config.trainable:
@@ -284,9 +292,7 @@ class MegatronEngine(TrainingEngine):
     def _sharded_state(self, is_loading: bool = False) -> dict[str, Any]:
         """megatron-core's sharded state dict of the model chunks (and the optimiser): tensors keyed
         by their place in the whole model, so dist-checkpointing can save and reload any layout."""
-        chunks = self._bare_chunks()
-        model = chunks[0].sharded_state_dict() if len(chunks) == 1 else \
-            {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+        model = model_sharded_state(self._bare_chunks())
         state = {"model": model}
         if self.optimizer is not None:
             # is_loading: a fresh optimiser has no moments yet; megatron-core creates them to load into.
@@ -399,6 +405,11 @@ class MegatronEngine(TrainingEngine):
         extra = ckpt.load_role(path, read_shards, self.lr_scheduler, verify=verify, set_rng=self._set_rng_state)
         self.load_counters(extra.get("engine", {}))
         return extra
+
+    def save_dist_weights(self, path: str) -> None:
+        """The model alone as a dist checkpoint in verl's layout (what ``use_dist_checkpointing`` loads):
+        ``rlfoundry.scripts.converter_hf_to_mcore``. Every rank takes part."""
+        save_dist_weights(self._bare_chunks(), path)
 
     def _hf_config(self) -> Any:
         """The HF config of what this engine holds: the checkpoint's, or for a value model the

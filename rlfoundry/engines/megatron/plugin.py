@@ -87,11 +87,30 @@ def _check_role(key: str, m: Any, world_size: int) -> list[str]:
     if not m.use_mbridge:
         errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
                       "set it to True (the default).")
+    errors += _check_dist_checkpoint(key, m)
     expert_tp = m.get("expert_tensor_parallel_size") or 1  # null: Megatron's own; no experts to split here
     if m.context_parallel_size != 1 or m.expert_model_parallel_size != 1 or expert_tp != 1:
         errors.append(f"{key}.megatron: context and expert parallelism are not supported yet (dense models, "
                       "context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1 or null).")
     return errors
+
+
+def _check_dist_checkpoint(key: str, m: Any) -> list[str]:
+    """use_dist_checkpointing: a path, and where it exists on this machine, a dist checkpoint (a path
+    absent here may be on the workers' nodes: the engine checks it there, and compares the tensors)."""
+    from pathlib import Path
+
+    from rlfoundry.engines.megatron.dist_weights import CONVERTER, dist_checkpoint_problem
+
+    path = m.get("dist_checkpointing_path")
+    if not m.get("use_dist_checkpointing") or (path and not Path(str(path)).exists()):
+        return []
+    problem = dist_checkpoint_problem(path)
+    if problem is None:
+        return []
+    return [f"{key}.megatron.use_dist_checkpointing=True loads the initial weights from "
+            f"{key}.megatron.dist_checkpointing_path, which {problem}: make one with `{CONVERTER}` and set it, or set "
+            "use_dist_checkpointing=False to load model.path's HF weights."]
 
 
 PLUGIN = MegatronPlugin()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig
+from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, starts_from_dist_checkpoint
 from rlfoundry.algos import core_algos, rollout_corr
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
@@ -439,8 +439,8 @@ class PPOTrainer:
         from rlfoundry.utils.profiler import StepProfiler, profile_dir
 
         self._load_checkpoint()
-        if self.state.resumed_from:
-            self.sync_weights({})  # a rollout pool of its own takes the restored weights
+        if self.state.resumed_from or starts_from_dist_checkpoint(self.config.actor_rollout_ref.actor):
+            self.sync_weights({})  # a rollout pool of its own takes the restored (or dist-checkpoint) weights
         self.tracker = self._make_tracker()
         # Not on resume: the checkpoint holds the first validation, and an extra generation pass here
         # would move the sampling RNG, so step k+1 would differ from the uninterrupted run's.

@@ -1,0 +1,1 @@
+"""Command-line tools run as ``python -m rlfoundry.scripts.<name>`` (verl ships them as scripts/)."""
