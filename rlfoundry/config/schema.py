@@ -272,6 +272,8 @@ class MegatronConfig(Node):
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = True  # with tensor parallelism only (verl turns it off at TP=1 too)
     use_distributed_optimizer: bool = True
+    # released between uses, brought back for each (engines/megatron/offload.py; docs/engines.md): the
+    # parameters, DDP's gradient buffers, Adam's moments and fp32 main copies; the numbers are the same
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False

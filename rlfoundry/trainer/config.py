@@ -505,7 +505,9 @@ _OPTIMIZER_KEYS_SET_ELSEWHERE = {
     "bf16": "megatron.dtype", "fp16": "megatron.dtype", "params_dtype": "megatron.dtype", "params": None,
     "optimizer": "optim.optimizer",  # the engine names megatron-core's optimizer itself (AdamW only)
 }
-# megatron-core's optimizer offload to the CPU: not built (the large-models issue)
+# megatron-core's optimizer offload to the CPU (its HybridDeviceOptimizer: the Adam step on the host for a
+# fraction of the state): not built. It needs CUDA (it sets up CUDA streams when built, and picks what to move
+# by ``param.is_cuda``), so no CPU test can run it; ``megatron.optimizer_offload`` is the offload built here
 _OPTIMIZER_OFFLOAD_KEYS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "use_torch_optimizer_for_cpu_offload",
                            "overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params")
 
@@ -532,8 +534,10 @@ def _check_optimizer_overrides(key: str, overrides: dict, strategy: str) -> list
     errors, key = [], f"{key}.override_optimizer_config"
     for name, value in overrides.items():
         if name in _OPTIMIZER_OFFLOAD_KEYS and value:
-            errors.append(f"{key}.{name}={value}: offloading the Megatron optimizer to the CPU is not built here (the "
-                          "large-models issue); remove the optimizer offload keys.")
+            errors.append(f"{key}.{name}={value}: offloading the Megatron optimizer to the CPU is not built here "
+                          "(megatron-core's HybridDeviceOptimizer, which steps Adam on the host, needs CUDA and is "
+                          "untested here); remove the optimizer offload keys. megatron.optimizer_offload=True keeps "
+                          "the optimizer's state in host memory between updates instead (the step stays on the device).")
         elif name in _OPTIMIZER_KEYS_SET_ELSEWHERE:
             where = _OPTIMIZER_KEYS_SET_ELSEWHERE[name]
             errors.append(f"{key}.{name}: " + (f"set it as {where} (one key per setting)." if where else

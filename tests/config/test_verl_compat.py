@@ -151,7 +151,8 @@ def test_override_optimizer_config_offload_and_unknown_keys_are_errors():
     key = "+actor_rollout_ref.actor.optim.override_optimizer_config"
     text = _error(f"{key}.optimizer_cpu_offload=True", f"{key}.optimizer_offload_fraction=1")
     assert "optimizer_cpu_offload=True: offloading the Megatron optimizer to the CPU is not built" in text
-    assert "optimizer_offload_fraction=1" in text
+    assert "optimizer_offload_fraction=1" in text and "HybridDeviceOptimizer" in text
+    assert "megatron.optimizer_offload=True keeps the optimizer's state in host memory" in text
     assert "['amsgrd'] are not torch.optim.AdamW arguments" in _error(f"{key}.amsgrd=true")
     assert "set it as optim.lr" in _error(f"{key}.lr=0.1")
 

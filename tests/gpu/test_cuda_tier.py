@@ -348,6 +348,32 @@ def test_megatron_in_bf16_trains_on_cuda(tiny_model_dir, tmp_path):
         assert run.step(step)["actor/grad_norm"] > 0  # gradients reached megatron-core's bf16 weights
 
 
+@pytest.mark.numerics
+def test_megatron_offload_frees_the_gpu_between_uses_and_trains_alike_on_cuda(tiny_model_dir, tmp_path):
+    """verl's megatron.param_offload / grad_offload / optimizer_offload on CUDA: between uses the actor's
+    parameters, gradient buffers and optimiser state hold no GPU memory (their bytes wait in pinned host
+    memory), and the run samples and trains as the one without (the CPU suite compares them bit for bit:
+    tests/engines/test_megatron_offload.py)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed on this machine")
+    megatron = ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.dtype=bfloat16")
+    offload = tuple(f"actor_rollout_ref.{role}.megatron.{flag}=true" for role in ("actor", "ref")
+                    for flag in ("param_offload", "grad_offload", "optimizer_offload"))
+    plain = E.train(_dense(tiny_model_dir, tmp_path / "plain", *megatron), keep_trainer=True,
+                    config_name="ppo_megatron_trainer")
+    moved = E.train(_dense(tiny_model_dir, tmp_path / "offload", *megatron, *offload), keep_trainer=True,
+                    config_name="ppo_megatron_trainer")
+    engine = moved.trainer.actor_rollout_wg.worker.workers["actor_rollout"].engine
+    assert [engine.released(part) for part in ("params", "grads", "optimizer")] == [True, True, True]
+    params = [p for chunk in engine.chunks for p in chunk.parameters()]
+    assert all(p.is_cuda and p.untyped_storage().nbytes() == 0 for p in params)
+    assert all(p.main_grad.untyped_storage().nbytes() == 0 for p in params)
+    kept = plain.trainer.actor_rollout_wg.worker.workers["actor_rollout"].engine
+    assert not kept.released("params") and all(p.untyped_storage().nbytes() > 0 for c in kept.chunks for p in c.parameters())
+    assert torch.equal(moved.batches[0]["responses"], plain.batches[0]["responses"])  # same weights, same draw
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert moved.step(1)[key] == pytest.approx(plain.step(1)[key], rel=2e-2, abs=1e-4), key
+
+
 # ---- last: a capped allocator (reset afterwards) -------------------------------------------------------
 
 

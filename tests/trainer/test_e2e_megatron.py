@@ -31,7 +31,8 @@ COMMON = ["trainer.n_gpus_per_node=2", "trainer.worker_backend=process", "traine
 LAYOUTS = {"tp2": "tensor_model_parallel_size=2", "pp2": "pipeline_model_parallel_size=2"}
 
 
-def _run(tmp_path, name: str, model, reward, extra: list[str], config_name: str | None = None) -> list[dict]:
+def _run(tmp_path, name: str, model, reward, extra: list[str], config_name: str | None = None,
+         log: list[str] | None = None) -> list[dict]:
     run_dir = tmp_path / name
     args = [sys.executable, "-m", "rlfoundry.trainer.main_ppo"]
     if config_name:
@@ -40,6 +41,8 @@ def _run(tmp_path, name: str, model, reward, extra: list[str], config_name: str 
                            f"custom_reward_function.path={reward}", *extra)
     out = subprocess.run(args, capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
+    if log is not None:
+        log += (out.stdout + out.stderr).splitlines()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "timing_s/step" in r]
 
@@ -115,3 +118,30 @@ def test_ppo_with_the_critic_on_megatron_matches_fsdp_resumes_and_exports(tiny_m
     policy = transformers.AutoModelForCausalLM.from_pretrained(out)
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert any(not p.equal(q) for p, q in zip(policy.parameters(), base.parameters()))  # three updates in it
+
+
+def test_offload_keys_run_ppo_exactly_as_without(tiny_model_dir, tmp_path):
+    """verl's ``megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload`` on the actor, the
+    reference and the critic (PPO at TP=2, checkpoints every step): every step's samples, losses,
+    values, KL and gradient norms are the run's without offload, bit for bit. The weight sync reads the
+    released parameters back for the rollout's copy after each update, log-probs and values bring them
+    back for their passes, the checkpoints for theirs."""
+    reward = write_reward_file(tmp_path)
+    tp2 = [*PPO, f"critic.model.path={tiny_model_dir}", "trainer.save_freq=1",
+           *(f"actor_rollout_ref.{r}.megatron.{LAYOUTS['tp2']}" for r in ("actor", "ref"))]
+    offload = [f"{role}.megatron.{flag}=true" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+               for flag in ("param_offload", "grad_offload", "optimizer_offload")]
+    plain = _run(tmp_path, "plain", tiny_model_dir, reward, tp2, config_name="ppo_megatron_trainer")
+    log: list[str] = []
+    offloaded = _run(tmp_path, "offloaded", tiny_model_dir, reward, [*tp2, *offload], config_name="ppo_megatron_trainer",
+                     log=log)
+    assert [r["step"] for r in offloaded] == [1, 2, 3]
+    said = [line for line in log if "megatron offload releases" in line]  # the keys reached each engine
+    for role, parts in (("actor", "params, grads, optimizer"), ("ref", "params"), ("critic", "params, grads, optimizer")):
+        assert sum(f"engine: {role}: megatron offload releases its {parts} between" in line for line in said) == 1, said
+    compared = ("actor/", "critic/", "response_length/", "rollout/")
+    for a, b in zip(plain, offloaded):
+        keys = sorted(k for k in a if k.startswith(compared))
+        assert keys and keys == sorted(k for k in b if k.startswith(compared))
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+    assert plain[-1]["critic/values/mean"] != 0 and plain[-1]["actor/kl_loss"] > 0  # both models moved

@@ -16,10 +16,17 @@ the reference ``LogProbs``.
 Every rank of the world calls each method with its data-parallel rank's rows; tensor- and
 pipeline-parallel ranks of one data-parallel rank get the same rows. Outputs and metrics are
 computed on the last pipeline stage and broadcast to the others, so every rank returns them.
+
+Offload (verl's ``megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload``,
+``offload.py``): each flag's part is released when the engine is built and after each ``offload()``;
+``onload()`` (the workers call it before an update) brings back every part, and a method that needs
+a part the caller left released (log-probs, the weight sync, checkpoints) brings back what it needs
+for its duration and releases it again on return. Offloaded or not, the numbers are the same bits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterator
@@ -36,6 +43,7 @@ from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, plain_micro_batches, re
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry.engines.megatron import bridge as mb
+from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
 from rlfoundry.engines.megatron.forward import response_logits, run_schedule, vocab_parallel_log_probs
 from rlfoundry.protocol import DataProto
@@ -110,6 +118,17 @@ class MegatronEngine(TrainingEngine):
             for chunk in chunks:
                 chunk.requires_grad_(False)
         self.chunks = chunks
+        self._offload = off.StorageOffload(self.device)
+        # the parts m.*_offload name (a frozen model has no gradients or optimiser to release)
+        asked = {"params": m.param_offload, "grads": m.grad_offload and config.trainable,
+                 "optimizer": m.optimizer_offload and config.trainable}
+        self.offload_parts = tuple(part for part in off.PARTS if asked[part])
+        if self.offload_parts and (not dist.is_initialized() or dist.get_rank() == 0):
+            where = ("kept in pinned host memory" if self.device.type == "cuda" else "on the CPU the host is the "
+                     "device: what is kept stays in host memory, only released gradients save memory")
+            print(f"rlfoundry: engine: {role}: megatron offload releases its {', '.join(self.offload_parts)} "
+                  f"between uses ({where})", flush=True)
+        self.offload()
 
     def _transformer_overrides(self) -> dict[str, Any]:
         m = self.config.megatron
@@ -135,7 +154,8 @@ class MegatronEngine(TrainingEngine):
             use_distributed_optimizer=m.use_distributed_optimizer,
             bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, params_dtype=dtype,
             # verl's optim.override_optimizer_config: more OptimizerConfig fields, checked at start-up
-            # (trainer/config.py _check_optimizer_overrides: no offload, none that an rlfoundry key sets)
+            # (trainer/config.py _check_optimizer_overrides: not megatron-core's CPU optimiser, none that an
+            # rlfoundry key sets; megatron.optimizer_offload is this engine's offload, offload.py)
             **dict(o.override_optimizer_config or {}),
         )
         # config_overrides={}: one parameter group, weight decay on every parameter as in the FSDP
@@ -183,7 +203,7 @@ class MegatronEngine(TrainingEngine):
         micros, order = plain_micro_batches(inputs, micro, None)
         for chunk in self.chunks:
             chunk.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.resident("params"):
             outs = run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss=None)
         merged = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
         merged = mb.from_last_stage(merged)
@@ -197,7 +217,8 @@ class MegatronEngine(TrainingEngine):
         outputs_fn = self._output_fn(output)
         for chunk in self.chunks:
             chunk.train()
-        return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, outputs_fn, loss_fn, plan))
+        with self.resident(*off.PARTS):  # the worker's onload() has brought them back already
+            return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, outputs_fn, loss_fn, plan))
 
     def _train_mini_batch(self, mini: DataProto, outputs_fn, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
         info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)
@@ -272,13 +293,61 @@ class MegatronEngine(TrainingEngine):
         return [getattr(c, "module", c) for c in self.chunks]
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from mb.export_hf_weights(self.bridge, self._bare_chunks(), value_head=self.config.value_model)
+        with self.resident("params") as restored:
+            # a tensor that is a parameter's own storage (no gather needed) is copied when the
+            # parameters go back to the host afterwards, so what the caller keeps stays readable
+            own = off.storage_ids(off.param_tensors(self.chunks)) if "params" in restored else set()
+            for name, tensor in mb.export_hf_weights(self.bridge, self._bare_chunks(), value_head=self.config.value_model):
+                if tensor.untyped_storage()._cdata in own:
+                    tensor = tensor.detach().clone()
+                yield name, tensor
+
+    # ---- offload ----------------------------------------------------------------------------
+
+    def _storages(self, part: str) -> list[torch.UntypedStorage]:
+        """The storages of ``part`` now (the optimiser's state appears at its first step), each in
+        one part only: gradient buffers sharing a parameter buffer's storage (MXFP8) are the
+        parameters', and the optimiser's fp32 shards of fp32 weights are the weights."""
+        params = off.param_tensors(self.chunks)
+        if part == "params":
+            return off.storages(params)
+        grads = off.grad_tensors(self.chunks)
+        if part == "grads":
+            return off.storages(grads, exclude=off.storage_ids(params))
+        return off.storages(off.optimizer_tensors(self.optimizer), exclude=off.storage_ids(params + grads))
+
+    def _release(self, part: str) -> None:
+        if part == "optimizer" and self.optimizer is None or part == "grads" and not self.config.trainable:
+            return
+        # gradients are zero between updates (each mini-batch zeroes them first): nothing to keep
+        self._offload.release(part, self._storages(part), keep=part != "grads")
+
+    def released(self, part: str) -> bool:
+        """Whether ``part`` (``params``, ``grads``, ``optimizer``) is released now."""
+        return self._offload.released(part)
 
     def offload(self) -> None:
-        pass  # param/grad/optimizer offload: GPU only (not built yet)
+        """Release the parts ``megatron.*_offload`` name (nothing when none is set)."""
+        for part in self.offload_parts:
+            self._release(part)
 
     def onload(self) -> None:
-        pass
+        """Bring back every released part."""
+        for part in off.PARTS:
+            self._offload.restore(part)
+
+    @contextlib.contextmanager
+    def resident(self, *parts: str) -> Iterator[tuple[str, ...]]:
+        """``parts`` on the device for the duration; those it brought back are released again after.
+        Yields the parts it brought back."""
+        restored = tuple(p for p in parts if self._offload.released(p))
+        for part in restored:
+            self._offload.restore(part)
+        try:
+            yield restored
+        finally:
+            for part in restored:
+                self._release(part)
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -366,8 +435,9 @@ class MegatronEngine(TrainingEngine):
                 tokenizer.save_pretrained(out)
 
         meta = {**self._layout(), "dtype": self.config.megatron.dtype, "has_optimizer": self.optimizer is not None}
-        ckpt.save_role(path, write_shards, write_config, self.lr_scheduler, {**extra, "engine": self.counters()},
-                       meta=meta, rng_state=self._rng_state)
+        with self.resident("params", "optimizer"):
+            ckpt.save_role(path, write_shards, write_config, self.lr_scheduler, {**extra, "engine": self.counters()},
+                           meta=meta, rng_state=self._rng_state)
         return str(path)
 
     def load_checkpoint(self, path: str, verify: bool = True, contents: Any = None) -> dict[str, Any]:
@@ -402,14 +472,16 @@ class MegatronEngine(TrainingEngine):
                     self.optimizer.load_state_dict(loaded["optimizer"])
                 self._restore_adam_step(loaded["optimizer"])
 
-        extra = ckpt.load_role(path, read_shards, self.lr_scheduler, verify=verify, set_rng=self._set_rng_state)
+        with self.resident("params", "optimizer"):
+            extra = ckpt.load_role(path, read_shards, self.lr_scheduler, verify=verify, set_rng=self._set_rng_state)
         self.load_counters(extra.get("engine", {}))
         return extra
 
     def save_dist_weights(self, path: str) -> None:
         """The model alone as a dist checkpoint in verl's layout (what ``use_dist_checkpointing`` loads):
         ``rlfoundry.scripts.converter_hf_to_mcore``. Every rank takes part."""
-        save_dist_weights(self._bare_chunks(), path)
+        with self.resident("params"):  # an offloaded engine brings its weights back for the save
+            save_dist_weights(self._bare_chunks(), path)
 
     def _hf_config(self) -> Any:
         """The HF config of what this engine holds: the checkpoint's, or for a value model the

@@ -81,9 +81,6 @@ def _check_role(key: str, m: Any, world_size: int) -> list[str]:
     if world_size % model_parallel_size(m):
         errors.append(f"{key}.megatron: tensor × pipeline × context parallel = {model_parallel_size(m)} does not divide "
                       f"the {world_size} ranks (trainer.nnodes × trainer.n_gpus_per_node).")
-    offload = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if m[k]]
-    if offload:
-        errors.append(f"{key}.megatron.{offload[0]}=True: offload on the Megatron engine is not built yet; set it to False.")
     if not m.use_mbridge:
         errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
                       "set it to True (the default).")
