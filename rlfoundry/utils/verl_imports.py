@@ -16,10 +16,11 @@ module of the same role, so such a file loads unchanged and its classes subclass
 A ``verl`` module here is a thin module that reads its names from the rlfoundry module on use
 (``__getattr__``), so rlfoundry's own modules are never renamed or written to.
 
-When a real ``verl`` is importable the finder steps aside and the user gets verl
-(``RLFOUNDRY_VERL_IMPORTS``: ``auto``, the default; ``rlfoundry`` answers ``verl`` even then, for a
-run from inside a verl checkout, whose ``verl/`` the working directory would otherwise supply;
-``verl`` never answers). It is installed when rlfoundry is imported, not by each loader of user
+When verl is installed (a ``verl`` distribution, e.g. ``pip install verl`` or ``-e`` of a checkout)
+and importable, the finder steps aside and the user gets verl (``RLFOUNDRY_VERL_IMPORTS``: ``auto``,
+the default). A ``verl/`` directory that is only on the path, as a verl checkout is when a run starts
+from inside it (verl's example scripts run from its root), does not count: rlfoundry answers, as the
+user running rlfoundry there means it to. ``rlfoundry`` answers ``verl`` always; ``verl`` never. It is installed when rlfoundry is imported, not by each loader of user
 code: a class defined in a user's file travels to Ray workers and reward-pool processes by
 reference (pickle names its module, e.g. ``recipe.retool.retool``), and the receiving process
 imports that module by name before any loader of ours runs there. Installing costs one list entry;
@@ -156,8 +157,20 @@ class VerlImportFinder(importlib.abc.MetaPathFinder):
         mode = _mode()
         if mode != "auto":
             return mode == "rlfoundry"
+        if not _installed("verl"):  # a bare verl/ on the path: a checkout the run started in
+            return True
         others = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
         return all(f.find_spec("verl", None) is None for f in others)
+
+
+def _installed(distribution: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _target(verl_name: str) -> str:

@@ -140,7 +140,9 @@ def _run(code: str, path: Path, mode: str | None = None) -> subprocess.Completed
 
 @pytest.fixture
 def fake_verl(tmp_path) -> Path:
-    """A tiny importable ``verl`` package: what a user with verl installed has."""
+    """A tiny installed ``verl`` (the package and its distribution's metadata): what a user with verl
+    installed has."""
+    _write(tmp_path / "verl-0.0.1.dist-info" / "METADATA", "Metadata-Version: 2.1\nName: verl\nVersion: 0.0.1\n")
     _write(tmp_path / "verl" / "__init__.py", "WHO = 'the installed verl'\n")
     _write(tmp_path / "verl" / "tools" / "__init__.py", "")
     _write(tmp_path / "verl" / "tools" / "base_tool.py", "class BaseTool:\n    pass\n")
@@ -162,6 +164,18 @@ def test_an_installed_verl_is_left_alone(fake_verl):
         """, fake_verl)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["the installed verl False False", "ModuleNotFoundError verl.utils"]
+
+
+def test_a_verl_checkout_on_the_path_but_not_installed_is_answered_by_rlfoundry(fake_verl):
+    """verl's example scripts run from its root: its verl/ is on the path (python -m puts the working
+    directory first), yet the user ran rlfoundry; without the distribution rlfoundry answers."""
+    import shutil
+
+    shutil.rmtree(fake_verl / "verl-0.0.1.dist-info")
+    done = _run("import rlfoundry, verl\nfrom verl import DataProto\nprint(DataProto.__module__)\n", fake_verl)
+    assert done.stdout.strip() == "rlfoundry.protocol", done.stderr
+    left = _run("import rlfoundry, verl\nprint(verl.WHO)\n", fake_verl, mode="verl")
+    assert left.stdout.strip() == "the installed verl", left.stderr
 
 
 def test_a_tool_on_an_installed_verl_is_told_how_to_run_it_on_rlfoundry(fake_verl):
