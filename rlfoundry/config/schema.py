@@ -753,7 +753,8 @@ class RewardModelConfig(Node):
     # which calls the model served at SGLang's /generate (rewards/reward_loop.py). verl: true
     use_reward_loop: bool = True
     num_workers: Optional[int] = None  # verl's reward-loop workers = reward_kwargs.num_workers (scorer processes)
-    # verl: the classifier in a pool of its own; here it runs beside the actor (no effect)
+    # verl: the reward model in a pool of its own; a model served to the custom function (use_reward_loop)
+    # gets one here too; the classifier runs beside the actor (no effect then)
     enable_resource_pool: bool = False
     n_gpus_per_node: int = 0
     nnodes: int = 0

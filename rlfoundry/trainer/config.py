@@ -249,16 +249,27 @@ def rollout_world_size(cfg: DictConfig) -> int:
     return int(cfg.rollout.nnodes) * int(cfg.rollout.n_gpus_per_node)
 
 
+def reward_pool_owner(cfg: DictConfig) -> DictConfig:
+    """Whose ``enable_resource_pool`` / ``nnodes`` / ``n_gpus_per_node`` place the reward pool: the judge's
+    (``reward.reward_model``), or ``reward_model``'s when verl's reward loop serves that model to the custom
+    function (the classifier always runs beside the actor)."""
+    from rlfoundry.rewards.reward_loop import serves_reward_model
+
+    return cfg.reward_model if serves_reward_model(cfg) else cfg.reward.reward_model
+
+
 def judge_world_size(cfg: DictConfig) -> int:
-    """Ranks of the generative reward model's own pool (``reward.reward_model.enable_resource_pool``); 0:
-    colocated with the actor (or no judge)."""
-    judge = cfg.reward.reward_model
-    return int(judge.nnodes) * int(judge.n_gpus_per_node) if judge.enable and judge.enable_resource_pool else 0
+    """Ranks of the generative reward model's own pool (``enable_resource_pool`` of ``reward_pool_owner``);
+    0: colocated with the actor (or no generative reward model)."""
+    owner = reward_pool_owner(cfg)
+    return int(owner.nnodes) * int(owner.n_gpus_per_node) if owner.enable and owner.enable_resource_pool else 0
 
 
 def pool_config(cfg: DictConfig, pool: str) -> DictConfig:
     """The node holding ``nnodes`` / ``n_gpus_per_node`` of a worker pool."""
-    return {"rollout_pool": cfg.rollout, "reward_pool": cfg.reward.reward_model}.get(pool, cfg.trainer)
+    if pool == "reward_pool":
+        return reward_pool_owner(cfg)
+    return cfg.rollout if pool == "rollout_pool" else cfg.trainer
 
 
 def _adopt_async_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
@@ -456,11 +467,20 @@ def _check_judge(cfg: DictConfig) -> list[str]:
                       "enable one of them.")
     if int(judge.rollout.n) != 1:
         errors.append(f"{key}.rollout.n={judge.rollout.n}: the judge writes one judgement per response (n=1).")
-    if judge.enable_resource_pool and (int(judge.nnodes) < 1 or int(judge.n_gpus_per_node) < 1):
-        errors.append(f"{key}.enable_resource_pool=true needs nnodes >= 1 and n_gpus_per_node >= 1 (CPU: processes).")
-    if judge.enable_resource_pool and cfg.trainer.worker_backend == "process" and int(judge.nnodes) != 1:
-        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but {key}.nnodes={judge.nnodes}; use ray.")
+    errors += _check_pool(key, judge, cfg)
     return errors + check_judge_config(to_typed(GenerativeRewardModelConfig, judge, name=key))
+
+
+def _check_pool(key: str, owner: DictConfig, cfg: DictConfig) -> list[str]:
+    """A generative reward model's own pool (``enable_resource_pool``) must have ranks the back end can place."""
+    if not owner.enable_resource_pool:
+        return []
+    errors = []
+    if int(owner.nnodes) < 1 or int(owner.n_gpus_per_node) < 1:
+        errors.append(f"{key}.enable_resource_pool=true needs nnodes >= 1 and n_gpus_per_node >= 1 (CPU: processes).")
+    if cfg.trainer.worker_backend == "process" and int(owner.nnodes) != 1:
+        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but {key}.nnodes={owner.nnodes}; use ray.")
+    return errors
 
 
 def _check_unsupported(cfg: PPOConfig) -> list[str]:
@@ -1013,6 +1033,10 @@ def _check_reward_function(cfg: DictConfig) -> list[str]:
     if crf.path is not None and cfg.reward_model.reward_kwargs.get("compute_score_kwargs"):
         errors.append("reward.compute_score_kwargs go to the built-in scorer, which custom_reward_function.path "
                       "replaces; give your function its arguments in custom_reward_function.reward_kwargs.")
+    from rlfoundry.rewards.reward_loop import serves_reward_model
+
+    if serves_reward_model(cfg):  # verl's reward loop: the served model may have a pool of its own
+        errors += _check_pool("reward_model", cfg.reward_model, cfg)
     if manager.source == "importlib" and not manager.module.path:
         errors.append("reward.reward_manager.source=importlib needs reward.reward_manager.module.path (a .py file "
                       "or pkg://package.module) and module.name (the class).")

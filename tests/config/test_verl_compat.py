@@ -220,6 +220,10 @@ def test_reward_loop_with_a_custom_function_serves_the_model_and_the_legacy_path
     assert "reward_model.rollout.response_length" not in _no_effect_warning(*keys, "reward_model.rollout.response_length=8")
     assert "reward_model.rollout.response_length" in _no_effect_warning(*keys, "reward_model.use_reward_loop=false",
                                                                          "reward_model.rollout.response_length=8")
+    pool = ("reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=1", "reward_model.nnodes=1")
+    assert "reward_model.enable_resource_pool" not in _no_effect_warning(*keys, *pool)  # its own pool (trainer)
+    assert "reward_model.enable_resource_pool" in _no_effect_warning(*keys, *pool, "reward_model.use_reward_loop=false")
+    assert "needs nnodes >= 1" in _error(*keys, "reward_model.enable_resource_pool=true", "reward_model.nnodes=0")
     assert not serves_reward_model(_load(*keys, "reward_model.use_reward_loop=false"))  # the classifier's score replaces it
     assert not serves_reward_model(_load(*keys, "+reward_model.reward_kwargs.rm_combine=add"))  # rlfoundry's sum
 

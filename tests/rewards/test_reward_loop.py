@@ -200,3 +200,19 @@ def test_a_classifier_served_to_the_function_is_a_start_up_error_naming_the_fix(
         check_startup_paths(load_config(keys))
     check_startup_paths(load_config(keys + ["reward_model.use_reward_loop=false"]))  # the legacy classifier path
     check_startup_paths(load_config(overrides(tiny_model_dir, tmp_path)))  # a causal LM is served
+
+
+def test_the_served_model_in_a_pool_of_its_own_scores_the_same(tiny_model_dir, tmp_path, hf):
+    """verl's reward_model.enable_resource_pool: the served model's engine in its own process (process
+    back end), the actor's in this one; the function's scores are the model's greedy ones as colocated."""
+    model, tok = hf
+    run = E.train(overrides(tiny_model_dir, tmp_path, "trainer.worker_backend=process",
+                            "reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=1",
+                            "reward_model.nnodes=1"), keep_trainer=True)
+    assert run.trainer.genrm_wg is not run.trainer.actor_rollout_wg and run.trainer.genrm_wg.world_size == 1
+    (batch,) = run.batches
+    lengths = batch["response_mask"].sum(-1)
+    solutions = [tok.decode(r[:n].tolist(), skip_special_tokens=True) for r, n in zip(batch["responses"], lengths)]
+    expected = [-1.0 if info["index"] % 3 == 0 else expected_score(model, tok, s)
+                for s, info in zip(solutions, batch["extra_info"])]
+    assert E.sequence_scores(batch).tolist() == pytest.approx(expected, abs=1e-6)

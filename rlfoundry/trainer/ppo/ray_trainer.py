@@ -400,17 +400,19 @@ class PPOTrainer:
         joined to the trainer's by the checkpoint engine; ``self.rollout_wg`` generates either way."""
         classes = dict(self._worker_classes)
         rollout_cls = classes.pop("rollout", None)
-        judge_apart = self.config.reward.reward_model.enable_resource_pool and "judge" in classes
-        judge_cls = classes.pop("judge") if judge_apart else None
+        # a generative reward model (the judge, or the reward loop's served model) in a pool of its own
+        apart = {"judge": self.config.reward.reward_model, "genrm": self.config.reward_model}
+        judge_key = next((k for k in apart if k in classes and apart[k].enable_resource_pool), None)
+        judge_cls = classes.pop(judge_key) if judge_key else None
         # the own pools first: their processes start before this one hosts any rank of the trainer's
         self.rollout_wg = self._factory({"rollout": rollout_cls}, pool="rollout_pool")["rollout"] if rollout_cls else None
-        judge_wg = self._factory({"judge": judge_cls}, pool="reward_pool")["judge"] if judge_cls else None
+        own = self._factory({judge_key: judge_cls}, pool="reward_pool") if judge_cls else {}
         groups = self._factory(classes)
         self.actor_rollout_wg = groups["actor_rollout"]
         self.critic_wg = groups.get("critic")
         self.rm_wg = groups.get("rm")
-        self.judge_wg = judge_wg or groups.get("judge")
-        self.genrm_wg = groups.get("genrm")
+        self.judge_wg = own.get("judge") or groups.get("judge")
+        self.genrm_wg = own.get("genrm") or groups.get("genrm")
         for wg in (self.rollout_wg, self.judge_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg, self.genrm_wg):
             if wg is not None:
                 wg.init_model()
