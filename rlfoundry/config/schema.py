@@ -768,14 +768,16 @@ class RewardModelConfig(Node):
     launch_reward_fn_async: bool = False
     # verl (Jan 2026): score through the reward loop (true) or the legacy reward-model worker: the classifier's
     # same score, one path here; with custom_reward_function.path the loop scores with the function alone,
-    # which is not built (a start-up error: trainer/config.py _check_reward_function). verl: true
+    # which calls the model served at SGLang's /generate (rewards/reward_loop.py). verl: true
     use_reward_loop: bool = True
     num_workers: Optional[int] = None  # verl's reward-loop workers = reward_kwargs.num_workers (scorer processes)
-    # verl: the classifier in a pool of its own; here it runs beside the actor (no effect)
+    # verl: the reward model in a pool of its own; a model served to the custom function (use_reward_loop)
+    # gets one here too; the classifier runs beside the actor (no effect then)
     enable_resource_pool: bool = False
     n_gpus_per_node: int = 0
     nnodes: int = 0
-    # the engine verl's reward loop serves the classifier on; here it runs on the FSDP engine (no effect)
+    # the engine verl's reward loop serves the model on: a generative model served to the custom function runs
+    # on it; a classifier runs on the FSDP engine (no effect then)
     rollout: "JudgeRolloutConfig" = field(default_factory=lambda: JudgeRolloutConfig())
     reward_kwargs: Dict[str, Any] = _dict()
     overlong_buffer: Dict[str, Any] = _dict(enable=False, len=0, penalty_factor=0.0, log=False)  # DAPO recipe

@@ -98,13 +98,6 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # Nsight / NPU tool options, trace relocation and post-profiling hooks: observability only
     "global_profiler.global_tool_config*", "global_profiler.profile_continuous_steps",
     "global_profiler.relocate_results", "global_profiler.finish_hook*",
-    # verl's reward loop and its legacy reward-model worker give the classifier's same score; here the
-    # classifier always scores on a RewardModel worker on the FSDP engine, so the loop's serving engine
-    # (reward_model.rollout.*: vLLM/SGLang, memory, TP, lengths) is not used (use_reward_loop itself is
-    # read where it changes the reward: with a custom reward function, trainer/config.py)
-    "reward_model.rollout.*",
-    # and in a pool of its own in verl: here the classifier runs on a RewardModel worker beside the actor
-    "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes",
     "actor_rollout_ref.rollout.sglang_rollout_mode",  # verl <= 0.4's SGLang switch, which verl's code no longer reads
     # prompts go in and responses come out as token ids: the engines skip their tokenizer wherever the model allows
     "actor_rollout_ref.rollout.skip_tokenizer_init",
@@ -335,9 +328,21 @@ _CLASSIFIER_JUDGE_KEYS = ("reward.reward_model.rollout.*", "reward.reward_model.
                           "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes")
 
 
+# verl's reward loop and its legacy reward-model worker give a classifier's same score; here the classifier
+# scores on a RewardModel worker on the FSDP engine beside the actor, so the loop's serving engine and its
+# pool are not used. With a custom reward function the loop serves a generative model to it
+# (rewards/reward_loop.py) on this engine, in this pool.
+_REWARD_LOOP_ENGINE_KEYS = ("reward_model.rollout.*", "reward_model.enable_resource_pool", "reward_model.n_gpus_per_node",
+                            "reward_model.nnodes")
+
+
 def no_effect_keys_set(cfg: DictConfig, keys: Sequence[str]) -> list[str]:
     """The keys among ``keys`` (as the user set them) that have no effect here, in first-seen order."""
+    from rlfoundry.rewards.reward_loop import serves_reward_model
+
     patterns = _no_effect_patterns(cfg)
+    if not serves_reward_model(cfg):
+        patterns += _REWARD_LOOP_ENGINE_KEYS
     if "reward.reward_model.enable" in keys and not cfg.reward.reward_model.enable and cfg.reward_model.enable:
         patterns += _CLASSIFIER_JUDGE_KEYS
     hits = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]

@@ -16,6 +16,7 @@ forkserver cannot unpickle a function whose module exists only in the driver's m
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,6 +58,11 @@ class FileRewardFunction:
             self._fn = fn
         return self._fn
 
+    @property
+    def is_async(self) -> bool:
+        """An ``async def`` function: the reward manager awaits it (as verl's reward loop does)."""
+        return inspect.iscoroutinefunction(self.load())
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.load()(*args, **{**self.kwargs, **kwargs})
 
@@ -65,6 +71,38 @@ class FileRewardFunction:
 
     def __repr__(self) -> str:
         return f"FileRewardFunction({str(self.path)!r}, {self.name!r})"
+
+
+class ServedRewardFunction:
+    """verl's reward loop: ``fn`` called with ``reward_router_address`` (the reward-model server's
+    "host:port") and ``reward_model_tokenizer`` where its signature takes them (by name or ``**kwargs``).
+    Pickles without the tokenizer: a scorer process loads it from ``tokenizer_path`` once."""
+
+    def __init__(self, fn: Callable, address: str, tokenizer_path: str, tokenizer: Any = None) -> None:
+        self.fn, self.address, self.tokenizer_path, self._tokenizer = fn, address, str(tokenizer_path), tokenizer
+        target = fn.load() if hasattr(fn, "load") else fn
+        params = inspect.signature(target).parameters.values()
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        names = {p.name for p in params}
+        self.passes = tuple(k for k in ("reward_router_address", "reward_model_tokenizer") if takes_all or k in names)
+        self.is_async = inspect.iscoroutinefunction(target)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return self._tokenizer
+
+    def __call__(self, **kwargs: Any) -> Any:
+        served = {"reward_router_address": self.address}
+        if "reward_model_tokenizer" in self.passes:
+            served["reward_model_tokenizer"] = self.tokenizer
+        return self.fn(**kwargs, **{k: v for k, v in served.items() if k in self.passes})
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokenizer": None}
 
 
 def load_reward_manager_class(path: str, name: str) -> type:

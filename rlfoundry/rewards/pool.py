@@ -17,6 +17,8 @@ use, scores an unpicklable scorer in the driver, replaces a pool that broke, and
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import multiprocessing as mp
 import pickle
@@ -49,11 +51,40 @@ class Outcome:
 
 
 def call_safely(fn: Callable, kwargs: dict) -> Outcome:
-    """``fn(**kwargs)`` with any exception turned into an Outcome carrying its traceback."""
+    """``fn(**kwargs)`` with any exception turned into an Outcome carrying its traceback; an ``async``
+    scorer (verl's reward loop awaits them) is run to its end here."""
     try:
-        return Outcome(value=fn(**kwargs))
+        value = fn(**kwargs)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        return Outcome(value=value)
     except Exception:  # noqa: BLE001 - a user's scorer may raise anything; it must not stop the run
         return Outcome(error="exception", detail=traceback.format_exc())
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+def gather_safely(fn: Callable, kwargs_list: list[dict], timeout_s: float) -> list[Outcome]:
+    """An ``async`` scorer's calls run concurrently in this process (as verl's reward loop gathers
+    them), each within ``timeout_s``; failures as ``call_safely`` reports them."""
+
+    async def one(kwargs: dict) -> Outcome:
+        try:
+            value = fn(**kwargs)
+            if inspect.isawaitable(value):
+                value = await asyncio.wait_for(_awaited(value), timeout_s)
+            return Outcome(value=value)
+        except asyncio.TimeoutError:
+            return Outcome(error="timeout", detail=f"the scorer did not finish within {timeout_s:g}s")
+        except Exception:  # noqa: BLE001
+            return Outcome(error="exception", detail=traceback.format_exc())
+
+    async def run() -> list[Outcome]:
+        return list(await asyncio.gather(*(one(kwargs) for kwargs in kwargs_list)))
+
+    return asyncio.run(run())
 
 
 def _worker_main(conn: Connection, fn: Callable) -> None:

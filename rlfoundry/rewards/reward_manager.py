@@ -39,6 +39,11 @@ judge score; with the rule weight 0 (the default with a judge) the rule scorer i
 sample's ``judge_score`` (NaN where the judgement did not parse) and ``judge_error`` reach
 ``reward_extra_info``; a failed judgement counts in ``reward/errors`` and ``reward/errors/judge``.
 
+Custom functions may be ``async def`` (awaited; in the driver a batch's calls run concurrently, each
+within ``timeout_s``). verl's reward loop with a generative reward model (``rewards/reward_loop.py``):
+``serve_reward_model`` gives the function the server's ``reward_router_address`` and the model's
+``reward_model_tokenizer``; a timeout's warning says whether the server or the function hung.
+
 Config (``load_reward_manager``):
 
 | key | default | meaning |
@@ -85,9 +90,14 @@ from rlfoundry.rewards.combine import (  # noqa: F401 - ERROR_KINDS, RM_COMBINE_
     place_scores,
     rule_needed,
 )
-from rlfoundry.rewards.custom import RewardFunctionError, load_custom_reward_fn, load_reward_manager_class
+from rlfoundry.rewards.custom import (
+    RewardFunctionError,
+    ServedRewardFunction,
+    load_custom_reward_fn,
+    load_reward_manager_class,
+)
 from rlfoundry.rewards.default import batch_default_compute_score, check_data_sources, default_compute_score
-from rlfoundry.rewards.pool import LazyScoringPool, Outcome, ScoringPool, call_safely
+from rlfoundry.rewards.pool import LazyScoringPool, Outcome, ScoringPool, call_safely, gather_safely
 from rlfoundry.rewards.rule import (  # noqa: F401 - decode_samples, response_lengths, extra_info_columns: public names
     RULE_OPTION_KEYS,
     RuleOptions,
@@ -175,12 +185,25 @@ class RuleRewardManager:
         self.tokenizer, self.num_examine, self.reward_fn_key = tokenizer, num_examine, reward_fn_key
         self.compute_score = compute_score or self.options.bind(self.default_compute_score)
         self.uses_default_scorer = compute_score is None
-        self.pool = None  # scorer processes, when options allow them
-        if self.options.workers > 0:
-            self.pool = LazyScoringPool(self.compute_score, self.options.workers, self.options.timeout_s,
-                                        self.options.mp_start_method)
+        self.pool = self._make_pool()  # scorer processes, when options allow them
+        self.reward_server = None  # verl's reward loop: the reward-model server the function calls
         self._logged_first_error = False
         self.last_metrics: dict[str, int] = error_metrics()
+
+    def _make_pool(self) -> LazyScoringPool | None:
+        if self.options.workers <= 0:
+            return None
+        return LazyScoringPool(self.compute_score, self.options.workers, self.options.timeout_s,
+                               self.options.mp_start_method)
+
+    def serve_reward_model(self, server: Any) -> None:
+        """verl's reward loop: the custom function gets ``server``'s address and its model's tokenizer
+        (``rewards/reward_loop.py``); scorer processes start anew with the function so bound."""
+        self.compute_score = ServedRewardFunction(self.compute_score, server.address, server.model_path,
+                                                  server.tokenizer)
+        self.reward_server = server
+        self.close()
+        self.pool = self._make_pool()
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict:
         rm_scores, judge = model_scores(data)
@@ -220,6 +243,8 @@ class RuleRewardManager:
     def run_calls(self, calls: list[dict], timeout_s: float | None = None) -> list[Outcome]:
         """Run compute_score(**call) for each call, in the pool when worthwhile, else in the driver."""
         if self.pool is None or scores_in_driver(calls, self.options, self.uses_default_scorer):
+            if getattr(self.compute_score, "is_async", False):  # concurrently, as verl's reward loop awaits them
+                return gather_safely(self.compute_score, calls, timeout_s or self.options.timeout_s)
             return [call_safely(self.compute_score, call) for call in calls]
         return self.pool.map(calls, timeout_s)
 
@@ -243,6 +268,8 @@ class RuleRewardManager:
             )
         kinds = {k: v for k, v in error_metrics([s.error for s in scored]).items() if v and k != "reward/errors"}
         logger.warning("reward: %d of %d samples failed %s", len(failed), len(scored), kinds)
+        if self.reward_server is not None and kinds.get("reward/errors/timeout"):
+            logger.warning("reward: timeout_s=%g passed; %s", self.options.timeout_s, self.reward_server.busy())
 
     def _report_judge_errors(self, judge: JudgeScores) -> None:
         failed = [err for err in judge.errors if err]

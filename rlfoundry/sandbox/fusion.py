@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from rlfoundry.sandbox.runner import SandboxLimits, SandboxResult, SandboxUnavailable, run_python
+from rlfoundry.utils.http import send_json
 
 __all__ = ["executor", "main", "make_server", "run_remote"]
 
@@ -161,12 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200 if self.path.rstrip("/") in ("", "/v1/ping") else 404, {"status": "ok"})
 
     def _send(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, body)
 
     def log_message(self, fmt: str, *args: Any) -> None:  # one line per request on stderr, not the default's
         print(f"[sandbox] {self.address_string()} {fmt % args}", file=sys.stderr)

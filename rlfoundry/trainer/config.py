@@ -249,16 +249,27 @@ def rollout_world_size(cfg: DictConfig) -> int:
     return int(cfg.rollout.nnodes) * int(cfg.rollout.n_gpus_per_node)
 
 
+def reward_pool_owner(cfg: DictConfig) -> DictConfig:
+    """Whose ``enable_resource_pool`` / ``nnodes`` / ``n_gpus_per_node`` place the reward pool: the judge's
+    (``reward.reward_model``), or ``reward_model``'s when verl's reward loop serves that model to the custom
+    function (the classifier always runs beside the actor)."""
+    from rlfoundry.rewards.reward_loop import serves_reward_model
+
+    return cfg.reward_model if serves_reward_model(cfg) else cfg.reward.reward_model
+
+
 def judge_world_size(cfg: DictConfig) -> int:
-    """Ranks of the generative reward model's own pool (``reward.reward_model.enable_resource_pool``); 0:
-    colocated with the actor (or no judge)."""
-    judge = cfg.reward.reward_model
-    return int(judge.nnodes) * int(judge.n_gpus_per_node) if judge.enable and judge.enable_resource_pool else 0
+    """Ranks of the generative reward model's own pool (``enable_resource_pool`` of ``reward_pool_owner``);
+    0: colocated with the actor (or no generative reward model)."""
+    owner = reward_pool_owner(cfg)
+    return int(owner.nnodes) * int(owner.n_gpus_per_node) if owner.enable and owner.enable_resource_pool else 0
 
 
 def pool_config(cfg: DictConfig, pool: str) -> DictConfig:
     """The node holding ``nnodes`` / ``n_gpus_per_node`` of a worker pool."""
-    return {"rollout_pool": cfg.rollout, "reward_pool": cfg.reward.reward_model}.get(pool, cfg.trainer)
+    if pool == "reward_pool":
+        return reward_pool_owner(cfg)
+    return cfg.rollout if pool == "rollout_pool" else cfg.trainer
 
 
 def _adopt_async_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
@@ -456,11 +467,20 @@ def _check_judge(cfg: DictConfig) -> list[str]:
                       "enable one of them.")
     if int(judge.rollout.n) != 1:
         errors.append(f"{key}.rollout.n={judge.rollout.n}: the judge writes one judgement per response (n=1).")
-    if judge.enable_resource_pool and (int(judge.nnodes) < 1 or int(judge.n_gpus_per_node) < 1):
-        errors.append(f"{key}.enable_resource_pool=true needs nnodes >= 1 and n_gpus_per_node >= 1 (CPU: processes).")
-    if judge.enable_resource_pool and cfg.trainer.worker_backend == "process" and int(judge.nnodes) != 1:
-        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but {key}.nnodes={judge.nnodes}; use ray.")
+    errors += _check_pool(key, judge, cfg)
     return errors + check_judge_config(to_typed(GenerativeRewardModelConfig, judge, name=key))
+
+
+def _check_pool(key: str, owner: DictConfig, cfg: DictConfig) -> list[str]:
+    """A generative reward model's own pool (``enable_resource_pool``) must have ranks the back end can place."""
+    if not owner.enable_resource_pool:
+        return []
+    errors = []
+    if int(owner.nnodes) < 1 or int(owner.n_gpus_per_node) < 1:
+        errors.append(f"{key}.enable_resource_pool=true needs nnodes >= 1 and n_gpus_per_node >= 1 (CPU: processes).")
+    if cfg.trainer.worker_backend == "process" and int(owner.nnodes) != 1:
+        errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but {key}.nnodes={owner.nnodes}; use ray.")
+    return errors
 
 
 def _check_unsupported(cfg: PPOConfig) -> list[str]:
@@ -973,11 +993,15 @@ def _check_model(key: str, path: str | None) -> list[str]:
 
 def check_startup_paths(cfg: DictConfig) -> None:
     """File-system checks that need no model loading: model dirs, resume checkpoint, custom reward file."""
+    from rlfoundry.rewards.reward_loop import serves_reward_model
+
     errors = _check_model("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
     if use_critic(cfg):
         errors += _check_model("critic.model.path", cfg.critic.model.path)
-    if cfg.reward_model.enable:
-        errors += _check_reward_model(cfg.reward_model.model.path)
+    if cfg.reward_model.enable:  # served: verl's reward loop, a causal LM on an engine for the custom function
+        served = serves_reward_model(cfg)
+        errors += _check_reward_model(cfg.reward_model.model.path, served)
+        errors += _check_rollout_engine(cfg.reward_model.rollout.name) if served else []
     if cfg.reward.reward_model.enable:
         errors += _check_judge_model(cfg.reward.reward_model.model_path)
         errors += _check_rollout_engine(cfg.reward.reward_model.rollout.name)
@@ -1013,30 +1037,35 @@ def _check_reward_function(cfg: DictConfig) -> list[str]:
     if crf.path is not None and cfg.reward_model.reward_kwargs.get("compute_score_kwargs"):
         errors.append("reward.compute_score_kwargs go to the built-in scorer, which custom_reward_function.path "
                       "replaces; give your function its arguments in custom_reward_function.reward_kwargs.")
-    if cfg.reward_model.enable and crf.path is not None and cfg.reward_model.use_reward_loop and \
-            cfg.reward_model.reward_kwargs.get("rm_combine", "replace") == "replace":
-        # verl's reward loop then scores with the custom function alone, which may call the reward model's server
-        errors.append("reward_model.enable=true with custom_reward_function.path: verl's reward loop "
-                      "(reward_model.use_reward_loop=true, its default) scores with your function, which calls the "
-                      "reward model's server; that server is not built here. Set reward_model.use_reward_loop=false "
-                      "for verl's legacy path (the classifier's score replaces the function's), or "
-                      "+reward_model.reward_kwargs.rm_combine=add (rlfoundry: the two scores added).")
+    from rlfoundry.rewards.reward_loop import serves_reward_model
+
+    if serves_reward_model(cfg):  # verl's reward loop: the served model may have a pool of its own
+        errors += _check_pool("reward_model", cfg.reward_model, cfg)
     if manager.source == "importlib" and not manager.module.path:
         errors.append("reward.reward_manager.source=importlib needs reward.reward_manager.module.path (a .py file "
                       "or pkg://package.module) and module.name (the class).")
     return errors
 
 
-def _check_reward_model(path: str | None) -> list[str]:
+def _check_reward_model(path: str | None, served: bool = False) -> list[str]:
     """The classifier reward model must have a classification head: loaded as a sequence classifier, a
-    causal LM would score with a freshly initialised head (random rewards, no error)."""
+    causal LM would score with a freshly initialised head (random rewards, no error). ``served``: verl's
+    reward loop serves the model to the custom function at SGLang's /generate, so a causal LM instead."""
     key = "reward_model.model.path"
     problems = _check_model(key, path)
-    if path is None or problems or classifier_head(path):
+    head = None if path is None or problems else classifier_head(path)
+    if path is None or problems or bool(head) != served:
         return problems
+    if served:
+        return [f"{key}={path} is a classifier ({head}); verl's reward loop (reward_model.use_reward_loop=true with "
+                "custom_reward_function.path) would serve it to your function at /classify or /v1/embeddings, which "
+                "is not built here (the server has /generate for a causal LM). Set reward_model.use_reward_loop=false "
+                "(verl's legacy path: the classifier's score replaces the function's) or "
+                "+reward_model.reward_kwargs.rm_combine=add (rlfoundry: the two scores added)."]
     return [f"{key}={path} is not a sequence classifier (its config.json names no ...ForSequenceClassification "
-            "head). A language model that judges in text is reward.reward_model.* (the LLM judge, docs/rewards.md); "
-            "verl's reward loop calling a generative model's server from a custom reward function is not built."]
+            "head). A language model that judges in text is reward.reward_model.* (the LLM judge, docs/rewards.md), "
+            "or verl's reward loop serving it to your function (custom_reward_function.path with "
+            "reward_model.use_reward_loop=true, docs/rewards.md)."]
 
 
 def _check_judge_model(path: str | None) -> list[str]:

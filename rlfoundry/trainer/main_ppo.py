@@ -245,6 +245,7 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
     """Role name → worker class with init args. Every role shares one process per rank (colocated);
     with a rollout pool of its own, the trainer's policy role drops ``rollout`` (``actor`` or
     ``actor_ref``) and the class list gains ``rollout``, built in the rollout pool."""
+    from rlfoundry.rewards.reward_loop import serves_reward_model
     from rlfoundry.single_controller.base import ClassWithInitArgs
     from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
 
@@ -258,7 +259,9 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
         from rlfoundry.workers.critic import CriticWorker
 
         classes["critic"] = ClassWithInitArgs(CriticWorker, config=cfg.critic, rollout_n=int(cfg.actor_rollout_ref.rollout.n))
-    if cfg.reward_model.enable:
+    if serves_reward_model(cfg):  # verl's reward loop: the model on an engine, served to the custom function
+        classes["genrm"] = ClassWithInitArgs(ActorRolloutRefWorker, config=reward_loop_worker_config(cfg), role="rollout")
+    elif cfg.reward_model.enable:
         from rlfoundry.workers.reward_model import RewardModelWorker
 
         classes["rm"] = ClassWithInitArgs(RewardModelWorker, config=cfg.reward_model)
@@ -270,16 +273,27 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
 def judge_worker_config(cfg: DictConfig) -> dict[str, Any]:
     """``actor_rollout_ref`` for the generative reward model's worker: a rollout role (no optimiser, no
     weight syncs) on ``reward.reward_model.model_path`` with ``reward.reward_model.rollout``'s engine."""
+    judge = cfg.reward.reward_model
+    return _generator_config(cfg, judge.model_path, judge.trust_remote_code, judge.rollout)
+
+
+def reward_loop_worker_config(cfg: DictConfig) -> dict[str, Any]:
+    """``actor_rollout_ref`` for verl's reward loop's generative reward model: a rollout role on
+    ``reward_model.model.path`` with ``reward_model.rollout``'s engine (served by rewards/reward_loop.py)."""
+    rm = cfg.reward_model
+    return _generator_config(cfg, rm.model.path, rm.model.get("trust_remote_code", False), rm.rollout)
+
+
+def _generator_config(cfg: DictConfig, path: str, trust_remote_code: bool, rollout_cfg: Any) -> dict[str, Any]:
+    """A rollout-only worker's config: weights from ``path``, never synced, generating as ``rollout_cfg`` says."""
     import dataclasses
 
     from rlfoundry.config.schema import RolloutConfig
     from rlfoundry.config.typed import plain
 
-    judge = cfg.reward.reward_model
     known = {f.name for f in dataclasses.fields(RolloutConfig)}
-    rollout = {k: v for k, v in plain(judge.rollout).items() if k in known}
-    model = {"path": judge.model_path, "trust_remote_code": bool(judge.trust_remote_code),
-             "cpu_kernels": cfg.actor_rollout_ref.model.cpu_kernels}
+    rollout = {k: v for k, v in plain(rollout_cfg).items() if k in known}
+    model = {"path": path, "trust_remote_code": bool(trust_remote_code), "cpu_kernels": cfg.actor_rollout_ref.model.cpu_kernels}
     return {"model": model, "rollout": rollout}
 
 

@@ -210,13 +210,23 @@ def test_reward_loop_workers_are_the_scorer_processes_and_its_engine_keys_are_na
     assert "reward_model.use_reward_loop" not in text  # it decides the reward with a custom function (below)
 
 
-def test_reward_loop_with_a_custom_function_is_not_built_and_the_legacy_path_is(tmp_path):
+def test_reward_loop_with_a_custom_function_serves_the_model_and_the_legacy_path_stays(tmp_path):
+    from rlfoundry.rewards.reward_loop import serves_reward_model
+
     fn = tmp_path / "fn.py"
     fn.write_text("def compute_score(**kw):\n    return 0.0\n")
     keys = ("reward_model.enable=true", "reward_model.model.path=/rm", f"custom_reward_function.path={fn}")
-    assert "Set reward_model.use_reward_loop=false" in _error(*keys)  # verl's default: the function alone
-    _load(*keys, "reward_model.use_reward_loop=false")  # verl's legacy path: the classifier's score replaces it
-    _load(*keys, "+reward_model.reward_kwargs.rm_combine=add")  # rlfoundry's own sum of the two, asked for
+    assert serves_reward_model(_load(*keys))  # verl's default: the model served to the function
+    # its engine keys take effect then (the server's engine); with the legacy path they do not
+    assert "reward_model.rollout.response_length" not in _no_effect_warning(*keys, "reward_model.rollout.response_length=8")
+    assert "reward_model.rollout.response_length" in _no_effect_warning(*keys, "reward_model.use_reward_loop=false",
+                                                                         "reward_model.rollout.response_length=8")
+    pool = ("reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=1", "reward_model.nnodes=1")
+    assert "reward_model.enable_resource_pool" not in _no_effect_warning(*keys, *pool)  # its own pool (trainer)
+    assert "reward_model.enable_resource_pool" in _no_effect_warning(*keys, *pool, "reward_model.use_reward_loop=false")
+    assert "needs nnodes >= 1" in _error(*keys, "reward_model.enable_resource_pool=true", "reward_model.nnodes=0")
+    assert not serves_reward_model(_load(*keys, "reward_model.use_reward_loop=false"))  # the classifier's score replaces it
+    assert not serves_reward_model(_load(*keys, "+reward_model.reward_kwargs.rm_combine=add"))  # rlfoundry's sum
 
 
 # ───────────────────────────── model, rollout and data keys ─────────────────────────────

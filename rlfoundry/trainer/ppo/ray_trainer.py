@@ -166,6 +166,18 @@ def _generative_reward_model(config: PPOConfig, tokenizer: Any, judge_wg: Worker
                                  reward_fn_key=str(config.data.reward_fn_key))
 
 
+def _reward_model_server(config: PPOConfig, genrm_wg: WorkerGroup) -> Any:
+    """verl's reward loop: ``reward_model.model.path`` on ``genrm_wg``'s engine behind SGLang's /generate."""
+    from transformers import AutoTokenizer
+
+    from rlfoundry.rewards.reward_loop import RewardModelServer
+
+    rm = config.reward_model
+    tokenizer = AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=bool(rm.model.trust_remote_code))
+    return RewardModelServer(genrm_wg.generate_sequences, tokenizer, rm.model.path,
+                             prompt_cap=int(rm.rollout.prompt_length), response_cap=int(rm.rollout.response_length))
+
+
 def carry_gdpo_components(batch: DataProto, result: dict[str, Any], algorithm: Any, failure_score: float = 0.0) -> None:
     """GDPO's reward components, the ``algorithm.gdpo_reward_keys`` columns of the reward function's
     ``reward_extra_info``, into ``batch.non_tensor_batch`` where the estimator reads them (as verl
@@ -363,7 +375,12 @@ class PPOTrainer:
         self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
         self._factory, self._worker_classes = worker_group_factory, worker_classes
         self.use_critic = bool(config.critic.enable)
-        self.use_rm = bool(config.reward_model.enable)
+        from rlfoundry.rewards.reward_loop import serves_reward_model
+
+        # verl's reward loop with a custom function: the model is served to it (no classifier pass)
+        self.serves_rm = serves_reward_model(config)
+        self.use_rm = bool(config.reward_model.enable) and not self.serves_rm
+        self.reward_server = None  # rewards/reward_loop.RewardModelServer, set by init_workers
         self.judge = None  # the generative reward model (reward.reward_model.enable), set by init_workers
         self.use_reference_policy = need_reference_policy(config)
         self.world_size = world_size(config)
@@ -383,21 +400,28 @@ class PPOTrainer:
         joined to the trainer's by the checkpoint engine; ``self.rollout_wg`` generates either way."""
         classes = dict(self._worker_classes)
         rollout_cls = classes.pop("rollout", None)
-        judge_apart = self.config.reward.reward_model.enable_resource_pool and "judge" in classes
-        judge_cls = classes.pop("judge") if judge_apart else None
+        # a generative reward model (the judge, or the reward loop's served model) in a pool of its own
+        apart = {"judge": self.config.reward.reward_model, "genrm": self.config.reward_model}
+        judge_key = next((k for k in apart if k in classes and apart[k].enable_resource_pool), None)
+        judge_cls = classes.pop(judge_key) if judge_key else None
         # the own pools first: their processes start before this one hosts any rank of the trainer's
         self.rollout_wg = self._factory({"rollout": rollout_cls}, pool="rollout_pool")["rollout"] if rollout_cls else None
-        judge_wg = self._factory({"judge": judge_cls}, pool="reward_pool")["judge"] if judge_cls else None
+        own = self._factory({judge_key: judge_cls}, pool="reward_pool") if judge_cls else {}
         groups = self._factory(classes)
         self.actor_rollout_wg = groups["actor_rollout"]
         self.critic_wg = groups.get("critic")
         self.rm_wg = groups.get("rm")
-        self.judge_wg = judge_wg or groups.get("judge")
-        for wg in (self.rollout_wg, self.judge_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg):
+        self.judge_wg = own.get("judge") or groups.get("judge")
+        self.genrm_wg = own.get("genrm") or groups.get("genrm")
+        for wg in (self.rollout_wg, self.judge_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg, self.genrm_wg):
             if wg is not None:
                 wg.init_model()
         if self.judge_wg is not None:
             self.judge = _generative_reward_model(self.config, self.tokenizer, self.judge_wg)
+        if self.genrm_wg is not None:
+            self.reward_server = _reward_model_server(self.config, self.genrm_wg)
+            for manager in {id(f): f for f in (self.reward_fn, self.val_reward_fn) if f is not None}.values():
+                manager.serve_reward_model(self.reward_server)
         if self.rollout_wg is None:
             self.rollout_wg = self.actor_rollout_wg
         else:
@@ -592,7 +616,8 @@ class PPOTrainer:
         """verl's ``reward_model.launch_reward_fn_async``: the reward function scores in a thread while the
         log-prob and value passes run; ``train_on`` collects it before the advantages. Only a reward
         that needs no worker (no reward model, no judge) can overlap them: otherwise this is ``reward``."""
-        if not self.config.reward_model.launch_reward_fn_async or self.use_rm or self.judge is not None:
+        if not self.config.reward_model.launch_reward_fn_async or self.use_rm or self.judge is not None \
+                or self.reward_server is not None:
             return self.reward(batch, timing)
         if self._reward_thread is None:
             from concurrent.futures import ThreadPoolExecutor

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Awaitable, Callable
 
+from rlfoundry.utils.http import send_json
+
 __all__ = ["ChatRequest", "OpenAIEndpoint", "RequestError", "parse_chat_request"]
 
 logger = logging.getLogger(__name__)
@@ -265,12 +267,7 @@ def _handler_class(endpoint: OpenAIEndpoint) -> type:
             self._reply(*endpoint.answer("POST", self.path, self.headers.get("Authorization"), raw))
 
         def _reply(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, status, body)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: one line per request is noise
             logger.debug("openai endpoint: " + format, *args)
