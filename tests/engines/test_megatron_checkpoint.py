@@ -64,8 +64,9 @@ def test_resume_takes_exactly_the_next_update(tiny_model_dir, tmp_path, tp, dist
             assert torch.equal(r["resumed_weights"][name], tensor), name
 
 
-def _export_after_update(rank: int, model_dir: str, data, ckpt: str):
-    actor, _, _ = _actor(model_dir, 2, False)
+def _export_after_update(rank: int, model_dir: str, data, ckpt: str, tp: int = 2, cp: int = 1,
+                         distributed_optimizer: bool = False):
+    actor, _, _ = _actor(model_dir, tp, distributed_optimizer, cp=cp)
     actor.update_policy(data)
     actor.engine.save_checkpoint(ckpt, {})
     return dict(actor.engine.iter_hf_weights())
@@ -77,14 +78,21 @@ def _load_on_one_rank(rank: int, model_dir: str, ckpt: str):
     return dict(actor.engine.iter_hf_weights())
 
 
-def test_the_model_saved_at_tp2_loads_on_one_rank_and_damage_is_refused(tiny_model_dir, tmp_path):
-    data = _scored_batch(str(tiny_model_dir))
+def check_loads_on_one_rank(model_dir: str, tmp_path, tp: int = 2, cp: int = 1, distributed_optimizer: bool = False):
+    """An actor updated and saved on tp × cp ranks loads on one rank with the same weights; its directory."""
+    data = _scored_batch(model_dir)
     ckpt = tmp_path / "global_step_1" / "actor"
-    saved = run_ranks(_export_after_update, 2, tmp_path, tp=2, args=(str(tiny_model_dir), data, str(ckpt)))[0]
-    [loaded] = run_ranks(_load_on_one_rank, 1, tmp_path, args=(str(tiny_model_dir), str(ckpt)))
+    saved = run_ranks(_export_after_update, tp * cp, tmp_path, tp=tp, cp=cp,
+                      args=(model_dir, data, str(ckpt), tp, cp, distributed_optimizer))[0]
+    [loaded] = run_ranks(_load_on_one_rank, 1, tmp_path, args=(model_dir, str(ckpt)))
     assert set(loaded) == set(saved)
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
+    return ckpt
+
+
+def test_the_model_saved_at_tp2_loads_on_one_rank_and_damage_is_refused(tiny_model_dir, tmp_path):
+    ckpt = check_loads_on_one_rank(str(tiny_model_dir), tmp_path)
     shard = sorted((ckpt / "mcore").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:-8] + b"damaged!")
     with pytest.raises(AssertionError, match="mcore/.*distcp"):

@@ -169,25 +169,9 @@ def test_cp2_critic_update_and_values_equal_cp1(tiny_model_dir, tmp_path):
             torch.testing.assert_close(r["weights"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _save_at_cp2(rank: int, model_dir: str, data, ckpt: str):
-    from tests.engines.test_megatron_checkpoint import _actor
-
-    actor, _, _ = _actor(model_dir, 1, True, cp=2)
-    actor.update_policy(data)
-    actor.engine.save_checkpoint(ckpt, {})
-    return dict(actor.engine.iter_hf_weights())
-
-
 def test_the_model_saved_at_cp2_loads_on_one_rank(tiny_model_dir, tmp_path):
     """The weights are whole on every CP rank (megatron-core saves them once): a CP=2 checkpoint
     (distributed optimiser sharded over the CP ranks) loads at CP=1 with the same weights."""
-    from tests.engines.test_megatron_checkpoint import _load_on_one_rank
-    from tests.engines.test_megatron_engine import _scored_batch
+    from tests.engines.test_megatron_checkpoint import check_loads_on_one_rank
 
-    data = _scored_batch(str(tiny_model_dir))
-    ckpt = tmp_path / "global_step_1" / "actor"
-    saved = run_ranks(_save_at_cp2, 2, tmp_path, cp=2, args=(str(tiny_model_dir), data, str(ckpt)))[0]
-    [loaded] = run_ranks(_load_on_one_rank, 1, tmp_path, args=(str(tiny_model_dir), str(ckpt)))
-    assert set(loaded) == set(saved)
-    for name, tensor in saved.items():
-        assert torch.equal(loaded[name], tensor), name
+    check_loads_on_one_rank(str(tiny_model_dir), tmp_path, tp=1, cp=2, distributed_optimizer=True)
