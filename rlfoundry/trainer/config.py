@@ -419,11 +419,15 @@ def _data_parallel_size(role: DictConfig, ws: int) -> int:
 def _check_lengths(cfg: PPOConfig) -> list[str]:
     """A dynamic micro-batch of the actor's update must hold one full sequence. The budget is per GPU:
     under Ulysses sequence parallelism each rank of a group holds 1/sp of a sequence, so the group's
-    budget is sp × the key (the FSDP engine's ``_micro_batches`` multiplies, as verl's dp_actor does)."""
+    budget is sp × the key (the FSDP engine's ``_micro_batches`` multiplies, as verl's dp_actor does;
+    the Megatron engine multiplies by its context-parallel size, as verl's megatron_actor does)."""
     data, actor = cfg.data, cfg.actor_rollout_ref.actor
     seq, sp = data.max_prompt_length + data.max_response_length, int(actor.ulysses_sequence_parallel_size)
+    name = "actor.ulysses_sequence_parallel_size"
+    if actor.strategy == "megatron":  # its context parallelism splits sequences the same way
+        sp, name = int(actor.megatron.context_parallel_size), "actor.megatron.context_parallel_size"
     if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * max(1, sp) < seq:
-        times = f" × actor.ulysses_sequence_parallel_size {sp}" if sp > 1 else ""
+        times = f" × {name} {sp}" if sp > 1 else ""
         return [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}{times} is below "
                 f"one full sequence (data.max_prompt_length + data.max_response_length = {seq})."]
     return []

@@ -295,6 +295,17 @@ def test_dynamic_batch_budget_is_per_gpu_times_the_ulysses_size():
     assert "ppo_max_token_len_per_gpu=512 × actor.ulysses_sequence_parallel_size 2 is below one full sequence" in text
 
 
+
+def test_megatron_dynamic_batch_budget_is_per_gpu_times_the_context_parallel_size():
+    base = ("data.max_prompt_length=1024", "data.max_response_length=1024", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512", "actor_rollout_ref.actor.strategy=megatron",
+            "trainer.n_gpus_per_node=4", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "trainer.save_freq=-1")
+    cp = "actor_rollout_ref.{}.megatron.context_parallel_size={}"
+    _load(*base, cp.format("actor", 4), cp.format("ref", 4))  # 512 × 4 = 2048: one sequence fits
+    text = _error(*base, cp.format("actor", 2), cp.format("ref", 2))
+    assert "ppo_max_token_len_per_gpu=512 × actor.megatron.context_parallel_size 2 is below one full sequence" in text
+
 # ───────────────────────────── the August 2026 layout ─────────────────────────────
 
 

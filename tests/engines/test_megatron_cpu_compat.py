@@ -39,6 +39,11 @@ def test_the_calls_the_shims_stand_in_for_still_name_cuda():
 
     setup = inspect.unwrap(LanguageModule.setup_embeddings_and_output_layer)
     assert "weight.data = weight.data.cuda()" in inspect.getsource(setup)
+    # context parallelism: this rank's rotary chunks are picked with a pinned index tensor moved to CUDA
+    from megatron.core.models.common.embeddings import rope_utils
+
+    chunks = inspect.getsource(inspect.unwrap(rope_utils.get_pos_emb_on_this_cp_rank))
+    assert "pin_memory=True" in chunks and ".cuda(non_blocking=True)" in chunks
 
 
 def test_tensor_cuda_keeps_a_cpu_tensor_in_place_only_while_the_wrapped_call_runs():

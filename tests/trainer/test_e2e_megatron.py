@@ -1,5 +1,5 @@
 """``--config-name ppo_megatron_trainer`` end to end on two CPU processes: GRPO with the KL loss
-(reference on Megatron) at tensor parallel 2 and at pipeline parallel 2, and PPO with the critic on
+(reference on Megatron) at tensor, pipeline and context parallel 2, and PPO with the critic on
 Megatron at tensor parallel 2, against the same runs with strategy=fsdp on two ranks. Same seeds:
 the same samples at every step, which needs the HF rollout's copy of the policy refreshed from the
 Megatron weights after each update, and the same losses, values and gradient norms. Resumed runs
@@ -28,7 +28,8 @@ COMMON = ["trainer.n_gpus_per_node=2", "trainer.worker_backend=process", "traine
           "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
           "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.optim.eps=1e-4",
           "actor_rollout_ref.actor.use_rollout_log_probs=false"]
-LAYOUTS = {"tp2": "tensor_model_parallel_size=2", "pp2": "pipeline_model_parallel_size=2"}
+LAYOUTS = {"tp2": "tensor_model_parallel_size=2", "pp2": "pipeline_model_parallel_size=2",
+           "cp2": "context_parallel_size=2"}
 
 
 def _run(tmp_path, name: str, model, reward, extra: list[str], config_name: str | None = None,

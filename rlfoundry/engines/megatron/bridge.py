@@ -84,7 +84,11 @@ def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_confi
         raise ValueError(f"{model_path}: model_type {hf_config.model_type!r} has no mbridge converter; "
                          f"the Megatron engine supports {sorted(supported)}. Use strategy=fsdp for this model.")
     cls = type(AutoBridge.from_config(hf_config))
-    use_te = transformer_engine_available() if use_te is None else use_te
+    if use_te is None:
+        # CP > 1: the engine feeds padded rows with a (batch, 1, S, S) mask, which TransformerEngine's
+        # context-parallel attention does not take (it wants packed sequences); the local layers'
+        # CP attention (context_parallel.py) does
+        use_te = transformer_engine_available() and _context_parallel_size() == 1
     bridge = (cls if use_te else _local_spec_bridge(cls))(hf_config, dtype=dtype)
     # perform_initialization stays on: megatron-core marks tensor-parallel weights (which dimension
     # is split) inside its initialisers, and the exporter, the gradient norm and the optimiser read the marks
@@ -95,10 +99,18 @@ def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_confi
     return bridge
 
 
+def _context_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_world_size()
+
+
 def _local_spec_bridge(cls: type) -> type:
     """``cls`` building megatron-core's local (non-TransformerEngine) layers, its norms named after
     the fused norm entries of ``cls``'s own mapping."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from rlfoundry.engines.megatron import context_parallel
 
     attention_norm = cls._ATTENTION_MAPPING["self_attention.linear_qkv.layer_norm_weight"]
     mlp_norm = cls._MLP_MAPPING["mlp.linear_fc1.layer_norm_weight"]
@@ -111,7 +123,9 @@ def _local_spec_bridge(cls: type) -> type:
 
         def _get_transformer_layer_spec(self, vp_stage: int | None = None):
             self.has_vp_stage = True
-            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
+            spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
+            # megatron-core's local attention has no context parallelism (TransformerEngine's has)
+            return context_parallel.use_in_spec(spec) if self.config.context_parallel_size > 1 else spec
 
     LocalSpecBridge.__name__ = LocalSpecBridge.__qualname__ = f"LocalSpec{cls.__name__}"
     return LocalSpecBridge

@@ -25,6 +25,10 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
   last stage's copy of the word embeddings starts at zero and is all-reduced with the first stage's,
   after ``weight.data = weight.data.cuda()``; while it runs, ``Tensor.cuda()`` of a CPU tensor is the
   tensor itself (the all-reduce then runs over gloo, on the CPU where the weights were built).
+- ``rope_utils.get_pos_emb_on_this_cp_rank`` (context parallelism: this rank's chunks of the rotary
+  angles) builds its index tensor in pinned memory and moves it with ``.cuda()``: its module gets
+  the CPU ``torch`` above (which also drops ``pin_memory``), and ``.cuda()`` of a CPU tensor is the
+  tensor itself while it runs (in each module that imported it by name).
 - The model-parallel RNG tracker (``tensor_parallel/random.py``) keeps one generator state per
   parallel group and swaps it in and out of the CUDA generator; here it swaps the CPU generator's
   (:func:`seed_model_parallel` replaces ``model_parallel_cuda_manual_seed``, which seeds CUDA).
@@ -48,7 +52,12 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",  # local_multi_tensor_l2_norm: the gradient norm without apex/TransformerEngine
+    "megatron.core.models.common.embeddings.rope_utils",  # get_pos_emb_on_this_cp_rank's index tensor
 )
+# modules holding their own reference to rope_utils.get_pos_emb_on_this_cp_rank
+_CP_ROPE_MODULES = ("megatron.core.models.common.embeddings.rope_utils",
+                    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+                    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
 _installed = False
 
@@ -81,6 +90,9 @@ def install() -> bool:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     LanguageModule.setup_embeddings_and_output_layer = _with_cuda_as_cpu(LanguageModule.setup_embeddings_and_output_layer)
+    for name in _CP_ROPE_MODULES:
+        module = importlib.import_module(name)
+        module.get_pos_emb_on_this_cp_rank = _with_cuda_as_cpu(module.get_pos_emb_on_this_cp_rank)
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     _installed = True
@@ -183,6 +195,7 @@ def _cpu_factory(fn):
     def factory(*args: Any, **kwargs: Any):
         if "device" in kwargs:
             kwargs["device"] = _on_cpu(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # page-locked memory needs a CUDA allocator
         return fn(*args, **kwargs)
     return factory
 

@@ -45,7 +45,8 @@ from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry.engines.megatron import bridge as mb
 from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
-from rlfoundry.engines.megatron.forward import response_logits, run_schedule, vocab_parallel_log_probs
+from rlfoundry.engines.megatron.forward import (context_parallel_size, local_next_tokens, response_logits,
+                                                response_positions, run_schedule, vocab_parallel_log_probs)
 from rlfoundry.protocol import DataProto
 
 __all__ = ["MegatronEngine", "MegatronEngineConfig", "torch_dtype"]
@@ -100,6 +101,7 @@ class MegatronEngine(TrainingEngine):
                                m.virtual_pipeline_model_parallel_size, m.context_parallel_size, seed=m.seed)
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
+        self.rows_group = _model_copy_group()
         if config.model_kind not in ("causal_lm", "token_classification"):
             raise ValueError(f"{role}: the Megatron engine builds causal LMs and value models, not {config.model_kind!r}")
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
@@ -170,23 +172,29 @@ class MegatronEngine(TrainingEngine):
     # ---- forward ------------------------------------------------------------------------------
 
     def _outputs(self, spec: LogProbs):
+        cp_local = context_parallel_size() > 1  # the logits are this CP rank's positions of each row
+
         def outputs(logits: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             responses = micro["responses"]
-            logits = response_logits(logits, responses.shape[1])
+            if cp_local:
+                labels = local_next_tokens(micro["input_ids"])
+            else:
+                logits, labels = response_logits(logits, responses.shape[1]), responses
             if spec.temperature != 1.0:
                 logits = logits / spec.temperature
-            log_probs, entropy, squares = vocab_parallel_log_probs(logits, responses, spec.entropy, spec.entropy_grad,
+            log_probs, entropy, squares = vocab_parallel_log_probs(logits, labels, spec.entropy, spec.entropy_grad,
                                                                    spec.sum_pi_squared)
             padding = micro["attention_mask"][:, -responses.shape[1]:] == 0
             out = {"log_probs": log_probs, "entropy": entropy, "sum_pi_squared": squares}
+            if cp_local:
+                out = {key: response_positions(v, micro, True) for key, v in out.items() if v is not None}
             return {key: values.masked_fill(padding, 0.0) for key, values in out.items() if values is not None}
         return outputs
 
     @staticmethod
     def _values(output: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """V(s_t) before each response token t: the head's output one position earlier (as the FSDP critic)."""
-        width = micro["responses"].shape[1]
-        return {"values": output[:, -width - 1:-1, 0].float()}
+        return {"values": response_positions(output[..., 0].float(), micro, context_parallel_size() > 1)}
 
     def _output_fn(self, output: Output):
         """What the last stage computes from the model's output for ``output``."""
@@ -200,7 +208,7 @@ class MegatronEngine(TrainingEngine):
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
         outputs_fn = self._output_fn(output)
         inputs = data.select(batch_keys=[k for k in MODEL_INPUTS if k in data.batch.keys()])
-        micros, order = plain_micro_batches(inputs, micro, None)
+        micros, order = plain_micro_batches(inputs, self._per_rank_budget(micro), None)
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad(), self.resident("params"):
@@ -208,6 +216,13 @@ class MegatronEngine(TrainingEngine):
         merged = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
         merged = mb.from_last_stage(merged)
         return {k: restore(v, order) for k, v in merged.items()}
+
+    def _per_rank_budget(self, micro: MicroBatching) -> MicroBatching:
+        """A dynamic batch's token budget is per GPU: each CP rank holds 1/CP of the tokens (verl multiplies too)."""
+        cp = self.config.megatron.context_parallel_size
+        if cp == 1 or micro.max_token_len is None:
+            return micro
+        return MicroBatching(size=micro.size, max_token_len=micro.max_token_len * cp)
 
     # ---- update -------------------------------------------------------------------------------
 
@@ -222,7 +237,7 @@ class MegatronEngine(TrainingEngine):
 
     def _train_mini_batch(self, mini: DataProto, outputs_fn, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
         info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)
-        micros, _ = plain_micro_batches(mini, plan.micro, None)
+        micros, _ = plain_micro_batches(mini, self._per_rank_budget(plan.micro), None)
         stats = MiniBatchStats()
 
         def loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor]):
@@ -264,12 +279,10 @@ class MegatronEngine(TrainingEngine):
         """The rows of this rank's data-parallel rank, and where this rank's own rows sit in them.
 
         The worker group hands each of the world's ranks 1/world of a batch (``DP_COMPUTE_PROTO``);
-        the ranks of one model-parallel group (tensor × pipeline) pool theirs, so they all compute
+        the ranks of one model copy (tensor × context × pipeline) pool theirs, so they all compute
         on the same rows, and each returns the part of the results that belongs to its own rows.
         """
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_model_parallel_group()
+        group = self.rows_group
         size = dist.get_world_size(group)
         if size == 1:
             return data, slice(0, len(data))
@@ -356,6 +369,7 @@ class MegatronEngine(TrainingEngine):
         return {"engine": "megatron", "tensor_model_parallel_size": m.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
                 "virtual_pipeline_model_parallel_size": m.virtual_pipeline_model_parallel_size,
+                "context_parallel_size": m.context_parallel_size,  # the distributed optimiser shards over data × context
                 "use_distributed_optimizer": m.use_distributed_optimizer}
 
     def _sharded_state(self, is_loading: bool = False) -> dict[str, Any]:
@@ -453,9 +467,10 @@ class MegatronEngine(TrainingEngine):
             if meta.get("engine") != "megatron":
                 raise ValueError(f"{root} was not saved by the Megatron engine (strategy=megatron); "
                                  "load it with the engine that saved it")
-            same = all(meta.get(k) == v for k, v in self._layout().items())
+            saved = {"context_parallel_size": 1, **meta}  # checkpoints from before CP have none
+            same = all(saved.get(k) == v for k, v in self._layout().items())
             if self.optimizer is not None and not same:
-                raise ValueError(f"{root}: saved with {({k: meta.get(k) for k in self._layout()})}, resumed with "
+                raise ValueError(f"{root}: saved with {({k: saved.get(k) for k in self._layout()})}, resumed with "
                                  f"{self._layout()}; resuming training needs the same layout (the model alone reshards)")
             if self.optimizer is not None:
                 self._init_optimizer_state()
@@ -518,6 +533,23 @@ class MegatronEngine(TrainingEngine):
         if dist.is_initialized():
             dist.barrier()
         return str(path)
+
+
+def _model_copy_group() -> Any:
+    """The ranks that hold this rank's rows: megatron-core's model-parallel group (tensor × pipeline)
+    without CP; with CP, every rank of the same data-parallel rank (megatron-core has no such group)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return ps.get_model_parallel_group()
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, ps.get_data_parallel_rank())
+    mine = None
+    for dp_rank in sorted(set(ranks)):  # every rank creates every group, in the same order
+        group = dist.new_group([r for r, d in enumerate(ranks) if d == dp_rank])
+        if dp_rank == ps.get_data_parallel_rank():
+            mine = group
+    return mine
 
 
 def _default_contents_only(contents: Any) -> None:

@@ -8,6 +8,11 @@ Every tensor-parallel rank ends with the same log-probs, and gradients flow back
 
 Rows are padded (prompt left, response right, as in the batch); the attention mask given to the
 model is causal and hides padded keys, and position ids are the batch's own.
+
+With context parallelism (CP > 1) each rank feeds the model its two chunks of every row
+(``context_parallel.py``), the row first padded on the right to a multiple of 2·CP with masked
+tokens; the last stage computes log-probs (entropy, values) at the positions it holds and gathers
+them over the CP group into whole rows, so the outputs and the loss are the same on every CP rank.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_mask_4d", "response_logits", "run_schedule", "vocab_parallel_log_probs"]
+from rlfoundry.engines.megatron import context_parallel as cpl
+
+__all__ = ["attention_mask_4d", "context_parallel_size", "local_next_tokens", "response_logits",
+           "response_positions", "run_schedule", "vocab_parallel_log_probs"]
 
 _FILLER = "rlfoundry_filler"  # marks a repeated micro-batch that tops up an interleaved schedule
 
@@ -72,6 +80,43 @@ def response_logits(output: torch.Tensor, response_width: int) -> torch.Tensor:
     return output[:, -response_width - 1:-1]
 
 
+def context_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_world_size()
+
+
+def local_next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """CP > 1: the token each of this rank's positions predicts (position t: token t + 1; the last
+    position's is a placeholder that :func:`response_positions` drops)."""
+    ids = _pad_to_chunks(input_ids, context_parallel_size())
+    return cpl.split(torch.roll(ids, -1, dims=1))
+
+
+def response_positions(values: torch.Tensor, micro: dict[str, torch.Tensor], cp_local: bool) -> torch.Tensor:
+    """The positions that predict the response tokens, from per-position ``values`` (batch, seq, ...):
+    the whole padded row's when ``cp_local`` (this CP rank's positions, gathered over the group first)."""
+    if cp_local:
+        values = cpl.gather(values)[:, :micro["input_ids"].shape[1]]
+    return response_logits(values, micro["responses"].shape[1])
+
+
+def _pad_to_chunks(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """``x`` (batch, seq) with zeros on the right up to a multiple of 2·CP (zero: a masked token)."""
+    return torch.nn.functional.pad(x, (0, cpl.padded_length(x.shape[1], cp) - x.shape[1]))
+
+
+def _model_inputs(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for one micro-batch: with CP, this rank's chunks of the ids and
+    positions and the whole (padded) sequence's mask (the attention keeps its rows)."""
+    ids, positions, mask = micro["input_ids"], micro["position_ids"], micro["attention_mask"]
+    cp = context_parallel_size()
+    if cp > 1:
+        ids, positions, mask = (_pad_to_chunks(x, cp) for x in (ids, positions, mask))
+        ids, positions = cpl.split(ids), cpl.split(positions)
+    return {"input_ids": ids, "position_ids": positions, "attention_mask": attention_mask_4d(mask)}
+
+
 def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch.Tensor]],
                  outputs: Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
                  loss: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]] | None,
@@ -109,13 +154,13 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        output = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"],
-                       attention_mask=attention_mask_4d(micro["attention_mask"]))
-        return output, partial(post, micro)
+        return model(**_model_inputs(micro)), partial(post, micro)
 
     chunks = list(chunks)
     data = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)
     seq_length = max(int(m["input_ids"].shape[1]) for m in micros)
+    if context_parallel_size() > 1:  # the whole padded sequence; the schedule divides it by CP
+        seq_length = cpl.padded_length(seq_length, context_parallel_size())
     results = get_forward_backward_func()(
         forward_step_func=step, data_iterator=data, model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=n, seq_length=seq_length, micro_batch_size=int(micros[0]["input_ids"].shape[0]),

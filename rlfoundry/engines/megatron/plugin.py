@@ -49,8 +49,8 @@ class MegatronPlugin(EnginePlugin):
             errors += _check_role(key, pick(cfg, f"{key}.megatron"), world_size)
             if int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1) > 1:
                 errors.append(f"{key}.ulysses_sequence_parallel_size > 1: Ulysses is the FSDP engine's sequence "
-                              "parallelism; with strategy=megatron set it to 1 (megatron-core splits sequences "
-                              "with megatron.context_parallel_size, not built yet).")
+                              "parallelism; with strategy=megatron set it to 1 and split sequences with "
+                              f"{key}.megatron.context_parallel_size.")
             for which in ("save_contents", "load_contents"):  # the ref has no checkpoint subtree
                 listed = pick(cfg, f"{key}.checkpoint.{which}")
                 if listed is not None and sorted(listed) != ["extra", "model", "optimizer"]:
@@ -77,6 +77,8 @@ def _is_vision_language(path: Any) -> bool:
 
 
 def _check_role(key: str, m: Any, world_size: int) -> list[str]:
+    if m.context_parallel_size < 1:
+        return [f"{key}.megatron.context_parallel_size={m.context_parallel_size}: must be 1 or more."]
     errors = []
     if world_size % model_parallel_size(m):
         errors.append(f"{key}.megatron: tensor × pipeline × context parallel = {model_parallel_size(m)} does not divide "
@@ -86,9 +88,9 @@ def _check_role(key: str, m: Any, world_size: int) -> list[str]:
                       "set it to True (the default).")
     errors += _check_dist_checkpoint(key, m)
     expert_tp = m.get("expert_tensor_parallel_size") or 1  # null: Megatron's own; no experts to split here
-    if m.context_parallel_size != 1 or m.expert_model_parallel_size != 1 or expert_tp != 1:
-        errors.append(f"{key}.megatron: context and expert parallelism are not supported yet (dense models, "
-                      "context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1 or null).")
+    if m.expert_model_parallel_size != 1 or expert_tp != 1:
+        errors.append(f"{key}.megatron: expert parallelism is not supported yet (dense models: "
+                      "expert_model_parallel_size=1, expert_tensor_parallel_size=1 or null).")
     return errors
 
 
