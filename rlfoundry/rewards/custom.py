@@ -78,8 +78,10 @@ class ServedRewardFunction:
     "host:port") and ``reward_model_tokenizer`` where its signature takes them (by name or ``**kwargs``).
     Pickles without the tokenizer: a scorer process loads it from ``tokenizer_path`` once."""
 
-    def __init__(self, fn: Callable, address: str, tokenizer_path: str, tokenizer: Any = None) -> None:
+    def __init__(self, fn: Callable, address: str, tokenizer_path: str, tokenizer: Any = None,
+                 trust_remote_code: bool = False) -> None:
         self.fn, self.address, self.tokenizer_path, self._tokenizer = fn, address, str(tokenizer_path), tokenizer
+        self.trust_remote_code = bool(trust_remote_code)  # as the driver loaded it (reward_model.model.*)
         target = fn.load() if hasattr(fn, "load") else fn
         params = inspect.signature(target).parameters.values()
         takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
@@ -92,7 +94,7 @@ class ServedRewardFunction:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
         return self._tokenizer
 
     def __call__(self, **kwargs: Any) -> Any:

@@ -144,8 +144,13 @@ class RewardModelServer:
     ``response_cap``: its engine's ``prompt_length`` and ``response_length``."""
 
     def __init__(self, generate: Callable[[DataProto], DataProto], tokenizer: Any, model_path: str,
-                 prompt_cap: int, response_cap: int, host: str = "127.0.0.1", port: int = 0) -> None:
+                 prompt_cap: int, response_cap: int, host: str = "127.0.0.1", port: int = 0,
+                 request_timeout_s: float = 600.0) -> None:
         self.generate, self.tokenizer, self.model_path = generate, tokenizer, str(model_path)
+        self.request_timeout_s = float(request_timeout_s)
+        # held while the engine generates: settle() waits on it, so no generation outlives the reward phase
+        # (a colocated reward model shares the trainer's workers, which must not get two callers at once)
+        self._engine_busy = threading.Lock()
         self.prompt_cap, self.response_cap = int(prompt_cap), int(response_cap)
         self.pad_id = pad_id(tokenizer)
         self.eos_ids = _eos_ids(tokenizer)
@@ -176,13 +181,31 @@ class RewardModelServer:
                 self._inflight[id(job)] = job
         for job in jobs:
             self._queue.put(job)
+        deadline = time.monotonic() + self.request_timeout_s
         try:
-            results = [job.future.result() for job in jobs]
+            results = [job.future.result(timeout=max(0.0, deadline - time.monotonic())) for job in jobs]
+        except concurrent.futures.TimeoutError:
+            for job in jobs:
+                job.future.cancel()  # not generated yet: the engine skips it
+            raise TimeoutError(f"the reward-model server at {self.address} did not answer within "
+                               f"{self.request_timeout_s:g}s") from None
         finally:
             with self._lock:
                 for job in jobs:
                     self._inflight.pop(id(job), None)
         return results if batched else results[0]
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """End of a reward phase: requests whose callers gave up (a timed-out sample) are cancelled and
+        the generation in progress, if any, finishes before the trainer uses its workers again.
+        False: the engine was still generating after ``timeout_s``."""
+        with self._lock:
+            for job in self._inflight.values():
+                job.future.cancel()  # a queued one only; the engine skips it
+        acquired = self._engine_busy.acquire(timeout=-1 if timeout_s is None else timeout_s)
+        if acquired:
+            self._engine_busy.release()
+        return acquired
 
     def busy(self) -> str:
         """Who a timeout waited for: the requests this server has not answered yet, or that it is idle."""
@@ -198,6 +221,10 @@ class RewardModelServer:
         self._queue.put(None)
         self._httpd.shutdown()
         self._httpd.server_close()
+        while not self._queue.empty():  # requests that arrived after the engine's last call fail, not hang
+            job = self._queue.get()
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError(f"the reward-model server at {self.address} shut down"))
 
     # ---- engine side -------------------------------------------------------------------------
 
@@ -207,6 +234,9 @@ class RewardModelServer:
             while not self._queue.empty():  # everything that arrived meanwhile joins this engine call
                 jobs.append(self._queue.get())
             if any(job is None for job in jobs):
+                for job in jobs:  # drained with the sentinel: they fail rather than wait forever
+                    if job is not None and job.future.set_running_or_notify_cancel():
+                        job.future.set_exception(RuntimeError(f"the reward-model server at {self.address} shut down"))
                 return
             groups: dict[Sampling, list[_Job]] = {}
             for job in jobs:
@@ -215,6 +245,13 @@ class RewardModelServer:
                 self._run(sampling, group)
 
     def _run(self, sampling: Sampling, jobs: list[_Job]) -> None:
+        jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]  # callers that gave up: skipped
+        if not jobs:
+            return
+        with self._engine_busy:
+            self._generate_for(sampling, jobs)
+
+    def _generate_for(self, sampling: Sampling, jobs: list[_Job]) -> None:
         started = time.perf_counter()
         try:
             out = self.generate(DataProto.from_dict(tensors=left_padded([j.ids for j in jobs], self.pad_id),

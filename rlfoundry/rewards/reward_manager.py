@@ -200,7 +200,7 @@ class RuleRewardManager:
         """verl's reward loop: the custom function gets ``server``'s address and its model's tokenizer
         (``rewards/reward_loop.py``); scorer processes start anew with the function so bound."""
         self.compute_score = ServedRewardFunction(self.compute_score, server.address, server.model_path,
-                                                  server.tokenizer)
+                                                  server.tokenizer, getattr(server, "trust_remote_code", False))
         self.reward_server = server
         self.close()
         self.pool = self._make_pool()

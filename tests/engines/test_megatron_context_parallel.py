@@ -128,11 +128,13 @@ def test_cp2_log_probs_and_update_equal_cp1(tiny_model_dir, tmp_path):
     _check_cp_equals_cp1(str(tiny_model_dir), tmp_path, tp=1, cp=2)
 
 
+@pytest.mark.heavy  # CI: CP=2 above; this adds TP inside each CP rank (4 ranks)
 def test_tp2_cp2_log_probs_and_update_equal_cp1(tiny_model_dir, tmp_path):
     """Four ranks: each CP rank's chunks split again over two tensor-parallel ranks (heads and vocabulary)."""
     _check_cp_equals_cp1(str(tiny_model_dir), tmp_path, tp=2, cp=2)
 
 
+@pytest.mark.heavy  # CI: CP=2 above and PP=2 in test_megatron_engine; together on 4 ranks
 def test_cp2_pp2_log_probs_and_update_equal_cp1(tiny_model_dir, tmp_path):
     """Four ranks: two pipeline stages, each passing its CP rank's chunks of the hidden states on."""
     _check_cp_equals_cp1(str(tiny_model_dir), tmp_path, tp=1, cp=2, pp=2)

@@ -6,7 +6,9 @@ request that fails (bad request, server down) costs that sample's score, never t
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 import textwrap
 import urllib.error
 import urllib.request
@@ -76,7 +78,47 @@ def post(address: str, body: dict) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
-    return E.train(overrides(tiny_model_dir, tmp_path_factory.mktemp("reward-loop")), keep_trainer=True)
+    """One GRPO step through main_ppo; fit() shut its server down at the end, so the tests below talk to
+    a new one over the same engine (the trainer's genrm workers, kept)."""
+    from rlfoundry.trainer.ppo.ray_trainer import _reward_model_server
+
+    done = E.train(overrides(tiny_model_dir, tmp_path_factory.mktemp("reward-loop")), keep_trainer=True)
+    done.closed_address = done.trainer.reward_server.address
+    done.trainer.reward_server = _reward_model_server(done.trainer.config, done.trainer.genrm_wg)
+    yield done
+    done.trainer.reward_server.shutdown()
+
+
+def test_fit_shuts_its_server_down(run):
+    with pytest.raises(urllib.error.URLError):  # connection refused: no thread or socket left behind
+        post(run.closed_address, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+
+
+def test_a_request_the_engine_has_not_started_when_its_caller_gives_up_is_skipped(run):
+    """settle() after a reward phase: a queued request whose caller timed out is cancelled, not generated
+    later while the trainer uses the workers (a colocated reward model shares them)."""
+    from rlfoundry.rewards.reward_loop import RewardModelServer
+
+    calls = []
+    server = run.trainer.reward_server
+    slow = RewardModelServer(lambda data: calls.append(len(data)) or server.generate(data), server.tokenizer,
+                             server.model_path, 64, 16, request_timeout_s=0.0)
+    try:
+        with slow._engine_busy:  # the engine is busy with an earlier call: this request waits in the queue
+            status, out = post(slow.address, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+            assert status == 500 and "did not answer within 0s" in out["error"]["message"]
+            slow.request_timeout_s = 60.0
+            # a later request, queued behind the abandoned one (FIFO): once it is answered, the engine has
+            # dealt with both
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            later = pool.submit(post, slow.address, {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 1}})
+            time.sleep(0.2)
+        assert later.result(timeout=60)[0] == 200
+        pool.shutdown()
+        assert slow.settle(timeout_s=60)
+        assert calls == [1]  # the later request's row alone: the abandoned one never reached the engine
+    finally:
+        slow.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -174,8 +174,10 @@ def _reward_model_server(config: PPOConfig, genrm_wg: WorkerGroup) -> Any:
 
     rm = config.reward_model
     tokenizer = AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=bool(rm.model.trust_remote_code))
-    return RewardModelServer(genrm_wg.generate_sequences, tokenizer, rm.model.path,
-                             prompt_cap=int(rm.rollout.prompt_length), response_cap=int(rm.rollout.response_length))
+    server = RewardModelServer(genrm_wg.generate_sequences, tokenizer, rm.model.path,
+                               prompt_cap=int(rm.rollout.prompt_length), response_cap=int(rm.rollout.response_length))
+    server.trust_remote_code = bool(rm.model.trust_remote_code)  # scorer processes load its tokenizer so too
+    return server
 
 
 def carry_gdpo_components(batch: DataProto, result: dict[str, Any], algorithm: Any, failure_score: float = 0.0) -> None:
@@ -457,6 +459,8 @@ class PPOTrainer:
             self.source.close()
             if self._reward_thread is not None:
                 self._reward_thread.shutdown(wait=True, cancel_futures=True)
+            if self.reward_server is not None:
+                self.reward_server.shutdown()
 
     def _fit(self, start: float) -> dict[str, Any]:
         from rlfoundry.trainer.reliability import NonFiniteGuard, log_extra
@@ -608,9 +612,17 @@ class PPOTrainer:
                 batch = batch.union(self.rm_wg.compute_rm_score(batch))
             batch = self._judged(batch)
             result = self.reward_fn(batch, return_dict=True)
+            self._settle_reward_server()
         batch.batch["token_level_scores"] = result["reward_tensor"]
         carry_gdpo_components(batch, result, self.config.algorithm, self._failure_score())
         return batch, (result if return_result else reward_result_metrics(result))
+
+    def _settle_reward_server(self) -> None:
+        """No generation of the served reward model outlives the reward phase (a timed-out sample's request
+        would otherwise reach the workers while the trainer calls them)."""
+        if self.reward_server is not None and not self.reward_server.settle(timeout_s=self.reward_server.request_timeout_s):
+            raise RuntimeError(f"the reward-model server at {self.reward_server.address} was still generating "
+                               f"{self.reward_server.request_timeout_s:g}s after the reward phase ended")
 
     def reward_in_background(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
         """verl's ``reward_model.launch_reward_fn_async``: the reward function scores in a thread while the
@@ -758,6 +770,7 @@ class PPOTrainer:
         for batch_dict in self.val_dataloader:
             batch = self._judged(self._val_generate(trim_prompt_padding(DataProto.from_single_dict(batch_dict))))
             result = self.val_reward_fn(batch, return_dict=True)
+            self._settle_reward_server()
             scores = result["reward_tensor"].sum(-1).tolist()
             infos["reward"] += scores
             records += generation_records(batch, scores, self.tokenizer, self.state.global_steps)
