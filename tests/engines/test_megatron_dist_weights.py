@@ -8,12 +8,19 @@ as their weights, so weights equal to ``other``'s can only have come from the ch
 layout loaded from ``other``'s HF directory bit for bit (the same weights in the same layout run the
 same arithmetic); a critic at PP=2 takes the backbone and leaves its value head at zero; a bf16
 checkpoint gives the HF weights rounded to bf16. Errors: an unset, missing or non-checkpoint path, a
-checkpoint of another shape or depth, a wrong prefix; the converter refuses a non-empty output."""
+checkpoint of another shape or depth, a wrong prefix; the converter refuses a non-empty output.
+
+Start-up (spawning ranks, importing megatron-core, building process groups) costs more than the
+checks, so one job per parallel layout computes everything the tests of that layout compare, once per
+module: PP=2 (the layout, tied and critic cases), TP=2, and one rank (the bf16 weights and every
+refused checkpoint); each checkpoint is converted once per module."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -34,17 +41,23 @@ def _convert(hf_dir, out, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=subprocess_env(), timeout=600)
 
 
+def convert_other(root, *extra: str):
+    """``other`` (the tiny model's shape, seed 7) saved under ``root``, its float32 dist checkpoint made by
+    the CLI, and the CLI's run."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    other = save_tiny_model(root / "other", seed=7)
+    run = _convert(other, root / "mcore", "--dtype", "float32", *extra)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return other, root / "mcore", run
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(``other``'s HF directory, its float32 dist checkpoint made by the CLI with --test)."""
-    from rlfoundry.models.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("dist-weights")
-    other = save_tiny_model(root / "other", seed=7)
-    run = _convert(other, root / "mcore", "--dtype", "float32", "--test")
-    assert run.returncode == 0, run.stderr[-3000:]
+    other, ckpt, run = convert_other(tmp_path_factory.mktemp("dist-weights"), "--test")
     assert "every tensor of" in run.stdout  # --test reloaded it and compared
-    return other, root / "mcore"
+    return other, ckpt
 
 
 def _engine(model_dir: str, tp: int, pp: int, kind: str = "causal_lm", trainable: bool = False, **dist_keys):
@@ -79,14 +92,45 @@ def _from_checkpoint_and_from_hf(rank: int, model_dir: str, other: str, ckpt: st
     return {"dist": _log_probs(loaded, batch), "hf": _log_probs(hf, batch), "weights": dict(loaded.iter_hf_weights())}
 
 
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A head tied to the embedding (Qwen2.5-0.5B) and its float32 dist checkpoint: one tensor in the
+    checkpoint, which both the first stage (embedding) and the last (head) read at PP=2."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("tied")
+    model = save_tiny_model(root / "tied", seed=7, tie_word_embeddings=True)
+    run = _convert(model, root / "mcore", "--dtype", "float32")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return model, root / "mcore"
+
+
+def _pp2_cases(rank: int, model_dir: str, other: str, ckpt: str, tied_dir: str, tied_ckpt: str):
+    """Everything the PP=2 tests compare, in one job: the frozen reference from the checkpoint and from
+    ``other``, the tied model likewise, and the critic from the checkpoint."""
+    return {"layout": _from_checkpoint_and_from_hf(rank, model_dir, other, ckpt, 1, 2, False),
+            "tied": _from_checkpoint_and_from_hf(rank, tied_dir, tied_dir, tied_ckpt, 1, 2, False),
+            "critic": _critic(rank, model_dir, ckpt)}
+
+
+@pytest.fixture(scope="module")
+def pp2(tiny_model_dir, converted, tied, tmp_path_factory):
+    (other, ckpt), (tied_dir, tied_ckpt) = converted, tied
+    return run_ranks(_pp2_cases, 2, tmp_path_factory.mktemp("pp2"), pp=2,
+                     args=(str(tiny_model_dir), str(other), str(ckpt), str(tied_dir), str(tied_ckpt)))
+
+
 @pytest.mark.parametrize("tp, pp, trainable", [(2, 1, True), (1, 2, False)])
-def test_engine_starts_from_the_converted_checkpoint_at_another_layout(tiny_model_dir, converted, tmp_path,
+def test_engine_starts_from_the_converted_checkpoint_at_another_layout(request, tiny_model_dir, converted, tmp_path,
                                                                        tp, pp, trainable):
     from safetensors.torch import load_file
 
     other, ckpt = converted
-    results = run_ranks(_from_checkpoint_and_from_hf, 2, tmp_path, tp=tp, pp=pp,
-                        args=(str(tiny_model_dir), str(other), str(ckpt), tp, pp, trainable))
+    if pp == 2:  # the module's PP=2 job computed it
+        results = [r["layout"] for r in request.getfixturevalue("pp2")]
+    else:
+        results = run_ranks(_from_checkpoint_and_from_hf, 2, tmp_path, tp=tp, pp=pp,
+                            args=(str(tiny_model_dir), str(other), str(ckpt), tp, pp, trainable))
     theirs, mine = load_file(other / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     # every randomly initialised weight differs between the two models: model.path's would show
     differing = {n for n, t in theirs.items() if not torch.equal(mine[n], t)}
@@ -99,17 +143,10 @@ def test_engine_starts_from_the_converted_checkpoint_at_another_layout(tiny_mode
     assert r["dist"].abs().sum() > 0  # real log-probs (rows beyond the response padding are not all masked)
 
 
-def test_a_tied_model_converted_on_one_stage_loads_at_pp2(tmp_path):
-    """A head tied to the embedding (Qwen2.5-0.5B): one tensor in the checkpoint, which both the first
-    stage (embedding) and the last (head) read at PP=2."""
-    from rlfoundry.models.tiny import save_tiny_model
-
-    tied = save_tiny_model(tmp_path / "tied", seed=7, tie_word_embeddings=True)
-    run = _convert(tied, tmp_path / "mcore", "--dtype", "float32")
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in run_ranks(_from_checkpoint_and_from_hf, 2, tmp_path, pp=2,
-                       args=(str(tied), str(tied), str(tmp_path / "mcore"), 1, 2, False)):
-        assert torch.equal(r["dist"], r["hf"])
+def test_a_tied_model_converted_on_one_stage_loads_at_pp2(pp2):
+    """The tied head read by both stages from the checkpoint's one tensor (fixture ``tied``)."""
+    for r in pp2:
+        assert torch.equal(r["tied"]["dist"], r["tied"]["hf"])
 
 
 def _critic(rank: int, model_dir: str, ckpt: str):
@@ -123,12 +160,12 @@ def _critic(rank: int, model_dir: str, ckpt: str):
     return {"weights": dict(engine.iter_hf_weights()), "values": values}
 
 
-def test_critic_takes_the_backbone_and_a_zero_value_head(tiny_model_dir, converted, tmp_path):
+def test_critic_takes_the_backbone_and_a_zero_value_head(converted, pp2):
     from safetensors.torch import load_file
 
-    other, ckpt = converted
+    other, _ = converted
     theirs = load_file(other / "model.safetensors")
-    for r in run_ranks(_critic, 2, tmp_path, pp=2, args=(str(tiny_model_dir), str(ckpt))):
+    for r in (r["critic"] for r in pp2):
         backbone = {n: t for n, t in r["weights"].items() if not n.startswith("score.")}
         assert set(backbone) == set(theirs) - {"lm_head.weight"}  # the checkpoint's LM head is not read
         for name, tensor in backbone.items():
@@ -141,15 +178,61 @@ def _bf16_weights(rank: int, model_dir: str, ckpt: str):
     return dict(_engine(model_dir, 1, 1, use_dist_checkpointing=True, dist_checkpointing_path=ckpt).iter_hf_weights())
 
 
-def test_a_bf16_checkpoint_loads_rounded_into_a_float32_engine(tiny_model_dir, converted, tmp_path):
+def _start(model_dir: str, ckpt: str, prefix: str, kind: str) -> str | None:
+    """The traceback of building the engine (None if it started)."""
+    try:
+        _engine(model_dir, 1, 1, kind=kind, use_dist_checkpointing=True, dist_checkpointing_path=ckpt,
+                dist_checkpointing_prefix=prefix)
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+def _one_rank_cases(rank: int, model_dir: str, bf16_ckpt: str, refused: list[tuple[str, str, str, str]]):
+    """Everything the one-rank tests compare, in one job: the weights a float32 engine loads from the
+    bf16 checkpoint, then each refused checkpoint's error (each engine built afresh, as a worker would)."""
+    return {"bf16": _bf16_weights(rank, model_dir, bf16_ckpt), "refused": [_start(*case) for case in refused]}
+
+
+def _refused_cases(root, other, ckpt) -> list[tuple[str, str, str, str, str]]:
+    """(checkpoint path, model.path, prefix, model kind, the error's pattern)."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    wider = save_tiny_model(root / "wider", hidden_size=96)
+    deeper = save_tiny_model(root / "deeper", num_layers=3)
+    (root / "empty").mkdir()
+    return [
+        (str(root / "nowhere"), str(other), "", "causal_lm", r"actor_rollout_ref\.ref\.megatron\.dist_checkpointing_path="
+         r"'.*nowhere' is not a directory; point it at a directory written by `python -m rlfoundry\.scripts\.converter_hf_to_mcore"),
+        (str(root / "empty"), str(other), "", "causal_lm", r"has no metadata\.json"),
+        (str(ckpt), str(wider), "", "causal_lm", r"holds another model than model\.path's: other shapes: "
+         r"decoder\.final_layernorm\.weight \[64\] \(the model's \[96\]\)"),
+        (str(ckpt), str(deeper), "", "token_classification", r"critic\.megatron\.dist_checkpointing_path=.*other shapes: "
+         r"decoder\.layers\.mlp\.linear_fc1\.layer_norm_weight \[2, 64\] \(the model's \[3, 64\]\)"),
+        (str(ckpt), str(other), "module.", "causal_lm", r"dist_checkpointing_prefix='module\.' right\?\): missing: module\.decoder"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, converted, tmp_path_factory):
+    """(the bf16 checkpoint's weights, [(error pattern, traceback or None)] per refused checkpoint)."""
+    other, ckpt = converted
+    root = tmp_path_factory.mktemp("one-rank")
+    bf16 = root / "bf16"
+    run = _convert(other, bf16)  # verl's converter writes bf16 (the default here too)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = _refused_cases(root, other, ckpt)
+    [result] = run_ranks(_one_rank_cases, 1, root, args=(str(tiny_model_dir), str(bf16),
+                                                                [(model, path, prefix, kind) for path, model, prefix, kind, _ in cases]))
+    return result["bf16"], list(zip((c[4] for c in cases), result["refused"]))
+
+
+def test_a_bf16_checkpoint_loads_rounded_into_a_float32_engine(converted, one_rank):
     """verl's converter writes bf16 (the default here too); a float32 engine holds those values exactly."""
     from safetensors.torch import load_file
 
     other, _ = converted
-    ckpt = tmp_path / "bf16"
-    run = _convert(other, ckpt)
-    assert run.returncode == 0, run.stderr[-3000:]
-    [weights] = run_ranks(_bf16_weights, 1, tmp_path, args=(str(tiny_model_dir), str(ckpt)))
+    weights, _ = one_rank
     for name, tensor in load_file(other / "model.safetensors").items():
         assert weights[name].dtype == torch.float32
         assert torch.equal(weights[name], tensor.to(torch.bfloat16).float()), name
@@ -157,31 +240,11 @@ def test_a_bf16_checkpoint_loads_rounded_into_a_float32_engine(tiny_model_dir, c
             assert not torch.equal(weights[name], tensor), name  # it did go through bf16
 
 
-def _start(rank: int, model_dir: str, ckpt: str, prefix: str, kind: str):
-    _engine(model_dir, 1, 1, kind=kind, use_dist_checkpointing=True, dist_checkpointing_path=ckpt,
-            dist_checkpointing_prefix=prefix)
-
-
-def test_a_checkpoint_of_another_model_or_place_is_refused_naming_the_key(converted, tmp_path):
-    from rlfoundry.models.tiny import save_tiny_model
-
-    other, ckpt = converted
-    wider = save_tiny_model(tmp_path / "wider", hidden_size=96)
-    deeper = save_tiny_model(tmp_path / "deeper", num_layers=3)
-    (tmp_path / "empty").mkdir()
-    cases = [
-        (str(tmp_path / "nowhere"), str(other), "", "causal_lm", r"actor_rollout_ref\.ref\.megatron\.dist_checkpointing_path="
-         r"'.*nowhere' is not a directory; point it at a directory written by `python -m rlfoundry\.scripts\.converter_hf_to_mcore"),
-        (str(tmp_path / "empty"), str(other), "", "causal_lm", r"has no metadata\.json"),
-        (str(ckpt), str(wider), "", "causal_lm", r"holds another model than model\.path's: other shapes: "
-         r"decoder\.final_layernorm\.weight \[64\] \(the model's \[96\]\)"),
-        (str(ckpt), str(deeper), "", "token_classification", r"critic\.megatron\.dist_checkpointing_path=.*other shapes: "
-         r"decoder\.layers\.mlp\.linear_fc1\.layer_norm_weight \[2, 64\] \(the model's \[3, 64\]\)"),
-        (str(ckpt), str(other), "module.", "causal_lm", r"dist_checkpointing_prefix='module\.' right\?\): missing: module\.decoder"),
-    ]
-    for i, (path, model, prefix, kind, message) in enumerate(cases):
-        with pytest.raises(AssertionError, match=message):
-            run_ranks(_start, 1, tmp_path / f"case{i}", args=(model, path, prefix, kind))
+def test_a_checkpoint_of_another_model_or_place_is_refused_naming_the_key(one_rank):
+    _, refused = one_rank
+    assert len(refused) == 5
+    for message, error in refused:
+        assert error is not None and re.search(message, error), (message, error)
 
 
 def test_the_converter_refuses_a_non_empty_output(converted):

@@ -12,6 +12,10 @@
 - ``offload()`` releases exactly the parts its flags name and ``onload()`` brings back the same bytes
   (the gradients zeroed), for each flag alone, all three and none, with and without the distributed
   optimiser; a frozen reference releases its parameters and computes the same log-probs after.
+
+Start-up (spawning ranks, importing megatron-core, building process groups) costs more than the
+checks, so the DP=2 comparison and the release checks (both TP=1 on two ranks) share one job per
+module; TP=2 has its own.
 """
 
 from __future__ import annotations
@@ -85,15 +89,32 @@ def _worker_run(rank: int, model_dir: str, data, tp: int, distributed_optimizer:
     return out
 
 
+def _dp2_cases(rank: int, model_dir: str, data):
+    """Everything the TP=1 tests compare, in one job: the DP=2 worker run (the distributed optimiser,
+    bf16, no checkpoint), then each part released and restored."""
+    return {"worker": _worker_run(rank, model_dir, data, 1, True, "bfloat16", None),
+            "release": _release_and_restore(rank, model_dir, data)}
+
+
+@pytest.fixture(scope="module")
+def dp2(tiny_model_dir, tmp_path_factory):
+    data = _scored_batch(str(tiny_model_dir))
+    return run_ranks(_dp2_cases, 2, tmp_path_factory.mktemp("dp2"), args=(str(tiny_model_dir), data))
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("tp, distributed_optimizer, dtype, checkpoint",
                          [(2, False, "float32", True), (1, True, "bfloat16", False)],
                          ids=["tp2-fp32", "dp2-distributed-optimizer-bf16"])
-def test_offload_equals_no_offload_exactly(tiny_model_dir, tmp_path, tp, distributed_optimizer, dtype, checkpoint):
-    data = _scored_batch(str(tiny_model_dir))
-    ckpt = str(tmp_path / "global_step_2" / "actor") if checkpoint else None
-    results = run_ranks(_worker_run, 2, tmp_path, tp=tp,
-                        args=(str(tiny_model_dir), data, tp, distributed_optimizer, dtype, ckpt))
+def test_offload_equals_no_offload_exactly(request, tiny_model_dir, tmp_path, tp, distributed_optimizer, dtype,
+                                           checkpoint):
+    if tp == 1:  # the module's DP=2 job ran it
+        results = [r["worker"] for r in request.getfixturevalue("dp2")]
+    else:
+        data = _scored_batch(str(tiny_model_dir))
+        ckpt = str(tmp_path / "global_step_2" / "actor") if checkpoint else None
+        results = run_ranks(_worker_run, 2, tmp_path, tp=tp,
+                            args=(str(tiny_model_dir), data, tp, distributed_optimizer, dtype, ckpt))
     everything, nothing, ref_params = (True,) * 5, (False,) * 5, (True, False, False, True, False)
     for r in results:
         on, off = r[True], r[False]
@@ -185,9 +206,8 @@ def _release_and_restore(rank: int, model_dir: str, data):
 
 
 @pytest.mark.numerics
-def test_offload_releases_what_the_flags_name_and_onload_restores_it(tiny_model_dir, tmp_path):
-    data = _scored_batch(str(tiny_model_dir))
-    for r in run_ranks(_release_and_restore, 2, tmp_path, args=(str(tiny_model_dir), data)):
+def test_offload_releases_what_the_flags_name_and_onload_restores_it(dp2):
+    for r in (r["release"] for r in dp2):
         for c in r["checks"]:
             where = (c["distributed_optimizer"], c["asked"])
             assert all(c["counts"][k] for k in PARTS) and all(all(c["sizes"][k]) for k in PARTS), where

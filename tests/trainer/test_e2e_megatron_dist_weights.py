@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engines.test_megatron_dist_weights import _convert
+from tests.engines.test_megatron_dist_weights import convert_other
 from tests.trainer._e2e import write_reward_file
 from tests.trainer.test_e2e_megatron import LAYOUTS, _run
 
@@ -19,8 +19,8 @@ pytest.importorskip("mbridge")
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
-def test_grpo_from_a_dist_checkpoint_equals_grpo_from_its_hf_model(tiny_model_dir, tmp_path):
-    other, ckpt = _converted(tmp_path)
+def test_grpo_from_a_dist_checkpoint_equals_grpo_from_its_hf_model(tiny_model_dir, tmp_path, converted):
+    other, ckpt = converted
     reward = write_reward_file(tmp_path)
     layout = [f"actor_rollout_ref.{role}.megatron.{LAYOUTS['tp2']}" for role in ("actor", "ref")]
     steps = ["trainer.total_training_steps=2"]
@@ -36,14 +36,15 @@ def test_grpo_from_a_dist_checkpoint_equals_grpo_from_its_hf_model(tiny_model_di
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
 
 
-def test_a_rollout_pool_of_its_own_samples_with_the_dist_checkpoint_weights_from_step_1(tiny_model_dir, tmp_path):
+def test_a_rollout_pool_of_its_own_samples_with_the_dist_checkpoint_weights_from_step_1(tiny_model_dir, tmp_path,
+                                                                                        converted):
     """One-step-off: the pool loads model.path; the trainer's weights (from the dist checkpoint) reach
     it before the first generation, so the pool's log-probs equal the trainer's at step 1 (model.path's
     weights: 0.07 apart here, another model's)."""
     from tests.trainer import test_e2e_async as A
     from tests.trainer._e2e import read_records
 
-    other, ckpt = _converted(tmp_path)
+    _, ckpt = converted
     run = tmp_path / "one-step-off"
     dist_keys = [f"actor_rollout_ref.{role}.megatron.{k}" for role in ("actor", "ref")
                  for k in ("use_dist_checkpointing=true", f"dist_checkpointing_path={ckpt}")]
@@ -53,11 +54,9 @@ def test_a_rollout_pool_of_its_own_samples_with_the_dist_checkpoint_weights_from
     assert step["rollout_corr/log_ppl_abs_diff"] <= 1e-6 and step["async/sync_megabytes"] > 0
 
 
-def _converted(tmp_path):
-    """``other`` (the tiny model's shape, seed 7) and its float32 dist checkpoint."""
-    from rlfoundry.models.tiny import save_tiny_model
-
-    other = save_tiny_model(tmp_path / "other", seed=7)
-    converted = _convert(other, tmp_path / "mcore", "--dtype", "float32")
-    assert converted.returncode == 0, converted.stderr[-3000:]
-    return other, tmp_path / "mcore"
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """``other`` (the tiny model's shape, seed 7) and its float32 dist checkpoint, converted once for the
+    module (the tests only read it)."""
+    other, ckpt, _ = convert_other(tmp_path_factory.mktemp("converted"))
+    return other, ckpt
