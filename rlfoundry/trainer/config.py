@@ -793,6 +793,14 @@ def _soft_warnings(cfg: DictConfig) -> None:
                       "log-probs are the rollout's, so there is no lag between them to correct. For the decoupled "
                       "correction, set use_rollout_log_probs=false (old log-probs recomputed under the trainer's "
                       "weights).", NoEffectKeyWarning, stacklevel=3)
+    rollout = cfg.actor_rollout_ref.rollout
+    if cfg.async_training.mode != "sync" and cfg.actor_rollout_ref.actor.use_rollout_log_probs \
+            and rollout.name == "vllm" and (rollout.top_p < 1.0 or rollout.top_k > 0):
+        warnings.warn(f"actor.use_rollout_log_probs=true with rollout.name=vllm and top_p={rollout.top_p} / "
+                      f"top_k={rollout.top_k}: vLLM's log-probs are renormalised over the kept tokens while the actor "
+                      "scores the whole vocabulary, so the policy ratio starts below 1 even with equal weights (verl "
+                      "has the same bias). Sample with top_p=1 and top_k=-1 or recompute the old log-probs "
+                      "(use_rollout_log_probs=false).", stacklevel=3)
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("Both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL term is applied twice.",
                       stacklevel=3)

@@ -186,6 +186,8 @@ def test_verls_async_use_rollout_log_probs_is_the_actors_for_any_sync_period():
         is False
     with pytest.raises(ConfigError, match="async_training.use_rollout_log_probs=True.*disagree"):
         load_config([*base, "actor_rollout_ref.actor.use_rollout_log_probs=false"], "fully_async_ppo_trainer")
+    with pytest.warns(UserWarning, match="renormalised over the kept tokens"):  # vLLM's filtered log-probs
+        load_config([*base, "actor_rollout_ref.rollout.top_p=0.9"], "fully_async_ppo_trainer")
     with pytest.raises(ConfigError, match="FIRE's temperature"):  # not the sampling policy's log-probs
         load_config([*base, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.use_fire_sampling=true"],
                     "fully_async_ppo_trainer")
