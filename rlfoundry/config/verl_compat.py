@@ -336,10 +336,17 @@ _REWARD_LOOP_ENGINE_KEYS = ("reward_model.rollout.*", "reward_model.enable_resou
                             "reward_model.nnodes")
 
 
+def serves_reward_model(cfg: Any) -> bool:
+    """Whether the run serves ``reward_model.model.path`` to the custom function (verl's reward loop,
+    ``rewards/reward_loop.py``); ``rm_combine=add`` keeps rlfoundry's classifier path (its score added to
+    the function's). A config rule, so it lives in the config layer."""
+    rm = cfg.reward_model
+    return bool(rm.enable and rm.use_reward_loop and cfg.custom_reward_function.path
+                and (rm.reward_kwargs or {}).get("rm_combine", "replace") == "replace")
+
+
 def no_effect_keys_set(cfg: DictConfig, keys: Sequence[str]) -> list[str]:
     """The keys among ``keys`` (as the user set them) that have no effect here, in first-seen order."""
-    from rlfoundry.rewards.reward_loop import serves_reward_model
-
     patterns = _no_effect_patterns(cfg)
     if not serves_reward_model(cfg):
         patterns += _REWARD_LOOP_ENGINE_KEYS

@@ -55,14 +55,6 @@ SAMPLING_DEFAULTS = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "t
                      "skip_special_tokens": True}
 
 
-def serves_reward_model(cfg: Any) -> bool:
-    """Whether the run serves ``reward_model.model.path`` to the custom function (verl's reward loop);
-    ``rm_combine=add`` keeps rlfoundry's classifier path (its score added to the function's)."""
-    rm = cfg.reward_model
-    return bool(rm.enable and rm.use_reward_loop and cfg.custom_reward_function.path
-                and (rm.reward_kwargs or {}).get("rm_combine", "replace") == "replace")
-
-
 class GenerateRequestError(ValueError):
     """A request the server refuses (HTTP 400), naming the field."""
 

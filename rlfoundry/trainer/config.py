@@ -253,7 +253,7 @@ def reward_pool_owner(cfg: DictConfig) -> DictConfig:
     """Whose ``enable_resource_pool`` / ``nnodes`` / ``n_gpus_per_node`` place the reward pool: the judge's
     (``reward.reward_model``), or ``reward_model``'s when verl's reward loop serves that model to the custom
     function (the classifier always runs beside the actor)."""
-    from rlfoundry.rewards.reward_loop import serves_reward_model
+    from rlfoundry.config.verl_compat import serves_reward_model
 
     return cfg.reward_model if serves_reward_model(cfg) else cfg.reward.reward_model
 
@@ -1005,7 +1005,7 @@ def _check_model(key: str, path: str | None) -> list[str]:
 
 def check_startup_paths(cfg: DictConfig) -> None:
     """File-system checks that need no model loading: model dirs, resume checkpoint, custom reward file."""
-    from rlfoundry.rewards.reward_loop import serves_reward_model
+    from rlfoundry.config.verl_compat import serves_reward_model
 
     errors = _check_model("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
     if use_critic(cfg):
@@ -1049,7 +1049,7 @@ def _check_reward_function(cfg: DictConfig) -> list[str]:
     if crf.path is not None and cfg.reward_model.reward_kwargs.get("compute_score_kwargs"):
         errors.append("reward.compute_score_kwargs go to the built-in scorer, which custom_reward_function.path "
                       "replaces; give your function its arguments in custom_reward_function.reward_kwargs.")
-    from rlfoundry.rewards.reward_loop import serves_reward_model
+    from rlfoundry.config.verl_compat import serves_reward_model
 
     if serves_reward_model(cfg):  # verl's reward loop: the served model may have a pool of its own
         errors += _check_pool("reward_model", cfg.reward_model, cfg)

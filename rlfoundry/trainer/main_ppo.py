@@ -245,7 +245,7 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
     """Role name → worker class with init args. Every role shares one process per rank (colocated);
     with a rollout pool of its own, the trainer's policy role drops ``rollout`` (``actor`` or
     ``actor_ref``) and the class list gains ``rollout``, built in the rollout pool."""
-    from rlfoundry.rewards.reward_loop import serves_reward_model
+    from rlfoundry.config.verl_compat import serves_reward_model
     from rlfoundry.single_controller.base import ClassWithInitArgs
     from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
 

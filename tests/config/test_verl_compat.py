@@ -211,7 +211,7 @@ def test_reward_loop_workers_are_the_scorer_processes_and_its_engine_keys_are_na
 
 
 def test_reward_loop_with_a_custom_function_serves_the_model_and_the_legacy_path_stays(tmp_path):
-    from rlfoundry.rewards.reward_loop import serves_reward_model
+    from rlfoundry.config.verl_compat import serves_reward_model
 
     fn = tmp_path / "fn.py"
     fn.write_text("def compute_score(**kw):\n    return 0.0\n")

@@ -251,7 +251,12 @@ def test_the_served_model_in_a_pool_of_its_own_scores_the_same(tiny_model_dir, t
     run = E.train(overrides(tiny_model_dir, tmp_path, "trainer.worker_backend=process",
                             "reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=1",
                             "reward_model.nnodes=1"), keep_trainer=True)
-    assert run.trainer.genrm_wg is not run.trainer.actor_rollout_wg and run.trainer.genrm_wg.world_size == 1
+    try:
+        assert run.trainer.genrm_wg is not run.trainer.actor_rollout_wg and run.trainer.genrm_wg.world_size == 1
+    finally:  # the kept trainer's worker processes: not left running into later tests
+        for group in (run.trainer.genrm_wg, run.trainer.actor_rollout_wg):
+            if hasattr(group, "shutdown"):
+                group.shutdown()
     (batch,) = run.batches
     lengths = batch["response_mask"].sum(-1)
     solutions = [tok.decode(r[:n].tolist(), skip_special_tokens=True) for r, n in zip(batch["responses"], lengths)]

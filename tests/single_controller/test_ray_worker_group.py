@@ -131,6 +131,15 @@ def two_ranks(ray_local):
     pool.remove()
 
 
+def _is_rays(process: psutil.Process) -> bool:
+    """Ray's own processes: its binaries and scripts live in the ray package; its workers are ``ray::...``."""
+    try:
+        line = " ".join(process.cmdline())
+    except psutil.Error:  # ended meanwhile
+        return False
+    return f"{os.sep}ray{os.sep}" in line or line.startswith("ray::")
+
+
 def test_local_ray_has_no_dashboard_and_listens_on_loopback_only(ray_local, two_ranks):
     assert ray_local is True
     two_ranks.all_reduce_sum(1.0)  # the torch.distributed store and gloo are up too
@@ -140,8 +149,9 @@ def test_local_ray_has_no_dashboard_and_listens_on_loopback_only(ray_local, two_
     assert all("--disable-frontend" in c for c in heads), heads
     assert ray._private.worker.global_worker.node.webui_url == ""
     # Ray's processes only: this pytest process may hold a one-rank gloo group of an earlier test
-    # (tests/engines), and gloo's own listener is torch's, not the local Ray instance's.
-    pids = {p.pid for p in tree[1:]}
+    # (tests/engines), and gloo's own listener is torch's, not the local Ray instance's; an earlier test's
+    # child process (a worker of the process back end, a dist-checkpointing manager) is not Ray's either.
+    pids = {p.pid for p in tree[1:] if _is_rays(p)}
     listening = {c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in pids}
     assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
     assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"

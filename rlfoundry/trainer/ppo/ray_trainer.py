@@ -377,7 +377,7 @@ class PPOTrainer:
         self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
         self._factory, self._worker_classes = worker_group_factory, worker_classes
         self.use_critic = bool(config.critic.enable)
-        from rlfoundry.rewards.reward_loop import serves_reward_model
+        from rlfoundry.config.verl_compat import serves_reward_model
 
         # verl's reward loop with a custom function: the model is served to it (no classifier pass)
         self.serves_rm = serves_reward_model(config)
