@@ -121,6 +121,7 @@ def test_ppo_with_the_critic_on_megatron_matches_fsdp_resumes_and_exports(tiny_m
     assert any(not p.equal(q) for p, q in zip(policy.parameters(), base.parameters()))  # three updates in it
 
 
+@pytest.mark.heavy  # CI: tests/engines/test_megatron_offload.py, offload = no offload bitwise on the worker
 def test_offload_keys_run_ppo_exactly_as_without(tiny_model_dir, tmp_path):
     """verl's ``megatron.param_offload`` / ``grad_offload`` / ``optimizer_offload`` on the actor, the
     reference and the critic (PPO at TP=2, checkpoints every step): every step's samples, losses,

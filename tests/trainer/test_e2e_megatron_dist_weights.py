@@ -19,6 +19,7 @@ pytest.importorskip("mbridge")
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
+@pytest.mark.heavy  # CI: the engine starts bitwise equal to the HF-loaded one (tests/engines/test_megatron_dist_weights.py)
 def test_grpo_from_a_dist_checkpoint_equals_grpo_from_its_hf_model(tiny_model_dir, tmp_path, converted):
     other, ckpt = converted
     reward = write_reward_file(tmp_path)
