@@ -240,6 +240,22 @@ class EnginePlugin(abc.ABC):
         ``ulysses_sequence_parallel_size``, for engines that split sequences)."""
         return world_size
 
+    def optimizer_fields(self) -> tuple[set[str], str]:
+        """What verl's ``optim.override_optimizer_config`` may set on this engine's optimizer, and what those
+        names are (for the error about the others)."""
+        import inspect
+
+        return set(inspect.signature(torch.optim.AdamW).parameters), "torch.optim.AdamW arguments"
+
+    def optimizer_problems(self, key: str, overrides: dict) -> list[str]:
+        """Start-up errors for accepted ``override_optimizer_config`` values this engine cannot honour here."""
+        return []
+
+    def sequence_split(self, role: Any) -> tuple[int, str]:
+        """How many ranks split one sequence for the role subtree ``role`` (a dynamic batch's per-GPU token
+        budget holds that many times the key's tokens), and the key that says so."""
+        return int(role.ulysses_sequence_parallel_size or 1), "ulysses_sequence_parallel_size"
+
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
         """Start-up errors for the config keys ``roles`` (e.g. ``actor_rollout_ref.actor``) that name
         this engine: what it does not support, layouts that cannot work."""

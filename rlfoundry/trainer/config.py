@@ -193,8 +193,10 @@ def _check_engine_choice(cfg: DictConfig, engine: str | None) -> None:
     strategy = OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy")
     if engine is None or strategy is None:
         return
-    megatron = strategy == "megatron"
-    if megatron != (engine == "megatron"):
+    wanted = "fsdp" if engine == "dp" else engine  # verl's dp engine is the FSDP one
+    if strategy not in TRAINING_ENGINES or wanted not in TRAINING_ENGINES:  # named by the choice checks
+        return
+    if engine_plugin(strategy).name != engine_plugin(wanted).name:
         raise ConfigError(f"model_engine={engine} but actor_rollout_ref.actor.strategy={strategy} (set by the config "
                           "or an override): drop one of them, or make them agree.")
 
@@ -422,10 +424,11 @@ def _check_lengths(cfg: PPOConfig) -> list[str]:
     budget is sp × the key (the FSDP engine's ``_micro_batches`` multiplies, as verl's dp_actor does;
     the Megatron engine multiplies by its context-parallel size, as verl's megatron_actor does)."""
     data, actor = cfg.data, cfg.actor_rollout_ref.actor
-    seq, sp = data.max_prompt_length + data.max_response_length, int(actor.ulysses_sequence_parallel_size)
-    name = "actor.ulysses_sequence_parallel_size"
-    if actor.strategy == "megatron":  # its context parallelism splits sequences the same way
-        sp, name = int(actor.megatron.context_parallel_size), "actor.megatron.context_parallel_size"
+    seq = data.max_prompt_length + data.max_response_length
+    if actor.strategy not in TRAINING_ENGINES:  # the choice check names it
+        return []
+    sp, key = engine_plugin(actor.strategy).sequence_split(actor)
+    name = f"actor.{key}"
     if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * max(1, sp) < seq:
         times = f" × {name} {sp}" if sp > 1 else ""
         return [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}{times} is below "
@@ -566,34 +569,15 @@ def _check_optimizer_overrides(key: str, overrides: dict, strategy: str) -> list
             where = _OPTIMIZER_KEYS_SET_ELSEWHERE[name]
             errors.append(f"{key}.{name}: " + (f"set it as {where} (one key per setting)." if where else
                                                "the optimizer's parameters are the model's, not a setting."))
-    accepted = _optimizer_fields(strategy) - set(_OPTIMIZER_OFFLOAD_KEYS) - set(_OPTIMIZER_KEYS_SET_ELSEWHERE)
+    if strategy not in TRAINING_ENGINES:  # the choice check names it
+        return errors
+    plugin = engine_plugin(strategy)
+    fields, what = plugin.optimizer_fields()
+    accepted = fields - set(_OPTIMIZER_OFFLOAD_KEYS) - set(_OPTIMIZER_KEYS_SET_ELSEWHERE)
     unknown = sorted(set(overrides) - accepted - set(_OPTIMIZER_OFFLOAD_KEYS) - set(_OPTIMIZER_KEYS_SET_ELSEWHERE))
     if unknown:
-        what = "megatron-core OptimizerConfig fields" if strategy == "megatron" else "torch.optim.AdamW arguments"
         errors.append(f"{key}: {unknown} are not {what} (strategy={strategy}); the accepted ones are {sorted(accepted)}.")
-    if overrides.get("use_precision_aware_optimizer") and strategy == "megatron" and \
-            importlib.util.find_spec("transformer_engine") is None:
-        errors.append(f"{key}.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam "
-                      "(pip install transformer_engine[pytorch], CUDA); remove it, or install it.")
-    return errors
-
-
-def _optimizer_fields(strategy: str) -> set[str]:
-    """The names an override may set on the engine's optimizer (empty where megatron-core is missing: the
-    engine check reports that)."""
-    import inspect
-
-    if strategy != "megatron":
-        import torch
-
-        return set(inspect.signature(torch.optim.AdamW).parameters)
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        return set()
-    import dataclasses
-
-    from megatron.core.optimizer import OptimizerConfig
-
-    return {f.name for f in dataclasses.fields(OptimizerConfig)}
+    return errors + plugin.optimizer_problems(key, overrides)
 
 
 def _check_liger(cfg: PPOConfig) -> list[str]:

@@ -35,6 +35,26 @@ class MegatronPlugin(EnginePlugin):
     def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
         return max(1, world_size // model_parallel_size(megatron))
 
+    def optimizer_fields(self) -> tuple[set[str], str]:
+        """megatron-core's OptimizerConfig fields (none where megatron-core is missing: ``check`` reports that)."""
+        what = "megatron-core OptimizerConfig fields"
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            return set(), what
+        import dataclasses
+
+        from megatron.core.optimizer import OptimizerConfig
+
+        return {f.name for f in dataclasses.fields(OptimizerConfig)}, what
+
+    def optimizer_problems(self, key: str, overrides: dict) -> list[str]:
+        if overrides.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
+            return [f"{key}.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam "
+                    "(pip install transformer_engine[pytorch], CUDA); remove it, or install it."]
+        return []
+
+    def sequence_split(self, role: Any) -> tuple[int, str]:
+        return int(role.megatron.context_parallel_size), "megatron.context_parallel_size"  # CP splits sequences
+
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
         errors: list[str] = []
         if any(importlib.util.find_spec(m) is None for m in ("megatron", "mbridge")):
