@@ -8,7 +8,8 @@ A spec is ``point[@N][>M][:action]``:
 - ``action``  ``kill`` (SIGKILL this process, the default), ``oom`` (raise ``torch.OutOfMemoryError``),
               ``enospc`` (raise ``OSError(ENOSPC)``), ``hang`` (sleep for ever), ``nan`` (fill the
               caller's tensor with NaN: ``advantages`` in ``update_actor``, ``returns`` in
-              ``update_critic``).
+              ``update_critic``), ``slow`` (sleep ``SLOW_S`` seconds and go on: a timing test's step
+              that is surely still under way when another thread gets there).
 
 Points: the checkpoint save path ``save.staged`` (a role's shards written, not yet published),
 ``save.published`` (role directory renamed into place), ``save.trainer_state`` (``data.pt``
@@ -49,7 +50,8 @@ __all__ = ["ENV_VAR", "STAMP_VAR", "FaultSpec", "inject", "parse_specs", "reset"
 
 ENV_VAR = "RLFOUNDRY_FAULT_INJECT"
 STAMP_VAR = "RLFOUNDRY_FAULT_STAMP"
-ACTIONS = ("kill", "oom", "enospc", "hang", "nan")
+ACTIONS = ("kill", "oom", "enospc", "hang", "nan", "slow")
+SLOW_S = 1.0
 _SPEC_RE = re.compile(r"^(?P<point>[A-Za-z_.]+)(?:@(?P<hit>\d+))?(?:>(?P<above>\d+))?(?::(?P<action>\w+))?$")
 _hits: dict[str, int] = {}  # per process: how often each point was reached
 
@@ -112,6 +114,8 @@ def _fire(spec: FaultSpec, hit: int, size: int | None, tensors: Any, nan_key: st
     elif spec.action == "hang":
         while True:
             time.sleep(3600)
+    elif spec.action == "slow":
+        time.sleep(SLOW_S)
     elif spec.action == "nan":
         if tensors is None or nan_key is None:
             raise ValueError(f"{ENV_VAR}: point {spec.point!r} has no tensor to fill with NaN")

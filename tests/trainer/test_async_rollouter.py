@@ -258,3 +258,31 @@ def test_a_pause_between_chunks_lets_the_sync_in_mid_generation_and_the_position
         assert rollouter.stats()["async/paused_in_flight"] == 1
     finally:
         rollouter.stop()
+
+
+def test_a_pause_at_a_generations_start_is_waited_out_there_and_not_counted_as_mid_way():
+    """The first boundary of a chunked generation comes before any chunk: a sync that arrives
+    between the admission and that first call is waited out there, and the whole generation samples
+    under the new version; no sample spans two versions, so ``paused_in_flight`` stays 0."""
+    admitted, versions = threading.Event(), []
+
+    def chunked(batch_dict, boundary):
+        admitted.set()
+        _wait_until(lambda: rollouter._paused, "the pause")  # the trainer pauses before the first chunk
+        versions.append(boundary())
+        versions.append(boundary())
+        return DataProto.from_dict(tensors={"input_ids": batch_dict["input_ids"]})
+
+    rollouter = Rollouter(chunked, _prompt_batches(2), per_sync=4, staleness_threshold=1.0, first_index=0,
+                          total_prompts=2, version=0)
+    rollouter.start(2)
+    try:
+        assert admitted.wait(30)
+        rollouter.pause()
+        assert versions == []
+        rollouter.resume(version=1)
+        rollouter.take(2, timeout_s=30)
+        assert versions == [1, 1]
+        assert rollouter.stats()["async/paused_in_flight"] == 0
+    finally:
+        rollouter.stop()

@@ -89,6 +89,7 @@ class Rollouter:
         self._idle_s = self._gen_s = 0.0  # since the last stats() call
         self._call_idle = 0.0  # of the generation in flight: time spent paused between its chunks
         self.paused_in_flight = 0  # since the last stats() call: syncs that met a generation mid-way
+        self._chunked = False  # the generation in flight has passed its first boundary (its start)
         self._in_flight: tuple[dict, int] | None = None  # (loader state before, prompts) of the generation under way
         self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
 
@@ -103,7 +104,7 @@ class Rollouter:
                 version = self._wait_turn()
                 if version is None:
                     return
-                start, self._call_idle = self._clock(), 0.0
+                start, self._call_idle, self._chunked = self._clock(), 0.0, False
                 loader_state, batch_dict = next(self._batches)
                 prompts = len(batch_dict["input_ids"])
                 self._in_flight = (loader_state, prompts)
@@ -138,11 +139,15 @@ class Rollouter:
             return self.version
 
     def _boundary(self) -> int:
-        """Between two chunks of one generation: wait out a pause (a sync) there; the version to go on with."""
+        """Between two chunks of one generation: wait out a pause (a sync) there; the version to go on with.
+
+        The first call comes before any chunk: a sync waited out there is not mid-way (no sample
+        spans two versions), so only later ones count in ``paused_in_flight``."""
         start = self._clock()
         with self._cond:
+            mid_way, self._chunked = self._chunked, True
             if self._paused:
-                self.paused_in_flight += 1
+                self.paused_in_flight += int(mid_way)
                 self._busy = False
                 self._cond.notify_all()
                 while self._paused and not self._stop:
