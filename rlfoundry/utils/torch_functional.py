@@ -204,29 +204,38 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     accumulates dL/dhidden and dL/dweight (fp32 for a low-precision weight: one rounding at the end,
     as one big matmul would give). With z = logits / T and p = softmax(z):
     d logp(y)/dz = onehot(y) - p and dH/dz = -p (z - E_p[z]), so dL/dlogits = (those) / T.
+
+    ``group``: the vocabulary is split over these ranks (Megatron's vocab-parallel output layer):
+    ``weight`` is this rank's rows, from ``rank * V_local``. Each chunk's row statistics (max, sum of
+    exponentials, the label's logit, E_p[z], sum p^2) are summed over the group, so every rank gets
+    the whole-vocabulary values; the backward needs no communication (its dL/dhidden is this slice's
+    part, which the caller's input mapping sums over the group).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, excluded, chunk_rows, entropy_grad, sum_pi_squared=False):
+    def forward(ctx, hidden, weight, labels, temperature, excluded, chunk_rows, entropy_grad, sum_pi_squared=False,
+                group=None):
         ctype = _compute_dtype(hidden.dtype)
         rows = hidden.shape[0]
         lse = torch.empty(rows, dtype=ctype, device=hidden.device)
         logp, entropy = torch.empty_like(lse), torch.empty_like(lse)
         squares = torch.empty_like(lse) if sum_pi_squared else None
+        local, mine = _local_labels(labels, weight.shape[0], group)
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
             z = _chunk_logits(hidden[sl], weight, temperature, excluded, ctype)
-            top = z.amax(-1, keepdim=True)
+            top = _reduced(z.amax(-1, keepdim=True), group, torch.distributed.ReduceOp.MAX)
             p = (z - top).exp_()  # unnormalised: two chunk-sized tensors in all (z, p), updated in place
-            total = p.sum(-1, keepdim=True)
+            total = _reduced(p.sum(-1, keepdim=True), group)
             lse[sl] = (top + total.log()).squeeze(-1)
-            logp[sl] = z.gather(-1, labels[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
+            target = z.gather(-1, local[sl].unsqueeze(-1)).squeeze(-1)
+            logp[sl] = (target if mine is None else _reduced(target * mine[sl], group)) - lse[sl]
             p.div_(total)
             if squares is not None:  # sum_v p_v^2 from the normalised chunk, before p is reused in place
-                squares[sl] = torch.linalg.vecdot(p, p)
-            entropy[sl] = lse[sl] - p.mul_(z).sum(-1)  # H = lse - E_p[z]
+                squares[sl] = _reduced(torch.linalg.vecdot(p, p), group)
+            entropy[sl] = lse[sl] - _reduced(p.mul_(z).sum(-1), group)  # H = lse - E_p[z]
             del z, p  # before the next chunk's product
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy, excluded)
+        ctx.save_for_backward(hidden, weight, local, lse, entropy, excluded, mine)
         ctx.temperature, ctx.chunk_rows, ctx.entropy_grad = temperature, chunk_rows, entropy_grad
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -237,7 +246,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp, grad_entropy, _grad_squares):
-        hidden, weight, labels, lse, entropy, excluded = ctx.saved_tensors
+        hidden, weight, labels, lse, entropy, excluded, mine = ctx.saved_tensors
         ctype, t = lse.dtype, ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=ctype, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -254,7 +263,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             else:
                 g = p.mul_(-g_logp)
             del z
-            g.scatter_add_(-1, labels[sl].unsqueeze(-1), g_logp)
+            g.scatter_add_(-1, labels[sl].unsqueeze(-1), g_logp if mine is None else g_logp * mine[sl].unsqueeze(-1))
             if excluded is not None:
                 g.index_fill_(-1, excluded, 0.0)  # constants: no gradient reaches their logits
             if t != 1.0:
@@ -268,7 +277,24 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 grad_weight += g.t() @ hidden[sl]
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _local_labels(labels: torch.Tensor, part: int, group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The labels as indices into this rank's vocabulary rows, and (with a ``group``) which of them
+    this rank holds (a 0/1 mask: the others' label logit counts as 0 in the group's sum)."""
+    if group is None:
+        return labels, None
+    local = labels - torch.distributed.get_rank(group) * part
+    mine = (local >= 0) & (local < part)
+    return local.clamp(0, part - 1), mine
+
+
+def _reduced(values: torch.Tensor, group, op=None) -> torch.Tensor:
+    """``values`` reduced over the vocabulary's ranks in place (sum unless ``op``); as is without a group."""
+    if group is not None:
+        torch.distributed.all_reduce(values, op=op or torch.distributed.ReduceOp.SUM, group=group)
+    return values
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, excluded: torch.Tensor | None,
@@ -286,7 +312,7 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                            temperature: float = 1.0, excluded_ids: list[int] | None = None,
                            chunk_rows: int | None = None, entropy_grad: bool = True,
-                           sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]:
+                           sum_pi_squared: bool = False, vocab_group=None) -> tuple[torch.Tensor, ...]:
     """Log-probs of ``labels`` and entropies under ``softmax(hidden @ weight.T / temperature)``.
 
     Args:
@@ -297,6 +323,8 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         chunk_rows: rows per chunk; default keeps a chunk's logits under ``CHUNK_ELEMENTS`` values.
         entropy_grad: False: the entropy carries no gradient (and backward skips its term).
         sum_pi_squared: also return sum_v p_v^2 per row (no gradient), from the same chunks.
+        vocab_group: the process group a vocab-parallel head's rows are split over (``weight`` is
+            this rank's V / size rows); None: ``weight`` is the whole head.
 
     Returns:
         (log_probs, entropy), or (log_probs, entropy, sum_pi_squared) with ``sum_pi_squared``, each
@@ -313,7 +341,8 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         flat, weight = flat.to(dtype), weight.to(dtype)
     with torch.autocast(device, enabled=False):
         logp, entropy, squares = _FusedLinearLogProbs.apply(flat, weight, labels.reshape(-1), float(temperature),
-                                                            excluded, rows, bool(entropy_grad), bool(sum_pi_squared))
+                                                            excluded, rows, bool(entropy_grad), bool(sum_pi_squared),
+                                                            vocab_group)
     if squares is None:
         return logp.reshape(lead), entropy.reshape(lead)
     return logp.reshape(lead), entropy.reshape(lead), squares.reshape(lead)

@@ -66,7 +66,7 @@ from rlfoundry.engines.fsdp.forward import (
     value_forward,
     value_micro_batches,
 )
-from rlfoundry.engines.fsdp.fused_head import check_fused_kernels
+from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
 from rlfoundry import cpu as cpu_kernels
 from rlfoundry.models import lora as lora_lib
@@ -410,15 +410,7 @@ def _sequence_parallel(config: FSDPEngineConfig, dp_group: Any) -> ulysses.Seque
 
 def _fused_kernels(config: FSDPEngineConfig) -> bool:
     """Whether log-probs take the fused head: start-up errors for what it does not build."""
-    if not config.use_fused_kernels or config.model_kind != "causal_lm":
-        return False
-    errors = check_fused_kernels(config.fused_kernel_options)
-    if errors:
-        raise ValueError(" ".join(errors))
-    if config.fused_kernel_options.get("impl_backend") == "triton":
-        _say_once("model.fused_kernel_options.impl_backend=triton runs the torch backend (the same chunked "
-                  "log-probs and memory bound; verl's Triton kernel is not built here)")
-    return True
+    return fused_kernels_wanted(config.use_fused_kernels, config.fused_kernel_options, config.model_kind)
 
 
 def _say_once(text: str) -> None:

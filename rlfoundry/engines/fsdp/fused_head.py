@@ -28,7 +28,7 @@ from torch import nn
 
 from rlfoundry.utils.torch_functional import fused_logprobs_entropy
 
-__all__ = ["BACKENDS", "COLUMNS", "FusedHead", "check_fused_kernels"]
+__all__ = ["BACKENDS", "COLUMNS", "FusedHead", "check_fused_kernels", "fused_kernels_wanted"]
 
 BACKENDS = ("torch", "triton")
 COLUMNS = ("log_probs", "entropy", "sum_pi_squared")  # the fused head's output columns, in order
@@ -44,6 +44,24 @@ def check_fused_kernels(options: dict[str, Any] | None, key: str = "model") -> l
     if backend not in BACKENDS:
         errors.append(f"{key}.fused_kernel_options.impl_backend={backend!r}: use one of {', '.join(BACKENDS)}.")
     return errors
+
+
+def fused_kernels_wanted(use: bool, options: dict[str, Any] | None, model_kind: str) -> bool:
+    """Whether a causal LM's log-probs take the fused head (either engine's): its start-up errors
+    raised, the Triton backend's stand-in said once."""
+    if not use or model_kind != "causal_lm":
+        return False
+    errors = check_fused_kernels(options)
+    if errors:
+        raise ValueError(" ".join(errors))
+    if (options or {}).get("impl_backend") == "triton" and not _said_triton:
+        _said_triton.append(True)
+        print("rlfoundry: engine: model.fused_kernel_options.impl_backend=triton runs the torch backend (the same "
+              "chunked log-probs and memory bound; verl's Triton kernel is not built here)", flush=True)
+    return True
+
+
+_said_triton: list[bool] = []  # once per process
 
 
 def output_head(module: nn.Module) -> nn.Linear:

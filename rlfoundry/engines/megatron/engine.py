@@ -31,6 +31,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,13 +41,16 @@ from torch import nn
 from rlfoundry.config.schema import MegatronConfig, OptimConfig
 from rlfoundry.engines.base import LogProbs, LossFn, LossOutput, MicroBatching, Output, TrainingEngine, UpdatePlan, Values
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, plain_micro_batches, restore
+from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry.engines.megatron import bridge as mb
 from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
-from rlfoundry.engines.megatron.forward import (context_parallel_size, local_next_tokens, response_logits,
-                                                response_positions, run_schedule, vocab_parallel_log_probs)
+from rlfoundry.engines.megatron.forward import (context_parallel_size, local_next_tokens, next_tokens,
+                                                response_logits, response_positions, run_schedule,
+                                                vocab_parallel_log_probs)
+from rlfoundry.engines.megatron.fused_head import COLUMNS, MegatronFusedHead, output_layer
 from rlfoundry.protocol import DataProto
 
 __all__ = ["MegatronEngine", "MegatronEngineConfig", "torch_dtype"]
@@ -79,6 +83,8 @@ class MegatronEngineConfig:
     grad_clip: float | None = 1.0
     model_kind: str = "causal_lm"
     load_hf_weights: bool = True  # False: a checkpoint will supply every weight (offline export)
+    use_fused_kernels: bool = False  # verl's model.use_fused_kernels: log-probs inside the output layer (fused_head.py)
+    fused_kernel_options: dict | None = None
 
     @property
     def value_model(self) -> bool:
@@ -120,6 +126,9 @@ class MegatronEngine(TrainingEngine):
             for chunk in chunks:
                 chunk.requires_grad_(False)
         self.chunks = chunks
+        fused = fused_kernels_wanted(config.use_fused_kernels, config.fused_kernel_options, config.model_kind)
+        layer = output_layer(chunks[-1]) if fused else None
+        self._fused = MegatronFusedHead(layer) if layer is not None else None  # None: not the last stage
         self._offload = off.StorageOffload(self.device)
         # the parts m.*_offload name (a frozen model has no gradients or optimiser to release)
         asked = {"params": m.param_offload, "grads": m.grad_offload and config.trainable,
@@ -173,6 +182,8 @@ class MegatronEngine(TrainingEngine):
 
     def _outputs(self, spec: LogProbs):
         cp_local = context_parallel_size() > 1  # the logits are this CP rank's positions of each row
+        if self._fused is not None:
+            return partial(_fused_outputs, spec, cp_local)
 
         def outputs(logits: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             responses = micro["responses"]
@@ -190,6 +201,14 @@ class MegatronEngine(TrainingEngine):
                 out = {key: response_positions(v, micro, True) for key, v in out.items() if v is not None}
             return {key: values.masked_fill(padding, 0.0) for key, values in out.items() if values is not None}
         return outputs
+
+    def _model_context(self, output: Output):
+        """``use_fused_kernels``: each micro-batch's model call computes its log-prob columns in the
+        output layer, labelled with the micro-batch's next tokens."""
+        if self._fused is None or not isinstance(output, LogProbs):
+            return None
+        return lambda micro: self._fused.labelled(next_tokens(micro["input_ids"]), output.temperature,
+                                                  output.entropy_grad, output.sum_pi_squared)
 
     @staticmethod
     def _values(output: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -212,7 +231,8 @@ class MegatronEngine(TrainingEngine):
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad(), self.resident("params"):
-            outs = run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss=None)
+            outs = run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss=None,
+                                around=self._model_context(output))
         merged = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
         merged = mb.from_last_stage(merged)
         return {k: restore(v, order) for k, v in merged.items()}
@@ -233,9 +253,11 @@ class MegatronEngine(TrainingEngine):
         for chunk in self.chunks:
             chunk.train()
         with self.resident(*off.PARTS):  # the worker's onload() has brought them back already
-            return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, outputs_fn, loss_fn, plan))
+            return run_update(self, data, plan,
+                              lambda mini: self._train_mini_batch(mini, outputs_fn, loss_fn, plan, self._model_context(output)))
 
-    def _train_mini_batch(self, mini: DataProto, outputs_fn, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
+    def _train_mini_batch(self, mini: DataProto, outputs_fn, loss_fn: LossFn, plan: UpdatePlan,
+                          around=None) -> dict[str, float]:
         info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)
         micros, _ = plain_micro_batches(mini, self._per_rank_budget(plan.micro), None)
         stats = MiniBatchStats()
@@ -248,7 +270,7 @@ class MegatronEngine(TrainingEngine):
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss)
+        run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss, around=around)
         metrics = mb.from_last_stage(stats.reduce(self.dp_size, self.dp_group) if self._last_stage() else None)
         metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
         return metrics
@@ -533,6 +555,17 @@ class MegatronEngine(TrainingEngine):
         if dist.is_initialized():
             dist.barrier()
         return str(path)
+
+
+def _fused_outputs(spec: LogProbs, cp_local: bool, columns: torch.Tensor, micro: dict[str, torch.Tensor],
+                   ) -> dict[str, torch.Tensor]:
+    """The last stage's outputs from the fused output layer's (batch, positions, columns): the
+    response positions' log-probs (entropy, sum p^2 where asked), padding zero."""
+    wanted = {"log_probs": True, "entropy": spec.entropy, "sum_pi_squared": spec.sum_pi_squared}
+    responses = micro["responses"]
+    padding = micro["attention_mask"][:, -responses.shape[1]:] == 0
+    return {key: response_positions(columns[..., COLUMNS.index(key)], micro, cp_local).masked_fill(padding, 0.0)
+            for key in COLUMNS if wanted[key]}
 
 
 def _model_copy_group() -> Any:

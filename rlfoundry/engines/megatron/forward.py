@@ -17,15 +17,16 @@ them over the CP group into whole rows, so the outputs and the loss are the same
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
 from rlfoundry.engines.megatron import context_parallel as cpl
 
-__all__ = ["attention_mask_4d", "context_parallel_size", "local_next_tokens", "response_logits",
+__all__ = ["attention_mask_4d", "context_parallel_size", "local_next_tokens", "next_tokens", "response_logits",
            "response_positions", "run_schedule", "vocab_parallel_log_probs"]
 
 _FILLER = "rlfoundry_filler"  # marks a repeated micro-batch that tops up an interleaved schedule
@@ -93,6 +94,14 @@ def local_next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
     return cpl.split(torch.roll(ids, -1, dims=1))
 
 
+def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """The token each position the model computes predicts: this rank's positions with CP (as
+    :func:`local_next_tokens`), else every position's (the last one's a placeholder, never read)."""
+    if context_parallel_size() > 1:
+        return local_next_tokens(input_ids)
+    return torch.roll(input_ids, -1, dims=1)
+
+
 def response_positions(values: torch.Tensor, micro: dict[str, torch.Tensor], cp_local: bool) -> torch.Tensor:
     """The positions that predict the response tokens, from per-position ``values`` (batch, seq, ...):
     the whole padded row's when ``cp_local`` (this CP rank's positions, gathered over the group first)."""
@@ -120,6 +129,7 @@ def _model_inputs(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch.Tensor]],
                  outputs: Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
                  loss: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]] | None,
+                 around: Callable[[dict[str, torch.Tensor]], ContextManager] | None = None,
                  ) -> list[Any]:
     """Each micro-batch through megatron-core's schedule (1F1B; interleaved with virtual stages).
 
@@ -128,6 +138,7 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
     gives the micro-batch's loss (already divided by the mini-batch-wide counts) and its metrics,
     gradients accumulate into the chunks, and the metrics come back per micro-batch. Non-last
     stages get an empty list.
+    ``around(micro)``: a context each micro-batch's model call runs in (the fused output layer's labels).
 
     The interleaved schedule takes a multiple of the pipeline size of micro-batches: fewer are
     topped up with repeats of the first, whose outputs are dropped and whose loss is zero.
@@ -154,7 +165,8 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        return model(**_model_inputs(micro)), partial(post, micro)
+        with around(micro) if around is not None else contextlib.nullcontext():
+            return model(**_model_inputs(micro)), partial(post, micro)
 
     chunks = list(chunks)
     data = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)

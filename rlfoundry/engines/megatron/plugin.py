@@ -12,6 +12,7 @@ import torch
 from rlfoundry.config.schema import MEGATRON_INSTALL, model_parallel_size
 from rlfoundry.config.typed import pick
 from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
+from rlfoundry.engines.fsdp.fused_head import check_fused_kernels
 
 __all__ = ["PLUGIN"]
 
@@ -29,7 +30,9 @@ class MegatronPlugin(EnginePlugin):
 
         # a critic's value head starts at zero unless the directory has one (the bridge builds it so)
         config = MegatronEngineConfig(str(request.model.path), request.megatron, request.optim, request.grad_clip,
-                                      model_kind=request.model_kind)
+                                      model_kind=request.model_kind,
+                                      use_fused_kernels=bool(getattr(request.model, "use_fused_kernels", False)),
+                                      fused_kernel_options=dict(getattr(request.model, "fused_kernel_options", None) or {}))
         return MegatronEngine(config, device, role=role)
 
     def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
@@ -81,8 +84,8 @@ class MegatronPlugin(EnginePlugin):
                           "models only (docs/vision.md); use strategy=fsdp for image prompts.")
         policy = any(k.startswith("actor_rollout_ref.") for k in roles)
         if policy and pick(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
-            errors.append("actor_rollout_ref.model.use_fused_kernels=true: the Megatron engine's log-probs come from "
-                          "vocab-parallel logits, the fused head is the FSDP engine's; set it false or use strategy=fsdp.")
+            errors += check_fused_kernels(pick(cfg, "actor_rollout_ref.model.fused_kernel_options", None),
+                                          "actor_rollout_ref.model")
         return errors
 
 
