@@ -18,7 +18,8 @@ pytest.importorskip("mbridge")
 pytestmark = pytest.mark.slow
 
 
-def _actor(model_dir: str, tp: int, distributed_optimizer: bool, trainable: bool = True, cp: int = 1):
+def _actor(model_dir: str, tp: int, distributed_optimizer: bool, trainable: bool = True, cp: int = 1,
+           dtype: str = "float32"):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -26,15 +27,16 @@ def _actor(model_dir: str, tp: int, distributed_optimizer: bool, trainable: bool
     from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 
     cfg = _actor_config(model_dir)
-    megatron = MegatronConfig(tensor_model_parallel_size=tp, dtype="float32", use_distributed_optimizer=distributed_optimizer,
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, dtype=dtype, use_distributed_optimizer=distributed_optimizer,
                               context_parallel_size=cp)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim if trainable else None, cfg.grad_clip), "cpu")
     dp = ps.get_data_parallel_world_size()
     return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // dp, MICRO)), dp, ps.get_data_parallel_rank()
 
 
-def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, distributed_optimizer: bool, cp: int):
-    actor, dp, dp_rank = _actor(model_dir, tp, distributed_optimizer, cp=cp)
+def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, distributed_optimizer: bool, cp: int,
+                      dtype: str):
+    actor, dp, dp_rank = _actor(model_dir, tp, distributed_optimizer, cp=cp, dtype=dtype)
     mine = data.chunk(dp)[dp_rank]
     actor.update_policy(mine)
     actor.engine.step_lr_scheduler()
@@ -42,21 +44,23 @@ def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, distr
     uninterrupted = actor.update_policy(mine)
     weights = dict(actor.engine.iter_hf_weights())
 
-    resumed, _, _ = _actor(model_dir, tp, distributed_optimizer, cp=cp)
+    resumed, _, _ = _actor(model_dir, tp, distributed_optimizer, cp=cp, dtype=dtype)
     extra = resumed.engine.load_checkpoint(ckpt)
     again = resumed.update_policy(mine)
     return {"extra": extra, "uninterrupted": uninterrupted, "again": again, "weights": weights,
             "resumed_weights": dict(resumed.engine.iter_hf_weights()), "calls": resumed.engine.update_calls}
 
 
-@pytest.mark.parametrize("tp, distributed_optimizer, cp", [(2, False, 1), (1, True, 1), (1, True, 2)])
+@pytest.mark.parametrize("tp, distributed_optimizer, cp, dtype", [(2, False, 1, "float32"), (1, True, 1, "bfloat16"),
+                                                                  (1, True, 2, "float32")])
 @pytest.mark.numerics
-def test_resume_takes_exactly_the_next_update(tiny_model_dir, tmp_path, tp, distributed_optimizer, cp):
-    """(CP=2: the distributed optimiser's state sharded over the two context-parallel ranks.)"""
+def test_resume_takes_exactly_the_next_update(tiny_model_dir, tmp_path, tp, distributed_optimizer, cp, dtype):
+    """(CP=2: the distributed optimiser's state sharded over the two context-parallel ranks. bf16: the
+    16-bit weights with fp32 main copies in the distributed optimiser, norms included.)"""
     data = _scored_batch(str(tiny_model_dir))
     ckpt = str(tmp_path / "global_step_1" / "actor")
     results = run_ranks(_save_then_resume, 2, tmp_path, tp=tp, cp=cp,
-                        args=(str(tiny_model_dir), data, ckpt, tp, distributed_optimizer, cp))
+                        args=(str(tiny_model_dir), data, ckpt, tp, distributed_optimizer, cp, dtype))
     for r in results:
         assert r["extra"]["global_step"] == 1 and r["calls"] == 2
         assert r["again"] == r["uninterrupted"]  # losses, clip fractions, grad norms: bit for bit

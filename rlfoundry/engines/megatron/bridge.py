@@ -190,6 +190,12 @@ def build_model(bridge: Any, device: torch.device | str = "cpu", value_head: boo
             chunk.output_layer = ValueHead(config.hidden_size, config.params_dtype, config.sequence_parallel)
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            # the local spec's norms (torch RMSNorm) are built in fp32 whatever params_dtype says; on a GPU
+            # TransformerEngine's norms, or Float16Module's cast, make them 16-bit like the rest. Mixed, the
+            # distributed optimiser's checkpoint maps a layer's state to another's (megatron-core orders
+            # each group's main parameters fp32-first, its index map by model order)
+            if param.is_floating_point() and param.dtype != chunk.config.params_dtype:
+                param.data = param.data.to(chunk.config.params_dtype)
         chunks.append(chunk.to(device))
     return chunks
 
