@@ -209,7 +209,7 @@ def _run(request: RunCodeRequest, defaults: SandboxLimits, caps: SandboxLimits):
         raise ValueError(f"language {request.language!r} is not available on this server (it runs {served})")
     limits = _limits_for(request, defaults, caps)
     for name in [*request.files, *request.fetch_files]:
-        _inside("/", name)  # a path outside the working directory is refused before anything runs
+        _inside(WORKDIR, name)  # a path outside the working directory is refused before anything runs
     stdin = request.stdin or ""
     if runner.source == "main.py" and not request.files and not request.fetch_files:
         return None, _command_result(run_python(request.code, limits, stdin=stdin)), {}  # no host directory needed
