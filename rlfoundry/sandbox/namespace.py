@@ -13,6 +13,9 @@ surface of the kernel: new processes (fork, vfork, clone without ``CLONE_THREAD`
 allowed), tracing and other processes' memory, mounts, namespaces, keyrings, BPF, perf, io_uring,
 userfaultfd, kernel modules, clocks and reboots. It is built with libseccomp (``pyseccomp``) and
 loaded by bubblewrap just before the interpreter starts.
+
+A :class:`Job` (``rlfoundry sandbox serve``'s ``files``, ``fetch_files`` and compiled languages) runs a
+command instead, in a host directory bound read-write at ``/sandbox``; a compiler's job keeps fork.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Iterator
 
 from rlfoundry.sandbox.unshare import unshare_argv
 
-__all__ = ["ISOLATION_ENV", "Isolation", "WORKDIR", "bwrap_argv", "command", "isolation", "mount_plan", "pipe_with",
+__all__ = ["ISOLATION_ENV", "Isolation", "Job", "WORKDIR", "bwrap_argv", "command", "isolation", "mount_plan", "pipe_with",
            "seccomp_filter"]
 
 ISOLATION_ENV = "RLFOUNDRY_SANDBOX_ISOLATION"  # auto | bwrap | unshare | none (see isolation())
@@ -60,23 +63,38 @@ class Isolation:
     backend: str | None = None  # bwrap or unshare
 
 
-@functools.lru_cache(maxsize=1)
-def seccomp_filter() -> bytes | None:
+@dataclass(frozen=True)
+class Job:
+    """A run other than a Python script (``rlfoundry sandbox serve``'s compiled languages, ``files``
+    and ``fetch_files``): ``argv`` (paths relative to the working directory) runs in ``workdir``, a
+    host directory bound read-write at /sandbox, so files go in before and come out after; with
+    ``processes`` the seccomp filter lets it start processes (a compiler runs its passes as processes)."""
+
+    argv: tuple[str, ...]
+    workdir: str
+    processes: bool = False
+
+
+@functools.lru_cache(maxsize=2)
+def seccomp_filter(processes: bool = False) -> bytes | None:
     """The compiled BPF program (native architecture; other architectures' system calls are killed),
-    or None when libseccomp or its binding is missing."""
+    or None when libseccomp or its binding is missing. ``processes``: fork, vfork and clone stay allowed."""
     try:
         import pyseccomp as sc
     except (ImportError, OSError):
         return None
     f = sc.SyscallFilter(sc.ALLOW)
     for name in _REFUSED_SYSCALLS:
+        if processes and name in ("fork", "vfork"):
+            continue
         try:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         except (ValueError, RuntimeError, OSError):
             continue  # not a system call on this architecture
     # a process, not a thread: clone without CLONE_THREAD. clone3 passes its flags in memory, which a
     # filter cannot read, so it answers ENOSYS and glibc falls back to clone for its threads.
-    f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+    if not processes:
+        f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
@@ -108,22 +126,25 @@ def mount_plan() -> list[tuple[str, ...]]:
 SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 
-def bwrap_argv(script: str, seccomp_fd: int | None) -> list[str]:
-    """bubblewrap's command line for running ``script`` (a host file) as ``/sandbox/main.py``."""
+def bwrap_argv(script: str | None, seccomp_fd: int | None, job: Job | None = None) -> list[str]:
+    """bubblewrap's command line for running ``script`` (a host file) as ``/sandbox/main.py``, or ``job``."""
     argv = [shutil.which("bwrap") or "bwrap",
             "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--disable-userns", "--uid", "65534", "--gid", "65534",
             "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox",
             "--proc", "/proc", "--dev", "/dev",
-            "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--size", str(TMP_BYTES), "--tmpfs", WORKDIR]
+            "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
+    argv += ["--size", str(TMP_BYTES), "--tmpfs", WORKDIR] if job is None else ["--bind", job.workdir, WORKDIR]
     for kind, *args in mount_plan():
         argv += ["--ro-bind", args[0], args[0]] if kind == "ro" else ["--symlink", *args]
-    argv += ["--ro-bind", script, f"{WORKDIR}/main.py", "--chdir", WORKDIR, "--clearenv"]
+    if job is None:
+        argv += ["--ro-bind", script, f"{WORKDIR}/main.py"]
+    argv += ["--chdir", WORKDIR, "--clearenv"]
     for key, value in SANDBOX_ENV.items():
         argv += ["--setenv", key, value]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
-    return argv + ["--", sys.executable, "-I", "-B", f"{WORKDIR}/main.py"]
+    return argv + ["--", *(job.argv if job else (sys.executable, "-I", "-B", f"{WORKDIR}/main.py"))]
 
 
 def isolation() -> Isolation:
@@ -140,10 +161,11 @@ def isolation() -> Isolation:
 
 
 @contextlib.contextmanager
-def command(backend: str, script: str, scratch: str) -> Iterator[tuple[list[str], tuple[int, ...]]]:
-    """The command line (and descriptors to pass) running ``script`` in the sandbox; ``scratch`` is an
-    empty host directory the program never sees."""
-    bpf = seccomp_filter()
+def command(backend: str, script: str | None, scratch: str,
+            job: Job | None = None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """The command line (and descriptors to pass) running ``script`` (or ``job``) in the sandbox;
+    ``scratch`` is an empty host directory the program never sees."""
+    bpf = seccomp_filter(job is not None and job.processes)
     if backend == "unshare":
         bpf_path = None
         if bpf is not None:
@@ -151,12 +173,13 @@ def command(backend: str, script: str, scratch: str) -> Iterator[tuple[list[str]
             with open(bpf_path, "wb") as f:
                 f.write(bpf)
         spec = {"plan": mount_plan(), "script": script, "bpf": bpf_path, "tmp_bytes": TMP_BYTES, "workdir": WORKDIR,
-                "python": sys.executable, "env": SANDBOX_ENV}
+                "python": sys.executable, "env": SANDBOX_ENV,
+                "job": None if job is None else {"argv": list(job.argv), "workdir": job.workdir}}
         yield unshare_argv(spec, scratch), ()
         return
     fd = pipe_with(bpf) if bpf is not None else None
     try:
-        yield bwrap_argv(script, fd), (fd,) if fd is not None else ()
+        yield bwrap_argv(script, fd, job), (fd,) if fd is not None else ()
     finally:
         if fd is not None:
             os.close(fd)

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from rlfoundry.sandbox import namespace, policy
 
-__all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "mode", "run_python"]
+__all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "mode", "run_job",
+           "run_python"]
 
 logger = logging.getLogger(__name__)
 ALLOW_UNISOLATED_ENV = "RLFOUNDRY_SANDBOX_ALLOW_UNISOLATED"
@@ -119,10 +120,38 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
         logs.mkdir()
         start = time.monotonic()
         proc, timed_out = _launch(how, script, stdin_path, logs, limits, tmp)
-        wall = time.monotonic() - start
-        stdout, stderr = (_read_capped(logs / name, limits.max_output_bytes) for name in ("stdout", "stderr"))
-        # Python ignores SIGXFSZ: at the limit its write fails (EFBIG) instead of the signal killing it
-        full = any(_size(logs / name) >= limits.max_output_bytes for name in ("stdout", "stderr"))
+        return _result(proc, timed_out, time.monotonic() - start, logs, limits, how)
+
+
+def run_job(job: namespace.Job, limits: SandboxLimits = SandboxLimits(), stdin: str = "") -> SandboxResult:
+    """Run ``job`` (``namespace.Job``: a command in a host working directory the caller fills and reads
+    back) in the sandbox, with the same limits and result as :func:`run_python`; ``limits.max_output_bytes``
+    also caps each file it writes. Unisolated, only a Python ``main.py`` runs (under the audit hook)."""
+    how = mode()
+    if how != "namespaced" and job.argv[:1] != (sys.executable,):
+        raise SandboxUnavailable(f"{job.argv[0]} runs only in the namespaced sandbox (the unisolated mode's "
+                                 "audit hook guards Python alone)")
+    with tempfile.TemporaryDirectory(prefix="rlfoundry-sandbox-") as tmp:
+        stdin_path, logs, scratch = Path(tmp, "stdin"), Path(tmp, "logs"), Path(tmp, "scratch")
+        stdin_path.write_text(stdin, encoding="utf-8", errors="replace")
+        logs.mkdir()
+        scratch.mkdir()
+        start = time.monotonic()
+        if how == "namespaced":
+            with namespace.command(namespace.isolation().backend, None, str(scratch), job) as (argv, fds):
+                proc, timed_out = _start_and_wait(argv, tmp, {"PATH": "/usr/bin:/bin"}, fds, stdin_path, logs, limits)
+        else:
+            argv = [sys.executable, "-I", "-B", "-c", policy.BOOTSTRAP, job.workdir]
+            env = {"PATH": "/usr/bin:/bin", "HOME": job.workdir, "TMPDIR": job.workdir, "LANG": "C.UTF-8"}
+            proc, timed_out = _start_and_wait(argv, job.workdir, env, (), stdin_path, logs, limits)
+        return _result(proc, timed_out, time.monotonic() - start, logs, limits, how)
+
+
+def _result(proc: subprocess.Popen, timed_out: bool, wall: float, logs: Path, limits: SandboxLimits,
+            how: str) -> SandboxResult:
+    stdout, stderr = (_read_capped(logs / name, limits.max_output_bytes) for name in ("stdout", "stderr"))
+    # Python ignores SIGXFSZ: at the limit its write fails (EFBIG) instead of the signal killing it
+    full = any(_size(logs / name) >= limits.max_output_bytes for name in ("stdout", "stderr"))
     code_ = _exit_code(proc.returncode, how)
     status = "output_limit" if full else _status(code_, timed_out, stderr)
     return SandboxResult(status, stdout, stderr, code_, wall, how)

@@ -77,6 +77,9 @@ def build_root(root):
     # the tmpfs first, then the binds: a Python installed under /tmp stays visible, as with bubblewrap
     for d in ("/tmp", spec["workdir"]):
         os.makedirs(root + d)
+        if d == spec["workdir"] and spec["job"]:  # the caller's directory, read-write: files in and out
+            mount(spec["job"]["workdir"], root + d, None, MS_BIND | MS_REC)
+            continue
         mount("tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec['tmp_bytes']}")
     for entry in spec["plan"]:
         if entry[0] == "ro":
@@ -87,7 +90,8 @@ def build_root(root):
         os.makedirs(root + "/dev", exist_ok=True)
         open(root + "/dev/" + name, "a").close()
         mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
-    bind_readonly(spec["script"], root + spec["workdir"] + "/main.py")
+    if not spec["job"]:
+        bind_readonly(spec["script"], root + spec["workdir"] + "/main.py")
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.chdir(root)
@@ -147,13 +151,16 @@ if program:
 die_with_parent()
 os.setsid()
 drop_everything(bpf)
+if spec["job"]:
+    os.execvpe(spec["job"]["argv"][0], spec["job"]["argv"], spec["env"])
 os.execve(spec["python"], [spec["python"], "-I", "-B", spec["workdir"] + "/main.py"], spec["env"])
 """
 
 
 def unshare_argv(spec: dict, scratch: str) -> list[str]:
     """The launcher's command line. ``spec``: ``plan`` (``namespace.mount_plan()``), ``script``, ``bpf``
-    (a file or None), ``tmp_bytes``, ``workdir``, ``python``, ``env``; ``scratch`` is an empty host
+    (a file or None), ``tmp_bytes``, ``workdir``, ``python``, ``env``, ``job`` (None, or ``namespace.Job``'s
+    ``argv`` and host ``workdir``); ``scratch`` is an empty host
     directory for the spec and the new root."""
     root = os.path.join(scratch, "root")
     os.mkdir(root)

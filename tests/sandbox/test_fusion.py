@@ -1,20 +1,28 @@
-"""SandboxFusion's API both ways: the project's server runs its sandbox behind ``POST /run_code``,
-and the code reward through the client gives exactly the scores and reasons it gives locally."""
+"""SandboxFusion's API both ways: the project's server runs its sandbox behind ``POST /run_code`` and
+answers as SandboxFusion answers (its documented examples replay field for field), and the code reward
+through the client gives exactly the scores and reasons it gives locally."""
 
 from __future__ import annotations
 
+import base64
 import json
+import shutil
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 
 import pytest
 
 from rlfoundry.rewards import code
-from rlfoundry.sandbox import SandboxLimits, SandboxUnavailable
-from rlfoundry.sandbox.fusion import _to_result, handle_run_code, make_server, run_remote
+from rlfoundry.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from rlfoundry.sandbox.fusion import LANGUAGES, _to_result, handle_run_code, make_server, run_remote
+from rlfoundry.sandbox.namespace import ISOLATION_ENV, isolation
 from tests.rewards.test_code import LIMITS, PROGRAMS, SUM_TESTS
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) on this machine")
 
 
 class _CountingServer:
@@ -61,27 +69,188 @@ def test_stdin_and_limits_travel_in_the_request(server):
     assert slow.status == "timeout"
 
 
-def test_a_plain_sandboxfusion_answer_is_understood_without_our_extra_field():
-    limits = SandboxLimits()
-    for program, status in (("print(1)", "ok"), ("raise SystemExit(3)", "error"), ("import time\ntime.sleep(9)", "timeout"),
-                            ("x = bytearray(8 << 30)", "memory")):
-        answer = handle_run_code({"code": program, "run_timeout": 1, "memory_limit_MB": 256}, limits)
-        assert answer.pop("rlfoundry_status") == status
-        assert _to_result(answer, 0.0, limits).status == status
-
-
-@pytest.mark.parametrize("request_body, message", [
-    ({"code": "print(1)", "language": "cpp"}, "python only"),
-    ({"language": "python"}, "string 'code'"),
-    ([1, 2], "JSON object"),
-    ({"code": "print(1)", "files": {"a.txt": "eA=="}}, "'files'"),
+@pytest.mark.parametrize("program, status", [
+    ("print(1)", "ok"), ("raise SystemExit(3)", "error"), ("import time\ntime.sleep(9)", "timeout"),
+    ("x = bytearray(8 << 30)", "memory"), ("print('x' * (1 << 20))", "output_limit"),
 ])
-def test_bad_requests_get_a_sandbox_error_not_a_crash(server, request_body, message):
-    req = urllib.request.Request(server.url + "/run_code", data=json.dumps(request_body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as response:
-        answer = json.loads(response.read())
-    assert answer["status"] == "SandboxError" and message in answer["message"]
+def test_the_answer_tells_the_client_the_status_the_local_sandbox_gives(program, status):
+    """No field of our own: the standard answer alone carries every status the code reward tells apart."""
+    limits = SandboxLimits(wall_time_s=0.5, memory_bytes=256 << 20, max_output_bytes=64 << 10)
+    assert run_python(program, limits).status == status
+    http, answer = handle_run_code({"code": program, "language": "python", "run_timeout": 0.5, "memory_limit_MB": 256,
+                                    "max_output_bytes": 64 << 10})
+    assert http == 200 and set(answer) == set(SANDBOXFUSION_HELLO[1])
+    assert _to_result(answer, 0.0, limits).status == status
+
+
+def _post(url: str, body: bytes | None, method: str = "POST") -> tuple[int, object]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _ask(server, request) -> tuple[int, object]:
+    return _post(server.url + "/run_code", json.dumps(request).encode())
+
+
+# ---- SandboxFusion's documented examples, replayed ---------------------------------------------
+# Each: (request, the response SandboxFusion's documentation shows). execution_time is the only field
+# that differs run to run; everything else must match exactly, keys included.
+
+# docs/docs/docs/get-started.mdx ("Get Started", Usage / Code Sandbox): the curl example
+SANDBOXFUSION_HELLO = ({"code": "print(\"Hello, world!\")", "language": "python"}, {
+    "status": "Success", "message": "", "compile_result": None,
+    "run_result": {"status": "Finished", "execution_time": 0.016735315322875977, "return_code": 0,
+                   "stdout": "Hello, world!\n", "stderr": ""},
+    "executor_pod_name": None, "files": {}})
+# docs/docs/docs/get-started.mdx: the C++ example made with requests
+SANDBOXFUSION_CPP = ({"code": "\n#include <iostream>\n\nint main() {\n    std::cout << \"Hello, world!\" << std::endl;\n"
+                              "    return 0;\n}\n", "language": "cpp"}, {
+    "status": "Success", "message": "",
+    "compile_result": {"status": "Finished", "execution_time": 0.45870447158813477, "return_code": 0,
+                       "stdout": "", "stderr": ""},
+    "run_result": {"status": "Finished", "execution_time": 0.002761363983154297, "return_code": 0,
+                   "stdout": "Hello, world!\n", "stderr": ""},
+    "executor_pod_name": None, "files": {}})
+# docs/docs/docs/how-to/run-code/upload-download-files.mdx ("Upload & Download Files"): Upload, with a
+# flag.txt holding "secret flag"
+SANDBOXFUSION_UPLOAD = ({"code": "print(open(\"flag.txt\").read())", "language": "python",
+                         "files": {"flag.txt": base64.b64encode(b"secret flag").decode()}}, {
+    "status": "Success", "message": "", "compile_result": None,
+    "run_result": {"status": "Finished", "execution_time": 0.018889427185058594, "return_code": 0,
+                   "stdout": "secret flag\n", "stderr": ""},
+    "executor_pod_name": None, "files": {}})
+# the same page: Download
+SANDBOXFUSION_DOWNLOAD = ({"code": "open(\"flag.txt\", \"w\").write(\"this is a secret\")", "language": "python",
+                           "fetch_files": ["flag.txt"]}, {
+    "status": "Success", "message": "", "compile_result": None,
+    "run_result": {"status": "Finished", "execution_time": 0.023561477661132812, "return_code": 0,
+                   "stdout": "", "stderr": ""},
+    "executor_pod_name": None, "files": {"flag.txt": "dGhpcyBpcyBhIHNlY3JldA=="}})
+# docs/src/openapi.json (the schema behind the API reference pages): RunCodeRequest.language's enum
+SANDBOXFUSION_LANGUAGES = ["python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript",
+                           "sql", "rust", "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest",
+                           "junit", "kotlin_script", "jest", "verilog", "python_gpu", "lean", "swift", "racket"]
+
+
+def _without_times(answer: dict) -> dict:
+    out = json.loads(json.dumps(answer))
+    for key in ("compile_result", "run_result"):
+        if out.get(key) is not None:
+            assert isinstance(out[key].pop("execution_time"), float)
+    return out
+
+
+@pytest.mark.parametrize("example", [
+    SANDBOXFUSION_HELLO, SANDBOXFUSION_UPLOAD, SANDBOXFUSION_DOWNLOAD,
+    pytest.param(SANDBOXFUSION_CPP, marks=needs_gxx),
+], ids=["hello", "upload", "download", "cpp"])
+def test_sandboxfusions_documented_examples_replay_identically(server, example):
+    request, documented = example
+    status, answer = _ask(server, request)
+    assert status == 200
+    assert _without_times(answer) == _without_times(documented)
+
+
+def test_the_languages_are_sandboxfusions_and_ping_answers_pong(server):
+    assert list(LANGUAGES) == SANDBOXFUSION_LANGUAGES
+    assert _post(server.url + "/v1/ping", None, "GET") == (200, "pong")
+    assert _post(server.url + "/nowhere", None, "GET") == (404, {"detail": "Not Found"})
+    assert _post(server.url + "/run_code", None, "GET") == (405, {"detail": "Method Not Allowed"})
+
+
+@pytest.mark.parametrize("request_body, error", [
+    # SandboxFusion has no python3: its Language literal refuses it, as any name outside the list
+    ({"code": "print(1)", "language": "python3"}, {"type": "literal_error", "loc": ["body", "language"], "input": "python3"}),
+    ({"code": "print(1)", "language": "brainfuck"}, {"type": "literal_error", "loc": ["body", "language"]}),
+    ({"language": "python"}, {"type": "missing", "loc": ["body", "code"], "msg": "Field required"}),
+    ({"code": "print(1)"}, {"type": "missing", "loc": ["body", "language"]}),
+    ({"code": "1", "language": "python", "run_timeout": "soon"}, {"type": "float_parsing", "loc": ["body", "run_timeout"]}),
+    ({"code": "1", "language": "python", "files": ["a.txt"]}, {"type": "dict_type", "loc": ["body", "files"]}),
+])
+def test_a_request_sandboxfusion_would_not_validate_gets_fastapis_422(server, request_body, error):
+    status, answer = _ask(server, request_body)
+    assert status == 422 and len(answer["detail"]) == 1
+    assert error.items() <= answer["detail"][0].items(), answer
+
+
+def test_a_body_that_is_not_json_or_is_missing_gets_fastapis_422(server):
+    status, answer = _post(server.url + "/run_code", b"{not json")
+    assert status == 422 and answer["detail"][0]["type"] == "json_invalid"
+    assert _post(server.url + "/run_code", b"") == (422, {"detail": [
+        {"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}]})
+
+
+def test_a_known_language_without_a_runner_here_is_a_sandbox_error_naming_what_runs(server):
+    status, answer = _ask(server, {"code": "class Main {}", "language": "java"})
+    assert status == 200 and answer["status"] == "SandboxError" and "'java' is not available" in answer["message"]
+    assert "python" in answer["message"] and answer["run_result"] is None and "executor_pod_name" in answer
+
+
+def test_a_time_limit_is_failed_with_a_null_return_code_and_the_output_so_far(server):
+    _, answer = _ask(server, {"code": "print('started', flush=True)\nimport time\ntime.sleep(30)",
+                              "language": "python", "run_timeout": 1})
+    run = answer["run_result"]
+    assert answer["status"] == "Failed" and run["status"] == "TimeLimitExceeded" and run["return_code"] is None
+    assert run["stdout"] == "started\n" and 1.0 <= run["execution_time"] < 5
+
+
+def test_output_is_kept_to_one_mebibyte_by_default_and_to_max_output_bytes_when_asked(server):
+    _, answer = _ask(server, {"code": "print('x' * (100 << 10))", "language": "python"})
+    assert answer["status"] == "Success" and answer["run_result"]["stdout"] == "x" * (100 << 10) + "\n"
+    _, answer = _ask(server, {"code": "import sys\nsys.stdout.write('y' * (3 << 20))", "language": "python"})
+    assert answer["run_result"]["stdout"] == "y" * (1 << 20)  # SandboxFusion's 1 MiB; the rest is refused
+    _, answer = _ask(server, {"code": "print('z' * 5000)", "language": "python", "max_output_bytes": 1000})
+    assert answer["status"] == "Failed" and answer["run_result"]["stdout"] == "z" * 1000
+    _, answer = _ask(server, {"code": "print('w' * 5000)", "language": "python", "max_output_bytes": 1 << 30})
+    assert answer["run_result"]["stdout"] == "w" * 5000 + "\n"  # a request may lower the cap, never raise it
+
+
+@pytest.fixture(params=["bwrap", "unshare"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv(ISOLATION_ENV, request.param)
+    if not isolation().available:
+        pytest.skip(f"the {request.param} backend does not work here: {isolation().reason}")
+    return request.param
+
+
+def test_files_go_in_and_fetch_files_come_back_inside_the_working_directory_only(backend):
+    program = ("import os\nprint(open('in/a.txt').read(), open('/sandbox/b.bin', 'rb').read().hex())\n"
+               "open('out.txt', 'w').write('made inside')\nos.symlink('/etc/hostname', 'link')\n"
+               "print(os.path.exists('skipped'))")
+    _, answer = handle_run_code({"code": program, "language": "python", "files": {
+        "in/a.txt": base64.b64encode(b"nested").decode(), "/sandbox/b.bin": base64.b64encode(b"\x00\xff").decode(),
+        "skipped": None}, "fetch_files": ["out.txt", "/sandbox/in/a.txt", "link", "never_made"]})
+    assert answer["status"] == "Success" and answer["run_result"]["stdout"] == "nested 00ff\nFalse\n", answer
+    # a symlink the program left is not followed (it names a host file); a missing file is left out
+    assert answer["files"] == {"out.txt": base64.b64encode(b"made inside").decode(),
+                               "/sandbox/in/a.txt": base64.b64encode(b"nested").decode()}
+    for outside in ("../escape.txt", "in/../../x", "/tmp/flag.txt", "/etc/passwd"):
+        for key, value in (("files", {outside: "eA=="}), ("fetch_files", [outside])):
+            start = time.monotonic()
+            _, answer = handle_run_code({"code": "import time\ntime.sleep(30)", "language": "python", key: value})
+            assert answer["status"] == "SandboxError" and "outside the working directory" in answer["message"]
+            assert time.monotonic() - start < 1  # refused before anything ran (the program would sleep 10 s)
+
+
+@needs_gxx
+def test_cpp_compiles_and_runs_inside_the_sandbox(backend):
+    """Both phases are sandboxed: the compiler cannot read a host file, the program cannot start a process."""
+    program = ("#include <cstdio>\n#include <unistd.h>\nint main() { char s[8]; scanf(\"%7s\", s);\n"
+               "  FILE* f = fopen(\"out.txt\", \"w\"); fprintf(f, \"%s!\", s); fclose(f);\n"
+               "  printf(\"%s %d\\n\", s, fork()); return 4; }\n")
+    _, answer = handle_run_code({"code": program, "language": "cpp", "stdin": "hi", "fetch_files": ["out.txt"]})
+    assert answer["compile_result"]["return_code"] == 0, answer
+    assert answer["status"] == "Failed" and answer["run_result"]["return_code"] == 4
+    assert answer["run_result"]["stdout"] == "hi -1\n"
+    assert answer["files"] == {"out.txt": base64.b64encode(b"hi!").decode()}
+    _, answer = handle_run_code({"code": '#include "/etc/passwd"\nint main() {}', "language": "cpp"})
+    compiled = answer["compile_result"]
+    assert answer["status"] == "Failed" and answer["run_result"] is None
+    assert compiled["return_code"] != 0 and "/etc/passwd" in compiled["stderr"] and "No such file" in compiled["stderr"]
 
 
 def test_an_unreachable_server_is_named_in_the_error(monkeypatch):
@@ -123,8 +292,11 @@ def test_rlfoundry_sandbox_serve_answers_on_the_port_it_prints():
 
 def test_a_request_cannot_buy_more_than_the_servers_caps():
     caps = SandboxLimits(wall_time_s=1.0, memory_bytes=256 << 20)
-    slow = handle_run_code({"code": "import time\ntime.sleep(30)", "run_timeout": 1e9}, SandboxLimits(), caps)
-    assert slow["rlfoundry_status"] == "timeout" and slow["run_result"]["execution_time"] < 30
-    hungry = handle_run_code({"code": "x = bytearray(512 << 20)", "memory_limit_MB": 10**9}, SandboxLimits(), caps)
-    assert hungry["rlfoundry_status"] == "memory"
-    assert handle_run_code({"code": "print(1)", "run_timeout": float("inf")})["status"] == "SandboxError"
+    _, slow = handle_run_code({"code": "import time\ntime.sleep(30)", "language": "python", "run_timeout": 1e9},
+                              SandboxLimits(), caps)
+    assert slow["run_result"]["status"] == "TimeLimitExceeded" and slow["run_result"]["execution_time"] < 30
+    _, hungry = handle_run_code({"code": "x = bytearray(512 << 20)", "language": "python", "memory_limit_MB": 10**9},
+                                SandboxLimits(), caps)
+    assert "MemoryError" in hungry["run_result"]["stderr"] and hungry["status"] == "Failed"
+    _, endless = handle_run_code({"code": "print(1)", "language": "python", "run_timeout": float("inf")})
+    assert endless["status"] == "SandboxError" and "positive number of seconds" in endless["message"]
