@@ -230,9 +230,10 @@ def test_an_agent_that_fails_loses_its_sample_and_is_counted(tokenizer, name, re
 # ---- the endpoint ------------------------------------------------------------------------------
 
 
-@pytest.fixture()
-def served():
-    """An endpoint with one session whose handler echoes the parsed request."""
+@pytest.fixture(scope="module")
+def _echo_endpoint():
+    """An endpoint and an event loop for its sessions (one per module: shutting a server down waits for
+    its poll interval)."""
     import asyncio
     import threading
 
@@ -240,6 +241,15 @@ def served():
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server = OpenAIEndpoint()
+    yield server, loop
+    server.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.fixture()
+def served(_echo_endpoint):
+    """A session whose handler echoes the parsed request."""
+    server, loop = _echo_endpoint
 
     async def echo(request):
         return {"id": "x", "object": "chat.completion", "created": 0, "model": request.model, "choices": [
@@ -248,8 +258,7 @@ def served():
 
     sid, base_url = server.open(echo, loop, 30.0)
     yield server, sid, base_url
-    server.shutdown()
-    loop.call_soon_threadsafe(loop.stop)
+    server.close(sid)
 
 
 def _post(url: str, body: bytes, key: str | None) -> tuple[int, dict]:

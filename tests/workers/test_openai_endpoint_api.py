@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from rlfoundry.config.schema import AgentConfig, MultiTurnConfig
+from rlfoundry.config.schema import MultiTurnConfig
 from rlfoundry.tools.registry import initialize_tools_from_config
 from rlfoundry.workers.rollout.agent_loop import AgentLoop
 from tests.workers.test_agent_loop import CALL, TOOLS, ScriptedPolicy, _prompts
