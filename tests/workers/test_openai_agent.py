@@ -312,6 +312,9 @@ def test_the_secret_is_required_and_a_closed_session_refuses(served):
         _client(base_url, "wrong").models.list()
     client = _client(base_url, server.api_key)
     assert [m.id for m in client.models.list()] == ["policy", "rlfoundry-policy"]
+    assert client.models.retrieve("rlfoundry-policy").id == "rlfoundry-policy"
+    with pytest.raises(openai.NotFoundError, match="serves"):
+        client.models.retrieve("gpt-4o")
     reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     assert json.loads(reply.choices[0].message.content) == [{"role": "user", "content": "hi"}]
     assert _post(base_url.replace(sid, "nope") + "/chat/completions", ok, server.api_key)[0] == 403

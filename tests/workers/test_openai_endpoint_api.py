@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from rlfoundry.protocol import DataProto
 from rlfoundry.config.schema import MultiTurnConfig
 from rlfoundry.tools.registry import initialize_tools_from_config
 from rlfoundry.workers.rollout.agent_loop import AgentLoop
@@ -190,6 +191,44 @@ def test_what_an_engine_cannot_honour_is_refused_naming_the_parameter(tokenizer)
 # ---- the HF engine: seeds and alternatives -----------------------------------------------------------
 
 
+def _calculator_policy(response_length: int):
+    """The packaged calculator policy and an HF engine sampling it at temperature 2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlfoundry.workers.rollout.hf_rollout import HFRollout
+    from tests.workers.test_openai_agent import REPO
+
+    path = REPO / "rlfoundry" / "assets" / "calculator-policy"
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = {"n": 1, "temperature": 2.0, "do_sample": True, "response_length": response_length, "seed": 3}
+    return tok, model, HFRollout(model, config, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+
+def test_the_hf_engines_top_logprobs_are_the_distribution_its_log_probs_come_from():
+    """meta_info top_logprobs=4: each step's 4 most likely tokens and log-probs equal a teacher-forced
+    forward's log softmax(logits / T) at that position (1e-4), the sampled token's rollout log-prob is
+    that distribution's value for it, and asking for them changes no sampled token."""
+    tok, model, engine = _calculator_policy(12)
+    prompts = _prompts(tok, {"tools": TOOL_SCHEMAS}, ["What is 37*59?", "What is 12*34?"])
+    plain = engine.generate_sequences(prompts)
+    engine.calls = 0  # the same draws again
+    out = engine.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, {"top_logprobs": 4}))
+    torch.testing.assert_close(out.batch["responses"], plain.batch["responses"], rtol=0, atol=0)
+    with torch.no_grad():
+        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+                       position_ids=out.batch["position_ids"]).logits.float() / 2.0
+    width = prompts.batch["input_ids"].shape[1]
+    reference = torch.log_softmax(logits[:, width - 1:-1], dim=-1)  # position t predicts response token t
+    mask = out.batch["response_mask"].bool()
+    values, ids = reference.topk(4, dim=-1)
+    assert torch.equal(out.batch["rollout_top_ids"][mask], ids[mask])
+    torch.testing.assert_close(out.batch["rollout_top_logprobs"][mask], values[mask], rtol=0, atol=1e-4)
+    sampled = reference.gather(-1, out.batch["responses"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out.batch["rollout_log_probs"][mask], sampled[mask], rtol=0, atol=1e-4)
+    assert int(mask.sum(-1).min()) >= 3  # both rows sampled several tokens (their answer and its end)
+
+
 def seeded(base_url, api_key, prompt, extra_info):
     client, replies = _client(base_url, api_key), []
     for seed in (7, 7, 8, 9, 10):
@@ -205,16 +244,7 @@ def test_seed_and_top_logprobs_on_the_hf_engine():
     same tokens (the two requests sit in different segments and engine calls), other seeds other tokens;
     each token's log-prob is the one trained, its top 3 alternatives sorted and, where they hold the sampled
     token, with the same value."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlfoundry.workers.rollout.hf_rollout import HFRollout
-    from tests.workers.test_openai_agent import REPO
-
-    path = REPO / "rlfoundry" / "assets" / "calculator-policy"
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = HFRollout(model, {"n": 1, "temperature": 2.0, "do_sample": True, "response_length": 160, "seed": 3},
-                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    tok, model, engine = _calculator_policy(160)
     loop = _agent_loop(engine, tok, "seeded", response_length=160, max_segments=5, path=HERE)
     prompts = _prompts(tok, {"tools": TOOL_SCHEMAS}, ["What is 37*59?"])
     prompts.meta_info = {}

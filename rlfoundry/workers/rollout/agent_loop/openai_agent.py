@@ -25,7 +25,13 @@ Sampling: the policy samples at the rollout's temperature and top-p (the values 
 for); a request's own ``temperature`` / ``top_p`` are accepted and not applied. ``max_tokens`` is capped by
 the row's remaining budget (``data.max_response_length`` after the data set's prompt); a request that
 leaves no room gets a 400 ``context_length_exceeded``. ``stop`` strings cut the sampled ids after the token
-that completes the string (the reply's text stops before it).
+that completes the string (the reply's text stops before it). A request's ``seed`` keys its draws (engines
+that key them: HF, vLLM; else a 400); ``logprobs`` are the recorded rollout log-probs, ``top_logprobs`` the
+engine's alternatives at the same step (the HF engine; else a 400).
+
+Text completions (``/v1/completions``) are recorded the same way: a prompt that starts with a text segment's
+context and everything sampled in it (those tokens' text, special tokens included; or its ids, for a prompt
+of ids) continues it, only the added text tokenised (masked); any other prompt starts a segment.
 
 A user function that raises, runs past ``timeout_s`` or never calls the endpoint loses its sample: its
 rows are empty (``response_mask`` 0), get a ``uid`` of their own so group estimators leave them out of
