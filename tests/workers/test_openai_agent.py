@@ -75,21 +75,21 @@ def react_scripted(base_url, api_key, prompt, extra_info):
 def summarising(base_url, api_key, prompt, extra_info):
     """Rewrites its history after the tool call: the second request starts a new conversation."""
     client = _client(base_url, api_key)
-    first = client.chat.completions.create(model="m", messages=prompt, tools=TOOL_SCHEMAS).choices[0].message
+    first = client.chat.completions.create(model="policy", messages=prompt, tools=TOOL_SCHEMAS).choices[0].message
     call = first.tool_calls[0]
     summary = [{"role": "user", "content": f"Summary: {call.function.arguments} gave 56088. Answer."}]
-    return client.chat.completions.create(model="m", messages=summary).choices[0].message.content
+    return client.chat.completions.create(model="policy", messages=summary).choices[0].message.content
 
 
 async def async_answer(base_url, api_key, prompt, extra_info):
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    reply = await client.chat.completions.create(model="m", messages=prompt, stop=["answer"])
+    reply = await client.chat.completions.create(model="policy", messages=prompt, stop=["answer"])
     SEEN[prompt[0]["content"]] = [reply]
     return {"answer": reply.choices[0].message.content, "agent_note": extra_info["index"]}
 
 
 def raising(base_url, api_key, prompt, extra_info):
-    _client(base_url, api_key).chat.completions.create(model="m", messages=prompt)
+    _client(base_url, api_key).chat.completions.create(model="policy", messages=prompt)
     raise RuntimeError("the agent broke")
 
 
@@ -97,7 +97,7 @@ def hanging(base_url, api_key, prompt, extra_info):
     SEEN["hanging"] = [base_url, api_key]
     time.sleep(3)
     try:
-        _client(base_url, api_key).chat.completions.create(model="m", messages=prompt)
+        _client(base_url, api_key).chat.completions.create(model="policy", messages=prompt)
     except openai.PermissionDeniedError as e:
         SEEN["hanging"].append(e.status_code)
 
@@ -111,7 +111,7 @@ def long_winded(base_url, api_key, prompt, extra_info):
     client, messages = _client(base_url, api_key), list(prompt)
     while True:
         try:
-            choice = client.chat.completions.create(model="m", messages=messages, tools=TOOL_SCHEMAS).choices[0]
+            choice = client.chat.completions.create(model="policy", messages=messages, tools=TOOL_SCHEMAS).choices[0]
         except openai.BadRequestError as e:
             SEEN["long_winded"] = [e.code]
             return None
@@ -230,9 +230,10 @@ def test_an_agent_that_fails_loses_its_sample_and_is_counted(tokenizer, name, re
 # ---- the endpoint ------------------------------------------------------------------------------
 
 
-@pytest.fixture()
-def served():
-    """An endpoint with one session whose handler echoes the parsed request."""
+@pytest.fixture(scope="module")
+def _echo_endpoint():
+    """An endpoint and an event loop for its sessions (one per module: shutting a server down waits for
+    its poll interval)."""
     import asyncio
     import threading
 
@@ -240,6 +241,15 @@ def served():
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server = OpenAIEndpoint()
+    yield server, loop
+    server.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.fixture()
+def served(_echo_endpoint):
+    """A session whose handler echoes the parsed request."""
+    server, loop = _echo_endpoint
 
     async def echo(request):
         return {"id": "x", "object": "chat.completion", "created": 0, "model": request.model, "choices": [
@@ -248,8 +258,7 @@ def served():
 
     sid, base_url = server.open(echo, loop, 30.0)
     yield server, sid, base_url
-    server.shutdown()
-    loop.call_soon_threadsafe(loop.stop)
+    server.close(sid)
 
 
 def _post(url: str, body: bytes, key: str | None) -> tuple[int, dict]:
@@ -270,7 +279,18 @@ def _post(url: str, body: bytes, key: str | None) -> tuple[int, dict]:
     (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', "max_tokens"),
     (b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}', "stop"),
     (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "stream": true}', "stream"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "stream"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}', "stream_options"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', "top_logprobs"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "seed": 1.5}', "seed"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', "tool_choice"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", '
+     b'"function": {"name": "calculator"}}}', "tool_choice"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}', "tool_choice"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}', "response_format"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"name": "a", "schema": {}}}}', "response_format"),
 ])
 def test_a_malformed_request_gets_an_openai_error_not_a_crash(served, body, param):
     server, _, base_url = served
@@ -284,21 +304,24 @@ def test_a_malformed_request_gets_an_openai_error_not_a_crash(served, body, para
 
 def test_the_secret_is_required_and_a_closed_session_refuses(served):
     server, sid, base_url = served
-    ok = b'{"messages": [{"role": "user", "content": "hi"}], "model": "any"}'
+    ok = b'{"messages": [{"role": "user", "content": "hi"}], "model": "policy"}'
     assert _post(f"{base_url}/chat/completions", ok, None)[0] == 401
     status, reply = _post(f"{base_url}/chat/completions", ok, server.api_key + "x")
     assert status == 401 and reply["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         _client(base_url, "wrong").models.list()
     client = _client(base_url, server.api_key)
-    assert [m.id for m in client.models.list()] == ["rlfoundry-policy"]
-    reply = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}])
+    assert [m.id for m in client.models.list()] == ["policy", "rlfoundry-policy"]
+    assert client.models.retrieve("rlfoundry-policy").id == "rlfoundry-policy"
+    with pytest.raises(openai.NotFoundError, match="serves"):
+        client.models.retrieve("gpt-4o")
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     assert json.loads(reply.choices[0].message.content) == [{"role": "user", "content": "hi"}]
     assert _post(base_url.replace(sid, "nope") + "/chat/completions", ok, server.api_key)[0] == 403
     assert _post(base_url.rsplit("/s/", 1)[0] + "/v1/chat/completions", ok, server.api_key)[0] == 404
     server.close(sid)
     with pytest.raises(openai.PermissionDeniedError):
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}])
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     assert server.host == "127.0.0.1"  # loopback by default
 
 
@@ -367,7 +390,7 @@ def test_the_react_demo_agent_equals_the_tool_agent_on_the_seeded_calculator_pol
 
 
 def two_choices(base_url, api_key, prompt, extra_info):
-    reply = _client(base_url, api_key).chat.completions.create(model="m", messages=prompt, n=2)
+    reply = _client(base_url, api_key).chat.completions.create(model="policy", messages=prompt, n=2)
     return [c.index for c in reply.choices] and reply.choices[1].message.content
 
 
@@ -396,7 +419,7 @@ def test_a_wildcard_bind_gives_agents_an_address_they_can_reach():
         sid, base_url = server.open(lambda request: None, loop, 30.0)
         host = base_url.split("//", 1)[1].split(":", 1)[0]
         assert not ipaddress.ip_address(host).is_unspecified
-        assert [m.id for m in _client(base_url, server.api_key).models.list()] == ["rlfoundry-policy"]
+        assert [m.id for m in _client(base_url, server.api_key).models.list()] == ["policy", "rlfoundry-policy"]
         server.close(sid)
     finally:
         server.shutdown()

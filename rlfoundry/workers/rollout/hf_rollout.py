@@ -296,6 +296,7 @@ class HFRollout(BaseRollout):
     """
 
     keyed_draws = True  # each row's uniforms from its own stream with sample_keys (KeyedDraws)
+    serves_top_logprobs = True  # meta_info["top_logprobs"] = k: each step's k most likely tokens (the OpenAI endpoint)
 
     def __init__(
         self,
@@ -401,7 +402,9 @@ class HFRollout(BaseRollout):
         response_length exactly; ``input_ids``/``attention_mask``/``position_ids`` (B·n, Tp+Tr);
         ``response_mask`` (B·n, Tr) 1 up to and including EOS; ``rollout_log_probs`` (B·n, Tr)
         log-probs of the sampled tokens under softmax(logits / T) (0 after EOS; with
-        ``rollout.use_fire_sampling`` the first token's T is FIRE's 30).
+        ``rollout.use_fire_sampling`` the first token's T is FIRE's 30). With ``top_logprobs=k`` > 0 also
+        ``rollout_top_ids`` / ``rollout_top_logprobs`` (B·n, Tr, k): each step's k most likely tokens and
+        their log-probs under the same distribution (decoded on the dynamic path; 0 after EOS).
         """
         params = resolve_sampling_params(self.config, prompts.meta_info)
         pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
@@ -420,12 +423,21 @@ class HFRollout(BaseRollout):
         pixels = model_multimodal_kwargs(prompts.non_tensor_batch.get("multi_modal_inputs"), device)
         generator = self._draws(prompts.meta_info, input_ids.shape[0], params, device)
         lead = common_left_padding(attention_mask)  # the prefill skips them; the output keeps them
+        k = int(prompts.meta_info.get("top_logprobs") or 0)
+        total, width = input_ids.shape[0] * params.n, params.response_length
+        tops = None if k <= 0 else (torch.zeros((total, width, k), dtype=torch.long, device=device),
+                                    torch.zeros((total, width, k), dtype=torch.float32, device=device))
         with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
             responses, log_probs, lengths = self._decode(
                 input_ids[:, lead:], attention_mask[:, lead:], position_ids[..., lead:], params, generator, pad_id, eos_ids,
-                pixels,
+                pixels, tops,
             )
-        return self._assemble(prompts, params, responses, log_probs, lengths, position_ids)
+        out = self._assemble(prompts, params, responses, log_probs, lengths, position_ids)
+        if tops is not None:
+            valid = response_mask_from_lengths(lengths, width).bool().unsqueeze(-1)
+            out.batch["rollout_top_ids"] = tops[0].masked_fill_(~valid, 0)
+            out.batch["rollout_top_logprobs"] = tops[1].masked_fill_(~valid, 0.0)
+        return out
 
     # ---- the decode loop -----------------------------------------------------------------
 
@@ -491,10 +503,11 @@ class HFRollout(BaseRollout):
         return lambda tokens, pos, mask, cache: self._forward(tokens.unsqueeze(1), mask, pos.unsqueeze(-1), cache)
 
     def _decode(self, input_ids, attention_mask, position_ids, params: SamplingParams, generator, pad_id, eos_ids,
-                pixels: dict | None = None):
-        """Sample until every row hit EOS or ``response_length``; finished rows leave the batch."""
+                pixels: dict | None = None, tops: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Sample until every row hit EOS or ``response_length``; finished rows leave the batch. ``tops``:
+        (N, width, k) ids and log-probs to fill with each step's k most likely tokens (dynamic path only)."""
         total, width, device = input_ids.shape[0] * params.n, params.response_length, input_ids.device
-        static = self._static_decoder(device) if position_ids.dim() == 2 else None
+        static = self._static_decoder(device) if position_ids.dim() == 2 and tops is None else None
         if static is not None:
             return self._decode_static(input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids,
                                        static)
@@ -509,6 +522,10 @@ class HFRollout(BaseRollout):
         for t in range(width):
             uniforms = None if params.greedy else draw_uniforms(generator, total, state.rows)
             tokens, token_lp = sample_tokens(logits, params.for_token(t), generator, uniforms)
+            if tops is not None:  # under the distribution the log-probs are reported in (sample_tokens)
+                scaled = logits.float() / params.for_token(t).logprob_temperature
+                values, ids = torch.log_softmax(scaled, dim=-1).topk(tops[0].shape[-1], dim=-1)
+                tops[0][state.rows, t], tops[1][state.rows, t] = ids, values
             live = state.record(t, tokens, token_lp, eos)
             if t == width - 1 or live == 0:
                 break

@@ -25,7 +25,13 @@ Sampling: the policy samples at the rollout's temperature and top-p (the values 
 for); a request's own ``temperature`` / ``top_p`` are accepted and not applied. ``max_tokens`` is capped by
 the row's remaining budget (``data.max_response_length`` after the data set's prompt); a request that
 leaves no room gets a 400 ``context_length_exceeded``. ``stop`` strings cut the sampled ids after the token
-that completes the string (the reply's text stops before it).
+that completes the string (the reply's text stops before it). A request's ``seed`` keys its draws (engines
+that key them: HF, vLLM; else a 400); ``logprobs`` are the recorded rollout log-probs, ``top_logprobs`` the
+engine's alternatives at the same step (the HF engine; else a 400).
+
+Text completions (``/v1/completions``) are recorded the same way: a prompt that starts with a text segment's
+context and everything sampled in it (those tokens' text, special tokens included; or its ids, for a prompt
+of ids) continues it, only the added text tokenised (masked); any other prompt starts a segment.
 
 A user function that raises, runs past ``timeout_s`` or never calls the endpoint loses its sample: its
 rows are empty (``response_mask`` 0), get a ``uid`` of their own so group estimators leave them out of
@@ -52,7 +58,13 @@ from typing import Any, Callable
 
 from rlfoundry.tools.parser import FORMATS, parse_tool_calls
 from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopError, AgentLoopOutput, register
-from rlfoundry.workers.rollout.agent_loop.openai_server import ChatRequest, OpenAIEndpoint, RequestError
+from rlfoundry.workers.rollout.agent_loop.openai_server import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIEndpoint,
+    RequestError,
+)
+from rlfoundry.workers.rollout.agent_loop.server import Generated
 from rlfoundry.workers.rollout.agent_loop.tool_agent import _in_thread, apply_template, render_after_assistant
 
 __all__ = ["OpenAIAgentLoop", "endpoint", "load_agent_function"]
@@ -157,6 +169,18 @@ class _Segment:
     user_turns: int = 0  # extensions: the tool or user messages appended between two replies
     busy: bool = False  # a request is generating on it
     touched: int = 0  # order of the last update
+    text: str | None = None  # a text completion's context as the agent knows it (None: a chat segment)
+
+    def fork(self) -> _Segment:
+        return _Segment(list(self.ids), list(self.mask), list(self.log_probs), self.tools, list(self.history),
+                        list(self.chat), self.ended, self.last_turn_start, self.turns, self.user_turns, text=self.text)
+
+    def extend(self, ids: list[int]) -> None:
+        """Tokens the policy did not sample (rendered messages, the agent's text): context, masked."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.log_probs += [0.0] * len(ids)
+        self.user_turns += 1
 
 
 class _Recorder:
@@ -169,24 +193,42 @@ class _Recorder:
         eos = loop.server.eos_ids or {self.tok.eos_token_id}
         self.eos = set(eos)
 
-    async def complete(self, request: ChatRequest) -> dict[str, Any]:
-        bases = self._bases(request)
+    async def complete(self, request: ChatRequest | CompletionRequest) -> dict[str, Any]:
+        self._check_sampling(request)
+        text_api = isinstance(request, CompletionRequest)
+        bases = self._text_bases(request) if text_api else self._bases(request)
         rooms = [self._room(s) for s in bases]
         for s in bases:
             s.busy = True
+        seeds = [None if request.seed is None else (request.seed % 2**64, j) for j in range(len(bases))]
         try:  # shielded: a request cut off at its deadline must not cancel the engine's batch entry
             turns = await asyncio.gather(*(asyncio.shield(self.loop.server.generate(
-                self.loop.key, s.ids, min(room, request.max_tokens or room))) for s, room in zip(bases, rooms)))
+                self.loop.key, s.ids, min(room, request.max_tokens or room), seed=seed,
+                top_logprobs=request.top_logprobs)) for s, room, seed in zip(bases, rooms, seeds)))
         finally:
             for s in bases:
                 s.busy = False
         prompt_tokens = len(bases[0].ids)
-        choices = [self._record(s, request, t.token_ids, t.log_probs, i) for i, (s, t) in enumerate(zip(bases, turns))]
+        choices = [self._record(s, request, t, i) for i, (s, t) in enumerate(zip(bases, turns))]
         completion = sum(c.pop("_count") for c in choices)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        return {"id": f"{'cmpl' if text_api else 'chatcmpl'}-{uuid.uuid4().hex}",
+                "object": "text_completion" if text_api else "chat.completion", "created": int(time.time()),
                 "model": request.model, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                           "total_tokens": prompt_tokens + completion}}
+
+    def _check_sampling(self, request: ChatRequest | CompletionRequest) -> None:
+        """A seed or top log-probs the engine cannot give: a 400 naming the parameter, not a silent default."""
+        server, engine = self.loop.server, type(self.loop.server.engine).__name__
+        if request.seed is not None and not server.seeds_requests:
+            raise RequestError(400, f"seed is not supported on this rollout engine ({engine}): it draws per engine "
+                               "call, so a request cannot have a stream of its own (the HF and vLLM engines can)",
+                               "seed", "unsupported_value")
+        if request.top_logprobs and not server.serves_top_logprobs:
+            raise RequestError(400, f"{'top_logprobs' if isinstance(request, ChatRequest) else 'logprobs'} > 0 is not "
+                               f"supported on this rollout engine ({engine}), which returns the sampled tokens' "
+                               "log-probs only: ask for logprobs without alternatives (the HF engine gives them)",
+                               "top_logprobs" if isinstance(request, ChatRequest) else "logprobs", "unsupported_value")
 
     # ---- matching ----------------------------------------------------------------------------
 
@@ -199,24 +241,51 @@ class _Recorder:
             delta = request.messages[len(extended.history):]
             ids = self._after_turn(extended, request, delta)
             self._check_room(extended, len(ids))  # before the segment changes: a refused request leaves it as it was
-            extended.ids += ids
-            extended.mask += [0] * len(ids)
-            extended.log_probs += [0.0] * len(ids)
+            extended.extend(ids)
             extended.history, extended.chat = canon, extended.chat + delta
-            extended.user_turns += 1
             first = extended
         else:
             first = self._fresh(request, canon)
-        forks = [_Segment(list(first.ids), list(first.mask), list(first.log_probs), first.tools, list(canon),
-                          list(first.chat), first.ended, first.last_turn_start, first.turns, first.user_turns)
-                 for _ in range(request.n - 1)]
+        return self._forked(first, request.n)
+
+    def _forked(self, first: _Segment, n: int) -> list[_Segment]:
+        forks = [first.fork() for _ in range(n - 1)]
         self.segments += forks
         return [first, *forks]
+
+    def _text_bases(self, request: CompletionRequest) -> list[_Segment]:
+        """A text completion's segments: the most recent one whose context the prompt starts with (its text
+        with every sampled token's text, special tokens included, or its ids for a prompt of ids) continues, the
+        rest of the prompt tokenised on its own; else a new segment from the prompt's own tokens."""
+        prompt = request.prompt
+        for s in sorted(self.segments, key=lambda s: -s.touched):
+            if s.text is None or s.busy or not s.turns:
+                continue
+            if isinstance(prompt, list) and prompt[:len(s.ids)] == s.ids:
+                ids = prompt[len(s.ids):]
+                rest = self.tok.decode(ids)
+            elif isinstance(prompt, str) and prompt.startswith(s.text):
+                rest = prompt[len(s.text):]
+                ids = self.tok.encode(rest, add_special_tokens=False) if rest else []
+            else:
+                continue
+            self._check_room(s, len(ids), "prompt")
+            if ids:
+                s.extend(ids)
+            s.text += rest
+            return self._forked(s, request.n)
+        ids = list(prompt) if isinstance(prompt, list) else self.tok.encode(prompt)  # BOS as vLLM adds it
+        text = self.tok.decode(ids) if isinstance(prompt, list) else prompt
+        segment = _Segment(ids, [0] * len(ids), [0.0] * len(ids), None, [], [], text=text)
+        self._check_room(segment, 0, "prompt")
+        self.segments.append(segment)
+        return self._forked(segment, request.n)
 
     def _extends(self, request: ChatRequest, canon: list[tuple]) -> _Segment | None:
         for s in sorted(self.segments, key=lambda s: -s.touched):  # the most recent conversation first
             n = len(s.history)
-            if (not s.busy and s.turns and s.tools == request.tools and len(canon) > n and canon[:n] == s.history
+            if (s.text is None and not s.busy and s.turns and s.tools == request.tools and len(canon) > n
+                    and canon[:n] == s.history
                     and all(m["role"] in ("tool", "user") for m in request.messages[n:])):
                 return s
         return None
@@ -253,35 +322,96 @@ class _Recorder:
     def _room(self, s: _Segment) -> int:
         return self.loop.response_length - (len(s.ids) - self._split(s))
 
-    def _check_room(self, s: _Segment, more: int) -> None:
+    def _check_room(self, s: _Segment, more: int, param: str = "messages") -> None:
         """A request whose context (``more`` tokens added to ``s``) leaves nothing to sample within the
         trajectory's budget is OpenAI's ``context_length_exceeded``; the recorded segments stay within it."""
         if self._room(s) - more <= 0:
             raise RequestError(400, f"the conversation leaves no room in this trajectory's budget of "
-                               f"{self.loop.response_length} tokens (data.max_response_length)", "messages",
+                               f"{self.loop.response_length} tokens (data.max_response_length)", param,
                                "context_length_exceeded")
 
     # ---- recording a reply ----------------------------------------------------------------------------
 
-    def _record(self, s: _Segment, request: ChatRequest, ids: list[int], log_probs: list[float], index: int) -> dict:
-        ids, log_probs, stopped = self._cut_at_stop(ids, log_probs, request.stop)
+    def _record(self, s: _Segment, request: ChatRequest | CompletionRequest, turn: Generated, index: int) -> dict:
+        ids, log_probs, top, stopped = self._cut_at_stop(turn.token_ids, turn.log_probs, turn.top, request.stop)
         ended = bool(ids) and ids[-1] in self.eos
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        if stopped is not None:
-            text = text[:stopped]
+        full = self.tok.decode(ids, skip_special_tokens=True)
+        text = full if stopped is None else full[:stopped]
         s.last_turn_start = len(s.ids)
         s.ids, s.mask, s.log_probs = s.ids + ids, s.mask + [1] * len(ids), s.log_probs + list(log_probs)
         s.ended, s.turns = ended, s.turns + 1
         self.clock += 1
         s.touched = self.clock
-        message, finish = self._message(text, request.tools)
+        finish = "stop" if ended or stopped is not None else "length"
+        pieces = self._pieces(ids, text) if request.stream or (request.logprobs and s.text is not None) else None
+        if s.text is not None:  # a text completion: a prompt continues it by starting with every sampled token's
+            s.text += self.tok.decode(ids)  # text, special ones (an end of turn) included
+            logprobs = self._text_logprobs(ids, log_probs, top, pieces, request) if request.logprobs else None
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "_count": len(ids),
+                    "_pieces": pieces}
+        message, parsed = self._message(text, None if request.tool_choice == "none" else request.tools)
         s.history = s.history + [_canon(message)]
         s.chat = s.chat + [{"role": "assistant", "content": text}]
-        if not (ended or stopped is not None):
-            finish = "length"
-        return {"index": index, "message": message, "finish_reason": finish, "logprobs": None, "_count": len(ids)}
+        logprobs = {"content": [self._entry(i, lp, top and top[k], request) for k, (i, lp) in
+                                enumerate(zip(ids, log_probs))]} if request.logprobs else None
+        return {"index": index, "message": message, "finish_reason": parsed if finish == "stop" else finish,
+                "logprobs": logprobs, "_count": len(ids), "_pieces": pieces}
+
+    # ---- what the client sees of the tokens -----------------------------------------------------------
+
+    def _token(self, token_id: int, request: ChatRequest | CompletionRequest) -> tuple[str, list[int]]:
+        """A token as the API names it (``token_id:<id>`` with vLLM's ``return_tokens_as_token_ids``) and its bytes."""
+        text = self.tok.decode([token_id])
+        return (f"token_id:{token_id}" if request.tokens_as_ids else text), list(text.encode())
+
+    def _entry(self, token_id: int, log_prob: float, top: list | None, request: ChatRequest) -> dict:
+        """A chat token's log-prob entry: the trained log-prob; its alternatives from the same engine step
+        (the sampled token among them carries the trained value)."""
+        token, raw = self._token(token_id, request)
+        alternatives = []
+        for other, value in top or []:
+            name, other_raw = self._token(other, request)
+            alternatives.append({"token": name, "logprob": log_prob if other == token_id else value,
+                                 "bytes": other_raw})
+        return {"token": token, "logprob": log_prob, "bytes": raw, "top_logprobs": alternatives}
+
+    def _text_logprobs(self, ids: list[int], log_probs: list[float], top: list | None, pieces: list[str],
+                       request: CompletionRequest) -> dict:
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        tops = None
+        if request.top_logprobs:
+            tops = [{self._token(o, request)[0]: (lp if o == i else v) for o, v in (top[k] if top else [])}
+                    for k, (i, lp) in enumerate(zip(ids, log_probs))]
+        return {"tokens": [self._token(i, request)[0] for i in ids], "token_logprobs": list(log_probs),
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def _pieces(self, ids: list[int], text: str) -> list[str]:
+        """``text`` split by sampled token (what a stream sends with each): each token's new characters,
+        decoded incrementally as a streaming server does (a character split over tokens comes with its
+        last one), cut where ``text`` ends (a stop string); if the pieces do not add up to ``text`` (a
+        tokenizer whose decoding is not incremental), the whole text comes with the first token."""
+        pieces, prefix, read = [], 0, 0
+        for k in range(1, len(ids) + 1):
+            before = self.tok.decode(ids[prefix:read], skip_special_tokens=True)
+            now = self.tok.decode(ids[prefix:k], skip_special_tokens=True)
+            if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
+                pieces.append(now[len(before):])
+                prefix, read = read, k
+            else:
+                pieces.append("")
+        shown, cut = 0, []
+        for piece in pieces:
+            cut.append(piece[:max(0, len(text) - shown)])
+            shown += len(cut[-1])
+        if "".join(cut) != text:
+            return [text] + [""] * (len(ids) - 1) if ids else []
+        return cut
 
     def _message(self, text: str, tools: list[dict] | None) -> tuple[dict, str]:
+        # tools None: none offered, or tool_choice "none" (the text is not read for calls)
         """OpenAI's assistant message: the calls (in ``multi_turn.format``) as ``tool_calls`` when tools were
         offered and every call parses (else the text as content, as vLLM's tool parsers do)."""
         types = {t["function"]["name"]: _argument_types(t["function"]) for t in tools or []}
@@ -292,16 +422,18 @@ class _Recorder:
                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
         return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, "tool_calls"
 
-    def _cut_at_stop(self, ids: list[int], log_probs: list[float], stop: list[str]) -> tuple[list, list, int | None]:
-        """The ids up to the token that completes the first stop string, and where the text stops."""
+    def _cut_at_stop(self, ids: list[int], log_probs: list[float], top: list | None,
+                     stop: list[str]) -> tuple[list, list, list | None, int | None]:
+        """The ids (log-probs, alternatives) up to the token that completes the first stop string, and where
+        the text stops."""
         if not stop:
-            return ids, log_probs, None
+            return ids, log_probs, top, None
         for k in range(1, len(ids) + 1):
             text = self.tok.decode(ids[:k], skip_special_tokens=True)
             found = [i for i in (text.find(s) for s in stop) if i >= 0]
             if found:
-                return ids[:k], log_probs[:k], min(found)
-        return ids, log_probs, None
+                return ids[:k], log_probs[:k], top and top[:k], min(found)
+        return ids, log_probs, top, None
 
     # ---- the trajectory's rows ------------------------------------------------------------------------
 

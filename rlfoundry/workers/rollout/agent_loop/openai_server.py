@@ -11,6 +11,15 @@ joins the other trajectories' engine calls (``server.py``).
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, and status: 400 for a
 malformed request, 401 for a missing or wrong key, 404 for an unknown path or session, 403 once the
 session is closed or past its deadline (not retried by OpenAI clients, which retry 408, 409, 429, 5xx).
+An unknown model name is a 404 listing the served names (``policy`` and ``rlfoundry-policy``), as vLLM answers.
+
+``POST /s/<session>/v1/completions`` is the text-completion API (a prompt as text or token ids). With
+``stream: true`` either answer comes as server-sent events (``chat.completion.chunk`` / ``text_completion``
+chunks, one per sampled token, then ``data: [DONE]``; a last chunk with ``usage`` when
+``stream_options.include_usage``): the turn is generated whole, batched with the other trajectories' turns,
+then sent, so the streamed tokens are the recorded ones. Parameters the endpoint cannot honour are refused
+with a 400 naming them (``tool_choice`` other than auto/none, ``response_format`` other than text: they need
+constrained decoding, whose samples are not what the trainer scores; ``echo``, ``suffix``, ``best_of``).
 """
 
 from __future__ import annotations
@@ -28,11 +37,14 @@ from typing import Any, Awaitable, Callable
 
 from rlfoundry.utils.http import send_json
 
-__all__ = ["ChatRequest", "OpenAIEndpoint", "RequestError", "parse_chat_request"]
+__all__ = ["ChatRequest", "CompletionRequest", "MODEL_IDS", "OpenAIEndpoint", "RequestError", "parse_chat_request",
+           "parse_completion_request"]
 
 logger = logging.getLogger(__name__)
 
-MODEL_ID = "rlfoundry-policy"  # what /v1/models lists; a request may name any model (it is the policy)
+MODEL_ID = "rlfoundry-policy"
+MODEL_IDS = ("policy", MODEL_ID)  # the names served (/v1/models); any other is a 404, as vLLM answers
+_MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (vLLM's default cap too)
 _MAX_BODY = 64 * 1024 * 1024
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -50,17 +62,37 @@ class RequestError(Exception):
 
 
 @dataclass
-class ChatRequest:
-    """A validated ``/v1/chat/completions`` body (the fields the endpoint acts on)."""
+class _Sampling:
+    """What both APIs share: how many choices, the sampling fields, logprobs and streaming."""
 
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     model: str = MODEL_ID
+    seed: int | None = None
+    logprobs: bool = False  # each sampled token's log-prob (the rollout log-prob the trainer records)
+    top_logprobs: int = 0  # and the k most likely tokens at each step
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+
+
+@dataclass
+class ChatRequest(_Sampling):
+    """A validated ``/v1/chat/completions`` body (the fields the endpoint acts on)."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "auto"  # or "none": the reply's text is not read for calls
+
+
+@dataclass
+class CompletionRequest(_Sampling):
+    """A validated ``/v1/completions`` body: one prompt, as text or token ids."""
+
+    prompt: str | list[int] = ""
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> RequestError:
@@ -99,6 +131,75 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     return {**m, "content": content}
 
 
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(f"{key} must be true or false, got {value!r}", key)
+    return bool(value)
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if model is None:
+        return MODEL_ID
+    if model not in MODEL_IDS:
+        raise RequestError(404, f"The model {model!r} does not exist: this endpoint serves {list(MODEL_IDS)} "
+                           "(both are the policy being trained)", "model", "model_not_found", "not_found_error")
+    return model
+
+
+def _sampling(body: dict, max_tokens_default: int | None) -> dict[str, Any]:
+    """The shared fields, checked; ``logprobs`` / ``top_logprobs`` are left to each API (they differ)."""
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
+        raise _bad("stop must be a string or a list of at most 4 non-empty strings", "stop")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    stream, options = _flag(body, "stream"), body.get("stream_options")
+    if options is not None and not stream:
+        raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise _bad("stream_options must be an object whose include_usage is true or false", "stream_options")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad(f"seed must be an integer, got {seed!r}", "seed")
+    return {"n": _number(body, "n", 1, 128, integer=True) or 1, "temperature": _number(body, "temperature", 0, 2),
+            "top_p": _number(body, "top_p", 0, 1),
+            "max_tokens": _number({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 30, integer=True) or max_tokens_default,
+            "stop": stop, "model": _model(body), "seed": seed, "stream": stream,
+            "include_usage": bool((options or {}).get("include_usage")),
+            "tokens_as_ids": _flag(body, "return_tokens_as_token_ids")}
+
+
+def _unsupported(param: str, message: str) -> RequestError:
+    return _bad(message, param, "unsupported_value")
+
+
+def _tool_choice(body: dict) -> str:
+    """auto (the policy's calls are read from its text) or none (not read); forcing a call is refused."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required" or isinstance(choice, dict):
+        raise _unsupported("tool_choice", f"tool_choice={json.dumps(choice)} is not supported: forcing a call needs "
+                           "constrained decoding, and a constrained sample is not what the trainer scores; this "
+                           "endpoint supports tool_choice 'auto' (the policy's calls are parsed) and 'none'")
+    raise _bad(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}", "tool_choice")
+
+
+def _response_format(body: dict) -> None:
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise _unsupported("response_format", f"response_format type {kind!r} is not supported: it needs constrained "
+                           "decoding, and a constrained sample is not what the trainer scores; this endpoint "
+                           "supports response_format {'type': 'text'} (ask for JSON in the prompt instead)")
+    raise _bad(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema'}}, got {fmt!r}",
+               "response_format")
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """The request, or a :class:`RequestError` naming the first bad field."""
     if not isinstance(body, dict):
@@ -110,22 +211,36 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"] for t in tools)):
         raise _bad("tools must be a list of {type: function, function: {name, parameters}}", "tools")
-    if body.get("stream"):
-        raise _bad("stream=true is not supported by this endpoint", "stream", "unsupported_parameter")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
-        raise _bad("stop must be a string or a list of at most 4 non-empty strings", "stop")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return ChatRequest(
-        messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools or None,
-        n=_number(body, "n", 1, 128, integer=True) or 1, temperature=_number(body, "temperature", 0, 2),
-        top_p=_number(body, "top_p", 0, 1),
-        max_tokens=_number({"max_tokens": max_tokens}, "max_tokens", 1, 1 << 30, integer=True),
-        stop=stop, model=str(body.get("model") or MODEL_ID))
+    logprobs = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", 0, _MAX_TOP_LOGPROBS, integer=True) or 0
+    if top and not logprobs:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    _response_format(body)
+    return ChatRequest(messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools or None,
+                       tool_choice=_tool_choice(body), logprobs=logprobs, top_logprobs=top,
+                       **_sampling(body, None))
 
 
-Handler = Callable[[ChatRequest], Awaitable[dict[str, Any]]]
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """A ``/v1/completions`` request (one prompt: a string, or token ids), or a :class:`RequestError`."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", "body", "invalid_json")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    is_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                          for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not is_ids:
+        raise _bad("prompt must be one non-empty string or one list of token ids (one prompt per request)", "prompt")
+    for key, default in (("echo", False), ("suffix", None), ("best_of", None)):
+        if body.get(key) not in (default, None) and not (key == "best_of" and body[key] == body.get("n", 1)):
+            raise _unsupported(key, f"{key} is not supported by this endpoint")
+    logprobs = _number(body, "logprobs", 0, _MAX_TOP_LOGPROBS, integer=True)
+    return CompletionRequest(prompt=prompt, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+                             **_sampling(body, 16))  # OpenAI's (and vLLM's) default max_tokens for completions
+
+
+Handler = Callable[["ChatRequest | CompletionRequest"], Awaitable[dict[str, Any]]]
 
 
 @dataclass
@@ -179,7 +294,8 @@ class OpenAIEndpoint:
 
     # ---- called from the HTTP threads ----------------------------------------------------------
 
-    def answer(self, method: str, path: str, auth: str | None, raw: bytes | None) -> tuple[int, dict]:
+    def answer(self, method: str, path: str, auth: str | None, raw: bytes | None) -> tuple[int, dict | list[str]]:
+        """The status and the reply: a JSON body, or a stream's server-sent events (a list of ``data:`` lines)."""
         try:
             return 200, self._answer(method, path, auth, raw)
         except RequestError as e:
@@ -188,7 +304,7 @@ class OpenAIEndpoint:
             logger.warning("openai endpoint: %s %s failed: %s: %s", method, path, type(e).__name__, e)
             return 500, RequestError(500, f"{type(e).__name__}: {e}", type_="server_error").body()
 
-    def _answer(self, method: str, path: str, auth: str | None, raw: bytes | None) -> dict:
+    def _answer(self, method: str, path: str, auth: str | None, raw: bytes | None) -> dict | list[str]:
         parts = path.split("?", 1)[0].strip("/").split("/")
         if len(parts) < 3 or parts[0] != "s" or parts[2] != "v1":
             raise RequestError(404, f"unknown path {path!r}: use the base_url the agent was given "
@@ -199,15 +315,24 @@ class OpenAIEndpoint:
         route = "/".join(parts[3:])
         session = self._session(parts[1])
         if method == "GET" and route == "models":
-            return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "rlfoundry"}]}
-        if method != "POST" or route != "chat/completions":
-            raise RequestError(404, f"{method} /v1/{route} is not served: POST /v1/chat/completions, GET /v1/models",
-                               code="unknown_url", type_="not_found_error")
+            return {"object": "list", "data": [_model_card(m) for m in MODEL_IDS]}
+        if method == "GET" and route.startswith("models/"):
+            return _model_card(_model({"model": route.split("/", 1)[1]}))
+        parse = {"chat/completions": parse_chat_request, "completions": parse_completion_request}.get(route)
+        if method != "POST" or parse is None:
+            raise RequestError(404, f"{method} /v1/{route} is not served: POST /v1/chat/completions, POST "
+                               "/v1/completions, GET /v1/models", code="unknown_url", type_="not_found_error")
         try:
             body = json.loads(raw or b"")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise _bad(f"the request body is not valid JSON ({e})", "body", "invalid_json") from e
-        return self._complete(session, parse_chat_request(body))
+        request = parse(body)
+        result = self._complete(session, request)
+        if request.stream:
+            return stream_events(result, request.include_usage)
+        for choice in result["choices"]:
+            choice.pop("_pieces", None)
+        return result
 
     def _session(self, sid: str) -> _Session:
         with self._lock:
@@ -220,7 +345,7 @@ class OpenAIEndpoint:
                                code="deadline_exceeded", type_="permission_denied_error")
         return session
 
-    def _admit(self, session: _Session, request: ChatRequest) -> concurrent.futures.Future:
+    def _admit(self, session: _Session, request: ChatRequest | CompletionRequest) -> concurrent.futures.Future:
         """Count and start the request unless its session closed meanwhile (the check and the start
         under the lock that ``close`` takes, so no completion runs for a finished trajectory)."""
         with self._lock:
@@ -232,7 +357,7 @@ class OpenAIEndpoint:
             session.inflight.add(future)
         return future
 
-    def _complete(self, session: _Session, request: ChatRequest) -> dict:
+    def _complete(self, session: _Session, request: ChatRequest | CompletionRequest) -> dict:
         future = self._admit(session, request)
         try:
             return future.result(timeout=max(0.0, session.deadline - time.monotonic()))
@@ -243,6 +368,55 @@ class OpenAIEndpoint:
         finally:
             with self._lock:
                 session.inflight.discard(future)
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "rlfoundry"}
+
+
+def stream_events(result: dict, include_usage: bool) -> list[str]:
+    """A completion as server-sent events: per choice, one chunk per sampled token (its text piece and, when
+    asked, its log-prob entry), then one with the finish reason; the usage last when asked; ``[DONE]``.
+    A chat choice opens with its role and sends its tool calls whole after the text; ``_pieces`` (one text
+    piece per sampled token, joined: the choice's text) is what the handler recorded for this."""
+    chat = result["object"] == "chat.completion"
+    head = {"id": result["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": result["created"], "model": result["model"]}
+    usage = {"usage": None} if include_usage else {}
+    events = []
+
+    def emit(choice: dict) -> None:
+        events.append(json.dumps({**head, "choices": [choice], **usage}))
+
+    for choice in result["choices"]:
+        index, pieces, logprobs = choice["index"], choice.pop("_pieces"), choice.get("logprobs")
+        message = choice.get("message") or {}
+        if chat:
+            emit({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        if message.get("tool_calls"):  # the text before the calls, every token's entry with it, then the calls
+            entries = logprobs and {"content": logprobs["content"]}
+            emit({"index": index, "delta": {"content": message.get("content") or ""}, "logprobs": entries,
+                  "finish_reason": None})
+            emit({"index": index, "delta": {"tool_calls": [{"index": i, **call} for i, call in
+                                                          enumerate(message["tool_calls"])]},
+                  "logprobs": None, "finish_reason": None})
+        else:
+            for k, piece in enumerate(pieces):
+                entry = None if logprobs is None else _token_logprobs(logprobs, k, chat)
+                emit({"index": index, "delta": {"content": piece}, "logprobs": entry, "finish_reason": None} if chat
+                     else {"index": index, "text": piece, "logprobs": entry, "finish_reason": None})
+        end = {"index": index, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        emit({**end, "delta": {}} if chat else {**end, "text": ""})
+    if include_usage:
+        events.append(json.dumps({**head, "choices": [], "usage": result["usage"]}))
+    return events + ["[DONE]"]
+
+
+def _token_logprobs(logprobs: dict, k: int, chat: bool) -> dict:
+    """Token ``k``'s part of a choice's log-probs, in the API's layout."""
+    if chat:
+        return {"content": logprobs["content"][k:k + 1]}
+    return {key: values[k:k + 1] if values is not None else None for key, values in logprobs.items()}
 
 
 class _Server(ThreadingHTTPServer):
@@ -266,8 +440,17 @@ def _handler_class(endpoint: OpenAIEndpoint) -> type:
             raw = self.rfile.read(length) if length else b""
             self._reply(*endpoint.answer("POST", self.path, self.headers.get("Authorization"), raw))
 
-        def _reply(self, status: int, body: dict) -> None:
-            send_json(self, status, body)
+        def _reply(self, status: int, body: dict | list[str]) -> None:
+            if isinstance(body, dict):
+                send_json(self, status, body)
+                return
+            data = "".join(f"data: {event}\n\n" for event in body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Content-Length", str(len(data)))  # the turn is whole: its events are sent at once
+            self.end_headers()
+            self.wfile.write(data)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: one line per request is noise
             logger.debug("openai endpoint: " + format, *args)

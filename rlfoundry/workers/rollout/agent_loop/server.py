@@ -16,6 +16,11 @@ trajectory's concurrent requests are keyed in the order they reach the server). 
 meta-info carries every row's own budget (``max_response_lengths``): vLLM caps each request by it, the
 HF engine generates to the largest and the server cuts each row to its own.
 
+A request may carry a ``seed`` (the OpenAI endpoint's per-request seed): on an engine that keys its draws its
+stream is then keyed by that seed alone (not by the batch, trajectory or turn), so the same seed and context
+sample the same tokens; and ``top_logprobs`` = k: the engine call then asks for each step's k most likely
+tokens (``serves_top_logprobs``: the HF engine) and the request gets them.
+
 Image rows (docs/vision.md): a request may carry its prompt's :class:`PromptVision` (the row's
 ``multi_modal_inputs``, ``multi_modal_data`` and 3-D rotary positions); the engine call then gets every
 row's pixel inputs (``multi_modal_inputs``, what the HF engine reads), its images (``multi_modal_data``,
@@ -63,12 +68,17 @@ class PromptVision:
         return continued_positions(self.positions, extra)
 
 
+_SEEDED = 1 << 41  # in the first slot of a seeded request's draw key: never a reserved call number
+
+
 @dataclass
 class Generated:
-    """One request's turn: the sampled ids (cut to its ``max_tokens``) and their log-probs."""
+    """One request's turn: the sampled ids (cut to its ``max_tokens``) and their log-probs; with
+    ``top_logprobs`` asked, each step's most likely ``(token id, log-prob)`` pairs."""
 
     token_ids: list[int]
     log_probs: list[float]
+    top: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -79,6 +89,7 @@ class _Request:
     future: asyncio.Future
     vision: PromptVision | None = None
     draw_key: int = 0  # (reserved call, trajectory, turn) mixed: the key of its sampling stream
+    top_logprobs: int = 0
 
 
 class GenerationServer:
@@ -97,6 +108,15 @@ class GenerationServer:
         self._wake: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-engine")
 
+    @property
+    def seeds_requests(self) -> bool:
+        """Whether a request's own ``seed`` can key its draws (the engine keys them: HF, vLLM)."""
+        return self._salt is not None
+
+    @property
+    def serves_top_logprobs(self) -> bool:
+        return bool(getattr(self.engine, "serves_top_logprobs", False))
+
     # ---- the trajectories' side ------------------------------------------------------------
 
     def join(self) -> None:
@@ -106,15 +126,20 @@ class GenerationServer:
         self.live -= 1
         self._notify()
 
-    async def generate(self, key: int, token_ids: list[int], max_tokens: int,
-                       vision: PromptVision | None = None) -> Generated:
+    async def generate(self, key: int, token_ids: list[int], max_tokens: int, vision: PromptVision | None = None,
+                       *, seed: tuple[int, ...] | None = None, top_logprobs: int = 0) -> Generated:
         """The next turn after ``token_ids``; ``vision``: the image prompt they start with (see the module
-        docstring), None for a text context."""
+        docstring), None for a text context; ``seed`` (non-negative ints): key the draws by it alone (only
+        where ``seeds_requests``); ``top_logprobs``: how many of each step's most likely tokens to return."""
+        if seed is not None and self._salt is None:
+            raise ValueError("this rollout engine draws per engine call: a request cannot carry its own seed")
         future = asyncio.get_running_loop().create_future()
         turn = self._turns.get(key, 0)
         self._turns[key] = turn + 1
-        draw_key = 0 if self._salt is None else mixed_seed(self._salt, key, turn)
-        self._pending.append(_Request(key, list(token_ids), int(max_tokens), future, vision, draw_key))
+        draw_key = 0 if self._salt is None else mixed_seed(_SEEDED, *seed) if seed is not None else \
+            mixed_seed(self._salt, key, turn)
+        self._pending.append(_Request(key, list(token_ids), int(max_tokens), future, vision, draw_key,
+                                      int(top_logprobs)))
         self._notify()
         return await future
 
@@ -165,14 +190,24 @@ class GenerationServer:
         meta = {**self.meta, "n": 1, "response_length": budget, "max_response_lengths": [r.max_tokens for r in batch]}
         if self._salt is not None:
             meta["sample_keys"] = [r.draw_key for r in batch]
+        top_k = max(r.top_logprobs for r in batch)
+        if top_k:
+            meta["top_logprobs"] = top_k
         out = self.engine.generate_sequences(self._rows(batch, meta))
         # to Python lists in one copy per tensor (from the engine's device), not one sync per row
         lengths = out.batch["response_mask"].sum(-1).tolist()
         responses, log_probs = out.batch["responses"].tolist(), out.batch["rollout_log_probs"].tolist()
+        top_ids = top_values = None
+        if top_k and "rollout_top_ids" in out.batch.keys():
+            top_ids, top_values = out.batch["rollout_top_ids"].tolist(), out.batch["rollout_top_logprobs"].tolist()
         results = []
         for k, request in enumerate(batch):
             length = min(int(lengths[k]), request.max_tokens)
-            results.append(Generated(responses[k][:length], log_probs[k][:length]))
+            top = None
+            if request.top_logprobs and top_ids is not None:
+                top = [list(zip(top_ids[k][t][:request.top_logprobs], top_values[k][t][:request.top_logprobs]))
+                       for t in range(length)]
+            results.append(Generated(responses[k][:length], log_probs[k][:length], top))
         return results
 
     def _rows(self, batch: list[_Request], meta: dict) -> DataProto:
