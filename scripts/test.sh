@@ -4,7 +4,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pytest tests -q "$@"
+# --durations: the slowest tests in every run's log, where CI time is trimmed from
+"$PY" -m pytest tests -q --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "[rlfoundry] pytest collected no tests" >&2; exit 1; fi
 exit "$rc"
