@@ -1,10 +1,12 @@
-"""The ``rlfoundry`` command: ``train | preprocess | export | report | sft | sandbox``.
+"""The ``rlfoundry`` command: ``train | preprocess | export | report | trajectories | sft | sandbox``.
 
     rlfoundry train [key=value ...]              PPO/GRPO training (same as python -m rlfoundry.trainer.main_ppo)
     rlfoundry preprocess <task> --output DIR     write a data set as verl-format parquet
     rlfoundry export <checkpoint_dir> <hf_dir>   sharded actor checkpoint -> Hugging Face model directory
                                                  (LoRA: --format merged, the default, or adapter)
     rlfoundry report <run_dir>                   plot a run's metrics.jsonl (PNG + HTML)
+    rlfoundry trajectories <dump_dir> [--step N] [--model PATH]
+                                                 print trainer.rollout_data_dir's trajectories, token for token
     rlfoundry sft [key=value ...]                supervised fine-tuning
     rlfoundry sandbox serve [--host H --port P]  this project's sandbox behind SandboxFusion's HTTP API
 """
@@ -22,6 +24,7 @@ _SUBCOMMANDS = {
     "train": "rlfoundry.trainer.main_ppo",
     "preprocess": "rlfoundry.data.preprocess.__main__",
     "report": "rlfoundry.trainer.report",
+    "trajectories": "rlfoundry.utils.trajectories",
     "sft": "rlfoundry.trainer.sft_trainer",
     "sandbox": "rlfoundry.sandbox.fusion",
 }

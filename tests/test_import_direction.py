@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rlfoundry"
 LAYERS = {
     "protocol": 0, "utils": 0, "algos": 0, "config": 0, "sandbox": 0,
     "models": 1, "data": 1, "rewards": 1, "single_controller": 1, "tools": 1, "interactions": 1,
+    "agents": 1,  # the packaged demo agents (OpenAI-API clients); they use the tools' evaluators
     "checkpoint": 1,  # below the engines, which save through it; it names engine exporters, never imports them
     "cpu": 1,  # the CPU kernels: conversions the engines, workers and trainer apply; they pass in what a kernel needs
     "engines": 2,

@@ -280,14 +280,18 @@ def marked_timer(name: str, timing_raw: dict[str, float]) -> Iterator[None]:
 
 
 def multi_turn_metrics(non_tensor_batch: dict[str, np.ndarray]) -> dict[str, float]:
-    """``num_turns/{mean,min,max}``, tool calls and errors (by tool and kind), tool reward, the share of
-    trajectories each stop reason ended, and tokenisation check failures; {} for single-turn batches.
-    Rows of loops that lack a column (a custom loop, ``single_turn_agent``) hold None there: skipped."""
+    """``num_turns/{mean,min,max}`` over the real rows (a lost sample's and padding rows, ``excluded``, have no
+    turns to count), tool calls and errors (by tool and kind), tool reward, the share of trajectories each
+    stop reason ended (a trajectory of several rows counted once, by ``trajectory_id``), lost samples,
+    conversations dropped by ``openai.max_segments`` and tokenisation check failures; {} for single-turn
+    batches. Rows of loops that lack a column (a custom loop, ``single_turn_agent``) hold None there: skipped."""
     if "num_turns" not in non_tensor_batch:
         return {}
-    turns = np.asarray(non_tensor_batch["num_turns"], dtype=np.float64)
+    rows = len(non_tensor_batch["num_turns"])
+    excluded = np.array([bool(v) for v in non_tensor_batch.get("excluded", [False] * rows)], dtype=bool)
+    turns = np.asarray(non_tensor_batch["num_turns"], dtype=np.float64)[~excluded]
     metrics = {"num_turns/mean": float(turns.mean()), "num_turns/min": float(turns.min()),
-               "num_turns/max": float(turns.max())}
+               "num_turns/max": float(turns.max())} if len(turns) else {}
 
     def present(key: str) -> list:
         return [v for v in non_tensor_batch.get(key, ()) if v is not None]
@@ -301,6 +305,30 @@ def multi_turn_metrics(non_tensor_batch: dict[str, np.ndarray]) -> dict[str, flo
         errors.update(row)
     metrics["multi_turn/tool_errors"] = float(sum(errors.values()))
     metrics |= {f"multi_turn/tool_errors/{k}": float(v) for k, v in sorted(errors.items())}
-    stops = Counter(present("stop_reason"))
-    metrics |= {f"multi_turn/stop/{k}": v / len(turns) for k, v in sorted(stops.items())}
+    return metrics | _trajectory_metrics(non_tensor_batch, excluded)
+
+
+def _trajectory_metrics(columns: dict[str, np.ndarray], excluded: np.ndarray) -> dict[str, float]:
+    """Per trajectory (its rows share a ``trajectory_id``, in any order once the batch is balanced): the share
+    each stop reason ended (``segment_padding`` rows carry none of their own), ``multi_turn/lost_samples``
+    (trajectories without a real row) and ``multi_turn/segments_dropped`` (conversations beyond
+    ``max_segments``, summed; every row of a trajectory holds its count)."""
+    n = len(excluded)
+    ids = columns.get("trajectory_id", np.arange(n))
+    reasons = columns.get("stop_reason", np.full(n, None, dtype=object))
+    dropped = columns.get("segments_dropped", np.full(n, None, dtype=object))
+    stop: dict = {}
+    real, counts = set(), {}
+    for r in range(n):
+        stop.setdefault(ids[r], None)
+        if reasons[r] not in (None, "segment_padding"):
+            stop[ids[r]] = reasons[r]
+        counts[ids[r]] = dropped[r] or 0
+        if not excluded[r]:
+            real.add(ids[r])
+    stops = Counter(v for v in stop.values() if v is not None)
+    metrics = {f"multi_turn/stop/{k}": v / len(stop) for k, v in sorted(stops.items())}
+    metrics["multi_turn/lost_samples"] = float(len(stop.keys() - real))
+    if "segments_dropped" in columns:
+        metrics["multi_turn/segments_dropped"] = float(sum(counts.values()))
     return metrics

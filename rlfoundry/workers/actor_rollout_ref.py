@@ -234,7 +234,8 @@ class ActorRolloutRefWorker(Worker):
         # the data set rendered the prompts with the same tools (trainer/main_ppo.rollout_data_config)
         kwargs = {"tools": [t.get_openai_tool_schema().model_dump() for t in tools]} if tools else {}
         loop = AgentLoop(self.rollout, self.tokenizer, multi_turn, {t.name: t for t in tools}, rollout.response_length,
-                         chat_template_kwargs=kwargs, agent=rollout.agent, interactions=interactions)
+                         chat_template_kwargs=kwargs, agent=rollout.agent, interactions=interactions,
+                         prompt_tools_known=bool(multi_turn.tool_config_path))
         resolve_agent_loops({loop.default_loop}, loop.loop_config_path)
         return loop
 

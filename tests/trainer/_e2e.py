@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 # A dense, deterministic score in [0, 1] that a random tiny policy already spreads out (the real
@@ -107,6 +108,25 @@ def train(overrides: list[str], keep_trainer: bool = False, config_name: str | N
 
 def sequence_scores(batch: dict[str, Any]) -> torch.Tensor:
     return batch["token_level_scores"].sum(-1)
+
+
+def assert_dump_is_the_batch(trajectories: list, batch: dict[str, Any]) -> None:
+    """``trainer.rollout_data_dir``'s step, read back (``utils.trajectories.read_trajectories``), is the
+    batch the actor trained on, row for row: prompt and response ids without padding, the response mask,
+    the engine's log-probs, the summed scores and the reward's position."""
+    width = batch["prompts"].shape[1]
+    assert len(trajectories) == len(batch["responses"])
+    for i, t in enumerate(trajectories):
+        attention = batch["attention_mask"][i].bool()
+        real = attention[width:]
+        assert t.prompt_ids == batch["prompts"][i][attention[:width]].tolist(), i
+        assert t.response_ids == batch["responses"][i][real].tolist(), i
+        assert t.response_mask == batch["response_mask"][i][real].tolist(), i
+        if "rollout_log_probs" in batch:
+            assert t.record["rollout_log_probs"] == batch["rollout_log_probs"][i][real].tolist(), i
+        assert t.score == float(batch["token_level_scores"][i].sum()), i
+        assert sum(v for _, v in t.rewards) == pytest.approx(t.score, abs=1e-6)
+        assert sum(b - a for _, a, b in t.turns) == len(t.response_ids), i  # the turns tile the response
 
 
 def groups(batch: dict[str, Any]) -> dict[str, list[int]]:

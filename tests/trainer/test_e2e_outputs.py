@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from transformers import AutoTokenizer
 
+from rlfoundry.utils.trajectories import read_trajectories
 from tests.trainer import _e2e as E
 
 pytestmark = pytest.mark.slow
@@ -24,6 +26,7 @@ def test_validation_dumps_and_logged_generations(tiny_model_dir, tmp_path):
         tiny_model_dir, tmp_path / "run", f"custom_reward_function.path={reward}", "trainer.val_before_train=true",
         "trainer.test_freq=1", "trainer.total_training_steps=1", f"trainer.validation_data_dir={tmp_path / 'val'}",
         "trainer.log_val_generations=3", f"trainer.rollout_data_dir={tmp_path / 'train'}"))
+    eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
     dumps = {step: _jsonl(tmp_path / "val" / f"{step}.jsonl") for step in (0, 1)}  # before training, after step 1
     assert sorted(p.name for p in (tmp_path / "val").iterdir()) == ["0.jsonl", "1.jsonl"]
     for step, rows in dumps.items():
@@ -42,6 +45,12 @@ def test_validation_dumps_and_logged_generations(tiny_model_dir, tmp_path):
     trained = _jsonl(tmp_path / "train" / "1.jsonl")
     assert [r["score"] for r in trained] == pytest.approx(E.sequence_scores(run.batches[0]).tolist())
     assert {r["step"] for r in trained} == {1}
+    # ... token for token, read back by the documented reader (docs/agents.md, "Auditing trajectories")
+    E.assert_dump_is_the_batch(read_trajectories(tmp_path / "train", step=1), run.batches[0])
+    for t in read_trajectories(tmp_path / "val"):  # single-turn: one sampled turn, stopped by EOS or the budget
+        assert t.turns == ([("assistant", 0, len(t.response_ids))] if t.response_ids else [])
+        assert t.response_mask == [1] * len(t.response_ids)
+        assert t.stop_reason == ("length" if len(t.response_ids) == 4 and t.response_ids[-1] != eos else "stop")
 
     logged = _jsonl(tmp_path / "run" / "val_generations.jsonl")
     assert [r["step"] for r in logged] == [0, 0, 0, 1, 1, 1]

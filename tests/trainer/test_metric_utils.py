@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from rlfoundry.trainer.metric_utils import (
     compute_throughout_metrics,
     compute_timing_metrics,
     marked_timer,
+    multi_turn_metrics,
     process_validation_metrics,
     reduce_metrics,
 )
@@ -143,3 +145,19 @@ def test_marked_timer_accumulates_and_survives_errors(monkeypatch):
         with marked_timer("gen", timing):
             raise RuntimeError("boom")
     assert timing == {"gen": 1.0}
+
+
+def test_multi_turn_metrics_count_trajectories_and_real_rows_only():
+    """Rows in a balanced (shuffled) order: trajectory a, an agent's two kept conversations of three (one
+    dropped); b, a lost sample (its row and a padding row, both excluded); c, a tool agent's trajectory.
+    Turns average over the three real rows; each trajectory's stop counts once."""
+    col = lambda *v: np.array(v, dtype=object)  # noqa: E731
+    rows = {"trajectory_id": col("b", "a", "c", "b", "a"), "num_turns": col(0, 3, 5, 0, 1),
+            "excluded": col(True, False, False, True, False),
+            "stop_reason": col("segment_padding", "agent_done", "no_call", "agent_raised", "agent_done"),
+            "segments_dropped": col(0, 1, None, 0, 1)}
+    m = multi_turn_metrics(rows)
+    assert (m["num_turns/mean"], m["num_turns/min"], m["num_turns/max"]) == (3.0, 1.0, 5.0)  # rows 1, 2, 4
+    assert {k: v for k, v in m.items() if k.startswith("multi_turn/stop/")} == {
+        "multi_turn/stop/agent_done": 1 / 3, "multi_turn/stop/agent_raised": 1 / 3, "multi_turn/stop/no_call": 1 / 3}
+    assert m["multi_turn/lost_samples"] == 1.0 and m["multi_turn/segments_dropped"] == 1.0

@@ -1,21 +1,28 @@
 """The calculator demo through the OpenAI-compatible endpoint: ``rlfoundry train --config-name
-calculator_openai_agent``, whose agent (``scripts/react_calculator_agent.py``) is ~30 lines of the
-official ``openai`` client and nothing of rlfoundry."""
+calculator_openai_agent``, whose agent (``rlfoundry/agents/react_calculator.py``) is ~30 lines of the
+official ``openai`` client and nothing of rlfoundry's training."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from rlfoundry.utils.trajectories import read_trajectories
 from tests.trainer import _e2e as E
 
 pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
-AGENT = Path(__file__).resolve().parents[2] / "scripts" / "react_calculator_agent.py"
+AGENT = "rlfoundry.agents.react_calculator"
 STEPS = 3
+
+
+def endpoint_tokenizer():
+    from transformers import AutoTokenizer
+
+    from rlfoundry.models.hf import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("rlfoundry://calculator-policy"))
 
 
 @pytest.mark.numerics
@@ -30,8 +37,9 @@ def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains_and_resu
     common = [f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",
               "trainer.save_freq=-1", "trainer.logger=file", "reward_model.reward_kwargs.num_workers=0"]
     tool = E.train([f"trainer.default_local_dir={tmp_path / 'tool'}", *common], config_name="calculator_grpo")
-    endpoint = E.train([f"trainer.default_local_dir={tmp_path / 'endpoint'}", *common,
-                        f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"], config_name="calculator_openai_agent")
+    endpoint = E.train([f"trainer.default_local_dir={tmp_path / 'endpoint'}", *common, f"trainer.rollout_data_dir="
+                        f"{tmp_path / 'dump'}", f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"],
+                       config_name="calculator_openai_agent")
     assert len(tool.batches) == len(endpoint.batches) == STEPS
     for step, (a, b) in enumerate(zip(tool.batches, endpoint.batches), start=1):
         for key in ("responses", "response_mask", "attention_mask"):
@@ -44,6 +52,15 @@ def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains_and_resu
         assert rb["actor/pg_loss"] == pytest.approx(ra["actor/pg_loss"], rel=1e-4, abs=1e-6)
         assert not any(k.startswith("multi_turn/stop/agent_") and k != "multi_turn/stop/agent_done" and v > 0
                        for k, v in rb.items())  # no trajectory lost to the agent
+    tokenizer = endpoint_tokenizer()
+    for step, batch in enumerate(endpoint.batches, start=1):  # the dump: the trained tokens, turn by turn
+        trajectories = read_trajectories(tmp_path / "dump", step=step)
+        E.assert_dump_is_the_batch(trajectories, batch)
+        for t in trajectories:  # the masked spans are the tool's answers, each recorded with its text
+            assert [r for r, _, _ in t.turns if r != "assistant"] == ["tool"] * len(t.tool_results)
+            assert all(sum(t.response_mask[a:b]) == (b - a) * (r == "assistant") for r, a, b in t.turns)
+            assert all(r["tool"] == "calculator" and r["text"] in t.text(tokenizer) for r in t.tool_results)
+            assert t.stop_reason == "agent_done" and t.record["trajectory_id"]
     # saved at step 2 and resumed, the endpoint run repeats its third step
     split = [f"trainer.default_local_dir={tmp_path / 'split'}", *common[1:], f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"]
     E.train(["trainer.total_training_steps=2", *split, "trainer.save_freq=2"], config_name="calculator_openai_agent")

@@ -109,6 +109,10 @@ def test_a_two_turn_trajectory_has_exact_tokens_mask_and_log_probs(tokenizer):
     extras = out.non_tensor_batch
     assert (extras["num_turns"][0], extras["tool_calls"][0], extras["stop_reason"][0]) == (3, 1, "no_call")
     assert not extras["sanity_check_failed"][0]
+    # the turn boundaries and the tool's answer as the rollout dump records them (utils/trajectories.py)
+    assert extras["turns"][0] == [["assistant", 0, turn1], ["tool", turn1, turn1 + len(tool)],
+                                  ["assistant", turn1 + len(tool), length]]
+    assert extras["tool_results"][0] == [{"tool": "calculator", "text": "56088", "error": None}]
     metrics = multi_turn_metrics(extras)
     assert metrics["num_turns/mean"] == 3 and metrics["multi_turn/stop/no_call"] == 1.0
     assert metrics["multi_turn/tool_errors"] == 0

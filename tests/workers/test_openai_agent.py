@@ -8,7 +8,6 @@ token for token."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -30,7 +29,6 @@ from tests.workers.test_agent_loop import CALL, TOOLS, ScriptedPolicy, _prompts
 openai = pytest.importorskip("openai")
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 HERE = "tests.workers.test_openai_agent"  # the agent functions below, by dotted module
 TOOL_SCHEMAS = [t.get_openai_tool_schema().model_dump() for t in initialize_tools_from_config(TOOLS)]
 SEEN: dict[str, list] = {}  # what the agents below saw, by question
@@ -67,7 +65,7 @@ def _row_text(tokenizer, out: DataProto, r: int) -> tuple[list[int], list[int], 
 
 def react_scripted(base_url, api_key, prompt, extra_info):
     """Calls the calculator once, then answers (the ReAct demo's shape, on the scripted policy)."""
-    from react_calculator_agent import run_agent
+    from rlfoundry.agents.react_calculator import run_agent
 
     return run_agent(base_url, api_key, prompt, extra_info)
 
@@ -184,6 +182,14 @@ def test_a_history_rewriting_agent_gets_one_segment_per_conversation(tokenizer):
     assert list(extras["uid"][:2]) == ["u0", "u0"] and extras["uid"][2] == "u0/excluded/2"
     assert list(extras["stop_reason"]) == ["agent_done", "agent_done", "segment_padding"]
     assert not any(extras["sanity_check_failed"][:2])
+    # turn boundaries in each row's response: A's sampled call; B's rendered context, then its sampled answer
+    assert extras["turns"][0] == [["assistant", 0, len(resp_a)]]
+    assert extras["turns"][1] == [["context", 0, len(context)], ["assistant", len(context), len(resp_b)]]
+    assert list(extras["excluded"]) == [False, False, True] and len(set(extras["trajectory_id"])) == 1
+    metrics = multi_turn_metrics(extras)  # one trajectory of two conversations; the padding row has no turns
+    assert (metrics["num_turns/mean"], metrics["num_turns/min"]) == (1.0, 1.0)
+    assert metrics["multi_turn/stop/agent_done"] == 1.0 and "multi_turn/stop/segment_padding" not in metrics
+    assert metrics["multi_turn/segments_dropped"] == 0 and metrics["multi_turn/lost_samples"] == 0
     texts = [s.solution_str for s in decode_samples(out, tokenizer, "data_source")]
     assert texts == [CALL, final, ""]
 
@@ -191,6 +197,7 @@ def test_a_history_rewriting_agent_gets_one_segment_per_conversation(tokenizer):
     kept = one.generate_sequences(prompts)  # one row per trajectory: the latest segment, the other counted
     assert len(kept) == 1 and _row_text(tokenizer, kept, 0)[1] == resp_b
     assert kept.non_tensor_batch["segments_dropped"][0] == 1
+    assert multi_turn_metrics(kept.non_tensor_batch)["multi_turn/segments_dropped"] == 1
 
 
 def test_stop_strings_async_agents_and_reward_inputs(tokenizer):
@@ -219,7 +226,9 @@ def test_an_agent_that_fails_loses_its_sample_and_is_counted(tokenizer, name, re
     out = _agent_loop(policy, tokenizer, name, timeout_s=1.0).generate_sequences(prompts)
     assert out.batch["response_mask"].sum() == 0 and out.batch["attention_mask"][:, 160:].sum() == 0
     assert list(out.non_tensor_batch["uid"]) == ["a/excluded/0", "b/excluded/1"]
-    assert multi_turn_metrics(out.non_tensor_batch)[f"multi_turn/stop/{reason}"] == 1.0
+    metrics = multi_turn_metrics(out.non_tensor_batch)
+    assert metrics[f"multi_turn/stop/{reason}"] == 1.0 and metrics["multi_turn/lost_samples"] == 2
+    assert "num_turns/mean" not in metrics  # no real row: no turns to average (they counted as 0 before)
     if name == "hanging":  # the hung agent's late request is refused, not served
         deadline = time.monotonic() + 10
         while len(SEEN["hanging"]) < 3 and time.monotonic() < deadline:
@@ -348,7 +357,7 @@ def test_tool_calls_are_parsed_and_content_parts_flattened():
 
 
 def react(base_url, api_key, prompt, extra_info):
-    from react_calculator_agent import run_agent
+    from rlfoundry.agents.react_calculator import run_agent
 
     return run_agent(base_url, api_key, prompt, extra_info)
 

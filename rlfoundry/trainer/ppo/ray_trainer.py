@@ -41,6 +41,7 @@ from rlfoundry.trainer.metric_utils import (
     reduce_metrics,
 )
 from rlfoundry.utils.tokenizer import pad_id
+from rlfoundry.utils.trajectories import generation_records, write_generations
 from rlfoundry.utils.torch_functional import masked_mean
 from rlfoundry.trainer.ppo.sources import DynamicSamplingSource, SampleSource, SyncSource
 
@@ -276,36 +277,6 @@ def _concat_generations(parts: list[DataProto], pad_id: int) -> DataProto:
     out = DataProto.concat(padded)
     out.meta_info = dict(parts[0].meta_info)
     return out
-
-
-def generation_records(batch: DataProto, scores: list[float], tokenizer: Any, step: int) -> list[dict[str, Any]]:
-    """One dict per sample, verl's dump fields (input, output, gts, score, step), the row's data-set
-    index and, where the rollout recorded it, the policy version that sampled it (``param_version``:
-    actor updates behind the weights): what ``trainer.rollout_data_dir`` / ``validation_data_dir`` write."""
-    decode = lambda key: tokenizer.batch_decode(batch.batch[key], skip_special_tokens=True)  # noqa: E731
-    rows = batch.non_tensor_batch
-    records = []
-    for i, (prompt, response) in enumerate(zip(decode("prompts"), decode("responses"))):
-        info = rows["extra_info"][i] if "extra_info" in rows else None
-        records.append({"input": prompt, "output": response, "score": scores[i], "step": step,
-                        "gts": (rows["reward_model"][i] or {}).get("ground_truth") if "reward_model" in rows else None,
-                        "index": info.get("index") if isinstance(info, dict) else None})
-        if "param_version" in rows:
-            records[-1]["param_version"] = int(rows["param_version"][i])
-    return records
-
-
-def write_generations(records: list[dict[str, Any]], directory: Path, step: int) -> Path:
-    """``<directory>/<step>.jsonl``, one JSON line per record (numpy scalars as numbers)."""
-    import json
-
-    directory.mkdir(parents=True, exist_ok=True)
-    plain = lambda v: v.item() if isinstance(v, np.generic) else str(v)  # noqa: E731
-    path = directory / f"{step}.jsonl"
-    with open(path, "w") as f:
-        for record in records:
-            f.write(json.dumps(record, default=plain, ensure_ascii=False) + "\n")
-    return path
 
 
 def val_generation_samples(records: list[dict[str, Any]], n: int) -> list[tuple[str, str, float]]:
@@ -773,7 +744,8 @@ class PPOTrainer:
             self._settle_reward_server()
             scores = result["reward_tensor"].sum(-1).tolist()
             infos["reward"] += scores
-            records += generation_records(batch, scores, self.tokenizer, self.state.global_steps)
+            records += generation_records(batch, scores, self.tokenizer, self.state.global_steps,
+                                          token_scores=result["reward_tensor"])
             for key, values in result.get("reward_extra_info", {}).items():
                 infos.setdefault(key, []).extend(list(values))
             for key, count in result.get("reward_metrics", {}).items():  # failed-sample counts: summed

@@ -14,8 +14,9 @@ The per-row ``num_turns``, ``sanity_check_failed`` and the loops' ``extra_fields
 columns, which the driver turns into the step's metrics (``trainer/metric_utils.multi_turn_metrics``).
 
 A loop may give a trajectory several rows (``openai_agent``'s segments): each repeats its sample's
-columns; a row it marks ``excluded`` (a lost sample, padding) gets a ``uid`` of its own, so group
-estimators leave it out of its prompt's group, and an ``extra_info`` it returns replaces the row's.
+columns and its ``trajectory_id`` (one per trajectory, unique); a row it marks ``excluded`` (a lost
+sample, padding; the ``excluded`` column) gets a ``uid`` of its own, so group estimators leave it out of
+its prompt's group, and metrics over turns leave it out too; an ``extra_info`` it returns replaces the row's.
 
 Image rows (a ``multi_modal_inputs`` column, (B, 3, Tp) ``position_ids``; docs/vision.md) go to loops
 that take images (``takes_images``: ``tool_agent``, ``single_turn_agent``) with their
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,6 +37,7 @@ import torch
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.tokenizer import pad_id
+from rlfoundry.utils.trajectories import format_trajectory
 from rlfoundry.models.vision import continued_positions
 from rlfoundry.utils.torch_functional import rollout_layout
 from rlfoundry.workers.rollout.agent_loop.base import (
@@ -65,11 +68,14 @@ class AgentLoop:
         chat_template_kwargs: ``data.apply_chat_template_kwargs`` (the ``tools`` offered included).
         agent: the typed ``rollout.agent`` subtree (default loop, loop config file, ``max_wait_s``).
         interactions: simulated users by name (``interactions/registry.py``).
+        prompt_tools_known: whether ``chat_template_kwargs`` says which tools the data set's prompts offer
+            (False: they came from ``data.apply_chat_template_kwargs.tools``, which the worker does not
+            see; the start-up check of an agent's ``TOOLS`` is then left to the endpoint's 400).
     """
 
     def __init__(self, engine: Any, tokenizer: Any, config: Any, tools: dict, response_length: int,
                  chat_template_kwargs: dict[str, Any] | None = None, agent: Any = None,
-                 interactions: dict | None = None):
+                 interactions: dict | None = None, prompt_tools_known: bool = True):
         self.engine, self.tokenizer, self.config, self.tools = engine, tokenizer, config, tools
         self.response_length = int(response_length)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # as the data set rendered the prompts
@@ -78,10 +84,12 @@ class AgentLoop:
         self.loop_config_path = getattr(agent, "agent_loop_config_path", None)
         self.max_wait_s = float(getattr(agent, "max_wait_s", 1.0))
         self.agent = agent
-        if self.default_loop == "openai_agent":  # a missing or broken agent function fails at start-up
-            from rlfoundry.workers.rollout.agent_loop.openai_agent import load_agent_function
+        if self.default_loop == "openai_agent":  # a missing or broken agent, or unrendered tools: fail at start-up
+            from rlfoundry.workers.rollout.agent_loop.openai_agent import check_prompt_tools, load_agent_function
 
-            load_agent_function(agent.openai.path, agent.openai.name)
+            fn = load_agent_function(agent.openai.path, agent.openai.name)
+            if prompt_tools_known:
+                check_prompt_tools(fn, tokenizer, self.chat_template_kwargs, f"{agent.openai.path}.{agent.openai.name}")
         self.pad_id = pad_id(tokenizer)
         self.last_engine_calls = 0  # engine calls of the last batch (tests, profiling)
 
@@ -185,27 +193,17 @@ class AgentLoop:
                                                     tensors["position_ids"], self.response_length)
         extras = {k: v[prompt_of] for k, v in prompts.non_tensor_batch.items()}
         columns = _columns(outputs)
-        excluded, own_info = columns.pop("excluded", None), columns.pop("extra_info", None)
+        own_info = columns.pop("extra_info", None)
         extras.update(columns)
+        extras["excluded"] = np.array([bool(v) for v in columns.get("excluded", [False] * len(outputs))], dtype=object)
+        names = [uuid.uuid4().hex for _ in range(max(sample, default=-1) + 1)]  # unique across a step's batches
+        extras["trajectory_id"] = np.array([names[k] for k in sample], dtype=object)
         for r in range(len(outputs)):
             if own_info is not None and own_info[r] is not None:
                 extras.setdefault("extra_info", np.full(len(outputs), None, dtype=object))[r] = own_info[r]
-            if excluded is not None and excluded[r] and "uid" in extras:
+            if extras["excluded"][r] and "uid" in extras:
                 extras["uid"][r] = f"{extras['uid'][r]}/excluded/{r}"
         return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))
-
-
-def format_trajectory(tokenizer: Any, response_ids: list[int], response_mask: list[int], open_mark: str = "⟦",
-                      close_mark: str = "⟧") -> str:
-    """A response as text with the spans the policy did not sample (tool replies, user turns, template
-    tokens; ``response_mask`` 0) between ``open_mark`` and ``close_mark``: what the loss does not see."""
-    parts, start = [], 0
-    for end in range(1, len(response_ids) + 1):
-        if end == len(response_ids) or response_mask[end] != response_mask[start]:
-            text = tokenizer.decode(response_ids[start:end])
-            parts.append(text if response_mask[start] else open_mark + text + close_mark)
-            start = end
-    return "".join(parts)
 
 
 def _positions_3d(prompt_pos: torch.Tensor, no_prompt: torch.Tensor, flat: torch.Tensor, width: int) -> torch.Tensor:

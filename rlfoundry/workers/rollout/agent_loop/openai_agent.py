@@ -67,13 +67,18 @@ from rlfoundry.workers.rollout.agent_loop.openai_server import (
 from rlfoundry.workers.rollout.agent_loop.server import Generated
 from rlfoundry.workers.rollout.agent_loop.tool_agent import _in_thread, apply_template, render_after_assistant
 
-__all__ = ["OpenAIAgentLoop", "endpoint", "load_agent_function"]
+__all__ = ["OpenAIAgentLoop", "check_prompt_tools", "endpoint", "load_agent_function"]
 
 logger = logging.getLogger(__name__)
 
 _ENDPOINTS: dict[tuple[str, int], OpenAIEndpoint] = {}
 _ENDPOINTS_LOCK = threading.Lock()
 _SENTINEL = "\x00rlfoundry-assistant\x00"  # stands for an assistant turn's text when finding what follows it
+# why a conversation may not continue the data set's prompt, and the keys that fix it (400s and start-up)
+PROMPT_NOT_CONTINUED = (
+    "; this conversation does not start with the data set's prompt, so all of its context counts against the "
+    "response budget. An agent that offers tools needs the data set's prompts rendered with the same tools: set "
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path to a tool config of them")
 
 
 def endpoint(host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> OpenAIEndpoint:
@@ -135,6 +140,28 @@ def load_agent_function(path: str | None, name: str) -> Callable:
     return fn
 
 
+def check_prompt_tools(fn: Callable, tokenizer: Any, chat_template_kwargs: dict, where: str) -> None:
+    """Start-up check: an agent whose module declares the tools it offers (``TOOLS``, OpenAI's list) must find
+    the data set's prompts rendered with them (``chat_template_kwargs["tools"]``, from
+    ``multi_turn.tool_config_path``); else its first request renders a prompt the row's does not start,
+    and the whole prompt is charged to the response budget (400 ``context_length_exceeded``)."""
+    offered = fn.__globals__.get("TOOLS")
+    if not isinstance(offered, list):
+        return  # the agent does not say: the endpoint's 400 names the keys if it happens
+    chat = [{"role": "user", "content": "?"}]
+    kwargs = {k: v for k, v in chat_template_kwargs.items() if k != "tools"}
+    rendered = apply_template(tokenizer, {**kwargs, "tools": offered or None}, chat, True)
+    if rendered != apply_template(tokenizer, {**kwargs, "tools": chat_template_kwargs.get("tools") or None}, chat, True):
+        names = sorted(str((t.get("function") or {}).get("name")) for t in offered if isinstance(t, dict))
+        given = sorted(str(t["function"]["name"]) for t in chat_template_kwargs.get("tools") or ())
+        raise AgentLoopError(
+            f"{where}: the agent offers the tools {names} (its TOOLS), but the data set's prompts are rendered with "
+            f"{given or 'no tools'}: its first request would not continue the data set's prompt, the whole prompt "
+            "would count against data.max_response_length and requests fail with 400 context_length_exceeded. Set "
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path to a tool config of the same tools (the same "
+            "names, descriptions and parameters; e.g. rlfoundry://config/tools/calculator.yaml for the calculator)")
+
+
 # ---- recording: conversations as tokens --------------------------------------------------------
 
 
@@ -170,10 +197,13 @@ class _Segment:
     busy: bool = False  # a request is generating on it
     touched: int = 0  # order of the last update
     text: str | None = None  # a text completion's context as the agent knows it (None: a chat segment)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # (role, start, end) of each turn in ids
+    tool_results: list[dict[str, Any]] = field(default_factory=list)  # the tool messages appended
 
     def fork(self) -> _Segment:
         return _Segment(list(self.ids), list(self.mask), list(self.log_probs), self.tools, list(self.history),
-                        list(self.chat), self.ended, self.last_turn_start, self.turns, self.user_turns, text=self.text)
+                        list(self.chat), self.ended, self.last_turn_start, self.turns, self.user_turns, text=self.text,
+                        spans=list(self.spans), tool_results=list(self.tool_results))
 
     def extend(self, ids: list[int]) -> None:
         """Tokens the policy did not sample (rendered messages, the agent's text): context, masked."""
@@ -241,6 +271,8 @@ class _Recorder:
             delta = request.messages[len(extended.history):]
             ids = self._after_turn(extended, request, delta)
             self._check_room(extended, len(ids))  # before the segment changes: a refused request leaves it as it was
+            extended.spans.append((delta[0]["role"], len(extended.ids), len(extended.ids) + len(ids)))
+            extended.tool_results += _tool_results(request.messages[:len(extended.history)], delta)
             extended.extend(ids)
             extended.history, extended.chat = canon, extended.chat + delta
             first = extended
@@ -293,7 +325,8 @@ class _Recorder:
     def _fresh(self, request: ChatRequest, canon: list[tuple]) -> _Segment:
         text = apply_template(self.tok, self._template_kwargs(request), _renderable(request.messages), True)
         ids = self.tok.encode(text, add_special_tokens=False)
-        segment = _Segment(ids, [0] * len(ids), [0.0] * len(ids), request.tools, canon, list(request.messages))
+        segment = _Segment(ids, [0] * len(ids), [0.0] * len(ids), request.tools, canon, list(request.messages),
+                           spans=[("context", 0, len(ids))])
         self._check_room(segment, 0)
         self.segments.append(segment)
         return segment
@@ -327,8 +360,9 @@ class _Recorder:
         trajectory's budget is OpenAI's ``context_length_exceeded``; the recorded segments stay within it."""
         if self._room(s) - more <= 0:
             raise RequestError(400, f"the conversation leaves no room in this trajectory's budget of "
-                               f"{self.loop.response_length} tokens (data.max_response_length)", param,
-                               "context_length_exceeded")
+                               f"{self.loop.response_length} tokens (data.max_response_length)"
+                               + (PROMPT_NOT_CONTINUED if self.prompt_ids and not self._split(s) else ""),
+                               param, "context_length_exceeded")
 
     # ---- recording a reply ----------------------------------------------------------------------------
 
@@ -338,6 +372,7 @@ class _Recorder:
         full = self.tok.decode(ids, skip_special_tokens=True)
         text = full if stopped is None else full[:stopped]
         s.last_turn_start = len(s.ids)
+        s.spans.append(("assistant", len(s.ids), len(s.ids) + len(ids)))
         s.ids, s.mask, s.log_probs = s.ids + ids, s.mask + [1] * len(ids), s.log_probs + list(log_probs)
         s.ended, s.turns = ended, s.turns + 1
         self.clock += 1
@@ -446,7 +481,8 @@ class _Recorder:
         while len(rows) < max_segments:
             rows.append(AgentLoopOutput(list(self.prompt_ids), [], [], [], num_turns=0, extra_fields={
                 "stop_reason": stop_reason if not rows else "segment_padding", "excluded": True,
-                "last_turn_start": 0, "segment": len(rows), "segments_dropped": dropped}))
+                "last_turn_start": 0, "segment": len(rows), "segments_dropped": dropped, "turns": [],
+                "tool_results": []}))
         return rows
 
     def _row(self, s: _Segment, stop_reason: str, dropped: int) -> AgentLoopOutput:
@@ -457,7 +493,8 @@ class _Recorder:
             response_logprobs=s.log_probs[split:], num_turns=s.turns + s.user_turns, messages=_renderable(s.chat),
             cut_by_length=not s.ended, chat_template_kwargs=kwargs,
             extra_fields={"stop_reason": stop_reason, "excluded": False, "last_turn_start": s.last_turn_start - split,
-                          "segment": None, "segments_dropped": dropped})
+                          "segment": None, "segments_dropped": dropped, "tool_results": list(s.tool_results),
+                          "turns": [[role, max(0, a - split), b - split] for role, a, b in s.spans if b > split]})
 
 
 @register("openai_agent")
@@ -496,6 +533,15 @@ class OpenAIAgentLoop(AgentLoopBase):
         for out in rows:
             out.extra_fields["extra_info"] = {**extra, **inputs} if inputs else None
         return rows
+
+
+def _tool_results(history: list[dict], delta: list[dict]) -> list[dict[str, Any]]:
+    """The tool messages of ``delta`` as ``{tool, text, error}``, each named by the call it answers (its
+    ``tool_call_id`` among the history's calls; else its own ``name``, else None)."""
+    names = {c.get("id"): c.get("function", {}).get("name") for m in history for c in m.get("tool_calls") or ()
+             if isinstance(c, dict)}
+    return [{"tool": names.get(m.get("tool_call_id")) or m.get("name"), "text": m.get("content"), "error": None}
+            for m in delta if m["role"] == "tool"]
 
 
 def _argument_types(function: dict) -> dict[str, Any]:

@@ -25,8 +25,10 @@ positions (``server.PromptVision``; the turns after the first add text only), to
 
 Extra columns per row: ``tool_calls``, ``tool_errors``, ``tool_reward`` (the tools' ``calc_reward`` plus
 step rewards), ``turn_scores`` (the interaction's score per user turn), ``stop_reason`` (``no_call``,
-``length``, ``max_assistant_turns``, ``max_user_turns``, ``interaction_done``) and ``last_turn_start``
-(rule rewards score the final assistant turn).
+``length``, ``max_assistant_turns``, ``max_user_turns``, ``interaction_done``), ``last_turn_start``
+(rule rewards score the final assistant turn), ``turns`` (``[role, start, end]`` per appended turn, in
+response-token positions: ``assistant`` spans sampled, ``tool`` / ``user`` spans not) and ``tool_results``
+(``{tool, text, error}`` per call answered, the text as appended).
 
 Tools see verl's calls: one instance per tool per trajectory, made with ``create(create_kwargs={...})``
 and the same keys as keywords (verl's agent loop passes the first, its older SGLang rollout the
@@ -132,10 +134,14 @@ class _State:
     extra_fields: dict[str, Any] = field(default_factory=dict)  # the tools' store, see AgentData
     vision: PromptVision | None = None  # an image prompt's pixel inputs and positions, for every turn
     images: list[Any] | None = None  # its images (the row's multi_modal_data), for the tools
+    turns: list[tuple[str, int, int]] = field(default_factory=list)  # (role, start, end) in response_ids
+    tool_results: list[dict[str, Any]] = field(default_factory=list)  # each call's answer, as appended
 
-    def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
+    def append(self, ids: list[int], role: str, log_probs: list[float] | None = None) -> None:
+        """Appends a turn's tokens: sampled (mask 1) for the assistant's, never trained for the others."""
+        self.turns.append((role, len(self.response_ids), len(self.response_ids) + len(ids)))
         self.response_ids += ids
-        self.mask += [int(sampled)] * len(ids)
+        self.mask += [int(role == "assistant")] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
 
@@ -217,7 +223,7 @@ class ToolAgentLoop(AgentLoopBase):
         room = self.response_length - len(state.response_ids)
         turn = await self.server.generate(self.key, self._engine_prompt(state), room, state.vision)
         state.last_turn_start = len(state.response_ids)
-        state.append(turn.token_ids, True, turn.log_probs)
+        state.append(turn.token_ids, "assistant", turn.log_probs)
         state.assistant_turns += 1
         text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
         state.messages.append({"role": "assistant", "content": text})
@@ -260,6 +266,8 @@ class ToolAgentLoop(AgentLoopBase):
                 state.errors[f"{'parse' if a.error == 'bad_call' else a.tool}/{a.error}"] += 1
         limit, side = self.config.max_tool_response_length, self.config.tool_response_truncate_side
         messages = [{"role": "tool", "content": truncate_text(a.text, limit, side)} for a in answers]
+        state.tool_results += [{"tool": a.tool, "text": m["content"], "error": a.error or None}
+                               for a, m in zip(answers, messages)]
         render = FORMATS[self.config.format].render_answers
         if render is None:
             self._user_turn(state, messages)
@@ -273,7 +281,7 @@ class ToolAgentLoop(AgentLoopBase):
     def _append_turn(self, state: _State, messages: list[dict], ids: list[int]) -> None:
         """Appends tool or user messages (never sampled) as ``ids``, which end with the next generation prompt."""
         room = self.response_length - len(state.response_ids)
-        state.append(ids[:room], False)
+        state.append(ids[:room], messages[0]["role"])
         state.messages += messages
         state.user_turns += 1
         if len(ids) >= room:
@@ -376,4 +384,5 @@ class ToolAgentLoop(AgentLoopBase):
             messages=state.messages if has_chat else None, cut_by_length=state.stop == "length",
             extra_fields={"tool_calls": state.tool_calls, "tool_errors": dict(state.errors),
                           "tool_reward": state.step_reward, "turn_scores": list(state.turn_scores),
-                          "stop_reason": state.stop, "last_turn_start": state.last_turn_start})
+                          "stop_reason": state.stop, "last_turn_start": state.last_turn_start,
+                          "turns": [list(t) for t in state.turns], "tool_results": list(state.tool_results)})

@@ -1,7 +1,9 @@
 """A ReAct agent for the calculator task, written only against the OpenAI chat API (the ``openai`` client).
 
-It knows nothing of rlfoundry: trained through ``agent_name: openai_agent``
-(``rlfoundry train --config-name calculator_openai_agent``), it is handed a ``base_url`` and ``api_key``.
+It knows nothing of rlfoundry's training: trained through ``agent_name: openai_agent``
+(``rlfoundry train --config-name calculator_openai_agent``, from any directory: the config names it by module,
+``rlfoundry.agents.react_calculator``), it is handed a ``base_url`` and ``api_key``. ``TOOLS`` is the list it
+offers; the start-up check compares it with the tools the data set's prompts are rendered with.
 The calculator is its own function; its replies are the texts of ``rlfoundry/tools/calculator.py``.
 """
 
