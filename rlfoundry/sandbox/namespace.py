@@ -6,11 +6,11 @@ Whoever the caller is, the program is never root on the host: it is uid/gid 6553
 the caller's own ids, or, when the caller is root, to 65534 (nobody) outside too, so the kernel's
 permission checks on host objects (``/proc/sys``, root-only ``/proc`` files, device nodes) see an
 unprivileged user. For a root caller ``unshare.py`` sets up as root and then switches the program to
-nobody (no user namespace is needed for that); bubblewrap maps
-its uid to whoever runs it, so it is run as nobody (:func:`host_side`), and only works where nobody
-can read the Python installation. A root caller also gives the sandbox a private IPC namespace whose
-System V limits are the memory limit (``shmmax``/``shmall``): SysV shared memory lives outside the
-address-space limit.
+nobody (no user namespace is needed for that); bubblewrap maps its uid to whoever runs it, so it is
+run as nobody (:func:`host_side`), binding what nobody cannot reach (a Python under ``/root``) from
+mount points the launcher, still root, relays it to (:func:`relays`). A root caller also gives the
+sandbox a private IPC namespace whose System V limits are the memory limit (``shmmax``/``shmall``):
+SysV shared memory lives outside the address-space limit.
 
 What the program sees: ``/usr`` and the Python installation read-only, a private ``/proc`` that shows
 only its own processes, a minimal ``/dev``, size-capped tmpfs at ``/tmp`` and at its working directory
@@ -51,7 +51,8 @@ TMP_BYTES = 64 << 20  # each of /tmp and /sandbox: a tmpfs, so this caps the mem
 SANDBOX_ID = 65534  # the program's uid and gid inside; outside too when the caller is root (nobody)
 # the device nodes the program gets, (major, minor): fresh per run where the caller may make them
 DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9)}
-_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWIPC, _CLONE_NEWNS = 0x08000000, 0x00020000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 
 # Refused outright (EPERM). Names missing on this architecture are skipped.
 _REFUSED_SYSCALLS = (
@@ -124,11 +125,14 @@ def mount_plan() -> list[tuple[str, ...]]:
 SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 
-def bwrap_argv(script: str, seccomp_fd: int | None, dev_dir: str | None = None, own_ipc: bool = True) -> list[str]:
+def bwrap_argv(script: str, seccomp_fd: int | None, dev_dir: str | None = None, own_ipc: bool = True,
+               relayed: dict[str, str] | None = None) -> list[str]:
     """bubblewrap's command line for running ``script`` (a host file) as ``/sandbox/main.py``.
     ``dev_dir``: a host directory of fresh device nodes for ``/dev`` (else bubblewrap's ``--dev``,
     which binds the host's own nodes); ``own_ipc``: make an IPC namespace (False: the launcher made
-    one already, with limits, see :func:`host_side`)."""
+    one already, with limits, see :func:`host_side`); ``relayed``: where to bind a mount-plan path
+    from instead of itself (see :func:`relays`)."""
+    relayed = relayed or {}
     argv = [shutil.which("bwrap") or "bwrap",
             "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID),
@@ -145,7 +149,7 @@ def bwrap_argv(script: str, seccomp_fd: int | None, dev_dir: str | None = None, 
         for name in DEVICES:
             argv += ["--dev-bind", os.path.join(dev_dir, name), f"/dev/{name}"]
     for kind, *args in mount_plan():
-        argv += ["--ro-bind", args[0], args[0]] if kind == "ro" else ["--symlink", *args]
+        argv += ["--ro-bind", relayed.get(args[0], args[0]), args[0]] if kind == "ro" else ["--symlink", *args]
     argv += ["--ro-bind", script, f"{WORKDIR}/main.py", "--chdir", WORKDIR, "--clearenv"]
     for key, value in SANDBOX_ENV.items():
         argv += ["--setenv", key, value]
@@ -177,7 +181,8 @@ def command(backend: str, script: str, scratch: str, memory_bytes: int) -> Itera
     directory the program never sees, next to ``script``."""
     bpf = seccomp_filter()
     root = os.geteuid() == 0
-    preexec = host_side(memory_bytes, [os.path.dirname(script), scratch] if backend == "bwrap" else None)
+    relayed = relays(os.path.join(scratch, "relay")) if root and backend == "bwrap" else {}
+    preexec = host_side(memory_bytes, [os.path.dirname(script), scratch] if backend == "bwrap" else None, relayed)
     if backend == "unshare":
         bpf_path = None
         if bpf is not None:
@@ -193,17 +198,47 @@ def command(backend: str, script: str, scratch: str, memory_bytes: int) -> Itera
     try:
         devices_work = not os.statvfs(scratch).f_flag & os.ST_NODEV
         dev_dir = fresh_devices(os.path.join(scratch, "dev")) if root and devices_work else None
-        yield bwrap_argv(script, fd, dev_dir, own_ipc=not root), (fd,) if fd is not None else (), preexec
+        yield bwrap_argv(script, fd, dev_dir, own_ipc=not root, relayed=relayed), (fd,) if fd is not None else (), \
+            preexec
     finally:
         if fd is not None:
             os.close(fd)
 
 
-def host_side(memory_bytes: int, nobody_dirs: list[str] | None) -> Callable[[], None] | None:
+def relays(base: str) -> dict[str, str]:
+    """For bubblewrap run as nobody by a root caller: each mount-plan path nobody cannot reach (a Python
+    under ``/root``, mode 0700), mapped to an empty mount point under ``base`` where the launcher, still
+    root, binds it (:func:`host_side`) for bubblewrap to bind from."""
+    out = {}
+    for kind, *args in mount_plan():
+        if kind == "ro" and not _reachable_by_nobody(args[0]):
+            out[args[0]] = os.path.join(base, str(len(out)))
+            os.makedirs(base, exist_ok=True)
+            if os.path.isdir(args[0]):
+                os.mkdir(out[args[0]])
+            else:
+                open(out[args[0]], "w").close()
+    return out
+
+
+def _reachable_by_nobody(path: str) -> bool:
+    """Whether every directory above ``path`` lets others through (nobody has no groups and owns nothing)."""
+    parent = os.path.dirname(os.path.realpath(path))
+    while True:
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+        if parent == "/":
+            return True
+        parent = os.path.dirname(parent)
+
+
+def host_side(memory_bytes: int, nobody_dirs: list[str] | None,
+              relayed: dict[str, str] | None = None) -> Callable[[], None] | None:
     """For a root caller, what the launcher runs before it execs: a private IPC namespace with System V
     limits at ``memory_bytes``; with ``nobody_dirs`` (bubblewrap: the script's and the scratch
-    directory, handed to nobody) also uid/gid 65534 with no supplementary groups. None for any other
-    caller, whose own ids are already unprivileged (its SysV memory is then not capped: docs/sandbox.md)."""
+    directory, handed to nobody) also, in a private mount namespace, the ``relayed`` paths bound where
+    nobody can reach them, then uid/gid 65534 with no supplementary groups. None for any other caller,
+    whose own ids are already unprivileged (its SysV memory is then not capped: docs/sandbox.md)."""
     if os.geteuid() != 0:
         return None
     for d in nobody_dirs or ():
@@ -212,13 +247,17 @@ def host_side(memory_bytes: int, nobody_dirs: list[str] | None) -> Callable[[], 
     libc = _libc()  # loaded here: dlopen in a forked child of a threaded parent can deadlock
 
     def before_exec() -> None:
-        if libc.unshare(_CLONE_NEWIPC) != 0:
-            raise OSError(ctypes.get_errno(), "sandbox: unshare(CLONE_NEWIPC)")
+        _checked(libc.unshare(_CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
         for key, value in limits.items():
             with open(f"/proc/sys/kernel/{key}", "w") as f:
                 f.write(value)
         if nobody_dirs is None:
             return
+        if relayed:
+            _checked(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+            _checked(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
+            for src, dst in relayed.items():
+                _checked(libc.mount(src.encode(), dst.encode(), None, _MS_BIND | _MS_REC, None), f"bind {src}")
         os.setgroups([])
         os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
         os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
@@ -242,6 +281,12 @@ def fresh_devices(path: str) -> str:
         os.mknod(os.path.join(path, name), 0o666 | stat.S_IFCHR, os.makedev(major, minor))
         os.chmod(os.path.join(path, name), 0o666)  # past the umask
     return path
+
+
+def _checked(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sandbox setup: {what}: {os.strerror(err)}")
 
 
 @functools.lru_cache(maxsize=1)
