@@ -2,6 +2,16 @@
 (bubblewrap; where it is not installed, the same done by ``unshare.py``), behind a seccomp filter,
 with a read-only view of the interpreter and nothing else.
 
+Whoever the caller is, the program is never root on the host: it is uid/gid 65534 inside, mapped to
+the caller's own ids, or, when the caller is root, to 65534 (nobody) outside too, so the kernel's
+permission checks on host objects (``/proc/sys``, root-only ``/proc`` files, device nodes) see an
+unprivileged user. For a root caller ``unshare.py`` sets up as root and then switches the program to
+nobody (no user namespace is needed for that); bubblewrap maps its uid to whoever runs it, so it is
+run as nobody (:func:`host_side`), binding what nobody cannot reach (a Python under ``/root``) from
+mount points the launcher, still root, relays it to (:func:`relays`). A root caller also gives the
+sandbox a private IPC namespace whose System V limits are the memory limit (``shmmax``/``shmall``):
+SysV shared memory lives outside the address-space limit.
+
 What the program sees: ``/usr`` and the Python installation read-only, a private ``/proc`` that shows
 only its own processes, a minimal ``/dev``, size-capped tmpfs at ``/tmp`` and at its working directory
 ``/sandbox`` (where its script lies, read-only), loopback-only networking in an empty network
@@ -16,29 +26,38 @@ loaded by bubblewrap just before the interpreter starts.
 
 A :class:`Job` (``rlfoundry sandbox serve``'s ``files``, ``fetch_files`` and compiled languages) runs a
 command instead, in a host directory bound read-write at ``/sandbox``; a compiler's job keeps fork.
+For a root caller that directory is handed to nobody first (:func:`hand_over`): the program writes
+there as host uid 65534.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rlfoundry.sandbox.unshare import unshare_argv
 
-__all__ = ["ISOLATION_ENV", "Isolation", "Job", "WORKDIR", "bwrap_argv", "command", "isolation", "mount_plan", "pipe_with",
-           "seccomp_filter"]
+__all__ = ["ISOLATION_ENV", "Isolation", "Job", "SANDBOX_ID", "WORKDIR", "bwrap_argv", "command", "hand_over",
+           "host_side", "ipc_limits", "isolation", "mount_plan", "pipe_with", "seccomp_filter"]
 
 ISOLATION_ENV = "RLFOUNDRY_SANDBOX_ISOLATION"  # auto | bwrap | unshare | none (see isolation())
 WORKDIR = "/sandbox"  # the program's working directory inside the sandbox
 TMP_BYTES = 64 << 20  # each of /tmp and /sandbox: a tmpfs, so this caps the memory a program can park in files
+SANDBOX_ID = 65534  # the program's uid and gid inside; outside too when the caller is root (nobody)
+# the device nodes the program gets, (major, minor): fresh per run where the caller may make them
+DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9)}
+_CLONE_NEWIPC, _CLONE_NEWNS = 0x08000000, 0x00020000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 
 # Refused outright (EPERM). Names missing on this architecture are skipped.
 _REFUSED_SYSCALLS = (
@@ -126,17 +145,36 @@ def mount_plan() -> list[tuple[str, ...]]:
 SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 
-def bwrap_argv(script: str | None, seccomp_fd: int | None, job: Job | None = None) -> list[str]:
-    """bubblewrap's command line for running ``script`` (a host file) as ``/sandbox/main.py``, or ``job``."""
+def bwrap_argv(script: str | None, seccomp_fd: int | None, dev_dir: str | None = None, own_ipc: bool = True,
+               relayed: dict[str, str] | None = None, job: Job | None = None) -> list[str]:
+    """bubblewrap's command line for running ``script`` (a host file) as ``/sandbox/main.py``, or ``job``
+    (its directory bound read-write at ``/sandbox``). ``dev_dir``: a host directory of fresh device
+    nodes for ``/dev`` (else bubblewrap's ``--dev``, which binds the host's own nodes); ``own_ipc``: make
+    an IPC namespace (False: the launcher made one already, with limits, see :func:`host_side`);
+    ``relayed``: where to bind a mount-plan path or the job's directory from instead of itself (see
+    :func:`relays`)."""
+    relayed = relayed or {}
     argv = [shutil.which("bwrap") or "bwrap",
-            "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--disable-userns", "--uid", "65534", "--gid", "65534",
-            "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox",
-            "--proc", "/proc", "--dev", "/dev",
+            "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-uts",
+            "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID),
+            "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox", "--proc", "/proc",
+            # bubblewrap's own init is PID 1, as the program's uid: an empty read-only cover hides its
+            # environment, memory map and descriptors
+            "--perms", "0000", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
             "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
-    argv += ["--size", str(TMP_BYTES), "--tmpfs", WORKDIR] if job is None else ["--bind", job.workdir, WORKDIR]
+    if job is None:
+        argv += ["--size", str(TMP_BYTES), "--tmpfs", WORKDIR]
+    else:
+        argv += ["--bind", relayed.get(job.workdir, job.workdir), WORKDIR]
+    argv += ["--unshare-ipc"] if own_ipc else []
+    if dev_dir is None:
+        argv += ["--dev", "/dev"]
+    else:
+        argv += ["--dir", "/dev"]
+        for name in DEVICES:
+            argv += ["--dev-bind", os.path.join(dev_dir, name), f"/dev/{name}"]
     for kind, *args in mount_plan():
-        argv += ["--ro-bind", args[0], args[0]] if kind == "ro" else ["--symlink", *args]
+        argv += ["--ro-bind", relayed.get(args[0], args[0]), args[0]] if kind == "ro" else ["--symlink", *args]
     if job is None:
         argv += ["--ro-bind", script, f"{WORKDIR}/main.py"]
     argv += ["--chdir", WORKDIR, "--clearenv"]
@@ -160,12 +198,23 @@ def isolation() -> Isolation:
     return next((t for t in tried if t.available), Isolation(False, "; ".join(t.reason for t in tried), tried[0].seccomp))
 
 
+Launch = tuple[list[str], tuple[int, ...], Callable[[], None] | None]
+
+
 @contextlib.contextmanager
-def command(backend: str, script: str | None, scratch: str,
-            job: Job | None = None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
-    """The command line (and descriptors to pass) running ``script`` (or ``job``) in the sandbox;
-    ``scratch`` is an empty host directory the program never sees."""
+def command(backend: str, script: str | None, scratch: str, memory_bytes: int,
+            job: Job | None = None) -> Iterator[Launch]:
+    """The command line, the descriptors to pass and the function to run in the child just before it
+    execs (None: nothing to do) for running ``script`` (or ``job``) in the sandbox; ``scratch`` is an
+    empty host directory the program never sees, next to ``script`` (a job's may be a directory of its own)."""
     bpf = seccomp_filter(job is not None and job.processes)
+    root = os.geteuid() == 0
+    if root and job is not None:
+        hand_over(job.workdir)
+    extra = (job.workdir,) if job is not None else ()
+    relayed = relays(os.path.join(scratch, "relay"), extra) if root and backend == "bwrap" else {}
+    reach = [scratch] + ([os.path.dirname(script)] if script is not None else [])
+    preexec = host_side(memory_bytes, reach if backend == "bwrap" else None, relayed)
     if backend == "unshare":
         bpf_path = None
         if bpf is not None:
@@ -173,16 +222,120 @@ def command(backend: str, script: str | None, scratch: str,
             with open(bpf_path, "wb") as f:
                 f.write(bpf)
         spec = {"plan": mount_plan(), "script": script, "bpf": bpf_path, "tmp_bytes": TMP_BYTES, "workdir": WORKDIR,
-                "python": sys.executable, "env": SANDBOX_ENV,
-                "job": None if job is None else {"argv": list(job.argv), "workdir": job.workdir}}
-        yield unshare_argv(spec, scratch), ()
+                "python": sys.executable, "env": SANDBOX_ENV, "own_ipc": not root, "id": SANDBOX_ID,
+                "as_root": root, "job": None if job is None else {"argv": list(job.argv), "workdir": job.workdir}}
+        yield unshare_argv(spec, scratch), (), preexec
         return
     fd = pipe_with(bpf) if bpf is not None else None
     try:
-        yield bwrap_argv(script, fd, job), (fd,) if fd is not None else ()
+        devices_work = not os.statvfs(scratch).f_flag & os.ST_NODEV
+        dev_dir = fresh_devices(os.path.join(scratch, "dev")) if root and devices_work else None
+        yield (bwrap_argv(script, fd, dev_dir, own_ipc=not root, relayed=relayed, job=job),
+               (fd,) if fd is not None else (), preexec)
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def relays(base: str, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """For bubblewrap run as nobody by a root caller: each mount-plan path (and each of ``extra``, a
+    job's directory) that nobody cannot reach (a Python under ``/root``, mode 0700), mapped to an empty
+    mount point under ``base`` where the launcher, still root, binds it (:func:`host_side`) for
+    bubblewrap to bind from."""
+    out = {}
+    for path in [args[0] for kind, *args in mount_plan() if kind == "ro"] + list(extra):
+        if not _reachable_by_nobody(path):
+            out[path] = os.path.join(base, str(len(out)))
+            os.makedirs(base, exist_ok=True)
+            if os.path.isdir(path):
+                os.mkdir(out[path])
+            else:
+                open(out[path], "w").close()
+    return out
+
+
+def hand_over(workdir: str) -> None:
+    """A root caller's job directory and all in it owned by uid/gid 65534, the program's host ids, so
+    that the program can write there (the caller, root, reads back whatever it leaves). Links are not
+    followed: a symlink a previous job left changes owner itself, not what it names; the previous job
+    has ended (its PID namespace died with it), so nothing changes during the walk."""
+    os.chown(workdir, SANDBOX_ID, SANDBOX_ID, follow_symlinks=False)
+    for top, dirs, files in os.walk(workdir):
+        for name in dirs + files:
+            os.chown(os.path.join(top, name), SANDBOX_ID, SANDBOX_ID, follow_symlinks=False)
+
+
+def _reachable_by_nobody(path: str) -> bool:
+    """Whether every directory above ``path`` lets others through (nobody has no groups and owns nothing)."""
+    parent = os.path.dirname(os.path.realpath(path))
+    while True:
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+        if parent == "/":
+            return True
+        parent = os.path.dirname(parent)
+
+
+def host_side(memory_bytes: int, nobody_dirs: list[str] | None,
+              relayed: dict[str, str] | None = None) -> Callable[[], None] | None:
+    """For a root caller, what the launcher runs before it execs: a private IPC namespace with System V
+    limits at ``memory_bytes``; with ``nobody_dirs`` (bubblewrap: the script's and the scratch
+    directory, handed to nobody) also, in a private mount namespace, the ``relayed`` paths bound where
+    nobody can reach them, then uid/gid 65534 with no supplementary groups. None for any other caller,
+    whose own ids are already unprivileged (its SysV memory is then not capped: docs/sandbox.md)."""
+    if os.geteuid() != 0:
+        return None
+    for d in nobody_dirs or ():
+        os.chown(d, SANDBOX_ID, SANDBOX_ID)
+    limits = ipc_limits(memory_bytes)
+    libc = _libc()  # loaded here: dlopen in a forked child of a threaded parent can deadlock
+
+    def before_exec() -> None:
+        _checked(libc.unshare(_CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
+        for key, value in limits.items():
+            with open(f"/proc/sys/kernel/{key}", "w") as f:
+                f.write(value)
+        if nobody_dirs is None:
+            return
+        if relayed:
+            _checked(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+            _checked(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
+            for src, dst in relayed.items():
+                _checked(libc.mount(src.encode(), dst.encode(), None, _MS_BIND | _MS_REC, None), f"bind {src}")
+        os.setgroups([])
+        os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
+        os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
+
+    return before_exec
+
+
+def ipc_limits(memory_bytes: int) -> dict[str, str]:
+    """System V IPC limits for a sandbox's own IPC namespace: shared memory at most ``memory_bytes`` in
+    all (``shmall`` counts pages), few queues and semaphores (the kernel's defaults allow gigabytes)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return {"shmmax": str(memory_bytes), "shmall": str(max(1, memory_bytes // page)), "shmmni": "64",
+            "msgmni": "16", "sem": "250 32000 32 128"}
+
+
+def fresh_devices(path: str) -> str:
+    """``path`` holding new device nodes (``DEVICES``) for one run, so that what a program does to its
+    ``/dev`` (times, modes) touches these, not the host's. Needs root and a filesystem allowing devices."""
+    os.mkdir(path)
+    for name, (major, minor) in DEVICES.items():
+        os.mknod(os.path.join(path, name), 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        os.chmod(os.path.join(path, name), 0o666)  # past the umask
+    return path
+
+
+def _checked(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sandbox setup: {what}: {os.strerror(err)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,14 +354,18 @@ def _probe(backend: str) -> Isolation:
         with open(script, "w") as f:
             f.write(probe)
         try:
-            with command(backend, script, scratch) as (argv, fds):
-                done = subprocess.run(argv, capture_output=True, text=True, timeout=30, pass_fds=fds)
+            with command(backend, script, scratch, 1 << 30) as (argv, fds, preexec):
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=30, pass_fds=fds,
+                                      preexec_fn=preexec)
         except (OSError, subprocess.TimeoutExpired) as e:
             return Isolation(False, f"{backend} could not start: {e}", bpf is not None)
     if done.returncode != 0 or done.stdout.strip() != "isolated":
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        return Isolation(False, f"{backend} cannot create namespaces here ({why}); user namespaces may be disabled "
-                                "(sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces)", bpf is not None)
+        as_whom = " by uid 65534 (a root caller's sandbox runs as nobody: it must read the Python installation)" \
+            if os.geteuid() == 0 and backend == "bwrap" else ""
+        return Isolation(False, f"{backend} cannot create namespaces here{as_whom} ({why}); user namespaces may be "
+                                "disabled (sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces)",
+                         bpf is not None)
     return Isolation(True, f"{backend} namespaces", True, backend)
 
 

@@ -7,8 +7,9 @@ What one call guarantees:
   sees only a read-only interpreter and a private tmpfs working directory, cannot start processes,
   reach the network, or see or signal the caller, its files or its siblings.
 - **Limits, enforced by the kernel**: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``),
-  the size of any file it writes (``RLIMIT_FSIZE``, which also caps what it can print: stdout and
-  stderr go to files the program cannot see), tmpfs sizes, and wall-clock time (the sandbox is killed).
+  the size of any file it writes (``RLIMIT_FSIZE``), tmpfs sizes, System V shared memory (a root
+  caller's sandbox: ``namespace.host_side``), and wall-clock time (the sandbox is killed). stdin,
+  stdout and stderr are pipes; output past ``max_output_bytes`` on either ends the run.
 - **Nothing carries over**: a fresh interpreter (``-I``) in a fresh working directory per call.
 
 Where namespaces are unavailable (user namespaces disabled, or a mount the kernel refuses),
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import selectors
 import signal
 import subprocess
 import sys
@@ -113,70 +115,135 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
     see the module docstring."""
     how = mode()
     with tempfile.TemporaryDirectory(prefix="rlfoundry-sandbox-") as tmp:
-        script, stdin_path = Path(tmp, "main.py"), Path(tmp, "stdin")
+        script = Path(tmp, "main.py")
         script.write_text(code, encoding="utf-8", errors="replace")
-        stdin_path.write_text(stdin, encoding="utf-8", errors="replace")
-        logs = Path(tmp, "logs")  # outside what the program can see in either mode
-        logs.mkdir()
         start = time.monotonic()
-        proc, timed_out = _launch(how, script, stdin_path, logs, limits, tmp)
-        return _result(proc, timed_out, time.monotonic() - start, logs, limits, how)
+        proc, out = _launch(how, script, stdin.encode("utf-8", errors="replace"), limits, tmp)
+        return _result(proc, out, time.monotonic() - start, limits, how)
 
 
 def run_job(job: namespace.Job, limits: SandboxLimits = SandboxLimits(), stdin: str = "") -> SandboxResult:
     """Run ``job`` (``namespace.Job``: a command in a host working directory the caller fills and reads
     back) in the sandbox, with the same limits and result as :func:`run_python`; ``limits.max_output_bytes``
-    also caps each file it writes. Unisolated, only a Python ``main.py`` runs (under the audit hook)."""
+    also caps each file it writes. A root caller's directory is handed to nobody, the program's host uid
+    (``namespace.hand_over``). Unisolated, only a Python ``main.py`` runs (under the audit hook)."""
     how = mode()
     if how != "namespaced" and job.argv[:1] != (sys.executable,):
         raise SandboxUnavailable(f"{job.argv[0]} runs only in the namespaced sandbox (the unisolated mode's "
                                  "audit hook guards Python alone)")
-    with tempfile.TemporaryDirectory(prefix="rlfoundry-sandbox-") as tmp:
-        stdin_path, logs, scratch = Path(tmp, "stdin"), Path(tmp, "logs"), Path(tmp, "scratch")
-        stdin_path.write_text(stdin, encoding="utf-8", errors="replace")
-        logs.mkdir()
-        scratch.mkdir()
+    data = stdin.encode("utf-8", errors="replace")
+    with tempfile.TemporaryDirectory(prefix="rlfoundry-sandbox-") as scratch:  # no script: it is the scratch
         start = time.monotonic()
         if how == "namespaced":
-            with namespace.command(namespace.isolation().backend, None, str(scratch), job) as (argv, fds):
-                proc, timed_out = _start_and_wait(argv, tmp, {"PATH": "/usr/bin:/bin"}, fds, stdin_path, logs, limits)
+            with namespace.command(namespace.isolation().backend, None, scratch, limits.memory_bytes, job) as (
+                    argv, fds, host_side):
+                proc, out = _start_and_wait(argv, scratch, {"PATH": "/usr/bin:/bin"}, fds, data, limits, host_side)
         else:
             argv = [sys.executable, "-I", "-B", "-c", policy.BOOTSTRAP, job.workdir]
             env = {"PATH": "/usr/bin:/bin", "HOME": job.workdir, "TMPDIR": job.workdir, "LANG": "C.UTF-8"}
-            proc, timed_out = _start_and_wait(argv, job.workdir, env, (), stdin_path, logs, limits)
-        return _result(proc, timed_out, time.monotonic() - start, logs, limits, how)
+            proc, out = _start_and_wait(argv, job.workdir, env, (), data, limits, None)
+        return _result(proc, out, time.monotonic() - start, limits, how)
 
 
-def _result(proc: subprocess.Popen, timed_out: bool, wall: float, logs: Path, limits: SandboxLimits,
-            how: str) -> SandboxResult:
-    stdout, stderr = (_read_capped(logs / name, limits.max_output_bytes) for name in ("stdout", "stderr"))
-    # Python ignores SIGXFSZ: at the limit its write fails (EFBIG) instead of the signal killing it
-    full = any(_size(logs / name) >= limits.max_output_bytes for name in ("stdout", "stderr"))
+def _result(proc: subprocess.Popen, out: _Output, wall: float, limits: SandboxLimits, how: str) -> SandboxResult:
+    stdout, stderr = (b[: limits.max_output_bytes].decode("utf-8", errors="replace") for b in (out.stdout, out.stderr))
     code_ = _exit_code(proc.returncode, how)
-    status = "output_limit" if full else _status(code_, timed_out, stderr)
+    status = "output_limit" if out.full else _status(code_, out.timed_out, stderr)
     return SandboxResult(status, stdout, stderr, code_, wall, how)
 
 
-def _launch(how: str, script: Path, stdin_path: Path, logs: Path, limits: SandboxLimits, tmp: str):
+def _launch(how: str, script: Path, stdin: bytes, limits: SandboxLimits, tmp: str):
     """Start the program the chosen way, wait for it within the wall-clock limit, kill what is left."""
     if how == "namespaced":
         scratch = Path(tmp, "scratch")
         scratch.mkdir()
-        with namespace.command(namespace.isolation().backend, str(script), str(scratch)) as (argv, fds):
-            return _start_and_wait(argv, tmp, {"PATH": "/usr/bin:/bin"}, fds, stdin_path, logs, limits)
+        with namespace.command(namespace.isolation().backend, str(script), str(scratch), limits.memory_bytes) as (
+                argv, fds, host_side):
+            return _start_and_wait(argv, tmp, {"PATH": "/usr/bin:/bin"}, fds, stdin, limits, host_side)
     work = Path(tmp, "work")
     work.mkdir()
     (work / "main.py").write_text(script.read_text(encoding="utf-8"), encoding="utf-8")
     argv = [sys.executable, "-I", "-B", "-c", policy.BOOTSTRAP, str(work)]
     env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
-    return _start_and_wait(argv, str(work), env, (), stdin_path, logs, limits)
+    return _start_and_wait(argv, str(work), env, (), stdin, limits, None)
 
 
-def _start_and_wait(argv, cwd, env, fds, stdin_path: Path, logs: Path, limits: SandboxLimits):
-    with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err, open(stdin_path, "rb") as inp:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=inp, stdout=out, stderr=err, start_new_session=True,
-                                preexec_fn=lambda: _set_limits(limits), close_fds=True, pass_fds=fds)
-        return proc, _wait(proc, limits.wall_time_s)
+@dataclass
+class _Output:
+    stdout: bytes = b""
+    stderr: bytes = b""
+    full: bool = False  # a stream passed max_output_bytes: the run was ended
+    timed_out: bool = False
+
+
+def _start_and_wait(argv, cwd, env, fds, stdin: bytes, limits: SandboxLimits, host_side):
+    """stdin, stdout and stderr are pipes, never host files: nothing the program does to them
+    (``fallocate``, ``ftruncate``, ``fchmod``) reaches the host's disk."""
+    def before_exec() -> None:
+        _set_limits(limits)
+        if host_side is not None:
+            host_side()
+
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=before_exec, close_fds=True,
+                            pass_fds=fds)
+    try:
+        out = _exchange(proc, stdin, limits)
+    finally:
+        _kill(proc)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+    return proc, out
+
+
+def _exchange(proc: subprocess.Popen, stdin: bytes, limits: SandboxLimits) -> _Output:
+    """Feed stdin and collect stdout/stderr until the program ends, the wall clock runs out, or a
+    stream passes the output limit (then at most the limit plus one read is held)."""
+    deadline = time.monotonic() + limits.wall_time_s
+    got = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    out, pending = _Output(), memoryview(stdin)
+    sel = selectors.DefaultSelector()
+    for f in got:
+        sel.register(f, selectors.EVENT_READ)
+    if pending:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    while len(sel.get_map()) and not out.full and not out.timed_out:
+        left = deadline - time.monotonic()
+        out.timed_out = left <= 0
+        for key, _ in sel.select(max(left, 0)):
+            if key.fileobj is proc.stdin:
+                pending = _feed(sel, proc.stdin, pending)
+                continue
+            chunk = os.read(key.fd, 1 << 16)
+            got[key.fileobj] += chunk
+            if not chunk:
+                sel.unregister(key.fileobj)
+            out.full |= len(got[key.fileobj]) > limits.max_output_bytes
+    sel.close()
+    if not (out.full or out.timed_out):
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:  # it closed its output and went on
+            out.timed_out = True
+    out.stdout, out.stderr = bytes(got[proc.stdout]), bytes(got[proc.stderr])
+    return out
+
+
+def _feed(sel: selectors.BaseSelector, pipe, pending: memoryview) -> memoryview:
+    """Write what the pipe takes now; close it when all is written or the program stopped reading."""
+    try:
+        pending = pending[os.write(pipe.fileno(), pending[: 1 << 16]):]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:
+        pending = pending[:0]
+    if not pending:
+        sel.unregister(pipe)
+        pipe.close()
+    return pending
 
 
 def _set_limits(limits: SandboxLimits) -> None:
@@ -189,20 +256,14 @@ def _set_limits(limits: SandboxLimits) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _wait(proc: subprocess.Popen, wall_time_s: float) -> bool:
-    """Wait up to the wall-clock limit; then (or anyway) kill the child's whole process group. In the
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the child's whole process group (anything it left behind in its session). In the
     namespaced mode that is bubblewrap, whose death takes the PID namespace and everything in it."""
     try:
-        proc.wait(timeout=wall_time_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind in its session
+        os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
-    return timed_out
 
 
 def _exit_code(code: int | None, how: str) -> int | None:
@@ -210,21 +271,6 @@ def _exit_code(code: int | None, how: str) -> int | None:
     if how == "namespaced" and code is not None and 128 < code < 128 + signal.NSIG:
         return -(code - 128)
     return code
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _read_capped(path: Path, limit: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("utf-8", errors="replace")
-    except OSError:  # an unisolated program may have removed it
-        return ""
 
 
 def _status(code: int | None, timed_out: bool, stderr: str) -> str:

@@ -2,11 +2,16 @@
 the namespaces itself with ``unshare(2)``, ``mount(2)`` and ``pivot_root(2)`` (through ctypes, in a
 fresh interpreter that then becomes the program).
 
-Three processes, as in bubblewrap: the launcher (the caller's child) enters new user, mount, PID,
-network, IPC and UTS namespaces and waits; the namespace's init (PID 1) builds the filesystem, pivots
-into it, and reaps; the program (PID 2) gives up every capability (bounding set, ambient set, and
-``SECBIT_NOROOT`` so that being uid 0 in its namespace grants nothing on exec), sets no-new-privs,
-loads the seccomp filter and execs the interpreter. Each dies with its parent. The exit status
+Three processes, as in bubblewrap: the launcher (the caller's child) enters new mount, PID, network,
+IPC (unless the caller made one with limits, ``namespace.host_side``) and UTS namespaces, and a user
+namespace where uid/gid 65534 maps to the caller's ids; a root caller's launcher needs and makes no
+user namespace (the program becomes host uid/gid 65534, nobody, before it execs), and waits; the
+namespace's init (PID 1) builds the filesystem (``/proc/sys`` read-only, ``/dev`` of the five host
+nodes bound read-only, so their times, modes and owners cannot change; a ``namespace.Job``'s
+directory bound read-write, nosuid and nodev at the working directory), pivots into it, and reaps;
+the program (PID 2) gives up every capability (bounding set, ambient set, and ``SECBIT_NOROOT``
+locked, so that no uid grants anything on exec), sets no-new-privs, loads the seccomp filter and
+execs the interpreter (or the job's command). Each dies with its parent. The exit status
 travels up as bubblewrap reports it (128 + N for a signal N).
 """
 
@@ -71,6 +76,20 @@ def nested_mounts(dst):
             points.append(point)
     return sorted(points, key=len)
 
+def bind_device(name, root):
+    # the host's node, read-only: writing to a device is allowed, changing its times, mode or owner is not
+    dst = root + "/dev/" + name
+    open(dst, "a").close()
+    mount("/dev/" + name, dst, None, MS_BIND)
+    kept = sum(ms for st, ms in LOCKABLE if os.statvfs(dst).f_flag & st)
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | kept)
+
+def bind_writable(src, dst):
+    # nosuid and nodev, as bubblewrap's --bind: what the program leaves there gains nothing on exec
+    mount(src, dst, None, MS_BIND)
+    kept = sum(ms for st, ms in LOCKABLE if os.statvfs(dst).f_flag & st)
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | kept)
+
 def build_root(root):
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
@@ -78,7 +97,7 @@ def build_root(root):
     for d in ("/tmp", spec["workdir"]):
         os.makedirs(root + d)
         if d == spec["workdir"] and spec["job"]:  # the caller's directory, read-write: files in and out
-            mount(spec["job"]["workdir"], root + d, None, MS_BIND | MS_REC)
+            bind_writable(spec["job"]["workdir"], root + d)
             continue
         mount("tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec['tmp_bytes']}")
     for entry in spec["plan"]:
@@ -86,14 +105,18 @@ def build_root(root):
             bind_readonly(entry[1], root + entry[1])
         else:
             os.symlink(entry[1], root + entry[2])
+    os.makedirs(root + "/dev")
     for name in ("null", "zero", "full", "random", "urandom"):
-        os.makedirs(root + "/dev", exist_ok=True)
-        open(root + "/dev/" + name, "a").close()
-        mount("/dev/" + name, root + "/dev/" + name, None, MS_BIND)
+        bind_device(name, root)
     if not spec["job"]:
         bind_readonly(spec["script"], root + spec["workdir"] + "/main.py")
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for covered in ("/proc/sys", "/proc/sysrq-trigger"):  # the host's settings, as bubblewrap covers them
+        if not os.path.exists(root + covered):
+            continue
+        mount(root + covered, root + covered, None, MS_BIND)
+        mount(None, root + covered, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.chdir(root)
     os.mkdir(".old")
     ok(libc.syscall({"x86_64": 155, "aarch64": 41}[platform.machine()], b".", b".old"), "pivot_root")
@@ -108,11 +131,19 @@ def loopback_up():
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", 0x1 | 0x8 | 0x40, b""))  # SIOCSIFFLAGS: UP|LOOPBACK|RUNNING
 
-def drop_everything(bpf):
+def become(sid):
+    # host root until here (a root caller's setup): nobody from now on, with no supplementary groups
+    os.setgroups([])
+    os.setresgid(sid, sid, sid)
+    os.setresuid(sid, sid, sid)
+
+def drop_everything(bpf, sid):
     ok(libc.prctl(28, 0b101111, 0, 0, 0), "securebits")  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS off; all locked
     for cap in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
         ok(libc.prctl(24, cap, 0, 0, 0), "drop a bounding capability")  # PR_CAPBSET_DROP
     ok(libc.prctl(47, 4, 0, 0, 0), "clear ambient capabilities")  # PR_CAP_AMBIENT, CLEAR_ALL
+    if sid is not None:  # while CAP_SETUID is still held; the capset below clears the rest
+        become(sid)
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     ok(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
     ok(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
@@ -126,13 +157,21 @@ def drop_everything(bpf):
 die_with_parent()
 uid, gid = os.getuid(), os.getgid()
 bpf = open(spec["bpf"], "rb").read() if spec["bpf"] else b""
-ok(libc.unshare(0x10000000 | 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000), "unshare")
-with open("/proc/self/setgroups", "w") as f:
-    f.write("deny")
-with open("/proc/self/uid_map", "w") as f:
-    f.write(f"0 {uid} 1")
-with open("/proc/self/gid_map", "w") as f:
-    f.write(f"0 {gid} 1")
+ipc = 0x08000000 if spec["own_ipc"] else 0  # else the caller made it, with limits
+flags = 0x00020000 | 0x20000000 | 0x40000000 | ipc | 0x04000000  # mount, PID, network, (IPC), UTS
+sid = spec["id"]
+if spec["as_root"]:
+    # a root caller: no user namespace, whose uid map would have to name host root for the setup to
+    # read a Python installed under /root (0700). The setup runs as root; the program becomes nobody.
+    ok(libc.unshare(flags), "unshare")
+else:
+    ok(libc.unshare(0x10000000 | flags), "unshare")
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:  # inside, nobody (never 0): it owns nothing the kernel guards
+        f.write(f"{sid} {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{sid} {gid} 1")
 init = os.fork()
 if init:
     wait_and_exit(init)
@@ -150,7 +189,7 @@ if program:
             os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 die_with_parent()
 os.setsid()
-drop_everything(bpf)
+drop_everything(bpf, sid if spec["as_root"] else None)
 if spec["job"]:
     os.execvpe(spec["job"]["argv"][0], spec["job"]["argv"], spec["env"])
 os.execve(spec["python"], [spec["python"], "-I", "-B", spec["workdir"] + "/main.py"], spec["env"])
@@ -160,7 +199,9 @@ os.execve(spec["python"], [spec["python"], "-I", "-B", spec["workdir"] + "/main.
 def unshare_argv(spec: dict, scratch: str) -> list[str]:
     """The launcher's command line. ``spec``: ``plan`` (``namespace.mount_plan()``), ``script``, ``bpf``
     (a file or None), ``tmp_bytes``, ``workdir``, ``python``, ``env``, ``job`` (None, or ``namespace.Job``'s
-    ``argv`` and host ``workdir``); ``scratch`` is an empty host
+    ``argv`` and host ``workdir``), ``own_ipc`` (make an IPC namespace), ``id`` (the uid/gid inside),
+    ``as_root`` (the caller is root: no user namespace, the program becomes host uid/gid ``id``);
+    ``scratch`` is an empty host
     directory for the spec and the new root."""
     root = os.path.join(scratch, "root")
     os.mkdir(root)

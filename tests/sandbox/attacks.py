@@ -107,9 +107,98 @@ s.connect('\\0ABSTRACT'); s.send(b'MARKER'); print('ESCAPED')
 """,
 }
 
-# Programs that would hurt the whole machine if they got out: never run without kernel isolation.
+# Programs that would hurt the whole machine if they got out: never run without kernel isolation. The
+# host-object ones (sysctls, /dev, disk, System V memory) matter when the caller is root, as in CI;
+# the harness also compares the host's side (test_attacks.World.host_state) before and after.
 NAMESPACED_ONLY: dict[str, str] = {
     "kill_everything": "import os, signal; os.kill(-1, signal.SIGKILL); print('ESCAPED')",
+    # a host sysctl changed (the harness restores it if this gets out)
+    "sysctl_write": """
+p = '/proc/sys/kernel/printk_ratelimit'
+v = int(open(p).read())
+with open(p, 'w') as f:
+    f.write(str(v + 1))
+print('ESCAPED')
+""",
+    # opened for writing, nothing written: being able to is the escape
+    "sysctl_open_for_write": """
+opened = []
+for name in ('kernel/core_pattern', 'vm/drop_caches', 'kernel/randomize_va_space', 'kernel/shmmax'):
+    try:
+        open('/proc/sys/' + name, 'r+').close()
+        opened.append(name)
+    except OSError:
+        pass
+print('ESCAPED' if opened else '')
+""",
+    "root_only_proc_read": """
+import os
+got = []
+for p in ('/proc/kcore', '/proc/kpageflags', '/proc/kpagecount', '/proc/slabinfo', '/proc/vmallocinfo',
+          '/proc/timer_list', '/proc/pagetypeinfo'):
+    if not os.path.exists(p) or os.stat(p).st_mode & 0o004:  # readable by anyone here: not the point
+        continue
+    try:
+        with open(p, 'rb') as f:
+            got.append(len(f.read(1)))
+    except OSError:
+        pass
+print('ESCAPED' if got else '')
+""",
+    # changing a node's mode, owner or times to what they are: harmless if it got out, refused if held.
+    # utime() to now needs only write access, which /dev/null grants everyone: the harness checks
+    # the host node's mtime instead of the program's word
+    "dev_node_chmod_chown_utime": """
+import os
+changed = []
+for name in ('null', 'zero', 'urandom', 'full'):
+    p = '/dev/' + name
+    st = os.stat(p)
+    for what, act in (('chmod', lambda: os.chmod(p, st.st_mode & 0o7777)),
+                      ('chown', lambda: os.chown(p, st.st_uid, st.st_gid)),
+                      ('utime', lambda: os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns)))):
+        try:
+            act()
+            changed.append(what)
+        except OSError:
+            pass
+    try:
+        os.utime(p)
+    except OSError:
+        pass
+print('ESCAPED' if changed else '')
+""",
+    # disk the output limit does not see: RLIMIT_FSIZE does not cover FALLOC_FL_KEEP_SIZE
+    "fallocate_keep_size_on_output": """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+ok = [libc.fallocate(fd, 1, 0, 384 << 20) == 0 for fd in (1, 2)]  # FALLOC_FL_KEEP_SIZE
+print('ESCAPED' if any(ok) else '')
+""",
+    # memory the address-space limit does not see: 768 MiB of System V segments against 512 MiB
+    "sysv_shm_over_memory_limit": """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_int)
+ids = [libc.shmget(0, 256 << 20, 0o1000 | 0o600) for _ in range(3)]  # IPC_PRIVATE, IPC_CREAT
+print('ESCAPED' if all(i >= 0 for i in ids) else '')
+""",
+    # the sandbox's init: its environment, memory map and descriptors (host paths) are not the program's
+    "init_proc_entries": """
+import os
+seen = []
+for name in ('environ', 'maps', 'auxv', 'syscall', 'io'):
+    try:
+        seen.append(open('/proc/1/' + name, 'rb').read(64))
+    except OSError:
+        pass
+try:
+    seen += [os.readlink('/proc/1/fd/' + fd) for fd in os.listdir('/proc/1/fd')]
+except OSError:
+    pass
+print('ESCAPED' if any(seen) else '')
+""",
 }
 
 # What the unisolated (audit-hook) mode does not stop, found by running ATTACKS through it; the
@@ -120,3 +209,11 @@ UNISOLATED_ESCAPES = frozenset({
     "pidfd_kill_caller", "pidfd_stop_caller", "pidfd_kill_sibling", "prlimit_caller_cpu", "prlimit_caller_nofile",
     "renice_caller", "pin_caller",
 })
+
+# What only a root caller's sandbox holds against (docs/sandbox.md, "The boundary"): skipped for other
+# callers, whose own ids bound the program anyway.
+ROOT_CALLER_ONLY = {
+    "sysv_shm_over_memory_limit": "the limited IPC namespace needs a root caller",
+    "dev_node_chmod_chown_utime": "a non-root caller's bubblewrap binds the host's nodes, whose times the caller "
+                                  "may change itself",
+}

@@ -5,7 +5,9 @@ Each attack runs in a caller process (``_caller.py``) beside a decoy sibling pro
 directory holding a secret. After every run the test checks the world: the caller answered and is
 alive, not stopped, with its limits, priority and CPU set unchanged; the decoy likewise; the sentinel
 directory unchanged; no process carries the attack's marker; the TCP and abstract-socket listeners
-got no connection; and the program did not report success. With kernel isolation nothing may get
+got no connection; the host's objects a root caller's sandbox must not reach are unchanged (a
+sysctl's value, the /dev nodes' modes, owners and times, free disk); and the program did not report
+success. With kernel isolation nothing may get
 through; the unisolated mode's escapes must be exactly the documented list.
 """
 
@@ -18,13 +20,14 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, ISOLATION_ENV
 from rlfoundry.sandbox.namespace import isolation
-from tests.sandbox.attacks import ATTACKS, NAMESPACED_ONLY, UNISOLATED_ESCAPES
+from tests.sandbox.attacks import ATTACKS, NAMESPACED_ONLY, ROOT_CALLER_ONLY, UNISOLATED_ESCAPES
 
 CALLER = Path(__file__).with_name("_caller.py")
 ENTRIES = ("run_python", "tool", "reward")
@@ -48,6 +51,25 @@ def _proc_state(pid: int) -> dict | None:
 def _tree(path: Path) -> dict:
     return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() and not p.is_symlink() else p.is_symlink())
             for p in sorted(path.rglob("*"))}
+
+
+SYSCTL = Path("/proc/sys/kernel/printk_ratelimit")  # the one the sysctl_write attack changes
+DEV_NODES = ("null", "zero", "urandom", "full")
+DISK_SLACK = 256 << 20  # other processes write to this disk too; the fallocate attack asks for 768 MiB
+
+
+def host_state() -> dict:
+    """The host objects an attack on a root caller's sandbox aims at: a sysctl, the /dev nodes (mode,
+    owner, mtime), and the free space of the disk holding the sandbox's temporary files."""
+    nodes = {n: (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns) for n in DEV_NODES
+             for st in [os.stat(f"/dev/{n}")]}
+    disk = os.statvfs(tempfile.gettempdir())
+    return {"sysctl": SYSCTL.read_text(), "dev": nodes, "free": disk.f_bavail * disk.f_frsize}
+
+
+def host_harms(before: dict, after: dict) -> list[str]:
+    harms = [f"host {what} changed" for what in ("sysctl", "dev") if before[what] != after[what]]
+    return harms + ["host disk allocated"] * (before["free"] - after["free"] > DISK_SLACK)
 
 
 def _marked_processes(marker: str) -> list[int]:
@@ -103,6 +125,7 @@ class World:
         """Run one attack; return the harms it did (empty: contained)."""
         marker = "rlf-marker-" + secrets.token_hex(6)
         before = (_proc_state(self.caller.pid), _proc_state(self.decoy.pid), _tree(self.sentinel))
+        self.host_before = host_state()
         self.caller.stdin.write(json.dumps({"entry": entry, "code": self.fill(code, marker)}) + "\n")
         self.caller.stdin.flush()
         harms = self._answer_harms()
@@ -112,7 +135,7 @@ class World:
         harms += ["a process outlived the call"] * bool(_marked_processes(marker))
         harms += [f"{name} listener was reached" for name, s in (("tcp", self.tcp), ("unix", self.unix))
                   if self._accepted(s)]
-        return harms
+        return harms + host_harms(self.host_before, host_state())
 
     def _answer_harms(self) -> list[str]:
         ready, _, _ = select.select([self.caller.stdout], [], [], 15)  # limits are 3 s
@@ -143,6 +166,11 @@ class World:
         self.decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         for p in self.sentinel.iterdir():
             p.unlink()
+        if SYSCTL.read_text() != self.host_before["sysctl"]:  # as it was (only an attack by root changes it)
+            SYSCTL.write_text(self.host_before["sysctl"])
+        for name, (_, _, _, mtime) in self.host_before["dev"].items():
+            if os.stat(f"/dev/{name}").st_mtime_ns != mtime:
+                os.utime(f"/dev/{name}", ns=(mtime, mtime))
         (self.sentinel / "secret.txt").write_text(self.secret)
         self._start_caller()
 
@@ -176,6 +204,8 @@ def namespaced_world(request, tmp_path_factory):
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("name", sorted({**ATTACKS, **NAMESPACED_ONLY}))
 def test_no_attack_gets_out_of_the_namespaced_sandbox(namespaced_world, entry, name):
+    if name in ROOT_CALLER_ONLY and os.geteuid() != 0:
+        pytest.skip(ROOT_CALLER_ONLY[name])
     harms = namespaced_world.attack(entry, {**ATTACKS, **NAMESPACED_ONLY}[name])
     if harms:
         namespaced_world.repair()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,9 @@ import pytest
 
 from rlfoundry.rewards import code
 from rlfoundry.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from rlfoundry.sandbox.runner import run_job
 from rlfoundry.sandbox.fusion import LANGUAGES, _to_result, handle_run_code, make_server, run_remote
-from rlfoundry.sandbox.namespace import ISOLATION_ENV, isolation
+from rlfoundry.sandbox.namespace import ISOLATION_ENV, SANDBOX_ID, Job, isolation
 from tests.rewards.test_code import LIMITS, PROGRAMS, SUM_TESTS
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) on this machine")
@@ -75,9 +77,12 @@ def test_stdin_and_limits_travel_in_the_request(server):
 ])
 def test_the_answer_tells_the_client_the_status_the_local_sandbox_gives(program, status):
     """No field of our own: the standard answer alone carries every status the code reward tells apart."""
-    limits = SandboxLimits(wall_time_s=0.5, memory_bytes=256 << 20, max_output_bytes=64 << 10)
+    # a short wall clock only where the timeout is the point: under load an interpreter's start alone
+    # can take half a second, and the other programs must reach their own ending first
+    wall = 0.5 if status == "timeout" else 8.0
+    limits = SandboxLimits(wall_time_s=wall, memory_bytes=256 << 20, max_output_bytes=64 << 10)
     assert run_python(program, limits).status == status
-    http, answer = handle_run_code({"code": program, "language": "python", "run_timeout": 0.5, "memory_limit_MB": 256,
+    http, answer = handle_run_code({"code": program, "language": "python", "run_timeout": wall, "memory_limit_MB": 256,
                                     "max_output_bytes": 64 << 10})
     assert http == 200 and set(answer) == set(SANDBOXFUSION_HELLO[1])
     assert _to_result(answer, 0.0, limits).status == status
@@ -234,6 +239,47 @@ def test_files_go_in_and_fetch_files_come_back_inside_the_working_directory_only
             _, answer = handle_run_code({"code": "import time\ntime.sleep(30)", "language": "python", key: value})
             assert answer["status"] == "SandboxError" and "outside the working directory" in answer["message"]
             assert time.monotonic() - start < 1  # refused before anything ran (the program would sleep 10 s)
+
+
+# what the program can tell about its own confinement: ids, host objects it must not change, its streams
+HARDENING_PROBE = """import json, os, stat
+def refused(f):
+    try:
+        f()
+        return False
+    except OSError:
+        return True
+open('/sandbox/made', 'w').write('x')
+print(json.dumps({"ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid()],
+    "sysctl_write": refused(lambda: open('/proc/sys/kernel/printk_ratelimit', 'w')),
+    "init_environ": refused(lambda: open('/proc/1/environ', 'rb').read()),
+    "dev_chmod": refused(lambda: os.chmod('/dev/null', 0o600)),
+    "sys": os.path.exists('/sys/kernel'), "pipes": [stat.S_ISFIFO(os.fstat(i).st_mode) for i in (0, 1, 2)],
+    "shmmax": open('/proc/sys/kernel/shmmax').read().strip()}))
+"""
+
+
+def test_a_jobs_program_is_confined_as_a_scripts_and_its_folder_works_for_a_root_caller(backend, tmp_path):
+    """A job in a host folder gets the script's confinement field for field; for a root caller that is
+    host uid 65534, which can still write the folder (mode 0700, under pytest's root-only 0700 base:
+    bubblewrap, run as nobody, reaches it through a relay), and what it writes comes back."""
+    limits = SandboxLimits(memory_bytes=512 << 20)
+    work = tmp_path / "job"
+    work.mkdir(mode=0o700)
+    (work / "main.py").write_text(HARDENING_PROBE)
+    as_script = run_python(HARDENING_PROBE, limits)
+    as_job = run_job(Job((sys.executable, "-I", "-B", "main.py"), str(work)), limits)
+    assert as_script.status == as_job.status == "ok", (as_script, as_job)
+    report = json.loads(as_job.stdout)
+    assert report == json.loads(as_script.stdout)
+    assert report["ids"] == [SANDBOX_ID] * 4 and report["pipes"] == [True] * 3 and not report["sys"]
+    assert report["sysctl_write"] and report["dev_chmod"]
+    made = (work / "made").stat()
+    assert (work / "made").read_text() == "x"
+    root = os.geteuid() == 0
+    assert (made.st_uid, made.st_gid) == ((SANDBOX_ID,) * 2 if root else (os.getuid(), os.getgid()))
+    if root:  # a root caller's sandbox has its own System V limits, at the memory limit
+        assert report["shmmax"] == str(512 << 20) and report["init_environ"]
 
 
 @needs_gxx

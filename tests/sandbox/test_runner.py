@@ -3,10 +3,10 @@ result with a status and a message, in bounded time, with nothing left behind.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +62,24 @@ def test_a_sleeping_program_stops_at_the_wall_clock_limit():
 def test_megabytes_of_output_are_cut_at_the_limit():
     r = _run("print('x' * 10_000_000)")
     assert r.status == "output_limit" and len(r.stdout) <= LIMITS.max_output_bytes
+
+
+def test_output_up_to_the_limit_is_kept_whole():
+    r = _run(f"import sys\nsys.stdout.write('y' * {LIMITS.max_output_bytes})")
+    assert (r.status, len(r.stdout)) == ("ok", LIMITS.max_output_bytes)
+
+
+def test_standard_input_larger_than_a_pipe_buffer_arrives_whole():
+    # 1 MiB: sixteen times a pipe's buffer, so it is fed while the program reads
+    data = "".join(f"{i}\n" for i in range(150_000))
+    r = run_python("import sys, hashlib\nprint(hashlib.sha256(sys.stdin.read().encode()).hexdigest())", LIMITS, stdin=data)
+    assert r.status == "ok" and r.stdout.strip() == hashlib.sha256(data.encode()).hexdigest()
+
+
+def test_the_program_is_nobody_with_no_groups_and_sees_only_fresh_devices():
+    r = _run("import os\nprint(os.getuid(), os.getgid(), os.getgroups(), sorted(os.listdir('/dev')), "
+             "os.path.exists('/sys'), os.access('/proc/sys/kernel/shmmax', os.W_OK))")
+    assert r.stdout.split("\n")[0] == "65534 65534 [] ['full', 'null', 'random', 'urandom', 'zero'] False False"
 
 
 def test_non_text_output_is_decoded_with_replacement():
