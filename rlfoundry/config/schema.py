@@ -521,6 +521,9 @@ class MultiTurnConfig(Node):
     tokenization_sanity_check_mode: str = one_of(("strict", "ignore_strippable", "disable"), "strict")
     format: str = one_of(TOOL_CALL_FORMATS, "hermes")  # the tool-call parser (tools/parser.py)
     tool_timeout_s: float = 30.0  # rlfoundry: a call that takes longer answers with an error
+    # verl's: how many conversations a custom agent loop simulates per sample (recipe/collabllm reads it as
+    # config.num_repeat_rollouts); the loops rlfoundry ships do not use it, a registered loop reads it here
+    num_repeat_rollouts: Optional[int] = None
 
 
 @dataclass
