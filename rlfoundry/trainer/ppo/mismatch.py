@@ -32,29 +32,29 @@ RENORMALISING_ENGINES = frozenset({"vllm"})
 
 
 def position_buckets(mask: torch.Tensor, n: int = len(POSITION_BUCKETS)) -> torch.Tensor:
-    """(B, Tr) -> (B, Tr) long: the n-quantile of each valid token's rank among its row's valid tokens
+    """(B, Tr) -> (B, Tr) int32: the n-quantile of each valid token's rank among its row's valid tokens
     (0 .. n-1), -1 on masked tokens. A row of 3 valid tokens in quarters: 0, 1, 2."""
     valid = mask.bool()
-    rank = valid.long().cumsum(-1) - 1
-    count = valid.long().sum(-1, keepdim=True).clamp(min=1)
-    return torch.where(valid, rank * n // count, torch.full_like(rank, -1))
+    rank = valid.to(torch.int32).cumsum(-1, dtype=torch.int32)  # int32: half the memory traffic of int64
+    count = rank[:, -1:].clamp(min=1)
+    return torch.where(valid, (rank - 1) * n // count, -1)
 
 
 def turn_index(mask: torch.Tensor) -> torch.Tensor:
-    """(B, Tr) -> (B, Tr) long: which run of consecutive valid tokens each valid token is in (0-based),
+    """(B, Tr) -> (B, Tr) int32: which run of consecutive valid tokens each valid token is in (0-based),
     -1 on masked tokens. In an agent loop's row the runs are the policy's turns (tool replies are 0s)."""
     valid = mask.bool()
     before = torch.nn.functional.pad(valid[:, :-1], (1, 0), value=False)
-    starts = valid & ~before
-    return torch.where(valid, starts.long().cumsum(-1) - 1, torch.full_like(mask, -1, dtype=torch.long))
+    starts = (valid & ~before).to(torch.int32).cumsum(-1, dtype=torch.int32)
+    return torch.where(valid, starts - 1, -1)
 
 
 def _grouped_means(gap: torch.Tensor, groups: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and max of ``gap`` per group id 0..n-1 (ids < 0 ignored) and each group's count: (n,), (n,)."""
-    keep = groups >= 0
-    ids, values = groups[keep], gap[keep]
-    total = torch.zeros(n, dtype=values.dtype).index_add_(0, ids, values)
-    count = torch.zeros(n, dtype=values.dtype).index_add_(0, ids, torch.ones_like(values))
+    """Mean of ``gap`` per group id 0..n-1 (ids < 0 ignored) and each group's count: (n,), (n,).
+    Ignored ids go to a bin n that is dropped: no boolean gather of the (B, Tr) tensors."""
+    ids = torch.where(groups >= 0, groups, n).flatten().long()
+    total = torch.bincount(ids, weights=gap.flatten().double(), minlength=n + 1)[:n]
+    count = torch.bincount(ids, minlength=n + 1)[:n]
     return total / count.clamp(min=1), count
 
 
@@ -70,13 +70,13 @@ def mismatch_metrics(gap: torch.Tensor, mask: torch.Tensor, data_sources: np.nda
     means, counts = _grouped_means(gap, position_buckets(mask), len(POSITION_BUCKETS))
     metrics |= {f"mismatch/position/{q}/mean": float(means[i]) for i, q in enumerate(POSITION_BUCKETS) if counts[i] > 0}
     if multi_turn:
-        turns = turn_index(mask).clamp(max=MAX_TURN_METRICS)
+        turns = turn_index(mask).clamp(max=MAX_TURN_METRICS)  # -1 (masked) stays -1
         means, counts = _grouped_means(gap, turns, MAX_TURN_METRICS + 1)
         names = [str(k) for k in range(MAX_TURN_METRICS)] + [f"{MAX_TURN_METRICS}+"]
         metrics |= {f"mismatch/turn/{names[k]}/mean": float(means[k]) for k in range(len(names)) if counts[k] > 0}
     if data_sources is not None:
         names, rows = np.unique(np.asarray(data_sources, dtype=str), return_inverse=True)
-        groups = torch.where(valid, torch.as_tensor(rows, dtype=torch.long).view(-1, 1), -1)
+        groups = torch.where(valid, torch.as_tensor(rows, dtype=torch.int32).view(-1, 1), -1)
         means, counts = _grouped_means(gap, groups, len(names))
         metrics |= {f"mismatch/data_source/{n}/mean": float(means[i]) for i, n in enumerate(names) if counts[i] > 0}
     return metrics
