@@ -1081,6 +1081,10 @@ class TrainerConfig(Node):
     dist_timeout_s: float = 600.0  # rlfoundry: a collective waiting longer (a dead or stuck peer) fails
     tune_malloc: bool = True  # rlfoundry: glibc malloc in worker processes keeps freed memory (cpu/malloc.py)
     max_consecutive_nan_steps: int = 3  # rlfoundry: stop after this many NaN/Inf-skipped steps in a row; 0: never
+    # rlfoundry: per-step |Δ log p| rollout vs trainer by position/turn/data source, and a logged diagnosis
+    # when the step's mean passes the threshold (trainer/ppo/mismatch.py, docs/on_policy.md)
+    mismatch_audit: bool = True
+    mismatch_audit_threshold: float = 0.02  # ~2.5x the mean gap of a bf16 decode vs a bf16 forward (H100)
 
     def check(self) -> list[str]:
         """Positive numbers, output directories that are directories, what resume and the back end need."""
@@ -1108,6 +1112,9 @@ class TrainerConfig(Node):
         if mode != "sync":
             errors.append(f"trainer.v1.trainer_mode={mode}: verl's v1 asynchronous trainer modes are not built; for an "
                           "asynchronous run use --config-name one_step_off_ppo_trainer or fully_async_ppo_trainer.")
+        if not self.mismatch_audit_threshold > 0:
+            errors.append(f"trainer.mismatch_audit_threshold={self.mismatch_audit_threshold} must be positive (a mean "
+                          "|Δ log p| per token, e.g. 0.02); to switch the audit off set trainer.mismatch_audit=false.")
         if self.max_consecutive_nan_steps < 0:
             errors.append(f"trainer.max_consecutive_nan_steps={self.max_consecutive_nan_steps} must be >= 0 (0: never stop).")
         if self.resume_mode == "resume_path" and not self.resume_from_path:

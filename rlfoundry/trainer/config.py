@@ -889,6 +889,8 @@ def _rollout_log_probs_reader(resolved: DictConfig) -> str | None:
         return "algorithm.rollout_correction"
     if resolved.async_training.mode == "fully_async" and resolved.async_training.partial_rollout:
         return "async_training.partial_rollout (chunks are stitched with their log-probs)"
+    if resolved.trainer.mismatch_audit:  # compares them with the recomputed old log-probs (docs/on_policy.md)
+        return "trainer.mismatch_audit"
     return None
 
 

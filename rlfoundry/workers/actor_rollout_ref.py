@@ -302,7 +302,8 @@ class ActorRolloutRefWorker(Worker):
         token baselines read (verl's key), from the same forward.
 
         Uses ``rollout.log_prob_*`` micro-batching and ``meta_info["temperature"]`` (default:
-        ``rollout.temperature``), so the numbers match what the rollout sampled with.
+        ``rollout.temperature``), so the numbers match what the rollout sampled with. Its ``meta_info``
+        says the temperature, ``param_version`` and ``compute_dtype`` it scored with (the mismatch audit's).
         """
         self._require(self.actor, "compute_log_prob")
         data = on_device(data, self.device)
@@ -314,7 +315,10 @@ class ActorRolloutRefWorker(Worker):
         tensors = {"old_log_probs": out["log_probs"][mine], "entropys": out["entropy"][mine]}
         if squares:
             tensors["sum_pi_squared"] = out["sum_pi_squared"][mine]
-        return DataProto.from_dict(tensors=tensors, meta_info={"temperature": kwargs["temperature"]}).to("cpu")
+        # the mismatch audit's evidence (trainer/ppo/mismatch.py): the version and dtype that scored the rows
+        meta = {"temperature": kwargs["temperature"], "param_version": self.param_version,
+                "compute_dtype": str(self._copy_dtype()).removeprefix("torch.")}
+        return DataProto.from_dict(tensors=tensors, meta_info=meta).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

@@ -389,12 +389,15 @@ def test_calculate_log_probs_is_on_exactly_where_asked_or_read():
         return resolve_config(cfg, steps_per_epoch=1, cuda_available=False).actor_rollout_ref.rollout.calculate_log_probs
 
     recompute = "actor_rollout_ref.actor.use_rollout_log_probs=false"
-    assert on(recompute) is False  # verl's default: the rollout returns none
-    assert on(recompute, "actor_rollout_ref.rollout.calculate_log_probs=true") is True
-    assert on() is False  # two mini-batches a step: the old log-probs are recomputed
+    no_audit = "trainer.mismatch_audit=false"
+    assert on(recompute, no_audit) is False  # verl's default: the rollout returns none
+    assert on(recompute, no_audit, "actor_rollout_ref.rollout.calculate_log_probs=true") is True
+    assert on(no_audit) is False  # two mini-batches a step: the old log-probs are recomputed
+    assert on() is True  # ... and the mismatch audit (on by default) compares them with the rollout's
+    assert on(recompute) is True
     assert on("actor_rollout_ref.actor.ppo_mini_batch_size=16") is True  # reused as the old log-probs
     assert on(recompute, "algorithm.rollout_correction.rollout_is=token") is True
-    cfg = _load(recompute, "algorithm.rollout_correction.rollout_is=token")
+    cfg = _load(recompute, no_audit, "algorithm.rollout_correction.rollout_is=token")
     lines = auto_choices(cfg, resolve_config(cfg, steps_per_epoch=1, cuda_available=False))
     assert "actor_rollout_ref.rollout.calculate_log_probs=true: algorithm.rollout_correction reads" in "\n".join(lines)
 

@@ -56,6 +56,14 @@ def test_skipping_the_old_log_prob_pass_trains_identically(tiny_model_dir, tmp_p
 
     # recomputed, the HF rollout and the actor score the sampled tokens alike (same weights, T, no top-k/p)
     assert off.step(1)["training/rollout_probs_diff_max"] < 1e-4
+    # the mismatch audit (on by default) of the recomputing run: one data source, so its mean is the step's
+    # mean |Δ log p|; every position quarter's mean is bounded by the step's max
+    first = off.step(1)
+    (source,) = [k for k in first if k.startswith("mismatch/data_source/")]
+    assert first[source] == pytest.approx(first["training/rollout_log_probs_diff_mean"], rel=1e-5, abs=1e-9)
+    for q in ("q1", "q2", "q3", "q4"):
+        assert 0.0 <= first[f"mismatch/position/{q}/mean"] <= first["training/rollout_log_probs_diff_max"]
+    assert "timing_s/mismatch_audit" in first and not any(k.startswith("mismatch/") for k in on.step(1))
     for step in (1, 2):
         a, b = off.step(step), on.step(step)
         for key in METRICS:

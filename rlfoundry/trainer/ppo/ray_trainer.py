@@ -16,6 +16,7 @@ the same trainer runs on the in-process back end and on Ray.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from omegaconf import OmegaConf
 
 from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, starts_from_dist_checkpoint
 from rlfoundry.algos import core_algos, rollout_corr
+from rlfoundry.trainer.ppo import mismatch
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
 from rlfoundry.trainer.config import ConfigError, need_reference_policy, world_size
@@ -49,6 +51,8 @@ __all__ = ["PPOTrainer", "RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalt
 
 # (role name → worker class with init args) → (role name → worker group view); see main_ppo.
 WorkerGroupFactory = Callable[[dict[str, ClassWithInitArgs]], dict[str, WorkerGroup]]
+logger = logging.getLogger(__name__)
+MISMATCH_LOG_EVERY = 10  # steps between two mismatch diagnoses naming the same cause (a changed cause: at once)
 TRAINER_STATE_FILE = "data.pt"  # the name verl uses for the trainer/loader state
 
 
@@ -362,6 +366,7 @@ class PPOTrainer:
         self.state = _RunState()
         self.tracker = None
         self._reward_thread, self._pending_reward = None, None  # reward_model.launch_reward_fn_async
+        self._last_diagnosis: tuple[int, str] = (-MISMATCH_LOG_EVERY, "")  # (step, cause) of the last one logged
         self.source = make_source(self)
 
     # ---- workers -------------------------------------------------------------------------------
@@ -646,10 +651,44 @@ class PPOTrainer:
         metrics = {"actor/entropy": float(entropy.item())}
         if "rollout_log_probs" in batch.batch.keys():
             metrics |= rollout_probs_diff_metrics(batch.batch["rollout_log_probs"], out.batch["old_log_probs"], mask)
+            if self.config.trainer.mismatch_audit:
+                metrics |= self._audit_mismatch(batch, out, timing)
         batch = batch.union(out)
         if any(correction[k] is not None for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")):
             batch, m = self._correct_rollout(batch, correction); metrics |= m  # noqa: E702
         return batch, metrics
+
+    def _audit_mismatch(self, batch: DataProto, scored: DataProto, timing: dict) -> dict[str, float]:
+        """The mismatch audit (``trainer.mismatch_audit``; trainer/ppo/mismatch.py): |Δ log p| by position,
+        turn and data source; past ``trainer.mismatch_audit_threshold``, a diagnosis in the log, once a step
+        and, while the named cause stays the same, every ``MISMATCH_LOG_EVERY`` steps."""
+        with marked_timer("mismatch_audit", timing):
+            threshold = float(self.config.trainer.mismatch_audit_threshold)
+            metrics, mean_gap, findings = mismatch.audit(batch, scored.batch["old_log_probs"],
+                                                         self._step_facts(batch, scored), threshold)
+            if findings is not None:
+                self._log_diagnosis(mismatch.diagnosis_message(self.state.global_steps, mean_gap, threshold, findings),
+                                    findings[0].cause if findings else "none")
+        return metrics
+
+    def _step_facts(self, batch: DataProto, scored: DataProto) -> mismatch.StepFacts:
+        """What the driver knows of how the rows were sampled and scored (the diagnosis's evidence)."""
+        rollout, meta = self.config.actor_rollout_ref.rollout, scored.meta_info
+        actor_dtype = meta.get("compute_dtype")
+        dtypes = {"actor": actor_dtype, "rollout": actor_dtype if rollout.name == "hf" else rollout.dtype}
+        return mismatch.StepFacts(
+            trainer_version=meta.get("param_version"), asynchronous=self.disaggregated,
+            rollout_temperature=float(batch.meta_info.get("temperature", rollout.temperature)),
+            trainer_temperature=float(meta.get("temperature", rollout.temperature)),
+            top_p=float(batch.meta_info.get("top_p", rollout.top_p)), top_k=int(batch.meta_info.get("top_k", rollout.top_k)),
+            engine=rollout.name, fire=bool(rollout.use_fire_sampling), digests_verified=bool(rollout.checkpoint_engine.verify),
+            dtypes={k: v for k, v in dtypes.items() if v is not None})
+
+    def _log_diagnosis(self, message: str, cause: str) -> None:
+        """Log once a step at most; the same cause again only every ``MISMATCH_LOG_EVERY`` steps."""
+        if mismatch.should_log(self.state.global_steps, cause, self._last_diagnosis, MISMATCH_LOG_EVERY):
+            self._last_diagnosis = (self.state.global_steps, cause)
+            logger.warning("mismatch audit: %s", message)
 
     def _correct_rollout(self, batch: DataProto, correction: Any) -> tuple[DataProto, dict[str, float]]:
         """``algorithm.rollout_correction``: IS weights into the batch (the actor's loss multiplies by
