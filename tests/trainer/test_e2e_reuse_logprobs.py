@@ -141,5 +141,9 @@ def test_auto_by_default_on_exactly_where_allowed():
                     ["actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_epochs=2"]):
         on, said = resolved(*refused)
         assert on is False and "old log-probs are recomputed" in said[0]
-    assert resolved("actor_rollout_ref.actor.ppo_mini_batch_size=16",
-                    "actor_rollout_ref.actor.use_rollout_log_probs=false") == (False, [])
+    # set explicitly: no choice about it is said; the mismatch audit (on by default) still has the rollout
+    # return its log-probs, and says so; with the audit off nothing is chosen
+    explicit = ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.use_rollout_log_probs=false")
+    assert resolved(*explicit) == (False, ["actor_rollout_ref.rollout.calculate_log_probs=true: trainer.mismatch_audit "
+                                           "reads the rollout's log-probs"])
+    assert resolved(*explicit, "trainer.mismatch_audit=false") == (False, [])
