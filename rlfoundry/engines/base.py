@@ -38,6 +38,7 @@ __all__ = [
     "TrainingEngine",
     "UpdatePlan",
     "Values",
+    "say_once",
 ]
 
 
@@ -260,3 +261,13 @@ class EnginePlugin(abc.ABC):
         """Start-up errors for the config keys ``roles`` (e.g. ``actor_rollout_ref.actor``) that name
         this engine: what it does not support, layouts that cannot work."""
         return []
+
+
+def say_once(text: str) -> None:
+    """An engine's start-up decision, printed once per process where the run's first lines are read."""
+    if text not in _said:
+        _said.add(text)
+        print(f"rlfoundry: engine: {text}", flush=True)
+
+
+_said: set[str] = set()

@@ -51,6 +51,7 @@ from rlfoundry.engines.base import (
     TrainingEngine,
     UpdatePlan,
     Values,
+    say_once,
 )
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.engines.fsdp.compile import CompiledLayers, compile_problems, is_vision_model
@@ -413,14 +414,6 @@ def _fused_kernels(config: FSDPEngineConfig) -> bool:
     return fused_kernels_wanted(config.use_fused_kernels, config.fused_kernel_options, config.model_kind)
 
 
-def _say_once(text: str) -> None:
-    """A start-up decision, printed once per process where the run's first lines are read."""
-    if text not in _said:
-        _said.add(text)
-        print(f"rlfoundry: engine: {text}", flush=True)
-
-
-_said: set[str] = set()
 
 
 def _cpu_kernels_on(cfg: FSDPEngineConfig, device: torch.device) -> bool:
@@ -434,10 +427,10 @@ def _check_compile(cfg: FSDPEngineConfig, module: nn.Module, device: torch.devic
     if problems:
         raise ValueError(f"use_torch_compile=true: {'; '.join(problems)}")
     if cfg.use_shared_prompt:
-        _say_once("use_torch_compile: rows that share a prompt run the plain forward (the shared-prompt forward "
+        say_once("use_torch_compile: rows that share a prompt run the plain forward (the shared-prompt forward "
                   "keeps a KV cache, which the compiled layers do not take)")
     if cpu_kernels.enabled(cfg.cpu_kernels, device):
-        _say_once("use_torch_compile: decoder layers compiled (torch.compile, dynamic shapes); the CPU kernels "
+        say_once("use_torch_compile: decoder layers compiled (torch.compile, dynamic shapes); the CPU kernels "
                   "(model.cpu_kernels) are off for this model, the compiled layers replace them")
 
 
@@ -451,9 +444,9 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         module.requires_grad_(False)
         module.eval()
     elif cfg.freeze_vision_tower:
-        _say_once(f"model.freeze_vision_tower: {freeze_vision_tower(module):,} vision parameters take no gradient")
+        say_once(f"model.freeze_vision_tower: {freeze_vision_tower(module):,} vision parameters take no gradient")
     if cfg.use_liger:  # verl patches the HF model before anything wraps it
-        _say_once(apply_liger(module, device.type))
+        say_once(apply_liger(module, device.type))
     if cfg.ulysses_sequence_parallel_size > 1:
         ulysses.install_attention(module, cfg.ulysses_sequence_parallel_size)
     if prepare is not None:
@@ -464,7 +457,7 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         _check_compile(cfg, module, device)
     fast = _cpu_kernels_on(cfg, device)
     if fast:
-        _say_once(cpu_kernels.apply_cpu_kernels(module, device))
+        say_once(cpu_kernels.apply_cpu_kernels(module, device))
     module_dtype = next(module.parameters()).dtype
     if fsdp.single_rank == "auto" and fu.fsdp_does_nothing(device, mixed.get("param_dtype"),
                                                            fsdp.param_offload or fsdp.offload_policy, module_dtype):
@@ -473,7 +466,7 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         if compute != module_dtype:
             setattr(module, fu.AUTOCAST_ATTR, compute)  # every forward autocasts (fu.compute_precision)
             name += f" (torch.autocast over {str(module_dtype).removeprefix('torch.')} weights)"
-        _say_once(f"one rank computing in {name} with nothing to offload: the model is not wrapped in FSDP2, "
+        say_once(f"one rank computing in {name} with nothing to offload: the model is not wrapped in FSDP2, "
                   "which would only copy and cast weights and gradients (fsdp_config.single_rank=fsdp wraps it)")
         return module.to(device)
     return fu.apply_fsdp2(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.engines.base import say_once
 from rlfoundry.utils.torch_functional import fused_logprobs_entropy
 
 __all__ = ["BACKENDS", "COLUMNS", "FusedHead", "check_fused_kernels", "fused_kernels_wanted"]
@@ -54,14 +55,10 @@ def fused_kernels_wanted(use: bool, options: dict[str, Any] | None, model_kind: 
     errors = check_fused_kernels(options)
     if errors:
         raise ValueError(" ".join(errors))
-    if (options or {}).get("impl_backend") == "triton" and not _said_triton:
-        _said_triton.append(True)
-        print("rlfoundry: engine: model.fused_kernel_options.impl_backend=triton runs the torch backend (the same "
-              "chunked log-probs and memory bound; verl's Triton kernel is not built here)", flush=True)
+    if (options or {}).get("impl_backend") == "triton":
+        say_once("model.fused_kernel_options.impl_backend=triton runs the torch backend (the same chunked "
+                 "log-probs and memory bound; verl's Triton kernel is not built here)")
     return True
-
-
-_said_triton: list[bool] = []  # once per process
 
 
 def output_head(module: nn.Module) -> nn.Linear:
