@@ -56,6 +56,14 @@ def tiny_critic_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """A 2-layer Qwen3-MoE causal LM (8 experts, top-2, hidden 64), the project's tokenizer."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), arch="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

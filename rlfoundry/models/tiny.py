@@ -102,16 +102,23 @@ def build_tiny_model(
     seed: int = 0,
     head: str = "causal_lm",
     tie_word_embeddings: bool = False,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
 ):
     """A randomly initialised model of the given family, sized for CPU tests.
+
+    ``arch``: ``qwen2``, ``llama`` (dense) or ``qwen3_moe`` / ``qwen2_moe`` (mixture of experts: every
+    layer sparse with ``num_experts`` experts of width ``intermediate_size``, ``num_experts_per_tok``
+    routed per token; Qwen2-MoE adds its shared expert of the same width).
 
     ``head`` is ``causal_lm`` (policy), ``token_classification`` (critic: one value per token) or
     ``sequence_classification`` (reward model: one score per sequence). ``tie_word_embeddings``: the
     LM head is the input embedding (as in Qwen2.5-0.5B).
     """
-    model_type = {"qwen2": "qwen2", "llama": "llama"}[arch]
+    model_type = {"qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}[arch]
     config = AutoConfig.for_model(
         model_type,
+        **_moe_keys(arch, intermediate_size or 2 * hidden_size, num_experts, num_experts_per_tok),
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -137,6 +144,17 @@ def build_tiny_model(
     return cls.from_config(config, dtype=torch.float32)
 
 
+def _moe_keys(arch: str, width: int, num_experts: int, top_k: int) -> dict:
+    """The config keys of an MoE family (none for a dense one): experts as wide as the dense MLP."""
+    if not arch.endswith("_moe"):
+        return {}
+    keys = dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        keys["shared_expert_intermediate_size"] = width
+    return keys
+
+
 def save_tiny_model(out_dir: str | Path, **kwargs) -> Path:
     """Build tokenizer + model and save both as one Hugging Face directory; returns the path."""
     out = Path(out_dir)
@@ -151,7 +169,7 @@ def save_tiny_model(out_dir: str | Path, **kwargs) -> Path:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3_moe", "qwen2_moe"])
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)

@@ -32,3 +32,16 @@ def test_saved_model_loads_and_is_deterministic(tiny_model_dir):
     x = torch.tensor([[1, 50, 51, 52]])
     torch.testing.assert_close(m1(x).logits, m2(x).logits, rtol=0, atol=0)
     assert m1.config.vocab_size == 260
+
+
+def test_tiny_moe_routes_each_token_to_top_k_of_its_experts_and_reloads_identically(tiny_moe_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    cfg = model.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers) == (8, 2, 2)
+    x = torch.tensor([[1, 50, 51, 52, 53]])
+    out = model(x, output_router_logits=True)
+    # one router distribution per layer over the 8 experts for each of the 5 tokens
+    assert [tuple(r.shape) for r in out.router_logits] == [(5, 8), (5, 8)]
+    again = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)(x).logits
+    torch.testing.assert_close(out.logits, again, rtol=0, atol=0)
