@@ -856,9 +856,10 @@ def resolve_config(
         out.actor_rollout_ref.actor.policy_loss.loss_mode = "bypass_mode"
         out.actor_rollout_ref.actor.policy_loss.rollout_correction = copy.deepcopy(cfg.algorithm.rollout_correction)
     out.critic.enable = use_critic(cfg)
+    _resolve_megatron_dtypes(out)
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
         out.actor_rollout_ref.actor.use_rollout_log_probs = not (_rollout_log_prob_reuse_problems(cfg, "auto")
-                                                                 or _inexact_rollout_log_probs(cfg, trainer.device))
+                                                                 or _inexact_rollout_log_probs(out, trainer.device))
     if cfg.async_training.mode != "sync":  # the sampling policy lags the trainer's: recompute old log-probs
         out.actor_rollout_ref.actor.use_rollout_log_probs = bool(cfg.actor_rollout_ref.actor.use_rollout_log_probs)
     out.actor_rollout_ref.rollout.calculate_log_probs = bool(cfg.actor_rollout_ref.rollout.calculate_log_probs
@@ -906,7 +907,7 @@ def auto_choices(cfg: DictConfig, resolved: DictConfig) -> list[str]:
     out = []
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs is None:
         on = resolved.actor_rollout_ref.actor.use_rollout_log_probs
-        inexact = _inexact_rollout_log_probs(cfg, resolved.trainer.device)
+        inexact = _inexact_rollout_log_probs(resolved, resolved.trainer.device)
         why = ("the HF engine's sampling log-probs are the old log-probs (one epoch, one mini-batch per step): "
                "no separate old_log_prob pass" if on else
                "old log-probs are recomputed (reuse needs the HF engine computing in fp32, ppo_epochs=1 and one "
@@ -916,7 +917,36 @@ def auto_choices(cfg: DictConfig, resolved: DictConfig) -> list[str]:
     # (the reuse of use_rollout_log_probs is named by the line above)
     if reader and not reader.startswith("actor.") and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         out.append(f"actor_rollout_ref.rollout.calculate_log_probs=true: {reader} reads the rollout's log-probs")
-    return out
+    return out + _megatron_dtype_choices(cfg, resolved)
+
+
+def _megatron_roles(cfg: DictConfig, in_use: bool = True):
+    """(key, role subtree) of each role (in use, or any) on the Megatron engine."""
+    arr = cfg.actor_rollout_ref
+    roles = [("actor_rollout_ref.actor", arr.actor, True), ("actor_rollout_ref.ref", arr.ref, need_reference_policy(cfg)),
+             ("critic", cfg.critic, use_critic(cfg))]
+    return [(key, role) for key, role, used in roles if (used or not in_use) and str(role.strategy) == "megatron"]
+
+
+def _resolve_megatron_dtypes(out: DictConfig) -> None:
+    """verl's Megatron precision is bf16 (its default, for GPUs); on the CPU the Megatron engine trains in
+    float32, as the FSDP engine does there: a CPU run is the tested, exact reference (log-probs equal the HF
+    rollout's to fp32 rounding), and bf16 there would only make it inexact and, without bf16 units, slower."""
+    if out.trainer.device != "cpu":
+        return
+    for _, role in _megatron_roles(out, in_use=False):
+        if str(role.megatron.dtype) not in ("float32", "fp32"):
+            role.megatron.dtype = "float32"
+
+
+def _megatron_dtype_choices(cfg: DictConfig, resolved: DictConfig) -> list[str]:
+    """The start-up line naming the Megatron roles whose dtype the CPU changed (``_resolve_megatron_dtypes``)."""
+    asked = {key: str(role.megatron.dtype) for key, role in _megatron_roles(cfg)}
+    changed = [key for key, role in _megatron_roles(resolved) if asked.get(key, "float32") != str(role.megatron.dtype)]
+    if not changed:
+        return []
+    return [f"{', '.join(k + '.megatron.dtype' for k in changed)}=float32 (asked: {asked[changed[0]]}): the CPU "
+            "trains in float32, as the FSDP engine does there; bf16 is the GPU precision"]
 
 
 def _resolve_device(device: str, cuda_available: bool) -> str:
