@@ -1,4 +1,4 @@
-"""The ``rlfoundry`` command: ``train | preprocess | export | report | trajectories | sft | sandbox``.
+"""The ``rlfoundry`` command: ``train | preprocess | export | report | trajectories | replay | sft | sandbox``.
 
     rlfoundry train [key=value ...]              PPO/GRPO training (same as python -m rlfoundry.trainer.main_ppo)
     rlfoundry preprocess <task> --output DIR     write a data set as verl-format parquet
@@ -7,6 +7,8 @@
     rlfoundry report <run_dir>                   plot a run's metrics.jsonl (PNG + HTML)
     rlfoundry trajectories <dump_dir> [--step N] [--model PATH]
                                                  print trainer.rollout_data_dir's trajectories, token for token
+    rlfoundry replay <run_dir> --step N          rebuild step N from the checkpoint before it and its record
+                                                 (trainer.replay_records); compare phases and weights
     rlfoundry sft [key=value ...]                supervised fine-tuning
     rlfoundry sandbox serve [--host H --port P]  this project's sandbox behind SandboxFusion's HTTP API
 """
@@ -25,6 +27,7 @@ _SUBCOMMANDS = {
     "preprocess": "rlfoundry.data.preprocess.__main__",
     "report": "rlfoundry.trainer.report",
     "trajectories": "rlfoundry.utils.trajectories",
+    "replay": "rlfoundry.trainer.replay",
     "sft": "rlfoundry.trainer.sft_trainer",
     "sandbox": "rlfoundry.sandbox.fusion",
 }

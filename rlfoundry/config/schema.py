@@ -1085,6 +1085,9 @@ class TrainerConfig(Node):
     # when the step's mean passes the threshold (trainer/ppo/mismatch.py, docs/on_policy.md)
     mismatch_audit: bool = True
     mismatch_audit_threshold: float = 0.02  # ~2.5x the mean gap of a bf16 decode vs a bf16 forward (H100)
+    # rlfoundry: each step's batch as its phases received it and what they computed, in <run_dir>/replay/<step>.pt,
+    # for `rlfoundry replay <run_dir> --step N` (trainer/ppo/replay.py, docs/on_policy.md); with save_freq=1
+    replay_records: bool = False
 
     def check(self) -> list[str]:
         """Positive numbers, output directories that are directories, what resume and the back end need."""

@@ -519,10 +519,13 @@ class PPOTrainer:
         """Everything after the rewards: old / ref log-probs, values, advantages, the updates. A reward
         still being computed (``reward_in_background``) is collected before the advantages need it."""
         metrics: dict[str, float] = {}
+        record = self._replay_recorder(batch)
         batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
         batch = self._ref_log_prob(batch, timing)
         batch = self._values(batch, timing)
         batch, m = self._collect_reward(batch, timing); metrics |= m  # noqa: E702
+        if record is not None:
+            record.scored(batch)
         if self.config.trainer.rollout_data_dir:
             scores = batch.batch["token_level_scores"].sum(-1).tolist()
             write_generations(generation_records(batch, scores, self.tokenizer, self.state.global_steps),
@@ -530,7 +533,19 @@ class PPOTrainer:
         batch, m = self._advantage(batch, timing); metrics |= m  # noqa: E702
         metrics |= self._update_critic(batch, timing)
         metrics |= self._update_actor(batch, timing)
+        if record is not None:
+            record.save(batch, OmegaConf.to_yaml(self.config))
         return batch, metrics
+
+    def _replay_recorder(self, batch: DataProto) -> Any:
+        """``trainer.replay_records``: this step's batch and phases for ``rlfoundry replay`` (ppo/replay.py)."""
+        if not self.config.trainer.replay_records:
+            return None
+        from rlfoundry.trainer.ppo.replay import StepRecorder
+
+        recorder = StepRecorder(Path(self.config.trainer.run_dir), self.state.global_steps)
+        recorder.start(batch)
+        return recorder
 
     def _step_metrics(self, batch: DataProto, timing: dict) -> dict[str, float]:
         workers = self.world_size + (self.rollout_wg.world_size if self.disaggregated else 0)
