@@ -54,9 +54,10 @@ class RouterLosses:
                                  "sequence); set ulysses_sequence_parallel_size=1 or output_router_logits=false")
             say_once("MoE under Ulysses sequence parallelism: no router losses or router metrics")
             return None
-        say_once(f"MoE router losses: load balancing × {aux_coef:g}, z-loss × {z_coef:g} "
-                 "(model.override_config.output_router_logits / router_aux_loss_coef / router_z_loss_coef); "
-                 "router metrics moe/layer{i}/*; rows sharing a prompt run their own prompt forward")
+        losses = (f"load balancing × {aux_coef:g}, z-loss × {z_coef:g}" if aux_coef or z_coef else
+                  "off (model.override_config.output_router_logits=true turns them on)")
+        say_once(f"MoE router losses: {losses}; router metrics moe/layer{{i}}/* from the update's forward; rows "
+                 "sharing a prompt run their own prompt forward (use_shared_prompt does not apply)")
         return cls(moe.RouterRecorder(module), aux_coef, z_coef, packed)
 
     def add_to(self, out: LossOutput, records: dict, micro: Any, entry: Any, info: GlobalBatchInfo,
