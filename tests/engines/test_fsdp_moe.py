@@ -54,11 +54,11 @@ def _engine(model_dir, override=None, **fields) -> FSDPEngine:
     return FSDPEngine.build(config, "cpu", role="sft")
 
 
-def _step(model_dir, data: DataProto, micro: int, override=None, **fields) -> tuple[dict, dict]:
+def _step(model_dir, data: DataProto, micro: int | MicroBatching, override=None, **fields) -> tuple[dict, dict]:
     """One update: its metrics and the gradients it took."""
     engine = _engine(model_dir, override, **fields)
-    metrics = engine.train_batch(data, LogProbs(), _nll, UpdatePlan(mini_batch_size=len(data),
-                                                                    micro=MicroBatching(micro)))
+    micro = micro if isinstance(micro, MicroBatching) else MicroBatching(micro)
+    metrics = engine.train_batch(data, LogProbs(), _nll, UpdatePlan(mini_batch_size=len(data), micro=micro))
     return metrics, first_step_gradients(engine.optimizer, engine.module)
 
 
@@ -83,6 +83,21 @@ def test_router_losses_give_the_same_update_for_any_micro_batch_size(process_gro
     assert len(routers) == 2
     for name, grad in routers.items():  # 0.5 × the balance loss + 0.1 × z: an O(1) change of the router's gradient
         assert (grad - plain[name]).norm() > 0.1 * plain[name].norm(), name
+
+
+@pytest.mark.numerics
+def test_gradient_checkpointing_and_token_budgets_take_the_same_update(process_group, tiny_moe_dir):
+    """The router losses' gradient reaches the routers through checkpointed layers (recomputed in backward,
+    where the hooks record nothing), and token-budget micro-batches (rows regrouped by length) give the
+    same update as fixed ones."""
+    data = _batch()
+    want, g_want = _step(tiny_moe_dir, data, 2, LOSSES_ON)
+    for fields, micro in (({"gradient_checkpointing": True}, 2), ({}, MicroBatching(max_token_len=24))):
+        got, g_got = _step(tiny_moe_dir, data, micro, LOSSES_ON, **fields)
+        for key in ("moe/aux_loss", "moe/z_loss", "moe/layer0/load_max"):
+            assert got[key] == pytest.approx(want[key], abs=1e-6), (fields, micro, key)
+        for name, grad in g_want.items():
+            torch.testing.assert_close(g_got[name], grad, atol=1e-6, rtol=0, msg=f"{fields} {micro} {name}")
 
 
 @pytest.mark.numerics
