@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 __all__ = ["MoELayer", "RouterRecord", "RouterRecorder", "moe_layers", "router_losses", "router_metrics", "router_tallies",
+           "shared_prompt_record",
            "token_rows", "router_loss_coefficients", "use_grouped_experts"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")
@@ -134,6 +135,21 @@ class RouterRecorder:
             self._on = False
 
 
+def shared_prompt_record(head: RouterRecord, tail: RouterRecord, group: torch.Tensor) -> RouterRecord:
+    """The two calls of the shared-prompt forward (each distinct prompt once: ``head`` (g, Tp); then every
+    row's response from its prompt's KV cache: ``tail`` (b, Tr)) as the one padded call of (b, Tp + Tr)
+    they compute: row r's prompt tokens are its group's (``group`` (b,)). A prompt's router logits then
+    take each of its rows' gradient, as they do when every row runs its own prompt."""
+    (g, tp), (b, tr) = head.shape, tail.shape
+
+    def rows(head_values: torch.Tensor, tail_values: torch.Tensor) -> torch.Tensor:
+        width = head_values.shape[-1]
+        prompt = head_values.reshape(g, tp, width)[group]
+        return torch.cat([prompt, tail_values.reshape(b, tr, width)], dim=1).reshape(b * (tp + tr), width)
+
+    return RouterRecord((b, tp + tr), rows(head.logits, tail.logits), rows(head.indices, tail.indices))
+
+
 def token_rows(shape: tuple[int, int], attention_mask: torch.Tensor, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(row of each router token (n,), 1.0 where it is a real token (n,)) for a block that saw the
     (b, T) ``attention_mask``'s rows as the ``shape`` grid: the padded rows themselves (``packed``
@@ -225,5 +241,6 @@ def _one_call(records: dict[int, list[RouterRecord]], index: int) -> RouterRecor
     calls = records.get(index, [])
     if len(calls) != 1:
         raise RuntimeError(f"MoE layer {index}: its router ran {len(calls)} times in one micro-batch's forward; the "
-                           "router losses and metrics are built for one model call per micro-batch (padded or packed)")
+                           "router losses and metrics are built for one model call per micro-batch (padded or packed; "
+                           "the shared-prompt forward's two calls are merged first: shared_prompt_record)")
     return calls[0]

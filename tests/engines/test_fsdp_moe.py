@@ -115,6 +115,27 @@ def test_padding_does_not_count_padded_and_packed_forwards_agree(process_group, 
         torch.testing.assert_close(g_packed[name], grad, atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.numerics
+def test_rows_sharing_a_prompt_take_the_update_of_rows_run_apart(process_group, tiny_moe_dir):
+    """Two prompts of 12 tokens, two short responses each: the shared-prompt forward runs each prompt once
+    (two router calls per layer: the prompts, then the responses from their KV cache) and its losses,
+    metrics and gradients are those of every row run on its own."""
+    data = _batch(rows=3, tp=12, tr=4).select_idxs([0, 0, 1, 1])
+    data.batch["response_mask"][1, 2:] = 0  # the two samples of a prompt differ in length
+    data.batch["attention_mask"][1, 14:] = 0
+    apart, g_apart = _step(tiny_moe_dir, data, 4, LOSSES_ON)
+    engine = _engine(tiny_moe_dir, LOSSES_ON, use_shared_prompt=True)
+    calls = []
+    engine.module.model.layers[0].mlp.gate.register_forward_hook(lambda _m, _a, out: calls.append(out[0].shape[0]))
+    shared = engine.train_batch(data, LogProbs(), _nll, UpdatePlan(mini_batch_size=4, micro=MicroBatching(4)))
+    assert calls == [2 * 12, 4 * 4]  # the path taken: each prompt's 12 columns once, then the 4 responses
+    g_shared = first_step_gradients(engine.optimizer, engine.module)
+    for key in [k for k in apart if k.startswith("moe/")]:
+        assert shared[key] == pytest.approx(apart[key], abs=1e-5), key
+    for name, grad in g_apart.items():
+        torch.testing.assert_close(g_shared[name], grad, atol=1e-5, rtol=0, msg=name)
+
+
 def test_the_update_runs_the_experts_as_grouped_matrix_products(process_group, tiny_moe_dir):
     """Built with transformers' eager loop asked for, the engine's update still calls the grouped kernel
     (aten::_grouped_mm: 2 per layer forward (up and down projections), more in backward)."""

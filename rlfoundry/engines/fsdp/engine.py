@@ -158,9 +158,8 @@ class FSDPEngine(TrainingEngine):
         self.moe = fsdp_moe.RouterLosses.of(module, config.use_remove_padding, self.sp is not None)
         self.lm = CausalLMForward(
             module, self.dp_size, self.batch_group, config.use_remove_padding,
-            # the shared-prompt forward is not split by sequence, nor compiled (its KV cache: compile.py);
-            # an MoE model's two calls per micro-batch would split its router record (engines/fsdp/moe.py)
-            config.use_shared_prompt and self.sp is None and self.compiled is None and self.moe is None,
+            # the shared-prompt forward is not split by sequence, nor compiled (its KV cache: compile.py)
+            config.use_shared_prompt and self.sp is None and self.compiled is None,
             cpu_kernels.fused_shared_prompt_logits if self.cpu_kernels else None,
             fu.continued_forward if self.cpu_kernels else plain_context, sp=self.sp,
             fused_kernels=_fused_kernels(config),

@@ -56,8 +56,7 @@ class RouterLosses:
             return None
         losses = (f"load balancing × {aux_coef:g}, z-loss × {z_coef:g}" if aux_coef or z_coef else
                   "off (model.override_config.output_router_logits=true turns them on)")
-        say_once(f"MoE router losses: {losses}; router metrics moe/layer{{i}}/* from the update's forward; rows "
-                 "sharing a prompt run their own prompt forward (use_shared_prompt does not apply)")
+        say_once(f"MoE router losses: {losses}; router metrics moe/layer{{i}}/* from the update's forward")
         return cls(moe.RouterRecorder(module), aux_coef, z_coef, packed)
 
     def add_to(self, out: LossOutput, records: dict, micro: Any, entry: Any, info: GlobalBatchInfo,
@@ -66,6 +65,10 @@ class RouterLosses:
         plan = entry if isinstance(entry, MicroPlan) else MicroPlan(None, entry)
         seen, _ = trim_response_padding(micro.batch, plan.trim)  # the attention mask as the model saw it
         mask = seen["attention_mask"]
+        if plan.prompt_groups is not None:  # the shared-prompt forward: a prompt call, then a response call
+            group = plan.prompt_groups[1]
+            records = {i: [moe.shared_prompt_record(*calls, group)] if len(calls) == 2 else calls
+                       for i, calls in records.items()}
         layers = self.recorder.layers
         aux, z = moe.router_losses(records, layers, mask, self.packed)
         counted = (micro.batch[mask_key].sum(-1) > 0).to(aux.dtype)  # a stand-in row (zero_loss_row) counts 0
