@@ -121,9 +121,14 @@ class RouterRecorder:
             self._shape = tuple(args[0].shape[:2]) if args[0].dim() == 3 else (1, args[0].shape[0])
 
     def _router_output(self, index: int):
-        def hook(_router: nn.Module, _args: tuple, out: tuple) -> None:
-            if self._on:
-                self.records.setdefault(index, []).append(RouterRecord(self._shape, out[0], out[2]))
+        def hook(router: nn.Module, _args: tuple, out: tuple) -> None:
+            if not self._on:
+                return
+            if not (isinstance(out, tuple) and len(out) == 3):  # remote code may route otherwise
+                raise TypeError(f"MoE layer {index}: {type(router).__name__} returned {type(out).__name__}, not "
+                                "transformers' (router_logits, top_k_weights, top_k_index); the router losses and "
+                                "metrics need that output")
+            self.records.setdefault(index, []).append(RouterRecord(self._shape, out[0], out[2]))
         return hook
 
     @contextlib.contextmanager
