@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MoELayer", "RouterRecord", "RouterRecorder", "moe_layers", "router_losses", "router_metrics", "router_tallies",
-           "shared_prompt_record",
+__all__ = ["MoELayer", "RouterRecord", "RouterRecorder", "moe_layers", "router_losses", "router_metrics",
+           "router_tallies", "shared_prompt_record",
            "token_rows", "router_loss_coefficients", "use_grouped_experts"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")
@@ -85,7 +85,7 @@ def router_loss_coefficients(config: Any) -> tuple[float, float]:
     both 0 otherwise, which is what verl's FSDP actor applies (it reads only the logits)."""
     if not getattr(config, "output_router_logits", False):
         return 0.0, 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0), float(getattr(config, "router_z_loss_coef", 0.0) or 0.0)
+    return tuple(float(getattr(config, key, 0.0) or 0.0) for key in ("router_aux_loss_coef", "router_z_loss_coef"))
 
 
 @dataclass

@@ -151,11 +151,11 @@ def _moe_dir(tmp_path_factory, arch: str):
     return save_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
-def test_deepseek_v3_and_gpt_oss_train_one_update_with_router_losses(process_group, tmp_path_factory, arch):
-    """DeepSeek-V3 (MLA, a dense first layer, a shared expert, grouped routing) and GPT-OSS (sliding
-    windows, sinks, biased experts): one update moves the routed experts, and the metrics cover exactly
-    the routed layers (DeepSeek-V3's layer 0 is dense)."""
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_other_families_train_one_update_with_router_losses(process_group, tmp_path_factory, arch):
+    """Qwen2-MoE (a gated shared expert), DeepSeek-V3 (MLA, a dense first layer, a shared expert, grouped
+    routing) and GPT-OSS (sliding windows, sinks, biased experts): one update moves the routed experts, and
+    the metrics cover exactly the routed layers (DeepSeek-V3's layer 0 is dense)."""
     model_dir = _moe_dir(tmp_path_factory, arch)
     metrics, grads = _step(model_dir, _batch(), 2, LOSSES_ON)
     layers = sorted({k.split("/")[1] for k in metrics if k.startswith("moe/layer")})
@@ -190,9 +190,13 @@ def test_router_metrics_of_a_router_set_by_hand(process_group, tmp_path_factory)
         assert metrics[f"moe/layer{i}/routing_entropy"][0] == pytest.approx(entropy, abs=1e-5)
 
 
-def test_router_losses_under_sequence_parallelism_are_a_start_up_error(process_group, tiny_moe_dir):
+def test_router_loss_keys_that_would_do_nothing_are_start_up_errors(process_group, tiny_moe_dir, tiny_model_dir):
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size"):
         _engine(tiny_moe_dir, LOSSES_ON, use_remove_padding=True, ulysses_sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="no routed experts"):
+        _engine(tiny_model_dir, {"output_router_logits": True})  # a dense Qwen2
+    with pytest.raises(ValueError, match="output_router_logits=true"):
+        _engine(tiny_moe_dir, {"router_z_loss_coef": 0.1})
 
 
 # ---- two ranks -------------------------------------------------------------------------------
@@ -201,8 +205,8 @@ def _rank_main(rank: int, store: str, result: str, model_dir, data: DataProto) -
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     metrics, grads = _step(model_dir, data.chunk(2)[rank], 1, LOSSES_ON)
-    experts = {n: (tuple(p.to_local().shape), tuple(p.placements)) for n, p in _engine(model_dir).module.named_parameters()
-               if ".experts." in n}
+    params = _engine(model_dir).module.named_parameters()
+    experts = {n: (tuple(p.to_local().shape), tuple(p.placements)) for n, p in params if ".experts." in n}
     torch.save((metrics, grads, experts), f"{result}.{rank}")
     dist.destroy_process_group()
     for stream in (sys.stdout, sys.stderr):

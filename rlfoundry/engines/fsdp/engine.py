@@ -155,7 +155,8 @@ class FSDPEngine(TrainingEngine):
         self.cpu_kernels = _cpu_kernels_on(config, self.device)
         self.compiled = CompiledLayers(fu.get_decoder_layers(module)) if config.use_torch_compile else None
         self._module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
-        self.moe = fsdp_moe.RouterLosses.of(module, config.use_remove_padding, self.sp is not None)
+        self.moe = fsdp_moe.RouterLosses.of(module, config.use_remove_padding, self.sp is not None,
+                                            config.override_config)
         self.lm = CausalLMForward(
             module, self.dp_size, self.batch_group, config.use_remove_padding,
             # the shared-prompt forward is not split by sequence, nor compiled (its KV cache: compile.py)
@@ -262,8 +263,8 @@ class FSDPEngine(TrainingEngine):
             for i, (micro, entry) in enumerate(zip(micros, entries)):
                 empty = len(micro) == 0
                 micro = zero_loss_row(mini, plan.mask_key) if empty else micro
-                with (fu.activation_offload(self.device) if self.config.activation_offload else contextlib.nullcontext(),
-                      fsdp_moe.recording(self.moe, output) as routed):
+                offload = fu.activation_offload(self.device) if self.config.activation_offload else contextlib.nullcontext()
+                with offload, fsdp_moe.recording(self.moe, output) as routed:
                     out = loss_fn(self._forward(model_batch(micro), output, entry), micro.batch, info)
                 out = self.moe.add_to(out, routed, micro, entry, info, plan.mask_key) if routed is not None else out
                 before_backward(i == len(micros) - 1)

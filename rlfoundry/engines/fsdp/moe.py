@@ -39,11 +39,19 @@ class RouterLosses:
     _tallies: torch.Tensor | None = None  # the running mini-batch's router_tallies, summed
 
     @classmethod
-    def of(cls, module: nn.Module, packed: bool, sequence_parallel: bool) -> RouterLosses | None:
-        if not moe.moe_layers(module):
-            return None
+    def of(cls, module: nn.Module, packed: bool, sequence_parallel: bool,
+           override: dict[str, Any] | None = None) -> RouterLosses | None:
+        """``override``: the role's ``model.override_config`` (keys given there that would do nothing are errors)."""
         config = module.config
         aux_coef, z_coef = moe.router_loss_coefficients(config)
+        if not moe.moe_layers(module):
+            if getattr(config, "output_router_logits", False):
+                raise ValueError(f"model.override_config.output_router_logits=true: {config.model_type} has no routed "
+                                 "experts (no mixture-of-experts layers), so there is no router loss to add; remove it")
+            return None
+        if (override or {}).get("router_z_loss_coef") and not config.output_router_logits:
+            raise ValueError("model.override_config.router_z_loss_coef is set but output_router_logits is not true: "
+                             "the router losses are off; add model.override_config.output_router_logits=true")
         # transformers would also gather the router logits and compute its own balance loss in every
         # forward (rollout included); the engine's hooks take that job, so the model's own switch is off
         config.output_router_logits = False
