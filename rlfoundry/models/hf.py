@@ -81,7 +81,8 @@ def load_hf_model(
     ``model_kind`` is ``causal_lm`` (policy, reference), ``token_classification`` (critic: one
     value per token; ``num_labels`` is forced to 1; a VLM's is ``models/vision_value.py``'s) or ``sequence_classification`` (reward model). ``override_config`` entries replace config
     fields before the weights load (verl's ``model.override_config``). The model stays on the CPU;
-    ``apply_fsdp2`` moves it. ``attn_implementation`` defaults to SDPA, which needs no extra package.
+    ``apply_fsdp2`` moves it. ``attn_implementation`` defaults to transformers' own choice: SDPA, which
+    needs no extra package, or eager attention for a family without SDPA (GPT-OSS: attention sinks).
     """
     from transformers import (
         AutoConfig,
@@ -111,7 +112,7 @@ def load_hf_model(
         register_value_models()  # the critic: backbone + value head (models/vision_value.py)
         classes["causal_lm"] = AutoModelForImageTextToText
     kwargs = dict(config=config, dtype=resolve_dtype(torch_dtype), trust_remote_code=trust_remote_code,
-                  attn_implementation=attn_implementation or "sdpa")
+                  attn_implementation=attn_implementation)
     model, info = classes[model_kind].from_pretrained(p, output_loading_info=True, **kwargs)
     if model_kind == "token_classification" and getattr(config, "vision_config", None) is not None:
         _load_vision_backbone(model, info, p, kwargs)

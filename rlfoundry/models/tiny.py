@@ -21,6 +21,7 @@ PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, "<unk>"]
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # build_tiny_model's families
 
 # Qwen2-style ChatML template. The role names are spelled out character by character by this
 # tokenizer, which is fine: prompts stay a few dozen tokens long.
@@ -107,18 +108,20 @@ def build_tiny_model(
 ):
     """A randomly initialised model of the given family, sized for CPU tests.
 
-    ``arch``: ``qwen2``, ``llama`` (dense) or ``qwen3_moe`` / ``qwen2_moe`` (mixture of experts: every
-    layer sparse with ``num_experts`` experts of width ``intermediate_size``, ``num_experts_per_tok``
-    routed per token; Qwen2-MoE adds its shared expert of the same width).
+    ``arch``: ``qwen2``, ``llama`` (dense) or ``qwen3_moe`` / ``qwen2_moe`` / ``deepseek_v3`` / ``gpt_oss``
+    (mixture of experts: every layer sparse with ``num_experts`` experts of width ``intermediate_size``,
+    ``num_experts_per_tok`` routed per token; Qwen2-MoE adds its shared expert of the same width;
+    DeepSeek-V3 has MLA attention, a dense first layer, one shared expert and grouped routing (the
+    experts in 4 groups, a token's experts from the best 2 groups, sigmoid scores); GPT-OSS alternates
+    sliding-window and full attention layers and has biased experts and attention sinks).
 
     ``head`` is ``causal_lm`` (policy), ``token_classification`` (critic: one value per token) or
     ``sequence_classification`` (reward model: one score per sequence). ``tie_word_embeddings``: the
     LM head is the input embedding (as in Qwen2.5-0.5B).
     """
-    model_type = {"qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}[arch]
-    config = AutoConfig.for_model(
-        model_type,
-        **_moe_keys(arch, intermediate_size or 2 * hidden_size, num_experts, num_experts_per_tok),
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    keys = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -132,6 +135,9 @@ def build_tiny_model(
         bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
         num_labels=1,
     )
+    keys.update(_moe_keys(arch, intermediate_size or 2 * hidden_size, num_experts, num_experts_per_tok,
+                          hidden_size // num_heads, num_heads))
+    config = AutoConfig.for_model(arch, **keys)
     torch.manual_seed(seed)
     if head == "causal_lm":
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -144,8 +150,19 @@ def build_tiny_model(
     return cls.from_config(config, dtype=torch.float32)
 
 
-def _moe_keys(arch: str, width: int, num_experts: int, top_k: int) -> dict:
+def _moe_keys(arch: str, width: int, num_experts: int, top_k: int, head_dim: int, heads: int) -> dict:
     """The config keys of an MoE family (none for a dense one): experts as wide as the dense MLP."""
+    if arch == "deepseek_v3":
+        # MLA with the head split DeepSeek-V3 uses (half rotary, half not), no query compression;
+        # grouped routing needs the experts to divide into n_group groups of at least 2
+        return dict(n_routed_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                    n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+                    routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=2 * head_dim,
+                    qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim,
+                    num_key_value_heads=heads)
+    if arch == "gpt_oss":
+        return dict(num_local_experts=num_experts, num_experts_per_tok=top_k, head_dim=head_dim, sliding_window=16,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if not arch.endswith("_moe"):
         return {}
     keys = dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
@@ -169,7 +186,7 @@ def save_tiny_model(out_dir: str | Path, **kwargs) -> Path:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3_moe", "qwen2_moe"])
+    p.add_argument("--arch", default="qwen2", choices=list(ARCHS))
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)

@@ -51,6 +51,21 @@ def make_prompts(tokenizer, texts: list[str], max_prompt_length: int = 24) -> Da
     )
 
 
+def scored_batch(model_dir: Path, tokenizer, texts: list[str], ref: bool = True) -> DataProto:
+    """A batch as the trainer hands it to update_actor: sampled responses of varied lengths (n=2 per
+    prompt), the actor's (and with ``ref`` the reference's) log-probs, seeded random advantages."""
+    group = local_worker(worker_config(model_dir))
+    prompts = make_prompts(tokenizer, texts)
+    prompts.meta_info["eos_token_id"] = list(range(0, 260, 7))  # varied response lengths
+    data = group.generate_sequences(prompts)
+    data.meta_info = {"temperature": 1.0}
+    data = data.union(group.compute_log_prob(data))
+    data = data.union(group.compute_ref_log_prob(data)) if ref else data
+    mask = data.batch["response_mask"]
+    data.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    return data
+
+
 def local_worker(config: DictConfig, role: str = "actor_rollout_ref"):
     """An initialised in-process worker group (one rank, real FSDP2 over gloo)."""
     from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup

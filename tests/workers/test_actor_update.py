@@ -18,8 +18,8 @@ from rlfoundry.models.hf import load_hf_model
 from rlfoundry.engines.base import MicroBatching
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
-from tests.workers import (assert_same_gradients, full_params, local_worker, make_prompts, one_thread,  # noqa: F401
-                           reassociation_bound, step_gradients, vocab_rows, worker_config)
+from tests.workers import (assert_same_gradients, full_params, local_worker, one_thread,  # noqa: F401
+                           reassociation_bound, scored_batch, step_gradients, vocab_rows, worker_config)
 
 TEXTS = ["hello world", "a", "the quick brown fox", "12+7="]
 # 4 prompts x n=2 = 8 rows; ppo_mini_batch_size=2 prompts -> 2 optimiser steps per update.
@@ -33,16 +33,8 @@ BASE = ["actor.ppo_mini_batch_size=2", "actor.use_kl_loss=true", "actor.entropy_
 @pytest.fixture(scope="module")
 def batch(tiny_model_dir, tokenizer) -> DataProto:
     """A scored batch as the trainer hands it to update_actor (8 rows, some ending at EOS)."""
-    group = local_worker(worker_config(tiny_model_dir))
-    prompts = make_prompts(tokenizer, TEXTS)
-    prompts.meta_info["eos_token_id"] = list(range(0, 260, 7))  # varied response lengths
-    data = group.generate_sequences(prompts)
-    data.meta_info = {"temperature": 1.0}
-    data = data.union(group.compute_log_prob(data)).union(group.compute_ref_log_prob(data))
-    gen = torch.Generator().manual_seed(0)
-    mask = data.batch["response_mask"]
-    data.batch["advantages"] = torch.randn(mask.shape, generator=gen) * mask
-    assert len(set(mask.sum(-1).tolist())) > 1
+    data = scored_batch(tiny_model_dir, tokenizer, TEXTS)
+    assert len(set(data.batch["response_mask"].sum(-1).tolist())) > 1
     return data
 
 

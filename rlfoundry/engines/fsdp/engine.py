@@ -56,6 +56,7 @@ from rlfoundry.engines.base import (
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.engines.fsdp.compile import CompiledLayers, compile_problems, is_vision_model
 from rlfoundry.engines.fsdp import utils as fu
+from rlfoundry.engines.fsdp import moe as fsdp_moe
 from rlfoundry.engines.fsdp.forward import (
     MODEL_INPUTS,
     CausalLMForward,
@@ -71,6 +72,7 @@ from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
 from rlfoundry import cpu as cpu_kernels
 from rlfoundry.models import lora as lora_lib
+from rlfoundry.models import moe as moe_lib
 from rlfoundry.models.hf import load_hf_model
 from rlfoundry.models.liger import apply_liger
 from rlfoundry.models.vision import freeze_vision_tower
@@ -153,6 +155,8 @@ class FSDPEngine(TrainingEngine):
         self.cpu_kernels = _cpu_kernels_on(config, self.device)
         self.compiled = CompiledLayers(fu.get_decoder_layers(module)) if config.use_torch_compile else None
         self._module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
+        self.moe = fsdp_moe.RouterLosses.of(module, config.use_remove_padding, self.sp is not None,
+                                            config.override_config)
         self.lm = CausalLMForward(
             module, self.dp_size, self.batch_group, config.use_remove_padding,
             # the shared-prompt forward is not split by sequence, nor compiled (its KV cache: compile.py)
@@ -259,8 +263,10 @@ class FSDPEngine(TrainingEngine):
             for i, (micro, entry) in enumerate(zip(micros, entries)):
                 empty = len(micro) == 0
                 micro = zero_loss_row(mini, plan.mask_key) if empty else micro
-                with fu.activation_offload(self.device) if self.config.activation_offload else contextlib.nullcontext():
+                offload = fu.activation_offload(self.device) if self.config.activation_offload else contextlib.nullcontext()
+                with offload, fsdp_moe.recording(self.moe, output) as routed:
                     out = loss_fn(self._forward(model_batch(micro), output, entry), micro.batch, info)
+                out = self.moe.add_to(out, routed, micro, entry, info, plan.mask_key) if routed is not None else out
                 before_backward(i == len(micros) - 1)
                 out.loss.backward()  # summed over micro-batches: the loss already divided by the global count
                 stats.add(out, 0.0 if empty else micro.batch[plan.mask_key].sum())
@@ -270,7 +276,7 @@ class FSDPEngine(TrainingEngine):
         host = torch.cat([norm.reshape(1).to(values), values]).tolist()
         metrics = stats.read(host[1:], self.dp_size)
         metrics[f"{self.role}/grad_norm"] = self._optimizer_step(host[0])
-        return metrics
+        return {**metrics, **self.moe.take_metrics(self.dp_size, self.batch_group)} if self.moe else metrics
 
     def _optimizer_step(self, grad_norm: float | None = None) -> float:
         """Clip (unless ``grad_norm`` says the gradients were clipped already) and step; a non-finite grad
@@ -440,6 +446,9 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         cfg.path, model_kind=cfg.model_kind, torch_dtype=fsdp.model_dtype, trust_remote_code=cfg.trust_remote_code,
         override_config=cfg.override_config, enable_gradient_checkpointing=cfg.trainable and cfg.gradient_checkpointing,
     )
+    grouped = moe_lib.use_grouped_experts(module)
+    if grouped:
+        say_once(grouped)
     if not cfg.trainable:
         module.requires_grad_(False)
         module.eval()
