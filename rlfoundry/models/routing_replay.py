@@ -52,19 +52,22 @@ class RoutingReplay:
     ``mode`` None: the hooks do nothing. ``record``: each router's indices are kept (``take``).
     ``replay``: ``tokens`` (N, L, k) replace them, layer ``l`` reading ``tokens[:, l]``.
     While replaying under ``torch.no_grad`` (a log-prob pass, not a training forward or its
-    recomputation), tokens flagged in ``counted`` are tallied: how many the router itself would
-    have sent elsewhere in at least one layer (``changed``), out of how many (``total``); read with
-    ``take_stats``.
+    recomputation), the tokens flagged in ``counted`` are tallied per batch row: how many the router
+    itself would have sent to another expert set in at least one layer, out of how many had a
+    record (``row_stats``).
     """
 
     def __init__(self, model_routers: list[nn.Module]):
         self.routers = model_routers
         self.mode: str | None = None
+        self.grid_indices: torch.Tensor | None = None  # a packed recorded forward's tokens in the (b·T) grid
         self.records: list[torch.Tensor | None] = [None] * len(model_routers)
         self.tokens: torch.Tensor | None = None
         self.counted: torch.Tensor | None = None
+        self.token_rows: torch.Tensor | None = None  # (N,) the batch row of each replayed token
+        self.num_rows = 0
         self._changed_now: torch.Tensor | None = None
-        self.changed = self.total = self.layer_changed = None
+        self._stats: dict[str, torch.Tensor] | None = None
         for layer, router in enumerate(model_routers):
             router.register_forward_hook(self._hook(layer))
 
@@ -79,7 +82,7 @@ class RoutingReplay:
     # ---- modes -----------------------------------------------------------------------------
 
     def record(self) -> None:
-        self.mode, self.records = "record", [None] * self.num_layers
+        self.mode, self.records, self.grid_indices = "record", [None] * self.num_layers, None
 
     def replay(self, tokens: torch.Tensor, counted: torch.Tensor | None = None) -> None:
         """Replay ``tokens`` (N, L, k) (or (b, T, L, k), flattened in row order as the model flattens its
@@ -88,19 +91,25 @@ class RoutingReplay:
             raise ValueError(f"routed_experts has (layers, top_k) = {tuple(tokens.shape[-2:])}, but the model routes "
                              f"{self.num_layers} MoE layers with top-{self.top_k}: the batch was recorded on "
                              "another model (check actor_rollout_ref.model.path and the rollout's model)")
-        self.mode = "replay"
+        self.mode, self._stats = "replay", None
         self.tokens = tokens.reshape(-1, self.num_layers, self.top_k)
         self.counted = None if counted is None else counted.reshape(-1).bool()
+        self.num_rows = tokens.shape[0] if tokens.dim() == 4 else 1
+        self.token_rows = torch.arange(self.num_rows, device=tokens.device).repeat_interleave(
+            self.tokens.shape[0] // self.num_rows)
 
     def select_tokens(self, indices: torch.Tensor) -> None:
         """Keep the replayed tokens ``indices`` of the flat grid, in that order: a forward that packs
-        real tokens (padding removal) gathers the routing exactly as it gathers ``input_ids``."""
+        real tokens (padding removal) gathers the routing exactly as it gathers ``input_ids``. When
+        recording: the next forward's tokens are those of the grid (``recorded_grid``)."""
+        if self.mode == "record":
+            self.grid_indices = indices
         if self.mode == "replay":
-            self.tokens = self.tokens[indices]
+            self.tokens, self.token_rows = self.tokens[indices], self.token_rows[indices]
             self.counted = None if self.counted is None else self.counted[indices]
 
     def off(self) -> None:
-        self.mode, self.tokens, self.counted = None, None, None
+        self.mode, self.tokens, self.counted, self.token_rows = None, None, None, None
         self.records = [None] * self.num_layers
 
     def take(self) -> torch.Tensor:
@@ -112,12 +121,21 @@ class RoutingReplay:
         self.records = [None] * self.num_layers
         return out
 
-    def take_stats(self) -> dict[str, torch.Tensor] | None:
-        """(changed tokens, counted tokens, changed (token, layer) pairs) since the last call, or None."""
-        if self.total is None:
-            return None
-        out = {"changed": self.changed, "total": self.total, "layer_changed": self.layer_changed}
-        self.changed = self.total = self.layer_changed = None
+    def recorded_grid(self, shape: tuple[int, int]) -> torch.Tensor:
+        """The last forward's record on its (b, T) grid: (b, T, L, k), NO_EXPERT where the forward ran no token."""
+        taken = self.take()
+        if self.grid_indices is None:
+            return taken.view(*shape, self.num_layers, self.top_k)
+        grid = taken.new_full((shape[0] * shape[1], self.num_layers, self.top_k), NO_EXPERT)
+        grid[self.grid_indices] = taken
+        self.grid_indices = None
+        return grid.view(*shape, self.num_layers, self.top_k)
+
+    def row_stats(self) -> dict[str, torch.Tensor]:
+        """Of the last replayed forward under no_grad, per batch row (b,) fp32: ``routing_changed_tokens``
+        (counted tokens the router would route to another expert set in at least one layer) and
+        ``routing_counted_tokens`` (counted tokens with a record); {} when nothing was tallied."""
+        out, self._stats = self._stats or {}, None
         return out
 
     # ---- the hook --------------------------------------------------------------------------
@@ -135,7 +153,7 @@ class RoutingReplay:
 
     def _replayed(self, router: nn.Module, layer: int, output: tuple) -> tuple:
         logits, _weights, own = output
-        given = self.tokens[:, layer].to(own.device)
+        given = self.tokens[:, layer].to(device=own.device, dtype=own.dtype)
         if given.shape[0] != own.shape[0]:
             raise ValueError(f"routing replay: {given.shape[0]} tokens of routed_experts for a router call of "
                              f"{own.shape[0]} tokens (the forward laid its tokens out differently from the batch)")
@@ -150,16 +168,16 @@ class RoutingReplay:
         return logits, weights.to(logits.dtype), chosen
 
     def _tally(self, layer: int, own: torch.Tensor, given: torch.Tensor) -> None:
-        """Tokens whose own top-k *set* differs from the replayed one (order within top-k is not routing)."""
+        """Tokens whose own top-k *set* differs from the replayed one (order within top-k is not routing),
+        summed per batch row after the last layer."""
         counted = self.counted.to(own.device) & (given >= 0).all(-1)
         differs = (own.sort(-1).values != given.sort(-1).values).any(-1) & counted
         self._changed_now = differs if layer == 0 else self._changed_now | differs
-        pairs = differs.sum()
-        self.layer_changed = pairs if self.layer_changed is None else self.layer_changed + pairs
         if layer == self.num_layers - 1:
-            changed, total = self._changed_now.sum(), counted.sum()
-            self.changed = changed if self.changed is None else self.changed + changed
-            self.total = total if self.total is None else self.total + total
+            rows = self.token_rows.to(own.device)
+            per_row = own.new_zeros(self.num_rows, dtype=torch.float32)
+            self._stats = {"routing_changed_tokens": per_row.index_add(0, rows, self._changed_now.float()),
+                           "routing_counted_tokens": per_row.index_add(0, rows, counted.float())}
 
 
 def routing_replay_of(model: nn.Module) -> RoutingReplay | None:
@@ -198,3 +216,50 @@ def response_token_mask(attention_mask: torch.Tensor, response_width: int) -> to
     counted = torch.zeros_like(attention_mask, dtype=torch.bool)
     counted[:, attention_mask.shape[1] - response_width:] = attention_mask[:, attention_mask.shape[1] - response_width:].bool()
     return counted
+
+
+class RolloutRouting:
+    """The routing of a rollout's prompts and sampled tokens, laid out as the batch it returns:
+    ``routed_experts`` (N, Tp+Tr, L, k), ``NO_EXPERT`` wherever no token of the row was routed
+    (padding, and a response's last token, which is sampled but never fed back).
+
+    ``rows``: output rows; ``slots``: rows the buffer holds besides them (a static decode's padding
+    slots write there and are dropped, so a step never reads which slot is real).
+    """
+
+    def __init__(self, model: nn.Module, rows: int, prompt_width: int, response_length: int,
+                 device: torch.device, lead: int = 0, slots: int = 0):
+        self.state = attach(model)
+        self.rows, self.prompt_width, self.lead = rows, prompt_width, lead
+        shape = (rows + slots, prompt_width + response_length, self.state.num_layers, self.state.top_k)
+        self.routes = torch.full(shape, NO_EXPERT, dtype=torch.int16 if self._small() else torch.long,
+                                 device=device)
+        self.state.record()
+
+    def _small(self) -> bool:
+        return int(self.state.routers[0].num_experts) < torch.iinfo(torch.int16).max
+
+    def prefill(self, mask: torch.Tensor, n: int) -> None:
+        """After the prompts' forward: (B, Tp - lead) ``mask`` of the prompt columns it ran (those after
+        the ``lead`` columns that are padding in every row); each prompt's routing goes to its ``n`` samples."""
+        lead = self.lead
+        b, t = mask.shape
+        taken = self.state.take().view(b, t, self.state.num_layers, self.state.top_k)
+        taken = taken.masked_fill(~mask.bool()[..., None, None], NO_EXPERT).repeat_interleave(n, dim=0)
+        self.routes[: self.rows, lead: lead + t] = taken.to(self.routes.dtype)
+
+    def step(self, rows: torch.Tensor, t: int) -> None:
+        """After the forward of response token ``t`` (one per batch row; ``rows``: their output rows)."""
+        self.routes[:, self.prompt_width + t].index_copy_(0, rows, self.state.take().to(self.routes.dtype))
+
+    def finish(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(N, Tp+Tr, L, k) with the columns past each row's last fed token (length - 1) set to NO_EXPERT."""
+        self.state.off()
+        routes = self.routes[: self.rows]
+        width = routes.shape[1] - self.prompt_width
+        fed = torch.arange(width, device=routes.device)[None] < (lengths[:, None] - 1)
+        routes[:, self.prompt_width:].masked_fill_(~fed[..., None, None], NO_EXPERT)
+        return routes
+
+    def abandon(self) -> None:
+        self.state.off()
