@@ -42,8 +42,9 @@ _ATTR = "_routing_replay"
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's top-k routers, in layer order (module registration order)."""
-    return [m for m in model.modules() if type(m).__name__ in ROUTER_CLASSES]
+    """The model's top-k routers, in layer order (module registration order); FSDP2's ``fully_shard`` renames
+    a module's class ``FSDP<name>``, so a router sharded on its own is still found."""
+    return [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in ROUTER_CLASSES]
 
 
 class RoutingReplay:

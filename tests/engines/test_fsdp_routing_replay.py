@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 from rlfoundry.config.schema import FSDPConfig, OptimConfig
@@ -21,8 +22,10 @@ TEXTS = ["hello world", "a", "the quick brown fox", "12+7="]
 EOS_THIRD = list(range(0, 260, 3))  # samples end at assorted lengths
 
 
-def _engine(model_dir, **fields) -> FSDPEngine:
-    config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(), grad_clip=None, cpu_kernels="off",
+def _engine(model_dir, single_rank="auto", **fields) -> FSDPEngine:
+    """``single_rank=fsdp``: the model wrapped by FSDP2's ``fully_shard`` even on one rank (auto: the plain module)."""
+    config = FSDPEngineConfig(path=str(model_dir), fsdp=FSDPConfig(single_rank=single_rank), grad_clip=None,
+                              cpu_kernels="off",
                               optim=OptimConfig(lr=1e-2, weight_decay=0.0), **fields)
     return FSDPEngine.build(config, "cpu", role="actor")
 
@@ -79,10 +82,12 @@ def test_replayed_log_probs_do_not_depend_on_micro_batching_or_packing(process_g
     assert outs[0]["routing_counted_tokens"].tolist() == recorded.sum(-1).float().tolist()
 
 
-def test_the_update_forward_replays_the_batch_routing(process_group, tiny_moe_dir, rollout_batch):
+@pytest.mark.parametrize("single_rank", ["auto", "fsdp"], ids=["plain", "fully_shard"])
+def test_the_update_forward_replays_the_batch_routing(process_group, tiny_moe_dir, rollout_batch, single_rank):
     """The log-probs the loss sees in the first (only) mini-batch, before the optimiser step, are the replayed ones."""
     _, perturbed = rollout_batch
-    engine = _engine(tiny_moe_dir)
+    engine = _engine(tiny_moe_dir, single_rank)
+    assert isinstance(engine.module, FSDPModule) == (single_rank == "fsdp")
     replayed = _log_probs(engine, perturbed, MicroBatching(size=8))["log_probs"]
     seen = []
 
@@ -96,6 +101,34 @@ def test_the_update_forward_replays_the_batch_routing(process_group, tiny_moe_di
     mask = perturbed.batch["response_mask"].bool()
     torch.testing.assert_close(torch.cat(seen)[mask], replayed[mask], atol=1e-5, rtol=0)
     assert rr.routing_replay_of(engine.module).mode is None  # the replay ends with the call
+
+
+def _gradients(engine, data) -> dict[str, torch.Tensor]:
+    """The gradients of one update (read in the optimiser's pre-step hook)."""
+    grads = {}
+
+    def keep(optimizer, *_):
+        grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+
+    handle = engine.optimizer.register_step_pre_hook(keep)
+    keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "routed_experts"]
+    nll = lambda out, batch, info: LossOutput(  # noqa: E731
+        -(out["log_probs"] * batch["response_mask"]).sum() / info["batch_num_tokens"], {}, {})
+    engine.train_batch(data.select(batch_keys=keys), LogProbs(), nll, UpdatePlan(mini_batch_size=8, micro=MicroBatching(size=4)))
+    handle.remove()
+    return grads
+
+
+def test_gradient_checkpointing_recomputes_with_the_replayed_routing(process_group, tiny_moe_dir, rollout_batch):
+    """A checkpointed layer's forward runs again in backward: it must route as the forward did, or the
+    gradients would be those of another function (the replay stays set until the call ends)."""
+    _, perturbed = rollout_batch
+    plain = _gradients(_engine(tiny_moe_dir), perturbed)
+    checkpointed = _gradients(_engine(tiny_moe_dir, gradient_checkpointing=True), perturbed)
+    routers = [n for n in plain if n.endswith("gate.weight")]
+    assert routers and all(float(plain[n].abs().sum()) > 0 for n in routers)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])

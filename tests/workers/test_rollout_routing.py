@@ -72,3 +72,16 @@ def test_no_routing_is_recorded_unless_asked(moe, tiny_moe_dir, tokenizer):
     engine = HFRollout(moe, cfg["rollout"], tokenizer.pad_token_id, tokenizer.eos_token_id, static_decode=False)
     assert "routed_experts" not in _generate(engine, tokenizer).keys()
     assert rr.attach(moe).mode is None  # the recorder of the other tests was switched off
+
+
+def test_the_recording_decode_step_still_traces_as_one_graph(moe, tiny_moe_dir, tokenizer):
+    """The router hooks inside the static step: ``fullgraph=True`` raises on a graph break (what CUDA graphs
+    would need); the eager backend compiles nothing, so this runs in seconds. The record is the eager one's."""
+    torch._dynamo.reset()
+    eager = _generate(_rollout(moe, tiny_moe_dir, tokenizer, static=True), tokenizer)
+    traced = _rollout(moe, tiny_moe_dir, tokenizer, static=True)
+    decoder = traced._static
+    decoder._step = torch.compile(decoder._forward, backend="eager", fullgraph=True, dynamic=False)
+    out = _generate(traced, tokenizer)
+    assert torch.equal(out["responses"], eager["responses"])
+    assert torch.equal(out["routed_experts"], eager["routed_experts"])
