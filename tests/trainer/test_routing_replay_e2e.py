@@ -40,3 +40,15 @@ def test_replaying_the_rollout_routing_shrinks_the_rollout_trainer_mismatch(tiny
     assert r3["mismatch/router_replay/on/mean"] < r3["mismatch/router_replay/off/mean"]
     assert r3["mismatch/router_replay/on/max"] <= r3["mismatch/router_replay/off/max"]
     assert "actor/router_replay/changed_token_frac" not in plain
+
+
+def test_r2_trains_on_the_trainers_own_recorded_routing(tiny_moe_dir, tmp_path):
+    """R2 with the rollout recording too: the old-log-prob pass's record replaces the rollout's in the batch the
+    update replays (verl's choice). Told apart by the response's last token, which the rollout never fed
+    (-1) and the trainer's forward routes."""
+    run = _run(tiny_moe_dir, tmp_path / "r2", "actor_rollout_ref.actor.router_replay.mode=R2",
+               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    batch = run.batches[0]
+    routed, mask = batch["routed_experts"], batch["attention_mask"].bool()
+    assert routed.shape[:2] == mask.shape and bool((routed[mask] >= 0).all()) and bool((routed[~mask] == -1).all())
+    assert "actor/router_replay/changed_token_frac" not in run.step(1)  # R2 replays the trainer's own choice
