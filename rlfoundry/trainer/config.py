@@ -516,6 +516,10 @@ def _check_routing_replay(cfg: PPOConfig) -> list[str]:
     if rollout.enable_rollout_routing_replay and rollout.multi_turn.enable:
         errors.append(f"{key}.rollout.enable_rollout_routing_replay=true with multi_turn.enable=true: the agent loop does "
                       "not carry routed experts across turns yet; record single-turn rollouts only.")
+    if rollout.enable_rollout_routing_replay and cfg.async_training.partial_rollout:
+        errors.append(f"{key}.rollout.enable_rollout_routing_replay=true with async_training.partial_rollout=true: the "
+                      "chunked generation rebuilds each sample from its tokens and does not carry routed experts yet; "
+                      "set partial_rollout=false.")
     return errors
 
 

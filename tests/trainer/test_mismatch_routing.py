@@ -1,4 +1,5 @@
-"""The mismatch audit's MoE-routing evidence (trainer/ppo/mismatch.py; docs/moe.md#routing-replay)."""
+"""The mismatch audit's MoE-routing evidence (trainer/ppo/mismatch.py; docs/moe.md#routing-replay), and the routing's
+alignment through the trainer's batch assembly."""
 
 from __future__ import annotations
 
@@ -43,3 +44,20 @@ def test_the_replay_gap_metrics_and_the_changed_share_are_over_valid_tokens_only
     # per-row counts (B,): 1 + 2 changed of 4 + 6 counted
     assert mismatch.routing_changed_frac(torch.tensor([1.0, 2.0]), torch.tensor([4.0, 6.0])) == pytest.approx(0.3)
     assert mismatch.routing_changed_frac(torch.zeros(2), torch.zeros(2)) == 0.0
+
+
+def test_generations_of_different_prompt_widths_keep_their_routing_aligned():
+    """``_concat_generations`` left-pads narrower parts' token columns: ``routed_experts`` too, with -1 (no record)."""
+    from rlfoundry.trainer.ppo.ray_trainer import _concat_generations
+
+    def part(tp: int, tr: int = 2) -> DataProto:
+        ids = torch.arange(1, tp + tr + 1).view(1, -1)
+        routed = ids.view(1, -1, 1, 1).expand(1, tp + tr, 2, 2).to(torch.int16)  # each token's experts = its id
+        return DataProto.from_dict(tensors={"prompts": ids[:, :tp], "input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                            "position_ids": ids - 1, "routed_experts": routed})
+
+    out = _concat_generations([part(2), part(3)], pad_id=0).batch
+    assert out["routed_experts"].shape == (2, 5, 2, 2)
+    # where a token is, its routing is; where padding was added, -1
+    expected = torch.where(out["attention_mask"].bool(), out["input_ids"], -1)
+    assert torch.equal(out["routed_experts"][..., 0, 0].long(), expected)

@@ -30,6 +30,7 @@ def test_r3_with_the_hf_rollout_recording_loads():
     ((f"{MODE}=R4",), r"router_replay.mode='R4' is not one of \['disabled', 'R2', 'R3'\]"),
     ((f"{MODE}=R3", RECORD, "actor_rollout_ref.rollout.name=vllm"), r"rollout.name=vllm: .*use rollout.name=hf"),
     ((RECORD, "actor_rollout_ref.rollout.multi_turn.enable=true"), r"multi_turn.enable=true: the agent loop"),
+    ((RECORD, "async_training.partial_rollout=true"), r"partial_rollout=true: the chunked generation"),
     (("actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt",), r"record_file=/tmp/r.pt: routing records on disk"),
     (("actor_rollout_ref.ref.router_replay.mode=R3",), r"ref.router_replay.mode=R3: the reference routes by its own"),
     ((f"{MODE}=R2", "actor_rollout_ref.actor.strategy=megatron"), r"built for the FSDP engine only"),

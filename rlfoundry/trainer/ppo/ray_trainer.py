@@ -277,6 +277,8 @@ def _concat_generations(parts: list[DataProto], pad_id: int) -> DataProto:
         for key, value in (("prompts", pad_id), ("input_ids", pad_id), ("attention_mask", 0), ("position_ids", 0)):
             if extra and key in tensors:
                 tensors[key] = torch.nn.functional.pad(tensors[key], (extra, 0), value=value)
+        if extra and "routed_experts" in tensors:  # (B, T, layers, top_k): token columns are dim 1; -1 = no record
+            tensors["routed_experts"] = torch.nn.functional.pad(tensors["routed_experts"], (0, 0, 0, 0, extra, 0), value=-1)
         padded.append(DataProto.from_dict(tensors=tensors, non_tensors=dict(part.non_tensor_batch)))
     out = DataProto.concat(padded)
     out.meta_info = dict(parts[0].meta_info)
