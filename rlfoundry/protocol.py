@@ -328,6 +328,10 @@ class DataProto:
                                                       (B, Tr)
     ``response_mask``                                 (B, Tr)     rollout (1 up to and including EOS)
     ``rollout_log_probs``                             (B, Tr)     rollout engine (optional)
+    ``routed_experts``                                (B, Tp+Tr,  HF rollout with
+                                                      layers,     ``enable_rollout_routing_replay``
+                                                      top_k)      (R3), or actor (R2); -1: no record
+                                                                  (docs/moe.md#routing-replay)
     ``old_log_probs`` / ``ref_log_prob``              (B, Tr)     actor / ref
     ``entropys``                                      (B, Tr)     actor
     ``sum_pi_squared``                                (B, Tr)     actor, with

@@ -424,6 +424,25 @@ class ModelConfig(Node):
     trust_remote_code: bool = False
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode; models/routing_replay.py
+
+
+@dataclass
+class RouterReplayConfig(Node):
+    """verl's MoE routing replay (models/routing_replay.py, docs/moe.md). R3: the forwards replay the experts
+    the rollout recorded (needs rollout.enable_rollout_routing_replay); R2: the update replays the experts
+    of the trainer's own old-log-prob forward."""
+
+    mode: str = one_of(ROUTER_REPLAY_MODES, "disabled")
+    record_file: Optional[str] = None  # declared by verl and read by none of its code; a path is an error here
+    replay_file: Optional[str] = None
+
+    def check(self) -> list[str]:
+        files = {k: v for k, v in (("record_file", self.record_file), ("replay_file", self.replay_file)) if v}
+        return [f"router_replay.{k}={v}: routing records on disk are not built (verl declares the key and no verl "
+                f"code reads it); remove it — the routing travels in the batch (routed_experts)." for k, v in files.items()]
+
+
 @dataclass
 class ActorConfig(Node):
     strategy: str = one_of(STRATEGIES, "fsdp")
@@ -465,6 +484,7 @@ class ActorConfig(Node):
     freeze_vision_tower: Optional[bool] = None  # verl's spelling of model.freeze_vision_tower (copied there)
     use_prefix_grouper: Optional[bool] = None  # verl's shared-prefix forward = model.use_shared_prompt (copied there)
     policy_loss: PolicyLossConfig = _sub(PolicyLossConfig)
+    router_replay: RouterReplayConfig = _sub(RouterReplayConfig)
     checkpoint: CheckpointConfig = _sub(CheckpointConfig)
     optim: OptimConfig = _sub(OptimConfig)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
@@ -493,6 +513,8 @@ class RefConfig(Node):
     ulysses_sequence_parallel_size: int = follows("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
+    # verl declares it for the reference too and reads the actor's only: the reference routes by its own router
+    router_replay: RouterReplayConfig = _sub(RouterReplayConfig)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
 
@@ -626,6 +648,8 @@ class RolloutConfig(Node):
     n: int = 8  # verl: 1
     seed: int = 0
     calculate_log_probs: bool = False
+    # MoE: the rollout records the experts of every token into the batch (routed_experts; docs/moe.md)
+    enable_rollout_routing_replay: bool = False
     # the HF engine's static-shape decode compiled with torch.compile (CUDA graphs on CUDA; static_decode.py).
     # null (auto): on on CUDA, off on the CPU (the dynamic loop with the CPU kernels is faster there)
     use_torch_compile: Optional[bool] = None

@@ -49,13 +49,16 @@ class LogProbs:
     Logits are divided by ``temperature`` (the rollout's sampling temperature). ``entropy_grad``
     False: the entropy is only a metric, computed without a graph. ``sum_pi_squared``: also
     ``sum_pi_squared`` (B, Tr), sum_v pi(v|s_t)^2 at the same temperature, without gradient (the
-    optimal token baselines' input, verl's ``actor.calculate_sum_pi_squared``).
+    optimal token baselines' input, verl's ``actor.calculate_sum_pi_squared``). ``routed_experts``: also
+    the experts an MoE model's routers chose, (B, Tp+Tr, layers, top_k), -1 at padding (routing replay
+    R2's record, ``models/routing_replay.py``).
     """
 
     temperature: float = 1.0
     entropy: bool = False
     entropy_grad: bool = True
     sum_pi_squared: bool = False
+    routed_experts: bool = False
 
 
 @dataclass(frozen=True)

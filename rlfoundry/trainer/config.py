@@ -491,7 +491,36 @@ def _check_pool(key: str, owner: DictConfig, cfg: DictConfig) -> list[str]:
 
 
 def _check_unsupported(cfg: PPOConfig) -> list[str]:
-    return _check_lora(cfg) + _check_multi_turn(cfg) + _check_judge(cfg) + _check_engines(cfg)
+    return (_check_lora(cfg) + _check_multi_turn(cfg) + _check_judge(cfg) + _check_engines(cfg)
+            + _check_routing_replay(cfg))
+
+
+def _check_routing_replay(cfg: PPOConfig) -> list[str]:
+    """MoE routing replay (docs/moe.md): R3 reads what the rollout records; recording is built for the HF engine's
+    own sampling loop, replaying for the FSDP engine."""
+    arr, errors = cfg.actor_rollout_ref, []
+    mode, rollout, key = arr.actor.router_replay.mode, arr.rollout, "actor_rollout_ref"
+    if mode == "R3" and not rollout.enable_rollout_routing_replay:
+        errors.append(f"{key}.actor.router_replay.mode=R3 replays the experts the rollout chose, but the rollout does not "
+                      f"record them: set {key}.rollout.enable_rollout_routing_replay=true (or mode=R2).")
+    if mode != "disabled" and arr.actor.strategy != "fsdp":
+        errors.append(f"{key}.actor.router_replay.mode={mode}: routing replay is built for the FSDP engine only, not "
+                      f"actor.strategy={arr.actor.strategy}; use strategy=fsdp or mode=disabled.")
+    if arr.ref.router_replay.mode != "disabled":
+        errors.append(f"{key}.ref.router_replay.mode={arr.ref.router_replay.mode}: the reference routes by its own router "
+                      "(verl reads the actor's router_replay only); set it to disabled.")
+    if rollout.enable_rollout_routing_replay and rollout.name != "hf":
+        errors.append(f"{key}.rollout.enable_rollout_routing_replay=true with rollout.name={rollout.name}: rlfoundry's "
+                      f"{rollout.name} engine does not pass the engine's routed experts through (vLLM's "
+                      "enable_return_routed_experts, SGLang's return_routed_experts are not wired); use rollout.name=hf.")
+    if rollout.enable_rollout_routing_replay and rollout.multi_turn.enable:
+        errors.append(f"{key}.rollout.enable_rollout_routing_replay=true with multi_turn.enable=true: the agent loop does "
+                      "not carry routed experts across turns yet; record single-turn rollouts only.")
+    if rollout.enable_rollout_routing_replay and cfg.async_training.partial_rollout:
+        errors.append(f"{key}.rollout.enable_rollout_routing_replay=true with async_training.partial_rollout=true: the "
+                      "chunked generation rebuilds each sample from its tokens and does not carry routed experts yet; "
+                      "set partial_rollout=false.")
+    return errors
 
 
 def _check_lora(cfg: DictConfig) -> list[str]:
@@ -709,6 +738,9 @@ def _behaviour_log_prob_problems(cfg: DictConfig, key: str) -> list[str]:
         errors.append(f"{key}: actor_rollout_ref.actor.calculate_sum_pi_squared=true needs the actor's log-prob pass "
                       "(it writes sum_pi_squared), which reusing the rollout's log-probs skips; set "
                       "use_rollout_log_probs=false.")
+    if arr.actor.router_replay.mode == "R2":
+        errors.append(f"{key}: actor_rollout_ref.actor.router_replay.mode=R2 records the routing in the actor's log-prob "
+                      "pass, which reusing the rollout's log-probs skips; set use_rollout_log_probs=false (or mode=R3).")
     return errors
 
 

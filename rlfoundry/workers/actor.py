@@ -19,11 +19,15 @@ import torch
 
 from rlfoundry.algos import core_algos
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine
-from rlfoundry.engines.fsdp.forward import MODEL_INPUTS
+from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, ROUTED_EXPERTS
 from rlfoundry.protocol import DataProto
 from rlfoundry.workers.utils.plan import ppo_update_plan
 
-__all__ = ["DataParallelPPOActor", "ActorBatchSizes"]
+__all__ = ["DataParallelPPOActor", "ActorBatchSizes", "ROUTING_OUTPUTS"]
+
+# What a log-prob pass adds under MoE routing replay (docs/moe.md): R2's record (B, Tp+Tr, layers, top_k), and
+# R3's per-row counts (B,) of response tokens the trainer's own router would have routed elsewhere / with a record
+ROUTING_OUTPUTS = (ROUTED_EXPERTS, "routing_changed_tokens", "routing_counted_tokens")
 
 
 @dataclass(frozen=True)
@@ -101,15 +105,36 @@ class DataParallelPPOActor:
         micro_batch_size = micro_batch_size or meta.get("micro_batch_size")
         if max_token_len is None and meta.get("use_dynamic_bsz", False):
             max_token_len = meta["max_token_len"]
-        return self.engine.infer_batch(data.select(batch_keys=list(MODEL_INPUTS)),
+        mode = self._router_replay_mode(data)
+        return self.engine.infer_batch(data.select(batch_keys=self._forward_keys(data, replay=mode == "R3")),
                                        LogProbs(temperature, entropy=calculate_entropy,
-                                                sum_pi_squared=calculate_sum_pi_squared),
+                                                sum_pi_squared=calculate_sum_pi_squared, routed_experts=mode == "R2"),
                                        MicroBatching(micro_batch_size, max_token_len))
+
+    def _router_replay_mode(self, data: DataProto | None = None) -> str:
+        """``router_replay.mode`` (verl's; a reference's is always disabled: trainer/config.py). A batch whose
+        ``meta_info["routing_replay"]`` is False is scored with the router's own routing (the mismatch audit's
+        comparison)."""
+        replay = getattr(self.config, "router_replay", None)
+        if replay is None or (data is not None and data.meta_info.get("routing_replay") is False):
+            return "disabled"
+        return replay.mode
+
+    def _forward_keys(self, data: DataProto, replay: bool) -> list[str]:
+        """The model inputs, and with routing replay the experts to replay (R3: the rollout's; R2: the old-log-prob pass's)."""
+        if not replay:
+            return list(MODEL_INPUTS)
+        if ROUTED_EXPERTS not in data.batch.keys():
+            raise KeyError(f"actor_rollout_ref.actor.router_replay.mode={self._router_replay_mode()} but the batch has no "
+                           "routed_experts: R3 needs actor_rollout_ref.rollout.enable_rollout_routing_replay=true (the HF "
+                           "rollout records them); R2 needs compute_log_prob (use_rollout_log_probs=false) before the update")
+        return [*MODEL_INPUTS, ROUTED_EXPERTS]
 
     # ---- update ---------------------------------------------------------------------------
 
     def _select_keys(self, data: DataProto) -> list[str]:
-        keys = [*MODEL_INPUTS, "response_mask", "old_log_probs", "advantages"]
+        keys = [*self._forward_keys(data, self._router_replay_mode() != "disabled"), "response_mask", "old_log_probs",
+                "advantages"]
         if self.config.use_kl_loss:
             keys.append("ref_log_prob")
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():

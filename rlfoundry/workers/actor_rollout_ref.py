@@ -16,7 +16,7 @@ Driver-facing methods (dispatch mode in brackets):
 |---|---|---|
 | ``init_model`` [ONE_TO_ALL] | — | — |
 | ``generate_sequences`` [DP_COMPUTE_PROTO] | prompts, one row each | B·n rows (see ``HFRollout``) |
-| ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr); ``sum_pi_squared`` (B, Tr) with ``actor.calculate_sum_pi_squared`` |
+| ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr); ``sum_pi_squared`` (B, Tr) with ``actor.calculate_sum_pi_squared``; MoE routing replay: ``routed_experts`` (R2), ``routing_{changed,counted}_tokens`` (B,) (R3) |
 | ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
@@ -55,6 +55,7 @@ from rlfoundry.config.schema import ActorRolloutRefConfig, starts_from_dist_chec
 from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.config.typed import to_typed
 from rlfoundry.models.hf import check_model_dir, generation_eos_ids, resolve_model_path
+from rlfoundry.models import routing_replay
 from rlfoundry.models.lora import LoraSpec
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import Dispatch, Worker, register
@@ -63,7 +64,7 @@ from rlfoundry.utils import faults
 from rlfoundry.utils.errors import StaleWeightsError
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.engines.base import EngineRequest, TrainingEngine
-from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+from rlfoundry.workers.actor import ROUTING_OUTPUTS, ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
 from rlfoundry.workers.utils.device import on_device
 from rlfoundry.engines import oom
@@ -94,6 +95,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout: BaseRollout | None = None
         self.ref_policy: DataParallelPPOActor | None = None
         self.engine: TrainingEngine | None = None
+        self._moe_layer_count: int | None = None  # routers of the policy (_moe_layers), counted once
         self.agent_loop: Any = None  # rollout.multi_turn.enable: tool-calling trajectories over self.rollout
         self._bridge: Any = None  # a rollout pool of its own: the CheckpointEngine joining it to the trainer
         self._bridge_store: Any = None
@@ -315,10 +317,20 @@ class ActorRolloutRefWorker(Worker):
         tensors = {"old_log_probs": out["log_probs"][mine], "entropys": out["entropy"][mine]}
         if squares:
             tensors["sum_pi_squared"] = out["sum_pi_squared"][mine]
+        # MoE routing replay (docs/moe.md): R2's recorded experts; R3's per-row routing-change counts
+        tensors |= {k: v[mine] for k, v in out.items() if k in ROUTING_OUTPUTS}
         # the mismatch audit's evidence (trainer/ppo/mismatch.py): the version and dtype that scored the rows
         meta = {"temperature": kwargs["temperature"], "param_version": self.param_version,
-                "compute_dtype": str(self._copy_dtype()).removeprefix("torch.")}
+                "compute_dtype": str(self._copy_dtype()).removeprefix("torch."),
+                "moe_layers": self._moe_layers()}
         return DataProto.from_dict(tensors=tensors, meta_info=meta).to("cpu")
+
+    def _moe_layers(self) -> int:
+        """How many MoE routers of a kind routing replay knows the policy has (the mismatch audit's evidence)."""
+        if self._moe_layer_count is None:
+            module = self.engine.module
+            self._moe_layer_count = len(routing_replay.routers(module)) if isinstance(module, torch.nn.Module) else 0
+        return self._moe_layer_count
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

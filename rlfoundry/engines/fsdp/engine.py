@@ -59,6 +59,7 @@ from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.engines.fsdp import moe as fsdp_moe
 from rlfoundry.engines.fsdp.forward import (
     MODEL_INPUTS,
+    ROUTED_EXPERTS,
     CausalLMForward,
     model_batch,
     plain_context,
@@ -75,6 +76,7 @@ from rlfoundry.models import lora as lora_lib
 from rlfoundry.models import moe as moe_lib
 from rlfoundry.models.hf import load_hf_model
 from rlfoundry.models.liger import apply_liger
+from rlfoundry.models.routing_replay import routing_replay_of
 from rlfoundry.models.vision import freeze_vision_tower
 from rlfoundry.protocol import DataProto
 
@@ -231,7 +233,22 @@ class FSDPEngine(TrainingEngine):
         return ulysses.pool_rows(data, self.sp) if self.sp is not None else (data, slice(0, len(data)))
 
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
-        inputs = data.select(batch_keys=[k for k in MODEL_INPUTS if k in data.batch.keys()])
+        with self._routing_cleared():
+            return self._infer_batch(data, output, micro)
+
+    @contextlib.contextmanager
+    def _routing_cleared(self) -> Iterator[None]:
+        """A batch's MoE routing replay (set per micro-batch by the forward, ``forward.py``, and kept for the
+        recomputation of gradient checkpointing) ends with the call."""
+        try:
+            yield
+        finally:
+            state = routing_replay_of(self._module)
+            if state is not None:
+                state.off()
+
+    def _infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
+        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS) if k in data.batch.keys()])
         micros, order = self._micro_batches(inputs, output, micro)
         plan = self._plan(micros, output)
         was_training = self._module.training
@@ -252,7 +269,8 @@ class FSDPEngine(TrainingEngine):
         if self.optimizer is None:
             raise RuntimeError(f"{self.role}: train_batch on a model built without an optimiser (a reference?)")
         self._module.train()
-        return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, output, loss_fn, plan))
+        with self._routing_cleared():
+            return run_update(self, data, plan, lambda mini: self._train_mini_batch(mini, output, loss_fn, plan))
 
     def _train_mini_batch(self, mini: DataProto, output: Output, loss_fn: LossFn, plan: UpdatePlan) -> dict[str, float]:
         info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.batch_group)

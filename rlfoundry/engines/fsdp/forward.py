@@ -35,6 +35,7 @@ from rlfoundry.cpu.tuning import call_cost_tokens
 from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.engines.fsdp.fused_head import COLUMNS, FusedHead
+from rlfoundry.models import routing_replay
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.models.vision import (
     idle_vision_tower,
@@ -65,6 +66,8 @@ __all__ = ["CausalLMForward", "MODEL_INPUTS", "MicroPlan", "RowSummary", "model_
            "value_forward", "plain_micro_batches"]
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+# (B, Tp+Tr, layers, top_k) experts to replay in an MoE forward (models/routing_replay.py), where the batch has them
+ROUTED_EXPERTS = "routed_experts"
 
 # The pixel inputs of image rows (verl's name): one dict per row, a non-tensor column of the batch
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
@@ -133,6 +136,10 @@ class CausalLMForward:
         self._spec = spec
         batch, full_width = trim_response_padding(micro, plan.trim)
         pixels = _pixel_inputs(micro)
+        record = spec.routed_experts and ROUTED_EXPERTS not in batch.keys()
+        if ROUTED_EXPERTS in batch.keys() or record:
+            self._route(batch, bool(pixels), record)
+            prompt_groups = None  # a prompt run once per group has no per-row routing to replay or record
         if pixels or self.idle_tower:
             # image rows: the padded forward (rows packed or sharing a prompt would need their pixels cut too);
             # text rows of a sharded vision-language model too: one model call per micro-batch on every rank
@@ -145,8 +152,27 @@ class CausalLMForward:
         else:
             logits, labels, scatter = self._padded_response_logits(batch)
         padding = _response_padding(micro)
-        return {key: _pad_width(scatter(values), full_width).masked_fill(padding, 0.0)
-                for key, values in self._per_token(logits, labels, spec).items()}
+        out = {key: _pad_width(scatter(values), full_width).masked_fill(padding, 0.0)
+               for key, values in self._per_token(logits, labels, spec).items()}
+        if ROUTED_EXPERTS in batch.keys():  # (b,) routing-change counts of a log-prob pass
+            out |= routing_replay.attach(self.module).row_stats()
+        if record:
+            out[ROUTED_EXPERTS] = _recorded_routing(self.module, batch, micro["input_ids"].shape[-1], full_width)
+        return out
+
+    def _route(self, batch: Any, pixels: bool, record: bool) -> None:
+        """Record the routing of the forward that follows, or route the micro-batch's tokens to its
+        ``routed_experts`` there (and in its recomputation under gradient checkpointing: the state stays
+        set until the engine clears it), counting response tokens in ``RoutingReplay.row_stats``."""
+        if pixels or self.sp is not None:
+            raise NotImplementedError("routing replay (actor.router_replay.mode) with image inputs or Ulysses sequence "
+                                      "parallelism is not built; use text rows and ulysses_sequence_parallel_size=1")
+        state = routing_replay.attach(self.module)
+        if record:
+            state.record()
+            return
+        width = batch["responses"].shape[-1]
+        state.replay(batch[ROUTED_EXPERTS], routing_replay.response_token_mask(batch["attention_mask"], width))
 
     def _per_token(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs) -> dict[str, torch.Tensor]:
         """``log_probs`` and what ``spec`` asks besides (``entropy``, ``sum_pi_squared``) per kept position,
@@ -251,6 +277,7 @@ class CausalLMForward:
         rows, seqlen = input_ids.shape
         width = responses.shape[-1]
         packed = pack_padded_batch(input_ids, batch["attention_mask"], batch["position_ids"])
+        _replay_packed(self.module, batch, packed.indices)
         grid_to_packed = torch.full((rows * seqlen,), -1, dtype=torch.long, device=input_ids.device)
         grid_to_packed[packed.indices] = torch.arange(packed.indices.numel(), device=input_ids.device)
         predictors = (torch.arange(rows, device=input_ids.device) * seqlen).unsqueeze(1) + (
@@ -280,6 +307,7 @@ class CausalLMForward:
         (a packed micro-batch made ~10 reads: the pack's size, its layout check, transformers' look for
         position resets, the trim)."""
         pack = planned_pack(self.module, batch, rows, mask=self.sp is None)
+        _replay_packed(self.module, batch, pack.indices)
         labels = batch["responses"].reshape(-1)[pack.slots]
         gather = _identity
         if self.sp is not None:
@@ -445,6 +473,7 @@ class PlannedPack(NamedTuple):
     keep: torch.Tensor  # (K,)
     slots: torch.Tensor  # (K,) into the (b * Tr) response grid
     shape: tuple[int, int]  # (b, Tr)
+    indices: torch.Tensor  # (nnz,) into the (b * T) grid: where each packed token came from
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """(K,) per-slot values -> (b, Tr), zero where no real token predicts the slot."""
@@ -469,7 +498,25 @@ def planned_pack(module: nn.Module, batch: Any, rows: "RowSummary", mask: bool =
     indices = _host_to(layout.indices, dev)
     attention = packed_causal_mask(_host_to(layout.sequence_ids, dev)) if mask and _sdpa_full_attention(module) else None
     return PlannedPack(input_ids.reshape(-1)[indices][None], _host_to(layout.position_ids, dev)[None], attention,
-                       _host_to(layout.keep, dev), _host_to(layout.slots, dev), (n_rows, width))
+                       _host_to(layout.keep, dev), _host_to(layout.slots, dev), (n_rows, width), indices)
+
+
+def _replay_packed(module: nn.Module, batch: Any, indices: torch.Tensor) -> None:
+    """A packed forward replays its tokens' routing in pack order (gathered as its ``input_ids`` are),
+    and a recording one says where its tokens sit in the grid."""
+    state = routing_replay.routing_replay_of(module)
+    if state is not None and state.mode is not None:
+        state.select_tokens(indices)
+
+
+def _recorded_routing(module: nn.Module, batch: Any, full_seq: int, full_width: int) -> torch.Tensor:
+    """The routing the micro-batch's forward recorded, on its (b, T) grid before the trim (``full_seq``
+    columns, ``full_width`` of them responses): (b, full_seq, layers, top_k), NO_EXPERT at padding."""
+    grid = routing_replay.attach(module).recorded_grid(batch["input_ids"].shape)
+    grid = grid.masked_fill(~batch["attention_mask"].bool()[..., None, None], routing_replay.NO_EXPERT)
+    right = full_width - batch["responses"].shape[-1]
+    left = full_seq - grid.shape[1] - right
+    return F.pad(grid, (0, 0, 0, 0, left, right), value=routing_replay.NO_EXPERT)
 
 
 def value_forward(module: nn.Module, micro: Any, use_remove_padding: bool,
@@ -746,6 +793,8 @@ def trim_response_padding(batch, known: tuple[int, int] | None = None) -> tuple[
     end = batch["input_ids"].shape[-1] - (full - width)
     trimmed = {k: batch[k][..., lead:end] for k in MODEL_INPUTS if k != "responses"}
     trimmed["responses"] = batch["responses"][..., :width]
+    if ROUTED_EXPERTS in batch.keys():  # (b, T, layers, top_k): its token columns cut as the inputs'
+        trimmed[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS][:, lead:end]
     return trimmed, full
 
 

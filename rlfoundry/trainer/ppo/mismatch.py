@@ -10,8 +10,9 @@ multi-turn row: the policy's own turns, tool replies between them are masked) an
 ``diagnose`` names the causes its evidence supports, in the issue's order, those with direct
 evidence first: stale or partial weights (versions of a synchronous run), staleness (versions of an
 asynchronous run), sampling settings (temperature, or top-k/top-p on an engine that renormalises);
-then the circumstantial ones: unverified weight syncs, and precision (a non-fp32 dtype; no fp32
-recompute is run, see docs/on_policy.md). Re-tokenisation is not checked: every rollout here trains on
+then the circumstantial ones: unverified weight syncs, MoE routing (a mixture-of-experts policy whose
+routing is not replayed, or the share of tokens routed elsewhere when it is; docs/moe.md), and
+precision (a non-fp32 dtype; no fp32 recompute is run, see docs/on_policy.md). Re-tokenisation is not checked: every rollout here trains on
 the ids it sampled and no batch carries a second copy to compare with.
 """
 
@@ -100,11 +101,14 @@ class StepFacts:
     fire: bool = False  # rollout.use_fire_sampling: the first token's log-prob is at temperature 30
     digests_verified: bool = True
     dtypes: dict[str, str] = field(default_factory=dict)
+    moe_layers: int = 0  # MoE routers of the policy (0: dense, or routers routing replay does not know)
+    router_replay: str = "disabled"  # actor.router_replay.mode
+    routing_changed_frac: float | None = None  # R3: response tokens the trainer would route elsewhere
 
 
 @dataclass(frozen=True)
 class Finding:
-    cause: str  # stale_weights | staleness | sampling | unverified_sync | precision
+    cause: str  # stale_weights | staleness | sampling | unverified_sync | moe_routing | precision
     evidence: str
 
 
@@ -161,12 +165,50 @@ def _circumstantial(facts: StepFacts) -> list[Finding]:
         found.append(Finding("unverified_sync", "weight syncs are not digest-checked "
                              "(actor_rollout_ref.rollout.checkpoint_engine.verify=false): a partial sync cannot be "
                              "ruled out"))
+    moe = _routing_finding(facts)
+    if moe is not None:
+        found.append(moe)
     low = {role: d for role, d in facts.dtypes.items() if d not in ("fp32", "float32")}
     if low:
         found.append(Finding("precision", "computing in " + ", ".join(f"{r}={d}" for r, d in sorted(low.items()))
                              + "; no fp32 recompute is run (docs/on_policy.md), so this is the remaining candidate, "
                              "not a proof"))
     return found
+
+
+def _routing_finding(facts: StepFacts) -> Finding | None:
+    """An MoE policy routes each token by a top-k that rounding can flip between rollout and trainer."""
+    if facts.moe_layers == 0:
+        return None
+    if facts.router_replay == "disabled":
+        return Finding("moe_routing", f"an MoE policy ({facts.moe_layers} routed layers) without routing replay: the "
+                       "trainer may send a token to other experts than the rollout did; set "
+                       "actor_rollout_ref.actor.router_replay.mode=R3 and rollout.enable_rollout_routing_replay=true")
+    if facts.routing_changed_frac:
+        return Finding("moe_routing", f"{facts.routing_changed_frac:.2%} of response tokens would be routed elsewhere "
+                       f"by the trainer; router_replay.mode={facts.router_replay} replays the recorded experts, so "
+                       "routing is not the gap unless the records are misaligned")
+    return None
+
+
+def routing_changed_frac(changed: torch.Tensor, counted: torch.Tensor) -> float:
+    """The share of counted tokens (per-row counts (B,)) whose routing the trainer would change; 0 when none counted."""
+    total = float(counted.sum())
+    return float(changed.sum()) / total if total > 0 else 0.0
+
+
+def replay_gap_metrics(rollout_log_probs: torch.Tensor, replayed: torch.Tensor, unreplayed: torch.Tensor,
+                       mask: torch.Tensor) -> dict[str, float]:
+    """|log p_rollout − log p_trainer| over the valid tokens (all (B, Tr)) with the rollout's routing replayed
+    and with the trainer's own: ``mismatch/router_replay/{on,off}/{mean,max}``."""
+    valid = mask.bool()
+    if not valid.any():
+        return {}
+    out = {}
+    for name, scored in (("on", replayed), ("off", unreplayed)):
+        gap = (rollout_log_probs.float() - scored.float()).abs()[valid]
+        out |= {f"mismatch/router_replay/{name}/mean": float(gap.mean()), f"mismatch/router_replay/{name}/max": float(gap.max())}
+    return out
 
 
 def diagnose(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor,

@@ -277,6 +277,8 @@ def _concat_generations(parts: list[DataProto], pad_id: int) -> DataProto:
         for key, value in (("prompts", pad_id), ("input_ids", pad_id), ("attention_mask", 0), ("position_ids", 0)):
             if extra and key in tensors:
                 tensors[key] = torch.nn.functional.pad(tensors[key], (extra, 0), value=value)
+        if extra and "routed_experts" in tensors:  # (B, T, layers, top_k): token columns are dim 1; -1 = no record
+            tensors["routed_experts"] = torch.nn.functional.pad(tensors["routed_experts"], (0, 0, 0, 0, extra, 0), value=-1)
         padded.append(DataProto.from_dict(tensors=tensors, non_tensors=dict(part.non_tensor_batch)))
     out = DataProto.concat(padded)
     out.meta_info = dict(parts[0].meta_info)
@@ -663,7 +665,7 @@ class PPOTrainer:
         mask = batch.batch["response_mask"]
         entropy = core_algos.agg_loss(out.batch["entropys"], mask, self.config.actor_rollout_ref.actor.loss_agg_mode)
         out.pop(batch_keys=["entropys"])
-        metrics = {"actor/entropy": float(entropy.item())}
+        metrics = {"actor/entropy": float(entropy.item())} | self._routing_replay(batch, out)
         if "rollout_log_probs" in batch.batch.keys():
             metrics |= rollout_probs_diff_metrics(batch.batch["rollout_log_probs"], out.batch["old_log_probs"], mask)
             if self.config.trainer.mismatch_audit:
@@ -672,6 +674,27 @@ class PPOTrainer:
         if any(correction[k] is not None for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")):
             batch, m = self._correct_rollout(batch, correction); metrics |= m  # noqa: E702
         return batch, metrics
+
+    def _routing_replay(self, batch: DataProto, out: DataProto) -> dict[str, float]:
+        """MoE routing replay (docs/moe.md). R2: the old-log-prob pass's recorded experts replace any the rollout
+        recorded (verl's choice). R3: the share of response tokens the trainer's router would have routed
+        elsewhere, and with the mismatch audit on, the rollout-vs-trainer |Δ log p| without the replay (one
+        more forward) beside the replayed one."""
+        if "routed_experts" in out.batch.keys() and "routed_experts" in batch.batch.keys():
+            batch.pop(batch_keys=["routed_experts"])
+        if "routing_counted_tokens" not in out.batch.keys():
+            return {}
+        counts = out.pop(batch_keys=["routing_changed_tokens", "routing_counted_tokens"]).batch
+        metrics = {"actor/router_replay/changed_token_frac": mismatch.routing_changed_frac(
+            counts["routing_changed_tokens"], counts["routing_counted_tokens"])}
+        out.meta_info["routing_changed_frac"] = metrics["actor/router_replay/changed_token_frac"]
+        if self.config.trainer.mismatch_audit and "rollout_log_probs" in batch.batch.keys():
+            plain = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch,
+                              meta_info={**batch.meta_info, "routing_replay": False})
+            own = self.actor_rollout_wg.compute_log_prob(plain).batch["old_log_probs"]
+            metrics |= mismatch.replay_gap_metrics(batch.batch["rollout_log_probs"], out.batch["old_log_probs"], own,
+                                                   batch.batch["response_mask"])
+        return metrics
 
     def _audit_mismatch(self, batch: DataProto, scored: DataProto, timing: dict) -> dict[str, float]:
         """The mismatch audit (``trainer.mismatch_audit``; trainer/ppo/mismatch.py): |Δ log p| by position,
@@ -697,7 +720,9 @@ class PPOTrainer:
             trainer_temperature=float(meta.get("temperature", rollout.temperature)),
             top_p=float(batch.meta_info.get("top_p", rollout.top_p)), top_k=int(batch.meta_info.get("top_k", rollout.top_k)),
             engine=rollout.name, fire=bool(rollout.use_fire_sampling), digests_verified=bool(rollout.checkpoint_engine.verify),
-            dtypes={k: v for k, v in dtypes.items() if v is not None})
+            dtypes={k: v for k, v in dtypes.items() if v is not None}, moe_layers=int(meta.get("moe_layers", 0)),
+            router_replay=self.config.actor_rollout_ref.actor.router_replay.mode,
+            routing_changed_frac=meta.get("routing_changed_frac"))
 
     def _log_diagnosis(self, message: str, cause: str) -> None:
         """Log once a step at most; the same cause again only every ``MISMATCH_LOG_EVERY`` steps."""

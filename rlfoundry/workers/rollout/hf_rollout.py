@@ -25,6 +25,7 @@ from torch import nn
 
 from rlfoundry.cpu.fused_decode import FusedDecoder, unsupported_reason
 from rlfoundry.models.hf import kv_cache_kwargs
+from rlfoundry.models.routing_replay import RolloutRouting
 from rlfoundry.models.vision import continued_positions, mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.padding import common_left_padding
@@ -36,7 +37,13 @@ from rlfoundry.engines.fsdp.utils import (
     unsharded,
 )
 from rlfoundry.workers.rollout.token_requests import as_id_list
-from rlfoundry.workers.rollout.static_decode import KeyedDraws, StaticDecoder, draw_uniforms, static_unsupported_reason
+from rlfoundry.workers.rollout.static_decode import (
+    KeyedDraws,
+    StaticDecoder,
+    bucket_for,
+    draw_uniforms,
+    static_unsupported_reason,
+)
 from rlfoundry.workers.rollout.base import (
     KEYED_CALL,
     BaseRollout,
@@ -405,6 +412,9 @@ class HFRollout(BaseRollout):
         ``rollout.use_fire_sampling`` the first token's T is FIRE's 30). With ``top_logprobs=k`` > 0 also
         ``rollout_top_ids`` / ``rollout_top_logprobs`` (B·n, Tr, k): each step's k most likely tokens and
         their log-probs under the same distribution (decoded on the dynamic path; 0 after EOS).
+        With ``rollout.enable_rollout_routing_replay`` (an MoE policy) also ``routed_experts``
+        (B·n, Tp+Tr, layers, top_k): the experts each prompt and response token was routed to,
+        ``routing_replay.NO_EXPERT`` (-1) at padding and at each response's last token (never fed back).
         """
         params = resolve_sampling_params(self.config, prompts.meta_info)
         pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
@@ -427,12 +437,19 @@ class HFRollout(BaseRollout):
         total, width = input_ids.shape[0] * params.n, params.response_length
         tops = None if k <= 0 else (torch.zeros((total, width, k), dtype=torch.long, device=device),
                                     torch.zeros((total, width, k), dtype=torch.float32, device=device))
-        with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
-            responses, log_probs, lengths = self._decode(
-                input_ids[:, lead:], attention_mask[:, lead:], position_ids[..., lead:], params, generator, pad_id, eos_ids,
-                pixels, tops,
-            )
+        routing = self._routing(total, input_ids.shape[1], params, lead, position_ids.dim() == 2 and tops is None)
+        try:
+            with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
+                responses, log_probs, lengths = self._decode(
+                    input_ids[:, lead:], attention_mask[:, lead:], position_ids[..., lead:], params, generator, pad_id,
+                    eos_ids, pixels, tops, routing,
+                )
+        finally:
+            if routing is not None:
+                routing.abandon()
         out = self._assemble(prompts, params, responses, log_probs, lengths, position_ids)
+        if routing is not None:
+            out.batch["routed_experts"] = routing.finish(lengths)
         if tops is not None:
             valid = response_mask_from_lengths(lengths, width).bool().unsqueeze(-1)
             out.batch["rollout_top_ids"] = tops[0].masked_fill_(~valid, 0)
@@ -440,6 +457,15 @@ class HFRollout(BaseRollout):
         return out
 
     # ---- the decode loop -----------------------------------------------------------------
+
+    def _routing(self, rows: int, prompt_width: int, params, lead: int, static_possible: bool) -> RolloutRouting | None:
+        """The recorder of the call's MoE routing (``enable_rollout_routing_replay``), else None. A static
+        decode's padding slots get rows of their own in it (``static_decode``: no step asks which are real)."""
+        if not self.config.enable_rollout_routing_replay:
+            return None
+        static = static_possible and self._static_decoder(self.device) is not None
+        return RolloutRouting(self.module, rows, prompt_width, params.response_length, self.device, lead,
+                              slots=bucket_for(rows) if static else 0)
 
     def _gathered(self, module: nn.Module):
         """Parameters gathered for the whole call; FSDP's per-forward hooks skipped with the CPU
@@ -459,13 +485,15 @@ class HFRollout(BaseRollout):
                                          mode="reduce-overhead" if device.type == "cuda" else None)
         return self._static
 
-    def _decode_static(self, input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids, static):
+    def _decode_static(self, input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids, static,
+                       routing=None):
         """``_decode`` with static shapes (``static_decode.py``): the same prefill, then ``static.decode``."""
-        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, 0)
+        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, 0, routing=routing)
         eos = torch.tensor(eos_ids or [-1], device=input_ids.device)
         prefilled, state.cache = state.cache, None  # copied into the static cache, then freed
         responses, log_probs, lengths = static.decode(logits, prefilled, state.full_mask, state.next_pos, params,
-                                                      generator, pad_id, eos, sample_tokens)
+                                                      generator, pad_id, eos, sample_tokens,
+                                                      on_step=routing.step if routing is not None else None)
         valid = response_mask_from_lengths(lengths, params.response_length).bool()
         return responses.masked_fill_(~valid, pad_id), log_probs.masked_fill_(~valid, 0.0), lengths
 
@@ -482,10 +510,13 @@ class HFRollout(BaseRollout):
         )
         return mask_placeholders(out.logits[:, -1, :], self.placeholder_ids)
 
-    def _prefill(self, input_ids, attention_mask, position_ids, n: int, response_length: int, pixels=None):
+    def _prefill(self, input_ids, attention_mask, position_ids, n: int, response_length: int, pixels=None,
+                 routing: RolloutRouting | None = None):
         """Run each prompt once (with its images' pixel inputs), then repeat its cache and logits for its n samples."""
         cache = _new_kv_cache(getattr(self.module, "config", None), input_ids.shape[1] + response_length)
         logits = self._forward(input_ids, attention_mask, position_ids, cache, **(pixels or {}))
+        if routing is not None:
+            routing.prefill(attention_mask, n)
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
@@ -503,21 +534,23 @@ class HFRollout(BaseRollout):
         return lambda tokens, pos, mask, cache: self._forward(tokens.unsqueeze(1), mask, pos.unsqueeze(-1), cache)
 
     def _decode(self, input_ids, attention_mask, position_ids, params: SamplingParams, generator, pad_id, eos_ids,
-                pixels: dict | None = None, tops: tuple[torch.Tensor, torch.Tensor] | None = None):
+                pixels: dict | None = None, tops: tuple[torch.Tensor, torch.Tensor] | None = None,
+                routing: RolloutRouting | None = None):
         """Sample until every row hit EOS or ``response_length``; finished rows leave the batch. ``tops``:
-        (N, width, k) ids and log-probs to fill with each step's k most likely tokens (dynamic path only)."""
+        (N, width, k) ids and log-probs to fill with each step's k most likely tokens (dynamic path only).
+        ``routing``: records the MoE routing of every forward (prefill and each step)."""
         total, width, device = input_ids.shape[0] * params.n, params.response_length, input_ids.device
         static = self._static_decoder(device) if position_ids.dim() == 2 and tops is None else None
         if static is not None:
             return self._decode_static(input_ids, attention_mask, position_ids, params, generator, pad_id, eos_ids,
-                                       static)
+                                       static, routing)
         # every output row is written once, by ``flush``; positions after a row's EOS are masked below
         responses = torch.empty((total, width), dtype=torch.long, device=device)
         log_probs = torch.empty((total, width), dtype=torch.float32, device=device)
         lengths = torch.empty((total,), dtype=torch.long, device=device)
         outputs = (responses, log_probs, lengths)
         eos = torch.tensor(eos_ids or [-1], device=device)
-        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width, pixels)
+        logits, state = self._prefill(input_ids, attention_mask, position_ids, params.n, width, pixels, routing)
         step = self._decode_step(state, int(position_ids.max()) + width + 1)
         for t in range(width):
             uniforms = None if params.greedy else draw_uniforms(generator, total, state.rows)
@@ -532,6 +565,8 @@ class HFRollout(BaseRollout):
             tokens = state.compact_if_worth_it(tokens, live, outputs)
             tokens = torch.where(state.alive, tokens, pad_id)  # finished rows still in the cache
             logits = step(tokens, state.next_pos, state.advance(), state.cache)
+            if routing is not None:
+                routing.step(state.rows, t)
             state.next_pos = state.next_pos + 1
         state.flush(*outputs)
         valid = response_mask_from_lengths(lengths, width).bool()

@@ -200,13 +200,15 @@ class StaticDecoder:
 
     def decode(self, logits: torch.Tensor, prefilled: Any, mask: torch.Tensor, next_pos: torch.Tensor, params: Any,
                generator: torch.Generator | None, pad_id: int, eos: torch.Tensor,
-               sample: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               sample: Callable, on_step: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample until every row ended or ``params.response_length`` tokens.
 
         ``logits`` (N, V): the prefill's last position per row; ``prefilled``: its KV cache (N rows);
         ``mask`` (N, Tp) and ``next_pos`` (N,): the rows' prompt mask and next position. Returns
         responses (N, Tr) (unmasked past each row's end), log-probs (N, Tr), lengths (N,) —
-        ``hf_rollout`` masks them as it masks its own."""
+        ``hf_rollout`` masks them as it masks its own. ``on_step(rows, t)``: called after the forward of
+        response token ``t`` with each slot's output row (padding slots: ``total`` and up), as the
+        MoE routing recorder (``routing_replay.RolloutRouting``) reads that forward's routing."""
         total, width, device = logits.shape[0], params.response_length, logits.device
         filled = mask.shape[1]
         length = -(-(filled + width) // _CACHE_LEN_MULTIPLE) * _CACHE_LEN_MULTIPLE
@@ -246,5 +248,7 @@ class StaticDecoder:
             if self._graphs:  # a new decode step: the last replay's logits were consumed (CUDA graph trees)
                 torch.compiler.cudagraph_mark_step_begin()
             logits = self._step(tokens, slots.next_pos, slots.mask, cache)
+            if on_step is not None:  # before the next replay overwrites the step's outputs (CUDA graphs)
+                on_step(slots.rows, t)
             slots.next_pos = slots.next_pos + 1
         return responses[:total], log_probs[:total], lengths[:total]

@@ -1,0 +1,50 @@
+"""verl's routing-replay keys (docs/moe.md#routing-replay): accepted where built, start-up errors naming the key
+and the fix elsewhere, and R2's need of the old-log-prob pass resolved."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from rlfoundry.trainer.config import ConfigError, load_config, resolve_config
+
+MODE = "actor_rollout_ref.actor.router_replay.mode"
+RECORD = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+
+
+def _load(*overrides: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config(list(overrides))
+
+
+def test_r3_with_the_hf_rollout_recording_loads():
+    cfg = _load(f"{MODE}=R3", RECORD)
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R3"
+    assert cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay is True
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ((f"{MODE}=R3",), r"mode=R3 replays the experts the rollout chose.*enable_rollout_routing_replay=true"),
+    ((f"{MODE}=R4",), r"router_replay.mode='R4' is not one of \['disabled', 'R2', 'R3'\]"),
+    ((f"{MODE}=R3", RECORD, "actor_rollout_ref.rollout.name=vllm"), r"rollout.name=vllm: .*use rollout.name=hf"),
+    ((RECORD, "actor_rollout_ref.rollout.multi_turn.enable=true"), r"multi_turn.enable=true: the agent loop"),
+    ((RECORD, "async_training.partial_rollout=true"), r"partial_rollout=true: the chunked generation"),
+    (("actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt",), r"record_file=/tmp/r.pt: routing records on disk"),
+    (("actor_rollout_ref.ref.router_replay.mode=R3",), r"ref.router_replay.mode=R3: the reference routes by its own"),
+    ((f"{MODE}=R2", "actor_rollout_ref.actor.strategy=megatron"), r"built for the FSDP engine only"),
+    ((f"{MODE}=R2", "actor_rollout_ref.actor.use_rollout_log_probs=true"), r"mode=R2 records the routing in the actor's"),
+])
+def test_what_is_not_built_is_a_start_up_error_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(*overrides)
+
+
+def test_r2_turns_the_automatic_reuse_of_rollout_log_probs_off():
+    # one mini-batch a step: the HF rollout's log-probs stand in for the old-log-prob pass, unless R2 needs that pass
+    one = "actor_rollout_ref.actor.ppo_mini_batch_size=16"
+    auto = resolve_config(_load(one), steps_per_epoch=1, cuda_available=False)
+    r2 = resolve_config(_load(one, f"{MODE}=R2"), steps_per_epoch=1, cuda_available=False)
+    assert (auto.actor_rollout_ref.actor.use_rollout_log_probs, r2.actor_rollout_ref.actor.use_rollout_log_probs) == (
+        True, False)
