@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-memory-mb", type=int, default=DEFAULT_CAPS.memory_bytes >> 20, help="most a request may ask")
     parser.add_argument("--max-concurrent", type=int, default=8, help="programs running at once")
     args = parser.parse_args(argv)
-    from rlfoundry.sandbox.runner import mode
+    from rlfoundry.sandbox.runner import caps_in_force, mode
 
     try:
         isolation = mode()  # refuse to serve at all rather than fail every request
@@ -376,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     languages = ", ".join(k for k, r in RUNNERS.items() if r.available())
     print(f"rlfoundry sandbox ({isolation}; {languages}) serving SandboxFusion's POST /run_code on "
           f"http://{host}:{port}", flush=True)
+    print(f"rlfoundry sandbox caps: {caps_in_force()}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
