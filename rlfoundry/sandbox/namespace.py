@@ -8,9 +8,10 @@ permission checks on host objects (``/proc/sys``, root-only ``/proc`` files, dev
 unprivileged user. For a root caller ``unshare.py`` sets up as root and then switches the program to
 nobody (no user namespace is needed for that); bubblewrap maps its uid to whoever runs it, so it is
 run as nobody (:func:`host_side`), binding what nobody cannot reach (a Python under ``/root``) from
-mount points the launcher, still root, relays it to (:func:`relays`). A root caller also gives the
+mount points the launcher, still root, relays it to (:func:`relays`). Every caller also gives the
 sandbox a private IPC namespace whose System V limits are the memory limit (``shmmax``/``shmall``):
-SysV shared memory lives outside the address-space limit.
+SysV shared memory lives outside the address-space limit (a non-root caller sets them as uid 0 of a
+user namespace of its own, :func:`_owned_ipc_limits`).
 
 What the program sees: ``/usr`` and the Python installation read-only, a private ``/proc`` that shows
 only its own processes, a minimal ``/dev``, size-capped tmpfs at ``/tmp`` and at its working directory
@@ -58,7 +59,7 @@ TMP_BYTES = 64 << 20  # each of /tmp and /sandbox: a tmpfs, so this caps the mem
 SANDBOX_ID = 65534  # the program's uid and gid inside; outside too when the caller is root (nobody)
 # the device nodes the program gets, (major, minor): fresh per run where the caller may make them
 DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9)}
-_CLONE_NEWIPC, _CLONE_NEWNS = 0x08000000, 0x00020000
+_CLONE_NEWIPC, _CLONE_NEWNS, _CLONE_NEWUSER = 0x08000000, 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 
 # Refused outright (EPERM). Names missing on this architecture are skipped.
@@ -163,6 +164,10 @@ def bwrap_argv(script: str | None, seccomp_fd: int | None, dev_dir: str | None =
             # bubblewrap's own init is PID 1, as the program's uid: an empty read-only cover hides its
             # environment, memory map and descriptors
             "--perms", "0000", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
+            # bubblewrap covers /proc/sys only where its directory is writable (never): a non-root caller's
+            # program owns its IPC namespace's shm* files (_owned_ipc_limits), so they are made read-only here.
+            # The files show the reader's own namespaces, whichever /proc they are bound from.
+            "--ro-bind", "/proc/sys", "/proc/sys",
             "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     if job is None:
         argv += ["--size", str(tmp_bytes), "--tmpfs", WORKDIR]
@@ -255,12 +260,12 @@ def _launch_argv(backend: str, script: str | None, scratch: str, bpf: bytes | No
             with open(bpf_path, "wb") as f:
                 f.write(bpf)
         spec = {"plan": mount_plan(), "script": script, "bpf": bpf_path, "tmp_bytes": disk_bytes, "workdir": WORKDIR,
-                "python": sys.executable, "env": SANDBOX_ENV, "own_ipc": not root, "id": SANDBOX_ID,
+                "python": sys.executable, "env": SANDBOX_ENV, "own_ipc": False, "id": SANDBOX_ID,
                 "as_root": root, "job": None if job is None else {"argv": list(job.argv), "workdir": job.workdir}}
         return unshare_argv(spec, scratch)
     devices_work = not os.statvfs(scratch).f_flag & os.ST_NODEV
     dev_dir = fresh_devices(os.path.join(scratch, "dev")) if root and devices_work else None
-    return bwrap_argv(script, fd, dev_dir, own_ipc=not root, relayed=relayed, job=job, tmp_bytes=disk_bytes)
+    return bwrap_argv(script, fd, dev_dir, own_ipc=False, relayed=relayed, job=job, tmp_bytes=disk_bytes)
 
 
 def _in_order(*steps: Callable[[], None] | None) -> Callable[[], None]:
@@ -318,14 +323,14 @@ def _reachable_by_nobody(path: str) -> bool:
 
 
 def host_side(memory_bytes: int, nobody_dirs: list[str] | None,
-              relayed: dict[str, str] | None = None) -> Callable[[], None] | None:
-    """For a root caller, what the launcher runs before it execs: a private IPC namespace with System V
-    limits at ``memory_bytes``; with ``nobody_dirs`` (bubblewrap: the script's and the scratch
+              relayed: dict[str, str] | None = None) -> Callable[[], None]:
+    """What the launcher runs before it execs: a private IPC namespace with System V limits at
+    ``memory_bytes``. For a root caller with ``nobody_dirs`` (bubblewrap: the script's and the scratch
     directory, handed to nobody) also, in a private mount namespace, the ``relayed`` paths bound where
-    nobody can reach them, then uid/gid 65534 with no supplementary groups. None for any other caller,
-    whose own ids are already unprivileged (its SysV memory is then not capped: docs/sandbox.md)."""
+    nobody can reach them, then uid/gid 65534 with no supplementary groups. Any other caller's own ids
+    are already unprivileged: it only gets the limits (:func:`_owned_ipc_limits`)."""
     if os.geteuid() != 0:
-        return None
+        return functools.partial(_owned_ipc_limits, _libc(), ipc_limits(memory_bytes))
     for d in nobody_dirs or ():
         os.chown(d, SANDBOX_ID, SANDBOX_ID)
     limits = ipc_limits(memory_bytes)
@@ -348,6 +353,27 @@ def host_side(memory_bytes: int, nobody_dirs: list[str] | None,
         os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
 
     return before_exec
+
+
+def _owned_ipc_limits(libc: ctypes.CDLL, limits: dict[str, str]) -> None:
+    """A non-root caller's IPC namespace with ``limits``: the kernel lets only the uid that is 0 in the
+    IPC namespace's user namespace write its ``shm*`` files, so the caller makes a user namespace where
+    it is 0, writes them, and then a nested one where it is its own uid again (nothing runs as 0 there:
+    on exec it keeps no capability)."""
+    uid, gid = os.getuid(), os.getgid()
+    _checked(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWIPC), "unshare(CLONE_NEWUSER | CLONE_NEWIPC)")
+    _map_ids(0, uid, 0, gid)
+    for key, value in limits.items():
+        with open(f"/proc/sys/kernel/{key}", "w") as f:
+            f.write(value)
+    _checked(libc.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+    _map_ids(uid, 0, gid, 0)
+
+
+def _map_ids(uid: int, outer_uid: int, gid: int, outer_gid: int) -> None:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {outer_uid} 1"), ("gid_map", f"{gid} {outer_gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
 
 
 def ipc_limits(memory_bytes: int) -> dict[str, str]:
