@@ -292,7 +292,7 @@ def bring_back(out: str, workdir: str) -> None:
         path = os.path.join(workdir, name)
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
     for name in os.listdir(out):
-        os.rename(os.path.join(out, name), os.path.join(workdir, name))
+        shutil.move(os.path.join(out, name), os.path.join(workdir, name))  # the scratch may be another filesystem
 
 
 def relays(base: str) -> dict[str, str]:

@@ -7,7 +7,7 @@ In a private mount namespace (with a user namespace mapping the caller's own ids
 not root, who may mount only there) it mounts a tmpfs of ``disk_bytes`` plus what goes in, copies the
 job's host folder into it, and runs the sandbox with the tmpfs as the job's folder. When the sandbox
 has ended (its PID namespace with it: nothing in it runs any more) it copies the regular files and
-folders back out, never following a link, into a fresh host folder that :func:`namespace.command`
+folders back out (at most ``MAX_DEPTH`` deep), never following a link, into a fresh host folder that :func:`namespace.command`
 puts in place of the job's. A run killed at its time limit brings nothing back. The tmpfs goes with
 the stager's mount namespace; its pages are charged to the run's memory cgroup where there is one.
 """
@@ -23,6 +23,7 @@ from rlfoundry.sandbox.unshare import SETUP_PRELUDE
 __all__ = ["STAGER", "stager_argv"]
 
 INODES = 16384  # files and folders a job's tmpfs may hold: each costs kernel memory outside the size
+MAX_DEPTH = 64  # folders deeper than this in a job's folder are not copied back
 
 STAGER = SETUP_PRELUDE + r"""
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
@@ -80,6 +81,8 @@ def copy_out(src, dst):
     os.mkdir(dst, 0o700)
     for base, dirs, files in os.walk(src):  # links to folders are listed in dirs, never entered: skipped
         rel = os.path.relpath(base, src)
+        if rel.count("/") + 1 >= spec["max_depth"]:
+            dirs[:] = []  # deeper folders stay behind: the host's recursive tools (rmtree) must manage what comes back
         for name in dirs:
             if not os.path.islink(os.path.join(base, name)):
                 os.mkdir(os.path.join(dst, rel, name), 0o700)
@@ -114,8 +117,11 @@ options = f"size={spec['disk_bytes'] + tree_bytes(spec['workdir'])},nr_inodes={s
 mount("tmpfs", spec["tmpfs"], "tmpfs", MS_NOSUID | MS_NODEV, options)
 copy_in(spec["workdir"], spec["tmpfs"], spec["owner"])
 code = run_sandbox()
-copy_out(spec["tmpfs"], spec["out"] + ".part")
-os.rename(spec["out"] + ".part", spec["out"])
+try:
+    copy_out(spec["tmpfs"], spec["out"] + ".part")
+    os.rename(spec["out"] + ".part", spec["out"])
+except (OSError, RecursionError) as e:  # a tree too deep or names too long: the run's result still stands
+    print(f"sandbox staging: the working folder could not be copied back: {e}", file=sys.stderr)
 sys.exit(code)
 """
 
@@ -128,5 +134,5 @@ def stager_argv(spec: dict, scratch: str) -> list[str]:
     ``relayed`` (paths to bind first), ``rlimits`` ((resource, soft, hard) for the launch)."""
     path = os.path.join(scratch, "stage.json")
     with open(path, "w") as f:
-        json.dump({**spec, "inodes": INODES}, f)
+        json.dump({**spec, "inodes": INODES, "max_depth": MAX_DEPTH}, f)
     return [sys.executable, "-I", "-B", "-c", STAGER, path]

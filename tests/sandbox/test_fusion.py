@@ -10,10 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,7 @@ from rlfoundry.sandbox.runner import run_job
 from rlfoundry.sandbox.fusion import LANGUAGES, _to_result, handle_run_code, make_server, run_remote
 from rlfoundry.sandbox.cgroup import memory_cgroups
 from rlfoundry.sandbox.namespace import ISOLATION_ENV, SANDBOX_ID, Job, isolation
+from rlfoundry.sandbox.stage import MAX_DEPTH
 from tests.rewards.test_code import LIMITS, PROGRAMS, SUM_TESTS
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) on this machine")
@@ -311,6 +314,19 @@ def test_a_jobs_folder_holds_at_most_its_disk_limit_whatever_the_number_of_files
     assert written == "8"  # 8 MiB of room past the inputs (and a page per input file: a few KiB more)
     made = sum(f.stat().st_size for f in work.glob("f*"))
     assert made < (8 << 20) + (64 << 10) and (work / "big.bin").stat().st_size == 3 << 20
+
+
+def test_a_folder_tree_too_deep_for_the_hosts_tools_comes_back_cut_and_the_call_answers(backend):
+    """1000 nested folders would make the server's own clean-up (a recursive rmtree) raise: what comes back
+    stops at stage.MAX_DEPTH, and both the call and the server's clean-up end normally."""
+    deep = "import os\nfor _ in range(1000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('made')\n"
+    _, answer = handle_run_code({"code": deep, "language": "python", "fetch_files": ["d"]})
+    assert (answer["status"], answer["run_result"]["stdout"], answer["files"]) == ("Success", "made\n", {}), answer
+    with tempfile.TemporaryDirectory() as work:
+        Path(work, "main.py").write_text(deep)
+        r = run_job(Job((sys.executable, "-I", "-B", "main.py"), work), SandboxLimits())
+        depth = max(len(Path(top).relative_to(work).parts) for top, _, _ in os.walk(work))
+    assert (r.status, depth) == ("ok", MAX_DEPTH)
 
 
 @needs_gxx
