@@ -2,7 +2,8 @@
 
 ``RLIMIT_AS`` counts only what is mapped. A program can also hold pages it never maps: ``memfd``
 files (each within ``RLIMIT_FSIZE``, but a thousand of them), tmpfs files, System V segments, pipe
-and socket buffers. The kernel charges all of them to the cgroup of the process that made them, so a
+buffers (socket buffers too, but cgroup v1 charges those only for TCP, and only when asked to). The
+kernel charges them to the cgroup of the process that made them, so a
 child cgroup with a limit at the run's memory limit caps them all at once, and its OOM killer ends the
 run (``status="memory"``).
 
