@@ -40,7 +40,8 @@ from typing import Any, Callable, Dict, List, Literal, Optional
 from pydantic import BaseModel, ValidationError
 
 from rlfoundry.sandbox.namespace import WORKDIR, Job
-from rlfoundry.sandbox.runner import SandboxLimits, SandboxResult, SandboxUnavailable, run_job, run_python
+from rlfoundry.sandbox.runner import (SandboxLimits, SandboxResult, SandboxUnavailable, out_of_memory, run_job,
+                                      run_python)
 from rlfoundry.utils.http import send_json
 
 __all__ = ["LANGUAGES", "RunCodeRequest", "executor", "handle_run_code", "main", "make_server", "run_remote"]
@@ -122,7 +123,7 @@ def _infer_status(run_status: str | None, code: int | None, stderr: str) -> str:
         return "output_limit"
     if code == 0:
         return "ok"
-    if "MemoryError" in stderr:
+    if out_of_memory(stderr):
         return "memory"
     return "killed" if code is not None and (code < 0 or code > 128) else "error"
 

@@ -42,7 +42,7 @@ from rlfoundry.sandbox import cgroup as cgroup_
 from rlfoundry.sandbox import namespace, policy
 
 __all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
-           "caps_in_force", "mode", "run_job", "run_python"]
+           "caps_in_force", "mode", "out_of_memory", "run_job", "run_python"]
 
 logger = logging.getLogger(__name__)
 ALLOW_UNISOLATED_ENV = "RLFOUNDRY_SANDBOX_ALLOW_UNISOLATED"
@@ -69,7 +69,8 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class SandboxResult:
     """``status``: ``ok`` (exit 0), ``error`` (an exception or a non-zero exit), ``timeout`` (wall or
-    CPU time), ``memory`` (MemoryError under the address-space limit), ``output_limit`` (printed or
+    CPU time), ``memory`` (MemoryError under the address-space limit, ENOMEM, or the memory cgroup's
+    OOM killer), ``output_limit`` (printed or
     wrote more than allowed), ``killed`` (another signal). ``stdout``/``stderr`` are decoded with
     replacement and cut to the output limit. ``isolation``: ``namespaced`` or ``unisolated``."""
 
@@ -304,6 +305,12 @@ def _exit_code(code: int | None, how: str) -> int | None:
     return code
 
 
+def out_of_memory(stderr: str) -> bool:
+    """The program died of its memory limit: Python's MemoryError (the address space), or a system call
+    that failed with ENOMEM (a memory cgroup's limit reached outside a page fault, e.g. writing a memfd)."""
+    return "MemoryError" in stderr or "[Errno 12] Cannot allocate memory" in stderr
+
+
 def _status(code: int | None, timed_out: bool, stderr: str) -> str:
     if timed_out or code == -signal.SIGXCPU:
         return "timeout"
@@ -311,6 +318,6 @@ def _status(code: int | None, timed_out: bool, stderr: str) -> str:
         return "output_limit"
     if code == 0:
         return "ok"
-    if "MemoryError" in stderr:
+    if out_of_memory(stderr):
         return "memory"
     return "killed" if code is not None and code < 0 else "error"

@@ -78,6 +78,8 @@ def test_stdin_and_limits_travel_in_the_request(server):
 @pytest.mark.parametrize("program, status", [
     ("print(1)", "ok"), ("raise SystemExit(3)", "error"), ("import time\ntime.sleep(9)", "timeout"),
     ("x = bytearray(8 << 30)", "memory"), ("print('x' * (1 << 20))", "output_limit"),
+    # a system call refused for memory (a memory cgroup's limit reached in write() to a memfd) reads so
+    ("import errno, os\nraise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))", "memory"),
 ])
 def test_the_answer_tells_the_client_the_status_the_local_sandbox_gives(program, status):
     """No field of our own: the standard answer alone carries every status the code reward tells apart."""

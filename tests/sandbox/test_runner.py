@@ -108,15 +108,15 @@ for n in range(768):  # 1 MiB each, within RLIMIT_FSIZE; never mapped, so RLIMIT
 
 def test_memory_the_address_space_limit_does_not_see_is_capped_by_the_runs_cgroup():
     """768 memfd files of 1 MiB against a 512 MiB limit (SandboxFusion's 1 MiB output cap, so each file is
-    allowed): the run's memory cgroup counts their pages, and its OOM killer ends the run before it holds
-    512 MiB; the cgroup is gone afterwards."""
+    allowed): the run's memory cgroup counts their pages, and its OOM killer ends the run (or, on kernels
+    that fail the write instead, ENOMEM does) before it holds 512 MiB; the cgroup is gone afterwards."""
     where = memory_cgroups()
     if where.parent is None:
         pytest.skip(f"no memory cgroup can be made here: {where.reason}")
     limits = SandboxLimits(wall_time_s=10.0, memory_bytes=512 << 20, max_output_bytes=1 << 20)
     r = _run(_MEMFD_HOG, limits)
     held = int(r.stdout.split()[-1]) if r.stdout.split() else 0
-    assert (r.status, r.exit_code) == ("memory", -signal.SIGKILL) and held < 512, r
+    assert r.status == "memory" and r.exit_code in (-signal.SIGKILL, 1) and held < 512, r
     assert not [p for p in os.listdir(where.parent) if p.startswith(f"rlfoundry-sandbox-{os.getpid()}-")]
 
 
