@@ -19,14 +19,19 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["MemoryCgroups", "RunCgroup", "memory_cgroups"]
+__all__ = ["MemoryCgroups", "RunCgroup", "memory_cgroups", "remove_stale"]
 
 _ROOT = "/sys/fs/cgroup"
 _names = itertools.count()
+# cgroups whose last processes had not been reaped when their run ended (a killed sandbox's orphans are
+# reaped by the machine's init, in its own time): removed when the next run starts
+_pending: list[str] = []
+_pending_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ def memory_cgroups() -> MemoryCgroups:
     for version, parent in _candidates(own):
         why = _usable(version, parent)
         if why is None:
+            remove_stale(parent)
             return MemoryCgroups(version, parent, f"cgroup v{version} memory limit ({parent})")
         tried.append(f"v{version} {parent}: {why}")
     if not tried:
@@ -114,6 +120,7 @@ class RunCgroup:
     cgroup); :meth:`close` after the run says whether the OOM killer acted and removes the cgroup."""
 
     def __init__(self, version: int, parent: str, limit_bytes: int):
+        _sweep()
         self.version = version
         self.path = os.path.join(parent, f"rlfoundry-sandbox-{os.getpid()}-{next(_names)}")
         os.mkdir(self.path)
@@ -161,12 +168,35 @@ class RunCgroup:
 
     def close(self) -> None:
         """Remove the cgroup once the run's processes are gone (a PID namespace's last ones may still be
-        exiting for a moment). The pages still charged to it (a tmpfs not yet unmounted) go to the parent."""
+        exiting for a moment; past a second it is left to the next run). The pages still charged to it (a
+        tmpfs not yet unmounted) go to the parent."""
         for _ in range(100):
-            try:
-                os.rmdir(self.path)
+            if _removed(self.path):
                 return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.01)
+            time.sleep(0.01)
+        with _pending_lock:
+            _pending.append(self.path)
+
+
+def _removed(path: str) -> bool:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:  # EBUSY: a process in it has not been reaped yet
+        return False
+    return True
+
+
+def remove_stale(parent: str) -> None:
+    """The runs' cgroups left under ``parent`` by processes that have ended (killed mid-run, or before
+    their last cgroup emptied): empty ones are removed, any still holding a process stay."""
+    for name in os.listdir(parent):
+        owner = name.split("-")[2] if name.startswith("rlfoundry-sandbox-") and name.count("-") == 3 else ""
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            _removed(os.path.join(parent, name))
+
+
+def _sweep() -> None:
+    with _pending_lock:
+        _pending[:] = [p for p in _pending if not _removed(p)]
