@@ -9,8 +9,10 @@ from rlfoundry.sandbox.runner import (
     SandboxLimits,
     SandboxResult,
     SandboxUnavailable,
+    caps_in_force,
     mode,
     run_python,
 )
 
-__all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "mode", "run_python"]
+__all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "caps_in_force", "mode",
+           "run_python"]

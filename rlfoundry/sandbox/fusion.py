@@ -40,7 +40,8 @@ from typing import Any, Callable, Dict, List, Literal, Optional
 from pydantic import BaseModel, ValidationError
 
 from rlfoundry.sandbox.namespace import WORKDIR, Job
-from rlfoundry.sandbox.runner import SandboxLimits, SandboxResult, SandboxUnavailable, run_job, run_python
+from rlfoundry.sandbox.runner import (SandboxLimits, SandboxResult, SandboxUnavailable, out_of_memory, run_job,
+                                      run_python)
 from rlfoundry.utils.http import send_json
 
 __all__ = ["LANGUAGES", "RunCodeRequest", "executor", "handle_run_code", "main", "make_server", "run_remote"]
@@ -122,7 +123,7 @@ def _infer_status(run_status: str | None, code: int | None, stderr: str) -> str:
         return "output_limit"
     if code == 0:
         return "ok"
-    if "MemoryError" in stderr:
+    if out_of_memory(stderr):
         return "memory"
     return "killed" if code is not None and (code < 0 or code > 128) else "error"
 
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-memory-mb", type=int, default=DEFAULT_CAPS.memory_bytes >> 20, help="most a request may ask")
     parser.add_argument("--max-concurrent", type=int, default=8, help="programs running at once")
     args = parser.parse_args(argv)
-    from rlfoundry.sandbox.runner import mode
+    from rlfoundry.sandbox.runner import caps_in_force, mode
 
     try:
         isolation = mode()  # refuse to serve at all rather than fail every request
@@ -376,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     languages = ", ".join(k for k, r in RUNNERS.items() if r.available())
     print(f"rlfoundry sandbox ({isolation}; {languages}) serving SandboxFusion's POST /run_code on "
           f"http://{host}:{port}", flush=True)
+    print(f"rlfoundry sandbox caps: {caps_in_force()}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

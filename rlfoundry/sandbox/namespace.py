@@ -8,9 +8,10 @@ permission checks on host objects (``/proc/sys``, root-only ``/proc`` files, dev
 unprivileged user. For a root caller ``unshare.py`` sets up as root and then switches the program to
 nobody (no user namespace is needed for that); bubblewrap maps its uid to whoever runs it, so it is
 run as nobody (:func:`host_side`), binding what nobody cannot reach (a Python under ``/root``) from
-mount points the launcher, still root, relays it to (:func:`relays`). A root caller also gives the
+mount points the launcher, still root, relays it to (:func:`relays`). Every caller also gives the
 sandbox a private IPC namespace whose System V limits are the memory limit (``shmmax``/``shmall``):
-SysV shared memory lives outside the address-space limit.
+SysV shared memory lives outside the address-space limit (a non-root caller sets them as uid 0 of a
+user namespace of its own, :func:`_owned_ipc_limits`).
 
 What the program sees: ``/usr`` and the Python installation read-only, a private ``/proc`` that shows
 only its own processes, a minimal ``/dev``, size-capped tmpfs at ``/tmp`` and at its working directory
@@ -25,9 +26,9 @@ userfaultfd, kernel modules, clocks and reboots. It is built with libseccomp (``
 loaded by bubblewrap just before the interpreter starts.
 
 A :class:`Job` (``rlfoundry sandbox serve``'s ``files``, ``fetch_files`` and compiled languages) runs a
-command instead, in a host directory bound read-write at ``/sandbox``; a compiler's job keeps fork.
-For a root caller that directory is handed to nobody first (:func:`hand_over`): the program writes
-there as host uid 65534.
+command instead, in a host directory that the stager (``stage.py``) copies into a size-capped tmpfs
+at ``/sandbox`` and back out after, so the program never writes a host folder; a compiler's job keeps
+fork. Every run may also join a memory cgroup (``cgroup.py``, set up by the runner).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import ctypes
 import errno
 import functools
 import os
+import resource
 import shutil
 import stat
 import subprocess
@@ -45,10 +47,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from rlfoundry.sandbox.stage import stager_argv
 from rlfoundry.sandbox.unshare import unshare_argv
 
-__all__ = ["ISOLATION_ENV", "Isolation", "Job", "SANDBOX_ID", "WORKDIR", "bwrap_argv", "command", "hand_over",
-           "host_side", "ipc_limits", "isolation", "mount_plan", "pipe_with", "seccomp_filter"]
+__all__ = ["ISOLATION_ENV", "Isolation", "Job", "SANDBOX_ID", "WORKDIR", "bring_back", "bwrap_argv", "command",
+           "host_side", "ipc_limits", "isolation", "mount_plan", "pipe_with", "seccomp_filter", "set_rlimits"]
 
 ISOLATION_ENV = "RLFOUNDRY_SANDBOX_ISOLATION"  # auto | bwrap | unshare | none (see isolation())
 WORKDIR = "/sandbox"  # the program's working directory inside the sandbox
@@ -56,7 +59,7 @@ TMP_BYTES = 64 << 20  # each of /tmp and /sandbox: a tmpfs, so this caps the mem
 SANDBOX_ID = 65534  # the program's uid and gid inside; outside too when the caller is root (nobody)
 # the device nodes the program gets, (major, minor): fresh per run where the caller may make them
 DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9)}
-_CLONE_NEWIPC, _CLONE_NEWNS = 0x08000000, 0x00020000
+_CLONE_NEWIPC, _CLONE_NEWNS, _CLONE_NEWUSER = 0x08000000, 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 
 # Refused outright (EPERM). Names missing on this architecture are skipped.
@@ -86,7 +89,7 @@ class Isolation:
 class Job:
     """A run other than a Python script (``rlfoundry sandbox serve``'s compiled languages, ``files``
     and ``fetch_files``): ``argv`` (paths relative to the working directory) runs in ``workdir``, a
-    host directory bound read-write at /sandbox, so files go in before and come out after; with
+    host directory copied into a size-capped tmpfs at /sandbox and back out after (``stage.py``); with
     ``processes`` the seccomp filter lets it start processes (a compiler runs its passes as processes)."""
 
     argv: tuple[str, ...]
@@ -146,9 +149,9 @@ SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG
 
 
 def bwrap_argv(script: str | None, seccomp_fd: int | None, dev_dir: str | None = None, own_ipc: bool = True,
-               relayed: dict[str, str] | None = None, job: Job | None = None) -> list[str]:
+               relayed: dict[str, str] | None = None, job: Job | None = None, tmp_bytes: int = TMP_BYTES) -> list[str]:
     """bubblewrap's command line for running ``script`` (a host file) as ``/sandbox/main.py``, or ``job``
-    (its directory bound read-write at ``/sandbox``). ``dev_dir``: a host directory of fresh device
+    (its ``workdir``, the stager's tmpfs, bound read-write at ``/sandbox``). ``dev_dir``: a host directory of fresh device
     nodes for ``/dev`` (else bubblewrap's ``--dev``, which binds the host's own nodes); ``own_ipc``: make
     an IPC namespace (False: the launcher made one already, with limits, see :func:`host_side`);
     ``relayed``: where to bind a mount-plan path or the job's directory from instead of itself (see
@@ -161,9 +164,13 @@ def bwrap_argv(script: str | None, seccomp_fd: int | None, dev_dir: str | None =
             # bubblewrap's own init is PID 1, as the program's uid: an empty read-only cover hides its
             # environment, memory map and descriptors
             "--perms", "0000", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
-            "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
+            # bubblewrap covers /proc/sys only where its directory is writable (never): a non-root caller's
+            # program owns its IPC namespace's shm* files (_owned_ipc_limits), so they are made read-only here.
+            # The files show the reader's own namespaces, whichever /proc they are bound from.
+            "--ro-bind", "/proc/sys", "/proc/sys",
+            "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     if job is None:
-        argv += ["--size", str(TMP_BYTES), "--tmpfs", WORKDIR]
+        argv += ["--size", str(tmp_bytes), "--tmpfs", WORKDIR]
     else:
         argv += ["--bind", relayed.get(job.workdir, job.workdir), WORKDIR]
     argv += ["--unshare-ipc"] if own_ipc else []
@@ -202,48 +209,98 @@ Launch = tuple[list[str], tuple[int, ...], Callable[[], None] | None]
 
 
 @contextlib.contextmanager
-def command(backend: str, script: str | None, scratch: str, memory_bytes: int,
-            job: Job | None = None) -> Iterator[Launch]:
+def command(backend: str, script: str | None, scratch: str, memory_bytes: int, job: Job | None = None,
+            disk_bytes: int = TMP_BYTES, rlimits: tuple[tuple[int, int, int], ...] = ()) -> Iterator[Launch]:
     """The command line, the descriptors to pass and the function to run in the child just before it
-    execs (None: nothing to do) for running ``script`` (or ``job``) in the sandbox; ``scratch`` is an
-    empty host directory the program never sees, next to ``script`` (a job's may be a directory of its own)."""
+    execs for running ``script`` (or ``job``) in the sandbox; ``scratch`` is an empty host directory
+    the program never sees, next to ``script`` (a job's may be a directory of its own). ``disk_bytes``
+    sizes each tmpfs the program may write (a job's folder: beyond what goes in); ``rlimits``
+    ((resource, soft, hard)) are set just before the sandbox starts. A job runs through
+    the stager (``stage.py``), whose folder comes back into ``job.workdir`` when the block ends."""
     bpf = seccomp_filter(job is not None and job.processes)
     root = os.geteuid() == 0
-    if root and job is not None:
-        hand_over(job.workdir)
-    extra = (job.workdir,) if job is not None else ()
-    relayed = relays(os.path.join(scratch, "relay"), extra) if root and backend == "bwrap" else {}
+    staged = job
+    if job is not None:  # the sandbox binds the stager's tmpfs, never the host folder
+        job = Job(job.argv, os.path.join(scratch, "work"), job.processes)
+        os.mkdir(job.workdir)
+    relayed = relays(os.path.join(scratch, "relay")) if root and backend == "bwrap" else {}
     reach = [scratch] + ([os.path.dirname(script)] if script is not None else [])
-    preexec = host_side(memory_bytes, reach if backend == "bwrap" else None, relayed)
+    nobody_dirs = reach if backend == "bwrap" else None
+    if staged is None:
+        preexec = _in_order(functools.partial(set_rlimits, rlimits), host_side(memory_bytes, nobody_dirs, relayed))
+    else:  # the stager binds, changes user and sets the limits itself, after it has mounted and copied
+        preexec = _in_order(host_side(memory_bytes, None))
+        for d in (nobody_dirs or []) if root else []:  # bubblewrap, run as nobody, reads its files there
+            os.chown(d, SANDBOX_ID, SANDBOX_ID)
+    fd = pipe_with(bpf) if bpf is not None and backend == "bwrap" else None
+    try:
+        argv = _launch_argv(backend, script, scratch, bpf, fd, relayed, job, disk_bytes)
+        if staged is not None:
+            argv = stager_argv({"argv": argv, "workdir": staged.workdir, "tmpfs": job.workdir,
+                                "out": os.path.join(scratch, "out"), "disk_bytes": disk_bytes,
+                                "owner": SANDBOX_ID if root else None,
+                                "nobody": SANDBOX_ID if root and backend == "bwrap" else None,
+                                "relayed": relayed, "rlimits": list(rlimits)}, scratch)
+        yield argv, (fd,) if fd is not None else (), preexec
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if staged is not None:
+        bring_back(os.path.join(scratch, "out"), staged.workdir)
+
+
+def _launch_argv(backend: str, script: str | None, scratch: str, bpf: bytes | None, fd: int | None,
+                 relayed: dict[str, str], job: Job | None, disk_bytes: int) -> list[str]:
+    """The sandbox's own command line (bubblewrap's, or the project's launcher's)."""
+    root = os.geteuid() == 0
     if backend == "unshare":
         bpf_path = None
         if bpf is not None:
             bpf_path = os.path.join(scratch, "filter.bpf")
             with open(bpf_path, "wb") as f:
                 f.write(bpf)
-        spec = {"plan": mount_plan(), "script": script, "bpf": bpf_path, "tmp_bytes": TMP_BYTES, "workdir": WORKDIR,
-                "python": sys.executable, "env": SANDBOX_ENV, "own_ipc": not root, "id": SANDBOX_ID,
+        spec = {"plan": mount_plan(), "script": script, "bpf": bpf_path, "tmp_bytes": disk_bytes, "workdir": WORKDIR,
+                "python": sys.executable, "env": SANDBOX_ENV, "own_ipc": False, "id": SANDBOX_ID,
                 "as_root": root, "job": None if job is None else {"argv": list(job.argv), "workdir": job.workdir}}
-        yield unshare_argv(spec, scratch), (), preexec
+        return unshare_argv(spec, scratch)
+    devices_work = not os.statvfs(scratch).f_flag & os.ST_NODEV
+    dev_dir = fresh_devices(os.path.join(scratch, "dev")) if root and devices_work else None
+    return bwrap_argv(script, fd, dev_dir, own_ipc=False, relayed=relayed, job=job, tmp_bytes=disk_bytes)
+
+
+def _in_order(*steps: Callable[[], None] | None) -> Callable[[], None]:
+    def run() -> None:
+        for step in steps:
+            if step is not None:
+                step()
+    return run
+
+
+def set_rlimits(rlimits: tuple[tuple[int, int, int], ...]) -> None:
+    """(resource, soft, hard) limits; the program cannot raise a hard one again (that needs
+    CAP_SYS_RESOURCE in the first user namespace, which nothing in the sandbox has)."""
+    for res, soft, hard in rlimits:
+        resource.setrlimit(res, (soft, hard))
+
+
+def bring_back(out: str, workdir: str) -> None:
+    """What the stager copied out of a job's tmpfs (``out``) in place of ``workdir``'s contents; nothing
+    changes when it brought nothing (the run was killed before)."""
+    if not os.path.isdir(out):
         return
-    fd = pipe_with(bpf) if bpf is not None else None
-    try:
-        devices_work = not os.statvfs(scratch).f_flag & os.ST_NODEV
-        dev_dir = fresh_devices(os.path.join(scratch, "dev")) if root and devices_work else None
-        yield (bwrap_argv(script, fd, dev_dir, own_ipc=not root, relayed=relayed, job=job),
-               (fd,) if fd is not None else (), preexec)
-    finally:
-        if fd is not None:
-            os.close(fd)
+    for name in os.listdir(workdir):
+        path = os.path.join(workdir, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+    for name in os.listdir(out):
+        shutil.move(os.path.join(out, name), os.path.join(workdir, name))  # the scratch may be another filesystem
 
 
-def relays(base: str, extra: tuple[str, ...] = ()) -> dict[str, str]:
-    """For bubblewrap run as nobody by a root caller: each mount-plan path (and each of ``extra``, a
-    job's directory) that nobody cannot reach (a Python under ``/root``, mode 0700), mapped to an empty
+def relays(base: str) -> dict[str, str]:
+    """For bubblewrap run as nobody by a root caller: each mount-plan path that nobody cannot reach (a Python under ``/root``, mode 0700), mapped to an empty
     mount point under ``base`` where the launcher, still root, binds it (:func:`host_side`) for
     bubblewrap to bind from."""
     out = {}
-    for path in [args[0] for kind, *args in mount_plan() if kind == "ro"] + list(extra):
+    for path in [args[0] for kind, *args in mount_plan() if kind == "ro"]:
         if not _reachable_by_nobody(path):
             out[path] = os.path.join(base, str(len(out)))
             os.makedirs(base, exist_ok=True)
@@ -252,17 +309,6 @@ def relays(base: str, extra: tuple[str, ...] = ()) -> dict[str, str]:
             else:
                 open(out[path], "w").close()
     return out
-
-
-def hand_over(workdir: str) -> None:
-    """A root caller's job directory and all in it owned by uid/gid 65534, the program's host ids, so
-    that the program can write there (the caller, root, reads back whatever it leaves). Links are not
-    followed: a symlink a previous job left changes owner itself, not what it names; the previous job
-    has ended (its PID namespace died with it), so nothing changes during the walk."""
-    os.chown(workdir, SANDBOX_ID, SANDBOX_ID, follow_symlinks=False)
-    for top, dirs, files in os.walk(workdir):
-        for name in dirs + files:
-            os.chown(os.path.join(top, name), SANDBOX_ID, SANDBOX_ID, follow_symlinks=False)
 
 
 def _reachable_by_nobody(path: str) -> bool:
@@ -277,14 +323,14 @@ def _reachable_by_nobody(path: str) -> bool:
 
 
 def host_side(memory_bytes: int, nobody_dirs: list[str] | None,
-              relayed: dict[str, str] | None = None) -> Callable[[], None] | None:
-    """For a root caller, what the launcher runs before it execs: a private IPC namespace with System V
-    limits at ``memory_bytes``; with ``nobody_dirs`` (bubblewrap: the script's and the scratch
+              relayed: dict[str, str] | None = None) -> Callable[[], None]:
+    """What the launcher runs before it execs: a private IPC namespace with System V limits at
+    ``memory_bytes``. For a root caller with ``nobody_dirs`` (bubblewrap: the script's and the scratch
     directory, handed to nobody) also, in a private mount namespace, the ``relayed`` paths bound where
-    nobody can reach them, then uid/gid 65534 with no supplementary groups. None for any other caller,
-    whose own ids are already unprivileged (its SysV memory is then not capped: docs/sandbox.md)."""
+    nobody can reach them, then uid/gid 65534 with no supplementary groups. Any other caller's own ids
+    are already unprivileged: it only gets the limits (:func:`_owned_ipc_limits`)."""
     if os.geteuid() != 0:
-        return None
+        return functools.partial(_owned_ipc_limits, _libc(), ipc_limits(memory_bytes))
     for d in nobody_dirs or ():
         os.chown(d, SANDBOX_ID, SANDBOX_ID)
     limits = ipc_limits(memory_bytes)
@@ -307,6 +353,27 @@ def host_side(memory_bytes: int, nobody_dirs: list[str] | None,
         os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
 
     return before_exec
+
+
+def _owned_ipc_limits(libc: ctypes.CDLL, limits: dict[str, str]) -> None:
+    """A non-root caller's IPC namespace with ``limits``: the kernel lets only the uid that is 0 in the
+    IPC namespace's user namespace write its ``shm*`` files, so the caller makes a user namespace where
+    it is 0, writes them, and then a nested one where it is its own uid again (nothing runs as 0 there:
+    on exec it keeps no capability)."""
+    uid, gid = os.getuid(), os.getgid()
+    _checked(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWIPC), "unshare(CLONE_NEWUSER | CLONE_NEWIPC)")
+    _map_ids(0, uid, 0, gid)
+    for key, value in limits.items():
+        with open(f"/proc/sys/kernel/{key}", "w") as f:
+            f.write(value)
+    _checked(libc.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+    _map_ids(uid, 0, gid, 0)
+
+
+def _map_ids(uid: int, outer_uid: int, gid: int, outer_gid: int) -> None:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {outer_uid} 1"), ("gid_map", f"{gid} {outer_gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
 
 
 def ipc_limits(memory_bytes: int) -> dict[str, str]:

@@ -7,8 +7,9 @@ What one call guarantees:
   sees only a read-only interpreter and a private tmpfs working directory, cannot start processes,
   reach the network, or see or signal the caller, its files or its siblings.
 - **Limits, enforced by the kernel**: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``),
-  the size of any file it writes (``RLIMIT_FSIZE``), tmpfs sizes, System V shared memory (a root
-  caller's sandbox: ``namespace.host_side``), and wall-clock time (the sandbox is killed). stdin,
+  the size of any file it writes (``RLIMIT_FSIZE``), tmpfs sizes (``disk_bytes``), all the memory the
+  run holds of every kind (a memory cgroup, where the machine gives one: ``cgroup.py``), System V
+  shared memory (a root caller's sandbox: ``namespace.host_side``), and wall-clock time (the sandbox is killed). stdin,
   stdout and stderr are pipes; output past ``max_output_bytes`` on either ends the run.
 - **Nothing carries over**: a fresh interpreter (``-I``) in a fresh working directory per call.
 
@@ -24,6 +25,7 @@ stops honest mistakes but not a hostile program; it warns once per process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import resource
@@ -36,10 +38,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlfoundry.sandbox import cgroup as cgroup_
 from rlfoundry.sandbox import namespace, policy
 
-__all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "mode", "run_job",
-           "run_python"]
+__all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
+           "caps_in_force", "mode", "out_of_memory", "run_job", "run_python"]
 
 logger = logging.getLogger(__name__)
 ALLOW_UNISOLATED_ENV = "RLFOUNDRY_SANDBOX_ALLOW_UNISOLATED"
@@ -60,12 +63,14 @@ class SandboxLimits:
     cpu_time_s: int = 5
     memory_bytes: int = 1 << 30
     max_output_bytes: int = 64 * 1024
+    disk_bytes: int = namespace.TMP_BYTES  # each tmpfs it writes (/tmp, /sandbox; a job's folder: past its inputs)
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     """``status``: ``ok`` (exit 0), ``error`` (an exception or a non-zero exit), ``timeout`` (wall or
-    CPU time), ``memory`` (MemoryError under the address-space limit), ``output_limit`` (printed or
+    CPU time), ``memory`` (MemoryError under the address-space limit, ENOMEM, or the memory cgroup's
+    OOM killer), ``output_limit`` (printed or
     wrote more than allowed), ``killed`` (another signal). ``stdout``/``stderr`` are decoded with
     replacement and cut to the output limit. ``isolation``: ``namespaced`` or ``unisolated``."""
 
@@ -110,6 +115,14 @@ def _warn_unisolated(reason: str) -> None:
                        "A hostile program can read and write your files and signal your processes.", reason)
 
 
+def caps_in_force() -> str:
+    """One line for start-up output: what caps a run's memory and disk on this machine, for this caller."""
+    where = cgroup_.memory_cgroups()
+    memory = where.reason if where.parent is not None else (
+        f"RLIMIT_AS and the IPC and tmpfs limits only, no memory cgroup ({where.reason})")
+    return f"memory: {memory}; disk: size-capped tmpfs folders"
+
+
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = "") -> SandboxResult:
     """Run ``code`` as a script in a fresh sandboxed interpreter, ``stdin`` as its standard input;
     see the module docstring."""
@@ -125,8 +138,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
 def run_job(job: namespace.Job, limits: SandboxLimits = SandboxLimits(), stdin: str = "") -> SandboxResult:
     """Run ``job`` (``namespace.Job``: a command in a host working directory the caller fills and reads
     back) in the sandbox, with the same limits and result as :func:`run_python`; ``limits.max_output_bytes``
-    also caps each file it writes. A root caller's directory is handed to nobody, the program's host uid
-    (``namespace.hand_over``). Unisolated, only a Python ``main.py`` runs (under the audit hook)."""
+    also caps each file it writes, ``limits.disk_bytes`` what it may add to its folder (``stage.py``).
+    Unisolated, only a Python ``main.py`` runs (under the audit hook), in the host folder itself."""
     how = mode()
     if how != "namespaced" and job.argv[:1] != (sys.executable,):
         raise SandboxUnavailable(f"{job.argv[0]} runs only in the namespaced sandbox (the unisolated mode's "
@@ -135,20 +148,20 @@ def run_job(job: namespace.Job, limits: SandboxLimits = SandboxLimits(), stdin: 
     with tempfile.TemporaryDirectory(prefix="rlfoundry-sandbox-") as scratch:  # no script: it is the scratch
         start = time.monotonic()
         if how == "namespaced":
-            with namespace.command(namespace.isolation().backend, None, scratch, limits.memory_bytes, job) as (
-                    argv, fds, host_side):
-                proc, out = _start_and_wait(argv, scratch, {"PATH": "/usr/bin:/bin"}, fds, data, limits, host_side)
+            with namespace.command(namespace.isolation().backend, None, scratch, limits.memory_bytes, job,
+                                   limits.disk_bytes, _rlimits(limits)) as (argv, fds, preexec):
+                proc, out = _start_and_wait(argv, scratch, {"PATH": "/usr/bin:/bin"}, fds, data, limits, preexec)
         else:
             argv = [sys.executable, "-I", "-B", "-c", policy.BOOTSTRAP, job.workdir]
             env = {"PATH": "/usr/bin:/bin", "HOME": job.workdir, "TMPDIR": job.workdir, "LANG": "C.UTF-8"}
-            proc, out = _start_and_wait(argv, job.workdir, env, (), data, limits, None)
+            proc, out = _start_and_wait(argv, job.workdir, env, (), data, limits, _unisolated_limits(limits))
         return _result(proc, out, time.monotonic() - start, limits, how)
 
 
 def _result(proc: subprocess.Popen, out: _Output, wall: float, limits: SandboxLimits, how: str) -> SandboxResult:
     stdout, stderr = (b[: limits.max_output_bytes].decode("utf-8", errors="replace") for b in (out.stdout, out.stderr))
     code_ = _exit_code(proc.returncode, how)
-    status = "output_limit" if out.full else _status(code_, out.timed_out, stderr)
+    status = "output_limit" if out.full else "memory" if out.oom_killed else _status(code_, out.timed_out, stderr)
     return SandboxResult(status, stdout, stderr, code_, wall, how)
 
 
@@ -157,15 +170,15 @@ def _launch(how: str, script: Path, stdin: bytes, limits: SandboxLimits, tmp: st
     if how == "namespaced":
         scratch = Path(tmp, "scratch")
         scratch.mkdir()
-        with namespace.command(namespace.isolation().backend, str(script), str(scratch), limits.memory_bytes) as (
-                argv, fds, host_side):
-            return _start_and_wait(argv, tmp, {"PATH": "/usr/bin:/bin"}, fds, stdin, limits, host_side)
+        with namespace.command(namespace.isolation().backend, str(script), str(scratch), limits.memory_bytes,
+                               disk_bytes=limits.disk_bytes, rlimits=_rlimits(limits)) as (argv, fds, preexec):
+            return _start_and_wait(argv, tmp, {"PATH": "/usr/bin:/bin"}, fds, stdin, limits, preexec)
     work = Path(tmp, "work")
     work.mkdir()
     (work / "main.py").write_text(script.read_text(encoding="utf-8"), encoding="utf-8")
     argv = [sys.executable, "-I", "-B", "-c", policy.BOOTSTRAP, str(work)]
     env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
-    return _start_and_wait(argv, str(work), env, (), stdin, limits, None)
+    return _start_and_wait(argv, str(work), env, (), stdin, limits, _unisolated_limits(limits))
 
 
 @dataclass
@@ -174,26 +187,43 @@ class _Output:
     stderr: bytes = b""
     full: bool = False  # a stream passed max_output_bytes: the run was ended
     timed_out: bool = False
+    oom_killed: bool = False  # the run's memory cgroup reached its limit and its OOM killer ended a process
 
 
-def _start_and_wait(argv, cwd, env, fds, stdin: bytes, limits: SandboxLimits, host_side):
+def _start_and_wait(argv, cwd, env, fds, stdin: bytes, limits: SandboxLimits, preexec):
     """stdin, stdout and stderr are pipes, never host files: nothing the program does to them
-    (``fallocate``, ``ftruncate``, ``fchmod``) reaches the host's disk."""
-    def before_exec() -> None:
-        _set_limits(limits)
-        if host_side is not None:
-            host_side()
+    (``fallocate``, ``ftruncate``, ``fchmod``) reaches the host's disk. ``preexec`` sets the limits
+    (and a root caller's host side); first, where this machine allows it, the child joins a memory
+    cgroup limited to ``limits.memory_bytes`` that everything the sandbox starts inherits."""
+    cgroup = _memory_cgroup(limits.memory_bytes)
+    join = cgroup.joiner() if cgroup is not None else None
 
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=before_exec, close_fds=True,
-                            pass_fds=fds)
+    def before_exec() -> None:
+        if join is not None:
+            join()  # while still root: the cgroup's files are root's
+        preexec()
+
     try:
-        out = _exchange(proc, stdin, limits)
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=before_exec,
+                                close_fds=True, pass_fds=fds)
+        try:
+            out = _exchange(proc, stdin, limits)
+        finally:
+            _kill(proc)
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                f.close()
+        out.oom_killed = cgroup is not None and cgroup.oom_kills() > 0
     finally:
-        _kill(proc)
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            f.close()
+        if cgroup is not None:
+            cgroup.close()
     return proc, out
+
+
+def _memory_cgroup(memory_bytes: int) -> cgroup_.RunCgroup | None:
+    """A fresh memory cgroup for one run, or None where this machine gives none (``cgroup.memory_cgroups``)."""
+    where = cgroup_.memory_cgroups()
+    return cgroup_.RunCgroup(where.version, where.parent, memory_bytes) if where.parent is not None else None
 
 
 def _exchange(proc: subprocess.Popen, stdin: bytes, limits: SandboxLimits) -> _Output:
@@ -246,14 +276,16 @@ def _feed(sel: selectors.BaseSelector, pipe, pending: memoryview) -> memoryview:
     return pending
 
 
-def _set_limits(limits: SandboxLimits) -> None:
-    """In the child, before exec: hard limits it cannot raise again (raising a hard limit needs
-    CAP_SYS_RESOURCE in the first user namespace, which nothing in the sandbox has)."""
+def _rlimits(limits: SandboxLimits) -> tuple[tuple[int, int, int], ...]:
+    """The kernel's per-process limits for a run, (resource, soft, hard): CPU seconds (SIGXCPU, then
+    SIGKILL a second later), address space, the size of one file, no core dumps."""
     cpu = max(1, int(limits.cpu_time_s))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_output_bytes, limits.max_output_bytes))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+            (resource.RLIMIT_FSIZE, limits.max_output_bytes, limits.max_output_bytes), (resource.RLIMIT_CORE, 0, 0))
+
+
+def _unisolated_limits(limits: SandboxLimits):
+    return functools.partial(namespace.set_rlimits, _rlimits(limits))
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -273,6 +305,12 @@ def _exit_code(code: int | None, how: str) -> int | None:
     return code
 
 
+def out_of_memory(stderr: str) -> bool:
+    """The program died of its memory limit: Python's MemoryError (the address space), or a system call
+    that failed with ENOMEM (a memory cgroup's limit reached outside a page fault, e.g. writing a memfd)."""
+    return "MemoryError" in stderr or "[Errno 12] Cannot allocate memory" in stderr
+
+
 def _status(code: int | None, timed_out: bool, stderr: str) -> str:
     if timed_out or code == -signal.SIGXCPU:
         return "timeout"
@@ -280,6 +318,6 @@ def _status(code: int | None, timed_out: bool, stderr: str) -> str:
         return "output_limit"
     if code == 0:
         return "ok"
-    if "MemoryError" in stderr:
+    if out_of_memory(stderr):
         return "memory"
     return "killed" if code is not None and code < 0 else "error"

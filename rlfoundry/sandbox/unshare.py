@@ -8,7 +8,7 @@ namespace where uid/gid 65534 maps to the caller's ids; a root caller's launcher
 user namespace (the program becomes host uid/gid 65534, nobody, before it execs), and waits; the
 namespace's init (PID 1) builds the filesystem (``/proc/sys`` read-only, ``/dev`` of the five host
 nodes bound read-only, so their times, modes and owners cannot change; a ``namespace.Job``'s
-directory bound read-write, nosuid and nodev at the working directory), pivots into it, and reaps;
+folder, the stager's tmpfs, bound read-write, nosuid and nodev at the working directory), pivots into it, and reaps;
 the program (PID 2) gives up every capability (bounding set, ambient set, and ``SECBIT_NOROOT``
 locked, so that no uid grants anything on exec), sets no-new-privs, loads the seccomp filter and
 execs the interpreter (or the job's command). Each dies with its parent. The exit status
@@ -21,10 +21,12 @@ import json
 import os
 import sys
 
-__all__ = ["BOOTSTRAP", "unshare_argv"]
+__all__ = ["BOOTSTRAP", "SETUP_PRELUDE", "unshare_argv"]
 
-BOOTSTRAP = r"""
-import ctypes, json, os, platform, signal, sys
+# What the setup programs run in a fresh interpreter share (this one and stage.STAGER): the spec file
+# named on their command line, and system calls that raise with the call's name.
+SETUP_PRELUDE = r"""
+import ctypes, json, os, platform, resource, signal, stat, sys
 spec = json.load(open(sys.argv[1]))
 libc = ctypes.CDLL(None, use_errno=True)
 def ok(result, what):
@@ -36,6 +38,9 @@ def mount(src, dst, fstype, flags, data=None):
     ok(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {dst}")
 def die_with_parent():
     ok(libc.prctl(1, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")  # PR_SET_PDEATHSIG
+"""
+
+BOOTSTRAP = SETUP_PRELUDE + r"""
 def wait_and_exit(pid):
     _, status = os.waitpid(pid, 0)
     os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))

@@ -451,7 +451,7 @@ def check_sandbox(cfg: DictConfig, datasets: Sequence[Any]) -> None:
     """A run that executes generated code (code rewards, a code tool) needs kernel isolation, or the
     user's ``sandbox.allow_unisolated=true``: say which at start-up, never fall back silently. The
     choice reaches reward pools and workers through the environment, which they inherit."""
-    from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, SandboxUnavailable, mode
+    from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, SandboxUnavailable, caps_in_force, mode
 
     if cfg.sandbox.allow_unisolated:
         os.environ[ALLOW_UNISOLATED_ENV] = "1"
@@ -462,7 +462,8 @@ def check_sandbox(cfg: DictConfig, datasets: Sequence[Any]) -> None:
         how = mode()
     except SandboxUnavailable as e:
         raise ConfigError(f"{' and '.join(runners)} run generated code, but {e}") from None
-    print(f"rlfoundry: {' and '.join(runners)} run generated code in the {how} sandbox", flush=True)
+    print(f"rlfoundry: {' and '.join(runners)} run generated code in the {how} sandbox ({caps_in_force()})",
+          flush=True)
 
 
 def _code_runners(cfg: DictConfig, datasets: Sequence[Any]) -> list[str]:

@@ -10,10 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,9 @@ from rlfoundry.rewards import code
 from rlfoundry.sandbox import SandboxLimits, SandboxUnavailable, run_python
 from rlfoundry.sandbox.runner import run_job
 from rlfoundry.sandbox.fusion import LANGUAGES, _to_result, handle_run_code, make_server, run_remote
+from rlfoundry.sandbox.cgroup import memory_cgroups
 from rlfoundry.sandbox.namespace import ISOLATION_ENV, SANDBOX_ID, Job, isolation
+from rlfoundry.sandbox.stage import MAX_DEPTH
 from tests.rewards.test_code import LIMITS, PROGRAMS, SUM_TESTS
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) on this machine")
@@ -74,6 +78,8 @@ def test_stdin_and_limits_travel_in_the_request(server):
 @pytest.mark.parametrize("program, status", [
     ("print(1)", "ok"), ("raise SystemExit(3)", "error"), ("import time\ntime.sleep(9)", "timeout"),
     ("x = bytearray(8 << 30)", "memory"), ("print('x' * (1 << 20))", "output_limit"),
+    # a system call refused for memory (a memory cgroup's limit reached in write() to a memfd) reads so
+    ("import errno, os\nraise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))", "memory"),
 ])
 def test_the_answer_tells_the_client_the_status_the_local_sandbox_gives(program, status):
     """No field of our own: the standard answer alone carries every status the code reward tells apart."""
@@ -250,7 +256,8 @@ def refused(f):
     except OSError:
         return True
 open('/sandbox/made', 'w').write('x')
-print(json.dumps({"ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid()],
+made = os.stat('/sandbox/made')
+print(json.dumps({"ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid()], "made_by": [made.st_uid, made.st_gid],
     "sysctl_write": refused(lambda: open('/proc/sys/kernel/printk_ratelimit', 'w')),
     "init_environ": refused(lambda: open('/proc/1/environ', 'rb').read()),
     "dev_chmod": refused(lambda: os.chmod('/dev/null', 0o600)),
@@ -261,8 +268,8 @@ print(json.dumps({"ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid()],
 
 def test_a_jobs_program_is_confined_as_a_scripts_and_its_folder_works_for_a_root_caller(backend, tmp_path):
     """A job in a host folder gets the script's confinement field for field; for a root caller that is
-    host uid 65534, which can still write the folder (mode 0700, under pytest's root-only 0700 base:
-    bubblewrap, run as nobody, reaches it through a relay), and what it writes comes back."""
+    host uid 65534, which can still write its folder (a tmpfs the folder, mode 0700 under pytest's
+    root-only 0700 base, is copied into), and what it writes comes back, the caller's."""
     limits = SandboxLimits(memory_bytes=512 << 20)
     work = tmp_path / "job"
     work.mkdir(mode=0o700)
@@ -273,13 +280,55 @@ def test_a_jobs_program_is_confined_as_a_scripts_and_its_folder_works_for_a_root
     report = json.loads(as_job.stdout)
     assert report == json.loads(as_script.stdout)
     assert report["ids"] == [SANDBOX_ID] * 4 and report["pipes"] == [True] * 3 and not report["sys"]
-    assert report["sysctl_write"] and report["dev_chmod"]
+    assert report["sysctl_write"] and report["dev_chmod"] and report["made_by"] == [SANDBOX_ID] * 2
     made = (work / "made").stat()
-    assert (work / "made").read_text() == "x"
+    assert (work / "made").read_text() == "x" and (made.st_uid, made.st_gid) == (os.getuid(), os.getgid())
     root = os.geteuid() == 0
-    assert (made.st_uid, made.st_gid) == ((SANDBOX_ID,) * 2 if root else (os.getuid(), os.getgid()))
     if root:  # a root caller's sandbox has its own System V limits, at the memory limit
         assert report["shmmax"] == str(512 << 20) and report["init_environ"]
+
+
+_FILL_FOLDER = """import os
+print(len(open('big.bin', 'rb').read()) >> 20)  # an input larger than a file it may write (1 MiB) goes in
+n = 0
+try:
+    for n in range(64):  # each file within RLIMIT_FSIZE: only the folder's own size stops it
+        open(f'f{n}', 'wb').write(b'x' * (1 << 20))
+    n = 64
+except OSError as e:
+    print(os.strerror(e.errno))
+print(n)
+"""
+
+
+def test_a_jobs_folder_holds_at_most_its_disk_limit_whatever_the_number_of_files(backend, tmp_path):
+    """64 files of 1 MiB (each within the 1 MiB file limit) against an 8 MiB folder: the folder is a tmpfs
+    of 8 MiB past its inputs, so the writes stop there and the host folder gets no more back (a host
+    folder bound in, as before, took all 64 MiB)."""
+    work = tmp_path / "job"
+    work.mkdir()
+    (work / "main.py").write_text(_FILL_FOLDER)
+    (work / "big.bin").write_bytes(b"i" * (3 << 20))
+    limits = SandboxLimits(max_output_bytes=1 << 20, disk_bytes=8 << 20)
+    r = run_job(Job((sys.executable, "-I", "-B", "main.py"), str(work)), limits)
+    first, reason, written = r.stdout.splitlines()
+    assert (r.status, first, reason) == ("ok", "3", "No space left on device"), r
+    assert written == "8"  # 8 MiB of room past the inputs (and a page per input file: a few KiB more)
+    made = sum(f.stat().st_size for f in work.glob("f*"))
+    assert made < (8 << 20) + (64 << 10) and (work / "big.bin").stat().st_size == 3 << 20
+
+
+def test_a_folder_tree_too_deep_for_the_hosts_tools_comes_back_cut_and_the_call_answers(backend):
+    """1000 nested folders would make the server's own clean-up (a recursive rmtree) raise: what comes back
+    stops at stage.MAX_DEPTH, and both the call and the server's clean-up end normally."""
+    deep = "import os\nfor _ in range(1000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('made')\n"
+    _, answer = handle_run_code({"code": deep, "language": "python", "fetch_files": ["d"]})
+    assert (answer["status"], answer["run_result"]["stdout"], answer["files"]) == ("Success", "made\n", {}), answer
+    with tempfile.TemporaryDirectory() as work:
+        Path(work, "main.py").write_text(deep)
+        r = run_job(Job((sys.executable, "-I", "-B", "main.py"), work), SandboxLimits())
+        depth = max(len(Path(top).relative_to(work).parts) for top, _, _ in os.walk(work))
+    assert (r.status, depth) == ("ok", MAX_DEPTH)
 
 
 @needs_gxx
@@ -329,6 +378,10 @@ def test_rlfoundry_sandbox_serve_answers_on_the_port_it_prints():
         banner = proc.stdout.readline()
         url = banner.strip().rsplit(" ", 1)[-1]
         assert url.startswith("http://127.0.0.1:"), banner + proc.stderr.read() if proc.poll() is not None else banner
+        caps = proc.stdout.readline()  # which mechanism caps memory here, and why not the cgroup if not
+        cgroups = memory_cgroups()
+        assert caps.startswith("rlfoundry sandbox caps: memory: ") and cgroups.reason in caps
+        assert ("no memory cgroup" in caps) == (cgroups.parent is None)
         r = run_remote(url, "print(6 * 7)")
         assert (r.status, r.stdout) == ("ok", "42\n")
     finally:

@@ -7,11 +7,13 @@ import hashlib
 import json
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, ISOLATION_ENV, SandboxLimits, SandboxUnavailable, run_python
+from rlfoundry.sandbox.cgroup import memory_cgroups
 from rlfoundry.sandbox.namespace import isolation
 
 
@@ -90,6 +92,32 @@ def test_non_text_output_is_decoded_with_replacement():
 def test_unbounded_allocation_is_a_memory_error():
     r = _run("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))")
     assert r.status == "memory"
+
+
+_MEMFD_HOG = """import os
+chunk = b'x' * (1 << 20)
+fds = []
+for n in range(768):  # 1 MiB each, within RLIMIT_FSIZE; never mapped, so RLIMIT_AS does not see them
+    fd = os.memfd_create('hold')
+    os.write(fd, chunk)
+    fds.append(fd)
+    if n % 64 == 63:
+        print(n + 1, flush=True)
+"""
+
+
+def test_memory_the_address_space_limit_does_not_see_is_capped_by_the_runs_cgroup():
+    """768 memfd files of 1 MiB against a 512 MiB limit (SandboxFusion's 1 MiB output cap, so each file is
+    allowed): the run's memory cgroup counts their pages, and its OOM killer ends the run (or, on kernels
+    that fail the write instead, ENOMEM does) before it holds 512 MiB; the cgroup is gone afterwards."""
+    where = memory_cgroups()
+    if where.parent is None:
+        pytest.skip(f"no memory cgroup can be made here: {where.reason}")
+    limits = SandboxLimits(wall_time_s=10.0, memory_bytes=512 << 20, max_output_bytes=1 << 20)
+    r = _run(_MEMFD_HOG, limits)
+    held = int(r.stdout.split()[-1]) if r.stdout.split() else 0
+    assert r.status == "memory" and r.exit_code in (-signal.SIGKILL, 1) and held < 512, r
+    assert not [p for p in os.listdir(where.parent) if p.startswith(f"rlfoundry-sandbox-{os.getpid()}-")]
 
 
 @pytest.fixture
@@ -183,3 +211,64 @@ def test_a_mount_nested_in_a_read_only_tree_is_read_only_too(backend):
     if done.returncode != 0 and "mount" in done.stderr and "permission" in done.stderr.lower():
         pytest.skip(f"cannot mount here: {done.stderr[-200:]}")
     assert done.stdout.split() == ["error", "True", "False"], done.stdout + done.stderr
+
+
+_NON_ROOT_SHM = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_int)
+ids = [libc.shmget(0, 256 << 20, 0o1000 | 0o600) for _ in range(3)]  # 768 MiB against 512
+try:
+    open('/proc/sys/kernel/shmmax', 'r+').close()
+    refused = False
+except OSError:
+    refused = True
+print(os.getuid(), open('/proc/sys/kernel/shmmax').read().strip(), sum(i >= 0 for i in ids), refused)
+"""
+_NON_ROOT_PROBE = """
+import json, os, sys, tempfile
+from rlfoundry.sandbox import SandboxLimits, run_python
+from rlfoundry.sandbox.namespace import Job
+from rlfoundry.sandbox.runner import run_job
+r = run_python(sys.argv[1], SandboxLimits(memory_bytes=512 << 20))
+with tempfile.TemporaryDirectory() as work:
+    open(os.path.join(work, 'main.py'), 'w').write("import os; open('made', 'w').write(str(os.getuid()))")
+    job = run_job(Job((sys.executable, '-I', '-B', 'main.py'), work), SandboxLimits())
+    made = open(os.path.join(work, 'made')).read() if os.path.exists(os.path.join(work, 'made')) else None
+print(json.dumps([os.getuid(), r.status, r.stdout.split(), job.status, made]))
+"""
+
+
+def test_a_non_root_callers_sandbox_has_the_ipc_limits_and_its_jobs_folder_works(backend):
+    """The caller is nobody here (as root: the interpreter bound where nobody reaches it, in a private
+    mount namespace). Its sandbox's IPC namespace gets the limits through a user namespace where the
+    caller is 0 (the only uid the kernel lets write them), so 768 MiB of SysV segments fail against
+    512 MiB, as for a root caller, and the program still cannot write them; a job's folder, a tmpfs the
+    stager mounts in the caller's own user namespace, comes back."""
+    import shutil
+    import site
+    import subprocess
+    import sys
+
+    from rlfoundry.sandbox.namespace import _reachable_by_nobody
+
+    repo = str(Path(__file__).resolve().parents[2])
+    if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
+        pytest.skip("needs root and util-linux unshare and setpriv to run a caller as nobody")
+    if not _reachable_by_nobody(os.path.join(repo, "rlfoundry")):
+        pytest.skip(f"nobody cannot read the checkout at {repo}")
+    prefix, bound = os.path.realpath(sys.prefix), tempfile.mkdtemp(prefix="rlf-py-")  # in /tmp: nobody passes
+    os.chmod(bound, 0o755)
+    paths = [repo] + [p.replace(prefix, bound, 1) for p in site.getsitepackages() if p.startswith(prefix)]
+    python = os.path.realpath(sys.executable).replace(prefix, bound, 1)
+    script = (f'mount --bind {prefix} {bound} && exec setpriv --reuid 65534 --regid 65534 --clear-groups env '
+              f'HOME=/tmp PYTHONPATH={":".join(paths)} {ISOLATION_ENV}={backend} {python} -c "$0" "$1"')
+    try:
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+                               _NON_ROOT_PROBE, _NON_ROOT_SHM], capture_output=True, text=True, timeout=60, cwd="/tmp")
+    finally:
+        os.rmdir(bound)
+    assert done.returncode == 0, done.stderr[-2000:]
+    uid, status, (inside, shmmax, segments, refused), job_status, made = json.loads(done.stdout)
+    assert (uid, status, inside, shmmax) == (65534, "ok", "65534", str(512 << 20))
+    assert (segments, refused) == ("2", "True")  # two 256 MiB segments fit under 512 MiB, the third does not
+    assert (job_status, made) == ("ok", "65534")
