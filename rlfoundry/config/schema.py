@@ -1085,6 +1085,9 @@ class TrainerConfig(Node):
     # when the step's mean passes the threshold (trainer/ppo/mismatch.py, docs/on_policy.md)
     mismatch_audit: bool = True
     mismatch_audit_threshold: float = 0.02  # ~2.5x the mean gap of a bf16 decode vs a bf16 forward (H100)
+    # rlfoundry: before any weight file is opened, the planner's per-rank peak (rlfoundry/plan, docs/plan.md)
+    # against the visible device's memory (the host's on a CPU); a run that cannot fit stops with the breakdown
+    plan_check: bool = True
 
     def check(self) -> list[str]:
         """Positive numbers, output directories that are directories, what resume and the back end need."""

@@ -97,8 +97,9 @@ def role_param_count(m: ModelShape, value_head: bool) -> int:
 def params_on_rank(m: ModelShape, spec: RoleSpec) -> float:
     """How many parameters this rank stores.
     FSDP2: every parameter sharded evenly over the dp·sp ranks (Ulysses ranks shard too).
-    Megatron: dense weights split by tp·pp, routed experts by ep·etp·pp; the embedding (vocab × h,
-    split by tp) is counted whole on the first stage, the worst rank under pipeline parallelism."""
+    Megatron: dense weights split by tp·pp, routed experts by ep·etp·pp; the embedding and the LM
+    head (vocab × h each, split by tp) sit on the first and last stage: both on a lone stage, one of
+    them on each end stage under pipeline parallelism."""
     total = role_param_count(m, spec.value_head)
     p = spec.par
     if spec.strategy != "megatron":
@@ -107,7 +108,8 @@ def params_on_rank(m: ModelShape, spec: RoleSpec) -> float:
     embed = m.vocab * m.hidden
     heads = embed * (1 if m.tied or spec.value_head else 2)
     body = total - experts - heads
-    return body / (p.tp * p.pp) + experts / (p.ep * p.etp * p.pp) + embed / p.tp
+    ends = heads if p.pp == 1 else embed
+    return body / (p.tp * p.pp) + experts / (p.ep * p.etp * p.pp) + ends / p.tp
 
 
 def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:

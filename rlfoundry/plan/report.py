@@ -110,13 +110,17 @@ def candidates(cfg: Any) -> list[tuple[str, list[list[str]]]]:
         out.append(("log-probs from chunks of the LM head, never the whole logits", [[f"{k}.model.use_fused_kernels=true"]]))
     if actor.use_dynamic_bsz:
         seq = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
-        out.append(("a smaller token budget per micro-batch",
-                    [[f"{k}.actor.ppo_max_token_len_per_gpu={v}", f"{k}.rollout.log_prob_max_token_len_per_gpu={v}",
-                      f"{k}.ref.log_prob_max_token_len_per_gpu={v}"] for v in _halvings(int(actor.ppo_max_token_len_per_gpu), seq)]))
-    elif (actor.ppo_micro_batch_size_per_gpu or 1) > 1:
-        out.append(("fewer sequences per micro-batch (same update: gradients accumulate)",
-                    [[f"{k}.actor.ppo_micro_batch_size_per_gpu={v}", f"{k}.rollout.log_prob_micro_batch_size_per_gpu={v}",
-                      f"{k}.ref.log_prob_micro_batch_size_per_gpu={v}"] for v in _halvings(int(actor.ppo_micro_batch_size_per_gpu), 1)]))
+        out.append(("a smaller token budget per training micro-batch",
+                    [[f"{k}.actor.ppo_max_token_len_per_gpu={v}"] for v in _halvings(int(actor.ppo_max_token_len_per_gpu), seq)]))
+        out.append(("a smaller token budget per log-prob micro-batch",
+                    [[f"{k}.rollout.log_prob_max_token_len_per_gpu={v}", f"{k}.ref.log_prob_max_token_len_per_gpu={v}"]
+                     for v in _halvings(int(ro.log_prob_max_token_len_per_gpu), seq)]))
+    else:
+        out.append(("fewer sequences per training micro-batch (the same update: gradients accumulate)",
+                    [[f"{k}.actor.ppo_micro_batch_size_per_gpu={v}"] for v in _halvings(int(actor.ppo_micro_batch_size_per_gpu or 1), 1)]))
+        out.append(("fewer sequences per log-prob micro-batch",
+                    [[f"{k}.rollout.log_prob_micro_batch_size_per_gpu={v}", f"{k}.ref.log_prob_micro_batch_size_per_gpu={v}"]
+                     for v in _halvings(int(ro.log_prob_micro_batch_size_per_gpu or 1), 1)]))
     section = "megatron" if actor.strategy == "megatron" else "fsdp_config"
     offload = getattr(actor, section)
     if not (offload.param_offload and offload.optimizer_offload):
