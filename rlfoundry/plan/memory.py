@@ -139,15 +139,15 @@ def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:
 def gathered_bytes(m: ModelShape, spec: RoleSpec) -> float:
     """FSDP2's unsharded working set in the compute dtype: the root unit (embeddings, LM head, final
     norm stay gathered through the forward) plus two decoder layers (the current one and the
-    prefetched next), and in backward their unsharded gradients. Nothing for an unwrapped lone rank
-    or for Megatron (it never gathers)."""
+    prefetched next), and in backward their unsharded gradients (none for LoRA's frozen base). Nothing
+    for an unwrapped lone rank or for Megatron (it never gathers)."""
     if spec.strategy == "megatron" or not spec.wrapped:
         return 0.0
     total, _ = param_counts(m)
     root = m.vocab * m.hidden * (1 if m.tied else 2)
     layer = (total - root) / m.layers
     per_gather = (root + 2 * layer) * spec.compute_bytes
-    return per_gather * (2 if spec.trainable else 1)
+    return per_gather * (2 if spec.trainable and not spec.lora_rank else 1)
 
 
 # ───────────────────────────────────── activations ─────────────────────────────────────
@@ -269,7 +269,7 @@ def forward_phase(m: ModelShape, spec: RoleSpec, on_gpu: bool) -> Breakdown:
     gathered layers (no gradients), one layer's live activations and the head's output for one
     micro-batch."""
     b = _megatron_brings_back(idle_breakdown(m, spec, on_gpu), spec, ("weights",))
-    b.device["gathered layers"] = int(gathered_bytes(m, spec) / (2 if spec.trainable else 1))
+    b.device["gathered layers"] = int(gathered_bytes(m, spec) / (2 if spec.trainable and not spec.lora_rank else 1))
     b.device["activations"] = int(forward_only_activations(m, spec))
     b.device["logits"] = int(head_buffers(m, spec, backward=False))
     return b
