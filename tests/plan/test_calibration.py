@@ -8,6 +8,8 @@ import pytest
 
 from tests.plan.calibrate import CASES, baseline, calibrate
 
+pytestmark = pytest.mark.slow  # two real training runs in fresh processes (about a minute on 2 shared cores)
+
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
