@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rlfoundry.plan.report import find_fixes, render, to_json
     from rlfoundry.trainer.config import ConfigError, load_config
 
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = _parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))  # flags anywhere
     try:
         hw = resolve_hardware(args.gpu, args.gpu_memory_gib, args.hbm_gbps, args.tflops)
         plan = plan_args(args.overrides, hw, args.config_name, args.config_path, mfu=args.mfu)

@@ -276,6 +276,10 @@ def plan_config(cfg: Any, hw: Hardware, model: ModelShape | None = None, mfu: fl
               "params_total": total, "params_active": active, "separate_rollout_pool": separate}
     mfu = mfu or MFU
     assumptions = assumptions_of(hw, r) + [f"training and prefill matmuls at {mfu:.0%} of {hw.tflops:g} TFLOP/s"]
+    model_cfg = cfg.actor_rollout_ref.model
+    if model_cfg.use_shared_prompt and not model_cfg.enable_gradient_checkpointing:
+        assumptions.append("model.use_shared_prompt: planned as the plain forward; measured on the CPU it held "
+                           "about 0.4 GB more in the update of a 100M-parameter model (docs/plan.md, calibration)")
     return Plan(model, hw, pools, capacity, phase_times(cfg, model, r, hw, mfu), assumptions, layout,
                 rollout_problems(model, r.rollout, hw))
 

@@ -34,11 +34,15 @@ def verdict(plan: Plan) -> str:
             f"{gib(phase.total)} of {gib(plan.capacity_bytes)}")
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
 def _header(plan: Plan) -> str:
     m, lay = plan.model, plan.layout
     moe = f", {m.experts} experts top-{m.experts_per_token}" if m.is_moe else ""
     par = ", ".join(f"{k}={v}" for k, v in lay["actor"].items() if v != 1) or "dp=1"
-    return (f"model {m.name or '?'}: {lay['params_total'] / 1e9:.2f} B parameters ({lay['params_active'] / 1e9:.2f} B active"
+    return (f"model {m.name or '?'}: {_count(lay['params_total'])} parameters ({_count(lay['params_active'])} active"
             f"{moe}); {lay['ranks']} × {plan.hardware.name}; actor layout {par}; rollout tp={lay['rollout_tp']}"
             f"{'; rollout on its own pool' if lay['separate_rollout_pool'] else ''}")
 
