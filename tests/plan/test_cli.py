@@ -78,3 +78,12 @@ def test_plan_check_key_is_documented(key):
     from pathlib import Path
 
     assert key in (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["ppo_megatron_trainer", "one_step_off_ppo_trainer", "vision_grpo", "gsm8k_multiturn_grpo"])
+def test_packaged_configs_are_planned(capsys, name):
+    code, out = _plan_json(capsys, "--config-name", name, "--no-fixes")
+    assert code == 0 and out["fits"] is True
+    for pool in out["pools"]:  # every phase's total is its items' sum, and the worst is the largest phase
+        assert all(p["bytes"] == sum(p["device"].values()) for p in pool["phases"])
+    assert out["worst"]["bytes"] == max(p["bytes"] for pool in out["pools"] for p in pool["phases"])
