@@ -119,7 +119,7 @@ def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:
         buffer in fp32 (4 bytes, not sharded by dp)
       optimizer (AdamW, two moments): FSDP in the storage dtype (torch's AdamW keeps state in the
         parameter's dtype: 8 bytes/param over fp32 weights); Megatron's distributed optimizer 8 bytes
-        fp32 moments + 4 bytes fp32 master weights, sharded over dp
+        fp32 moments + 4 bytes fp32 master weights (bf16 parameters only), sharded over dp
     LoRA: the base weights are frozen; gradients and moments exist for the adapters alone (r·(in+out)
     per adapted linear), stored in the storage dtype."""
     n = params_on_rank(m, spec)
@@ -131,8 +131,9 @@ def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:
         adapters = lora_params(m, spec.lora_rank) / shard
         out["weights"] += adapters * spec.storage_bytes
         return out | {"gradients": adapters * spec.storage_bytes, "optimizer": 2 * adapters * spec.storage_bytes}
-    if spec.strategy == "megatron":
-        return out | {"gradients": 4 * n, "optimizer": 8 * n / spec.par.dp, "master weights": 4 * n / spec.par.dp}
+    if spec.strategy == "megatron":  # fp32 parameters are their own main copy: no master weights then
+        master = 4 * n / spec.par.dp if spec.storage_bytes < 4 else 0.0
+        return out | {"gradients": 4 * n, "optimizer": 8 * n / spec.par.dp, "master weights": master}
     return out | {"gradients": n * spec.storage_bytes, "optimizer": 2 * n * spec.storage_bytes}
 
 

@@ -142,3 +142,9 @@ def test_experts_touched_by_a_batch():
     assert experts_touched(128, 8, 1) == pytest.approx(8)
     assert experts_touched(128, 8, 2) == pytest.approx(128 * (1 - (120 / 128) ** 2))
     assert experts_touched(128, 8, 10_000) == pytest.approx(128)
+
+
+def test_megatron_fp32_parameters_have_no_master_copy():
+    m = shape_from_config(QWEN25_7B)
+    s = mem.weight_states(m, _spec(strategy="megatron", storage_bytes=4, par=mem.Parallel(dp=2)))
+    assert s["master weights"] == 0 and s["weights"] == pytest.approx(4 * param_counts(m)[0])
