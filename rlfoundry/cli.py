@@ -1,4 +1,4 @@
-"""The ``rlfoundry`` command: ``train | preprocess | export | report | trajectories | replay | sft | sandbox``.
+"""The ``rlfoundry`` command: ``train | preprocess | export | report | trajectories | replay | sft | sandbox | plan``.
 
     rlfoundry train [key=value ...]              PPO/GRPO training (same as python -m rlfoundry.trainer.main_ppo)
     rlfoundry preprocess <task> --output DIR     write a data set as verl-format parquet
@@ -11,6 +11,8 @@
                                                  (trainer.replay_records); compare phases and weights
     rlfoundry sft [key=value ...]                supervised fine-tuning
     rlfoundry sandbox serve [--host H --port P]  this project's sandbox behind SandboxFusion's HTTP API
+    rlfoundry plan [--gpu h100-80g] [key=value ...]
+                                                 per-rank memory and step time before renting (docs/plan.md)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ _SUBCOMMANDS = {
     "replay": "rlfoundry.trainer.replay",
     "sft": "rlfoundry.trainer.sft_trainer",
     "sandbox": "rlfoundry.sandbox.fusion",
+    "plan": "rlfoundry.plan.__main__",
 }
 
 

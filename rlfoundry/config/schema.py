@@ -1112,6 +1112,9 @@ class TrainerConfig(Node):
     # rlfoundry: each step's batch as its phases received it and what they computed, in <run_dir>/replay/<step>.pt,
     # for `rlfoundry replay <run_dir> --step N` (trainer/ppo/replay.py, docs/on_policy.md); with save_freq=1
     replay_records: bool = False
+    # rlfoundry: before any weight file is opened, the planner's per-rank peak (rlfoundry/plan, docs/plan.md)
+    # against the visible device's memory (the host's on a CPU); a run that cannot fit stops with the breakdown
+    plan_check: bool = True
 
     def check(self) -> list[str]:
         """Positive numbers, output directories that are directories, what resume and the back end need."""

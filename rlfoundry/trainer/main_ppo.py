@@ -4,7 +4,7 @@ Same command line as verl's ``verl.trainer.main_ppo`` (Hydra-style dotted overri
 ``--config-name NAME`` for a packaged or user YAML overlay, ``--config-path DIR``). With no
 arguments it runs the demo: GRPO on the built-in arithmetic task with the shipped tiny policy.
 
-Start-up order: config (typed, validated) → file checks → run directory → data (the synthetic
+Start-up order: config (typed, validated) → the memory plan (``trainer.plan_check``) → file checks → run directory → data (the synthetic
 task's parquet is generated into ``<run_dir>/data`` when ``data.train_files`` is null) →
 tokenizer → datasets and loaders → resolved config (total steps known) → reward functions →
 worker groups (in-process or Ray) → ``PPOTrainer.fit()``.
@@ -418,6 +418,9 @@ def build_trainer(cfg: DictConfig):
 
     from rlfoundry.rewards import load_reward_manager
 
+    from rlfoundry.plan.startup import check_plan_fits
+
+    check_plan_fits(cfg)  # from config.json alone, before the weights are looked for (trainer.plan_check)
     check_startup_paths(cfg)
     run_dir = run_dir_of(cfg)
     _check_writable(run_dir)
