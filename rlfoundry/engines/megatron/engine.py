@@ -104,7 +104,8 @@ class MegatronEngine(TrainingEngine):
         self.config, self.device, self.role = config, torch.device(device), role
         m = config.megatron
         mb.initialize_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                               m.virtual_pipeline_model_parallel_size, m.context_parallel_size, seed=m.seed)
+                               m.virtual_pipeline_model_parallel_size, m.context_parallel_size, seed=m.seed,
+                               ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.rows_group = _model_copy_group()

@@ -1,0 +1,126 @@
+"""Mixture-of-experts models on the Megatron engine: megatron-core's MoE layers (router, token
+dispatcher, experts), expert parallelism, and the HF <-> megatron-core names of the experts.
+
+mbridge (``qwen3_moe``, ``qwen2_moe``) maps the experts to HF's per-expert checkpoint names
+(``mlp.experts.{e}.gate_proj.weight``...), which is how ``save_pretrained`` writes them. An HF module
+in memory (transformers 5) holds each layer's experts as two 3-D tensors instead,
+``mlp.experts.gate_up_proj`` (E, 2·I, H: expert e's gate rows, then its up rows) and
+``mlp.experts.down_proj`` (E, H, I); the rollout copies weights by those in-memory names, so the
+export collects a layer's per-expert tensors (:func:`fuse_experts`) and hands on the two fused ones.
+
+Routing as HF computes it: ``softmax → top-k → renormalise`` (``norm_topk_prob``) is, for the chosen
+experts, the softmax over their k logits — megatron-core's ``moe_router_pre_softmax=False``; without
+renormalisation the weights are the full softmax's (``pre_softmax=True``).
+
+Token dispatch over gloo (CPU processes): "alltoall" and "allgather" both run (their collectives are
+``all_to_all_single`` / ``all_gather_into_tensor`` on gloo); "flex" needs DeepEP or HybridEP (CUDA).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["CPU_DISPATCHERS", "dispatcher_problem", "fuse_experts", "is_moe", "moe_overrides",
+           "sequential_experts_bridge"]
+
+CPU_DISPATCHERS = ("alltoall", "allgather")  # the token dispatchers that run over gloo
+_ALL_DISPATCHERS = ("alltoall", "allgather", "flex")
+
+# SequentialMLP's expert e (local to this expert-parallel rank) -> mbridge's (grouped-GEMM) name for it
+_SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def is_moe(hf_config: Any) -> bool:
+    """Whether the HF config describes routed experts (Qwen2/3-MoE: ``num_experts``)."""
+    return int(getattr(hf_config, "num_experts", 0) or 0) > 0
+
+
+def moe_overrides(hf_config: Any, user: dict[str, Any], grouped_gemm: bool) -> dict[str, Any]:
+    """TransformerConfig fields for an MoE family, under the user's ``override_transformer_config``.
+
+    ``grouped_gemm``: megatron-core's GroupedMLP / TEGroupedMLP (the grouped-GEMM kernels, CUDA); off,
+    its SequentialMLP (one ordinary MLP per local expert). The aux loss: megatron-core adds it only
+    with a load-balancing type other than "none" (mbridge's RL default), so a positive
+    ``moe_aux_loss_coeff`` without a type asks for megatron-core's "aux_loss"."""
+    out: dict[str, Any] = {
+        "moe_grouped_gemm": grouped_gemm,
+        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", True)),
+        "moe_router_score_function": "softmax",
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "none",
+    }
+    out.update(user)
+    if float(out.get("moe_aux_loss_coeff") or 0.0) > 0 and "moe_router_load_balancing_type" not in user:
+        out["moe_router_load_balancing_type"] = "aux_loss"
+    return out
+
+
+def dispatcher_problem(key: str, overrides: dict[str, Any], on_cpu: bool) -> str | None:
+    """Why ``override_transformer_config.moe_token_dispatcher_type`` cannot run here (None: it can)."""
+    chosen = overrides.get("moe_token_dispatcher_type")
+    if chosen is None:
+        return None
+    if chosen not in _ALL_DISPATCHERS:
+        return (f"{key}.override_transformer_config.moe_token_dispatcher_type={chosen!r}: megatron-core's "
+                f"dispatchers are {list(_ALL_DISPATCHERS)}.")
+    if on_cpu and chosen not in CPU_DISPATCHERS:
+        return (f"{key}.override_transformer_config.moe_token_dispatcher_type={chosen!r} needs DeepEP/HybridEP "
+                f"kernels (CUDA); on CPU processes (gloo) use one of {list(CPU_DISPATCHERS)}.")
+    return None
+
+
+def fuse_experts(named: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF per-expert tensors (as mbridge exports them) -> the in-memory layout of transformers' MoE
+    modules: each layer's ``gate_up_proj`` (E, 2·I, H) and ``down_proj`` (E, H, I), handed on once the
+    layer's last expert has arrived; every other tensor passes through as it comes."""
+    pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    for name, tensor in named:
+        match = _EXPERT.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer = pending.setdefault(match["prefix"], {})
+        # a tensor may be a view of a buffer reused for the next one: keep a copy
+        layer[(match["proj"], int(match["e"]))] = tensor.detach().clone()
+        if len(layer) == 3 * num_experts:
+            yield from _fused(match["prefix"], pending.pop(match["prefix"]), num_experts)
+    if pending:
+        raise RuntimeError(f"fuse_experts: incomplete expert sets for {sorted(pending)} "
+                           f"(expected {num_experts} experts × gate/up/down each)")
+
+
+def _fused(prefix: str, layer: dict[tuple[str, int], torch.Tensor], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    experts = range(num_experts)
+    gate_up = torch.stack([torch.cat([layer[("gate_proj", e)], layer[("up_proj", e)]]) for e in experts])
+    yield f"{prefix}.gate_up_proj", gate_up
+    yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", e)] for e in experts])
+
+
+def sequential_experts_bridge(cls: type) -> type:
+    """``cls`` (an mbridge MoE bridge) for a model whose experts are megatron-core's SequentialMLP.
+
+    mbridge names experts as the grouped-GEMM modules do (``mlp.experts.linear_fc1.weight{e}``, one
+    parameter per expert on one module); SequentialMLP holds expert e as a module of its own
+    (``mlp.experts.local_experts.{e}.linear_fc1.weight``). mbridge reads parameters by their real
+    (local) names and converts by the global name it derives from each: here that global name is
+    the grouped one, with the expert's number shifted by this expert-parallel rank's first expert."""
+
+    class SequentialExpertsBridge(cls):
+        def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
+            names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+            first = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size) if consider_ep else 0
+            return {local: _grouped_name(name, first) for local, name in names.items()}
+
+    SequentialExpertsBridge.__name__ = SequentialExpertsBridge.__qualname__ = f"SequentialExperts{cls.__name__}"
+    return SequentialExpertsBridge
+
+
+def _grouped_name(name: str, first_expert: int) -> str:
+    """A SequentialMLP expert's parameter name in mbridge's spelling, its expert number + ``first_expert``."""
+    return _SEQUENTIAL.sub(lambda m: f".mlp.experts.{m[2]}.weight{int(m[1]) + first_expert}", name)
