@@ -65,3 +65,71 @@ def test_log_probs_equal_hf_and_export_round_trips(tiny_moe_dir, tmp_path, world
         assert set(r["weights"]) == set(hf)
         for name, tensor in hf.items():  # a copy in and out: bit for bit
             assert torch.equal(r["weights"][name], tensor), name
+
+
+def _megatron_moe_update(rank: int, model_dir: str, data, ep: int, distributed_optimizer: bool,
+                         overrides: dict | None = None):
+    from megatron.core import parallel_state as ps
+
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+    from tests.engines.test_megatron_engine import MICRO, MINI, _actor_config
+
+    cfg = _actor_config(model_dir)
+    megatron = MegatronConfig(expert_model_parallel_size=ep, dtype="float32", use_distributed_optimizer=distributed_optimizer,
+                              override_transformer_config=dict(overrides or {}))
+    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = data.chunk(dp)[dp_rank]  # what the worker's dispatch hands this data-parallel rank
+    actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // dp, MICRO))
+    log_probs = actor.compute_log_prob_outputs(mine)["log_probs"]
+    metrics = actor.update_policy(mine)
+    return {"dp": dp, "dp_rank": dp_rank, "log_probs": log_probs, "metrics": metrics,
+            "weights": dict(engine.iter_hf_weights())}
+
+
+def _fsdp_reference(model_dir: str, data, dp: int, tmp_path):
+    """The 1-rank FSDP2 engine's log-probs (in ``data``'s row order) and weights after the update that
+    ``dp`` data-parallel ranks make: rank r takes rows [r·8/dp, (r+1)·8/dp) and steps on its own
+    mini-batches of 4/dp rows (verl's semantics), which one rank does on the rows in this order."""
+    from tests.engines.test_megatron_engine import MINI, ROWS, _fsdp_update
+
+    order = torch.arange(ROWS).view(dp, ROWS // MINI, MINI // dp).transpose(0, 1).reshape(-1)
+    [(log_probs, metrics, weights, _)] = run_ranks(_fsdp_update, 1, tmp_path, args=(model_dir, data[order]))
+    return log_probs[torch.argsort(order)], metrics, weights
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_actor_update_at_ep2_equals_fsdp(tiny_moe_dir, tmp_path, distributed_optimizer):
+    """EP=2 × DP=2: each rank's 4 experts see both ranks' tokens; their gradients stay on their rank
+    (expert data parallelism 1), the dense weights' are averaged over the two data-parallel ranks."""
+    from tests.engines.test_megatron_engine import ROWS, _scored_batch
+
+    model_dir = str(tiny_moe_dir)
+    data = _scored_batch(model_dir)
+    ref_lp, ref_metrics, ref_weights = _fsdp_reference(model_dir, data, 2, tmp_path)
+    results = run_ranks(_megatron_moe_update, 2, tmp_path, ep=2, args=(model_dir, data, 2, distributed_optimizer))
+    initial = _hf_parameters(model_dir)
+    # the update moved the weights, the experts' included: equality below is not vacuous
+    assert (ref_weights["model.layers.0.mlp.experts.gate_up_proj"] - initial["model.layers.0.mlp.experts.gate_up_proj"]
+            ).abs().max() > 1e-3
+    for r in results:
+        assert r["dp"] == 2
+        rows = ROWS // 2
+        torch.testing.assert_close(r["log_probs"], ref_lp[r["dp_rank"] * rows:(r["dp_rank"] + 1) * rows],
+                                   atol=1e-5, rtol=0)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert r["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
+        # the tolerance of test_megatron_engine.py (ACTOR's optim.eps bounds a step's change by 10x its
+        # gradient's); an expert's gradient on the wrong rank, or scaled by 1/EP, moves its weights ~lr
+        assert set(r["weights"]) == set(ref_weights)
+        for name, tensor in ref_weights.items():
+            torch.testing.assert_close(r["weights"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _hf_parameters(model_dir: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return {k: v.detach() for k, v in model.named_parameters()}

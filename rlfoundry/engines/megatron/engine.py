@@ -122,7 +122,7 @@ class MegatronEngine(TrainingEngine):
         self.optimizer = self.lr_scheduler = None
         if config.trainable:
             chunks, self.optimizer = self._wrap_for_training(chunks)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer.optimizer, config.optim)
+            self.lr_scheduler = _lr_schedule(self.optimizer, config.optim)
         else:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -283,7 +283,7 @@ class MegatronEngine(TrainingEngine):
         # last one (its own step checks for inf only under fp16 loss scaling)
         opt, clip = self.optimizer, float(self.config.grad_clip or 0.0)
         found_inf = opt.prepare_grads()
-        grad_norm = float("inf") if found_inf else float(opt.clip_grad_norm(clip) if clip > 0 else opt.get_grad_norm())
+        grad_norm = float("inf") if found_inf else _clip_grad_norm(opt, clip)
         if math.isfinite(grad_norm):
             opt.step_with_ready_grads()
         else:
@@ -567,6 +567,57 @@ def _fused_outputs(spec: LogProbs, cp_local: bool, columns: torch.Tensor, micro:
     padding = micro["attention_mask"][:, -responses.shape[1]:] == 0
     return {key: response_positions(columns[..., COLUMNS.index(key)], micro, cp_local).masked_fill(padding, 0.0)
             for key in COLUMNS if wanted[key]}
+
+
+def _clip_grad_norm(optimizer: Any, clip: float) -> float:
+    """The gradient norm over every parameter, gradients scaled to ``clip`` when above it (0: no clip).
+    megatron-core's ChainedOptimizer of several parts (MoE: the experts') has no clip_grad_norm of its
+    own; its step() clips each part by the joint norm, as here (megatron-core's function, looked up at
+    call time: on the CPU it is cpu_compat's)."""
+    from megatron.core.optimizer import optimizer as mp_optimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) == 1:
+        return float(parts[0].clip_grad_norm(clip) if clip > 0 else parts[0].get_grad_norm())
+    norm = float(optimizer.get_grad_norm())
+    for part in parts if clip > 0 else []:
+        params = part.get_parameters()
+        if params:
+            mp_optimizer.clip_grad_by_total_norm_fp32(
+                params, max_norm=clip, total_norm=norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return norm
+
+
+class _ChainedLR:
+    """The same LR schedule on each optimiser megatron-core chains (an MoE model's experts have their
+    own: their gradients are reduced over the expert data-parallel group), stepped together; its
+    state is one schedule's (all are the same), so checkpoints read as a single schedule's."""
+
+    def __init__(self, schedules: list[Any]):
+        self.schedules = schedules
+
+    def step(self) -> None:
+        for schedule in self.schedules:
+            schedule.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedules[0].get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedules[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for schedule in self.schedules:
+            schedule.load_state_dict(state)
+
+
+def _lr_schedule(optimizer: Any, optim: OptimConfig) -> Any:
+    """The FSDP engine's LR schedule on the torch optimiser(s) inside megatron-core's."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) == 1:
+        return build_lr_scheduler(parts[0].optimizer, optim)
+    return _ChainedLR([build_lr_scheduler(part.optimizer, optim) for part in parts])
 
 
 def _model_copy_group() -> Any:
