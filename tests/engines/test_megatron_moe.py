@@ -133,3 +133,29 @@ def _hf_parameters(model_dir: str) -> dict[str, torch.Tensor]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return {k: v.detach() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["{r}.megatron.expert_model_parallel_size=4"], None),
+    (["{r}.megatron.expert_model_parallel_size=3"], "expert_model_parallel_size=3 does not divide the model's 8 experts"),
+    (["{r}.megatron.expert_model_parallel_size=2", "{r}.megatron.expert_tensor_parallel_size=2"],
+     "expert_tensor_parallel_size=2: the experts split like the dense layers only"),
+    (["{r}.megatron.expert_model_parallel_size=2", "+{r}.megatron.override_transformer_config.moe_token_dispatcher_type=allgather"],
+     "allgather dispatcher needs every micro-batch the same length"),
+    (["+{r}.megatron.override_transformer_config.moe_token_dispatcher_type=a2a"],
+     "megatron-core's dispatchers are ['alltoall', 'allgather', 'flex']"),
+])
+def test_start_up_checks_name_the_expert_layout_key(tiny_moe_dir, overrides, message):
+    """What the MoE model cannot run with is a start-up error naming the key (read from the model's
+    config.json at load, before any worker starts); a layout it can run with loads."""
+    from rlfoundry.trainer.config import ConfigError, load_config
+
+    argv = ["actor_rollout_ref.actor.strategy=megatron", "trainer.save_freq=-1", "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", f"actor_rollout_ref.model.path={tiny_moe_dir}",
+            *(o.format(r=r) for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref") for o in overrides)]
+    if message is None:
+        assert load_config(argv).actor_rollout_ref.actor.megatron.expert_model_parallel_size == 4
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert "actor_rollout_ref.actor.megatron" in str(e.value) and message in str(e.value)

@@ -45,6 +45,7 @@ from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry.engines.megatron import bridge as mb
+from rlfoundry.engines.megatron import moe
 from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
 from rlfoundry.engines.megatron.forward import (context_parallel_size, local_next_tokens, next_tokens,
@@ -113,6 +114,10 @@ class MegatronEngine(TrainingEngine):
             raise ValueError(f"{role}: the Megatron engine builds causal LMs and value models, not {config.model_kind!r}")
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
                                       value_model=config.value_model)
+        problems = moe.layout_problems(f"{_ROLE_KEYS.get(role, role)}.megatron", self.bridge.hf_config, m,
+                                       on_cpu=self.device.type != "cuda")
+        if problems:
+            raise ValueError(" ".join(problems))
         chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
         if m.use_dist_checkpointing:  # verl's: the weights from a megatron-core dist checkpoint, not model.path's
             load_dist_weights(chunks, m.dist_checkpointing_path, m.dist_checkpointing_prefix, config.value_model,

@@ -12,8 +12,10 @@ Routing as HF computes it: ``softmax → top-k → renormalise`` (``norm_topk_pr
 experts, the softmax over their k logits — megatron-core's ``moe_router_pre_softmax=False``; without
 renormalisation the weights are the full softmax's (``pre_softmax=True``).
 
-Token dispatch over gloo (CPU processes): "alltoall" and "allgather" both run (their collectives are
-``all_to_all_single`` / ``all_gather_into_tensor`` on gloo); "flex" needs DeepEP or HybridEP (CUDA).
+Token dispatch: "alltoall" (the default) runs over gloo too (``all_to_all_single``; cpu_compat.py
+takes its CUDA stream out on the CPU). megatron-core's "allgather" refuses variable sequence lengths,
+which the engine's micro-batches have (each as long as its longest row), and "flex" needs DeepEP or
+HybridEP (CUDA): both are start-up errors (:func:`layout_problems`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_DISPATCHERS", "dispatcher_problem", "fuse_experts", "is_moe", "moe_overrides",
-           "sequential_experts_bridge"]
-
-CPU_DISPATCHERS = ("alltoall", "allgather")  # the token dispatchers that run over gloo
-_ALL_DISPATCHERS = ("alltoall", "allgather", "flex")
+__all__ = ["fuse_experts", "is_moe", "layout_problems", "moe_overrides", "sequential_experts_bridge"]
 
 # SequentialMLP's expert e (local to this expert-parallel rank) -> mbridge's (grouped-GEMM) name for it
 _SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -61,17 +59,43 @@ def moe_overrides(hf_config: Any, user: dict[str, Any], grouped_gemm: bool) -> d
     return out
 
 
-def dispatcher_problem(key: str, overrides: dict[str, Any], on_cpu: bool) -> str | None:
-    """Why ``override_transformer_config.moe_token_dispatcher_type`` cannot run here (None: it can)."""
-    chosen = overrides.get("moe_token_dispatcher_type")
-    if chosen is None:
+def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None) -> list[str]:
+    """What in a role's ``megatron`` subtree (``key``) the model of ``hf_config`` cannot run with:
+    expert parallelism on a dense model or not dividing the experts, an expert tensor parallelism this
+    engine does not build, a token dispatcher that cannot run here (``on_cpu`` None: not known yet)."""
+    ep = int(megatron.expert_model_parallel_size)
+    etp = megatron.expert_tensor_parallel_size
+    overrides = dict(megatron.override_transformer_config or {})
+    if not is_moe(hf_config):
+        moe_keys = sorted(k for k in overrides if k.startswith("moe_"))
+        if ep == 1 and not moe_keys:
+            return []
+        return [f"{key}: expert_model_parallel_size={ep} / override_transformer_config {moe_keys}: the model "
+                f"({hf_config.model_type}) has no experts; set expert_model_parallel_size=1 and drop the moe_* keys."]
+    errors = []
+    if hf_config.num_experts % ep:
+        errors.append(f"{key}.expert_model_parallel_size={ep} does not divide the model's {hf_config.num_experts} "
+                      "experts; each expert-parallel rank holds the same number of them.")
+    if etp is not None and etp != megatron.tensor_model_parallel_size:
+        errors.append(f"{key}.expert_tensor_parallel_size={etp}: the experts split like the dense layers only "
+                      f"(null or tensor_model_parallel_size={megatron.tensor_model_parallel_size}); mbridge's "
+                      "converter of SequentialMLP experts reads them through the tensor-parallel group.")
+    problem = _dispatcher_problem(key, overrides.get("moe_token_dispatcher_type"), on_cpu)
+    return errors + ([problem] if problem else [])
+
+
+def _dispatcher_problem(key: str, chosen: Any, on_cpu: bool | None) -> str | None:
+    """Why ``override_transformer_config.moe_token_dispatcher_type=chosen`` cannot run here (None: it can)."""
+    where = f"{key}.override_transformer_config.moe_token_dispatcher_type={chosen!r}"
+    if chosen is None or chosen == "alltoall":
         return None
-    if chosen not in _ALL_DISPATCHERS:
-        return (f"{key}.override_transformer_config.moe_token_dispatcher_type={chosen!r}: megatron-core's "
-                f"dispatchers are {list(_ALL_DISPATCHERS)}.")
-    if on_cpu and chosen not in CPU_DISPATCHERS:
-        return (f"{key}.override_transformer_config.moe_token_dispatcher_type={chosen!r} needs DeepEP/HybridEP "
-                f"kernels (CUDA); on CPU processes (gloo) use one of {list(CPU_DISPATCHERS)}.")
+    if chosen == "allgather":  # megatron-core's TransformerConfig refuses it with variable_seq_lengths
+        return (f"{where}: megatron-core's allgather dispatcher needs every micro-batch the same length, and "
+                "this engine's micro-batches are as long as their longest row; use 'alltoall' (the default).")
+    if chosen != "flex":
+        return f"{where}: megatron-core's dispatchers are ['alltoall', 'allgather', 'flex']; use 'alltoall'."
+    if on_cpu:
+        return f"{where} needs DeepEP/HybridEP kernels (CUDA); on CPU processes (gloo) use 'alltoall'."
     return None
 
 
