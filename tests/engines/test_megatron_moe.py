@@ -159,3 +159,41 @@ def test_start_up_checks_name_the_expert_layout_key(tiny_moe_dir, overrides, mes
     with pytest.raises(ConfigError) as e:
         load_config(argv)
     assert "actor_rollout_ref.actor.megatron" in str(e.value) and message in str(e.value)
+
+
+def _one_step_weights(rank: int, model_dir: str, data, aux_coeffs: tuple[float, ...]):
+    """HF-named weights after one optimiser step (all 8 rows, no gradient clipping) per aux-loss coefficient."""
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+    from tests.engines.test_megatron_engine import MICRO, ROWS, _actor_config
+
+    cfg = _actor_config(model_dir)
+    out = []
+    for coeff in aux_coeffs:
+        megatron = MegatronConfig(dtype="float32", use_distributed_optimizer=False,
+                                  override_transformer_config={"moe_aux_loss_coeff": coeff})
+        engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, grad_clip=0.0), "cpu")
+        DataParallelPPOActor(cfg, engine, ActorBatchSizes(ROWS, MICRO)).update_policy(data)
+        out.append(dict(engine.iter_hf_weights()))
+    return out
+
+
+def test_aux_loss_coefficient_reaches_the_router_only_through_the_routing(tiny_moe_dir, tmp_path):
+    """override_transformer_config.moe_aux_loss_coeff > 0 turns on megatron-core's load-balancing loss
+    (a function of each router's probabilities). After one Adam step without clipping (each element's
+    step depends on its own gradient only), both routers' weights differ from the coefficient-0
+    update, and the weights after the last router, whose gradients never pass through a router (the
+    last layer's experts, the final norm, the LM head), are the same. (The first layer's experts do
+    change: the second router's input is their output.)"""
+    from tests.engines.test_megatron_engine import _scored_batch
+
+    model_dir = str(tiny_moe_dir)
+    [(plain, balanced)] = run_ranks(_one_step_weights, 1, tmp_path, args=(model_dir, _scored_batch(model_dir), (0.0, 0.1)))
+    for layer in (0, 1):
+        router = f"model.layers.{layer}.mlp.gate.weight"
+        assert (plain[router] - balanced[router]).abs().max() > 1e-4, router
+    after = ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj", "model.norm.weight",
+             "lm_head.weight")
+    for name in after:
+        torch.testing.assert_close(balanced[name], plain[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
