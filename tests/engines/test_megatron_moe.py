@@ -197,3 +197,28 @@ def test_aux_loss_coefficient_reaches_the_router_only_through_the_routing(tiny_m
              "lm_head.weight")
     for name in after:
         torch.testing.assert_close(balanced[name], plain[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _weights_from_dist_checkpoint(rank: int, model_dir: str, checkpoint: str, ep: int):
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+
+    megatron = MegatronConfig(expert_model_parallel_size=ep, dtype="float32", use_distributed_optimizer=False,
+                              use_dist_checkpointing=True, dist_checkpointing_path=checkpoint)
+    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron), "cpu", role="ref")
+    return {k: v.clone() for k, v in engine.iter_hf_weights()}
+
+
+def test_converter_checkpoint_loads_at_ep2(tiny_moe_dir, tmp_path):
+    """``converter_hf_to_mcore`` on one process (every expert on it) writes a dist checkpoint whose experts
+    two expert-parallel ranks each take their half of: the weights they export are HF's, bit for bit."""
+    from tests.engines.test_megatron_dist_weights import _convert
+
+    run = _convert(tiny_moe_dir, tmp_path / "mcore", "--dtype", "float32", "--ep_size", "1", "--test")
+    assert run.returncode == 0 and "every tensor of" in run.stdout, run.stderr[-3000:]
+    hf = _hf_parameters(str(tiny_moe_dir))
+    for weights in run_ranks(_weights_from_dist_checkpoint, 2, tmp_path, ep=2,
+                             args=(str(tiny_moe_dir), str(tmp_path / "mcore"), 2)):
+        assert set(weights) == set(hf)
+        for name, tensor in hf.items():
+            assert torch.equal(weights[name], tensor), name
