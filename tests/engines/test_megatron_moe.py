@@ -222,3 +222,19 @@ def test_converter_checkpoint_loads_at_ep2(tiny_moe_dir, tmp_path):
         assert set(weights) == set(hf)
         for name, tensor in hf.items():
             assert torch.equal(weights[name], tensor), name
+
+
+def test_tensor_parallel_moe_on_the_cpu_is_a_start_up_error(tiny_moe_dir):
+    """megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism, which gloo cannot
+    run: the engine says so when built on the CPU (on a GPU, TP > 1 turns sequence parallelism on)."""
+    from transformers import AutoConfig
+
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.moe import layout_problems
+
+    hf_config = AutoConfig.from_pretrained(tiny_moe_dir)
+    [problem] = layout_problems("actor_rollout_ref.actor.megatron", hf_config,
+                                MegatronConfig(tensor_model_parallel_size=2), on_cpu=True)
+    assert problem.startswith("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2: ")
+    assert "sequence parallelism" in problem and "expert_model_parallel_size" in problem
+    assert layout_problems("k", hf_config, MegatronConfig(tensor_model_parallel_size=2), on_cpu=False) == []

@@ -80,6 +80,13 @@ def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None
         errors.append(f"{key}.expert_tensor_parallel_size={etp}: the experts split like the dense layers only "
                       f"(null or tensor_model_parallel_size={megatron.tensor_model_parallel_size}); mbridge's "
                       "converter of SequentialMLP experts reads them through the tensor-parallel group.")
+    if on_cpu and megatron.tensor_model_parallel_size > 1:
+        # MoELayer.forward raises in training when TP > 1 runs without sequence parallelism, and sequence
+        # parallelism reduce-scatters activations, which gloo cannot
+        errors.append(f"{key}.tensor_model_parallel_size={megatron.tensor_model_parallel_size}: megatron-core trains "
+                      "MoE layers at TP > 1 only with sequence parallelism, which CPU processes (gloo: no "
+                      "reduce-scatter) cannot run; on the CPU set it to 1 and spread the experts with "
+                      f"{key}.expert_model_parallel_size.")
     problem = _dispatcher_problem(key, overrides.get("moe_token_dispatcher_type"), on_cpu)
     return errors + ([problem] if problem else [])
 
