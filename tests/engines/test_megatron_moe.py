@@ -238,3 +238,18 @@ def test_tensor_parallel_moe_on_the_cpu_is_a_start_up_error(tiny_moe_dir):
     assert problem.startswith("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2: ")
     assert "sequence parallelism" in problem and "expert_model_parallel_size" in problem
     assert layout_problems("k", hf_config, MegatronConfig(tensor_model_parallel_size=2), on_cpu=False) == []
+
+
+def test_an_moe_family_not_built_here_is_a_start_up_error(tmp_path):
+    """Qwen2-MoE (shared experts) converts through mbridge but is not built on this engine: the error
+    names the family and the way out, whatever the layout."""
+    from transformers import AutoConfig
+
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.moe import is_moe, layout_problems
+    from rlfoundry.models.tiny import save_tiny_model
+
+    hf_config = AutoConfig.from_pretrained(save_tiny_model(tmp_path / "qwen2-moe", arch="qwen2_moe"))
+    assert is_moe(hf_config)
+    [problem] = layout_problems("critic.megatron", hf_config, MegatronConfig(), on_cpu=True)
+    assert "critic.megatron: the model is a qwen2_moe mixture of experts" in problem and "strategy=fsdp" in problem

@@ -1,7 +1,7 @@
 """Mixture-of-experts models on the Megatron engine: megatron-core's MoE layers (router, token
 dispatcher, experts), expert parallelism, and the HF <-> megatron-core names of the experts.
 
-mbridge (``qwen3_moe``, ``qwen2_moe``) maps the experts to HF's per-expert checkpoint names
+mbridge (``qwen3_moe``: the family built and tested here, :data:`BUILT_FAMILIES`) maps the experts to HF's per-expert checkpoint names
 (``mlp.experts.{e}.gate_proj.weight``...), which is how ``save_pretrained`` writes them. An HF module
 in memory (transformers 5) holds each layer's experts as two 3-D tensors instead,
 ``mlp.experts.gate_up_proj`` (E, 2·I, H: expert e's gate rows, then its up rows) and
@@ -26,16 +26,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["fuse_experts", "is_moe", "layout_problems", "moe_overrides", "sequential_experts_bridge"]
+__all__ = ["BUILT_FAMILIES", "fuse_experts", "is_moe", "layout_problems", "moe_overrides", "sequential_experts_bridge"]
 
 # SequentialMLP's expert e (local to this expert-parallel rank) -> mbridge's (grouped-GEMM) name for it
 _SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+# the MoE families built and tested here; mbridge converts more (qwen2_moe: its shared expert's gate is
+# not mapped for the local layers and its log-probs differ from HF's; mixtral, deepseek_v3, glm4_moe: not tried)
+BUILT_FAMILIES = ("qwen3_moe",)
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def is_moe(hf_config: Any) -> bool:
-    """Whether the HF config describes routed experts (Qwen2/3-MoE: ``num_experts``)."""
-    return int(getattr(hf_config, "num_experts", 0) or 0) > 0
+    """Whether the HF config describes routed experts (under any of the families' names for their number)."""
+    return any(int(getattr(hf_config, k, 0) or 0) > 0 for k in _EXPERT_COUNT_KEYS)
 
 
 def moe_overrides(hf_config: Any, user: dict[str, Any], grouped_gemm: bool) -> dict[str, Any]:
@@ -72,6 +78,9 @@ def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None
             return []
         return [f"{key}: expert_model_parallel_size={ep} / override_transformer_config {moe_keys}: the model "
                 f"({hf_config.model_type}) has no experts; set expert_model_parallel_size=1 and drop the moe_* keys."]
+    if hf_config.model_type not in BUILT_FAMILIES:
+        return [f"{key}: the model is a {hf_config.model_type} mixture of experts; the Megatron engine builds "
+                f"{list(BUILT_FAMILIES)} MoE models (docs/moe.md). Use strategy=fsdp for this model."]
     errors = []
     if hf_config.num_experts % ep:
         errors.append(f"{key}.expert_model_parallel_size={ep} does not divide the model's {hf_config.num_experts} "
