@@ -253,3 +253,44 @@ def test_an_moe_family_not_built_here_is_a_start_up_error(tmp_path):
     assert is_moe(hf_config)
     [problem] = layout_problems("critic.megatron", hf_config, MegatronConfig(), on_cpu=True)
     assert "critic.megatron: the model is a qwen2_moe mixture of experts" in problem and "strategy=fsdp" in problem
+
+
+def _save_then_resume_at_ep2(rank: int, model_dir: str, data, ckpt: str):
+    from megatron.core import parallel_state as ps
+
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+    from tests.engines.test_megatron_engine import MICRO, MINI, _actor_config
+
+    cfg = _actor_config(model_dir)
+
+    def actor():
+        megatron = MegatronConfig(expert_model_parallel_size=2, dtype="float32", use_distributed_optimizer=True)
+        engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
+        return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // 2, MICRO))
+
+    mine = data.chunk(2)[ps.get_data_parallel_rank()]
+    first = actor()
+    first.update_policy(mine)
+    first.engine.step_lr_scheduler()
+    first.engine.save_checkpoint(ckpt, {"global_step": 1})
+    first.update_policy(mine)
+    resumed = actor()
+    resumed.engine.load_checkpoint(ckpt)
+    resumed.update_policy(mine)
+    return dict(first.engine.iter_hf_weights()), dict(resumed.engine.iter_hf_weights())
+
+
+def test_resume_at_ep2_takes_exactly_the_next_update(tiny_moe_dir, tmp_path):
+    """A checkpoint at EP=2 × DP=2 with the distributed optimiser (the experts' Adam state in an optimiser
+    of its own, sharded over the expert data-parallel ranks): the resumed engine's next update gives the
+    uninterrupted engine's weights, bit for bit."""
+    from tests.engines.test_megatron_engine import _scored_batch
+
+    model_dir = str(tiny_moe_dir)
+    for uninterrupted, resumed in run_ranks(_save_then_resume_at_ep2, 2, tmp_path, ep=2,
+                                            args=(model_dir, _scored_batch(model_dir), str(tmp_path / "ckpt"))):
+        assert set(resumed) == set(uninterrupted)
+        for name, tensor in uninterrupted.items():
+            assert torch.equal(resumed[name], tensor), name

@@ -398,6 +398,8 @@ class MegatronEngine(TrainingEngine):
                 "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
                 "virtual_pipeline_model_parallel_size": m.virtual_pipeline_model_parallel_size,
                 "context_parallel_size": m.context_parallel_size,  # the distributed optimiser shards over data × context
+                # the experts' optimiser state is sharded over their own (expert data-parallel) ranks
+                "expert_model_parallel_size": m.expert_model_parallel_size,
                 "use_distributed_optimizer": m.use_distributed_optimizer}
 
     def _sharded_state(self, is_loading: bool = False) -> dict[str, Any]:
@@ -445,13 +447,16 @@ class MegatronEngine(TrainingEngine):
         """torch Adam's per-parameter step count after a distributed-optimiser load. megatron-core
         (0.16, without apex/TransformerEngine) restores it from the saved param groups, then copies
         the sharded parameter state over every per-parameter entry, the step included, and the
-        step's entry there is the fresh optimiser's placeholder: set it from the param groups again."""
-        groups = (state.get("optimizer") or {}).get("param_groups") if "param_state" in state else None
-        steps = {g["step"] for g in groups or [] if "step" in g}
-        if len(steps) != 1:
-            return
-        step = float(steps.pop())
-        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        step's entry there is the fresh optimiser's placeholder: set it from the param groups again.
+        Several chained optimisers (MoE: the experts' apart) save one state each, keyed by their index."""
+        parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        states = [state] if len(parts) == 1 else [state[k] for k in sorted(state)]
+        for part, part_state in zip(parts, states):
+            groups = (part_state.get("optimizer") or {}).get("param_groups") if "param_state" in part_state else None
+            steps = {g["step"] for g in groups or [] if "step" in g}
+            if len(steps) != 1:
+                continue
+            step = float(steps.pop())
             for param_state in part.optimizer.state.values():
                 if "step" in param_state:
                     param_state["step"] = torch.tensor(step)
@@ -495,7 +500,7 @@ class MegatronEngine(TrainingEngine):
             if meta.get("engine") != "megatron":
                 raise ValueError(f"{root} was not saved by the Megatron engine (strategy=megatron); "
                                  "load it with the engine that saved it")
-            saved = {"context_parallel_size": 1, **meta}  # checkpoints from before CP have none
+            saved = {"context_parallel_size": 1, "expert_model_parallel_size": 1, **meta}  # from before CP / EP
             same = all(saved.get(k) == v for k, v in self._layout().items())
             if self.optimizer is not None and not same:
                 raise ValueError(f"{root}: saved with {({k: saved.get(k) for k in self._layout()})}, resumed with "
