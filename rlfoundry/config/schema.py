@@ -266,9 +266,10 @@ class MegatronConfig(Node):
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # MoE models (engines/megatron/moe.py): the experts spread over this many ranks of the data-parallel ones
     expert_model_parallel_size: int = 1
-    # the experts' tensor parallelism (null: Megatron's, the tensor_model_parallel_size); experts are not built
-    # here (expert_model_parallel_size=1, dense models), so only null or 1 is accepted (engines/megatron/plugin.py)
+    # the experts' tensor parallelism: null or tensor_model_parallel_size (Megatron's default; the experts split
+    # like the dense layers); others are a start-up error (engines/megatron/moe.py layout_problems)
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = True  # with tensor parallelism only (verl turns it off at TP=1 too)
     use_distributed_optimizer: bool = True

@@ -44,6 +44,15 @@ def test_the_calls_the_shims_stand_in_for_still_name_cuda():
 
     chunks = inspect.getsource(inspect.unwrap(rope_utils.get_pos_emb_on_this_cp_rank))
     assert "pin_memory=True" in chunks and ".cuda(non_blocking=True)" in chunks
+    # MoE: the all-to-all dispatcher makes a CUDA stream and copies its split sizes to the host on it
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    assert "torch.cuda.Stream()" in inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
+    dtoh = inspect.getsource(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+    assert "torch.cuda.stream(" in dtoh and "as_numpy=True" in dtoh
+    # the router reads te_general_gemm, which moe_utils binds only when TransformerEngine imports
+    assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
 
 
 def test_tensor_cuda_keeps_a_cpu_tensor_in_place_only_while_the_wrapped_call_runs():

@@ -719,7 +719,8 @@ def test_megatron_offload_keys_are_accepted_and_reach_the_roles_configs():
 
 
 def test_megatron_context_parallelism_is_accepted_and_expert_parallelism_is_its_own_error():
-    """CP is built (a model copy spans tensor × pipeline × context ranks); EP is refused with its own cause."""
+    """CP is built (a model copy spans tensor × pipeline × context ranks); EP's span (expert × expert
+    tensor × pipeline) is checked on its own, and EP on a dense model (the packaged policy) is refused."""
     cp = ["actor_rollout_ref.actor.strategy=megatron", "trainer.save_freq=-1", "trainer.n_gpus_per_node=4",
           "actor_rollout_ref.actor.megatron.context_parallel_size=2",
           "actor_rollout_ref.ref.megatron.context_parallel_size=2"]
@@ -731,8 +732,11 @@ def test_megatron_context_parallelism_is_accepted_and_expert_parallelism_is_its_
                      "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])
     text = str(e.value)
     assert "tensor × pipeline × context parallel = 8 does not divide the 4 ranks" in text
-    assert "actor_rollout_ref.actor.megatron: expert parallelism is not supported yet" in text
-    assert "context" not in text.split("expert parallelism is not supported yet")[1].split("\n")[0]
+    assert "actor_rollout_ref.actor.megatron: expert × expert tensor × pipeline parallel = 8 does not divide" in text
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron: expert_model_parallel_size=2 .* "
+                                          r"has no experts; set expert_model_parallel_size=1"):
+        load_config([*cp, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                     "actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])
 
 
 def test_packaged_tool_and_interaction_configs_resolve_from_any_directory(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from rlfoundry.config.schema import MEGATRON_INSTALL
+from rlfoundry.engines.megatron import moe
 
 __all__ = ["MEGATRON_INSTALL", "ValueHead", "build_bridge", "build_model", "export_hf_weights", "from_last_stage",
            "initialize_parallel", "load_hf_weights", "megatron_available", "transformer_engine_available"]
@@ -48,17 +49,21 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def initialize_parallel(tp: int, pp: int, vpp: int | None = None, cp: int = 1, seed: int = 0) -> None:
+def initialize_parallel(tp: int, pp: int, vpp: int | None = None, cp: int = 1, seed: int = 0, ep: int = 1,
+                        etp: int | None = None) -> None:
     """megatron-core's parallel groups over the default process group (already initialised), and
-    its model-parallel RNG states; on a process without CUDA, the CPU shims first."""
+    its model-parallel RNG states; on a process without CUDA, the CPU shims first. ``ep`` / ``etp``:
+    the experts' parallel sizes (``etp`` None: ``tp``, megatron-core's default)."""
     from megatron.core import parallel_state as ps
 
     from rlfoundry.engines.megatron import cpu_compat
 
     on_cpu = cpu_compat.install()
+    cpu_compat.define_missing_te_names()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
+                                     virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     if on_cpu:
         cpu_compat.seed_model_parallel(seed)
     else:
@@ -89,13 +94,20 @@ def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_confi
         # context-parallel attention does not take (it wants packed sequences); the local layers'
         # CP attention (context_parallel.py) does
         use_te = transformer_engine_available() and _context_parallel_size() == 1
-    bridge = (cls if use_te else _local_spec_bridge(cls))(hf_config, dtype=dtype)
+    if not use_te:
+        cls = _local_spec_bridge(cls)
+        if moe.is_moe(hf_config):  # experts as megatron-core's SequentialMLP, not mbridge's grouped names
+            cls = moe.sequential_experts_bridge(cls)
+    bridge = cls(hf_config, dtype=dtype)
     # perform_initialization stays on: megatron-core marks tensor-parallel weights (which dimension
     # is split) inside its initialisers, and the exporter, the gradient norm and the optimiser read the marks
     extra = {"use_cpu_initialization": True, "sequence_parallel": False}
     if not use_te:
         extra.update(_UNFUSED)
-    bridge.set_extra_args(**{**extra, **(override_transformer_config or {})})
+    overrides = dict(override_transformer_config or {})
+    if moe.is_moe(hf_config):  # the grouped-GEMM experts need TransformerEngine's (or CUDA) kernels
+        overrides = moe.moe_overrides(hf_config, overrides, grouped_gemm=use_te)
+    bridge.set_extra_args(**{**extra, **overrides})
     return bridge
 
 
@@ -113,7 +125,8 @@ def _local_spec_bridge(cls: type) -> type:
     from rlfoundry.engines.megatron import context_parallel
 
     attention_norm = cls._ATTENTION_MAPPING["self_attention.linear_qkv.layer_norm_weight"]
-    mlp_norm = cls._MLP_MAPPING["mlp.linear_fc1.layer_norm_weight"]
+    # a dense MLP fuses its norm into linear_fc1; an MoE layer's stays a module in either spec
+    mlp_norm = cls._MLP_MAPPING.get("mlp.linear_fc1.layer_norm_weight") or cls._MLP_MAPPING["pre_mlp_layernorm"]
 
     class LocalSpecBridge(cls):
         # "input_layernorm" has neither ".self_attention." nor "mlp" in its name: mbridge looks it up
@@ -235,7 +248,10 @@ def export_hf_weights(bridge: Any, chunks: list[nn.Module], value_head: bool = F
     """Whole HF-named tensors, one at a time (gathered across tensor and pipeline ranks; every rank
     takes part and receives each tensor); a value model's head last, as ``score.*``."""
     with _without_value_heads(chunks) as heads:
-        yield from bridge.export_weights(chunks)
+        named = bridge.export_weights(chunks)
+        if moe.is_moe(bridge.hf_config):  # HF's in-memory expert layout (moe.py)
+            named = moe.fuse_experts(named, bridge.hf_config.num_experts)
+        yield from named
     if value_head:
         for attr, name in _HEAD_NAMES.items():
             yield name, from_last_stage(getattr(heads[0], attr).detach() if heads else None)

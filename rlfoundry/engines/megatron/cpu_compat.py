@@ -29,6 +29,14 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
   angles) builds its index tensor in pinned memory and moves it with ``.cuda()``: its module gets
   the CPU ``torch`` above (which also drops ``pin_memory``), and ``.cuda()`` of a CPU tensor is the
   tensor itself while it runs (in each module that imported it by name).
+- The MoE all-to-all token dispatcher (``MoEAlltoAllTokenDispatcher``) creates a CUDA stream when
+  first built and, once per layer, copies its token counts to the host on that stream, turning the
+  split sizes into numpy arrays, then waits on a CUDA event. On the CPU the counts are on the host
+  already: the class gets a placeholder instead of a stream, and ``_maybe_dtoh_and_synchronize``
+  only does the numpy conversion of the split sizes (``_dispatcher_splits_on_host``).
+- Without TransformerEngine (CPU or GPU), megatron-core's MoE router reads ``moe_utils.te_general_gemm``,
+  a name it binds only when TransformerEngine imports: :func:`define_missing_te_names` binds it to
+  None, which is megatron-core's own "no TE GEMM" value (the router's torch path then runs).
 - The model-parallel RNG tracker (``tensor_parallel/random.py``) keeps one generator state per
   parallel group and swaps it in and out of the CUDA generator; here it swaps the CPU generator's
   (:func:`seed_model_parallel` replaces ``model_parallel_cuda_manual_seed``, which seeds CUDA).
@@ -43,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["install", "installed", "seed_model_parallel"]
+__all__ = ["define_missing_te_names", "install", "installed", "seed_model_parallel"]
 
 _CUDA_LITERAL_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
@@ -93,10 +101,42 @@ def install() -> bool:
     for name in _CP_ROPE_MODULES:
         module = importlib.import_module(name)
         module.get_pos_emb_on_this_cp_rank = _with_cuda_as_cpu(module.get_pos_emb_on_this_cp_rank)
+    _install_moe_dispatcher()
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     _installed = True
     return True
+
+
+def define_missing_te_names() -> None:
+    """``moe_utils.te_general_gemm = None`` where TransformerEngine did not define it (any device)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _install_moe_dispatcher() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    # not None: its __init__ then skips torch.cuda.Stream(); nothing on the CPU reads the stream
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dispatcher_splits_on_host
+
+
+_SPLITS = ("input_splits", "output_splits", "output_splits_tp")
+
+
+def _dispatcher_splits_on_host(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on the CPU: at the point where it
+    would copy them to the host, the all-to-all split sizes become numpy arrays (as its copy makes
+    them; the all-to-all reads them as host integers); no stream, no event."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in _SPLITS:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
 
 
 def seed_model_parallel(seed: int) -> None:

@@ -45,6 +45,7 @@ from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry.engines.megatron import bridge as mb
+from rlfoundry.engines.megatron import moe
 from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
 from rlfoundry.engines.megatron.forward import (context_parallel_size, local_next_tokens, next_tokens,
@@ -104,7 +105,8 @@ class MegatronEngine(TrainingEngine):
         self.config, self.device, self.role = config, torch.device(device), role
         m = config.megatron
         mb.initialize_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                               m.virtual_pipeline_model_parallel_size, m.context_parallel_size, seed=m.seed)
+                               m.virtual_pipeline_model_parallel_size, m.context_parallel_size, seed=m.seed,
+                               ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.rows_group = _model_copy_group()
@@ -112,6 +114,10 @@ class MegatronEngine(TrainingEngine):
             raise ValueError(f"{role}: the Megatron engine builds causal LMs and value models, not {config.model_kind!r}")
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
                                       value_model=config.value_model)
+        problems = moe.layout_problems(f"{_ROLE_KEYS.get(role, role)}.megatron", self.bridge.hf_config, m,
+                                       on_cpu=self.device.type != "cuda")
+        if problems:
+            raise ValueError(" ".join(problems))
         chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
         if m.use_dist_checkpointing:  # verl's: the weights from a megatron-core dist checkpoint, not model.path's
             load_dist_weights(chunks, m.dist_checkpointing_path, m.dist_checkpointing_prefix, config.value_model,
@@ -121,7 +127,7 @@ class MegatronEngine(TrainingEngine):
         self.optimizer = self.lr_scheduler = None
         if config.trainable:
             chunks, self.optimizer = self._wrap_for_training(chunks)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer.optimizer, config.optim)
+            self.lr_scheduler = _lr_schedule(self.optimizer, config.optim)
         else:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -282,7 +288,7 @@ class MegatronEngine(TrainingEngine):
         # last one (its own step checks for inf only under fp16 loss scaling)
         opt, clip = self.optimizer, float(self.config.grad_clip or 0.0)
         found_inf = opt.prepare_grads()
-        grad_norm = float("inf") if found_inf else float(opt.clip_grad_norm(clip) if clip > 0 else opt.get_grad_norm())
+        grad_norm = float("inf") if found_inf else _clip_grad_norm(opt, clip)
         if math.isfinite(grad_norm):
             opt.step_with_ready_grads()
         else:
@@ -392,6 +398,8 @@ class MegatronEngine(TrainingEngine):
                 "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
                 "virtual_pipeline_model_parallel_size": m.virtual_pipeline_model_parallel_size,
                 "context_parallel_size": m.context_parallel_size,  # the distributed optimiser shards over data × context
+                # the experts' optimiser state is sharded over their own (expert data-parallel) ranks
+                "expert_model_parallel_size": m.expert_model_parallel_size,
                 "use_distributed_optimizer": m.use_distributed_optimizer}
 
     def _sharded_state(self, is_loading: bool = False) -> dict[str, Any]:
@@ -439,13 +447,16 @@ class MegatronEngine(TrainingEngine):
         """torch Adam's per-parameter step count after a distributed-optimiser load. megatron-core
         (0.16, without apex/TransformerEngine) restores it from the saved param groups, then copies
         the sharded parameter state over every per-parameter entry, the step included, and the
-        step's entry there is the fresh optimiser's placeholder: set it from the param groups again."""
-        groups = (state.get("optimizer") or {}).get("param_groups") if "param_state" in state else None
-        steps = {g["step"] for g in groups or [] if "step" in g}
-        if len(steps) != 1:
-            return
-        step = float(steps.pop())
-        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        step's entry there is the fresh optimiser's placeholder: set it from the param groups again.
+        Several chained optimisers (MoE: the experts' apart) save one state each, keyed by their index."""
+        parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        states = [state] if len(parts) == 1 else [state[k] for k in sorted(state)]
+        for part, part_state in zip(parts, states):
+            groups = (part_state.get("optimizer") or {}).get("param_groups") if "param_state" in part_state else None
+            steps = {g["step"] for g in groups or [] if "step" in g}
+            if len(steps) != 1:
+                continue
+            step = float(steps.pop())
             for param_state in part.optimizer.state.values():
                 if "step" in param_state:
                     param_state["step"] = torch.tensor(step)
@@ -489,7 +500,7 @@ class MegatronEngine(TrainingEngine):
             if meta.get("engine") != "megatron":
                 raise ValueError(f"{root} was not saved by the Megatron engine (strategy=megatron); "
                                  "load it with the engine that saved it")
-            saved = {"context_parallel_size": 1, **meta}  # checkpoints from before CP have none
+            saved = {"context_parallel_size": 1, "expert_model_parallel_size": 1, **meta}  # from before CP / EP
             same = all(saved.get(k) == v for k, v in self._layout().items())
             if self.optimizer is not None and not same:
                 raise ValueError(f"{root}: saved with {({k: saved.get(k) for k in self._layout()})}, resumed with "
@@ -566,6 +577,57 @@ def _fused_outputs(spec: LogProbs, cp_local: bool, columns: torch.Tensor, micro:
     padding = micro["attention_mask"][:, -responses.shape[1]:] == 0
     return {key: response_positions(columns[..., COLUMNS.index(key)], micro, cp_local).masked_fill(padding, 0.0)
             for key in COLUMNS if wanted[key]}
+
+
+def _clip_grad_norm(optimizer: Any, clip: float) -> float:
+    """The gradient norm over every parameter, gradients scaled to ``clip`` when above it (0: no clip).
+    megatron-core's ChainedOptimizer of several parts (MoE: the experts') has no clip_grad_norm of its
+    own; its step() clips each part by the joint norm, as here (megatron-core's function, looked up at
+    call time: on the CPU it is cpu_compat's)."""
+    from megatron.core.optimizer import optimizer as mp_optimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) == 1:
+        return float(parts[0].clip_grad_norm(clip) if clip > 0 else parts[0].get_grad_norm())
+    norm = float(optimizer.get_grad_norm())
+    for part in parts if clip > 0 else []:
+        params = part.get_parameters()
+        if params:
+            mp_optimizer.clip_grad_by_total_norm_fp32(
+                params, max_norm=clip, total_norm=norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return norm
+
+
+class _ChainedLR:
+    """The same LR schedule on each optimiser megatron-core chains (an MoE model's experts have their
+    own: their gradients are reduced over the expert data-parallel group), stepped together; its
+    state is one schedule's (all are the same), so checkpoints read as a single schedule's."""
+
+    def __init__(self, schedules: list[Any]):
+        self.schedules = schedules
+
+    def step(self) -> None:
+        for schedule in self.schedules:
+            schedule.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedules[0].get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedules[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for schedule in self.schedules:
+            schedule.load_state_dict(state)
+
+
+def _lr_schedule(optimizer: Any, optim: OptimConfig) -> Any:
+    """The FSDP engine's LR schedule on the torch optimiser(s) inside megatron-core's."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) == 1:
+        return build_lr_scheduler(parts[0].optimizer, optim)
+    return _ChainedLR([build_lr_scheduler(part.optimizer, optim) for part in parts])
 
 
 def _model_copy_group() -> Any:

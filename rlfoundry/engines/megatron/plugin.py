@@ -13,6 +13,7 @@ from rlfoundry.config.schema import MEGATRON_INSTALL, model_parallel_size
 from rlfoundry.config.typed import pick
 from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
 from rlfoundry.engines.fsdp.fused_head import check_fused_kernels
+from rlfoundry.engines.megatron import moe
 
 __all__ = ["PLUGIN"]
 
@@ -69,7 +70,7 @@ class MegatronPlugin(EnginePlugin):
                               f"parallel layout per process; set its {', '.join(_LAYOUT)} as {roles[0]}'s "
                               f"({sizes[roles[0]]}).")
         for key in roles:
-            errors += _check_role(key, pick(cfg, f"{key}.megatron"), world_size)
+            errors += _check_role(key, pick(cfg, f"{key}.megatron"), world_size, _model_path(cfg, key))
             if int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1) > 1:
                 errors.append(f"{key}.ulysses_sequence_parallel_size > 1: Ulysses is the FSDP engine's sequence "
                               "parallelism; with strategy=megatron set it to 1 and split sequences with "
@@ -99,7 +100,13 @@ def _is_vision_language(path: Any) -> bool:
     return bool(config and config.is_file() and "vision_config" in json.loads(config.read_text()))
 
 
-def _check_role(key: str, m: Any, world_size: int) -> list[str]:
+def _model_path(cfg: Any, key: str) -> Any:
+    """The model directory of a role's key (the actor's and the ref's: actor_rollout_ref.model.path)."""
+    owner = "actor_rollout_ref" if key.startswith("actor_rollout_ref.") else key
+    return pick(cfg, f"{owner}.model.path", None)
+
+
+def _check_role(key: str, m: Any, world_size: int, model_path: Any = None) -> list[str]:
     if m.context_parallel_size < 1:
         return [f"{key}.megatron.context_parallel_size={m.context_parallel_size}: must be 1 or more."]
     errors = []
@@ -110,11 +117,35 @@ def _check_role(key: str, m: Any, world_size: int) -> list[str]:
         errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
                       "set it to True (the default).")
     errors += _check_dist_checkpoint(key, m)
-    expert_tp = m.get("expert_tensor_parallel_size") or 1  # null: Megatron's own; no experts to split here
-    if m.expert_model_parallel_size != 1 or expert_tp != 1:
-        errors.append(f"{key}.megatron: expert parallelism is not supported yet (dense models: "
-                      "expert_model_parallel_size=1, expert_tensor_parallel_size=1 or null).")
-    return errors
+    return errors + _check_experts(key, m, world_size, model_path)
+
+
+def _check_experts(key: str, m: Any, world_size: int, model_path: Any) -> list[str]:
+    """Expert parallelism: sizes megatron-core can lay out on the ranks (the experts' groups span
+    expert tensor × expert × pipeline ranks); what the model itself allows is checked against its
+    config where this machine has it (engines/megatron/moe.py), else when the engine is built."""
+    ep, etp = m.expert_model_parallel_size, m.get("expert_tensor_parallel_size")
+    if ep < 1 or (etp is not None and etp < 1):
+        return [f"{key}.megatron: expert_model_parallel_size={ep} and expert_tensor_parallel_size={etp} must be "
+                "1 or more (expert_tensor_parallel_size null: tensor_model_parallel_size)."]
+    errors = []
+    span = ep * (etp or m.tensor_model_parallel_size) * m.pipeline_model_parallel_size
+    if world_size % span:
+        errors.append(f"{key}.megatron: expert × expert tensor × pipeline parallel = {span} does not divide the "
+                      f"{world_size} ranks (trainer.nnodes × trainer.n_gpus_per_node).")
+    hf_config = _local_hf_config(model_path)
+    return errors + ([] if hf_config is None else moe.layout_problems(f"{key}.megatron", hf_config, m, on_cpu=None))
+
+
+def _local_hf_config(path: Any) -> Any:
+    """The HF config of a local model directory (None: none here to read; the engine checks it when built)."""
+    from rlfoundry.models.hf import resolve_model_path
+
+    if not path or not (resolve_model_path(path) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(resolve_model_path(path)))
 
 
 def _check_dist_checkpoint(key: str, m: Any) -> list[str]:

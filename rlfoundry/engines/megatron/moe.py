@@ -1,0 +1,166 @@
+"""Mixture-of-experts models on the Megatron engine: megatron-core's MoE layers (router, token
+dispatcher, experts), expert parallelism, and the HF <-> megatron-core names of the experts.
+
+mbridge (``qwen3_moe``: the family built and tested here, :data:`BUILT_FAMILIES`) maps the experts to HF's per-expert checkpoint names
+(``mlp.experts.{e}.gate_proj.weight``...), which is how ``save_pretrained`` writes them. An HF module
+in memory (transformers 5) holds each layer's experts as two 3-D tensors instead,
+``mlp.experts.gate_up_proj`` (E, 2·I, H: expert e's gate rows, then its up rows) and
+``mlp.experts.down_proj`` (E, H, I); the rollout copies weights by those in-memory names, so the
+export collects a layer's per-expert tensors (:func:`fuse_experts`) and hands on the two fused ones.
+
+Routing as HF computes it: ``softmax → top-k → renormalise`` (``norm_topk_prob``) is, for the chosen
+experts, the softmax over their k logits — megatron-core's ``moe_router_pre_softmax=False``; without
+renormalisation the weights are the full softmax's (``pre_softmax=True``).
+
+Token dispatch: "alltoall" (the default) runs over gloo too (``all_to_all_single``; cpu_compat.py
+takes its CUDA stream out on the CPU). megatron-core's "allgather" refuses variable sequence lengths,
+which the engine's micro-batches have (each as long as its longest row), and "flex" needs DeepEP or
+HybridEP (CUDA): both are start-up errors (:func:`layout_problems`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["BUILT_FAMILIES", "fuse_experts", "is_moe", "layout_problems", "moe_overrides", "sequential_experts_bridge"]
+
+# SequentialMLP's expert e (local to this expert-parallel rank) -> mbridge's (grouped-GEMM) name for it
+_SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+# the MoE families built and tested here; mbridge converts more (qwen2_moe: its shared expert's gate is
+# not mapped for the local layers and its log-probs differ from HF's; mixtral, deepseek_v3, glm4_moe: not tried)
+BUILT_FAMILIES = ("qwen3_moe",)
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def is_moe(hf_config: Any) -> bool:
+    """Whether the HF config describes routed experts (under any of the families' names for their number)."""
+    return any(int(getattr(hf_config, k, 0) or 0) > 0 for k in _EXPERT_COUNT_KEYS)
+
+
+def moe_overrides(hf_config: Any, user: dict[str, Any], grouped_gemm: bool) -> dict[str, Any]:
+    """TransformerConfig fields for an MoE family, under the user's ``override_transformer_config``.
+
+    ``grouped_gemm``: megatron-core's GroupedMLP / TEGroupedMLP (the grouped-GEMM kernels, CUDA); off,
+    its SequentialMLP (one ordinary MLP per local expert). The aux loss: megatron-core adds it only
+    with a load-balancing type other than "none" (mbridge's RL default), so a positive
+    ``moe_aux_loss_coeff`` without a type asks for megatron-core's "aux_loss"."""
+    out: dict[str, Any] = {
+        "moe_grouped_gemm": grouped_gemm,
+        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", True)),
+        "moe_router_score_function": "softmax",
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "none",
+    }
+    out.update(user)
+    if float(out.get("moe_aux_loss_coeff") or 0.0) > 0 and "moe_router_load_balancing_type" not in user:
+        out["moe_router_load_balancing_type"] = "aux_loss"
+    return out
+
+
+def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None) -> list[str]:
+    """What in a role's ``megatron`` subtree (``key``) the model of ``hf_config`` cannot run with:
+    expert parallelism on a dense model or not dividing the experts, an expert tensor parallelism this
+    engine does not build, a token dispatcher that cannot run here (``on_cpu`` None: not known yet)."""
+    ep = int(megatron.expert_model_parallel_size)
+    etp = megatron.expert_tensor_parallel_size
+    overrides = dict(megatron.override_transformer_config or {})
+    if not is_moe(hf_config):
+        moe_keys = sorted(k for k in overrides if k.startswith("moe_"))
+        if ep == 1 and not moe_keys:
+            return []
+        return [f"{key}: expert_model_parallel_size={ep} / override_transformer_config {moe_keys}: the model "
+                f"({hf_config.model_type}) has no experts; set expert_model_parallel_size=1 and drop the moe_* keys."]
+    if hf_config.model_type not in BUILT_FAMILIES:
+        return [f"{key}: the model is a {hf_config.model_type} mixture of experts; the Megatron engine builds "
+                f"{list(BUILT_FAMILIES)} MoE models (docs/moe.md). Use strategy=fsdp for this model."]
+    errors = []
+    if hf_config.num_experts % ep:
+        errors.append(f"{key}.expert_model_parallel_size={ep} does not divide the model's {hf_config.num_experts} "
+                      "experts; each expert-parallel rank holds the same number of them.")
+    if etp is not None and etp != megatron.tensor_model_parallel_size:
+        errors.append(f"{key}.expert_tensor_parallel_size={etp}: the experts split like the dense layers only "
+                      f"(null or tensor_model_parallel_size={megatron.tensor_model_parallel_size}); mbridge's "
+                      "converter of SequentialMLP experts reads them through the tensor-parallel group.")
+    if on_cpu and megatron.tensor_model_parallel_size > 1:
+        # MoELayer.forward raises in training when TP > 1 runs without sequence parallelism, and sequence
+        # parallelism reduce-scatters activations, which gloo cannot
+        errors.append(f"{key}.tensor_model_parallel_size={megatron.tensor_model_parallel_size}: megatron-core trains "
+                      "MoE layers at TP > 1 only with sequence parallelism, which CPU processes (gloo: no "
+                      "reduce-scatter) cannot run; on the CPU set it to 1 and spread the experts with "
+                      f"{key}.expert_model_parallel_size.")
+    problem = _dispatcher_problem(key, overrides.get("moe_token_dispatcher_type"), on_cpu)
+    return errors + ([problem] if problem else [])
+
+
+def _dispatcher_problem(key: str, chosen: Any, on_cpu: bool | None) -> str | None:
+    """Why ``override_transformer_config.moe_token_dispatcher_type=chosen`` cannot run here (None: it can)."""
+    where = f"{key}.override_transformer_config.moe_token_dispatcher_type={chosen!r}"
+    if chosen is None or chosen == "alltoall":
+        return None
+    if chosen == "allgather":  # megatron-core's TransformerConfig refuses it with variable_seq_lengths
+        return (f"{where}: megatron-core's allgather dispatcher needs every micro-batch the same length, and "
+                "this engine's micro-batches are as long as their longest row; use 'alltoall' (the default).")
+    if chosen != "flex":
+        return f"{where}: megatron-core's dispatchers are ['alltoall', 'allgather', 'flex']; use 'alltoall'."
+    if on_cpu:
+        return f"{where} needs DeepEP/HybridEP kernels (CUDA); on CPU processes (gloo) use 'alltoall'."
+    return None
+
+
+def fuse_experts(named: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF per-expert tensors (as mbridge exports them) -> the in-memory layout of transformers' MoE
+    modules: each layer's ``gate_up_proj`` (E, 2·I, H) and ``down_proj`` (E, H, I), handed on once the
+    layer's last expert has arrived; every other tensor passes through as it comes."""
+    pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    for name, tensor in named:
+        match = _EXPERT.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer = pending.setdefault(match["prefix"], {})
+        # a tensor may be a view of a buffer reused for the next one: keep a copy
+        layer[(match["proj"], int(match["e"]))] = tensor.detach().clone()
+        if len(layer) == 3 * num_experts:
+            yield from _fused(match["prefix"], pending.pop(match["prefix"]), num_experts)
+    if pending:
+        raise RuntimeError(f"fuse_experts: incomplete expert sets for {sorted(pending)} "
+                           f"(expected {num_experts} experts × gate/up/down each)")
+
+
+def _fused(prefix: str, layer: dict[tuple[str, int], torch.Tensor], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    experts = range(num_experts)
+    gate_up = torch.stack([torch.cat([layer[("gate_proj", e)], layer[("up_proj", e)]]) for e in experts])
+    yield f"{prefix}.gate_up_proj", gate_up
+    yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", e)] for e in experts])
+
+
+def sequential_experts_bridge(cls: type) -> type:
+    """``cls`` (an mbridge MoE bridge) for a model whose experts are megatron-core's SequentialMLP.
+
+    mbridge names experts as the grouped-GEMM modules do (``mlp.experts.linear_fc1.weight{e}``, one
+    parameter per expert on one module); SequentialMLP holds expert e as a module of its own
+    (``mlp.experts.local_experts.{e}.linear_fc1.weight``). mbridge reads parameters by their real
+    (local) names and converts by the global name it derives from each: here that global name is
+    the grouped one, with the expert's number shifted by this expert-parallel rank's first expert."""
+
+    class SequentialExpertsBridge(cls):
+        def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
+            names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+            first = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size) if consider_ep else 0
+            return {local: _grouped_name(name, first) for local, name in names.items()}
+
+    SequentialExpertsBridge.__name__ = SequentialExpertsBridge.__qualname__ = f"SequentialExperts{cls.__name__}"
+    return SequentialExpertsBridge
+
+
+def _grouped_name(name: str, first_expert: int) -> str:
+    """A SequentialMLP expert's parameter name in mbridge's spelling, its expert number + ``first_expert``."""
+    return _SEQUENTIAL.sub(lambda m: f".mlp.experts.{m[2]}.weight{int(m[1]) + first_expert}", name)
