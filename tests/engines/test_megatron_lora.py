@@ -63,19 +63,19 @@ def _fsdp(rank: int, model_dir: str, data, adapter: str):
     return {"log_probs": log_probs, "ref": ref, "metrics": metrics, "adapter": engine.adapter_weights()}
 
 
-def _megatron_actor(model_dir: str, adapter: str):
+def _megatron_actor(model_dir: str, spec, tp: int = 2, pp: int = 1):
     from rlfoundry.config.schema import MegatronConfig
     from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
     from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 
     cfg = _actor_config(model_dir)
-    megatron = MegatronConfig(tensor_model_parallel_size=2, dtype="float32")
-    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip, lora=_spec(adapter)), "cpu")
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32")
+    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip, lora=spec), "cpu")
     return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI, MICRO))
 
 
-def _megatron(rank: int, model_dir: str, data, adapter: str, out: str):
-    actor = _megatron_actor(model_dir, adapter)
+def _megatron(rank: int, model_dir: str, data, adapter: str, out: str, tp: int, pp: int):
+    actor = _megatron_actor(model_dir, _spec(adapter), tp, pp)
     engine = actor.engine
     frozen = {n: p.detach().clone() for c in engine.chunks for n, p in c.named_parameters() if not p.requires_grad}
     trainable = sorted(n for c in engine.chunks for n, p in c.named_parameters() if p.requires_grad)
@@ -90,18 +90,21 @@ def _megatron(rank: int, model_dir: str, data, adapter: str, out: str):
             "trainable": trainable}
 
 
-def test_tp2_lora_equals_fsdp_lora(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_lora_equals_fsdp_lora(tiny_model_dir, tmp_path, tp, pp):
+    """TP=2 (the adapters' splits and reductions) and PP=2 (each stage's layers, numbered globally)."""
     model_dir = str(tiny_model_dir)
     adapter = _adapter_dir(model_dir, tmp_path / "start")
     data = _scored_batch(model_dir)
     [fsdp] = run_ranks(_fsdp, 1, tmp_path, args=(model_dir, data, adapter))
-    results = run_ranks(_megatron, 2, tmp_path, tp=2, args=(model_dir, data, adapter, str(tmp_path / "out")))
+    results = run_ranks(_megatron, 2, tmp_path, tp=tp, pp=pp, args=(model_dir, data, adapter, str(tmp_path / "out"), tp, pp))
     start = _load(f"{adapter}/adapter_model.safetensors")
     assert max((fsdp["adapter"][k] - v).abs().max().item() for k, v in start.items()) > 1e-3  # the update moved it
     assert (fsdp["log_probs"] - fsdp["ref"]).abs().max() > 1e-3  # the adapter changes the policy
     for r in results:
-        # only adapters train: 7 modules x (A, B) x 2 layers; the base (embeddings, norms, linears, head) is frozen
-        assert len(r["trainable"]) == 28 and all("_lora." in n for n in r["trainable"]) and r["frozen"] > 0
+        # only adapters train: 7 modules x (A, B) x the rank's 2 / pp layers; the base (embeddings, norms, linears,
+        # head) is frozen
+        assert len(r["trainable"]) == 28 // pp and all("_lora." in n for n in r["trainable"]) and r["frozen"] > 0
         assert r["base_kept"]
         # TP re-associates the forward's sums (fp32 rounding, ~1e-6 per log-prob; see test_megatron_engine)
         torch.testing.assert_close(r["log_probs"], fsdp["log_probs"], atol=1e-5, rtol=0)
@@ -112,6 +115,43 @@ def test_tp2_lora_equals_fsdp_lora(tiny_model_dir, tmp_path):
         for name, tensor in fsdp["adapter"].items():
             torch.testing.assert_close(r["adapter"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     _check_merged(model_dir, str(tmp_path / "out"), results[0]["merged"])
+
+
+def _save_then_resume(rank: int, model_dir: str, data, ckpt: str):
+    from rlfoundry.models.lora import LoraSpec
+
+    spec = LoraSpec(rank=RANK, alpha=ALPHA)
+    actor = _megatron_actor(model_dir, spec)
+    actor.update_policy(data)
+    actor.engine.step_lr_scheduler()
+    actor.engine.save_checkpoint(ckpt, {"global_step": 1})
+    saved = actor.engine.adapter_weights()
+    uninterrupted = actor.update_policy(data)
+
+    resumed = _megatron_actor(model_dir, spec)
+    fresh = resumed.engine.adapter_weights()
+    resumed.engine.load_checkpoint(ckpt)
+    loaded = resumed.engine.adapter_weights()
+    again = resumed.update_policy(data)
+    try:
+        _megatron_actor(model_dir, LoraSpec(rank=2 * RANK, alpha=ALPHA)).engine.load_checkpoint(ckpt)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"saved": saved, "fresh": fresh, "loaded": loaded, "uninterrupted": uninterrupted, "again": again,
+            "after": actor.engine.adapter_weights(), "resumed_after": resumed.engine.adapter_weights(), "refused": refused}
+
+
+def test_checkpoint_resumes_the_adapter(tiny_model_dir, tmp_path):
+    """A fresh adapter (B = 0) trained one step, saved, resumed at TP=2: the same adapter tensors and the
+    same next update bit for bit; a run with another rank is refused naming the keys."""
+    data = _scored_batch(str(tiny_model_dir))
+    for r in run_ranks(_save_then_resume, 2, tmp_path, tp=2, args=(str(tiny_model_dir), data, str(tmp_path / "ckpt"))):
+        assert any(not torch.equal(r["saved"][k], r["fresh"][k]) for k in r["saved"])  # the load has work to do
+        assert all(torch.equal(r["loaded"][k], v) for k, v in r["saved"].items())
+        assert r["again"] == r["uninterrupted"]
+        assert all(torch.equal(r["resumed_after"][k], v) for k, v in r["after"].items())
+        assert "model.lora_rank" in r["refused"] and "'r': 4" in r["refused"] and "'r': 8" in r["refused"]
 
 
 def _check_merged(model_dir: str, adapter: str, merged: dict) -> None:
