@@ -64,6 +64,11 @@ def hf_targets(target_modules: Any) -> tuple[str, ...]:
         raise ValueError(f"model.target_modules {unknown}: LoRA on the Megatron engine adapts the attention and MLP "
                          f"projections only: all-linear, {list(HF_MODULES)} or verl's {sorted(MEGATRON_NAMES)}")
     wanted = {m for n in names for m in MEGATRON_NAMES.get(n, (n,))}
+    for linear, (_, parts, kind) in PARTS.items():
+        if kind == "column" and wanted & set(parts) and not set(parts) <= wanted:
+            raise ValueError(f"model.target_modules: {sorted(wanted & set(parts))} without {sorted(set(parts) - wanted)}: "
+                             f"they share Megatron's {linear}; adapting some of them is not built: name all of "
+                             f"{list(parts)} or none")
     return tuple(m for m in HF_MODULES if m in wanted)
 
 
@@ -191,12 +196,8 @@ def attach(bridge: Any, chunks: list[nn.Module], layout: LoraLayout) -> "Adapter
             for linear_name, (key, hf_parts, kind) in PARTS.items():
                 parent = layer.self_attention if key.startswith("self_attention") else layer.mlp
                 shapes = {p: s for p, s in _part_shapes(config, linear_name).items() if p in layout.targets}
-                if not shapes:
+                if not shapes:  # hf_targets: a column-parallel linear's parts all or none
                     continue
-                if set(shapes) != set(hf_parts) and kind == "column":
-                    missing = sorted(set(hf_parts) - set(shapes))
-                    raise ValueError(f"model.target_modules: {sorted(shapes)} without {missing} share Megatron's "
-                                     f"{linear_name}; adapt all of {list(hf_parts)} or none of them (not built)")
                 linear = getattr(parent, linear_name)
                 interleave = (_qkv_interleave(config, ps.get_tensor_model_parallel_world_size())
                               if linear_name == "linear_qkv" else _concat)
