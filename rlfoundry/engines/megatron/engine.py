@@ -86,7 +86,7 @@ class MegatronEngineConfig:
     load_hf_weights: bool = True  # False: a checkpoint will supply every weight (offline export)
     use_fused_kernels: bool = False  # verl's model.use_fused_kernels: log-probs inside the output layer (fused_head.py)
     fused_kernel_options: dict | None = None
-    lora: Any = None  # models.lora.LoraSpec: adapters on the frozen model (lora.py; trainable models only)
+    lora: Any = None  # models.lora.LoraSpec: adapters on the frozen model (lora.py)
 
     @property
     def value_model(self) -> bool:
@@ -120,7 +120,8 @@ class MegatronEngine(TrainingEngine):
                               key=f"{_ROLE_KEYS.get(role, role)}.megatron")
         elif config.load_hf_weights:
             mb.load_hf_weights(self.bridge, chunks, config.path)
-        self.lora = self._attach_lora(chunks) if config.lora is not None and config.trainable else None
+        # a frozen engine with adapters: the offline export of a LoRA checkpoint (export.py)
+        self.lora = self._attach_lora(chunks) if config.lora is not None else None
         self.optimizer = self.lr_scheduler = None
         if config.trainable:
             chunks, self.optimizer = self._wrap_for_training(chunks)
@@ -147,7 +148,7 @@ class MegatronEngine(TrainingEngine):
     def _lora_layers(self) -> bool | None:
         """LoRA: megatron-core's local layers (False), whose qkv and fc1 take the normalised input the
         adapters need (TransformerEngine's fuse the norm into the linear); else the bridge's choice (None)."""
-        if self.config.lora is None or not self.config.trainable:
+        if self.config.lora is None:
             return None
         if mb.transformer_engine_available():
             say_once(f"{self.role}: LoRA runs megatron-core's local layers (TransformerEngine's fuse the norm "
