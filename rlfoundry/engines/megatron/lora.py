@@ -181,35 +181,44 @@ def _part_shapes(config: Any, linear_name: str) -> dict[str, tuple[int, int]]:
 
 
 def attach(bridge: Any, chunks: list[nn.Module], layout: LoraLayout) -> "Adapters":
-    """Adapters on every targeted linear of ``chunks`` (frozen first), each a sibling module of its
-    linear named ``<linear>_lora`` (megatron-core's sharded checkpoint then reaches it), A initialised
-    as peft does (kaiming-uniform, a=√5) from a seed per HF module, the same whatever the layout; B zero."""
-    from megatron.core import parallel_state as ps
-
-    switch, adapters = _Switch(), {}
+    """Adapters on every targeted linear of ``chunks`` (frozen first), A initialised as peft does
+    (kaiming-uniform, a=√5) from a seed per HF module, the same whatever the layout; B zero."""
+    switch, adapters = _Switch(), []
     for chunk in chunks:
         chunk.requires_grad_(False)
-        config = chunk.config
-        if not config.gated_linear_unit:
+        if not chunk.config.gated_linear_unit:
             raise ValueError("LoRA on the Megatron engine expects a gated MLP (gate_proj, up_proj), as Llama/Qwen")
         for layer in chunk.decoder.layers:
-            for linear_name, (key, hf_parts, kind) in PARTS.items():
-                parent = layer.self_attention if key.startswith("self_attention") else layer.mlp
-                shapes = {p: s for p, s in _part_shapes(config, linear_name).items() if p in layout.targets}
-                if not shapes:  # hf_targets: a column-parallel linear's parts all or none
-                    continue
-                linear = getattr(parent, linear_name)
-                interleave = (_qkv_interleave(config, ps.get_tensor_model_parallel_world_size())
-                              if linear_name == "linear_qkv" else _concat)
-                lora = MegatronLora(linear, kind, shapes, layout, interleave, switch)
-                template = bridge._ATTENTION_MAPPING.get(key) or bridge._MLP_MAPPING[key]
-                for part, hf in zip(hf_parts, template):
-                    lora.hf_names[part] = hf.format(layer_number=layer.layer_number - 1).removesuffix(".weight")
-                parent.add_module(f"{linear_name}_lora", lora)
-                linear.register_forward_hook(lora.hook)
-                adapters[id(lora)] = lora
-    found = Adapters(list(adapters.values()), switch, layout)
+            adapters += _attach_layer(bridge, layer, layout, switch)
+    found = Adapters(adapters, switch, layout)
     found.init_fresh()
+    return found
+
+
+def _attach_layer(bridge: Any, layer: nn.Module, layout: LoraLayout, switch: _Switch) -> list[MegatronLora]:
+    """One transformer layer's adapters, each a sibling module of its linear named ``<linear>_lora``
+    (megatron-core's sharded checkpoint then reaches it), applied by a forward hook on the linear."""
+    from megatron.core import parallel_state as ps
+
+    config, found = layer.config, []
+    for linear_name, (key, hf_parts, kind) in PARTS.items():
+        parent = layer.self_attention if key.startswith("self_attention") else layer.mlp
+        shapes = {p: s for p, s in _part_shapes(config, linear_name).items() if p in layout.targets}
+        if not shapes:  # hf_targets: a column-parallel linear's parts all or none
+            continue
+        if not hasattr(parent, linear_name):
+            raise ValueError(f"LoRA on the Megatron engine: layer {layer.layer_number} has no {linear_name} "
+                             f"({type(parent).__name__}); adapters on MoE experts are not built (use strategy=fsdp)")
+        linear = getattr(parent, linear_name)
+        interleave = (_qkv_interleave(config, ps.get_tensor_model_parallel_world_size())
+                      if linear_name == "linear_qkv" else _concat)
+        lora = MegatronLora(linear, kind, shapes, layout, interleave, switch)
+        template = bridge._ATTENTION_MAPPING.get(key) or bridge._MLP_MAPPING[key]
+        for part, hf in zip(hf_parts, template):
+            lora.hf_names[part] = hf.format(layer_number=layer.layer_number - 1).removesuffix(".weight")
+        parent.add_module(f"{linear_name}_lora", lora)
+        linear.register_forward_hook(lora.hook)
+        found.append(lora)
     return found
 
 
