@@ -79,12 +79,12 @@ def export(checkpoint_dir: str | os.PathLike, hf_dir: str | os.PathLike, fmt: st
 
     step_dir = find_actor_checkpoint(checkpoint_dir)
     marker = ckpt.read_component_marker(step_dir / "actor")
-    if fmt == "adapter" and not marker.get("trainable_only"):
+    if fmt == "adapter" and not (marker.get("trainable_only") or marker.get("lora")):
         raise ExportError(f"{step_dir / 'actor'} holds a whole model, not a LoRA adapter: export it with "
                           "--format merged (the default)")
     exporter = ckpt.engine_exporter(marker)
-    if exporter is not None:
-        return exporter(step_dir / "actor", hf_dir)
+    if exporter is not None:  # a Megatron LoRA checkpoint holds the base too: merged or the adapter alone
+        return exporter(step_dir / "actor", hf_dir, **({"adapter_only": True} if fmt == "adapter" else {}))
     state = ckpt.load_trainer_state(step_dir / "data.pt")
     if "config" not in state:
         raise ExportError(f"{step_dir / 'data.pt'} has no saved config; it was not written by rlfoundry's trainer.")

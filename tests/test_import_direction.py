@@ -25,6 +25,7 @@ LAYERS = {
     "trainer": 4, "experimental": 4, "cli": 4,  # experimental: verl's async entry modules
     "__main__": 4, "__init__": 4,
     "scripts": 4,  # command-line tools (python -m rlfoundry.scripts.<name>), as cli
+    "plan": 4,  # the planner reads the trainer's config composition; the trainer runs its start-up check
 }
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
 WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model"}

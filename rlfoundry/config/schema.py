@@ -398,6 +398,30 @@ class PolicyLossConfig(Node):
 
 
 @dataclass
+class VerlLoraConfig(Node):
+    """verl's Megatron ``model.lora.*`` spelling of the LoRA keys. Unset (null) unless given: the
+    ``model.lora_*`` keys hold the settings and their defaults (config/verl_compat.py
+    ``_adopt_megatron_lora`` copies what is given onto them, and refuses what is not built)."""
+
+    type: Optional[str] = None  # canonical_lora (one adapter per HF projection) is what is built
+    merge: Optional[bool] = None  # -> rollout.lora_sync (true: merged, false: adapter)
+    rank: Optional[int] = None  # -> model.lora_rank
+    alpha: Optional[int] = None  # -> model.lora_alpha (verl's Megatron default 32; ours 16)
+    dropout: Optional[float] = None  # 0 only (the rollout and the update must score tokens alike)
+    target_modules: Any = None  # -> model.target_modules (Megatron names translated to HF ones)
+    exclude_modules: Any = None  # -> model.exclude_modules
+    dropout_position: Optional[str] = None  # no effect at dropout 0
+    lora_A_init_method: Optional[str] = None  # kaiming only (peft's kaiming-uniform)
+    lora_B_init_method: Optional[str] = None  # zero only
+    a2a_experimental: Optional[bool] = None  # false only
+    dtype: Optional[str] = None  # null only: the adapters take the model's dtype
+    adapter_path: Optional[str] = None  # -> model.lora_adapter_path
+    freeze_vision_model: Optional[bool] = None  # text models: true only (nothing to freeze)
+    freeze_vision_projection: Optional[bool] = None
+    freeze_language_model: Optional[bool] = None  # true only: the base is frozen beside the adapters
+
+
+@dataclass
 class ModelConfig(Node):
     path: str = "rlfoundry://arithmetic-policy"  # verl: ~/models/deepseek-llm-7b-chat (ours: rlfoundry/assets/arithmetic-policy)
     custom_chat_template: Optional[str] = None
@@ -419,6 +443,7 @@ class ModelConfig(Node):
     target_modules: Any = "all-linear"  # or a list of module names
     exclude_modules: Any = None
     lora_adapter_path: Optional[str] = None  # a peft adapter directory to start from
+    lora: VerlLoraConfig = _sub(VerlLoraConfig)  # verl's Megatron spelling of the keys above
     use_liger: bool = False  # Liger's Triton kernels in the actor and reference (CUDA + liger-kernel; models/liger.py)
     use_fused_kernels: bool = False
     fused_kernel_options: Dict[str, Any] = _dict()
@@ -736,6 +761,7 @@ class CriticModelConfig(Node):
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
     exclude_modules: Any = None
+    lora: VerlLoraConfig = _sub(VerlLoraConfig)  # verl's Megatron spelling of the keys above
 
 
 @dataclass

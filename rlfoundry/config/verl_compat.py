@@ -215,6 +215,8 @@ def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
             set_as.setdefault(read, given)
     _adopt_min_lr(cfg, set_keys)
     _adopt_global_profiler(cfg, set_keys)
+    for role in ("actor_rollout_ref.model", "critic.model"):
+        _adopt_megatron_lora(cfg, role, set_keys)
     _adopt_adapter_lora(cfg, set_keys)
 
 
@@ -268,6 +270,72 @@ def _adopt_global_profiler(cfg: DictConfig, set_keys: Sequence[str]) -> None:
         return
     _copy_setting(cfg, "global_profiler.steps", "trainer.profile_steps", set_keys,
                   "global_profiler.steps (verl, with global_profiler.tool=torch) and trainer.profile_steps")
+
+
+# verl's Megatron model.lora.* -> the key read here (straight copies)
+_MEGATRON_LORA_COPIES = {"rank": "lora_rank", "alpha": "lora_alpha", "adapter_path": "lora_adapter_path"}
+# the values built for verl's other model.lora.* keys (null: not given); any other is a start-up error
+_MEGATRON_LORA_BUILT = {"type": ("canonical_lora",), "dropout": (0, 0.0), "lora_A_init_method": ("kaiming",),
+                        "lora_B_init_method": ("zero",), "a2a_experimental": (False,), "dtype": (),
+                        "freeze_vision_model": (True,), "freeze_vision_projection": (True,),
+                        "freeze_language_model": (True,)}
+
+
+def _adopt_megatron_lora(cfg: DictConfig, role: str, set_keys: list[str]) -> None:
+    """verl's Megatron ``<role>.lora.*`` onto the ``model.lora_*`` keys (one setting, so two spellings
+    must agree); with a rank above 0, a value of a key that is not built is a ConfigError naming it."""
+    given = [f for f in OmegaConf.select(cfg, f"{role}.lora") if _set_by_user(set_keys, f"{role}.lora.{f}")]
+    for name in given:
+        if _MEGATRON_LORA_COPIES.get(name) in OmegaConf.select(cfg, role):
+            read = f"{role}.{_MEGATRON_LORA_COPIES[name]}"
+            _copy_setting(cfg, f"{role}.lora.{name}", read, set_keys, f"{role}.lora.{name} (verl's Megatron) and {read}")
+            set_keys.append(read)
+    if "target_modules" in given:
+        _set_translated(cfg, f"{role}.lora.target_modules", f"{role}.target_modules",
+                        _hf_module_names(OmegaConf.select(cfg, f"{role}.lora.target_modules")), set_keys)
+    if "exclude_modules" in given and OmegaConf.select(cfg, f"{role}.lora.exclude_modules"):
+        _copy_setting(cfg, f"{role}.lora.exclude_modules", f"{role}.exclude_modules", set_keys,
+                      f"{role}.lora.exclude_modules (verl's Megatron) and {role}.exclude_modules")
+    if "merge" in given and role.startswith("actor_rollout_ref"):
+        sync = "merged" if OmegaConf.select(cfg, f"{role}.lora.merge") else "adapter"
+        _set_translated(cfg, f"{role}.lora.merge", "actor_rollout_ref.rollout.lora_sync", sync, set_keys)
+    if int(OmegaConf.select(cfg, f"{role}.lora_rank") or 0) > 0:
+        _refuse_unbuilt_lora(cfg, role, given)
+
+
+def _set_translated(cfg: DictConfig, given: str, read: str, value: Any, set_keys: list[str]) -> None:
+    if _set_by_user(set_keys, read) and not _agree(value, _plain(OmegaConf.select(cfg, read))):
+        raise ConfigError(f"{given} (verl's Megatron, = {read}={value}) and {read}={_plain(OmegaConf.select(cfg, read))} "
+                          "are one setting and were given different values; set one of them.")
+    OmegaConf.update(cfg, read, value)
+    set_keys.append(read)
+
+
+def _hf_module_names(targets: Any) -> Any:
+    """verl's Megatron target names (linear_qkv, linear_fc1_up, ...) as the HF modules they hold; other
+    names (HF's, all-linear) as given."""
+    from rlfoundry.engines.megatron.lora import MEGATRON_NAMES
+
+    targets = _plain(targets)
+    if isinstance(targets, str):
+        return list(MEGATRON_NAMES[targets]) if targets in MEGATRON_NAMES else targets
+    return list(dict.fromkeys(m for t in targets for m in MEGATRON_NAMES.get(t, (t,))))
+
+
+def _refuse_unbuilt_lora(cfg: DictConfig, role: str, given: list[str]) -> None:
+    problems = []
+    for name in given:
+        value = _plain(OmegaConf.select(cfg, f"{role}.lora.{name}"))
+        if name in _MEGATRON_LORA_BUILT and value is not None and value not in _MEGATRON_LORA_BUILT[name]:
+            built = _MEGATRON_LORA_BUILT[name] or ("null",)
+            problems.append(f"{role}.lora.{name}={value} (built: {' or '.join(map(str, built))})")
+    if "adapter_path" in given and "lora_adapter_path" not in OmegaConf.select(cfg, role):
+        problems.append(f"{role}.lora.adapter_path (starting this role from an adapter is not built)")
+    if problems:
+        why = (" (type=lora is verl's fused layout, one A shared by q, k and v; canonical_lora is peft's "
+               "per-projection layout, what both engines train)") if "type" in given else ""
+        raise ConfigError(f"LoRA: {'; '.join(problems)}: not built here{why}; set each key to a built value or "
+                          "remove it (docs/lora.md).")
 
 
 _ADAPTER_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "target_modules": "target_modules"}

@@ -189,6 +189,10 @@ class TrainingEngine(abc.ABC):
         """A LoRA adapter's tensors in peft's file names. Collective."""
         raise NotImplementedError(f"{type(self).__name__} ({self.role}) has no LoRA adapter")
 
+    def adapter_config(self) -> dict[str, Any]:
+        """The LoRA adapter's peft config as JSON data (``adapter_config.json``)."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.role}) has no LoRA adapter")
+
     def adapter_disabled(self) -> Any:
         """A context in which the module is its base model (a LoRA run's reference); no-op without an adapter."""
         return contextlib.nullcontext()

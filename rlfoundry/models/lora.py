@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LoraSpec", "adapter_disabled", "adapter_weights", "apply_lora", "base_of", "effective_weight",
+__all__ = ["LoraSpec", "adapter_disabled", "adapter_weights", "apply_lora", "base_of", "config_json", "effective_weight",
            "hf_weight_name", "is_lora", "merged_hf_weights", "peft_config_dict", "save_adapter", "save_merged",
            "unfusable_reason"]
 
@@ -188,10 +188,14 @@ def effective_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
 
 def peft_config_dict(module: nn.Module) -> dict[str, Any]:
     """The adapter's peft config as JSON data (``adapter_config.json``; the checkpoint marker records it)."""
+    return config_json(module.peft_config[ADAPTER])
+
+
+def config_json(config: Any) -> dict[str, Any]:
+    """A peft ``LoraConfig`` as JSON data (target sets as sorted lists)."""
     import json
 
-    config = module.peft_config[ADAPTER].to_dict()
-    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 
 _ADAPTER_PART = re.compile(r"\.(lora_[A-Za-z_]+|original_module)\.")

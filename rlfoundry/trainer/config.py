@@ -524,15 +524,16 @@ def _check_routing_replay(cfg: PPOConfig) -> list[str]:
 
 
 def _check_lora(cfg: DictConfig) -> list[str]:
-    """LoRA runs on engines that support it (FSDP); an adapter to start from must be there."""
+    """LoRA runs on engines that support it (FSDP; Megatron for the actor: its plug-in's check); an adapter
+    to start from must be there."""
     errors, arr = [], cfg.actor_rollout_ref
     roles = (("actor_rollout_ref", arr.model, arr.actor.strategy), ("critic", cfg.critic.model, cfg.critic.strategy))
     users = [(key, strategy) for key, model, strategy in roles
              if int(model.lora_rank or 0) > 0 and (key == "actor_rollout_ref" or use_critic(cfg))]
     for key, strategy in users:
         if not engine_plugin(strategy).supports_lora:
-            errors.append(f"{key}.model.lora_rank > 0 needs the FSDP engine (LoRA on strategy={strategy} is not "
-                          f"built); use strategy=fsdp or lora_rank=0.")
+            errors.append(f"{key}.model.lora_rank > 0: LoRA on strategy={strategy} is not built; use strategy=fsdp "
+                          "(or megatron for the actor) or lora_rank=0.")
     if users and importlib.util.find_spec("peft") is None:
         from rlfoundry.models.lora import PEFT_INSTALL
 

@@ -154,9 +154,7 @@ class ActorRolloutRefWorker(Worker):
 
     def _adapter_for_rollout(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The adapter's peft config and tensors (peft's file names) for an engine's LoRA request. Collective."""
-        from rlfoundry.models.lora import peft_config_dict
-
-        return peft_config_dict(self.engine.module), self.engine.adapter_weights()
+        return self.engine.adapter_config(), self.engine.adapter_weights()
 
     def _rollout_module(self) -> torch.nn.Module | None:
         """The module the rollout samples from (HF) or syncs from (vLLM): the engine's own where it has
@@ -211,13 +209,18 @@ class ActorRolloutRefWorker(Worker):
         if self._is_rollout:
             self.rollout = self._build_rollout(self._rollout_module())
             self.agent_loop = self._build_agent_loop()
-            if self._is_actor and starts_from_dist_checkpoint(self.config.actor):
-                self._refresh_rollout()  # its copy came from model.path, the actor's weights from the dist checkpoint
+            if self._is_actor and (starts_from_dist_checkpoint(self.config.actor) or self._copy_lacks_adapter()):
+                self._refresh_rollout()  # its copy came from model.path, the actor's weights from elsewhere
         if self._is_ref and self._is_actor and self.lora is not None:
             self._ref_in_actor = True
             self.ref_policy = DataParallelPPOActor(self.config.ref, self.engine)
         elif self._is_ref:
             self.ref_policy = DataParallelPPOActor(self.config.ref, self._build_engine(self.config.ref, False, "ref"))
+
+    def _copy_lacks_adapter(self) -> bool:
+        """A rollout copy loaded from model.path (a Megatron actor's) lacks the adapter the actor starts
+        from (``lora_adapter_path``) until it takes the merged weights."""
+        return self.lora is not None and bool(self.lora.adapter_path) and self.engine.rollout_module() is None
 
     def _build_agent_loop(self) -> Any:
         """``rollout.multi_turn.enable``: the agent loops over the rollout engine, with the configured
@@ -381,7 +384,8 @@ class ActorRolloutRefWorker(Worker):
         loads are verified when ``checkpoint_engine.verify``."""
         if self.rollout is None:
             return
-        if self.engine.rollout_module() is None:
+        # a LoRA adapter sync (vLLM, lora_sync=adapter) pulls the adapter alone, whichever engine trains
+        if self.engine.rollout_module() is None and not self.rollout.pulls_adapter():
             self._load_into_rollout(self.engine.iter_hf_weights(), self.param_version, "the hybrid rollout engine")
         else:
             self._pull_into_rollout()

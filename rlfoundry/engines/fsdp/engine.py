@@ -399,6 +399,9 @@ class FSDPEngine(TrainingEngine):
         """The LoRA adapter in peft's file names (``adapter_model.safetensors``'s keys). Collective."""
         return lora_lib.adapter_weights(self._module, self.iter_trainable_weights())
 
+    def adapter_config(self) -> dict[str, Any]:
+        return lora_lib.peft_config_dict(self._module)
+
     def adapter_disabled(self) -> Any:
         """A context in which the module is its base model (a LoRA run's reference policy)."""
         return lora_lib.adapter_disabled(self._module)

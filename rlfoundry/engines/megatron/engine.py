@@ -39,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rlfoundry.config.schema import MegatronConfig, OptimConfig
-from rlfoundry.engines.base import LogProbs, LossFn, LossOutput, MicroBatching, Output, TrainingEngine, UpdatePlan, Values
+from rlfoundry.engines.base import (LogProbs, LossFn, LossOutput, MicroBatching, Output, TrainingEngine, UpdatePlan, Values,
+                                   say_once)
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, plain_micro_batches, restore
 from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
@@ -86,6 +87,7 @@ class MegatronEngineConfig:
     load_hf_weights: bool = True  # False: a checkpoint will supply every weight (offline export)
     use_fused_kernels: bool = False  # verl's model.use_fused_kernels: log-probs inside the output layer (fused_head.py)
     fused_kernel_options: dict | None = None
+    lora: Any = None  # models.lora.LoraSpec: adapters on the frozen model (lora.py)
 
     @property
     def value_model(self) -> bool:
@@ -113,7 +115,7 @@ class MegatronEngine(TrainingEngine):
         if config.model_kind not in ("causal_lm", "token_classification"):
             raise ValueError(f"{role}: the Megatron engine builds causal LMs and value models, not {config.model_kind!r}")
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
-                                      value_model=config.value_model)
+                                      use_te=self._lora_layers(), value_model=config.value_model)
         problems = moe.layout_problems(f"{_ROLE_KEYS.get(role, role)}.megatron", self.bridge.hf_config, m,
                                        on_cpu=self.device.type != "cuda")
         if problems:
@@ -124,6 +126,8 @@ class MegatronEngine(TrainingEngine):
                               key=f"{_ROLE_KEYS.get(role, role)}.megatron")
         elif config.load_hf_weights:
             mb.load_hf_weights(self.bridge, chunks, config.path)
+        # a frozen engine with adapters: the offline export of a LoRA checkpoint (export.py)
+        self.lora = self._attach_lora(chunks) if config.lora is not None else None
         self.optimizer = self.lr_scheduler = None
         if config.trainable:
             chunks, self.optimizer = self._wrap_for_training(chunks)
@@ -146,6 +150,30 @@ class MegatronEngine(TrainingEngine):
             print(f"rlfoundry: engine: {role}: megatron offload releases its {', '.join(self.offload_parts)} "
                   f"between uses ({where})", flush=True)
         self.offload()
+
+    def _lora_layers(self) -> bool | None:
+        """LoRA: megatron-core's local layers (False), whose qkv and fc1 take the normalised input the
+        adapters need (TransformerEngine's fuse the norm into the linear); else the bridge's choice (None)."""
+        if self.config.lora is None:
+            return None
+        if mb.transformer_engine_available():
+            say_once(f"{self.role}: LoRA runs megatron-core's local layers (TransformerEngine's fuse the norm "
+                     "into the linears the adapters wrap)")
+        return False
+
+    def _attach_lora(self, chunks: list[nn.Module]) -> Any:
+        """Adapters on the loaded (now frozen) weights: fresh, or ``lora_adapter_path``'s (lora.py)."""
+        from rlfoundry.engines.megatron import lora as ml
+
+        spec = self.config.lora
+        if self._transformer_overrides()["sequence_parallel"]:
+            # the adapters' inputs would arrive split along the sequence (not built: gather them first)
+            raise ValueError(f"{_ROLE_KEYS.get(self.role, self.role)}.megatron.sequence_parallel=True with LoRA: not "
+                             "built on the Megatron engine; set it to False.")
+        adapters = ml.attach(self.bridge, chunks, ml.LoraLayout(spec.rank, spec.alpha, ml.hf_targets(spec.target_modules)))
+        if spec.adapter_path:
+            adapters.load_peft(ml.read_peft_adapter(spec.adapter_path))
+        return adapters
 
     def _transformer_overrides(self) -> dict[str, Any]:
         m = self.config.megatron
@@ -338,10 +366,34 @@ class MegatronEngine(TrainingEngine):
             # a tensor that is a parameter's own storage (no gather needed) is copied when the
             # parameters go back to the host afterwards, so what the caller keeps stays readable
             own = off.storage_ids(off.param_tensors(self.chunks)) if "params" in restored else set()
-            for name, tensor in mb.export_hf_weights(self.bridge, self._bare_chunks(), value_head=self.config.value_model):
+            for name, tensor in self._hf_stream():
                 if tensor.untyped_storage()._cdata in own:
                     tensor = tensor.detach().clone()
                 yield name, tensor
+
+    def _hf_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """mbridge's HF tensors; with LoRA the adapters are set aside for it and merged into its stream."""
+        chunks = self._bare_chunks()
+        if self.lora is None:
+            return mb.export_hf_weights(self.bridge, chunks, value_head=self.config.value_model)
+
+        def merged():
+            with self.lora.detached(chunks):
+                yield from self.lora.merged(mb.export_hf_weights(self.bridge, chunks))
+        return merged()
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter in peft's file names, whole tensors on every rank. Collective."""
+        if self.lora is None:
+            return super().adapter_weights()
+        return self.lora.peft_tensors()
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The adapter's ``adapter_config.json`` contents (for ``adapter_weights``)."""
+        return self.lora.peft_config()
+
+    def adapter_disabled(self) -> Any:
+        return self.lora.disabled() if self.lora is not None else contextlib.nullcontext()
 
     # ---- offload ----------------------------------------------------------------------------
 
@@ -481,7 +533,8 @@ class MegatronEngine(TrainingEngine):
             if tokenizer is not None:
                 tokenizer.save_pretrained(out)
 
-        meta = {**self._layout(), "dtype": self.config.megatron.dtype, "has_optimizer": self.optimizer is not None}
+        meta = {**self._layout(), "dtype": self.config.megatron.dtype, "has_optimizer": self.optimizer is not None,
+                "lora": self.lora.peft_config() if self.lora is not None else None}
         with self.resident("params", "optimizer"):
             ckpt.save_role(path, write_shards, write_config, self.lr_scheduler, {**extra, "engine": self.counters()},
                            meta=meta, rng_state=self._rng_state)
@@ -502,6 +555,7 @@ class MegatronEngine(TrainingEngine):
                                  "load it with the engine that saved it")
             saved = {"context_parallel_size": 1, "expert_model_parallel_size": 1, **meta}  # from before CP / EP
             same = all(saved.get(k) == v for k, v in self._layout().items())
+            _check_same_adapter(root, meta.get("lora"), self.lora.peft_config() if self.lora is not None else None)
             if self.optimizer is not None and not same:
                 raise ValueError(f"{root}: saved with {({k: saved.get(k) for k in self._layout()})}, resumed with "
                                  f"{self._layout()}; resuming training needs the same layout (the model alone reshards)")
@@ -531,6 +585,25 @@ class MegatronEngine(TrainingEngine):
         with self.resident("params"):  # an offloaded engine brings its weights back for the save
             save_dist_weights(self._bare_chunks(), path)
 
+    def _save_adapter(self, path: str) -> str:
+        """A peft adapter directory (``PeftModel.from_pretrained(base, path)``), written by global rank 0."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        if self.lora is None:
+            raise ValueError(f"{self.role}: an adapter export needs a LoRA model (model.lora_rank > 0)")
+        tensors, config = self.lora.peft_tensors(), self.lora.peft_config()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+            (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": self.config.path}))
+        if dist.is_initialized():
+            dist.barrier()
+        return str(path)
+
     def _hf_config(self) -> Any:
         """The HF config of what this engine holds: the checkpoint's, or for a value model the
         family's one-label token classifier (the FSDP critic's layout)."""
@@ -546,7 +619,7 @@ class MegatronEngine(TrainingEngine):
     def save_hf_model(self, path: str, tokenizer: Any = None, adapter_only: bool = False) -> str:
         """Full weights (gathered tensor by tensor) + config (+ tokenizer), written by global rank 0."""
         if adapter_only:
-            raise ValueError(f"{self.role}: the Megatron engine has no LoRA adapter to export (strategy=fsdp has)")
+            return self._save_adapter(path)
         from pathlib import Path
 
         from safetensors.torch import save_file
@@ -645,6 +718,16 @@ def _model_copy_group() -> Any:
         if dp_rank == ps.get_data_parallel_rank():
             mine = group
     return mine
+
+
+def _check_same_adapter(root: Any, saved: dict | None, mine: dict | None) -> None:
+    """A LoRA checkpoint resumes into an adapter of the same rank, alpha and targets only (and a full
+    model's into no adapter): the shapes, or the meaning of the saved moments, would differ."""
+    keys = ("r", "lora_alpha", "target_modules")
+    if {k: (saved or {}).get(k) for k in keys} != {k: (mine or {}).get(k) for k in keys}:
+        raise ValueError(f"{root}: saved with the LoRA adapter {({k: (saved or {}).get(k) for k in keys})}, this run's is "
+                         f"{({k: (mine or {}).get(k) for k in keys})}; resume with the run's own model.lora_rank, "
+                         "lora_alpha and target_modules")
 
 
 def _default_contents_only(contents: Any) -> None:

@@ -38,8 +38,10 @@ def _single_process_group() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def export_megatron_checkpoint(local_path: str | os.PathLike, out_path: str | os.PathLike) -> Path:
-    """``.../global_step_N/<role>`` written by the Megatron engine -> an HF directory at ``out_path``."""
+def export_megatron_checkpoint(local_path: str | os.PathLike, out_path: str | os.PathLike,
+                               adapter_only: bool = False) -> Path:
+    """``.../global_step_N/<role>`` written by the Megatron engine -> an HF directory at ``out_path``; a
+    LoRA actor's (its marker records the adapter) merged, or with ``adapter_only`` its peft adapter directory."""
     from transformers import AutoConfig, AutoTokenizer
 
     from rlfoundry.config.schema import MegatronConfig
@@ -54,10 +56,20 @@ def export_megatron_checkpoint(local_path: str | os.PathLike, out_path: str | os
     # the dtype it trained in: the exported tensors are those the model held
     megatron = MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               use_distributed_optimizer=False, dtype=meta.get("dtype", "float32"))
-    config = MegatronEngineConfig(str(hf_dir), megatron, optim=None, model_kind=kind, load_hf_weights=False)
+    config = MegatronEngineConfig(str(hf_dir), megatron, optim=None, model_kind=kind, load_hf_weights=False,
+                                  lora=_lora_spec(meta.get("lora")))
     with _single_process_group():
         engine = MegatronEngine(config, "cpu", role=path.name)
         engine.load_checkpoint(str(path))
         tokenizer = AutoTokenizer.from_pretrained(hf_dir) if (hf_dir / "tokenizer_config.json").is_file() else None
-        engine.save_hf_model(str(out_path), tokenizer)
+        engine.save_hf_model(str(out_path), tokenizer, adapter_only=adapter_only)
     return Path(out_path)
+
+
+def _lora_spec(saved: dict | None):
+    """The adapter the checkpoint's marker records (peft's config keys), or None."""
+    from rlfoundry.models.lora import LoraSpec
+
+    if not saved:
+        return None
+    return LoraSpec(rank=int(saved["r"]), alpha=float(saved["lora_alpha"]), target_modules=list(saved["target_modules"]))

@@ -23,7 +23,7 @@ _LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
 
 class MegatronPlugin(EnginePlugin):
     name = "megatron"
-    supports_lora = False
+    supports_lora = True  # the actor's (lora.py); the critic's is refused in check
     dtype_key = "megatron.dtype"
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
@@ -33,7 +33,8 @@ class MegatronPlugin(EnginePlugin):
         config = MegatronEngineConfig(str(request.model.path), request.megatron, request.optim, request.grad_clip,
                                       model_kind=request.model_kind,
                                       use_fused_kernels=bool(getattr(request.model, "use_fused_kernels", False)),
-                                      fused_kernel_options=dict(getattr(request.model, "fused_kernel_options", None) or {}))
+                                      fused_kernel_options=dict(getattr(request.model, "fused_kernel_options", None) or {}),
+                                      lora=request.lora)
         return MegatronEngine(config, device, role=role)
 
     def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
@@ -83,11 +84,33 @@ class MegatronPlugin(EnginePlugin):
         if _is_vision_language(((cfg.get("actor_rollout_ref") or {}).get("model") or {}).get("path")):
             errors.append("actor_rollout_ref.model.path is a vision-language model: the Megatron engine takes text "
                           "models only (docs/vision.md); use strategy=fsdp for image prompts.")
+        errors += _check_lora(cfg, roles)
         policy = any(k.startswith("actor_rollout_ref.") for k in roles)
         if policy and pick(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
             errors += check_fused_kernels(pick(cfg, "actor_rollout_ref.model.fused_kernel_options", None),
                                           "actor_rollout_ref.model")
         return errors
+
+
+def _check_lora(cfg: Any, roles: list[str]) -> list[str]:
+    """LoRA on this engine: the actor's, on the attention and MLP projections (lora.py)."""
+    from rlfoundry.engines.megatron.lora import hf_targets
+
+    if "critic" in roles and int(pick(cfg, "critic.model.lora_rank", 0) or 0) > 0:
+        return ["critic.model.lora_rank > 0 with critic.strategy=megatron: LoRA on a Megatron critic is not built; "
+                "use critic.strategy=fsdp or critic.model.lora_rank=0."]
+    model = pick(cfg, "actor_rollout_ref.model")
+    if "actor_rollout_ref.actor" not in roles or int(model.lora_rank or 0) <= 0:
+        return []
+    errors = []
+    if model.exclude_modules:
+        errors.append("actor_rollout_ref.model.exclude_modules with strategy=megatron: not built; name the modules to "
+                      "adapt in model.target_modules instead.")
+    try:
+        hf_targets(model.target_modules)
+    except ValueError as e:
+        errors.append(f"actor_rollout_ref.{e}")
+    return errors
 
 
 def _is_vision_language(path: Any) -> bool:
