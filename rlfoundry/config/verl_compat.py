@@ -311,11 +311,17 @@ def _set_translated(cfg: DictConfig, given: str, read: str, value: Any, set_keys
     set_keys.append(read)
 
 
+# verl's Megatron LoRA target names (fused and canonical) -> HF module names, the names the typed config holds
+MEGATRON_NAMES = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_q": ("q_proj",), "linear_k": ("k_proj",),
+    "linear_v": ("v_proj",), "linear_proj": ("o_proj",), "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",),
+}
+
+
 def _hf_module_names(targets: Any) -> Any:
     """verl's Megatron target names (linear_qkv, linear_fc1_up, ...) as the HF modules they hold; other
     names (HF's, all-linear) as given."""
-    from rlfoundry.engines.megatron.lora import MEGATRON_NAMES
-
     targets = _plain(targets)
     if isinstance(targets, str):
         return list(MEGATRON_NAMES[targets]) if targets in MEGATRON_NAMES else targets

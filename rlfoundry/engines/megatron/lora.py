@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.config.verl_compat import MEGATRON_NAMES
+
 __all__ = ["LoraLayout", "MegatronLora", "PARTS", "attach", "hf_targets"]
 
 # megatron-core linear -> (the bridge's weight key, the HF modules it holds, parallel kind)
@@ -45,12 +47,6 @@ PARTS = {
     "linear_fc2": ("mlp.linear_fc2.weight", ("down_proj",), "row"),
 }
 HF_MODULES = tuple(m for _, mods, _ in PARTS.values() for m in mods)
-# verl's Megatron target names (fused and canonical) -> HF module names, the names the typed config holds
-MEGATRON_NAMES = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_q": ("q_proj",), "linear_k": ("k_proj",),
-    "linear_v": ("v_proj",), "linear_proj": ("o_proj",), "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",),
-}
 _PEFT_PREFIX = "base_model.model."
 
 
