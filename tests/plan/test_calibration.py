@@ -17,7 +17,8 @@ def base(tmp_path_factory):
     return work, baseline(work)
 
 
-@pytest.mark.parametrize("name", ["dense", "lora", "moe"])
+# CI time: LoRA's case is heavy (its plan is 12.8 % over the measured peak: docs/plan.md); dense and MoE run
+@pytest.mark.parametrize("name", ["dense", pytest.param("lora", marks=pytest.mark.heavy), "moe"])
 def test_planned_peak_within_15_percent_of_measured(base, name):
     work, figures = base
     row = calibrate(CASES[name], figures, work)

@@ -93,6 +93,9 @@ PPO = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "critic.optim.eps=
        "critic.ppo_micro_batch_size_per_gpu=2"]
 
 
+# CI time (137 s): heavy; CI has the critic's update against FSDP2's at four layouts
+# (tests/engines/test_megatron_critic.py) and Megatron resume/export (test_megatron_checkpoint.py)
+@pytest.mark.heavy
 @pytest.mark.ray
 def test_ppo_with_the_critic_on_megatron_matches_fsdp_resumes_and_exports(tiny_model_dir, tmp_path):
     import transformers
