@@ -171,7 +171,10 @@ class TrainingEngine(abc.ABC):
 
     @abc.abstractmethod
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) per parameter, one at a time (rollout weight sync). Collective."""
+        """(HF name, full tensor) per parameter, one at a time (rollout weight sync). Collective.
+        A tensor that needs no gather (unsharded, or replicated over tensor-parallel ranks: norms) may
+        be the parameter itself, not a copy: use it before the next update, or ``.clone()`` it to keep
+        the values (a stream for sync and export copies nothing it need not)."""
 
     # ---- hooks an engine overrides where it has the feature (the defaults say it has not) ------
 
@@ -186,7 +189,8 @@ class TrainingEngine(abc.ABC):
         return data, slice(0, len(data))
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        """A LoRA adapter's tensors in peft's file names. Collective."""
+        """A LoRA adapter's tensors in peft's file names, on the CPU, copies (they keep the values of
+        the call through later updates). Collective."""
         raise NotImplementedError(f"{type(self).__name__} ({self.role}) has no LoRA adapter")
 
     def adapter_config(self) -> dict[str, Any]:

@@ -254,10 +254,11 @@ def _merge(layer: Any, parts: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def adapter_weights(module: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The adapter (and trained heads) in peft's file names, from the module's full trainable
-    parameters ``named``: what ``adapter_model.safetensors`` holds."""
+    parameters ``named``: what ``adapter_model.safetensors`` holds. Copies: an unsharded parameter on
+    the CPU would otherwise be handed out live, and change under the caller at the next update."""
     from peft import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(module, state_dict={k: v.detach().cpu() for k, v in named})
+    return get_peft_model_state_dict(module, state_dict={k: v.detach().to("cpu", copy=True) for k, v in named})
 
 
 def save_adapter(module: nn.Module, named: Iterable[tuple[str, torch.Tensor]], out: str | Path) -> Path:

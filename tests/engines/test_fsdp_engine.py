@@ -91,3 +91,44 @@ def test_mini_batch_stats_sum_losses_and_token_weight_ratios():
     stats.add(LossOutput(torch.zeros(()), {"l": 0.25}, {"r": 0.5}), tokens=3)
     stats.add(LossOutput(torch.zeros(()), {"l": 0.5}, {"r": 1.0}), tokens=1)
     assert stats.reduce(dp_size=1, group=None) == {"l": 0.75, "r": pytest.approx(0.625)}
+
+
+# ---- a checkpoint while training goes on (two ranks) ----------------------------------------
+
+def _save_then_train_on(rank: int, store: str, out: str, model_dir, data: DataProto) -> None:
+    """One update, a save, one more update: rank 0 keeps the weights of the save and of after."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    engine, plan, mine = _engine(model_dir), UpdatePlan(mini_batch_size=2, micro=MicroBatching(size=2)), data.chunk(2)[rank]
+    engine.train_batch(mine, LogProbs(), _nll, plan)
+    engine.save_checkpoint(f"{out}/global_step_1/actor", {})
+    saved = {n: w.clone() for n, w in engine.iter_hf_weights()}  # the stream's tensors may be the live parameters
+    engine.train_batch(mine, LogProbs(), _nll, plan)
+    later = dict(engine.iter_hf_weights())
+    if rank == 0:
+        torch.save((saved, later), f"{out}/weights.pt")
+    dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)  # skip gloo's thread teardown (see tests/workers/test_critic.py)
+
+
+def test_training_on_after_a_save_leaves_the_checkpoint_as_saved(tiny_model_dir, tmp_path):
+    """DCP shards saved at two ranks, the ranks training on after: the offline export (one process,
+    ``rlfoundry export``'s path) has the weights of the moment of the save, bit for bit."""
+    import torch.multiprocessing as mp
+
+    from rlfoundry import checkpoint as ckpt
+
+    mp.spawn(_save_then_train_on, args=(str(tmp_path / "store"), str(tmp_path), tiny_model_dir, _batch()), nprocs=2)
+    saved, later = torch.load(tmp_path / "weights.pt")
+    assert any(not torch.equal(later[n], w) for n, w in saved.items())  # the later update moved them
+    exported = load_file(ckpt.export_hf_from_checkpoint(tmp_path / "global_step_1" / "actor", tmp_path / "hf")
+                         / "model.safetensors")
+    assert [n for n, w in saved.items() if n in exported and not torch.equal(exported[n], w)] == []
+    assert set(saved) - set(exported) <= {"lm_head.weight"}  # a tied head is stored once

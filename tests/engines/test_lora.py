@@ -142,3 +142,14 @@ def test_hf_weight_names_drop_peft_prefixes_and_adapter_tensors():
     assert hf_weight_name("base_model.model.score.modules_to_save.default.weight") == "score.weight"
     assert hf_weight_name("base_model.model.score.original_module.weight") is None
     assert hf_weight_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_the_adapter_handed_out_keeps_its_values_through_later_updates(process_group, tiny_model_dir):
+    """``adapter_weights`` is a snapshot (the FSDP engine at one rank would otherwise hand out the live
+    parameters, and a caller keeping them, as a rollout's adapter, would see the next update)."""
+    engine = _trained(tiny_model_dir, steps=1)
+    taken = engine.adapter_weights()
+    kept = {k: v.clone() for k, v in taken.items()}
+    engine.train_batch(_batch(), LogProbs(), _nll, PLAN)
+    assert all(torch.equal(taken[k], v) for k, v in kept.items())
+    assert any(not torch.equal(engine.adapter_weights()[k], v) for k, v in kept.items())  # it did move

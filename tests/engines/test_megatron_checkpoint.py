@@ -2,7 +2,8 @@
 directory): a resumed engine takes exactly the update the uninterrupted one took, at TP=2 and at
 DP=2 and CP=2 with the distributed optimiser; the model saved at TP=2 loads on one rank (resharded) with the
 same weights; a damaged shard is refused before anything loads; ``rlfoundry export``'s offline path
-turns an actor saved at TP=2 and a critic saved at PP=2 into HF directories with the saved weights."""
+turns an actor saved at TP=2 and a critic saved at PP=2 into HF directories with the saved weights; a
+checkpoint keeps the weights of its save while the process trains on (TP=2; DP=2 distributed optimiser)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,38 @@ def test_offline_export_of_another_layout(tiny_model_dir, tmp_path, tp, pp, crit
     model = auto.from_pretrained(out)
     assert model.num_parameters() == sum(t.numel() for t in exported.values())
     assert transformers.AutoTokenizer.from_pretrained(out).eos_token is not None
+
+
+def _save_then_train_on(rank: int, model_dir: str, data, ckpt: str, tp: int, distributed_optimizer: bool):
+    """One update, a save, one more update in the same process: the weights at the save."""
+    actor, dp, dp_rank = _actor(model_dir, tp, distributed_optimizer)
+    mine = data.chunk(dp)[dp_rank]
+    actor.update_policy(mine)
+    actor.engine.save_checkpoint(ckpt, {})
+    # clones: the stream's TP-replicated tensors (norms) are the live parameters (engines/base.py)
+    saved = {k: v.clone() for k, v in actor.engine.iter_hf_weights()}
+    actor.update_policy(mine)
+    return saved, dict(actor.engine.iter_hf_weights())
+
+
+def _export_offline(rank: int, ckpt: str, out: str):
+    from rlfoundry.engines.megatron.export import export_megatron_checkpoint
+
+    export_megatron_checkpoint(ckpt, out)
+
+
+@pytest.mark.parametrize("tp, distributed_optimizer", [(2, False), (1, True)])
+def test_training_on_after_a_save_leaves_the_checkpoint_as_saved(tiny_model_dir, tmp_path, tp, distributed_optimizer):
+    """The checkpoint holds the weights of the moment it was saved, though the process trains on: read
+    back offline at one rank (``rlfoundry export``'s path), every tensor, the ones replicated on every
+    TP rank (norms) too, equals the save-time weights bit for bit."""
+    from safetensors.torch import load_file
+
+    data, ckpt, out = _scored_batch(str(tiny_model_dir)), tmp_path / "global_step_1" / "actor", tmp_path / "hf"
+    saved, later = run_ranks(_save_then_train_on, 2, tmp_path, tp=tp,
+                             args=(str(tiny_model_dir), data, str(ckpt), tp, distributed_optimizer))[0]
+    assert not torch.equal(later["model.norm.weight"], saved["model.norm.weight"])  # the later update moved them
+    run_ranks(_export_offline, 1, tmp_path, args=(str(ckpt), str(out)))
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) == set(saved)
+    assert [k for k, v in saved.items() if not torch.equal(exported[k], v)] == []

@@ -142,13 +142,15 @@ def _save_then_resume(rank: int, model_dir: str, data, ckpt: str):
             "after": actor.engine.adapter_weights(), "resumed_after": resumed.engine.adapter_weights(), "refused": refused}
 
 
-def _save_once(rank: int, model_dir: str, data, ckpt: str):
+def _save_then_train_on(rank: int, model_dir: str, data, ckpt: str):
     from rlfoundry.models.lora import LoraSpec
 
     actor = _megatron_actor(model_dir, LoraSpec(rank=RANK, alpha=ALPHA))
     actor.update_policy(data)
     actor.engine.save_checkpoint(ckpt, {"global_step": 1})
-    return actor.engine.adapter_weights()
+    saved = actor.engine.adapter_weights()
+    actor.update_policy(data)  # training goes on after the save
+    return saved
 
 
 def _export_offline(rank: int, ckpt: str, out: str):
@@ -172,11 +174,11 @@ def test_checkpoint_resumes_the_adapter(tiny_model_dir, tmp_path):
 
 def test_offline_export_of_a_lora_checkpoint(tiny_model_dir, tmp_path):
     """``rlfoundry export``'s Megatron path (one process, resharded from TP=2) writes the saved adapter
-    (peft directory) and the model merged with it. (The process that saved stops after the save: with
-    updates after it, megatron-core's checkpoint of TP-replicated tensors, norms as well as these
-    adapters, reads back later values at another layout: an engine bug outside LoRA, reported.)"""
+    (peft directory) and the model merged with it; the saving process trains on after the save, and the
+    adapter it took at the save keeps its values (``adapter_weights`` copies: the TP-replicated halves
+    would otherwise be the live parameters and show the later update)."""
     data, ckpt = _scored_batch(str(tiny_model_dir)), str(tmp_path / "global_step_1" / "actor")
-    [saved, _] = run_ranks(_save_once, 2, tmp_path, tp=2, args=(str(tiny_model_dir), data, ckpt))
+    [saved, _] = run_ranks(_save_then_train_on, 2, tmp_path, tp=2, args=(str(tiny_model_dir), data, ckpt))
     run_ranks(_export_offline, 1, tmp_path, args=(ckpt, str(tmp_path / "export")))
     exported = _load(str(tmp_path / "export" / "adapter" / "adapter_model.safetensors"))
     assert set(exported) == set(saved) and all(torch.equal(exported[k], v) for k, v in saved.items())

@@ -363,8 +363,9 @@ class MegatronEngine(TrainingEngine):
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         with self.resident("params") as restored:
-            # a tensor that is a parameter's own storage (no gather needed) is copied when the
-            # parameters go back to the host afterwards, so what the caller keeps stays readable
+            # a tensor that is a parameter's own storage (no gather needed: TP-replicated norms, or
+            # any at TP=1) is copied when the parameters go back to the host afterwards, so what the
+            # caller keeps stays readable; otherwise it is the live parameter (base.py's contract)
             own = off.storage_ids(off.param_tensors(self.chunks)) if "params" in restored else set()
             for name, tensor in self._hf_stream():
                 if tensor.untyped_storage()._cdata in own:

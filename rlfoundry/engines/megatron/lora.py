@@ -254,10 +254,12 @@ class Adapters:
                     param.copy_(_shard(lora, which, tensors[key].to(param.dtype)))
 
     def whole(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """HF module name -> (A, B) whole, on every rank (gathered over TP, then pipeline stages). Collective."""
+        """HF module name -> (A, B) whole, on every rank (gathered over TP, then pipeline stages), copies
+        of the parameters: a half that needs no gather (replicated over TP) would otherwise be the live
+        parameter on the CPU, and a caller keeping the adapter would see the next update's values. Collective."""
         from megatron.core import parallel_state as ps
 
-        mine = {hf: tuple(_gather(lora, w, getattr(lora, f"{w}_{part}").detach()).cpu() for w in "AB")
+        mine = {hf: tuple(_gather(lora, w, getattr(lora, f"{w}_{part}").detach()).to("cpu", copy=True) for w in "AB")
                 for lora, part, hf in self._items()}
         if ps.get_pipeline_model_parallel_world_size() == 1:
             return mine
