@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from rlfoundry.trainer.ppo.replay import (
     PHASES,
@@ -16,6 +15,7 @@ from rlfoundry.trainer.ppo.replay import (
     compare_checkpoints,
     compare_phases,
     load_checkpoint_tensors,
+    load_record,
     record_path,
 )
 
@@ -73,7 +73,7 @@ def _inputs(run_dir: Path, step: int) -> tuple[dict[str, Any], Path]:
     if not path.is_file():
         raise ReplayError(f"{path}: no record of step {step}; a run writes one per step with "
                           "trainer.replay_records=true")
-    record = torch.load(path, weights_only=False)
+    record = load_record(path)
     ckpt_root = Path(OmegaConf.create(record["config"]).trainer.default_local_dir).expanduser()
     for needed in ([step - 1] if step > 1 else []) + [step]:
         if not (ckpt_root / f"global_step_{needed}").is_dir():

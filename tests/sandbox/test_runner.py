@@ -256,17 +256,29 @@ def test_a_non_root_callers_sandbox_has_the_ipc_limits_and_its_jobs_folder_works
         pytest.skip("needs root and util-linux unshare and setpriv to run a caller as nobody")
     if not _reachable_by_nobody(os.path.join(repo, "rlfoundry")):
         pytest.skip(f"nobody cannot read the checkout at {repo}")
-    prefix, bound = os.path.realpath(sys.prefix), tempfile.mkdtemp(prefix="rlf-py-")  # in /tmp: nobody passes
-    os.chmod(bound, 0o755)
-    paths = [repo] + [p.replace(prefix, bound, 1) for p in site.getsitepackages() if p.startswith(prefix)]
-    python = os.path.realpath(sys.executable).replace(prefix, bound, 1)
-    script = (f'mount --bind {prefix} {bound} && exec setpriv --reuid 65534 --regid 65534 --clear-groups env '
+    # the interpreter's installation and (in a virtual environment, CI's) the environment's, each bound in /tmp
+    # where nobody passes (the originals may sit under /root, mode 0700)
+    binds = {p: tempfile.mkdtemp(prefix="rlf-py-") for p in {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}}
+
+    def moved(path: str) -> str:
+        for prefix, bound in binds.items():
+            if path == prefix or path.startswith(prefix + os.sep):
+                return bound + path[len(prefix):]
+        return path
+
+    for bound in binds.values():
+        os.chmod(bound, 0o755)
+    paths = [repo] + [moved(os.path.realpath(p)) for p in site.getsitepackages()]
+    python = moved(os.path.realpath(sys.executable))
+    mounts = " && ".join(f"mount --bind {prefix} {bound}" for prefix, bound in binds.items())
+    script = (f'{mounts} && exec setpriv --reuid 65534 --regid 65534 --clear-groups env '
               f'HOME=/tmp PYTHONPATH={":".join(paths)} {ISOLATION_ENV}={backend} {python} -c "$0" "$1"')
     try:
         done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
                                _NON_ROOT_PROBE, _NON_ROOT_SHM], capture_output=True, text=True, timeout=60, cwd="/tmp")
     finally:
-        os.rmdir(bound)
+        for bound in binds.values():
+            os.rmdir(bound)
     assert done.returncode == 0, done.stderr[-2000:]
     uid, status, (inside, shmmax, segments, refused), job_status, made = json.loads(done.stdout)
     assert (uid, status, inside, shmmax) == (65534, "ok", "65534", str(512 << 20))

@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
-from rlfoundry.trainer.ppo.replay import record_path
+from rlfoundry.trainer.ppo.replay import load_record, record_path, save_record
 from rlfoundry.trainer.replay import replay_step
 from tests.trainer._e2e import subprocess_env, tiny_overrides, train
 
@@ -36,7 +35,7 @@ def run_dir(request, tiny_model_dir, tmp_path_factory):
 def test_a_recorded_step_replays_bit_for_bit_phases_and_checkpoint(run_dir):
     report = replay_step(run_dir, 2)
     assert report.divergence is None, report.summary()
-    record = torch.load(record_path(run_dir, 2), weights_only=False)
+    record = load_record(record_path(run_dir, 2))
     critic = "values" in record["phases"]
     assert report.phases_compared == ["old log-probs", *(["values"] if critic else []), "rewards", "advantages",
                                       "returns"]
@@ -45,7 +44,7 @@ def test_a_recorded_step_replays_bit_for_bit_phases_and_checkpoint(run_dir):
 
 @pytest.mark.parametrize("run_dir", ["grpo"], indirect=True)
 def test_a_tampered_reward_is_named_at_the_rewards_phase_and_a_changed_loss_at_the_update(run_dir, tmp_path):
-    record = torch.load(record_path(run_dir, 2), weights_only=False)
+    record = load_record(record_path(run_dir, 2))
     # a copy: the record stores the scores and the rewards made of them in one storage, as the run had them
     scores = record["input"].batch["token_level_scores"] = record["input"].batch["token_level_scores"].clone()
     row, col = (scores != 0).nonzero()[0].tolist() if (scores != 0).any() else (0, 0)
@@ -56,7 +55,7 @@ def test_a_tampered_reward_is_named_at_the_rewards_phase_and_a_changed_loss_at_t
     assert (diverged.where, diverged.tensor) == ("rewards", "token_level_rewards"), diverged
     assert f"first at ({row}, {col})" in diverged.detail
 
-    record = torch.load(record_path(run_dir, 2), weights_only=False)
+    record = load_record(record_path(run_dir, 2))
     config = OmegaConf.create(record["config"])
     # the loss's entropy bonus: no phase before the update reads it (the learning rate would not do: the
     # optimiser's state in the checkpoint carries it)
@@ -71,7 +70,7 @@ def _copy_run_with_record(run_dir, out, record):
     """The run's record of step 2, changed, in ``out`` (the record's config still names the run's checkpoints)."""
     path = record_path(out, 2)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(record, path)
+    save_record(path, record)
 
 
 @pytest.mark.parametrize("run_dir", ["grpo"], indirect=True)

@@ -18,6 +18,7 @@ sampling (a rollout is replayed by the mismatch audit and exact mode, not here).
 from __future__ import annotations
 
 import copy
+import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 __all__ = ["PHASES", "Divergence", "StepRecorder", "compare_checkpoints", "compare_phases", "load_checkpoint_tensors",
-           "record_path"]
+           "load_record", "record_path", "save_record"]
 
 RECORD_DIR = "replay"
 # (phase, the batch key it writes), in the order the step computes them: the first that differs is named
@@ -73,11 +74,53 @@ class StepRecorder:
             self.batch.batch[key] = value
         phases = {key: batch.batch[key] for _, key in PHASES if key in batch.batch.keys()}
         path = record_path(self.run_dir, self.step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"step": self.step, "input": self.batch, "phases": phases, "config": config_yaml}, tmp)
-        tmp.replace(path)  # a reader never sees half a record
+        save_record(path, {"step": self.step, "input": self.batch, "phases": phases, "config": config_yaml})
         return path
+
+
+# A record loads with torch.load(weights_only=True), as every file this project reads (no code runs on load):
+# tensors stay tensors; the per-row values (strings, numbers, dicts of them) and the metadata go as JSON.
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.tolist()
+    raise TypeError(f"a replay record keeps per-row values and metadata as JSON; {type(value).__name__} is not")
+
+
+def _column(spec: dict[str, Any]) -> np.ndarray:
+    if spec["dtype"] != "object":
+        return np.array(spec["values"], dtype=spec["dtype"]).reshape(spec["shape"])
+    column = np.empty(len(spec["values"]), dtype=object)  # row by row: lists stay one value per row
+    column[:] = [None] * len(column)
+    for i, value in enumerate(spec["values"]):
+        column[i] = value
+    return column
+
+
+def save_record(path: Path, record: dict[str, Any]) -> None:
+    batch = record["input"]
+    rows = {k: {"dtype": str(v.dtype), "shape": list(v.shape), "values": v.tolist()}
+            for k, v in batch.non_tensor_batch.items()}
+    out = {"step": record["step"], "config": record["config"], "phases": dict(record["phases"]),
+           "tensors": dict(batch.batch.items()), "rows": json.dumps(rows, default=_jsonable),
+           "meta_info": json.dumps(batch.meta_info, default=_jsonable)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(out, tmp)
+    tmp.replace(path)  # a reader never sees half a record
+
+
+def load_record(path: Path) -> dict[str, Any]:
+    """``{"step", "config", "phases", "input"}``, ``input`` the batch as a DataProto."""
+    from rlfoundry.protocol import DataProto
+
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    rows = {k: _column(spec) for k, spec in json.loads(raw["rows"]).items()}
+    batch = DataProto.from_dict(tensors=raw["tensors"], non_tensors=rows, meta_info=json.loads(raw["meta_info"]))
+    return {"step": raw["step"], "config": raw["config"], "phases": raw["phases"], "input": batch}
 
 
 # ───────────────────────────────────── comparing ─────────────────────────────────────
@@ -136,9 +179,9 @@ def load_checkpoint_tensors(role_dir: Path) -> dict[str, Any]:
             flat = Path(tmp) / "dcp.pt"
             dcp_to_torch_save(meta.parent, flat)
             prefix = str(meta.parent.relative_to(role_dir))
-            out |= {f"{prefix}/{k}": v for k, v in _flatten(torch.load(flat, weights_only=False)).items()}
+            out |= {f"{prefix}/{k}": v for k, v in _flatten(torch.load(flat, weights_only=True)).items()}
     for pt in sorted(role_dir.rglob("*.pt")):
-        out |= {f"{pt.relative_to(role_dir)}/{k}": v for k, v in _flatten(torch.load(pt, weights_only=False)).items()}
+        out |= {f"{pt.relative_to(role_dir)}/{k}": v for k, v in _flatten(torch.load(pt, weights_only=True)).items()}
     return out
 
 
