@@ -175,7 +175,8 @@ def rollout_spec(cfg: Any, hw: Hardware, trainer_ranks: int, seq: int) -> mem.Ro
         name=ro.name, tp=tp, weight_bytes=mem.dtype_bytes(ro.dtype, 2) if hw.device == "cuda" else 4,
         gpu_memory_utilization=float(ro.gpu_memory_utilization), sequences_per_replica=-(-sequences // replicas),
         context=seq, releases_memory=bool(ro.free_cache_engine and ro.enable_sleep_mode),
-        shares_actor_weights=ro.name == "hf" and actor.strategy == "fsdp" and colocated)
+        shares_actor_weights=ro.name == "hf" and actor.strategy == "fsdp" and colocated,
+        kv_sized_to_batch=hw.device != "cuda")
 
 
 # ───────────────────────────────────── phases of a pool ─────────────────────────────────────

@@ -289,6 +289,8 @@ class RolloutSpec:
     context: int  # prompt + response tokens
     releases_memory: bool  # sleep mode / free_cache_engine: nothing kept outside generation
     shares_actor_weights: bool  # HF engine decoding the FSDP actor's own module
+    # vLLM/SGLang on the CPU size their KV cache to the batch (the rollouts' CPU paths), not to a memory share
+    kv_sized_to_batch: bool = False
 
 
 # vLLM/SGLang's own non-KV reserve inside their budget (CUDA graphs, sampler, activations at
@@ -311,8 +313,9 @@ def kv_cache_needed(m: ModelShape, r: RolloutSpec) -> float:
 def rollout_phase(m: ModelShape, r: RolloutSpec, memory_bytes: int) -> Breakdown:
     """Generation on one rank. vLLM/SGLang take ``gpu_memory_utilization`` of the device: their weights,
     a reserve, and KV cache filling the rest (what the batch does not use stays reserved). The HF
-    engine decodes the actor's own module (no second copy) and allocates the KV its batch needs."""
-    if r.name == "hf":
+    engine decodes the actor's own module (no second copy) and allocates the KV its batch needs, as vLLM and
+    SGLang do on the CPU (``kv_sized_to_batch``: ``_cpu_kv_cache_bytes`` / ``max_total_tokens`` there)."""
+    if r.name == "hf" or r.kv_sized_to_batch:
         weights = 0 if r.shares_actor_weights else rollout_weights(m, r)
         return Breakdown(device={"rollout weights": int(weights), "kv cache": int(kv_cache_needed(m, r))})
     budget = r.gpu_memory_utilization * memory_bytes

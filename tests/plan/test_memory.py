@@ -148,3 +148,17 @@ def test_megatron_fp32_parameters_have_no_master_copy():
     m = shape_from_config(QWEN25_7B)
     s = mem.weight_states(m, _spec(strategy="megatron", storage_bytes=4, par=mem.Parallel(dp=2)))
     assert s["master weights"] == 0 and s["weights"] == pytest.approx(4 * param_counts(m)[0])
+
+
+def test_vllm_and_sglang_on_the_cpu_hold_the_kv_cache_of_their_batch_not_a_memory_share():
+    """The CPU rollouts size their KV cache to the batch (vllm_rollout._cpu_kv_cache_bytes, SGLang's
+    max_total_tokens), so a CPU plan must not charge them gpu_memory_utilization of the host (a CI run on a
+    loaded machine was refused for a 9 GiB KV cache its engine never allocates)."""
+    m = shape_from_config(QWEN25_7B)
+    for name in ("vllm", "sglang"):
+        r = mem.RolloutSpec(name, tp=1, weight_bytes=4, gpu_memory_utilization=0.5, sequences_per_replica=8,
+                            context=64, releases_memory=False, shares_actor_weights=False, kv_sized_to_batch=True)
+        b = mem.rollout_phase(m, r, 22 * 1024**3)
+        # 8 sequences × 64 tokens × (2 · 28 layers · 4 KV heads · 128 · 4 bytes)
+        assert b.device["kv cache"] == 8 * 64 * 2 * 28 * 4 * 128 * 4
+        assert b.device["rollout weights"] == 4 * param_counts(m)[0]
