@@ -503,7 +503,7 @@ def _check_routing_replay(cfg: PPOConfig) -> list[str]:
     if mode == "R3" and not rollout.enable_rollout_routing_replay:
         errors.append(f"{key}.actor.router_replay.mode=R3 replays the experts the rollout chose, but the rollout does not "
                       f"record them: set {key}.rollout.enable_rollout_routing_replay=true (or mode=R2).")
-    if mode != "disabled" and arr.actor.strategy != "fsdp":
+    if mode != "disabled" and not engine_plugin(arr.actor.strategy).supports_routing_replay:
         errors.append(f"{key}.actor.router_replay.mode={mode}: routing replay is built for the FSDP engine only, not "
                       f"actor.strategy={arr.actor.strategy}; use strategy=fsdp or mode=disabled.")
     if arr.ref.router_replay.mode != "disabled":

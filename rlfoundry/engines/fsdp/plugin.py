@@ -20,6 +20,7 @@ __all__ = ["PLUGIN"]
 class FSDPPlugin(EnginePlugin):
     name = "fsdp"
     supports_lora = True
+    supports_routing_replay = True
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
         from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
