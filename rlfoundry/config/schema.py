@@ -183,6 +183,9 @@ class DataConfig(Node):
     shuffle: bool = True
     validation_shuffle: bool = False
     seed: int = 1
+    # verl's subsets: at most this many rows of the train / validation files (-1: all; data/rl_dataset.py sample_rows)
+    train_max_samples: int = -1
+    val_max_samples: int = -1
     dataloader_num_workers: int = 0  # verl: 8
     filter_overlong_prompts: bool = False
     filter_overlong_prompts_workers: int = 1
@@ -252,6 +255,9 @@ class FSDPConfig(Node):
     entropy_checkpointing: bool = False
     use_orig_params: bool = False  # FSDP1 only; FSDP2 always keeps the original parameters (no effect)
     strategy: Optional[str] = None  # verl's fsdp | fsdp2 here: one FSDP2 engine either way (no effect)
+    # verl (Aug 2026): the engine's compile switch, the role's use_torch_compile (actor, ref: verl_compat copies
+    # it there); the critic and reward model compile nothing, so true there is a start-up error
+    use_torch_compile: Optional[bool] = None
     # rlfoundry: auto = a model alone on one rank with nothing to offload, computing in its own dtype or in
     # bf16 over fp32 weights (then under torch.autocast), is not wrapped (FSDP2 would only copy and cast
     # every weight and gradient; engines/fsdp/utils.py fsdp_does_nothing); fsdp = wrap anyway

@@ -189,7 +189,11 @@ VERL_OTHER_NAMES = {
     **{f"{role}.fsdp_config.ulysses_sequence_parallel_size": f"{role}.ulysses_sequence_parallel_size"
        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
     "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    **{f"{role}.fsdp_config.use_torch_compile": f"{role}.use_torch_compile"
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
 }
+# FSDP engine configs whose role compiles nothing: verl's use_torch_compile there may only say false
+_UNCOMPILED_FSDP_CONFIGS = ("critic.model.fsdp_config", "reward_model.model.fsdp_config")
 
 
 def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
@@ -205,6 +209,7 @@ def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     spellings += [(given, read, "verl", "the key read here") for given, read in VERL_OTHER_NAMES.items()]
     given_keys = list(user_keys) + [read for _, read in moved]  # a moved key's other names are adopted too
     _check_fsdp_strategy(cfg, given_keys)
+    _check_uncompiled_roles(cfg)
     set_keys, set_as = list(user_keys), {}  # set_as: a key read -> the other spelling that set it
     for given, read, given_by, read_by in spellings:
         if _set_by_user(given_keys, given):
@@ -227,6 +232,13 @@ def _check_fsdp_strategy(cfg: DictConfig, user_keys: Sequence[str]) -> None:
         if value is not None and value not in ("fsdp", "fsdp2"):
             raise ConfigError(f"{key}={value}: an FSDP engine config's strategy is fsdp or fsdp2 (the FSDP2 engine "
                               "here either way); the role's engine is its strategy key.")
+
+
+def _check_uncompiled_roles(cfg: DictConfig) -> None:
+    for node in _UNCOMPILED_FSDP_CONFIGS:
+        if OmegaConf.select(cfg, f"{node}.use_torch_compile"):
+            raise ConfigError(f"{node}.use_torch_compile=true: compiled layers are built for the actor and the "
+                              "reference only (their use_torch_compile); set it false or leave it unset.")
 
 
 def _copy_setting(cfg: DictConfig, given: str, read: str, set_keys: Sequence[str], both: str) -> None:

@@ -204,14 +204,15 @@ class RLHFDataset(Dataset):
     rendered text) when ``data.return_full_prompt``.
     """
 
-    def __init__(self, data_files: Any, tokenizer: Any, config: Any = None, processor: Any = None) -> None:
+    def __init__(self, data_files: Any, tokenizer: Any, config: Any = None, processor: Any = None,
+                 max_samples: int = -1) -> None:
         self.tokenizer = tokenizer
         self.processor = processor
         self.config = typed_data_config(config)
         # Rows stay in Arrow (compact, converted per item); only the token ids are materialised.
         self.tables = load_tables(data_files, self.config)
         self._check_media_columns()
-        where, messages = self._all_prompts()
+        where, messages = sample_rows(*self._all_prompts(), max_samples, self.config)
         image_tokens = None
         if processor is not None and not self.config.apply_chat_template:
             raise DataError("data.apply_chat_template=false with a vision-language model: its processor's chat template "
@@ -413,10 +414,30 @@ def get_dataset_class(data_config: Any) -> type:
     return _extern_class(custom.path, custom.name, "data.custom_cls.path", "data.custom_cls.name", Dataset)
 
 
-def create_rl_dataset(data_files: Any, data_config: Any, tokenizer: Any, processor: Any = None) -> Dataset:
-    """The prompt data set, built as verl builds it: ``cls(data_files=, tokenizer=, config=, processor=)``."""
+def sample_rows(where: list, messages: list, max_samples: int, config: Any) -> tuple[list, list]:
+    """verl's ``data.train_max_samples`` / ``val_max_samples``: at most ``max_samples`` rows, drawn before
+    the length filter — without replacement by ``numpy.random.default_rng(data.seed)`` when
+    ``data.shuffle``, else the first ones (verl's RLHFDataset draws the same way; -1 or more than
+    the file holds: every row)."""
+    total = len(where)
+    if max_samples is None or max_samples <= 0 or max_samples >= total:
+        return where, messages
+    if config.shuffle:
+        picked = np.random.default_rng(config.seed).choice(total, size=max_samples, replace=False)
+    else:
+        picked = np.arange(max_samples)
+    logger.info("data: %d of %d rows drawn (max_samples)", max_samples, total)
+    return [where[i] for i in picked], [messages[i] for i in picked]
+
+
+def create_rl_dataset(data_files: Any, data_config: Any, tokenizer: Any, processor: Any = None,
+                      max_samples: int = -1) -> Dataset:
+    """The prompt data set, built as verl builds it: ``cls(data_files=, tokenizer=, config=, processor=)``,
+    with ``max_samples=`` when a ``*_max_samples`` key asks for a subset (a user's class written for
+    older verl, without the argument, still loads when the key is unset)."""
     cls = get_dataset_class(data_config)
-    return cls(data_files=data_files, tokenizer=tokenizer, config=data_config, processor=processor)
+    extra = {"max_samples": int(max_samples)} if max_samples is not None and int(max_samples) > 0 else {}
+    return cls(data_files=data_files, tokenizer=tokenizer, config=data_config, processor=processor, **extra)
 
 
 def create_rl_sampler(data_config: Any, dataset: Dataset) -> Sampler:

@@ -229,10 +229,11 @@ def build_dataloaders(cfg: DictConfig, tokenizer: Any, train_files: Any, val_fil
     from rlfoundry.data import build_dataloader, create_rl_dataset
 
     data = rollout_data_config(cfg)
-    train = train_loader(create_rl_dataset(train_files, data, tokenizer, processor), data, int(data.train_batch_size))
+    train = train_loader(create_rl_dataset(train_files, data, tokenizer, processor, data.get("train_max_samples", -1)),
+                         data, int(data.train_batch_size))
     if val_files is None:
         return train, None
-    val_ds = create_rl_dataset(val_files, data, tokenizer, processor)
+    val_ds = create_rl_dataset(val_files, data, tokenizer, processor, data.get("val_max_samples", -1))
     val = build_dataloader(val_ds, batch_size=int(data.val_batch_size or len(val_ds)),
                            shuffle=bool(data.validation_shuffle), seed=int(data.seed), drop_last=False)
     return train, val

@@ -316,6 +316,16 @@ def test_august_fsdp_config_ulysses_size_is_the_roles():
     assert r.actor_rollout_ref.ref.ulysses_sequence_parallel_size == 2  # follows the actor's, as before
 
 
+def test_august_fsdp_config_torch_compile_is_the_roles():
+    r = _resolved("actor_rollout_ref.actor.fsdp_config.use_torch_compile=true",
+                  "actor_rollout_ref.ref.fsdp_config.use_torch_compile=false")
+    assert (r.actor_rollout_ref.actor.use_torch_compile, r.actor_rollout_ref.ref.use_torch_compile) == (True, False)
+    assert "one setting and were given different values" in _error(
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=true", "actor_rollout_ref.actor.use_torch_compile=false")
+    _load("critic.model.fsdp_config.use_torch_compile=false")  # what the critic does: nothing compiled
+    assert "built for the actor and the reference only" in _error("critic.model.fsdp_config.use_torch_compile=true")
+
+
 def test_august_trainer_v1_and_distillation():
     assert "trainer.use_v1" in _no_effect_warning("trainer.use_v1=true")
     assert "v1 asynchronous trainer modes are not built" in _error("trainer.v1.trainer_mode=separate_async")

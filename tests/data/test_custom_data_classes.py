@@ -171,3 +171,15 @@ def test_a_curriculum_sampler_learns_from_each_trained_batch(classes, tiny_model
     assert [sorted({x["index"] for x in b["extra_info"]}) for b in run.batches] == [[0, 1], [2, 3]]
     state = torch.load(tmp_path / "run" / "global_step_2" / "data.pt", weights_only=False)
     assert "'updates': 2" in str(state["dataloader"]) and "'pos': 4" in str(state["dataloader"])
+
+
+def test_the_trainer_loaders_draw_train_and_validation_subsets(prompts, tokenizer):
+    """verl's data.train_max_samples / val_max_samples reach the train and validation sets separately."""
+    from rlfoundry.trainer.config import load_config
+    from rlfoundry.trainer.main_ppo import build_dataloaders
+
+    cfg = load_config(["data.train_max_samples=5", "data.val_max_samples=3", "data.shuffle=false",
+                       "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    train, val = build_dataloaders(cfg, tokenizer, str(prompts), str(prompts))
+    assert (len(train.dataset), len(val.dataset)) == (5, 3)
+    assert [x["extra_info"]["index"] for x in val.dataset] == [0, 1, 2]  # unshuffled: the first rows

@@ -209,3 +209,22 @@ def test_loading_prompts_does_not_import_pandas(gsm8k_dir: Path) -> None:
             "print(t.num_rows, 'pandas' in sys.modules, 'pyarrow.dataset' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["1319", "False", "False"]
+
+
+def test_max_samples_draws_verls_rows_before_the_length_filter(tmp_path: Path, tokenizer) -> None:
+    texts = [f"p{i}" + "x" * (i % 3) for i in range(10)]
+    path = write_prompts(tmp_path / "p.parquet", texts)
+
+    def kept(**kw) -> list[str]:
+        ds = RLHFDataset(str(path), tokenizer, _config(apply_chat_template=False, **kw.pop("cfg", {})), **kw)
+        return [_valid_text(tokenizer, ds[i]) for i in range(len(ds))]
+
+    # shuffle (the default): numpy's draw without replacement from data.seed, as verl's RLHFDataset
+    drawn = np.random.default_rng(7).choice(10, size=4, replace=False)
+    assert kept(max_samples=4, cfg={"seed": 7}) == [texts[i] for i in drawn]
+    assert kept(max_samples=4, cfg={"seed": 7}) != kept(max_samples=4, cfg={"seed": 8})
+    assert kept(max_samples=4, cfg={"shuffle": False}) == texts[:4]
+    assert kept(max_samples=-1) == kept(max_samples=10) == texts
+    # drawn first, filtered after (verl's order): of the first 6 rows, those of at most 3 bytes
+    assert kept(max_samples=6, cfg={"shuffle": False, "max_prompt_length": 3, "filter_overlong_prompts": True}) == \
+        [t for t in texts[:6] if len(t) <= 3]
