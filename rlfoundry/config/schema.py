@@ -278,6 +278,7 @@ class MegatronConfig(Node):
     # like the dense layers); others are a start-up error (engines/megatron/moe.py layout_problems)
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = True  # with tensor parallelism only (verl turns it off at TP=1 too)
+    use_megatron_fsdp: bool = False  # verl (Aug 2026): Megatron-FSDP instead of DDP; not built (a start-up error)
     use_distributed_optimizer: bool = True
     # released between uses, brought back for each (engines/megatron/offload.py; docs/engines.md): the
     # parameters, DDP's gradient buffers, Adam's moments and fp32 main copies; the numbers are the same
@@ -318,6 +319,9 @@ class CheckpointConfig(Node):
     save_contents: List[str] = _list("model", "optimizer", "extra")
     load_contents: List[str] = _list("model", "optimizer", "extra")
     contents: Optional[List[str]] = None  # verl <= 0.3 spelling of save_contents
+    # verl (Aug 2026): whether its Megatron HF export may miss weights; the exports here always hold every
+    # weight (verl_compat.NO_EFFECT_KEYS), so false has nothing to let through
+    strict: bool = True
 
 
 @dataclass
@@ -428,6 +432,24 @@ class VerlLoraConfig(Node):
 
 
 @dataclass
+class MtpConfig(Node):
+    """verl's multi-token prediction (``model.mtp``): not built here; any switch on is a start-up error
+    (trainer/config.py ``_check_unbuilt_model_features``), the sizes are read only with it."""
+
+    enable: bool = False
+    enable_train: bool = False
+    enable_rollout: bool = False
+    detach_encoder: bool = False
+    mtp_loss_scaling_factor: float = 0.1
+    speculative_algorithm: str = "EAGLE"
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+
+@dataclass
 class ModelConfig(Node):
     path: str = "rlfoundry://arithmetic-policy"  # verl: ~/models/deepseek-llm-7b-chat (ours: rlfoundry/assets/arithmetic-policy)
     custom_chat_template: Optional[str] = None
@@ -454,6 +476,7 @@ class ModelConfig(Node):
     use_fused_kernels: bool = False
     fused_kernel_options: Dict[str, Any] = _dict()
     trust_remote_code: bool = False
+    mtp: MtpConfig = _sub(MtpConfig)
 
 
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode; models/routing_replay.py

@@ -117,6 +117,10 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.megatron.vanilla_mbridge",
     # packed (thd) or padded micro-batches: the Megatron engine here pads and masks rows, the same numbers
     "*.megatron.use_remove_padding",
+    # verl (Aug 2026) passes it to Megatron-Bridge's HF export (may weights be missing?); here an engine's HF
+    # export holds every weight of the model, whichever engine wrote it (tests/engines/test_megatron_checkpoint.py
+    # counts the exported parameters against the loaded model's)
+    "*.checkpoint.strict",
     # image rows always carry their pixel inputs (verl recomputes them in its agent loop when false)
     "data.return_multi_modal_inputs",
 )

@@ -492,7 +492,25 @@ def _check_pool(key: str, owner: DictConfig, cfg: DictConfig) -> list[str]:
 
 def _check_unsupported(cfg: PPOConfig) -> list[str]:
     return (_check_lora(cfg) + _check_multi_turn(cfg) + _check_judge(cfg) + _check_engines(cfg)
-            + _check_routing_replay(cfg))
+            + _check_routing_replay(cfg) + _check_unbuilt_model_features(cfg))
+
+
+def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
+    """verl features with keys here but no implementation: multi-token prediction, Megatron-FSDP."""
+    arr, errors = cfg.actor_rollout_ref, []
+    mtp = arr.model.mtp
+    on = [k for k in ("enable", "enable_train", "enable_rollout") if getattr(mtp, k)]
+    if on:
+        errors.append(f"actor_rollout_ref.model.mtp.{on[0]}=true: multi-token prediction (verl's MTP layers, trained "
+                      "beside the policy or used as the rollout's speculative draft) is not built in rlfoundry; set "
+                      "actor_rollout_ref.model.mtp.enable=false (the model then trains and samples without them).")
+    roles = [("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic)]
+    for key, role in roles:
+        if role.strategy == "megatron" and role.megatron.use_megatron_fsdp:
+            errors.append(f"{key}.megatron.use_megatron_fsdp=true: Megatron-FSDP (parameters sharded over the data-"
+                          "parallel ranks) is not built; the Megatron engine here shards the optimizer state "
+                          f"(megatron.use_distributed_optimizer). Set {key}.megatron.use_megatron_fsdp=false.")
+    return errors
 
 
 def _check_routing_replay(cfg: PPOConfig) -> list[str]:

@@ -326,6 +326,15 @@ def test_august_fsdp_config_torch_compile_is_the_roles():
     assert "built for the actor and the reference only" in _error("critic.model.fsdp_config.use_torch_compile=true")
 
 
+def test_august_mtp_and_megatron_fsdp_are_start_up_errors_naming_the_feature():
+    _load("actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2")
+    assert "multi-token prediction" in _error("actor_rollout_ref.model.mtp.enable=true")
+    assert "model.mtp.enable_rollout=true" in _error("actor_rollout_ref.model.mtp.enable_rollout=true")
+    fsdp = ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.use_megatron_fsdp={}")
+    _load(fsdp[0], fsdp[1].format("false"))
+    assert "Megatron-FSDP" in _error(fsdp[0], fsdp[1].format("true"))
+
+
 def test_august_trainer_v1_and_distillation():
     assert "trainer.use_v1" in _no_effect_warning("trainer.use_v1=true")
     assert "v1 asynchronous trainer modes are not built" in _error("trainer.v1.trainer_mode=separate_async")
