@@ -192,6 +192,9 @@ class DataConfig(Node):
     truncation: str = one_of(("error", "left", "right", "middle"), "error")
     image_key: str = "images"
     video_key: str = "videos"
+    # verl's image resize grid (qwen_vl_utils' patch size); null: the processor's own, the only one built
+    # (another value is a start-up error: data/rl_dataset.py RLHFDataset._check_patch_size)
+    image_patch_size: Optional[int] = None
     return_multi_modal_inputs: bool = True  # no effect: image rows always carry their pixel inputs
     trust_remote_code: bool = False
     apply_chat_template: bool = True  # rlfoundry: False joins the messages with newlines (no chat template)

@@ -212,6 +212,7 @@ class RLHFDataset(Dataset):
         # Rows stay in Arrow (compact, converted per item); only the token ids are materialised.
         self.tables = load_tables(data_files, self.config)
         self._check_media_columns()
+        self._check_patch_size()
         where, messages = sample_rows(*self._all_prompts(), max_samples, self.config)
         image_tokens = None
         if processor is not None and not self.config.apply_chat_template:
@@ -236,6 +237,17 @@ class RLHFDataset(Dataset):
                 messages.append(_check_messages(prompt, path, i, key))
                 where.append((t, i))
         return where, messages
+
+    def _check_patch_size(self) -> None:
+        """verl resizes images to a grid of ``data.image_patch_size`` before its processor does; the images
+        here reach the processor as they are, which resizes them to its own patch grid: the same only when
+        the two sizes agree."""
+        wanted = self.config.image_patch_size
+        own = getattr(getattr(self.processor, "image_processor", None), "patch_size", None)
+        if wanted is not None and own is not None and int(wanted) != int(own):
+            raise DataError(f"data.image_patch_size={wanted}: the model's processor works on patches of {own}; "
+                            f"resizing images to another patch grid is not built here. Set data.image_patch_size={own} "
+                            "or leave it unset.")
 
     def _check_media_columns(self) -> None:
         """Images need the model's processor; video prompts are not built (a start-up error, not a silent skip)."""

@@ -118,3 +118,15 @@ def test_image_key_names_the_column(tmp_path, processor):
     ds = RLHFDataset(path, processor.tokenizer, {"max_prompt_length": 64, "image_key": "pics"}, processor=processor)
     assert ds[0]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 2, 2]] and "pics" not in ds[0]
     assert np.array_equal(ds[0]["multi_modal_data"]["image"][0], Image.new("RGB", (16, 16), "red"))
+
+
+def test_image_patch_size_must_be_the_processors(tmp_path, processor):
+    """verl's data.image_patch_size resizes images to that grid before the processor; here only the
+    processor's own grid is built, so the processor's size loads and another is refused."""
+    path = write_rows(tmp_path / "d.parquet", [{"prompt": [{"role": "user", "content": "<image>?"}],
+                                                "images": [{"bytes": png(16, 16, "red")}]}])
+    own = processor.image_processor.patch_size
+    ds = RLHFDataset(path, processor.tokenizer, {"max_prompt_length": 64, "image_patch_size": own}, processor=processor)
+    assert ds[0]["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 2, 2]]
+    with pytest.raises(DataError, match=f"data.image_patch_size={own + 2}: the model's processor works on patches of {own}"):
+        RLHFDataset(path, processor.tokenizer, {"max_prompt_length": 64, "image_patch_size": own + 2}, processor=processor)
