@@ -23,6 +23,7 @@ LAYERS = {
     "engines": 2,
     "workers": 3,
     "trainer": 4, "experimental": 4, "cli": 4,  # experimental: verl's async entry modules
+    "recipe": 4,  # verl's recipe entry modules (recipe.dapo.main_dapo), as experimental
     "__main__": 4, "__init__": 4,
     "scripts": 4,  # command-line tools (python -m rlfoundry.scripts.<name>), as cli
     "plan": 4,  # the planner reads the trainer's config composition; the trainer runs its start-up check

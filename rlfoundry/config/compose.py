@@ -159,7 +159,18 @@ def _load(path: Path) -> dict:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"The config file {path} holds a {type(raw).__name__}, not a mapping of keys.")
-    return raw
+    return _without_verl_targets(raw)
+
+
+def _without_verl_targets(node: Any) -> Any:
+    """verl's config files name the dataclass each group instantiates into (``_target_:
+    verl.trainer.config.FilterGroupsConfig``); the typed schema here is that class, so those entries
+    go. A ``_target_`` naming anything else stays (and is refused as an unknown key where the schema
+    has none)."""
+    if not isinstance(node, dict):
+        return node
+    return {k: _without_verl_targets(v) for k, v in node.items()
+            if not (k == "_target_" and isinstance(v, str) and v.startswith("verl."))}
 
 
 @dataclass

@@ -683,6 +683,9 @@ class RolloutConfig(Node):
     # verl declares it (stop a rollout once (1 - rate) of its requests are done) and no verl code reads it, in
     # January or August: every request runs to its end there and here (no effect, verl_compat.NO_EFFECT_KEYS)
     over_sample_rate: float = 0.0
+    # verl's quantised rollout (vLLM fp8 / torchao): not built, a value is a start-up error
+    quantization: Optional[str] = None
+    quantization_config_file: Optional[str] = None
     max_num_batched_tokens: int = 8192
     max_model_len: Optional[int] = None
     max_num_seqs: int = 1024

@@ -496,8 +496,14 @@ def _check_unsupported(cfg: PPOConfig) -> list[str]:
 
 
 def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
-    """verl features with keys here but no implementation: multi-token prediction, Megatron-FSDP."""
+    """verl features with keys here but no implementation: multi-token prediction, Megatron-FSDP, a
+    quantised rollout."""
     arr, errors = cfg.actor_rollout_ref, []
+    for name in ("quantization", "quantization_config_file"):
+        if getattr(arr.rollout, name) is not None:
+            errors.append(f"actor_rollout_ref.rollout.{name}={getattr(arr.rollout, name)}: a quantised rollout (verl's "
+                          "fp8 / torchao weights in the engine, synced from the trainer's) is not built; the rollout runs "
+                          "in rollout.dtype. Remove the key.")
     mtp = arr.model.mtp
     on = [k for k in ("enable", "enable_train", "enable_rollout") if getattr(mtp, k)]
     if on:

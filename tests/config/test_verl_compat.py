@@ -333,6 +333,7 @@ def test_august_mtp_and_megatron_fsdp_are_start_up_errors_naming_the_feature():
     fsdp = ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.use_megatron_fsdp={}")
     _load(fsdp[0], fsdp[1].format("false"))
     assert "Megatron-FSDP" in _error(fsdp[0], fsdp[1].format("true"))
+    assert "a quantised rollout" in _error("+actor_rollout_ref.rollout.quantization=fp8")
 
 
 def test_august_trainer_v1_and_distillation():

@@ -85,6 +85,18 @@ def test_self_places_the_files_own_keys(tmp_path, defaults, want):
         .data.train_batch_size == want
 
 
+def test_verls_dataclass_targets_in_a_users_file_are_the_schema_here(tmp_path):
+    # verl's recipe configs (qat's dapo_qat_trainer.yaml) name the dataclass a group instantiates into
+    _write(tmp_path / "mine.yaml", "defaults: [dapo_trainer, _self_]\nalgorithm:\n  filter_groups:\n"
+                                   "    _target_: verl.trainer.config.FilterGroupsConfig\n    enable: true\n"
+                                   "    metric: acc\n")
+    cfg = load_config([], "mine", str(tmp_path))
+    assert cfg.algorithm.filter_groups.enable and cfg.algorithm.filter_groups.metric == "acc"
+    _write(tmp_path / "other.yaml", "algorithm:\n  filter_groups:\n    _target_: mine.Groups\n")
+    with pytest.raises(ConfigError, match="algorithm.filter_groups._target_"):  # not verl's: no silent drop
+        load_config([], "other", str(tmp_path))
+
+
 def test_group_entries_resolve_in_the_users_directory_then_as_verls_components(tmp_path):
     _write(tmp_path / "optim" / "fast.yaml", "lr: 0.25\n")
     _write(tmp_path / "mine.yaml", "defaults:\n  - actor@actor_rollout_ref.actor: megatron_actor\n"
@@ -211,6 +223,20 @@ def test_the_entry_modules_fix_their_pipeline_and_print_it(capsys):
         assert (printed.async_training.mode, printed.actor_rollout_ref.actor.strategy) == (mode, strategy)
 
 
+def test_the_dapo_recipe_entry_runs_the_dapo_config(capsys):
+    from omegaconf import OmegaConf
+
+    from rlfoundry.recipe.dapo.main_dapo import ENTRY
+    from rlfoundry.trainer.main_ppo import run
+
+    for argv, strategy in (([], "fsdp"), (["--config-name", "dapo_megatron_trainer.yaml"], "megatron")):
+        assert run([*argv, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "--cfg", "job"],
+                   ENTRY) == {}
+        printed = OmegaConf.create(capsys.readouterr().out)
+        assert printed.reward_model.reward_manager == "dapo" and printed.algorithm.filter_groups.enable
+        assert (printed.trainer.project_name, printed.actor_rollout_ref.actor.strategy) == ("verl-dapo", strategy)
+
+
 # ───────────────────────────── one real step ─────────────────────────────
 
 
@@ -231,7 +257,7 @@ def test_the_entry_modules_import_no_torch():
     import sys
 
     code = ("import sys, rlfoundry.experimental.one_step_off_policy.main_ppo, "
-            "rlfoundry.experimental.fully_async_policy.fully_async_main; "
+            "rlfoundry.experimental.fully_async_policy.fully_async_main, rlfoundry.recipe.dapo.main_dapo; "
             "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
             "sys.exit(f'imported at module level: {heavy}' if heavy else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=E.subprocess_env(),

@@ -1,0 +1,1 @@
+"""verl's DAPO recipe (``recipe.dapo``): its entry module, ``main_dapo``."""
