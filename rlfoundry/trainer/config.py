@@ -521,15 +521,15 @@ def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
 
 def _check_routing_replay(cfg: PPOConfig) -> list[str]:
     """MoE routing replay (docs/moe.md): R3 reads what the rollout records; recording is built for the HF engine's
-    own sampling loop, replaying for the FSDP engine."""
+    own sampling loop, replaying for the engines whose plug-in says so (FSDP, Megatron)."""
     arr, errors = cfg.actor_rollout_ref, []
     mode, rollout, key = arr.actor.router_replay.mode, arr.rollout, "actor_rollout_ref"
     if mode == "R3" and not rollout.enable_rollout_routing_replay:
         errors.append(f"{key}.actor.router_replay.mode=R3 replays the experts the rollout chose, but the rollout does not "
                       f"record them: set {key}.rollout.enable_rollout_routing_replay=true (or mode=R2).")
     if mode != "disabled" and not engine_plugin(arr.actor.strategy).supports_routing_replay:
-        errors.append(f"{key}.actor.router_replay.mode={mode}: routing replay is built for the FSDP engine only, not "
-                      f"actor.strategy={arr.actor.strategy}; use strategy=fsdp or mode=disabled.")
+        errors.append(f"{key}.actor.router_replay.mode={mode}: routing replay is built for the FSDP and Megatron engines, "
+                      f"not actor.strategy={arr.actor.strategy}; use strategy=fsdp or megatron, or mode=disabled.")
     if arr.ref.router_replay.mode != "disabled":
         errors.append(f"{key}.ref.router_replay.mode={arr.ref.router_replay.mode}: the reference routes by its own router "
                       "(verl reads the actor's router_replay only); set it to disabled.")

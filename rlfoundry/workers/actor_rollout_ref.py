@@ -332,7 +332,9 @@ class ActorRolloutRefWorker(Worker):
         """How many MoE routers of a kind routing replay knows the policy has (the mismatch audit's evidence)."""
         if self._moe_layer_count is None:
             module = self.engine.module
-            self._moe_layer_count = len(routing_replay.routers(module)) if isinstance(module, torch.nn.Module) else 0
+            own = getattr(self.engine, "moe_layer_count", None)  # an engine whose routers are not HF's (Megatron)
+            self._moe_layer_count = own if own is not None else (
+                len(routing_replay.routers(module)) if isinstance(module, torch.nn.Module) else 0)
         return self._moe_layer_count
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

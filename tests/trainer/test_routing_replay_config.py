@@ -13,10 +13,10 @@ MODE = "actor_rollout_ref.actor.router_replay.mode"
 RECORD = "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
 
 
-def _load(*overrides: str):
+def _load(*overrides: str, config_name: str | None = None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_config(list(overrides))
+        return load_config(list(overrides), config_name=config_name)
 
 
 def test_r3_with_the_hf_rollout_recording_loads():
@@ -33,12 +33,28 @@ def test_r3_with_the_hf_rollout_recording_loads():
     ((RECORD, "async_training.partial_rollout=true"), r"partial_rollout=true: the chunked generation"),
     (("actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt",), r"record_file=/tmp/r.pt: routing records on disk"),
     (("actor_rollout_ref.ref.router_replay.mode=R3",), r"ref.router_replay.mode=R3: the reference routes by its own"),
-    ((f"{MODE}=R2", "actor_rollout_ref.actor.strategy=megatron"), r"built for the FSDP engine only"),
     ((f"{MODE}=R2", "actor_rollout_ref.actor.use_rollout_log_probs=true"), r"mode=R2 records the routing in the actor's"),
 ])
 def test_what_is_not_built_is_a_start_up_error_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _load(*overrides)
+
+
+def test_r3_on_the_megatron_engine_loads():
+    cfg = _load(f"{MODE}=R3", RECORD, config_name="ppo_megatron_trainer")
+    assert (cfg.actor_rollout_ref.actor.strategy, cfg.actor_rollout_ref.actor.router_replay.mode) == ("megatron", "R3")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("recompute_granularity=full", r"recompute_granularity='full' with routing replay: the recomputed MoE layers"),
+    ("moe_router_fusion=true", r"moe_router_fusion=true with routing replay: TransformerEngine's fused top-k"),
+    ("moe_enable_routing_replay=false", r"moe_enable_routing_replay=false with routing replay"),
+    ("moe_router_load_balancing_type=sinkhorn", r"'sinkhorn' with routing replay: sinkhorn routing bypasses"),
+])
+def test_what_megatron_replay_cannot_run_with_is_a_start_up_error(override, message):
+    key = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+    with pytest.raises(ConfigError, match=message):
+        _load(f"{MODE}=R2", key + override, config_name="ppo_megatron_trainer")
 
 
 def test_r2_turns_the_automatic_reuse_of_rollout_log_probs_off():

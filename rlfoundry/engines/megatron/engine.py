@@ -41,7 +41,7 @@ from torch import nn
 from rlfoundry.config.schema import MegatronConfig, OptimConfig
 from rlfoundry.engines.base import (LogProbs, LossFn, LossOutput, MicroBatching, Output, TrainingEngine, UpdatePlan, Values,
                                    say_once)
-from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, plain_micro_batches, restore
+from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, ROUTED_EXPERTS, plain_micro_batches, restore
 from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
@@ -49,7 +49,7 @@ from rlfoundry.engines.megatron import bridge as mb
 from rlfoundry.engines.megatron import moe
 from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
-from rlfoundry.engines.megatron.forward import (context_parallel_size, local_next_tokens, next_tokens,
+from rlfoundry.engines.megatron.forward import (context_parallel_size, is_filler, local_next_tokens, next_tokens,
                                                 response_logits, response_positions, run_schedule,
                                                 vocab_parallel_log_probs)
 from rlfoundry.engines.megatron.fused_head import COLUMNS, MegatronFusedHead, output_layer
@@ -136,6 +136,7 @@ class MegatronEngine(TrainingEngine):
             for chunk in chunks:
                 chunk.requires_grad_(False)
         self.chunks = chunks
+        self._routing = self._routing_replay(chunks)
         fused = fused_kernels_wanted(config.use_fused_kernels, config.fused_kernel_options, config.model_kind)
         layer = output_layer(chunks[-1]) if fused else None
         self._fused = MegatronFusedHead(layer) if layer is not None else None  # None: not the last stage
@@ -150,6 +151,13 @@ class MegatronEngine(TrainingEngine):
             print(f"rlfoundry: engine: {role}: megatron offload releases its {', '.join(self.offload_parts)} "
                   f"between uses ({where})", flush=True)
         self.offload()
+
+    def _routing_replay(self, chunks: list[nn.Module]) -> Any:
+        """MoE routing replay (R3 / R2, docs/moe.md; ``routing.py``), for the batches that carry or ask for it
+        (a dense model's refuses them)."""
+        from rlfoundry.engines.megatron.routing import MegatronRouting
+
+        return MegatronRouting(self._bare_chunks_of(chunks))
 
     def _lora_layers(self) -> bool | None:
         """LoRA: megatron-core's local layers (False), whose qkv and fc1 take the normalised input the
@@ -212,6 +220,11 @@ class MegatronEngine(TrainingEngine):
     def module(self) -> nn.Module:
         return self.chunks[0]
 
+    @property
+    def moe_layer_count(self) -> int:
+        """The whole model's MoE layers (every pipeline stage's; the mismatch audit's evidence)."""
+        return self._routing.num_layers
+
     # ---- forward ------------------------------------------------------------------------------
 
     def _outputs(self, spec: LogProbs):
@@ -236,13 +249,21 @@ class MegatronEngine(TrainingEngine):
             return {key: values.masked_fill(padding, 0.0) for key, values in out.items() if values is not None}
         return outputs
 
-    def _model_context(self, output: Output):
-        """``use_fused_kernels``: each micro-batch's model call computes its log-prob columns in the
-        output layer, labelled with the micro-batch's next tokens."""
-        if self._fused is None or not isinstance(output, LogProbs):
-            return None
-        return lambda micro: self._fused.labelled(next_tokens(micro["input_ids"]), output.temperature,
-                                                  output.entropy_grad, output.sum_pi_squared)
+    def _model_context(self, output: Output, record: bool = False):
+        """What each micro-batch's model call runs in: with ``use_fused_kernels`` the output layer labelled with
+        the micro-batch's next tokens (its log-prob columns computed there); with MoE routing replay the
+        micro-batch's ``routed_experts`` replayed, or with ``record`` its routing recorded (``routing.py``)."""
+        fused = self._fused is not None and isinstance(output, LogProbs)
+
+        @contextlib.contextmanager
+        def around(micro: dict[str, torch.Tensor]) -> Iterator[None]:
+            with contextlib.ExitStack() as stack:
+                if fused:
+                    stack.enter_context(self._fused.labelled(next_tokens(micro["input_ids"]), output.temperature,
+                                                             output.entropy_grad, output.sum_pi_squared))
+                stack.enter_context(self._routing.micro_batch(micro, record, keep=not is_filler(micro)))
+                yield
+        return around
 
     @staticmethod
     def _values(output: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -260,15 +281,17 @@ class MegatronEngine(TrainingEngine):
 
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
         outputs_fn = self._output_fn(output)
-        inputs = data.select(batch_keys=[k for k in MODEL_INPUTS if k in data.batch.keys()])
-        micros, order = plain_micro_batches(inputs, self._per_rank_budget(micro), None)
+        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS) if k in data.batch.keys()])
+        # R2: the log-prob pass records the routing the update will replay
+        record = isinstance(output, LogProbs) and output.routed_experts and ROUTED_EXPERTS not in inputs.batch.keys()
+        parts, order = plain_micro_batches(inputs, self._per_rank_budget(micro), None)
+        micros = [dict(m.batch.items()) for m in parts]
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad(), self.resident("params"):
-            outs = run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss=None,
-                                around=self._model_context(output))
+            outs = run_schedule(self.chunks, micros, outputs_fn, loss=None, around=self._model_context(output, record))
         merged = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
-        merged = mb.from_last_stage(merged)
+        merged = {**mb.from_last_stage(merged), **self._routing.outputs(micros, record)}
         return {k: restore(v, order) for k, v in merged.items()}
 
     def _per_rank_budget(self, micro: MicroBatching) -> MicroBatching:
@@ -359,7 +382,11 @@ class MegatronEngine(TrainingEngine):
 
     def _bare_chunks(self) -> list[nn.Module]:
         """The model chunks without megatron-core's DDP wrapper (a frozen model has none)."""
-        return [getattr(c, "module", c) for c in self.chunks]
+        return self._bare_chunks_of(self.chunks)
+
+    @staticmethod
+    def _bare_chunks_of(chunks: list[nn.Module]) -> list[nn.Module]:
+        return [getattr(c, "module", c) for c in chunks]
 
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         with self.resident("params") as restored:

@@ -26,10 +26,15 @@ import torch
 
 from rlfoundry.engines.megatron import context_parallel as cpl
 
-__all__ = ["attention_mask_4d", "context_parallel_size", "local_next_tokens", "next_tokens", "response_logits",
+__all__ = ["attention_mask_4d", "context_parallel_size", "is_filler", "local_next_tokens", "next_tokens", "response_logits",
            "response_positions", "run_schedule", "vocab_parallel_log_probs"]
 
 _FILLER = "rlfoundry_filler"  # marks a repeated micro-batch that tops up an interleaved schedule
+
+
+def is_filler(micro: dict[str, torch.Tensor]) -> bool:
+    """Whether ``micro`` is a repeat that only tops up an interleaved schedule (its outputs are dropped)."""
+    return _FILLER in micro
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:

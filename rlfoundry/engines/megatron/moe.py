@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILT_FAMILIES", "fuse_experts", "is_moe", "layout_problems", "moe_overrides", "sequential_experts_bridge"]
+__all__ = ["BUILT_FAMILIES", "fuse_experts", "is_moe", "layout_problems", "moe_overrides", "replay_problems",
+           "sequential_experts_bridge"]
 
 # SequentialMLP's expert e (local to this expert-parallel rank) -> mbridge's (grouped-GEMM) name for it
 _SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -58,6 +59,9 @@ def moe_overrides(hf_config: Any, user: dict[str, Any], grouped_gemm: bool) -> d
         "moe_token_dispatcher_type": "alltoall",
         "moe_aux_loss_coeff": 0.0,
         "moe_router_load_balancing_type": "none",
+        # megatron-core's RouterReplay on every router: idle (its own top-k) unless a batch replays or
+        # records routing (verl's router_replay, routing.py)
+        "moe_enable_routing_replay": True,
     }
     out.update(user)
     if float(out.get("moe_aux_loss_coeff") or 0.0) > 0 and "moe_router_load_balancing_type" not in user:
@@ -98,6 +102,29 @@ def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None
                       f"{key}.expert_model_parallel_size.")
     problem = _dispatcher_problem(key, overrides.get("moe_token_dispatcher_type"), on_cpu)
     return errors + ([problem] if problem else [])
+
+
+def replay_problems(key: str, megatron: Any) -> list[str]:
+    """What in a policy's ``megatron`` subtree (``key``) routing replay (``actor.router_replay.mode`` R2 / R3,
+    routing.py) cannot run with: a path that routes without megatron-core's RouterReplay, or recomputes a
+    layer in the backward after the micro-batch's replay has ended."""
+    overrides = dict(megatron.override_transformer_config or {})
+    where, fix = f"{key}.override_transformer_config", "remove it, or set actor_rollout_ref.actor.router_replay.mode=disabled"
+    errors = []
+    if overrides.get("recompute_granularity"):
+        errors.append(f"{where}.recompute_granularity={overrides['recompute_granularity']!r} with routing replay: the "
+                      "recomputed MoE layers would route without the replayed experts (megatron-core's backward "
+                      f"replay is not wired in this engine); {fix}.")
+    if overrides.get("moe_router_fusion"):
+        errors.append(f"{where}.moe_router_fusion=true with routing replay: TransformerEngine's fused top-k bypasses "
+                      f"megatron-core's RouterReplay; {fix}.")
+    if overrides.get("moe_router_load_balancing_type") == "sinkhorn":
+        errors.append(f"{where}.moe_router_load_balancing_type='sinkhorn' with routing replay: sinkhorn routing "
+                      f"bypasses megatron-core's RouterReplay; {fix}.")
+    if overrides.get("moe_enable_routing_replay") is False:
+        errors.append(f"{where}.moe_enable_routing_replay=false with routing replay: the routers are built without "
+                      f"megatron-core's RouterReplay; {fix}.")
+    return errors
 
 
 def _dispatcher_problem(key: str, chosen: Any, on_cpu: bool | None) -> str | None:

@@ -24,6 +24,7 @@ _LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
 class MegatronPlugin(EnginePlugin):
     name = "megatron"
     supports_lora = True  # the actor's (lora.py); the critic's is refused in check
+    supports_routing_replay = True  # megatron-core's RouterReplay (routing.py); what it cannot run with: check
     dtype_key = "megatron.dtype"
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
@@ -86,6 +87,8 @@ class MegatronPlugin(EnginePlugin):
                           "models only (docs/vision.md); use strategy=fsdp for image prompts.")
         errors += _check_lora(cfg, roles)
         policy = any(k.startswith("actor_rollout_ref.") for k in roles)
+        if "actor_rollout_ref.actor" in roles and pick(cfg, "actor_rollout_ref.actor.router_replay.mode", "disabled") != "disabled":
+            errors += moe.replay_problems("actor_rollout_ref.actor.megatron", pick(cfg, "actor_rollout_ref.actor.megatron"))
         if policy and pick(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
             errors += check_fused_kernels(pick(cfg, "actor_rollout_ref.model.fused_kernel_options", None),
                                           "actor_rollout_ref.model")
