@@ -267,6 +267,25 @@ class FSDPConfig(Node):
     single_rank: str = one_of(("auto", "fsdp"), "auto")
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode; models/routing_replay.py
+
+
+@dataclass
+class RouterReplayConfig(Node):
+    """verl's MoE routing replay (models/routing_replay.py, docs/moe.md). R3: the forwards replay the experts
+    the rollout recorded (needs rollout.enable_rollout_routing_replay); R2: the update replays the experts
+    of the trainer's own old-log-prob forward."""
+
+    mode: str = one_of(ROUTER_REPLAY_MODES, "disabled")
+    record_file: Optional[str] = None  # declared by verl and read by none of its code; a path is an error here
+    replay_file: Optional[str] = None
+
+    def check(self) -> list[str]:
+        files = {k: v for k, v in (("record_file", self.record_file), ("replay_file", self.replay_file)) if v}
+        return [f"router_replay.{k}={v}: routing records on disk are not built (verl declares the key and no verl "
+                f"code reads it); remove it — the routing travels in the batch (routed_experts)." for k, v in files.items()]
+
+
 @dataclass
 class MegatronConfig(Node):
     """verl's ``*.megatron`` keys (``strategy=megatron``; ``engines/megatron``)."""
@@ -282,6 +301,8 @@ class MegatronConfig(Node):
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = True  # with tensor parallelism only (verl turns it off at TP=1 too)
     use_megatron_fsdp: bool = False  # verl (Aug 2026): Megatron-FSDP instead of DDP; not built (a start-up error)
+    # verl (Aug 2026) spells the role's router_replay here too (verl_compat copies the actor's and the ref's there)
+    router_replay: RouterReplayConfig = _sub(RouterReplayConfig)
     use_distributed_optimizer: bool = True
     # released between uses, brought back for each (engines/megatron/offload.py; docs/engines.md): the
     # parameters, DDP's gradient buffers, Adam's moments and fp32 main copies; the numbers are the same
@@ -480,25 +501,6 @@ class ModelConfig(Node):
     fused_kernel_options: Dict[str, Any] = _dict()
     trust_remote_code: bool = False
     mtp: MtpConfig = _sub(MtpConfig)
-
-
-ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode; models/routing_replay.py
-
-
-@dataclass
-class RouterReplayConfig(Node):
-    """verl's MoE routing replay (models/routing_replay.py, docs/moe.md). R3: the forwards replay the experts
-    the rollout recorded (needs rollout.enable_rollout_routing_replay); R2: the update replays the experts
-    of the trainer's own old-log-prob forward."""
-
-    mode: str = one_of(ROUTER_REPLAY_MODES, "disabled")
-    record_file: Optional[str] = None  # declared by verl and read by none of its code; a path is an error here
-    replay_file: Optional[str] = None
-
-    def check(self) -> list[str]:
-        files = {k: v for k, v in (("record_file", self.record_file), ("replay_file", self.replay_file)) if v}
-        return [f"router_replay.{k}={v}: routing records on disk are not built (verl declares the key and no verl "
-                f"code reads it); remove it — the routing travels in the batch (routed_experts)." for k, v in files.items()]
 
 
 @dataclass

@@ -195,6 +195,8 @@ VERL_OTHER_NAMES = {
     "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
     **{f"{role}.fsdp_config.use_torch_compile": f"{role}.use_torch_compile"
        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
+    **{f"{role}.megatron.router_replay.{k}": f"{role}.router_replay.{k}"
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref") for k in ("mode", "record_file", "replay_file")},
 }
 # FSDP engine configs whose role compiles nothing: verl's use_torch_compile there may only say false
 _UNCOMPILED_FSDP_CONFIGS = ("critic.model.fsdp_config", "reward_model.model.fsdp_config")

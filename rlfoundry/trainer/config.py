@@ -510,6 +510,9 @@ def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
         errors.append(f"actor_rollout_ref.model.mtp.{on[0]}=true: multi-token prediction (verl's MTP layers, trained "
                       "beside the policy or used as the rollout's speculative draft) is not built in rlfoundry; set "
                       "actor_rollout_ref.model.mtp.enable=false (the model then trains and samples without them).")
+    if cfg.critic.megatron.router_replay.mode != "disabled":
+        errors.append(f"critic.megatron.router_replay.mode={cfg.critic.megatron.router_replay.mode}: routing replay is "
+                      "the actor's (actor_rollout_ref.actor.router_replay.mode); the critic routes by its own router.")
     roles = [("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic)]
     for key, role in roles:
         if role.strategy == "megatron" and role.megatron.use_megatron_fsdp:

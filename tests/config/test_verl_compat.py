@@ -326,6 +326,15 @@ def test_august_fsdp_config_torch_compile_is_the_roles():
     assert "built for the actor and the reference only" in _error("critic.model.fsdp_config.use_torch_compile=true")
 
 
+def test_august_megatron_router_replay_is_the_actors():
+    r = _resolved("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.ref.strategy=megatron",
+                  "actor_rollout_ref.actor.megatron.router_replay.mode=R2")
+    assert r.actor_rollout_ref.actor.router_replay.mode == "R2"
+    assert "one setting and were given different values" in _error(
+        "actor_rollout_ref.actor.megatron.router_replay.mode=R2", "actor_rollout_ref.actor.router_replay.mode=R3")
+    assert "the critic routes by its own router" in _error("critic.megatron.router_replay.mode=R2")
+
+
 def test_august_mtp_and_megatron_fsdp_are_start_up_errors_naming_the_feature():
     _load("actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2")
     assert "multi-token prediction" in _error("actor_rollout_ref.model.mtp.enable=true")
