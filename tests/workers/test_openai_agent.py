@@ -182,6 +182,8 @@ def test_a_history_rewriting_agent_gets_one_segment_per_conversation(tokenizer):
     assert list(extras["uid"][:2]) == ["u0", "u0"] and extras["uid"][2] == "u0/excluded/2"
     assert list(extras["stop_reason"]) == ["agent_done", "agent_done", "segment_padding"]
     assert not any(extras["sanity_check_failed"][:2])
+    # segment B re-renders the history, and the engine sampled after that rendering: no row is re-tokenised
+    assert list(extras["retokenised_from"]) == [-1, -1, -1]
     # turn boundaries in each row's response: A's sampled call; B's rendered context, then its sampled answer
     assert extras["turns"][0] == [["assistant", 0, len(resp_a)]]
     assert extras["turns"][1] == [["context", 0, len(context)], ["assistant", len(context), len(resp_b)]]
