@@ -12,6 +12,7 @@ import torch
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.ppo import mismatch
 from rlfoundry.trainer.ppo.mismatch import StepFacts
+from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopOutput
 
 
 def _batch(rollout: torch.Tensor, mask: torch.Tensor, **columns) -> DataProto:
@@ -252,3 +253,38 @@ def test_the_driver_runs_the_fp32_recompute_on_a_diagnosed_step_and_logs_its_ver
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mismatch audit:")]
     assert len(logged) == 1
     assert f"an fp32 recompute of the {mismatch.PRECISION_ROWS} worst rows leaves" in logged[0]
+
+
+class StrippingLoop(AgentLoopBase):
+    """A custom loop with a common bug: it keeps its turn as text, stripped, and encodes it again for the
+    training row (the sampled trailing space is gone, the end token moves up). Listed in a loop config file
+    by the test below, not registered (the registry is the process's)."""
+
+    async def run(self, sampling_params, **row):
+        turn = await self.server.generate(self.key, row["prompt_ids"], self.response_length)
+        text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True).strip()
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + turn.token_ids[-1:]
+        return AgentLoopOutput(row["prompt_ids"], ids, [1] * len(ids), turn.log_probs[:len(ids)])
+
+
+def test_retokenisation_is_named_for_a_custom_loop_that_encodes_its_turn_again(tmp_path):
+    from types import SimpleNamespace
+
+    from rlfoundry.config.schema import MultiTurnConfig
+    from rlfoundry.models.tiny import build_tokenizer
+    from rlfoundry.workers.rollout.agent_loop import AgentLoop
+    from tests.workers.test_agent_loop import ScriptedPolicy, _prompts
+
+    (tmp_path / "loops.yaml").write_text(f"- name: stripping\n  _target_: {__name__}.StrippingLoop\n")
+    tok, question, answer = build_tokenizer(), "Say it.", "The answer is 7. "
+    agent = SimpleNamespace(default_agent_loop="stripping", agent_loop_config_path=str(tmp_path / "loops.yaml"),
+                            max_wait_s=1.0)
+    out = AgentLoop(ScriptedPolicy(tok, {question: [answer]}), tok, MultiTurnConfig(enable=True), {}, 64,
+                    agent=agent).generate_sequences(_prompts(tok, {}, [question]))
+    kept = len(tok.encode(answer.strip(), add_special_tokens=False))  # the sampled ids the row still has as sampled
+    assert out.non_tensor_batch["retokenised_from"][0] == kept  # the end token, after a context the engine never saw
+    old = out.batch["rollout_log_probs"].clone()
+    old[0, kept] += 0.5
+    findings = mismatch.audit(out, old, StepFacts(), threshold=0.02)[2]
+    assert [f.cause for f in findings] == ["retokenisation"]
+    assert f"1/1 rows train on 1 policy tokens (from response positions {kept}..{kept})" in findings[0].evidence

@@ -214,6 +214,7 @@ def test_stop_strings_async_agents_and_reward_inputs(tokenizer):
     assert reply.choices[0].message.content == "the " and reply.choices[0].finish_reason == "stop"
     _, resp, mask = _row_text(tokenizer, out, 0)
     assert tokenizer.decode(resp) == "the answer" and mask == [1] * len(resp)
+    assert out.non_tensor_batch["retokenised_from"][0] == -1  # a prefix of what was sampled is as sampled
     assert out.non_tensor_batch["extra_info"][0] == {"index": 3, "answer": "the ", "agent_note": 3}
     assert reply.usage.completion_tokens == len(resp)
 
