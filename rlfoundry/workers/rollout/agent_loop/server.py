@@ -78,7 +78,8 @@ _DIGEST_BASE = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as an int64: odd, so it
 
 def prefix_digests(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T) token rows whose real tokens (``mask`` 1) are contiguous -> (B, T) int64: at [b, j] a digest of row
-    b's real tokens up to column j, sum_i id_i * BASE^(i+1) over them, mod 2**64 (int64 products and sums wrap).
+    b's real tokens up to column j, sum_i id_i * BASE^(i+1) over them, mod 2**64 (torch's int64 products and
+    sums wrap around, on the CPU and on CUDA alike).
     A running sum: every prefix of every row in one vectorised pass, where hashing each prefix on its own
     would read a row once per turn."""
     rank = mask.long().cumsum(-1)  # 1-based rank of each real token in its row
@@ -213,7 +214,8 @@ class GenerationServer:
             if not 0 < length < len(ids) or int(digests[length - 1]) != digest:
                 continue
             window = ids[length:length + len(sampled)].tolist()
-            same = next((j for j, (x, y) in enumerate(zip(window, sampled)) if x != y), len(window))
+            same = len(window) if window == sampled[:len(window)] else \
+                next(j for j, (x, y) in enumerate(zip(window, sampled)) if x != y)  # a list compare first: C speed
             spans.append((length, length + same))
         return spans
 
