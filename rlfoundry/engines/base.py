@@ -183,6 +183,12 @@ class TrainingEngine(abc.ABC):
         rollout keeps its own copy, refreshed from ``iter_hf_weights`` after every update."""
         return None
 
+    def full_precision(self) -> contextlib.AbstractContextManager | None:
+        """A context in which this engine's forwards compute in fp32 (the mismatch audit's recompute of a
+        few rows), or None where it cannot without a second copy of the model (sharded mixed precision,
+        weights stored in a lower dtype)."""
+        return None
+
     def model_parallel_rows(self, data: DataProto) -> tuple[DataProto, slice]:
         """The rows this rank computes on and where its own rows sit in them: under model parallelism
         (Megatron) the rows of its whole model-parallel group; else its own."""

@@ -19,7 +19,8 @@ verl reader keeps working; beside them, the tokens the step trained on:
   loop's ``tool_reward`` / ``turn_scores``; ``tool_results`` (``{tool, text, error}`` per call answered);
 - the loop's columns where present: ``num_turns``, ``tool_calls``, ``tool_errors``, ``segments_dropped``,
   ``excluded`` (a lost sample's or padding row: no loss), ``trajectory_id`` (a trajectory's rows share it),
-  ``data_source``, ``index`` (the row's data-set index). The group ``uid`` is left out: it is drawn at
+  ``data_source``, ``index`` (the row's data-set index), ``retokenised_from`` (the first response position
+  the engine did not sample after the row's own tokens, -1: none; docs/on_policy.md). The group ``uid`` is left out: it is drawn at
   random, and two runs that train the same rows write the same dump.
 
 ``read_trajectories(path)`` returns them as :class:`Trajectory` objects; ``rlfoundry trajectories DIR
@@ -39,8 +40,8 @@ __all__ = ["Trajectory", "format_trajectory", "generation_records", "main", "rea
 
 # non-tensor columns copied as they are (those a batch has)
 _COLUMNS = ("num_turns", "tool_calls", "tool_errors", "tool_reward", "turn_scores", "tool_results", "segments_dropped",
-            "excluded", "trajectory_id", "data_source", "sanity_check_failed", "param_version_start",
-            "param_version_end")
+            "excluded", "trajectory_id", "data_source", "sanity_check_failed", "retokenised_from",
+            "param_version_start", "param_version_end")
 
 
 def generation_records(batch: Any, scores: list[float], tokenizer: Any, step: int,

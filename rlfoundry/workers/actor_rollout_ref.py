@@ -17,6 +17,7 @@ Driver-facing methods (dispatch mode in brackets):
 | ``init_model`` [ONE_TO_ALL] | — | — |
 | ``generate_sequences`` [DP_COMPUTE_PROTO] | prompts, one row each | B·n rows (see ``HFRollout``) |
 | ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr); ``sum_pi_squared`` (B, Tr) with ``actor.calculate_sum_pi_squared``; MoE routing replay: ``routed_experts`` (R2), ``routing_{changed,counted}_tokens`` (B,) (R3) |
+| ``compute_log_prob_fp32`` [DP_COMPUTE_PROTO] | a few sequences | ``fp32_log_probs`` (B, Tr): ``old_log_probs`` recomputed in fp32 (the mismatch audit's precision test) |
 | ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
@@ -325,8 +326,26 @@ class ActorRolloutRefWorker(Worker):
         # the mismatch audit's evidence (trainer/ppo/mismatch.py): the version and dtype that scored the rows
         meta = {"temperature": kwargs["temperature"], "param_version": self.param_version,
                 "compute_dtype": str(self._copy_dtype()).removeprefix("torch."),
-                "moe_layers": self._moe_layers()}
+                "moe_layers": self._moe_layers(), "fp32_recompute": self.actor.engine.full_precision() is not None}
         return DataProto.from_dict(tensors=tensors, meta_info=meta).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob_fp32(self, data: DataProto) -> DataProto:
+        """``fp32_log_probs`` (B, Tr): what ``compute_log_prob`` gives, computed in fp32 (the engine's
+        ``full_precision``). The mismatch audit calls it on a step's few worst rows, where
+        ``compute_log_prob``'s ``meta_info["fp32_recompute"]`` says the engine can."""
+        self._require(self.actor, "compute_log_prob_fp32")
+        context = self.actor.engine.full_precision()
+        if context is None:
+            raise RuntimeError(f"the actor's engine ({type(self.actor.engine).__name__}) cannot compute in fp32 here "
+                               "(sharded mixed precision, or weights stored below fp32); compute_log_prob's "
+                               "meta_info['fp32_recompute'] says so before this is called")
+        data = on_device(data, self.device)
+        data, mine = self.actor.engine.model_parallel_rows(data)
+        with context:
+            out = self._log_prob_with_backoff("compute_log_prob_fp32", self.actor, data,
+                                              self._log_prob_kwargs(self.config.rollout, data))
+        return DataProto.from_dict(tensors={"fp32_log_probs": out["log_probs"][mine].float()}).to("cpu")
 
     def _moe_layers(self) -> int:
         """How many MoE routers of a kind routing replay knows the policy has (the mismatch audit's evidence)."""

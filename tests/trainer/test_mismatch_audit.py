@@ -12,6 +12,7 @@ import torch
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.ppo import mismatch
 from rlfoundry.trainer.ppo.mismatch import StepFacts
+from rlfoundry.workers.rollout.agent_loop.base import AgentLoopBase, AgentLoopOutput
 
 
 def _batch(rollout: torch.Tensor, mask: torch.Tensor, **columns) -> DataProto:
@@ -156,3 +157,134 @@ def test_a_threshold_that_is_not_positive_names_the_key():
     errors = TrainerConfig(mismatch_audit_threshold=0.0).check()
     assert any("trainer.mismatch_audit_threshold=0.0" in e and "trainer.mismatch_audit=false" in e for e in errors)
     assert not any("mismatch_audit" in e for e in TrainerConfig().check())
+
+
+def test_retokenisation_is_named_for_the_turns_an_agent_loop_sampled_after_a_rerendered_chat():
+    """The tool agent loop with ``use_inference_chat_template`` and a template that drops earlier turns'
+    reasoning (tests/workers/test_inference_chat_template.py): turn 2 is sampled after a context the row does
+    not hold, and the loop's ``retokenised_from`` says from where. The trainer's log-probs here are the
+    rollout's with turn 2 shifted by 0.3 (what scoring it after another context does); with the key off the
+    same numbers name nothing, as no row was sampled after another context."""
+    from rlfoundry.models.tiny import build_tokenizer
+    from tests.workers.test_inference_chat_template import DROP_THINK, _run
+
+    tok = build_tokenizer()
+    tok.chat_template = DROP_THINK
+    for on in (True, False):
+        out = _run(tok, on)[0]
+        rollout, mask = out.batch["rollout_log_probs"], out.batch["response_mask"]
+        turns = out.non_tensor_batch["turns"][0]  # [role, start, end] of each appended turn
+        second = [t for t in turns if t[0] == "assistant"][1]
+        old = rollout.clone()
+        old[0, second[1]:second[2]] += 0.3
+        _, mean_gap, findings = mismatch.audit(out, old, StepFacts(), threshold=0.02)
+        share = (second[2] - second[1]) / int(mask.sum())  # turn 2's share of the policy's tokens
+        assert mean_gap == pytest.approx(0.3 * share)
+        if not on:
+            assert findings == []
+            continue
+        assert [f.cause for f in findings] == ["retokenisation"]
+        assert out.non_tensor_batch["retokenised_from"][0] == second[1]
+        assert (f"1/1 rows train on {second[2] - second[1]} policy tokens (from response positions "
+                f"{second[1]}..{second[1]})") in findings[0].evidence
+        assert "mean |Δ log p| 0.3 vs 0 " in findings[0].evidence
+
+
+BF16_ACTOR = ["actor.fsdp_config.mixed_precision.param_dtype=bf16", "ref.fsdp_config.mixed_precision.param_dtype=bf16"]
+
+
+@pytest.fixture(scope="module")
+def rollout_and_actor(tiny_model_dir):
+    """Two workers on the same weights: an fp32 one whose rollout samples (fp32 weights and math) and one whose
+    actor computes under bf16 autocast (one CPU rank, ``mixed_precision.param_dtype=bf16``)."""
+    from tests.workers import local_worker, worker_config
+
+    return local_worker(worker_config(tiny_model_dir)), local_worker(worker_config(tiny_model_dir, BF16_ACTOR))
+
+
+def _precision_case(rollout_and_actor, tokenizer, trainer_temperature: float):
+    from tests.workers import make_prompts
+
+    sampler, actor = rollout_and_actor
+    data = sampler.generate_sequences(make_prompts(tokenizer, ["hello world", "a", "the quick brown fox", "12+7="]))
+    data.meta_info = {"temperature": trainer_temperature}  # what the trainer scores at (the rollout sampled at 1)
+    scored = actor.compute_log_prob(data)
+    assert scored.meta_info["compute_dtype"] == "bfloat16" and scored.meta_info["fp32_recompute"]
+    old = scored.batch["old_log_probs"]
+    facts = StepFacts(dtypes={"actor": "bfloat16", "rollout": "float32"}, fp32_recompute=True,
+                      trainer_temperature=trainer_temperature)
+    # bf16 rounding on the tiny model is ~5e-4 per token: a threshold below it diagnoses
+    _, _, findings = mismatch.audit(data, old, facts, threshold=1e-4)
+    assert findings[-1].cause == "precision" and not findings[-1].proven and mismatch.wants_fp32_recompute(findings, facts)
+    rows = mismatch.worst_rows(data.batch["rollout_log_probs"], old, data.batch["response_mask"])
+    fp32 = actor.compute_log_prob_fp32(data.select_idxs(rows)).batch["fp32_log_probs"]
+    finding = mismatch.precision_finding(data.batch["rollout_log_probs"][rows], old[rows], fp32,
+                                         data.batch["response_mask"][rows], facts.dtypes)
+    return mismatch.settle_precision(findings, finding), old, fp32, rows
+
+
+def test_an_fp32_recompute_of_the_worst_rows_proves_precision(rollout_and_actor, tokenizer):
+    findings, old, fp32, rows = _precision_case(rollout_and_actor, tokenizer, 1.0)
+    assert len(rows) == mismatch.PRECISION_ROWS
+    assert [(f.cause, f.proven) for f in findings] == [("precision", True)]
+    assert "closes the gap" in findings[0].evidence and "actor=bfloat16" in findings[0].evidence
+    # the recompute is the actor's own forward in fp32: it moved the bf16 log-probs, by rounding only
+    assert 0 < float((fp32 - old[rows]).abs().max()) < 0.05
+
+
+def test_an_fp32_recompute_does_not_prove_precision_for_a_temperature_gap(rollout_and_actor, tokenizer):
+    findings, *_ = _precision_case(rollout_and_actor, tokenizer, 0.7)
+    assert [(f.cause, f.proven) for f in findings] == [("sampling", True), ("precision", False)]
+    assert "leaves" in findings[1].evidence and "not a proof" in findings[1].evidence
+
+
+def test_the_driver_runs_the_fp32_recompute_on_a_diagnosed_step_and_logs_its_verdict(tiny_model_dir, tmp_path, caplog):
+    """One GRPO step through the real trainer on one CPU rank in bf16 (routing_replay_e2e's setting): the
+    actor under bf16 autocast, the HF rollout decoding from a bf16 copy. A threshold below their rounding
+    gap diagnoses the step; the driver recomputes the worst rows in fp32 and the log carries the verdict:
+    the rollout's own bf16 rounding leaves the gap open, so precision stays a candidate, with the numbers."""
+    from tests.trainer import _e2e as E
+
+    bf16 = [f"actor_rollout_ref.{k}" for k in BF16_ACTOR]
+    with caplog.at_level("WARNING", logger="rlfoundry.trainer.ppo.ray_trainer"):
+        E.train(E.tiny_overrides(tiny_model_dir, tmp_path, "trainer.total_training_steps=1",
+                                 "actor_rollout_ref.actor.use_rollout_log_probs=false",
+                                 "trainer.mismatch_audit_threshold=1e-6", *bf16))
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mismatch audit:")]
+    assert len(logged) == 1
+    assert f"an fp32 recompute of the {mismatch.PRECISION_ROWS} worst rows leaves" in logged[0]
+
+
+class StrippingLoop(AgentLoopBase):
+    """A custom loop with a common bug: it keeps its turn as text, stripped, and encodes it again for the
+    training row (the sampled trailing space is gone, the end token moves up). Listed in a loop config file
+    by the test below, not registered (the registry is the process's)."""
+
+    async def run(self, sampling_params, **row):
+        turn = await self.server.generate(self.key, row["prompt_ids"], self.response_length)
+        text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True).strip()
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + turn.token_ids[-1:]
+        return AgentLoopOutput(row["prompt_ids"], ids, [1] * len(ids), turn.log_probs[:len(ids)])
+
+
+def test_retokenisation_is_named_for_a_custom_loop_that_encodes_its_turn_again(tmp_path):
+    from types import SimpleNamespace
+
+    from rlfoundry.config.schema import MultiTurnConfig
+    from rlfoundry.models.tiny import build_tokenizer
+    from rlfoundry.workers.rollout.agent_loop import AgentLoop
+    from tests.workers.test_agent_loop import ScriptedPolicy, _prompts
+
+    (tmp_path / "loops.yaml").write_text(f"- name: stripping\n  _target_: {__name__}.StrippingLoop\n")
+    tok, question, answer = build_tokenizer(), "Say it.", "The answer is 7. "
+    agent = SimpleNamespace(default_agent_loop="stripping", agent_loop_config_path=str(tmp_path / "loops.yaml"),
+                            max_wait_s=1.0)
+    out = AgentLoop(ScriptedPolicy(tok, {question: [answer]}), tok, MultiTurnConfig(enable=True), {}, 64,
+                    agent=agent).generate_sequences(_prompts(tok, {}, [question]))
+    kept = len(tok.encode(answer.strip(), add_special_tokens=False))  # the sampled ids the row still has as sampled
+    assert out.non_tensor_batch["retokenised_from"][0] == kept  # the end token, after a context the engine never saw
+    old = out.batch["rollout_log_probs"].clone()
+    old[0, kept] += 0.5
+    findings = mismatch.audit(out, old, StepFacts(), threshold=0.02)[2]
+    assert [f.cause for f in findings] == ["retokenisation"]
+    assert f"1/1 rows train on 1 policy tokens (from response positions {kept}..{kept})" in findings[0].evidence

@@ -78,6 +78,11 @@ def test_the_engine_sees_the_rerendered_chat_and_the_row_keeps_the_sampled_token
         assert off.batch[key].equal(on.batch[key]), key
     assert THINK in tokenizer.decode(on.batch["responses"][0])
     assert on.non_tensor_batch["stop_reason"][0] == off.non_tensor_batch["stop_reason"][0] == "no_call"
+    # the mismatch audit's evidence: with the key on, turn 2 (the row's last len(turn2) response tokens) was
+    # sampled after a context the row does not hold; turn 1 after the row's own prompt. Off: every turn as trained
+    response_len = int(on.batch["response_mask"][0].nonzero().max()) + 1
+    assert on.non_tensor_batch["retokenised_from"][0] == response_len - len(turn2)
+    assert off.non_tensor_batch["retokenised_from"][0] == -1
 
 
 def test_the_key_needs_the_rows_messages(tokenizer):

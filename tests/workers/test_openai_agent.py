@@ -182,6 +182,8 @@ def test_a_history_rewriting_agent_gets_one_segment_per_conversation(tokenizer):
     assert list(extras["uid"][:2]) == ["u0", "u0"] and extras["uid"][2] == "u0/excluded/2"
     assert list(extras["stop_reason"]) == ["agent_done", "agent_done", "segment_padding"]
     assert not any(extras["sanity_check_failed"][:2])
+    # segment B re-renders the history, and the engine sampled after that rendering: no row is re-tokenised
+    assert list(extras["retokenised_from"]) == [-1, -1, -1]
     # turn boundaries in each row's response: A's sampled call; B's rendered context, then its sampled answer
     assert extras["turns"][0] == [["assistant", 0, len(resp_a)]]
     assert extras["turns"][1] == [["context", 0, len(context)], ["assistant", len(context), len(resp_b)]]
@@ -212,6 +214,7 @@ def test_stop_strings_async_agents_and_reward_inputs(tokenizer):
     assert reply.choices[0].message.content == "the " and reply.choices[0].finish_reason == "stop"
     _, resp, mask = _row_text(tokenizer, out, 0)
     assert tokenizer.decode(resp) == "the answer" and mask == [1] * len(resp)
+    assert out.non_tensor_batch["retokenised_from"][0] == -1  # a prefix of what was sampled is as sampled
     assert out.non_tensor_batch["extra_info"][0] == {"index": 3, "answer": "the ", "agent_note": 3}
     assert reply.usage.completion_tokens == len(resp)
 

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from rlfoundry.config.schema import FSDPConfig, OptimConfig
 from rlfoundry.engines.base import (
@@ -405,6 +406,17 @@ class FSDPEngine(TrainingEngine):
     def adapter_disabled(self) -> Any:
         """A context in which the module is its base model (a LoRA run's reference policy)."""
         return lora_lib.adapter_disabled(self._module)
+
+    def full_precision(self) -> contextlib.AbstractContextManager | None:
+        """fp32 where the weights are fp32: a plain module as it is, or with its autocast off; FSDP2's mixed
+        precision casts the weights for every forward (no switch per call), so None there."""
+        if any(p.dtype != torch.float32 for p in self._module.parameters()):
+            return None
+        wrapped = isinstance(self._module, FSDPModule)
+        cast = fu.compute_dtype(self.device, (self.config.fsdp.mixed_precision or {}).get("param_dtype"))
+        if wrapped and cast != torch.float32:
+            return None
+        return fu.autocast_off(self._module)
 
     def rollout_module(self) -> nn.Module:
         """The HF rollout samples from the actor's own (sharded) module: no copy, no sync; from a plain

@@ -43,6 +43,7 @@ __all__ = [
     "fsdp_does_nothing",
     "compute_dtype",
     "plain_autocast_dtype",
+    "autocast_off",
     "compute_precision",
     "decode_copy",
     "refresh_decode_copy",
@@ -154,6 +155,18 @@ def compute_precision(module: nn.Module, device: torch.device | str) -> contextl
     plain module computing below its weights' precision, else nothing (FSDP2 casts by itself)."""
     dtype = plain_autocast_dtype(module)
     return contextlib.nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def autocast_off(module: nn.Module) -> Iterator[None]:
+    """Forwards of a plain module under autocast (``AUTOCAST_ATTR``) compute in its weights' own dtype
+    inside this context: ``compute_precision`` finds no autocast dtype until it ends."""
+    dtype = module.__dict__.pop(AUTOCAST_ATTR, None)
+    try:
+        yield
+    finally:
+        if dtype is not None:
+            setattr(module, AUTOCAST_ATTR, dtype)
 
 
 def decode_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -8,12 +8,14 @@ position (quarters of each row's valid tokens), by turn (the k-th run of ``respo
 multi-turn row: the policy's own turns, tool replies between them are masked) and by ``data_source``.
 
 ``diagnose`` names the causes its evidence supports, in the issue's order, those with direct
-evidence first: stale or partial weights (versions of a synchronous run), staleness (versions of an
-asynchronous run), sampling settings (temperature, or top-k/top-p on an engine that renormalises);
-then the circumstantial ones: unverified weight syncs, MoE routing (a mixture-of-experts policy whose
-routing is not replayed, or the share of tokens routed elsewhere when it is; docs/moe.md), and
-precision (a non-fp32 dtype; no fp32 recompute is run, see docs/on_policy.md). Re-tokenisation is not checked: every rollout here trains on
-the ids it sampled and no batch carries a second copy to compare with.
+evidence first: re-tokenisation (rows whose ``retokenised_from`` column, written by the agent loops
+from the engine calls themselves, says the engine did not sample their tokens after the trained
+context), stale or partial weights (versions of a synchronous run), staleness (versions of an
+asynchronous run), sampling settings (temperature, or top-k/top-p on an engine that renormalises),
+precision proven by an fp32 recompute of the worst rows (``precision_finding``); then the
+circumstantial ones: unverified weight syncs, MoE routing (a mixture-of-experts policy whose routing is
+not replayed, or the share of tokens routed elsewhere when it is; docs/moe.md), and precision as a
+candidate (a non-fp32 dtype the recompute did not clear or could not run).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ MAX_TURN_METRICS = 8  # turns past the 8th share one bucket ("8+"): a bounded nu
 # engines whose reported log-prob is renormalised over the top-k/top-p kept set (vLLM processed_logprobs);
 # the HF and SGLang engines report softmax(logits / T) before filtering, what compute_log_prob scores
 RENORMALISING_ENGINES = frozenset({"vllm"})
+PRECISION_ROWS = 4  # the worst rows the fp32 recompute scores: a few rows' forward, not a step's
+# precision is proven when fp32 log-probs leave under a quarter of those rows' gap: rounding of a sum of
+# independent errors would leave about half of it (1/sqrt 2 each); other causes leave nearly all
+PRECISION_CLOSES = 0.25
 
 
 def position_buckets(mask: torch.Tensor, n: int = len(POSITION_BUCKETS)) -> torch.Tensor:
@@ -104,12 +110,33 @@ class StepFacts:
     moe_layers: int = 0  # MoE routers of the policy (0: dense, or routers routing replay does not know)
     router_replay: str = "disabled"  # actor.router_replay.mode
     routing_changed_frac: float | None = None  # R3: response tokens the trainer would route elsewhere
+    fp32_recompute: bool = False  # the actor's engine can recompute log-probs in fp32 (compute_log_prob_fp32)
 
 
 @dataclass(frozen=True)
 class Finding:
-    cause: str  # stale_weights | staleness | sampling | unverified_sync | moe_routing | precision
+    cause: str  # retokenisation | stale_weights | staleness | sampling | precision | unverified_sync | moe_routing
     evidence: str
+    proven: bool = True  # False: a candidate the evidence cannot confirm
+
+
+def _retokenisation_finding(gap: torch.Tensor, mask: torch.Tensor, retokenised_from: np.ndarray | None) -> Finding | None:
+    """Rows trained on policy tokens the engine sampled after another context (the agent loops' record,
+    ``retokenised_from``: the first such response position per row, -1 or None where there is none)."""
+    if retokenised_from is None:
+        return None
+    start = torch.as_tensor([-1 if v is None else int(v) for v in retokenised_from], dtype=torch.long)
+    columns = torch.arange(mask.shape[-1])
+    affected = (start.view(-1, 1) >= 0) & (columns >= start.view(-1, 1)) & mask.bool()
+    if not affected.any():
+        return None
+    rest = mask.bool() & ~affected
+    clean = f"{float(gap[rest].mean()):.4g}" if rest.any() else "n/a (no other token)"
+    return Finding("retokenisation", f"{int(affected.any(-1).sum())}/{len(start)} rows train on "
+                   f"{int(affected.sum())} policy tokens (from response positions "
+                   f"{int(start[start >= 0].min())}..{int(start.max())}) that the engine sampled after another "
+                   f"context than the trained one (a re-rendered or re-tokenised chat); their mean |Δ log p| "
+                   f"{float(gap[affected].mean()):.4g} vs {clean} on the tokens sampled as trained")
 
 
 def _row_means(gap: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -164,16 +191,64 @@ def _circumstantial(facts: StepFacts) -> list[Finding]:
     if not facts.digests_verified:
         found.append(Finding("unverified_sync", "weight syncs are not digest-checked "
                              "(actor_rollout_ref.rollout.checkpoint_engine.verify=false): a partial sync cannot be "
-                             "ruled out"))
+                             "ruled out", proven=False))
     moe = _routing_finding(facts)
     if moe is not None:
         found.append(moe)
-    low = {role: d for role, d in facts.dtypes.items() if d not in ("fp32", "float32")}
+    low = _low_precision(facts.dtypes)
     if low:
-        found.append(Finding("precision", "computing in " + ", ".join(f"{r}={d}" for r, d in sorted(low.items()))
-                             + "; no fp32 recompute is run (docs/on_policy.md), so this is the remaining candidate, "
-                             "not a proof"))
+        found.append(Finding("precision", f"computing in {low}; a candidate, not a proof: an fp32 recompute of the "
+                             "worst rows decides it where the actor computes below fp32 and its engine can "
+                             "(docs/on_policy.md)", proven=False))
     return found
+
+
+def _low_precision(dtypes: dict[str, str]) -> str:
+    """``"actor=bfloat16, rollout=bfloat16"``: the roles computing below fp32 ("" for none)."""
+    return ", ".join(f"{r}={d}" for r, d in sorted(dtypes.items()) if d not in ("fp32", "float32"))
+
+
+def wants_fp32_recompute(findings: list[Finding], facts: StepFacts) -> bool:
+    """Whether an fp32 recompute can decide a precision candidate: the actor computes below fp32 (else the
+    recompute is its own log-probs again) and its engine can compute in fp32."""
+    actor = facts.dtypes.get("actor", "float32")
+    return facts.fp32_recompute and actor not in ("fp32", "float32") and any(
+        f.cause == "precision" and not f.proven for f in findings)
+
+
+def worst_rows(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor,
+               k: int = PRECISION_ROWS) -> list[int]:
+    """The ``k`` rows (all (B, Tr)) with the largest mean |Δ log p| over their valid tokens, worst first."""
+    rows = _row_means((rollout_log_probs.float() - old_log_probs.float()).abs(), mask)
+    return rows.topk(min(k, len(rows))).indices.tolist()
+
+
+def precision_finding(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, fp32_log_probs: torch.Tensor,
+                      mask: torch.Tensor, dtypes: dict[str, str]) -> Finding:
+    """Precision decided on a few rows (all (k, Tr)) by the trainer's log-probs recomputed in fp32: proven when
+    mean |log p_rollout − log p_fp32| < ``PRECISION_CLOSES`` × mean |log p_rollout − log p_trainer| over their
+    valid tokens, else a candidate (the rollout's own rounding, which no recompute here reaches)."""
+    valid = mask.bool()
+    before = float((rollout_log_probs.float() - old_log_probs.float()).abs()[valid].mean())
+    after = float((rollout_log_probs.float() - fp32_log_probs.float()).abs()[valid].mean())
+    rows, low = len(mask), _low_precision(dtypes)
+    if after < PRECISION_CLOSES * before:
+        return Finding("precision", f"computing in {low}: an fp32 recompute of the {rows} worst rows closes the gap, "
+                       f"mean |Δ log p| {after:.4g} against the rollout's log-probs vs {before:.4g} in the trainer's "
+                       f"dtype (under 1/{round(1 / PRECISION_CLOSES)} of it)")
+    return Finding("precision", f"computing in {low}; an fp32 recompute of the {rows} worst rows leaves {after:.4g} of "
+                   f"their mean |Δ log p| {before:.4g}, so the trainer's rounding is not the gap; the rollout's own "
+                   "rounding stays a candidate, not a proof", proven=False)
+
+
+def settle_precision(findings: list[Finding], finding: Finding) -> list[Finding]:
+    """``findings`` with the precision candidate replaced by the recompute's ``finding``: after the other
+    proven causes when it is proven, else last, as a candidate."""
+    rest = [f for f in findings if f.cause != "precision"]
+    if not finding.proven:
+        return rest + [finding]
+    proven = [f for f in rest if f.proven]
+    return proven + [finding] + [f for f in rest if not f.proven]
 
 
 def _routing_finding(facts: StepFacts) -> Finding | None:
@@ -183,11 +258,12 @@ def _routing_finding(facts: StepFacts) -> Finding | None:
     if facts.router_replay == "disabled":
         return Finding("moe_routing", f"an MoE policy ({facts.moe_layers} routed layers) without routing replay: the "
                        "trainer may send a token to other experts than the rollout did; set "
-                       "actor_rollout_ref.actor.router_replay.mode=R3 and rollout.enable_rollout_routing_replay=true")
+                       "actor_rollout_ref.actor.router_replay.mode=R3 and rollout.enable_rollout_routing_replay=true",
+                       proven=False)
     if facts.routing_changed_frac:
         return Finding("moe_routing", f"{facts.routing_changed_frac:.2%} of response tokens would be routed elsewhere "
                        f"by the trainer; router_replay.mode={facts.router_replay} replays the recorded experts, so "
-                       "routing is not the gap unless the records are misaligned")
+                       "routing is not the gap unless the records are misaligned", proven=False)
     return None
 
 
@@ -212,11 +288,13 @@ def replay_gap_metrics(rollout_log_probs: torch.Tensor, replayed: torch.Tensor, 
 
 
 def diagnose(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor,
-             versions: np.ndarray | None, facts: StepFacts) -> list[Finding]:
+             versions: np.ndarray | None, facts: StepFacts, retokenised_from: np.ndarray | None = None) -> list[Finding]:
     """The causes the evidence supports, most direct first (see the module docstring); empty: none found.
-    ``versions``: the batch's ``param_version`` column (B,) or None."""
+    ``versions``: the batch's ``param_version`` column (B,) or None; ``retokenised_from``: its column of
+    that name (B,) or None (rows that no agent loop made)."""
     signed = rollout_log_probs.float() - old_log_probs.float()
-    direct = [f for f in (_version_finding(signed.abs(), mask, versions, facts),
+    direct = [f for f in (_retokenisation_finding(signed.abs(), mask, retokenised_from),
+                          _version_finding(signed.abs(), mask, versions, facts),
                           _sampling_finding(signed, mask, facts)) if f is not None]
     return direct + _circumstantial(facts)
 
@@ -226,7 +304,7 @@ def diagnosis_message(step: int, mean_gap: float, threshold: float, findings: li
     head = (f"step {step}: mean |log p_rollout − log p_trainer| = {mean_gap:.4g} passes "
             f"trainer.mismatch_audit_threshold={threshold}")
     if not findings:
-        return head + "; no cause found (re-tokenisation is not checked; see docs/on_policy.md)"
+        return head + "; no cause found (docs/on_policy.md lists what is checked)"
     return head + f"; likely cause: {findings[0].cause}. " + " | ".join(f"{f.cause}: {f.evidence}" for f in findings)
 
 
@@ -242,7 +320,8 @@ def audit(batch: DataProto, old_log_probs: torch.Tensor, facts: StepFacts,
     mean_gap = float((gap * mask).sum() / mask.sum().clamp(min=1))
     if mean_gap <= threshold:
         return metrics, mean_gap, None
-    return metrics, mean_gap, diagnose(rollout, old_log_probs, mask, columns.get("param_version"), facts)
+    return metrics, mean_gap, diagnose(rollout, old_log_probs, mask, columns.get("param_version"), facts,
+                                       columns.get("retokenised_from"))
 
 
 def should_log(step: int, cause: str, last: tuple[int, str], every: int) -> bool:

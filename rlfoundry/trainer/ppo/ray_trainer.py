@@ -369,6 +369,7 @@ class PPOTrainer:
         self.tracker = None
         self._reward_thread, self._pending_reward = None, None  # reward_model.launch_reward_fn_async
         self._last_diagnosis: tuple[int, str] = (-MISMATCH_LOG_EVERY, "")  # (step, cause) of the last one logged
+        self._last_fp32_check = -MISMATCH_LOG_EVERY  # step of the mismatch audit's last fp32 recompute
         self.source = make_source(self)
 
     # ---- workers -------------------------------------------------------------------------------
@@ -701,13 +702,27 @@ class PPOTrainer:
         turn and data source; past ``trainer.mismatch_audit_threshold``, a diagnosis in the log, once a step
         and, while the named cause stays the same, every ``MISMATCH_LOG_EVERY`` steps."""
         with marked_timer("mismatch_audit", timing):
-            threshold = float(self.config.trainer.mismatch_audit_threshold)
-            metrics, mean_gap, findings = mismatch.audit(batch, scored.batch["old_log_probs"],
-                                                         self._step_facts(batch, scored), threshold)
+            threshold, facts = float(self.config.trainer.mismatch_audit_threshold), self._step_facts(batch, scored)
+            metrics, mean_gap, findings = mismatch.audit(batch, scored.batch["old_log_probs"], facts, threshold)
             if findings is not None:
+                findings = self._check_precision(batch, scored.batch["old_log_probs"], facts, findings)
                 self._log_diagnosis(mismatch.diagnosis_message(self.state.global_steps, mean_gap, threshold, findings),
                                     findings[0].cause if findings else "none")
         return metrics
+
+    def _check_precision(self, batch: DataProto, old_log_probs: torch.Tensor, facts: mismatch.StepFacts,
+                         findings: list[mismatch.Finding]) -> list[mismatch.Finding]:
+        """A precision candidate decided by the actor's fp32 recompute of the step's worst rows
+        (``mismatch.PRECISION_ROWS``), on a diagnosed step, every ``MISMATCH_LOG_EVERY`` steps at most."""
+        step = self.state.global_steps
+        if not mismatch.wants_fp32_recompute(findings, facts) or step - self._last_fp32_check < MISMATCH_LOG_EVERY:
+            return findings
+        self._last_fp32_check = step
+        rollout, mask = batch.batch["rollout_log_probs"], batch.batch["response_mask"]
+        rows = mismatch.worst_rows(rollout, old_log_probs, mask)
+        fp32 = self.actor_rollout_wg.compute_log_prob_fp32(batch.select_idxs(rows)).batch["fp32_log_probs"]
+        return mismatch.settle_precision(findings, mismatch.precision_finding(
+            rollout[rows], old_log_probs[rows], fp32, mask[rows], facts.dtypes))
 
     def _step_facts(self, batch: DataProto, scored: DataProto) -> mismatch.StepFacts:
         """What the driver knows of how the rows were sampled and scored (the diagnosis's evidence)."""
@@ -722,7 +737,7 @@ class PPOTrainer:
             engine=rollout.name, fire=bool(rollout.use_fire_sampling), digests_verified=bool(rollout.checkpoint_engine.verify),
             dtypes={k: v for k, v in dtypes.items() if v is not None}, moe_layers=int(meta.get("moe_layers", 0)),
             router_replay=self.config.actor_rollout_ref.actor.router_replay.mode,
-            routing_changed_frac=meta.get("routing_changed_frac"))
+            routing_changed_frac=meta.get("routing_changed_frac"), fp32_recompute=bool(meta.get("fp32_recompute")))
 
     def _log_diagnosis(self, message: str, cause: str) -> None:
         """Log once a step at most; the same cause again only every ``MISMATCH_LOG_EVERY`` steps."""

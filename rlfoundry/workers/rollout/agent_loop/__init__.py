@@ -10,6 +10,11 @@ The token sequence is the one the policy saw, which re-tokenising the final chat
 ``tokenization_sanity_check_mode`` compares the two (``strict``: token for token; ``ignore_strippable``:
 the decoded texts without whitespace) and a mismatch is logged with its first differing position and
 counted in ``multi_turn/sanity_check_failures`` (the trajectory is kept: its tokens are the truth).
+Whether the engine sampled each row's policy tokens after exactly the row's tokens before them is
+checked too, against the engine calls themselves (``server.py``): a loop that gives the engine a context
+other than the row's (``use_inference_chat_template``, a custom loop that re-encodes a turn) makes the
+row's ``retokenised_from`` column the response position where that starts (-1: none), which the
+mismatch audit names as re-tokenisation (docs/on_policy.md).
 The per-row ``num_turns``, ``sanity_check_failed`` and the loops' ``extra_fields`` become non-tensor
 columns, which the driver turns into the step's metrics (``trainer/metric_utils.multi_turn_metrics``).
 
@@ -47,7 +52,7 @@ from rlfoundry.workers.rollout.agent_loop.base import (
     register,
     resolve_agent_loops,
 )
-from rlfoundry.workers.rollout.agent_loop.server import GenerationServer, PromptVision
+from rlfoundry.workers.rollout.agent_loop.server import GenerationServer, PromptVision, prefix_digests
 from rlfoundry.workers.rollout.agent_loop.tool_agent import apply_template, truncate_text
 
 __all__ = ["AgentLoop", "AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "format_trajectory", "register",
@@ -106,14 +111,16 @@ class AgentLoop:
                 raise AgentLoopError(f"agent loop {r['agent_name']!r} does not take image rows (its class sets no "
                                      "takes_images = True); use tool_agent or single_turn_agent for them")
         with ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-agent-loop") as pool:  # callers may own a loop
-            results = pool.submit(asyncio.run, self._run_all(rows, classes, dict(prompts.meta_info))).result()
+            results, server = pool.submit(asyncio.run, self._run_all(rows, classes, dict(prompts.meta_info))).result()
         outputs, sample = [], []  # one entry per row; a loop may give a trajectory several rows
         for k, result in enumerate(results):
             for out in result if isinstance(result, list) else [result]:
                 outputs.append(out)
                 sample.append(k)
                 self._check_tokenization(out)
-        return self._assemble(prompts, n, outputs, sample)
+        batch = self._assemble(prompts, n, outputs, sample)
+        batch.non_tensor_batch["retokenised_from"] = _retokenised_from(server, batch, sample)
+        return batch
 
     def _row(self, prompts: DataProto, i: int) -> dict[str, Any]:
         batch = prompts.batch
@@ -127,7 +134,7 @@ class AgentLoop:
                                                 row.get("multi_modal_data") or None)
         return row
 
-    async def _run_all(self, rows: list[dict], classes: dict[str, type], meta: dict) -> list:
+    async def _run_all(self, rows: list[dict], classes: dict[str, type], meta: dict) -> tuple[list, GenerationServer]:
         server = GenerationServer(self.engine, self.pad_id, meta, self.max_wait_s)
         loops = [classes[row["agent_name"]](
             server=server, tokenizer=self.tokenizer, config=self.config, tools=self.tools,
@@ -144,7 +151,7 @@ class AgentLoop:
             server.join()
         serving = asyncio.create_task(server.serve())
         try:
-            return await asyncio.gather(*(one(loop, row) for loop, row in zip(loops, rows)))
+            return await asyncio.gather(*(one(loop, row) for loop, row in zip(loops, rows))), server
         finally:
             serving.cancel()
             self.last_engine_calls = server.engine_calls
@@ -204,6 +211,27 @@ class AgentLoop:
             if extras["excluded"][r] and "uid" in extras:
                 extras["uid"][r] = f"{extras['uid'][r]}/excluded/{r}"
         return DataProto.from_dict(tensors=tensors, non_tensors=extras, meta_info=dict(prompts.meta_info))
+
+
+def _retokenised_from(server: GenerationServer, batch: DataProto, sample: list[int]) -> np.ndarray:
+    """Per row, the first response position whose policy token the engine did not sample after the row's own
+    tokens before it (-1: none): the mismatch audit's evidence of re-tokenisation (see the module docstring),
+    read from the batch's tensors, the ids the trainer gets. Every row's prefix digests in one pass; per row,
+    only its requests' sampled ids compared."""
+    tensors = batch.batch.cpu()  # one copy per tensor from the worker's device, then host-side indexing
+    real, prompt_width = tensors["attention_mask"].bool(), tensors["prompts"].shape[1]
+    digests, ids = prefix_digests(tensors["input_ids"], real), tensors["input_ids"]
+    # a row's real tokens are contiguous: the prompt's, right-aligned, then the response's
+    first, count, prompt = real.int().argmax(-1).tolist(), real.sum(-1).tolist(), real[:, :prompt_width].sum(-1).tolist()
+    covered = torch.zeros_like(real[:, prompt_width:])
+    for r, k in enumerate(sample):
+        row = slice(first[r], first[r] + count[r])
+        for a, b in server.sampled_spans(k, ids[r, row], digests[r, row]):
+            covered[r, max(a - prompt[r], 0):max(b - prompt[r], 0)] = True
+    missing = tensors["response_mask"].bool() & ~covered
+    column = np.empty(len(sample), dtype=object)
+    column[:] = torch.where(missing.any(-1), missing.int().argmax(-1), -1).tolist()
+    return column
 
 
 def _positions_3d(prompt_pos: torch.Tensor, no_prompt: torch.Tensor, flat: torch.Tensor, width: int) -> torch.Tensor:

@@ -21,6 +21,10 @@ stream is then keyed by that seed alone (not by the batch, trajectory or turn), 
 sample the same tokens; and ``top_logprobs`` = k: the engine call then asks for each step's k most likely
 tokens (``serves_top_logprobs``: the HF engine) and the request gets them.
 
+The server keeps, per trajectory, what each request sampled and a digest of the context it sampled it
+after (``sampled``); ``sampled_spans`` holds a training row against that record, so the mismatch audit can
+tell the rows whose tokens the engine did not sample as they are trained (re-tokenisation, docs/on_policy.md).
+
 Image rows (docs/vision.md): a request may carry its prompt's :class:`PromptVision` (the row's
 ``multi_modal_inputs``, ``multi_modal_data`` and 3-D rotary positions); the engine call then gets every
 row's pixel inputs (``multi_modal_inputs``, what the HF engine reads), its images (``multi_modal_data``,
@@ -69,6 +73,18 @@ class PromptVision:
 
 
 _SEEDED = 1 << 41  # in the first slot of a seeded request's draw key: never a reserved call number
+_DIGEST_BASE = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as an int64: odd, so its powers mod 2**64 never vanish
+
+
+def prefix_digests(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) token rows whose real tokens (``mask`` 1) are contiguous -> (B, T) int64: at [b, j] a digest of row
+    b's real tokens up to column j, sum_i id_i * BASE^(i+1) over them, mod 2**64 (torch's int64 products and
+    sums wrap around, on the CPU and on CUDA alike).
+    A running sum: every prefix of every row in one vectorised pass, where hashing each prefix on its own
+    would read a row once per turn."""
+    rank = mask.long().cumsum(-1)  # 1-based rank of each real token in its row
+    powers = torch.full((ids.shape[-1],), _DIGEST_BASE, dtype=torch.long, device=ids.device).cumprod(0)
+    return torch.where(mask.bool(), ids.long() * powers[(rank - 1).clamp(min=0)], 0).cumsum(-1)
 
 
 @dataclass
@@ -90,6 +106,7 @@ class _Request:
     vision: PromptVision | None = None
     draw_key: int = 0  # (reserved call, trajectory, turn) mixed: the key of its sampling stream
     top_logprobs: int = 0
+    context_digest: int = 0  # prefix_digests of token_ids, set by _rows
 
 
 class GenerationServer:
@@ -107,6 +124,9 @@ class GenerationServer:
         self._pending: list[_Request] = []
         self._wake: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rlfoundry-engine")
+        # per trajectory: (context length, digest of the context, sampled ids) of each request answered. A
+        # digest, not the context: a trajectory's turns would otherwise hold a copy of its whole context each
+        self.sampled: dict[int, list[tuple[int, int, list[int]]]] = {}
 
     @property
     def seeds_requests(self) -> bool:
@@ -159,6 +179,8 @@ class GenerationServer:
                         request.future.set_exception(e)
                     continue
                 for request, output in zip(batch, outputs):
+                    self.sampled.setdefault(request.key, []).append(
+                        (len(request.token_ids), request.context_digest, output.token_ids))
                     request.future.set_result(output)
         finally:
             self._executor.shutdown(wait=False)
@@ -183,8 +205,23 @@ class GenerationServer:
         if self._wake is not None:
             self._wake.set()
 
+    def sampled_spans(self, key: int, ids: torch.Tensor, digests: torch.Tensor) -> list[tuple[int, int]]:
+        """The spans ``[a, b)`` of ``ids`` (a training row of trajectory ``key``, its real tokens (n,); ``digests``
+        (n,): ``prefix_digests`` of them) whose tokens a request of the trajectory sampled after exactly
+        ``ids[:a]``. A request's tokens may be cut short in the row (a stop string)."""
+        spans = []
+        for length, digest, sampled in self.sampled.get(key, ()):
+            if not 0 < length < len(ids) or int(digests[length - 1]) != digest:
+                continue
+            window = ids[length:length + len(sampled)].tolist()
+            same = len(window) if window == sampled[:len(window)] else \
+                next(j for j, (x, y) in enumerate(zip(window, sampled)) if x != y)  # a list compare first: C speed
+            spans.append((length, length + same))
+        return spans
+
     def _run(self, batch: list[_Request]) -> list[Generated]:
-        """One engine call for the batch's rows (in the server's thread)."""
+        """One engine call for the batch's rows (in the server's thread, which also digests each request's
+        context for ``sampled``: off the event loop)."""
         self.engine_calls += 1
         budget = max(r.max_tokens for r in batch)
         meta = {**self.meta, "n": 1, "response_length": budget, "max_response_lengths": [r.max_tokens for r in batch]}
@@ -211,9 +248,15 @@ class GenerationServer:
         return results
 
     def _rows(self, batch: list[_Request], meta: dict) -> DataProto:
-        """The engine's input, on the engine's device where it has one (the HF engine: its module's)."""
+        """The engine's input, on the engine's device where it has one (the HF engine: its module's); each
+        request's ``context_digest`` from the host copy (``sampled``)."""
         device = getattr(self.engine, "device", None)
-        tensors = left_padded([r.token_ids for r in batch], self.pad_id, device)
+        tensors = left_padded([r.token_ids for r in batch], self.pad_id)
+        digests = prefix_digests(tensors["input_ids"], tensors["attention_mask"])[:, -1].tolist()
+        for r, digest in zip(batch, digests):
+            r.context_digest = digest
+        if device is not None:
+            tensors = {k: v.to(device) for k, v in tensors.items()}
         if all(r.vision is None for r in batch):
             return DataProto.from_dict(tensors=tensors, meta_info=meta)
         # (B, 3, T): image rows their prompt's positions and on; text rows 0, 1, … in each axis; padding
