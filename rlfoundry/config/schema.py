@@ -1239,6 +1239,152 @@ class AsyncTrainingConfig(Node):
         return errors
 
 
+
+# ─────────────────────────────────────── distillation ───────────────────────────────────────
+# verl's on-policy distillation (Aug 2026, docs/distillation.md): per-token losses against teacher models'
+# log-probs of the student's own samples. algos/distillation.py computes them; teachers are reference-style
+# workers (workers/actor_rollout_ref.py, role "ref") on the teacher checkpoints.
+
+DISTILLATION_ESTIMATOR_MODES = _KL_BASE  # one-sample KL estimators on the sampled token (core_algos.kl_penalty)
+DISTILLATION_TOPK_MODES = ("forward_kl_topk",)  # need the teacher's top-k distribution: not built (check below)
+
+
+@dataclass
+class DistillationLossConfig(Node):
+    loss_mode: str = one_of(DISTILLATION_ESTIMATOR_MODES + DISTILLATION_TOPK_MODES, "k3")
+    topk: Optional[int] = 32  # the top-k modes' k
+    use_task_rewards: bool = True  # false: the PPO/GRPO loss on the task rewards is left out entirely
+    distillation_loss_coef: float = 1.0  # its weight beside the task loss (1 without task rewards, as verl)
+    loss_max_clamp: Optional[float] = None  # per-token loss clamped to [-c, c] (k1 can be negative)
+    log_prob_min_clamp: Optional[float] = None  # the top-k modes' floor on log-probs
+    use_policy_gradient: bool = False  # true: -loss is a per-token advantage of a PPO-clip term
+    policy_loss_mode: str = one_of(("vanilla",), "vanilla")  # verl accepts only vanilla too
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+
+
+@dataclass
+class TeacherInferenceConfig(Node):
+    """verl serves a teacher with an inference engine (``name``); here it is a forward pass of the same
+    checkpoint on the trainer's engine (docs/distillation.md says which keys size the engine only)."""
+
+    name: Optional[str] = None  # vllm | sglang in verl; the log-probs are the model's either way
+    dtype: str = "bfloat16"  # the teacher's weights (fsdp_config.model_dtype of its worker)
+    temperature: Optional[float] = None  # verl scores at 1.0 whatever is set (a forward pass samples nothing)
+    max_model_len: Optional[int] = None  # must hold prompt + response + 1 (verl's check)
+    prompt_length: Optional[int] = None  # null: data.max_prompt_length
+    response_length: Optional[int] = None  # null: data.max_response_length
+    # engine sizing only (no effect on the numbers)
+    tensor_model_parallel_size: int = 2
+    data_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    free_cache_engine: bool = True
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    load_format: str = "auto"
+    engine_kwargs: Dict[str, Any] = _dict()
+    limit_images: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    disable_log_stats: bool = True
+    skip_tokenizer_init: bool = True
+
+    def replica_size(self) -> int:
+        return self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
+
+
+@dataclass
+class TeacherModelConfig(Node):
+    """One entry of ``distillation.teacher_models`` (validated by ``DistillationConfig.teachers``)."""
+
+    key: Optional[str] = None  # the value of distillation.teacher_key whose rows this teacher scores
+    model_path: Optional[str] = None
+    num_replicas: int = 0  # verl's engine replicas (pool sizing; no effect here)
+    inference: TeacherInferenceConfig = _sub(TeacherInferenceConfig)
+
+
+_DEFAULT_TEACHER = "teacher_model"  # verl's single-teacher entry, dropped when other entries are added
+
+
+@dataclass
+class DistillationConfig(Node):
+    enabled: bool = False
+    n_gpus_per_node: int = 8  # verl's teacher pool; teachers share the trainer's ranks here
+    nnodes: int = 0
+    # name -> TeacherModelConfig keys (open: verl users add entries with +distillation.teacher_models.<name>.*)
+    teacher_models: Dict[str, Any] = field(default_factory=lambda: {
+        _DEFAULT_TEACHER: {"key": None, "model_path": None, "num_replicas": 0}})
+    teacher_key: str = "data_source"  # the non-tensor batch column that routes a row to its teacher
+    distillation_loss: DistillationLossConfig = _sub(DistillationLossConfig)
+
+    def teachers(self) -> dict[str, TeacherModelConfig]:
+        """Routing key -> teacher, as verl resolves them: the one ``teacher_model`` entry alone scores
+        every row (key "default"); with other entries it is dropped and each entry needs its own key."""
+        from rlfoundry.config.typed import ConfigError, to_typed
+
+        entries = dict(self.teacher_models or {})
+        if len(entries) > 1:
+            entries.pop(_DEFAULT_TEACHER, None)
+        out: dict[str, TeacherModelConfig] = {}
+        for name, entry in entries.items():
+            teacher = to_typed(TeacherModelConfig, entry, name=f"distillation.teacher_models.{name}")
+            key = "default" if len(entries) == 1 else teacher.key
+            if key in out:
+                raise ConfigError(f"distillation.teacher_models: two teachers have key={key!r}; give each its own key.")
+            out[key] = teacher
+        return out
+
+    def check(self) -> list[str]:
+        if not self.enabled:
+            return []  # verl reads nothing under distillation then
+        try:
+            teachers = self.teachers()
+        except ValueError as e:  # typed.ConfigError: an unknown or mistyped key in an entry
+            return [str(e)]
+        return self._loss_errors() + self._teacher_errors(teachers)
+
+    def _loss_errors(self) -> list[str]:
+        loss = self.distillation_loss
+        errors = []
+        if loss.loss_mode in DISTILLATION_TOPK_MODES:
+            errors.append(f"distillation.distillation_loss.loss_mode={loss.loss_mode}: the top-k losses need the "
+                          "teacher's top-k distribution, which rlfoundry's teachers do not return yet; use "
+                          f"one of {list(DISTILLATION_ESTIMATOR_MODES)} (k3, or k1 with use_policy_gradient=true).")
+        if loss.loss_mode in ("k1", "kl") and not loss.use_policy_gradient:
+            errors.append(f"distillation.distillation_loss.loss_mode={loss.loss_mode} with use_policy_gradient=false: "
+                          "the gradient of k1 = log p - log q does not depend on the teacher; set "
+                          "use_policy_gradient=true or loss_mode=k3.")
+        return errors
+
+    def _teacher_errors(self, teachers: dict[str, TeacherModelConfig]) -> list[str]:
+        errors, size = [], 0
+        for key, t in teachers.items():
+            where = "distillation.teacher_models" + ("" if key == "default" else f" (key={key})")
+            if not t.model_path:
+                errors.append(f"{where}: model_path is not set; set it to the teacher checkpoint.")
+            if key is None:
+                errors.append(f"{where}: a teacher has no key; with several teachers each needs key=<value of "
+                              f"{self.teacher_key}> (the default entry teacher_model is dropped then).")
+            if t.num_replicas is None:
+                errors.append(f"{where}: num_replicas must be set.")
+            size += (t.num_replicas or 0) * t.inference.replica_size()
+        pool = self.n_gpus_per_node * self.nnodes
+        if len(teachers) == 1:
+            per = next(iter(teachers.values())).inference.replica_size()
+            if per and pool % per:
+                errors.append(f"distillation: the teacher's replica size {per} (inference tensor × data × pipeline "
+                              f"parallel) must divide n_gpus_per_node × nnodes = {pool} (verl's check).")
+        elif size != pool:
+            errors.append(f"distillation: the teachers' num_replicas × replica size add up to {size}, but "
+                          f"n_gpus_per_node × nnodes = {pool}; verl requires them equal.")
+        return errors
+
+
 @dataclass
 class PPOConfig(Node):
     data: DataConfig = _sub(DataConfig)
@@ -1259,19 +1405,13 @@ class PPOConfig(Node):
     ray_kwargs: Dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
                                                                "timeline_json_file": None})
     global_profiler: GlobalProfilerConfig = _sub(GlobalProfilerConfig)
-    # verl (Aug 2026): on-policy distillation from teacher models; enabled=true is a start-up error (not built)
-    distillation: Dict[str, Any] = _dict(enabled=False)
-
-    def _check_distillation(self) -> list[str]:
-        if not (self.distillation or {}).get("enabled"):
-            return []
-        return ["distillation.enabled=true: verl's on-policy distillation from teacher models (distillation.*) is "
-                "not built in rlfoundry; remove the distillation keys."]
+    # verl (Aug 2026): on-policy distillation from teacher models (docs/distillation.md)
+    distillation: DistillationConfig = _sub(DistillationConfig)
 
     def check(self) -> list[str]:
         """Each section's own rules (its ``check``), in schema order; the rules between sections and
         those that load files or registries are ``trainer/config.py``'s ``validate_config``."""
-        return section_errors(self) + self._check_distillation()
+        return section_errors(self)
 
 
 # ─────────────────────────────────────── replaced keys ───────────────────────────────────────
