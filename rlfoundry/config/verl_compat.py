@@ -119,6 +119,11 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.megatron.use_remove_padding",
     # image rows always carry their pixel inputs (verl recomputes them in its agent loop when false)
     "data.return_multi_modal_inputs",
+    # on-policy distillation: a teacher is a forward pass on the trainer's ranks (trainer/ppo/teachers.py), not an
+    # inference engine in a pool of its own, so the engine's name and the pool's and engine's sizes change nothing
+    "distillation.n_gpus_per_node", "distillation.nnodes", "distillation.teacher_models.*.num_replicas",
+    "distillation.teacher_models.*.inference.name", "distillation.teacher_models.*.inference.*_parallel_size",
+    "distillation.teacher_models.*.inference.gpu_memory_utilization",
 )
 # global_profiler's keys that a torch trace reads (verl_compat._adopt_global_profiler); with another tool
 # (nsys, npu) they have no effect

@@ -22,7 +22,6 @@ __all__ = ["teacher_roles", "teacher_worker_config", "route_rows", "teacher_log_
 # verl scores with temperature 1 whatever the teacher's inference.temperature says: a forward pass over
 # given tokens samples nothing, and the distillation target is the teacher's own distribution
 TEACHER_TEMPERATURE = 1.0
-_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 def teacher_roles(distillation: Any) -> dict[str, str]:
@@ -71,8 +70,9 @@ def teacher_log_probs(batch: DataProto, groups: Mapping[str, Any], teacher_key: 
     for key, rows in routes.items():
         if len(rows) == 0:
             continue
-        part = batch.select(batch_keys=list(_INPUTS)).select_idxs(rows)
-        part.meta_info = {"temperature": TEACHER_TEMPERATURE}
+        # the whole rows: a vision-language teacher's forward reads the rows' image inputs too
+        part = batch.select_idxs(rows)
+        part.meta_info = {**batch.meta_info, "temperature": TEACHER_TEMPERATURE}
         padded, pad = pad_dataproto_to_divisor(part, groups[key].world_size)
         scored = unpad_dataproto(groups[key].compute_ref_log_prob(padded), pad)
         out[torch.as_tensor(rows)] = scored.batch["ref_log_prob"].float()
