@@ -1243,7 +1243,7 @@ class AsyncTrainingConfig(Node):
 # ─────────────────────────────────────── distillation ───────────────────────────────────────
 # verl's on-policy distillation (Aug 2026, docs/distillation.md): per-token losses against teacher models'
 # log-probs of the student's own samples. algos/distillation.py computes them; teachers are reference-style
-# workers (workers/actor_rollout_ref.py, role "ref") on the teacher checkpoints.
+# workers (trainer/ppo/teachers.py) on the teacher checkpoints; config/distillation.py resolves and checks them.
 
 DISTILLATION_ESTIMATOR_MODES = _KL_BASE  # one-sample KL estimators on the sampled token (core_algos.kl_penalty)
 DISTILLATION_TOPK_MODES = ("forward_kl_topk",)  # need the teacher's top-k distribution: not built (check below)
@@ -1300,15 +1300,12 @@ class TeacherInferenceConfig(Node):
 
 @dataclass
 class TeacherModelConfig(Node):
-    """One entry of ``distillation.teacher_models`` (validated by ``DistillationConfig.teachers``)."""
+    """One entry of ``distillation.teacher_models`` (resolved and checked by ``config/distillation.py``)."""
 
     key: Optional[str] = None  # the value of distillation.teacher_key whose rows this teacher scores
     model_path: Optional[str] = None
     num_replicas: int = 0  # verl's engine replicas (pool sizing; no effect here)
     inference: TeacherInferenceConfig = _sub(TeacherInferenceConfig)
-
-
-_DEFAULT_TEACHER = "teacher_model"  # verl's single-teacher entry, dropped when other entries are added
 
 
 @dataclass
@@ -1318,71 +1315,9 @@ class DistillationConfig(Node):
     nnodes: int = 0
     # name -> TeacherModelConfig keys (open: verl users add entries with +distillation.teacher_models.<name>.*)
     teacher_models: Dict[str, Any] = field(default_factory=lambda: {
-        _DEFAULT_TEACHER: {"key": None, "model_path": None, "num_replicas": 0}})
+        "teacher_model": {"key": None, "model_path": None, "num_replicas": 0}})
     teacher_key: str = "data_source"  # the non-tensor batch column that routes a row to its teacher
     distillation_loss: DistillationLossConfig = _sub(DistillationLossConfig)
-
-    def teachers(self) -> dict[str, TeacherModelConfig]:
-        """Routing key -> teacher, as verl resolves them: the one ``teacher_model`` entry alone scores
-        every row (key "default"); with other entries it is dropped and each entry needs its own key."""
-        from rlfoundry.config.typed import ConfigError, to_typed
-
-        entries = dict(self.teacher_models or {})
-        if len(entries) > 1:
-            entries.pop(_DEFAULT_TEACHER, None)
-        out: dict[str, TeacherModelConfig] = {}
-        for name, entry in entries.items():
-            teacher = to_typed(TeacherModelConfig, entry, name=f"distillation.teacher_models.{name}")
-            key = "default" if len(entries) == 1 else teacher.key
-            if key in out:
-                raise ConfigError(f"distillation.teacher_models: two teachers have key={key!r}; give each its own key.")
-            out[key] = teacher
-        return out
-
-    def check(self) -> list[str]:
-        if not self.enabled:
-            return []  # verl reads nothing under distillation then
-        try:
-            teachers = self.teachers()
-        except ValueError as e:  # typed.ConfigError: an unknown or mistyped key in an entry
-            return [str(e)]
-        return self._loss_errors() + self._teacher_errors(teachers)
-
-    def _loss_errors(self) -> list[str]:
-        loss = self.distillation_loss
-        errors = []
-        if loss.loss_mode in DISTILLATION_TOPK_MODES:
-            errors.append(f"distillation.distillation_loss.loss_mode={loss.loss_mode}: the top-k losses need the "
-                          "teacher's top-k distribution, which rlfoundry's teachers do not return yet; use "
-                          f"one of {list(DISTILLATION_ESTIMATOR_MODES)} (k3, or k1 with use_policy_gradient=true).")
-        if loss.loss_mode in ("k1", "kl") and not loss.use_policy_gradient:
-            errors.append(f"distillation.distillation_loss.loss_mode={loss.loss_mode} with use_policy_gradient=false: "
-                          "the gradient of k1 = log p - log q does not depend on the teacher; set "
-                          "use_policy_gradient=true or loss_mode=k3.")
-        return errors
-
-    def _teacher_errors(self, teachers: dict[str, TeacherModelConfig]) -> list[str]:
-        errors, size = [], 0
-        for key, t in teachers.items():
-            where = "distillation.teacher_models" + ("" if key == "default" else f" (key={key})")
-            if not t.model_path:
-                errors.append(f"{where}: model_path is not set; set it to the teacher checkpoint.")
-            if key is None:
-                errors.append(f"{where}: a teacher has no key; with several teachers each needs key=<value of "
-                              f"{self.teacher_key}> (the default entry teacher_model is dropped then).")
-            if t.num_replicas is None:
-                errors.append(f"{where}: num_replicas must be set.")
-            size += (t.num_replicas or 0) * t.inference.replica_size()
-        pool = self.n_gpus_per_node * self.nnodes
-        if len(teachers) == 1:
-            per = next(iter(teachers.values())).inference.replica_size()
-            if per and pool % per:
-                errors.append(f"distillation: the teacher's replica size {per} (inference tensor × data × pipeline "
-                              f"parallel) must divide n_gpus_per_node × nnodes = {pool} (verl's check).")
-        elif size != pool:
-            errors.append(f"distillation: the teachers' num_replicas × replica size add up to {size}, but "
-                          f"n_gpus_per_node × nnodes = {pool}; verl requires them equal.")
-        return errors
 
 
 @dataclass

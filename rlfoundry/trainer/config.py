@@ -36,6 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
+from rlfoundry.config.distillation import distillation_errors
 from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
@@ -436,26 +437,6 @@ def _check_lengths(cfg: PPOConfig) -> list[str]:
     return []
 
 
-def _check_distillation_lengths(cfg: PPOConfig) -> list[str]:
-    """verl's check on a teacher's ``inference.max_model_len``: it must hold the student's prompt, its
-    whole response and one more token (the teacher is asked for one token after the sequence)."""
-    if not cfg.distillation.enabled:
-        return []
-    try:
-        teachers = cfg.distillation.teachers()
-    except ValueError:  # DistillationConfig.check names it
-        return []
-    errors = []
-    for key, t in teachers.items():
-        inf = t.inference
-        need = ((inf.prompt_length or cfg.data.max_prompt_length) + (inf.response_length or cfg.data.max_response_length)
-                + 1)
-        if inf.max_model_len is not None and need > inf.max_model_len:
-            errors.append(f"distillation teacher {key!r}: inference.max_model_len={inf.max_model_len} is below prompt + "
-                          f"response + 1 = {need}; raise it or shorten data.max_prompt_length/max_response_length.")
-    return errors
-
-
 def _check_multi_turn(cfg: DictConfig) -> list[str]:
     """``rollout.multi_turn``: tool and interaction configs that load."""
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
@@ -853,7 +834,7 @@ def validate_config(cfg: DictConfig | PPOConfig) -> None:
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     errors += (typed_cfg.check() + _check_estimator(typed_cfg) + _check_batch_sizes(typed_cfg)
-               + _check_lengths(typed_cfg) + _check_distillation_lengths(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
+               + _check_lengths(typed_cfg) + distillation_errors(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
                + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
                + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg) + _check_optimizers(typed_cfg))
     if errors:

@@ -274,11 +274,12 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
 
 def teacher_classes(cfg: Any) -> dict[str, ClassWithInitArgs]:
     """On-policy distillation: one reference-role worker per teacher, colocated (trainer/ppo/teachers.py)."""
+    from rlfoundry.config.distillation import resolve_teachers
     from rlfoundry.single_controller.base import ClassWithInitArgs
     from rlfoundry.trainer.ppo.teachers import teacher_roles, teacher_worker_config
     from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    teachers = cfg.distillation.teachers() if cfg.distillation.enabled else {}
+    teachers = resolve_teachers(cfg.distillation) if cfg.distillation.enabled else {}
     return {role: ClassWithInitArgs(ActorRolloutRefWorker, role="ref",
                                     config=teacher_worker_config(cfg.actor_rollout_ref, teachers[key]))
             for key, role in teacher_roles(cfg.distillation).items()}

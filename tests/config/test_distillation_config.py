@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from rlfoundry.config.distillation import resolve_teachers
 from rlfoundry.config.typed import ConfigError
 from rlfoundry.trainer.config import load_config, resolve_config
 
@@ -34,14 +35,14 @@ def test_defaults_are_verls_yaml():
 
 
 def test_one_teacher_scores_every_row_under_the_key_default():
-    teachers = _load(*ONE).distillation.teachers()
+    teachers = resolve_teachers(_load(*ONE).distillation)
     assert list(teachers) == ["default"] and teachers["default"].model_path == "/models/teacher"
 
 
 def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
     cfg = _load(*ONE, "+distillation.teacher_models.a.key=src/a", "+distillation.teacher_models.a.model_path=/m/a",
                 "+distillation.teacher_models.b.key=src/b", "+distillation.teacher_models.b.model_path=/m/b")
-    teachers = cfg.distillation.teachers()
+    teachers = resolve_teachers(cfg.distillation)
     assert {k: t.model_path for k, t in teachers.items()} == {"src/a": "/m/a", "src/b": "/m/b"}
 
 

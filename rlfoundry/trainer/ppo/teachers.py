@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from rlfoundry.config.distillation import resolve_teachers
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
 __all__ = ["teacher_roles", "teacher_worker_config", "route_rows", "teacher_log_probs", "TEACHER_TEMPERATURE"]
@@ -28,7 +29,7 @@ def teacher_roles(distillation: Any) -> dict[str, str]:
     """Routing key -> the worker role name of its teacher (``teacher0``, ``teacher1`` ... in config order)."""
     if not distillation.enabled:
         return {}
-    return {key: f"teacher{i}" for i, key in enumerate(distillation.teachers())}
+    return {key: f"teacher{i}" for i, key in enumerate(resolve_teachers(distillation))}
 
 
 def teacher_worker_config(actor_rollout_ref: Any, teacher: Any) -> dict[str, Any]:
