@@ -123,7 +123,11 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # inference engine in a pool of its own, so the engine's name and the pool's and engine's sizes change nothing
     "distillation.n_gpus_per_node", "distillation.nnodes", "distillation.teacher_models.*.num_replicas",
     "distillation.teacher_models.*.inference.name", "distillation.teacher_models.*.inference.*_parallel_size",
-    "distillation.teacher_models.*.inference.gpu_memory_utilization",
+    *(f"distillation.teacher_models.*.inference.{key}" for key in (
+        "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine", "max_num_seqs",
+        "max_num_batched_tokens", "load_format", "engine_kwargs*", "limit_images", "enable_chunked_prefill",
+        "enable_prefix_caching", "disable_log_stats", "skip_tokenizer_init",
+        "temperature")),  # verl too scores at temperature 1 whatever is set (with a warning)
 )
 # global_profiler's keys that a torch trace reads (verl_compat._adopt_global_profiler); with another tool
 # (nsys, npu) they have no effect

@@ -64,3 +64,16 @@ def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
 ])
 def test_what_verl_refuses_or_is_not_built_is_a_start_up_error(overrides, message):
     assert message in _error(*overrides)
+
+
+def test_engine_sizing_keys_are_named_as_having_no_effect():
+    from rlfoundry.config.verl_compat import NoEffectKeyWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config([*ONE, "distillation.teacher_models.teacher_model.inference.gpu_memory_utilization=0.4",
+                     "distillation.teacher_models.teacher_model.inference.temperature=0.7",
+                     "distillation.teacher_models.teacher_model.inference.max_model_len=4096"])
+    (text,) = [str(w.message) for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert "inference.gpu_memory_utilization" in text and "inference.temperature" in text
+    assert "max_model_len" not in text  # checked, so it has an effect (a start-up error when too small)
