@@ -333,6 +333,8 @@ class DataProto:
                                                       top_k)      (R3), or actor (R2); -1: no record
                                                                   (docs/moe.md#routing-replay)
     ``old_log_probs`` / ``ref_log_prob``              (B, Tr)     actor / ref
+    ``teacher_logprobs``                              (B, Tr)     teachers (on-policy distillation,
+                                                                  docs/distillation.md; temperature 1)
     ``entropys``                                      (B, Tr)     actor
     ``sum_pi_squared``                                (B, Tr)     actor, with
                                                                   ``actor.calculate_sum_pi_squared``

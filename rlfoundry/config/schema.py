@@ -1276,6 +1276,87 @@ class AsyncTrainingConfig(Node):
         return errors
 
 
+
+# ─────────────────────────────────────── distillation ───────────────────────────────────────
+# verl's on-policy distillation (Aug 2026, docs/distillation.md): per-token losses against teacher models'
+# log-probs of the student's own samples. algos/distillation.py computes them; teachers are reference-style
+# workers (trainer/ppo/teachers.py) on the teacher checkpoints; config/distillation.py resolves and checks them.
+
+DISTILLATION_ESTIMATOR_MODES = _KL_BASE  # one-sample KL estimators on the sampled token (core_algos.kl_penalty)
+DISTILLATION_TOPK_MODES = ("forward_kl_topk",)  # need the teacher's top-k distribution: not built (check below)
+
+
+@dataclass
+class DistillationLossConfig(Node):
+    loss_mode: str = one_of(DISTILLATION_ESTIMATOR_MODES + DISTILLATION_TOPK_MODES, "k3")
+    topk: Optional[int] = 32  # the top-k modes' k
+    use_task_rewards: bool = True  # false: the PPO/GRPO loss on the task rewards is left out entirely
+    distillation_loss_coef: float = 1.0  # its weight beside the task loss (1 without task rewards, as verl)
+    loss_max_clamp: Optional[float] = None  # per-token loss clamped to [-c, c] (k1 can be negative)
+    log_prob_min_clamp: Optional[float] = None  # the top-k modes' floor on log-probs
+    use_policy_gradient: bool = False  # true: -loss is a per-token advantage of a PPO-clip term
+    policy_loss_mode: str = one_of(("vanilla",), "vanilla")  # verl accepts only vanilla too
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+
+
+@dataclass
+class TeacherInferenceConfig(Node):
+    """verl serves a teacher with an inference engine (``name``); here it is a forward pass of the same
+    checkpoint on the trainer's engine (docs/distillation.md says which keys size the engine only)."""
+
+    name: Optional[str] = None  # vllm | sglang in verl; the log-probs are the model's either way
+    dtype: str = "bfloat16"  # the teacher's weights (fsdp_config.model_dtype of its worker)
+    temperature: Optional[float] = None  # verl scores at 1.0 whatever is set (a forward pass samples nothing)
+    max_model_len: Optional[int] = None  # must hold prompt + response + 1 (verl's check)
+    prompt_length: Optional[int] = None  # null: data.max_prompt_length
+    response_length: Optional[int] = None  # null: data.max_response_length
+    # engine sizing only (no effect on the numbers)
+    tensor_model_parallel_size: int = 2
+    data_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    free_cache_engine: bool = True
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    load_format: str = "auto"
+    engine_kwargs: Dict[str, Any] = _dict()
+    limit_images: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    disable_log_stats: bool = True
+    skip_tokenizer_init: bool = True
+
+    def replica_size(self) -> int:
+        return self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
+
+
+@dataclass
+class TeacherModelConfig(Node):
+    """One entry of ``distillation.teacher_models`` (resolved and checked by ``config/distillation.py``)."""
+
+    key: Optional[str] = None  # the value of distillation.teacher_key whose rows this teacher scores
+    model_path: Optional[str] = None
+    num_replicas: int = 0  # verl's engine replicas (pool sizing; no effect here)
+    inference: TeacherInferenceConfig = _sub(TeacherInferenceConfig)
+
+
+@dataclass
+class DistillationConfig(Node):
+    enabled: bool = False
+    n_gpus_per_node: int = 8  # verl's teacher pool; teachers share the trainer's ranks here
+    nnodes: int = 0
+    # name -> TeacherModelConfig keys (open: verl users add entries with +distillation.teacher_models.<name>.*)
+    teacher_models: Dict[str, Any] = field(default_factory=lambda: {
+        "teacher_model": {"key": None, "model_path": None, "num_replicas": 0}})
+    teacher_key: str = "data_source"  # the non-tensor batch column that routes a row to its teacher
+    distillation_loss: DistillationLossConfig = _sub(DistillationLossConfig)
+
+
 @dataclass
 class PPOConfig(Node):
     data: DataConfig = _sub(DataConfig)
@@ -1296,19 +1377,13 @@ class PPOConfig(Node):
     ray_kwargs: Dict[str, Any] = field(default_factory=lambda: {"ray_init": {"num_cpus": None},
                                                                "timeline_json_file": None})
     global_profiler: GlobalProfilerConfig = _sub(GlobalProfilerConfig)
-    # verl (Aug 2026): on-policy distillation from teacher models; enabled=true is a start-up error (not built)
-    distillation: Dict[str, Any] = _dict(enabled=False)
-
-    def _check_distillation(self) -> list[str]:
-        if not (self.distillation or {}).get("enabled"):
-            return []
-        return ["distillation.enabled=true: verl's on-policy distillation from teacher models (distillation.*) is "
-                "not built in rlfoundry; remove the distillation keys."]
+    # verl (Aug 2026): on-policy distillation from teacher models (docs/distillation.md)
+    distillation: DistillationConfig = _sub(DistillationConfig)
 
     def check(self) -> list[str]:
         """Each section's own rules (its ``check``), in schema order; the rules between sections and
         those that load files or registries are ``trainer/config.py``'s ``validate_config``."""
-        return section_errors(self) + self._check_distillation()
+        return section_errors(self)
 
 
 # ─────────────────────────────────────── replaced keys ───────────────────────────────────────

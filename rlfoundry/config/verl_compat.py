@@ -123,6 +123,15 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.checkpoint.strict",
     # image rows always carry their pixel inputs (verl recomputes them in its agent loop when false)
     "data.return_multi_modal_inputs",
+    # on-policy distillation: a teacher is a forward pass on the trainer's ranks (trainer/ppo/teachers.py), not an
+    # inference engine in a pool of its own, so the engine's name and the pool's and engine's sizes change nothing
+    "distillation.n_gpus_per_node", "distillation.nnodes", "distillation.teacher_models.*.num_replicas",
+    "distillation.teacher_models.*.inference.name", "distillation.teacher_models.*.inference.*_parallel_size",
+    *(f"distillation.teacher_models.*.inference.{key}" for key in (
+        "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine", "max_num_seqs",
+        "max_num_batched_tokens", "load_format", "engine_kwargs*", "limit_images", "enable_chunked_prefill",
+        "enable_prefix_caching", "disable_log_stats", "skip_tokenizer_init",
+        "temperature")),  # verl too scores at temperature 1 whatever is set (with a warning)
 )
 # global_profiler's keys that a torch trace reads (verl_compat._adopt_global_profiler); with another tool
 # (nsys, npu) they have no effect

@@ -36,6 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
+from rlfoundry.config.distillation import distillation_errors
 from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
@@ -860,7 +861,7 @@ def validate_config(cfg: DictConfig | PPOConfig) -> None:
     except OmegaConfBaseException as e:  # e.g. an interpolation that points nowhere
         raise ConfigError(f"Config cannot be evaluated: {e}") from e
     errors += (typed_cfg.check() + _check_estimator(typed_cfg) + _check_batch_sizes(typed_cfg)
-               + _check_lengths(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
+               + _check_lengths(typed_cfg) + distillation_errors(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
                + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
                + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg) + _check_optimizers(typed_cfg))
     if errors:

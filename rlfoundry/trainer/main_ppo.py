@@ -253,7 +253,9 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
     apart = rollout_world_size(cfg) > 0
     role = ("actor_ref" if apart else "actor_rollout_ref") if need_reference_policy(cfg) else (
         "actor" if apart else "actor_rollout")
-    classes = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role=role)}
+    distill = cfg.distillation.distillation_loss if cfg.distillation.enabled else None
+    classes = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role=role,
+                                                  distillation_loss=distill)}
     if apart:
         classes["rollout"] = ClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="rollout")
     if cfg.critic.enable:
@@ -268,7 +270,20 @@ def worker_classes(cfg: DictConfig) -> dict[str, ClassWithInitArgs]:
         classes["rm"] = ClassWithInitArgs(RewardModelWorker, config=cfg.reward_model)
     if cfg.reward.reward_model.enable:  # the trainer gives it a pool of its own with enable_resource_pool
         classes["judge"] = ClassWithInitArgs(ActorRolloutRefWorker, config=judge_worker_config(cfg), role="rollout")
-    return classes
+    return classes | teacher_classes(cfg)
+
+
+def teacher_classes(cfg: Any) -> dict[str, ClassWithInitArgs]:
+    """On-policy distillation: one reference-role worker per teacher, colocated (trainer/ppo/teachers.py)."""
+    from rlfoundry.config.distillation import resolve_teachers
+    from rlfoundry.single_controller.base import ClassWithInitArgs
+    from rlfoundry.trainer.ppo.teachers import teacher_roles, teacher_worker_config
+    from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    teachers = resolve_teachers(cfg.distillation) if cfg.distillation.enabled else {}
+    return {role: ClassWithInitArgs(ActorRolloutRefWorker, role="ref",
+                                    config=teacher_worker_config(cfg.actor_rollout_ref, teachers[key]))
+            for key, role in teacher_roles(cfg.distillation).items()}
 
 
 def judge_worker_config(cfg: DictConfig) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlfoundry.algos import core_algos
+from rlfoundry.algos import core_algos, distillation
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, ROUTED_EXPERTS
 from rlfoundry.protocol import DataProto
@@ -60,13 +60,17 @@ class DataParallelPPOActor:
         engine: the training engine holding the policy (without an optimiser for a reference).
         sizes: per-rank batch sizes (see ``ActorBatchSizes``).
         seed: base seed of the mini-batch shuffling.
+        distillation_loss: ``distillation.distillation_loss`` (``DistillationLossConfig``) when on-policy
+            distillation is on: the update then reads ``teacher_logprobs`` (docs/distillation.md).
     """
 
-    def __init__(self, config: Any, engine: TrainingEngine, sizes: ActorBatchSizes | None = None, seed: int = 0):
+    def __init__(self, config: Any, engine: TrainingEngine, sizes: ActorBatchSizes | None = None, seed: int = 0,
+                 distillation_loss: Any = None):
         self.config = config
         self.engine = engine
         self.sizes = sizes or ActorBatchSizes()
         self.seed = seed
+        self.distillation_loss = distillation_loss
 
     @property
     def module(self) -> torch.nn.Module:
@@ -139,6 +143,8 @@ class DataParallelPPOActor:
             keys.append("ref_log_prob")
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():
             keys.append("rollout_is_weights")
+        if self.distillation_loss is not None:
+            keys.append("teacher_logprobs")
         return keys
 
     def policy_loss(self, outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo) -> LossOutput:
@@ -172,7 +178,21 @@ class DataParallelPPOActor:
             kl_loss = core_algos.agg_loss(kld, mask, mode, dp_size=info["dp_size"], **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             losses["actor/kl_loss"] = kl_loss.detach()
+        if self.distillation_loss is not None:
+            loss = self._add_distillation(loss, log_prob, batch, info, (losses, ratios, maxima))
         return LossOutput(loss, losses, ratios, maxima)
+
+    def _add_distillation(self, task_loss: torch.Tensor, log_prob: torch.Tensor, batch: Any, info: GlobalBatchInfo,
+                          metrics: tuple[dict, dict, dict]) -> torch.Tensor:
+        """The actor's loss with the distillation term (algos/distillation.py); metrics ``distillation/*``."""
+        dcfg, (losses, ratios, maxima) = self.distillation_loss, metrics
+        term, found = distillation.distillation_loss(
+            log_prob, batch["old_log_probs"], batch["teacher_logprobs"], batch["response_mask"], dcfg,
+            self.config.loss_agg_mode, info)
+        losses["distillation/loss"] = term.detach()
+        maxima["distillation/loss_max"] = found.pop("distillation/loss_max")
+        ratios |= found
+        return distillation.combine_with_task_loss(task_loss, term, dcfg.use_task_rewards, dcfg.distillation_loss_coef)
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """Run ``ppo_epochs`` passes of mini-batch PPO steps over ``data``; metrics per mini-batch.

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from rlfoundry.config.batch import per_gpu, role_batch
-from rlfoundry.config.schema import ActorRolloutRefConfig, starts_from_dist_checkpoint
+from rlfoundry.config.schema import ActorRolloutRefConfig, DistillationLossConfig, starts_from_dist_checkpoint
 from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.config.typed import to_typed
 from rlfoundry.models.hf import check_model_dir, generation_eos_ids, resolve_model_path
@@ -81,11 +81,14 @@ ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout
 class ActorRolloutRefWorker(Worker):
     """Policy (FSDP2 + AdamW), HF rollout on the same module, and a frozen reference, per role."""
 
-    def __init__(self, config: Any, role: str, runtime: WorkerRuntime | None = None):
+    def __init__(self, config: Any, role: str, runtime: WorkerRuntime | None = None, distillation_loss: Any = None):
         super().__init__(runtime)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = to_typed(ActorRolloutRefConfig, config, name="actor_rollout_ref")
+        # on-policy distillation: the actor's update adds the distillation term (docs/distillation.md)
+        self.distillation_loss = None if distillation_loss is None else to_typed(
+            DistillationLossConfig, distillation_loss, name="distillation.distillation_loss")
         self.role = role
         self._is_actor = role in ("actor", "actor_ref", "actor_rollout", "actor_rollout_ref")
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
@@ -206,7 +209,8 @@ class ActorRolloutRefWorker(Worker):
         seed = self.config.rollout.seed
         if self._is_actor:
             self.engine = self._build_engine(self.config.actor, True, "actor")
-            self.actor = DataParallelPPOActor(self.config.actor, self.engine, self.actor_sizes, seed=seed)
+            self.actor = DataParallelPPOActor(self.config.actor, self.engine, self.actor_sizes, seed=seed,
+                                              distillation_loss=self.distillation_loss)
         if self._is_rollout:
             self.rollout = self._build_rollout(self._rollout_module())
             self.agent_loop = self._build_agent_loop()

@@ -87,6 +87,13 @@ EXPECT = {
         "data.train_batch_size": 128},  # verl's 0: require_batches x ppo_mini_batch_size
     "examples/tuning/lora/run_qwen3_8b_fsdp.sh": {"actor_rollout_ref.model.lora_rank": 64},
     "examples/gdpo_trainer/run_qwen3_8b_fsdp.sh": {"algorithm.adv_estimator": "gdpo"},
+    "examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh": {
+        "distillation.enabled": True, "distillation.distillation_loss.loss_mode": "k1",
+        "distillation.distillation_loss.use_policy_gradient": True,
+        "distillation.teacher_models.teacher_model.model_path": "Qwen/Qwen3-32B"},
+    "examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh": {
+        "distillation.teacher_key": "data_source", "distillation.teacher_models.gsm8k.key": "openai/gsm8k",
+        "distillation.teacher_models.geo3k.model_path": "Qwen/Qwen3-VL-32B-Instruct"},
     "examples/sft/gsm8k/run_qwen_05_sp2.sh": {},  # SFT's dry run validates only (the status below)
     "examples/sft/gsm8k/run_qwen3_8b_fsdp.sh": {},
 }

@@ -2,7 +2,7 @@
 
 The step reads top to bottom like the algorithm box (see DESIGN.md):
 
-    [sample source: generate → reward] → old log-probs → ref log-probs → values → KL-in-reward
+    [sample source: generate → reward] → old log-probs → ref log-probs → teacher log-probs → values → KL-in-reward
              → advantages → critic update → actor update (the rollout shares the actor's weights)
 
 Where the scored batch comes from is a sample source (``sources.py``): synchronous generation,
@@ -32,6 +32,7 @@ from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, starts
 from rlfoundry.algos import core_algos, rollout_corr
 from rlfoundry.trainer.ppo import mismatch
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from rlfoundry.trainer.ppo.teachers import teacher_log_probs, teacher_roles
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
 from rlfoundry.trainer.config import ConfigError, need_reference_policy, world_size
 from rlfoundry.trainer.metric_utils import (
@@ -362,6 +363,7 @@ class PPOTrainer:
         self.reward_server = None  # rewards/reward_loop.RewardModelServer, set by init_workers
         self.judge = None  # the generative reward model (reward.reward_model.enable), set by init_workers
         self.use_reference_policy = need_reference_policy(config)
+        self.teacher_wgs: dict[str, WorkerGroup] = {}  # on-policy distillation's teachers, set by init_workers
         self.world_size = world_size(config)
         self.total_training_steps = int(config.trainer.total_training_steps)
         self.kl_ctrl = core_algos.get_kl_controller(config.algorithm.kl_ctrl)
@@ -394,7 +396,10 @@ class PPOTrainer:
         self.rm_wg = groups.get("rm")
         self.judge_wg = own.get("judge") or groups.get("judge")
         self.genrm_wg = own.get("genrm") or groups.get("genrm")
-        for wg in (self.rollout_wg, self.judge_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg, self.genrm_wg):
+        # on-policy distillation: routing key -> its teacher's group (trainer/ppo/teachers.py)
+        self.teacher_wgs = {key: groups[role] for key, role in teacher_roles(self.config.distillation).items()}
+        for wg in (self.rollout_wg, self.judge_wg, self.actor_rollout_wg, self.critic_wg, self.rm_wg, self.genrm_wg,
+                   *self.teacher_wgs.values()):
             if wg is not None:
                 wg.init_model()
         if self.judge_wg is not None:
@@ -525,6 +530,7 @@ class PPOTrainer:
         record = self._replay_recorder(batch)
         batch, m = self._old_log_prob(batch, timing); metrics |= m  # noqa: E702
         batch = self._ref_log_prob(batch, timing)
+        batch = self._teacher_log_prob(batch, timing)
         batch = self._values(batch, timing)
         batch, m = self._collect_reward(batch, timing); metrics |= m  # noqa: E702
         if record is not None:
@@ -782,6 +788,14 @@ class PPOTrainer:
             return batch
         with marked_timer("ref", timing):
             return batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+
+    def _teacher_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
+        """``teacher_logprobs`` (B, Tr): each row scored by its teacher, with on-policy distillation."""
+        if not self.teacher_wgs:
+            return batch
+        with marked_timer("teacher", timing):
+            scored = teacher_log_probs(batch, self.teacher_wgs, self.config.distillation.teacher_key)
+        return batch.union(DataProto.from_dict(tensors={"teacher_logprobs": scored}))
 
     def _values(self, batch: DataProto, timing: dict) -> DataProto:
         if not self.use_critic:
