@@ -31,10 +31,11 @@ ROLES = {"actor_rollout_ref.actor": "actor_rollout_ref.actor.fsdp_config",
 _ACTOR, _REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 
 # veomni key -> the fsdp_config key that is the same setting (VeOmni passes enable_full_shard to FSDP2 as
-# reshard_after_forward and enable_fsdp_offload as its CPUOffloadPolicy, the FSDP engine's offload_policy)
+# reshard_after_forward and enable_fsdp_offload as its CPUOffloadPolicy, the FSDP engine's offload_policy).
+# Not forward_prefetch: VeOmni's FSDP2 path sets prefetching by hand only with expert parallelism or
+# modules kept out of mixed precision, neither built here; otherwise FSDP2 prefetches as it does here.
 FSDP_KEYS = {"param_offload": "param_offload", "optimizer_offload": "optimizer_offload",
-             "enable_full_shard": "reshard_after_forward", "enable_fsdp_offload": "offload_policy",
-             "forward_prefetch": "forward_prefetch"}
+             "enable_full_shard": "reshard_after_forward", "enable_fsdp_offload": "offload_policy"}
 
 # the reference's keys verl's ref/veomni_ref.yaml takes from the actor's
 REF_FOLLOWS = ("seed", "fsdp_size", "ulysses_parallel_size", "expert_parallel_size", "param_offload",

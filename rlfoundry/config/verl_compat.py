@@ -128,6 +128,9 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "*.veomni.pad_to_length_bucket",  # read only with pad_to_length, which is not built (an error)
     "*.veomni.forward_only",  # the role decides: the reference builds no optimizer, the actor one
     "*.veomni.force_use_huggingface",  # transformers' modeling code is the only one here
+    # VeOmni's FSDP2 path prefetches by hand only with expert parallelism or modules kept out of mixed
+    # precision (neither built); otherwise FSDP2's own prefetching, as here (fsdp_config.forward_prefetch is other)
+    "*.veomni.forward_prefetch",
     # eager or liger_kernel (others: errors): verl's veomni engine runs its loss kernel only for log-probs from
     # hidden states (model.use_fused_kernels), which here are the fused head's torch chunks either way (as
     # fused_kernel_options.impl_backend=triton): the same values and memory bound

@@ -48,14 +48,14 @@ def test_each_veomni_key_reaches_the_fsdp_key_read():
     r = _resolved("model_engine=veomni", "actor_rollout_ref.model.use_remove_padding=true",
                   f"{ACTOR}.veomni.param_offload=true", f"{ACTOR}.veomni.optimizer_offload=true",
                   f"{ACTOR}.veomni.enable_full_shard=false", f"{ACTOR}.veomni.enable_fsdp_offload=true",
-                  f"{ACTOR}.veomni.forward_prefetch=true", f"{ACTOR}.veomni.ulysses_parallel_size=2",
+                  f"{ACTOR}.veomni.ulysses_parallel_size=2",
                   f"{ACTOR}.veomni.fsdp_size=2", f"{ACTOR}.veomni.mixed_precision=false",
                   "critic.veomni.param_offload=true", "critic.veomni.ulysses_parallel_size=2",
                   "trainer.n_gpus_per_node=2")
     actor, critic = r.actor_rollout_ref.actor, r.critic
     fsdp = actor.fsdp_config
     assert (fsdp.param_offload, fsdp.optimizer_offload, fsdp.reshard_after_forward, fsdp.offload_policy,
-            fsdp.forward_prefetch, fsdp.model_dtype) == (True, True, False, True, True, "bf16")
+            fsdp.model_dtype) == (True, True, False, True, "bf16")
     assert actor.ulysses_sequence_parallel_size == 2
     # VeOmni shards over fsdp_size data-parallel ranks x the Ulysses group (its dp_shard_sp mesh)
     assert fsdp.fsdp_size == 4
@@ -129,10 +129,13 @@ def test_values_the_fsdp_engine_runs_are_accepted_without_a_no_effect_warning(ke
 def test_keys_that_change_nothing_here_are_named_in_the_no_effect_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_config(["model_engine=veomni", f"{ACTOR}.veomni.cross_entropy_loss_implementation=liger_kernel",
-                     f"{ACTOR}.veomni.seed=7"])
+        cfg = load_config(["model_engine=veomni", f"{ACTOR}.veomni.cross_entropy_loss_implementation=liger_kernel",
+                           f"{ACTOR}.veomni.seed=7", f"{ACTOR}.veomni.forward_prefetch=true"])
     text = " ".join(str(w.message) for w in caught if issubclass(w.category, NoEffectKeyWarning))
-    assert f"{ACTOR}.veomni.cross_entropy_loss_implementation" in text and f"{ACTOR}.veomni.seed" in text
+    for key in ("cross_entropy_loss_implementation", "seed", "forward_prefetch"):
+        assert f"{ACTOR}.veomni.{key}" in text
+    # VeOmni's forward_prefetch (default true) is not the FSDP engine's explicit prefetch: that stays as set
+    assert cfg.actor_rollout_ref.actor.fsdp_config.forward_prefetch is False
 
 
 def test_veomni_keys_on_a_role_on_another_engine_are_an_error():
@@ -158,11 +161,11 @@ def test_a_grpo_step_with_model_engine_veomni_runs_on_the_fsdp_engine_with_the_m
 
     run = E.train(E.tiny_overrides(tiny_model_dir, tmp_path / "run", "model_engine=veomni", "trainer.total_training_steps=1",
                                    "actor_rollout_ref.actor.use_kl_loss=true", f"{ACTOR}.veomni.enable_full_shard=false",
-                                   f"{ACTOR}.veomni.forward_prefetch=true", f"{ACTOR}.veomni.moe_implementation=fused"),
+                                   f"{ACTOR}.veomni.moe_implementation=fused"),
                   keep_trainer=True)
     worker = next(iter(run.trainer.actor_rollout_wg.worker.workers.values()))
     actor, ref = worker.actor.engine, worker.ref_policy.engine
     assert isinstance(actor, FSDPEngine) and isinstance(ref, FSDPEngine)
-    assert (actor.config.fsdp.reshard_after_forward, actor.config.fsdp.forward_prefetch) == (False, True)
-    assert (ref.config.fsdp.reshard_after_forward, ref.config.fsdp.forward_prefetch) == (True, False)  # its own keys
+    assert actor.config.fsdp.reshard_after_forward is False
+    assert ref.config.fsdp.reshard_after_forward is True  # enable_full_shard is not among the keys the ref follows
     assert "actor/pg_loss" in run.step(1) and "actor/kl_loss" in run.step(1)  # the update and the reference ran
