@@ -21,7 +21,7 @@ the end when not listed, Hydra 1.1's rule). Entry shapes:
   at ``pkg`` (default: the group's path). verl's own component configs, which are not files here,
   are the schema's defaults (``dp_*``, ``rollout``, ``hf_model`` ...) or the Megatron engine
   (``megatron_*``); ``${model_engine}`` in an option is the current ``model_engine`` choice;
-- ``- model_engine: dp|megatron`` (verl's August engine group), also ``override model_engine: …``
+- ``- model_engine: dp|megatron|veomni`` (verl's August engine group), also ``override model_engine: …``
   and ``model_engine=…`` on the command line: the engine's layers come first, under every file;
 - ``- override group@pkg: option``: replaces that group's earlier choice in the same list;
   ``optional`` entries that do not resolve are skipped (Hydra's meaning of the word).
@@ -50,9 +50,11 @@ PACKAGED_DIR = Path(__file__).resolve().parent
 VERL_TRAINER_DIR_MARKER = "_generated_ppo_trainer.yaml"  # only verl's own trainer config directory has it
 
 # verl's model_engine group -> the packaged config holding that engine's settings (None: the schema's
-# defaults, FSDP). veomni and torchtitan are engines rlfoundry does not have.
-ENGINES: dict[str, str | None] = {"dp": None, "fsdp": None, "megatron": "ppo_megatron_trainer"}
-MISSING_ENGINES = ("veomni", "torchtitan", "automodel")
+# defaults, FSDP). torchtitan and automodel are engines rlfoundry does not have; veomni is the FSDP2
+# engine with verl's veomni keys (its roles' strategy veomni, config/veomni.py).
+ENGINES: dict[str, str | None] = {"dp": None, "fsdp": None, "megatron": "ppo_megatron_trainer", "veomni": None}
+MISSING_ENGINES = ("torchtitan", "automodel")
+_VEOMNI = {"strategy": "veomni"}
 
 # verl's own component configs (verl/trainer/config/<group>/<option>.yaml): their keys are the typed
 # schema's defaults, so they add nothing here, except each role's engine (so that `override actor@...:
@@ -277,5 +279,8 @@ def engine_layers(engine: str, source: str) -> list[Layer]:
                           f"have; the engines here are {sorted(ENGINES)} (dp and fsdp are the same FSDP2 engine).")
     if engine not in ENGINES:
         raise ConfigError(f"{source}: model_engine={engine} is not an engine; choose one of {sorted(ENGINES)}.")
+    if engine == "veomni":  # verl's model_engine/veomni.yaml: every role's engine config is veomni's
+        roles = {"actor_rollout_ref": {"actor": _VEOMNI, "ref": _VEOMNI}, "critic": _VEOMNI}
+        return [Layer(f"{source}: model_engine=veomni", roles)]
     name = ENGINES[engine]
     return [] if name is None else _Composer([PACKAGED_DIR]).file(PACKAGED_DIR / f"{name}.yaml")

@@ -48,7 +48,8 @@ CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; rlfoundry/cpu
 LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync; models/lora.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
-STRATEGIES = tuple(TRAINING_ENGINES)  # the training engines a role's strategy can name
+# the training engines a role's strategy can name; verl's veomni is the FSDP2 engine here (config/veomni.py)
+STRATEGIES = (*TRAINING_ENGINES, "veomni")
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 from rlfoundry.utils.profile_tools import TORCH_PROFILER_TOOLS  # noqa: E402  (global_profiler.tool values the trace serves)
 TOOL_CALL_FORMATS = ("hermes", "qwen", "gpt-oss", "qwen3_coder")  # multi_turn.format; tools/parser.py (tested equal)
@@ -284,6 +285,58 @@ class RouterReplayConfig(Node):
         files = {k: v for k, v in (("record_file", self.record_file), ("replay_file", self.replay_file)) if v}
         return [f"router_replay.{k}={v}: routing records on disk are not built (verl declares the key and no verl "
                 f"code reads it); remove it — the routing travels in the batch (routed_experts)." for k, v in files.items()]
+
+
+@dataclass
+class VeOmniRouterReplayConfig(Node):
+    mode: str = one_of(ROUTER_REPLAY_MODES, "disabled")  # verl's EngineRouterReplayConfig: the mode only
+
+
+@dataclass
+class VeOmniConfig(Node):
+    """verl's ``*.veomni`` keys (``model_engine=veomni``, ``strategy=veomni``), verl's defaults
+    (``engine/veomni.yaml``): the FSDP2 engine runs the role; ``config/veomni.py`` puts each key onto the
+    FSDP key doing the same, or names it as not built."""
+
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    fsdp_size: int = -1
+    ulysses_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    mixed_precision: bool = True
+    seed: int = 42
+    full_determinism: bool = False
+    init_device: str = "meta"
+    enable_full_shard: bool = True
+    ckpt_manager: str = "dcp"
+    load_checkpoint_path: Optional[str] = None
+    forward_prefetch: bool = True
+    strategy: str = "veomni"
+    use_torch_compile: bool = False
+    entropy_from_logits_with_chunking: bool = False
+    entropy_checkpointing: bool = False
+    forward_only: bool = False
+    enable_fsdp_offload: bool = False
+    enable_reentrant: bool = False
+    attn_implementation: str = "flash_attention_2"
+    moe_implementation: str = "fused"
+    cross_entropy_loss_implementation: str = "eager"
+    rms_norm_implementation: str = "eager"
+    swiglu_mlp_implementation: str = "eager"
+    rotary_pos_emb_implementation: str = "eager"
+    rms_norm_gated_implementation: str = "eager"
+    causal_conv1d_implementation: str = "eager"
+    chunk_gated_delta_rule_implementation: str = "eager"
+    load_balancing_loss_implementation: str = "eager"
+    dsa_indexer_implementation: str = "eager"
+    dsa_attention_implementation: str = "eager"
+    mhc_implementation: str = "eager"
+    force_use_huggingface: bool = False
+    activation_gpu_limit: float = 0.0
+    basic_modules: List[str] = _list()
+    pad_to_length: bool = False
+    pad_to_length_bucket: int = 1024
+    router_replay: VeOmniRouterReplayConfig = _sub(VeOmniRouterReplayConfig)
 
 
 @dataclass
@@ -549,6 +602,8 @@ class ActorConfig(Node):
     optim: OptimConfig = _sub(OptimConfig)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
     megatron: MegatronConfig = _sub(MegatronConfig)
+    veomni: VeOmniConfig = _sub(VeOmniConfig)  # verl's veomni engine keys (config/veomni.py puts them on the FSDP keys)
+    pad_to_length: bool = False  # verl's veomni actor's spelling of veomni.pad_to_length (not built: an error)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
     def check(self) -> list[str]:
@@ -565,6 +620,8 @@ class RefConfig(Node):
     strategy: str = follows("actor_rollout_ref.actor.strategy", "fsdp", STRATEGIES)
     fsdp_config: FSDPConfig = _sub(FSDPConfig)
     megatron: MegatronConfig = _sub(MegatronConfig)  # the actor's layout (ppo_megatron_trainer interpolates it)
+    veomni: VeOmniConfig = _sub(VeOmniConfig)  # verl's: the actor's unless set (config/veomni.py)
+    pad_to_length: bool = follows("actor_rollout_ref.actor.pad_to_length", False)  # as the actor's
     use_torch_compile: bool = follows("actor_rollout_ref.actor.use_torch_compile", False)
     log_prob_micro_batch_size: Optional[int] = None  # deprecated: global
     log_prob_micro_batch_size_per_gpu: Optional[int] = 32  # verl: null
@@ -825,6 +882,7 @@ class CriticConfig(Node):
     loss_agg_mode: str = follows("actor_rollout_ref.actor.loss_agg_mode", "token-mean", LOSS_AGG_MODES)
     checkpoint: CheckpointConfig = _sub(CheckpointConfig)
     megatron: MegatronConfig = _sub(MegatronConfig)
+    veomni: VeOmniConfig = _sub(VeOmniConfig)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
 
 

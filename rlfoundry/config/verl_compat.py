@@ -132,6 +132,18 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
         "max_num_batched_tokens", "load_format", "engine_kwargs*", "limit_images", "enable_chunked_prefill",
         "enable_prefix_caching", "disable_log_stats", "skip_tokenizer_init",
         "temperature")),  # verl too scores at temperature 1 whatever is set (with a warning)
+    # verl's veomni engine keys that change nothing on the FSDP2 engine running it (config/veomni.py):
+    "*.veomni.seed",  # VeOmni reads it only with full_determinism, which is not built (an error)
+    "*.veomni.pad_to_length_bucket",  # read only with pad_to_length, which is not built (an error)
+    "*.veomni.forward_only",  # the role decides: the reference builds no optimizer, the actor one
+    "*.veomni.force_use_huggingface",  # transformers' modeling code is the only one here
+    # VeOmni's FSDP2 path prefetches by hand only with expert parallelism or modules kept out of mixed
+    # precision (neither built); otherwise FSDP2's own prefetching, as here (fsdp_config.forward_prefetch is other)
+    "*.veomni.forward_prefetch",
+    # eager or liger_kernel (others: errors): verl's veomni engine runs its loss kernel only for log-probs from
+    # hidden states (model.use_fused_kernels), which here are the fused head's torch chunks either way (as
+    # fused_kernel_options.impl_backend=triton): the same values and memory bound
+    "*.veomni.cross_entropy_loss_implementation",
 )
 # global_profiler's keys that a torch trace reads (verl_compat._adopt_global_profiler); with another tool
 # (nsys, npu) they have no effect

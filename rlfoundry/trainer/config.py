@@ -40,6 +40,7 @@ from rlfoundry.config.distillation import distillation_errors
 from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
+from rlfoundry.config.veomni import adopt_veomni
 from rlfoundry.config.verl_compat import (
     CHECKPOINT_ROLES,
     IGNORED_LOGGERS,
@@ -194,7 +195,8 @@ def _check_engine_choice(cfg: DictConfig, engine: str | None) -> None:
     strategy = OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy")
     if engine is None or strategy is None:
         return
-    wanted = "fsdp" if engine == "dp" else engine  # verl's dp engine is the FSDP one
+    wanted = "fsdp" if engine in ("dp", "veomni") else engine  # verl's dp and veomni engines: the FSDP one here
+    strategy = "fsdp" if strategy == "veomni" else strategy
     if strategy not in TRAINING_ENGINES or wanted not in TRAINING_ENGINES:  # named by the choice checks
         return
     if engine_plugin(strategy).name != engine_plugin(wanted).name:
@@ -206,11 +208,11 @@ def load_config(
     overrides: Sequence[str] = (), config_name: str | None = None, config_path: str | None = None
 ) -> DictConfig:
     """PPO: schema defaults ← overlay ``config_name`` (its defaults composed) ← ``overrides``; then
-    validate. Unresolved. ``model_engine=fsdp|dp|megatron`` among the overrides picks the engine."""
+    validate. Unresolved. ``model_engine=fsdp|dp|megatron|veomni`` among the overrides picks the engine."""
     overlay = _find_config_file(config_name, config_path) if config_name else None
     engine, overrides = _split_engine(overrides)
     cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay, config_path=config_path, engine=engine)
-    adopt_verl_spellings(cfg, user_keys)
+    adopt_verl_spellings(cfg, user_keys + adopt_veomni(cfg, user_keys))
     adopt_classifier_reward_model(cfg)
     prefer_user_deprecated_keys(cfg, user_keys)
     _adopt_async_keys(cfg, user_keys)

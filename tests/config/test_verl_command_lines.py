@@ -4,7 +4,7 @@ commit, the module, the arguments as the script ran them with its own defaults, 
 ``{home}``), one per kind of run — dense FSDP GRPO and PPO with a critic, Megatron (January's config
 name and August's ``model_engine=megatron``), LoRA, multi-turn tools with an interaction, a classifier
 reward model, a vision-language model, Ulysses, DAPO, GSPO, GDPO, rollout correction, one-step-off and
-fully-async, and both SFT entry points.
+fully-async, both SFT entry points, and August's ``model_engine=veomni``.
 
 Each runs as ``python -m rlfoundry.X ARGS --cfg job`` through ``scripts/verl_compat_check.py``'s
 in-process check (the module's own ``__main__``, from the script's directory), so a line that a change
@@ -96,6 +96,12 @@ EXPECT = {
         "distillation.teacher_models.geo3k.model_path": "Qwen/Qwen3-VL-32B-Instruct"},
     "examples/sft/gsm8k/run_qwen_05_sp2.sh": {},  # SFT's dry run validates only (the status below)
     "examples/sft/gsm8k/run_qwen3_8b_fsdp.sh": {},
+    # verl's veomni engine on the FSDP2 engine, its keys on the FSDP ones (config/veomni.py)
+    "examples/grpo_trainer/run_qwen3_5_35b_a3b_veomni.sh": {
+        "actor_rollout_ref.actor.strategy": "fsdp", "actor_rollout_ref.actor.fsdp_config.param_offload": True,
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
+        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": True,
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
 }
 
 
