@@ -145,6 +145,10 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     # fused_kernel_options.impl_backend=triton): the same values and memory bound
     "*.veomni.cross_entropy_loss_implementation",
 )
+# verl's model.override_config.attn_implementation values that are exact attention by a kernel this machine may
+# lack (verl's default is flash_attention_2): the engines run transformers' SDPA for them, the same maths; the
+# packed and sequence-parallel forwards are built on SDPA's masks, so eager and others are refused (models/hf.py)
+SDPA_STANDS_IN_FOR = ("sdpa", "flash_attention_2", "flash_attention_3")
 # global_profiler's keys that a torch trace reads (verl_compat._adopt_global_profiler); with another tool
 # (nsys, npu) they have no effect
 _GLOBAL_PROFILER_TRACE_KEYS = ("global_profiler.tool", "global_profiler.steps", "global_profiler.save_path")

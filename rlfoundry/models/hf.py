@@ -93,7 +93,9 @@ def load_hf_model(
 
     p = check_model_dir(path)
     config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
-    for key, value in dict(override_config or {}).items():
+    override = dict(override_config or {})
+    _check_attention_choice(override.pop("attn_implementation", None))
+    for key, value in override.items():
         setattr(config, key, value)
     classes = {"causal_lm": AutoModelForCausalLM, "token_classification": AutoModelForTokenClassification,
                "sequence_classification": AutoModelForSequenceClassification}
@@ -125,6 +127,18 @@ def load_hf_model(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # training forwards must not build KV caches; rollout asks explicitly
     return model
+
+
+def _check_attention_choice(value: Any) -> None:
+    from rlfoundry.config.verl_compat import SDPA_STANDS_IN_FOR
+
+    """``model.override_config.attn_implementation``: an FA2/FA3 choice (verl's default is FA2) runs as SDPA;
+    eager or another kernel is refused rather than dropped, since the packed and Ulysses forwards here are
+    built on SDPA's masks (trainer/config.py refuses it at start-up too)."""
+    if value is not None and value not in SDPA_STANDS_IN_FOR:
+        raise ValueError(f"model.override_config.attn_implementation={value}: the engines here compute attention with "
+                         f"transformers' SDPA (their packed and sequence-parallel forwards are built on it); one of "
+                         f"{list(SDPA_STANDS_IN_FOR)} runs as SDPA, the same exact attention. Remove the key or use sdpa.")
 
 
 def _load_vision_backbone(model: Any, info: dict[str, Any], path: Path, kwargs: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ from rlfoundry.config.verl_compat import (
     CHECKPOINT_ROLES,
     IGNORED_LOGGERS,
     NO_EFFECT_KEYS,
+    SDPA_STANDS_IN_FOR,
     NoEffectKeyWarning,
     adopt_verl_spellings,
     loggers,
@@ -513,6 +514,12 @@ def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
         errors.append(f"actor_rollout_ref.model.mtp.{on[0]}=true: multi-token prediction (verl's MTP layers, trained "
                       "beside the policy or used as the rollout's speculative draft) is not built in rlfoundry; set "
                       "actor_rollout_ref.model.mtp.enable=false (the model then trains and samples without them).")
+    for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
+        attention = (model.override_config or {}).get("attn_implementation")
+        if attention is not None and attention not in SDPA_STANDS_IN_FOR:
+            errors.append(f"{key}.override_config.attn_implementation={attention}: the engines here compute attention with "
+                          f"transformers' SDPA; one of {list(SDPA_STANDS_IN_FOR)} runs as SDPA (the same exact attention). "
+                          "Remove the key or use sdpa.")
     if cfg.critic.megatron.router_replay.mode != "disabled":
         errors.append(f"critic.megatron.router_replay.mode={cfg.critic.megatron.router_replay.mode}: routing replay is "
                       "the actor's (actor_rollout_ref.actor.router_replay.mode); the critic routes by its own router.")

@@ -335,6 +335,17 @@ def test_august_megatron_router_replay_is_the_actors():
     assert "the critic routes by its own router" in _error("critic.megatron.router_replay.mode=R2")
 
 
+def test_override_attention_runs_as_sdpa_or_is_refused(tiny_model_dir):
+    from rlfoundry.models.hf import load_hf_model
+
+    _load("+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2")  # verl's default
+    assert "runs as SDPA" in _error("+actor_rollout_ref.model.override_config.attn_implementation=eager")
+    model = load_hf_model(tiny_model_dir, override_config={"attn_implementation": "flash_attention_2"})
+    assert model.config._attn_implementation == "sdpa"  # before: the key was set on the config and never read
+    with pytest.raises(ValueError, match="attn_implementation=eager"):
+        load_hf_model(tiny_model_dir, override_config={"attn_implementation": "eager"})
+
+
 def test_august_mtp_and_megatron_fsdp_are_start_up_errors_naming_the_feature():
     _load("actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2")
     assert "multi-token prediction" in _error("actor_rollout_ref.model.mtp.enable=true")
