@@ -1,10 +1,10 @@
 """Start a test's ranks as forks of one warm server process instead of fresh interpreters.
 
 ``torch.multiprocessing.spawn`` starts every rank as a new interpreter that imports torch,
-transformers and megatron-core again: about 5 s of CPU per rank on the CI machine, paid by each of the
-~150 multi-process calls of the engine tests (a 2-core machine runs two ranks' imports side by side, so
-that is ~5 s of wall time per call). The server is spawned once per pytest process, imports those
-modules once and forks the ranks of every call from there.
+transformers and megatron-core again (~7 s of CPU per rank for megatron-core), in each of the ~70
+multi-rank calls of a CI run (~60 megatron_ranks.run_ranks, the 2-rank FSDP, Ulysses, SFT and critic
+tests). The server is spawned once per pytest process, imports those modules once and forks the ranks
+of every call from there.
 
 What a rank is does not change: a new process running the same function with the same arguments, its
 own process group and the caller's environment of the moment; it inherits only imported modules (the
