@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import rank_server
+
 
 def _rank_main(rank: int, world: int, store: str, out_dir: str, fn: Callable, tp: int, pp: int,
                vpp: int | None, args: tuple, cp: int = 1, ep: int = 1) -> None:
@@ -50,9 +52,10 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, tp: int = 1, pp: int = 1
     out.mkdir(parents=True, exist_ok=True)
     for stale in [out / "store", *out.glob("rank*")]:  # a file store is single-use
         stale.unlink(missing_ok=True)
-    try:
-        mp.spawn(_rank_main, args=(world, str(out / "store"), str(out), fn, tp, pp, vpp, args, cp, ep), nprocs=world, join=True)
-    except Exception as exc:
+    # forks of a warm process (tests/rank_server.py): a fresh interpreter per rank would import megatron-core again
+    codes = rank_server.spawn(_rank_main, args=(world, str(out / "store"), str(out), fn, tp, pp, vpp, args, cp, ep),
+                              nprocs=world)
+    if any(codes):
         errors = "\n".join(p.read_text() for p in sorted(out.glob("*.err")))
-        raise AssertionError(f"a rank failed:\n{errors or exc}") from None
+        raise AssertionError(f"a rank failed (exit codes {codes}):\n{errors}")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -121,11 +121,12 @@ def _save_then_train_on(rank: int, store: str, out: str, model_dir, data: DataPr
 def test_training_on_after_a_save_leaves_the_checkpoint_as_saved(tiny_model_dir, tmp_path):
     """DCP shards saved at two ranks, the ranks training on after: the offline export (one process,
     ``rlfoundry export``'s path) has the weights of the moment of the save, bit for bit."""
-    import torch.multiprocessing as mp
+    from tests import rank_server
 
     from rlfoundry import checkpoint as ckpt
 
-    mp.spawn(_save_then_train_on, args=(str(tmp_path / "store"), str(tmp_path), tiny_model_dir, _batch()), nprocs=2)
+    rank_server.run(_save_then_train_on, args=(str(tmp_path / "store"), str(tmp_path), tiny_model_dir, _batch()),
+                    nprocs=2)
     saved, later = torch.load(tmp_path / "weights.pt")
     assert any(not torch.equal(later[n], w) for n, w in saved.items())  # the later update moved them
     exported = load_file(ckpt.export_hf_from_checkpoint(tmp_path / "global_step_1" / "actor", tmp_path / "hf")

@@ -276,14 +276,13 @@ def test_two_sharded_ranks_fused_equal_unfused(process_group, tmp_path):
     gradient meets the embedding's): on each path, and packed under Ulysses SP=2 (each rank's head on
     its slice of the pack), the fused log-probs, entropies, loss, grad norm and the gradients of one AdamW
     step equal the unfused."""
-    import torch.multiprocessing as mp
+    from tests import rank_server
 
     from rlfoundry.models.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
 
-    mp.spawn(_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), model_dir, _batch()), nprocs=2,
-             join=True)
+    rank_server.run(_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), model_dir, _batch()), nprocs=2)
     for rank in (0, 1):
         out = torch.load(f"{tmp_path / 'out.pt'}.{rank}")
         assert set(out["ulysses", True]["widths"]) == {2} and min(out["ulysses", False]["widths"]) > 2

@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard
 
 from rlfoundry.config.schema import FSDPConfig, OptimConfig
@@ -19,6 +18,7 @@ from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePl
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.models.tiny import save_tiny_model
 from rlfoundry.protocol import DataProto
+from tests import rank_server
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
 from tests.workers import first_step_gradients
 
@@ -220,8 +220,8 @@ def test_two_ranks_take_the_update_of_one(process_group, tiny_moe_dir, tmp_path)
     against one rank wrapped in FSDP2: the same router losses and gradients (1e-5: the ranks' sums
     reduced in another order)."""
     data = _batch()
-    mp.spawn(_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), tiny_moe_dir, data),
-             nprocs=2, join=True)
+    rank_server.run(_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), tiny_moe_dir, data),
+                    nprocs=2)
     ranks = [torch.load(f"{tmp_path / 'out.pt'}.{r}") for r in (0, 1)]
     single, grads = _step(tiny_moe_dir, data, 2, LOSSES_ON, fsdp=FSDPConfig(single_rank="fsdp"))
     for metrics, rank_grads, experts in ranks:

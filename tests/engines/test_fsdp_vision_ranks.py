@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlfoundry.config.schema import FSDPConfig, OptimConfig
 from rlfoundry.engines.base import (
@@ -23,6 +22,7 @@ from rlfoundry.engines.base import (
 )
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.protocol import DataProto
+from tests import rank_server
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
 from tests.engines.test_fsdp_vision import image_batch  # noqa: F401 - fixture
 from tests.workers import assert_same_gradients, first_step_gradients, reassociation_bound, vocab_rows
@@ -80,7 +80,7 @@ def _one_and_two_ranks(model_dir, image_batch, tmp, role: str):
     # rank 1's first micro-batch is the text row while rank 0's holds an image: the tower must still run
     # there (idle_vision_tower), or the ranks' collectives part and gloo aborts
     batches = {"images": image_batch.select_idxs([0, 1, 3, 0]), "mixed": image_batch.select_idxs([0, 1, 2, 3])}
-    mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), model_dir, batches, role), nprocs=2, join=True)
+    rank_server.run(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), model_dir, batches, role), nprocs=2)
     return _compute(model_dir, batches, role), [torch.load(f"{tmp / 'out.pt'}.{r}") for r in (0, 1)]
 
 

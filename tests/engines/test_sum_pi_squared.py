@@ -120,15 +120,14 @@ def _rank_main(rank: int, store: str, result: str, model_dir, data) -> None:
 
 
 def test_ulysses_sp2_gathers_sum_pi_squared_like_the_log_probs(process_group, peaked_model, tmp_path):
-    import torch.multiprocessing as mp
+    from tests import rank_server
 
     data = _batch()
     mask = data.batch["response_mask"].bool()
     logits32, _ = _reference(peaked_model, data, torch.float32)
     logits64, ref = _reference(peaked_model, data, torch.float64)
     bound = 8 * float((logits32.double() - logits64)[mask].abs().max()) / T + 4 * 2**-24
-    mp.spawn(_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), peaked_model, data), nprocs=2,
-             join=True)
+    rank_server.run(_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), peaked_model, data), nprocs=2)
     for rank, rows in enumerate((slice(0, 3), slice(3, 6))):
         out = torch.load(f"{tmp_path / 'out.pt'}.{rank}")
         for fused in (False, True):

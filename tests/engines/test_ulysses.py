@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlfoundry.config.schema import FSDPConfig, OptimConfig
 from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePlan, Values
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.protocol import DataProto
+from tests import rank_server
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
 from tests.workers import assert_same_gradients, first_step_gradients, reassociation_bound, vocab_rows
 
@@ -123,8 +123,8 @@ def _rank_main(rank: int, store: str, result: str, model_dir, critic_dir, data, 
 def both(tiny_model_dir, tiny_critic_dir, tmp_path_factory, process_group):
     data, long_data = _batch(), _batch(rows=4, tp=40, tr=88, seed=1)
     tmp = tmp_path_factory.mktemp("ulysses")
-    mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), tiny_model_dir, tiny_critic_dir, data,
-                               long_data), nprocs=2, join=True)
+    rank_server.run(_rank_main, args=(str(tmp / "store"), str(tmp / "out.pt"), tiny_model_dir, tiny_critic_dir, data,
+                                      long_data), nprocs=2)
     return _compute(tiny_model_dir, tiny_critic_dir, 1, data, long_data), torch.load(tmp / "out.pt")
 
 

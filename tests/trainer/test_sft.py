@@ -462,12 +462,12 @@ def test_ulysses_sft_on_two_ranks_takes_the_one_rank_step(tiny_model_dir, tmp_pa
     """verl's SFT ulysses_sequence_parallel_size: an SP=2 group (two gloo ranks, each half of every packed
     row, both reading the same rows) takes the step one rank takes on the whole rows: the loss, the
     token count and the gradients, within float32 re-association."""
-    import torch.multiprocessing as mp
+    from tests import rank_server
 
     from rlfoundry.single_controller.base.worker import find_free_port
 
     out = tmp_path / "sp2.pt"
-    mp.spawn(_ulysses_rank, args=(tiny_model_dir, tmp_path / "sp2", find_free_port(), out), nprocs=2, join=True)
+    rank_server.run(_ulysses_rank, args=(tiny_model_dir, tmp_path / "sp2", find_free_port(), out), nprocs=2)
     two = torch.load(out)
     assert two["split"] == (2, True)
     loss, grads, bound = _one_step_grads(tiny_model_dir, tmp_path / "sp1", "use_remove_padding=true")

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rlfoundry.protocol import DataProto
 from rlfoundry.single_controller.base import ClassWithInitArgs
 from rlfoundry.single_controller.local import LocalWorkerGroup
 from rlfoundry.single_controller.base.worker import WorkerRuntime
 from rlfoundry.workers.critic import CriticWorker
+from tests import rank_server
 from tests.workers import (assert_same_gradients, first_step_gradients, reassociation_bound, step_gradients,
                            vocab_rows)
 
@@ -270,7 +270,7 @@ def test_two_ranks_give_the_same_update_as_one(tiny_critic_dir, tmp_path):
     single = _critic(cfg)
     data = _with_values(single, _rollout_batch(seed=5))
     path = str(tmp_path / "global_step_1" / "critic")
-    mp.spawn(_rank_main, args=(str(tmp_path / "rendezvous"), cfg, data, path), nprocs=2, join=True)
+    rank_server.run(_rank_main, args=(str(tmp_path / "rendezvous"), cfg, data, path), nprocs=2)
 
     single.update_critic(data)
     from_two_ranks = _critic(cfg)
