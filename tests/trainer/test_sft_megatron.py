@@ -85,6 +85,8 @@ def _assert_same_steps(got: dict, want: dict) -> None:
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     # each row counted once, not once per rank of the model copy
     assert got["last"]["train/response_tokens"] == want["last"]["train/response_tokens"]
+    # the validation loss after the steps (the engine's forward-only pass over the held-out pairs)
+    assert got["last"]["val/loss"] == pytest.approx(want["last"]["val/loss"], rel=1e-5)
     assert set(got["weights"]) == set(want["weights"])
     for name, tensor in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
