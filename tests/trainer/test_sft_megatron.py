@@ -45,15 +45,15 @@ def _train(overrides: list[str]) -> dict:
         trainer._finish(0.0)
 
 
-def _rank(rank: int, world: int, port: int, runs: list[list[str]], out: str, between=None) -> None:
-    """One rank of ``world`` under torchrun's variables: the SFT trainer over each of ``runs`` in turn
-    (``between(i)`` after run i, on rank 0), rank 0's results saved to ``out``."""
-    if world > 1:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, world: int, ports: list[int], runs: list[list[str]], out: str, between=None) -> None:
+    """One rank of ``world`` under torchrun's variables: the SFT trainer over each of ``runs`` in turn, each
+    its own process group (``between(i)`` after run i, on rank 0), rank 0's results saved to ``out``."""
     torch.set_num_threads(1)
     results = []
     for i, overrides in enumerate(runs):
+        if world > 1:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[i]))
         results.append(_train(overrides))
         if between is not None and rank == 0:
             between(i)
@@ -69,7 +69,10 @@ def _spawn(world: int, runs: list[list[str]], tmp_path: Path, between=None) -> l
     from rlfoundry.single_controller.base.worker import find_free_port
 
     out = tmp_path / f"results-{world}.pt"
-    mp.spawn(_rank, args=(world, find_free_port(), runs, str(out), between), nprocs=world, join=True)
+    ports: list[int] = []
+    while len(ports) < len(runs):  # one rendezvous per run: a port a torn-down group used may still be closing
+        ports += [p for p in [find_free_port()] if p not in ports]
+    mp.spawn(_rank, args=(world, ports, runs, str(out), between), nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -100,14 +103,19 @@ def _initial(run: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_tensor_parallel_megatron_sft_takes_the_fsdp_steps(tiny_model_dir, tmp_path, fsdp_run):
-    """TP=2 (one model copy over two ranks, both reading the same rows; PP=2 passes too, ~75 s here): the two
-    steps' losses and the weights after them equal the 1-rank FSDP2 engine's."""
-    overrides = _overrides(tiny_model_dir, tmp_path / "run", *STEPS, *MEGATRON, "engine.tensor_model_parallel_size=2",
-                           "engine.dtype=float32", "trainer.n_gpus_per_node=2")
-    [run] = _spawn(2, [overrides], tmp_path)
-    assert run["dp"] == 1
-    _assert_same_steps(run | {"model_dir": tiny_model_dir}, fsdp_run)
+def test_two_rank_megatron_sft_takes_the_fsdp_steps(tiny_model_dir, tmp_path, fsdp_run):
+    """Two ranks, two runs in the same processes: TP=2 (one model copy over both ranks, both reading the same
+    rows; PP=2 passes too, ~75 s here), then DP=2 (each rank half of every batch, the distributed optimiser
+    sharding Adam's state): the two steps' losses, the validation loss and the weights after them equal the
+    1-rank FSDP2 engine's."""
+    runs = [_overrides(tiny_model_dir, tmp_path / name, *STEPS, *MEGATRON, *layout, "engine.dtype=float32",
+                       "trainer.n_gpus_per_node=2")
+            for name, layout in (("tp2", ["engine.tensor_model_parallel_size=2"]),
+                                 ("dp2", ["data.micro_batch_size_per_gpu=8"]))]
+    tp2, dp2 = _spawn(2, runs, tmp_path)
+    assert (tp2["dp"], dp2["dp"]) == (1, 2)
+    for run in (tp2, dp2):
+        _assert_same_steps(run | {"model_dir": tiny_model_dir}, fsdp_run)
 
 
 def _set_aside(run_dir: Path, i: int) -> None:
