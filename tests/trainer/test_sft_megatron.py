@@ -86,6 +86,9 @@ def _assert_same_steps(got: dict, want: dict) -> None:
     assert moved > 1e-4, "the steps moved the weights: equality is not vacuous"
     # the losses: the same sums in another order (fp32 over ~260 vocabulary entries and ~1000 tokens)
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    # the norm before clipping, over every parallel group (~3.6 > optim.clip_grad=1: the clip binds, so the weights'
+    # equality below also shows the engine clips as the FSDP one does)
+    assert got["last"]["train/grad_norm"] == pytest.approx(want["last"]["train/grad_norm"], rel=1e-4)
     # each row counted once, not once per rank of the model copy
     assert got["last"]["train/response_tokens"] == want["last"]["train/response_tokens"]
     # the validation loss after the steps (the engine's forward-only pass over the held-out pairs)
