@@ -2,12 +2,12 @@
 ``fsdp_sft_trainer`` keys; typed defaults in ``rlfoundry/config/sft_schema.py``).
 
 SFT is a role on the training engine, like the PPO actor: it brings a loss (``sft_loss``) and the
-engine (``engines/fsdp``; ``engines/megatron`` with verl's ``engine=megatron optim=megatron``) runs the micro-batches, the global-batch normalisation, clipping, the
-optimiser step, checkpoints and HF export. The pairs (``data/sft_dataset.py``) are chat-templated
-prompts and responses with EOS appended, each batch laid out as verl's RL batch (left-padded
-prompt | right-padded response, ``response_mask`` over the response), so the loss is the
-token-mean negative log-likelihood of the response tokens over the whole global batch: the update
-does not depend on the micro-batch size or rank count.
+engine (``engines/fsdp``; ``engines/megatron`` with verl's ``engine=megatron optim=megatron``) runs the
+micro-batches, the global-batch normalisation, clipping, the optimiser step, checkpoints and HF export.
+The pairs (``data/sft_dataset.py``) are chat-templated prompts and responses with EOS appended, each
+batch laid out as verl's RL batch (left-padded prompt | right-padded response, ``response_mask`` over
+the response), so the loss is the token-mean negative log-likelihood of the response tokens over the
+whole global batch: the update does not depend on the micro-batch size or rank count.
 
     rlfoundry sft model.partial_pretrain=DIR data.train_files=train.parquet data.val_files=test.parquet
     torchrun --nproc_per_node=2 -m rlfoundry.trainer.sft_trainer model.partial_pretrain=DIR ...
@@ -54,14 +54,16 @@ from rlfoundry.utils.tracking import SUPPORTED_BACKENDS, missing_packages
 __all__ = ["ROLE", "SFTTrainer", "load_sft_config", "main", "run_sft", "sft_loss", "validate_sft_config"]
 
 ROLE = "sft"  # the engine's role: metric prefix of its own metrics, checkpoint directory name
-_MEGATRON_KEYS = {f.name for f in dataclasses.fields(MegatronConfig)}  # the engine group's keys the Megatron engine reads
-SFT_FSDP_DEFAULTS = SFTFSDPConfig()
+# the engine group's keys that the Megatron engine reads
+_MEGATRON_KEYS = {f.name for f in dataclasses.fields(MegatronConfig)}
+_FSDP_DEFAULTS = SFTFSDPConfig()
 
 
 # =========================================================================== configuration
 
 # verl's August engine group (engine=...): fsdp and dp are the FSDP2 engine here, megatron the Megatron engine
 SFT_ENGINES = ("fsdp", "dp", "megatron")
+
 
 def load_sft_config(overrides: Sequence[str] = (), config_name: str | None = None,
                     config_path: str | None = None) -> DictConfig:
@@ -103,7 +105,8 @@ def _engine_choice(overrides: Sequence[str]) -> list[str]:
                 raise ConfigError(f"{group}={value}: rlfoundry sft trains on the FSDP2 engine (engine=fsdp) or the "
                                   f"Megatron engine (engine=megatron) with an HF model (model=hf_model); verl's "
                                   f"{value} {group} is not built here.")
-            chosen[group] = "megatron" if value.strip() == "megatron" else "fsdp"
+            if group != "model":
+                chosen[group] = "megatron" if value.strip() == "megatron" else "fsdp"
             continue
         rest.append(text)
     engine = chosen.get("engine", "fsdp")  # verl's default group
@@ -212,9 +215,8 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
                       "(verl: model.use_remove_padding=true or data.pad_mode=no_padding)")
     split, split_key = _sequence_split(cfg)
     if cfg.data.use_dynamic_bsz and cfg.data.max_token_len_per_gpu * split < cfg.data.max_length:
-        errors.append(f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) x {split_key} "
-                      f"({split}) < data.max_length ({cfg.data.max_length}): a micro-batch's token budget must hold the "
-                      "longest row")
+        errors.append(f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) x {split_key} ({split}) < "
+                      f"data.max_length ({cfg.data.max_length}): a micro-batch's token budget must hold the longest row")
     if cfg.model.use_liger:
         from rlfoundry.models.liger import liger_problems
 
@@ -245,8 +247,9 @@ def _sequence_split(cfg: DictConfig) -> tuple[int, str]:
 
 def _engine_errors(cfg: DictConfig, world_size: int) -> list[str]:
     if cfg.model.strategy != "megatron":
+        megatron_keys = _megatron_keys_set(cfg.engine)
         return [f"engine.{key}={value}: a Megatron engine key, and this run trains on the FSDP2 engine; add "
-                "engine=megatron optim=megatron, or remove it." for key, value in _megatron_keys_set(cfg.engine).items()]
+                "engine=megatron optim=megatron, or remove it." for key, value in megatron_keys.items()]
     return _megatron_errors(cfg, world_size) + _fsdp_keys_on_megatron(cfg)
 
 
@@ -287,7 +290,7 @@ def _fsdp_keys_on_megatron(cfg: DictConfig) -> list[str]:
     """Keys of the FSDP engine (or of the HF model it trains) that the Megatron engine does not read."""
     m, errors = cfg.model, []
     fsdp_set = {k: v for k, v in OmegaConf.to_container(m.fsdp_config).items()
-                if v != getattr(SFT_FSDP_DEFAULTS, k)}
+                if v != getattr(_FSDP_DEFAULTS, k)}
     errors += [f"model.fsdp_config.{k}={v} (verl: engine.{k}): an FSDP engine key; with engine=megatron remove it "
                "(the Megatron engine's are engine.*: dtype, param_offload, ...)." for k, v in fsdp_set.items()]
     unread = {"model.use_liger": m.use_liger, "model.lora_rank": m.lora_rank,
@@ -382,7 +385,7 @@ class SFTTrainer:
             raise
 
     def _leave_groups(self) -> None:
-        if self.config.model.strategy == "megatron":
+        if self.config.model.strategy == "megatron" and importlib.util.find_spec("megatron") is not None:
             from megatron.core import parallel_state as ps
 
             ps.destroy_model_parallel()  # its groups are the process group's: a later run builds its own

@@ -143,7 +143,8 @@ def one_rank_runs(tiny_model_dir, tmp_path_factory) -> tuple[list[dict], Path]:
 def test_one_rank_megatron_sft_takes_the_fsdp_steps(tiny_model_dir, tmp_path, one_rank_runs):
     (run, _), _ = one_rank_runs
     assert run["resumed"] is None
-    fsdp = _train(_overrides(tiny_model_dir, tmp_path, *STEPS, "optim.lr_scheduler=cosine", "optim.warmup_steps_ratio=0.5"))
+    schedule = ("optim.lr_scheduler=cosine", "optim.warmup_steps_ratio=0.5")
+    fsdp = _train(_overrides(tiny_model_dir, tmp_path, *STEPS, *schedule))
     _assert_same_steps(run | {"model_dir": tiny_model_dir}, fsdp)
 
 
