@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
+from rlfoundry.config.schema import MegatronConfig
+
 __all__ = ["SFTConfig", "choice_errors"]
 
 
@@ -102,7 +104,8 @@ class SFTFSDPConfig:
 class SFTModelConfig:
     partial_pretrain: Optional[str] = None  # local HF directory (or rlfoundry://NAME for a packaged model)
     path: Optional[str] = None  # verl's newer spelling of partial_pretrain
-    strategy: str = _choice("fsdp2", "fsdp")  # verl's FSDP versions; both run on the FSDP2 engine here
+    # verl's FSDP versions (both the FSDP2 engine here) or the Megatron engine (verl's engine=megatron sets it)
+    strategy: str = _choice("fsdp2", "fsdp", "megatron")
     use_remove_padding: Optional[bool] = None  # verl's newer spelling of the top-level use_remove_padding
     use_liger: bool = False  # Liger's Triton kernels patched in (CUDA and liger-kernel; models/liger.py)
     trust_remote_code: bool = False
@@ -133,6 +136,20 @@ class SFTOptimConfig:
     lr_scheduler_type: Optional[str] = None  # verl's newer spelling of lr_scheduler
     warmup_style: Optional[str] = None  # verl's deprecated spelling of lr_scheduler_type
     min_lr_ratio: float = 0.0
+    # verl's newer layout (optim=fsdp|megatron), honoured on either engine: warm-up steps (>= 0: wins over the
+    # ratio), Megatron's spellings of the schedule (lr_decay_style = lr_scheduler, min_lr = min_lr_ratio x lr)
+    lr_warmup_steps: int = -1
+    lr_decay_style: Optional[str] = field(default=None, metadata={"choices": (None, "constant", "cosine")})
+    lr_warmup_init: float = 0.0  # the warm-up rises linearly from this lr
+    min_lr: Optional[float] = None
+    lr_decay_steps: Optional[int] = None  # the schedule's length; null: the run's steps
+    weight_decay_incr_style: str = _choice("constant")  # Megatron's weight-decay schedules are not built
+    # verl's optimizer names (optim/fsdp.yaml: AdamW; optim/megatron.yaml: adam, megatron-core's AdamW): AdamW
+    optimizer: str = _choice("AdamW", "adam", "adamw")
+    optimizer_impl: str = _choice("torch.optim")
+    # more optimizer settings: AdamW arguments (FSDP) or megatron-core OptimizerConfig fields (Megatron),
+    # checked at start-up as the RL roles' (trainer/config.py)
+    override_optimizer_config: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -158,7 +175,11 @@ class SFTTrainerConfig:
 
 
 @dataclass
-class SFTEngineConfig:  # verl's newer SFT layout: the engine group's keys (engine=fsdp)
+class SFTEngineConfig(MegatronConfig):
+    """verl's newer SFT layout: the engine group's keys. engine=megatron: the Megatron engine's (the RL roles'
+    ``*.megatron`` keys, config/schema.py MegatronConfig); engine=fsdp: the three below, the others at their
+    defaults (a Megatron key set on the FSDP engine is a start-up error)."""
+
     ulysses_sequence_parallel_size: Optional[int] = None  # its spelling of the top-level key
     strategy: Optional[str] = None  # its spelling of model.strategy (fsdp | fsdp2: one FSDP2 engine here)
     fsdp_size: Optional[int] = None  # its spelling of model.fsdp_config.fsdp_size

@@ -2,12 +2,12 @@
 ``fsdp_sft_trainer`` keys; typed defaults in ``rlfoundry/config/sft_schema.py``).
 
 SFT is a role on the training engine, like the PPO actor: it brings a loss (``sft_loss``) and the
-engine (``engines/fsdp``) runs the micro-batches, the global-batch normalisation, clipping, the
-optimiser step, checkpoints and HF export. The pairs (``data/sft_dataset.py``) are chat-templated
-prompts and responses with EOS appended, each batch laid out as verl's RL batch (left-padded
-prompt | right-padded response, ``response_mask`` over the response), so the loss is the
-token-mean negative log-likelihood of the response tokens over the whole global batch: the update
-does not depend on the micro-batch size or rank count.
+engine (``engines/fsdp``; ``engines/megatron`` with verl's ``engine=megatron optim=megatron``) runs the
+micro-batches, the global-batch normalisation, clipping, the optimiser step, checkpoints and HF export.
+The pairs (``data/sft_dataset.py``) are chat-templated prompts and responses with EOS appended, each
+batch laid out as verl's RL batch (left-padded prompt | right-padded response, ``response_mask`` over
+the response), so the loss is the token-mean negative log-likelihood of the response tokens over the
+whole global batch: the update does not depend on the micro-batch size or rank count.
 
     rlfoundry sft model.partial_pretrain=DIR data.train_files=train.parquet data.val_files=test.parquet
     torchrun --nproc_per_node=2 -m rlfoundry.trainer.sft_trainer model.partial_pretrain=DIR ...
@@ -20,6 +20,7 @@ protocol, retention and ``resume_mode=auto`` are PPO's (``checkpoint/layout.py``
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import itertools
@@ -40,9 +41,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from rlfoundry import checkpoint as ckpt
 from rlfoundry.algos import core_algos
-from rlfoundry.config.sft_schema import SFTConfig, choice_errors
+from rlfoundry.config.schema import MegatronConfig, model_parallel_size
+from rlfoundry.config.sft_schema import SFTConfig, SFTFSDPConfig, choice_errors
 from rlfoundry.data.sft_dataset import Pair, SFTDataError, SFTDataset, collate_sft, load_pairs, synthetic_pairs
-from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan
+from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan, say_once
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.config import ConfigError, load_typed_config
 from rlfoundry.utils.errors import EXIT_RUN_ABORTED, CheckpointCorruptError
@@ -52,11 +54,15 @@ from rlfoundry.utils.tracking import SUPPORTED_BACKENDS, missing_packages
 __all__ = ["ROLE", "SFTTrainer", "load_sft_config", "main", "run_sft", "sft_loss", "validate_sft_config"]
 
 ROLE = "sft"  # the engine's role: metric prefix of its own metrics, checkpoint directory name
+# the engine group's keys that the Megatron engine reads
+_MEGATRON_KEYS = {f.name for f in dataclasses.fields(MegatronConfig)}
+_FSDP_DEFAULTS = SFTFSDPConfig()
 
 
 # =========================================================================== configuration
 
-SFT_ENGINES = ("fsdp", "dp")  # verl's August engine group (engine=...); both are the FSDP2 engine here
+# verl's August engine group (engine=...): fsdp and dp are the FSDP2 engine here, megatron the Megatron engine
+SFT_ENGINES = ("fsdp", "dp", "megatron")
 
 
 def load_sft_config(overrides: Sequence[str] = (), config_name: str | None = None,
@@ -81,25 +87,33 @@ def _sft_overlay(name: str | None, config_path: str | None) -> Path | None:
     return find_config(name, config_path) if name else None
 
 
-# verl's newer SFT layout picks its parts by Hydra groups (not keys): the choices that are the FSDP2
-# engine and the HF model here; any other names a part that is not built
+# verl's newer SFT layout picks its parts by Hydra groups (not keys): the engine (and its optimiser's key set),
+# the HF model; any other choice names a part that is not built
 SFT_GROUPS = {"engine": SFT_ENGINES, "optim": SFT_ENGINES, "model": ("hf_model",)}
 
 
 def _engine_choice(overrides: Sequence[str]) -> list[str]:
-    """verl's ``engine=fsdp|megatron`` / ``optim=…`` / ``model=hf_model`` group choices: the FSDP engine,
-    its optimiser and the HF model are what runs here; another choice is an error naming it."""
-    rest = []
+    """verl's ``engine=fsdp|megatron`` / ``optim=…`` / ``model=hf_model`` group choices: ``engine=megatron``
+    becomes ``model.strategy=megatron`` (the FSDP engine otherwise); ``optim`` names the optimiser keys'
+    layout, which both engines read, and must be the engine's; another choice is an error naming it."""
+    rest, chosen = [], {}
     for text in overrides:
         key, sep, value = text.partition("=")
         group = key.lstrip("+")
         if sep and group in SFT_GROUPS:
             if value.strip() not in SFT_GROUPS[group]:
-                raise ConfigError(f"{group}={value}: rlfoundry sft trains on the FSDP2 engine with an HF model "
-                                  f"({group}={SFT_GROUPS[group][0]}); verl's {value} {group} is not built here.")
+                raise ConfigError(f"{group}={value}: rlfoundry sft trains on the FSDP2 engine (engine=fsdp) or the "
+                                  f"Megatron engine (engine=megatron) with an HF model (model=hf_model); verl's "
+                                  f"{value} {group} is not built here.")
+            if group != "model":
+                chosen[group] = "megatron" if value.strip() == "megatron" else "fsdp"
             continue
         rest.append(text)
-    return rest
+    engine = chosen.get("engine", "fsdp")  # verl's default group
+    if chosen.get("optim", engine) != engine:
+        raise ConfigError(f"optim={chosen['optim']} with engine={engine}: the optimiser's keys are the engine's; "
+                          f"give engine={chosen['optim']} (or optim={engine}).")
+    return rest + (["model.strategy=megatron"] if engine == "megatron" else [])
 
 
 def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size: int) -> None:
@@ -118,11 +132,35 @@ def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size:
     for verl_key, ours in (("model.path", "model.partial_pretrain"), ("model.use_remove_padding", "use_remove_padding"),
                            ("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio"),
                            ("optim.lr_scheduler_type", "optim.lr_scheduler"), ("optim.warmup_style", "optim.lr_scheduler"),
+                           ("optim.lr_decay_style", "optim.lr_scheduler"),
                            ("engine.ulysses_sequence_parallel_size", "ulysses_sequence_parallel_size"),
                            ("engine.strategy", "model.strategy"), ("engine.fsdp_size", "model.fsdp_config.fsdp_size")):
         value = OmegaConf.select(cfg, verl_key)
         if value is not None:
             _adopt(cfg, user_keys, verl_key, ours, value)
+    if cfg.optim.min_lr is not None:  # Megatron's cosine floor as an lr: the ratio to optim.lr here
+        if not cfg.optim.lr and cfg.optim.min_lr:
+            raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} with optim.lr=0: the floor is a fraction of lr here "
+                              "(optim.min_lr_ratio); set optim.lr, or optim.min_lr=0.")
+        _adopt(cfg, user_keys, "optim.min_lr", "optim.min_lr_ratio",
+               float(cfg.optim.min_lr) / float(cfg.optim.lr) if cfg.optim.lr else 0.0)
+    _warn_no_effect(cfg, user_keys)
+
+
+# verl's Megatron engine keys that change nothing here: mbridge converts the weights whichever converter is
+# named, and the engine pads and masks rows where verl packs them (the same numbers)
+_NO_EFFECT_ENGINE_KEYS = ("engine.vanilla_mbridge", "engine.use_remove_padding")
+
+
+def _warn_no_effect(cfg: DictConfig, user_keys: Sequence[str]) -> None:
+    given = [k for k in _NO_EFFECT_ENGINE_KEYS if k in user_keys or f"+{k}" in user_keys]
+    if given:
+        from rlfoundry.config.verl_compat import NoEffectKeyWarning
+
+        warnings.warn("These verl settings are accepted but have no effect in rlfoundry: "
+                      + ", ".join(f"{k}={OmegaConf.select(cfg, k)}" for k in given)
+                      + " (mbridge converts the weights; the Megatron engine pads rows: the same numbers).",
+                      NoEffectKeyWarning, stacklevel=3)
 
 
 def _adopt(cfg: DictConfig, user_keys: Sequence[str], verl_key: str, ours: str, value: Any) -> None:
@@ -132,19 +170,29 @@ def _adopt(cfg: DictConfig, user_keys: Sequence[str], verl_key: str, ours: str, 
     OmegaConf.update(cfg, ours, value)
 
 
+def _model_copy(cfg: DictConfig) -> tuple[int, str]:
+    """How many consecutive ranks hold the same rows (a Ulysses group, or one Megatron model copy) and the
+    keys that say so."""
+    if cfg.model.strategy == "megatron":
+        return model_parallel_size(cfg.engine), "engine.tensor x pipeline x context_parallel_size"
+    return int(cfg.ulysses_sequence_parallel_size), "ulysses_sequence_parallel_size"
+
+
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
-    """The global batch must split evenly over the data-parallel ranks (the ranks of one Ulysses group
-    share their rows, as in verl), and each one's share into micro-batches."""
-    batch, micro, sp = cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu, cfg.ulysses_sequence_parallel_size
-    if batch <= 0 or micro <= 0 or sp <= 0:
+    """The global batch must split evenly over the data-parallel ranks (the ranks of one Ulysses group or
+    Megatron model copy share their rows, as in verl), and each one's share into micro-batches."""
+    batch, micro = cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu
+    share, name = _model_copy(cfg)
+    if batch <= 0 or micro <= 0 or share <= 0:
         return [f"data.train_batch_size ({batch}), data.micro_batch_size_per_gpu ({micro}) and "
-                f"ulysses_sequence_parallel_size ({sp}) must be positive"]
-    if world_size % sp:
-        return [f"ulysses_sequence_parallel_size={sp} does not divide the {world_size} ranks; use a divisor of it"]
-    dp = world_size // sp
+                f"{name} ({share}) must be positive"]
+    if world_size % share:  # (the Megatron engine's own check names its keys)
+        return [] if cfg.model.strategy == "megatron" else \
+            [f"{name}={share} does not divide the {world_size} ranks; use a divisor of it"]
+    dp = world_size // share
     if batch % dp:
         return [f"data.train_batch_size ({batch}) is not divisible by the data-parallel ranks ({world_size} ranks / "
-                f"ulysses_sequence_parallel_size {sp} = {dp})"]
+                f"{name} {share} = {dp})"]
     per_rank = batch // dp
     if per_rank % micro:
         return [f"data.train_batch_size / data-parallel ranks = {batch} / {dp} = {per_rank} sequences per rank, "
@@ -165,10 +213,10 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if sp > 1 and not cfg.use_remove_padding:
         errors.append(f"ulysses_sequence_parallel_size={sp} splits packed rows only: set use_remove_padding=true "
                       "(verl: model.use_remove_padding=true or data.pad_mode=no_padding)")
-    if cfg.data.use_dynamic_bsz and cfg.data.max_token_len_per_gpu * sp < cfg.data.max_length:
-        errors.append(f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) x ulysses_sequence_parallel_size "
-                      f"({sp}) < data.max_length ({cfg.data.max_length}): a micro-batch's token budget must hold the "
-                      "longest row")
+    split, split_key = _sequence_split(cfg)
+    if cfg.data.use_dynamic_bsz and cfg.data.max_token_len_per_gpu * split < cfg.data.max_length:
+        errors.append(f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) x {split_key} ({split}) < "
+                      f"data.max_length ({cfg.data.max_length}): a micro-batch's token budget must hold the longest row")
     if cfg.model.use_liger:
         from rlfoundry.models.liger import liger_problems
 
@@ -184,10 +232,76 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if unknown:
         errors.append(f"trainer.logger entries {unknown} are not among {list(SUPPORTED_BACKENDS)}")
     errors += missing_packages([t.logger] if isinstance(t.logger, str) else list(t.logger or []))
-    errors += _checkpoint_contents_errors(cfg.checkpoint)
+    errors += _checkpoint_contents_errors(cfg.checkpoint) + _optimizer_errors(cfg.optim, cfg.model.strategy)
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
     return errors
+
+
+def _sequence_split(cfg: DictConfig) -> tuple[int, str]:
+    """How many ranks split one sequence (a dynamic batch's per-GPU budget holds that many times its tokens)."""
+    if cfg.model.strategy == "megatron":
+        return int(cfg.engine.context_parallel_size), "engine.context_parallel_size"
+    return int(cfg.ulysses_sequence_parallel_size), "ulysses_sequence_parallel_size"
+
+
+def _engine_errors(cfg: DictConfig, world_size: int) -> list[str]:
+    if cfg.model.strategy != "megatron":
+        megatron_keys = _megatron_keys_set(cfg.engine)
+        return [f"engine.{key}={value}: a Megatron engine key, and this run trains on the FSDP2 engine; add "
+                "engine=megatron optim=megatron, or remove it." for key, value in megatron_keys.items()]
+    return _megatron_errors(cfg, world_size) + _fsdp_keys_on_megatron(cfg)
+
+
+def _megatron_keys_set(engine: DictConfig) -> dict[str, Any]:
+    """The engine group's Megatron keys whose values are not the defaults."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(MegatronConfig))
+    mine = OmegaConf.to_container(engine, resolve=True)
+    return {key: mine[key] for key, value in defaults.items() if mine[key] != value}
+
+
+def _megatron_errors(cfg: DictConfig, world_size: int) -> list[str]:
+    """The Megatron engine's own start-up checks (its plug-in's, as for the RL roles) on the engine group,
+    their messages naming verl's SFT keys (engine.*), and what SFT does not run on it."""
+    from rlfoundry.engines.megatron.plugin import PLUGIN, _is_vision_language
+
+    e = cfg.engine
+    contents = {w: None if cfg.checkpoint[w] is None else [x for x in cfg.checkpoint[w] if x != "hf_model"]
+                for w in ("save_contents", "load_contents")}
+    megatron = {k: v for k, v in OmegaConf.to_container(e, resolve=True).items() if k in _MEGATRON_KEYS}
+    view = OmegaConf.create({"sft": {"megatron": megatron, "model": {"path": cfg.model.partial_pretrain},
+                                     "ulysses_sequence_parallel_size": cfg.ulysses_sequence_parallel_size,
+                                     "checkpoint": contents}})
+    errors = [p.replace("sft.megatron", "engine").replace("sft.", "") for p in PLUGIN.check(view, ["sft"], world_size)]
+    if e.use_megatron_fsdp:
+        errors.append("engine.use_megatron_fsdp=true: Megatron-FSDP (parameters sharded over the data-parallel ranks) "
+                      "is not built; the Megatron engine here shards the optimizer state "
+                      "(engine.use_distributed_optimizer). Set engine.use_megatron_fsdp=false.")
+    if e.router_replay.mode != "disabled":
+        errors.append(f"engine.router_replay.mode={e.router_replay.mode}: routing replay replays a rollout's experts; "
+                      "SFT has no rollout (the model routes by its own router). Set it to disabled.")
+    if _is_vision_language(cfg.model.partial_pretrain):
+        errors.append(f"model.partial_pretrain={cfg.model.partial_pretrain} is a vision-language model: the Megatron "
+                      "engine takes text models only (docs/vision.md); use engine=fsdp for image rows.")
+    return errors
+
+
+def _fsdp_keys_on_megatron(cfg: DictConfig) -> list[str]:
+    """Keys of the FSDP engine (or of the HF model it trains) that the Megatron engine does not read."""
+    m, errors = cfg.model, []
+    fsdp_set = {k: v for k, v in OmegaConf.to_container(m.fsdp_config).items()
+                if v != getattr(_FSDP_DEFAULTS, k)}
+    errors += [f"model.fsdp_config.{k}={v} (verl: engine.{k}): an FSDP engine key; with engine=megatron remove it "
+               "(the Megatron engine's are engine.*: dtype, param_offload, ...)." for k, v in fsdp_set.items()]
+    unread = {"model.use_liger": m.use_liger, "model.lora_rank": m.lora_rank,
+              "model.enable_gradient_checkpointing": m.enable_gradient_checkpointing,
+              "model.override_config": dict(m.override_config)}
+    fixes = {"model.lora_rank": "LoRA SFT on the Megatron engine is not built; use engine=fsdp",
+             "model.enable_gradient_checkpointing": "set engine.override_transformer_config.recompute_granularity "
+                                                    "(megatron-core's recompute) instead",
+             "model.override_config": "set engine.override_transformer_config (megatron-core's) instead",
+             "model.use_liger": "Liger patches HF models; the Megatron engine runs megatron-core's layers"}
+    return errors + [f"{k}={v} with engine=megatron: {fixes[k]}." for k, v in unread.items() if v]
 
 
 def _checkpoint_contents_errors(checkpoint: DictConfig) -> list[str]:
@@ -205,9 +319,19 @@ def _checkpoint_contents_errors(checkpoint: DictConfig) -> list[str]:
     return errors
 
 
+def _optimizer_errors(optim: DictConfig, strategy: str) -> list[str]:
+    """verl's ``optim.override_optimizer_config``, checked as the RL roles' (AdamW arguments or megatron-core
+    OptimizerConfig fields; what an rlfoundry key sets, and CPU optimizer offload, are errors)."""
+    from rlfoundry.trainer.config import _check_optimizer_overrides
+
+    engine = "megatron" if strategy == "megatron" else "fsdp"
+    return _check_optimizer_overrides("optim", dict(optim.override_optimizer_config or {}), engine)
+
+
 def validate_sft_config(cfg: DictConfig, world_size: int = 1) -> None:
     """All cross-key problems at once, so one run reports every mistake."""
-    errors = choice_errors(cfg) + _batch_errors(cfg, world_size) + _setting_errors(cfg)
+    errors = (choice_errors(cfg) + _batch_errors(cfg, world_size) + _setting_errors(cfg)
+              + _engine_errors(cfg, world_size))
     if errors:
         raise ConfigError("invalid SFT config:\n  - " + "\n  - ".join(errors))
     if cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node != world_size:
@@ -248,7 +372,7 @@ def _seed_everything(seed: int) -> None:
 
 
 class SFTTrainer:
-    """Builds data, engine (FSDP2) and tracker from a validated config; ``fit()`` trains."""
+    """Builds data, engine (FSDP2 or Megatron) and tracker from a validated config; ``fit()`` trains."""
 
     def __init__(self, config: DictConfig) -> None:
         self.config = config
@@ -257,9 +381,16 @@ class SFTTrainer:
         try:
             self._setup(config)
         except BaseException:  # a bad data file must not leave a process group behind
-            if self._owns_group:
-                dist.destroy_process_group()
+            self._leave_groups()
             raise
+
+    def _leave_groups(self) -> None:
+        if self.config.model.strategy == "megatron" and importlib.util.find_spec("megatron") is not None:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()  # its groups are the process group's: a later run builds its own
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _setup(self, config: DictConfig) -> None:
         validate_sft_config(config, self.world_size)
@@ -267,6 +398,7 @@ class SFTTrainer:
         if config.model.external_lib:
             importlib.import_module(config.model.external_lib)
         self.run_dir = Path(config.trainer.default_local_dir)
+        self._copies = _model_copy(config)[0]  # ranks that read the same rows
         self.tokenizer = self._build_tokenizer()
         self.train_loader, self.val_loader = self._build_loaders()
         self.total_steps = self._total_steps()
@@ -317,9 +449,7 @@ class SFTTrainer:
     def _build_loaders(self) -> tuple[DataLoader, DataLoader | None]:
         data = self.config.data
         train_pairs, val_pairs = self._pairs()
-        # the ranks of one Ulysses group (consecutive ranks, engines/fsdp/ulysses.py) read the same rows
-        sp = self.config.ulysses_sequence_parallel_size
-        dp, dp_rank = self.world_size // sp, self.rank // sp
+        dp, dp_rank = self._data_parallel()
         per_rank = data.train_batch_size // dp
         if len(train_pairs) < data.train_batch_size:
             raise SFTDataError(f"{len(train_pairs)} training examples, fewer than data.train_batch_size "
@@ -337,13 +467,43 @@ class SFTTrainer:
         return train_loader, DataLoader(val_set, batch_size=data.micro_batch_size_per_gpu,
                                         sampler=val_sampler, collate_fn=collate)
 
+    def _data_parallel(self) -> tuple[int, int]:
+        """How many data-parallel ranks read the data, and which one this rank is: the ranks of one Ulysses
+        group (consecutive ranks, engines/fsdp/ulysses.py) or of one Megatron model copy read the same rows."""
+        if self.config.model.strategy != "megatron":
+            sp = int(self.config.ulysses_sequence_parallel_size)
+            return self.world_size // sp, self.rank // sp
+        from megatron.core import parallel_state as ps
+
+        from rlfoundry.engines.megatron.bridge import initialize_parallel
+
+        e = self.config.engine  # megatron-core's groups now (the engine joins them): its rank order is its own
+        initialize_parallel(e.tensor_model_parallel_size, e.pipeline_model_parallel_size,
+                            e.virtual_pipeline_model_parallel_size, e.context_parallel_size, seed=e.seed,
+                            ep=e.expert_model_parallel_size, etp=e.expert_tensor_parallel_size)
+        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+
     def _total_steps(self) -> int:
         per_epoch = len(self.train_loader)
         total = self.config.trainer.total_training_steps
         return int(total) if total is not None else per_epoch * self.config.trainer.total_epochs
 
+    def _optim(self) -> Any:
+        """verl's SFT optimiser keys -> the engines' (the RL roles' names)."""
+        from rlfoundry.config.schema import OptimConfig
+
+        o = self.config.optim
+        return OptimConfig(lr=o.lr, betas=list(o.betas), weight_decay=o.weight_decay, eps=o.eps,
+                           lr_warmup_steps_ratio=o.warmup_steps_ratio, lr_warmup_steps=o.lr_warmup_steps,
+                           lr_scheduler_type=o.lr_scheduler, min_lr_ratio=o.min_lr_ratio,
+                           lr_warmup_init=o.lr_warmup_init, lr_decay_steps=o.lr_decay_steps,
+                           override_optimizer_config=dict(o.override_optimizer_config),
+                           total_training_steps=self.total_steps)
+
     def _build_engine(self) -> Any:
-        from rlfoundry.config.schema import FSDPConfig, OptimConfig
+        if self.config.model.strategy == "megatron":
+            return self._build_megatron_engine()
+        from rlfoundry.config.schema import FSDPConfig
         from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
         from rlfoundry import cpu as cpu_kernels
         from rlfoundry.models.lora import LoraSpec
@@ -353,10 +513,7 @@ class SFTTrainer:
             from rlfoundry.cpu.malloc import tune_malloc
 
             tune_malloc()  # one of the CPU speed-ups: glibc keeps freed activation memory
-        # verl's SFT keys -> the engine's (the RL roles' names)
-        optim = OptimConfig(lr=o.lr, betas=list(o.betas), weight_decay=o.weight_decay, eps=o.eps,
-                            lr_warmup_steps_ratio=o.warmup_steps_ratio, lr_scheduler_type=o.lr_scheduler,
-                            min_lr_ratio=o.min_lr_ratio, total_training_steps=self.total_steps)
+        optim = self._optim()
         mixed = {"param_dtype": fsdp.param_dtype, "reduce_dtype": fsdp.reduce_dtype}
         config = FSDPEngineConfig(
             path=str(m.partial_pretrain), optim=optim, grad_clip=o.clip_grad, cpu_kernels=m.cpu_kernels,
@@ -368,6 +525,23 @@ class SFTTrainer:
             lora=LoraSpec.of(m), ulysses_sequence_parallel_size=int(self.config.ulysses_sequence_parallel_size),
         )
         return FSDPEngine.build(config, self.device, role=ROLE)
+
+    def _build_megatron_engine(self) -> Any:
+        """verl's engine=megatron: the RL roles' Megatron engine, its ``megatron`` keys from the engine group."""
+        from rlfoundry.config.typed import to_typed
+        from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+        from rlfoundry.models.hf import resolve_model_path
+
+        engine = OmegaConf.to_container(self.config.engine, resolve=True)
+        megatron = to_typed(MegatronConfig, {k: v for k, v in engine.items() if k in _MEGATRON_KEYS}, name="engine")
+        if torch.device(self.device).type == "cpu" and megatron.dtype not in ("float32", "fp32"):
+            # as for the RL roles (trainer/config.py _resolve_megatron_dtypes): the CPU run is the exact reference
+            say_once(f"engine.dtype=float32 (asked: {megatron.dtype}): the CPU trains in float32, as the FSDP engine "
+                     "does there; bf16 is the GPU precision")
+            megatron = dataclasses.replace(megatron, dtype="float32")
+        path = str(resolve_model_path(self.config.model.partial_pretrain))
+        return MegatronEngine(MegatronEngineConfig(path, megatron, self._optim(), self.config.optim.clip_grad),
+                              self.device, role=ROLE)
 
     def _build_tracking(self) -> Any:
         if self.rank != 0:
@@ -396,12 +570,13 @@ class SFTTrainer:
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One optimiser step on this rank's share of the global batch, in micro-batches."""
         data, sp = self.config.data, int(self.config.ulysses_sequence_parallel_size)
-        # a Ulysses group's ranks each hold 1/sp of a micro-batch's tokens: its budget is sp GPUs' (verl's rule)
+        # a Ulysses group's ranks each hold 1/sp of a micro-batch's tokens: its budget is sp GPUs' (verl's rule;
+        # the Megatron engine scales it by its context-parallel size itself)
         budget = int(data.max_token_len_per_gpu) * sp if data.use_dynamic_bsz else None  # wins over the row count
         plan = UpdatePlan(micro=MicroBatching(data.micro_batch_size_per_gpu, budget))
         out = self.engine.train_batch(self._on_device(batch), LogProbs(), sft_loss, plan)
         lr = self.engine.step_lr_scheduler()  # the lr this step used
-        (tokens,) = self._all_reduce(float(batch["response_mask"].sum()) / sp)  # sp ranks hold each row
+        (tokens,) = self._all_reduce(float(batch["response_mask"].sum()) / self._copies)  # ranks holding each row
         return {"train/loss": out["train/loss"][0], "train/lr": lr, "train/grad_norm": out[f"{ROLE}/grad_norm"][0],
                 "train/response_tokens": tokens}
 
@@ -441,14 +616,20 @@ class SFTTrainer:
     def _export_hf(self, step_dir: Path) -> None:
         """Full weights + config + tokenizer into ``step_dir`` (a staging directory whose files move
         up; the step marker written next lists them with their sizes and checksums)."""
+        from transformers import PretrainedConfig
+
         staging = step_dir / "huggingface"
-        config = self.engine.module.config
-        config.use_cache = True  # training runs without a KV cache; the exported model is for inference
+        # the FSDP engine's HF model trains without a KV cache; the exported model is for inference (the Megatron
+        # engine writes the checkpoint's own HF config)
+        config = self.engine.module.config if isinstance(self.engine.module.config, PretrainedConfig) else None
+        if config is not None:
+            config.use_cache = True
         try:
             # a vision-language model's processor writes its tokenizer and image processor: the output takes images
             self.engine.save_hf_model(str(staging), self.processor or self.tokenizer)
         finally:
-            config.use_cache = False
+            if config is not None:
+                config.use_cache = False
         if self.rank == 0:
             for f in staging.iterdir():
                 os.replace(f, step_dir / f.name)
@@ -498,7 +679,7 @@ class SFTTrainer:
         timing: dict[str, float] = {}
         with self.profiler.step(self.global_step), marked_timer("step", timing):
             metrics = self.train_step(batch)
-        (tokens,) = self._all_reduce(float(batch["attention_mask"].sum()) / self.config.ulysses_sequence_parallel_size)
+        (tokens,) = self._all_reduce(float(batch["attention_mask"].sum()) / self._copies)
         metrics |= {"training/global_step": self.global_step, "training/epoch": epoch,
                     "timing_s/step": timing["step"], "perf/total_num_tokens": tokens,
                     "perf/throughput": tokens / (timing["step"] * self.world_size)}
@@ -545,8 +726,7 @@ class SFTTrainer:
     def _finish(self, seconds: float) -> dict[str, Any]:
         if self.tracking is not None:
             self.tracking.finish()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        self._leave_groups()
         return {"seconds": seconds, "steps": self.global_step}
 
 

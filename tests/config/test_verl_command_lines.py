@@ -4,7 +4,7 @@ commit, the module, the arguments as the script ran them with its own defaults, 
 ``{home}``), one per kind of run — dense FSDP GRPO and PPO with a critic, Megatron (January's config
 name and August's ``model_engine=megatron``), LoRA, multi-turn tools with an interaction, a classifier
 reward model, a vision-language model, Ulysses, DAPO, GSPO, GDPO, rollout correction, one-step-off and
-fully-async, both SFT entry points, and August's ``model_engine=veomni``.
+fully-async, both SFT entry points (FSDP and Megatron), and August's ``model_engine=veomni``.
 
 Each runs as ``python -m rlfoundry.X ARGS --cfg job`` through ``scripts/verl_compat_check.py``'s
 in-process check (the module's own ``__main__``, from the script's directory), so a line that a change
@@ -102,6 +102,8 @@ EXPECT = {
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
         "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": True,
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
+    "examples/sft/gsm8k/run_qwen_megatron_fsdp.sh": {"model.strategy": "megatron", "engine.tensor_model_parallel_size": 4,
+                                                     "optim.lr_scheduler": "cosine", "optim.warmup_steps_ratio": 0.2},
 }
 
 

@@ -340,8 +340,8 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("engine=megatron", "megatron engine"), ("optim=automodel", "automodel optim"),
-    ("model.strategy=megatron", "model.strategy"),
+    ("engine=automodel", "automodel engine"), ("optim=automodel", "automodel optim"),
+    ("model.strategy=veomni", "model.strategy"),  # engine=megatron: tests/trainer/test_sft_megatron.py
     ("model.use_liger=true", "- model.use_liger=true"),  # CPU here: Liger's kernels need CUDA
 ])
 def test_what_sft_does_not_build_is_an_error_naming_it(override, named):
