@@ -266,8 +266,9 @@ class EnginePlugin(abc.ABC):
 
         return set(inspect.signature(torch.optim.AdamW).parameters), "torch.optim.AdamW arguments"
 
-    def optimizer_problems(self, key: str, overrides: dict) -> list[str]:
-        """Start-up errors for accepted ``override_optimizer_config`` values this engine cannot honour here."""
+    def optimizer_problems(self, key: str, overrides: dict, role: Any = None) -> list[str]:
+        """Start-up errors for accepted ``override_optimizer_config`` values this engine cannot honour here
+        (``key``: the overrides' own key; ``role``: the role's subtree, None where unknown)."""
         return []
 
     def sequence_split(self, role: Any) -> tuple[int, str]:

@@ -599,9 +599,8 @@ _OPTIMIZER_KEYS_SET_ELSEWHERE = {
     "bf16": "megatron.dtype", "fp16": "megatron.dtype", "params_dtype": "megatron.dtype", "params": None,
     "optimizer": "optim.optimizer",  # the engine names megatron-core's optimizer itself (AdamW only)
 }
-# megatron-core's optimizer offload to the CPU (its HybridDeviceOptimizer: the Adam step on the host for a
-# fraction of the state): not built. It needs CUDA (it sets up CUDA streams when built, and picks what to move
-# by ``param.is_cuda``), so no CPU test can run it; ``megatron.optimizer_offload`` is the offload built here
+# megatron-core's CPU optimiser (HybridDeviceOptimizer: OptimizerConfig fields, strategy=megatron only; the
+# Megatron plug-in checks their values: engines/megatron/plugin.py optimizer_problems)
 _OPTIMIZER_OFFLOAD_KEYS = ("optimizer_cpu_offload", "optimizer_offload_fraction", "use_torch_optimizer_for_cpu_offload",
                            "overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params")
 
@@ -615,24 +614,21 @@ def _check_optimizers(cfg: PPOConfig) -> list[str]:
         if node.optim.weight_decay_incr_style != "constant":
             errors.append(f"{key}.weight_decay_incr_style={node.optim.weight_decay_incr_style}: Megatron's weight-decay "
                           "schedules are not built; weight decay is constant (optim.weight_decay). Set constant.")
-        errors += _check_optimizer_overrides(key, dict(node.optim.override_optimizer_config or {}), str(node.strategy))
+        errors += _check_optimizer_overrides(key, dict(node.optim.override_optimizer_config or {}), str(node.strategy),
+                                             node)
         if node.optim.optimizer.lower() not in ("adamw", "adam") or node.optim.optimizer_impl != "torch.optim":
             errors.append(f"{key}.optimizer={node.optim.optimizer} ({key}.optimizer_impl={node.optim.optimizer_impl}): "
                           "only AdamW (torch.optim; megatron-core's adam is AdamW) is built; other optimizers are not.")
     return errors
 
 
-def _check_optimizer_overrides(key: str, overrides: dict, strategy: str) -> list[str]:
+def _check_optimizer_overrides(key: str, overrides: dict, strategy: str, role: Any = None) -> list[str]:
     """verl's ``override_optimizer_config``: megatron-core ``OptimizerConfig`` fields (strategy=megatron) or
-    ``torch.optim.AdamW`` arguments (fsdp); offload and keys an rlfoundry key sets are errors naming why."""
+    ``torch.optim.AdamW`` arguments (fsdp); keys an rlfoundry key sets are errors naming why, and the engine's
+    plug-in checks the values against the role's other keys (``role``: its subtree; None: the defaults)."""
     errors, key = [], f"{key}.override_optimizer_config"
     for name, value in overrides.items():
-        if name in _OPTIMIZER_OFFLOAD_KEYS and value:
-            errors.append(f"{key}.{name}={value}: offloading the Megatron optimizer to the CPU is not built here "
-                          "(megatron-core's HybridDeviceOptimizer, which steps Adam on the host, needs CUDA and is "
-                          "untested here); remove the optimizer offload keys. megatron.optimizer_offload=True keeps "
-                          "the optimizer's state in host memory between updates instead (the step stays on the device).")
-        elif name in _OPTIMIZER_KEYS_SET_ELSEWHERE:
+        if name in _OPTIMIZER_KEYS_SET_ELSEWHERE:
             where = _OPTIMIZER_KEYS_SET_ELSEWHERE[name]
             errors.append(f"{key}.{name}: " + (f"set it as {where} (one key per setting)." if where else
                                                "the optimizer's parameters are the model's, not a setting."))
@@ -640,11 +636,17 @@ def _check_optimizer_overrides(key: str, overrides: dict, strategy: str) -> list
         return errors
     plugin = engine_plugin(strategy)
     fields, what = plugin.optimizer_fields()
-    accepted = fields - set(_OPTIMIZER_OFFLOAD_KEYS) - set(_OPTIMIZER_KEYS_SET_ELSEWHERE)
-    unknown = sorted(set(overrides) - accepted - set(_OPTIMIZER_OFFLOAD_KEYS) - set(_OPTIMIZER_KEYS_SET_ELSEWHERE))
+    accepted = fields - set(_OPTIMIZER_KEYS_SET_ELSEWHERE)
+    unknown = sorted(set(overrides) - accepted - set(_OPTIMIZER_KEYS_SET_ELSEWHERE))
+    offload = [name for name in unknown if name in _OPTIMIZER_OFFLOAD_KEYS]
+    if offload:  # megatron-core's CPU optimiser, asked of another engine
+        errors.append(f"{key}: {offload} are megatron-core's CPU optimizer (HybridDeviceOptimizer, strategy=megatron), "
+                      f"not {what} (strategy={strategy}); offload this engine's optimizer with its "
+                      "fsdp_config.optimizer_offload instead.")
+        unknown = [name for name in unknown if name not in offload]
     if unknown:
         errors.append(f"{key}: {unknown} are not {what} (strategy={strategy}); the accepted ones are {sorted(accepted)}.")
-    return errors + plugin.optimizer_problems(key, overrides)
+    return errors + plugin.optimizer_problems(key, overrides, role)
 
 
 def _check_liger(cfg: PPOConfig) -> list[str]:

@@ -147,14 +147,76 @@ def test_override_optimizer_config_reaches_adamw():
     assert plain.param_groups[0]["amsgrad"] is False
 
 
-def test_override_optimizer_config_offload_and_unknown_keys_are_errors():
+def test_override_optimizer_config_offload_on_fsdp_and_unknown_keys_are_errors():
     key = "+actor_rollout_ref.actor.optim.override_optimizer_config"
     text = _error(f"{key}.optimizer_cpu_offload=True", f"{key}.optimizer_offload_fraction=1")
-    assert "optimizer_cpu_offload=True: offloading the Megatron optimizer to the CPU is not built" in text
-    assert "optimizer_offload_fraction=1" in text and "HybridDeviceOptimizer" in text
-    assert "megatron.optimizer_offload=True keeps the optimizer's state in host memory" in text
+    assert "['optimizer_cpu_offload', 'optimizer_offload_fraction'] are megatron-core's CPU optimizer" in text
+    assert "not torch.optim.AdamW arguments (strategy=fsdp)" in text and "fsdp_config.optimizer_offload" in text
     assert "['amsgrd'] are not torch.optim.AdamW arguments" in _error(f"{key}.amsgrd=true")
     assert "set it as optim.lr" in _error(f"{key}.lr=0.1")
+
+
+# verl's Megatron example scripts (examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh and six more at
+# b178a3cd5, recipe/dapo's gpt-oss and qwen3-next at 21892b92): megatron-core's CPU optimizer, as they set it
+VERL_OPTIMIZER_OFFLOAD = ("optimizer_offload_fraction=1.", "overlap_cpu_optimizer_d2h_h2d=True",
+                          "use_precision_aware_optimizer=True", "optimizer_cpu_offload=True")
+
+
+def _megatron_error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_config(list(overrides), config_name="ppo_megatron_trainer")
+    return str(e.value)
+
+
+def test_verls_megatron_optimizer_offload_keys_validate_on_the_command_line(tmp_path):
+    """``python -m rlfoundry.trainer.main_ppo --config-name ppo_megatron_trainer ... --cfg job`` with the
+    scripts' keys on the actor (and a critic's, which takes the same), verl's ``megatron.*_offload`` on too."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from tests.trainer import _e2e as E
+
+    pytest.importorskip("megatron.core")
+    args = [f"+{role}.optim.override_optimizer_config.{k}" for role in ("actor_rollout_ref.actor", "critic")
+            for k in VERL_OPTIMIZER_OFFLOAD]
+    args += [f"actor_rollout_ref.actor.megatron.{k}_offload=True" for k in ("param", "grad", "optimizer")]
+    proc = subprocess.run([sys.executable, "-m", "rlfoundry.trainer.main_ppo", "--config-name", "ppo_megatron_trainer",
+                           "algorithm.adv_estimator=gae", "critic.model.path=Qwen/Qwen3-8B", *args, "--cfg", "job"], capture_output=True, text=True,
+                          env=E.subprocess_env(), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = OmegaConf.create(proc.stdout)
+    for role in (printed.actor_rollout_ref.actor, printed.critic):
+        assert role.strategy == "megatron"
+        assert dict(role.optim.override_optimizer_config) == {
+            "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": True,
+            "use_precision_aware_optimizer": True, "optimizer_cpu_offload": True}
+
+
+def test_megatron_optimizer_offload_combinations_megatron_core_cannot_take_are_errors_naming_the_key():
+    pytest.importorskip("megatron.core")
+    key = "actor_rollout_ref.actor.optim.override_optimizer_config"
+    verl = [f"+{key}.{k}" for k in VERL_OPTIMIZER_OFFLOAD]
+    for bad in ("1.5", "-0.1", "half"):
+        text = _megatron_error(*verl, f"{key}.optimizer_offload_fraction={bad}")
+        assert f"{key}.optimizer_offload_fraction={bad}: " in text and "a number in [0, 1]" in text
+    text = _megatron_error(*verl, f"{key}.use_precision_aware_optimizer=False")
+    assert f"{key}.optimizer_cpu_offload=True needs {key}.use_precision_aware_optimizer=True, as Megatron-LM" in text
+    text = _megatron_error(*verl, "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False")
+    assert "use_precision_aware_optimizer=true needs actor_rollout_ref.actor.megatron.use_distributed_optimizer=True" in text
+    text = _megatron_error(*verl, "actor_rollout_ref.actor.megatron.dtype=float32")
+    assert "optimizer_cpu_offload=True with actor_rollout_ref.actor.megatron.dtype=float32" in text
+    assert "torch.optim refuses them" in text
+    text = _megatron_error(*verl, f"+{key}.decoupled_weight_decay=False")
+    assert f"{key}.decoupled_weight_decay=False with optimizer_cpu_offload=True" in text
+    critic = [f"+critic.optim.override_optimizer_config.{k}" for k in VERL_OPTIMIZER_OFFLOAD]
+    text = _megatron_error("algorithm.adv_estimator=gae", *critic, "critic.optim.override_optimizer_config."
+                           "optimizer_offload_fraction=2")
+    assert "critic.optim.override_optimizer_config.optimizer_offload_fraction=2: " in text
+    # another optimizer than Adam (megatron-core's CPU optimizer has an SGD too): only AdamW is built here
+    assert "only AdamW" in _megatron_error(*verl, "actor_rollout_ref.actor.optim.optimizer=SGD")
 
 
 def test_megatron_overrides_are_optimizer_config_fields():
@@ -167,6 +229,9 @@ def test_megatron_overrides_are_optimizer_config_fields():
     assert any("['nope'] are not megatron-core OptimizerConfig fields" in e for e in errors)
     if __import__("importlib").util.find_spec("transformer_engine") is None:
         assert any("use_precision_aware_optimizer=true needs TransformerEngine" in e for e in errors)
+        # megatron-core's CPU optimizer takes its place and needs none
+        assert _check_optimizer_overrides(key, {"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True},
+                                          "megatron") == []
 
 
 # ───────────────────────────── profiler keys ─────────────────────────────

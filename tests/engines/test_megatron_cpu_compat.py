@@ -53,6 +53,19 @@ def test_the_calls_the_shims_stand_in_for_still_name_cuda():
     assert "torch.cuda.stream(" in dtoh and "as_numpy=True" in dtoh
     # the router reads te_general_gemm, which moe_utils binds only when TransformerEngine imports
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    # the CPU optimiser: CUDA streams when built and at each step; the split by is_cuda, copies pinned
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    init = inspect.getsource(HybridDeviceOptimizer._init_sub_optimizers)
+    assert "torch.cuda.current_stream()" in init and "torch.cuda.Stream()" in init
+    assert "torch.cuda.stream(" in inspect.getsource(HybridDeviceOptimizer.step)
+    split = inspect.getsource(inspect.unwrap(HybridDeviceOptimizer._get_sub_optimizer_param_groups))
+    assert "param.is_cuda" in split and ".cpu().pin_memory()" in split and ".float()" in split
+    # OptimizerConfig asks TransformerEngine's version (None without it) before its CPU-offload early return
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+    post_init = inspect.getsource(OptimizerConfig.__post_init__)
+    assert post_init.index('is_te_min_version("2.1.0")') < post_init.index("if self.optimizer_cpu_offload:")
 
 
 def test_tensor_cuda_keeps_a_cpu_tensor_in_place_only_while_the_wrapped_call_runs():
@@ -62,6 +75,14 @@ def test_tensor_cuda_keeps_a_cpu_tensor_in_place_only_while_the_wrapped_call_run
     t = torch.ones(2)
     assert _with_cuda_as_cpu(lambda x: x.cuda())(t) is t
     assert torch.Tensor.cuda is original
+
+
+def _runs_ok_in_a_fresh_cpu_process(code: str) -> None:
+    """``code`` in its own interpreter (the shims patch process-wide state), ending with ``print('ok')``."""
+    if torch.cuda.is_available():
+        pytest.skip("the shims apply only without CUDA")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 def test_install_redirects_cuda_placements_to_the_cpu():
@@ -77,10 +98,41 @@ def test_install_redirects_cuda_placements_to_the_cpu():
         "torch.cuda.synchronize()\n"
         "print('ok')\n"
     )
-    if torch.cuda.is_available():
-        pytest.skip("the shims apply only without CUDA")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    _runs_ok_in_a_fresh_cpu_process(code)
+
+
+def test_the_hybrid_optimizer_splits_and_steps_as_on_a_gpu():
+    """megatron-core's HybridDeviceOptimizer on the CPU, as megatron-core builds it for Adam: at fraction
+    0.5 the first parameters (by elements) get host copies stepped by per-parameter host AdamWs, the
+    rest (fp32 copies of the bf16 parameters) the "device" AdamW; a step writes the same bf16 weights as
+    torch's fused AdamW over fp32 copies; torch's own tensor methods are back afterwards."""
+    code = (
+        "import torch\n"
+        "from rlfoundry.engines.megatron import cpu_compat\n"
+        "assert cpu_compat.install()\n"
+        "from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer\n"
+        "own = {n: torch.Tensor.__dict__.get(n) for n in ('is_cuda', 'pin_memory', 'cpu', 'clone', 'float', 'detach')}\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "params = [torch.nn.Parameter(torch.randn(n, generator=g).bfloat16()) for n in (8, 8, 4, 12)]\n"
+        "kw = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8, bias_correction=True, fused=True)\n"
+        "hdo = HybridDeviceOptimizer([{'params': params}], offload_fraction=0.5, cpu_optimizer_cls=torch.optim.AdamW,\n"
+        "    gpu_optimizer_cls=torch.optim.AdamW, overlap_cpu_optimizer_d2h_h2d=True, param_update_in_fp32=True, **kw)\n"
+        "assert {n: torch.Tensor.__dict__.get(n) for n in own} == own and not params[0].is_cuda\n"
+        "assert list(hdo.gpu_params_map_cpu_copy) == params[:2] and len(hdo.cpu_optimizers) == 2\n"
+        "assert [p.dtype for o in hdo.sub_optimizers for gr in o.param_groups for p in gr['params']] == [torch.float32] * 4\n"
+        "assert hdo.gpu_optimizer.param_groups[0]['params'] == [hdo.param_to_fp32_param[p] for p in params[2:]]\n"
+        "masters = [torch.nn.Parameter(p.detach().float()) for p in params]\n"
+        "plain = torch.optim.AdamW(masters, **{k: v for k, v in kw.items() if k != 'bias_correction'})\n"
+        "for step in range(3):\n"
+        "    for p, m in zip(params, masters):\n"
+        "        grad = torch.randn(p.shape, generator=g)\n"
+        "        p.grad, m.grad = grad.bfloat16(), grad.bfloat16().float()\n"
+        "    hdo.step(); plain.step()\n"
+        "assert all(torch.equal(p, m.bfloat16()) for p, m in zip(params, masters))\n"
+        "assert all(torch.equal(hdo.state[p]['exp_avg'], plain.state[m]['exp_avg']) for p, m in zip(params, masters))\n"
+        "print('ok')\n"
+    )
+    _runs_ok_in_a_fresh_cpu_process(code)
 
 
 def _draws(rank: int):

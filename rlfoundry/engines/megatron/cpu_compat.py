@@ -36,14 +36,31 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
   only does the numpy conversion of the split sizes (``_dispatcher_splits_on_host``).
 - Without TransformerEngine (CPU or GPU), megatron-core's MoE router reads ``moe_utils.te_general_gemm``,
   a name it binds only when TransformerEngine imports: :func:`define_missing_te_names` binds it to
-  None, which is megatron-core's own "no TE GEMM" value (the router's torch path then runs).
+  None, which is megatron-core's own "no TE GEMM" value (the router's torch path then runs). It also
+  answers ``OptimizerConfig``'s ``is_te_min_version`` with False (``_no_te_version``): megatron-core's
+  compares the missing version (None) with one and raises, which made
+  ``use_precision_aware_optimizer`` with ``optimizer_cpu_offload`` unbuildable without TransformerEngine.
 - The model-parallel RNG tracker (``tensor_parallel/random.py``) keeps one generator state per
   parallel group and swaps it in and out of the CUDA generator; here it swaps the CPU generator's
   (:func:`seed_model_parallel` replaces ``model_parallel_cuda_manual_seed``, which seeds CUDA).
+- ``HybridDeviceOptimizer`` (``optimizer_cpu_offload``: Adam on the host for a fraction of the
+  state, ``cpu_offloading/hybrid_optimizer.py``) takes its CUDA streams and events from
+  ``torch.cuda`` when built and at each step, and picks what to move to the host by
+  ``param.is_cuda``, copying each picked parameter with ``.cpu().pin_memory()``. Its module gets the
+  CPU ``torch`` above whose ``cuda`` hands out host streams (``_HostStream``: the copies are
+  synchronous, so waiting, recording and synchronising have nothing to do), and while
+  ``_get_sub_optimizer_param_groups`` runs, tensors read ``is_cuda`` as they would on a GPU: the
+  parameters it was built over (the "device" ones: on the CPU they are in host memory too) and their
+  fp32 copies True, what ``.cpu()`` returned (and copies of it) False, and ``pin_memory()`` of a CPU
+  tensor is the tensor itself (``_device_params_read_as_cuda``). Everything else is megatron-core's own: the split by
+  ``optimizer_offload_fraction``, the host copies of the parameters and their gradients, the
+  sub-optimisers, the copy back after each host step and the state dict (the bytes move between two
+  buffers in host memory instead of between the GPU and the host).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import types
@@ -102,6 +119,7 @@ def install() -> bool:
         module = importlib.import_module(name)
         module.get_pos_emb_on_this_cp_rank = _with_cuda_as_cpu(module.get_pos_emb_on_this_cp_rank)
     _install_moe_dispatcher()
+    _install_hybrid_optimizer(cpu_torch)
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     _installed = True
@@ -109,11 +127,25 @@ def install() -> bool:
 
 
 def define_missing_te_names() -> None:
-    """``moe_utils.te_general_gemm = None`` where TransformerEngine did not define it (any device)."""
+    """Without TransformerEngine (any device): ``moe_utils.te_general_gemm = None`` where it was not
+    defined, and ``OptimizerConfig``'s TransformerEngine version check reads "not at least" (False)."""
+    from megatron.core.optimizer import optimizer_config
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.utils import get_te_version
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if get_te_version() is None:
+        optimizer_config.is_te_min_version = _no_te_version
+
+
+def _no_te_version(version: str, check_equality: bool = True) -> bool:
+    """``is_te_min_version`` where TransformerEngine is not installed: no version is "at least" one.
+    ``OptimizerConfig.__post_init__`` with ``use_precision_aware_optimizer`` asks it (to turn
+    ``store_param_remainders``, a TransformerEngine FusedAdam option, off below TE 2.1) before it
+    returns early for ``optimizer_cpu_offload``, whose HybridDeviceOptimizer needs no TransformerEngine;
+    megatron-core's own compares None with a version and raises TypeError."""
+    return False
 
 
 def _install_moe_dispatcher() -> None:
@@ -122,6 +154,91 @@ def _install_moe_dispatcher() -> None:
     # not None: its __init__ then skips torch.cuda.Stream(); nothing on the CPU reads the stream
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dispatcher_splits_on_host
+
+
+def _install_hybrid_optimizer(cpu_torch: types.ModuleType) -> None:
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    host_torch = types.ModuleType("torch")
+    host_torch.__dict__.update(vars(cpu_torch))
+    host_torch.cuda = _HOST_CUDA
+    hybrid_optimizer.torch = host_torch
+    cls = hybrid_optimizer.HybridDeviceOptimizer
+    cls._get_sub_optimizer_param_groups = _device_params_read_as_cuda(cls._get_sub_optimizer_param_groups)
+
+
+class _HostEvent:
+    """A CUDA event's stand-in: the copies it would mark are done when it is recorded."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+
+class _HostStream:
+    """A CUDA stream's stand-in for ``HybridDeviceOptimizer``: host copies are synchronous."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+
+_HOST_CUDA = types.SimpleNamespace(current_stream=lambda device=None: _HostStream(), Stream=lambda *a, **k: _HostStream(),
+                                   stream=lambda stream=None: contextlib.nullcontext())
+
+
+def _device_params_read_as_cuda(split: Callable) -> Callable:
+    """``HybridDeviceOptimizer._get_sub_optimizer_param_groups`` with CUDA's placement semantics, while
+    it runs: a tensor is "on the device" (``is_cuda`` True) unless it came from ``.cpu()`` (called on a
+    fresh clone: a new tensor, as on a GPU), ``pin_memory()`` of a CPU tensor is the tensor itself, and
+    ``detach`` / ``clone`` / ``float`` keep their source's side (the fp32 copy of a bf16 parameter stays
+    where the parameter is). The method reads ``is_cuda`` of its parameters and of those copies only, so
+    the parameters it picks by ``optimizer_offload_fraction`` get host copies and the others stay with
+    the "device" sub-optimiser, as on a GPU; afterwards torch's own methods are back."""
+    @functools.wraps(split)
+    def call(self: Any, *args: Any, **kwargs: Any):
+        host: dict[int, torch.Tensor] = {}  # by identity; held, so that no identity is reused meanwhile
+        own = {name: getattr(torch.Tensor, name) for name in ("detach", "clone", "float", "cpu")}
+
+        def same_side(name: str) -> Callable:
+            def method(t: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+                out = own[name](t, *a, **k)
+                if id(t) in host:
+                    host[id(out)] = out
+                return out
+            return method
+
+        def to_host(t: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            out = own["cpu"](t, *a, **k)
+            host[id(out)] = out
+            return out
+
+        with _tensor_attributes(is_cuda=property(lambda t: id(t) not in host), cpu=to_host,
+                                pin_memory=lambda t, *a, **k: t,
+                                **{name: same_side(name) for name in ("detach", "clone", "float")}):
+            return split(self, *args, **kwargs)
+    return call
+
+
+@contextlib.contextmanager
+def _tensor_attributes(**replacements: Any) -> Any:
+    """``torch.Tensor``'s attributes replaced for the duration; then torch's own again (deleted where
+    ``torch.Tensor`` had none of its own: its base class's)."""
+    saved = {name: torch.Tensor.__dict__.get(name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(torch.Tensor, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, value)
 
 
 _SPLITS = ("input_splits", "output_splits", "output_splits_tp")

@@ -207,8 +207,8 @@ class MegatronEngine(TrainingEngine):
             use_distributed_optimizer=m.use_distributed_optimizer,
             bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, params_dtype=dtype,
             # verl's optim.override_optimizer_config: more OptimizerConfig fields, checked at start-up
-            # (trainer/config.py _check_optimizer_overrides: not megatron-core's CPU optimiser, none that an
-            # rlfoundry key sets; megatron.optimizer_offload is this engine's offload, offload.py)
+            # (trainer/config.py _check_optimizer_overrides: none that an rlfoundry key sets; plugin.py: the
+            # CPU optimiser's, optimizer_cpu_offload -> megatron-core's HybridDeviceOptimizer, as verl sets them)
             **dict(o.override_optimizer_config or {}),
         )
         # config_overrides={}: one parameter group, weight decay on every parameter as in the FSDP
@@ -514,9 +514,18 @@ class MegatronEngine(TrainingEngine):
     def _init_optimizer_state(self) -> None:
         """Adam's moments and step count for parameters that have none yet (a fresh optimiser about
         to load a checkpoint): the distributed optimiser's state dict needs a step on every
-        parameter when neither apex nor TransformerEngine is installed; the loaded values replace these."""
+        parameter when neither apex nor TransformerEngine is installed; the loaded values replace these.
+        megatron-core's HybridDeviceOptimizer (``optimizer_cpu_offload``) keeps its state in its
+        sub-optimisers (and its fp32 master copies beside Adam's moments): it initialises them with its own
+        ``dummy_step`` (a step on random gradients, what megatron-core's load calls once the state dict is
+        made, too late without apex/TransformerEngine); the load then replaces the model's weights, the
+        master copies, the moments and the step count it changed (and the RNG it drew from)."""
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = part.optimizer
+            if off.is_hybrid(inner):
+                if not inner.state:
+                    inner.dummy_step()
+                continue
             for group in inner.param_groups:
                 for param in group["params"]:
                     if not inner.state[param]:

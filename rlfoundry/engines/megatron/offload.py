@@ -20,7 +20,9 @@ What each part is (the storages, each once):
 - ``optimizer``: what the torch optimiser inside megatron-core's steps (its parameters: the fp32 main
   copies of bf16/fp16 weights; of fp32 weights without the distributed optimiser, the weights
   themselves, which are the ``params`` part and left to it) and its state (Adam's moments; the 0-d step
-  counts stay).
+  counts stay). With megatron-core's CPU optimiser (``optimizer_cpu_offload``: HybridDeviceOptimizer),
+  its device sub-optimiser's only (the parameters ``optimizer_offload_fraction`` left on the device):
+  the host side is host memory already, as on the CPU, where the same split is kept.
 
 The mechanism is the same on every device: on a CPU-only run the "device" storage is host memory,
 released and restored the same way (what the CPU tests observe), and only the gradients' release
@@ -82,10 +84,22 @@ def grad_tensors(chunks: list[nn.Module]) -> list[torch.Tensor]:
     return [b.grad_data for chunk in chunks for b in _ddp_buffers(chunk) if b.grad_data is not None]
 
 
+def is_hybrid(optimizer: Any) -> bool:
+    """Whether a torch optimiser is megatron-core's HybridDeviceOptimizer (``optimizer_cpu_offload``)."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    return isinstance(optimizer, HybridDeviceOptimizer)
+
+
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimisers megatron-core's (possibly chained) optimiser steps with."""
+    """The torch optimisers megatron-core's (possibly chained) optimiser steps with on the device: of a
+    HybridDeviceOptimizer (``optimizer_cpu_offload``), its device sub-optimiser (none when
+    ``optimizer_offload_fraction`` is 1): its host side (the offloaded parameters' copies, their
+    moments and gradients) is in host memory already and is not this module's to move."""
     parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
+    inner = [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
+    on_device = [o.gpu_optimizer if is_hybrid(o) else o for o in inner]
+    return [o for o in on_device if o is not None]
 
 
 def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:

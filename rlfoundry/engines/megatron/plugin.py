@@ -52,11 +52,11 @@ class MegatronPlugin(EnginePlugin):
 
         return {f.name for f in dataclasses.fields(OptimizerConfig)}, what
 
-    def optimizer_problems(self, key: str, overrides: dict) -> list[str]:
-        if overrides.get("use_precision_aware_optimizer") and importlib.util.find_spec("transformer_engine") is None:
-            return [f"{key}.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam "
-                    "(pip install transformer_engine[pytorch], CUDA); remove it, or install it."]
-        return []
+    def optimizer_problems(self, key: str, overrides: dict, role: Any = None) -> list[str]:
+        """megatron-core's precision-aware optimiser and its CPU optimiser (``optimizer_cpu_offload``:
+        HybridDeviceOptimizer, built on any device: cpu_compat.py), as megatron-core and Megatron-LM
+        accept them, and what megatron-core 0.16 cannot build or load back here."""
+        return _optimizer_offload_problems(key, overrides, role)
 
     def sequence_split(self, role: Any) -> tuple[int, str]:
         return int(role.megatron.context_parallel_size), "megatron.context_parallel_size"  # CP splits sequences
@@ -93,6 +93,40 @@ class MegatronPlugin(EnginePlugin):
             errors += check_fused_kernels(pick(cfg, "actor_rollout_ref.model.fused_kernel_options", None),
                                           "actor_rollout_ref.model")
         return errors
+
+
+def _optimizer_offload_problems(key: str, overrides: dict, role: Any = None) -> list[str]:
+    """``override_optimizer_config``'s precision-aware and CPU-offload keys (``key``: its own key; ``role``:
+    the role's subtree, for its ``megatron`` keys)."""
+    errors = []
+    owner = key.rsplit(".optim.", 1)[0]  # the role's key: actor_rollout_ref.actor, critic
+    offload, aware = bool(overrides.get("optimizer_cpu_offload")), bool(overrides.get("use_precision_aware_optimizer"))
+    fraction = overrides.get("optimizer_offload_fraction")
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1):
+        errors.append(f"{key}.optimizer_offload_fraction={fraction}: the share of the optimizer's parameters whose Adam "
+                      "step megatron-core's HybridDeviceOptimizer runs on the host, a number in [0, 1].")
+    if aware and not offload and importlib.util.find_spec("transformer_engine") is None:
+        errors.append(f"{key}.use_precision_aware_optimizer=true needs TransformerEngine's FusedAdam "
+                      "(pip install transformer_engine[pytorch], CUDA); remove it, or install it (with "
+                      "optimizer_cpu_offload=True megatron-core's HybridDeviceOptimizer takes its place and needs none).")
+    megatron = getattr(role, "megatron", None)
+    if aware and megatron is not None and not megatron.use_distributed_optimizer:
+        errors.append(f"{key}.use_precision_aware_optimizer=true needs {owner}.megatron.use_distributed_optimizer=True "
+                      "(megatron-core builds it inside its distributed optimizer only).")
+    if not offload:
+        return errors
+    if not aware:
+        errors.append(f"{key}.optimizer_cpu_offload=True needs {key}.use_precision_aware_optimizer=True, as Megatron-LM "
+                      "requires (its HybridDeviceOptimizer keeps the fp32 master weights on that path; without it "
+                      "megatron-core 0.16 cannot load the optimizer back from a checkpoint); set both, as verl's scripts do.")
+    if overrides.get("decoupled_weight_decay") is False:
+        errors.append(f"{key}.decoupled_weight_decay=False with optimizer_cpu_offload=True: megatron-core's CPU optimizer "
+                      "is AdamW (decoupled weight decay) only; remove decoupled_weight_decay.")
+    if megatron is not None and str(megatron.dtype) in ("float32", "fp32"):
+        errors.append(f"{key}.optimizer_cpu_offload=True with {owner}.megatron.dtype={megatron.dtype}: megatron-core builds "
+                      "its HybridDeviceOptimizer over the distributed optimizer's shards of the weights, which for fp32 "
+                      "weights are views, not leaves, and torch.optim refuses them; train in bfloat16, or drop the offload.")
+    return errors
 
 
 def _check_lora(cfg: Any, roles: list[str]) -> list[str]:
