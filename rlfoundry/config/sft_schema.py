@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
-from rlfoundry.config.schema import MegatronConfig
+from rlfoundry.config.schema import MegatronConfig, MtpConfig
 
 __all__ = ["SFTConfig", "choice_errors"]
 
@@ -121,6 +121,7 @@ class SFTModelConfig:
     # rlfoundry: the CPU speed-ups (rlfoundry/cpu); auto: on when training on the CPU
     cpu_kernels: str = _choice("auto", "off")
     fsdp_config: SFTFSDPConfig = _sub(SFTFSDPConfig)
+    mtp: MtpConfig = _sub(MtpConfig)  # verl's multi-token prediction: not built (any switch on is a start-up error)
 
 
 @dataclass

@@ -205,6 +205,10 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if cfg.model.partial_pretrain is None:
         errors.append("model.partial_pretrain is required: a local Hugging Face model directory "
                       "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
+    mtp_on = [k for k in ("enable", "enable_train", "enable_rollout") if cfg.model.mtp[k]]
+    if mtp_on:
+        errors.append(f"model.mtp.{mtp_on[0]}=true: multi-token prediction (verl's MTP layers trained beside the model) "
+                      "is not built in rlfoundry; set model.mtp.enable=false.")
     if cfg.model.lora_rank and importlib.util.find_spec("peft") is None:
         from rlfoundry.models.lora import PEFT_INSTALL
 
