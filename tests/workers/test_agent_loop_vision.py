@@ -144,14 +144,16 @@ def test_a_tool_call_then_an_answer_on_image_rows_trains(setup):
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())
 
 
-def test_a_loop_that_does_not_take_images_refuses_image_rows(setup):
+def test_a_loop_that_does_not_take_images_refuses_image_rows(setup, monkeypatch):
     engine, tokenizer, prompts, rollout, _ = setup
-    from rlfoundry.workers.rollout.agent_loop import AgentLoopBase, register
+    from rlfoundry.workers.rollout.agent_loop import AgentLoopBase, base
 
-    @register("text_only_test_agent")
     class TextOnly(AgentLoopBase):
         async def run(self, sampling_params, **row):
             raise AssertionError("not reached")
+
+    # registered for this test only: the registry is process-wide, and other tests list what it holds
+    monkeypatch.setitem(base._REGISTRY, "text_only_test_agent", TextOnly)
 
     loop = _agent_loop(rollout(4), tokenizer, 4)
     names = np.array(["text_only_test_agent"] * 4, dtype=object)
