@@ -43,7 +43,7 @@ def test_the_schema_is_the_only_source_of_defaults():
     # defaults, except the tokenizer paths, which alone are null: the model's own tokenizer
     linked = OmegaConf.to_container(_load(), resolve=True)
     links = {k for k, info in schema_keys().items() if info.follows}
-    assert len(links) == 24
+    assert len(links) == 25  # the 25th: ref.pad_to_length follows the actor's (verl's veomni_ref.yaml)
     differ = {k for k in links if OmegaConf.select(OmegaConf.create(plain), k) != OmegaConf.select(OmegaConf.create(linked), k)}
     assert differ == {"critic.model.tokenizer_path", "reward_model.model.input_tokenizer"}
     assert all(info.follows in schema_keys() for info in schema_keys().values() if info.follows)
@@ -67,8 +67,12 @@ def test_choice_lists_are_those_the_code_implements():
     assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm", "sglang"}  # every engine with an adapter
     choices = {k: info.choices for k, info in schema_keys().items() if info.choices}
     assert choices["critic.optim.warmup_style"] == ("constant", "cosine")
-    # megatron: engines/megatron (the critic's value head on the last pipeline stage)
-    assert choices["actor_rollout_ref.ref.strategy"] == choices["critic.strategy"] == ("fsdp", "fsdp2", "megatron")
+    # megatron: engines/megatron (the critic's value head on the last pipeline stage); veomni: verl's VeOmni
+    # engine, which the config layer turns into the FSDP engine key by key (config/veomni.py)
+    assert choices["actor_rollout_ref.ref.strategy"] == choices["critic.strategy"] == ("fsdp", "fsdp2", "megatron",
+                                                                                      "veomni")
+    from rlfoundry.config.training_engines import TRAINING_ENGINES
+    assert "veomni" not in TRAINING_ENGINES  # no engine of that name: the strategy never reaches the workers
 
 
 def test_defaults_are_the_demo_run():
