@@ -500,8 +500,8 @@ def _check_unsupported(cfg: PPOConfig) -> list[str]:
 
 
 def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
-    """verl features with keys here but no implementation: multi-token prediction, Megatron-FSDP, a
-    quantised rollout."""
+    """verl features with keys here but no implementation: multi-token prediction, a quantised rollout, an
+    attention kernel other than SDPA (Megatron-FSDP: the Megatron plug-in's check)."""
     arr, errors = cfg.actor_rollout_ref, []
     for name in ("quantization", "quantization_config_file"):
         if getattr(arr.rollout, name) is not None:
@@ -523,12 +523,6 @@ def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
     if cfg.critic.megatron.router_replay.mode != "disabled":
         errors.append(f"critic.megatron.router_replay.mode={cfg.critic.megatron.router_replay.mode}: routing replay is "
                       "the actor's (actor_rollout_ref.actor.router_replay.mode); the critic routes by its own router.")
-    roles = [("actor_rollout_ref.actor", arr.actor), ("actor_rollout_ref.ref", arr.ref), ("critic", cfg.critic)]
-    for key, role in roles:
-        if role.strategy == "megatron" and role.megatron.use_megatron_fsdp:
-            errors.append(f"{key}.megatron.use_megatron_fsdp=true: Megatron-FSDP (parameters sharded over the data-"
-                          "parallel ranks) is not built; the Megatron engine here shards the optimizer state "
-                          f"(megatron.use_distributed_optimizer). Set {key}.megatron.use_megatron_fsdp=false.")
     return errors
 
 

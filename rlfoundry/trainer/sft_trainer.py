@@ -277,10 +277,6 @@ def _megatron_errors(cfg: DictConfig, world_size: int) -> list[str]:
                                      "ulysses_sequence_parallel_size": cfg.ulysses_sequence_parallel_size,
                                      "checkpoint": contents}})
     errors = [p.replace("sft.megatron", "engine").replace("sft.", "") for p in PLUGIN.check(view, ["sft"], world_size)]
-    if e.use_megatron_fsdp:
-        errors.append("engine.use_megatron_fsdp=true: Megatron-FSDP (parameters sharded over the data-parallel ranks) "
-                      "is not built; the Megatron engine here shards the optimizer state "
-                      "(engine.use_distributed_optimizer). Set engine.use_megatron_fsdp=false.")
     if e.router_replay.mode != "disabled":
         errors.append(f"engine.router_replay.mode={e.router_replay.mode}: routing replay replays a rollout's experts; "
                       "SFT has no rollout (the model routes by its own router). Set it to disabled.")

@@ -176,6 +176,10 @@ def _check_role(key: str, m: Any, world_size: int, model_path: Any = None) -> li
     if not m.use_mbridge:
         errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
                       "set it to True (the default).")
+    if getattr(m, "use_megatron_fsdp", False):
+        errors.append(f"{key}.megatron.use_megatron_fsdp=true: Megatron-FSDP (parameters sharded over the data-parallel "
+                      f"ranks) is not built; the Megatron engine here shards the optimizer state "
+                      f"({key}.megatron.use_distributed_optimizer). Set {key}.megatron.use_megatron_fsdp=false.")
     errors += _check_dist_checkpoint(key, m)
     return errors + _check_experts(key, m, world_size, model_path)
 
