@@ -152,3 +152,54 @@ def test_replay_at_ep2_and_pp2_equals_fsdp(tiny_moe_dir, tmp_path, fsdp, ep, pp)
     results = run_ranks(_megatron, 2, tmp_path, ep=ep, pp=pp, args=(str(tiny_moe_dir), fsdp["moved"], ep, pp))
     assert [r["dp"] for r in results] == [ep, ep]
     _check_equals_fsdp(results, fsdp)
+
+
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+SELECTIVE = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}  # the whole MoE layer
+
+
+def _update(rank: int, model_dir: str, moved: torch.Tensor, replay: bool, recompute: dict, pp: int):
+    """One update of the Megatron engine on the moved routing (replayed or not), with or without full
+    activation recompute: the grad norm and the weights after the step, by name."""
+    from megatron.core import parallel_state as ps
+
+    from rlfoundry.config.schema import MegatronConfig, OptimConfig
+    from rlfoundry.engines.base import LogProbs, LossOutput, MicroBatching, UpdatePlan
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+
+    megatron = MegatronConfig(pipeline_model_parallel_size=pp, dtype="float32",
+                              override_transformer_config=recompute)
+    engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, OptimConfig(lr=1e-2, weight_decay=0.0), None), "cpu")
+    batch = _batch(moved)
+    batch.batch["response_mask"] = batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1]:]
+    keys = [*KEYS, "response_mask", *(["routed_experts"] if replay else [])]
+
+    def loss(outputs, micro, info):
+        return LossOutput(-(outputs["log_probs"] * micro["response_mask"]).sum() / info["batch_num_tokens"], {}, {})
+
+    metrics = engine.train_batch(batch.select(batch_keys=keys), LogProbs(), loss,
+                                 UpdatePlan(mini_batch_size=8, micro=MicroBatching(size=MICRO)))
+    left = sum(len(r.recompute) for _, r in engine._routing.layers)
+    weights = {f"{ps.get_pipeline_model_parallel_rank()}.{n}": p.detach().clone()
+               for n, p in engine.chunks[0].named_parameters()}
+    return {"grad_norm": metrics["actor/grad_norm"][0], "weights": weights, "left": left}
+
+
+@pytest.mark.parametrize("pp, recompute", [(1, [FULL, SELECTIVE]), (2, [FULL])], ids=["pp1", "pp2"])
+def test_replay_under_recompute_equals_no_recompute(tiny_moe_dir, tmp_path, fsdp, pp, recompute):
+    """Activation recompute (full, or selective over the MoE layer) runs each MoE layer again in the backward,
+    after the micro-batch's forward (and its replay) has ended: the recomputed routers route as the forward
+    did, so the update equals the one without recompute; the replay moves the update (without it the test
+    could not tell)."""
+    def run(replay, overrides, name):
+        return run_ranks(_update, pp, tmp_path / name, pp=pp,
+                         args=(str(tiny_moe_dir), fsdp["moved"], replay, overrides, pp))
+
+    plain, own = run(True, {}, "plain"), run(False, {}, "own")
+    for i, overrides in enumerate(recompute):
+        for a, b, c in zip(plain, run(True, overrides, f"recompute{i}"), own):
+            assert b["left"] == 0  # every recorded routing was taken by its backward
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"], (overrides, a["grad_norm"], b["grad_norm"])
+            assert abs(a["grad_norm"] - c["grad_norm"]) > 1e-4 * a["grad_norm"], (a["grad_norm"], c["grad_norm"])
+            for name, w in a["weights"].items():
+                torch.testing.assert_close(b["weights"][name], w, atol=1e-6, rtol=0, msg=name)

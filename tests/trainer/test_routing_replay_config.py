@@ -46,7 +46,6 @@ def test_r3_on_the_megatron_engine_loads():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("recompute_granularity=full", r"recompute_granularity='full' with routing replay: the recomputed MoE layers"),
     ("moe_router_fusion=true", r"moe_router_fusion=true with routing replay: TransformerEngine's fused top-k"),
     ("moe_enable_routing_replay=false", r"moe_enable_routing_replay=false with routing replay"),
     ("moe_router_load_balancing_type=sinkhorn", r"'sinkhorn' with routing replay: sinkhorn routing bypasses"),
@@ -55,6 +54,14 @@ def test_what_megatron_replay_cannot_run_with_is_a_start_up_error(override, mess
     key = "+actor_rollout_ref.actor.megatron.override_transformer_config."
     with pytest.raises(ConfigError, match=message):
         _load(f"{MODE}=R2", key + override, config_name="ppo_megatron_trainer")
+
+
+def test_replay_under_megatron_recompute_loads():
+    # the recomputed layers route as their forward did (routing.py; test_megatron_routing_replay.py)
+    key = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+    cfg = _load(f"{MODE}=R3", RECORD, key + "recompute_granularity=full", key + "recompute_method=uniform",
+                key + "recompute_num_layers=1", config_name="ppo_megatron_trainer")
+    assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config["recompute_granularity"] == "full"
 
 
 def test_r2_turns_the_automatic_reuse_of_rollout_log_probs_off():

@@ -328,6 +328,7 @@ class MegatronEngine(TrainingEngine):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss, around=around)
+        self._routing.check_recomputed()
         metrics = mb.from_last_stage(stats.reduce(self.dp_size, self.dp_group) if self._last_stage() else None)
         metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
         return metrics

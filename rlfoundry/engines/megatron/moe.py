@@ -106,15 +106,10 @@ def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None
 
 def replay_problems(key: str, megatron: Any) -> list[str]:
     """What in a policy's ``megatron`` subtree (``key``) routing replay (``actor.router_replay.mode`` R2 / R3,
-    routing.py) cannot run with: a path that routes without megatron-core's RouterReplay, or recomputes a
-    layer in the backward after the micro-batch's replay has ended."""
+    routing.py) cannot run with: a path that routes without megatron-core's RouterReplay."""
     overrides = dict(megatron.override_transformer_config or {})
     where, fix = f"{key}.override_transformer_config", "remove it, or set actor_rollout_ref.actor.router_replay.mode=disabled"
     errors = []
-    if overrides.get("recompute_granularity"):
-        errors.append(f"{where}.recompute_granularity={overrides['recompute_granularity']!r} with routing replay: the "
-                      "recomputed MoE layers would route without the replayed experts (megatron-core's backward "
-                      f"replay is not wired in this engine); {fix}.")
     if overrides.get("moe_router_fusion"):
         errors.append(f"{where}.moe_router_fusion=true with routing replay: TransformerEngine's fused top-k bypasses "
                       f"megatron-core's RouterReplay; {fix}.")

@@ -22,6 +22,7 @@ pipeline group.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,8 +42,10 @@ FLAG = "moe_enable_routing_replay"  # megatron-core's TransformerConfig field
 
 
 class _LayerReplay(RouterReplay):
-    """One router's replay: megatron-core's, with ``NO_EXPERT`` keeping the router's own choice and, without a
-    gradient, ``changed`` (N,): the tokens with a record whose own top-k set is another (OR over the calls)."""
+    """One router's replay: megatron-core's, with ``NO_EXPERT`` keeping the router's own choice; without a
+    gradient outside an update, ``changed`` (N,): the tokens with a record whose own top-k set is another (OR
+    over the calls); in an update, ``recompute``: what each activation-checkpointed call routed to, for the
+    backward's second run of the layer."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,8 +53,16 @@ class _LayerReplay(RouterReplay):
         # (a process holds several models: actor, reference, a test's engines)
         RouterReplay.global_router_replay_instances.remove(self)
         self.changed: torch.Tensor | None = None
+        self.training = False  # set per micro-batch: the call belongs to an update's forward
+        self.recompute: deque[torch.Tensor] = deque()
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if self.router_replay_action is None and self.recompute and torch.is_grad_enabled():
+            # the backward's run of a recomputed layer (after the micro-batch's forward has ended): the experts
+            # its forward used. Backwards run in the order of their forwards on a stage (1F1B and the
+            # interleaved schedule alike; each virtual chunk has its own routers), hence first in, first out.
+            chosen = self.recompute.popleft().to(scores.device)
+            return scores.gather(1, chosen), chosen
         if self.router_replay_action is not RouterReplayAction.REPLAY_FORWARD:
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         given = self.target_topk_idx.to(device=scores.device, dtype=torch.long)
@@ -60,7 +71,11 @@ class _LayerReplay(RouterReplay):
                              f"call of {scores.shape[0]} tokens with top-{topk} (the batch was laid out differently)")
         _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         chosen = torch.where(given >= 0, given, own)
-        if not torch.is_grad_enabled():
+        if self.training and not torch.is_grad_enabled():
+            # an update's forward without a gradient is megatron-core's checkpointed forward (full or selective
+            # recompute): the backward runs this layer again, and must route as this call did
+            self.recompute.append(chosen)
+        elif not torch.is_grad_enabled():
             differs = (own.sort(-1).values != given.sort(-1).values).any(-1) & (given >= 0).all(-1)
             self.changed = differs if self.changed is None else self.changed | differs
         return scores.gather(1, chosen), chosen
@@ -125,7 +140,9 @@ class MegatronRouting:
                                  f"{self.num_layers} MoE layers with top-{self.top_k}: the batch was recorded on another "
                                  "model (check actor_rollout_ref.model.path and the rollout's model)")
             tokens = self.local(routed)
+        training = torch.is_grad_enabled()
         for layer, replay in self.layers:
+            replay.training = training
             if routed is not None:
                 replay.set_target_indices(tokens[:, layer])
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD if routed is not None
@@ -149,10 +166,22 @@ class MegatronRouting:
                 seen["changed"] = replay.changed if seen["changed"] is None else seen["changed"] | replay.changed
 
     def clear(self) -> None:
+        """After a micro-batch's model call; what a recomputed layer will route to stays until its backward."""
         for _, replay in self.layers:
             replay.clear_indices()
             replay.clear_router_replay_action()
             replay.changed = None
+            replay.training = False
+
+    def check_recomputed(self) -> None:
+        """After an update's schedule: every recomputed layer's backward took its routing (none left over,
+        which a later step would otherwise replay)."""
+        left = sum(len(replay.recompute) for _, replay in self.layers)
+        for _, replay in self.layers:
+            replay.recompute.clear()
+        if left:
+            raise RuntimeError(f"routing replay: {left} recorded routings of checkpointed MoE layers were never "
+                               "recomputed by the backward (the recompute settings and the schedule disagree)")
 
     # ---- token layout --------------------------------------------------------------------------
 
