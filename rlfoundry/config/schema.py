@@ -736,7 +736,8 @@ class RolloutConfig(Node):
     # LoRA request on the unchanged base) or the merged weights (W + scaling·BA, as without LoRA)
     lora_sync: str = one_of(LORA_SYNCS, "adapter")
     tensor_model_parallel_size: int = 1  # verl: 2
-    # vLLM/SGLang data and expert parallelism inside one rollout replica: only 1 is built (RolloutConfig.check)
+    # vLLM/SGLang tensor, data and expert parallelism inside one rollout replica: the engines run one replica per
+    # rank whatever they say (a start-up warning, trainer/config.py _warn_rollout_layout; docs/rollout.md)
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
     # verl declares it (stop a rollout once (1 - rate) of its requests are done) and no verl code reads it, in
@@ -804,24 +805,10 @@ class RolloutConfig(Node):
                           "run in rlfoundry; remove the key, and bring an inference engine as a rollout engine "
                           "plug-in (config/rollout_engines.py, docs/rollout.md) or an agent through "
                           f"{key}.agent.default_agent_loop=openai_agent (docs/agents.md).")
-        errors += self._check_parallel_and_over_sampling()
         timeout = self.checkpoint_engine.timeout_s
         if timeout is not None and timeout <= 0:
             errors.append(f"{key}.checkpoint_engine.timeout_s={timeout} must be positive (the limit of each "
                           "weight-sync step), or null: trainer.dist_timeout_s.")
-        return errors
-
-
-    def _check_parallel_and_over_sampling(self) -> list[str]:
-        """verl's engine layout keys beyond tensor parallelism: what is not built."""
-        key, errors = "actor_rollout_ref.rollout", []
-        if self.data_parallel_size != 1:
-            errors.append(f"{key}.data_parallel_size={self.data_parallel_size}: data parallelism inside one vLLM/SGLang "
-                          "replica is not built; the rollout runs one replica per trainer rank group "
-                          f"(tensor_model_parallel_size ranks each). Set {key}.data_parallel_size=1.")
-        if self.expert_parallel_size != 1:
-            errors.append(f"{key}.expert_parallel_size={self.expert_parallel_size}: expert parallelism in the rollout "
-                          "engine (MoE) is not built (the large-models issue); set it to 1.")
         return errors
 
 

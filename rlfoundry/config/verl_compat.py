@@ -157,7 +157,8 @@ _GLOBAL_PROFILER_TRACE_KEYS = ("global_profiler.tool", "global_profiler.steps", 
 VLLM_ONLY_KEYS: tuple[str, ...] = tuple(
     f"actor_rollout_ref.rollout.{k}"
     for k in ("dtype", "gpu_memory_utilization", "enforce_eager", "free_cache_engine", "enable_sleep_mode", "load_format",
-              "layered_summon", "tensor_model_parallel_size", "max_num_batched_tokens", "max_model_len",
+              "layered_summon", "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size",
+              "max_num_batched_tokens", "max_model_len",
               "max_num_seqs", "disable_log_stats", "enable_chunked_prefill", "enable_prefix_caching", "cudagraph_capture_sizes",
               "engine_kwargs*",
               "update_weights_bucket_megabytes")

@@ -167,7 +167,9 @@ def rollout_ranks(cfg: Any, trainer_ranks: int) -> int:
 
 def rollout_spec(cfg: Any, hw: Hardware, trainer_ranks: int, seq: int) -> mem.RolloutSpec:
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
-    tp = int(ro.tensor_model_parallel_size) if ro.name != "hf" else 1
+    # the hybrid vLLM and SGLang engines run TP 1 whatever the key says (one engine per trainer rank:
+    # workers/rollout/vllm_rollout.py, sglang_rollout.py), and the HF engine generates on the actor's own module
+    tp = 1
     replicas = max(1, rollout_ranks(cfg, trainer_ranks) // tp)
     sequences = int(cfg.data.gen_batch_size or cfg.data.train_batch_size) * int(ro.n)
     colocated = not int(cfg.rollout.n_gpus_per_node)
@@ -296,7 +298,9 @@ def rollout_problems(model: ModelShape, r: mem.RolloutSpec, hw: Hardware) -> lis
         return []
     return [f"rollout: weights {need / GIB:.1f} GiB with the reserve and one sequence's KV exceed gpu_memory_utilization="
             f"{r.gpu_memory_utilization} × {hw.memory_gib:.1f} GiB = {budget / GIB:.1f} GiB ({r.name} would not start); "
-            "raise actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size"]
+            "raise actor_rollout_ref.rollout.gpu_memory_utilization, or generate with rollout.name=hf (on the actor's "
+            f"own sharded weights); the hybrid {r.name} engine runs tensor_parallel_size=1 here, each GPU holding the "
+            "whole model (rollout tensor parallelism is not built)"]
 
 
 def plan_args(overrides: list[str], hw: Hardware, config_name: str | None = None, config_path: str | None = None,

@@ -134,11 +134,11 @@ def candidates(cfg: Any) -> list[tuple[str, list[list[str]]]]:
     if ro.name != "hf" and not int(cfg.rollout.n_gpus_per_node):
         out.append(("a smaller share of the device for the rollout engine's KV cache",
                     [[f"{k}.rollout.gpu_memory_utilization={v}"] for v in (0.4, 0.3, 0.2) if v < ro.gpu_memory_utilization]))
-    if ro.name != "hf":
-        per_node = int(cfg.rollout.n_gpus_per_node or cfg.trainer.n_gpus_per_node)
-        tps = [t for t in (2, 4, 8) if t > ro.tensor_model_parallel_size and per_node % t == 0]
-        out.append(("the rollout engine's weights and KV split over more GPUs",
-                    [[f"{k}.rollout.tensor_model_parallel_size={t}"] for t in tps]))
+    if ro.name != "hf" and actor.strategy == "fsdp" and not int(cfg.rollout.n_gpus_per_node):
+        # the hybrid vLLM/SGLang engines hold the whole model on each GPU (rollout TP is not built); the HF
+        # engine generates on the actor's own FSDP-sharded module, gathering a layer at a time
+        out.append(("generate on the actor's sharded weights (the HF engine: slower, no second copy)",
+                    [[f"{k}.rollout.name=hf"]]))
     if actor.strategy == "megatron":
         meg, per_node = actor.megatron, int(cfg.trainer.n_gpus_per_node)
         tps = [t for t in (2, 4, 8) if t > meg.tensor_model_parallel_size and per_node % t == 0]

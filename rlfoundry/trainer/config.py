@@ -851,9 +851,25 @@ def _soft_warnings(cfg: DictConfig) -> None:
                       "scores the whole vocabulary, so the policy ratio starts below 1 even with equal weights (verl "
                       "has the same bias). Sample with top_p=1 and top_k=-1 or recompute the old log-probs "
                       "(use_rollout_log_probs=false).", stacklevel=3)
+    _warn_rollout_layout("actor_rollout_ref.rollout", rollout)
+    if cfg.reward.reward_model.enable:
+        _warn_rollout_layout("reward.reward_model.rollout", cfg.reward.reward_model.rollout)
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("Both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL term is applied twice.",
                       stacklevel=3)
+
+
+ROLLOUT_LAYOUT_KEYS = ("tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size")
+
+
+def _warn_rollout_layout(key: str, rollout: DictConfig) -> None:
+    """verl's replica layout keys: the hybrid vLLM/SGLang engines run one whole-model engine per rank."""
+    given = [f"{key}.{k}={getattr(rollout, k)}" for k in ROLLOUT_LAYOUT_KEYS if int(getattr(rollout, k, 1)) > 1]
+    if rollout.name in ("vllm", "sglang") and given:
+        warnings.warn(f"{', '.join(given)} with rollout.name={rollout.name}: the engine runs one replica per rank with "
+                      "tensor, data and expert parallel size 1 (data-parallel generation: the same sampling; each GPU "
+                      "holds the whole model while it generates, which trainer.plan_check checks at start-up). "
+                      "Parallelism inside a rollout replica is not built (docs/rollout.md).", stacklevel=4)
 
 
 def validate_config(cfg: DictConfig | PPOConfig) -> None:

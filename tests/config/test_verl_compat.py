@@ -314,10 +314,15 @@ def test_prefix_grouper_is_the_shared_prompt_forward(monkeypatch):
     assert _actor_request(_resolved("actor_rollout_ref.actor.use_prefix_grouper=True"), monkeypatch).use_shared_prompt
 
 
-def test_rollout_parallelism_not_built_is_an_error_and_over_sampling_has_no_effect():
+def test_rollout_replica_layout_runs_one_engine_per_rank_and_over_sampling_has_no_effect():
     key = "actor_rollout_ref.rollout"
-    assert "data parallelism inside one vLLM/SGLang replica is not built" in _error(f"{key}.data_parallel_size=2")
-    assert "expert parallelism in the rollout engine (MoE) is not built" in _error(f"{key}.expert_parallel_size=4")
+    with pytest.warns(UserWarning, match=rf"{key}.tensor_model_parallel_size=2, {key}.data_parallel_size=2, "
+                      rf"{key}.expert_parallel_size=4 with rollout.name=vllm: the engine runs one replica per rank"):
+        cfg = load_config([f"{key}.name=vllm", f"{key}.tensor_model_parallel_size=2", f"{key}.data_parallel_size=2",
+                           f"{key}.expert_parallel_size=4"])
+    assert cfg.actor_rollout_ref.rollout.data_parallel_size == 2  # kept as given; the engine builds TP/DP/EP 1
+    # with the HF engine they have no effect at all (the vLLM/SGLang-only keys)
+    assert f"{key}.data_parallel_size" in _no_effect_warning(f"{key}.data_parallel_size=2")
     # verl's SAPO scripts add policy_loss.tau_pos/tau_neg, which its sapo loss never reads (it reads actor.tau_*)
     warned = _no_effect_warning("+actor_rollout_ref.actor.policy_loss.tau_pos=2.0",
                                 "+actor_rollout_ref.actor.policy_loss.tau_neg=2.5")

@@ -9,7 +9,7 @@ import pytest
 from rlfoundry.cli import main as cli
 from rlfoundry.plan.model import load_shape, param_counts
 from rlfoundry.trainer.config import resolve_asset_path
-from tests.plan.configs import QWEN25_7B, QWEN25_72B, write_config
+from tests.plan.configs import QWEN25_7B, QWEN25_32B, QWEN25_72B, write_config
 
 
 def _plan_json(capsys, *args: str) -> tuple[int, dict]:
@@ -51,6 +51,23 @@ def test_a_7b_that_does_not_fit_gets_fixes_that_fit(tmp_path, capsys):
     first = next(iter(fixes))
     code2, again = _plan_json(capsys, *args, *first)
     assert code2 == 0 and again["worst"]["bytes"] == fixes[first]["peak_bytes"]
+
+
+def test_vllm_rollout_is_planned_at_tensor_parallel_size_1(tmp_path, capsys):
+    """The hybrid vLLM engine runs one TP-1 engine per rank whatever rollout.tensor_model_parallel_size says
+    (workers/rollout/vllm_rollout.py): a 32B's bf16 weights (65.5 GB) exceed 0.6 × 79.6 GiB on every GPU, at
+    TP 4 as at TP 1, and the fix offered is the HF engine on the actor's own sharded weights."""
+    model = write_config(tmp_path / "qwen32b", QWEN25_32B)
+    args = ["--gpu", "h100-80g", f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=8",
+            "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+    code1, tp1 = _plan_json(capsys, *args, "actor_rollout_ref.rollout.tensor_model_parallel_size=1")
+    code4, tp4 = _plan_json(capsys, *args, "actor_rollout_ref.rollout.tensor_model_parallel_size=4")
+    assert code1 == code4 == 1 and tp1["worst"] == tp4["worst"]
+    assert any("tensor_parallel_size=1 here" in p for p in tp4["problems"]), tp4["problems"]
+    assert [f["overrides"] for f in tp4["fixes"]] == [["actor_rollout_ref.rollout.name=hf"]] and tp4["fixes"][0]["fits"]
 
 
 def test_unknown_gpu_is_a_message(capsys):

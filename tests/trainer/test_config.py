@@ -612,6 +612,9 @@ def test_verl_legacy_quickstart_command_line_parses(tiny_model_dir):
         cfg = load_config(_cmdline(VERL_LEGACY_QUICKSTART, tiny_model_dir) + ["actor_rollout_ref.rollout.n=1"])
     no_effect = [str(w.message) for w in caught if issubclass(w.category, NoEffectKeyWarning)]
     assert len(no_effect) == 1 and "grad_offload" in no_effect[0] and "micro_batch_size" in no_effect[0]
+    # rollout TP 2 on vLLM: one engine per rank instead (the planner plans it so: tests/plan/test_cli.py)
+    [tp] = [str(w.message) for w in caught if "tensor_model_parallel_size=2 with rollout.name=vllm" in str(w.message)]
+    assert "the engine runs one replica per rank with tensor, data and expert parallel size 1" in tp
     r = resolve_config(cfg, steps_per_epoch=7, cuda_available=True)
     assert r.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8  # 64 global / 8 ranks
     assert r.critic.ppo_micro_batch_size_per_gpu == 8

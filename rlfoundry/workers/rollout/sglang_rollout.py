@@ -28,7 +28,8 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 |   | (at least 4096 tokens; ``engine_kwargs.sglang.max_total_tokens`` sets it) |
 | free_cache_engine, enable_sleep_mode | GPU: ``enable_memory_saver`` (both true) (weights keep a host copy); memory released after each |
 |   | generation, weights resumed for each sync, everything for each generation. CPU: nothing to release |
-| tensor_model_parallel_size | honoured on GPU (``tp_size``); 1 on the CPU |
+| tensor_model_parallel_size | runs as 1: one engine per actor rank, as vLLM's (the config layer warns; an engine |
+|   | with ``tp_size`` > 1 would need GPUs its rank's worker cannot see) |
 | update_weights_bucket_megabytes | tensors per ``update_weights_from_tensor`` call |
 | engine_kwargs.sglang.* | passed to ``sglang.Engine`` last (override everything above) |
 
@@ -106,7 +107,7 @@ def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: in
         # released weights keep a host copy (as vLLM's level-1 sleep): a step that skips the actor
         # update (critic warm-up) must generate with the last synced weights, not freed memory
         kwargs |= {"mem_fraction_static": config.gpu_memory_utilization,
-                   "tp_size": int(config.tensor_model_parallel_size),
+                   "tp_size": 1,  # a worker sees its own GPU only (tensor_model_parallel_size: the module docstring)
                    "enable_memory_saver": bool(config.free_cache_engine and config.enable_sleep_mode),
                    "enable_weights_cpu_backup": bool(config.free_cache_engine and config.enable_sleep_mode)}
     else:

@@ -43,7 +43,8 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 |   | ``engine_kwargs.vllm.kv_cache_memory_bytes``; env ``VLLM_CPU_KVCACHE_SPACE`` (GiB) wins over both |
 | free_cache_engine, enable_sleep_mode | GPU only: ``enable_sleep_mode`` (both true); KV cache and weights released (level 1) after each |
 |   | generation, weights woken for each sync, KV cache for each generation |
-| tensor_model_parallel_size | 1 only (TP inside a hybrid worker needs a TP-aware dispatch) |
+| tensor_model_parallel_size | runs as 1: one engine per actor rank (data-parallel generation, a start-up warning; see |
+|   | ``_check_supported``) |
 | lora_sync (``model.lora_rank > 0``) | ``adapter``: ``enable_lora``, the base read from disk once, the actor's adapter |
 |   | reloaded in place as one LoRA request after each update; ``merged``: the merged stream, as above |
 
@@ -112,14 +113,13 @@ def _cpu_kv_cache_bytes(hf_config: Any, dtype: str, max_model_len: int, max_num_
 
 
 def _check_supported(config: RolloutConfig) -> None:
-    tp = config.tensor_model_parallel_size
-    if tp != 1:
-        raise NotImplementedError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: the hybrid vLLM engine runs one "
-            "engine per actor rank (data-parallel rollout). Tensor parallelism needs every rank of a TP "
-            "group to receive the same prompts, which the worker's DP_COMPUTE_PROTO dispatch does not do; "
-            "set tensor_model_parallel_size=1 (each rank then holds the whole model for generation)."
-        )
+    """What the hybrid engine cannot run. ``tensor_model_parallel_size`` > 1 is not among them: the engine runs
+    tensor_parallel_size=1 (the config layer warns): an engine per actor rank, each generating for its
+    rank's share of the batch, so a TP group's ranks generate different rows instead of sharing one
+    engine. The samples follow the same distribution; each device holds the whole model while it
+    generates, which ``trainer.plan_check`` (docs/plan.md) checks before anything is allocated. vLLM TP
+    across the ranks of a TP group would need every rank of the group to receive the same prompts, which
+    the worker's DP_COMPUTE_PROTO dispatch does not do."""
 
 
 def build_engine_kwargs(
