@@ -431,6 +431,20 @@ def prefer_user_deprecated_keys(cfg: DictConfig, user_keys: Sequence[str]) -> No
         for new in ("save_contents", "load_contents"):
             if contents is not None and f"{role}.checkpoint.{new}" not in user_keys:
                 OmegaConf.update(cfg, f"{role}.checkpoint.{new}", list(contents), merge=False)
+        _save_hf_exports_resumably(cfg, role)
+
+
+def _save_hf_exports_resumably(cfg: DictConfig, role: str) -> None:
+    """verl's "HF exports only" save (``save_contents=['hf_model']``, its GMPO example): here every saved step
+    stays resumable, so the role's own state is written beside the export (disk, not results)."""
+    listed = OmegaConf.select(cfg, f"{role}.checkpoint.save_contents")
+    if listed is None or "model" in listed or "hf_model" not in listed:
+        return
+    whole = ["model", "optimizer", "extra", *[x for x in listed if x not in ("model", "optimizer", "extra")]]
+    warnings.warn(f"{role}.checkpoint.save_contents={list(listed)}: each saved step gets the HF export (huggingface/) "
+                  f"and, beside it, the role's own model, optimizer and extra state (rlfoundry saves every step "
+                  f"resumable): saving {whole}. Set that list to silence this.", stacklevel=4)
+    OmegaConf.update(cfg, f"{role}.checkpoint.save_contents", whole, merge=False)
 
 
 def _no_effect_patterns(cfg: DictConfig) -> tuple[str, ...]:

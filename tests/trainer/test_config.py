@@ -377,6 +377,10 @@ def test_checkpoint_contents_take_effect_and_bad_lists_are_start_up_errors():
         _load("actor_rollout_ref.actor.checkpoint.save_contents=[model,weights]")
     with pytest.raises(ConfigError, match=r"critic.checkpoint.load_contents=\['optimizer'\] must include 'model'"):
         _load("critic.checkpoint.load_contents=[optimizer]")
+    # verl's "HF exports only" save: the export and, beside it, the whole resumable state (warned)
+    with pytest.warns(UserWarning, match=r"save_contents=\['hf_model'\]: each saved step gets the HF export"):
+        hf_only = load_config(["actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"])
+    assert list(hf_only.actor_rollout_ref.actor.checkpoint.save_contents) == ["model", "optimizer", "extra", "hf_model"]
     # verl <= 0.3's single list is both, unless the newer key is given too
     old = load_config(["actor_rollout_ref.actor.checkpoint.contents=[model]",
                        "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]"]).actor_rollout_ref.actor.checkpoint
