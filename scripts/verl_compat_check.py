@@ -553,6 +553,56 @@ def blockers(cap: Captured, tree: Path, first: Result, timeout: float, in_proces
     return list(dict.fromkeys(causes))
 
 
+# ═════════════════════════════ verl's own composition (stage 3b) ═════════════════════════════
+
+_HYDRA_MAIN = re.compile(r"@hydra\.main\(([^)]*)\)")
+_HYDRA_ARG = re.compile(r"(config_path|config_name)\s*=\s*[\"']([^\"']+)[\"']")
+
+
+def verl_refuses(cap: Captured, tree: Path) -> str:
+    """Whether verl's own Hydra composes the command line (its config tree at the pinned commit, the module's
+    ``@hydra.main`` defaults, the line's ``--config-path/--config-name`` and overrides): "" when it does, else
+    Hydra's message. A line verl cannot compose fails there too, before any code of verl's runs (unknown keys
+    without ``+``, missing config files or search-path packages, unparsable overrides); what verl only finds
+    later (types its dataclasses check, a layout that does not divide the GPUs) is not caught here."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    source = tree / (cap.module.replace(".", "/") + ".py")
+    found = _HYDRA_MAIN.search(source.read_text()) if source.is_file() else None
+    if found is None:
+        return ""  # not a Hydra main here: nothing to compare
+    main = dict(_HYDRA_ARG.findall(found.group(1)))
+    path, name, overrides = main.get("config_path"), main.get("config_name"), []
+    args = [a.replace("{tree}", str(tree)) for a in cap.args]
+    while args:
+        arg = args.pop(0)
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config-path", "-cp", "--config-name", "-cn"):
+            value = value if eq else (args.pop(0) if args else "")
+            path, name = (value, name) if flag in ("--config-path", "-cp") else (path, value)
+        elif not arg.startswith("-"):
+            overrides.append(arg)
+    directory = Path(path or ".")
+    if not directory.is_absolute():
+        # Hydra: relative to the working directory when given on the command line, else to the main's file
+        here = tree / cap.cwd / directory
+        directory = here if (path and here.is_dir()) else source.parent / directory
+    GlobalHydra.instance().clear()
+    here = os.getcwd()
+    try:
+        os.chdir(tree / cap.cwd)  # verl's configs name search paths relative to it (file://verl/trainer/config)
+        with warnings.catch_warnings(), initialize_config_dir(config_dir=str(directory.resolve()), version_base=None):
+            warnings.simplefilter("ignore")
+            compose(config_name=(name or "config").removesuffix(".yaml"), overrides=overrides)
+    except Exception as e:  # noqa: BLE001 - every Hydra failure is verl's refusal, reported as its message
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:300].replace(str(tree), "{tree}")
+    finally:
+        os.chdir(here)
+        GlobalHydra.instance().clear()
+    return ""
+
+
 # ═══════════════════════════════════════════ report ═══════════════════════════════════════════
 
 
@@ -585,6 +635,8 @@ def _row(cap: Captured, problem: str | None, tree: Path, args: argparse.Namespac
            **{k: v for k, v in dataclasses.asdict(result).items() if k != "stdout"}}
     if args.all_causes and result.status == "rejected":
         row["blockers"] = blockers(cap, tree, result, args.check_timeout, not args.subprocess)
+    if args.verl_compose:
+        row["verl_refuses"] = verl_refuses(cap, tree)
     return row
 
 
@@ -610,6 +662,7 @@ def _family_lines(family: str, rows: list[dict[str, Any]]) -> list[str]:
     if family == "other":
         lines += [f"   {n:4d}  {m}" for m, n in Counter(r["module"] for r in rows).most_common()]
         return lines + [""]
+    lines += _verl_composes(rows, valid)
     failed = [r.get("blockers") or r["causes"] for r in rows if r["status"] in ("rejected", "error")]
     lines += _counted("rejections by first cause (what the user sees)", Counter(c[0] for c in failed))
     lines += _counted("every cause (command lines it blocks)", Counter(x for c in failed for x in c))
@@ -618,6 +671,19 @@ def _family_lines(family: str, rows: list[dict[str, Any]]) -> list[str]:
                       for k in _no_effect_keys(w))
     lines += _counted("accepted with no effect (command lines)", ignored)
     return lines + [""]
+
+
+def _verl_composes(rows: list[dict[str, Any]], valid: int) -> list[str]:
+    """With ``--verl-compose``: the lines verl's own Hydra refuses, and the share of the others that validate."""
+    if not rows or "verl_refuses" not in rows[0]:
+        return []
+    refused = [r for r in rows if r["verl_refuses"]]
+    ours = sum(r["status"] in ("clean", "ignored_keys", "warned") for r in rows if not r["verl_refuses"])
+    lines = [f"  verl's own config refuses {len(refused)} (they fail in verl before any of its code runs); of the "
+             f"{len(rows) - len(refused)} it composes, {ours} validate here"
+             + (f" ({ours / (len(rows) - len(refused)):.1%})" if len(rows) > len(refused) else "")]
+    lines += [f"     {r['status']:>12}  {r['path']}: {r['verl_refuses'][:150]}" for r in refused]
+    return lines
 
 
 def _no_effect_keys(warning: str) -> list[str]:
@@ -663,6 +729,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--subprocess", action="store_true", help="check main_ppo in a subprocess too (slow)")
     p.add_argument("--all-causes", action="store_true", help="re-check without each unknown key: every blocker")
     p.add_argument("--check-other", action="store_true", help="also check modules outside the four families")
+    p.add_argument("--verl-compose", action="store_true",
+                   help="also compose each line with verl's own Hydra config (needs hydra-core): which lines verl "
+                        "refuses too")
     p.add_argument("--no-sandbox", action="store_true", help="run scripts without bwrap (timeout only)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
