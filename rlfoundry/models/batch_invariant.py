@@ -46,7 +46,7 @@ ATTENTION = "rlfoundry_exact"  # the attention implementation's name (config._at
 KEY_BLOCK = 16  # key slots per attention block
 _EXACT_ATTR = "_rlf_exact"
 # elements of one chunk's broadcast product (linear: rows x N x K, attention: queries x keys x head dim)
-_CHUNK_ELEMENTS = 1 << 22
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -69,19 +69,35 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.result_type(*tensors) if len(tensors) > 1 else tensors[0].dtype
 
 
+class _RowProducts(torch.autograd.Function):
+    """rows (M, K) @ w (N, K)^T in fp32, each output a length-K ``row_sum`` (rows chunked to bound the
+    broadcast product's memory). Only the forward's bits are exact mode's business: the backward is
+    the same function's gradient by two plain matmuls (the broadcast product's own backward would
+    cost M·N·K memory traffic twice more)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, w)
+        if not rows.shape[0]:
+            return rows.new_zeros((0, w.shape[0]))
+        step = max(1, _CHUNK_ELEMENTS // max(1, w.numel()))
+        return torch.cat([row_sum(rows[i: i + step, None, :] * w) for i in range(0, rows.shape[0], step)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ rows
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with each output a length-K ``row_sum`` in fp32, rounded once to the compute dtype.
     Inputs and weights are first rounded to that dtype (what autocast does before its matmul)."""
     dtype = _compute_dtype(x, weight)
     with torch.autocast(x.device.type, enabled=False):
-        rows = x.reshape(-1, x.shape[-1]).to(dtype).float()
-        w = weight.to(dtype).float()
-        step = max(1, _CHUNK_ELEMENTS // max(1, w.numel()))
-        out = torch.cat([row_sum(rows[i: i + step, None, :] * w) for i in range(0, rows.shape[0], step)]) \
-            if rows.shape[0] else rows.new_zeros((0, w.shape[0]))
+        out = _RowProducts.apply(x.reshape(-1, x.shape[-1]).to(dtype).float(), weight.to(dtype).float())
         if bias is not None:
             out = out + bias.to(dtype).float()
-        return out.to(dtype).reshape(*x.shape[:-1], w.shape[0])
+        return out.to(dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,7 +157,42 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tens
     mass, out = block_mass[..., 0], block_out[..., 0]
     for i in range(1, blocks):  # a fixed sequential order; blocks past the query add exact zeros
         mass, out = mass + block_mass[..., i], out + block_out[..., i]
-    return (out / mass.unsqueeze(-1)).masked_fill(count == 0, 0.0)  # a query with no key (padding): 0
+    # a query with no key (a padding position) gets 0; its mass is set to 1 first, so that no 0/0 sends NaN
+    # gradients back through the masked value
+    mass = mass.masked_fill(count.squeeze(-1) == 0, 1.0)
+    return (out / mass.unsqueeze(-1)).masked_fill(count == 0, 0.0)
+
+
+def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """The same function as ``_attend`` by a plain masked softmax (any reduction order): its backward."""
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: 0, as ``_attend``
+    return probs @ v
+
+
+class _ExactAttention(torch.autograd.Function):
+    """``_attend`` over query chunks in the forward; the backward is the gradient of the same function
+    computed plainly (``_plain_attention``, recomputed): exactness is the forward's property alone."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, valid)
+        ctx.scaling = scaling
+        b, h, tq, d = q.shape
+        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * k.shape[2] * d))
+        return torch.cat([_attend(q[:, :, i: i + step], k, v, valid[:, :, i: i + step], scaling)
+                          for i in range(0, tq, step)], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, valid = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = _plain_attention(*inputs, valid, ctx.scaling)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return (*grads, None, None)
 
 
 def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -157,10 +208,8 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         q = query.float()
         k = key.float().repeat_interleave(groups, dim=1)
         v = value.float().repeat_interleave(groups, dim=1)
-        valid = _valid_keys(attention_mask, tq, tk, query.device)
-        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * tk * d))
-        out = torch.cat([_attend(q[:, :, i: i + step], k, v, valid[:, :, i: i + step], scaling)
-                         for i in range(0, tq, step)], dim=2)
+        valid = _valid_keys(attention_mask, tq, tk, query.device).expand(b, 1, tq, tk)
+        out = _ExactAttention.apply(q, k, v, valid, scaling)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
