@@ -664,10 +664,19 @@ def _check_exact_mode(cfg: PPOConfig) -> list[str]:
         return []
     key, errors = "actor_rollout_ref.rollout.exact_log_probs=true", []
     for role in ("actor", "ref"):
-        strategy = getattr(arr, role).strategy
-        if strategy == "megatron":
+        policy = getattr(arr, role)
+        if policy.strategy == "megatron":
             errors.append(f"{key} converts the FSDP engine's forward only; {role}.strategy=megatron computes log-probs "
                           f"with its own kernels. Use {role}.strategy=fsdp2 or exact_log_probs=false.")
+        if policy.ulysses_sequence_parallel_size > 1:
+            errors.append(f"{key}: {role}.ulysses_sequence_parallel_size={policy.ulysses_sequence_parallel_size} splits "
+                          "attention over ranks with its own kernel; set it to 1 (or exact_log_probs=false).")
+        if policy.use_torch_compile:
+            errors.append(f"{key}: {role}.use_torch_compile=true compiles the layers, and inductor fuses and reorders "
+                          f"the exact ops' sums; set {role}.use_torch_compile=false.")
+    if arr.rollout.use_torch_compile:
+        errors.append(f"{key}: rollout.use_torch_compile=true compiles the decode step, and inductor fuses and "
+                      "reorders the exact ops' sums; leave it null (exact mode decodes uncompiled) or false.")
     if arr.model.use_fused_kernels:
         errors.append(f"{key}: the fused head (actor_rollout_ref.model.use_fused_kernels) sums the vocabulary in "
                       "chunks of its own; set use_fused_kernels=false (exact mode computes log-probs from logits).")

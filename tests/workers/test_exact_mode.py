@@ -34,10 +34,12 @@ def test_rollout_log_probs_equal_the_actors_for_any_micro_batching_and_packing(t
     sampler = local_worker(worker_config(tiny_model_dir, EXACT + extra + ["rollout.n=2"]))
     data = _rollout(sampler, tokenizer, temperature=0.8)
     assert sampler.compute_log_prob(data).meta_info["compute_dtype"] == ("bfloat16" if extra else "float32")
-    for packed, micro in ((False, 1), (False, 5), (True, 3), (True, 12)):
+    # (packed, micro-batch size, shared prompt: each prompt once, its rows continuing from its KV cache)
+    for packed, micro, shared in ((False, 1, False), (False, 5, False), (True, 3, False), (True, 12, False),
+                                  (False, 4, True)):
         scorer = local_worker(worker_config(tiny_model_dir, EXACT + extra + [
             f"model.use_remove_padding={packed}", f"rollout.log_prob_micro_batch_size_per_gpu={micro}",
-            f"ref.log_prob_micro_batch_size_per_gpu={micro}"]))
+            f"ref.log_prob_micro_batch_size_per_gpu={micro}", f"model.use_shared_prompt={shared}"]))
         _assert_equal_on_tokens(scorer.compute_log_prob(data), data)
         _assert_equal_on_tokens(scorer.compute_ref_log_prob(data), data, key="ref_log_prob")
         # another scoring batch: a subset of the rows, in another order
@@ -81,6 +83,8 @@ def test_the_first_mini_batchs_ratio_is_exactly_one(tiny_model_dir, tokenizer, d
     (["actor_rollout_ref.rollout.name=vllm"], r"exact_log_probs=true is built for the HF engine"),
     (["actor_rollout_ref.model.use_fused_kernels=true"], r"exact_log_probs=true: the fused head"),
     (["actor_rollout_ref.actor.strategy=megatron"], r"actor.strategy=megatron computes log-probs"),
+    (["actor_rollout_ref.actor.use_torch_compile=true"], r"actor.use_torch_compile=true compiles the layers"),
+    (["actor_rollout_ref.rollout.use_torch_compile=true"], r"rollout.use_torch_compile=true compiles the decode"),
 ])
 def test_what_exact_mode_does_not_cover_is_a_start_up_error_naming_the_key(overrides, message):
     from rlfoundry.trainer.config import ConfigError, load_config, validate_config

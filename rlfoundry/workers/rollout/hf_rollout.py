@@ -493,6 +493,7 @@ class HFRollout(BaseRollout):
         compile_on = self.config.use_torch_compile
         compile_on = device.type == "cuda" if compile_on is None else compile_on
         wanted = compile_on if self.static_decode is None else self.static_decode
+        compile_on = compile_on and not self.exact  # inductor would fuse and reorder the exact ops' sums
         if not wanted or static_unsupported_reason(self.module) is not None:
             return None
         if self._static is None:
