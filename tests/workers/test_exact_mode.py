@@ -112,3 +112,14 @@ def test_the_static_cache_decode_reports_the_same_bits(tiny_model_dir, tokenizer
     assert torch.equal(got.batch["responses"], want.batch["responses"])
     assert torch.equal(got.batch["rollout_log_probs"], want.batch["rollout_log_probs"])
     _assert_equal_on_tokens(group.compute_log_prob(got), got)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_rollout_worker_of_its_own_samples_with_the_actors_bits(tiny_model_dir, tokenizer, dtype):
+    """A rollout role without the actor (its own copy of the policy, ``_rollout_module``, loaded in the
+    actor's compute dtype) is converted too."""
+    extra = BF16 if dtype == "bf16" else []
+    sampler = local_worker(worker_config(tiny_model_dir, EXACT + extra + ["rollout.n=2"]), role="rollout")
+    scorer = local_worker(worker_config(tiny_model_dir, EXACT + extra + ["model.use_remove_padding=true"]))
+    data = _rollout(sampler, tokenizer)
+    _assert_equal_on_tokens(scorer.compute_log_prob(data), data)
