@@ -769,6 +769,9 @@ class RolloutConfig(Node):
     n: int = 8  # verl: 1
     seed: int = 0
     calculate_log_probs: bool = False
+    # exact mode (docs/on_policy.md): the HF engine's decode and the FSDP actor's and reference's forwards run
+    # batch-invariant ops (models/batch_invariant.py), so rollout log-probs equal the trainer's bit for bit
+    exact_log_probs: bool = False
     # MoE: the rollout records the experts of every token into the batch (routed_experts; docs/moe.md)
     enable_rollout_routing_replay: bool = False
     # the HF engine's static-shape decode compiled with torch.compile (CUDA graphs on CUDA; static_decode.py).
@@ -805,6 +808,11 @@ class RolloutConfig(Node):
                           "run in rlfoundry; remove the key, and bring an inference engine as a rollout engine "
                           "plug-in (config/rollout_engines.py, docs/rollout.md) or an agent through "
                           f"{key}.agent.default_agent_loop=openai_agent (docs/agents.md).")
+        if self.exact_log_probs and self.name != "hf":
+            errors.append(f"{key}.exact_log_probs=true is built for the HF engine (rollout.name=hf) only: {self.name}'s "
+                          "kernels reduce in orders the trainer's forward does not reproduce (and this install's "
+                          f"batch-invariant mode, where it has one, is not wired); set {key}.name=hf or "
+                          f"{key}.exact_log_probs=false.")
         timeout = self.checkpoint_engine.timeout_s
         if timeout is not None and timeout <= 0:
             errors.append(f"{key}.checkpoint_engine.timeout_s={timeout} must be positive (the limit of each "

@@ -234,6 +234,8 @@ class EngineRequest:
     prepare: Callable[[torch.nn.Module], None] | None = None  # runs on the loaded model before sharding
     ulysses_sequence_parallel_size: int = 1  # the role's key: ranks that split each sequence (FSDP engine)
     use_torch_compile: bool = False  # the role's key: compile the training forward's layers (FSDP engine)
+    # rollout.exact_log_probs: the forward's ops batch-invariant (models/batch_invariant.py; FSDP engine)
+    exact: bool = False
 
 
 class EnginePlugin(abc.ABC):

@@ -657,6 +657,32 @@ def _check_liger(cfg: PPOConfig) -> list[str]:
     return liger_problems(str(device))
 
 
+def _check_exact_mode(cfg: PPOConfig) -> list[str]:
+    """``rollout.exact_log_probs``: the FSDP engine's forward and the plain HF head are the ones converted."""
+    arr = cfg.actor_rollout_ref
+    if not arr.rollout.exact_log_probs:
+        return []
+    key, errors = "actor_rollout_ref.rollout.exact_log_probs=true", []
+    for role in ("actor", "ref"):
+        policy = getattr(arr, role)
+        if policy.strategy == "megatron":
+            errors.append(f"{key} converts the FSDP engine's forward only; {role}.strategy=megatron computes log-probs "
+                          f"with its own kernels. Use {role}.strategy=fsdp2 or exact_log_probs=false.")
+        if policy.ulysses_sequence_parallel_size > 1:
+            errors.append(f"{key}: {role}.ulysses_sequence_parallel_size={policy.ulysses_sequence_parallel_size} splits "
+                          "attention over ranks with its own kernel; set it to 1 (or exact_log_probs=false).")
+        if policy.use_torch_compile:
+            errors.append(f"{key}: {role}.use_torch_compile=true compiles the layers, and inductor fuses and reorders "
+                          f"the exact ops' sums; set {role}.use_torch_compile=false.")
+    if arr.rollout.use_torch_compile:
+        errors.append(f"{key}: rollout.use_torch_compile=true compiles the decode step, and inductor fuses and "
+                      "reorders the exact ops' sums; leave it null (exact mode decodes uncompiled) or false.")
+    if arr.model.use_fused_kernels:
+        errors.append(f"{key}: the fused head (actor_rollout_ref.model.use_fused_kernels) sums the vocabulary in "
+                      "chunks of its own; set use_fused_kernels=false (exact mode computes log-probs from logits).")
+    return errors
+
+
 def _check_engines(cfg: DictConfig) -> list[str]:
     """Each training engine checks the roles that name it (``EnginePlugin.check``)."""
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
@@ -884,7 +910,8 @@ def validate_config(cfg: DictConfig | PPOConfig) -> None:
     errors += (typed_cfg.check() + _check_estimator(typed_cfg) + _check_batch_sizes(typed_cfg)
                + _check_lengths(typed_cfg) + distillation_errors(typed_cfg) + _check_unsupported(typed_cfg) + _check_rollout_log_prob_reuse(typed_cfg)
                + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
-               + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg) + _check_optimizers(typed_cfg))
+               + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg) + _check_optimizers(typed_cfg)
+               + _check_exact_mode(typed_cfg))
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))

@@ -55,6 +55,7 @@ from rlfoundry.config.batch import per_gpu, role_batch
 from rlfoundry.config.schema import ActorRolloutRefConfig, DistillationLossConfig, starts_from_dist_checkpoint
 from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.config.typed import to_typed
+from rlfoundry.models.batch_invariant import apply_exact
 from rlfoundry.models.hf import check_model_dir, generation_eos_ids, resolve_model_path
 from rlfoundry.models import routing_replay
 from rlfoundry.models.lora import LoraSpec
@@ -135,7 +136,7 @@ class ActorRolloutRefWorker(Worker):
             use_shared_prompt=model.use_shared_prompt and not model.enable_gradient_checkpointing,
             lora=self.lora if trainable else None,
             ulysses_sequence_parallel_size=policy.ulysses_sequence_parallel_size,
-            use_torch_compile=policy.use_torch_compile,
+            use_torch_compile=policy.use_torch_compile, exact=self.config.rollout.exact_log_probs,
         )
         return engine_plugin(policy.strategy).build(request, self.device, role)
 
@@ -154,7 +155,7 @@ class ActorRolloutRefWorker(Worker):
             extra = {"model_path": resolve_model_path(self.config.model.path)}
             config = dataclasses.replace(config, load_format="auto")
         return self._rollout_cls(module, config, pad_token_id=pad_id(self.tokenizer), eos_token_id=eos_ids,
-                                 rank=self.rank, cpu_kernels=cpu_kernels.enabled(self.config.model.cpu_kernels, self.device), **extra)
+                                 rank=self.rank, cpu_kernels=self._cpu_kernels(), **extra)
 
     def _adapter_for_rollout(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The adapter's peft config and tensors (peft's file names) for an engine's LoRA request. Collective."""
@@ -176,9 +177,15 @@ class ActorRolloutRefWorker(Worker):
         module = load_hf_model(self.config.model.path, torch_dtype=self._copy_dtype(),
                                trust_remote_code=self.config.model.trust_remote_code).to(self.device)
         module.requires_grad_(False)
-        if cpu_kernels.enabled(self.config.model.cpu_kernels, self.device):
+        if self.config.rollout.exact_log_probs:
+            apply_exact(module)
+        if self._cpu_kernels():
             cpu_kernels.apply_cpu_kernels(module, self.device)
         return module
+
+    def _cpu_kernels(self) -> bool:
+        """The CPU kernels for the rollout's module: off in exact mode (the engine's ``_cpu_kernels_on`` too)."""
+        return cpu_kernels.enabled(self.config.model.cpu_kernels, self.device) and not self.config.rollout.exact_log_probs
 
     def _copy_dtype(self) -> torch.dtype:
         """The dtype of the HF rollout's own copy of the policy: the dtype the actor computes in on this

@@ -71,6 +71,7 @@ from rlfoundry.engines.fsdp.forward import (
     value_micro_batches,
 )
 from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
+from rlfoundry.models.batch_invariant import apply_exact
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update, zero_loss_row
 from rlfoundry import cpu as cpu_kernels
 from rlfoundry.models import lora as lora_lib
@@ -119,6 +120,9 @@ class FSDPEngineConfig:
     # the CPU kernels (model.cpu_kernels=auto) then stay off for this model: dynamo cannot trace them
     use_torch_compile: bool = False
     use_liger: bool = False  # verl's model.use_liger: Liger's Triton kernels patched in (CUDA only; models/liger.py)
+    # rollout.exact_log_probs: batch-invariant ops installed in the model (models/batch_invariant.py); the CPU
+    # kernels stay off (their oneDNN linears would take the exact ones' place)
+    exact: bool = False
 
     @property
     def trainable(self) -> bool:
@@ -458,7 +462,7 @@ def _fused_kernels(config: FSDPEngineConfig) -> bool:
 def _cpu_kernels_on(cfg: FSDPEngineConfig, device: torch.device) -> bool:
     """``model.cpu_kernels=auto`` on the CPU, unless the layers are compiled (dynamo cannot trace the
     oneDNN linears and the fused forward; the compiled layers take their place)."""
-    return cpu_kernels.enabled(cfg.cpu_kernels, device) and not cfg.use_torch_compile
+    return cpu_kernels.enabled(cfg.cpu_kernels, device) and not cfg.use_torch_compile and not cfg.exact
 
 
 def _check_compile(cfg: FSDPEngineConfig, module: nn.Module, device: torch.device) -> None:
@@ -495,6 +499,8 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         prepare(module)
     if cfg.lora is not None and cfg.trainable:
         module = lora_lib.apply_lora(module, cfg.lora)
+    if cfg.exact:  # after LoRA: its adapters' linears are converted too
+        say_once(apply_exact(module.get_base_model() if hasattr(module, "get_base_model") else module))
     if cfg.use_torch_compile:
         _check_compile(cfg, module, device)
     fast = _cpu_kernels_on(cfg, device)

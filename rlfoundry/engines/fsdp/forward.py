@@ -36,6 +36,7 @@ from rlfoundry.engines.base import LogProbs, MicroBatching
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.engines.fsdp.fused_head import COLUMNS, FusedHead
 from rlfoundry.models import routing_replay
+from rlfoundry.models.batch_invariant import ATTENTION as EXACT_ATTENTION, exact_log_probs, is_exact
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.models.vision import (
     idle_vision_tower,
@@ -104,6 +105,8 @@ class CausalLMForward:
         self.continued_forward = continued_forward or plain_context
         self.placeholder_ids = placeholder_ids(module)  # a vision-language policy never samples them
         self.fused = FusedHead(module, self.placeholder_ids) if fused_kernels else None
+        # exact mode (models/batch_invariant.py): log-probs through the function the rollout reports with
+        self.exact = is_exact(module)
         self._spec = LogProbs()  # the running call's (temperature, entropy): the fused head reads them
         # a vision-language model sharded over ranks runs its tower on every micro-batch, where the model
         # would (idle_vision_tower): inside its forward, before the language model, so every rank's
@@ -190,10 +193,13 @@ class CausalLMForward:
     def _unfused(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs) -> dict[str, torch.Tensor]:
         """``_per_token`` from logits (..., V): temperature, placeholders, chunked ops. The entropy's blocks
         give sum pi^2 too (``entropy_and_sum_pi_squared``): no pass over the logits of its own."""
+        # exact mode: from the raw logits and T, as the rollout's sampler hands them to the same function
+        exact = exact_log_probs(mask_placeholders(logits, self.placeholder_ids), labels, spec.temperature) \
+            if self.exact else None
         if spec.temperature != 1.0:
             logits = logits / spec.temperature
         logits = mask_placeholders(logits, self.placeholder_ids)
-        out = {"log_probs": logprobs_from_logits(logits, labels)}
+        out = {"log_probs": exact if exact is not None else logprobs_from_logits(logits, labels)}
         if not (spec.entropy or spec.sum_pi_squared):
             return out
         with torch.set_grad_enabled(spec.entropy and spec.entropy_grad and torch.is_grad_enabled()):
@@ -744,7 +750,7 @@ def _sdpa_full_attention(module: nn.Module) -> Any:
     layer_types = getattr(config, "layer_types", None)
     windowed = any(t != "full_attention" for t in layer_types) if layer_types else \
         getattr(config, "sliding_window", None) is not None
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or windowed or \
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", EXACT_ATTENTION) or windowed or \
             getattr(config, "vision_config", None) is not None:
         return None
     return config

@@ -30,7 +30,7 @@ class FSDPPlugin(EnginePlugin):
             model_kind=request.model_kind, override_config=dict(request.override_config),
             gradient_checkpointing=request.gradient_checkpointing, use_shared_prompt=request.use_shared_prompt,
             lora=request.lora, ulysses_sequence_parallel_size=request.ulysses_sequence_parallel_size,
-            use_torch_compile=request.use_torch_compile)
+            use_torch_compile=request.use_torch_compile, exact=request.exact)
         return FSDPEngine.build(config, device, role=role, prepare=request.prepare)
 
     def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:

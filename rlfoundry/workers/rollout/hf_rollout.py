@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from rlfoundry.cpu.fused_decode import FusedDecoder, unsupported_reason
+from rlfoundry.models.batch_invariant import exact_log_probs, is_exact
 from rlfoundry.models.hf import kv_cache_kwargs
 from rlfoundry.models.routing_replay import RolloutRouting
 from rlfoundry.models.vision import continued_positions, mask_placeholders, model_multimodal_kwargs, model_position_ids, placeholder_ids
@@ -53,7 +54,7 @@ from rlfoundry.workers.rollout.base import (
     rollout_config,
 )
 
-__all__ = ["HFRollout", "compute_device", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
+__all__ = ["HFRollout", "compute_device", "exact_sample_tokens", "sample_tokens", "filter_logits", "response_mask_from_lengths"]
 
 # Finished rows are dropped from the KV cache once they are at least this fraction of the rows
 # still in it: dropping copies the whole cache, so on a GPU doing it for every single finished
@@ -127,6 +128,16 @@ def sample_tokens(
         tokens = _sample_from_cdf(cdf, generator, uniforms)
         lse = (shift + cdf[:, -1:].log()).squeeze(-1)
     return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+
+
+def exact_sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens`` in exact mode: the same draw, and the log-prob reported by ``exact_log_probs``, the
+    function the trainer's forward scores the token with (same logits bits in, same reductions)."""
+    tokens, _ = sample_tokens(logits, params, generator, uniforms)
+    return tokens, exact_log_probs(logits, tokens, params.logprob_temperature)
 
 
 def response_mask_from_lengths(lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -320,7 +331,11 @@ class HFRollout(BaseRollout):
         if dtype is not None:
             self.actor_module, module = module, decode_copy(module, dtype)
         self.module = module
-        self.cpu_kernels = cpu_kernels
+        # exact mode (models/batch_invariant.py): the fused decode step would replace the exact ops, and the
+        # reported log-probs come from the trainer's own function
+        self.exact = is_exact(module)
+        self.cpu_kernels = cpu_kernels and not self.exact
+        self._sample = exact_sample_tokens if self.exact else sample_tokens
         self.static_decode = static_decode
         self._static: StaticDecoder | None = None
         self.config = rollout_config(config)
@@ -478,6 +493,7 @@ class HFRollout(BaseRollout):
         compile_on = self.config.use_torch_compile
         compile_on = device.type == "cuda" if compile_on is None else compile_on
         wanted = compile_on if self.static_decode is None else self.static_decode
+        compile_on = compile_on and not self.exact  # inductor would fuse and reorder the exact ops' sums
         if not wanted or static_unsupported_reason(self.module) is not None:
             return None
         if self._static is None:
@@ -492,7 +508,7 @@ class HFRollout(BaseRollout):
         eos = torch.tensor(eos_ids or [-1], device=input_ids.device)
         prefilled, state.cache = state.cache, None  # copied into the static cache, then freed
         responses, log_probs, lengths = static.decode(logits, prefilled, state.full_mask, state.next_pos, params,
-                                                      generator, pad_id, eos, sample_tokens,
+                                                      generator, pad_id, eos, self._sample,
                                                       on_step=routing.step if routing is not None else None)
         valid = response_mask_from_lengths(lengths, params.response_length).bool()
         return responses.masked_fill_(~valid, pad_id), log_probs.masked_fill_(~valid, 0.0), lengths
@@ -554,7 +570,7 @@ class HFRollout(BaseRollout):
         step = self._decode_step(state, int(position_ids.max()) + width + 1)
         for t in range(width):
             uniforms = None if params.greedy else draw_uniforms(generator, total, state.rows)
-            tokens, token_lp = sample_tokens(logits, params.for_token(t), generator, uniforms)
+            tokens, token_lp = self._sample(logits, params.for_token(t), generator, uniforms)
             if tops is not None:  # under the distribution the log-probs are reported in (sample_tokens)
                 scaled = logits.float() / params.for_token(t).logprob_temperature
                 values, ids = torch.log_softmax(scaled, dim=-1).topk(tops[0].shape[-1], dim=-1)

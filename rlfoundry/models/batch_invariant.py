@@ -1,0 +1,286 @@
+"""Exact mode's kernels: every reduction of a causal LM's forward in an order fixed by the reduced
+length alone, so a token's log-prob has the same bits whatever batch, padding, packing or KV-cache
+split it was computed in (``actor_rollout_ref.rollout.exact_log_probs``; docs/on_policy.md).
+
+Where a forward's bits can depend on the batch: a matmul's kernel and blocking are chosen by the
+whole problem's shape (M rows included), attention sums keys in an order set by the key length
+(which differs between a decode step over a KV cache and the trainer's full forward), and a
+multi-threaded reduction may split one output's sum across threads. Elementwise ops, gathers and
+rotary (a product of length 1) give each element the same bits wherever it sits. So:
+
+- every reduction here is ``row_sum``: a sum over the innermost contiguous dimension of an fp32
+  tensor. torch's CPU sum gives each output its own serial, vectorised pass whose order depends on
+  the reduced length only (``TensorIteratorBase::parallel_reduce`` splits the outputs among threads,
+  never one output's sum, except when there is a single output, which ``row_sum`` never leaves);
+- a linear layer is ``row_sum(x[..., None, :] * W)``: per output element a length-K reduction,
+  whatever M is (rows are chunked to bound memory; chunking non-reduced dims changes nothing);
+- attention takes, for each query, its valid keys (padding, causality and packing from the mask) in
+  position order from the sequence's first key, in blocks of ``KEY_BLOCK`` slots combined one after
+  another (a max over all valid scores first: a max is exact in any order). Blocks past the query hold
+  exp(-inf) = 0 and add exact zeros, so a decode step over a cache of t + 1 keys and the full forward
+  over T keys give the query the same bits;
+- RMSNorm's mean and the log-softmax over the vocabulary are ``row_sum`` over a fixed length;
+- in bf16 each op computes in fp32 and rounds its output once; under autocast (the trainer's plain
+  one-rank module over fp32 weights) the ops round weights and outputs to the autocast dtype, as the
+  rollout's bf16 copy of the weights computes them.
+
+``apply_exact(module)`` installs them on an HF model (its ``nn.Linear`` layers, RMSNorms, attention
+and embeddings); ``exact_log_probs`` is the one logits -> log-prob function of both the rollout and
+the trainer. Nothing changes for a model the conversion was not applied to.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ATTENTION", "KEY", "KEY_BLOCK", "apply_exact", "exact_attention", "exact_linear", "exact_log_probs",
+           "exact_rms_norm", "is_exact", "row_sum"]
+
+KEY = "actor_rollout_ref.rollout.exact_log_probs"
+ATTENTION = "rlfoundry_exact"  # the attention implementation's name (config._attn_implementation)
+KEY_BLOCK = 16  # key slots per attention block
+_EXACT_ATTR = "_rlf_exact"
+# elements of one chunk's broadcast product (linear: rows x N x K, attention: queries x keys x head dim)
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension, (..., K) -> (...), fp32, in an order fixed by K alone.
+
+    A single output would let torch split its sum over threads (a two-pass reduction): it is summed
+    beside a row of zeros instead, as two outputs, each serial."""
+    x = x.float().contiguous()
+    if x.numel() == x.shape[-1]:
+        return torch.stack([x.reshape(-1), torch.zeros_like(x.reshape(-1))]).sum(-1)[0].reshape(x.shape[:-1])
+    return x.sum(-1)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype an op rounds its output to: the autocast dtype inside a CPU/CUDA autocast region (as
+    ``F.linear`` there), else the inputs' promoted dtype."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.result_type(*tensors) if len(tensors) > 1 else tensors[0].dtype
+
+
+class _RowProducts(torch.autograd.Function):
+    """rows (M, K) @ w (N, K)^T in fp32, each output a length-K ``row_sum`` (rows chunked to bound the
+    broadcast product's memory). Only the forward's bits are exact mode's business: the backward is
+    the same function's gradient by two plain matmuls (the broadcast product's own backward would
+    cost M·N·K memory traffic twice more)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, w)
+        if not rows.shape[0]:
+            return rows.new_zeros((0, w.shape[0]))
+        step = max(1, _CHUNK_ELEMENTS // max(1, w.numel()))
+        return torch.cat([row_sum(rows[i: i + step, None, :] * w) for i in range(0, rows.shape[0], step)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ rows
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with each output a length-K ``row_sum`` in fp32, rounded once to the compute dtype.
+    Inputs and weights are first rounded to that dtype (what autocast does before its matmul)."""
+    dtype = _compute_dtype(x, weight)
+    with torch.autocast(x.device.type, enabled=False):
+        out = _RowProducts.apply(x.reshape(-1, x.shape[-1]).to(dtype).float(), weight.to(dtype).float())
+        if bias is not None:
+            out = out + bias.to(dtype).float()
+        return out.to(dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2/Llama RMSNorm: fp32 mean of squares by ``row_sum``, output rounded to the compute dtype
+    (the weight too, as a bf16 copy of the weights holds it)."""
+    dtype = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        h = x.float()
+        variance = row_sum(h * h).unsqueeze(-1) / h.shape[-1]
+        normed = (h * torch.rsqrt(variance + eps)).to(dtype)
+        return weight.to(dtype) * normed
+
+
+def exact_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[label] in fp32: (..., V), (...) -> (...). The one function of the
+    rollout's reported log-probs and the trainer's in exact mode (the vocabulary sum is ``row_sum``)."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    shift = x.amax(-1, keepdim=True)
+    lse = shift.squeeze(-1) + row_sum(torch.exp(x - shift)).log()
+    return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+
+
+def _valid_keys(mask: torch.Tensor | None, tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    """(b or 1, 1, tq, tk) bool: which keys each query attends. None: causal over the last tq positions."""
+    if mask is None:
+        q = torch.arange(tq, device=device).unsqueeze(1) + (tk - tq)
+        return (torch.arange(tk, device=device).unsqueeze(0) <= q)[None, None]
+    mask = mask[..., :tk]
+    if mask.dtype != torch.bool:  # an additive mask: 0 where attended, the dtype's minimum elsewhere
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of queries q (b, h, c, d) over keys/values (b, h, tk, d) with ``valid`` (b', 1, c, tk),
+    fp32, keys taken per query in position order and summed in blocks of ``KEY_BLOCK``."""
+    b, h, c, d = q.shape
+    tk = k.shape[2]
+    scores = row_sum(q.unsqueeze(3) * k.unsqueeze(2)) * scaling  # (b, h, c, tk)
+    valid = valid.expand(b, 1, c, tk)
+    # each query's valid keys first, in position order (a stable sort on the "invalid" flag)
+    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
+    count = valid.sum(-1, keepdim=True)  # (b, 1, c, 1)
+    slot_valid = torch.arange(tk, device=q.device) < count
+    scores = scores.gather(-1, order.expand(b, h, c, tk)).masked_fill(~slot_valid, float("-inf"))
+    peak = scores.amax(-1, keepdim=True).masked_fill(count == 0, 0.0)
+    p = torch.exp(scores - peak)  # exact zeros at invalid slots
+    values = v.unsqueeze(2).expand(b, h, c, tk, d).gather(3, order.unsqueeze(-1).expand(b, h, c, tk, d))
+    blocks = -(-tk // KEY_BLOCK)
+    pad = blocks * KEY_BLOCK - tk
+    p = F.pad(p, (0, pad)).reshape(b, h, c, blocks, KEY_BLOCK)
+    values_t = F.pad(values.transpose(-1, -2), (0, pad)).reshape(b, h, c, d, blocks, KEY_BLOCK)
+    block_mass = row_sum(p)  # (b, h, c, blocks)
+    block_out = row_sum(p.unsqueeze(3) * values_t)  # (b, h, c, d, blocks)
+    mass, out = block_mass[..., 0], block_out[..., 0]
+    for i in range(1, blocks):  # a fixed sequential order; blocks past the query add exact zeros
+        mass, out = mass + block_mass[..., i], out + block_out[..., i]
+    # a query with no key (a padding position) gets 0; its mass is set to 1 first, so that no 0/0 sends NaN
+    # gradients back through the masked value
+    mass = mass.masked_fill(count.squeeze(-1) == 0, 1.0)
+    return (out / mass.unsqueeze(-1)).masked_fill(count == 0, 0.0)
+
+
+def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """The same function as ``_attend`` by a plain masked softmax (any reduction order): its backward."""
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: 0, as ``_attend``
+    return probs @ v
+
+
+class _ExactAttention(torch.autograd.Function):
+    """``_attend`` over query chunks in the forward; the backward is the gradient of the same function
+    computed plainly (``_plain_attention``, recomputed): exactness is the forward's property alone."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, valid)
+        ctx.scaling = scaling
+        b, h, tq, d = q.shape
+        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * k.shape[2] * d))
+        return torch.cat([_attend(q[:, :, i: i + step], k, v, valid[:, :, i: i + step], scaling)
+                          for i in range(0, tq, step)], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, valid = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = _plain_attention(*inputs, valid, ctx.scaling)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return (*grads, None, None)
+
+
+def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A transformers attention function (``AttentionInterface``): query (b, h, tq, d), key/value
+    (b, h_kv, tk, d) -> (b, tq, h, d) in the query's dtype. No dropout (exact mode scores, it does not
+    regularise), no sliding window, no sinks: ``apply_exact`` refuses models that have them."""
+    b, h, tq, d = query.shape
+    tk, groups = key.shape[2], h // key.shape[1]
+    scaling = d ** -0.5 if scaling is None else scaling
+    with torch.autocast(query.device.type, enabled=False):
+        q = query.float()
+        k = key.float().repeat_interleave(groups, dim=1)
+        v = value.float().repeat_interleave(groups, dim=1)
+        valid = _valid_keys(attention_mask, tq, tk, query.device).expand(b, 1, tq, tk)
+        out = _ExactAttention.apply(q, k, v, valid, scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, exact_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)  # a boolean 4-D mask, True where attended
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return exact_linear(x, self.weight, self.bias)
+
+
+def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return exact_rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The lookup, rounded to the autocast dtype inside autocast: the residual stream then holds what a
+    bf16 copy of the weights holds (a gather is exact either way)."""
+    out = nn.Embedding.forward(self, ids)
+    return out.to(_compute_dtype(out))
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why exact mode cannot convert ``module`` (None: it can)."""
+    config = getattr(module, "config", None)
+    text = config.get_text_config(decoder=True) if config is not None else None
+    if text is None:
+        return "the module has no Hugging Face config"
+    if any(t != "full_attention" for t in (getattr(text, "layer_types", None) or ["full_attention"])):
+        return "sliding-window layers"
+    if getattr(config, "vision_config", None) is not None:
+        return "a vision tower (its convolutions and attention are not converted)"
+    if any(hasattr(m, "experts") for m in module.modules()):
+        return "MoE experts (their grouped matmuls are not converted)"
+    if not any(type(m).__name__.endswith("RMSNorm") for m in module.modules()):
+        return "no RMSNorm layers (LayerNorm models are not converted)"
+    return None
+
+
+def apply_exact(module: nn.Module) -> str:
+    """Install exact mode's ops on an HF causal LM in place (before sharding); returns the line for the
+    run's first lines. Raises ``ValueError`` naming the key where the model is not covered."""
+    reason = unsupported_reason(module)
+    if reason is not None:
+        raise ValueError(f"{KEY}=true: {type(module).__name__} has {reason}; exact mode covers dense "
+                         f"Qwen2/Llama-family text models. Set {KEY}=false.")
+    _register_attention()
+    counts = {"linear": 0, "rms_norm": 0}
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            sub.forward = types.MethodType(_linear_forward, sub)
+            counts["linear"] += 1
+        elif type(sub).__name__.endswith("RMSNorm") and hasattr(sub, "variance_epsilon"):
+            sub.forward = types.MethodType(_rms_norm_forward, sub)
+            counts["rms_norm"] += 1
+        elif isinstance(sub, nn.Embedding):
+            sub.forward = types.MethodType(_embedding_forward, sub)
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION
+    setattr(module, _EXACT_ATTR, True)
+    return (f"{KEY}: {counts['linear']} linear layers, {counts['rms_norm']} RMSNorms and the attention "
+            "(rlfoundry_exact) replaced by batch-invariant ops (models/batch_invariant.py)")
+
+
+def is_exact(module: nn.Module) -> bool:
+    """Whether ``apply_exact`` converted ``module`` (or the model a wrapper holds)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return bool(getattr(base, _EXACT_ATTR, False) or getattr(module, _EXACT_ATTR, False))

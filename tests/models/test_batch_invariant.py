@@ -1,0 +1,168 @@
+"""Exact mode's ops (models/batch_invariant.py): each output's bits do not depend on the batch around it,
+its padding, the packing or the KV-cache split (``torch.equal`` throughout), and they compute the same
+function as torch's own ops (to rounding)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlfoundry.models.batch_invariant import (
+    apply_exact,
+    exact_attention,
+    exact_linear,
+    exact_log_probs,
+    exact_rms_norm,
+    row_sum,
+)
+from rlfoundry.utils.padding import packed_causal_mask
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_row_sum_of_a_row_does_not_depend_on_the_rows_beside_it():
+    # 40,000 elements in one row: torch alone would split that single output's sum over threads
+    for width in (7, 64, 40_000):
+        x = torch.randn(9, width, generator=_gen(width))
+        full = row_sum(x)
+        assert torch.allclose(full, x.double().sum(-1).float(), rtol=1e-4, atol=1e-3)
+        for rows in (1, 2, 5):
+            assert torch.equal(row_sum(x[3: 3 + rows]), full[3: 3 + rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_rows_output_is_the_same_in_any_batch(dtype):
+    w = torch.randn(33, 48, generator=_gen(1)).to(dtype)
+    bias = torch.randn(33, generator=_gen(2)).to(dtype)
+    x = torch.randn(2, 37, 48, generator=_gen(3)).to(dtype)
+    full = exact_linear(x, w, bias)
+    assert full.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output rounded once (8 bits of mantissa)
+    assert torch.allclose(full.float(), F.linear(x.float(), w.float(), bias.float()), rtol=tol, atol=tol)
+    for lo, hi in ((0, 1), (5, 6), (3, 20), (0, 37)):
+        assert torch.equal(exact_linear(x[1:, lo:hi], w, bias), full[1:, lo:hi])
+
+
+def test_under_autocast_a_linear_rounds_as_a_bf16_copy_of_its_weights_computes():
+    w = torch.randn(16, 24, generator=_gen(4))
+    x = torch.randn(5, 24, generator=_gen(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = exact_linear(x, w)
+    assert auto.dtype == torch.bfloat16
+    assert torch.equal(auto, exact_linear(x.bfloat16(), w.bfloat16()))
+
+
+def test_rms_norm_and_log_probs_of_a_row_are_the_same_in_any_batch():
+    x = torch.randn(6, 64, generator=_gen(6))
+    weight = torch.randn(64, generator=_gen(7))
+    full = exact_rms_norm(x, weight, 1e-6)
+    ref = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(full, ref, atol=1e-5)
+    assert torch.equal(exact_rms_norm(x[2:3], weight, 1e-6), full[2:3])
+    logits = torch.randn(6, 300, generator=_gen(8))
+    labels = torch.randint(300, (6,), generator=_gen(9))
+    lp = exact_log_probs(logits, labels, temperature=0.7)
+    assert torch.allclose(lp, torch.log_softmax(logits / 0.7, -1).gather(-1, labels[:, None]).squeeze(-1), atol=1e-5)
+    for lo, hi in ((0, 1), (4, 6)):
+        assert torch.equal(exact_log_probs(logits[lo:hi], labels[lo:hi], 0.7), lp[lo:hi])
+
+
+@pytest.mark.parametrize("op", [torch.exp, torch.log, torch.rsqrt, torch.cos, torch.sin, F.silu, torch.sigmoid])
+def test_elementwise_ops_give_an_element_the_same_bits_wherever_it_sits(op):
+    """The premise that elementwise ops are exact: torch's vectorised body and its tail give an element
+    the same bits, so a slice at any offset and of any length matches the whole tensor's result."""
+    x = torch.rand(4099, generator=_gen(10)) * 8 + 0.01
+    full = op(x)
+    for lo, hi in ((0, 1), (1, 18), (3, 4099), (7, 100), (4090, 4099)):
+        assert torch.equal(op(x[lo:hi].clone()), full[lo:hi])
+
+
+def _qkv(b, h, hkv, t, d, seed=11):
+    g = _gen(seed)
+    return torch.randn(b, h, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g)
+
+
+def test_attention_matches_sdpa_and_a_query_is_the_same_under_padding_decode_and_packing():
+    q, k, v = _qkv(1, 4, 2, 40, 8)
+    out, _ = exact_attention(None, q, k, v, None, scaling=8 ** -0.5)  # causal (no mask)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
+    # decode: query t over a cache of t + 1 keys, with 5 left-padding keys before them
+    for t in (0, 15, 16, 17, 39):
+        pad = 5
+        kk = torch.cat([torch.randn(1, 2, pad, 8), k[:, :, : t + 1]], 2)
+        vv = torch.cat([torch.randn(1, 2, pad, 8), v[:, :, : t + 1]], 2)
+        mask = torch.cat([torch.zeros(pad, dtype=torch.bool), torch.ones(t + 1, dtype=torch.bool)])[None, None, None]
+        step, _ = exact_attention(None, q[:, :, t: t + 1], kk, vv, mask, scaling=8 ** -0.5)
+        assert torch.equal(step[0, 0], out[0, t])
+    # packing: the sequence after another one of 9 tokens, block-diagonal mask
+    other_q, other_k, other_v = _qkv(1, 4, 2, 9, 8, seed=12)
+    seq = torch.cat([torch.zeros(9, dtype=torch.long), torch.ones(40, dtype=torch.long)])
+    causal = torch.ones(49, 49, dtype=torch.bool).tril()
+    block = (seq[:, None] == seq[None, :]) & causal
+    packed, _ = exact_attention(None, torch.cat([other_q, q], 2), torch.cat([other_k, k], 2),
+                                torch.cat([other_v, v], 2), block[None, None], scaling=8 ** -0.5)
+    assert torch.equal(packed[0, 9:], out[0])
+
+
+def _exact_model(tiny_model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+    apply_exact(model)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_models_logits_do_not_depend_on_batch_padding_packing_or_the_kv_cache(tiny_model_dir, dtype):
+    from transformers import DynamicCache
+
+    model = _exact_model(tiny_model_dir, dtype)
+    ids = torch.randint(4, 200, (3, 21), generator=_gen(13))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        assert torch.equal(model(input_ids=ids[1:2]).logits[0], full[1])
+        # left and right padding
+        for left in (True, False):
+            pad = torch.zeros(1, 6, dtype=torch.long)
+            row = torch.cat([pad, ids[1:2]], 1) if left else torch.cat([ids[1:2], pad], 1)
+            mask = (torch.arange(27) >= 6 if left else torch.arange(27) < 21).long()[None]
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=row, attention_mask=mask, position_ids=pos).logits[0]
+            assert torch.equal(out[6:] if left else out[:21], full[1])
+        # packed: two sequences end to end, with the block-diagonal mask the engine's packed forward builds
+        sequence = torch.cat([torch.zeros(9, dtype=torch.long), torch.ones(21, dtype=torch.long)])
+        packed = model(input_ids=torch.cat([ids[0, :9], ids[1]])[None], attention_mask=packed_causal_mask(sequence),
+                       position_ids=torch.cat([torch.arange(9), torch.arange(21)])[None]).logits[0]
+        assert torch.equal(packed[9:], full[1])
+        # a prefill of 10 tokens, then one token a step from the cache
+        cache = DynamicCache(config=model.config)
+        steps = [model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True).logits]
+        for t in range(10, 21):
+            steps.append(model(input_ids=ids[:, t: t + 1], past_key_values=cache, use_cache=True,
+                               position_ids=torch.full((3, 1), t)).logits)
+        assert torch.equal(torch.cat(steps, 1), full)
+
+
+def test_the_backward_is_the_gradient_of_the_same_function(tiny_model_dir):
+    """The exact ops' backward (plain matmuls and a plain masked softmax, recomputed) gives the plain model's
+    gradients to fp32 rounding, with left padding (queries with no key must not send NaN back)."""
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    exact = _exact_model(tiny_model_dir)
+    ids = torch.randint(4, 200, (3, 14), generator=_gen(14))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    grads = []
+    for model in (plain, exact):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        logits[mask.bool()].logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, want in grads[0].items():
+        got = grads[1][name]
+        assert torch.isfinite(got).all(), name
+        # fp32 re-association over the longest sums (vocabulary 260 + 42 tokens): ~2e-5 normwise
+        assert float((got - want).norm() / want.norm()) < 2e-5, name
