@@ -72,6 +72,7 @@ CASES = {
     "dense-checkpointing": Case("dense-checkpointing", WIDE, ("actor_rollout_ref.model.enable_gradient_checkpointing=true",)),
     "lora": Case("lora", WIDE, ("actor_rollout_ref.model.lora_rank=16",)),
     "moe": Case("moe", MOE),
+    "long": Case("long", NARROW, LONG),
     "fused-kernels": Case("fused-kernels", NARROW, (*LONG, "actor_rollout_ref.model.use_fused_kernels=true")),
     "packing": Case("packing", NARROW, (*LONG, *PACKED)),
     "fsdp-2-ranks": Case("fsdp-2-ranks", WIDE, layout=TWO_RANKS),

@@ -19,8 +19,8 @@ def runs(tmp_path_factory):
 
 # CI time: the rows CI runs share the one-rank FSDP2 baseline: dense, MoE (the experts' terms) and the
 # fused head on 4096-token micro-batches (the activations' and the LM head's terms). The others are heavy:
-# LoRA (+12.8 %), checkpointing, packing (the same one-rank run as the fused head's, its budget instead of
-# padded rows), and every two-rank layout (FSDP2, Megatron TP/PP/EP), each with a baseline of its own
+# LoRA (+12.8 %), checkpointing, the unfused head and packing on the fused head's shape (one-rank runs as
+# its, of about a minute each), and every two-rank layout (FSDP2, Megatron TP/PP/EP), each with a baseline of its own
 # and minutes of runs on two processes
 CI_ROWS = ("dense", "moe", "fused-kernels")
 
