@@ -114,7 +114,8 @@ def _role(name: str, policy: Any, fsdp: Any, model_cfg: Any, model: ModelShape, 
         lora_rank=int(model_cfg.lora_rank or 0) if trainable else 0, value_head=value_head,
         param_offload=bool(offload.param_offload), optimizer_offload=bool(offload.optimizer_offload),
         grad_offload=bool(getattr(offload, "grad_offload", False)) and policy.strategy == "megatron",
-        wrapped=not lone)
+        wrapped=not lone,
+        distributed_optimizer=policy.strategy != "megatron" or bool(policy.megatron.use_distributed_optimizer))
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,14 @@ def trainer_phases(r: Roles, model: ModelShape, hw: Hardware, with_rollout: bool
         work[0] = ("generate", "rollout", mem.Breakdown(
             device={**mem.rollout_phase(model, r.rollout, hw.memory_bytes).device,
                     "gathered layers": gen.device.get("gathered layers", 0)}))
-    return [_phase(name, during(role, b), runtime) for name, role, b in work]
+    phases = [_phase(name, during(role, b), runtime) for name, role, b in work]
+    if with_rollout and not r.rollout.shares_actor_weights:
+        # the rollout's weights are on the device to receive the sync (vLLM/SGLang wake them before
+        # their KV cache), the actor's export beside them
+        woken = {**idle, "rollout": mem.Breakdown(device={"rollout weights": int(mem.rollout_weights(model, r.rollout))})}
+        sync = [(k, v) for k, v in woken.items() if k != "actor"] + [("actor", mem.export_breakdown(model, r.actor, gpu))]
+        phases.append(_phase("weight sync", sync, runtime))
+    return phases
 
 
 def _rank_label(spec: mem.RoleSpec) -> str:

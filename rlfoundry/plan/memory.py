@@ -65,6 +65,7 @@ class RoleSpec:
     optimizer_offload: bool = False
     grad_offload: bool = False
     wrapped: bool = True  # FSDP2 wraps it (single_rank=auto leaves a lone rank unwrapped)
+    distributed_optimizer: bool = True  # Megatron's use_distributed_optimizer (false: every rank all the state)
 
 
 @dataclass
@@ -100,16 +101,37 @@ def params_on_rank(m: ModelShape, spec: RoleSpec) -> float:
     Megatron: dense weights split by tp·pp, routed experts by ep·etp·pp; the embedding and the LM
     head (vocab × h each, split by tp) sit on the first and last stage: both on a lone stage, one of
     them on each end stage under pipeline parallelism."""
-    total = role_param_count(m, spec.value_head)
     p = spec.par
     if spec.strategy != "megatron":
-        return total / (p.dp * p.sp)
+        return role_param_count(m, spec.value_head) / (p.dp * p.sp)
+    return sum(megatron_params_on_rank(m, spec))
+
+
+def megatron_params_on_rank(m: ModelShape, spec: RoleSpec) -> tuple[float, float]:
+    """(dense, routed-expert) parameters a Megatron rank stores (``params_on_rank``'s split): the two
+    are sharded over different data-parallel groups by the distributed optimizer."""
+    p = spec.par
     experts = expert_params(m)
     embed = m.vocab * m.hidden
     heads = embed * (1 if m.tied or spec.value_head else 2)
-    body = total - experts - heads
+    body = role_param_count(m, spec.value_head) - experts - heads
     ends = heads if p.pp == 1 else embed
-    return body / (p.tp * p.pp) + experts / (p.ep * p.etp * p.pp) + ends / p.tp
+    return body / (p.tp * p.pp) + ends / p.tp, experts / (p.ep * p.etp * p.pp)
+
+
+def megatron_optimizer_params(m: ModelShape, spec: RoleSpec) -> float:
+    """Parameters whose optimizer state (and fp32 master copy) this rank's distributed optimizer holds.
+    megatron-core shards each parameter's state over the ranks that hold a replica of it: dense weights
+    over data parallel × context parallel (its DDP reduces over the group with context parallel), the
+    experts over the expert-data-parallel group, ranks / (ep · etp · pp). The EP ranks come out of the
+    data-parallel ones, so a rank holds 1/ep of the experts but shards them over ep times fewer replicas:
+    their state per rank is the same at every EP (at etp = tp), the weights and gradients are not."""
+    dense, experts = megatron_params_on_rank(m, spec)
+    p = spec.par
+    if not spec.distributed_optimizer:
+        return dense + experts
+    expert_dp = max(1, p.dp * p.tp * p.cp // (p.ep * p.etp))
+    return dense / (p.dp * p.cp) + experts / expert_dp
 
 
 def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:
@@ -119,7 +141,8 @@ def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:
         buffer in fp32 (4 bytes, not sharded by dp)
       optimizer (AdamW, two moments): FSDP in the storage dtype (torch's AdamW keeps state in the
         parameter's dtype: 8 bytes/param over fp32 weights); Megatron's distributed optimizer 8 bytes
-        fp32 moments + 4 bytes fp32 master weights (bf16 parameters only), sharded over dp
+        fp32 moments + 4 bytes fp32 master weights (bf16 parameters only), sharded over each
+        parameter's replicas (``megatron_optimizer_params``)
     LoRA: the base weights are frozen; gradients and moments exist for the adapters alone (r·(in+out)
     per adapted linear), stored in the storage dtype."""
     n = params_on_rank(m, spec)
@@ -132,8 +155,9 @@ def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:
         out["weights"] += adapters * spec.storage_bytes
         return out | {"gradients": adapters * spec.storage_bytes, "optimizer": 2 * adapters * spec.storage_bytes}
     if spec.strategy == "megatron":  # fp32 parameters are their own main copy: no master weights then
-        master = 4 * n / spec.par.dp if spec.storage_bytes < 4 else 0.0
-        return out | {"gradients": 4 * n, "optimizer": 8 * n / spec.par.dp, "master weights": master}
+        sharded = megatron_optimizer_params(m, spec)
+        master = 4 * sharded if spec.storage_bytes < 4 else 0.0
+        return out | {"gradients": 4 * n, "optimizer": 8 * sharded, "master weights": master}
     return out | {"gradients": n * spec.storage_bytes, "optimizer": 2 * n * spec.storage_bytes}
 
 
@@ -228,9 +252,12 @@ def place_states(states: dict[str, float], spec: RoleSpec, on_gpu: bool) -> Brea
 
 
 def idle_breakdown(m: ModelShape, spec: RoleSpec, on_gpu: bool) -> Breakdown:
-    """What the role keeps on its rank while another phase runs: weights and optimizer state (gradients
-    are freed after each step), minus what is offloaded."""
-    states = {k: v for k, v in weight_states(m, spec).items() if k != "gradients"}
+    """What the role keeps on its rank while another phase runs: weights and optimizer state, minus what
+    is offloaded. Gradients: FSDP frees them after each step (``zero_grad(set_to_none)``); Megatron's
+    DDP keeps its contiguous fp32 gradient buffer allocated between updates (zeroed, not freed) unless
+    ``grad_offload`` releases it (engines/megatron/offload.py)."""
+    kept = spec.strategy == "megatron" and not spec.grad_offload
+    states = {k: v for k, v in weight_states(m, spec).items() if k != "gradients" or kept}
     return place_states(states, spec, on_gpu)
 
 
@@ -273,6 +300,33 @@ def forward_phase(m: ModelShape, spec: RoleSpec, on_gpu: bool) -> Breakdown:
     b.device["gathered layers"] = int(gathered_bytes(m, spec) / (2 if spec.trainable and not spec.lora_rank else 1))
     b.device["activations"] = int(forward_only_activations(m, spec))
     b.device["logits"] = int(head_buffers(m, spec, backward=False))
+    return b
+
+
+def largest_tensor(m: ModelShape) -> int:
+    """Values in the model's largest whole HF tensor: the embedding or LM head (vocab × hidden), the
+    fused gate/up projection (2·I × hidden), or a MoE layer's experts as transformers holds them in
+    memory (``gate_up_proj``: E × 2·I_moe × hidden)."""
+    experts = m.experts * 2 * m.moe_intermediate * m.hidden if m.is_moe else 0
+    return max(m.vocab * m.hidden, 2 * m.intermediate * m.hidden, experts)
+
+
+def export_breakdown(m: ModelShape, spec: RoleSpec, on_gpu: bool) -> Breakdown:
+    """The weight sync to a rollout engine with weights of its own: the actor idle (Megatron's offloaded
+    weights brought back to export them) and the tensor in flight. The export hands over whole HF
+    tensors one at a time; Megatron gathers each over tensor parallel (the shards beside their
+    concatenation) or takes it from its pipeline stage (a pickled copy beside the tensor): twice the
+    largest tensor then; FSDP's ``full_tensor`` once. A Megatron MoE layer's experts are collected
+    before they are handed on (moe.fuse_experts): a copy of every expert's gate, up and down (3·E·I·h)
+    beside the stacked gate_up and down (3·E·I·h more). On the CPU these were the terms missing from
+    Megatron runs' peaks: 0.09-0.15 GB of a 100M-parameter model at TP=2 and PP=2, 0.2 GB of the
+    16-expert model at EP=2 (docs/plan.md)."""
+    b = _megatron_brings_back(idle_breakdown(m, spec, on_gpu), spec, ("weights",))
+    megatron = spec.strategy == "megatron"
+    values = (2 if megatron and spec.par.tp * spec.par.pp > 1 else 1) * largest_tensor(m)
+    if megatron and m.is_moe:
+        values = max(values, 6 * m.experts * m.moe_intermediate * m.hidden)
+    b.device["weight export"] = int(values * spec.compute_bytes)
     return b
 
 
@@ -326,8 +380,14 @@ def rollout_phase(m: ModelShape, r: RolloutSpec, memory_bytes: int) -> Breakdown
 
 def rollout_idle(m: ModelShape, r: RolloutSpec, memory_bytes: int) -> Breakdown:
     """Outside generation: nothing with sleep mode / free_cache_engine (weights to the host, KV
-    discarded); without, the engine keeps its whole budget."""
-    if r.releases_memory or r.name == "hf":
-        host = {"rollout weights": int(rollout_weights(m, r))} if r.name != "hf" else {}
-        return Breakdown(host=host)
+    discarded); without, the engine keeps its whole budget. The HF engine frees its KV cache after each
+    batch; decoding the actor's own module it holds nothing else, but beside a Megatron actor it decodes
+    a copy of its own (hf_rollout.py: the weight sync copies the actor's export into it), which stays
+    on the device through the other phases: on the CPU that copy was a 0.4 GB term missing from a
+    100M-parameter Megatron run's update (docs/plan.md, calibration)."""
+    if r.name == "hf":
+        weights = 0 if r.shares_actor_weights else int(rollout_weights(m, r))
+        return Breakdown(device={"rollout weights": weights} if weights else {})
+    if r.releases_memory:
+        return Breakdown(host={"rollout weights": int(rollout_weights(m, r))})
     return rollout_phase(m, r, memory_bytes)

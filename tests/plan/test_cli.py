@@ -6,10 +6,15 @@ import json
 
 import pytest
 
+from pathlib import Path
+
 from rlfoundry.cli import main as cli
 from rlfoundry.plan.model import load_shape, param_counts
-from rlfoundry.trainer.config import resolve_asset_path
-from tests.plan.configs import QWEN25_7B, QWEN25_32B, QWEN25_72B, write_config
+from rlfoundry.plan.startup import _has_config
+from rlfoundry.trainer.config import CONFIG_DIR, resolve_asset_path
+from tests.config.test_verl_command_lines import LINES as VERL_LINES
+from tests.config.test_verl_command_lines import TREE_FILES
+from tests.plan.configs import QWEN3_30B_A3B, QWEN25_7B, QWEN25_32B, QWEN25_72B, write_config
 
 
 def _plan_json(capsys, *args: str) -> tuple[int, dict]:
@@ -97,10 +102,124 @@ def test_plan_check_key_is_documented(key):
     assert key in (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
 
 
-@pytest.mark.parametrize("name", ["ppo_megatron_trainer", "one_step_off_ppo_trainer", "vision_grpo", "gsm8k_multiturn_grpo"])
-def test_packaged_configs_are_planned(capsys, name):
-    code, out = _plan_json(capsys, "--config-name", name, "--no-fixes")
-    assert code == 0 and out["fits"] is True
-    for pool in out["pools"]:  # every phase's total is its items' sum, and the worst is the largest phase
-        assert all(p["bytes"] == sum(p["device"].values()) for p in pool["phases"])
+def _assert_answered(code: int, out: dict) -> None:
+    """A verdict with per-rank figures: exit 0 exactly when it fits, every phase's total its items' sum,
+    the worst the largest phase of any pool, named by pool, rank and phase."""
+    assert code == (0 if out["fits"] else 1)
+    for pool in out["pools"]:
+        assert pool["ranks"] >= 1 and pool["rank"].startswith(("rank 0", "rollout rank 0"))
+        assert all(p["bytes"] == sum(p["device"].values()) > 0 for p in pool["phases"])
     assert out["worst"]["bytes"] == max(p["bytes"] for pool in out["pools"] for p in pool["phases"])
+    assert out["headroom_bytes"] == out["capacity_bytes"] - out["worst"]["bytes"]
+
+
+def _model_of(name: str) -> str | None:
+    """The packaged config's policy path, when that directory holds a config.json here (a GPU config
+    names a model under /root/models that a CPU machine does not have)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(CONFIG_DIR / f"{name}.yaml").get("actor_rollout_ref", {}).get("model", {}).get("path")
+
+
+@pytest.fixture(scope="module")
+def qwen7b(tmp_path_factory) -> str:
+    return write_config(tmp_path_factory.mktemp("plan") / "qwen7b", QWEN25_7B)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_packaged_config_is_planned(capsys, qwen7b, name):
+    """``rlfoundry plan --config-name NAME`` answers for every packaged config (SFT's names included: as
+    for ``rlfoundry train``, their overlays compose onto the PPO defaults). A config whose model
+    directory is not on this machine is planned with Qwen2.5-7B's config.json in its place."""
+    path = _model_of(name)
+    usable = path is None or _has_config(path)
+    code, out = _plan_json(capsys, "--config-name", name, "--no-fixes",
+                           *([] if usable else [f"actor_rollout_ref.model.path={qwen7b}"]))
+    _assert_answered(code, out)
+
+
+def _verl_plan_args(line: dict, model: str, tree: Path, home: Path) -> list[str]:
+    """A verl command line as ``rlfoundry plan`` arguments: the rlfoundry module's entry (its default
+    ``--config-name`` and ``async_training.mode``, under the line's own keys, as main_ppo.run applies
+    them), the model paths pointed at a config-only directory."""
+    import importlib
+
+    from rlfoundry.trainer.main_ppo import Entry
+
+    module = "rlfoundry." + line["module"].split(".", 1)[1]
+    entry = getattr(importlib.import_module(module), "ENTRY", Entry())
+    args = [a.replace("{home}", str(home)).replace("{tree}", str(tree)) for a in line["args"]]
+    args = [a.split("=", 1)[0] + "=" + model if a.startswith(MODEL_KEYS) else a for a in args]
+    named = any(a.startswith("--config-name") for a in args)
+    return [*(["--config-name", entry.config_name] if entry.config_name and not named else []),
+            *([f"async_training.mode={entry.mode}"] if entry.mode else []), *args]
+
+
+MODEL_KEYS = ("actor_rollout_ref.model.path=", "critic.model.path=")
+# main_ppo's lines (and its one-step-off and fully-async entries); SFT's are not RL runs to plan
+PPO_LINES = [line for line in VERL_LINES if ".sft_trainer" not in line["module"] and "fsdp_sft" not in line["module"]]
+
+
+@pytest.mark.parametrize("line", PPO_LINES, ids=[line["source"].split(":", 1)[1] for line in PPO_LINES])
+def test_verls_example_command_lines_are_planned(capsys, qwen7b, tmp_path, monkeypatch, line):
+    """Each of verl's command lines (tests/config/verl_command_lines.json), module name changed: a verdict
+    with per-rank figures, or, where the trainer refuses the line, exit 2 with the trainer's message."""
+    tree = tmp_path / "verl"
+    for name, text in TREE_FILES.items():  # the files the lines name inside verl's tree
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    monkeypatch.chdir(tree / line["cwd"])
+    args = _verl_plan_args(line, qwen7b, tree, tmp_path / "home")
+    code = cli(["plan", "--json", "--no-fixes", *args])
+    captured = capsys.readouterr()
+    if code == 2:  # refused: the same message as the trainer's own check of these arguments
+        from rlfoundry.trainer import main_ppo
+
+        assert main_ppo.main([*args, "--cfg", "job"]) == 2
+        assert captured.err.split(": ", 1)[1].strip() in capsys.readouterr().err
+        return
+    _assert_answered(code, json.loads(captured.out))
+
+
+def _step_items(capsys, model: str, ep: int) -> dict:
+    code, out = _plan_json(capsys, "--config-name", "ppo_megatron_trainer", "--gpu", "h100-80g", "--no-fixes",
+                           f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=8",
+                           "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+                           f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}")
+    assert code in (0, 1) and out["layout"]["actor"]["ep"] == ep
+    return next(p for p in out["pools"][0]["phases"] if p["name"] == "actor step")["device"]
+
+
+def test_megatron_expert_parallel_plans_a_share_of_the_experts_per_rank(tmp_path, capsys):
+    """EP=2 against EP=1 on 8 ranks (tp = pp = 1, bf16 weights): each rank holds half the routed experts,
+    E = 48 layers × 128 experts × 3 · 2048 · 768 = 28,991,029,248 parameters, so E/2 fewer bf16 weights
+    (2 bytes) and fp32 gradients (4 bytes). The distributed optimizer shards each expert over its
+    replicas, ranks / EP = 4 at EP=2, 8 at EP=1: E/2/4 = E/8 per rank either way, the same moments and
+    master copies."""
+    model = write_config(tmp_path / "qwen3-30b-a3b", QWEN3_30B_A3B)
+    one, two = _step_items(capsys, model, 1), _step_items(capsys, model, 2)
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert experts == 28_991_029_248
+    assert one["actor weights"] - two["actor weights"] == pytest.approx(2 * experts / 2, abs=2)
+    assert one["actor gradients"] - two["actor gradients"] == pytest.approx(4 * experts / 2, abs=2)
+    assert one["actor optimizer"] == pytest.approx(two["actor optimizer"], abs=2)
+    assert one["actor master weights"] == pytest.approx(two["actor master weights"], abs=2)
+    # at EP=1 the moments are the whole model's fp32 pair over the 8 data-parallel ranks
+    total = param_counts(load_shape(model))[0]
+    assert one["actor optimizer"] == pytest.approx(8 * total / 8, abs=2)
+
+
+def test_vllm_weights_are_on_the_device_for_the_weight_sync_only(tmp_path, capsys):
+    """Sleep mode releases vLLM's share outside generation; the sync wakes its weights (bf16, 2 bytes per
+    parameter) beside the actor's export of its largest tensor (the embedding, 152064 × 3584, once for
+    FSDP's full_tensor, in the bf16 compute dtype)."""
+    model = write_config(tmp_path / "qwen7b", QWEN25_7B)
+    code, out = _plan_json(capsys, "--gpu", "h100-80g", "--no-fixes", f"actor_rollout_ref.model.path={model}",
+                           "trainer.n_gpus_per_node=8", "data.train_batch_size=64",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.rollout.name=vllm")
+    assert code in (0, 1)
+    phases = {p["name"]: p["device"] for p in out["pools"][0]["phases"]}
+    n = param_counts(load_shape(model))[0]
+    assert phases["weight sync"]["rollout rollout weights"] == 2 * n
+    assert phases["weight sync"]["actor weight export"] == 152064 * 3584 * 2
+    assert "rollout rollout weights" not in phases["actor update"]

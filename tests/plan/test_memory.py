@@ -162,3 +162,46 @@ def test_vllm_and_sglang_on_the_cpu_hold_the_kv_cache_of_their_batch_not_a_memor
         # 8 sequences × 64 tokens × (2 · 28 layers · 4 KV heads · 128 · 4 bytes)
         assert b.device["kv cache"] == 8 * 64 * 2 * 28 * 4 * 128 * 4
         assert b.device["rollout weights"] == 4 * param_counts(m)[0]
+
+
+def test_megatron_keeps_its_gradient_buffer_between_updates_unless_grad_offload():
+    m = shape_from_config(QWEN25_7B)
+    spec = _spec(strategy="megatron", storage_bytes=2, par=mem.Parallel(dp=4, tp=2))
+    idle = mem.idle_breakdown(m, spec, on_gpu=True)
+    # DDP's contiguous fp32 buffer: 4 bytes per parameter on the rank, zeroed after the step, not freed
+    assert idle.device["gradients"] == int(4 * mem.params_on_rank(m, spec))
+    assert "gradients" not in mem.idle_breakdown(m, dataclasses.replace(spec, grad_offload=True), on_gpu=True).device
+    assert "gradients" not in mem.idle_breakdown(m, _spec(), on_gpu=True).device  # FSDP sets them to None
+
+
+def test_expert_optimizer_state_is_sharded_over_the_expert_data_parallel_ranks():
+    m = shape_from_config(QWEN3_30B_A3B)
+    one = mem.weight_states(m, _spec(strategy="megatron", storage_bytes=2, par=mem.Parallel(dp=8)))
+    ep8 = mem.weight_states(m, _spec(strategy="megatron", storage_bytes=2, par=mem.Parallel(dp=8, ep=8)))
+    experts = 48 * 128 * 3 * 2048 * 768
+    # each rank holds 1/8 of the experts, replicated on 8/8 = 1 rank: all of that eighth's state is its own;
+    # at EP=1 every rank holds all the experts, their state sharded over the 8 replicas: the same bytes
+    assert one["weights"] - ep8["weights"] == pytest.approx(2 * experts * 7 / 8)
+    assert one["optimizer"] == pytest.approx(ep8["optimizer"]) and one["master weights"] == pytest.approx(ep8["master weights"])
+    # without the distributed optimizer every rank keeps the whole state of what it holds
+    whole = mem.weight_states(m, _spec(strategy="megatron", storage_bytes=2, par=mem.Parallel(dp=8),
+                                       distributed_optimizer=False))
+    assert whole["optimizer"] == pytest.approx(8 * param_counts(m)[0])
+
+
+def test_an_hf_rollout_beside_megatron_keeps_its_own_copy_between_generations():
+    m = shape_from_config(QWEN25_7B)
+    r = mem.RolloutSpec("hf", tp=1, weight_bytes=2, gpu_memory_utilization=0.5, sequences_per_replica=8,
+                        context=64, releases_memory=False, shares_actor_weights=False)
+    assert mem.rollout_idle(m, r, 80 * 1024**3).device == {"rollout weights": 2 * param_counts(m)[0]}
+    assert mem.rollout_idle(m, dataclasses.replace(r, shares_actor_weights=True), 80 * 1024**3).device == {}
+
+
+def test_weight_export_holds_the_largest_tensor_twice_when_megatron_gathers_it():
+    m = shape_from_config(QWEN25_7B)
+    # the embedding, 152064 × 3584 values, is larger than the fused gate/up projection (2 · 18944 × 3584)
+    assert mem.largest_tensor(m) == 152064 * 3584
+    tp2 = mem.export_breakdown(m, _spec(strategy="megatron", storage_bytes=2, par=mem.Parallel(tp=2)), on_gpu=True)
+    assert tp2.device["weight export"] == 2 * 152064 * 3584 * 2  # the shards beside their concatenation, bf16
+    fsdp = mem.export_breakdown(m, _spec(par=mem.Parallel(dp=8)), on_gpu=True)
+    assert fsdp.device["weight export"] == 152064 * 3584 * 2  # full_tensor once, in the compute dtype
