@@ -62,8 +62,9 @@ def test_a_short_demo_run_logs_router_and_replay_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_the_moe_demo_learns(tmp_path):
-    """The whole demo (40 steps; numbers in docs/moe.md#the-moe-demo): validation at the end beats step 0 by
-    > 0.2, the training score rises, and the report plot is left beside the metrics."""
+    """The whole demo (40 steps; docs/moe.md#the-moe-demo): validation at the end beats step 0 by > 0.2, the
+    training score rises, and the report plot is left beside the metrics. Measured 2026-11-29: greedy
+    validation 0.539 → 0.719, 0.883, 0.984, 0.984 at steps 10-40; 42 s on 2 shared cores, ~270 s at load ~8."""
     run = E.train([f"trainer.default_local_dir={tmp_path}", *QUIET], config_name="moe_grpo")
     key = "val-core/rlfoundry/arithmetic/reward/mean@1"
     val = {r["step"]: r[key] for r in run.records if key in r}
