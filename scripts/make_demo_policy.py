@@ -11,6 +11,11 @@
 
     python scripts/make_demo_policy.py                      # the shipped policy (~15 min, 1 CPU core)
     python scripts/make_demo_policy.py --eval-only DIR      # greedy / sampled accuracy of any policy
+    python scripts/make_demo_policy.py --moe                # the MoE demo's policy (rlfoundry/assets/moe-policy)
+
+``--moe`` makes the same policy with a tiny Qwen3-MoE body instead of the Qwen2 (``MOE_MODEL``): same
+data, answer styles and SFT keys, so ``rlfoundry train --config-name moe_grpo`` starts from the same
+kind of gap as the default demo.
 
 Runs single-threaded (see ``main``): a tiny model gains nothing from a second thread.
 """
@@ -34,6 +39,14 @@ ASSET_DIR = REPO / "rlfoundry" / "assets" / "arithmetic-policy"
 
 # The recipe. Changing any of these changes the shipped weights: keep them in the asset's README.
 MODEL = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "seed": 0}
+# --moe: a Qwen3-MoE, every layer 8 experts of width 96 with 2 routed per token, so a token's
+# active MLP is as wide (192) as a dense Qwen3 of hidden 96 with the default 2x MLP (the cost
+# benchmark's dense twin, benchmarks/moe_step_cost.py); narrower than MODEL to keep the asset
+# a few MB with 8 experts a layer.
+MOE_MODEL = {"arch": "qwen3_moe", "hidden_size": 96, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+             "intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2, "seed": 0}
+MOE_ASSET_DIR = REPO / "rlfoundry" / "assets" / "moe-policy"
+MOE_SFT_OVERRIDES = ["trainer.experiment_name=moe-sft"]  # after SFT_OVERRIDES: the later key wins
 # The SFT pairs: the arithmetic task's splits (2-digit +/-); the 128 validation problems, drawn
 # first with seed 0, are the RL demo's validation set.
 DATA = {"train_size": 16384, "val_size": 128, "seed": 0}
@@ -141,15 +154,16 @@ def demo_validation_problems() -> list[tuple[str, str]]:
 
 # --------------------------------------------------------------------------- making the policy
 
-def make_policy(out_dir: Path, work_dir: Path, steps: int | None = None) -> Path:
+def make_policy(out_dir: Path, work_dir: Path, steps: int | None = None, model: Mapping | None = None,
+                extra_overrides: list[str] = ()) -> Path:
     from rlfoundry.models.tiny import save_tiny_model
     from rlfoundry.trainer.sft_trainer import ROLE, run_sft
     from rlfoundry.checkpoint import STEP_MARKER
 
-    base = save_tiny_model(work_dir / "init", **MODEL)
+    base = save_tiny_model(work_dir / "init", **(model or MODEL))
     train, val = write_demo_data(work_dir / "data")
     overrides = SFT_OVERRIDES + [f"model.partial_pretrain={base}", f"trainer.default_local_dir={work_dir / 'sft'}",
-                                 f"data.train_files={train}", f"data.val_files={val}"]
+                                 f"data.train_files={train}", f"data.val_files={val}", *extra_overrides]
     if steps is not None:
         overrides.append(f"trainer.total_training_steps={steps}")
     summary = run_sft(overrides)
@@ -160,16 +174,29 @@ def make_policy(out_dir: Path, work_dir: Path, steps: int | None = None) -> Path
     return out_dir
 
 
-def _write_card(out_dir: Path, scores: dict[str, float], steps: int | None) -> None:
+def _model_line(moe: bool, size_mb: float) -> str:
+    """The card's first lines: which model, how big, which command made it."""
+    if moe:
+        m = MOE_MODEL
+        return ("# moe-policy: the policy of the MoE demo (`rlfoundry train --config-name moe_grpo`)\n\n"
+                f"A tiny Qwen3-MoE (hidden {m['hidden_size']}, {m['num_layers']} layers, each with "
+                f"{m['num_experts']} experts of width {m['intermediate_size']}, top-{m['num_experts_per_tok']} "
+                f"routing, byte-level tokenizer, {size_mb:.1f} MB) made by\n"
+                "`python scripts/make_demo_policy.py --moe`: built from a config, then ")
+    return ("# arithmetic-policy: the demo policy of `rlfoundry train`\n\n"
+            f"A tiny Qwen2 (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, byte-level tokenizer, "
+            f"{size_mb:.1f} MB) made by\n`python scripts/make_demo_policy.py`: built from a config, then ")
+
+
+def _write_card(out_dir: Path, scores: dict[str, float], steps: int | None, moe: bool = False) -> None:
     """A README next to the weights: what they are, how they were made, how good they are."""
     recipe = [f"data: {json.dumps(DATA)}, sentence_ratio_by_op: {json.dumps(SENTENCE_RATIO_BY_OP)}"]
-    recipe += SFT_OVERRIDES + ([f"trainer.total_training_steps={steps}"] if steps else [])
+    recipe += ([f"model: {json.dumps(MOE_MODEL)}"] if moe else []) + SFT_OVERRIDES
+    recipe += (MOE_SFT_OVERRIDES if moe else []) + ([f"trainer.total_training_steps={steps}"] if steps else [])
     size_mb = sum(p.stat().st_size for p in out_dir.iterdir()) / 1e6
     pct = {k: f"{v:.1%}" for k, v in scores.items() if k != "n_problems"}
     (out_dir / "README.md").write_text(
-        "# arithmetic-policy: the demo policy of `rlfoundry train`\n\n"
-        f"A tiny Qwen2 (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, byte-level tokenizer, "
-        f"{size_mb:.1f} MB) made by\n`python scripts/make_demo_policy.py`: built from a config, then "
+        _model_line(moe, size_mb) +
         "`rlfoundry sft` on pairs of the built-in\n`rlfoundry/arithmetic` task (2-digit `+`/`-`) that the "
         "script writes, with the recipe below.\n\nThe SFT answers come in two styles, the bare number (what the task's exact-integer "
         "verifier\naccepts) and the sentence \"The answer is N.\" (a quarter of the additions, three "
@@ -186,7 +213,8 @@ def _write_card(out_dir: Path, scores: dict[str, float], steps: int | None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ASSET_DIR)
+    parser.add_argument("--out", type=Path, default=None, help="default: the asset directory of the policy made")
+    parser.add_argument("--moe", action="store_true", help="the MoE demo's policy (MOE_MODEL) instead of the Qwen2")
     parser.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--steps", type=int, default=None, help="override the SFT step count (experiments)")
     parser.add_argument("--eval-only", type=Path, default=None, help="only evaluate this HF directory")
@@ -198,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(evaluate_policy(args.eval_only, demo_validation_problems()), indent=2))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        out = make_policy(args.out, args.work_dir or Path(tmp), args.steps)
+        out = make_policy(args.out or (MOE_ASSET_DIR if args.moe else ASSET_DIR), args.work_dir or Path(tmp),
+                          args.steps, MOE_MODEL if args.moe else MODEL, MOE_SFT_OVERRIDES if args.moe else [])
     scores = evaluate_policy(out, demo_validation_problems())
-    _write_card(out, scores, args.steps)
+    _write_card(out, scores, args.steps, args.moe)
     print(f"demo policy written to {out}\n{json.dumps(scores, indent=2)}")
     return 0
 

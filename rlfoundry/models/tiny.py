@@ -21,7 +21,7 @@ PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, "<unk>"]
-ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # build_tiny_model's families
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # build_tiny_model's families
 
 # Qwen2-style ChatML template. The role names are spelled out character by character by this
 # tokenizer, which is fine: prompts stay a few dozen tokens long.
@@ -108,7 +108,8 @@ def build_tiny_model(
 ):
     """A randomly initialised model of the given family, sized for CPU tests.
 
-    ``arch``: ``qwen2``, ``llama`` (dense) or ``qwen3_moe`` / ``qwen2_moe`` / ``deepseek_v3`` / ``gpt_oss``
+    ``arch``: ``qwen2``, ``llama``, ``qwen3`` (dense; Qwen3: Qwen2 with q/k norms, the dense twin of
+    ``qwen3_moe``) or ``qwen3_moe`` / ``qwen2_moe`` / ``deepseek_v3`` / ``gpt_oss``
     (mixture of experts: every layer sparse with ``num_experts`` experts of width ``intermediate_size``,
     ``num_experts_per_tok`` routed per token; Qwen2-MoE adds its shared expert of the same width;
     DeepSeek-V3 has MLA attention, a dense first layer, one shared expert and grouped routing (the
@@ -151,7 +152,10 @@ def build_tiny_model(
 
 
 def _moe_keys(arch: str, width: int, num_experts: int, top_k: int, head_dim: int, heads: int) -> dict:
-    """The config keys of an MoE family (none for a dense one): experts as wide as the dense MLP."""
+    """The config keys of an MoE family (none for a dense one but Qwen3's head width): experts as wide as the
+    dense MLP."""
+    if arch == "qwen3":  # Qwen3Config's head_dim defaults to 128 whatever the hidden size; Qwen3-MoE's follows it
+        return dict(head_dim=head_dim)
     if arch == "deepseek_v3":
         # MLA with the head split DeepSeek-V3 uses (half rotary, half not), no query compression;
         # grouped routing needs the experts to divide into n_group groups of at least 2

@@ -1,8 +1,10 @@
 """``rlfoundry report <run_dir>``: a run at a glance, from the ``metrics.jsonl`` the tracker wrote.
 
 Writes ``report.png`` (one panel per quantity: score, validation accuracy, KL, entropy, response
-length, throughput, and the loss for SFT runs) and ``report.html`` (the picture plus a table of
-first and final values). Panels whose metrics the run never logged are left out.
+length, throughput, the loss for SFT runs; for MoE runs the experts' load, the share of tokens the
+trainer re-routes and the log-prob mismatch with and without routing replay) and ``report.html``
+(the picture plus a table of first and final values). Panels whose metrics the run never logged are
+left out.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ PANELS: tuple[Panel, ...] = (
     Panel("Response length", ("response_length/mean", "response_length/max")),
     Panel("Throughput (tokens/s per worker)", ("perf/throughput",)),
     Panel("Loss", ("train/loss", "val/loss")),
+    # MoE runs (docs/moe.md): how evenly the experts are used, how many tokens the trainer's router would send
+    # elsewhere than the rollout's, and what replaying the rollout's experts does to the log-prob mismatch
+    Panel("MoE expert load (max share x N; 1 = balanced)", ("moe/layer*/load_max",)),
+    Panel("Tokens re-routed by the trainer", ("actor/router_replay/changed_token_frac",)),
+    Panel("|Δ log p| rollout vs trainer, replay on / off", ("mismatch/router_replay/on/mean",
+                                                            "mismatch/router_replay/off/mean")),
 )
 
 

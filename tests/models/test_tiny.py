@@ -45,3 +45,20 @@ def test_tiny_moe_routes_each_token_to_top_k_of_its_experts_and_reloads_identica
     assert [tuple(r.shape) for r in out.router_logits] == [(5, 8), (5, 8)]
     again = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)(x).logits
     torch.testing.assert_close(out.logits, again, rtol=0, atol=0)
+
+
+def test_tiny_qwen3_is_the_dense_twin_of_the_tiny_qwen3_moe():
+    """The MoE cost benchmark's pair (benchmarks/moe_step_cost.py): the same attention (Qwen3Config's head_dim
+    would default to 128; here hidden / heads = 24, as Qwen3-MoE's), and a dense MLP of k x the expert width
+    holding exactly the weights a token passes through in the MoE (2 experts x 3 x 96 x 96)."""
+    from rlfoundry.models.tiny import build_tiny_model
+
+    tok = build_tokenizer()
+    shape = dict(hidden_size=96, num_layers=1, num_heads=4, num_kv_heads=2)
+    dense = build_tiny_model(tok, arch="qwen3", intermediate_size=192, **shape)
+    moe = build_tiny_model(tok, arch="qwen3_moe", intermediate_size=96, num_experts=8, num_experts_per_tok=2, **shape)
+    attn = {n: p.shape for n, p in dense.model.layers[0].self_attn.named_parameters()}
+    assert attn == {n: p.shape for n, p in moe.model.layers[0].self_attn.named_parameters()}
+    assert attn["q_proj.weight"] == (4 * 24, 96)
+    active = 2 * sum(p[0].numel() for p in moe.model.layers[0].mlp.experts.parameters())
+    assert sum(p.numel() for p in dense.model.layers[0].mlp.parameters()) == active == 2 * 3 * 96 * 96

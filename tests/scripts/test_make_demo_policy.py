@@ -43,3 +43,17 @@ def test_written_files_are_what_rlfoundry_sft_reads(demo, tmp_path, monkeypatch)
     assert len(load_pairs(str(val_file), cfg.data)) == 5
     # the shipped recipe: a quarter of the additions and three quarters of the subtractions in a sentence
     assert demo.SENTENCE_RATIO_BY_OP == {"+": 0.25, "-": 0.75}
+
+
+def test_the_packaged_moe_policy_is_the_moe_recipe(demo):
+    """``--moe``'s recipe (MOE_MODEL, the shared SFT keys) is what rlfoundry://moe-policy was made with: its
+    config has that shape and its card lists the recipe."""
+    from transformers import AutoConfig
+
+    m, cfg = demo.MOE_MODEL, AutoConfig.from_pretrained(demo.MOE_ASSET_DIR)
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == \
+        (m["arch"], m["hidden_size"], m["num_layers"], m["num_heads"])
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == \
+        (m["num_experts"], m["num_experts_per_tok"], m["intermediate_size"])
+    card = (demo.MOE_ASSET_DIR / "README.md").read_text()
+    assert json.dumps(m) in card and all(key in card for key in demo.SFT_OVERRIDES + demo.MOE_SFT_OVERRIDES)

@@ -59,3 +59,21 @@ def test_no_metrics_is_a_clear_error(tmp_path, capsys):
     _write_run(tmp_path, [{"step": 1, "something/else": 1.0}])
     with pytest.raises(ReportError, match="none of the plotted metrics"):
         write_report(tmp_path)
+
+
+def test_an_moe_run_gets_the_router_and_replay_panels(tmp_path):
+    """An MoE run with routing replay (docs/moe.md): the experts' load, the re-routed share and the mismatch with
+    and without the replay are plotted and tabled; a dense run's report has none of them."""
+    records = _ppo_records(4)
+    for r in records[1:]:
+        r.update({"moe/layer0/load_max": 1.5, "moe/layer1/load_max": 1.25, "moe/layer0/load_cv": 0.3,
+                  "actor/router_replay/changed_token_frac": 0.05,
+                  "mismatch/router_replay/on/mean": 0.001, "mismatch/router_replay/off/mean": 0.004})
+    _write_run(tmp_path / "moe", records)
+    headline = write_report(tmp_path / "moe")["html"].read_text().split("All other metrics")[0]
+    for key in ("moe/layer0/load_max", "moe/layer1/load_max", "actor/router_replay/changed_token_frac",
+                "mismatch/router_replay/on/mean", "mismatch/router_replay/off/mean"):
+        assert f"<td>{key}</td>" in headline, key
+    assert "moe/layer0/load_cv" not in headline  # one load panel: the busiest expert's share, per layer
+    _write_run(tmp_path / "dense", _ppo_records(4))
+    assert "moe/" not in write_report(tmp_path / "dense")["html"].read_text()
