@@ -115,7 +115,17 @@ def _role(name: str, policy: Any, fsdp: Any, model_cfg: Any, model: ModelShape, 
         param_offload=bool(offload.param_offload), optimizer_offload=bool(offload.optimizer_offload),
         grad_offload=bool(getattr(offload, "grad_offload", False)) and policy.strategy == "megatron",
         wrapped=not lone,
-        distributed_optimizer=policy.strategy != "megatron" or bool(policy.megatron.use_distributed_optimizer))
+        distributed_optimizer=policy.strategy != "megatron" or bool(policy.megatron.use_distributed_optimizer),
+        cpu_optimizer_fraction=_cpu_optimizer_fraction(policy) if trainable else 0.0)
+
+
+def _cpu_optimizer_fraction(policy: Any) -> float:
+    """The share of a Megatron role's optimizer state megatron-core's CPU optimizer keeps on the host
+    (its ``optimizer_offload_fraction``, default 0, under ``optimizer_cpu_offload``)."""
+    overrides = dict(getattr(getattr(policy, "optim", None), "override_optimizer_config", None) or {})
+    if policy.strategy != "megatron" or not overrides.get("optimizer_cpu_offload"):
+        return 0.0
+    return min(1.0, max(0.0, float(overrides.get("optimizer_offload_fraction") or 0.0)))
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class RoleSpec:
     grad_offload: bool = False
     wrapped: bool = True  # FSDP2 wraps it (single_rank=auto leaves a lone rank unwrapped)
     distributed_optimizer: bool = True  # Megatron's use_distributed_optimizer (false: every rank all the state)
+    # megatron-core's CPU optimizer (override_optimizer_config.optimizer_cpu_offload): the share
+    # optimizer_offload_fraction of the parameters keeps its moments and fp32 master copy on the host
+    cpu_optimizer_fraction: float = 0.0
 
 
 @dataclass
@@ -248,7 +251,20 @@ def place_states(states: dict[str, float], spec: RoleSpec, on_gpu: bool) -> Brea
             or spec.optimizer_offload and name in ("optimizer", "master weights")
             or spec.grad_offload and name == "gradients")
         (out.host if offloaded else out.device)[name] = int(value)
-    return out
+    return _host_optimizer(out, spec, on_gpu)
+
+
+def _host_optimizer(b: Breakdown, spec: RoleSpec, on_gpu: bool) -> Breakdown:
+    """megatron-core's CPU optimizer (``HybridDeviceOptimizer``): its share of the optimizer state lives and
+    steps on the host in every phase, the step included; only the device's share is ever on the device."""
+    if not on_gpu or spec.cpu_optimizer_fraction <= 0:
+        return b
+    for name in ("optimizer", "master weights"):
+        if name in b.device:
+            moved = int(b.device[name] * spec.cpu_optimizer_fraction)
+            b.device[name] -= moved
+            b.host[name] = b.host.get(name, 0) + moved
+    return b
 
 
 def idle_breakdown(m: ModelShape, spec: RoleSpec, on_gpu: bool) -> Breakdown:
@@ -289,7 +305,7 @@ def step_phase(m: ModelShape, spec: RoleSpec, on_gpu: bool) -> Breakdown:
     states = {k: int(v) for k, v in weight_states(m, spec).items()}
     if on_gpu and spec.param_offload and spec.strategy != "megatron":
         return Breakdown(host=states)
-    return Breakdown(device=states)
+    return _host_optimizer(Breakdown(device=states), spec, on_gpu)
 
 
 def forward_phase(m: ModelShape, spec: RoleSpec, on_gpu: bool) -> Breakdown:

@@ -174,6 +174,21 @@ def test_megatron_keeps_its_gradient_buffer_between_updates_unless_grad_offload(
     assert "gradients" not in mem.idle_breakdown(m, _spec(), on_gpu=True).device  # FSDP sets them to None
 
 
+def test_megatron_cpu_optimizer_keeps_its_share_of_the_state_on_the_host_even_in_the_step():
+    m = shape_from_config(QWEN25_7B)
+    spec = _spec(strategy="megatron", storage_bytes=2, par=mem.Parallel(dp=4, tp=2))
+    whole = mem.weight_states(m, spec)
+    state = whole["optimizer"] + whole["master weights"]  # 12 bytes per parameter of this rank's optimizer shard
+    for fraction in (0.0, 0.5, 1.0):
+        hybrid = dataclasses.replace(spec, cpu_optimizer_fraction=fraction)
+        for phase in (mem.step_phase(m, hybrid, on_gpu=True), mem.idle_breakdown(m, hybrid, on_gpu=True)):
+            on_device = phase.device["optimizer"] + phase.device["master weights"]
+            assert on_device == pytest.approx((1 - fraction) * state, abs=2)
+            assert phase.host.get("optimizer", 0) + phase.host.get("master weights", 0) == pytest.approx(fraction * state, abs=2)
+    # on a CPU "device" the host is the device: nothing moves
+    assert "optimizer" not in mem.step_phase(m, dataclasses.replace(spec, cpu_optimizer_fraction=1.0), on_gpu=False).host
+
+
 def test_expert_optimizer_state_is_sharded_over_the_expert_data_parallel_ranks():
     m = shape_from_config(QWEN3_30B_A3B)
     one = mem.weight_states(m, _spec(strategy="megatron", storage_bytes=2, par=mem.Parallel(dp=8)))
@@ -205,3 +220,18 @@ def test_weight_export_holds_the_largest_tensor_twice_when_megatron_gathers_it()
     assert tp2.device["weight export"] == 2 * 152064 * 3584 * 2  # the shards beside their concatenation, bf16
     fsdp = mem.export_breakdown(m, _spec(par=mem.Parallel(dp=8)), on_gpu=True)
     assert fsdp.device["weight export"] == 152064 * 3584 * 2  # full_tensor once, in the compute dtype
+
+
+def test_the_cpu_optimizer_share_is_read_from_verls_override_keys():
+    from types import SimpleNamespace
+
+    from rlfoundry.plan.build import _cpu_optimizer_fraction
+
+    def policy(strategy="megatron", **overrides):
+        return SimpleNamespace(strategy=strategy, optim=SimpleNamespace(override_optimizer_config=overrides))
+
+    assert _cpu_optimizer_fraction(policy(optimizer_cpu_offload=True, optimizer_offload_fraction=1)) == 1.0
+    assert _cpu_optimizer_fraction(policy(optimizer_cpu_offload=True, optimizer_offload_fraction=0.25)) == 0.25
+    assert _cpu_optimizer_fraction(policy(optimizer_cpu_offload=True)) == 0.0  # megatron-core's default share
+    assert _cpu_optimizer_fraction(policy(optimizer_offload_fraction=1)) == 0.0  # no CPU optimizer
+    assert _cpu_optimizer_fraction(policy("fsdp", optimizer_cpu_offload=True, optimizer_offload_fraction=1)) == 0.0
