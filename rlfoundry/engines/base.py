@@ -247,6 +247,8 @@ class EnginePlugin(abc.ABC):
     name: str
     supports_lora: bool = False
     supports_routing_replay: bool = False  # MoE routing replay (R3/R2) in its log-prob and update forwards
+    # exact mode (rollout.exact_log_probs): its forward runs models/batch_invariant.py's kernels
+    supports_exact_log_probs: bool = False
     # the role's key naming the dtype the engine computes in, for engines with their own (None: FSDP2's
     # mixed-precision policy, bf16 on CUDA and fp32 on the CPU by default)
     dtype_key: str | None = None

@@ -665,9 +665,9 @@ def _check_exact_mode(cfg: PPOConfig) -> list[str]:
     key, errors = "actor_rollout_ref.rollout.exact_log_probs=true", []
     for role in ("actor", "ref"):
         policy = getattr(arr, role)
-        if policy.strategy == "megatron":
-            errors.append(f"{key} converts the FSDP engine's forward only; {role}.strategy=megatron computes log-probs "
-                          f"with its own kernels. Use {role}.strategy=fsdp2 or exact_log_probs=false.")
+        if policy.strategy in TRAINING_ENGINES and not engine_plugin(policy.strategy).supports_exact_log_probs:
+            errors.append(f"{key} converts the FSDP engine's forward only; {role}.strategy={policy.strategy} computes "
+                          f"log-probs with its own kernels. Use {role}.strategy=fsdp2 or exact_log_probs=false.")
         if policy.ulysses_sequence_parallel_size > 1:
             errors.append(f"{key}: {role}.ulysses_sequence_parallel_size={policy.ulysses_sequence_parallel_size} splits "
                           "attention over ranks with its own kernel; set it to 1 (or exact_log_probs=false).")

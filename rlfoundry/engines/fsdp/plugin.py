@@ -21,6 +21,7 @@ class FSDPPlugin(EnginePlugin):
     name = "fsdp"
     supports_lora = True
     supports_routing_replay = True
+    supports_exact_log_probs = True  # the engine installs models/batch_invariant.py (engine.py)
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
         from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
