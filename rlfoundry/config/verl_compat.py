@@ -422,7 +422,8 @@ _DEPRECATED_MICRO = {
 
 def prefer_user_deprecated_keys(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     """An old script's global micro-batch key replaces our per-rank *default* (not a per-rank key it also set);
-    verl <= 0.3's ``checkpoint.contents`` is both lists unless the newer key is set too."""
+    verl <= 0.3's ``checkpoint.contents`` is both lists unless the newer key is set too; a save list of the HF
+    export alone keeps the resumable state beside it (``_save_hf_exports_resumably``)."""
     for old, new in _DEPRECATED_MICRO.items():
         if old in user_keys and new not in user_keys:
             OmegaConf.update(cfg, new, None, merge=False)

@@ -178,14 +178,13 @@ def rollout_ranks(cfg: Any, trainer_ranks: int) -> int:
 
 def rollout_spec(cfg: Any, hw: Hardware, trainer_ranks: int, seq: int) -> mem.RolloutSpec:
     ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
-    # the hybrid vLLM and SGLang engines run TP 1 whatever the key says (one engine per trainer rank:
-    # workers/rollout/vllm_rollout.py, sglang_rollout.py), and the HF engine generates on the actor's own module
-    tp = 1
-    replicas = max(1, rollout_ranks(cfg, trainer_ranks) // tp)
+    # one replica per rank: the hybrid vLLM and SGLang engines run TP 1 whatever the key says
+    # (workers/rollout/vllm_rollout.py, sglang_rollout.py), and the HF engine generates on the actor's own module
+    replicas = max(1, rollout_ranks(cfg, trainer_ranks))
     sequences = int(cfg.data.gen_batch_size or cfg.data.train_batch_size) * int(ro.n)
     colocated = not int(cfg.rollout.n_gpus_per_node)
     return mem.RolloutSpec(
-        name=ro.name, tp=tp, weight_bytes=mem.dtype_bytes(ro.dtype, 2) if hw.device == "cuda" else 4,
+        name=ro.name, tp=1, weight_bytes=mem.dtype_bytes(ro.dtype, 2) if hw.device == "cuda" else 4,
         gpu_memory_utilization=float(ro.gpu_memory_utilization), sequences_per_replica=-(-sequences // replicas),
         context=seq, releases_memory=bool(ro.free_cache_engine and ro.enable_sleep_mode),
         shares_actor_weights=ro.name == "hf" and actor.strategy == "fsdp" and colocated,
