@@ -56,7 +56,13 @@ def test_megatron_targets_checked_at_start_up(given, named):
         load_config(MEGATRON + ["actor_rollout_ref.model.lora_rank=8"] + given)
 
 
-def test_megatron_critic_lora_refused():
-    with pytest.raises(ConfigError, match="LoRA on a Megatron critic is not built"):
-        load_config(MEGATRON + ["critic.strategy=megatron", "algorithm.adv_estimator=gae", "critic.model.path=x",
-                                "critic.model.lora.rank=8"])
+def test_megatron_critic_lora_loads_and_its_targets_are_checked():
+    """LoRA on a Megatron critic is built (engines/megatron/lora.py); its target modules are checked as the
+    actor's, naming the critic's key."""
+    critic = MEGATRON + ["critic.strategy=megatron", "algorithm.adv_estimator=gae", "critic.model.path=x"]
+    cfg = load_config(critic + ["critic.model.lora.rank=8"])
+    assert (cfg.critic.model.lora_rank, cfg.critic.model.target_modules) == (8, "all-linear")
+    with pytest.raises(ConfigError, match=r"critic\.model\.target_modules \['lm_head'\]"):
+        load_config(critic + ["critic.model.lora_rank=8", "critic.model.target_modules=[lm_head]"])
+    with pytest.raises(ConfigError, match=r"critic\.model\.exclude_modules with strategy=megatron"):
+        load_config(critic + ["critic.model.lora_rank=8", "critic.model.exclude_modules=[o_proj]"])

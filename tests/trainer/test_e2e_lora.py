@@ -119,8 +119,8 @@ def test_a_full_model_checkpoint_has_no_adapter_to_export(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["critic.model.lora_rank=8", "critic.strategy=megatron", "algorithm.adv_estimator=gae"],
-     r"LoRA on a Megatron critic is not built"),
+    (["critic.model.lora_rank=8", "critic.strategy=megatron", "algorithm.adv_estimator=gae",
+      "critic.model.target_modules=[lm_head]"], r"critic\.model\.target_modules \['lm_head'\]"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.lora_sync=both"], r"lora_sync"),
 ], ids=["megatron", "bad_sync_mode"])
 def test_bad_lora_configs_say_what_to_change(overrides, message):

@@ -178,7 +178,10 @@ class MegatronEngine(TrainingEngine):
             # the adapters' inputs would arrive split along the sequence (not built: gather them first)
             raise ValueError(f"{_ROLE_KEYS.get(self.role, self.role)}.megatron.sequence_parallel=True with LoRA: not "
                              "built on the Megatron engine; set it to False.")
-        adapters = ml.attach(self.bridge, chunks, ml.LoraLayout(spec.rank, spec.alpha, ml.hf_targets(spec.target_modules)))
+        # a critic's value head trains in full beside the adapters (modules_to_save, as its peft model on FSDP2)
+        layout = ml.LoraLayout(spec.rank, spec.alpha, ml.hf_targets(spec.target_modules), task_type=spec.task_type,
+                               modules_to_save=tuple(spec.modules_to_save) if self.config.value_model else ())
+        adapters = ml.attach(self.bridge, chunks, layout)
         if spec.adapter_path:
             adapters.load_peft(ml.read_peft_adapter(spec.adapter_path))
         return adapters
@@ -408,11 +411,11 @@ class MegatronEngine(TrainingEngine):
 
         def merged():
             with self.lora.detached(chunks):
-                yield from self.lora.merged(mb.export_hf_weights(self.bridge, chunks))
+                yield from self.lora.merged(mb.export_hf_weights(self.bridge, chunks, value_head=self.config.value_model))
         return merged()
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapter in peft's file names, whole tensors on every rank. Collective."""
+        """The LoRA adapter (and a critic's value head) in peft's file names, whole tensors on every rank. Collective."""
         if self.lora is None:
             return super().adapter_weights()
         return self.lora.peft_tensors()

@@ -41,7 +41,7 @@ def _single_process_group() -> Iterator[None]:
 def export_megatron_checkpoint(local_path: str | os.PathLike, out_path: str | os.PathLike,
                                adapter_only: bool = False) -> Path:
     """``.../global_step_N/<role>`` written by the Megatron engine -> an HF directory at ``out_path``; a
-    LoRA actor's (its marker records the adapter) merged, or with ``adapter_only`` its peft adapter directory."""
+    LoRA actor's or critic's (its marker records the adapter) merged, or with ``adapter_only`` its peft adapter directory."""
     from transformers import AutoConfig, AutoTokenizer
 
     from rlfoundry.config.schema import MegatronConfig
@@ -72,4 +72,6 @@ def _lora_spec(saved: dict | None):
 
     if not saved:
         return None
-    return LoraSpec(rank=int(saved["r"]), alpha=float(saved["lora_alpha"]), target_modules=list(saved["target_modules"]))
+    # a critic's marker: TOKEN_CLS with its value head saved in full (the adapter export carries it)
+    return LoraSpec(rank=int(saved["r"]), alpha=float(saved["lora_alpha"]), target_modules=list(saved["target_modules"]),
+                    task_type=saved.get("task_type") or "CAUSAL_LM", modules_to_save=tuple(saved.get("modules_to_save") or ()))

@@ -20,6 +20,10 @@ key, then its value), its ``linear_fc1`` output is [gate, up] on each rank: the 
 laid out the same way before they are added. Names and the TP split of every B are those of the HF
 modules, so an adapter moves between this engine and peft (``adapter_model.safetensors`` names) as a
 whole tensor, and the merged weights are W + scaling · B A per HF module, as peft's ``merge_and_unload``.
+
+A critic (``modules_to_save=("score",)``, as the FSDP2 critic's peft model) trains its value head in
+full beside the adapters: the head stays trainable when the backbone is frozen, and it travels with the
+adapter under peft's names for a saved module (``base_model.model.score.weight`` / ``.bias``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ PARTS = {
 }
 HF_MODULES = tuple(m for _, mods, _ in PARTS.values() for m in mods)
 _PEFT_PREFIX = "base_model.model."
+_HEAD = "score"  # a critic's value head in HF (AutoModelForTokenClassification) and peft names
 
 
 def hf_targets(target_modules: Any) -> tuple[str, ...]:
@@ -74,6 +79,8 @@ class LoraLayout:
     alpha: float
     targets: tuple[str, ...]  # HF module names (hf_targets)
     seed: int = 0
+    task_type: str = "CAUSAL_LM"  # TOKEN_CLS: a critic
+    modules_to_save: tuple[str, ...] = ()  # ("score",): a critic's value head, trained in full
 
     @property
     def scaling(self) -> float:
@@ -177,8 +184,9 @@ def _part_shapes(config: Any, linear_name: str) -> dict[str, tuple[int, int]]:
 
 
 def attach(bridge: Any, chunks: list[nn.Module], layout: LoraLayout) -> "Adapters":
-    """Adapters on every targeted linear of ``chunks`` (frozen first), A initialised as peft does
-    (kaiming-uniform, a=√5) from a seed per HF module, the same whatever the layout; B zero."""
+    """Adapters on every targeted linear of ``chunks`` (frozen first, but for a critic's value head when
+    ``layout.modules_to_save`` names it), A initialised as peft does (kaiming-uniform, a=√5) from a seed
+    per HF module, the same whatever the layout; B zero."""
     switch, adapters = _Switch(), []
     for chunk in chunks:
         chunk.requires_grad_(False)
@@ -186,9 +194,25 @@ def attach(bridge: Any, chunks: list[nn.Module], layout: LoraLayout) -> "Adapter
             raise ValueError("LoRA on the Megatron engine expects a gated MLP (gate_proj, up_proj), as Llama/Qwen")
         for layer in chunk.decoder.layers:
             adapters += _attach_layer(bridge, layer, layout, switch)
-    found = Adapters(adapters, switch, layout)
+    found = Adapters(adapters, switch, layout, _trained_heads(chunks, layout))
     found.init_fresh()
     return found
+
+
+def _trained_heads(chunks: list[nn.Module], layout: LoraLayout) -> list[nn.Module]:
+    """The value heads that train in full (this rank's: the last pipeline stage has the one), made trainable."""
+    from rlfoundry.engines.megatron.bridge import ValueHead
+
+    unknown = sorted(set(layout.modules_to_save) - {"score"})
+    if unknown:
+        raise ValueError(f"LoRA on the Megatron engine: modules_to_save {unknown}: only a critic's value head "
+                         "(score) trains in full beside the adapters")
+    if not layout.modules_to_save:
+        return []
+    heads = [c.output_layer for c in chunks if isinstance(getattr(c, "output_layer", None), ValueHead)]
+    for head in heads:
+        head.requires_grad_(True)
+    return heads
 
 
 def _attach_layer(bridge: Any, layer: nn.Module, layout: LoraLayout, switch: _Switch) -> list[MegatronLora]:
@@ -221,8 +245,9 @@ def _attach_layer(bridge: Any, layer: nn.Module, layout: LoraLayout, switch: _Sw
 class Adapters:
     """This rank's adapters of a model, and what the engine does with them as whole HF-named tensors."""
 
-    def __init__(self, modules: list[MegatronLora], switch: _Switch, layout: LoraLayout):
+    def __init__(self, modules: list[MegatronLora], switch: _Switch, layout: LoraLayout, heads: list[nn.Module] = ()):
         self.modules, self.switch, self.layout = modules, switch, layout
+        self.heads = list(heads)  # value heads trained in full (a critic's, on the last stage only)
 
     def _items(self) -> Iterator[tuple[MegatronLora, str, str]]:
         for lora in self.modules:
@@ -252,6 +277,12 @@ class Adapters:
                                          "target modules (set model.target_modules to its own)")
                     param = getattr(lora, f"{which}_{part}")
                     param.copy_(_shard(lora, which, tensors[key].to(param.dtype)))
+            # a saved head replaces the model directory's (or the fresh zero one); without one it stays, as in peft
+            for head in self.heads:
+                for attr in ("weight", "bias"):
+                    saved = tensors.get(f"{_PEFT_PREFIX}{_HEAD}.{attr}")
+                    if saved is not None:
+                        getattr(head, attr).copy_(saved.reshape(getattr(head, attr).shape))
 
     def whole(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """HF module name -> (A, B) whole, on every rank (gathered over TP, then pipeline stages), copies
@@ -277,9 +308,21 @@ class Adapters:
                 tensor = (tensor.float() + (b.float() @ a.float()) * self.layout.scaling).to(tensor.dtype)
             yield name, tensor
 
+    def head_tensors(self) -> dict[str, torch.Tensor]:
+        """The value head trained in full, in peft's file names, on every rank (copies; from the last
+        stage); empty for a model without one. Collective over the pipeline stages."""
+        from rlfoundry.engines.megatron.bridge import from_last_stage
+
+        if not self.layout.modules_to_save:
+            return {}
+        mine = {f"{_PEFT_PREFIX}{_HEAD}.{attr}": getattr(head, attr).detach().to("cpu", copy=True)
+                for head in self.heads for attr in ("weight", "bias")}
+        return from_last_stage(mine)
+
     def peft_tensors(self) -> dict[str, torch.Tensor]:
-        """The adapter in peft's file names. Collective."""
-        return {f"{_PEFT_PREFIX}{hf}.lora_{w}.weight": t for hf, pair in self.whole().items() for w, t in zip("AB", pair)}
+        """The adapter (and a critic's head) in peft's file names. Collective."""
+        pairs = {f"{_PEFT_PREFIX}{hf}.lora_{w}.weight": t for hf, pair in self.whole().items() for w, t in zip("AB", pair)}
+        return {**pairs, **self.head_tensors()}
 
     def peft_config(self) -> dict[str, Any]:
         """adapter_config.json's contents for ``peft_tensors`` (PeftModel.from_pretrained, vLLM)."""
@@ -288,7 +331,8 @@ class Adapters:
         from rlfoundry.models.lora import config_json
 
         return config_json(LoraConfig(r=self.layout.rank, lora_alpha=self.layout.alpha, lora_dropout=0.0, bias="none",
-                                      target_modules=list(self.layout.targets), task_type="CAUSAL_LM"))
+                                      target_modules=list(self.layout.targets), task_type=self.layout.task_type,
+                                      modules_to_save=list(self.layout.modules_to_save) or None))
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:

@@ -23,7 +23,7 @@ _LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
 
 class MegatronPlugin(EnginePlugin):
     name = "megatron"
-    supports_lora = True  # the actor's (lora.py); the critic's is refused in check
+    supports_lora = True  # the actor's and the critic's (lora.py; the critic's value head trains in full)
     supports_routing_replay = True  # megatron-core's RouterReplay (routing.py); what it cannot run with: check
     dtype_key = "megatron.dtype"
 
@@ -130,23 +130,22 @@ def _optimizer_offload_problems(key: str, overrides: dict, role: Any = None) -> 
 
 
 def _check_lora(cfg: Any, roles: list[str]) -> list[str]:
-    """LoRA on this engine: the actor's, on the attention and MLP projections (lora.py)."""
+    """LoRA on this engine: the actor's and the critic's, on the attention and MLP projections (lora.py)."""
     from rlfoundry.engines.megatron.lora import hf_targets
 
-    if "critic" in roles and int(pick(cfg, "critic.model.lora_rank", 0) or 0) > 0:
-        return ["critic.model.lora_rank > 0 with critic.strategy=megatron: LoRA on a Megatron critic is not built; "
-                "use critic.strategy=fsdp or critic.model.lora_rank=0."]
-    model = pick(cfg, "actor_rollout_ref.model")
-    if "actor_rollout_ref.actor" not in roles or int(model.lora_rank or 0) <= 0:
-        return []
+    owners = {"actor_rollout_ref.actor": "actor_rollout_ref", "critic": "critic"}
     errors = []
-    if model.exclude_modules:
-        errors.append("actor_rollout_ref.model.exclude_modules with strategy=megatron: not built; name the modules to "
-                      "adapt in model.target_modules instead.")
-    try:
-        hf_targets(model.target_modules)
-    except ValueError as e:
-        errors.append(f"actor_rollout_ref.{e}")
+    for owner in (owners[r] for r in roles if r in owners):
+        model = pick(cfg, f"{owner}.model")
+        if int(model.lora_rank or 0) <= 0:
+            continue
+        if getattr(model, "exclude_modules", None):
+            errors.append(f"{owner}.model.exclude_modules with strategy=megatron: not built; name the modules to "
+                          "adapt in model.target_modules instead.")
+        try:
+            hf_targets(model.target_modules)
+        except ValueError as e:
+            errors.append(f"{owner}.{e}")
     return errors
 
 
