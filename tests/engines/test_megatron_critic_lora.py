@@ -1,6 +1,6 @@
 """LoRA on the Megatron critic (engines/megatron/lora.py, the value head trained in full) against the
-FSDP2 critic's peft model (``TOKEN_CLS``, ``modules_to_save=["score"]``): two gloo CPU ranks at TP=2,
-fp32, both engines starting from one peft adapter directory (random A, B and head, so the adapted
+FSDP2 critic's peft model (``TOKEN_CLS``, ``modules_to_save=["score"]``): two gloo CPU ranks at TP=2
+and at PP=2, fp32, both engines starting from one peft adapter directory (random A, B and head, so the adapted
 critic differs from the base and its values from zero at the first forward).
 
 The values before and after one critic update (two optimiser steps, value clipping, weight decay),
@@ -71,20 +71,20 @@ def _fsdp(rank: int, model_dir: str, data, adapter: str):
             "adapter": engine.adapter_weights()}
 
 
-def _megatron_critic(model_dir: str, spec, tp: int = 2):
+def _megatron_critic(model_dir: str, spec, tp: int = 2, pp: int = 1):
     from rlfoundry.config.schema import MegatronConfig
     from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
     from rlfoundry.workers.critic import CriticBatchSizes, DataParallelPPOCritic
 
     cfg = _critic_config()
-    megatron = MegatronConfig(tensor_model_parallel_size=tp, dtype="float32")
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32")
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip,
                                                  model_kind="token_classification", lora=spec), "cpu", role="critic")
     return DataParallelPPOCritic(cfg, engine, CriticBatchSizes(MINI, MICRO, MICRO))
 
 
-def _megatron(rank: int, model_dir: str, data, adapter: str):
-    critic = _megatron_critic(model_dir, _spec(adapter))
+def _megatron(rank: int, model_dir: str, data, adapter: str, tp: int, pp: int):
+    critic = _megatron_critic(model_dir, _spec(adapter), tp, pp)
     chunks = critic.engine.chunks
     frozen = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters() if not p.requires_grad}
     trainable = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
@@ -94,15 +94,17 @@ def _megatron(rank: int, model_dir: str, data, adapter: str):
     moments = {id(p) for p in critic.engine.optimizer.optimizer.state}
     return {"before": before, "values": critic.compute_values(data), "metrics": metrics, "frozen": len(frozen),
             "adapter": critic.engine.adapter_weights(), "base_kept": base_kept, "trainable": trainable,
-            "moments": len(moments)}
+            "moments": len(moments), "last_stage": critic.engine._last_stage()}
 
 
-def test_critic_lora_equals_fsdp_lora(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_critic_lora_equals_fsdp_lora(tiny_model_dir, tmp_path, tp, pp):
+    """TP=2 (the adapters' splits and reductions) and PP=2 (the head on the last stage, gathered from it)."""
     model_dir = str(tiny_model_dir)
     adapter = _adapter_dir(model_dir, tmp_path / "start")
     data = _value_batch()
     [fsdp] = run_ranks(_fsdp, 1, tmp_path, args=(model_dir, data, adapter))
-    results = run_ranks(_megatron, 2, tmp_path, tp=2, args=(model_dir, data, adapter))
+    results = run_ranks(_megatron, 2, tmp_path, tp=tp, pp=pp, args=(model_dir, data, adapter, tp, pp))
     start = _load(f"{adapter}/adapter_model.safetensors")
     assert "base_model.model.score.weight" in start and "base_model.model.score.bias" in start
     assert fsdp["before"].abs().max() > 1e-2  # the saved head is loaded: the values are not the zero head's
@@ -111,11 +113,13 @@ def test_critic_lora_equals_fsdp_lora(tiny_model_dir, tmp_path):
     for name in ("base_model.model.score.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"):
         assert (fsdp["adapter"][name] - start[name]).abs().max() > 1e-4, name  # the head and B both train
     for r in results:
-        # only the adapters (7 modules x (A, B) x 2 layers) and the head (weight, bias) train; Adam holds them alone
-        assert len(r["trainable"]) == 30 and r["moments"] == 30 and r["frozen"] > 0
+        # only the adapters (7 modules x (A, B) x the rank's 2 / pp layers) and, on the last stage, the head
+        # (weight, bias) train; Adam holds them alone
+        trains = 28 // pp + 2 * r["last_stage"]
+        assert len(r["trainable"]) == trains and r["moments"] == trains and r["frozen"] > 0
         assert all("_lora." in n or n.endswith(("output_layer.weight", "output_layer.bias")) for n in r["trainable"])
         assert r["base_kept"]
-        # TP re-associates the forward's sums: fp32 rounding of O(1) values (test_megatron_critic's bound)
+        # TP/PP re-associate the forward's sums: fp32 rounding of O(1) values (test_megatron_critic's bound)
         torch.testing.assert_close(r["before"], fsdp["before"], atol=1e-5, rtol=0)
         torch.testing.assert_close(r["values"], fsdp["values"], atol=1e-5, rtol=0)
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
