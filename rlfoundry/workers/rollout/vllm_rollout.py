@@ -45,6 +45,8 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 |   | generation, weights woken for each sync, KV cache for each generation |
 | tensor_model_parallel_size | runs as 1: one engine per actor rank (data-parallel generation, a start-up warning; see |
 |   | ``_check_supported``) |
+| enable_rollout_routing_replay | an error: vLLM 0.32 cannot return routed experts on CPU, and on GPU they are not passed |
+|   | through yet (``config/rollout_engines.py`` ``VLLM_NO_ROUTED_EXPERTS``; docs/moe.md) |
 | lora_sync (``model.lora_rank > 0``) | ``adapter``: ``enable_lora``, the base read from disk once, the actor's adapter |
 |   | reloaded in place as one LoRA request after each update; ``merged``: the merged stream, as above |
 
@@ -66,6 +68,7 @@ import torch
 from torch import nn
 
 from rlfoundry.protocol import DataProto
+from rlfoundry.config.rollout_engines import routed_experts_problem
 from rlfoundry.config.schema import RolloutConfig
 from rlfoundry.engines.fsdp.utils import hf_parameter_name, iter_full_parameters
 from rlfoundry.models.vision import is_vision_language
@@ -500,6 +503,8 @@ class VLLMRollout(BaseRollout):
         lora_rank: int = 0,
     ):
         self.module, self.config, self.rank = module, rollout_config(config), rank
+        if self.config.enable_rollout_routing_replay:  # else its batches would lack routed_experts, and R3 replay nothing
+            raise ValueError(routed_experts_problem("vllm"))
         self.weight_source = weight_source
         self.adapter = _AdapterSync(adapter_source) if adapter_source is not None else None
         self.pad_token_id, self.eos_token_ids = int(pad_token_id), as_id_list(eos_token_id)
