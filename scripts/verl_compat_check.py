@@ -592,7 +592,8 @@ def verl_refuses(cap: Captured, tree: Path) -> str:
     here = os.getcwd()
     try:
         os.chdir(tree / cap.cwd)  # verl's configs name search paths relative to it (file://verl/trainer/config)
-        with warnings.catch_warnings(), initialize_config_dir(config_dir=str(directory.resolve()), version_base=None):
+        with warnings.catch_warnings(), _verl_is_the_tree(tree), \
+                initialize_config_dir(config_dir=str(directory.resolve()), version_base=None):
             warnings.simplefilter("ignore")
             compose(config_name=(name or "config").removesuffix(".yaml"), overrides=overrides)
     except Exception as e:  # noqa: BLE001 - every Hydra failure is verl's refusal, reported as its message
@@ -601,6 +602,26 @@ def verl_refuses(cap: Captured, tree: Path) -> str:
         os.chdir(here)
         GlobalHydra.instance().clear()
     return ""
+
+
+@contextlib.contextmanager
+def _verl_is_the_tree(tree: Path):
+    """``import verl`` answered by the tree's own package while verl's Hydra composes: its configs name search
+    paths as ``pkg://verl.trainer.config``, which the in-process checks' verl-import finder (rlfoundry's answers
+    to verl imports) would otherwise resolve to a package with no config files."""
+    finders = [f for f in sys.meta_path if type(f).__name__ == "VerlImportFinder"]
+    ours = {k: sys.modules.pop(k) for k in [k for k in sys.modules if k == "verl" or k.startswith("verl.")]}
+    for f in finders:
+        sys.meta_path.remove(f)
+    sys.path.insert(0, str(tree))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(tree))
+        for k in [k for k in sys.modules if k == "verl" or k.startswith("verl.")]:
+            del sys.modules[k]
+        sys.modules.update(ours)
+        sys.meta_path[:0] = finders
 
 
 # ═══════════════════════════════════════════ report ═══════════════════════════════════════════

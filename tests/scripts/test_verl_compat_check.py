@@ -4,6 +4,7 @@ scripts' own defaults) and how each is classified under rlfoundry's ``--cfg job`
 from __future__ import annotations
 
 import json
+import sys
 import subprocess
 from pathlib import Path
 
@@ -175,3 +176,38 @@ def test_problem_lists_give_one_cause_each(harness):
     assert harness.classify(1, "Traceback (most recent call last):\nKeyError: 'a'\n", []).status == "error"
     no_effect = "These verl settings are accepted but have no effect in rlfoundry: a."
     assert harness.classify(0, "", [no_effect]).status == "ignored_keys"
+
+
+# verl's experimental mains find the trainer's config through a package search path; the tree's own
+# verl package must answer it, not rlfoundry's answers to verl imports (issue 46: every fully-async line
+# read "'OrphanPath' object has no attribute 'exists'" as verl's refusal)
+VERL_PKG_TREE = {
+    "verl/__init__.py": "",
+    "verl/trainer/__init__.py": "",
+    "verl/trainer/config/__init__.py": "",
+    "verl/trainer/config/base_trainer.yaml": "trainer:\n  total_epochs: 1\n  test_freq: -1\n",
+    "verl/experimental/async_main.py": (
+        "import hydra\n\n@hydra.main(config_path='config', config_name='async_trainer', version_base=None)\n"
+        "def main(config):\n    pass\n"),
+    "verl/experimental/config/async_trainer.yaml": (
+        "hydra:\n  searchpath:\n    - pkg://verl.trainer.config\ndefaults:\n  - base_trainer\n  - _self_\n"
+        "async_training:\n  staleness_threshold: 0.1\n"),
+}
+
+
+def test_verl_composes_through_its_own_package_search_path(harness, tmp_path):
+    from rlfoundry.utils import verl_imports
+
+    for path, text in VERL_PKG_TREE.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    verl_imports.install()  # as in the harness's in-process checks
+
+    def line(*args):
+        return harness.Captured(path="s.sh", index=0, module="verl.experimental.async_main", args=list(args),
+                                cwd=".", launcher="python", world_size=None)
+
+    finders = list(sys.meta_path)
+    assert harness.verl_refuses(line("trainer.total_epochs=3", "async_training.staleness_threshold=0.5"), tmp_path) == ""
+    assert "trainer.no_such_key" in harness.verl_refuses(line("trainer.no_such_key=1"), tmp_path)
+    assert sys.meta_path == finders and "verl" not in sys.modules  # the finder is back, the tree's verl gone
