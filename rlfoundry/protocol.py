@@ -800,6 +800,20 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     return data.select_idxs(idx), pad_size
 
 
+PAD_KEY = "dispatch_pad_size"  # meta_info of a padded dispatch's chunks: padding rows at the end of the whole batch
+
+
+def data_parallel_share(parts: list[DataProto], pad_size: int, dp_rank: int, dp_size: int) -> DataProto:
+    """Data-parallel rank ``dp_rank``'s contiguous 1/``dp_size`` of a batch that was padded by ``pad_size``
+    rows and split over ranks: ``parts`` are every rank's chunk in rank order. The padding goes first, so
+    no row is trained twice; e.g. 3 rows padded to 4 over 4 ranks, 1 data-parallel rank: rows [0, 1, 2]."""
+    rows = unpad_dataproto(DataProto.concat(parts), pad_size)
+    if len(rows) % dp_size:
+        raise ValueError(f"{len(rows)} rows cannot be split evenly over {dp_size} data-parallel ranks")
+    share = len(rows) // dp_size
+    return rows[dp_rank * share: (dp_rank + 1) * share]
+
+
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """Drop the last ``pad_size`` rows added by pad_dataproto_to_divisor."""
     if pad_size < 0 or pad_size > len(data):

@@ -21,6 +21,7 @@ from rlfoundry.protocol import (
     DataProto,
     DataProtoItem,
     collate_fn,
+    data_parallel_share,
     pad_dataproto_to_divisor,
     union_numpy_dict,
     union_tensor_dict,
@@ -431,6 +432,26 @@ def test_pad_and_unpad_by_hand(n, divisor, pad_size, padded_rows):
 def test_pad_then_chunk_across_ranks():
     padded, pad_size = pad_dataproto_to_divisor(make_batch(5), 2)
     assert [rows_of(c) for c in padded.chunk(2)] == [[0, 1, 2], [3, 4, 0]] and pad_size == 1
+
+
+@pytest.mark.parametrize(
+    "n, world, dp_size, shares",
+    [
+        (3, 2, 1, [[0, 1, 2]]),  # tensor parallel 2: [0 1 | 2 0] -> the one data-parallel rank trains 0-2
+        (6, 4, 2, [[0, 1, 2], [3, 4, 5]]),  # [0 1 | 2 3 | 4 5 | 0 1]: each row once, in order
+        (4, 4, 2, [[0, 1], [2, 3]]),  # nothing padded
+    ],
+)
+def test_data_parallel_share_trains_every_row_once(n, world, dp_size, shares):
+    padded, pad = pad_dataproto_to_divisor(make_batch(n), world)
+    parts = padded.chunk(world)
+    assert [rows_of(data_parallel_share(parts, pad, r, dp_size)) for r in range(dp_size)] == shares
+
+
+def test_data_parallel_share_refuses_rows_that_do_not_split():
+    padded, pad = pad_dataproto_to_divisor(make_batch(3), 4)
+    with pytest.raises(ValueError, match="3 rows cannot be split evenly over 2 data-parallel ranks"):
+        data_parallel_share(padded.chunk(4), pad, 0, 2)
 
 
 # ---- save / load ------------------------------------------------------------------------------

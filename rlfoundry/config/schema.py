@@ -740,6 +740,9 @@ class RolloutConfig(Node):
     # rank whatever they say (a start-up warning, trainer/config.py _warn_rollout_layout; docs/rollout.md)
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
+    # verl's TensorRT-LLM MoE tensor parallelism (verl asserts > 1 needs rollout.name=trtllm, an engine not
+    # built here): 1 accepted, > 1 a start-up error
+    moe_tensor_parallel_size: int = 1
     # verl declares it (stop a rollout once (1 - rate) of its requests are done) and no verl code reads it, in
     # January or August: every request runs to its end there and here (no effect, verl_compat.NO_EFFECT_KEYS)
     over_sample_rate: float = 0.0
@@ -813,6 +816,10 @@ class RolloutConfig(Node):
                           "kernels reduce in orders the trainer's forward does not reproduce (and this install's "
                           f"batch-invariant mode, where it has one, is not wired); set {key}.name=hf or "
                           f"{key}.exact_log_probs=false.")
+        if self.moe_tensor_parallel_size > 1:
+            errors.append(f"{key}.moe_tensor_parallel_size={self.moe_tensor_parallel_size}: verl accepts it only with "
+                          "rollout.name=trtllm (TensorRT-LLM's MoE tensor parallelism), an engine rlfoundry does not "
+                          f"have; set {key}.moe_tensor_parallel_size=1 (the rollout engines here run each replica whole).")
         timeout = self.checkpoint_engine.timeout_s
         if timeout is not None and timeout <= 0:
             errors.append(f"{key}.checkpoint_engine.timeout_s={timeout} must be positive (the limit of each "

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlfoundry.protocol import DataProto
+from rlfoundry.protocol import PAD_KEY, DataProto, data_parallel_share
 
 __all__ = [
     "EnginePlugin",
@@ -193,6 +193,24 @@ class TrainingEngine(abc.ABC):
         """The rows this rank computes on and where its own rows sit in them: under model parallelism
         (Megatron) the rows of its whole model-parallel group; else its own."""
         return data, slice(0, len(data))
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size): which share of an update's rows it trains."""
+        return 0, 1
+
+    def update_rows(self, data: DataProto) -> DataProto:
+        """The rows this rank trains on. A dispatch that padded the batch to the world size (a batch that
+        divides the data-parallel ranks but not model-parallel ones) must not train its padding: every
+        rank then gathers the whole batch, drops the padding and takes its data-parallel rank's share."""
+        pad = int(data.meta_info.get(PAD_KEY, 0))
+        if not pad:
+            return self.model_parallel_rows(data)[0]
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, data.to("cpu"))
+        device = data.batch.device if data.batch is not None else "cpu"
+        return data_parallel_share(parts, pad, *self.data_parallel_rank()).to(device)
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         """A LoRA adapter's tensors in peft's file names, on the CPU, copies (they keep the values of

@@ -388,10 +388,9 @@ def _check_batch_sizes(cfg: DictConfig) -> list[str]:
     errors = []
     if data.train_batch_size <= 0 or n <= 0 or ws <= 0:
         return [f"data.train_batch_size={data.train_batch_size}, rollout.n={n} and nnodes × n_gpus_per_node={ws} must be positive."]
-    total = data.train_batch_size * n
-    if total % ws:
-        errors.append(f"data.train_batch_size={data.train_batch_size} × rollout.n={n} = {total} samples per step "
-                      f"cannot be split evenly over {ws} ranks (nnodes × n_gpus_per_node).")
+    # no rule for the world size: a call pads the batch to it and drops the padding's rows (generation,
+    # log-probs), an update trains its data-parallel share of the unpadded rows (engines' update_rows),
+    # so only the data-parallel split of a mini-batch (role_batch) constrains the samples per step
     roles = [("actor_rollout_ref.actor", actor)] + ([("critic", cfg.critic)] if use_critic(cfg) else [])
     for role, node in roles:
         mini = int(node.ppo_mini_batch_size)

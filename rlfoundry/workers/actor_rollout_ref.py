@@ -386,7 +386,7 @@ class ActorRolloutRefWorker(Worker):
         (lists with one value per optimiser step) and ``actor/lr`` (the lr this step used).
         """
         self._require(self.optimizer, "update_actor")
-        data, _ = self.engine.model_parallel_rows(on_device(data, self.device))
+        data = self.engine.update_rows(on_device(data, self.device))
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         staleness = self._staleness_metrics(data)
         self.engine.onload()

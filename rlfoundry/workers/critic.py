@@ -307,7 +307,7 @@ class CriticWorker(Worker):
         """One PPO critic update over this rank's rows; metrics in ``meta_info["metrics"]``."""
         critic = self._require_model()
         self.engine.onload()
-        data, _ = self.engine.model_parallel_rows(on_device(data, self.device))
+        data = self.engine.update_rows(on_device(data, self.device))
 
         def update() -> dict[str, list[float]]:
             faults.inject("update_critic", tensors=data.batch, nan_key="returns")  # tests only (utils/faults.py)

@@ -426,6 +426,14 @@ def test_august_mtp_and_megatron_fsdp_are_start_up_errors_naming_the_feature():
     assert "a quantised rollout" in _error("+actor_rollout_ref.rollout.quantization=fp8")
 
 
+def test_moe_tensor_parallel_size_keeps_verls_trtllm_rule():
+    key = "actor_rollout_ref.rollout.moe_tensor_parallel_size"
+    assert _load(f"{key}=1").actor_rollout_ref.rollout.moe_tensor_parallel_size == 1
+    message = _error(f"{key}=2", "actor_rollout_ref.rollout.name=vllm")
+    assert f"{key}=2" in message and "trtllm" in message and f"{key}=1" in message
+    assert "Traceback" not in message
+
+
 def test_august_trainer_v1_and_distillation():
     assert "trainer.use_v1" in _no_effect_warning("trainer.use_v1=true")
     assert "v1 asynchronous trainer modes are not built" in _error("trainer.v1.trainer_mode=separate_async")

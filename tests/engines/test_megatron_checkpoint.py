@@ -190,3 +190,50 @@ def test_training_on_after_a_save_leaves_the_checkpoint_as_saved(tiny_model_dir,
     exported = load_file(out / "model.safetensors")
     assert set(exported) == set(saved)
     assert [k for k, v in saved.items() if not torch.equal(exported[k], v)] == []
+
+
+def _save_contents(rank: int, model_dir: str, data, root: str):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    actor, _, _ = _actor(model_dir, 2, False)
+    actor.update_policy(data)
+    actor.engine.save_checkpoint(f"{root}/model", {"global_step": 1}, contents=["model"])
+    actor.engine.save_checkpoint(f"{root}/export", {}, contents=["model", "hf_model", "extra"])
+    weights = dict(actor.engine.iter_hf_weights())
+    resumed, _, _ = _actor(model_dir, 2, False)
+    try:
+        resumed.engine.load_checkpoint(f"{root}/model")  # the default contents ask for the optimiser
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    extra = resumed.engine.load_checkpoint(f"{root}/model", contents=["model"])
+    moments = sum(len(s) for s in resumed.engine.optimizer.optimizer.state.values())
+    export = Path(root) / "export" / "huggingface" / "model.safetensors"
+    return {"weights": weights, "resumed": dict(resumed.engine.iter_hf_weights()), "refused": refused,
+            "extra": extra, "fresh_moments": moments, "export": load_file(str(export)) if rank == 0 else None}
+
+
+def test_save_contents_model_alone_and_with_an_hf_export(tiny_model_dir, tmp_path):
+    """verl's Megatron ``save_contents=['model']``: the weights without the optimiser state, LR schedule or
+    RNG files; a load of the weights alone keeps a fresh optimiser; ``hf_model`` adds the HF export."""
+    import json
+
+    data = _scored_batch(str(tiny_model_dir))
+    root = tmp_path / "ckpt"
+    results = run_ranks(_save_contents, 2, tmp_path, tp=2, args=(str(tiny_model_dir), data, str(root)))
+    model_only, export = root / "model", root / "export"
+    marker = json.loads((model_only / "checkpoint_complete.json").read_text())
+    assert marker["has_optimizer"] is False and marker["has_lr_scheduler"] is False
+    assert not (model_only / "lr_scheduler.pt").exists() and not list((model_only / "rng").iterdir())
+    assert (export / "lr_scheduler.pt").exists() and len(list((export / "rng").iterdir())) == 2  # a file per rank
+    for r in results:
+        assert "saved without its optimizer state" in r["refused"]
+        assert r["extra"]["global_step"] == 1 and r["fresh_moments"] == 0
+        for name, tensor in r["weights"].items():
+            assert torch.equal(r["resumed"][name], tensor), name
+    exported = results[0]["export"]
+    assert set(exported) == set(results[0]["weights"])
+    for name, tensor in results[0]["weights"].items():
+        assert torch.equal(exported[name], tensor), name

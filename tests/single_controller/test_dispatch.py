@@ -92,6 +92,28 @@ def test_dp_compute_proto_pads_five_rows_to_six_and_unpads_in_order():
     assert merged.batch["y"].tolist() == [20, 22, 24, 26, 28]
 
 
+def test_dp_compute_proto_drops_every_row_the_padding_produced():
+    # 3 prompts, 2 ranks, n=2 samples per prompt: [10 11 | 12 10]; rank 1's second prompt is padding,
+    # so its 2 samples go, and the 6 real samples come back in order
+    dispatch, collect = DISPATCH_TABLE[Dispatch.DP_COMPUTE_PROTO]
+    calls = dispatch(FakeGroup(2), rows([10, 11, 12]))
+    assert (calls.pad_size, calls.chunk_rows) == (1, 2)
+    assert [a[0].meta_info["dispatch_pad_size"] for a in calls.args] == [1, 1]  # what an update reads
+    outs = [DataProto.from_single_dict({"y": a[0].batch["x"].repeat_interleave(2)}, meta_info=a[0].meta_info)
+            for a in calls.args]
+    merged = collect(None, outs, calls.pad_size, calls.chunk_rows)
+    assert merged.batch["y"].tolist() == [10, 10, 11, 11, 12, 12]
+    assert "dispatch_pad_size" not in merged.meta_info
+
+
+def test_dp_compute_proto_padding_can_fill_whole_ranks():
+    # 1 row over 4 ranks: [5 | 5 | 5 | 5], ranks 1-3 all padding
+    dispatch, collect = DISPATCH_TABLE[Dispatch.DP_COMPUTE_PROTO]
+    calls = dispatch(FakeGroup(4), rows([5]))
+    outs = [DataProto.from_single_dict({"y": a[0].batch["x"].repeat(3)}) for a in calls.args]
+    assert collect(None, outs, calls.pad_size, calls.chunk_rows).batch["y"].tolist() == [5, 5, 5]
+
+
 def test_dp_compute_proto_rejects_different_batch_sizes():
     dispatch, _ = DISPATCH_TABLE[Dispatch.DP_COMPUTE_PROTO]
     with pytest.raises(ValueError, match="same batch size"):

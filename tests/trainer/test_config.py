@@ -209,13 +209,21 @@ def test_micro_batch_that_does_not_divide_shows_the_numbers():
     assert "ppo_mini_batch_size=8" in msg and "rollout.n=8" in msg and "2 ranks" in msg
 
 
-def test_train_batch_not_split_over_ranks_shows_the_numbers():
-    # 3 prompts x n=1 = 3 samples cannot be split over 2 ranks
+def test_samples_per_step_need_divide_only_the_data_parallel_ranks():
+    # 3 prompts x n=1 = 3 samples on 2 ranks: with FSDP both ranks are data-parallel and the mini-batch of
+    # 3 cannot split over them; with Megatron at tensor parallel 2 there is one data-parallel rank, and the
+    # dispatch pads the 3 rows to 4 (generation, log-probs drop the padding; the update trains rows 0-2)
+    sizes = ["data.train_batch_size=3", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=2",
+             "trainer.worker_backend=ray"]
     with pytest.raises(ConfigError) as e:
-        load_config(["data.train_batch_size=3", "actor_rollout_ref.rollout.n=1",
-                     "actor_rollout_ref.actor.ppo_mini_batch_size=3", "trainer.n_gpus_per_node=2"])
-    assert "data.train_batch_size=3 × rollout.n=1 = 3 samples per step" in str(e.value)
-    assert "2 ranks" in str(e.value)
+        load_config(sizes)
+    assert "3 samples per mini-batch cannot be split evenly over 2 data-parallel ranks" in str(e.value)
+    assert "samples per step" not in str(e.value)
+    megatron = [f"actor_rollout_ref.{role}.{key}" for role in ("actor", "ref")
+                for key in ("strategy=megatron", "megatron.tensor_model_parallel_size=2")]
+    cfg = load_config([*sizes, *megatron])
+    assert cfg.data.train_batch_size == 3
 
 
 def test_mini_batch_must_divide_train_batch():
@@ -385,8 +393,11 @@ def test_checkpoint_contents_take_effect_and_bad_lists_are_start_up_errors():
     old = load_config(["actor_rollout_ref.actor.checkpoint.contents=[model]",
                        "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]"]).actor_rollout_ref.actor.checkpoint
     assert (list(old.save_contents), list(old.load_contents)) == (["model"], ["model", "extra"])
-    with pytest.raises(ConfigError, match=r"save_contents=\['model'\]: the Megatron engine saves and loads"):
-        _load("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.checkpoint.save_contents=[model]")
+    # the Megatron engine takes the same lists (verl's Megatron scripts save the model alone)
+    for listed in ("[model]", "[model,hf_model,extra]"):
+        megatron = _load("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.ref.strategy=megatron",
+                         f"actor_rollout_ref.actor.checkpoint.save_contents={listed}")
+        assert list(megatron.actor_rollout_ref.actor.checkpoint.save_contents) == listed.strip("[]").split(",")
 
 
 def test_calculate_log_probs_is_on_exactly_where_asked_or_read():

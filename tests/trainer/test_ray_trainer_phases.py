@@ -137,6 +137,18 @@ def test_balance_batch_gives_ranks_equal_token_counts():
     assert [data.non_tensor_batch["uid"][i] for i in range(4)] == ["abcd"[r] for r in data.batch["row"].tolist()]
 
 
+def test_balance_batch_over_ranks_that_do_not_divide_the_rows_balances_their_common_divisor():
+    # 6 rows on 4 ranks (a data-parallel size of 2 under tensor parallel 2): gcd 2 parts of 3 rows,
+    # the contiguous shares an update trains; token counts 1..6 split 21 = 10 + 11 at best
+    mask = torch.zeros(6, 6, dtype=torch.long)
+    for i in range(6):
+        mask[i, : i + 1] = 1
+    data, metrics = balance_batch(DataProto.from_dict(tensors={"attention_mask": mask}), world_size=4)
+    per_share = data.batch["attention_mask"].sum(-1).view(2, 3).sum(-1)
+    assert sorted(per_share.tolist()) == [10, 11]
+    assert metrics["training/seqlen_max_rank_tokens"] == 11
+
+
 def test_reward_metrics_pass_through_and_extra_info_is_nan_averaged():
     from rlfoundry.trainer.ppo.ray_trainer import reward_result_metrics
 

@@ -237,6 +237,11 @@ class FSDPEngine(TrainingEngine):
         """Under Ulysses the ranks of one SP group pool their rows and all compute on them."""
         return ulysses.pool_rows(data, self.sp) if self.sp is not None else (data, slice(0, len(data)))
 
+    def data_parallel_rank(self) -> tuple[int, int]:
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(self.batch_group), dist.get_world_size(self.batch_group)
+
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
         with self._routing_cleared():
             return self._infer_batch(data, output, micro)

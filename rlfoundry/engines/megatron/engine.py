@@ -375,6 +375,11 @@ class MegatronEngine(TrainingEngine):
         start = sum(len(p) for p in parts[:me])
         return DataProto.concat(parts).to(data.batch.device if data.batch is not None else "cpu"), slice(start, start + len(data))
 
+    def data_parallel_rank(self) -> tuple[int, int]:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), self.dp_size
+
     # ---- pipeline results ------------------------------------------------------------------
 
     def _last_stage(self) -> bool:
@@ -486,12 +491,12 @@ class MegatronEngine(TrainingEngine):
                 "expert_model_parallel_size": m.expert_model_parallel_size,
                 "use_distributed_optimizer": m.use_distributed_optimizer}
 
-    def _sharded_state(self, is_loading: bool = False) -> dict[str, Any]:
-        """megatron-core's sharded state dict of the model chunks (and the optimiser): tensors keyed
-        by their place in the whole model, so dist-checkpointing can save and reload any layout."""
+    def _sharded_state(self, is_loading: bool = False, optimizer: bool = True) -> dict[str, Any]:
+        """megatron-core's sharded state dict of the model chunks (and, with ``optimizer``, the optimiser):
+        tensors keyed by their place in the whole model, so dist-checkpointing can save and reload any layout."""
         model = model_sharded_state(self._bare_chunks())
         state = {"model": model}
-        if self.optimizer is not None:
+        if self.optimizer is not None and optimizer:
             # is_loading: a fresh optimiser has no moments yet; megatron-core creates them to load into.
             # dp_reshardable: the distributed optimiser's shards as they are (parallel, no gathers);
             # resuming needs the same layout anyway
@@ -558,65 +563,76 @@ class MegatronEngine(TrainingEngine):
                         contents: Any = None) -> str:
         """Model (+ optimiser) with megatron-core's dist-checkpointing under ``mcore/``, inside the
         project's role directory (atomic publish, manifest, scheduler, RNG, counters; ``checkpoint/state.py``).
-        ``contents``: verl's default only (trainer/config.py refuses others for this engine at start-up)."""
+        ``contents``: verl's ``checkpoint.save_contents`` (None: model, optimizer, extra): without "optimizer"
+        the optimiser state is left out, without "extra" the LR schedule and RNG states; "hf_model" adds
+        the full HF weights in ``huggingface/`` (``save_hf_model``, collective)."""
         from megatron.core import dist_checkpointing
 
         from rlfoundry import checkpoint as ckpt
 
-        _default_contents_only(contents)
+        want = ckpt.Contents.of(contents)
 
         def write_shards(staging):
             (staging / "mcore").mkdir(exist_ok=True)
-            dist_checkpointing.save(self._sharded_state(), str(staging / "mcore"))
+            dist_checkpointing.save(self._sharded_state(optimizer=want.optimizer), str(staging / "mcore"))
+            if want.hf_model:
+                self.save_hf_model(str(staging / ckpt.HF_CONFIG_DIR), tokenizer)
 
         def write_config(out):
             self._hf_config().save_pretrained(out)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out)
 
-        meta = {**self._layout(), "dtype": self.config.megatron.dtype, "has_optimizer": self.optimizer is not None,
+        meta = {**self._layout(), "dtype": self.config.megatron.dtype,
+                "has_optimizer": self.optimizer is not None and want.optimizer, "has_rng": want.extra,
+                "has_hf_model": want.hf_model,
                 "lora": self.lora.peft_config() if self.lora is not None else None}
         with self.resident("params", "optimizer"):
-            ckpt.save_role(path, write_shards, write_config, self.lr_scheduler, {**extra, "engine": self.counters()},
-                           meta=meta, rng_state=self._rng_state)
+            ckpt.save_role(path, write_shards, write_config, self.lr_scheduler if want.extra else None,
+                           {**extra, "engine": self.counters()}, meta=meta, rng_state=self._rng_state, rng=want.extra)
         return str(path)
 
     def load_checkpoint(self, path: str, verify: bool = True, contents: Any = None) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote; the model may come from another parallel layout
-        (dist-checkpointing reshards it), the optimiser state only from the same one."""
+        (dist-checkpointing reshards it), the optimiser state only from the same one. ``contents``: verl's
+        ``checkpoint.load_contents``; without "optimizer" the weights alone (the optimiser starts afresh),
+        without "extra" neither the LR schedule nor the RNG."""
         from megatron.core import dist_checkpointing
 
         from rlfoundry import checkpoint as ckpt
 
-        _default_contents_only(contents)
+        want = ckpt.Contents.of(contents)  # "hf_model" is a save's (the export beside the shards)
+        optimizer = self.optimizer if want.optimizer else None
 
         def read_shards(root, meta):
             if meta.get("engine") != "megatron":
                 raise ValueError(f"{root} was not saved by the Megatron engine (strategy=megatron); "
                                  "load it with the engine that saved it")
+            if optimizer is not None and not meta.get("has_optimizer", True):
+                raise ValueError(f"{root} was saved without its optimizer state (checkpoint.save_contents had no "
+                                 "'optimizer'); load the weights alone with checkpoint.load_contents=['model','extra']")
             saved = {"context_parallel_size": 1, "expert_model_parallel_size": 1, **meta}  # from before CP / EP
             same = all(saved.get(k) == v for k, v in self._layout().items())
             _check_same_adapter(root, meta.get("lora"), self.lora.peft_config() if self.lora is not None else None)
-            if self.optimizer is not None and not same:
+            if optimizer is not None and not same:
                 raise ValueError(f"{root}: saved with {({k: saved.get(k) for k in self._layout()})}, resumed with "
                                  f"{self._layout()}; resuming training needs the same layout (the model alone reshards)")
-            if self.optimizer is not None:
+            if optimizer is not None:
                 self._init_optimizer_state()
-            state = self._sharded_state(is_loading=True)
-            if self.optimizer is None:
-                state.pop("optimizer", None)
+            state = self._sharded_state(is_loading=True, optimizer=optimizer is not None)
             loaded = dist_checkpointing.load(state, str(root / "mcore"))
             chunks = self._bare_chunks()
             models = [loaded["model"]] if len(chunks) == 1 else [loaded["model"][f"model{i}"] for i in range(len(chunks))]
             for chunk, sd in zip(chunks, models):
                 chunk.load_state_dict(sd, strict=False)
-            if self.optimizer is not None:
+            if optimizer is not None:
                 with torch.no_grad():  # it copies into views of the (grad-requiring) parameters
-                    self.optimizer.load_state_dict(loaded["optimizer"])
+                    optimizer.load_state_dict(loaded["optimizer"])
                 self._restore_adam_step(loaded["optimizer"])
 
         with self.resident("params", "optimizer"):
-            extra = ckpt.load_role(path, read_shards, self.lr_scheduler, verify=verify, set_rng=self._set_rng_state)
+            extra = ckpt.load_role(path, read_shards, self.lr_scheduler if want.extra else None, verify=verify,
+                                   load_rng=want.extra, set_rng=self._set_rng_state)
         self.load_counters(extra.get("engine", {}))
         return extra
 
@@ -769,11 +785,3 @@ def _check_same_adapter(root: Any, saved: dict | None, mine: dict | None) -> Non
         raise ValueError(f"{root}: saved with the LoRA adapter {({k: (saved or {}).get(k) for k in keys})}, this run's is "
                          f"{({k: (mine or {}).get(k) for k in keys})}; resume with the run's own model.lora_rank, "
                          "lora_alpha and target_modules")
-
-
-def _default_contents_only(contents: Any) -> None:
-    from rlfoundry import checkpoint as ckpt
-
-    if ckpt.Contents.of(contents) != ckpt.Contents():
-        raise ValueError(f"checkpoint contents {list(contents)}: the Megatron engine saves and loads model, "
-                         "optimizer and extra only (strategy=fsdp takes other checkpoint.*_contents)")

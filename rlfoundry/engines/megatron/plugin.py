@@ -77,11 +77,6 @@ class MegatronPlugin(EnginePlugin):
                 errors.append(f"{key}.ulysses_sequence_parallel_size > 1: Ulysses is the FSDP engine's sequence "
                               "parallelism; with strategy=megatron set it to 1 and split sequences with "
                               f"{key}.megatron.context_parallel_size.")
-            for which in ("save_contents", "load_contents"):  # the ref has no checkpoint subtree
-                listed = pick(cfg, f"{key}.checkpoint.{which}")
-                if listed is not None and sorted(listed) != ["extra", "model", "optimizer"]:
-                    errors.append(f"{key}.checkpoint.{which}={list(listed)}: the Megatron engine saves and loads "
-                                  "['model','optimizer','extra'] only; strategy=fsdp takes other lists.")
         if _is_vision_language(((cfg.get("actor_rollout_ref") or {}).get("model") or {}).get("path")):
             errors.append("actor_rollout_ref.model.path is a vision-language model: the Megatron engine takes text "
                           "models only (docs/vision.md); use strategy=fsdp for image prompts.")

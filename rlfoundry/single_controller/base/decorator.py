@@ -21,8 +21,11 @@ Modes (W = world size):
 | DP_COMPUTE_METRIC | as DP_COMPUTE_PROTO | as DP_COMPUTE_PROTO | list of W results |
 
 DataProto splitting pads the batch to a multiple of W by repeating its first rows
-(``pad_dataproto_to_divisor``) and the concatenated output drops those rows again
-(``unpad_dataproto``), so callers never see the padding. Merging of ``meta_info`` is described in
+(``pad_dataproto_to_divisor``) and the concatenated output drops what the padding rows produced, so
+callers never see the padding: a rank that returns k rows per row it got (a rollout's n samples per
+prompt) has k rows dropped per padding row it held. Each padded chunk's ``meta_info[protocol.PAD_KEY]`` says how
+many rows the whole call was padded by, for a method that must not compute on them (an update:
+``TrainingEngine.update_rows``). Merging of ``meta_info`` is described in
 ``merge_meta_info``.
 """
 
@@ -100,6 +103,7 @@ class RankCalls:
     args: list[tuple]
     kwargs: list[dict]
     pad_size: int = 0  # rows added to every split DataProto; the collect step removes them
+    chunk_rows: int = 0  # rows of each rank's chunk of a padded DataProto (0: nothing was padded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +130,7 @@ def dispatch_all_to_all(group, *args, **kwargs) -> RankCalls:
 
 
 def dispatch_dp_compute_proto(group, *args, **kwargs) -> RankCalls:
-    from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor
+    from rlfoundry.protocol import PAD_KEY, DataProto, pad_dataproto_to_divisor
 
     n = group.world_size
     sizes = {len(v) for v in [*args, *kwargs.values()] if isinstance(v, DataProto)}
@@ -139,14 +143,18 @@ def dispatch_dp_compute_proto(group, *args, **kwargs) -> RankCalls:
         if not isinstance(value, DataProto):
             return [value] * n  # non-DataProto arguments (flags, step numbers) go to every rank
         padded, pad_size = pad_dataproto_to_divisor(value, n)
+        if pad_size:
+            padded.meta_info = {**padded.meta_info, PAD_KEY: pad_size}
         return padded.chunk(n)
 
     per_arg = [split(a) for a in args]
     per_kwarg = {k: split(v) for k, v in kwargs.items()}
+    padded_rows = (sizes.pop() + pad_size) if sizes else 0
     return RankCalls(
         [tuple(a[r] for a in per_arg) for r in range(n)],
         [{k: v[r] for k, v in per_kwarg.items()} for r in range(n)],
         pad_size,
+        padded_rows // n if pad_size else 0,
     )
 
 
@@ -159,29 +167,55 @@ def dispatch_dp_compute_proto_with_func(group, fn, *args, **kwargs) -> RankCalls
 
 
 # ---------------------------------------------------------------------------------------------
-# collect functions: (group, outputs, pad_size) -> result
+# collect functions: (group, outputs, pad_size, chunk_rows) -> result
 
 
-def collect_all(group, outputs: list, pad_size: int = 0) -> list:
+def collect_all(group, outputs: list, pad_size: int = 0, chunk_rows: int = 0) -> list:
     return list(outputs)
 
 
-def collect_rank_zero(group, outputs: list, pad_size: int = 0):
+def collect_rank_zero(group, outputs: list, pad_size: int = 0, chunk_rows: int = 0):
     return outputs[0]
 
 
-def collect_dp_compute_proto(group, outputs: list, pad_size: int = 0):
-    from rlfoundry.protocol import DataProto, unpad_dataproto
+def padding_rows_of_rank(rank: int, world: int, pad_size: int, chunk_rows: int) -> int:
+    """How many of rank ``rank``'s ``chunk_rows`` rows are padding: the padding is the last
+    ``pad_size`` rows of the ``world × chunk_rows`` dispatched, so it fills the last ranks' chunks."""
+    real = world * chunk_rows - pad_size
+    return min(chunk_rows, max(0, (rank + 1) * chunk_rows - real))
+
+
+def _drop_padding(outputs: list, pad_size: int, chunk_rows: int) -> list:
+    """Each rank's output less what its padding rows produced (rows out per row in may be n > 1)."""
+    if not pad_size:
+        return outputs
+    kept = []
+    for rank, out in enumerate(outputs):
+        pads = padding_rows_of_rank(rank, len(outputs), pad_size, chunk_rows)
+        if pads and len(out):
+            if len(out) % chunk_rows:
+                raise ValueError(f"rank {rank} returned {len(out)} rows for {chunk_rows} padded rows; the padding's "
+                                 "rows can only be dropped from an output with the same rows per input row")
+            out = out[: len(out) - pads * (len(out) // chunk_rows)]
+        kept.append(out)
+    return kept
+
+
+def collect_dp_compute_proto(group, outputs: list, pad_size: int = 0, chunk_rows: int = 0):
+    from rlfoundry.protocol import PAD_KEY, DataProto, unpad_dataproto
 
     for rank, out in enumerate(outputs):
         if not isinstance(out, DataProto):
             raise TypeError(
                 f"a DP_COMPUTE_PROTO method must return a DataProto; rank {rank} returned {type(out).__name__}"
             )
+    if chunk_rows:
+        outputs = _drop_padding(outputs, pad_size, chunk_rows)
     # Rows are concatenated without meta_info: ranks may legitimately disagree on e.g. timings.
     merged = DataProto.concat([dataclasses.replace(o, meta_info={}) for o in outputs])
     merged.meta_info = merge_meta_info([o.meta_info for o in outputs])
-    if pad_size and len(merged) > 0:
+    merged.meta_info.pop(PAD_KEY, None)  # an output that copied its input's meta_info
+    if pad_size and not chunk_rows and len(merged) > 0:  # a caller without the chunk size: one row per row
         merged = unpad_dataproto(merged, pad_size)
     return merged
 

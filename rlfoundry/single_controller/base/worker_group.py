@@ -168,7 +168,7 @@ def make_group_method(group: WorkerGroup, remote_name: str, spec: MethodSpec):
         args, kwargs = _resolve_futures(args), dict(zip(kwargs, _resolve_futures(kwargs.values())))
         calls = dispatch_fn(group, *args, **kwargs)
         handles = group._execute(remote_name, calls, spec.execute_mode)
-        return WorkerFuture(group, remote_name, handles, lambda outs: collect_fn(group, outs, calls.pad_size))
+        return WorkerFuture(group, remote_name, handles, lambda outs: collect_fn(group, outs, calls.pad_size, calls.chunk_rows))
 
     def call(*args, **kwargs):
         future = start(*args, **kwargs)

@@ -17,6 +17,7 @@ the same trainer runs on the in-process back end and on Ray.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -142,16 +143,19 @@ def _optimal_token_baseline_inputs(data: DataProto, adv_estimator: str) -> dict[
 def balance_batch(data: DataProto, world_size: int) -> tuple[DataProto, dict[str, float]]:
     """Reorder rows so each dp rank's contiguous chunk gets a similar token count (verl's balance_batch).
 
-    Karmarkar–Karp partitioning into ``world_size`` equal-size parts over per-row token counts;
-    a no-op for one rank. Row order inside the batch does not change any estimator (groups come from
-    ``uid``), only which rank computes which row.
+    Karmarkar–Karp partitioning into ``gcd(rows, world_size)`` equal-size parts over per-row token
+    counts: ``world_size`` where the rows divide the ranks; else a multiple of the data-parallel size
+    (which divides both), whose contiguous shares an unpadded update trains (``update_rows``). A no-op for
+    one part. Row order inside the batch does not change any estimator (groups come from ``uid``), only
+    which rank computes which row.
     """
     from rlfoundry.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
     seqlens = data.batch["attention_mask"].sum(-1).tolist()
-    if world_size <= 1:
+    k = math.gcd(len(seqlens), world_size)
+    if k <= 1:
         return data, {}
-    parts = get_seqlen_balanced_partitions(seqlens, k_partitions=world_size, equal_size=True)
+    parts = get_seqlen_balanced_partitions(seqlens, k_partitions=k, equal_size=True)
     order = [i for part in parts for i in part]
     data.reorder(torch.tensor(order))
     sums = [sum(seqlens[i] for i in part) for part in parts]
