@@ -29,6 +29,10 @@ from rlfoundry.sandbox import ALLOW_UNISOLATED_ENV, ISOLATION_ENV
 from rlfoundry.sandbox.namespace import isolation
 from tests.sandbox.attacks import ATTACKS, NAMESPACED_ONLY, ROOT_CALLER_ONLY, UNISOLATED_ESCAPES
 
+# alone (scripts/test.sh's serial pass): each attack diffs the host's files, processes and sockets before and
+# after, and another test's files and processes would read as the attack's
+pytestmark = pytest.mark.serial
+
 CALLER = Path(__file__).with_name("_caller.py")
 ENTRIES = ("run_python", "tool", "reward")
 needs_namespaces = pytest.mark.skipif(not isolation().available, reason=f"no kernel isolation: {isolation().reason}")

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# alone (scripts/test.sh's serial pass): the dry run holds each part to the time limit gpu_check.sh gives it
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 

@@ -32,11 +32,10 @@ def _run(model: Path, run_dir: Path, overlap: bool) -> tuple[list[bool], list[di
     compute_log_prob, reward_fn = trainer.actor_rollout_wg.compute_log_prob, trainer.reward_fn
 
     def observed_pass(data):
-        pass_begun.set()  # a waiter is woken even if the pass ends (and clears it) before it runs
-        try:
-            return compute_log_prob(data)
-        finally:
-            pass_begun.clear()
+        # set until the step's update: a reward thread that starts late, after the pass has ended, still
+        # sees that the pass did not wait for it (the property); in line, the reward runs before the pass
+        pass_begun.set()
+        return compute_log_prob(data)
 
     def waiting_reward(batch, **kwargs):
         saw_pass.append(pass_begun.wait(timeout=30 if overlap else 0.5))  # in line: it cannot have begun
@@ -45,7 +44,8 @@ def _run(model: Path, run_dir: Path, overlap: bool) -> tuple[list[bool], list[di
     trainer.actor_rollout_wg.compute_log_prob, trainer.reward_fn = observed_pass, waiting_reward
     batches = []
     update_actor = trainer._update_actor
-    trainer._update_actor = lambda batch, timing: (batches.append(E._snapshot(batch)), update_actor(batch, timing))[1]
+    trainer._update_actor = lambda batch, timing: (batches.append(E._snapshot(batch)), pass_begun.clear(),
+                                                   update_actor(batch, timing))[2]
     trainer.fit()
     return saw_pass, batches
 
