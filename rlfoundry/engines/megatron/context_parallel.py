@@ -27,18 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["attention_class", "chunk_index", "gather", "padded_length", "split", "use_in_spec"]
+__all__ = ["attention_class", "chunk_index", "gather", "split", "use_in_spec"]
 
 
 def _group() -> Any:
     from megatron.core import parallel_state as ps
 
     return ps.get_context_parallel_group()
-
-
-def padded_length(length: int, cp: int) -> int:
-    """The sequence length rounded up to a multiple of 2·CP (each rank holds two equal chunks)."""
-    return -(-length // (2 * cp)) * (2 * cp)
 
 
 def chunk_index(length: int, cp: int, rank: int) -> torch.Tensor:
@@ -87,7 +82,8 @@ def gather(x: torch.Tensor, dim: int = 1, reduce_grad: bool = False) -> torch.Te
 
 
 def split(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """The whole sequence along ``dim`` (its length a multiple of 2·CP) -> this rank's two chunks."""
+    """The whole sequence along ``dim`` (its length a multiple of 2·CP: ``forward.padded_length``) -> this
+    rank's two chunks."""
     group = _group()
     return x.index_select(dim, chunk_index(x.shape[dim], dist.get_world_size(group), dist.get_rank(group)).to(x.device))
 
