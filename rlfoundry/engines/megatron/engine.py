@@ -117,7 +117,7 @@ class MegatronEngine(TrainingEngine):
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
                                       use_te=self._lora_layers(), value_model=config.value_model)
         problems = moe.layout_problems(f"{_ROLE_KEYS.get(role, role)}.megatron", self.bridge.hf_config, m,
-                                       on_cpu=self.device.type != "cuda")
+                                       on_cpu=self.device.type != "cuda", trains=config.trainable)
         if problems:
             raise ValueError(" ".join(problems))
         chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
