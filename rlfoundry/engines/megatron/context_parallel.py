@@ -68,12 +68,16 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        mine = chunk_index(grad.shape[ctx.dim], ctx.cp, ctx.rank).to(grad.device)
-        if ctx.reduce_grad:
-            grad = grad.contiguous()
-            # gloo has no reduce-scatter: sum everywhere, keep this rank's chunks
-            dist.all_reduce(grad, group=_group())
-        return grad.index_select(ctx.dim, mine), None, None
+        length = grad.shape[ctx.dim]
+        if not ctx.reduce_grad:
+            return grad.index_select(ctx.dim, chunk_index(length, ctx.cp, ctx.rank).to(grad.device)), None, None
+        # the ranks' chunks one after another (rank-major), reduce-scattered: each rank receives the sum of
+        # its own chunks' gradients only (half the traffic of an all-reduce)
+        held = torch.cat([chunk_index(length, ctx.cp, r) for r in range(ctx.cp)]).to(grad.device)
+        parts = grad.index_select(ctx.dim, held).movedim(ctx.dim, 0).contiguous()
+        mine = parts.new_empty((parts.shape[0] // ctx.cp, *parts.shape[1:]))
+        dist.reduce_scatter_tensor(mine, parts, group=_group())
+        return mine.movedim(0, ctx.dim), None, None
 
 
 def gather(x: torch.Tensor, dim: int = 1, reduce_grad: bool = False) -> torch.Tensor:
