@@ -18,12 +18,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
 def test_chunk_layout_is_megatrons_load_balanced_one():
-    from rlfoundry.engines.megatron.context_parallel import chunk_index, padded_length
+    from rlfoundry.engines.megatron.context_parallel import chunk_index
+    from rlfoundry.engines.megatron.forward import padded_length
 
     # 2·CP = 4 chunks of 3: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
     assert chunk_index(12, 2, 0).tolist() == [0, 1, 2, 9, 10, 11]
     assert chunk_index(12, 2, 1).tolist() == [3, 4, 5, 6, 7, 8]
     assert [padded_length(n, 2) for n in (11, 12, 13)] == [12, 12, 16]
+    # sequence parallelism over TP=2: each CP rank's 2 chunks split over 2 ranks (2·CP·TP = 8); without CP, 2
+    assert [padded_length(n, 2, 2) for n in (11, 16, 17)] == [16, 16, 24]
+    assert [padded_length(n, 1, 2) for n in (11, 12)] == [12, 12] and padded_length(11, 1) == 11
 
 
 def _attention_inputs(seq: int = 8, batch: int = 2, heads: int = 4, groups: int = 2, dim: int = 8):

@@ -1,7 +1,8 @@
 """The Megatron engine under the PPO actor (the same role and loss as FSDP): on CPU processes over
-gloo, log-probs (and sum_v p_v^2, ``calculate_sum_pi_squared``) and one actor update (two optimiser steps, KL and entropy terms, clipping) at TP=2,
-at PP=2, at PP=2 with two virtual stages each (the interleaved 1F1B schedule) and at DP=2 with the
-distributed optimiser equal the 1-rank FSDP2 engine's."""
+gloo, log-probs (and sum_v p_v^2, ``calculate_sum_pi_squared``) and one actor update (two optimiser steps, KL and entropy terms, clipping) at TP=2
+(with sequence parallelism, megatron.sequence_parallel's default), at PP=2, at PP=2 with two virtual stages
+each (the interleaved 1F1B schedule) and at DP=2 with the distributed optimiser equal the 1-rank FSDP2
+engine's; at TP=2 sequence parallelism on and off give the same numbers (rows of 11 positions: padded to 12)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def _fsdp_update(rank: int, model_dir: str, data):
 
 
 def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distributed_optimizer: bool,
-                     vpp: int | None = None):
+                     vpp: int | None = None, sequence_parallel: bool = True):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -82,15 +83,17 @@ def _megatron_update(rank: int, model_dir: str, data, tp: int, pp: int, distribu
 
     cfg = _actor_config(model_dir)
     megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32",
-                              use_distributed_optimizer=distributed_optimizer, virtual_pipeline_model_parallel_size=vpp)
+                              use_distributed_optimizer=distributed_optimizer, virtual_pipeline_model_parallel_size=vpp,
+                              sequence_parallel=sequence_parallel)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = data.chunk(dp)[dp_rank]  # what the worker's dispatch will hand this data-parallel rank
     actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // dp, MICRO))
-    out = actor.compute_log_prob_outputs(mine, calculate_sum_pi_squared=True)
+    out = actor.compute_log_prob_outputs(mine, calculate_entropy=True, calculate_sum_pi_squared=True)
     metrics = actor.update_policy(mine)
     return {"dp": dp, "dp_rank": dp_rank, "log_probs": out["log_probs"], "sum_pi_squared": out["sum_pi_squared"],
-            "metrics": metrics, "weights": dict(engine.iter_hf_weights())}
+            "entropy": out["entropy"], "metrics": metrics, "weights": dict(engine.iter_hf_weights()),
+            "sequence_parallel": engine.sequence_parallel}
 
 
 @pytest.mark.parametrize("tp, pp, world, distributed_optimizer", [
@@ -131,6 +134,7 @@ def _check_update_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world:
     results = run_ranks(_megatron_update, world, tmp_path, tp=tp, pp=pp, vpp=vpp,
                         args=(model_dir, data, tp, pp, distributed_optimizer, vpp))
     assert results[0]["dp"] == dp
+    assert all(r["sequence_parallel"] == (tp > 1) for r in results)  # the default: on wherever TP > 1
     moved = max((ref_weights[k] - v).abs().max().item() for k, v in _initial(model_dir).items())
     assert moved > 1e-3  # the update moved the weights: equality is not vacuous
     for r in results:
@@ -150,6 +154,30 @@ def _check_update_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world:
         assert set(r["weights"]) == set(ref_weights)
         for name, tensor in ref_weights.items():
             torch.testing.assert_close(r["weights"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _sequence_parallel_on_and_off(rank: int, model_dir: str, data):
+    return [_megatron_update(rank, model_dir, data, 2, 1, False, sequence_parallel=sp) for sp in (True, False)]
+
+
+def test_sequence_parallel_equals_off(tiny_model_dir, tmp_path):
+    """TP=2 with megatron-core's sequence parallelism (each rank 1/2 of the positions between the
+    tensor-parallel linears: reduce-scatter / all-gather over gloo; the norms' weight gradients summed
+    over the two ranks) and without it: the same log-probs, entropy, metrics and updated weights."""
+    model_dir = str(tiny_model_dir)
+    data = _scored_batch(model_dir)
+    assert data.batch["input_ids"].shape[1] % 2 == 1  # rows the engine pads for the split
+    for on, off in run_ranks(_sequence_parallel_on_and_off, 2, tmp_path, tp=2, args=(model_dir, data)):
+        assert (on["sequence_parallel"], off["sequence_parallel"]) == (True, False)
+        # the same arithmetic on the same positions: only the order of the norms' gradient sums (over the
+        # positions, then the ranks) and of the row-parallel linears' reductions changes, fp32 rounding
+        # (~1e-7 per element); a norm gradient not summed over the ranks moves every norm weight ~lr apart
+        for key in ("log_probs", "entropy", "sum_pi_squared"):
+            torch.testing.assert_close(on[key], off[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=1e-5, abs=1e-7), key
+        for name, tensor in off["weights"].items():
+            torch.testing.assert_close(on["weights"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _initial(model_dir: str) -> dict[str, torch.Tensor]:

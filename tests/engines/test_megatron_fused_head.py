@@ -1,6 +1,6 @@
 """verl's ``model.use_fused_kernels`` on the Megatron engine (``engines/megatron/fused_head.py``), on
 CPU processes over gloo: with the output layer computing log-probs in chunks over its vocabulary
-slice (TP=2: the slices' statistics summed over the group), the log-probs, entropies and sum p^2 of
+slice (TP=2, with sequence parallelism: the slices' statistics summed over the group), the log-probs, entropies and sum p^2 of
 the unfused vocab-parallel path, and one actor update (two optimiser steps) that moves the weights
 as the unfused one does — for an untied head and for a tied embedding (its weight passed in by
 megatron-core)."""
@@ -48,8 +48,9 @@ def _fused_columns(engine, data) -> int:
     from rlfoundry.engines.megatron.forward import _model_inputs, next_tokens
 
     micro = {k: data.batch[k][:2] for k in ("input_ids", "attention_mask", "position_ids")}
-    with torch.no_grad(), engine._fused.labelled(next_tokens(micro["input_ids"]), 1.0, False):
-        return int(engine.chunks[0](**_model_inputs(micro)).shape[-1])
+    sp = engine.sequence_parallel  # TP=2: on (rows padded for it)
+    with torch.no_grad(), engine._fused.labelled(next_tokens(micro["input_ids"], sp), 1.0, False):
+        return int(engine.chunks[0](**_model_inputs(micro, sp)).shape[-1])
 
 
 def test_the_fused_output_layer_gives_the_unfused_log_probs_and_update(tiny_model_dir, tmp_path):

@@ -5,7 +5,8 @@ the adapted model differs from the base from the first forward).
 The actor's log-probs, the reference's (adapter off), one actor update (losses, gradient norm, the
 adapter after two optimiser steps) equal FSDP2's; the frozen base weights stay the same bits; the
 merged HF stream equals peft's ``merge_and_unload`` of the adapter the engine exports; a checkpoint
-resumes the same adapter and takes the same next update."""
+resumes the same adapter and takes the same next update. TP=2 runs with sequence parallelism
+(megatron.sequence_parallel's default), and gives the numbers it gives without."""
 
 from __future__ import annotations
 
@@ -63,13 +64,14 @@ def _fsdp(rank: int, model_dir: str, data, adapter: str):
     return {"log_probs": log_probs, "ref": ref, "metrics": metrics, "adapter": engine.adapter_weights()}
 
 
-def _megatron_actor(model_dir: str, spec, tp: int = 2, pp: int = 1):
+def _megatron_actor(model_dir: str, spec, tp: int = 2, pp: int = 1, sequence_parallel: bool = True):
     from rlfoundry.config.schema import MegatronConfig
     from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
     from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
 
     cfg = _actor_config(model_dir)
-    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32")
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32",
+                              sequence_parallel=sequence_parallel)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip, lora=spec), "cpu")
     return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI, MICRO))
 
@@ -115,6 +117,37 @@ def test_lora_equals_fsdp_lora(tiny_model_dir, tmp_path, tp, pp):
         for name, tensor in fsdp["adapter"].items():
             torch.testing.assert_close(r["adapter"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     _check_merged(model_dir, str(tmp_path / "out"), results[0]["merged"])
+
+
+def _sequence_parallel_on_and_off(rank: int, model_dir: str, data, adapter: str):
+    out = []
+    for sp in (True, False):
+        actor = _megatron_actor(model_dir, _spec(adapter), sequence_parallel=sp)
+        log_probs = actor.compute_log_prob_outputs(data)["log_probs"]
+        with actor.engine.adapter_disabled():
+            ref = actor.compute_log_prob_outputs(data)["log_probs"]
+        out.append({"log_probs": log_probs, "ref": ref, "metrics": actor.update_policy(data),
+                    "adapter": actor.engine.adapter_weights(), "sequence_parallel": actor.engine.sequence_parallel})
+    return out
+
+
+def test_lora_with_sequence_parallel_equals_without(tiny_model_dir, tmp_path):
+    """TP=2 with sequence parallelism: the column-parallel adapters' A x gathered along the sequence, the
+    row-parallel ones' partial sums reduce-scattered, the whole factors' gradients summed over the ranks;
+    log-probs (adapter on and off), the update and the adapter after it equal TP=2 without it."""
+    model_dir = str(tiny_model_dir)
+    adapter = _adapter_dir(model_dir, tmp_path / "start")
+    data = _scored_batch(model_dir)
+    for on, off in run_ranks(_sequence_parallel_on_and_off, 2, tmp_path, tp=2, args=(model_dir, data, adapter)):
+        assert (on["sequence_parallel"], off["sequence_parallel"]) == (True, False)
+        # the same sums in another order (fp32 rounding, ~1e-7); an A or B gradient not summed over the two
+        # ranks leaves each rank's copy its own positions' share (another Adam step, ~lr apart)
+        for key in ("log_probs", "ref"):
+            torch.testing.assert_close(on[key], off[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=1e-5, abs=1e-7), key
+        for name, tensor in off["adapter"].items():
+            torch.testing.assert_close(on["adapter"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _save_then_resume(rank: int, model_dir: str, data, ckpt: str):

@@ -69,7 +69,7 @@ def test_log_probs_equal_hf_and_export_round_trips(tiny_moe_dir, tmp_path, world
 
 
 def _megatron_moe_update(rank: int, model_dir: str, data, ep: int, distributed_optimizer: bool,
-                         overrides: dict | None = None):
+                         overrides: dict | None = None, tp: int = 1):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -79,7 +79,7 @@ def _megatron_moe_update(rank: int, model_dir: str, data, ep: int, distributed_o
 
     cfg = _actor_config(model_dir)
     megatron = MegatronConfig(expert_model_parallel_size=ep, dtype="float32", use_distributed_optimizer=distributed_optimizer,
-                              override_transformer_config=dict(overrides or {}))
+                              override_transformer_config=dict(overrides or {}), tensor_model_parallel_size=tp)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = data.chunk(dp)[dp_rank]  # what the worker's dispatch hands this data-parallel rank
@@ -87,7 +87,7 @@ def _megatron_moe_update(rank: int, model_dir: str, data, ep: int, distributed_o
     log_probs = actor.compute_log_prob_outputs(mine)["log_probs"]
     metrics = actor.update_policy(mine)
     return {"dp": dp, "dp_rank": dp_rank, "log_probs": log_probs, "metrics": metrics,
-            "weights": dict(engine.iter_hf_weights())}
+            "weights": dict(engine.iter_hf_weights()), "sequence_parallel": engine.sequence_parallel}
 
 
 def _fsdp_reference(model_dir: str, data, dp: int, tmp_path):
@@ -106,19 +106,32 @@ def _fsdp_reference(model_dir: str, data, dp: int, tmp_path):
 def test_actor_update_at_ep2_equals_fsdp(tiny_moe_dir, tmp_path, distributed_optimizer):
     """EP=2 × DP=2: each rank's 4 experts see both ranks' tokens; their gradients stay on their rank
     (expert data parallelism 1), the dense weights' are averaged over the two data-parallel ranks."""
+    _check_update_equals_fsdp(str(tiny_moe_dir), tmp_path, ep=2, tp=1, distributed_optimizer=distributed_optimizer)
+
+
+def test_actor_update_at_tp2_equals_fsdp(tiny_moe_dir, tmp_path):
+    """TP=2 (EP=1, expert tensor parallelism = TP), with sequence parallelism (megatron-core's MoE layer
+    trains at TP > 1 only with it): each rank routes its half of the positions, the all-to-all dispatcher
+    gathers the tokens over the TP group, every expert's MLP is split over the two ranks like the dense
+    ones; the router and the norms see half the tokens each, their gradients summed over the ranks."""
+    _check_update_equals_fsdp(str(tiny_moe_dir), tmp_path, ep=1, tp=2, distributed_optimizer=False)
+
+
+def _check_update_equals_fsdp(model_dir: str, tmp_path, ep: int, tp: int, distributed_optimizer: bool) -> None:
     from tests.engines.test_megatron_engine import ROWS, _scored_batch
 
-    model_dir = str(tiny_moe_dir)
     data = _scored_batch(model_dir)
-    ref_lp, ref_metrics, ref_weights = _fsdp_reference(model_dir, data, 2, tmp_path)
-    results = run_ranks(_megatron_moe_update, 2, tmp_path, ep=2, args=(model_dir, data, 2, distributed_optimizer))
+    dp = 2 // tp
+    ref_lp, ref_metrics, ref_weights = _fsdp_reference(model_dir, data, dp, tmp_path)
+    results = run_ranks(_megatron_moe_update, 2, tmp_path, tp=tp, ep=ep,
+                        args=(model_dir, data, ep, distributed_optimizer, None, tp))
     initial = _hf_parameters(model_dir)
     # the update moved the weights, the experts' included: equality below is not vacuous
     assert (ref_weights["model.layers.0.mlp.experts.gate_up_proj"] - initial["model.layers.0.mlp.experts.gate_up_proj"]
             ).abs().max() > 1e-3
     for r in results:
-        assert r["dp"] == 2
-        rows = ROWS // 2
+        assert r["dp"] == dp and r["sequence_parallel"] == (tp > 1)
+        rows = ROWS // dp
         torch.testing.assert_close(r["log_probs"], ref_lp[r["dp_rank"] * rows:(r["dp_rank"] + 1) * rows],
                                    atol=1e-5, rtol=0)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
@@ -146,6 +159,8 @@ def _hf_parameters(model_dir: str) -> dict[str, torch.Tensor]:
      "allgather dispatcher needs every micro-batch the same length"),
     (["+{r}.megatron.override_transformer_config.moe_token_dispatcher_type=a2a"],
      "megatron-core's dispatchers are ['alltoall', 'allgather', 'flex']"),
+    (["{r}.megatron.tensor_model_parallel_size=2", "{r}.megatron.sequence_parallel=false"],
+     "sequence_parallel=False at tensor_model_parallel_size=2: megatron-core trains MoE layers"),
 ])
 def test_start_up_checks_name_the_expert_layout_key(tiny_moe_dir, overrides, message):
     """What the MoE model cannot run with is a start-up error naming the key (read from the model's
@@ -226,20 +241,23 @@ def test_converter_checkpoint_loads_at_ep2(tiny_moe_dir, tmp_path):
             assert torch.equal(weights[name], tensor), name
 
 
-def test_tensor_parallel_moe_on_the_cpu_is_a_start_up_error(tiny_moe_dir):
-    """megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism, which gloo cannot
-    run: the engine says so when built on the CPU (on a GPU, TP > 1 turns sequence parallelism on)."""
+def test_tensor_parallel_moe_without_sequence_parallelism_is_a_start_up_error_for_a_trained_model(tiny_moe_dir):
+    """megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism (on any device):
+    a trained role with sequence_parallel=False says so at start-up, naming the key; with it (the default),
+    or for the frozen reference, TP=2 loads."""
     from transformers import AutoConfig
 
     from rlfoundry.config.schema import MegatronConfig
     from rlfoundry.engines.megatron.moe import layout_problems
 
     hf_config = AutoConfig.from_pretrained(tiny_moe_dir)
-    [problem] = layout_problems("actor_rollout_ref.actor.megatron", hf_config,
-                                MegatronConfig(tensor_model_parallel_size=2), on_cpu=True)
-    assert problem.startswith("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2: ")
-    assert "sequence parallelism" in problem and "expert_model_parallel_size" in problem
-    assert layout_problems("k", hf_config, MegatronConfig(tensor_model_parallel_size=2), on_cpu=False) == []
+    off = MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=False)
+    [problem] = layout_problems("actor_rollout_ref.actor.megatron", hf_config, off, on_cpu=True)
+    assert problem.startswith("actor_rollout_ref.actor.megatron.sequence_parallel=False at tensor_model_parallel_size=2")
+    assert "set actor_rollout_ref.actor.megatron.sequence_parallel=True" in problem
+    assert layout_problems("k", hf_config, off, on_cpu=True, trains=False) == []
+    for on_cpu in (True, False):
+        assert layout_problems("k", hf_config, MegatronConfig(tensor_model_parallel_size=2), on_cpu=on_cpu) == []
 
 
 def test_an_moe_family_not_built_here_is_a_start_up_error(tmp_path):

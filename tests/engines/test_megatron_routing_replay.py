@@ -1,6 +1,7 @@
 """MoE routing replay on the Megatron engine (``engines/megatron/routing.py``): megatron-core's RouterReplay
 routes each token to the batch's ``routed_experts`` in the log-prob and update forwards, as the FSDP engine's
-hooks do, at EP=1, EP=2 and PP=2; R2's record comes back on the batch grid and the update replays it.
+hooks do, at EP=1, EP=2, PP=2 and TP=2 (with sequence parallelism: each TP rank routes its slice of the
+positions); R2's record comes back on the batch grid and the update replays it.
 
 The routing replayed is a real one moved: the tiny Qwen3-MoE's own (recorded by the FSDP engine), with the
 first three response tokens of every row sent to the next experts (mod 8) in every layer, so a replay that
@@ -67,19 +68,20 @@ def _fsdp(rank: int, model_dir: str):
     return {**_passes(engine, data, moved), "moved": moved.batch["routed_experts"]}
 
 
-def _megatron(rank: int, model_dir: str, moved: torch.Tensor, ep: int, pp: int):
+def _megatron(rank: int, model_dir: str, moved: torch.Tensor, ep: int, pp: int, tp: int = 1):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig, OptimConfig
     from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
 
-    megatron = MegatronConfig(expert_model_parallel_size=ep, pipeline_model_parallel_size=pp, dtype="float32")
+    megatron = MegatronConfig(expert_model_parallel_size=ep, pipeline_model_parallel_size=pp, dtype="float32",
+                              tensor_model_parallel_size=tp)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, OptimConfig(lr=1e-2, weight_decay=0.0), None), "cpu")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     data, replay = _batch(), _batch(moved)
     out = _passes(engine, data.chunk(dp)[dp_rank], replay.chunk(dp)[dp_rank])
     r2 = _r2_update(engine, data, out["recorded"]) if dp == 1 and pp == 1 else {}
-    return {**out, "dp": dp, "dp_rank": dp_rank, "r2": r2}
+    return {**out, "dp": dp, "dp_rank": dp_rank, "r2": r2, "sequence_parallel": engine.sequence_parallel}
 
 
 def _r2_update(engine, data, recorded):
@@ -137,9 +139,13 @@ def test_replay_equals_fsdp(tiny_moe_dir, tmp_path, fsdp):
     assert fsdp["routing_changed_tokens"].tolist() == [3.0] * 8
     results = run_ranks(_megatron, 1, tmp_path, args=(str(tiny_moe_dir), fsdp["moved"], 1, 1))
     _check_equals_fsdp(results, fsdp)
-    # R2 (the same run): the routers moved after the record would reroute some response tokens; the
-    # update's forward saw the record's routing, not theirs
-    r2, mask = results[0]["r2"], _batch().batch["attention_mask"][:, -5:].bool()
+    _check_r2(results[0]["r2"])
+
+
+def _check_r2(r2):
+    """R2 (the same run): the routers moved after the record would reroute some response tokens; the
+    update's forward saw the record's routing, not theirs."""
+    mask = _batch().batch["attention_mask"][:, -5:].bool()
     assert float(r2["routing_changed_tokens"].sum()) > 0
     torch.testing.assert_close(r2["seen"][mask], r2["log_probs"][mask], atol=1e-5, rtol=0)
     assert float((r2["log_probs"] - r2["own"])[mask].abs().max()) > 1e-3
@@ -152,6 +158,17 @@ def test_replay_at_ep2_and_pp2_equals_fsdp(tiny_moe_dir, tmp_path, fsdp, ep, pp)
     results = run_ranks(_megatron, 2, tmp_path, ep=ep, pp=pp, args=(str(tiny_moe_dir), fsdp["moved"], ep, pp))
     assert [r["dp"] for r in results] == [ep, ep]
     _check_equals_fsdp(results, fsdp)
+
+
+def test_replay_at_tp2_with_sequence_parallelism_equals_fsdp(tiny_moe_dir, tmp_path, fsdp):
+    """TP=2 with sequence parallelism (11-token rows padded to 12): each TP rank's routers see its 6 positions
+    of every row, the replay hands each its slice of the record and the record comes back whole; R2's update
+    at TP=2 routes by the record."""
+    results = run_ranks(_megatron, 2, tmp_path, tp=2, args=(str(tiny_moe_dir), fsdp["moved"], 1, 1, 2))
+    assert [(r["dp"], r["sequence_parallel"]) for r in results] == [(1, True), (1, True)]
+    _check_equals_fsdp(results, fsdp)
+    for r in results:
+        _check_r2(r["r2"])
 
 
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}

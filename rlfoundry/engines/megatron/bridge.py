@@ -122,7 +122,7 @@ def _local_spec_bridge(cls: type) -> type:
     the fused norm entries of ``cls``'s own mapping."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from rlfoundry.engines.megatron import context_parallel
+    from rlfoundry.engines.megatron import context_parallel, sequence_parallel
 
     attention_norm = cls._ATTENTION_MAPPING["self_attention.linear_qkv.layer_norm_weight"]
     # a dense MLP fuses its norm into linear_fc1; an MoE layer's stays a module in either spec
@@ -137,6 +137,8 @@ def _local_spec_bridge(cls: type) -> type:
         def _get_transformer_layer_spec(self, vp_stage: int | None = None):
             self.has_vp_stage = True
             spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
+            if self.config.sequence_parallel:  # the local torch norms refuse it (sequence_parallel.py)
+                spec = sequence_parallel.use_in_spec(spec)
             # megatron-core's local attention has no context parallelism (TransformerEngine's has)
             return context_parallel.use_in_spec(spec) if self.config.context_parallel_size > 1 else spec
 
@@ -150,7 +152,7 @@ class ValueHead(nn.Linear):
     (and named like it: ``output_layer.weight`` / ``.bias`` in its sharded checkpoints).
 
     Each tensor-parallel rank computes the same values and the same head gradients from the same
-    hidden states, so neither needs a reduction. Under sequence parallelism (GPU) the hidden states
+    hidden states, so neither needs a reduction. Under sequence parallelism the hidden states
     arrive split along the sequence: they are gathered first, and the backward pass hands each rank
     its own slice of the (identical) gradient back, not a sum over ranks."""
 

@@ -117,10 +117,11 @@ class MegatronEngine(TrainingEngine):
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
                                       use_te=self._lora_layers(), value_model=config.value_model)
         problems = moe.layout_problems(f"{_ROLE_KEYS.get(role, role)}.megatron", self.bridge.hf_config, m,
-                                       on_cpu=self.device.type != "cuda")
+                                       on_cpu=self.device.type != "cuda", trains=config.trainable)
         if problems:
             raise ValueError(" ".join(problems))
         chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
+        self.sequence_parallel = bool(chunks[0].config.sequence_parallel)  # rows padded for it (forward.py)
         if m.use_dist_checkpointing:  # verl's: the weights from a megatron-core dist checkpoint, not model.path's
             load_dist_weights(chunks, m.dist_checkpointing_path, m.dist_checkpointing_prefix, config.value_model,
                               key=f"{_ROLE_KEYS.get(role, role)}.megatron")
@@ -174,10 +175,6 @@ class MegatronEngine(TrainingEngine):
         from rlfoundry.engines.megatron import lora as ml
 
         spec = self.config.lora
-        if self._transformer_overrides()["sequence_parallel"]:
-            # the adapters' inputs would arrive split along the sequence (not built: gather them first)
-            raise ValueError(f"{_ROLE_KEYS.get(self.role, self.role)}.megatron.sequence_parallel=True with LoRA: not "
-                             "built on the Megatron engine; set it to False.")
         # a critic's value head trains in full beside the adapters (modules_to_save, as its peft model on FSDP2)
         layout = ml.LoraLayout(spec.rank, spec.alpha, ml.hf_targets(spec.target_modules), task_type=spec.task_type,
                                modules_to_save=tuple(spec.modules_to_save) if self.config.value_model else ())
@@ -188,8 +185,9 @@ class MegatronEngine(TrainingEngine):
 
     def _transformer_overrides(self) -> dict[str, Any]:
         m = self.config.megatron
-        # sequence parallelism reduce-scatters activations, which gloo (the CPU back end) cannot
-        sp = m.sequence_parallel and m.tensor_model_parallel_size > 1 and self.device.type == "cuda"
+        # verl's rule: sequence parallelism with tensor parallelism only (at TP=1 there is nothing to split over);
+        # on CPU processes too (gloo runs its reduce-scatter and all-gather; sequence_parallel.py)
+        sp = m.sequence_parallel and m.tensor_model_parallel_size > 1
         return {"sequence_parallel": sp, **m.override_transformer_config}
 
     def _wrap_for_training(self, chunks: list[nn.Module]):
@@ -238,7 +236,7 @@ class MegatronEngine(TrainingEngine):
         def outputs(logits: torch.Tensor, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             responses = micro["responses"]
             if cp_local:
-                labels = local_next_tokens(micro["input_ids"])
+                labels = local_next_tokens(micro["input_ids"], self.sequence_parallel)
             else:
                 logits, labels = response_logits(logits, responses.shape[1]), responses
             if spec.temperature != 1.0:
@@ -262,8 +260,9 @@ class MegatronEngine(TrainingEngine):
         def around(micro: dict[str, torch.Tensor]) -> Iterator[None]:
             with contextlib.ExitStack() as stack:
                 if fused:
-                    stack.enter_context(self._fused.labelled(next_tokens(micro["input_ids"]), output.temperature,
-                                                             output.entropy_grad, output.sum_pi_squared))
+                    labels = next_tokens(micro["input_ids"], self.sequence_parallel)
+                    stack.enter_context(self._fused.labelled(labels, output.temperature, output.entropy_grad,
+                                                             output.sum_pi_squared))
                 stack.enter_context(self._routing.micro_batch(micro, record, keep=not is_filler(micro)))
                 yield
         return around

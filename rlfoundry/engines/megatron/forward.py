@@ -13,6 +13,11 @@ With context parallelism (CP > 1) each rank feeds the model its two chunks of ev
 (``context_parallel.py``), the row first padded on the right to a multiple of 2·CP with masked
 tokens; the last stage computes log-probs (entropy, values) at the positions it holds and gathers
 them over the CP group into whole rows, so the outputs and the loss are the same on every CP rank.
+
+With sequence parallelism (``megatron.sequence_parallel`` at TP > 1, ``sequence_parallel.py``) each
+tensor-parallel rank's part of the sequence (the whole of it, or with CP each of its chunks) must split
+evenly over the TP ranks: rows are padded on the right the same way (:func:`model_length`), and the
+padded positions dropped from what the model returns.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ import torch
 
 from rlfoundry.engines.megatron import context_parallel as cpl
 
-__all__ = ["attention_mask_4d", "context_parallel_size", "is_filler", "local_next_tokens", "next_tokens", "response_logits",
-           "response_positions", "run_schedule", "vocab_parallel_log_probs"]
+__all__ = ["attention_mask_4d", "context_parallel_size", "is_filler", "local_next_tokens", "model_length", "next_tokens",
+           "padded_length", "response_logits", "response_positions", "run_schedule", "vocab_parallel_log_probs"]
 
 _FILLER = "rlfoundry_filler"  # marks a repeated micro-batch that tops up an interleaved schedule
 
@@ -92,41 +97,57 @@ def context_parallel_size() -> int:
     return ps.get_context_parallel_world_size()
 
 
-def local_next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+def padded_length(length: int, cp: int, tp: int = 1) -> int:
+    """``length`` rounded up to what the model runs at ``cp`` context-parallel ranks and with sequence
+    parallelism over ``tp`` ranks (1: none): with CP a multiple of 2·CP (each rank holds two equal
+    chunks), with sequence parallelism a multiple of TP as well (each rank's part splits evenly)."""
+    multiple = (2 * cp if cp > 1 else 1) * tp
+    return -(-length // multiple) * multiple
+
+
+def model_length(length: int, sequence_parallel: bool = False) -> int:
+    """:func:`padded_length` in this process's layout (``sequence_parallel``: the model's, at TP > 1)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    return padded_length(length, context_parallel_size(), tp)
+
+
+def local_next_tokens(input_ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
     """CP > 1: the token each of this rank's positions predicts (position t: token t + 1; the last
     position's is a placeholder that :func:`response_positions` drops)."""
-    ids = _pad_to_chunks(input_ids, context_parallel_size())
+    ids = _pad_to_model(input_ids, sequence_parallel)
     return cpl.split(torch.roll(ids, -1, dims=1))
 
 
-def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+def next_tokens(input_ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
     """The token each position the model computes predicts: this rank's positions with CP (as
-    :func:`local_next_tokens`), else every position's (the last one's a placeholder, never read)."""
+    :func:`local_next_tokens`), else every position's, padding included (the last real one's and
+    the padding's are placeholders, never read)."""
     if context_parallel_size() > 1:
-        return local_next_tokens(input_ids)
-    return torch.roll(input_ids, -1, dims=1)
+        return local_next_tokens(input_ids, sequence_parallel)
+    return torch.roll(_pad_to_model(input_ids, sequence_parallel), -1, dims=1)
 
 
 def response_positions(values: torch.Tensor, micro: dict[str, torch.Tensor], cp_local: bool) -> torch.Tensor:
     """The positions that predict the response tokens, from per-position ``values`` (batch, seq, ...):
     the whole padded row's when ``cp_local`` (this CP rank's positions, gathered over the group first)."""
     if cp_local:
-        values = cpl.gather(values)[:, :micro["input_ids"].shape[1]]
-    return response_logits(values, micro["responses"].shape[1])
+        values = cpl.gather(values)
+    return response_logits(values[:, :micro["input_ids"].shape[1]], micro["responses"].shape[1])
 
 
-def _pad_to_chunks(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """``x`` (batch, seq) with zeros on the right up to a multiple of 2·CP (zero: a masked token)."""
-    return torch.nn.functional.pad(x, (0, cpl.padded_length(x.shape[1], cp) - x.shape[1]))
+def _pad_to_model(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """``x`` (batch, seq) with zeros on the right up to :func:`model_length` (zero: a masked token)."""
+    return torch.nn.functional.pad(x, (0, model_length(x.shape[1], sequence_parallel) - x.shape[1]))
 
 
-def _model_inputs(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's keyword arguments for one micro-batch: with CP, this rank's chunks of the ids and
-    positions and the whole (padded) sequence's mask (the attention keeps its rows)."""
-    ids, positions, mask = micro["input_ids"], micro["position_ids"], micro["attention_mask"]
-    cp = context_parallel_size()
-    if cp > 1:
-        ids, positions, mask = (_pad_to_chunks(x, cp) for x in (ids, positions, mask))
+def _model_inputs(micro: dict[str, torch.Tensor], sequence_parallel: bool = False) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for one micro-batch, padded to :func:`model_length`: with CP, this
+    rank's chunks of the ids and positions and the whole sequence's mask (the attention keeps its rows)."""
+    ids, positions, mask = (_pad_to_model(micro[k], sequence_parallel)
+                            for k in ("input_ids", "position_ids", "attention_mask"))
+    if context_parallel_size() > 1:
         ids, positions = cpl.split(ids), cpl.split(positions)
     return {"input_ids": ids, "position_ids": positions, "attention_mask": attention_mask_4d(mask)}
 
@@ -144,14 +165,19 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
     gradients accumulate into the chunks, and the metrics come back per micro-batch. Non-last
     stages get an empty list.
     ``around(micro)``: a context each micro-batch's model call runs in (the fused output layer's labels).
+    ``outputs`` gets each row's positions as the micro-batch has them: without CP the positions padded
+    for sequence parallelism are dropped first (with CP, :func:`response_positions` drops them).
 
     The interleaved schedule takes a multiple of the pipeline size of micro-batches: fewer are
     topped up with repeats of the first, whose outputs are dropped and whose loss is zero.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     forward_only = loss is None
+    sequence_parallel = bool(get_model_config(chunks[0]).sequence_parallel)
+    whole_rows = context_parallel_size() == 1
     real = len(micros)
     if len(chunks) > 1:
         micros = list(micros) + [{**micros[0], _FILLER: True}] * (-real % ps.get_pipeline_model_parallel_world_size())
@@ -160,6 +186,8 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
     def post(micro, output, non_loss_data: bool = False):
         if _FILLER in micro:
             return None if forward_only else (output.sum() * 0.0, {})
+        if whole_rows:
+            output = output[:, :micro["input_ids"].shape[1]]
         out = outputs(output, micro)
         if forward_only:
             return out
@@ -171,13 +199,12 @@ def run_schedule(chunks: Sequence[torch.nn.Module], micros: list[dict[str, torch
     def step(data_iterator, model):
         micro = next(data_iterator)
         with around(micro) if around is not None else contextlib.nullcontext():
-            return model(**_model_inputs(micro)), partial(post, micro)
+            return model(**_model_inputs(micro, sequence_parallel)), partial(post, micro)
 
     chunks = list(chunks)
     data = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)
-    seq_length = max(int(m["input_ids"].shape[1]) for m in micros)
-    if context_parallel_size() > 1:  # the whole padded sequence; the schedule divides it by CP
-        seq_length = cpl.padded_length(seq_length, context_parallel_size())
+    # the whole padded sequence; the schedule divides it by CP (and by TP under sequence parallelism)
+    seq_length = model_length(max(int(m["input_ids"].shape[1]) for m in micros), sequence_parallel)
     results = get_forward_backward_func()(
         forward_step_func=step, data_iterator=data, model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=n, seq_length=seq_length, micro_batch_size=int(micros[0]["input_ids"].shape[0]),

@@ -15,6 +15,15 @@ Tensor parallelism, the layer's own split carried over to its adapter:
 - row-parallel (proj, fc2): ``A`` split along its input columns like the base weight, ``B`` (out × r)
   whole. Each rank's ``A_local x_local`` is a partial sum: it is all-reduced over TP before ``B``.
 
+With sequence parallelism (``megatron.sequence_parallel``) the linears' sequence-split side is split
+for the adapters too: a column-parallel linear's input is this rank's 1/TP of the positions, so
+``h = A x`` is all-gathered along the sequence (backward: reduce-scatter, which sums the ranks' shares
+as the copy-to-TP region did); a row-parallel linear's output is this rank's positions, so the partial
+``A_local x_local`` is reduce-scattered along the sequence instead of all-reduced (backward: all-gather).
+The whole factor (column: ``A``, row: ``B``) then sees only this rank's positions: its gradient is
+marked ``sequence_parallel``, which megatron-core's ``finalize_model_grads`` sums over the TP group
+(as the norms', ``sequence_parallel.py``).
+
 Megatron's ``linear_qkv`` output interleaves the query groups (per group: its query heads, then its
 key, then its value), its ``linear_fc1`` output is [gate, up] on each rank: the parts' outputs are
 laid out the same way before they are added. Names and the TP split of every B are those of the HF
@@ -104,6 +113,7 @@ class MegatronLora(nn.Module):
 
         self.kind, self.scaling, self._interleave, self._switch = kind, layout.scaling, interleave, switch
         self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.sequence_parallel = bool(getattr(linear, "sequence_parallel", False))
         self.hf_names: dict[str, str] = {}  # part -> whole HF module name, set by attach
         dtype, device = linear.weight.dtype, linear.weight.device
         for part, (out_features, in_features) in parts.items():
@@ -123,6 +133,8 @@ class MegatronLora(nn.Module):
                 tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0 if split == "B_" else 1, 1)
             else:
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+                # whole on every rank, each rank's gradient from its own positions: summed over TP
+                param.sequence_parallel = self.sequence_parallel
 
     def split_dim(self, which: str) -> int | None:
         """The dimension of A or B that is split over TP ranks (None: whole on every rank)."""
@@ -138,8 +150,13 @@ class MegatronLora(nn.Module):
         for part in self.parts:
             h = x @ getattr(self, f"A_{part}").T
             # column: h's gradient sums every rank's share of the output; row: A x is a partial sum
-            h = (mappings.copy_to_tensor_model_parallel_region(h) if self.kind == "column"
-                 else mappings.reduce_from_tensor_model_parallel_region(h))
+            # (with sequence parallelism each also moves h between this rank's positions and all of them)
+            if self.kind == "column":
+                h = (mappings.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+                     if self.sequence_parallel else mappings.copy_to_tensor_model_parallel_region(h))
+            else:
+                h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                     else mappings.reduce_from_tensor_model_parallel_region(h))
             outs.append(h @ getattr(self, f"B_{part}").T)
         return self._interleave(outs) * self.scaling
 

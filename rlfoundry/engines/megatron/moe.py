@@ -69,10 +69,12 @@ def moe_overrides(hf_config: Any, user: dict[str, Any], grouped_gemm: bool) -> d
     return out
 
 
-def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None) -> list[str]:
+def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None, trains: bool = True) -> list[str]:
     """What in a role's ``megatron`` subtree (``key``) the model of ``hf_config`` cannot run with:
     expert parallelism on a dense model or not dividing the experts, an expert tensor parallelism this
-    engine does not build, a token dispatcher that cannot run here (``on_cpu`` None: not known yet)."""
+    engine does not build, TP > 1 without sequence parallelism for a model that ``trains`` (a frozen
+    reference's MoE layers run without), a token dispatcher that cannot run here (``on_cpu`` None: not
+    known yet)."""
     ep = int(megatron.expert_model_parallel_size)
     etp = megatron.expert_tensor_parallel_size
     overrides = dict(megatron.override_transformer_config or {})
@@ -93,13 +95,12 @@ def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None
         errors.append(f"{key}.expert_tensor_parallel_size={etp}: the experts split like the dense layers only "
                       f"(null or tensor_model_parallel_size={megatron.tensor_model_parallel_size}); mbridge's "
                       "converter of SequentialMLP experts reads them through the tensor-parallel group.")
-    if on_cpu and megatron.tensor_model_parallel_size > 1:
-        # MoELayer.forward raises in training when TP > 1 runs without sequence parallelism, and sequence
-        # parallelism reduce-scatters activations, which gloo cannot
-        errors.append(f"{key}.tensor_model_parallel_size={megatron.tensor_model_parallel_size}: megatron-core trains "
-                      "MoE layers at TP > 1 only with sequence parallelism, which CPU processes (gloo: no "
-                      "reduce-scatter) cannot run; on the CPU set it to 1 and spread the experts with "
-                      f"{key}.expert_model_parallel_size.")
+    if trains and megatron.tensor_model_parallel_size > 1 and not megatron.sequence_parallel:
+        # MoELayer.forward raises in training when TP > 1 runs without sequence parallelism
+        errors.append(f"{key}.sequence_parallel=False at tensor_model_parallel_size="
+                      f"{megatron.tensor_model_parallel_size}: megatron-core trains MoE layers at TP > 1 only with "
+                      f"sequence parallelism; set {key}.sequence_parallel=True (the default) or "
+                      "tensor_model_parallel_size=1.")
     problem = _dispatcher_problem(key, overrides.get("moe_token_dispatcher_type"), on_cpu)
     return errors + ([problem] if problem else [])
 

@@ -33,6 +33,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from rlfoundry.engines.megatron import context_parallel as cpl
+from rlfoundry.engines.megatron.forward import model_length
 from rlfoundry.models.routing_replay import NO_EXPERT, response_token_mask
 
 __all__ = ["ROUTED_EXPERTS", "MegatronRouting", "moe_layer_pattern"]
@@ -187,10 +188,12 @@ class MegatronRouting:
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """(b, T, ...) -> (N, ...): this rank's tokens in its routers' order (sequence-major)."""
-        cp = ps.get_context_parallel_world_size()
-        if cp > 1:
-            pad = x.new_full((x.shape[0], cpl.padded_length(x.shape[1], cp) - x.shape[1], *x.shape[2:]), NO_EXPERT)
-            x = cpl.split(torch.cat([x, pad], dim=1))
+        # the model's rows are padded for CP / sequence parallelism (forward.py); no record there
+        pad = x.new_full((x.shape[0], model_length(x.shape[1], self.sequence_parallel) - x.shape[1], *x.shape[2:]),
+                         NO_EXPERT)
+        x = torch.cat([x, pad], dim=1)
+        if ps.get_context_parallel_world_size() > 1:
+            x = cpl.split(x)
         x = x.transpose(0, 1)
         if self.sequence_parallel:
             x = x.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]
