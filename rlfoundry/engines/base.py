@@ -202,6 +202,11 @@ class TrainingEngine(abc.ABC):
             if param.requires_grad:
                 yield name, local_values(param)
 
+    def weights_resident(self) -> contextlib.AbstractContextManager:
+        """A context in which ``trainable_parameters`` hold the weights (offloaded ones brought back and
+        released again after), for copying them; the optimiser stays where it is."""
+        return contextlib.nullcontext()
+
     def data_parallel_rank(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, the data-parallel size): which share of an update's rows it trains."""
         return 0, 1

@@ -359,8 +359,7 @@ class ActorRolloutRefWorker(Worker):
         """
         self._require(self.actor, "compute_prox_log_prob")
         want, engine = int(data.meta_info["prox_version"]), self.actor.engine
-        engine.onload()  # offloaded parameters are back in their tensors before they are copied or written
-        try:
+        with engine.weights_resident():  # offloaded parameters back in their tensors to be copied or written
             params = list(engine.trainable_parameters())
             held = self._prox_snapshot
             if held is not None and held.period == want:
@@ -373,8 +372,6 @@ class ActorRolloutRefWorker(Worker):
             self._prox_snapshot = None  # the last period's copy goes before the new one is made
             self._prox_snapshot = WeightSnapshot(params, want, self.param_version)
             return self._actor_log_probs(data, self.param_version)
-        finally:
-            engine.offload()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob_fp32(self, data: DataProto) -> DataProto:

@@ -231,6 +231,9 @@ class MegatronEngine(TrainingEngine):
                 if param.requires_grad:
                     yield f"{i}.{name}", param
 
+    def weights_resident(self) -> contextlib.AbstractContextManager:
+        return self.resident("params")  # param_offload empties the parameters' storage between uses
+
     @property
     def moe_layer_count(self) -> int:
         """The whole model's MoE layers (every pipeline stage's; the mismatch audit's evidence)."""
