@@ -796,6 +796,8 @@ def _behaviour_log_prob_problems(cfg: DictConfig, key: str) -> list[str]:
         errors.append(f"{key}: with actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true the engine "
                       "scores each turn after the re-rendered chat, not the row's tokens the actor trains on; set "
                       "use_rollout_log_probs=false.")
+    if cfg.async_training.compute_prox_log_prob and cfg.async_training.mode == "fully_async":
+        return errors  # the actor's log-prob pass runs (under the period's first weights): what follows has it
     if arr.actor.calculate_sum_pi_squared:
         errors.append(f"{key}: actor_rollout_ref.actor.calculate_sum_pi_squared=true needs the actor's log-prob pass "
                       "(it writes sum_pi_squared), which reusing the rollout's log-probs skips; set "

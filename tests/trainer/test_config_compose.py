@@ -219,6 +219,10 @@ def test_verls_compute_prox_log_prob_loads_where_verl_reads_it():
     assert resolved.async_training.compute_prox_log_prob is True
     assert resolved.actor_rollout_ref.actor.use_rollout_log_probs is True
     assert resolved.actor_rollout_ref.rollout.calculate_log_probs is True  # the behaviour policy's, for the IS
+    load_config([*base, prox, "actor_rollout_ref.actor.calculate_sum_pi_squared=true"],  # the actor's pass runs
+                "fully_async_ppo_trainer")
+    with pytest.raises(ConfigError, match="calculate_sum_pi_squared=true needs the actor's log-prob pass"):
+        load_config([*base, "actor_rollout_ref.actor.calculate_sum_pi_squared=true"], "fully_async_ppo_trainer")
     with pytest.warns(NoEffectKeyWarning, match="compute_prox_log_prob=true has no effect.*use_rollout_log_probs is off"):
         load_config([*ASYNC, prox], "fully_async_ppo_trainer")
     with pytest.raises(ConfigError, match="compute_prox_log_prob=true is the fully-async pipeline's.*one_step_off"):
