@@ -1323,7 +1323,10 @@ class AsyncTrainingConfig(Node):
     # other): true: the old log-probs are the rollout's, PPO's ratio is against the version that sampled;
     # null: the actor's key decides (null there: recomputed under the trainer's current weights)
     use_rollout_log_probs: Optional[bool] = None
-    compute_prox_log_prob: bool = False  # verl's proximal-policy log-probs (decoupled PPO): not built
+    # fully async, with the rollout's log-probs on: the old log-probs are the trainer's under the weights its
+    # sync period started with (a CPU copy on the actor; trainer/ppo/ray_trainer.py _prox_log_prob); the
+    # rollout's stay the behaviour policy's for rollout_correction. Off: the rollout's are the old log-probs
+    compute_prox_log_prob: bool = False
     use_trainer_do_validate: bool = False  # verl: validate on the trainer's pool; here the rollout pool validates
 
     def check(self) -> list[str]:

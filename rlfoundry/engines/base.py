@@ -194,6 +194,19 @@ class TrainingEngine(abc.ABC):
         (Megatron) the rows of its whole model-parallel group; else its own."""
         return data, slice(0, len(data))
 
+    def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, this rank's own values) of every parameter the optimiser updates: a sharded parameter's
+        local shard, written in place by ``copy_`` (``engines/snapshot.py``). Frozen ones are left out:
+        they never change, so a copy of the weights need not hold them."""
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                yield name, local_values(param)
+
+    def weights_resident(self) -> contextlib.AbstractContextManager:
+        """A context in which ``trainable_parameters`` hold the weights (offloaded ones brought back and
+        released again after), for copying them; the optimiser stays where it is."""
+        return contextlib.nullcontext()
+
     def data_parallel_rank(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, the data-parallel size): which share of an update's rows it trains."""
         return 0, 1
@@ -302,6 +315,11 @@ class EnginePlugin(abc.ABC):
         """Start-up errors for the config keys ``roles`` (e.g. ``actor_rollout_ref.actor``) that name
         this engine: what it does not support, layouts that cannot work."""
         return []
+
+
+def local_values(param: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's part of ``param`` (a DTensor's local shard, which shares its storage)."""
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def say_once(text: str) -> None:

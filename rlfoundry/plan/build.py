@@ -151,8 +151,9 @@ def roles_of(cfg: Any, model: ModelShape, hw: Hardware) -> Roles:
     train_tokens = _tokens(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, actor.ppo_micro_batch_size_per_gpu, seq, sp)
     fwd_tokens = _tokens(ro.log_prob_use_dynamic_bsz, ro.log_prob_max_token_len_per_gpu, ro.log_prob_micro_batch_size_per_gpu, seq, sp)
     a = _role("actor", actor, actor.fsdp_config, model_cfg, model, trainer_ranks, device, True, train_tokens)
-    a_fwd = None if actor.use_rollout_log_probs else _role("actor", actor, actor.fsdp_config, model_cfg, model,
-                                                           trainer_ranks, device, True, fwd_tokens)
+    reuse = actor.use_rollout_log_probs and not cfg.async_training.compute_prox_log_prob  # else an actor pass runs
+    a_fwd = None if reuse else _role("actor", actor, actor.fsdp_config, model_cfg, model,
+                                     trainer_ranks, device, True, fwd_tokens)
     ref = None
     if need_reference_policy(cfg) and not int(model_cfg.lora_rank or 0):  # LoRA: the actor with its adapter off
         rtok = _tokens(arr.ref.log_prob_use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,

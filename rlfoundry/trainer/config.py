@@ -707,11 +707,12 @@ def _check_rollout_correction(cfg: PPOConfig) -> list[str]:
 
 
 def _verl_async_errors(cfg: DictConfig) -> list[str]:
-    """verl's fully-async switches whose behaviour is not built here: start-up errors naming it."""
+    """verl's fully-async switches that are not built here, or not for this pipeline: start-up errors naming them."""
     at, errors = cfg.async_training, []
-    if at.compute_prox_log_prob:
-        errors.append("async_training.compute_prox_log_prob=true (verl's proximal-policy log-probs) is not built; "
-                      "leave it false: old log-probs are recomputed under the current weights.")
+    if at.compute_prox_log_prob and at.mode != "fully_async":  # verl's one-step-off has no such key
+        errors.append(f"async_training.compute_prox_log_prob=true is the fully-async pipeline's (old log-probs under "
+                      f"a sync period's first weights); async_training.mode={at.mode} has no sync periods. Drop it, "
+                      "or run --config-name fully_async_ppo_trainer.")
     if at.use_trainer_do_validate:
         errors.append("async_training.use_trainer_do_validate=true (validation on the trainer's pool) is not built; "
                       "leave it false: the rollout pool generates the validation samples.")
@@ -795,6 +796,8 @@ def _behaviour_log_prob_problems(cfg: DictConfig, key: str) -> list[str]:
         errors.append(f"{key}: with actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true the engine "
                       "scores each turn after the re-rendered chat, not the row's tokens the actor trains on; set "
                       "use_rollout_log_probs=false.")
+    if cfg.async_training.compute_prox_log_prob and cfg.async_training.mode == "fully_async":
+        return errors  # the actor's log-prob pass runs (under the period's first weights): what follows has it
     if arr.actor.calculate_sum_pi_squared:
         errors.append(f"{key}: actor_rollout_ref.actor.calculate_sum_pi_squared=true needs the actor's log-prob pass "
                       "(it writes sum_pi_squared), which reusing the rollout's log-probs skips; set "
@@ -854,6 +857,21 @@ def _inexact_rollout_log_probs(cfg: DictConfig, device: str) -> str | None:
     return rollout_log_probs_inexact(device, str(actor.strategy), mixed.get("param_dtype"), actor.megatron.dtype)
 
 
+def _warn_prox_without_effect(cfg: DictConfig) -> None:
+    """verl reads ``compute_prox_log_prob`` only where the rollout's log-probs would be the old ones."""
+    if not cfg.async_training.compute_prox_log_prob or cfg.async_training.mode != "fully_async":
+        return
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        why = "algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old ones"
+    elif not cfg.actor_rollout_ref.actor.use_rollout_log_probs:
+        why = "actor.use_rollout_log_probs is off, so the old log-probs are recomputed under the current weights"
+    else:
+        return
+    warnings.warn(f"async_training.compute_prox_log_prob=true has no effect: {why} (verl ignores the key then too). "
+                  "Set async_training.use_rollout_log_probs=true for old log-probs under the sync period's first "
+                  "weights, or drop the key.", NoEffectKeyWarning, stacklevel=4)
+
+
 def _soft_warnings(cfg: DictConfig) -> None:
     est, n = adv_estimator(cfg), cfg.actor_rollout_ref.rollout.n
     if est in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo") and n < 2:
@@ -863,13 +881,16 @@ def _soft_warnings(cfg: DictConfig) -> None:
         warnings.warn(f"algorithm.use_pf_ppo has no effect with algorithm.adv_estimator={est}: PF-PPO resamples the "
                       "batch after GAE advantages only (as verl does). Use adv_estimator=gae with a critic, or drop "
                       "use_pf_ppo.", NoEffectKeyWarning, stacklevel=3)
+    _warn_prox_without_effect(cfg)
     if cfg.async_training.mode != "sync" and cfg.actor_rollout_ref.actor.use_rollout_log_probs \
+            and not cfg.async_training.compute_prox_log_prob \
             and _corrects_rollout(cfg) and not cfg.algorithm.rollout_correction.bypass_mode:
         warnings.warn("algorithm.rollout_correction (rollout_is / rollout_rs / rollout_token_veto_threshold) has no "
                       "effect with actor.use_rollout_log_probs=true (async_training.use_rollout_log_probs): the old "
                       "log-probs are the rollout's, so there is no lag between them to correct. For the decoupled "
                       "correction, set use_rollout_log_probs=false (old log-probs recomputed under the trainer's "
-                      "weights).", NoEffectKeyWarning, stacklevel=3)
+                      "weights) or, fully async, async_training.compute_prox_log_prob=true (under the weights of the "
+                      "sync period's start).", NoEffectKeyWarning, stacklevel=3)
     rollout = cfg.actor_rollout_ref.rollout
     if cfg.async_training.mode != "sync" and cfg.actor_rollout_ref.actor.use_rollout_log_probs \
             and rollout.name == "vllm" and (rollout.top_p < 1.0 or rollout.top_k > 0):

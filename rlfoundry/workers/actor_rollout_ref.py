@@ -17,6 +17,7 @@ Driver-facing methods (dispatch mode in brackets):
 | ``init_model`` [ONE_TO_ALL] | — | — |
 | ``generate_sequences`` [DP_COMPUTE_PROTO] | prompts, one row each | B·n rows (see ``HFRollout``) |
 | ``compute_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``old_log_probs``, ``entropys`` (B, Tr); ``sum_pi_squared`` (B, Tr) with ``actor.calculate_sum_pi_squared``; MoE routing replay: ``routed_experts`` (R2), ``routing_{changed,counted}_tokens`` (B,) (R3) |
+| ``compute_prox_log_prob`` [DP_COMPUTE_PROTO] | sequences, ``meta_info["prox_version"]`` | what ``compute_log_prob`` gives, under the weights of that update count (the sync period's first; fully async) |
 | ``compute_log_prob_fp32`` [DP_COMPUTE_PROTO] | a few sequences | ``fp32_log_probs`` (B, Tr): ``old_log_probs`` recomputed in fp32 (the mismatch audit's precision test) |
 | ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
@@ -66,6 +67,7 @@ from rlfoundry.utils import faults
 from rlfoundry.utils.errors import StaleWeightsError
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.engines.base import EngineRequest, TrainingEngine
+from rlfoundry.engines.snapshot import WeightSnapshot
 from rlfoundry.workers.actor import ROUTING_OUTPUTS, ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
 from rlfoundry.workers.utils.device import on_device
@@ -108,6 +110,7 @@ class ActorRolloutRefWorker(Worker):
         self._ref_in_actor = False  # LoRA: the reference is the actor's module with the adapter off
         self.param_version = 0  # the actor's updates so far (the trainer's policy version)
         self.rollout_version = 0  # the version of the weights the rollout engine samples with
+        self._prox_snapshot: WeightSnapshot | None = None  # compute_prox_log_prob: the sync period's first weights
         self._unverified_logged = False  # verify on, an engine that cannot report its weights: said once
 
     def _actor_batch_sizes(self) -> ActorBatchSizes:
@@ -323,6 +326,10 @@ class ActorRolloutRefWorker(Worker):
         says the temperature, ``param_version`` and ``compute_dtype`` it scored with (the mismatch audit's).
         """
         self._require(self.actor, "compute_log_prob")
+        return self._actor_log_probs(data, self.param_version)
+
+    def _actor_log_probs(self, data: DataProto, version: int) -> DataProto:
+        """``compute_log_prob``'s pass under whatever weights the engine holds now (``version``: their update count)."""
         data = on_device(data, self.device)
         data, mine = self.actor.engine.model_parallel_rows(data)
         kwargs = self._log_prob_kwargs(self.config.rollout, data)
@@ -335,10 +342,36 @@ class ActorRolloutRefWorker(Worker):
         # MoE routing replay (docs/moe.md): R2's recorded experts; R3's per-row routing-change counts
         tensors |= {k: v[mine] for k, v in out.items() if k in ROUTING_OUTPUTS}
         # the mismatch audit's evidence (trainer/ppo/mismatch.py): the version and dtype that scored the rows
-        meta = {"temperature": kwargs["temperature"], "param_version": self.param_version,
+        meta = {"temperature": kwargs["temperature"], "param_version": version,
                 "compute_dtype": str(self._copy_dtype()).removeprefix("torch."),
                 "moe_layers": self._moe_layers(), "fp32_recompute": self.actor.engine.full_precision() is not None}
         return DataProto.from_dict(tensors=tensors, meta_info=meta).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_prox_log_prob(self, data: DataProto) -> DataProto:
+        """``compute_log_prob`` under the weights of update count ``meta_info["prox_version"]``, the first
+        step of the current sync period (verl's fully-async ``compute_prox_log_prob``).
+
+        At that step the weights are the current ones: a CPU copy of them is kept (replacing the last
+        period's) and the pass runs as usual. At a later step of the period the copy is swapped in for
+        the pass and the current weights are put back bitwise; optimiser state is not touched. A run
+        resumed mid-period has lost that copy: the weights it resumed with stand in until the next sync.
+        """
+        self._require(self.actor, "compute_prox_log_prob")
+        want, engine = int(data.meta_info["prox_version"]), self.actor.engine
+        with engine.weights_resident():  # offloaded parameters back in their tensors to be copied or written
+            params = list(engine.trainable_parameters())
+            held = self._prox_snapshot
+            if held is not None and held.period == want:
+                with held.swapped_in(params):
+                    return self._actor_log_probs(data, held.param_version)
+            if want != self.param_version:
+                logger.warning(f"compute_prox_log_prob: the weights of update {want} (this sync period's first) "
+                               f"are not held after the resume; the resumed weights (update {self.param_version}) "
+                               "stand in for them until the next weight sync.")
+            self._prox_snapshot = None  # the last period's copy goes before the new one is made
+            self._prox_snapshot = WeightSnapshot(params, want, self.param_version)
+            return self._actor_log_probs(data, self.param_version)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob_fp32(self, data: DataProto) -> DataProto:

@@ -59,6 +59,8 @@ def test_fully_async_config_fills_verl_zero_batch_and_picks_the_process_backend(
      "filter_groups.enable=true is not supported"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "actor_rollout_ref.actor.use_rollout_log_probs=true",
       "actor_rollout_ref.actor.calculate_sum_pi_squared=true"], "needs the actor's log-prob pass"),
+    (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "async_training.compute_prox_log_prob=true"],
+     "compute_prox_log_prob=true is the fully-async pipeline's.*--config-name fully_async_ppo_trainer"),
     (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=12"],
      r"trains async_training.require_batches × actor.ppo_mini_batch_size = 8 prompts.*set it to 8"),
     (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=0",

@@ -186,7 +186,7 @@ def test_january_rollout_epochs_and_test_freq_in_syncs():
 def test_verls_async_use_rollout_log_probs_is_the_actors_for_any_sync_period():
     """verl (January: async_training.use_rollout_log_probs, interpolated into the actor's key; August: the
     actor's key) takes the rollout's log-probs as the old log-probs whatever trigger_parameter_sync_step is
-    (its period-start weights are only for compute_prox_log_prob, not built)."""
+    (its period-start weights are only for compute_prox_log_prob)."""
     base = [*ASYNC, "async_training.use_rollout_log_probs=true", "actor_rollout_ref.rollout.name=vllm"]
     for period in (1, 4):
         with pytest.warns(NoEffectKeyWarning, match="rollout_correction.*has no effect"):  # the overlay's token IS
@@ -204,8 +204,29 @@ def test_verls_async_use_rollout_log_probs_is_the_actors_for_any_sync_period():
     with pytest.raises(ConfigError, match="FIRE's temperature"):  # not the sampling policy's log-probs
         load_config([*base, "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.use_fire_sampling=true"],
                     "fully_async_ppo_trainer")
-    with pytest.raises(ConfigError, match="compute_prox_log_prob"):
-        load_config([*ASYNC, "async_training.compute_prox_log_prob=true"], "fully_async_ppo_trainer")
+
+
+def test_verls_compute_prox_log_prob_loads_where_verl_reads_it():
+    """Fully async with the rollout's log-probs: it loads, and the overlay's rollout_correction is no longer
+    without effect (the old log-probs are the trainer's again, the rollout's the behaviour policy's).
+    Without them verl ignores the key: a no-effect warning. One-step-off has no such key in verl: an error."""
+    prox = "async_training.compute_prox_log_prob=true"
+    base = [*ASYNC, "async_training.use_rollout_log_probs=true", "async_training.trigger_parameter_sync_step=2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoEffectKeyWarning)
+        cfg = load_config([*base, prox], "fully_async_ppo_trainer")
+    resolved = resolve_config(cfg, steps_per_epoch=4, cuda_available=False)
+    assert resolved.async_training.compute_prox_log_prob is True
+    assert resolved.actor_rollout_ref.actor.use_rollout_log_probs is True
+    assert resolved.actor_rollout_ref.rollout.calculate_log_probs is True  # the behaviour policy's, for the IS
+    load_config([*base, prox, "actor_rollout_ref.actor.calculate_sum_pi_squared=true"],  # the actor's pass runs
+                "fully_async_ppo_trainer")
+    with pytest.raises(ConfigError, match="calculate_sum_pi_squared=true needs the actor's log-prob pass"):
+        load_config([*base, "actor_rollout_ref.actor.calculate_sum_pi_squared=true"], "fully_async_ppo_trainer")
+    with pytest.warns(NoEffectKeyWarning, match="compute_prox_log_prob=true has no effect.*use_rollout_log_probs is off"):
+        load_config([*ASYNC, prox], "fully_async_ppo_trainer")
+    with pytest.raises(ConfigError, match="compute_prox_log_prob=true is the fully-async pipeline's.*one_step_off"):
+        load_config([*ASYNC, prox, "async_training.use_rollout_log_probs=true"], "one_step_off_ppo_trainer")
 
 
 def test_the_entry_modules_fix_their_pipeline_and_print_it(capsys):

@@ -124,6 +124,25 @@ def test_one_step_off_with_verls_use_rollout_log_probs_takes_the_ratio_against_t
     assert not any("rollout_corr/log_ppl_abs_diff" in steps[s] for s in steps)  # nothing recomputed, nothing compared
 
 
+def test_fully_async_compute_prox_log_prob_scores_a_sync_period_under_its_first_weights(tiny_model_dir, tmp_path):
+    """verl's ``compute_prox_log_prob`` with trigger_parameter_sync_step=2 (staleness 0: the period's first
+    weights sampled its rows): the trainer's old log-probs equal the rollout's at every step, step 2 included,
+    where the current weights are one update on (recomputing under them puts them >1e-3 apart, as the
+    one-step-off run above shows); so step 2's ratio is against the period's first weights, not 1."""
+    run = tmp_path / "prox"
+    out = _cli(_args(tiny_model_dir, run, *_ASYNC, "data.gen_batch_size=2", "async_training.require_batches=1",
+                     "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=2",
+                     "actor_rollout_ref.actor.use_rollout_log_probs=null", "async_training.use_rollout_log_probs=true",
+                     "async_training.compute_prox_log_prob=true"), config_name="fully_async_ppo_trainer")
+    _ok(out)
+    assert "has no effect" not in out.stdout + out.stderr  # the overlay's token IS corrects against them again
+    steps = _steps(run)
+    assert [steps[s]["async/staleness_max"] for s in range(1, STEPS + 1)] == [0, 0, 0]
+    assert all(steps[s]["rollout_corr/log_ppl_abs_diff"] <= 1e-6 for s in steps), \
+        [steps[s]["rollout_corr/log_ppl_abs_diff"] for s in steps]  # same weights, same module
+    assert abs(steps[1]["actor/ppo_kl"]) < 1e-6 and abs(steps[2]["actor/ppo_kl"]) > 1e-4
+
+
 @pytest.mark.parametrize("config_name", ["fully_async_ppo_trainer", "one_step_off_ppo_trainer"])
 def test_a_killed_run_resumes_without_repeating_or_losing_prompts(tiny_model_dir, tmp_path, config_name):
     def args(run):

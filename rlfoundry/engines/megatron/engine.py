@@ -221,6 +221,17 @@ class MegatronEngine(TrainingEngine):
     def module(self) -> nn.Module:
         return self.chunks[0]
 
+    def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every model chunk's (virtual pipeline stages), not only ``module``'s; tensor-parallel shards are
+        plain tensors here."""
+        for i, chunk in enumerate(self.chunks):
+            for name, param in chunk.named_parameters():
+                if param.requires_grad:
+                    yield f"{i}.{name}", param
+
+    def weights_resident(self) -> contextlib.AbstractContextManager:
+        return self.resident("params")  # param_offload empties the parameters' storage between uses
+
     @property
     def moe_layer_count(self) -> int:
         """The whole model's MoE layers (every pipeline stage's; the mismatch audit's evidence)."""

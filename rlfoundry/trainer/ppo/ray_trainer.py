@@ -669,10 +669,12 @@ class PPOTrainer:
     def _old_log_prob(self, batch: DataProto, timing: dict) -> tuple[DataProto, dict[str, float]]:
         """``old_log_probs`` under the policy that sampled; ``actor/entropy`` from the same pass."""
         correction = self.config.algorithm.rollout_correction
-        if self.config.actor_rollout_ref.actor.use_rollout_log_probs or correction.bypass_mode:
+        reuse = bool(self.config.actor_rollout_ref.actor.use_rollout_log_probs)
+        prox = reuse and bool(self.config.async_training.compute_prox_log_prob)  # verl ignores it otherwise
+        if (reuse and not prox) or correction.bypass_mode:
             return self._reuse_rollout_log_probs(batch), {}
         with marked_timer("old_log_prob", timing):
-            out = self.actor_rollout_wg.compute_log_prob(batch)
+            out = self._prox_log_prob(batch) if prox else self.actor_rollout_wg.compute_log_prob(batch)
         mask = batch.batch["response_mask"]
         entropy = core_algos.agg_loss(out.batch["entropys"], mask, self.config.actor_rollout_ref.actor.loss_agg_mode)
         out.pop(batch_keys=["entropys"])
@@ -685,6 +687,19 @@ class PPOTrainer:
         if any(correction[k] is not None for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")):
             batch, m = self._correct_rollout(batch, correction); metrics |= m  # noqa: E702
         return batch, metrics
+
+    def _prox_log_prob(self, batch: DataProto) -> DataProto:
+        """verl's fully-async ``compute_prox_log_prob``: old log-probs under the weights this sync period
+        started with (the version the rollout pool was synced to), in the trainer's own kernels; the
+        rollout's log-probs stay the behaviour policy's for ``rollout_correction``. Periods start at
+        update counts that are multiples of ``trigger_parameter_sync_step``; at a period's first step
+        those weights are the current ones."""
+        period, done = int(self.config.async_training.trigger_parameter_sync_step), self.state.global_steps - 1
+        if period == 1:  # every step starts a period: no copy to keep
+            return self.actor_rollout_wg.compute_log_prob(batch)
+        asked = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch,
+                          meta_info={**batch.meta_info, "prox_version": done - done % period})
+        return self.actor_rollout_wg.compute_prox_log_prob(asked)
 
     def _routing_replay(self, batch: DataProto, out: DataProto) -> dict[str, float]:
         """MoE routing replay (docs/moe.md). R2: the old-log-prob pass's recorded experts replace any the rollout
