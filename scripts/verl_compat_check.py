@@ -609,10 +609,9 @@ def _verl_is_the_tree(tree: Path):
     """``import verl`` answered by the tree's own package while verl's Hydra composes: its configs name search
     paths as ``pkg://verl.trainer.config``, which the in-process checks' verl-import finder (rlfoundry's answers
     to verl imports) would otherwise resolve to a package with no config files."""
-    finders = [f for f in sys.meta_path if type(f).__name__ == "VerlImportFinder"]
+    finders = list(sys.meta_path)
     ours = {k: sys.modules.pop(k) for k in [k for k in sys.modules if k == "verl" or k.startswith("verl.")]}
-    for f in finders:
-        sys.meta_path.remove(f)
+    sys.meta_path[:] = [f for f in finders if type(f).__name__ != "VerlImportFinder"]
     sys.path.insert(0, str(tree))
     try:
         yield
@@ -621,7 +620,7 @@ def _verl_is_the_tree(tree: Path):
         for k in [k for k in sys.modules if k == "verl" or k.startswith("verl.")]:
             del sys.modules[k]
         sys.modules.update(ours)
-        sys.meta_path[:0] = finders
+        sys.meta_path[:] = finders
 
 
 # ═══════════════════════════════════════════ report ═══════════════════════════════════════════

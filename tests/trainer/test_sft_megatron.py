@@ -199,7 +199,6 @@ def test_verls_megatron_keys_reach_the_engine_config():
     (("model.lora_rank=8",), "model.lora_rank=8 with engine=megatron"),
     (("model.fsdp_config.model_dtype=bf16",), "model.fsdp_config.model_dtype=bf16"),
     (("engine.ulysses_sequence_parallel_size=2", "use_remove_padding=true"), "ulysses_sequence_parallel_size > 1"),
-    (("checkpoint.save_contents=[model,hf_model]",), "checkpoint.save_contents=['model']"),
     (("+optim.override_optimizer_config.optimizer_cpu_offload=true",), "optim.override_optimizer_config"),
     (("optim.lr_decay_style=linear",), "optim.lr_decay_style='linear'"),
     (("optim.weight_decay_incr_style=linear",), "optim.weight_decay_incr_style='linear'"),
