@@ -207,7 +207,7 @@ def test_verl_composes_through_its_own_package_search_path(harness, tmp_path):
         return harness.Captured(path="s.sh", index=0, module="verl.experimental.async_main", args=list(args),
                                 cwd=".", launcher="python", world_size=None)
 
-    finders = list(sys.meta_path)
+    finders, ours = list(sys.meta_path), sys.modules.get("verl")  # rlfoundry's answer, if a test imported it
     assert harness.verl_refuses(line("trainer.total_epochs=3", "async_training.staleness_threshold=0.5"), tmp_path) == ""
     assert "trainer.no_such_key" in harness.verl_refuses(line("trainer.no_such_key=1"), tmp_path)
-    assert sys.meta_path == finders and "verl" not in sys.modules  # the finder is back, the tree's verl gone
+    assert sys.meta_path == finders and sys.modules.get("verl") is ours  # the finder is back, the tree's verl gone
