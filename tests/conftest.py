@@ -19,7 +19,14 @@ torch.set_num_threads(int(os.environ.get("RLFOUNDRY_TEST_THREADS", "1")))
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests (the CUDA tier, DESIGN.md "one test tier per device") skip without CUDA."""
+    """``@pytest.mark.gpu`` tests (the CUDA tier, DESIGN.md "one test tier per device") skip without CUDA.
+    Under pytest-xdist (scripts/test.sh) the files with the most ``slow`` tests go first: each process takes
+    whole files in collection order, and a long file left to the end would run while the other processes idle."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow: dict[str, int] = {}
+        for item in items:
+            slow[item.fspath.strpath] = slow.get(item.fspath.strpath, 0) + (item.get_closest_marker("slow") is not None)
+        items.sort(key=lambda item: -slow[item.fspath.strpath])  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu tier: needs a CUDA device")
