@@ -311,6 +311,11 @@ class EnginePlugin(abc.ABC):
         budget holds that many times the key's tokens), and the key that says so."""
         return int(role.ulysses_sequence_parallel_size or 1), "ulysses_sequence_parallel_size"
 
+    def adopt(self, cfg: Any, roles: list[str], user_keys: list[str]) -> None:
+        """Rewrite settings of the config keys ``roles`` that this engine runs otherwise than written but with
+        the same results (as verl runs them), warning where ``user_keys`` (the keys the user gave) set them;
+        before ``check``."""
+
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
         """Start-up errors for the config keys ``roles`` (e.g. ``actor_rollout_ref.actor``) that name
         this engine: what it does not support, layouts that cannot work."""

@@ -218,6 +218,7 @@ def load_config(
     prefer_user_deprecated_keys(cfg, user_keys)
     _adopt_async_keys(cfg, user_keys)
     _fill_fully_async_batch(cfg)
+    _adopt_engine_settings(cfg, user_keys)
     warn_no_effect(cfg, user_keys)
     validate_config(cfg)
     return cfg
@@ -684,16 +685,27 @@ def _check_exact_mode(cfg: PPOConfig) -> list[str]:
     return errors
 
 
-def _check_engines(cfg: DictConfig) -> list[str]:
-    """Each training engine checks the roles that name it (``EnginePlugin.check``)."""
+def _roles_by_engine(cfg: DictConfig) -> dict[str, list[str]]:
+    """The training roles' keys, grouped by the engine their ``strategy`` names (the actor first)."""
     roles = ["actor_rollout_ref.actor", "actor_rollout_ref.ref"] + (["critic"] if use_critic(cfg) else [])
     by_engine: dict[str, list[str]] = {}
     for key in roles:
         strategy = pick(cfg, f"{key}.strategy")
         if strategy in TRAINING_ENGINES:  # an unknown one is the choice check's error, named there
             by_engine.setdefault(engine_plugin(strategy).name, []).append(key)
+    return by_engine
+
+
+def _adopt_engine_settings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
+    """Each training engine rewrites what it runs otherwise than written (``EnginePlugin.adopt``)."""
+    for name, keys in _roles_by_engine(cfg).items():
+        engine_plugin(name).adopt(cfg, keys, list(user_keys))
+
+
+def _check_engines(cfg: DictConfig) -> list[str]:
+    """Each training engine checks the roles that name it (``EnginePlugin.check``)."""
     ws = world_size(cfg)
-    return [e for name, keys in by_engine.items() for e in engine_plugin(name).check(cfg, keys, ws)]
+    return [e for name, keys in _roles_by_engine(cfg).items() for e in engine_plugin(name).check(cfg, keys, ws)]
 
 
 def _check_rollout_correction(cfg: PPOConfig) -> list[str]:

@@ -706,8 +706,9 @@ def test_main_reports_a_model_path_that_is_not_a_model(capsys, tmp_path):
 
 
 def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
-    """verl's megatron keys are accepted; a layout that does not divide the ranks and a reference or a
-    critic with another layout than the actor's are each named."""
+    """verl's megatron keys are accepted; a layout that does not divide the ranks and a critic with another
+    layout than the actor's are each named; a reference with another layout runs in the actor's, as verl's
+    does, and says so."""
     ok = load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.save_freq=-1", "trainer.n_gpus_per_node=4",
                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                       "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
@@ -720,9 +721,18 @@ def test_megatron_keys_and_what_it_cannot_do_yet_are_start_up_errors():
                      "critic.megatron.pipeline_model_parallel_size=2"])
     text = str(e.value)
     for expected in ("tensor × pipeline × context parallel = 4 does not divide the 2 ranks",
-                     "actor_rollout_ref.ref.megatron: every role runs in the same processes",
                      "critic.megatron: every role runs in the same processes, and megatron-core has one parallel layout"):
         assert expected in text, expected
+    assert "actor_rollout_ref.ref.megatron: every role" not in text
+    with pytest.warns(UserWarning, match=r"ref.megatron: tensor_model_parallel_size=4, context_parallel_size=2 differs "
+                                         r"from actor_rollout_ref.actor.megatron \(tensor_model_parallel_size=2, "
+                                         r"context_parallel_size=1\); the reference runs in the actor's layout"):
+        ref = load_config(["actor_rollout_ref.actor.strategy=megatron", "trainer.n_gpus_per_node=4",
+                           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                           "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4",
+                           "actor_rollout_ref.ref.megatron.context_parallel_size=2"])
+    assert (ref.actor_rollout_ref.ref.megatron.tensor_model_parallel_size,
+            ref.actor_rollout_ref.ref.megatron.context_parallel_size) == (2, 1)
 
 
 def test_megatron_offload_keys_are_accepted_and_reach_the_roles_configs():

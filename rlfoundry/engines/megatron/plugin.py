@@ -5,9 +5,11 @@ Its start-up checks say what the engine does not do yet."""
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from rlfoundry.config.schema import MEGATRON_INSTALL, model_parallel_size
 from rlfoundry.config.typed import pick
@@ -60,6 +62,26 @@ class MegatronPlugin(EnginePlugin):
 
     def sequence_split(self, role: Any) -> tuple[int, str]:
         return int(role.megatron.context_parallel_size), "megatron.context_parallel_size"  # CP splits sequences
+
+    def adopt(self, cfg: Any, roles: list[str], user_keys: list[str]) -> None:
+        """A frozen reference runs in the actor's layout, as verl runs it (the first role to start sets
+        megatron-core's one layout per process; verl's engine skips its own initialisation then): the
+        layout changes its log-probs by rounding only. One the user gave otherwise is warned about. A
+        trained critic keeps the error in ``check`` (its checkpoint records its layout)."""
+        ref, actor = "actor_rollout_ref.ref", "actor_rollout_ref.actor"
+        if ref not in roles or actor not in roles:
+            return
+        differ = [n for n in _LAYOUT if pick(cfg, f"{ref}.megatron.{n}") != pick(cfg, f"{actor}.megatron.{n}")]
+        told = [n for n in differ if f"{ref}.megatron.{n}" in user_keys]
+        given = ", ".join(f"{n}={pick(cfg, f'{ref}.megatron.{n}')}" for n in told)
+        mine = ", ".join(f"{n}={pick(cfg, f'{actor}.megatron.{n}')}" for n in told)
+        for n in differ:
+            OmegaConf.update(cfg, f"{ref}.megatron.{n}", f"${{{actor}.megatron.{n}}}")
+        if not told:
+            return
+        warnings.warn(f"{ref}.megatron: {given} differs from {actor}.megatron ({mine}); the reference runs in the "
+                      "actor's layout, as in verl: every role shares the processes and megatron-core has one parallel "
+                      "layout per process (its log-probs change by rounding only).", stacklevel=2)
 
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
         errors: list[str] = []
