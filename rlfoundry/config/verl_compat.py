@@ -255,6 +255,21 @@ def adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str]) -> None:
     for role in ("actor_rollout_ref.model", "critic.model"):
         _adopt_megatron_lora(cfg, role, set_keys)
     _adopt_adapter_lora(cfg, set_keys)
+    _adopt_quoted_logger_list(cfg)
+
+
+def _adopt_quoted_logger_list(cfg: DictConfig) -> None:
+    """``trainer.logger='[console,wandb]'``: a list quoted into one string (the quotes reached Hydra, as in
+    three of verl's August fully-async scripts), which verl's tracker refuses as one unknown back end. Read
+    as the list it spells, and said, so the run logs where the script meant it to."""
+    value = cfg.trainer.logger
+    if not (isinstance(value, str) and value.startswith("[") and value.endswith("]")):
+        return
+    names = [x.strip().strip("'\"").strip() for x in value[1:-1].split(",")]
+    names = [x for x in names if x]
+    warnings.warn(f"trainer.logger={value!r} is one string (the list was quoted); read as the list {names} "
+                  f"(verl would refuse it: write trainer.logger=[{','.join(names)}]).", stacklevel=4)
+    cfg.trainer.logger = names
 
 
 def _check_fsdp_strategy(cfg: DictConfig, user_keys: Sequence[str]) -> None:

@@ -442,6 +442,22 @@ def test_august_trainer_v1_and_distillation():
     _load("distillation.enabled=false", "distillation.distillation_loss.loss_mode=k1")
 
 
+# ───────────────────────────── loggers ─────────────────────────────
+
+
+def test_a_quoted_logger_list_is_read_as_the_list_it_spells():
+    """verl's geo3k fully-async scripts pass ``trainer.logger='[console,wandb]'`` with the quotes: one string,
+    which verl's tracker refuses; here it is the list, with a warning that says how to write it."""
+    with pytest.warns(UserWarning, match=r"read as the list \['console', 'file'\].*write trainer.logger=\[console,file\]"):
+        cfg = load_config(["trainer.logger='[console, \"file\"]'"])
+    assert list(cfg.trainer.logger) == ["console", "file"]
+    assert "'[console,nope]'" not in _error("trainer.logger='[console,nope]'")  # each entry is checked by itself
+    assert "trainer.logger entry 'nope' is not one of" in _error("trainer.logger='[console,nope]'")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plain name is not a quoted list
+        assert load_config(["trainer.logger=console"]).trainer.logger == "console"
+
+
 # ───────────────────────────── mlflow ─────────────────────────────
 
 
