@@ -399,6 +399,7 @@ class CheckpointConfig(Node):
     # verl (Aug 2026): whether its Megatron HF export may miss weights; the exports here always hold every
     # weight (verl_compat.NO_EFFECT_KEYS), so false has nothing to let through
     strict: bool = True
+    async_save: bool = False  # verl: Megatron's dist-checkpoint writes in the background; not built (true: an error)
 
 
 @dataclass

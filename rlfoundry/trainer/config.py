@@ -240,6 +240,10 @@ def _check_checkpoint_contents(cfg: DictConfig) -> list[str]:
             elif "model" not in listed:
                 errors.append(f"{role}.checkpoint.{which}={listed} must include 'model' (the weights; leave out "
                               "'optimizer' to save or restore the weights alone).")
+        if pick(cfg, f"{role}.checkpoint.async_save", False):
+            errors.append(f"{role}.checkpoint.async_save=true: checkpoints written in the background while training "
+                          "goes on (verl's Megatron async save) are not built here; a checkpoint is written before "
+                          "the next step. Set it to false.")
     return errors
 
 

@@ -385,6 +385,11 @@ def test_checkpoint_contents_take_effect_and_bad_lists_are_start_up_errors():
         _load("actor_rollout_ref.actor.checkpoint.save_contents=[model,weights]")
     with pytest.raises(ConfigError, match=r"critic.checkpoint.load_contents=\['optimizer'\] must include 'model'"):
         _load("critic.checkpoint.load_contents=[optimizer]")
+    # verl's async_save: false is what runs here; true names what is not built
+    assert not _load("actor_rollout_ref.actor.checkpoint.async_save=False").actor_rollout_ref.actor.checkpoint.async_save
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.checkpoint.async_save=true: checkpoints written in "
+                                          r"the background .* are not built here"):
+        _load("actor_rollout_ref.actor.checkpoint.async_save=true")
     # verl's "HF exports only" save: the export and, beside it, the whole resumable state (warned)
     with pytest.warns(UserWarning, match=r"save_contents=\['hf_model'\]: each saved step gets the HF export"):
         hf_only = load_config(["actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"])
