@@ -217,6 +217,29 @@ def _yaml_switch(value: Any, info: KeyInfo | None) -> Any:
     return value
 
 
+def _holds_list(hint: Any) -> bool:
+    if typing.get_origin(hint) is typing.Union:
+        return any(_holds_list(a) for a in typing.get_args(hint))
+    return typing.get_origin(hint) is list
+
+
+def _quoted_list(value: Any, info: KeyInfo | None, text: str) -> Any:
+    """``key='[0.9,0.95]'`` on a list key: the quotes reached the config (a shell quoting slip, as in verl's
+    Qwen3.5 SFT script), so the value is one string; read it as the list it spells, and say so."""
+    if not (isinstance(value, str) and value.startswith("[") and value.endswith("]")
+            and info is not None and _holds_list(info.type)):
+        return value
+    try:
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={value}"]))["v"]
+    except OmegaConfBaseException:
+        return value
+    if not isinstance(parsed, list):
+        return value
+    warnings.warn(f"'{text}': the value is one quoted string; read as the list {parsed} (unquoted it is one).",
+                  stacklevel=5)
+    return parsed
+
+
 def apply_setting(cfg: DictConfig, key: str, value: Any, *, text: str, keys: Mapping[str, KeyInfo],
                   prefix: str = "", kind: str = "set") -> None:
     """Set (or, ``kind="delete"``, remove) the dotted ``key`` of ``cfg`` with the shared checks.
@@ -233,7 +256,7 @@ def apply_setting(cfg: DictConfig, key: str, value: Any, *, text: str, keys: Map
             raise ConfigError(f"'{text}': '{full}' is part of the schema and cannot be deleted; set it to null instead.")
     elif open_ancestor(full, keys) is None:
         raise unknown_key_error(full, f"from '{text}'", keys)
-    value = _yaml_switch(value, keys.get(full))
+    value = _quoted_list(_yaml_switch(value, keys.get(full)), keys.get(full), text)
     try:
         if kind == "delete":
             parent_key, _, leaf = key.rpartition(".")

@@ -73,3 +73,22 @@ def test_a_replaced_key_is_an_error_or_a_warning_as_on_the_command_line():
     with pytest.warns(UserWarning, match="fused_decode was replaced"):
         cfg = to_typed(RolloutConfig, {"fused_decode": True, "n": 2}, name="actor_rollout_ref.rollout")
     assert cfg.n == 2
+
+
+def test_a_quoted_list_on_a_list_key_is_read_as_the_list_it_spells():
+    """verl's Qwen3.5-397B SFT script passes ``optim.betas='[0.9,0.95]'`` with the quotes: one string. A list key
+    takes the list it spells (warned); a string key keeps the string; a malformed list stays the type error."""
+    from rlfoundry.config.sft_schema import SFTConfig
+    from rlfoundry.trainer.config import load_config, load_typed_config
+
+    def load_sft_config(overrides):
+        return load_typed_config(SFTConfig, overrides)[0]
+
+    with pytest.warns(UserWarning, match=r"one quoted string; read as the list \[0.9, 0.95\]"):
+        assert list(load_sft_config(["optim.betas='[0.9,0.95]'"]).optim.betas) == [0.9, 0.95]
+    with pytest.warns(UserWarning, match=r"read as the list \['model', 'extra'\]"):
+        cfg = load_config(["actor_rollout_ref.actor.checkpoint.load_contents='[model, \"extra\"]'"])
+    assert list(cfg.actor_rollout_ref.actor.checkpoint.load_contents) == ["model", "extra"]
+    assert load_config(["trainer.project_name='[x]'"]).trainer.project_name == "[x]"  # a string key: as given
+    with pytest.raises(ConfigError, match=r"optim.betas.*expected a list"):
+        load_sft_config(["optim.betas='[0.9,'"])
