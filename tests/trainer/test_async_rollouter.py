@@ -56,7 +56,11 @@ def test_fully_async_config_fills_verl_zero_batch_and_picks_the_process_backend(
       "async_training.partial_rollout=true", "actor_rollout_ref.rollout.multi_turn.enable=true"],
      "partial_rollout=true with rollout.multi_turn .* not supported"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"],
-     "filter_groups.enable=true is not supported"),
+     "filter_groups.enable=true is not supported with async_training.mode=one_step_off yet; verl's one_step_off "
+     "trainer does not read it either .*set algorithm.filter_groups.enable=false to run as verl does"),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=0",
+      "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+     "verl's fully_async trainer does not read it either"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "actor_rollout_ref.actor.use_rollout_log_probs=true",
       "actor_rollout_ref.actor.calculate_sum_pi_squared=true"], "needs the actor's log-prob pass"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "async_training.compute_prox_log_prob=true"],
