@@ -9,6 +9,7 @@ so they agree on every number and every message.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 __all__ = ["BatchSizeError", "RoleBatch", "per_gpu", "role_batch"]
 
@@ -38,10 +39,7 @@ def role_batch(role: str, mini_prompts: int, n: int, dp_size: int, micro: int | 
     micro-batch that does not divide the per-rank mini-batch (the driver's start-up rule)."""
     samples = mini_prompts * n
     if samples <= 0 or samples % dp_size:
-        raise BatchSizeError(
-            f"{role}.ppo_mini_batch_size={mini_prompts} × rollout.n={n} = {samples} samples per mini-batch "
-            f"cannot be split evenly over {dp_size} data-parallel ranks (nnodes × n_gpus_per_node, over "
-            "tensor × pipeline parallel under Megatron).")
+        raise BatchSizeError(_uneven_split(role, mini_prompts, n, dp_size))
     per_rank = samples // dp_size
     if dynamic:
         return RoleBatch(per_rank, micro)
@@ -57,3 +55,31 @@ def role_batch(role: str, mini_prompts: int, n: int, dp_size: int, micro: int | 
             f"ranks); choose a divisor of {per_rank} (the per-rank mini-batch of {per_rank} rows) instead of "
             f"ppo_micro_batch_size_per_gpu={micro}.")
     return RoleBatch(per_rank, micro)
+
+
+def _uneven_split(role: str, mini_prompts: int, n: int, dp_size: int) -> str:
+    """Why a mini-batch cannot go to the ranks, that verl does not run it either, and the nearest sizes that do.
+
+    verl's engine workers (August 2026) assert ``mini_batch_size % data_parallel_size == 0`` before an update
+    (``engine_workers.py`` ``train_mini_batch``); January's legacy FSDP worker floors the per-rank share instead
+    (``ppo_mini_batch_size //= dp``), so each rank takes more, smaller optimiser steps than the config asks,
+    and its dispatch refuses a step whose rows do not divide the ranks (docs/verl_keys.md, "Mini-batches that
+    do not divide the data-parallel ranks")."""
+    samples = mini_prompts * n
+    head = (f"{role}.ppo_mini_batch_size={mini_prompts} × rollout.n={n} = {samples} samples per mini-batch "
+            f"cannot be split evenly over {dp_size} data-parallel ranks (nnodes × n_gpus_per_node, over "
+            "tensor × pipeline parallel under Megatron)")
+    if samples <= 0:
+        return head + "."
+    step = dp_size // gcd(n, dp_size)  # prompts per mini-batch must be a multiple of this
+    near = sorted({m for m in (mini_prompts // step * step, -(-mini_prompts // step) * step) if m > 0})
+    below = max(d for d in range(1, min(dp_size, samples + 1)) if samples % d == 0)
+    above = next((d for d in range(dp_size + 1, samples + 1) if samples % d == 0), None)
+    ranks = [d for d in (below, above) if d]
+    floor = samples // dp_size
+    january = (f"January's floors each rank's share to {floor}, so more, smaller optimiser steps than asked" if floor
+               else "January's asserts each rank's share is at least one sample")
+    return (f"{head}; verl does not run it as asked either (August's engine worker asserts {samples} % {dp_size} "
+            f"== 0; {january}). Set {role}.ppo_mini_batch_size to a multiple of {step} "
+            f"({' or '.join(map(str, near))}), or train on a data-parallel size that divides {samples} "
+            f"({' or '.join(map(str, ranks))}).")

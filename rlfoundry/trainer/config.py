@@ -756,8 +756,13 @@ def _check_async(cfg: DictConfig) -> list[str]:
                       "(one machine) or ray (or auto).")
     if cfg.trainer.worker_backend == "process" and int(pool.nnodes) != 1:
         errors.append(f"trainer.worker_backend=process is single-node (processes on this machine), but rollout.nnodes={pool.nnodes}; use ray.")
-    unsupported = {"algorithm.filter_groups.enable=true": cfg.algorithm.filter_groups.enable,
-                   "algorithm.adv_estimator=remax (its greedy baseline)": adv_estimator(cfg) == "remax",
+    if cfg.algorithm.filter_groups.enable:
+        # verl's one-step-off and fully-async trainers (January and August) never read filter_groups: they
+        # train every group; its asynchronous DAPO filter lives only in the v1 trainer (trainer.use_v1)
+        errors.append(f"algorithm.filter_groups.enable=true is not supported with {key} yet; verl's {mode} trainer "
+                      "does not read it either (it trains every group): set algorithm.filter_groups.enable=false to "
+                      "run as verl does, or async_training.mode=sync for dynamic sampling.")
+    unsupported = {"algorithm.adv_estimator=remax (its greedy baseline)": adv_estimator(cfg) == "remax",
                    "async_training.partial_rollout=true with one-step-off (it has no sync mid-generation)":
                        at.partial_rollout and mode == "one_step_off",
                    "async_training.partial_rollout=true with rollout.multi_turn (the agent loop runs in the worker)":

@@ -56,7 +56,11 @@ def test_fully_async_config_fills_verl_zero_batch_and_picks_the_process_backend(
       "async_training.partial_rollout=true", "actor_rollout_ref.rollout.multi_turn.enable=true"],
      "partial_rollout=true with rollout.multi_turn .* not supported"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"],
-     "filter_groups.enable=true is not supported"),
+     "filter_groups.enable=true is not supported with async_training.mode=one_step_off yet; verl's one_step_off "
+     "trainer does not read it either .*set algorithm.filter_groups.enable=false to run as verl does"),
+    (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=0",
+      "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+     "verl's fully_async trainer does not read it either"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "actor_rollout_ref.actor.use_rollout_log_probs=true",
       "actor_rollout_ref.actor.calculate_sum_pi_squared=true"], "needs the actor's log-prob pass"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "async_training.compute_prox_log_prob=true"],
@@ -69,6 +73,23 @@ def test_fully_async_config_fills_verl_zero_batch_and_picks_the_process_backend(
 def test_async_config_errors_name_the_key_and_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _load(*overrides)
+
+
+def test_verls_fully_async_4_12_layout_is_refused_at_start_up_as_verl_refuses_it():
+    # dapo_7b_math_fsdp2_4_12.sh: require_batches 4 x ppo_mini_batch_size 32 prompts x n 16 = 2048 samples per
+    # step on 2 x 6 trainer GPUs. verl's first step stops on its balance_batch ("2048 % 12 != 0"), and with
+    # balance_batch off on its dispatch and (August) on its worker's 512 % 12; here it stops before any worker
+    # starts, naming the sizes that split (33 prompts: 528 = 12 x 44; or 16 trainer ranks: 512 = 16 x 32)
+    layout = ["trainer.nnodes=2", "trainer.n_gpus_per_node=6", "rollout.nnodes=2", "rollout.n_gpus_per_node=2",
+              "trainer.worker_backend=ray", "data.train_batch_size=0", "async_training.require_batches=4",
+              "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+    with pytest.raises(ConfigError) as e:
+        _load(*layout, "actor_rollout_ref.actor.ppo_mini_batch_size=32", config_name="fully_async_ppo_trainer")
+    assert "512 samples per mini-batch cannot be split evenly over 12 data-parallel ranks" in str(e.value)
+    assert "verl does not run it as asked either" in str(e.value)
+    assert "multiple of 3 (30 or 33)" in str(e.value)
+    cfg = _load(*layout, "actor_rollout_ref.actor.ppo_mini_batch_size=33", config_name="fully_async_ppo_trainer")
+    assert cfg.data.train_batch_size == 4 * 33
 
 
 # ───────────────────────────────────── the rollouter ─────────────────────────────────────
