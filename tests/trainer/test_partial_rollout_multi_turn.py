@@ -233,3 +233,19 @@ def test_a_sync_inside_a_tool_calling_turn_keeps_the_call_and_the_layout(tokeniz
     torch.testing.assert_close(out.batch["rollout_log_probs"][0, :b1], torch.tensor(expected))
     assert (extras["param_version_start"][0], extras["param_version_end"][0], extras["param_version"][0]) == (0, 1, 0)
     assert policy.engine_only == [True] * len(policy.engine_only)  # the rollout worker answers with its plain engine
+
+
+def test_image_rows_are_refused_with_the_fix(tokenizer):
+    """Their pixels would not follow the chunks: the first such engine call says to turn partial rollout off."""
+    policy = VersionedScript(tokenizer, ["x"])
+    engine = ChunkedEngine(ChunkedGeneration(policy.generate_sequences, response_length=8, chunk_tokens=2, pad_id=0,
+                                             eos_ids=policy.eos_token_ids), policy.config)
+    engine.boundary = lambda: 0
+    pixels = torch.zeros(1).numpy().astype(object)
+    pixels[0] = {"pixel_values": torch.zeros(1)}
+    rows = DataProto.from_dict(tensors={"input_ids": torch.ones((1, 3), dtype=torch.long),
+                                        "attention_mask": torch.ones((1, 3), dtype=torch.long)},
+                               non_tensors={"multi_modal_inputs": pixels}, meta_info={"response_length": 8})
+    with pytest.raises(ValueError, match="does not take image rows.*set partial_rollout=false"):
+        engine.generate_sequences(rows)
+    assert policy.engine_only == []  # refused before any engine call

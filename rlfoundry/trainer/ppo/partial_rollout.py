@@ -124,10 +124,10 @@ class ChunkedEngine:
         if "multi_modal_inputs" in requests.non_tensor_batch:
             raise ValueError("async_training.partial_rollout=true with rollout.multi_turn does not take image rows "
                              "yet (their turns would lose their pixels between chunks); set partial_rollout=false")
-        if meta.get("top_logprobs") or meta.get("sample_keys") is not None:
+        if meta.get("top_logprobs"):  # a request's own seed is refused by the server already (no reserve_draws)
             raise ValueError("async_training.partial_rollout=true with rollout.multi_turn: a request asked for top "
-                             "log-probs or its own draws (an openai_agent loop), which the chunked engine cannot "
-                             "give; set partial_rollout=false")
+                             "log-probs (an openai_agent loop), which the chunked engine does not give; set "
+                             "partial_rollout=false")
         if self.boundary is None:
             raise RuntimeError("ChunkedEngine.generate_sequences outside a rollouter's generation (no boundary set)")
         from rlfoundry.workers.rollout.agent_loop import ENGINE_ONLY
