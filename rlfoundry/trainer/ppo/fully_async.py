@@ -18,7 +18,7 @@ prompts. So every sample's staleness (the trainer's version when it trains the s
 version that sampled it) is at most ⌈s⌉; with s = 0 the pipeline trains on what the synchronous
 trainer would, in the same order. Nothing is dropped: the rollouter waits instead (its idle time is
 reported). A sync waits for the rollouter's generation in flight (with partial rollout, only for its
-current chunk). The trainer checks the bound again on every sample it takes (``Rollouter.take``):
+current chunk; with multi-turn agent loops, which then run here, until their server's next engine call). The trainer checks the bound again on every sample it takes (``Rollouter.take``):
 one older than that stops the run rather than being trained on.
 
 **Checkpoints** store the loader's position before the oldest prompt not yet trained (queued or
