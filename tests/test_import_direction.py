@@ -29,7 +29,9 @@ LAYERS = {
     "plan": 4,  # the planner reads the trainer's config composition; the trainer runs its start-up check
 }
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
-WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model"}
+WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model",
+                       # partial rollout's multi-turn runs the agent loops in the driver, where a sync may come
+                       "rlfoundry.workers.rollout.agent_loop"}
 # SFT runs its model in-process (no worker groups): it is a role on the engine, like the workers.
 IN_PROCESS_TRAINERS = {"rlfoundry.trainer.sft_trainer"}
 

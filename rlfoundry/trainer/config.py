@@ -765,8 +765,11 @@ def _check_async(cfg: DictConfig) -> list[str]:
     unsupported = {"algorithm.adv_estimator=remax (its greedy baseline)": adv_estimator(cfg) == "remax",
                    "async_training.partial_rollout=true with one-step-off (it has no sync mid-generation)":
                        at.partial_rollout and mode == "one_step_off",
-                   "async_training.partial_rollout=true with rollout.multi_turn (the agent loop runs in the worker)":
-                       at.partial_rollout and cfg.actor_rollout_ref.rollout.multi_turn.enable}
+                   # the driver's agent loops chunk token requests; openai_agent's own draws and top log-probs are not
+                   "async_training.partial_rollout=true with rollout.agent.default_agent_loop=openai_agent (set "
+                   "partial_rollout=false, or use tool_agent)":
+                       at.partial_rollout and cfg.actor_rollout_ref.rollout.multi_turn.enable
+                       and cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "openai_agent"}
     errors += [f"{what} is not supported with {key} yet." for what, bad in unsupported.items() if bad]
     errors += _verl_async_errors(cfg)
     if mode == "fully_async":

@@ -70,6 +70,7 @@ from rlfoundry.engines.base import EngineRequest, TrainingEngine
 from rlfoundry.engines.snapshot import WeightSnapshot
 from rlfoundry.workers.actor import ROUTING_OUTPUTS, ActorBatchSizes, DataParallelPPOActor
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
+from rlfoundry.workers.rollout.base import ENGINE_ONLY
 from rlfoundry.workers.utils.device import on_device
 from rlfoundry.engines import oom
 from rlfoundry import cpu as cpu_kernels
@@ -238,26 +239,12 @@ class ActorRolloutRefWorker(Worker):
         return self.lora is not None and bool(self.lora.adapter_path) and self.engine.rollout_module() is None
 
     def _build_agent_loop(self) -> Any:
-        """``rollout.multi_turn.enable``: the agent loops over the rollout engine, with the configured
-        tools and interactions (a bad loop name or config fails here, at start-up)."""
-        rollout = self.config.rollout
-        if not rollout.multi_turn.enable:
+        """``rollout.multi_turn.enable``: the agent loops over the rollout engine (``build_agent_loop``)."""
+        if not self.config.rollout.multi_turn.enable:
             return None
-        from rlfoundry.interactions import initialize_interactions_from_config
-        from rlfoundry.tools.registry import initialize_tools_from_config
-        from rlfoundry.workers.rollout.agent_loop import AgentLoop, resolve_agent_loops
+        from rlfoundry.workers.rollout.agent_loop import build_agent_loop
 
-        multi_turn = rollout.multi_turn
-        tools = initialize_tools_from_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
-        interactions = (initialize_interactions_from_config(multi_turn.interaction_config_path)
-                        if multi_turn.interaction_config_path else {})
-        # the data set rendered the prompts with the same tools (trainer/main_ppo.rollout_data_config)
-        kwargs = {"tools": [t.get_openai_tool_schema().model_dump() for t in tools]} if tools else {}
-        loop = AgentLoop(self.rollout, self.tokenizer, multi_turn, {t.name: t for t in tools}, rollout.response_length,
-                         chat_template_kwargs=kwargs, agent=rollout.agent, interactions=interactions,
-                         prompt_tools_known=bool(multi_turn.tool_config_path))
-        resolve_agent_loops({loop.default_loop}, loop.loop_config_path)
-        return loop
+        return build_agent_loop(self.rollout, self.tokenizer, self.config.rollout)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -289,7 +276,8 @@ class ActorRolloutRefWorker(Worker):
         return out.to("cpu")
 
     def _generate(self, prompts: DataProto, rows: int) -> DataProto:
-        engine = self.agent_loop or self.rollout
+        # partial rollout's multi-turn: the driver runs the agent loops and sends their turns' chunks here
+        engine = self.rollout if prompts.meta_info.get(ENGINE_ONLY) else (self.agent_loop or self.rollout)
         if rows >= len(prompts):
             return engine.generate_sequences(prompts)
         return DataProto.concat([engine.generate_sequences(part) for part in prompts.split(rows)])

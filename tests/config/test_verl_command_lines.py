@@ -4,7 +4,7 @@ commit, the module, the arguments as the script ran them with its own defaults, 
 ``{home}``), one per kind of run — dense FSDP GRPO and PPO with a critic, Megatron (January's config
 name and August's ``model_engine=megatron``), LoRA, multi-turn tools with an interaction, a classifier
 reward model, a vision-language model, Ulysses, DAPO, GSPO, GDPO, rollout correction, one-step-off and
-fully-async, both SFT entry points (FSDP and Megatron), and August's ``model_engine=veomni``.
+fully-async (the retool line's tool agent loop with partial rollout too), both SFT entry points (FSDP and Megatron), and August's ``model_engine=veomni``.
 
 Each runs as ``python -m rlfoundry.X ARGS --cfg job`` through ``scripts/verl_compat_check.py``'s
 in-process check (the module's own ``__main__``, from the script's directory), so a line that a change
@@ -52,6 +52,35 @@ interaction:
     class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
     config: {}
 """,
+    # recipe/retool (a submodule of verl's tree): its tool config and module, with verl's imports and names
+    "recipe/retool/sandbox_fusion_tool_config.yaml": """\
+tools:
+  - class_name: "recipe.retool.retool.CustomSandboxFusionTool"
+    config:
+      sandbox_fusion_url: "https://localhost:8080/run_code"
+      num_workers: 128
+      default_timeout: 30
+      default_language: "python"
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "code_interpreter"
+        description: "A tool for executing code."
+        parameters:
+          type: "object"
+          properties:
+            code:
+              type: "string"
+              description: "The code to execute."
+          required: ["code"]
+""",
+    "recipe/retool/retool.py": "from verl.tools.sandbox_fusion_tools import SandboxFusionTool\n"
+                               "from verl.utils.dataset import RLHFDataset\n\n\n"
+                               "class CustomSandboxFusionTool(SandboxFusionTool):\n    pass\n\n\n"
+                               "class CustomRLHFDataset(RLHFDataset):\n    pass\n\n\n"
+                               "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                               "    return float(solution_str.strip() == ground_truth)\n",
     "verl/utils/reward_score/rlla.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                        "    return float(solution_str.strip() == ground_truth)\n",
 }
@@ -85,6 +114,10 @@ EXPECT = {
     "verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_4_4.sh": {
         "async_training.mode": "fully_async", "async_training.trigger_parameter_sync_step": 4,
         "data.train_batch_size": 128},  # verl's 0: require_batches x ppo_mini_batch_size
+    # the tool agent loop with partial rollout (the agent loops run in the driver: docs/async.md)
+    "verl/experimental/fully_async_policy/shell/dapo_7b_async_retool.sh": {
+        "async_training.mode": "fully_async", "async_training.partial_rollout": True,
+        "actor_rollout_ref.rollout.multi_turn.enable": True, "data.train_batch_size": 16},
     "examples/tuning/lora/run_qwen3_8b_fsdp.sh": {"actor_rollout_ref.model.lora_rank": 64},
     "examples/gdpo_trainer/run_qwen3_8b_fsdp.sh": {"algorithm.adv_estimator": "gdpo"},
     "examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh": {

@@ -53,8 +53,9 @@ def test_fully_async_config_fills_verl_zero_batch_and_picks_the_process_backend(
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "async_training.partial_rollout=true"],
      "partial_rollout=true with one-step-off .* not supported"),
     (["async_training.mode=fully_async", "rollout.n_gpus_per_node=1", "data.train_batch_size=0",
-      "async_training.partial_rollout=true", "actor_rollout_ref.rollout.multi_turn.enable=true"],
-     "partial_rollout=true with rollout.multi_turn .* not supported"),
+      "async_training.partial_rollout=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+      "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent"],
+     "partial_rollout=true with rollout.agent.default_agent_loop=openai_agent .*use tool_agent.* not supported"),
     (["async_training.mode=one_step_off", "rollout.n_gpus_per_node=1", "algorithm.filter_groups.enable=true"],
      "filter_groups.enable=true is not supported with async_training.mode=one_step_off yet; verl's one_step_off "
      "trainer does not read it either .*set algorithm.filter_groups.enable=false to run as verl does"),

@@ -187,6 +187,26 @@ def test_partial_rollout_lets_syncs_meet_generations_mid_way_within_the_bound(ti
     assert any(steps[s]["async/partial_samples_fraction"] > 0 for s in steps)  # samples spanning two versions
 
 
+def test_multi_turn_partial_rollout_runs_the_agent_loops_in_the_driver_and_syncs_mid_flight(tiny_model_dir, tmp_path):
+    # verl's retool line's combination (tool agent loop + partial rollout): the driver's agent loops send
+    # their turns' chunks to the rollout pool's plain engine; slowed chunks make syncs meet them mid-way
+    run = tmp_path / "multi_turn"
+    env = {**E.subprocess_env(), "RLFOUNDRY_FAULT_INJECT": "partial_rollout.between_chunks:slow"}
+    _ok(_cli(_args(tiny_model_dir, run, *_ASYNC, "data.gen_batch_size=1", "async_training.require_batches=1",
+                   "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
+                   "async_training.partial_rollout_chunk_tokens=2", "trainer.total_training_steps=4",
+                   "actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_prompt_length=192",
+                   "actor_rollout_ref.rollout.multi_turn.tool_config_path=rlfoundry://config/tools/calculator.yaml"),
+             config_name="fully_async_ppo_trainer", env=env))
+    steps = _steps(run)
+    assert len(steps) == 4 and all(steps[s]["async/staleness_max"] <= 1 for s in steps)
+    assert sum(steps[s]["async/paused_in_flight"] for s in steps) > 0
+    assert any(steps[s]["async/partial_samples_fraction"] > 0 for s in steps)
+    assert all("num_turns/mean" in steps[s] for s in steps)  # the agent loops' columns reached the trainer
+    rows = [r for s in steps for r in _trained(run, s)]
+    assert all(r["param_version_start"] <= r["param_version_end"] <= r["param_version_start"] + 1 for r in rows)
+
+
 @pytest.mark.parametrize("config_name", ["one_step_off_ppo_trainer", "fully_async_ppo_trainer"])
 def test_both_pipelines_run_on_ray_with_two_pools(tiny_model_dir, tmp_path, config_name):
     run = tmp_path / "ray"

@@ -18,7 +18,7 @@ prompts. So every sample's staleness (the trainer's version when it trains the s
 version that sampled it) is at most ⌈s⌉; with s = 0 the pipeline trains on what the synchronous
 trainer would, in the same order. Nothing is dropped: the rollouter waits instead (its idle time is
 reported). A sync waits for the rollouter's generation in flight (with partial rollout, only for its
-current chunk). The trainer checks the bound again on every sample it takes (``Rollouter.take``):
+current chunk; with multi-turn agent loops, which then run here, until their server's next engine call). The trainer checks the bound again on every sample it takes (``Rollouter.take``):
 one older than that stops the run rather than being trained on.
 
 **Checkpoints** store the loader's position before the oldest prompt not yet trained (queued or
@@ -44,7 +44,7 @@ from rlfoundry.models.hf import generation_eos_ids
 from rlfoundry.protocol import DataProto
 from rlfoundry.trainer.metric_utils import marked_timer
 from rlfoundry.trainer.ppo.one_step_off import staleness_metrics
-from rlfoundry.trainer.ppo.partial_rollout import ChunkedGeneration
+from rlfoundry.trainer.ppo.partial_rollout import ChunkedEngine, ChunkedGeneration
 from rlfoundry.trainer.ppo.sources import SampleSource, loader_batches, rewound_sampling_state
 from rlfoundry.utils import faults
 from rlfoundry.utils.errors import RunAbortedError
@@ -293,26 +293,44 @@ class FullyAsyncSource(SampleSource):
     def _start_rollouter(self) -> None:
         trainer = self.trainer
         done = trainer.state.global_steps - 1  # steps trained before this run's first (a resumed run: > 0)
-        at, call = trainer.config.async_training, trainer.rollout_wg.generate_sequences
-        chunked = ChunkedGeneration(call, response_length=int(trainer.config.data.max_response_length),
-                                    chunk_tokens=int(at.partial_rollout_chunk_tokens), pad_id=pad_id(trainer.tokenizer),
-                                    eos_ids=generation_eos_ids(trainer.tokenizer, trainer.config.actor_rollout_ref.model.path),
-                                    ) if at.partial_rollout else None
-
-        def generate(batch_dict: dict, boundary: Callable[[], int]) -> DataProto:
-            prompts = trainer.prompts(batch_dict)
-            if chunked is not None:
-                out = chunked.generate(prompts, int(trainer.config.actor_rollout_ref.rollout.n), boundary)
-            else:
-                out = call(prompts)
-            return trainer.generated(out, balance=False)
-
+        at = trainer.config.async_training
+        generate = self._generation(at, trainer.rollout_wg.generate_sequences)
         self.rollouter = Rollouter(generate, loader_batches(trainer.train_dataloader, with_state=True), per_sync=self.step_prompts * self.sync_every,
                                    staleness_threshold=float(at.staleness_threshold),
                                    first_index=done * self.step_prompts,
                                    total_prompts=trainer.total_training_steps * self.step_prompts,
                                    version=done // self.sync_every)
         self.rollouter.start(int(trainer.config.data.gen_batch_size))
+
+    def _generation(self, at: Any, call: Callable[[DataProto], DataProto]) -> Callable[[dict, Callable[[], int]], DataProto]:
+        """The rollouter's ``generate(batch_dict, boundary)``: one call to the pool; with partial rollout a
+        chunked generation, and with multi-turn too the agent loops here in the driver over a
+        ``ChunkedEngine`` (trainer/ppo/partial_rollout.py), the boundary before each of its chunks."""
+        trainer = self.trainer
+        rollout = trainer.config.actor_rollout_ref.rollout
+        chunked = ChunkedGeneration(call, response_length=int(trainer.config.data.max_response_length),
+                                    chunk_tokens=int(at.partial_rollout_chunk_tokens), pad_id=pad_id(trainer.tokenizer),
+                                    eos_ids=generation_eos_ids(trainer.tokenizer, trainer.config.actor_rollout_ref.model.path),
+                                    ) if at.partial_rollout else None
+        agents = engine = None
+        if chunked is not None and rollout.multi_turn.enable:
+            from rlfoundry.workers.rollout.agent_loop import build_agent_loop
+
+            engine = ChunkedEngine(chunked, rollout)
+            agents = build_agent_loop(engine, trainer.tokenizer, rollout)
+
+        def generate(batch_dict: dict, boundary: Callable[[], int]) -> DataProto:
+            prompts = trainer.prompts(batch_dict)
+            if agents is not None:
+                engine.boundary = boundary  # the rollouter runs one generation at a time
+                out = agents.generate_sequences(prompts)
+            elif chunked is not None:
+                out = chunked.generate(prompts, int(rollout.n), boundary)
+            else:
+                out = call(prompts)
+            return trainer.generated(out, balance=False)
+
+        return generate
 
     def next_batch(self, timing: dict) -> tuple[DataProto, dict[str, float]]:
         trainer = self.trainer

@@ -21,11 +21,14 @@ from rlfoundry.config import to_typed
 from rlfoundry.config.schema import RolloutConfig
 from rlfoundry.protocol import DataProto
 
-__all__ = ["BaseRollout", "SamplingParams", "resolve_sampling_params", "rollout_config"]
+__all__ = ["ENGINE_ONLY", "BaseRollout", "SamplingParams", "resolve_sampling_params", "rollout_config"]
 
 ROLLOUT_KEY = "actor_rollout_ref.rollout"  # where RolloutConfig sits in the trainer config (for messages)
 # FIRE sampling (rollout.use_fire_sampling; verl's fire_vllm_rollout.py): the first response token's
 # temperature, and its top-k where the user's is off
+# meta_info key: the rows are an agent loop's turn requests (partial rollout's multi-turn runs the loops in
+# the driver, trainer/ppo/partial_rollout.py): a rollout worker answers them with its plain engine
+ENGINE_ONLY = "engine_only"
 FIRE_TEMPERATURE = 30.0
 FIRE_TOP_K = 16
 

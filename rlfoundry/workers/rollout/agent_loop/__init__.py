@@ -52,13 +52,36 @@ from rlfoundry.workers.rollout.agent_loop.base import (
     register,
     resolve_agent_loops,
 )
+from rlfoundry.workers.rollout.base import ENGINE_ONLY
 from rlfoundry.workers.rollout.agent_loop.server import GenerationServer, PromptVision, prefix_digests
 from rlfoundry.workers.rollout.agent_loop.tool_agent import apply_template, truncate_text
 
-__all__ = ["AgentLoop", "AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "format_trajectory", "register",
-           "resolve_agent_loops", "truncate_text"]
+__all__ = ["ENGINE_ONLY", "AgentLoop", "AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "build_agent_loop", "format_trajectory",
+           "register", "resolve_agent_loops", "truncate_text"]
 
 logger = logging.getLogger(__name__)
+
+
+def build_agent_loop(engine: Any, tokenizer: Any, rollout: Any) -> AgentLoop | None:
+    """``rollout.multi_turn.enable`` (``rollout``: the typed ``actor_rollout_ref.rollout``): the agent loops
+    over ``engine``, with the configured tools and interactions (a bad loop name or config fails here, at
+    start-up); None when multi-turn is off."""
+    if not rollout.multi_turn.enable:
+        return None
+    from rlfoundry.interactions import initialize_interactions_from_config
+    from rlfoundry.tools.registry import initialize_tools_from_config
+
+    multi_turn = rollout.multi_turn
+    tools = initialize_tools_from_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+    interactions = (initialize_interactions_from_config(multi_turn.interaction_config_path)
+                    if multi_turn.interaction_config_path else {})
+    # the data set rendered the prompts with the same tools (trainer/main_ppo.rollout_data_config)
+    kwargs = {"tools": [t.get_openai_tool_schema().model_dump() for t in tools]} if tools else {}
+    loop = AgentLoop(engine, tokenizer, multi_turn, {t.name: t for t in tools}, rollout.response_length,
+                     chat_template_kwargs=kwargs, agent=rollout.agent, interactions=interactions,
+                     prompt_tools_known=bool(multi_turn.tool_config_path))
+    resolve_agent_loops({loop.default_loop}, loop.loop_config_path)
+    return loop
 
 
 class AgentLoop:
@@ -120,6 +143,7 @@ class AgentLoop:
                 self._check_tokenization(out)
         batch = self._assemble(prompts, n, outputs, sample)
         batch.non_tensor_batch["retokenised_from"] = _retokenised_from(server, batch, sample)
+        batch.non_tensor_batch.update(_version_columns(server, sample))
         return batch
 
     def _row(self, prompts: DataProto, i: int) -> dict[str, Any]:
@@ -232,6 +256,16 @@ def _retokenised_from(server: GenerationServer, batch: DataProto, sample: list[i
     column = np.empty(len(sample), dtype=object)
     column[:] = torch.where(missing.any(-1), missing.int().argmax(-1), -1).tolist()
     return column
+
+
+def _version_columns(server: GenerationServer, sample: list[int]) -> dict[str, np.ndarray]:
+    """Where the engine reported the weight versions each turn was sampled under (partial rollout): per row,
+    its trajectory's first and last (``param_version_start`` / ``_end``) and the actor version of its first
+    tokens (``param_version``, the oldest); {} otherwise."""
+    if not sample or any(k not in server.versions for k in sample):
+        return {}
+    names = server.versions[sample[0]].keys()
+    return {name: np.array([server.versions[k][name] for k in sample], dtype=object) for name in names}
 
 
 def _positions_3d(prompt_pos: torch.Tensor, no_prompt: torch.Tensor, flat: torch.Tensor, width: int) -> torch.Tensor:

@@ -21,6 +21,10 @@ stream is then keyed by that seed alone (not by the batch, trajectory or turn), 
 sample the same tokens; and ``top_logprobs`` = k: the engine call then asks for each step's k most likely
 tokens (``serves_top_logprobs``: the HF engine) and the request gets them.
 
+An engine that reports per row the weight versions it sampled under (``param_version_start`` /
+``param_version_end`` / ``param_version``: partial rollout's ``ChunkedEngine``) has them kept per
+trajectory too (``versions``): its first request's start and its last request's end.
+
 The server keeps, per trajectory, what each request sampled and a digest of the context it sampled it
 after (``sampled``); ``sampled_spans`` holds a training row against that record, so the mismatch audit can
 tell the rows whose tokens the engine did not sample as they are trained (re-tokenisation, docs/on_policy.md).
@@ -95,6 +99,7 @@ class Generated:
     token_ids: list[int]
     log_probs: list[float]
     top: list[list[tuple[int, float]]] | None = None
+    versions: dict[str, int] | None = None  # the weight versions it was sampled under (see the module docstring)
 
 
 @dataclass
@@ -107,6 +112,17 @@ class _Request:
     draw_key: int = 0  # (reserved call, trajectory, turn) mixed: the key of its sampling stream
     top_logprobs: int = 0
     context_digest: int = 0  # prefix_digests of token_ids, set by _rows
+
+
+_VERSION_KEYS = ("param_version_start", "param_version_end", "param_version")
+
+
+def _versions(out: DataProto, k: int) -> dict[str, int] | None:
+    """Row ``k``'s weight versions where the engine reports a sample's span (partial rollout), else None."""
+    columns = out.non_tensor_batch
+    if "param_version_start" not in columns:
+        return None
+    return {name: int(columns[name][k]) for name in _VERSION_KEYS if name in columns}
 
 
 class GenerationServer:
@@ -127,6 +143,8 @@ class GenerationServer:
         # per trajectory: (context length, digest of the context, sampled ids) of each request answered. A
         # digest, not the context: a trajectory's turns would otherwise hold a copy of its whole context each
         self.sampled: dict[int, list[tuple[int, int, list[int]]]] = {}
+        # per trajectory: {param_version_start, param_version_end, param_version}, where the engine reports them
+        self.versions: dict[int, dict[str, int]] = {}
 
     @property
     def seeds_requests(self) -> bool:
@@ -181,6 +199,7 @@ class GenerationServer:
                 for request, output in zip(batch, outputs):
                     self.sampled.setdefault(request.key, []).append(
                         (len(request.token_ids), request.context_digest, output.token_ids))
+                    self._record_versions(request.key, output.versions)
                     request.future.set_result(output)
         finally:
             self._executor.shutdown(wait=False)
@@ -200,6 +219,12 @@ class GenerationServer:
                 await asyncio.wait_for(self._wake.wait(), left)
             except asyncio.TimeoutError:
                 pass
+
+    def _record_versions(self, key: int, versions: dict[str, int] | None) -> None:
+        """A trajectory's versions: its first request's start (and actor version), its latest request's end."""
+        if versions:
+            held = self.versions.setdefault(key, dict(versions))
+            held["param_version_end"] = versions["param_version_end"]
 
     def _notify(self) -> None:
         if self._wake is not None:
@@ -244,7 +269,7 @@ class GenerationServer:
             if request.top_logprobs and top_ids is not None:
                 top = [list(zip(top_ids[k][t][:request.top_logprobs], top_values[k][t][:request.top_logprobs]))
                        for t in range(length)]
-            results.append(Generated(responses[k][:length], log_probs[k][:length], top))
+            results.append(Generated(responses[k][:length], log_probs[k][:length], top, _versions(out, k)))
         return results
 
     def _rows(self, batch: list[_Request], meta: dict) -> DataProto:
