@@ -568,14 +568,18 @@ def test_rollout_is_threshold_icepop_string():
     assert "bounds must be > 0 (and lower <= upper)" in _error(f"{key}.rollout_is=token", f"{key}.rollout_is_threshold='4_0.5'")
 
 
-def test_megatron_expert_tensor_parallel_size_like_the_tensor_parallelism_is_accepted_and_other_is_named(tiny_moe_dir):
+def test_megatron_expert_tensor_parallel_size_like_the_tensor_parallelism_or_1_is_accepted_and_other_is_named(tiny_moe_dir):
     base = ("actor_rollout_ref.actor.strategy=megatron", f"actor_rollout_ref.model.path={tiny_moe_dir}",
             "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
     _load(*base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
           "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=null")
+    # verl's Qwen3-30B-A3B scripts' layout, in small: TP split dense layers, whole experts
+    tp2 = [f"actor_rollout_ref.{r}.megatron.tensor_model_parallel_size=2" for r in ("actor", "ref")]
+    _load(*base, *tp2, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+          "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=1")
     error = _error(*base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4")
-    assert ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4: the experts split like the dense layers "
-            "only (null or tensor_model_parallel_size=1)") in error
+    assert ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4: the experts are either split like the "
+            "dense layers (null or tensor_model_parallel_size=1) or whole on each rank (1)") in error
     # the experts' groups must fit the ranks too
     assert "expert × expert tensor × pipeline parallel = 8 does not divide the 4 ranks" in _error(
         *base, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",

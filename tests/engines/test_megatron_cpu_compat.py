@@ -51,6 +51,13 @@ def test_the_calls_the_shims_stand_in_for_still_name_cuda():
     assert "torch.cuda.Stream()" in inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
     dtoh = inspect.getsource(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
     assert "torch.cuda.stream(" in dtoh and "as_numpy=True" in dtoh
+    # gloo: the dispatcher's gather of unequal parts over the expert tensor-parallel ranks (TP x EP)
+    from megatron.core.tensor_parallel import mappings
+
+    gather = inspect.getsource(inspect.unwrap(mappings._gather_along_first_dim))
+    assert "torch.distributed.all_gather(output_tensor_list, input_, group=group)" in gather
+    post = inspect.getsource(MoEAlltoAllTokenDispatcher.dispatch_postprocess)
+    assert "output_split_sizes = self.output_splits_tp.tolist()" in post and "output_split_sizes=output_split_sizes" in post
     # the router reads te_general_gemm, which moe_utils binds only when TransformerEngine imports
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
     # the CPU optimiser: CUDA streams when built and at each step; the split by is_cuda, copies pinned
@@ -157,3 +164,28 @@ def test_model_parallel_rng_on_the_cpu_generator(tmp_path):
     assert not torch.equal(a["first"], a["second"])
     assert not torch.equal(a["first"], b["first"])
     assert torch.equal(a["default"], b["default"])
+
+
+def _uneven_gather(rank: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    sizes = [2, 3]  # what the MoE dispatcher gathers at TP x EP: each rank's tokens for this rank's experts
+    part = torch.arange(sizes[rank] * 4, dtype=torch.float32).view(-1, 4).add(100 * rank).requires_grad_()
+    whole = gather_from_sequence_parallel_region(part, group=ps.get_tensor_model_parallel_group(),
+                                                 output_split_sizes=sizes)
+    weights = torch.arange(whole.numel(), dtype=torch.float32).view_as(whole)
+    (whole * weights).sum().backward()  # the backward: an uneven reduce-scatter, which gloo runs itself
+    return {"whole": whole.detach(), "grad": part.grad}
+
+
+@pytest.mark.slow
+def test_a_gather_of_unequal_parts_runs_over_gloo(tmp_path):
+    """megatron-core's sequence-parallel gather with ``output_split_sizes`` (2 and 3 rows here): gloo's
+    all_gather takes equal sizes only; with the shim every rank gets both parts in rank order, and the
+    backward hands each rank the sum over ranks of its rows' gradient (both ranks' weights are equal)."""
+    a, b = run_ranks(_uneven_gather, 2, tmp_path, tp=2)
+    expected = torch.cat([torch.arange(8.0).view(2, 4), torch.arange(12.0).view(3, 4) + 100])
+    assert torch.equal(a["whole"], expected) and torch.equal(b["whole"], expected)
+    weights = torch.arange(20.0).view(5, 4)
+    assert torch.equal(a["grad"], 2 * weights[:2]) and torch.equal(b["grad"], 2 * weights[2:])

@@ -69,7 +69,7 @@ def test_log_probs_equal_hf_and_export_round_trips(tiny_moe_dir, tmp_path, world
 
 
 def _megatron_moe_update(rank: int, model_dir: str, data, ep: int, distributed_optimizer: bool,
-                         overrides: dict | None = None, tp: int = 1):
+                         overrides: dict | None = None, tp: int = 1, etp: int | None = None):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -79,7 +79,8 @@ def _megatron_moe_update(rank: int, model_dir: str, data, ep: int, distributed_o
 
     cfg = _actor_config(model_dir)
     megatron = MegatronConfig(expert_model_parallel_size=ep, dtype="float32", use_distributed_optimizer=distributed_optimizer,
-                              override_transformer_config=dict(overrides or {}), tensor_model_parallel_size=tp)
+                              override_transformer_config=dict(overrides or {}), tensor_model_parallel_size=tp,
+                              expert_tensor_parallel_size=etp)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = data.chunk(dp)[dp_rank]  # what the worker's dispatch hands this data-parallel rank
@@ -117,14 +118,40 @@ def test_actor_update_at_tp2_equals_fsdp(tiny_moe_dir, tmp_path):
     _check_update_equals_fsdp(str(tiny_moe_dir), tmp_path, ep=1, tp=2, distributed_optimizer=False)
 
 
-def _check_update_equals_fsdp(model_dir: str, tmp_path, ep: int, tp: int, distributed_optimizer: bool) -> None:
+@pytest.mark.heavy  # 4 ranks; CI runs TP=2 and EP=2 apart, and ETP=1 with TP=2 on two ranks
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_actor_update_at_tp2_ep2_equals_fsdp(tiny_moe_dir, tmp_path, distributed_optimizer):
+    """TP=2 × EP=2 on 4 ranks (DP=2; expert tensor parallelism = TP): megatron-core lays the expert
+    groups over the dense ones, so each expert-parallel pair spans the two data-parallel ranks and each
+    expert is split over the tensor-parallel pair, whose sequence slices the dispatcher gathers."""
+    _check_update_equals_fsdp(str(tiny_moe_dir), tmp_path, ep=2, tp=2, world=4,
+                              distributed_optimizer=distributed_optimizer)
+
+
+def test_actor_update_at_tp2_with_whole_experts_equals_fsdp(tiny_moe_dir, tmp_path):
+    """TP=2 with expert_tensor_parallel_size=1 (EP=1): the attention and the head are split over the two
+    ranks, every expert is whole on both; each rank runs its sequence-parallel slice of the tokens
+    through the experts, whose gradients are then summed over the two ranks (the expert data-parallel
+    group: dense DP 1, expert DP 2)."""
+    _check_update_equals_fsdp(str(tiny_moe_dir), tmp_path, ep=1, tp=2, etp=1, distributed_optimizer=False)
+
+
+@pytest.mark.heavy  # 4 ranks
+def test_actor_update_at_tp2_ep2_with_whole_experts_equals_fsdp(tiny_moe_dir, tmp_path):
+    """TP=2, EP=2, expert_tensor_parallel_size=1 on 4 ranks (verl's Qwen3-30B-A3B layout in small): each
+    rank holds 4 whole experts; the expert-parallel pair is a tensor-parallel pair."""
+    _check_update_equals_fsdp(str(tiny_moe_dir), tmp_path, ep=2, tp=2, etp=1, world=4, distributed_optimizer=True)
+
+
+def _check_update_equals_fsdp(model_dir: str, tmp_path, ep: int, tp: int, distributed_optimizer: bool,
+                              world: int = 2, etp: int | None = None) -> None:
     from tests.engines.test_megatron_engine import ROWS, _scored_batch
 
     data = _scored_batch(model_dir)
-    dp = 2 // tp
+    dp = world // tp
     ref_lp, ref_metrics, ref_weights = _fsdp_reference(model_dir, data, dp, tmp_path)
-    results = run_ranks(_megatron_moe_update, 2, tmp_path, tp=tp, ep=ep,
-                        args=(model_dir, data, ep, distributed_optimizer, None, tp))
+    results = run_ranks(_megatron_moe_update, world, tmp_path, tp=tp, ep=ep, etp=etp,
+                        args=(model_dir, data, ep, distributed_optimizer, None, tp, etp))
     initial = _hf_parameters(model_dir)
     # the update moved the weights, the experts' included: equality below is not vacuous
     assert (ref_weights["model.layers.0.mlp.experts.gate_up_proj"] - initial["model.layers.0.mlp.experts.gate_up_proj"]
@@ -153,8 +180,10 @@ def _hf_parameters(model_dir: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("overrides, message", [
     (["{r}.megatron.expert_model_parallel_size=4"], None),
     (["{r}.megatron.expert_model_parallel_size=3"], "expert_model_parallel_size=3 does not divide the model's 8 experts"),
+    (["{r}.megatron.expert_model_parallel_size=2", "{r}.megatron.tensor_model_parallel_size=2",
+      "{r}.megatron.expert_tensor_parallel_size=1"], None),
     (["{r}.megatron.expert_model_parallel_size=2", "{r}.megatron.expert_tensor_parallel_size=2"],
-     "expert_tensor_parallel_size=2: the experts split like the dense layers only"),
+     "expert_tensor_parallel_size=2: the experts are either split like the dense layers"),
     (["{r}.megatron.expert_model_parallel_size=2", "+{r}.megatron.override_transformer_config.moe_token_dispatcher_type=allgather"],
      "allgather dispatcher needs every micro-batch the same length"),
     (["+{r}.megatron.override_transformer_config.moe_token_dispatcher_type=a2a"],
@@ -171,7 +200,8 @@ def test_start_up_checks_name_the_expert_layout_key(tiny_moe_dir, overrides, mes
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", f"actor_rollout_ref.model.path={tiny_moe_dir}",
             *(o.format(r=r) for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref") for o in overrides)]
     if message is None:
-        assert load_config(argv).actor_rollout_ref.actor.megatron.expert_model_parallel_size == 4
+        loaded = load_config(argv).actor_rollout_ref.actor.megatron
+        assert (loaded.expert_model_parallel_size, loaded.expert_tensor_parallel_size) in ((4, None), (2, 1))
         return
     with pytest.raises(ConfigError) as e:
         load_config(argv)
@@ -275,7 +305,7 @@ def test_an_moe_family_not_built_here_is_a_start_up_error(tmp_path):
     assert "critic.megatron: the model is a qwen2_moe mixture of experts" in problem and "strategy=fsdp" in problem
 
 
-def _save_then_resume_at_ep2(rank: int, model_dir: str, data, ckpt: str):
+def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, etp: int | None):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -286,7 +316,8 @@ def _save_then_resume_at_ep2(rank: int, model_dir: str, data, ckpt: str):
     cfg = _actor_config(model_dir)
 
     def actor():
-        megatron = MegatronConfig(expert_model_parallel_size=2, dtype="float32", use_distributed_optimizer=True)
+        megatron = MegatronConfig(expert_model_parallel_size=2, dtype="float32", use_distributed_optimizer=True,
+                                  tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp)
         engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
         return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // 2, MICRO))
 
@@ -302,15 +333,19 @@ def _save_then_resume_at_ep2(rank: int, model_dir: str, data, ckpt: str):
     return dict(first.engine.iter_hf_weights()), dict(resumed.engine.iter_hf_weights())
 
 
-def test_resume_at_ep2_takes_exactly_the_next_update(tiny_moe_dir, tmp_path):
+@pytest.mark.parametrize("world, tp, etp", [(2, 1, None), pytest.param(4, 2, None, marks=pytest.mark.heavy),
+                                             pytest.param(4, 2, 1, marks=pytest.mark.heavy)],
+                         ids=["ep2", "tp2-ep2", "tp2-ep2-etp1"])
+def test_resume_at_ep2_takes_exactly_the_next_update(tiny_moe_dir, tmp_path, world, tp, etp):
     """A checkpoint at EP=2 × DP=2 with the distributed optimiser (the experts' Adam state in an optimiser
     of its own, sharded over the expert data-parallel ranks): the resumed engine's next update gives the
-    uninterrupted engine's weights, bit for bit."""
+    uninterrupted engine's weights, bit for bit. Heavy: the same at TP=2 × EP=2 on 4 ranks, the experts
+    split over the TP pair or whole (expert_tensor_parallel_size=1; the layout records both)."""
     from tests.engines.test_megatron_engine import _scored_batch
 
     model_dir = str(tiny_moe_dir)
-    for uninterrupted, resumed in run_ranks(_save_then_resume_at_ep2, 2, tmp_path, ep=2,
-                                            args=(model_dir, _scored_batch(model_dir), str(tmp_path / "ckpt"))):
+    for uninterrupted, resumed in run_ranks(_save_then_resume, world, tmp_path, tp=tp, ep=2, etp=etp,
+                                            args=(model_dir, _scored_batch(model_dir), str(tmp_path / "ckpt"), tp, etp)):
         assert set(resumed) == set(uninterrupted)
         for name, tensor in uninterrupted.items():
             assert torch.equal(resumed[name], tensor), name

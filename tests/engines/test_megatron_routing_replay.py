@@ -171,6 +171,15 @@ def test_replay_at_tp2_with_sequence_parallelism_equals_fsdp(tiny_moe_dir, tmp_p
         _check_r2(r["r2"])
 
 
+@pytest.mark.heavy  # 4 ranks; CI runs TP=2 and EP=2 apart
+def test_replay_at_tp2_ep2_equals_fsdp(tiny_moe_dir, tmp_path, fsdp):
+    """TP=2 × EP=2 × DP=2 on 4 ranks: each TP rank replays its sequence slice of its data-parallel rank's
+    rows, before the dispatcher sends the tokens over the expert-parallel pair (the two DP ranks)."""
+    results = run_ranks(_megatron, 4, tmp_path, tp=2, ep=2, args=(str(tiny_moe_dir), fsdp["moved"], 2, 1, 2))
+    assert [(r["dp"], r["sequence_parallel"]) for r in results] == [(2, True)] * 4
+    _check_equals_fsdp(results, fsdp)
+
+
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 SELECTIVE = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}  # the whole MoE layer
 

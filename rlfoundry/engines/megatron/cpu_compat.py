@@ -34,6 +34,12 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
   split sizes into numpy arrays, then waits on a CUDA event. On the CPU the counts are on the host
   already: the class gets a placeholder instead of a stream, and ``_maybe_dtoh_and_synchronize``
   only does the numpy conversion of the split sizes (``_dispatcher_splits_on_host``).
+- gloo's ``all_gather`` takes equal sizes only. The all-to-all dispatcher gathers the tokens bound for
+  this rank's experts over the expert tensor-parallel group with ``output_split_sizes`` (each rank
+  sends as many as its sequence slice routed there); at EP = 1 the sizes are equal, with EP > 1 and
+  expert tensor parallelism they differ. ``mappings._gather_along_first_dim`` then pads each rank's part
+  to the longest, gathers, and cuts the padding off (``_gather_uneven``); its backward, an uneven
+  ``reduce_scatter``, gloo runs as it is.
 - Without TransformerEngine (CPU or GPU), megatron-core's MoE router reads ``moe_utils.te_general_gemm``,
   a name it binds only when TransformerEngine imports: :func:`define_missing_te_names` binds it to
   None, which is megatron-core's own "no TE GEMM" value (the router's torch path then runs). It also
@@ -119,6 +125,9 @@ def install() -> bool:
         module = importlib.import_module(name)
         module.get_pos_emb_on_this_cp_rank = _with_cuda_as_cpu(module.get_pos_emb_on_this_cp_rank)
     _install_moe_dispatcher()
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _gather_uneven(mappings._gather_along_first_dim)
     _install_hybrid_optimizer(cpu_torch)
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
@@ -254,6 +263,24 @@ def _dispatcher_splits_on_host(self: Any, point: str, tokens_per_expert: torch.T
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.numpy())
     return tokens_per_expert
+
+
+def _gather_uneven(gather: Callable) -> Callable:
+    """``mappings._gather_along_first_dim`` whose parts of unequal length (``output_split_sizes``)
+    travel padded to the longest, as gloo's equal-size ``all_gather`` needs, and are cut back after."""
+
+    @functools.wraps(gather)
+    def call(input_: torch.Tensor, group: Any, output_split_sizes: list[int] | None = None,
+             use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    return call
 
 
 def seed_model_parallel(seed: int) -> None:

@@ -499,6 +499,7 @@ class MegatronEngine(TrainingEngine):
                 "context_parallel_size": m.context_parallel_size,  # the distributed optimiser shards over data × context
                 # the experts' optimiser state is sharded over their own (expert data-parallel) ranks
                 "expert_model_parallel_size": m.expert_model_parallel_size,
+                "expert_tensor_parallel_size": m.expert_tensor_parallel_size or m.tensor_model_parallel_size,
                 "use_distributed_optimizer": m.use_distributed_optimizer}
 
     def _sharded_state(self, is_loading: bool = False, optimizer: bool = True) -> dict[str, Any]:
@@ -622,6 +623,7 @@ class MegatronEngine(TrainingEngine):
                 raise ValueError(f"{root} was saved without its optimizer state (checkpoint.save_contents had no "
                                  "'optimizer'); load the weights alone with checkpoint.load_contents=['model','extra']")
             saved = {"context_parallel_size": 1, "expert_model_parallel_size": 1, **meta}  # from before CP / EP
+            saved.setdefault("expert_tensor_parallel_size", saved.get("tensor_model_parallel_size"))  # before ETP
             same = all(saved.get(k) == v for k, v in self._layout().items())
             _check_same_adapter(root, meta.get("lora"), self.lora.peft_config() if self.lora is not None else None)
             if optimizer is not None and not same:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILT_FAMILIES", "fuse_experts", "is_moe", "layout_problems", "moe_overrides", "replay_problems",
-           "sequential_experts_bridge"]
+__all__ = ["BUILT_FAMILIES", "fuse_experts", "is_moe", "layout_problems", "mark_expert_parameters", "moe_overrides",
+           "replay_problems", "sequential_experts_bridge", "whole_experts_bridge"]
 
 # SequentialMLP's expert e (local to this expert-parallel rank) -> mbridge's (grouped-GEMM) name for it
 _SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -91,10 +91,10 @@ def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None
     if hf_config.num_experts % ep:
         errors.append(f"{key}.expert_model_parallel_size={ep} does not divide the model's {hf_config.num_experts} "
                       "experts; each expert-parallel rank holds the same number of them.")
-    if etp is not None and etp != megatron.tensor_model_parallel_size:
-        errors.append(f"{key}.expert_tensor_parallel_size={etp}: the experts split like the dense layers only "
-                      f"(null or tensor_model_parallel_size={megatron.tensor_model_parallel_size}); mbridge's "
-                      "converter of SequentialMLP experts reads them through the tensor-parallel group.")
+    if etp is not None and etp not in (1, megatron.tensor_model_parallel_size):
+        errors.append(f"{key}.expert_tensor_parallel_size={etp}: the experts are either split like the dense layers "
+                      f"(null or tensor_model_parallel_size={megatron.tensor_model_parallel_size}) or whole on each "
+                      "rank (1); another split is not built (docs/moe.md).")
     if trains and megatron.tensor_model_parallel_size > 1 and not megatron.sequence_parallel:
         # MoELayer.forward raises in training when TP > 1 runs without sequence parallelism
         errors.append(f"{key}.sequence_parallel=False at tensor_model_parallel_size="
@@ -165,6 +165,24 @@ def _fused(prefix: str, layer: dict[tuple[str, int], torch.Tensor], num_experts:
     yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", e)] for e in experts])
 
 
+def mark_expert_parameters(chunk: torch.nn.Module) -> None:
+    """The experts' parameters flagged as megatron-core's expert-parallel ones (``allreduce=False``) when
+    their data-parallel ranks are not the dense layers'.
+
+    megatron-core flags them only at EP > 1 (``ColumnParallelLinear``: ``allreduce = not (is_expert and
+    expert_parallel)``); at EP = 1 its DDP reduces them over the dense data-parallel group. With experts
+    whole on the tensor-parallel ranks (``expert_tensor_parallel_size`` < TP) each of those ranks runs
+    its own sequence slice through every expert, so their gradients must also be summed over the
+    tensor-parallel ranks, which the expert data-parallel group holds and the dense one does not."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size():
+        return
+    for name, param in chunk.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
 def sequential_experts_bridge(cls: type) -> type:
     """``cls`` (an mbridge MoE bridge) for a model whose experts are megatron-core's SequentialMLP.
 
@@ -172,16 +190,61 @@ def sequential_experts_bridge(cls: type) -> type:
     parameter per expert on one module); SequentialMLP holds expert e as a module of its own
     (``mlp.experts.local_experts.{e}.linear_fc1.weight``). mbridge reads parameters by their real
     (local) names and converts by the global name it derives from each: here that global name is
-    the grouped one, with the expert's number shifted by this expert-parallel rank's first expert."""
+    the grouped one, with the expert's number shifted by this expert-parallel rank's first expert.
+
+    mbridge's loader recognises experts by their grouped local names, so it would read these as dense
+    tensor-parallel weights, split over the tensor-parallel group: right only while the experts are
+    split like the dense layers. The experts are therefore loaded apart, each rank reading its own
+    experts' slice over the expert tensor-parallel ranks (whole at ``expert_tensor_parallel_size=1``)."""
 
     class SequentialExpertsBridge(cls):
+        _without_experts = False
+
         def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
             names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
             first = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size) if consider_ep else 0
-            return {local: _grouped_name(name, first) for local, name in names.items()}
+            return {local: _grouped_name(name, first) for local, name in names.items()
+                    if not (self._without_experts and _SEQUENTIAL.search(local))}
+
+        def load_weights(self, models: list[Any], weights_path: str, memory_efficient: bool = False) -> None:
+            self._without_experts = True
+            try:
+                super().load_weights(models, weights_path, memory_efficient)
+            finally:
+                self._without_experts = False
+            for model in models:
+                self._load_local_experts(model)
+
+        def _load_local_experts(self, model: Any) -> None:
+            names = {local: name for local, name in self._weight_name_mapping_mcore_local_to_global(model).items()
+                     if _SEQUENTIAL.search(local)}
+            hf_names = {local: self._weight_name_mapping_mcore_to_hf(name) for local, name in names.items()}
+            stored = self.safetensor_io.load_some_hf_weight(sorted({n for ns in hf_names.values() for n in ns}))
+            state = model.state_dict()
+            with torch.no_grad():
+                for local, name in names.items():
+                    whole = self._weight_to_mcore_format(name, [stored[n] for n in hf_names[local]])
+                    part = self._weight_split_across_tp(name, whole, state[local], self.mpu.etp_size)[self.mpu.etp_rank]
+                    state[local].copy_(part)
 
     SequentialExpertsBridge.__name__ = SequentialExpertsBridge.__qualname__ = f"SequentialExperts{cls.__name__}"
     return SequentialExpertsBridge
+
+
+def whole_experts_bridge(cls: type) -> type:
+    """``cls`` (an mbridge MoE bridge) exporting experts that are whole on every rank
+    (``expert_tensor_parallel_size=1``) at TP > 1. mbridge gathers an expert over the expert groups at
+    EP > 1, but over the tensor-parallel group at EP = 1, and then expects as many parts as expert
+    tensor-parallel ranks: with whole experts the TP parts are copies of the one expert, the first is it."""
+
+    class WholeExpertsBridge(cls):
+        def _weight_merge_across_tp(self, name: str, weights: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
+            if ".mlp.experts.linear_fc" in name and self.mpu.etp_size == 1:
+                return weights[0]
+            return super()._weight_merge_across_tp(name, weights, param)
+
+    WholeExpertsBridge.__name__ = WholeExpertsBridge.__qualname__ = f"WholeExperts{cls.__name__}"
+    return WholeExpertsBridge
 
 
 def _grouped_name(name: str, first_expert: int) -> str:
