@@ -144,3 +144,54 @@ def test_delta_syncs_rebuild_the_senders_tensors_bit_for_bit_with_hand_counted_b
     for r in sender:  # headers (3 x int64 per bucket and the end) and at most 200 bytes of JSON per tensor
         headers = 24 * (r["buckets"] + 1)
         assert headers < r["meta_bytes"] <= headers + 200 * r["tensors"], r
+
+
+_MISMATCH = r"""
+import json, os, sys
+import multiprocessing as mp
+
+def member(rank, port, out_dir):
+    import torch
+    torch.set_num_threads(1)
+    from rlfoundry.workers.checkpoint_engine import CheckpointEngine
+    bridge = CheckpointEngine.connect("127.0.0.1", port, rank, 2, timeout_s=5, delta=rank == 0)  # rank 1 without deltas
+    w = torch.zeros(64)
+    try:
+        for step in range(2):
+            if rank == 0:
+                bridge.send([("w", w)])
+                w[3] = 1.0  # sync 2 carries one change: a delta
+            else:
+                for _ in bridge.receive():
+                    pass
+        record = {"ok": True}
+    except Exception as err:
+        record = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=member, args=(r, int(sys.argv[1]), sys.argv[2])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_delta_the_receiver_holds_no_base_for_is_an_error_naming_the_tensor(tmp_path):
+    from rlfoundry.single_controller.base.worker import find_free_port
+    from tests.trainer import _e2e as E
+
+    script = tmp_path / "bridge_mismatch.py"
+    script.write_text(_MISMATCH)
+    proc = subprocess.run([sys.executable, str(script), str(find_free_port()), str(tmp_path)], capture_output=True,
+                          text=True, env=E.subprocess_env(), timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    receiver = json.loads((tmp_path / "rank1.json").read_text())
+    assert not receiver["ok"]
+    assert receiver["error"].startswith("WeightSyncError: rollout rank 0 (bridge rank 1): weight sync 2 sent 'w' as a "
+                                        "delta against sync 1 (float32, [64]), but this end holds no copy and was "
+                                        "not connected with deltas"), receiver["error"]
