@@ -28,7 +28,7 @@ rates leave most bf16 weights bit-identical from one sync to the next, so after 
 sync the sender sends, per tensor, only the positions whose bit patterns changed (int32) and their new
 bits. Both ends keep a host copy of every tensor as of the last sync: the sender to diff against, the
 receiver to rebuild the full tensor it yields (the rollout engines' loaders take full tensors), so the
-digests above prove each reconstruction bit for bit. A tensor with no base on both ends (the first sync
+digests above prove each reconstruction bit for bit (where the engine stores the dtype sent). A tensor with no base on both ends (the first sync
 of a bridge, a new name, a new shape or dtype) and one where indices would cost as many bytes as its
 values (``goes_dense``) travel whole.
 """

@@ -110,7 +110,7 @@ def test_one_step_off_trains_the_same_prompts_one_update_behind(tiny_model_dir, 
 def test_one_step_off_with_delta_syncs_sends_the_few_bf16_weights_a_small_step_moved(tiny_model_dir, tmp_path):
     """verl's ``checkpoint_engine.backend=delta_sharded`` (workers/checkpoint_engine.py): the first sync is whole,
     then, with bf16 weights and lr 1e-6, each sync carries the ~1-2% of elements whose bits one step changed
-    (measured: 2120 and 1216 of 107584); every sync is verified against the trainer's digests (verify=true)."""
+    (measured: 2120 and 1216 of 107584); every sync's load is verified (verify=true) or the run fails."""
     run = tmp_path / "delta"
     _ok(_cli([*_args(tiny_model_dir, run, *_ASYNC, "actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded",
                      "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.delta_sharded.encoding=indices",
