@@ -701,14 +701,39 @@ class AgentConfig(Node):
 class CheckpointEngineConfig(Node):
     """verl 0.9's ``rollout.checkpoint_engine``: how weights reach a rollout pool of its own."""
 
-    backend: str = one_of(("auto", "gloo"), "auto")  # auto: gloo (buckets staged in CPU memory)
+    # auto: gloo (buckets staged in CPU memory); delta_sharded: the same bridge, sending after the first sync
+    # only the changed positions of each tensor and their values (engine_kwargs.delta_sharded.encoding)
+    backend: str = one_of(("auto", "gloo", "delta_sharded"), "auto")
     update_weights_bucket_megabytes: int = 512
+    # verl's per-back-end arguments, {backend: {key: value}}; read: engine_kwargs.delta_sharded (check below)
+    engine_kwargs: Dict[str, Any] = _dict()
     # rlfoundry: the limit of joining the bridge and of each broadcast of a sync; a rank that never
     # joins or stops answering ends the run with its name (workers/checkpoint_engine.py)
     timeout_s: Optional[float] = None  # null: the workers' trainer.dist_timeout_s
     # rlfoundry: after every sync (this bridge's, and the hybrid engine's when the rollout holds a copy)
     # compare per-tensor digests of the engine's weights with the trainer's (workers/weight_sync.py)
     verify: bool = True
+
+    def check(self) -> list[str]:
+        """verl's ``engine_kwargs`` of the back end in use: each key honoured or an error naming it."""
+        key = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"
+        kwargs, errors = dict(self.engine_kwargs or {}), []
+        if self.backend in ("auto", "gloo") and kwargs.get(self.backend):
+            errors.append(f"{key}.{self.backend}={dict(kwargs[self.backend])}: the gloo back end takes no arguments; "
+                          "remove them.")
+        delta = dict(kwargs.get("delta_sharded") or {}) if self.backend == "delta_sharded" else {}
+        for name, value in delta.items():
+            if name == "encoding" and value != "indices":
+                errors.append(f"{key}.delta_sharded.encoding={value}: the one encoding built (verl's only one for "
+                              "steady syncs) is indices: int32 positions and their values; set it to indices.")
+            elif name == "verify_every" and value and not self.verify:
+                errors.append(f"{key}.delta_sharded.verify_every={value} asks for a periodic check of the rollout's "
+                              "weights, which rlfoundry does after every sync with checkpoint_engine.verify=true; set "
+                              "verify=true (or drop verify_every).")
+            elif name not in ("encoding", "verify_every", "batch_gather"):
+                errors.append(f"{key}.delta_sharded.{name} is not an argument of the delta back end; it takes "
+                              "encoding (indices), verify_every and batch_gather (verl's).")
+        return errors
 
 
 @dataclass

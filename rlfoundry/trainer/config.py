@@ -924,11 +924,29 @@ def _soft_warnings(cfg: DictConfig) -> None:
                       "has the same bias). Sample with top_p=1 and top_k=-1 or recompute the old log-probs "
                       "(use_rollout_log_probs=false).", stacklevel=3)
     _warn_rollout_layout("actor_rollout_ref.rollout", rollout)
+    _warn_checkpoint_engine(cfg)
     if cfg.reward.reward_model.enable:
         _warn_rollout_layout("reward.reward_model.rollout", cfg.reward.reward_model.rollout)
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         warnings.warn("Both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL term is applied twice.",
                       stacklevel=3)
+
+
+def _warn_checkpoint_engine(cfg: DictConfig) -> None:
+    """``rollout.checkpoint_engine`` keys that change nothing here (verl ignores the first two as well)."""
+    ce, key = cfg.actor_rollout_ref.rollout.checkpoint_engine, "actor_rollout_ref.rollout.checkpoint_engine"
+    kwargs, noted = dict(ce.engine_kwargs or {}), []
+    if ce.backend == "delta_sharded" and cfg.async_training.mode == "sync":
+        noted.append((f"{key}.backend=delta_sharded", "the colocated hybrid engine syncs in memory, not over the "
+                      "bridge to a rollout pool of its own (--config-name one_step_off_ppo_trainer)"))
+    for other in sorted(set(kwargs) - {ce.backend}):
+        noted.append((f"{key}.engine_kwargs.{other}", f"the back end in use is backend={ce.backend}"))
+    if ce.backend == "delta_sharded" and "batch_gather" in (kwargs.get("delta_sharded") or {}):
+        noted.append((f"{key}.engine_kwargs.delta_sharded.batch_gather", "the trainer's rank 0 diffs each full "
+                      "tensor after its gather, so there are no per-shard gathers to batch"))
+    for what, why in noted:
+        warnings.warn(f"{what} has no effect: {why}. Drop it (docs/async.md, Weights).", NoEffectKeyWarning,
+                      stacklevel=4)
 
 
 ROLLOUT_LAYOUT_KEYS = ("tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size")

@@ -558,7 +558,8 @@ class ActorRolloutRefWorker(Worker):
         timeout_s = self.runtime.dist_timeout_s if ce.timeout_s is None else ce.timeout_s
         self._bridge = CheckpointEngine.connect(host, port, bridge_rank, 1 + rollout_ranks,
                                                 ce.update_weights_bucket_megabytes, timeout_s,
-                                                store=self._bridge_store, digests=ce.verify)
+                                                store=self._bridge_store, digests=ce.verify,
+                                                delta=ce.backend == "delta_sharded")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:
@@ -570,7 +571,8 @@ class ActorRolloutRefWorker(Worker):
                 pass
             return {}
         stats = self._bridge.send(weights, version=self.param_version)
-        return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
+        return {"tensors": stats.tensors, "bytes": stats.bytes, "meta_bytes": stats.meta_bytes,
+                "buckets": stats.buckets, "elements": stats.elements, "changed": stats.changed,
                 "param_version": self.param_version}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -22,6 +22,15 @@ Either way a ``WeightSyncError`` ends the run instead of a hang.
 **Proving itself**: each tensor's metadata carries its digest (``weight_sync.tensor_digest``, taken on
 the sender's device before the copy to the host) and the end of the stream the trainer's
 ``param_version``; the receiving worker compares the engine's weights with them after loading.
+
+**Deltas** (``backend=delta_sharded``, verl's name; ``delta=True`` here): RL updates at small learning
+rates leave most bf16 weights bit-identical from one sync to the next, so after a first full ("seed")
+sync the sender sends, per tensor, only the positions whose bit patterns changed (int32) and their new
+bits. Both ends keep a host copy of every tensor as of the last sync: the sender to diff against, the
+receiver to rebuild the full tensor it yields (the rollout engines' loaders take full tensors), so the
+digests above prove each reconstruction bit for bit (where the engine stores the dtype sent). A tensor with no base on both ends (the first sync
+of a bridge, a new name, a new shape or dtype) and one where indices would cost as many bytes as its
+values (``goes_dense``) travel whole.
 """
 
 from __future__ import annotations
@@ -40,16 +49,64 @@ from rlfoundry.utils import faults
 from rlfoundry.utils.errors import WeightSyncError
 from rlfoundry.workers.weight_sync import tensor_digest
 
-__all__ = ["CheckpointEngine", "SyncStats", "member_name"]
+__all__ = ["CheckpointEngine", "SyncStats", "changed_positions", "goes_dense", "member_name"]
 
 _END, _BUCKET = 0, 1
+_HEADER_BYTES = 3 * 8  # each broadcast header: three int64
+_MAX_INDEX = 2**31 - 1  # positions travel as int32; a larger tensor always travels whole
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
 class SyncStats:
+    """One sync as the sender saw it. ``bytes``: tensor payload (values; with deltas, positions too);
+    ``meta_bytes``: headers and JSON metadata; ``changed``: elements whose bits differ from the previous
+    sync's (every element of a tensor sent without a base), out of ``elements``."""
+
     tensors: int = 0
     bytes: int = 0
     buckets: int = 0
+    meta_bytes: int = 0
+    elements: int = 0
+    changed: int = 0
+    dense: int = 0  # tensors sent whole
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.bytes + self.meta_bytes
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat bit patterns of a contiguous tensor as integers (rows of bytes for 16-byte dtypes), so
+    that a comparison sees -0.0 vs 0.0 and one NaN payload vs another, which ``==`` on floats does not."""
+    flat = tensor.reshape(-1)
+    size = tensor.element_size()
+    if size in _INT_OF_SIZE:
+        return flat.view(_INT_OF_SIZE[size])
+    return flat.view(torch.uint8).view(-1, size)
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64, ascending) where ``new``'s bit patterns differ from ``old``'s (same shape, dtype)."""
+    differ = _bits(old) != _bits(new)
+    if differ.dim() == 2:
+        differ = differ.any(dim=1)
+    return differ.nonzero().view(-1)
+
+
+def goes_dense(changed: int, numel: int, itemsize: int) -> bool:
+    """Whether a tensor with ``changed`` of ``numel`` elements changed travels whole: when its int32
+    positions and values would be at least its values (a half of fp32, a third of bf16). Past that point
+    indices only cost bytes, and the receiver's copy is cheaper than a scatter."""
+    return changed * (4 + itemsize) >= numel * itemsize
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def member_name(rank: int) -> str:
@@ -79,7 +136,8 @@ class CheckpointEngine:
     sender calls ``send(named_tensors, version)`` while each receiver iterates ``receive()``."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, bucket_megabytes: float = 512,
-                 store: dist.Store | None = None, timeout_s: float = 600.0, digests: bool = True):
+                 store: dist.Store | None = None, timeout_s: float = 600.0, digests: bool = True,
+                 delta: bool = False):
         if bucket_megabytes <= 0:
             raise ValueError(f"update_weights_bucket_megabytes={bucket_megabytes} must be > 0")
         self.group, self.rank, self.world_size = group, rank, world_size
@@ -88,11 +146,16 @@ class CheckpointEngine:
         self.syncs = 0  # syncs started by this member
         self.sent_digests: dict[str, int] = {}  # a receiver: the sender's digest of each tensor of this sync
         self.version: int | None = None  # a receiver: the param_version the last complete sync carried
+        self.delta = delta
+        # deltas: each tensor as of the last sync it travelled in, and that sync's number (the sender's
+        # snapshot it diffs against; a receiver's copy it rebuilds from). Both ends count syncs alike.
+        self._held: dict[str, tuple[torch.Tensor, int]] = {}
         self._bucket = 0
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, bucket_megabytes: float = 512,
-                timeout_s: float = 600.0, store: dist.Store | None = None, digests: bool = True) -> CheckpointEngine:
+                timeout_s: float = 600.0, store: dist.Store | None = None, digests: bool = True,
+                delta: bool = False) -> CheckpointEngine:
         """Rank 0 (the trainer's sender) hosts the store (``store``: one ``open_store`` opened
         already); ``world_size`` = 1 + rollout ranks. Waits at most ``timeout_s`` for every member,
         then raises ``WeightSyncError`` naming those that never joined."""
@@ -115,7 +178,7 @@ class CheckpointEngine:
         except (RuntimeError, dist.DistError) as err:
             raise WeightSyncError(f"{member_name(rank)}: the weight bridge's gloo group did not form within "
                                   f"{timeout_s:g} s: {err}") from err
-        return cls(group, rank, world_size, bucket_megabytes, bridge, timeout_s, digests)
+        return cls(group, rank, world_size, bucket_megabytes, bridge, timeout_s, digests, delta)
 
     @staticmethod
     def open_store(host: str, timeout_s: float = 600.0) -> tuple[dist.TCPStore, int]:
@@ -138,34 +201,75 @@ class CheckpointEngine:
         self._bucket = 0
         try:
             return self._send(named_tensors, int(version))
-        except (RuntimeError, dist.DistError) as err:
-            raise self._failure("sending", err) from err
+        except BaseException as err:
+            self._held.clear()  # half a sync's snapshots: the next sync (if any) starts from full values
+            if isinstance(err, (RuntimeError, dist.DistError)):
+                raise self._failure("sending", err) from err
+            raise
+
+    def reset(self) -> None:
+        """Forget the last sync's tensors: the next sync sends full values (both ends must reset together;
+        a new bridge starts so)."""
+        self._held.clear()
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
-        stats, bucket, size = SyncStats(), [], 0
+        stats, bucket, size, seen = SyncStats(), [], 0, set()
         for name, tensor in named_tensors:
             digest = tensor_digest(tensor) if self.digests else None  # on the trainer's device, before the copy
-            tensor = tensor.detach().to("cpu").contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
+            host = tensor.detach().to("cpu").contiguous()
+            entry = {"name": name, "dtype": str(host.dtype).removeprefix("torch."), "shape": list(host.shape),
+                     "digest": digest}
+            chunks = self._encode(entry, host, tensor, stats) if self.delta else [_raw(host)]
+            stats.elements += host.numel()
+            if not self.delta:
+                stats.changed, stats.dense = stats.changed + host.numel(), stats.dense + 1
+            seen.add(name)
+            nbytes = sum(c.numel() for c in chunks)
             if bucket and size + nbytes > self.bucket_bytes:
                 self._send_bucket(bucket, stats)
                 bucket, size = [], 0
-            bucket.append((name, tensor, digest))
+            bucket.append((entry, chunks))
             size += nbytes
         if bucket:
             self._send_bucket(bucket, stats)
+        self._held = {name: held for name, held in self._held.items() if name in seen}
         self._broadcast(torch.tensor([_END, version, 0], dtype=torch.int64))
+        stats.meta_bytes += _HEADER_BYTES
         return stats
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor, int | None]], stats: SyncStats) -> None:
+    def _encode(self, entry: dict, host: torch.Tensor, source: torch.Tensor, stats: SyncStats) -> list[torch.Tensor]:
+        """A tensor's chunks on the wire with deltas: its changed positions (int32) and their bits against
+        the snapshot of the last sync, or its values when it has no snapshot or most of it changed. Updates
+        the snapshot and ``entry`` (``enc``, ``count``, ``base``)."""
+        name, numel = entry["name"], host.numel()
+        held = self._held.get(name)
+        if held is None or held[0].shape != host.shape or held[0].dtype != host.dtype or numel > _MAX_INDEX:
+            shares = host.numel() and host.data_ptr() == source.data_ptr()  # a CPU tensor is the trainer's own
+            self._held[name] = (host.clone() if shares else host, self.syncs)
+            stats.changed += numel
+            stats.dense += 1
+            return [_raw(host)]
+        snapshot, base = held
+        positions = changed_positions(snapshot, host)
+        stats.changed += positions.numel()
+        self._held[name] = (snapshot, self.syncs)
+        if goes_dense(positions.numel(), numel, host.element_size()):
+            snapshot.copy_(host)
+            stats.dense += 1
+            return [_raw(host)]
+        values = _bits(host)[positions]
+        _bits(snapshot)[positions] = values
+        entry.update(enc="indices", count=positions.numel(), base=base)
+        return [_raw(positions.to(torch.int32)), _raw(values)]
+
+    def _send_bucket(self, bucket: list[tuple[dict, list[torch.Tensor]]], stats: SyncStats) -> None:
         entries, chunks, offset = [], [], 0
-        for name, tensor, digest in bucket:
-            raw = tensor.view(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
-            entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
-                            "shape": list(tensor.shape), "offset": offset, "nbytes": raw.numel(), "digest": digest})
-            chunks.append(raw)
-            offset += raw.numel()
-        meta = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
+        for entry, pieces in bucket:
+            nbytes = sum(c.numel() for c in pieces)
+            entries.append({**entry, "offset": offset, "nbytes": nbytes})
+            chunks += pieces
+            offset += nbytes
+        meta = torch.frombuffer(bytearray(json.dumps(entries, separators=(",", ":")).encode()), dtype=torch.uint8)
         faults.inject("checkpoint_engine.send_bucket")  # tests: the sender dies or stalls mid-sync
         self._bucket += 1
         self._broadcast(torch.tensor([_BUCKET, meta.numel(), offset], dtype=torch.int64))
@@ -173,6 +277,7 @@ class CheckpointEngine:
         self._broadcast(torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8))
         stats.tensors += len(bucket)
         stats.bytes += offset
+        stats.meta_bytes += _HEADER_BYTES + meta.numel()
         stats.buckets += 1
 
     # ---- a receiver ------------------------------------------------------------------------
@@ -186,12 +291,21 @@ class CheckpointEngine:
         self._bucket = 0
         self.sent_digests.clear()  # in place: a caller may hold this dict from before the stream started
         self._progress("started")
+        try:
+            yield from self._receive()
+        except BaseException:  # a stream cut short (or abandoned) leaves no base to rebuild from
+            self._held.clear()
+            raise
+
+    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[str] = set()
         while True:
             try:
                 header = self._broadcast(torch.zeros(3, dtype=torch.int64))
                 kind, meta_bytes, data_bytes = (int(x) for x in header)
                 if kind == _END:
                     self.version = meta_bytes  # the END header's second field
+                    self._held = {name: held for name, held in self._held.items() if name in seen}
                     self._progress("done")
                     return
                 meta = self._broadcast(torch.zeros(meta_bytes, dtype=torch.uint8))
@@ -202,11 +316,36 @@ class CheckpointEngine:
             self._progress(f"bucket {self._bucket}")
             faults.inject("checkpoint_engine.receive_bucket")  # tests: a rollout rank dies or stalls mid-sync
             for entry in json.loads(bytes(meta.numpy()).decode()):
-                dtype = getattr(torch, entry["dtype"])
-                raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]]
                 if entry.get("digest") is not None:
                     self.sent_digests[entry["name"]] = int(entry["digest"])
-                yield entry["name"], raw.view(dtype).reshape(entry["shape"]).clone()
+                seen.add(entry["name"])
+                yield entry["name"], self._rebuild(entry, data[entry["offset"]:entry["offset"] + entry["nbytes"]])
+
+    def _rebuild(self, entry: dict, raw: torch.Tensor) -> torch.Tensor:
+        """A received tensor, whole: its values, or (deltas) this end's copy with the changed bits written
+        in. The copy stays this end's own: the caller gets a clone, so a loader cannot alter the base."""
+        name, dtype = entry["name"], getattr(torch, entry["dtype"])
+        if entry.get("enc", "full") == "full":
+            tensor = raw.clone().view(dtype).reshape(entry["shape"])  # the clone: aligned for the dtype's view
+            if self.delta:
+                self._held[name] = (tensor, self.syncs)
+                return tensor.clone()
+            return tensor
+        held = self._held.get(name)
+        if not self.delta or held is None or held[1] != entry["base"] or list(held[0].shape) != entry["shape"] \
+                or held[0].dtype != dtype:
+            got = "no copy" if held is None else f"its copy from sync {held[1]} ({held[0].dtype}, {list(held[0].shape)})"
+            raise WeightSyncError(
+                f"{member_name(self.rank)}: weight sync {self.syncs} sent {name!r} as a delta against sync "
+                f"{entry['base']} ({entry['dtype']}, {entry['shape']}), but this end holds {got}"
+                + ("" if self.delta else " and was not connected with deltas")
+                + ": both ends of a bridge must use the same rollout.checkpoint_engine.backend and start together.")
+        tensor, count = held[0], int(entry["count"])
+        positions = raw[:4 * count].clone().view(torch.int32).long()
+        bits = _bits(tensor)
+        bits[positions] = raw[4 * count:].clone().view(bits.dtype).view(-1, *bits.shape[1:])
+        self._held[name] = (tensor, self.syncs)
+        return tensor.clone()
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.numel():

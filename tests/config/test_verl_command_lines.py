@@ -3,8 +3,9 @@ set taken from verl's example and recipe scripts (``verl_command_lines.json``: t
 commit, the module, the arguments as the script ran them with its own defaults, ``$HOME`` written
 ``{home}``), one per kind of run — dense FSDP GRPO and PPO with a critic, Megatron (January's config
 name and August's ``model_engine=megatron``), LoRA, multi-turn tools with an interaction, a classifier
-reward model, a vision-language model, Ulysses, DAPO, GSPO, GDPO, rollout correction, one-step-off and
-fully-async (the retool line's tool agent loop with partial rollout too), both SFT entry points (FSDP and Megatron), and August's ``model_engine=veomni``.
+reward model, a vision-language model, Ulysses, DAPO, GSPO, GDPO, rollout correction, one-step-off (and its
+delta weight sync) and fully-async (the retool line's tool agent loop with partial rollout too), both SFT entry
+points (FSDP and Megatron), and August's ``model_engine=veomni``.
 
 Each runs as ``python -m rlfoundry.X ARGS --cfg job`` through ``scripts/verl_compat_check.py``'s
 in-process check (the module's own ``__main__``, from the script's directory), so a line that a change
@@ -108,6 +109,10 @@ EXPECT = {
     "examples/rollout_correction/run_with_rollout_corr.sh": {},
     "verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh": {
         "async_training.mode": "one_step_off", "rollout.n_gpus_per_node": 2},
+    # August's delta weight sync (workers/checkpoint_engine.py, docs/async.md)
+    "verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_sglang_delta_sharded_2_6.sh": {
+        "async_training.mode": "one_step_off", "actor_rollout_ref.rollout.checkpoint_engine.backend": "delta_sharded",
+        "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.delta_sharded.encoding": "indices"},
     "examples/grpo_trainer/run_qwen3_8b_megatron.sh": {"actor_rollout_ref.actor.strategy": "megatron"},
     "examples/gspo_trainer/run_qwen3_8b_fsdp.sh": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo",
                                                    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 4},

@@ -887,3 +887,33 @@ def test_packaged_megatron_config_is_verls_bf16_and_the_cpu_trains_in_fp32_sayin
                         "GPU precision"]
     else:
         assert said == []
+
+
+def test_the_delta_checkpoint_engine_keys_validate_and_a_bad_argument_is_named():
+    """verl's delta_sharded weight sync (workers/checkpoint_engine.py): its two keys take effect; another
+    encoding, an unknown argument, or arguments for gloo are start-up errors naming the key."""
+    pool = ["rollout.n_gpus_per_node=1", "trainer.worker_backend=process"]
+    ce = "actor_rollout_ref.rollout.checkpoint_engine"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config([*pool, f"{ce}.backend=delta_sharded", f"+{ce}.engine_kwargs.delta_sharded.encoding=indices"],
+                          config_name="one_step_off_ppo_trainer")
+    assert not [w for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "delta_sharded"
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs == {"delta_sharded": {"encoding": "indices"}}
+    with pytest.raises(ConfigError, match=rf"{ce}.engine_kwargs.delta_sharded.encoding=deltas: the one encoding "
+                                          r"built .* is indices"):
+        load_config([*pool, f"{ce}.backend=delta_sharded", f"+{ce}.engine_kwargs.delta_sharded.encoding=deltas"],
+                    config_name="one_step_off_ppo_trainer")
+    with pytest.raises(ConfigError, match=rf"{ce}.engine_kwargs.delta_sharded.encodng is not an argument"):
+        load_config([*pool, f"{ce}.backend=delta_sharded", f"+{ce}.engine_kwargs.delta_sharded.encodng=indices"],
+                    config_name="one_step_off_ppo_trainer")
+    with pytest.raises(ConfigError, match=rf"{ce}.engine_kwargs.gloo=.* takes no arguments"):
+        load_config([*pool, f"{ce}.backend=gloo", f"+{ce}.engine_kwargs.gloo.x=1"], config_name="one_step_off_ppo_trainer")
+    with pytest.raises(ConfigError, match=r"checkpoint_engine.backend='nccl' is not one of \['auto', 'gloo', 'delta_sharded'\]"):
+        load_config([*pool, f"{ce}.backend=nccl"], config_name="one_step_off_ppo_trainer")
+    with warnings.catch_warnings(record=True) as caught:  # colocated: no bridge to send deltas over
+        warnings.simplefilter("always")
+        load_config([f"{ce}.backend=delta_sharded"])
+    texts = [str(w.message) for w in caught if issubclass(w.category, NoEffectKeyWarning)]
+    assert len(texts) == 1 and f"{ce}.backend=delta_sharded has no effect: the colocated hybrid engine" in texts[0]

@@ -434,7 +434,13 @@ class PPOTrainer:
             received = self.rollout_wg.receive_weights.future()
             stats = self.actor_rollout_wg.send_weights()[0]
             received.get()
-        return {"async/sync_megabytes": stats["bytes"] / 2**20, "async/sync_buckets": float(stats["buckets"])}
+        metrics = {"async/sync_megabytes": stats["bytes"] / 2**20, "async/sync_buckets": float(stats["buckets"]),
+                   "async/sync_wire_megabytes": (stats["bytes"] + stats["meta_bytes"]) / 2**20}
+        if self.config.actor_rollout_ref.rollout.checkpoint_engine.backend == "delta_sharded":  # verl's names
+            metrics.update({"checkpoint_engine/changed_ratio": stats["changed"] / max(stats["elements"], 1),
+                            "checkpoint_engine/changed_elems": float(stats["changed"]),
+                            "checkpoint_engine/payload_mbytes": stats["bytes"] / 2**20})
+        return metrics
 
     # ---- the loop ------------------------------------------------------------------------------
 
