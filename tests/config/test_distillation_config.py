@@ -13,6 +13,7 @@ from rlfoundry.trainer.config import load_config, resolve_config
 
 ON = ("distillation.enabled=true",)
 ONE = (*ON, "distillation.teacher_models.teacher_model.model_path=/models/teacher")
+TOPK = (*ONE, "distillation.distillation_loss.loss_mode=forward_kl_topk")
 
 
 def _load(*overrides: str):
@@ -48,7 +49,11 @@ def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
 
 @pytest.mark.parametrize("overrides,message", [
     ((*ONE, "distillation.distillation_loss.loss_mode=k1"), "the gradient of k1 = log p - log q does not depend"),
-    ((*ONE, "distillation.distillation_loss.loss_mode=forward_kl_topk"), "top-k losses need the teacher's top-k"),
+    # the top-k loss is built on the FSDP engine's unfused, non-Ulysses forward only
+    ((*TOPK, "actor_rollout_ref.actor.strategy=megatron"), "not built on the Megatron engine"),
+    ((*TOPK, "actor_rollout_ref.model.use_fused_kernels=true"), "set use_fused_kernels=false"),
+    ((*TOPK, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"), "under Ulysses sequence parallelism"),
+    ((*TOPK, "distillation.distillation_loss.topk=0"), "needs distillation.distillation_loss.topk >= 1"),
     ((*ONE, "distillation.distillation_loss.policy_loss_mode=gspo"), "policy_loss_mode"),
     ((*ONE, "data.max_prompt_length=512", "distillation.teacher_models.teacher_model.inference.max_model_len=100"),
      "inference.max_model_len=100 is below prompt + response + 1"),
@@ -64,6 +69,11 @@ def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
 ])
 def test_what_verl_refuses_or_is_not_built_is_a_start_up_error(overrides, message):
     assert message in _error(*overrides)
+
+
+def test_the_top_k_loss_starts_on_the_fsdp_engine():
+    loss = _load(*TOPK, "distillation.distillation_loss.topk=64").distillation.distillation_loss
+    assert (loss.loss_mode, loss.topk) == ("forward_kl_topk", 64)
 
 
 def test_engine_sizing_keys_are_named_as_having_no_effect():

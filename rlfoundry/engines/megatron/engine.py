@@ -285,6 +285,9 @@ class MegatronEngine(TrainingEngine):
 
     def _output_fn(self, output: Output):
         """What the last stage computes from the model's output for ``output``."""
+        if isinstance(output, LogProbs) and (output.topk or output.log_probs_at is not None):
+            raise NotImplementedError(f"{self.role}: top-k log-probs (distillation loss_mode=forward_kl_topk) are not "
+                                      "built on the Megatron engine; use the FSDP engine (strategy=fsdp2)")
         if isinstance(output, LogProbs) and not self.config.value_model:
             return self._outputs(output)
         if isinstance(output, Values) and self.config.value_model:
