@@ -8,7 +8,6 @@ rows carry in ``distillation.teacher_key`` (docs/distillation.md).
 from __future__ import annotations
 
 from rlfoundry.config.schema import (
-    DISTILLATION_ESTIMATOR_MODES,
     DISTILLATION_TOPK_MODES,
     DistillationConfig,
     PPOConfig,
@@ -60,8 +59,8 @@ def _loss_errors(distillation: DistillationConfig) -> list[str]:
 
 
 def _topk_errors(cfg: PPOConfig) -> list[str]:
-    """What the top-k modes need: a k, and the actor's and the teachers' (the reference's) forwards on the FSDP
-    engine, unfused, without Ulysses: the only path that holds the logits at the kept positions."""
+    """What the top-k modes need: a k, and the actor's and the teachers' (the reference's) forwards holding the
+    logits of the response positions: unfused, without Ulysses (FSDP) or context parallelism (Megatron)."""
     loss = cfg.distillation.distillation_loss
     if loss.loss_mode not in DISTILLATION_TOPK_MODES:
         return []
@@ -69,16 +68,15 @@ def _topk_errors(cfg: PPOConfig) -> list[str]:
     errors = []
     if loss.topk is None or loss.topk < 1:
         errors.append(f"{where} needs distillation.distillation_loss.topk >= 1 (got {loss.topk}); verl's default is 32.")
-    megatron = [f"actor_rollout_ref.{role}.strategy" for role in ("actor", "ref")
-                if getattr(arr, role).strategy == "megatron"]
-    if megatron:
-        errors.append(f"{where} with {' and '.join(megatron)}=megatron: the top-k loss is not built on the Megatron "
-                      "engine (its vocabulary-parallel logits); use the FSDP engine (model_engine=fsdp, strategy=fsdp2) "
-                      f"or one of {list(DISTILLATION_ESTIMATOR_MODES)}.")
     for role in ("actor", "ref"):
-        if getattr(arr, role).ulysses_sequence_parallel_size > 1:
+        sub = getattr(arr, role)
+        if sub.strategy == "megatron" and sub.megatron.context_parallel_size > 1:
+            errors.append(f"{where} with actor_rollout_ref.{role}.megatron.context_parallel_size="
+                          f"{sub.megatron.context_parallel_size}: top-k log-probs under context parallelism are not "
+                          "built; set it to 1.")
+        if sub.strategy != "megatron" and sub.ulysses_sequence_parallel_size > 1:
             errors.append(f"{where} with actor_rollout_ref.{role}.ulysses_sequence_parallel_size="
-                          f"{getattr(arr, role).ulysses_sequence_parallel_size}: top-k log-probs under Ulysses sequence "
+                          f"{sub.ulysses_sequence_parallel_size}: top-k log-probs under Ulysses sequence "
                           "parallelism are not built; set it to 1.")
     if arr.model.use_fused_kernels:
         errors.append(f"{where} with actor_rollout_ref.model.use_fused_kernels=true: the fused head never holds the "

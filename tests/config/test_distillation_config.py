@@ -49,8 +49,9 @@ def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
 
 @pytest.mark.parametrize("overrides,message", [
     ((*ONE, "distillation.distillation_loss.loss_mode=k1"), "the gradient of k1 = log p - log q does not depend"),
-    # the top-k loss is built on the FSDP engine's unfused, non-Ulysses forward only
-    ((*TOPK, "actor_rollout_ref.actor.strategy=megatron"), "not built on the Megatron engine"),
+    # the top-k loss needs the logits of the response positions: not under the fused head, Ulysses or CP
+    ((*TOPK, "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.context_parallel_size=2"),
+     "top-k log-probs under context parallelism are not built"),
     ((*TOPK, "actor_rollout_ref.model.use_fused_kernels=true"), "set use_fused_kernels=false"),
     ((*TOPK, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"), "under Ulysses sequence parallelism"),
     ((*TOPK, "distillation.distillation_loss.topk=0"), "needs distillation.distillation_loss.topk >= 1"),
@@ -71,9 +72,11 @@ def test_what_verl_refuses_or_is_not_built_is_a_start_up_error(overrides, messag
     assert message in _error(*overrides)
 
 
-def test_the_top_k_loss_starts_on_the_fsdp_engine():
-    loss = _load(*TOPK, "distillation.distillation_loss.topk=64").distillation.distillation_loss
-    assert (loss.loss_mode, loss.topk) == ("forward_kl_topk", 64)
+@pytest.mark.parametrize("engine", [(), ("model_engine=megatron",)], ids=["fsdp", "megatron"])
+def test_the_top_k_loss_starts_on_either_engine(engine):
+    cfg = _load(*engine, *TOPK, "distillation.distillation_loss.topk=64")
+    assert (cfg.distillation.distillation_loss.loss_mode, cfg.distillation.distillation_loss.topk) == ("forward_kl_topk", 64)
+    assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if engine else "fsdp")
 
 
 def test_engine_sizing_keys_are_named_as_having_no_effect():
