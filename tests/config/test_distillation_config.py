@@ -79,6 +79,18 @@ def test_the_top_k_loss_starts_on_either_engine(engine):
     assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if engine else "fsdp")
 
 
+def test_the_top_k_loss_as_a_policy_gradient_is_warned_about_as_verl_does():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_config(load_config([*TOPK, "distillation.distillation_loss.use_policy_gradient=true"]),
+                       steps_per_epoch=10, cuda_available=False)
+    assert any("the teacher's top-k distribution is mostly unused" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_config(load_config(list(TOPK)), steps_per_epoch=10, cuda_available=False)
+    assert not any("mostly unused" in str(w.message) for w in caught)
+
+
 def test_engine_sizing_keys_are_named_as_having_no_effect():
     from rlfoundry.config.verl_compat import NoEffectKeyWarning
 
