@@ -60,7 +60,7 @@ def _loss_errors(distillation: DistillationConfig) -> list[str]:
 
 def _topk_errors(cfg: PPOConfig) -> list[str]:
     """What the top-k modes need: a k, and the actor's and the teachers' (the reference's) forwards holding the
-    logits of the response positions: unfused, without Ulysses (FSDP) or context parallelism (Megatron)."""
+    logits of the response positions: unfused, and without context parallelism on Megatron."""
     loss = cfg.distillation.distillation_loss
     if loss.loss_mode not in DISTILLATION_TOPK_MODES:
         return []
@@ -74,10 +74,6 @@ def _topk_errors(cfg: PPOConfig) -> list[str]:
             errors.append(f"{where} with actor_rollout_ref.{role}.megatron.context_parallel_size="
                           f"{sub.megatron.context_parallel_size}: top-k log-probs under context parallelism are not "
                           "built; set it to 1.")
-        if sub.strategy != "megatron" and sub.ulysses_sequence_parallel_size > 1:
-            errors.append(f"{where} with actor_rollout_ref.{role}.ulysses_sequence_parallel_size="
-                          f"{sub.ulysses_sequence_parallel_size}: top-k log-probs under Ulysses sequence "
-                          "parallelism are not built; set it to 1.")
     if arr.model.use_fused_kernels:
         errors.append(f"{where} with actor_rollout_ref.model.use_fused_kernels=true: the fused head never holds the "
                       "logits the top-k loss reads; set use_fused_kernels=false.")

@@ -67,6 +67,10 @@ class LogProbs:
     topk: int = 0
     log_probs_at: str | None = None
 
+    def batch_keys(self) -> tuple[str, ...]:
+        """What a forward reads of the batch besides the model inputs (``log_probs_at``'s ids)."""
+        return (self.log_probs_at,) if self.log_probs_at is not None else ()
+
 
 @dataclass(frozen=True)
 class Values:

@@ -49,11 +49,10 @@ def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
 
 @pytest.mark.parametrize("overrides,message", [
     ((*ONE, "distillation.distillation_loss.loss_mode=k1"), "the gradient of k1 = log p - log q does not depend"),
-    # the top-k loss needs the logits of the response positions: not under the fused head, Ulysses or CP
+    # the top-k loss needs the logits of the response positions: not under the fused head or Megatron's CP
     ((*TOPK, "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.context_parallel_size=2"),
      "top-k log-probs under context parallelism are not built"),
     ((*TOPK, "actor_rollout_ref.model.use_fused_kernels=true"), "set use_fused_kernels=false"),
-    ((*TOPK, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"), "under Ulysses sequence parallelism"),
     ((*TOPK, "distillation.distillation_loss.topk=0"), "needs distillation.distillation_loss.topk >= 1"),
     ((*ONE, "distillation.distillation_loss.policy_loss_mode=gspo"), "policy_loss_mode"),
     ((*ONE, "data.max_prompt_length=512", "distillation.teacher_models.teacher_model.inference.max_model_len=100"),

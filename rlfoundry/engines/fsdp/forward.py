@@ -301,11 +301,11 @@ class CausalLMForward:
         )
         where = grid_to_packed[predictors]  # (rows, Tr) packed index of each response predictor, -1 if padding
         valid = where >= 0
-        gather, select = _identity, (lambda kept: kept[valid])
+        gather, select = _identity, (lambda grid: grid[valid])
         if self.sp is not None:  # this rank's slice of the pack; per-token results gathered over the group
-            select = _no_sp_select
-            logits, labels, gather = ulysses.packed_logits_at(self.module, packed.input_ids, packed.position_ids,
-                                                              where[valid], responses[valid], self.sp, lm=self._lm)
+            logits, labels, gather, pick = ulysses.packed_logits_at(self.module, packed.input_ids, packed.position_ids,
+                                                                    where[valid], responses[valid], self.sp, lm=self._lm)
+            select = lambda grid: pick(grid[valid])  # noqa: E731
         else:
             labels = responses[valid]
             logits = self._lm(labels[None], input_ids=packed.input_ids, attention_mask=None,
@@ -328,9 +328,9 @@ class CausalLMForward:
         labels = batch["responses"].reshape(-1)[pack.slots]
         gather, select = _identity, (lambda grid: grid.flatten(0, 1)[pack.slots])
         if self.sp is not None:
-            select = _no_sp_select
-            logits, labels, gather = ulysses.packed_logits_at(self.module, pack.input_ids, pack.position_ids, pack.keep,
-                                                              labels, self.sp, lm=self._lm)
+            logits, labels, gather, pick = ulysses.packed_logits_at(self.module, pack.input_ids, pack.position_ids,
+                                                                    pack.keep, labels, self.sp, lm=self._lm)
+            select = lambda grid: pick(grid.flatten(0, 1)[pack.slots])  # noqa: E731
         else:
             logits = self._lm(labels[None], input_ids=pack.input_ids, attention_mask=pack.mask,
                               position_ids=pack.position_ids, use_cache=False, logits_to_keep=pack.keep)[0]
@@ -821,11 +821,6 @@ def _to_grid(values: torch.Tensor, width: int, padding: torch.Tensor) -> torch.T
     if values.shape[1] != width:
         values = F.pad(values, (0, 0) * (values.dim() - 2) + (0, width - values.shape[1]))
     return values.masked_fill(padding.view(*padding.shape, *(1,) * (values.dim() - 2)), 0)
-
-
-def _no_sp_select(grid: torch.Tensor) -> torch.Tensor:
-    raise NotImplementedError("top-k log-probs at given ids (distillation loss_mode=forward_kl_topk) under Ulysses "
-                              "sequence parallelism are not built; set ulysses_sequence_parallel_size=1")
 
 
 def topk_log_probs(logits: torch.Tensor, k: int, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -303,7 +303,8 @@ class MegatronEngine(TrainingEngine):
 
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
         outputs_fn = self._output_fn(output)
-        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS) if k in data.batch.keys()])
+        extra = output.batch_keys() if isinstance(output, LogProbs) else ()
+        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS, *extra) if k in data.batch.keys()])
         # R2: the log-prob pass records the routing the update will replay
         record = isinstance(output, LogProbs) and output.routed_experts and ROUTED_EXPERTS not in inputs.batch.keys()
         parts, order = plain_micro_batches(inputs, self._per_rank_budget(micro), None)
