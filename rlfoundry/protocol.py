@@ -335,6 +335,9 @@ class DataProto:
     ``old_log_probs`` / ``ref_log_prob``              (B, Tr)     actor / ref
     ``teacher_logprobs``                              (B, Tr)     teachers (on-policy distillation,
                                                                   docs/distillation.md; temperature 1)
+    ``teacher_logprobs`` / ``teacher_ids``            (B, Tr, k)  teachers, for a top-k loss
+                                                                  (forward_kl_topk): the teacher's
+                                                                  top-k at each response position
     ``entropys``                                      (B, Tr)     actor
     ``sum_pi_squared``                                (B, Tr)     actor, with
                                                                   ``actor.calculate_sum_pi_squared``

@@ -8,7 +8,6 @@ rows carry in ``distillation.teacher_key`` (docs/distillation.md).
 from __future__ import annotations
 
 from rlfoundry.config.schema import (
-    DISTILLATION_ESTIMATOR_MODES,
     DISTILLATION_TOPK_MODES,
     DistillationConfig,
     PPOConfig,
@@ -46,19 +45,38 @@ def distillation_errors(cfg: PPOConfig) -> list[str]:
         teachers = resolve_teachers(distillation)
     except ConfigError as e:
         return [str(e)]
-    return _loss_errors(distillation) + _teacher_errors(distillation, teachers) + _length_errors(cfg, teachers)
+    return (_loss_errors(distillation) + _topk_errors(cfg) + _teacher_errors(distillation, teachers)
+            + _length_errors(cfg, teachers))
 
 
 def _loss_errors(distillation: DistillationConfig) -> list[str]:
     loss, errors = distillation.distillation_loss, []
-    if loss.loss_mode in DISTILLATION_TOPK_MODES:
-        errors.append(f"distillation.distillation_loss.loss_mode={loss.loss_mode}: the top-k losses need the teacher's "
-                      "top-k distribution, which rlfoundry's teachers do not return yet; use one of "
-                      f"{list(DISTILLATION_ESTIMATOR_MODES)} (k3, or k1 with use_policy_gradient=true).")
     if loss.loss_mode in ("k1", "kl") and not loss.use_policy_gradient:
         errors.append(f"distillation.distillation_loss.loss_mode={loss.loss_mode} with use_policy_gradient=false: the "
                       "gradient of k1 = log p - log q does not depend on the teacher; set use_policy_gradient=true "
                       "or loss_mode=k3.")
+    return errors
+
+
+def _topk_errors(cfg: PPOConfig) -> list[str]:
+    """What the top-k modes need: a k, and the actor's and the teachers' (the reference's) forwards holding the
+    logits of the response positions: unfused, and without context parallelism on Megatron."""
+    loss = cfg.distillation.distillation_loss
+    if loss.loss_mode not in DISTILLATION_TOPK_MODES:
+        return []
+    where, arr = f"distillation.distillation_loss.loss_mode={loss.loss_mode}", cfg.actor_rollout_ref
+    errors = []
+    if loss.topk is None or loss.topk < 1:
+        errors.append(f"{where} needs distillation.distillation_loss.topk >= 1 (got {loss.topk}); verl's default is 32.")
+    for role in ("actor", "ref"):
+        sub = getattr(arr, role)
+        if sub.strategy == "megatron" and sub.megatron.context_parallel_size > 1:
+            errors.append(f"{where} with actor_rollout_ref.{role}.megatron.context_parallel_size="
+                          f"{sub.megatron.context_parallel_size}: top-k log-probs under context parallelism are not "
+                          "built; set it to 1.")
+    if arr.model.use_fused_kernels:
+        errors.append(f"{where} with actor_rollout_ref.model.use_fused_kernels=true: the fused head never holds the "
+                      "logits the top-k loss reads; set use_fused_kernels=false.")
     return errors
 
 

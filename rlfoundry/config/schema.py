@@ -1372,7 +1372,7 @@ class AsyncTrainingConfig(Node):
 # workers (trainer/ppo/teachers.py) on the teacher checkpoints; config/distillation.py resolves and checks them.
 
 DISTILLATION_ESTIMATOR_MODES = _KL_BASE  # one-sample KL estimators on the sampled token (core_algos.kl_penalty)
-DISTILLATION_TOPK_MODES = ("forward_kl_topk",)  # need the teacher's top-k distribution: not built (check below)
+DISTILLATION_TOPK_MODES = ("forward_kl_topk",)  # read the teacher's top-k distribution (FSDP engine only)
 
 
 @dataclass

@@ -51,7 +51,12 @@ class LogProbs:
     ``sum_pi_squared`` (B, Tr), sum_v pi(v|s_t)^2 at the same temperature, without gradient (the
     optimal token baselines' input, verl's ``actor.calculate_sum_pi_squared``). ``routed_experts``: also
     the experts an MoE model's routers chose, (B, Tp+Tr, layers, top_k), -1 at padding (routing replay
-    R2's record, ``models/routing_replay.py``).
+    R2's record, ``models/routing_replay.py``). ``topk`` k > 0: also the k likeliest tokens of each
+    position, ``topk_ids`` and their ``topk_log_probs`` (B, Tr, k), without gradient (a distillation
+    teacher's top-k, and the student's own for its overlap metric). ``log_probs_at``: the name of a
+    batch key holding token ids (B, Tr, k); also ``log_probs_at`` (B, Tr, k), the log-probs of those
+    tokens, with gradient (the top-k distillation loss's student side). Both normalise over the whole
+    vocabulary at ``temperature``.
     """
 
     temperature: float = 1.0
@@ -59,6 +64,12 @@ class LogProbs:
     entropy_grad: bool = True
     sum_pi_squared: bool = False
     routed_experts: bool = False
+    topk: int = 0
+    log_probs_at: str | None = None
+
+    def batch_keys(self) -> tuple[str, ...]:
+        """What a forward reads of the batch besides the model inputs (``log_probs_at``'s ids)."""
+        return (self.log_probs_at,) if self.log_probs_at is not None else ()
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
 from rlfoundry.config.distillation import distillation_errors
-from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
+from rlfoundry.config.schema import DISTILLATION_TOPK_MODES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
 from rlfoundry.config.veomni import adopt_veomni
@@ -906,6 +906,12 @@ def _soft_warnings(cfg: DictConfig) -> None:
                       "batch after GAE advantages only (as verl does). Use adv_estimator=gae with a critic, or drop "
                       "use_pf_ppo.", NoEffectKeyWarning, stacklevel=3)
     _warn_prox_without_effect(cfg)
+    distill = cfg.distillation.distillation_loss
+    if cfg.distillation.enabled and distill.loss_mode in DISTILLATION_TOPK_MODES and distill.use_policy_gradient:
+        warnings.warn(f"distillation.distillation_loss.loss_mode={distill.loss_mode} with use_policy_gradient=true: the "
+                      "update moves only the sampled token's log-prob (-loss is its advantage), so the teacher's top-k "
+                      "distribution is mostly unused (verl warns too). The top-k loss is meant as a supervised loss: "
+                      "use_policy_gradient=false.", stacklevel=3)
     if cfg.async_training.mode != "sync" and cfg.actor_rollout_ref.actor.use_rollout_log_probs \
             and not cfg.async_training.compute_prox_log_prob \
             and _corrects_rollout(cfg) and not cfg.algorithm.rollout_correction.bypass_mode:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlfoundry.algos import core_algos, distillation
+from rlfoundry.config.schema import DISTILLATION_TOPK_MODES
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, ROUTED_EXPERTS
 from rlfoundry.protocol import DataProto
@@ -28,6 +29,8 @@ __all__ = ["DataParallelPPOActor", "ActorBatchSizes", "ROUTING_OUTPUTS"]
 # What a log-prob pass adds under MoE routing replay (docs/moe.md): R2's record (B, Tp+Tr, layers, top_k), and
 # R3's per-row counts (B,) of response tokens the trainer's own router would have routed elsewhere / with a record
 ROUTING_OUTPUTS = (ROUTED_EXPERTS, "routing_changed_tokens", "routing_counted_tokens")
+# top-k distillation (docs/distillation.md): the teacher's top-k log-probs and token ids, (B, Tr, k) each
+TEACHER_TOPK_KEYS = ("teacher_logprobs", "teacher_ids")
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,11 @@ class DataParallelPPOActor:
         micro_batch_size: int | None = None,
         max_token_len: int | None = None,
         temperature: float | None = None,
+        topk: int = 0,
     ) -> dict[str, torch.Tensor]:
         """``compute_log_prob``'s outputs by name: ``log_probs``, and as asked ``entropy`` and
-        ``sum_pi_squared`` (sum_v pi(v|s_t)^2 at the same temperature), each (B, Tr)."""
+        ``sum_pi_squared`` (sum_v pi(v|s_t)^2 at the same temperature), each (B, Tr), and with ``topk`` k > 0
+        ``topk_log_probs``, ``topk_ids`` (B, Tr, k) (``LogProbs.topk``)."""
         meta = data.meta_info
         temperature = float(temperature if temperature is not None else meta["temperature"])
         micro_batch_size = micro_batch_size or meta.get("micro_batch_size")
@@ -112,7 +117,8 @@ class DataParallelPPOActor:
         mode = self._router_replay_mode(data)
         return self.engine.infer_batch(data.select(batch_keys=self._forward_keys(data, replay=mode == "R3")),
                                        LogProbs(temperature, entropy=calculate_entropy,
-                                                sum_pi_squared=calculate_sum_pi_squared, routed_experts=mode == "R2"),
+                                                sum_pi_squared=calculate_sum_pi_squared, routed_experts=mode == "R2",
+                                                topk=topk),
                                        MicroBatching(micro_batch_size, max_token_len))
 
     def _router_replay_mode(self, data: DataProto | None = None) -> str:
@@ -144,8 +150,12 @@ class DataParallelPPOActor:
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():
             keys.append("rollout_is_weights")
         if self.distillation_loss is not None:
-            keys.append("teacher_logprobs")
+            keys.extend(TEACHER_TOPK_KEYS if self._topk_distillation else ["teacher_logprobs"])
         return keys
+
+    @property
+    def _topk_distillation(self) -> bool:
+        return self.distillation_loss is not None and self.distillation_loss.loss_mode in DISTILLATION_TOPK_MODES
 
     def policy_loss(self, outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo) -> LossOutput:
         """PPO's clipped surrogate (``policy_loss.loss_mode``), minus the entropy bonus, plus the KL
@@ -179,20 +189,32 @@ class DataParallelPPOActor:
             loss = loss + cfg.kl_loss_coef * kl_loss
             losses["actor/kl_loss"] = kl_loss.detach()
         if self.distillation_loss is not None:
-            loss = self._add_distillation(loss, log_prob, batch, info, (losses, ratios, maxima))
+            loss = self._add_distillation(loss, outputs, batch, info, (losses, ratios, maxima))
         return LossOutput(loss, losses, ratios, maxima)
 
-    def _add_distillation(self, task_loss: torch.Tensor, log_prob: torch.Tensor, batch: Any, info: GlobalBatchInfo,
-                          metrics: tuple[dict, dict, dict]) -> torch.Tensor:
+    def _add_distillation(self, task_loss: torch.Tensor, outputs: dict[str, torch.Tensor], batch: Any,
+                          info: GlobalBatchInfo, metrics: tuple[dict, dict, dict]) -> torch.Tensor:
         """The actor's loss with the distillation term (algos/distillation.py); metrics ``distillation/*``."""
         dcfg, (losses, ratios, maxima) = self.distillation_loss, metrics
-        term, found = distillation.distillation_loss(
-            log_prob, batch["old_log_probs"], batch["teacher_logprobs"], batch["response_mask"], dcfg,
-            self.config.loss_agg_mode, info)
+        common = (batch["response_mask"], dcfg, self.config.loss_agg_mode, info)
+        if self._topk_distillation:  # the forward's log-probs of the teacher's ids (_update_output)
+            term, found = distillation.topk_distillation_loss(
+                outputs["log_probs"], batch["old_log_probs"], outputs["log_probs_at"], batch["teacher_logprobs"],
+                batch["teacher_ids"], outputs["topk_ids"], *common)
+        else:
+            term, found = distillation.distillation_loss(outputs["log_probs"], batch["old_log_probs"],
+                                                         batch["teacher_logprobs"], *common)
         losses["distillation/loss"] = term.detach()
-        maxima["distillation/loss_max"] = found.pop("distillation/loss_max")
+        maxima |= {k: found.pop(k) for k in list(found) if k.endswith("_max")}
         ratios |= found
         return distillation.combine_with_task_loss(task_loss, term, dcfg.use_task_rewards, dcfg.distillation_loss_coef)
+
+    def _topk_output(self) -> dict[str, Any]:
+        """The update's extra forward outputs for top-k distillation: the log-probs of the teacher's ids
+        (with gradient) and the student's own top-k ids (the overlap metrics)."""
+        if not self._topk_distillation:
+            return {}
+        return {"topk": self.distillation_loss.topk, "log_probs_at": "teacher_ids"}
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """Run ``ppo_epochs`` passes of mini-batch PPO steps over ``data``; metrics per mini-batch.
@@ -210,7 +232,8 @@ class DataParallelPPOActor:
         """
         in_loss = self.config.entropy_coeff != 0
         entropy_metric = bool(data.meta_info.get("calculate_entropy", False))
-        output = LogProbs(float(data.meta_info["temperature"]), entropy=in_loss or entropy_metric, entropy_grad=in_loss)
+        output = LogProbs(float(data.meta_info["temperature"]), entropy=in_loss or entropy_metric, entropy_grad=in_loss,
+                          **self._topk_output())
         plan = ppo_update_plan(
             self.config, self.sizes, self.seed,
             "(ppo_mini_batch_size × rollout.n / dp size); make train_batch_size a multiple of ppo_mini_batch_size",

@@ -291,8 +291,8 @@ class ActorRolloutRefWorker(Worker):
         }
 
     def _log_prob_with_backoff(self, name: str, policy: DataParallelPPOActor, data: DataProto,
-                               kwargs: dict[str, Any], **asked: bool) -> dict[str, torch.Tensor]:
-        """``policy.compute_log_prob_outputs`` (``asked``: its ``calculate_*`` flags); on OOM the micro-batch
+                               kwargs: dict[str, Any], **asked: Any) -> dict[str, torch.Tensor]:
+        """``policy.compute_log_prob_outputs`` (``asked``: its ``calculate_*`` flags, ``topk``); on OOM the micro-batch
         (or token budget) halves and stays halved."""
         key = "micro_batch_size" if kwargs["max_token_len"] is None else "max_token_len"
         floor = 1 if key == "micro_batch_size" else int(data.batch["attention_mask"].sum(-1).max())
@@ -390,14 +390,20 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling)."""
+        """``ref_log_prob`` (B, Tr) under the frozen reference policy (same temperature as sampling). With
+        ``meta_info["topk"]`` k > 0 (a top-k distillation teacher's call) also ``ref_topk_log_probs`` and
+        ``ref_topk_ids`` (B, Tr, k): the k likeliest tokens of each response position and their log-probs."""
         self._require(self.ref_policy, "compute_ref_log_prob")
         data = on_device(data, self.device)
         data, mine = self.ref_policy.engine.model_parallel_rows(data)
         kwargs = self._log_prob_kwargs(self.config.ref, data)
+        topk = int(data.meta_info.get("topk", 0))
         with self.engine.adapter_disabled() if self._ref_in_actor else contextlib.nullcontext():
-            out = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs)
-        return DataProto.from_dict(tensors={"ref_log_prob": out["log_probs"][mine]}).to("cpu")
+            out = self._log_prob_with_backoff("compute_ref_log_prob", self.ref_policy, data, kwargs, topk=topk)
+        tensors = {"ref_log_prob": out["log_probs"][mine]}
+        if topk:
+            tensors |= {"ref_topk_log_probs": out["topk_log_probs"][mine], "ref_topk_ids": out["topk_ids"][mine]}
+        return DataProto.from_dict(tensors=tensors).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:

@@ -13,6 +13,7 @@ from rlfoundry.trainer.config import load_config, resolve_config
 
 ON = ("distillation.enabled=true",)
 ONE = (*ON, "distillation.teacher_models.teacher_model.model_path=/models/teacher")
+TOPK = (*ONE, "distillation.distillation_loss.loss_mode=forward_kl_topk")
 
 
 def _load(*overrides: str):
@@ -48,7 +49,11 @@ def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
 
 @pytest.mark.parametrize("overrides,message", [
     ((*ONE, "distillation.distillation_loss.loss_mode=k1"), "the gradient of k1 = log p - log q does not depend"),
-    ((*ONE, "distillation.distillation_loss.loss_mode=forward_kl_topk"), "top-k losses need the teacher's top-k"),
+    # the top-k loss needs the logits of the response positions: not under the fused head or Megatron's CP
+    ((*TOPK, "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.context_parallel_size=2"),
+     "top-k log-probs under context parallelism are not built"),
+    ((*TOPK, "actor_rollout_ref.model.use_fused_kernels=true"), "set use_fused_kernels=false"),
+    ((*TOPK, "distillation.distillation_loss.topk=0"), "needs distillation.distillation_loss.topk >= 1"),
     ((*ONE, "distillation.distillation_loss.policy_loss_mode=gspo"), "policy_loss_mode"),
     ((*ONE, "data.max_prompt_length=512", "distillation.teacher_models.teacher_model.inference.max_model_len=100"),
      "inference.max_model_len=100 is below prompt + response + 1"),
@@ -64,6 +69,25 @@ def test_added_teachers_drop_the_default_entry_and_route_by_their_keys():
 ])
 def test_what_verl_refuses_or_is_not_built_is_a_start_up_error(overrides, message):
     assert message in _error(*overrides)
+
+
+@pytest.mark.parametrize("engine", [(), ("model_engine=megatron",)], ids=["fsdp", "megatron"])
+def test_the_top_k_loss_starts_on_either_engine(engine):
+    cfg = _load(*engine, *TOPK, "distillation.distillation_loss.topk=64")
+    assert (cfg.distillation.distillation_loss.loss_mode, cfg.distillation.distillation_loss.topk) == ("forward_kl_topk", 64)
+    assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if engine else "fsdp")
+
+
+def test_the_top_k_loss_as_a_policy_gradient_is_warned_about_as_verl_does():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_config(load_config([*TOPK, "distillation.distillation_loss.use_policy_gradient=true"]),
+                       steps_per_epoch=10, cuda_available=False)
+    assert any("the teacher's top-k distribution is mostly unused" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_config(load_config(list(TOPK)), steps_per_epoch=10, cuda_available=False)
+    assert not any("mostly unused" in str(w.message) for w in caught)
 
 
 def test_engine_sizing_keys_are_named_as_having_no_effect():

@@ -129,6 +129,10 @@ EXPECT = {
         "distillation.enabled": True, "distillation.distillation_loss.loss_mode": "k1",
         "distillation.distillation_loss.use_policy_gradient": True,
         "distillation.teacher_models.teacher_model.model_path": "Qwen/Qwen3-32B"},
+    # top-k distillation on the Megatron engine at TP=2 (its default DISTILLATION_LOSS_MODE)
+    "examples/on_policy_distillation_trainer/run_qwen3_8b_megatron.sh": {
+        "actor_rollout_ref.actor.strategy": "megatron", "distillation.distillation_loss.loss_mode": "forward_kl_topk",
+        "distillation.distillation_loss.topk": 64, "distillation.distillation_loss.use_policy_gradient": False},
     "examples/on_policy_distillation_trainer/run_qwen3_8b_mopd_fsdp.sh": {
         "distillation.teacher_key": "data_source", "distillation.teacher_models.gsm8k.key": "openai/gsm8k",
         "distillation.teacher_models.geo3k.model_path": "Qwen/Qwen3-VL-32B-Instruct"},

@@ -24,6 +24,7 @@ from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
 from tests.workers import assert_same_gradients, first_step_gradients, reassociation_bound, vocab_rows
 
 ROWS, TP, TR = 8, 7, 9
+TOPK = 4  # k of the top-k log-probs (distillation's LogProbs.topk / log_probs_at)
 BUDGET = 48  # tokens per micro-batch of the SP=1 rank; SP=2 ranks get half per GPU (x2 per group)
 
 
@@ -40,6 +41,7 @@ def _batch(rows: int = ROWS, tp: int = TP, tr: int = TR, seed: int = 0) -> DataP
         "input_ids": torch.cat([prompts, responses], 1) * mask, "attention_mask": mask,
         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": responses * mask[:, tp:],
         "response_mask": mask[:, tp:].clone(), "returns": torch.randn(rows, tr, generator=gen),
+        "teacher_ids": torch.randint(0, 200, (rows, tr, TOPK), generator=gen),  # ids to score (top-k distillation)
     })
 
 
@@ -90,6 +92,8 @@ def _compute(model_dir, critic_dir, sp: int, data: DataProto, long_data: DataPro
     rows, mine = actor.model_parallel_rows(data)
     got = actor.infer_batch(rows, LogProbs(entropy=True), budget)
     out["log_probs"], out["entropy"] = got["log_probs"][mine], got["entropy"][mine]
+    top = actor.infer_batch(rows, LogProbs(topk=TOPK, log_probs_at="teacher_ids"), budget)
+    out |= {key: top[key][mine] for key in ("topk_log_probs", "topk_ids", "log_probs_at")}
     metrics = actor.train_batch(rows, LogProbs(), _nll, UpdatePlan(mini_batch_size=len(rows), micro=budget))
     out["metrics"] = {k: v for k, v in metrics.items()}
     out["grads"] = first_step_gradients(actor.optimizer, actor.module)  # a collective: every rank
@@ -141,6 +145,17 @@ def test_sp2_gives_the_same_log_probs_and_entropies_as_sp1(both):
     torch.testing.assert_close(_rows(ranks, "log_probs"), single["log_probs"], atol=1e-5, rtol=0)
     torch.testing.assert_close(_rows(ranks, "entropy"), single["entropy"], atol=1e-5, rtol=0)
     assert single["log_probs"].abs().sum() > 0
+
+
+@pytest.mark.numerics
+def test_sp2_gives_the_same_top_k_and_log_probs_at_ids_as_sp1(both):
+    """The top-k distillation outputs: each rank scores the ids of its slice's positions, gathered over the group."""
+    single, ranks = both
+    mask = single["log_probs"] != 0  # 0 exactly where no real token predicts the slot
+    assert torch.equal(_rows(ranks, "topk_ids")[mask], single["topk_ids"][mask])
+    for key in ("topk_log_probs", "log_probs_at"):
+        torch.testing.assert_close(_rows(ranks, key), single[key], atol=1e-5, rtol=0)
+    assert single["log_probs_at"][mask].abs().min() > 0
 
 
 @pytest.mark.slow

@@ -8,7 +8,11 @@ student, which the student can reach by sharpening (so a few steps show the dire
   toward the teacher on the first step's samples: the mean |log pi_student - log pi_teacher| there falls
   below 0.7 of its start (measured ~0.52 for both after 12 steps at lr 1e-3; an ignored loss leaves it
   where it was, since the task loss is off, and a sign-flipped one raises it);
-- with two teachers keyed by ``data_source``, each row is scored by its own teacher's checkpoint.
+- with two teachers keyed by ``data_source``, each row is scored by its own teacher's checkpoint;
+- with ``forward_kl_topk`` the batch carries the teacher checkpoint's own top-k log-probs and ids
+  (``teacher_logprobs``, ``teacher_ids``, (B, Tr, k)), and the student moves toward the teacher on the padded
+  (shared-prompt) and on the packed forward alike: the first step's logged loss is the formula written out on
+  the starting student's logits, and the trained student's loss on those samples is below 0.7 of it.
 """
 
 from __future__ import annotations
@@ -87,6 +91,48 @@ def test_the_student_moves_toward_the_teacher(tiny_model_dir, teacher_dir, tmp_p
     assert "distillation/loss" in record and "timing_s/teacher" in record
 
 
+def _hf_logits(model, batch) -> torch.Tensor:
+    """Logits (B, Tr, V) of the positions that predict the response tokens, plain HF forward."""
+    width = batch["responses"].shape[1]
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=batch["position_ids"]).logits[:, -width - 1:-1].float()
+
+
+def _topk_kl(model, batch, mask) -> float:
+    """Token-mean of verl's per-token forward KL over the batch's teacher top-k, the student ``model``'s
+    log-probs written out here from its logits: sum_i e^q_i (q_i - s_i), floored at 0."""
+    student = torch.log_softmax(_hf_logits(model, batch), -1).gather(-1, batch["teacher_ids"])
+    q = batch["teacher_logprobs"]
+    return float((q.exp() * (q - student)).sum(-1).clamp_min(0)[mask].mean())
+
+
+@pytest.mark.parametrize("forward", [(), ("actor_rollout_ref.model.use_remove_padding=true",
+                                          "actor_rollout_ref.model.use_shared_prompt=false")],
+                         ids=["padded", "packed"])
+def test_top_k_forward_kl_moves_the_student_toward_the_teacher(tiny_model_dir, teacher_dir, tmp_path, forward):
+    from transformers import AutoModelForCausalLM
+
+    run = _distill(tiny_model_dir, teacher_dir, tmp_path / "run", "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                   "distillation.distillation_loss.topk=16", *forward)
+    first = run.batches[0]
+    mask = first["response_mask"].bool()
+    # the batch's top-k is the teacher checkpoint's, by an independent forward
+    assert first["teacher_logprobs"].shape == (*first["responses"].shape, 16)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    top = torch.log_softmax(_hf_logits(teacher, first), -1).topk(16, -1)
+    torch.testing.assert_close(first["teacher_logprobs"][mask], top.values[mask], atol=1e-4, rtol=1e-4)
+    assert torch.equal(first["teacher_ids"][mask], top.indices[mask])
+    # step 1's loss (one mini-batch, before any optimiser step) is the formula on the starting student
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    before = _topk_kl(start, first, mask)
+    assert run.step(1)["distillation/loss"] == pytest.approx(before, abs=1e-5)
+    trained = run.trainer.actor_rollout_wg.worker.workers["actor_rollout"].actor.module
+    after = _topk_kl(trained, first, mask)
+    assert after < 0.7 * before, (before, after)
+    assert 0 < run.step(1)["distillation/teacher_mass"] <= 1 and "distillation/overlap_ratio" in run.step(1)
+
+
 def test_two_teachers_each_score_the_rows_of_their_data_source(tiny_model_dir, teacher_dir, tmp_path):
     from rlfoundry.config.schema import PPOConfig
     from rlfoundry.config.typed import to_typed
@@ -108,7 +154,7 @@ def test_two_teachers_each_score_the_rows_of_their_data_source(tiny_model_dir, t
         tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": ids[:, 6:],
                  "position_ids": torch.arange(10).expand(4, 10).clone()},
         non_tensors={"data_source": np.array(["src/b", "src/a", "src/a", "src/b"], dtype=object)})
-    got = teacher_log_probs(batch, by_key, "data_source")
+    got = teacher_log_probs(batch, by_key, "data_source")["teacher_logprobs"]
     want_a, want_b = _hf_log_probs(teacher_dir, batch.batch), _hf_log_probs(other, batch.batch)
     torch.testing.assert_close(got[[1, 2]], want_a[[1, 2]], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[[0, 3]], want_b[[0, 3]], atol=1e-4, rtol=1e-4)

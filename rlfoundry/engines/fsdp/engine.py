@@ -258,7 +258,8 @@ class FSDPEngine(TrainingEngine):
                 state.off()
 
     def _infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
-        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS) if k in data.batch.keys()])
+        extra = output.batch_keys() if isinstance(output, LogProbs) else ()
+        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS, *extra) if k in data.batch.keys()])
         micros, order = self._micro_batches(inputs, output, micro)
         plan = self._plan(micros, output)
         was_training = self._module.training

@@ -147,16 +147,18 @@ class CausalLMForward:
             # image rows: the padded forward (rows packed or sharing a prompt would need their pixels cut too);
             # text rows of a sharded vision-language model too: one model call per micro-batch on every rank
             self._idle_next = not pixels
-            logits, labels, scatter = self._padded_response_logits(batch, pixels)
+            logits, labels, scatter, select = self._padded_response_logits(batch, pixels)
         elif prompt_groups is not None:
-            logits, labels, scatter = self._shared_prompt_response_logits(batch, *prompt_groups)
+            logits, labels, scatter, select = self._shared_prompt_response_logits(batch, *prompt_groups)
         elif self.use_remove_padding:
-            logits, labels, scatter = self._packed_response_logits(batch, plan.rows)
+            logits, labels, scatter, select = self._packed_response_logits(batch, plan.rows)
         else:
-            logits, labels, scatter = self._padded_response_logits(batch)
+            logits, labels, scatter, select = self._padded_response_logits(batch)
+        # token ids (b, Tr, k) to score (LogProbs.log_probs_at), taken at the kept positions as the labels are
+        at = None if spec.log_probs_at is None else select(micro[spec.log_probs_at][:, :batch["responses"].shape[-1]])
         padding = _response_padding(micro)
-        out = {key: _pad_width(scatter(values), full_width).masked_fill(padding, 0.0)
-               for key, values in self._per_token(logits, labels, spec).items()}
+        out = {key: _to_grid(scatter(values), full_width, padding)
+               for key, values in self._per_token(logits, labels, spec, at).items()}
         if ROUTED_EXPERTS in batch.keys():  # (b,) routing-change counts of a log-prob pass
             out |= routing_replay.attach(self.module).row_stats()
         if record:
@@ -177,12 +179,17 @@ class CausalLMForward:
         width = batch["responses"].shape[-1]
         state.replay(batch[ROUTED_EXPERTS], routing_replay.response_token_mask(batch["attention_mask"], width))
 
-    def _per_token(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs) -> dict[str, torch.Tensor]:
-        """``log_probs`` and what ``spec`` asks besides (``entropy``, ``sum_pi_squared``) per kept position,
-        from a path's output: logits (..., V), or under the fused head its columns (``fused_head.COLUMNS``),
-        already computed in the model's forward."""
+    def _per_token(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs,
+                   at: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``log_probs`` and what ``spec`` asks besides (``entropy``, ``sum_pi_squared``, top-k) per kept
+        position, from a path's output: logits (..., V), or under the fused head its columns
+        (``fused_head.COLUMNS``), already computed in the model's forward. ``at`` (..., k): the token ids
+        of ``LogProbs.log_probs_at`` at the kept positions."""
         if self.fused is None:
-            return self._unfused(logits, labels, spec)
+            return self._unfused(logits, labels, spec, at)
+        if spec.topk or at is not None:
+            raise NotImplementedError("top-k log-probs (distillation loss_mode=forward_kl_topk) need the logits, which "
+                                      "the fused head never holds; set actor_rollout_ref.model.use_fused_kernels=false")
         out = dict(zip(COLUMNS, logits.unbind(-1)))
         if not spec.entropy:
             del out["entropy"]
@@ -190,7 +197,8 @@ class CausalLMForward:
             out["entropy"] = out["entropy"].detach()
         return out
 
-    def _unfused(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs) -> dict[str, torch.Tensor]:
+    def _unfused(self, logits: torch.Tensor, labels: torch.Tensor, spec: LogProbs,
+                 at: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """``_per_token`` from logits (..., V): temperature, placeholders, chunked ops. The entropy's blocks
         give sum pi^2 too (``entropy_and_sum_pi_squared``): no pass over the logits of its own."""
         # exact mode: from the raw logits and T, as the rollout's sampler hands them to the same function
@@ -200,6 +208,8 @@ class CausalLMForward:
             logits = logits / spec.temperature
         logits = mask_placeholders(logits, self.placeholder_ids)
         out = {"log_probs": exact if exact is not None else logprobs_from_logits(logits, labels)}
+        if spec.topk or at is not None:
+            out |= topk_log_probs(logits, spec.topk, at)
         if not (spec.entropy or spec.sum_pi_squared):
             return out
         with torch.set_grad_enabled(spec.entropy and spec.entropy_grad and torch.is_grad_enabled()):
@@ -235,7 +245,7 @@ class CausalLMForward:
             **(pixels or {}),
         )
         # position t predicts token t+1: the response logits are the ones just before each token
-        return logits[:, :-1, :], responses, _identity
+        return logits[:, :-1, :], responses, _identity, _identity
 
     def _shared_prompt_response_logits(self, batch, first: torch.Tensor, group: torch.Tensor):
         """Each distinct prompt runs once; its rows continue from its KV cache (with gradients).
@@ -252,7 +262,7 @@ class CausalLMForward:
             logits = self.shared_prompt_logits(self.module, ids[first, :tp], mask[first, :tp], pos[first, :tp],
                                                batch["responses"], pos[:, tp:], group)
             if logits is not None:
-                return logits, batch["responses"], _identity
+                return logits, batch["responses"], _identity, _identity
         cache = DynamicCache(config=getattr(self.module, "config", None))
         head_mask = _prepared_causal_mask(self.module, mask[first, :tp], pos[first, :tp], cache)
         head = self.module(input_ids=ids[first, :tp], attention_mask=head_mask, position_ids=pos[first, :tp],
@@ -267,7 +277,7 @@ class CausalLMForward:
         if self.fused is not None:  # the first response token's columns from the head call's logits
             first = self._unfused(first_logits, batch["responses"][:, :1], dataclasses.replace(self._spec, entropy=True))
             first_logits = torch.stack([first[key] for key in COLUMNS if key in first], dim=-1)
-        return torch.cat([first_logits, tail[:, :-1]], dim=1), batch["responses"], _identity
+        return torch.cat([first_logits, tail[:, :-1]], dim=1), batch["responses"], _identity, _identity
 
     def _packed_response_logits(self, batch, rows: "RowSummary | None" = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Real tokens only, packed into one row; logits only where a real token predicts a response.
@@ -291,21 +301,22 @@ class CausalLMForward:
         )
         where = grid_to_packed[predictors]  # (rows, Tr) packed index of each response predictor, -1 if padding
         valid = where >= 0
-        gather = _identity
+        gather, select = _identity, (lambda grid: grid[valid])
         if self.sp is not None:  # this rank's slice of the pack; per-token results gathered over the group
-            logits, labels, gather = ulysses.packed_logits_at(self.module, packed.input_ids, packed.position_ids,
-                                                              where[valid], responses[valid], self.sp, lm=self._lm)
+            logits, labels, gather, pick = ulysses.packed_logits_at(self.module, packed.input_ids, packed.position_ids,
+                                                                    where[valid], responses[valid], self.sp, lm=self._lm)
+            select = lambda grid: pick(grid[valid])  # noqa: E731
         else:
             labels = responses[valid]
             logits = self._lm(labels[None], input_ids=packed.input_ids, attention_mask=None,
                               position_ids=packed.position_ids, use_cache=False, logits_to_keep=where[valid])[0]
 
         def scatter(values: torch.Tensor) -> torch.Tensor:
-            full = values.new_zeros((rows, width))
+            full = values.new_zeros((rows, width, *values.shape[1:]))
             full[valid] = gather(values)
             return full
 
-        return logits, labels, scatter
+        return logits, labels, scatter, select
 
     def _planned_pack(self, batch, rows: "RowSummary") -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``_packed_response_logits`` from the rows' summary: every index of the pack made on the host and
@@ -315,14 +326,15 @@ class CausalLMForward:
         pack = planned_pack(self.module, batch, rows, mask=self.sp is None)
         _replay_packed(self.module, batch, pack.indices)
         labels = batch["responses"].reshape(-1)[pack.slots]
-        gather = _identity
+        gather, select = _identity, (lambda grid: grid.flatten(0, 1)[pack.slots])
         if self.sp is not None:
-            logits, labels, gather = ulysses.packed_logits_at(self.module, pack.input_ids, pack.position_ids, pack.keep,
-                                                              labels, self.sp, lm=self._lm)
+            logits, labels, gather, pick = ulysses.packed_logits_at(self.module, pack.input_ids, pack.position_ids,
+                                                                    pack.keep, labels, self.sp, lm=self._lm)
+            select = lambda grid: pick(grid.flatten(0, 1)[pack.slots])  # noqa: E731
         else:
             logits = self._lm(labels[None], input_ids=pack.input_ids, attention_mask=pack.mask,
                               position_ids=pack.position_ids, use_cache=False, logits_to_keep=pack.keep)[0]
-        return logits, labels, lambda values: pack.scatter(gather(values))
+        return logits, labels, lambda values: pack.scatter(gather(values)), select
 
     # ---- the micro-batch plan ----------------------------------------------------------------
 
@@ -482,10 +494,10 @@ class PlannedPack(NamedTuple):
     indices: torch.Tensor  # (nnz,) into the (b * T) grid: where each packed token came from
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """(K,) per-slot values -> (b, Tr), zero where no real token predicts the slot."""
-        full = values.new_zeros((self.shape[0] * self.shape[1],))
+        """(K, ...) per-slot values -> (b, Tr, ...), zero where no real token predicts the slot."""
+        full = values.new_zeros((self.shape[0] * self.shape[1], *values.shape[1:]))
         full[self.slots] = values  # integer indices: no read of a count
-        return full.view(self.shape)
+        return full.view(*self.shape, *values.shape[1:])
 
 
 def planned_pack(module: nn.Module, batch: Any, rows: "RowSummary", mask: bool = True) -> PlannedPack:
@@ -804,6 +816,24 @@ def trim_response_padding(batch, known: tuple[int, int] | None = None) -> tuple[
     return trimmed, full
 
 
-def _pad_width(values: torch.Tensor, width: int) -> torch.Tensor:
-    """(b, w) -> (b, width), zeros after column w."""
-    return values if values.shape[-1] == width else torch.nn.functional.pad(values, (0, width - values.shape[-1]))
+def _to_grid(values: torch.Tensor, width: int, padding: torch.Tensor) -> torch.Tensor:
+    """(b, w, ...) -> (b, width, ...): zeros after column w and wherever ``padding`` (b, width) holds."""
+    if values.shape[1] != width:
+        values = F.pad(values, (0, 0) * (values.dim() - 2) + (0, width - values.shape[1]))
+    return values.masked_fill(padding.view(*padding.shape, *(1,) * (values.dim() - 2)), 0)
+
+
+def topk_log_probs(logits: torch.Tensor, k: int, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """From logits (..., V) already at the temperature: with k > 0 the k likeliest tokens ``topk_ids`` and
+    their ``topk_log_probs`` (..., k), without gradient; with ``ids`` (..., k) ``log_probs_at`` (..., k),
+    their log-probs, with gradient. log_softmax(x)[i] = x[i] - logsumexp(x), in fp32 whatever the logits'
+    dtype, so no (..., V) log-softmax is kept for the backward (verl's chunked top-k identity)."""
+    log_z = logits.float().logsumexp(-1, keepdim=True)
+    out = {}
+    if k:
+        with torch.no_grad():
+            top = logits.detach().topk(k, dim=-1)  # log-softmax is monotone: the logits' top-k
+            out |= {"topk_log_probs": top.values.float() - log_z.detach(), "topk_ids": top.indices}
+    if ids is not None:
+        out["log_probs_at"] = logits.float().gather(-1, ids.long()) - log_z
+    return out

@@ -223,10 +223,11 @@ def sp_model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, sp: Seq
 
 def packed_logits_at(module: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
                      labels: torch.Tensor, sp: SequenceParallel,
-                     lm: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                     lm: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
     """Logits of the packed positions ``keep`` (K,) that fall in this rank's slice, their ``labels``,
-    and ``gather``: per-kept-position values computed from those logits (k_local,) -> (K,) for
-    ``keep`` in order, the same on every rank of the group (with gradients). ``lm(labels, **inputs)``:
+    ``gather``: per-kept-position values computed from those logits (k_local, ...) -> (K, ...) for
+    ``keep`` in order, the same on every rank of the group (with gradients), and ``select``: per-kept-
+    position inputs (K, ...) -> this rank's (k_local, ...), as ``labels`` were taken. ``lm(labels, **inputs)``:
     the model call given the kept positions' labels (the fused head's, ``forward.py``, returns
     (log-prob, entropy) pairs in place of logits); None: ``module(**inputs).logits``."""
     kwargs, part = sp_model_inputs(input_ids, position_ids, sp)
@@ -235,18 +236,19 @@ def packed_logits_at(module: nn.Module, input_ids: torch.Tensor, position_ids: t
     at[keep] = torch.arange(keep.numel(), device=dev)
     local_at = at[part.start: part.stop]
     local_keep = (local_at >= 0).nonzero().squeeze(1)  # positions in this rank's slice
-    local_labels = labels[local_at[local_keep]]
+    mine = local_at[local_keep]
+    local_labels = labels[mine]
     if lm is not None:
         logits = lm(local_labels[None], **kwargs, logits_to_keep=local_keep)
     else:
         logits = module(**kwargs, logits_to_keep=local_keep).logits
 
     def gather(values: torch.Tensor) -> torch.Tensor:
-        local = values.new_zeros((part.stop - part.start,))
+        local = values.new_zeros((part.stop - part.start, *values.shape[1:]))
         local = local.index_put((local_keep,), values)
         return gather_sequence(local, sp)[keep]
 
-    return logits[0], local_labels, gather
+    return logits[0], local_labels, gather, lambda kept: kept[mine]
 
 
 def packed_outputs(module: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -51,7 +51,7 @@ from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
 from rlfoundry.engines.megatron.forward import (context_parallel_size, is_filler, local_next_tokens, next_tokens,
                                                 response_logits, response_positions, run_schedule,
-                                                vocab_parallel_log_probs)
+                                                vocab_parallel_log_probs, vocab_parallel_topk)
 from rlfoundry.engines.megatron.fused_head import COLUMNS, MegatronFusedHead, output_layer
 from rlfoundry.protocol import DataProto
 
@@ -256,9 +256,13 @@ class MegatronEngine(TrainingEngine):
                                                                    spec.sum_pi_squared)
             padding = micro["attention_mask"][:, -responses.shape[1]:] == 0
             out = {"log_probs": log_probs, "entropy": entropy, "sum_pi_squared": squares}
+            if spec.topk or spec.log_probs_at is not None:  # (top-k distillation; not under CP: _output_fn)
+                at = None if spec.log_probs_at is None else micro[spec.log_probs_at]
+                out |= vocab_parallel_topk(logits, spec.topk, at)
             if cp_local:
                 out = {key: response_positions(v, micro, True) for key, v in out.items() if v is not None}
-            return {key: values.masked_fill(padding, 0.0) for key, values in out.items() if values is not None}
+            return {key: values.masked_fill(padding.view(*padding.shape, *(1,) * (values.dim() - 2)), 0)
+                    for key, values in out.items() if values is not None}
         return outputs
 
     def _model_context(self, output: Output, record: bool = False):
@@ -285,6 +289,11 @@ class MegatronEngine(TrainingEngine):
 
     def _output_fn(self, output: Output):
         """What the last stage computes from the model's output for ``output``."""
+        if isinstance(output, LogProbs) and (output.topk or output.log_probs_at is not None) and \
+                (self._fused is not None or context_parallel_size() > 1):
+            raise NotImplementedError(f"{self.role}: top-k log-probs (distillation loss_mode=forward_kl_topk) with the "
+                                      "fused head or context parallelism are not built; set use_fused_kernels=false "
+                                      "and megatron.context_parallel_size=1")
         if isinstance(output, LogProbs) and not self.config.value_model:
             return self._outputs(output)
         if isinstance(output, Values) and self.config.value_model:
@@ -294,7 +303,8 @@ class MegatronEngine(TrainingEngine):
 
     def infer_batch(self, data: DataProto, output: Output, micro: MicroBatching) -> dict[str, torch.Tensor]:
         outputs_fn = self._output_fn(output)
-        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS) if k in data.batch.keys()])
+        extra = output.batch_keys() if isinstance(output, LogProbs) else ()
+        inputs = data.select(batch_keys=[k for k in (*MODEL_INPUTS, ROUTED_EXPERTS, *extra) if k in data.batch.keys()])
         # R2: the log-prob pass records the routing the update will replay
         record = isinstance(output, LogProbs) and output.routed_experts and ROUTED_EXPERTS not in inputs.batch.keys()
         parts, order = plain_micro_batches(inputs, self._per_rank_budget(micro), None)

@@ -57,17 +57,10 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, entropy
     """log p(label), and optionally the entropy and sum_v p_v^2 (no gradient), from this rank's vocabulary
     slice of ``logits`` (..., V / tp); ``labels`` index the whole vocabulary. Same result on every
     tensor-parallel rank."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
-    logits = logits.float()
+    shifted, start = _shifted_slice(logits)
     part = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * part
-    peak = logits.detach().max(dim=-1, keepdim=True).values
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
-                                     group=ps.get_tensor_model_parallel_group())
-    shifted = logits - peak
     exp = shifted.exp()
     sum_exp = tp_sum(exp.sum(dim=-1))
     local = labels - start
@@ -84,6 +77,58 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, entropy
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         weighted = tp_sum((exp * shifted).sum(dim=-1)) / sum_exp  # E_p[logit - peak]
         return log_probs, log_z - weighted, squares
+
+
+def _shifted_slice(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's vocabulary slice of ``logits`` (..., V / tp) in fp32 minus the row's maximum over the whole
+    vocabulary (the same shift on every tensor-parallel rank), and the slice's first token id."""
+    from megatron.core import parallel_state as ps
+
+    logits = logits.float()
+    peak = logits.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_tensor_model_parallel_group())
+    return logits - peak, ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The FSDP forward's ``topk_log_probs`` (engines/fsdp/forward.py) from this rank's vocabulary slice of
+    ``logits`` (..., V / tp), the same on every tensor-parallel rank: with k > 0 the k likeliest tokens of the
+    whole vocabulary (each rank's top-k, gathered, then the top-k of those), ``topk_ids`` / ``topk_log_probs``
+    without gradient; with ``ids`` (..., k) (whole-vocabulary ids) ``log_probs_at``, with gradient: each id's
+    shifted logit from the rank that holds it, summed over the ranks, minus the log of the summed exp."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    shifted, start = _shifted_slice(logits)
+    part = shifted.shape[-1]
+    log_z = tp_sum(shifted.exp().sum(dim=-1, keepdim=True)).log()
+    out = {}
+    if k:
+        with torch.no_grad():
+            values, index = shifted.topk(min(k, part), dim=-1)
+            index = index + start
+            world = ps.get_tensor_model_parallel_world_size()
+            if world > 1:  # the shift is shared, so the ranks' candidates compare as they are
+                group = ps.get_tensor_model_parallel_group()
+                values, index = (_gather_last(t, world, group) for t in (values, index))
+                values, pick = values.topk(k, dim=-1)
+                index = index.gather(-1, pick)
+            out |= {"topk_log_probs": values - log_z, "topk_ids": index}
+    if ids is not None:
+        local = ids.long() - start
+        mine = (local >= 0) & (local < part)
+        target = shifted.gather(-1, local.clamp(0, part - 1)) * mine
+        out["log_probs_at"] = tp_sum(target) - log_z
+    return out
+
+
+def _gather_last(tensor: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+    """The tensor-parallel ranks' ``tensor`` side by side along the last dimension, in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def response_logits(output: torch.Tensor, response_width: int) -> torch.Tensor:

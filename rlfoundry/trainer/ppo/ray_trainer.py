@@ -33,7 +33,7 @@ from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, starts
 from rlfoundry.algos import core_algos, rollout_corr
 from rlfoundry.trainer.ppo import mismatch
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
-from rlfoundry.trainer.ppo.teachers import teacher_log_probs, teacher_roles
+from rlfoundry.trainer.ppo.teachers import teacher_log_probs, teacher_roles, teacher_topk
 from rlfoundry.single_controller.base import ClassWithInitArgs, WorkerGroup
 from rlfoundry.trainer.config import ConfigError, need_reference_policy, world_size
 from rlfoundry.trainer.metric_utils import (
@@ -815,12 +815,14 @@ class PPOTrainer:
             return batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
 
     def _teacher_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
-        """``teacher_logprobs`` (B, Tr): each row scored by its teacher, with on-policy distillation."""
+        """``teacher_logprobs`` (B, Tr), or (B, Tr, k) with ``teacher_ids`` for a top-k loss: each row scored
+        by its teacher, with on-policy distillation."""
         if not self.teacher_wgs:
             return batch
         with marked_timer("teacher", timing):
-            scored = teacher_log_probs(batch, self.teacher_wgs, self.config.distillation.teacher_key)
-        return batch.union(DataProto.from_dict(tensors={"teacher_logprobs": scored}))
+            distillation = self.config.distillation
+            scored = teacher_log_probs(batch, self.teacher_wgs, distillation.teacher_key, teacher_topk(distillation))
+        return batch.union(DataProto.from_dict(tensors=scored))
 
     def _values(self, batch: DataProto, timing: dict) -> DataProto:
         if not self.use_critic:
