@@ -553,7 +553,8 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def connect_weight_bridge(self, host: str, port: int, rollout_ranks: int) -> None:
         """Join the bridge (collective with the other pool): the trainer's rank 0 is its rank 0, rollout
-        rank r its rank 1 + r; the trainer's other ranks only help gather the full tensors."""
+        rank r its rank 1 + r; the trainer's other ranks only help gather the full tensors. Rollout ranks
+        tell the sender their engine's dtypes, which a wider trainer's tensors are cast to before sending."""
         from rlfoundry.workers.checkpoint_engine import CheckpointEngine
 
         self._bridge = None
@@ -565,7 +566,8 @@ class ActorRolloutRefWorker(Worker):
         self._bridge = CheckpointEngine.connect(host, port, bridge_rank, 1 + rollout_ranks,
                                                 ce.update_weights_bucket_megabytes, timeout_s,
                                                 store=self._bridge_store, digests=ce.verify,
-                                                delta=ce.backend == "delta_sharded")
+                                                delta=ce.backend == "delta_sharded",
+                                                dtypes=None if self._is_actor else self.rollout.storage_dtypes())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send_weights(self) -> dict[str, float]:

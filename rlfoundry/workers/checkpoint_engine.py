@@ -19,18 +19,27 @@ Receivers record their progress (sync, bucket) in the store, so when a sync fail
 rollout rank died (its pid is gone) or fell behind, and a receiver says the trainer's sender stopped.
 Either way a ``WeightSyncError`` ends the run instead of a hang.
 
+**In the engine's dtype**: at ``connect`` each rollout rank announces the dtype its engine stores each
+tensor in (``BaseRollout.storage_dtypes``). A tensor the trainer holds in a wider floating dtype (an fp32
+actor, a bf16 engine) is cast to it on the trainer's device before anything else (``wire_dtype``), as the
+engine's loader would cast it on arrival (``copy_``: the same round-to-nearest-even), so the engine holds
+the same bits, and the wire, the digest and (deltas) both ends' copies are in the engine's dtype. A tensor
+the ranks disagree on, or that a rank cannot say, travels in the trainer's dtype.
+
 **Proving itself**: each tensor's metadata carries its digest (``weight_sync.tensor_digest``, taken on
-the sender's device before the copy to the host) and the end of the stream the trainer's
-``param_version``; the receiving worker compares the engine's weights with them after loading.
+the sender's device before the copy to the host, of the tensor as sent) and the end of the stream the
+trainer's ``param_version``; the receiving worker compares the engine's weights with them after loading.
 
 **Deltas** (``backend=delta_sharded``, verl's name; ``delta=True`` here): RL updates at small learning
-rates leave most bf16 weights bit-identical from one sync to the next, so after a first full ("seed")
+rates leave most bf16 weights bit-identical from one sync to the next (an fp32 actor's too, sent to a bf16
+engine in bf16: a change below bf16's resolution changes no bit sent), so after a first full ("seed")
 sync the sender sends, per tensor, only the positions whose bit patterns changed (int32) and their new
-bits. Both ends keep a host copy of every tensor as of the last sync: the sender to diff against, the
-receiver to rebuild the full tensor it yields (the rollout engines' loaders take full tensors), so the
-digests above prove each reconstruction bit for bit (where the engine stores the dtype sent). A tensor with no base on both ends (the first sync
-of a bridge, a new name, a new shape or dtype) and one where indices would cost as many bytes as its
-values (``goes_dense``) travel whole.
+bits. Both ends keep a host copy of every tensor as of the last sync, in the dtype sent: the sender to
+diff against, the receiver to rebuild the full tensor it yields (the rollout engines' loaders take full
+tensors), so the digests above prove each reconstruction bit for bit (where the engine stores the dtype
+sent: all but a wider engine's, e.g. a bf16 actor into an fp32 copy). A tensor with no base on both ends
+(the first sync of a bridge, a new name, a new shape or dtype) and one where indices would cost as many
+bytes as its values (``goes_dense``) travel whole.
 """
 
 from __future__ import annotations
@@ -49,19 +58,22 @@ from rlfoundry.utils import faults
 from rlfoundry.utils.errors import WeightSyncError
 from rlfoundry.workers.weight_sync import tensor_digest
 
-__all__ = ["CheckpointEngine", "SyncStats", "changed_positions", "goes_dense", "member_name"]
+__all__ = ["CheckpointEngine", "SyncStats", "changed_positions", "goes_dense", "member_name", "wire_dtype"]
 
 _END, _BUCKET = 0, 1
 _HEADER_BYTES = 3 * 8  # each broadcast header: three int64
 _MAX_INDEX = 2**31 - 1  # positions travel as int32; a larger tensor always travels whole
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# what an engine's loader reaches by a plain cast (``copy_``); a quantised dtype needs scales, never a cast here
+_CAST_TO = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
 class SyncStats:
     """One sync as the sender saw it. ``bytes``: tensor payload (values; with deltas, positions too);
-    ``meta_bytes``: headers and JSON metadata; ``changed``: elements whose bits differ from the previous
-    sync's (every element of a tensor sent without a base), out of ``elements``."""
+    ``meta_bytes``: headers and JSON metadata; ``changed``: elements whose bits (in the dtype sent) differ
+    from the previous sync's (every element of a tensor sent without a base), out of ``elements``;
+    ``narrowed``: tensors sent in the engine's narrower dtype (``wire_dtype``)."""
 
     tensors: int = 0
     bytes: int = 0
@@ -70,6 +82,7 @@ class SyncStats:
     elements: int = 0
     changed: int = 0
     dense: int = 0  # tensors sent whole
+    narrowed: int = 0
 
     @property
     def wire_bytes(self) -> int:
@@ -105,6 +118,15 @@ def goes_dense(changed: int, numel: int, itemsize: int) -> bool:
     return changed * (4 + itemsize) >= numel * itemsize
 
 
+def wire_dtype(dtype: torch.dtype, stored: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels in to an engine that stores it in ``stored`` (None: unknown):
+    ``stored`` where that is a narrower float (fp32 -> bf16: the engine's loader would cast it so on
+    arrival, and half the bytes go), else ``dtype`` (a wider engine widens exactly on its own)."""
+    if stored not in _CAST_TO or not dtype.is_floating_point or stored.itemsize >= dtype.itemsize:
+        return dtype
+    return stored
+
+
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
 
@@ -137,7 +159,7 @@ class CheckpointEngine:
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, bucket_megabytes: float = 512,
                  store: dist.Store | None = None, timeout_s: float = 600.0, digests: bool = True,
-                 delta: bool = False):
+                 delta: bool = False, stored_dtypes: dict[str, torch.dtype] | None = None):
         if bucket_megabytes <= 0:
             raise ValueError(f"update_weights_bucket_megabytes={bucket_megabytes} must be > 0")
         self.group, self.rank, self.world_size = group, rank, world_size
@@ -147,6 +169,8 @@ class CheckpointEngine:
         self.sent_digests: dict[str, int] = {}  # a receiver: the sender's digest of each tensor of this sync
         self.version: int | None = None  # a receiver: the param_version the last complete sync carried
         self.delta = delta
+        # the sender: {name: the dtype every rollout engine stores it in}, the casts of ``wire_dtype``
+        self.stored_dtypes = dict(stored_dtypes or {})
         # deltas: each tensor as of the last sync it travelled in, and that sync's number (the sender's
         # snapshot it diffs against; a receiver's copy it rebuilds from). Both ends count syncs alike.
         self._held: dict[str, tuple[torch.Tensor, int]] = {}
@@ -155,10 +179,11 @@ class CheckpointEngine:
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, bucket_megabytes: float = 512,
                 timeout_s: float = 600.0, store: dist.Store | None = None, digests: bool = True,
-                delta: bool = False) -> CheckpointEngine:
+                delta: bool = False, dtypes: dict[str, torch.dtype] | None = None) -> CheckpointEngine:
         """Rank 0 (the trainer's sender) hosts the store (``store``: one ``open_store`` opened
-        already); ``world_size`` = 1 + rollout ranks. Waits at most ``timeout_s`` for every member,
-        then raises ``WeightSyncError`` naming those that never joined."""
+        already); ``world_size`` = 1 + rollout ranks. A rollout rank's ``dtypes``: {name: the dtype its
+        engine stores it in} (None: unknown), which the sender casts to (``wire_dtype``). Waits at most
+        ``timeout_s`` for every member, then raises ``WeightSyncError`` naming those that never joined."""
         timeout = timedelta(seconds=timeout_s)
         if store is None:
             try:
@@ -171,14 +196,18 @@ class CheckpointEngine:
                     f"listening there ({err})") from err
         faults.inject("checkpoint_engine.connect")  # tests: a member that never joins (hang) or dies (kill)
         bridge = dist.PrefixStore("bridge/", store)
+        if rank != 0:  # before the announcement: a member the roll call found has said its dtypes
+            names = {name: str(dtype).removeprefix("torch.") for name, dtype in (dtypes or {}).items()}
+            bridge.set(f"dtypes/{rank}", json.dumps(names if dtypes is not None else None))
         bridge.set(f"member/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         _roll_call(bridge, rank, world_size, timeout_s)
+        stored = _agreed_dtypes(bridge, world_size) if rank == 0 else None
         try:
             group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
         except (RuntimeError, dist.DistError) as err:
             raise WeightSyncError(f"{member_name(rank)}: the weight bridge's gloo group did not form within "
                                   f"{timeout_s:g} s: {err}") from err
-        return cls(group, rank, world_size, bucket_megabytes, bridge, timeout_s, digests, delta)
+        return cls(group, rank, world_size, bucket_megabytes, bridge, timeout_s, digests, delta, stored)
 
     @staticmethod
     def open_store(host: str, timeout_s: float = 600.0) -> tuple[dist.TCPStore, int]:
@@ -194,7 +223,8 @@ class CheckpointEngine:
     # ---- the sender -----------------------------------------------------------------------
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int = 0) -> SyncStats:
-        """Stream the tensors; the receivers learn ``version`` (the trainer's param_version) at the end."""
+        """Stream the tensors (each in its ``wire_dtype``); the receivers learn ``version`` (the trainer's
+        param_version) at the end."""
         if self.rank != 0:
             raise RuntimeError("only the bridge's rank 0 (the trainer's sender) sends")
         self.syncs += 1
@@ -215,8 +245,11 @@ class CheckpointEngine:
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         stats, bucket, size, seen = SyncStats(), [], 0, set()
         for name, tensor in named_tensors:
-            digest = tensor_digest(tensor) if self.digests else None  # on the trainer's device, before the copy
-            host = tensor.detach().to("cpu").contiguous()
+            # the engine's dtype, cast on the trainer's device (a no-op when it is the tensor's own)
+            sent = tensor.detach().to(wire_dtype(tensor.dtype, self.stored_dtypes.get(name)))
+            digest = tensor_digest(sent) if self.digests else None  # on the trainer's device, before the copy
+            host = sent.to("cpu").contiguous()
+            stats.narrowed += sent.dtype != tensor.dtype
             entry = {"name": name, "dtype": str(host.dtype).removeprefix("torch."), "shape": list(host.shape),
                      "digest": digest}
             chunks = self._encode(entry, host, tensor, stats) if self.delta else [_raw(host)]
@@ -387,6 +420,23 @@ class CheckpointEngine:
         return WeightSyncError(
             f"{culprit}{member_name(self.rank)}: {where} failed within {limit}: " + "; ".join(lines)
             + f". Cause: {cause}. The run stops here; resume_mode=auto continues from the last checkpoint.")
+
+
+def _agreed_dtypes(store: dist.Store, world_size: int) -> dict[str, torch.dtype]:
+    """{name: the dtype every rollout rank's engine stores it in}, from their announcements; a name the
+    ranks disagree on is left out, and nothing is agreed when a rank could not say."""
+    announced = []
+    for rank in range(1, world_size):
+        key = f"dtypes/{rank}"
+        names = json.loads(store.get(key).decode()) if store.check([key]) else None
+        if names is None:
+            return {}
+        announced.append(names)
+    if not announced:
+        return {}
+    agreed = {name: dtype for name, dtype in announced[0].items() if all(a.get(name) == dtype for a in announced[1:])}
+    return {name: getattr(torch, dtype) for name, dtype in agreed.items()
+            if isinstance(getattr(torch, dtype, None), torch.dtype)}
 
 
 def _roll_call(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:

@@ -177,6 +177,12 @@ class BaseRollout(ABC):
         this engine cannot report its weights, and its syncs go unverified."""
         return None
 
+    def storage_dtypes(self) -> dict[str, torch.dtype] | None:
+        """{HF name: the dtype the engine's loader casts it to}, whatever ``verify`` says: a weight bridge
+        sends a tensor the trainer holds wider in it (``checkpoint_engine.wire_dtype``); None: unknown (the
+        trainer's dtypes travel). Default: ``weight_dtypes``."""
+        return self.weight_dtypes()
+
     def weight_digests(self) -> dict[str, int] | None:
         """{name: ``weight_sync.tensor_digest``} of the weights the engine samples with (None: as above), by
         the engine's names (``engine_weight_name``)."""

@@ -658,6 +658,13 @@ class VLLMRollout(BaseRollout):
             return None
         self._require_engine()
         self.llm.apply_model(_install_load_taps)
+        return self.storage_dtypes()
+
+    def storage_dtypes(self) -> dict[str, torch.dtype] | None:
+        """``weight_dtypes`` without starting the recording of loads (a weight bridge asks with verify off too)."""
+        if self.adapter is not None:
+            return None
+        self._require_engine()
         dtypes = self._layout().hf_dtypes()
         if self._vision is not None:  # under transformers' names, as the trainer's stream has them
             return {_VisionPrompts.live_name(k): v for k, v in dtypes.items()}
