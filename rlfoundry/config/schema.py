@@ -266,6 +266,9 @@ class FSDPConfig(Node):
     # bf16 over fp32 weights (then under torch.autocast), is not wrapped (FSDP2 would only copy and cast
     # every weight and gradient; engines/fsdp/utils.py fsdp_does_nothing); fsdp = wrap anyway
     single_rank: str = one_of(("auto", "fsdp"), "auto")
+    # verl (Aug 2026): the settings of its ``strategy=fsdp_turbo`` engine (Huawei's fsdp_turbo package), which is
+    # not built here: that strategy is a start-up error naming it (trainer/config.py UNBUILT_STRATEGIES)
+    turbo_config: Dict[str, Any] = _dict()
 
 
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode; models/routing_replay.py

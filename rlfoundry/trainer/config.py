@@ -344,8 +344,21 @@ def need_reference_policy(cfg: DictConfig) -> bool:
     return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
 
 
+# verl strategies whose engine is not built here: what the message says instead of "not one of"
+UNBUILT_STRATEGIES = {
+    "fsdp_turbo": "verl's FSDP-Turbo engine (Huawei's fsdp_turbo package: its own sharding, expert and Ulysses plans "
+                  "from fsdp_config.turbo_config) is not built here; strategy=fsdp trains on the FSDP2 engine "
+                  "(its Ulysses and offload keys are fsdp_config's and the role's own).",
+}
+
+
 def _check_choices(cfg: DictConfig) -> list[str]:
-    errors = typed.choice_errors(cfg, keys_of(PPOConfig))
+    errors = []
+    for error in typed.choice_errors(cfg, keys_of(PPOConfig)):
+        key, _, rest = error.partition("=")
+        value = rest.split(" is not one of", 1)[0].strip("'")
+        unbuilt = UNBUILT_STRATEGIES.get(value) if key.endswith(".strategy") else None
+        errors.append(f"{key}={value}: {unbuilt}" if unbuilt else error)
     for name in loggers(cfg):
         if name not in SUPPORTED_LOGGERS + IGNORED_LOGGERS:
             errors.append(f"trainer.logger entry {name!r} is not one of {list(SUPPORTED_LOGGERS)}.")
