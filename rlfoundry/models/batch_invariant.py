@@ -8,12 +8,16 @@ whole problem's shape (M rows included), attention sums keys in an order set by 
 multi-threaded reduction may split one output's sum across threads. Elementwise ops, gathers and
 rotary (a product of length 1) give each element the same bits wherever it sits. So:
 
-- every reduction here is ``row_sum``: a sum over the innermost contiguous dimension of an fp32
-  tensor. torch's CPU sum gives each output its own serial, vectorised pass whose order depends on
+- every reduction but the linear's is ``row_sum``: a sum over the innermost contiguous dimension of an
+  fp32 tensor. torch's CPU sum gives each output its own serial, vectorised pass whose order depends on
   the reduced length only (``TensorIteratorBase::parallel_reduce`` splits the outputs among threads,
   never one output's sum, except when there is a single output, which ``row_sum`` never leaves);
-- a linear layer is ``row_sum(x[..., None, :] * W)``: per output element a length-K reduction,
-  whatever M is (rows are chunked to bound memory; chunking non-reduced dims changes nothing);
+- a linear layer is a GEMM whose every call has one shape, whatever M is: the rows in blocks of
+  ``GEMM_ROWS`` (the last one zero-padded), K and N zero-padded to multiples of ``GEMM_PAD``, aligned
+  buffers, MKL on one thread (``_gemm_rows``). That a row's bits then follow its own data alone is a
+  property of MKL's kernel on this CPU, measured rather than read off: tests/models/test_batch_invariant.py
+  holds it (every slot of a block, other neighbours, other row counts, thread counts 1-4). Without MKL
+  the linear is ``row_sum(x[..., None, :] * W)`` (M·N·K memory traffic);
 - attention takes, for each query, its valid keys (padding, causality and packing from the mask) in
   position order from the sequence's first key, in blocks of ``KEY_BLOCK`` slots combined one after
   another (a max over all valid scores first: a max is exact in any order). Blocks past the query hold
@@ -31,6 +35,9 @@ the trainer. Nothing changes for a model the conversion was not applied to.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import types
 from typing import Any
 
@@ -47,6 +54,8 @@ KEY_BLOCK = 16  # key slots per attention block
 _EXACT_ATTR = "_rlf_exact"
 # elements of one chunk's broadcast product (linear: rows x N x K, attention: queries x keys x head dim)
 _CHUNK_ELEMENTS = 1 << 20
+GEMM_ROWS = 64  # rows per GEMM block of the exact linear: every MKL call has this many
+GEMM_PAD = 16  # K and N of the exact linear's GEMM calls are padded to multiples of this
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -69,19 +78,84 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.result_type(*tensors) if len(tensors) > 1 else tensors[0].dtype
 
 
-class _RowProducts(torch.autograd.Function):
+def _mkl_threads_local():
+    """MKL's per-thread thread count setter (``MKL_Set_Num_Threads_Local``, the C interface; the lower-case
+    symbol is the Fortran one, which takes a pointer), or None where torch is not built with MKL."""
+    if not torch.backends.mkl.is_available():
+        return None
+    for lib in (os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"), None):  # static, shared MKL
+        try:
+            setter = ctypes.CDLL(lib).MKL_Set_Num_Threads_Local
+        except (OSError, AttributeError):
+            continue
+        setter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+        return setter
+    return None
+
+
+_SET_MKL_THREADS = _mkl_threads_local()
+
+
+@contextlib.contextmanager
+def _one_mkl_thread():
+    """MKL on one thread for the calling thread only, restored after. With several threads MKL splits
+    the N outputs among them and computes a split's last columns with another kernel: the column's
+    bits then follow the thread count (measured in one block without the padding: N = 24 or 33 with 3
+    threads, N = 100 with 4; with the padding none was seen, but the split stays MKL's choice)."""
+    previous = _SET_MKL_THREADS(1)
+    try:
+        yield
+    finally:
+        _SET_MKL_THREADS(previous)
+
+
+def _aligned(t: torch.Tensor, rows: int = 0, cols: int = 0) -> torch.Tensor:
+    """``t`` (R, C) fp32 in a fresh 64-byte-aligned buffer (torch's CPU allocator) with ``rows`` zero
+    rows and ``cols`` zero columns appended; ``t`` itself where it already is that buffer."""
+    if not rows and not cols and t.is_contiguous() and t.data_ptr() % 64 == 0:
+        return t
+    out = t.new_zeros(t.shape[0] + rows, t.shape[1] + cols)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _gemm_rows(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) @ w (N, K)^T in fp32 by GEMM calls of one shape, (GEMM_ROWS, K') x (K', N'), whatever
+    M is: rows padded with zero rows to a multiple of ``GEMM_ROWS``, K and N with zeros to multiples of
+    ``GEMM_PAD`` (added zero products leave every sum's value as it is), every block 64-byte aligned,
+    one MKL thread. MKL's kernel for one shape computes a row with the same k-order at any slot of its
+    block, beside any rows, in any number of blocks — except for K not a multiple of 4 with N < 12,
+    where a row's bits follow its slot (measured), hence the padding. tests/models/test_batch_invariant.py
+    holds these properties against this CPU's MKL."""
+    m, k = rows.shape
+    n = w.shape[0]
+    blocks = -(-m // GEMM_ROWS)
+    x = _aligned(rows, blocks * GEMM_ROWS - m, -k % GEMM_PAD)
+    wt = _aligned(w, -n % GEMM_PAD, -k % GEMM_PAD).t()
+    with _one_mkl_thread():
+        out = torch.bmm(x.view(blocks, GEMM_ROWS, x.shape[1]), wt.expand(blocks, *wt.shape))
+    return out.reshape(blocks * GEMM_ROWS, -1)[:m, :n]
+
+
+def _summed_rows(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """rows (M, K) @ w (N, K)^T in fp32, each output a length-K ``row_sum`` (rows chunked to bound the
-    broadcast product's memory). Only the forward's bits are exact mode's business: the backward is
-    the same function's gradient by two plain matmuls (the broadcast product's own backward would
-    cost M·N·K memory traffic twice more)."""
+    broadcast product's memory): the path where torch has no MKL, M·N·K memory traffic."""
+    step = max(1, _CHUNK_ELEMENTS // max(1, w.numel()))
+    return torch.cat([row_sum(rows[i: i + step, None, :] * w) for i in range(0, rows.shape[0], step)])
+
+
+class _RowProducts(torch.autograd.Function):
+    """rows (M, K) @ w (N, K)^T in fp32 with each row's bits independent of M and of the other rows
+    (``_gemm_rows`` on a CPU with MKL, else ``_summed_rows``). Only the forward's bits are exact mode's business:
+    the backward is the same function's gradient by two plain matmuls."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, w)
         if not rows.shape[0]:
             return rows.new_zeros((0, w.shape[0]))
-        step = max(1, _CHUNK_ELEMENTS // max(1, w.numel()))
-        return torch.cat([row_sum(rows[i: i + step, None, :] * w) for i in range(0, rows.shape[0], step)])
+        cpu_mkl = rows.device.type == "cpu" and _SET_MKL_THREADS is not None  # what the tests hold
+        return _gemm_rows(rows, w) if cpu_mkl else _summed_rows(rows, w)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,20 +212,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tens
     fp32, keys taken per query in position order and summed in blocks of ``KEY_BLOCK``."""
     b, h, c, d = q.shape
     tk = k.shape[2]
+    blocks = -(-tk // KEY_BLOCK)
+    slots = blocks * KEY_BLOCK
     scores = row_sum(q.unsqueeze(3) * k.unsqueeze(2)) * scaling  # (b, h, c, tk)
     valid = valid.expand(b, 1, c, tk)
-    # each query's valid keys first, in position order (a stable sort on the "invalid" flag)
-    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
+    # each query's valid keys first, in position order (a stable sort on the "invalid" flag); the slots
+    # past tk that fill the last block read key 0, weighted by exp(-inf) = 0
+    order = F.pad(torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices, (0, slots - tk))
     count = valid.sum(-1, keepdim=True)  # (b, 1, c, 1)
-    slot_valid = torch.arange(tk, device=q.device) < count
-    scores = scores.gather(-1, order.expand(b, h, c, tk)).masked_fill(~slot_valid, float("-inf"))
+    slot_valid = torch.arange(slots, device=q.device) < count
+    scores = scores.gather(-1, order.expand(b, h, c, slots)).masked_fill(~slot_valid, float("-inf"))
     peak = scores.amax(-1, keepdim=True).masked_fill(count == 0, 0.0)
-    p = torch.exp(scores - peak)  # exact zeros at invalid slots
-    values = v.unsqueeze(2).expand(b, h, c, tk, d).gather(3, order.unsqueeze(-1).expand(b, h, c, tk, d))
-    blocks = -(-tk // KEY_BLOCK)
-    pad = blocks * KEY_BLOCK - tk
-    p = F.pad(p, (0, pad)).reshape(b, h, c, blocks, KEY_BLOCK)
-    values_t = F.pad(values.transpose(-1, -2), (0, pad)).reshape(b, h, c, d, blocks, KEY_BLOCK)
+    p = torch.exp(scores - peak).view(b, h, c, blocks, KEY_BLOCK)  # exact zeros at invalid slots
+    # values gathered straight into (b, h, c, d, slots): slots innermost, as row_sum wants them
+    values_t = v.transpose(-1, -2).unsqueeze(2).expand(b, h, c, d, tk).gather(
+        -1, order.unsqueeze(3).expand(b, h, c, d, slots)).view(b, h, c, d, blocks, KEY_BLOCK)
     block_mass = row_sum(p)  # (b, h, c, blocks)
     block_out = row_sum(p.unsqueeze(3) * values_t)  # (b, h, c, d, blocks)
     mass, out = block_mass[..., 0], block_out[..., 0]

@@ -44,6 +44,56 @@ def test_a_linear_rows_output_is_the_same_in_any_batch(dtype):
         assert torch.equal(exact_linear(x[1:, lo:hi], w, bias), full[1:, lo:hi])
 
 
+# (K, N): the tiny policy's layers and head, odd sizes, and K not a multiple of 4 with N < 12, where MKL's
+# kernel gives a row other bits at another slot of its block unless K and N are padded (measured)
+_LINEAR_SHAPES = [(128, 128), (128, 64), (256, 128), (128, 260), (48, 33), (7, 5), (129, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n", _LINEAR_SHAPES)
+def test_a_linear_rows_bits_do_not_depend_on_its_slot_its_neighbours_or_the_row_count(k, n, dtype):
+    """Each of 8 rows, computed alone (M = 1), has the same bits at every slot of a GEMM block, beside
+    random rows, in M = 63, 64, 65 and 200 (the last block zero-padded or not, 1 to 4 blocks)."""
+    from rlfoundry.models.batch_invariant import GEMM_ROWS
+
+    g = _gen(k * 1000 + n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    rows = torch.randn(8, k, generator=g).to(dtype)
+    alone = torch.stack([exact_linear(rows[i: i + 1], w)[0] for i in range(8)])
+    assert torch.allclose(alone.float(), rows.float() @ w.float().t(), rtol=1e-2, atol=1e-2)
+    for m in (GEMM_ROWS - 1, GEMM_ROWS, GEMM_ROWS + 1, 200):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        slots = torch.randperm(m, generator=g)[:8]  # other slots of other blocks each time
+        x[slots] = rows
+        assert torch.equal(exact_linear(x, w)[slots], alone), m
+    for slot in range(GEMM_ROWS):  # every slot of one block, among other neighbours each time
+        x = torch.randn(GEMM_ROWS, k, generator=g).to(dtype)
+        x[slot] = rows[slot % 8]
+        assert torch.equal(exact_linear(x, w)[slot], alone[slot % 8]), slot
+
+
+@pytest.mark.parametrize("k,n", [(128, 24), (128, 33), (64, 40), (128, 100)])
+def test_a_linear_rows_bits_do_not_depend_on_the_thread_count(k, n):
+    """The rollout and the trainer may run in processes with other thread counts. A plain MKL GEMM of these
+    shapes gives the last columns other bits with 3 or 4 threads (it splits N among them in a single block); the exact
+    linear pins MKL to one thread inside the op. The input an unaligned view, as an activation may be."""
+    g = _gen(k + n)
+    w = torch.randn(n, k, generator=g)
+    for m in (40, 192):  # one GEMM block (MKL splits N among threads), three (it splits the blocks)
+        x = torch.randn(m + 1, k, generator=g)[1:]  # storage offset: one element
+        threads = torch.get_num_threads()
+        try:
+            outs = []
+            for count in (1, 2, 3, 4):
+                torch.set_num_threads(count)
+                outs.append(exact_linear(x, w))
+        finally:
+            torch.set_num_threads(threads)
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0]), m
+        assert torch.equal(outs[0][5:6], exact_linear(x[5:6].clone(), w))
+
+
 def test_under_autocast_a_linear_rounds_as_a_bf16_copy_of_its_weights_computes():
     w = torch.randn(16, 24, generator=_gen(4))
     x = torch.randn(5, 24, generator=_gen(5))
