@@ -123,8 +123,10 @@ class _Pass:
         gqa = self.hq != self.hkv
         out_p = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=self.prompt_attn_mask, scale=scaling,
                                                enable_gqa=gqa)
-        keys = torch.cat([kp[self.group], kr], dim=2)
-        values = torch.cat([vp[self.group], vr], dim=2)
+        # index_select, not kp[group]: its backward adds a group's rows in row order, indexing's with
+        # parallel atomic adds, in an order that changes from run to run (engines/fsdp/forward.py, _gather_rows)
+        keys = torch.cat([kp.index_select(0, self.group), kr], dim=2)
+        values = torch.cat([vp.index_select(0, self.group), vr], dim=2)
         out_r = F.scaled_dot_product_attention(qr, keys, values, attn_mask=self.response_attn_mask, scale=scaling,
                                                enable_gqa=gqa)
         flat = [o.transpose(1, 2).reshape(-1, self.hq * self.d) for o in (out_p, out_r)]
@@ -163,8 +165,8 @@ def _forward(inner: nn.Module, prompt_ids, prompt_mask, prompt_pos, responses, r
     body = response_x.view(p.b, p.tr, -1)[:, :-1].reshape(-1, x.shape[-1])
     h = rms_norm(torch.cat([last, body]), inner.model.norm)
     logits = _linear(h, inner.lm_head.weight, getattr(inner.lm_head, "bias", None), onednn)
-    first, rest = logits.split([p.u, logits.shape[0] - p.u])
-    return torch.cat([first[group].unsqueeze(1), rest.view(p.b, p.tr - 1, -1)], dim=1)
+    first, rest = logits.split([p.u, logits.shape[0] - p.u])  # index_select: as for the keys in _Pass.attention
+    return torch.cat([first.index_select(0, group).unsqueeze(1), rest.view(p.b, p.tr - 1, -1)], dim=1)
 
 
 @contextlib.contextmanager

@@ -149,7 +149,8 @@ def shared_prompt_record(head: RouterRecord, tail: RouterRecord, group: torch.Te
 
     def rows(head_values: torch.Tensor, tail_values: torch.Tensor) -> torch.Tensor:
         width = head_values.shape[-1]
-        prompt = head_values.reshape(g, tp, width)[group]
+        # index_select, not [group]: its backward adds a prompt's rows in order (engines/fsdp/forward.py, _gather_rows)
+        prompt = head_values.reshape(g, tp, width).index_select(0, group)
         return torch.cat([prompt, tail_values.reshape(b, tr, width)], dim=1).reshape(b * (tp + tr), width)
 
     return RouterRecord((b, tp + tr), rows(head.logits, tail.logits), rows(head.indices, tail.indices))

@@ -44,7 +44,7 @@ def _logits_and_grads(model: nn.Module, batch: TensorDict, fused: bool):
     actor = _lm(model, fused)
     first, group = actor._prompt_groups(batch)
     model.zero_grad(set_to_none=True)
-    logits, _, _ = actor._shared_prompt_response_logits(batch, first, group)
+    logits, *_ = actor._shared_prompt_response_logits(batch, first, group)
     valid = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
     (logits[valid].logsumexp(-1) * torch.linspace(0.5, 1.5, int(valid.sum()))).sum().backward()
     return logits.detach()[valid], {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -154,3 +154,30 @@ def test_forward_is_restored_after_the_call_even_on_error():
                                            batch["position_ids"][first, :9], batch["responses"],
                                            batch["position_ids"][:, 9:], group + 100)
     assert "forward" not in vars(model)
+
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "hf"])
+def test_gradients_on_two_threads_are_bitwise_reproducible(fused):
+    """The calculator run's model (docs/on_policy.md, "Replay": a 4 x 128 Qwen2, 260 tokens) on two intra-op
+    threads. Each prompt's keys/values and first-token logits are gathered to its rows (135 x 260 = 35,100
+    logits: over torch's 32,768-element grain); 5 samples a prompt put a group across the threads' halves.
+    Through indexing, the backward added a group's rows with parallel atomic adds: sums in an order that
+    varied from pass to pass. Now in row order: equal to torch's deterministic mode, and pass to pass."""
+    model = _model("qwen2", vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    use_onednn_linear(model, "cpu")
+    batch = _batch(model.config.vocab_size, prompts=27, n=5, tp=32, tr=12)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [_logits_and_grads(model, batch, fused) for _ in range(2)]
+        torch.use_deterministic_algorithms(True)
+        runs.append(_logits_and_grads(model, batch, fused))
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+    for logits, grads in runs[1:]:
+        assert torch.equal(logits, runs[0][0])
+        differ = [k for k, g in grads.items() if not torch.equal(g, runs[0][1][k])]
+        assert not differ, differ

@@ -206,7 +206,7 @@ def test_fused_forward_runs_on_one_fsdp_unit_and_leaves_per_layer_units_to_hf(ti
         assert fused_forward.unsupported_reason(model, 20) is None
         actor = _lm(model, True)
         first, group = actor._prompt_groups(batch)
-        logits, _, _ = actor._shared_prompt_response_logits(batch, first, group)
+        logits, *_ = actor._shared_prompt_response_logits(batch, first, group)
         logits.square().mean().backward()
         grads[name] = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                        for k, p in model.named_parameters()}

@@ -267,13 +267,13 @@ class CausalLMForward:
         head_mask = _prepared_causal_mask(self.module, mask[first, :tp], pos[first, :tp], cache)
         head = self.module(input_ids=ids[first, :tp], attention_mask=head_mask, position_ids=pos[first, :tp],
                            **kv_cache_kwargs(self.module, cache), use_cache=True, logits_to_keep=1)
-        cache.batch_select_indices(group)  # differentiable gather: each row gets its prompt's keys/values
+        _gather_rows(cache, group)  # differentiable gather: each row gets its prompt's keys/values
         tail_mask = _prepared_causal_mask(self.module, mask, pos[:, tp:], cache)
         with self.continued_forward(self.module):
             tail = self._lm(F.pad(batch["responses"][:, 1:], (0, 1)), input_ids=batch["responses"],
                             attention_mask=tail_mask, position_ids=pos[:, tp:], **kv_cache_kwargs(self.module, cache),
                             use_cache=True, logits_to_keep=width)
-        first_logits = head.logits[group]
+        first_logits = head.logits.index_select(0, group)  # index_select: see _gather_rows
         if self.fused is not None:  # the first response token's columns from the head call's logits
             first = self._unfused(first_logits, batch["responses"][:, :1], dataclasses.replace(self._spec, entropy=True))
             first_logits = torch.stack([first[key] for key in COLUMNS if key in first], dim=-1)
@@ -628,6 +628,18 @@ def restore(values: torch.Tensor, order: list[list[int]] | None) -> torch.Tensor
 def plain_context(module: nn.Module) -> Iterator[None]:
     """The HF second call with FSDP2's hooks as they are (the reference path)."""
     yield
+
+
+def _gather_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Each cache layer's keys/values: row i becomes row ``rows[i]`` (HF's ``batch_select_indices``).
+
+    With index_select, not HF's indexing: indexing's backward (index_put_ with accumulate) adds the rows
+    that share a prompt with parallel atomic adds on the CPU (float, >= 32,768 elements, 2+ threads), in
+    an order that changes from run to run; index_select's (index_add_) adds them in row order, and is
+    faster (docs/on_policy.md, "Replay")."""
+    for layer in cache.layers:
+        if layer.get_seq_length() > 0:
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
 
 
 def _identity(values: torch.Tensor) -> torch.Tensor:
