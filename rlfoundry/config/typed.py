@@ -223,17 +223,22 @@ def _holds_list(hint: Any) -> bool:
     return typing.get_origin(hint) is list
 
 
-def _quoted_list(value: Any, info: KeyInfo | None, text: str) -> Any:
-    """``key='[0.9,0.95]'`` on a list key: the quotes reached the config (a shell quoting slip, as in verl's
-    Qwen3.5 SFT script), so the value is one string; read it as the list it spells, and say so."""
-    if not (isinstance(value, str) and value.startswith("[") and value.endswith("]")
-            and info is not None and _holds_list(info.type)):
-        return value
+def quoted_list(value: Any) -> list | None:
+    """The list a string such as ``'[0.9,0.95]'`` spells (an override's list whose quotes reached the
+    config, a shell quoting slip), parsed as an unquoted override would be; None for anything else."""
+    if not (isinstance(value, str) and value.startswith("[") and value.endswith("]")):
+        return None
     try:
         parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={value}"]))["v"]
     except OmegaConfBaseException:
-        return value
-    if not isinstance(parsed, list):
+        return None
+    return parsed if isinstance(parsed, list) else None
+
+
+def _quoted_list(value: Any, info: KeyInfo | None, text: str) -> Any:
+    """``key='[0.9,0.95]'`` on a list key (verl's Qwen3.5 SFT script): the list it spells, said."""
+    parsed = quoted_list(value) if info is not None and _holds_list(info.type) else None
+    if parsed is None:
         return value
     warnings.warn(f"'{text}': the value is one quoted string; read as the list {parsed} (unquoted it is one).",
                   stacklevel=5)

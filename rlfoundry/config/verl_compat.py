@@ -25,7 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from rlfoundry.config.schema import LR_SCHEDULES, TORCH_PROFILER_TOOLS
-from rlfoundry.config.typed import ConfigError
+from rlfoundry.config.typed import ConfigError, quoted_list
 from rlfoundry.utils.tracking import VERL_ONLY_BACKENDS
 
 __all__ = [
@@ -263,10 +263,10 @@ def _adopt_quoted_logger_list(cfg: DictConfig) -> None:
     three of verl's August fully-async scripts), which verl's tracker refuses as one unknown back end. Read
     as the list it spells, and said, so the run logs where the script meant it to."""
     value = cfg.trainer.logger
-    if not (isinstance(value, str) and value.startswith("[") and value.endswith("]")):
+    names = quoted_list(value)  # the key takes a name or a list, so typed's list-key reading does not reach it
+    if names is None:
         return
-    names = [x.strip().strip("'\"").strip() for x in value[1:-1].split(",")]
-    names = [x for x in names if x]
+    names = [str(x) for x in names]
     warnings.warn(f"trainer.logger={value!r} is one string (the list was quoted); read as the list {names} "
                   f"(verl would refuse it: write trainer.logger=[{','.join(names)}]).", stacklevel=4)
     cfg.trainer.logger = names
