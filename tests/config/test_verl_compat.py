@@ -580,7 +580,7 @@ def test_rollout_is_threshold_icepop_string():
     assert "bounds must be > 0 (and lower <= upper)" in _error(f"{key}.rollout_is=token", f"{key}.rollout_is_threshold='4_0.5'")
 
 
-def test_megatron_expert_tensor_parallel_size_like_the_tensor_parallelism_or_1_is_accepted_and_other_is_named(tiny_moe_dir):
+def test_megatron_expert_tensor_parallel_size_dividing_the_tensor_parallelism_is_accepted_other_is_named(tiny_moe_dir):
     base = ("actor_rollout_ref.actor.strategy=megatron", f"actor_rollout_ref.model.path={tiny_moe_dir}",
             "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
     _load(*base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
@@ -589,9 +589,16 @@ def test_megatron_expert_tensor_parallel_size_like_the_tensor_parallelism_or_1_i
     tp2 = [f"actor_rollout_ref.{r}.megatron.tensor_model_parallel_size=2" for r in ("actor", "ref")]
     _load(*base, *tp2, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
           "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=1")
+    # each expert over a pair of the four tensor-parallel ranks
+    tp4 = [f"actor_rollout_ref.{r}.megatron.tensor_model_parallel_size=4" for r in ("actor", "ref")]
+    _load(*base, *tp4, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2",
+          "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=2")
     error = _error(*base, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4")
-    assert ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4: the experts are either split like the "
-            "dense layers (null or tensor_model_parallel_size=1) or whole on each rank (1)") in error
+    assert ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4 does not divide "
+            "tensor_model_parallel_size=1: each expert is split over a part of a tensor-parallel group here "
+            "(one of [1], or null: 1)") in error
+    assert "expert_tensor_parallel_size=3 does not divide tensor_model_parallel_size=4" in _error(
+        *base, *tp4, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=3")
     # the experts' groups must fit the ranks too
     assert "expert × expert tensor × pipeline parallel = 8 does not divide the 4 ranks" in _error(
         *base, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",

@@ -24,6 +24,15 @@ pytest.importorskip("mbridge")
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]  # every test compares Megatron with FSDP or HF (#51)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_4kv_dir(tmp_path_factory):
+    """The tiny Qwen3-MoE with 4 key-value heads: megatron-core splits the attention's key-value heads over
+    the tensor-parallel ranks without replicating them, so TP=4 needs 4 of them (the shared model has 2)."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe-4kv"), arch="qwen3_moe", num_kv_heads=4)
+
+
 def _log_probs_and_export(rank: int, path: str, batch: dict):
     from rlfoundry.engines.megatron import bridge as mb
     from rlfoundry.engines.megatron.forward import response_logits, run_schedule, vocab_parallel_log_probs
@@ -31,6 +40,8 @@ def _log_probs_and_export(rank: int, path: str, batch: dict):
     bridge = mb.build_bridge(path, torch.float32)
     chunks = mb.build_model(bridge)
     mb.load_hf_weights(bridge, chunks, path)
+    for chunk in chunks:  # megatron-core's MoE layer refuses TP > 1 without sequence parallelism in training mode
+        chunk.eval()
 
     def outputs(logits, micro):
         log_probs, _, _ = vocab_parallel_log_probs(response_logits(logits, micro["responses"].shape[1]),
@@ -44,16 +55,19 @@ def _log_probs_and_export(rank: int, path: str, batch: dict):
             "weights": {k: v.clone() for k, v in mb.export_hf_weights(bridge, chunks)}}
 
 
-# CI time: one rank (EP=1) is heavy; EP=2 × DP=2 checks the same equality across the expert split
-@pytest.mark.parametrize("world, ep", [pytest.param(1, 1, marks=pytest.mark.heavy), (2, 2)])
-def test_log_probs_equal_hf_and_export_round_trips(tiny_moe_dir, tmp_path, world, ep):
+# CI time: one rank (EP=1) is heavy; EP=2 × DP=2 checks the same equality across the expert split. Heavy:
+# TP=4 with each expert split over a TP pair (expert_tensor_parallel_size=2), the export gathering the pair
+@pytest.mark.parametrize("world, ep, tp, etp", [pytest.param(1, 1, 1, None, marks=pytest.mark.heavy), (2, 2, 1, None),
+                                                 pytest.param(4, 1, 4, 2, marks=pytest.mark.heavy)],
+                         ids=["ep1", "ep2", "tp4-etp2"])
+def test_log_probs_equal_hf_and_export_round_trips(tiny_moe_dir, tiny_moe_4kv_dir, tmp_path, world, ep, tp, etp):
     from transformers import AutoModelForCausalLM
 
     from tests.engines.test_megatron_model import _batch, _hf_log_probs
 
-    path = str(tiny_moe_dir)
+    path = str(tiny_moe_4kv_dir if tp == 4 else tiny_moe_dir)
     batch = _batch()
-    results = run_ranks(_log_probs_and_export, world, tmp_path, ep=ep, args=(path, batch))
+    results = run_ranks(_log_probs_and_export, world, tmp_path, ep=ep, tp=tp, etp=etp, args=(path, batch))
     expected = _hf_log_probs(path, batch)[0]
     real = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()
     hf = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters()}
@@ -143,6 +157,17 @@ def test_actor_update_at_tp2_ep2_with_whole_experts_equals_fsdp(tiny_moe_dir, tm
     _check_update_equals_fsdp(str(tiny_moe_dir), tmp_path, ep=2, tp=2, etp=1, world=4, distributed_optimizer=True)
 
 
+@pytest.mark.heavy  # 4 ranks
+@pytest.mark.parametrize("ep", [1, 2])
+def test_actor_update_at_tp4_with_experts_split_over_tp_pairs_equals_fsdp(tiny_moe_4kv_dir, tmp_path, ep):
+    """TP=4 with expert_tensor_parallel_size=2: the attention is split over the four ranks, each expert
+    over a pair of them (ranks 0-1 and 2-3, megatron-core's layout), which gathers its two sequence
+    slices for it. EP=1: the two pairs' copies of an expert half see different tokens, so their
+    gradients are summed over ranks {0, 2} and {1, 3} (expert data parallelism 2, dense 1). EP=2: each
+    pair holds 4 of the experts, the tokens of all four slices travel to them (expert data parallelism 1)."""
+    _check_update_equals_fsdp(str(tiny_moe_4kv_dir), tmp_path, ep=ep, tp=4, etp=2, world=4, distributed_optimizer=True)
+
+
 def _check_update_equals_fsdp(model_dir: str, tmp_path, ep: int, tp: int, distributed_optimizer: bool,
                               world: int = 2, etp: int | None = None) -> None:
     from tests.engines.test_megatron_engine import ROWS, _scored_batch
@@ -182,8 +207,9 @@ def _hf_parameters(model_dir: str) -> dict[str, torch.Tensor]:
     (["{r}.megatron.expert_model_parallel_size=3"], "expert_model_parallel_size=3 does not divide the model's 8 experts"),
     (["{r}.megatron.expert_model_parallel_size=2", "{r}.megatron.tensor_model_parallel_size=2",
       "{r}.megatron.expert_tensor_parallel_size=1"], None),
+    (["{r}.megatron.tensor_model_parallel_size=4", "{r}.megatron.expert_tensor_parallel_size=2"], None),
     (["{r}.megatron.expert_model_parallel_size=2", "{r}.megatron.expert_tensor_parallel_size=2"],
-     "expert_tensor_parallel_size=2: the experts are either split like the dense layers"),
+     "expert_tensor_parallel_size=2 does not divide tensor_model_parallel_size=1"),
     (["{r}.megatron.expert_model_parallel_size=2", "+{r}.megatron.override_transformer_config.moe_token_dispatcher_type=allgather"],
      "allgather dispatcher needs every micro-batch the same length"),
     (["+{r}.megatron.override_transformer_config.moe_token_dispatcher_type=a2a"],
@@ -201,7 +227,7 @@ def test_start_up_checks_name_the_expert_layout_key(tiny_moe_dir, overrides, mes
             *(o.format(r=r) for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref") for o in overrides)]
     if message is None:
         loaded = load_config(argv).actor_rollout_ref.actor.megatron
-        assert (loaded.expert_model_parallel_size, loaded.expert_tensor_parallel_size) in ((4, None), (2, 1))
+        assert (loaded.expert_model_parallel_size, loaded.expert_tensor_parallel_size) in ((4, None), (2, 1), (1, 2))
         return
     with pytest.raises(ConfigError) as e:
         load_config(argv)
@@ -305,7 +331,7 @@ def test_an_moe_family_not_built_here_is_a_start_up_error(tmp_path):
     assert "critic.megatron: the model is a qwen2_moe mixture of experts" in problem and "strategy=fsdp" in problem
 
 
-def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, etp: int | None):
+def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, ep: int, etp: int | None):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -316,12 +342,13 @@ def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, etp: 
     cfg = _actor_config(model_dir)
 
     def actor():
-        megatron = MegatronConfig(expert_model_parallel_size=2, dtype="float32", use_distributed_optimizer=True,
+        megatron = MegatronConfig(expert_model_parallel_size=ep, dtype="float32", use_distributed_optimizer=True,
                                   tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp)
         engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip), "cpu")
-        return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // 2, MICRO))
+        return DataParallelPPOActor(cfg, engine, ActorBatchSizes(MINI // dp, MICRO))
 
-    mine = data.chunk(2)[ps.get_data_parallel_rank()]
+    dp = ps.get_data_parallel_world_size()
+    mine = data.chunk(dp)[ps.get_data_parallel_rank()]
     first = actor()
     first.update_policy(mine)
     first.engine.step_lr_scheduler()
@@ -333,19 +360,23 @@ def _save_then_resume(rank: int, model_dir: str, data, ckpt: str, tp: int, etp: 
     return dict(first.engine.iter_hf_weights()), dict(resumed.engine.iter_hf_weights())
 
 
-@pytest.mark.parametrize("world, tp, etp", [(2, 1, None), pytest.param(4, 2, None, marks=pytest.mark.heavy),
-                                             pytest.param(4, 2, 1, marks=pytest.mark.heavy)],
-                         ids=["ep2", "tp2-ep2", "tp2-ep2-etp1"])
-def test_resume_at_ep2_takes_exactly_the_next_update(tiny_moe_dir, tmp_path, world, tp, etp):
+@pytest.mark.parametrize("world, tp, ep, etp", [(2, 1, 2, None), pytest.param(4, 2, 2, None, marks=pytest.mark.heavy),
+                                                 pytest.param(4, 2, 2, 1, marks=pytest.mark.heavy),
+                                                 pytest.param(4, 4, 1, 2, marks=pytest.mark.heavy)],
+                         ids=["ep2", "tp2-ep2", "tp2-ep2-etp1", "tp4-etp2"])
+def test_moe_resume_takes_exactly_the_next_update(tiny_moe_dir, tiny_moe_4kv_dir, tmp_path, world, tp, ep, etp):
     """A checkpoint at EP=2 × DP=2 with the distributed optimiser (the experts' Adam state in an optimiser
     of its own, sharded over the expert data-parallel ranks): the resumed engine's next update gives the
     uninterrupted engine's weights, bit for bit. Heavy: the same at TP=2 × EP=2 on 4 ranks, the experts
-    split over the TP pair or whole (expert_tensor_parallel_size=1; the layout records both)."""
+    split over the TP pair or whole (expert_tensor_parallel_size=1; the layout records both), and at
+    TP=4 with each expert split over a TP pair (expert_tensor_parallel_size=2, EP=1: the experts' state
+    sharded over ranks {0, 2} and {1, 3})."""
     from tests.engines.test_megatron_engine import _scored_batch
 
-    model_dir = str(tiny_moe_dir)
-    for uninterrupted, resumed in run_ranks(_save_then_resume, world, tmp_path, tp=tp, ep=2, etp=etp,
-                                            args=(model_dir, _scored_batch(model_dir), str(tmp_path / "ckpt"), tp, etp)):
+    model_dir = str(tiny_moe_4kv_dir if tp == 4 else tiny_moe_dir)
+    for uninterrupted, resumed in run_ranks(_save_then_resume, world, tmp_path, tp=tp, ep=ep, etp=etp,
+                                            args=(model_dir, _scored_batch(model_dir), str(tmp_path / "ckpt"), tp, ep,
+                                                  etp)):
         assert set(resumed) == set(uninterrupted)
         for name, tensor in uninterrupted.items():
             assert torch.equal(resumed[name], tensor), name

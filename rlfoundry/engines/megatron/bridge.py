@@ -98,8 +98,8 @@ def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_confi
         cls = _local_spec_bridge(cls)
         if moe.is_moe(hf_config):  # experts as megatron-core's SequentialMLP, not mbridge's grouped names
             cls = moe.sequential_experts_bridge(cls)
-    if moe.is_moe(hf_config):  # expert_tensor_parallel_size=1 at TP > 1 (moe.py)
-        cls = moe.whole_experts_bridge(cls)
+    if moe.is_moe(hf_config):  # expert_tensor_parallel_size < TP (moe.py)
+        cls = moe.expert_tensor_parallel_bridge(cls)
     bridge = cls(hf_config, dtype=dtype)
     # perform_initialization stays on: megatron-core marks tensor-parallel weights (which dimension
     # is split) inside its initialisers, and the exporter, the gradient norm and the optimiser read the marks

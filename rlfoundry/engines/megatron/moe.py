@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILT_FAMILIES", "fuse_experts", "is_moe", "layout_problems", "mark_expert_parameters", "moe_overrides",
-           "replay_problems", "sequential_experts_bridge", "whole_experts_bridge"]
+__all__ = ["BUILT_FAMILIES", "expert_tensor_parallel_bridge", "fuse_experts", "is_moe", "layout_problems",
+           "mark_expert_parameters", "moe_overrides", "replay_problems", "sequential_experts_bridge"]
 
 # SequentialMLP's expert e (local to this expert-parallel rank) -> mbridge's (grouped-GEMM) name for it
 _SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -91,10 +91,15 @@ def layout_problems(key: str, hf_config: Any, megatron: Any, on_cpu: bool | None
     if hf_config.num_experts % ep:
         errors.append(f"{key}.expert_model_parallel_size={ep} does not divide the model's {hf_config.num_experts} "
                       "experts; each expert-parallel rank holds the same number of them.")
-    if etp is not None and etp not in (1, megatron.tensor_model_parallel_size):
-        errors.append(f"{key}.expert_tensor_parallel_size={etp}: the experts are either split like the dense layers "
-                      f"(null or tensor_model_parallel_size={megatron.tensor_model_parallel_size}) or whole on each "
-                      "rank (1); another split is not built (docs/moe.md).")
+    tp = megatron.tensor_model_parallel_size
+    if etp is not None and tp % etp:
+        # megatron-core lays an expert tensor-parallel group inside a tensor-parallel one only when ETP
+        # divides TP (both innermost in its rank order); the export at EP = 1 relies on that
+        # (expert_tensor_parallel_bridge), and nothing here was run with another layout
+        errors.append(f"{key}.expert_tensor_parallel_size={etp} does not divide tensor_model_parallel_size={tp}: "
+                      f"each expert is split over a part of a tensor-parallel group here (one of "
+                      f"{[d for d in range(1, tp + 1) if tp % d == 0]}, or null: {tp}); experts split across "
+                      "tensor-parallel groups are not built (docs/moe.md).")
     if trains and megatron.tensor_model_parallel_size > 1 and not megatron.sequence_parallel:
         # MoELayer.forward raises in training when TP > 1 runs without sequence parallelism
         errors.append(f"{key}.sequence_parallel=False at tensor_model_parallel_size="
@@ -170,10 +175,11 @@ def mark_expert_parameters(chunk: torch.nn.Module) -> None:
     their data-parallel ranks are not the dense layers'.
 
     megatron-core flags them only at EP > 1 (``ColumnParallelLinear``: ``allreduce = not (is_expert and
-    expert_parallel)``); at EP = 1 its DDP reduces them over the dense data-parallel group. With experts
-    whole on the tensor-parallel ranks (``expert_tensor_parallel_size`` < TP) each of those ranks runs
-    its own sequence slice through every expert, so their gradients must also be summed over the
-    tensor-parallel ranks, which the expert data-parallel group holds and the dense one does not."""
+    expert_parallel)``); at EP = 1 its DDP reduces them over the dense data-parallel group. With
+    ``expert_tensor_parallel_size`` < TP each expert tensor-parallel group runs only its own ranks'
+    sequence slices through its experts (whole experts: each rank its own slice), so the gradients of
+    the TP/ETP copies of an expert part must also be summed, over ranks of one tensor-parallel group,
+    which the expert data-parallel group holds and the dense one does not."""
     from megatron.core import parallel_state as ps
 
     if ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size():
@@ -231,20 +237,23 @@ def sequential_experts_bridge(cls: type) -> type:
     return SequentialExpertsBridge
 
 
-def whole_experts_bridge(cls: type) -> type:
-    """``cls`` (an mbridge MoE bridge) exporting experts that are whole on every rank
-    (``expert_tensor_parallel_size=1``) at TP > 1. mbridge gathers an expert over the expert groups at
-    EP > 1, but over the tensor-parallel group at EP = 1, and then expects as many parts as expert
-    tensor-parallel ranks: with whole experts the TP parts are copies of the one expert, the first is it."""
+def expert_tensor_parallel_bridge(cls: type) -> type:
+    """``cls`` (an mbridge MoE bridge) exporting experts split over fewer ranks than the dense layers
+    (``expert_tensor_parallel_size`` < TP; whole experts at 1). mbridge gathers an expert over the
+    expert groups at EP > 1, but over the tensor-parallel group at EP = 1, and then expects as many
+    parts as expert tensor-parallel ranks. megatron-core lays each expert tensor-parallel group out as
+    consecutive ranks inside a tensor-parallel one (both innermost in its rank order, ETP dividing TP),
+    so the TP parts are the ETP parts TP / ETP times over: the first ETP of them are the expert."""
 
-    class WholeExpertsBridge(cls):
+    class ExpertTensorParallelBridge(cls):
         def _weight_merge_across_tp(self, name: str, weights: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
-            if ".mlp.experts.linear_fc" in name and self.mpu.etp_size == 1:
-                return weights[0]
+            if ".mlp.experts.linear_fc" in name:
+                weights = weights[:self.mpu.etp_size]
             return super()._weight_merge_across_tp(name, weights, param)
 
-    WholeExpertsBridge.__name__ = WholeExpertsBridge.__qualname__ = f"WholeExperts{cls.__name__}"
-    return WholeExpertsBridge
+    name = f"ExpertTensorParallel{cls.__name__}"
+    ExpertTensorParallelBridge.__name__ = ExpertTensorParallelBridge.__qualname__ = name
+    return ExpertTensorParallelBridge
 
 
 def _grouped_name(name: str, first_expert: int) -> str:
