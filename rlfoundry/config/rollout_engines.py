@@ -42,7 +42,7 @@ ROLLOUT_ENGINES = {
     "sglang": RolloutEngine(
         "rlfoundry.workers.rollout.sglang_rollout", "SGLangRollout", "sglang",
         "pip install sglang   (GPU; on a CPU-only machine: bash scripts/setup_sglang_cpu.sh, see docs/rollout.md)",
-        "rlfoundry's sglang engine does not pass SGLang's return_routed_experts through (not wired).",
+        None,  # SGLang's return_routed_experts (on the CPU with rlfoundry's SGLang plugin: sglang_plugin.py)
     ),
 }
 

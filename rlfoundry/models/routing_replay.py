@@ -29,8 +29,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["NO_EXPERT", "ROUTER_CLASSES", "RoutingReplay", "attach", "routers", "response_token_mask",
-           "routing_replay_of"]
+__all__ = ["NO_EXPERT", "ROUTER_CLASSES", "RoutingReplay", "attach", "engine_routes", "route_dtype", "routers",
+           "response_token_mask", "routing_replay_of"]
 
 # The routers whose forward returns (router_logits (N, E), weights (N, k), indices (N, k)).
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
@@ -233,12 +233,9 @@ class RolloutRouting:
         self.state = attach(model)
         self.rows, self.prompt_width, self.lead = rows, prompt_width, lead
         shape = (rows + slots, prompt_width + response_length, self.state.num_layers, self.state.top_k)
-        self.routes = torch.full(shape, NO_EXPERT, dtype=torch.int16 if self._small() else torch.long,
+        self.routes = torch.full(shape, NO_EXPERT, dtype=route_dtype(int(self.state.routers[0].num_experts)),
                                  device=device)
         self.state.record()
-
-    def _small(self) -> bool:
-        return int(self.state.routers[0].num_experts) < torch.iinfo(torch.int16).max
 
     def prefill(self, mask: torch.Tensor, n: int) -> None:
         """After the prompts' forward: (B, Tp - lead) ``mask`` of the prompt columns it ran (those after
@@ -264,3 +261,33 @@ class RolloutRouting:
 
     def abandon(self) -> None:
         self.state.off()
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The batch's ``routed_experts`` dtype: int16 where every expert index fits (a quarter of long's bytes
+    for a tensor of tokens × layers × k), else long."""
+    return torch.int16 if num_experts < torch.iinfo(torch.int16).max else torch.long
+
+
+def engine_routes(samples: list[torch.Tensor], prompt_mask: torch.Tensor, n: int, lengths: torch.Tensor,
+                  response_length: int, num_experts: int) -> torch.Tensor:
+    """A serving engine's per-sample routing laid out as ``RolloutRouting.finish`` lays out the HF engine's.
+
+    ``samples[i]`` (T_i, L, k): the experts of sample i's fed tokens in order, its prompt's real tokens
+    then each response token but the last (SGLang's ``routed_experts``: rows ``[0, seqlen - 1)``);
+    ``prompt_mask`` (B, Tp): the left-padded prompts' attention mask, sample i coming from prompt i // n;
+    ``lengths`` (B·n,) the response lengths. Returns (B·n, Tp + Tr, L, k), ``NO_EXPERT`` at padding and
+    past each response's last fed token. A sample whose row count is not its prompt's tokens plus its
+    length - 1 is an error: the tokens and their routing would be misaligned."""
+    rows, (_, prompt_width) = len(samples), prompt_mask.shape
+    layers, k = samples[0].shape[1:] if samples else (0, 0)
+    routes = torch.full((rows, prompt_width + response_length, layers, k), NO_EXPERT, dtype=route_dtype(num_experts))
+    for i, sample in enumerate(samples):
+        prompt = prompt_mask[i // n].bool()
+        real, fed = int(prompt.sum()), max(int(lengths[i]) - 1, 0)
+        if sample.shape[0] != real + fed:
+            raise RuntimeError(f"the engine returned the routing of {sample.shape[0]} tokens for sample {i}, whose "
+                               f"prompt has {real} tokens and response {int(lengths[i])}: expected {real + fed}")
+        routes[i, :prompt_width][prompt.cpu()] = sample[:real].to(routes.dtype)
+        routes[i, prompt_width: prompt_width + fed] = sample[real:].to(routes.dtype)
+    return routes

@@ -21,6 +21,8 @@ few elements; and checking only the first sync (a resume that reloads the initia
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -74,6 +76,31 @@ def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[st
     return {name: tensor_digest(t) for name, t in named_tensors}
 
 
+# --------------------------------------------------------------------------- the stream an engine loads
+
+def is_fused_experts(name: str, tensor: torch.Tensor) -> bool:
+    """transformers 5 keeps a MoE layer's experts fused in 3-D tensors (``mlp.experts.gate_up_proj`` (E, 2I, H),
+    ``down_proj`` (E, H, I)); vLLM's and SGLang's loaders read the checkpoint's per-expert names."""
+    return ".experts." in name and tensor.dim() == 3
+
+
+def checkpoint_named(model: Callable[[], torch.nn.Module], named_tensors: Iterable[tuple[str, torch.Tensor]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream under the checkpoint's names, as a serving engine's loader reads them: each fused expert
+    tensor as its experts' own tensors (``experts.{e}.gate_proj.weight`` …, views of it), by transformers'
+    own reversal of the load-time conversion (``revert_weight_conversion``, what ``save_pretrained`` writes);
+    every other tensor as it is. ``model()``: the HF model (its class and conversion mapping; a meta-device
+    copy will do), asked for at the first fused tensor. One tensor at a time: a fused tensor splits into
+    experts, it needs no other."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in named_tensors:
+        if is_fused_experts(name, tensor):
+            yield from revert_weight_conversion(model(), {name: tensor}).items()
+        else:
+            yield name, tensor
+
+
 # --------------------------------------------------------------------------- an engine's own module
 # Run inside an engine's process (vLLM's worker, SGLang's scheduler) on the engine's ``nn.Module``.
 
@@ -92,9 +119,10 @@ def checkpoint_part(layer: torch.nn.Module, name: str, tensor: torch.Tensor) -> 
 
 
 def module_layout(model: torch.nn.Module, loaded: Mapping[str, tuple[int, torch.dtype, int]] | None = None
-                  ) -> tuple[dict[str, torch.dtype], dict[str, list[str]], bool]:
-    """({engine parameter name: dtype}, the fused modules' parts, tied embeddings). ``loaded``: {name:
-    (digest, dtype, numel)} recorded as the loader wrote a parameter later processed into kernel form."""
+                  ) -> tuple[dict[str, torch.dtype], dict[str, list[str]], bool, dict[str, int]]:
+    """({engine parameter name: dtype}, the fused modules' parts, tied embeddings, the fused MoE tensors'
+    experts): ``FusedNames``'s arguments. ``loaded``: {name: (digest, dtype, numel)} recorded as the loader
+    wrote a parameter later processed into kernel form."""
     loaded = loaded or {}
     dtypes = {}
     for prefix, layer in model.named_modules():
@@ -103,7 +131,7 @@ def module_layout(model: torch.nn.Module, loaded: Mapping[str, tuple[int, torch.
             dtypes[full] = loaded[full][1] if full in loaded else param.dtype
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     packed = dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED)
-    return dtypes, {k: list(v) for k, v in packed.items()}, tied
+    return dtypes, {k: list(v) for k, v in packed.items()}, tied, fused_experts(model)
 
 
 def module_digests(model: torch.nn.Module, loaded: Mapping[str, tuple[int, torch.dtype, int]] | None = None
@@ -122,17 +150,46 @@ def module_digests(model: torch.nn.Module, loaded: Mapping[str, tuple[int, torch
     return out
 
 
+# an expert's checkpoint tensor and the fused MoE tensor of vLLM's and SGLang's ``FusedMoE`` holding it
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_MOE = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
+def _experts_root(name: str) -> str:
+    """``model.layers.0.mlp.experts`` of an engine's ``model.layers.0.mlp.experts[.routed_experts].w13_weight``:
+    where the checkpoint names that layer's experts."""
+    return name[: name.index(".experts") + len(".experts")]
+
+
+def fused_experts(model: torch.nn.Module) -> dict[str, int]:
+    """{engine parameter name: experts} of an engine's fused MoE tensors (``…experts.w13_weight``, dim 0 the
+    experts): what ``FusedNames.hf_dtypes`` needs to name their parts."""
+    return {name: int(param.shape[0]) for name, param in model.named_parameters()
+            if name.rpartition(".")[2] in _FUSED_MOE.values() and ".experts" in name and param.dim() == 3}
+
+
 class FusedNames:
     """The trainer's (HF) names against an engine that fuses tensors, from ``module_layout``'s answer."""
 
-    def __init__(self, dtypes: Mapping[str, torch.dtype], packed: Mapping[str, Iterable[str]], tied: bool):
+    def __init__(self, dtypes: Mapping[str, torch.dtype], packed: Mapping[str, Iterable[str]], tied: bool,
+                 experts: Mapping[str, int] | None = None):
         self.dtypes, self.packed, self.tied = dict(dtypes), {k: list(v) for k, v in packed.items()}, tied
+        self.experts = dict(experts or {})  # {fused MoE tensor: its experts}
+        # (the checkpoint's ``….experts``, w13/w2) -> the engine's tensor (vLLM: ``experts.routed_experts.w13_weight``)
+        self._fused_moe = {(_experts_root(name), name.rpartition(".")[2]): name for name in self.experts}
         self.fused = {part: module for module, parts in self.packed.items() for part in parts}
 
     def hf_dtypes(self) -> dict[str, torch.dtype]:
-        """{HF name: the engine's dtype}, a fused tensor's parts each under its own name."""
+        """{HF name: the engine's dtype}, a fused tensor's parts each under its own name (a fused MoE layer's
+        experts each under theirs, ``experts`` giving how many)."""
         out = {}
         for name, dtype in self.dtypes.items():
+            if name in self.experts:
+                fused = name.rpartition(".")[2]
+                projections = [proj for proj, into in _FUSED_MOE.items() if into == fused]
+                out.update({f"{_experts_root(name)}.{e}.{proj}.weight": dtype for e in range(self.experts[name])
+                            for proj in projections})
+                continue
             head, _, param = name.rpartition(".")
             prefix, _, module = head.rpartition(".")
             for part in self.packed.get(module, [module]):
@@ -140,10 +197,16 @@ class FusedNames:
         return out
 
     def engine_name(self, name: str) -> str | None:
-        """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj; a tied ``lm_head.weight`` -> None (the
-        engine's LM head is its embedding); any other name as it is."""
+        """q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, an expert's gate/up_proj -> its layer's
+        ``experts.w13_weight`` and down_proj -> ``experts.w2_weight`` (vLLM's and SGLang's fused MoE); a tied
+        ``lm_head.weight`` -> None (the engine's LM head is its embedding); any other name as it is."""
         if name in self.dtypes:
             return name
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            fused = self._fused_moe.get((expert["layer"], _FUSED_MOE[expert["proj"]]))
+            if fused is not None:
+                return fused
         head, _, param = name.rpartition(".")
         prefix, _, module = head.rpartition(".")
         if module in self.fused:

@@ -210,6 +210,46 @@ def test_an_update_reaches_the_engine_and_a_skipped_sync_is_caught(engine, group
     assert torch.equal(after.batch["responses"], _greedy(hf_engine, prompts).batch["responses"])
 
 
+_MOE_SYNC_SCRIPT = r"""
+import json, sys
+from rlfoundry.models.tiny import save_tiny_model
+from tests.workers import local_worker, make_prompts, worker_config
+from tests.workers.test_rollout_contract import ENGINES, TEXTS, TP, _engine_vs_actor
+from tests.workers.test_vllm_rollout import _training_batch
+
+if __name__ == "__main__":
+    engine = ENGINES[sys.argv[1]]
+    moe = save_tiny_model(sys.argv[2], arch="qwen3_moe", num_heads=2, num_kv_heads=1)  # head dim 32 (vLLM-CPU)
+    group = local_worker(worker_config(moe, list(engine.overrides)), role="actor_rollout")
+    rollout = group.worker.rollout
+    prompts = make_prompts(group.worker.tokenizer, TEXTS, max_prompt_length=TP)
+    result = {"pulls": rollout.pulls_weights(), "verify": group.worker.config.rollout.checkpoint_engine.verify,
+              "experts": sorted(n for n in rollout.weight_dtypes() if ".experts." in n),
+              "first": _engine_vs_actor(group, prompts), "syncs": rollout.syncs}
+    group.update_actor(_training_batch(group, prompts, seed=3))  # pulled and verified
+    result.update(after=_engine_vs_actor(group, prompts), synced=rollout.syncs - result["syncs"])
+    print("RESULT " + json.dumps(result))
+    rollout.shutdown()
+"""
+
+
+@pytest.mark.parametrize("engine", SERVING)
+def test_an_moe_policy_syncs_its_experts_and_verify_mode_checks_every_one(engine, tmp_path):
+    """The tiny Qwen3-MoE (transformers' fused 3-D experts) behind an engine started from random weights
+    (load_format=dummy_dtensor): only the sync (each expert under the checkpoint's names, which the engines'
+    loaders read) gives it the actor's experts; after an update the worker pulls again and verify mode (on by
+    default) compares every expert's digest folded into the engine's fused MoE tensors (w13/w2). Its own
+    process: vLLM builds an MoE model's expert-parallel groups only in a process whose first engine is MoE."""
+    script = tmp_path / "moe_sync.py"
+    script.write_text(_MOE_SYNC_SCRIPT)
+    stdout = _run_python([str(script), engine.name, str(tmp_path / "moe")])
+    result = json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["pulls"] and result["verify"]
+    # layers × experts × (gate, up, down), under the checkpoint's names
+    assert len(result["experts"]) == 2 * 8 * 3 and "model.layers.1.mlp.experts.7.down_proj.weight" in result["experts"]
+    assert result["first"] < engine.logp_tol and result["after"] < engine.logp_tol and result["synced"] == 1
+
+
 def test_verify_mode_catches_a_skipped_pull(engine, group, prompts, caplog):
     """``rollout.checkpoint_engine.verify`` (on by default) on the hybrid path: every engine that pulls the
     actor's weights (vLLM, SGLang) reports digests of its own weights, fails the update whose pull it

@@ -85,3 +85,23 @@ def test_the_recording_decode_step_still_traces_as_one_graph(moe, tiny_moe_dir, 
     out = _generate(traced, tokenizer)
     assert torch.equal(out["responses"], eager["responses"])
     assert torch.equal(out["routed_experts"], eager["routed_experts"])
+
+
+def test_a_serving_engines_routing_is_laid_out_as_the_hf_engines():
+    """``engine_routes`` (SGLang's per-sample routing, prompt tokens then each response token but its last):
+    two left-padded prompts, n = 2, hand-placed experts; L = 1, k = 2."""
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    lengths = torch.tensor([3, 1, 2, 0])
+    samples = [torch.tensor([[[10 * i + t, 10 * i + t + 1]] for t in range(n_fed)]) for i, n_fed in
+               enumerate([2 + 2, 2 + 0, 4 + 1, 4 + 0])]
+    routes = rr.engine_routes(samples, mask, 2, lengths, 3, num_experts=64)
+    assert routes.shape == (4, 7, 1, 2) and routes.dtype == torch.int16
+    expected = torch.full((4, 7), rr.NO_EXPERT)
+    expected[0, [2, 3, 4, 5]] = torch.tensor([0, 1, 2, 3])  # 2 prompt tokens, 2 fed response tokens of 3
+    expected[1, [2, 3]] = torch.tensor([10, 11])  # 1 response token: sampled, never fed
+    expected[2, [0, 1, 2, 3, 4]] = torch.tensor([20, 21, 22, 23, 24])
+    expected[3, [0, 1, 2, 3]] = torch.tensor([30, 31, 32, 33])
+    assert torch.equal(routes[..., 0, 0].long(), expected)
+    assert torch.equal(routes[..., 0, 1].long(), torch.where(expected >= 0, expected + 1, rr.NO_EXPERT))
+    with pytest.raises(RuntimeError, match="routing of 3 tokens for sample 0.*expected 4"):
+        rr.engine_routes([samples[0][:3], *samples[1:]], mask, 2, lengths, 3, num_experts=64)

@@ -81,3 +81,42 @@ def test_image_rows_become_sglang_processor_output_requests(tiny_vlm_dir):
     assert _VisionRequests.checkpoint_name("model.language_model.layers.1.mlp.up_proj.weight") == \
         "model.layers.1.mlp.up_proj.weight"
     assert _VisionRequests.checkpoint_name("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed here; run scripts/setup_sglang_cpu.sh then "
+                                            "scripts/test_sglang.sh")
+def test_sglang_returns_the_experts_a_full_forward_of_the_trainer_chooses(tiny_moe_dir, tokenizer):
+    """MoE routing replay with rollout.name=sglang (R3) on the tiny Qwen3-MoE in fp32: SGLang's routed experts,
+    laid out as the HF engine's ``routed_experts``, are set at exactly the fed tokens (real prompt tokens, each
+    response token but its last) and are the experts a full forward of the trainer's model picks there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlfoundry.models import routing_replay as rr
+    from rlfoundry.workers.rollout.sglang_rollout import SGLangRollout
+    from tests.workers import make_prompts, worker_config
+    from tests.workers.test_rollout_routing import EOS_THIRD, TEXTS, _teacher_forced_routing
+
+    cfg = worker_config(tiny_moe_dir, ["rollout.name=sglang", "rollout.dtype=float32", "rollout.response_length=10",
+                                       "rollout.enable_rollout_routing_replay=true", "rollout.max_num_seqs=16",
+                                       "rollout.load_format=auto"])
+    engine = SGLangRollout(None, cfg["rollout"], tokenizer.pad_token_id, tokenizer.eos_token_id,
+                           model_path=str(tiny_moe_dir))
+    try:
+        prompts = make_prompts(tokenizer, TEXTS)
+        prompts.meta_info.update(n=2, eos_token_id=EOS_THIRD)
+        batch = engine.generate_sequences(prompts).batch
+    finally:
+        engine.shutdown()
+    routed, (rows, seq) = batch["routed_experts"], batch["input_ids"].shape
+    assert routed.shape == (rows, seq, 2, 2) and routed.dtype == torch.int16
+    lengths = batch["response_mask"].sum(-1)
+    assert len(set(lengths.tolist())) > 2  # samples ended at different steps
+    fed = batch["attention_mask"].bool().clone()
+    fed[torch.arange(rows), seq - batch["responses"].shape[1] + lengths - 1] = False
+    assert bool((routed[fed] >= 0).all()) and bool((routed[~fed] == rr.NO_EXPERT).all())
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    own = _teacher_forced_routing(model, batch)
+    same = (routed.long().sort(-1).values == own.sort(-1).values).all(-1).all(-1)[fed]
+    assert float(same.float().mean()) == 1.0

@@ -135,8 +135,10 @@ class BaseRollout(ABC):
     def _weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> Iterable[tuple[str, torch.Tensor]]:
         """What ``sync_weights`` loads: ``named_tensors``, else the engine's ``weight_source()``, else its
         actor ``module``'s parameters gathered one at a time (collective under FSDP2)."""
+        from rlfoundry.workers.weight_sync import checkpoint_named
+
         if named_tensors is not None:
-            return named_tensors
+            return checkpoint_named(self._conversion_model, named_tensors)
         if getattr(self, "weight_source", None) is not None:
             pulled = self.weight_source()
         elif getattr(self, "module", None) is None:
@@ -145,7 +147,23 @@ class BaseRollout(ABC):
             from rlfoundry.engines.fsdp.utils import iter_full_parameters
 
             pulled = iter_full_parameters(self.module)
+        # verify mode records what the engine loads: the checkpoint's names
+        pulled = checkpoint_named(self._conversion_model, pulled)
         return pulled if self.weight_tap is None else self.weight_tap(pulled)
+
+    def _conversion_model(self) -> torch.nn.Module:
+        """The HF model whose load-time conversion ``weight_sync.checkpoint_named`` reverses: the actor's module,
+        else one on the meta device (no memory) from the engine's model directory, built once."""
+        module = getattr(self, "module", None)
+        if isinstance(module, torch.nn.Module):
+            return module
+        if getattr(self, "_meta_model", None) is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+            with torch.device("meta"):
+                self._meta_model = AutoModelForCausalLM.from_config(config, trust_remote_code=self.trust_remote_code)
+        return self._meta_model
 
     # set by the worker around a verified pull (``rollout.checkpoint_engine.verify``): wraps the stream a
     # pull loads (``DigestRecorder.wrap``), so what the engine took is recorded on its way in

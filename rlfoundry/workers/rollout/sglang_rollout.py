@@ -31,6 +31,8 @@ Config (``actor_rollout_ref.rollout``), verl's keys:
 | tensor_model_parallel_size | runs as 1: one engine per actor rank, as vLLM's (the config layer warns; an engine |
 |   | with ``tp_size`` > 1 would need GPUs its rank's worker cannot see) |
 | update_weights_bucket_megabytes | tensors per ``update_weights_from_tensor`` call |
+| enable_rollout_routing_replay | ``enable_return_routed_experts`` and, per request, ``return_routed_experts``: each
+|   | sample's experts (SGLang's ``meta_info["routed_experts"]``) become the batch's ``routed_experts`` (an MoE policy, R3) |
 | engine_kwargs.sglang.* | passed to ``sglang.Engine`` last (override everything above) |
 
 Sampling seeds: SGLang's CPU path has no per-request seed (only its deterministic mode, which the CPU
@@ -100,6 +102,9 @@ def build_engine_kwargs(config: Any, model_path: str, device_type: str, rank: in
         **({"cuda_graph_bs": list(config.cudagraph_capture_sizes)} if config.cudagraph_capture_sizes else {}),
         # verify mode's digests are computed in the scheduler process by this "loader" (SGLangRollout._report)
         "custom_weight_loader": [_REPORT_WEIGHTS],
+        # MoE routing replay: the scheduler keeps each token's experts (on the CPU its host buffer needs
+        # rlfoundry's SGLang plugin, sglang_plugin.py)
+        **({"enable_return_routed_experts": True} if config.enable_rollout_routing_replay else {}),
     }
     if hf_overrides:
         kwargs["json_model_override_args"] = json.dumps(dict(hf_overrides))
@@ -210,7 +215,10 @@ class SGLangRollout(BaseRollout):
         if not model_path:
             raise ValueError("SGLangRollout needs model_path (an HF directory) when the module does not carry one")
         sglang = _import_sglang()
+        self.model_path, self.trust_remote_code = str(model_path), trust_remote_code
         self._vision = _VisionRequests.of(module, model_path, trust_remote_code)
+        self._routing = (_RoutedExperts.of(model_path, trust_remote_code)
+                         if self.config.enable_rollout_routing_replay else None)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine_kwargs = build_engine_kwargs(self.config, str(model_path), self.device_type, rank, hf_overrides,
                                                  trust_remote_code)
@@ -335,7 +343,7 @@ class SGLangRollout(BaseRollout):
         if self._weight_layout is None:
             answer = self._report("layout")
             dtypes = {name: getattr(torch, dtype.removeprefix("torch.")) for name, dtype in answer["dtypes"].items()}
-            self._weight_layout = FusedNames(dtypes, answer["packed"], answer["tied"])
+            self._weight_layout = FusedNames(dtypes, answer["packed"], answer["tied"], answer["experts"])
         return self._weight_layout
 
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
@@ -395,12 +403,59 @@ class SGLangRollout(BaseRollout):
         self._resume()
         try:
             outputs = self.engine.generate(input_ids=req.rows, image_data=images, return_logprob=True,
-                                           sampling_params=sampling)
+                                           sampling_params=sampling, **({"return_routed_experts": True}
+                                                                        if self._routing is not None else {}))
         finally:
             self._host.restore()
         self._release()
         responses, log_probs, lengths = _collect(outputs, req.params.n, req.params.response_length, req.pad_id)
-        return assemble(prompts, req.params.n, responses, log_probs, lengths, req.position_ids)
+        out = assemble(prompts, req.params.n, responses, log_probs, lengths, req.position_ids)
+        if self._routing is not None:
+            out.batch["routed_experts"] = self._routing.routes(outputs, prompts.batch["attention_mask"], req.params.n,
+                                                               lengths, req.params.response_length)
+        return out
+
+
+class _RoutedExperts:
+    """SGLang's routed experts as the batch's ``routed_experts`` (the HF engine's layout, routing_replay.py).
+
+    SGLang returns, per sample, int32 ids (base64) of shape (prompt + response - 1, num_hidden_layers, k): every
+    decoder layer, its dense ones included; the trainer's routing has the MoE layers only, in order."""
+
+    def __init__(self, moe_layers: list[int], num_layers: int, top_k: int, num_experts: int):
+        self.moe_layers, self.num_layers, self.top_k, self.num_experts = moe_layers, num_layers, top_k, num_experts
+
+    @classmethod
+    def of(cls, model_path: str, trust_remote_code: bool) -> _RoutedExperts:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+        if not hasattr(config, "num_experts_per_tok") or not hasattr(config, "num_experts"):
+            raise ValueError(f"rollout.enable_rollout_routing_replay=true but {model_path} is not a mixture-of-experts "
+                             "model with routing replay (Qwen2-MoE, Qwen3-MoE: docs/moe.md)")
+        layers = int(config.num_hidden_layers)
+        # transformers' Qwen2/3-MoE rule for which decoder layers hold a sparse MLP
+        dense, step = set(getattr(config, "mlp_only_layers", None) or ()), int(getattr(config, "decoder_sparse_step", 1))
+        moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+        return cls(moe, layers, int(config.num_experts_per_tok), int(config.num_experts))
+
+    def routes(self, outputs: Sequence[dict[str, Any]], prompt_mask: torch.Tensor, n: int, lengths: torch.Tensor,
+               response_length: int) -> torch.Tensor:
+        import base64
+
+        import numpy as np
+
+        from rlfoundry.models.routing_replay import engine_routes
+
+        samples = []
+        for i, out in enumerate(outputs):
+            encoded = out["meta_info"].get("routed_experts")
+            if encoded is None:
+                raise RuntimeError(f"SGLang returned no routed experts for sample {i} (return_routed_experts was set)")
+            ids = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+            per_token = torch.from_numpy(ids.copy()).view(-1, self.num_layers, self.top_k)
+            samples.append(per_token[:, self.moe_layers])
+        return engine_routes(samples, prompt_mask.cpu(), n, lengths, response_length, self.num_experts)
 
 
 class _VisionRequests:
@@ -487,8 +542,9 @@ def _report_weights(model: nn.Module, named_tensors: list[tuple[str, torch.Tenso
                 mm_schedule.embedding_cache.clear()
             continue
         if what == "layout":
-            dtypes, packed, tied = module_layout(model)
-            answer: dict[str, Any] = {"dtypes": {k: str(v) for k, v in dtypes.items()}, "packed": packed, "tied": tied}
+            dtypes, packed, tied, experts = module_layout(model)
+            answer: dict[str, Any] = {"dtypes": {k: str(v) for k, v in dtypes.items()}, "packed": packed, "tied": tied,
+                                      "experts": experts}
         elif what == "digests":
             answer = {"digests": module_digests(model)}
         else:

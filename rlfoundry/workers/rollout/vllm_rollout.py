@@ -413,6 +413,22 @@ def _install_load_taps(model: nn.Module) -> None:
     setattr(model, _LOAD_DIGESTS, store)
 
 
+def _repack_cpu_experts(model: nn.Module) -> int:
+    """After a weight update on the CPU: pack each MoE layer's reloaded experts into the CPU kernel's layout.
+    vLLM 0.32 packs them only at the first load (``UnquantizedFusedMoEMethod._setup_kernel`` calls the
+    experts' ``process_weights_after_loading`` when ``moe_kernel`` is None); a reload copies the checkpoint
+    layout into the packed tensors and the kernel then reads it as packed (wrong experts' outputs). Returns
+    the layers repacked."""
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
+
+
 def _engine_layout(model: nn.Module) -> tuple[dict[str, torch.dtype], dict[str, list[str]], bool]:
     """``weight_sync.module_layout`` of the engine's model, dtypes as loaded (``_install_load_taps``)."""
     from rlfoundry.workers.weight_sync import module_layout
@@ -515,6 +531,7 @@ class VLLMRollout(BaseRollout):
         if not model_path:
             raise ValueError("VLLMRollout needs model_path (an HF directory) when the module does not carry one")
         vllm = _import_vllm()
+        self.model_path, self.trust_remote_code = str(model_path), trust_remote_code
         from transformers import AutoConfig
 
         hf_config = getattr(module, "config", None) or AutoConfig.from_pretrained(
@@ -612,6 +629,8 @@ class VLLMRollout(BaseRollout):
         weights = ((hf_parameter_name(name), tensor) for name, tensor in self._weights(named_tensors))
         self._wake_up(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.device_type == "cpu":
+            self.llm.apply_model(_repack_cpu_experts)
         self.llm.reset_prefix_cache()
         if self._vision is not None:  # the vision encoder's outputs kept by image (scheduler and runner sides)
             self.llm.llm_engine.reset_encoder_cache()
