@@ -773,13 +773,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "rlfoundry_commit": _rlfoundry_state(args.rlfoundry_rev),
                   "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                   **run_all(tree, scripts, Path(tmp) / "work", args)}
-    text = summarise(report)
+    print_and_write(summarise(report), report, args.out, args.summary)
+    return 0
+
+
+def print_and_write(text: str, report: dict[str, Any], out: Path | None, summary: Path | None) -> None:
+    """The summary printed; the JSON report and the summary written where asked (scripts/verl_plan_check.py too)."""
     print(text, end="")
-    for path, content in ((args.out, json.dumps(report, indent=1) + "\n"), (args.summary, text)):
+    for path, content in ((out, json.dumps(report, indent=1) + "\n"), (summary, text)):
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
-    return 0
 
 
 if __name__ == "__main__":

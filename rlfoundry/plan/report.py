@@ -80,7 +80,7 @@ def to_json(plan: Plan, fixes: list[Fix] | None = None) -> dict[str, Any]:
     return {
         "model": {"name": plan.model.name, **{k: plan.layout[k] for k in ("params_total", "params_active")}},
         "hardware": plan.hardware.__dict__, "layout": plan.layout,
-        "fits": plan.fits, "problems": plan.problems, "headroom_bytes": plan.headroom_bytes, "capacity_bytes": plan.capacity_bytes,
+        "fits": plan.fits, "verdict": verdict(plan), "problems": plan.problems, "headroom_bytes": plan.headroom_bytes, "capacity_bytes": plan.capacity_bytes,
         "worst": {"pool": pool.name, "rank": pool.rank_label, "phase": phase.name, "bytes": phase.total},
         "pools": [{"name": p.name, "ranks": p.ranks, "rank": p.rank_label,
                    "phases": [{"name": ph.name, "bytes": ph.total, "device": ph.device, "host": ph.host}

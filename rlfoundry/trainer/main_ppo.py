@@ -19,7 +19,7 @@ import os
 import random
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -524,11 +524,18 @@ def _import_external_lib(cfg: DictConfig) -> None:
 
 @dataclass(frozen=True)
 class Entry:
-    """What a verl entry module fixes (``rlfoundry/experimental``): its default ``--config-name`` and the
-    pipeline (``async_training.mode``), set under the user's overrides and over any config's."""
+    """What a verl entry module fixes (``rlfoundry/experimental``): its default ``--config-name``, the
+    pipeline (``async_training.mode``), set under the user's overrides and over any config's, and
+    ``spell``: the overrides rewritten as that module reads verl's keys (fully-async's validation period).
+    ``rlfoundry plan --entry MODULE`` applies the same, so a plan reads a command line as its module does."""
 
     config_name: str | None = None
     mode: str | None = None
+    spell: Callable[[Sequence[str]], list[str]] | None = None
+
+    def overrides(self, overrides: Sequence[str]) -> list[str]:
+        spelled = self.spell(overrides) if self.spell else list(overrides)
+        return [*([f"async_training.mode={self.mode}"] if self.mode else []), *spelled]
 
 
 def run(argv: Sequence[str], entry: Entry = Entry()) -> dict:
@@ -540,8 +547,7 @@ def run(argv: Sequence[str], entry: Entry = Entry()) -> dict:
     if "help-keys" in flags:
         print(_keys_help())
         return {}
-    if entry.mode is not None:
-        overrides = [f"async_training.mode={entry.mode}", *overrides]
+    overrides = entry.overrides(overrides)
     cfg = load_config(overrides, config_name=flags.get("config-name") or entry.config_name,
                       config_path=flags.get("config-path"))
     if flags.get("cfg"):

@@ -21,6 +21,29 @@ DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers
                    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280,
                    tie_word_embeddings=False)
 
+# The models verl's example command lines name most (scripts/verl_plan_check.py), from the same model cards'
+# config.json. Qwen2-7B, Qwen2.5-Math-7B and Qwen2.5-7B share one architecture (QWEN25_7B), as do Qwen2-72B and
+# Qwen2.5-72B; the small Qwen2.5 and Qwen3 models tie their embeddings.
+QWEN25_05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
+QWEN25_15B = dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)
+QWEN25_3B = dict(model_type="qwen2", hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+                 num_key_value_heads=2, intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)
+QWEN25_14B = dict(model_type="qwen2", hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
+                  num_key_value_heads=8, intermediate_size=13824, vocab_size=152064, tie_word_embeddings=False)
+QWEN3_06B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_4B = dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)
+QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False)
+# deepseek-ai/deepseek-llm-7b-base/-chat: Llama architecture, multi-head attention (DeepSeek LLM paper, table 2)
+DEEPSEEK_LLM_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=30, num_attention_heads=32,
+                       num_key_value_heads=32, intermediate_size=11008, vocab_size=102400, tie_word_embeddings=False)
+
 
 def write_config(directory, cfg: dict) -> str:
     """A model directory holding config.json alone (no weights, no tokenizer)."""

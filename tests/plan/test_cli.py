@@ -139,20 +139,10 @@ def test_every_packaged_config_is_planned(capsys, qwen7b, name):
 
 
 def _verl_plan_args(line: dict, model: str, tree: Path, home: Path) -> list[str]:
-    """A verl command line as ``rlfoundry plan`` arguments: the rlfoundry module's entry (its default
-    ``--config-name`` and ``async_training.mode``, under the line's own keys, as main_ppo.run applies
-    them), the model paths pointed at a config-only directory."""
-    import importlib
-
-    from rlfoundry.trainer.main_ppo import Entry
-
-    module = "rlfoundry." + line["module"].split(".", 1)[1]
-    entry = getattr(importlib.import_module(module), "ENTRY", Entry())
+    """A verl command line's arguments, the model paths pointed at a config-only directory (its module is
+    given to the plan as ``--entry``: its default config, pipeline and spellings)."""
     args = [a.replace("{home}", str(home)).replace("{tree}", str(tree)) for a in line["args"]]
-    args = [a.split("=", 1)[0] + "=" + model if a.startswith(MODEL_KEYS) else a for a in args]
-    named = any(a.startswith("--config-name") for a in args)
-    return [*(["--config-name", entry.config_name] if entry.config_name and not named else []),
-            *([f"async_training.mode={entry.mode}"] if entry.mode else []), *args]
+    return [a.split("=", 1)[0] + "=" + model if a.startswith(MODEL_KEYS) else a for a in args]
 
 
 MODEL_KEYS = ("actor_rollout_ref.model.path=", "critic.model.path=")
@@ -170,12 +160,13 @@ def test_verls_example_command_lines_are_planned(capsys, qwen7b, tmp_path, monke
         (tree / name).write_text(text)
     monkeypatch.chdir(tree / line["cwd"])
     args = _verl_plan_args(line, qwen7b, tree, tmp_path / "home")
-    code = cli(["plan", "--json", "--no-fixes", *args])
+    code = cli(["plan", "--json", "--no-fixes", "--entry", line["module"], *args])
     captured = capsys.readouterr()
-    if code == 2:  # refused: the same message as the trainer's own check of these arguments
+    if code == 2:  # refused: the same message as the module's own check of these arguments
+        from rlfoundry.plan.__main__ import entry_of
         from rlfoundry.trainer import main_ppo
 
-        assert main_ppo.main([*args, "--cfg", "job"]) == 2
+        assert main_ppo.main([*args, "--cfg", "job"], entry=entry_of(line["module"])) == 2
         assert captured.err.split(": ", 1)[1].strip() in capsys.readouterr().err
         return
     _assert_answered(code, json.loads(captured.out))
@@ -223,3 +214,34 @@ def test_vllm_weights_are_on_the_device_for_the_weight_sync_only(tmp_path, capsy
     assert phases["weight sync"]["rollout rollout weights"] == 2 * n
     assert phases["weight sync"]["actor weight export"] == 152064 * 3584 * 2
     assert "rollout rollout weights" not in phases["actor update"]
+
+
+FULLY_ASYNC = "verl.experimental.fully_async_policy.fully_async_main"
+
+
+def test_entry_reads_a_command_line_as_its_module_does(capsys, qwen7b):
+    """verl's fully-async main counts ``trainer.test_freq`` in weight syncs, as January's ``rollout.test_freq``
+    (``fully_async_main.verl_spellings``): verl's dapo_30b_a3b_base_math_fsdp.sh gives both, 25 syncs of 16
+    steps. The module accepts the line; ``--entry`` plans it as the module reads it, where main_ppo's reading
+    (trainer.test_freq=25 steps against 25 × 16 = 400) is a refusal."""
+    from rlfoundry.plan.__main__ import entry_of
+    from rlfoundry.trainer import main_ppo
+
+    args = [f"actor_rollout_ref.model.path={qwen7b}", "trainer.n_gpus_per_node=4", "rollout.nnodes=1",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "rollout.n_gpus_per_node=4", "async_training.trigger_parameter_sync_step=16", "trainer.test_freq=25",
+            "rollout.test_freq=25"]
+    assert main_ppo.main([*args, "--cfg", "job"], entry=entry_of(FULLY_ASYNC)) == 0
+    assert "test_freq: 400" in capsys.readouterr().out  # 25 syncs × 16 steps
+    code, out = _plan_json(capsys, "--no-fixes", "--entry", FULLY_ASYNC, *args)
+    _assert_answered(code, out)
+    assert out["layout"]["separate_rollout_pool"] is True  # the entry's pipeline: the rollout on its own pool
+    assert cli(["plan", "--no-fixes", "--config-name", "fully_async_ppo_trainer", "async_training.mode=fully_async",
+                *args]) == 2
+    assert "disagree" in capsys.readouterr().err
+
+
+def test_unknown_entry_is_a_message(capsys):
+    assert cli(["plan", "--entry", "verl.trainer.no_such_main"]) == 2
+    err = capsys.readouterr().err
+    assert "--entry verl.trainer.no_such_main" in err and FULLY_ASYNC in err and "Traceback" not in err

@@ -17,9 +17,6 @@ from collections.abc import Sequence
 
 from rlfoundry.trainer.main_ppo import Entry, main
 
-ENTRY = Entry(config_name="fully_async_ppo_trainer", mode="fully_async")
-
-
 def verl_spellings(argv: Sequence[str]) -> list[str]:
     """verl's August fully-async main reads ``trainer.test_freq`` in weight syncs, the meaning of
     January's ``rollout.test_freq``: spell it that way (the loader converts syncs to steps)."""
@@ -30,5 +27,7 @@ def verl_spellings(argv: Sequence[str]) -> list[str]:
     return out
 
 
+ENTRY = Entry(config_name="fully_async_ppo_trainer", mode="fully_async", spell=verl_spellings)
+
 if __name__ == "__main__":
-    sys.exit(main(verl_spellings(sys.argv[1:]), entry=ENTRY))
+    sys.exit(main(entry=ENTRY))
