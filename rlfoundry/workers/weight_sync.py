@@ -22,7 +22,6 @@ few elements; and checking only the first sync (a resume that reloads the initia
 from __future__ import annotations
 
 import re
-
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch

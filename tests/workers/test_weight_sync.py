@@ -75,6 +75,32 @@ def test_an_engine_that_fuses_is_compared_under_its_names_and_names_the_parts():
                         engine_name=engine_name)
 
 
+def test_fused_experts_go_out_under_the_checkpoints_names_and_fold_into_the_engines_fused_moe(tiny_moe_dir):
+    """transformers' fused 3-D experts leave as the per-expert tensors ``save_pretrained`` wrote (bit for bit,
+    every other tensor untouched); those names map to an engine's fused MoE tensor (vLLM's
+    ``experts.routed_experts.w13_weight``), their dtypes are listed under them, and their digests fold into it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlfoundry.workers.weight_sync import FusedNames, checkpoint_named, fold_digests
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    sent = dict(checkpoint_named(lambda: model, ((n, p.detach()) for n, p in model.named_parameters())))
+    saved = load_file(str(tiny_moe_dir / "model.safetensors"))
+    assert sent.keys() == saved.keys() and all(torch.equal(sent[k], saved[k]) for k in saved)
+    layer = "model.layers.0.mlp.experts"
+    engine = {f"{layer}.routed_experts.w13_weight": torch.float32, f"{layer}.routed_experts.w2_weight": torch.float32}
+    names = FusedNames(engine, {}, False, experts={name: 8 for name in engine})
+    assert names.engine_name(f"{layer}.5.up_proj.weight") == f"{layer}.routed_experts.w13_weight"
+    assert names.engine_name(f"{layer}.5.down_proj.weight") == f"{layer}.routed_experts.w2_weight"
+    assert len(names.hf_dtypes()) == 8 * 3 and f"{layer}.7.gate_proj.weight" in names.hf_dtypes()
+    ours = {k: tensor_digest(v) for k, v in sent.items() if k.startswith(layer + ".")}
+    w13 = torch.cat([torch.cat([sent[f"{layer}.{e}.gate_proj.weight"], sent[f"{layer}.{e}.up_proj.weight"]])
+                     for e in range(8)])
+    folded, _ = fold_digests(ours, names.engine_name)
+    assert folded[f"{layer}.routed_experts.w13_weight"] == tensor_digest(w13)
+
+
 # ---- the verify mode on a rollout that holds a copy ----------------------------------------------
 
 @pytest.fixture(scope="module")
