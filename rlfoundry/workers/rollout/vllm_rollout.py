@@ -424,6 +424,11 @@ def _repack_cpu_experts(model: nn.Module) -> int:
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            config = experts.moe_config
+            if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+                # the packing would pad an already padded reload again (its ``_pad_moe_intermediate``)
+                raise RuntimeError("vLLM's CPU MoE kernel pads this model's expert intermediate size; repacking "
+                                   "reloaded experts is built for sizes it does not pad (rollout.name=hf or sglang)")
             experts.process_weights_after_loading(layer)
             repacked += 1
     return repacked
