@@ -429,21 +429,34 @@ def _generalise(key: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".N", key)  # list indices: one cause whatever the position
 
 
-def check_in_process(module: str, argv: Sequence[str], cwd: Path, world_size: int | None) -> Result:
-    """``python -m MODULE ARGS --cfg job`` without a new interpreter: the module runs as ``__main__``
-    (runpy: its own ``if __name__ == "__main__"`` block, argument handling and loader), from ``cwd``
-    and with ``cwd`` first on ``sys.path`` as ``-m`` puts it (recipe.* classes import from there)."""
-    import runpy
-
-    out, err = io.StringIO(), io.StringIO()
-    saved = os.getcwd(), list(sys.argv), list(sys.path), os.environ.get("WORLD_SIZE")
+@contextlib.contextmanager
+def in_line_dir(cwd: Path, world_size: int | None):
+    """Where a command line runs: its directory, first on ``sys.path`` as ``-m`` puts it (recipe.* classes
+    import from there), with the launcher's ``WORLD_SIZE``; all restored after."""
+    saved = os.getcwd(), list(sys.path), os.environ.get("WORLD_SIZE")
     sys.path.insert(0, str(cwd))
     os.environ["WORLD_SIZE"] = str(world_size or 1)
     try:
         os.chdir(cwd)
+        yield
+    finally:
+        os.chdir(saved[0])
+        sys.path[:] = saved[1]
+        os.environ.pop("WORLD_SIZE") if saved[2] is None else os.environ.__setitem__("WORLD_SIZE", saved[2])
+
+
+def check_in_process(module: str, argv: Sequence[str], cwd: Path, world_size: int | None) -> Result:
+    """``python -m MODULE ARGS --cfg job`` without a new interpreter: the module runs as ``__main__``
+    (runpy: its own ``if __name__ == "__main__"`` block, argument handling and loader), from ``cwd``
+    (``in_line_dir``)."""
+    import runpy
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv = list(sys.argv)
+    try:
         sys.argv = [module, *argv, "--cfg", "job"]
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):
+        with in_line_dir(cwd, world_size), warnings.catch_warnings(record=True) as caught, \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             warnings.simplefilter("always")
             try:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -454,9 +467,7 @@ def check_in_process(module: str, argv: Sequence[str], cwd: Path, world_size: in
                 err.write(f"Traceback (most recent call last):\n{type(e).__name__}: {e}\n")
                 rc = 1
     finally:
-        os.chdir(saved[0])
-        sys.argv[:], sys.path[:] = saved[1], saved[2]
-        os.environ.pop("WORLD_SIZE") if saved[3] is None else os.environ.__setitem__("WORLD_SIZE", saved[3])
+        sys.argv[:] = saved_argv
     result = classify(rc, err.getvalue(), [str(w.message) for w in caught if _ours(w.filename)])
     return dataclasses.replace(result, stdout=out.getvalue())
 

@@ -117,21 +117,6 @@ def with_models(argv: Sequence[str], dirs: dict[str, str]) -> tuple[list[str], d
 # ═══════════════════════════════════════ planning ═══════════════════════════════════════
 
 
-@contextlib.contextmanager
-def in_line_dir(cwd: Path, world_size: int | None):
-    """Where the harness checked the line: its directory, first on ``sys.path`` (recipe classes)."""
-    saved = os.getcwd(), list(sys.path), os.environ.get("WORLD_SIZE")
-    sys.path.insert(0, str(cwd))
-    os.environ["WORLD_SIZE"] = str(world_size or 1)
-    try:
-        os.chdir(cwd)
-        yield
-    finally:
-        os.chdir(saved[0])
-        sys.path[:] = saved[1]
-        os.environ.pop("WORLD_SIZE") if saved[2] is None else os.environ.__setitem__("WORLD_SIZE", saved[2])
-
-
 def call(fn: Callable[[], int]) -> tuple[int | None, str, str, str]:
     """``fn()``'s exit status, stdout and stderr, and the traceback of any exception it raised
     (status None then): a planner that raises is a crash, not a refusal."""
@@ -155,7 +140,7 @@ def plan_line(row: dict[str, Any], tree: Path, dirs: dict[str, str], gpu: str, f
     argv = [a.replace("{tree}", str(tree)) for a in argv]
     module, cwd = row["rlfoundry_module"], tree / row["cwd"]
     flags = ["--json", "--gpu", gpu, "--entry", module, *([] if fixes else ["--no-fixes"])]
-    with in_line_dir(cwd, row.get("world_size")):
+    with _harness().in_line_dir(cwd, row.get("world_size")):
         code, out, err, tb = call(lambda: plan_main([*flags, *argv]))
     result = judge(code, out, err, tb, lambda: trainer_refusal(module, argv, cwd, row.get("world_size")))
     stand_in = any(m["planned"].startswith("stand-in") for m in models.values())
