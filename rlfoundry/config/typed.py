@@ -245,6 +245,23 @@ def _quoted_list(value: Any, info: KeyInfo | None, text: str) -> Any:
     return parsed
 
 
+def _is_bool(hint: Any) -> bool:
+    if typing.get_origin(hint) is typing.Union:
+        return bool in typing.get_args(hint)
+    return hint is bool
+
+
+def _empty_bool(value: Any, info: KeyInfo | None, text: str) -> Any:
+    """``key=`` on a boolean key (verl's multi-turn script leaves ``use_kl_loss=${use_kl_loss}`` unset):
+    false, said. verl keeps the empty string and tests it for truth, so the run verl makes is the one
+    with the switch off; any other non-boolean stays an error."""
+    if value != "" or info is None or not _is_bool(info.type):
+        return value
+    warnings.warn(f"'{text}': an empty value on a true/false key; read as false, as verl reads it "
+                  f"(it tests the empty string for truth). Write false, or the value you meant.", stacklevel=5)
+    return False
+
+
 def apply_setting(cfg: DictConfig, key: str, value: Any, *, text: str, keys: Mapping[str, KeyInfo],
                   prefix: str = "", kind: str = "set") -> None:
     """Set (or, ``kind="delete"``, remove) the dotted ``key`` of ``cfg`` with the shared checks.
@@ -262,6 +279,7 @@ def apply_setting(cfg: DictConfig, key: str, value: Any, *, text: str, keys: Map
     elif open_ancestor(full, keys) is None:
         raise unknown_key_error(full, f"from '{text}'", keys)
     value = _quoted_list(_yaml_switch(value, keys.get(full)), keys.get(full), text)
+    value = _empty_bool(value, keys.get(full), text)
     try:
         if kind == "delete":
             parent_key, _, leaf = key.rpartition(".")

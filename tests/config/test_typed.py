@@ -92,3 +92,17 @@ def test_a_quoted_list_on_a_list_key_is_read_as_the_list_it_spells():
     assert load_config(["trainer.project_name='[x]'"]).trainer.project_name == "[x]"  # a string key: as given
     with pytest.raises(ConfigError, match=r"optim.betas.*expected a list"):
         load_sft_config(["optim.betas='[0.9,'"])
+
+
+def test_an_empty_value_on_a_boolean_key_is_false_as_verl_reads_it():
+    """verl's multi-turn vLLM script ends with ``actor.use_kl_loss=${use_kl_loss}`` and never sets the variable:
+    verl keeps '' and tests it for truth, so its run has the KL loss off. A boolean key reads '' as false
+    (warned), even over an earlier true; a key of another type keeps the empty value or its type error."""
+    with pytest.warns(UserWarning, match=r"use_kl_loss=': an empty value on a true/false key; read as false"):
+        cfg = load_config(["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.use_kl_loss="])
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is False
+    with pytest.warns(UserWarning, match="read as false"):  # a default-true switch is turned off too
+        assert load_config(["actor_rollout_ref.rollout.do_sample="]).actor_rollout_ref.rollout.do_sample is False
+    with pytest.raises(ConfigError, match=r"kl_loss_coef.*expected a number"):
+        _load("actor_rollout_ref.actor.kl_loss_coef=")
+    assert _load("trainer.project_name=").trainer.project_name == ""
