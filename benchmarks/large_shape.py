@@ -92,10 +92,9 @@ def model_config(shape: str, layers: int | None = None, hidden: int | None = Non
     return keys
 
 
-def write_model_dir(keys: dict[str, Any], work_dir: Path) -> Path:
+def write_model_dir(shape: str, keys: dict[str, Any], work_dir: Path) -> Path:
     """config.json + the byte tokenizer padded to the vocabulary; no weights (they are made on the device)."""
-    tag = "-".join(f"{k.split('_')[0][:5]}{v}" for k, v in sorted(keys.items()))
-    out = work_dir / "models" / f"large-{tag}"
+    out = work_dir / "models" / f"{shape}-l{keys['num_hidden_layers']}-h{keys['hidden_size']}"
     if (out / "config.json").is_file():
         return out
     from transformers import AutoConfig
@@ -296,7 +295,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(a.threads)
     work = Path(a.work_dir)
     keys = model_config(a.shape, a.layers, a.hidden)
-    model_dir = write_model_dir(keys, work)
+    model_dir = write_model_dir(a.shape, keys, work)
     cli = overrides(a, model_dir, work)
     meter = StepMeter(a.device)
     with weights_made_on_device(a.device, a.seed):

@@ -27,15 +27,21 @@
 #          (log-probs from hidden states in chunks), to set beside vocab's logits path
 #   wrapped  (not in the default parts) rlfoundry alone on bench's shape with fsdp_config.single_rank=fsdp
 #          (the actor FSDP2-wrapped on one GPU, as before 2026-11-27), to set beside bench's plain module
+#   large  (not in the default parts: a run of its own, `GPU_CHECK_PARTS="env large"`, about 4 minutes on an
+#          H200, never run yet) `python -m benchmarks.large_shape`: Qwen2.5-7B's shape with LoRA and Qwen2.5-3B's
+#          fully fine-tuned with optimizer offload, random bf16 weights made on the GPU, 4 GRPO steps each:
+#          tokens/s, MFU and peak memory beside the planner's prediction (issue 49 item 5)
 #
 # Files left in OUT (the device tool returns at most 8): summary.txt (one line per part: PASS/FAIL, time,
 # figures; then RESULT), summary.json, env.log, tier.log, demo.log, bench.log, realistic_<device>.json,
-# extras.tar.gz (the tier's JUnit report, the demo's metrics, the benchmark's per-run logs).
+# extras.tar.gz (the tier's JUnit report, the demo's metrics, the benchmark's per-run logs); a `large`
+# part adds large.log and large_<device>.json (each run's steps, the plan and the ratios).
 # Exit status: 0 when every part passed.
 #
 # Knobs (environment): PYTHON (python3), WORK (/tmp/gpu_check_work), GPU_CHECK_WHEELS (.whl),
-# GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab", "fused", "wrapped", "hfgen"), T_ENV / T_TIER /
-# T_DEMO / T_BENCH / T_DYNAMIC / T_VOCAB / T_FUSED / T_WRAPPED / T_HFGEN (seconds per part), BENCH_STEPS / BENCH_WARMUP (6 / 3), TIER_WORKERS (pytest-xdist processes for the tier where
+# GPU_CHECK_PARTS ("env tier demo bench"; also "dynamic", "vocab", "fused", "wrapped", "hfgen", "large"), T_ENV / T_TIER /
+# T_DEMO / T_BENCH / T_DYNAMIC / T_VOCAB / T_FUSED / T_WRAPPED / T_HFGEN / T_LARGE (seconds per part), BENCH_STEPS / BENCH_WARMUP (6 / 3),
+# LARGE_STEPS (4, the first a warm-up), TIER_WORKERS (pytest-xdist processes for the tier where
 # pytest-xdist is installed, as on the GPU image: 4; the tests' runs are small and the card is shared).
 
 set -u -o pipefail
@@ -52,12 +58,12 @@ if [ "$DRY" = 1 ]; then
     DEVICE=cpu
     T_ENV=${T_ENV:-60} T_TIER=${T_TIER:-120} T_DEMO=${T_DEMO:-180} T_BENCH=${T_BENCH:-240}
     T_DYNAMIC=${T_DYNAMIC:-120} T_VOCAB=${T_VOCAB:-240} T_FUSED=${T_FUSED:-120} T_WRAPPED=${T_WRAPPED:-120}
-    T_HFGEN=${T_HFGEN:-120}
+    T_HFGEN=${T_HFGEN:-120} T_LARGE=${T_LARGE:-240}
 else
     DEVICE=cuda
     T_ENV=${T_ENV:-30} T_TIER=${T_TIER:-200} T_DEMO=${T_DEMO:-70} T_BENCH=${T_BENCH:-220}
     T_DYNAMIC=${T_DYNAMIC:-150} T_VOCAB=${T_VOCAB:-240} T_FUSED=${T_FUSED:-150} T_WRAPPED=${T_WRAPPED:-150}
-    T_HFGEN=${T_HFGEN:-180}
+    T_HFGEN=${T_HFGEN:-180} T_LARGE=${T_LARGE:-480}
 fi
 mkdir -p "$OUT" "$WORK"
 rm -f "$WORK/parts.tsv" "$WORK/tier.xml" "$OUT/summary.txt" "$OUT/summary.json"
@@ -184,6 +190,16 @@ part wrapped "$T_WRAPPED" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "
 part hfgen "$T_HFGEN" "$PYTHON" -m benchmarks.realistic --device "$DEVICE" "${BENCH_ARGS[@]}" --frameworks rlfoundry \
     --hf-static-generate --timeout $((T_HFGEN - 70)) --work-dir "$WORK/bench" --results-dir "$OUT" \
     --name "realistic_hfgen_$DEVICE"
+
+# ── large: one large model shape on the GPU beside the planner (issue 49 item 5) ─────────────────
+# Each run in a child process of its own, under half the part's limit less the peak measurement's share.
+if [ "$DRY" = 1 ]; then
+    LARGE_ARGS=(--runs tiny:lora tiny:full-offload --prompts 2 --n 2 --response-length 8 --micro 2 --steps 2 --threads 1)
+else
+    LARGE_ARGS=(--runs qwen2.5-7b:lora qwen2.5-3b:full-offload --steps "${LARGE_STEPS:-4}" --threads 8)
+fi
+part large "$T_LARGE" "$PYTHON" -m benchmarks.large_shape --device "$DEVICE" "${LARGE_ARGS[@]}" \
+    --timeout $(((T_LARGE - 40) / 2)) --work-dir "$WORK/large" --results-dir "$OUT" --name "large_$DEVICE"
 
 # ── summary ──────────────────────────────────────────────────────────────────────────────────────
 "$PYTHON" scripts/gpu_check_report.py "$OUT" "$WORK" "$DEVICE" | tee -a "$SUMMARY"

@@ -4,11 +4,13 @@
 
 reads what the parts left (``WORK/parts.tsv``: name, exit code, seconds, limit; ``WORK/tier.xml``:
 the GPU tier's JUnit report; ``WORK/demo/metrics.jsonl``: the calculator demo's metrics;
-``OUT/realistic_<device>.json``: the benchmark's results) and writes ``OUT/summary.json`` and the
+``OUT/realistic_<device>.json``: the benchmark's results; ``OUT/large_<device>.json``: the large-shape
+runs against the planner) and writes ``OUT/summary.json`` and the
 lines it prints (the script appends them to ``OUT/summary.txt``). A part passes when it exited 0 and
 its own condition holds: the tier ran every test it collected without a failure (on CUDA at least
 one passed: all skipped means CUDA was not seen), the demo logged validation and tool calls (on CUDA,
-over its 10 steps, at least one call), the benchmark produced a samples/s figure for every framework.
+over its 10 steps, at least one call), the benchmark produced a samples/s figure for every framework,
+each large-shape run measured its steps and the planner predicted them.
 """
 
 from __future__ import annotations
@@ -95,6 +97,21 @@ def bench_figures(result_json: Path) -> dict[str, Any]:
             "shapes": shapes}
 
 
+def large_figures(result_json: Path) -> dict[str, Any]:
+    """Per large-shape run (``benchmarks/large_shape.py``): its medians and their ratios to the plan, or its error."""
+    if not result_json.exists():
+        return {"error": f"no result file {result_json.name}"}
+    runs = []
+    for r in json.loads(result_json.read_text()).get("results", []):
+        s, plan = r.get("summary", {}), r.get("plan", {})
+        runs.append({"run": r.get("run"), "error": r.get("error", "")[:300], "device": r.get("device_name"),
+                     **{k: s.get(k) for k in ("step_s", "tokens_per_s", "mfu_update", "mfu_step", "step_vs_plan",
+                                              "update_vs_plan", "peak_memory_bytes", "plan_peak_bytes", "memory_vs_plan",
+                                              "memory_source")},
+                     "plan_step_s": (plan.get("times_s") or {}).get("step"), "plan_peak_phase": plan.get("peak_phase")})
+    return {"runs": runs}
+
+
 def _ok_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
@@ -123,6 +140,13 @@ def judge(name: str, part: dict[str, Any], figures: dict[str, Any], device: str)
         for shape in figures["shapes"]:
             if shape["errors"] or not all(_ok_number(v) for v in shape["samples_per_s"].values()):
                 return False, f"a framework failed: {shape['errors'] or shape['samples_per_s']}"
+    if name == "large":
+        if not figures["runs"]:
+            return False, "no large-shape run"
+        for r in figures["runs"]:
+            if r["error"] or not all(_ok_number(r[k]) for k in ("tokens_per_s", "plan_step_s", "plan_peak_bytes",
+                                                                 "peak_memory_bytes")):
+                return False, f"{r['run']}: {r['error'] or 'no measurement or no prediction'}"
     return True, ""
 
 
@@ -146,7 +170,18 @@ def describe(name: str, figures: dict[str, Any]) -> str:
                           f"{hf['hf_static_ms_per_step']:.2f} ({hf['rlfoundry/hf_static gen time']:.2f}x its time)")
             out.append(f"{s['layers']} layers, {s['response_length']} tokens: samples/s {per}{ratio}")
         return "; ".join(out)
+    if name == "large":
+        return "; ".join(_describe_large(r) for r in figures["runs"])
     return ""
+
+
+def _describe_large(r: dict[str, Any]) -> str:
+    if r["error"] or not _ok_number(r["tokens_per_s"]):
+        return f"{r['run']} failed"
+    mfu = f", MFU update {r['mfu_update']:.1%}" if _ok_number(r["mfu_update"]) else ""
+    return (f"{r['run']} {r['step_s']:.2f} s/step ({r['step_vs_plan']:.2f}x plan), {r['tokens_per_s']:,.0f} tok/s{mfu}, "
+            f"peak {r['peak_memory_bytes'] / 2**30:.1f} GiB vs plan {r['plan_peak_bytes'] / 2**30:.1f} "
+            f"({r['memory_vs_plan']:.2f}x)")
 
 
 FIGURES = {"tier": lambda out, work, dev: tier_figures(work / "tier.xml", out / "tier.log"),
@@ -156,7 +191,8 @@ FIGURES = {"tier": lambda out, work, dev: tier_figures(work / "tier.xml", out / 
            "vocab": lambda out, work, dev: bench_figures(out / f"realistic_vocab_{dev}.json"),
            "fused": lambda out, work, dev: bench_figures(out / f"realistic_fused_{dev}.json"),
            "wrapped": lambda out, work, dev: bench_figures(out / f"realistic_wrapped_{dev}.json"),
-           "hfgen": lambda out, work, dev: bench_figures(out / f"realistic_hfgen_{dev}.json")}
+           "hfgen": lambda out, work, dev: bench_figures(out / f"realistic_hfgen_{dev}.json"),
+           "large": lambda out, work, dev: large_figures(out / f"large_{dev}.json")}
 BENCHES = ("bench", "dynamic", "vocab", "fused", "wrapped", "hfgen")
 
 

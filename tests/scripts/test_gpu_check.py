@@ -83,3 +83,16 @@ def test_a_part_over_its_limit_fails_the_check(tmp_path):
     # no JUnit report from a killed pytest: the verbose log says how far it got
     assert re.search(r"^tier\s+FAIL \(timed out after 1s \(0 passed, 0 failed before\)\)", summary, re.M), summary
     assert "RESULT FAIL: 0/1 parts passed" in summary
+
+
+def test_the_large_part_reports_each_run_beside_the_plan(tmp_path):
+    """Not a default part (a GPU run of its own): named, it runs both tiny runs and the report reads their JSON."""
+    proc = _dry_run(tmp_path / "out", tmp_path / "work", GPU_CHECK_PARTS="large")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    run = r"{} [\d.]+ s/step \([\d.]+x plan\), [\d,]+ tok/s, MFU update [\d.]+%, peak [\d.]+ GiB vs plan [\d.]+ \([\d.]+x\)"
+    assert re.search(r"^large\s+PASS .*: " + run.format("tiny:lora") + "; " + run.format("tiny:full-offload"),
+                     summary, re.M), summary
+    figures = json.loads((tmp_path / "out" / "summary.json").read_text())["parts"]["large"]["figures"]
+    assert [r["run"] for r in figures["runs"]] == ["tiny:lora", "tiny:full-offload"]
+    assert all(r["plan_peak_bytes"] > 0 and "ru_maxrss" in r["memory_source"] for r in figures["runs"])
