@@ -54,7 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,8 +213,8 @@ class StepMeter:
     """Wraps ``PPOTrainer.train_step`` / ``train_on`` in this process: wall time, the batch's token counts,
     the trainer's phase times and the step's peak memory."""
 
-    def __init__(self, device: str):
-        self.device, self.steps, self._tokens = device, [], {}
+    def __init__(self, device: str, on_step: Callable[[dict[str, Any]], None]):
+        self.device, self.on_step, self._tokens = device, on_step, {}
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -234,10 +234,10 @@ class StepMeter:
             start = time.perf_counter()
             metrics = step(trainer, *args, **kwargs)
             meter._sync()
-            meter.steps.append({"step_s": time.perf_counter() - start, **meter._tokens, **meter._memory(),
-                                "phases_s": {k.split("/", 1)[1]: float(v) for k, v in metrics.items()
-                                             if k.startswith("timing_s/")},
-                                "response_length_mean": float(metrics["response_length/mean"])})
+            meter.on_step({"step_s": time.perf_counter() - start, **meter._tokens, **meter._memory(),
+                           "phases_s": {k.split("/", 1)[1]: float(v) for k, v in metrics.items()
+                                        if k.startswith("timing_s/")},
+                           "response_length_mean": float(metrics["response_length/mean"])})
             return metrics
 
         PPOTrainer.train_step, PPOTrainer.train_on = train_step, train_on
@@ -286,7 +286,8 @@ def figures(step: dict[str, Any], costs: dict[str, float], peak_gflops: float, p
 
 
 def run_one(a: argparse.Namespace) -> dict[str, Any]:
-    """One shape and mode through ``main_ppo.main``, in this process."""
+    """One shape and mode through ``main_ppo.main``, in this process. Each step is printed and, with
+    ``--out``, saved as it ends: a run stopped by its time limit keeps the steps it finished."""
     import torch
 
     from benchmarks.realistic import model_costs
@@ -297,23 +298,29 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     keys = model_config(a.shape, a.layers, a.hidden)
     model_dir = write_model_dir(a.shape, keys, work)
     cli = overrides(a, model_dir, work)
-    meter = StepMeter(a.device)
+    peak_gflops = a.peak_gflops or _measure_peak(a, keys)  # before this process touches the GPU
+    result = {"shape": a.shape, "mode": a.mode, "device": a.device, "model_config": keys, "overrides": cli,
+              "costs": model_costs(str(model_dir), bytes_per_weight=2), "peak_gflops": peak_gflops,
+              "warmup": a.warmup, "steps": []}
+
+    def on_step(step: dict[str, Any]) -> None:
+        result["steps"].append({**step, **figures(step, result["costs"], peak_gflops, result["plan"], a.mode)})
+        print(step_line(len(result["steps"]), result["steps"][-1], result), flush=True)
+        if a.out:
+            a.out.write_text(json.dumps(result, indent=1) + "\n")
+
     with weights_made_on_device(a.device, a.seed):
-        plan = predict(cli, a.device)
-        print(f"plan ({plan['hardware']}): peak {plan['peak_bytes'] / 2**30:.2f} GiB in '{plan['peak_phase']}', "
-              f"step {plan['times_s']['step']:.3g} s ({plan['mfu_assumed']})", flush=True)
-        with meter.installed():
+        result["plan"] = predict(cli, a.device)
+        if a.device == "cuda":
+            result["device_name"] = torch.cuda.get_device_name()
+        print(header(result), flush=True)
+        with StepMeter(a.device, on_step).installed():
             code = main_ppo.main(cli)
     if code != 0:
         raise SystemExit(f"the trainer exited {code}")
-    costs = model_costs(str(model_dir), bytes_per_weight=2)
-    peak_gflops = a.peak_gflops or _measure_peak(a, keys)
-    steps = [{**s, **figures(s, costs, peak_gflops, plan, a.mode)} for s in meter.steps]
-    result = {"shape": a.shape, "mode": a.mode, "device": a.device, "model_config": keys, "overrides": cli,
-              "costs": costs, "peak_gflops": peak_gflops, "plan": plan, "steps": steps,
-              "summary": summarise(steps[a.warmup:] or steps, plan)}
-    if a.device == "cuda":
-        result["device_name"] = torch.cuda.get_device_name()
+    result["summary"] = summarise(result["steps"][a.warmup:] or result["steps"], result["plan"])
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -344,21 +351,25 @@ def _gib(n: float | None) -> str:
     return "-" if not n else f"{n / 2**30:.2f} GiB"
 
 
-def print_steps(r: dict[str, Any]) -> None:
+def header(r: dict[str, Any]) -> str:
     plan = r["plan"]
-    print(f"\n== {r['shape']} {r['mode']} on {r.get('device_name', r['device'])}: "
-          f"{plan['params_total']:,} parameters, {r['costs']['flops_per_token']:,.0f} FLOP/token forward; "
-          f"peak {r['peak_gflops'] / 1e3:.3g} TFLOP/s measured, {plan['tflops']:g} datasheet ({plan['hardware']})")
-    for i, s in enumerate(r["steps"], 1):
-        ph, times = s["phases_s"], plan["times_s"]
-        mem = (f"peak allocated {_gib(s['peak_allocated_bytes'])}, reserved {_gib(s['peak_reserved_bytes'])}"
-               if "peak_reserved_bytes" in s else f"host peak RSS {_gib(s['peak_rss_bytes'])}")
-        update = (f"update {ph['update_actor']:.2f} s (plan {times['update_actor']:.3g} s, {s['update_vs_plan']:.3g}x), "
-                  f"MFU update {s['mfu_update']:.1%}, " if "mfu_update" in s else "")
-        print(f"step {i}{' (warm-up)' if i <= r.get('warmup', 0) else ''}: {s['step_s']:.2f} s (plan "
-              f"{times['step']:.3g} s, {s['step_vs_plan']:.3g}x) | {s['tokens']:,} tokens ({s['response_tokens']:,} "
-              f"generated) {s['tokens_per_s']:,.0f} tok/s | {update}step {s['mfu_step']:.1%} | {mem} (plan "
-              f"{_gib(plan['peak_bytes'])} in '{plan['peak_phase']}', {s['memory_vs_plan']:.2f}x)", flush=True)
+    return (f"\n== {r['shape']} {r['mode']} on {r.get('device_name', r['device'])}: {plan['params_total']:,} parameters, "
+            f"{r['costs']['flops_per_token']:,.0f} FLOP/token forward; peak {r['peak_gflops'] / 1e3:.3g} TFLOP/s measured, "
+            f"{plan['tflops']:g} datasheet\nplan ({plan['hardware']}): peak {_gib(plan['peak_bytes'])} in "
+            f"'{plan['peak_phase']}', step {plan['times_s']['step']:.3g} s ({plan['mfu_assumed']})")
+
+
+def step_line(i: int, s: dict[str, Any], r: dict[str, Any]) -> str:
+    plan = r["plan"]
+    ph, times = s["phases_s"], plan["times_s"]
+    mem = (f"peak allocated {_gib(s['peak_allocated_bytes'])}, reserved {_gib(s['peak_reserved_bytes'])}"
+           if "peak_reserved_bytes" in s else f"host peak RSS {_gib(s['peak_rss_bytes'])}")
+    update = (f"update {ph['update_actor']:.2f} s (plan {times['update_actor']:.3g} s, {s['update_vs_plan']:.3g}x), "
+              f"MFU update {s['mfu_update']:.1%}, " if "mfu_update" in s else "")
+    return (f"step {i}{' (warm-up)' if i <= r['warmup'] else ''}: {s['step_s']:.2f} s (plan {times['step']:.3g} s, "
+            f"{s['step_vs_plan']:.3g}x) | {s['tokens']:,} tokens ({s['response_tokens']:,} generated) "
+            f"{s['tokens_per_s']:,.0f} tok/s | {update}step {s['mfu_step']:.1%} | {mem} (plan {_gib(plan['peak_bytes'])} "
+            f"in '{plan['peak_phase']}', {s['memory_vs_plan']:.2f}x)")
 
 
 SUMMARY_COLUMNS = [("run", "run", ""), ("s/step", "step_s", ".2f"), ("step/plan", "step_vs_plan", ".2f"),
@@ -385,10 +396,11 @@ def run_children(a: argparse.Namespace) -> dict[str, Any]:
             code = subprocess.run(cmd, cwd=str(REPO_ROOT), env=env, timeout=a.timeout).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
-        if code == 0 and out.is_file():
-            results.append({**json.loads(out.read_text()), "run": run, "wall_s": time.time() - t0})
-        else:
-            results.append({"run": run, "error": f"exit {code} after {time.time() - t0:.0f} s (its output is above)"})
+        partial = json.loads(out.read_text()) if out.is_file() else {}  # the steps it finished, if it stopped
+        results.append({**partial, "run": run, "wall_s": time.time() - t0})
+        if code != 0 or "summary" not in partial:
+            results[-1]["error"] = (f"exit {code} after {time.time() - t0:.0f} s, {len(partial.get('steps', []))} "
+                                    "steps done (its output is above)")
     return {"peak_gflops": peak, "results": results}
 
 
@@ -446,11 +458,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if a.shape or a.mode:
         if not (a.shape and a.mode):
             raise SystemExit("--shape and --mode go together")
-        result = {**run_one(a), "warmup": a.warmup}
-        print_steps(result)
-        if a.out:
-            a.out.write_text(json.dumps(result, indent=1) + "\n")
-        return result
+        return run_one(a)
     bad = [r for r in a.runs if r.count(":") != 1 or r.split(":")[0] not in SHAPES or r.split(":")[1] not in MODES]
     if bad:
         raise SystemExit(f"--runs {bad}: SHAPE:MODE with SHAPE in {sorted(SHAPES)} and MODE in {sorted(MODES)}")

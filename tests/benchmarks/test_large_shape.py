@@ -101,3 +101,21 @@ def test_the_gpu_check_fails_the_large_part_when_a_run_failed(tmp_path):
     assert judge("large", part, large_figures(path), "cuda") == (True, "")
     path.write_text(json.dumps({"results": [ok, failed]}))
     assert judge("large", part, large_figures(path), "cuda") == (False, "qwen2.5-7b:lora: exit timeout after 220 s")
+
+
+def test_the_engine_s_loader_makes_the_weights_on_the_device_asked_and_is_restored(tmp_path):
+    """No weight file is read: the model comes from config.json on the device (here ``meta``, where nothing is
+    allocated, as nothing is on the host for ``cuda``) in the dtype the engine asks for."""
+    from benchmarks.large_shape import weights_made_on_device, write_model_dir
+    from rlfoundry.engines.fsdp import engine as fsdp_engine
+    from rlfoundry.trainer import config as trainer_config
+
+    real = fsdp_engine.load_hf_model
+    model_dir = write_model_dir("tiny", model_config("tiny"), tmp_path)
+    assert not list(model_dir.glob("*.safetensors")) and not trainer_config.is_hf_model_dir(model_dir)
+    with weights_made_on_device("meta", seed=0):
+        module = fsdp_engine.load_hf_model(str(model_dir), torch_dtype="bf16")
+        assert trainer_config.is_hf_model_dir(model_dir)  # the start-up check takes a directory without weights
+    assert {(p.device.type, str(p.dtype)) for p in module.parameters()} == {("meta", "torch.bfloat16")}
+    assert module.config.num_hidden_layers == 2 and module.config.use_cache is False
+    assert fsdp_engine.load_hf_model is real and not trainer_config.is_hf_model_dir(model_dir)
