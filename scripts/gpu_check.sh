@@ -118,7 +118,8 @@ for n in ["torch", "transformers", "accelerate", "peft", "tokenizers", "safetens
 failed = []
 for mod in ["torch", "transformers", "peft", "tensordict", "hydra", "omegaconf", "torchdata.stateful_dataloader",
             "math_verify", "pydantic", "datasets", "pytest", "trl", "rlfoundry.protocol", "rlfoundry.trainer.main_ppo",
-            "rlfoundry.workers.actor_rollout_ref", "rlfoundry.rewards.code", "benchmarks.realistic"]:
+            "rlfoundry.workers.actor_rollout_ref", "rlfoundry.rewards.code", "benchmarks.realistic",
+            "benchmarks.large_shape"]:
     try:
         importlib.import_module(mod)
     except Exception as e:  # noqa: BLE001 - report every failing import, not the first

@@ -119,3 +119,17 @@ def test_the_engine_s_loader_makes_the_weights_on_the_device_asked_and_is_restor
     assert {(p.device.type, str(p.dtype)) for p in module.parameters()} == {("meta", "torch.bfloat16")}
     assert module.config.num_hidden_layers == 2 and module.config.use_cache is False
     assert fsdp_engine.load_hf_model is real and not trainer_config.is_hf_model_dir(model_dir)
+
+
+def test_a_run_that_fails_is_recorded_as_failed_beside_the_others(tmp_path):
+    """A child the trainer refuses (a misspelt key) leaves an error row in the saved JSON, which fails the part."""
+    from scripts.gpu_check_report import judge, large_figures
+
+    cmd = [sys.executable, "-m", "benchmarks.large_shape", "--runs", "tiny:lora", "--device", "cpu", "--steps", "2",
+           "--peak-gflops", "100", "--override", "actor_rollout_ref.actor.optim.lrr=1", "--work-dir", str(tmp_path),
+           "--results-dir", str(tmp_path), "--name", "large_cpu"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "tiny:lora FAILED: exit " in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = large_figures(tmp_path / "large_cpu.json")
+    assert figures["runs"][0]["error"].startswith("exit ") and "0 steps done" in figures["runs"][0]["error"]
+    assert judge("large", {"rc": 0, "seconds": 9, "limit_s": 240}, figures, "cpu")[0] is False
