@@ -1,9 +1,9 @@
 """One large model shape on one GPU, through the real trainer, beside the planner's prediction (issue 49, item 5).
 
-    python -m benchmarks.large_shape --device cuda                    # both runs below, ~4 min on one H200 (not yet run)
+    python -m benchmarks.large_shape --device cuda                    # both runs below; estimated 3-4 min, never run yet
     python -m benchmarks.large_shape --runs qwen2.5-7b:lora --device cuda
     python -m benchmarks.large_shape --runs tiny:lora tiny:full-offload --device cpu --prompts 2 --n 2 \\
-        --response-length 8 --steps 2                                 # the CPU dry run, under a minute
+        --response-length 8 --micro 2 --steps 2                       # the CPU dry run, under a minute
     python -m benchmarks.large_shape --shape qwen2.5-3b --mode full-offload --device cuda --out r.json   # one run, here
 
 Runs (``SHAPE:MODE``): ``qwen2.5-7b:lora`` is Qwen2.5-7B's shape, weights in bf16 and frozen, a LoRA
@@ -34,9 +34,9 @@ in-process: ``rlfoundry plan --gpu <preset>``) and measured/predicted. Model FLO
 are ``benchmarks.realistic.model_costs``: 2 per weight of the layers' linears and the LM head (the
 embedding is a lookup; biases and norms left out), plus attention's 4·layers·hidden per context token at
 the mean context (half the sequence). A step's FLOPs: a forward over every valid token for the
-generation (prefill + decode), one for the old log-probs when that pass runs, and the update's 3 forwards
-(6 per weight) in full fine-tuning, 2 per weight plus 3 attention forwards with LoRA (the frozen weights
-take no weight gradient: the planner's 4 per weight). MFU is against the bf16 matmul peak measured on
+generation (prefill + decode), one for the old log-probs when that pass runs, and for the update 6 per
+weight in full fine-tuning (forward 2, backward 4) or 4 with LoRA (the frozen weights take no weight
+gradient: the planner's count), plus attention's 3 forwards either way. MFU is against the bf16 matmul peak measured on
 the device (``benchmarks.realistic.machine_peaks``: the faster of an 8192³ product and the model's widest
 layer), the datasheet figure printed beside it. Memory: on CUDA ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` over the step (reset at its start) against the plan's worst phase (which
@@ -186,7 +186,7 @@ def predict(cli: list[str], device: str) -> dict[str, Any]:
 
     hw = plan_hardware(device)
     plan = plan_args(cli, hw)
-    pool, phase = plan.worst
+    _, phase = plan.worst
     return {"hardware": hw.name, "tflops": hw.tflops, "fits": plan.fits, "peak_phase": phase.name,
             "peak_bytes": phase.total, "peak_breakdown": dict(phase.device), "times_s": dict(plan.times),
             "params_total": plan.layout["params_total"], "mfu_assumed": _assumed_mfu(plan.assumptions)}

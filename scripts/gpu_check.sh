@@ -27,7 +27,7 @@
 #          (log-probs from hidden states in chunks), to set beside vocab's logits path
 #   wrapped  (not in the default parts) rlfoundry alone on bench's shape with fsdp_config.single_rank=fsdp
 #          (the actor FSDP2-wrapped on one GPU, as before 2026-11-27), to set beside bench's plain module
-#   large  (not in the default parts: a run of its own, `GPU_CHECK_PARTS="env large"`, about 4 minutes on an
+#   large  (not in the default parts: a run of its own, `GPU_CHECK_PARTS="env large"`, estimated 3-4 minutes on an
 #          H200, never run yet) `python -m benchmarks.large_shape`: Qwen2.5-7B's shape with LoRA and Qwen2.5-3B's
 #          fully fine-tuned with optimizer offload, random bf16 weights made on the GPU, 4 GRPO steps each:
 #          tokens/s, MFU and peak memory beside the planner's prediction (issue 49 item 5)
