@@ -208,7 +208,8 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     mtp_on = [k for k in ("enable", "enable_train", "enable_rollout") if cfg.model.mtp[k]]
     if mtp_on:
         errors.append(f"model.mtp.{mtp_on[0]}=true: multi-token prediction (verl's MTP layers trained beside the model) "
-                      "is not built in rlfoundry; set model.mtp.enable=false.")
+                      "is not built in rlfoundry's SFT trainer (the PPO actor's Megatron engine trains them); set "
+                      "model.mtp.enable=false.")
     if cfg.model.lora_rank and importlib.util.find_spec("peft") is None:
         from rlfoundry.models.lora import PEFT_INSTALL
 

@@ -1,0 +1,282 @@
+"""Multi-token prediction on the Megatron engine (verl's model.mtp.*; engines/megatron/mtp.py), on a tiny
+MiMo (a Qwen2 model plus one MTP layer, rlfoundry/models/mimo.py), CPU processes over gloo:
+
+- the MTP layers load from and export to MiMo's HF names bit for bit; the rollout's stream leaves them out;
+- the logged MTP loss equals a cross-entropy computed independently, in plain torch from the HF tensors
+  (the decoder's normed hidden state at t and the embedding of token t+1 through MiMo's MTP layer and the
+  LM head, against token t+2 on the response);
+- enable_train=false leaves the MTP layers as loaded and the rest of the update equal to a model built
+  without them; mtp_loss_scaling_factor scales the MTP layers' gradients; detach_encoder keeps the MTP loss
+  out of the decoder's gradients (and without it, it is in them);
+- a checkpoint saved after one update and resumed gives the second update bit for bit, MTP layers included;
+- TP=2 gives TP=1's MTP loss and update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engines.megatron_ranks import run_ranks
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+pytestmark = [pytest.mark.slow]
+
+ACTOR = ["actor.grad_clip=100.0", "actor.optim.eps=1e-4", "actor.optim.weight_decay=0.01"]
+
+
+@pytest.fixture(scope="module")
+def mimo_dir(tmp_path_factory):
+    from rlfoundry.models.mimo import save_tiny_mimo
+
+    return str(save_tiny_mimo(tmp_path_factory.mktemp("mimo") / "tiny-mimo"))
+
+
+def _data(model_dir: str, rows: int = 4):
+    from rlfoundry.protocol import DataProto
+    from tests.engines.test_megatron_model import _batch
+
+    batch = _batch(seed=0, rows=rows, tp=6, tr=5)
+    width = batch["responses"].shape[1]
+    mask = batch["attention_mask"][:, -width:]
+    g = torch.Generator().manual_seed(3)
+    lp = -torch.rand(mask.shape, generator=g) * mask
+    batch.update(response_mask=mask, old_log_probs=lp, ref_log_prob=lp, advantages=torch.randn(lp.shape, generator=g) * mask)
+    return DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0})
+
+
+def _engine(model_dir: str, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False, **mtp):
+    from rlfoundry.config.schema import ActorConfig, MegatronConfig, MtpConfig
+    from rlfoundry.config.typed import to_typed
+    from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    from tests.workers import worker_config
+
+    cfg = to_typed(ActorConfig, worker_config(model_dir, ACTOR).actor)
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                              dtype="float32", sequence_parallel=sp)
+    config = MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip,
+                                  mtp=MtpConfig(**mtp) if mtp else None)
+    return cfg, MegatronEngine(config, "cpu")
+
+
+def _update(rank: int, model_dir: str, data, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False, grads: bool = False,
+            **mtp):
+    """One actor update (one mini-batch of every row, micro-batches of 2); the metrics and the weights,
+    with ``grads`` the gradients of the first step by HF name of the Megatron parameter instead of stepping."""
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+
+    cfg, engine = _engine(model_dir, tp, pp, cp, sp, **mtp)
+    actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(len(data), 2))
+    captured = {}
+    if grads:
+        def capture() -> float:
+            for chunk in engine._bare_chunks():
+                for name, p in chunk.named_parameters():
+                    if getattr(p, "main_grad", None) is not None:
+                        captured[name] = p.main_grad.detach().clone()
+            return 0.0
+        engine._optimizer_step = capture
+    metrics = actor.update_policy(data)
+    return {"metrics": metrics, "weights": {k: v.clone() for k, v in engine.iter_hf_weights(mtp=True)},
+            "grads": captured}
+
+
+def _reference_mtp_loss(model_dir: str, data) -> float:
+    """CE_1, token mean over the response: MiMo's MTP layer in plain torch on the HF tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
+
+    import rlfoundry.models  # noqa: F401  (model_type "mimo")
+
+    b = data.batch
+    ids, attn, pos = b["input_ids"], b["attention_mask"], b["position_ids"]
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    weights = load_file(f"{model_dir}/model.safetensors")
+    mtp = {k[len("model.mtp_layers.0."):]: v for k, v in weights.items() if k.startswith("model.mtp_layers.0.")}
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state  # after the final norm
+        S = ids.shape[1]
+
+        def norm(name, x):
+            n = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            n.weight.copy_(mtp[f"{name}.weight"])
+            return n(x)
+
+        next_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+        x = torch.cat([norm("token_layernorm", model.model.embed_tokens(next_ids)), norm("hidden_layernorm", hidden)], -1)
+        x = x @ mtp["input_proj.weight"].T
+        layer = Qwen2DecoderLayer(config, layer_idx=0)
+        layer.load_state_dict({k: v for k, v in mtp.items() if k.split(".")[0] in ("self_attn", "mlp", "input_layernorm",
+                                                                                 "post_attention_layernorm")})
+        allowed = torch.tril(torch.ones(S, S, dtype=torch.bool))[None] & attn.bool()[:, None, :]
+        mask = torch.where(allowed, 0.0, -1e9)[:, None]
+        out = layer(x, attention_mask=mask, position_ids=pos,
+                    position_embeddings=Qwen2RotaryEmbedding(config)(x, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        logits = norm("final_layernorm", out) @ weights["lm_head.weight"].T
+        ce = -torch.log_softmax(logits, -1).gather(-1, torch.nn.functional.pad(ids[:, 2:], (0, 2)).unsqueeze(-1)).squeeze(-1)
+        width = b["responses"].shape[1]
+        full = torch.cat([torch.zeros(ids.shape[0], S - width, dtype=torch.long), b["response_mask"]], 1)
+        counted = torch.nn.functional.pad(full[:, 2:], (0, 2)).bool() & attn.bool()
+    return float(ce[counted].mean())
+
+
+@pytest.mark.numerics
+def test_mtp_loss_equals_independent_computation(mimo_dir, tmp_path):
+    data = _data(mimo_dir)
+    [r] = run_ranks(_mtp_on, 1, tmp_path, args=(mimo_dir, data))
+    [loss] = r["metrics"]["mtp_losses/mtp_1_loss"]
+    expected = _reference_mtp_loss(mimo_dir, data)
+    assert expected > 1.0  # a real cross-entropy over the vocabulary, not a degenerate one
+    assert loss == pytest.approx(expected, rel=0, abs=1e-5)
+
+
+def _mtp_on(rank, model_dir, data):
+    return _update(rank, model_dir, data, enable=True, enable_train=True, mtp_loss_scaling_factor=0.3)
+
+
+def _weights_round_trip(rank, model_dir):
+    _, engine = _engine(model_dir, enable=True)
+    return dict(engine.iter_hf_weights(mtp=True)), sorted(dict(engine.iter_hf_weights()))
+
+
+def test_mtp_weights_load_and_export_in_mimo_names(mimo_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    [(exported, synced)] = run_ranks(_weights_round_trip, 1, tmp_path, args=(mimo_dir,))
+    stored = load_file(f"{mimo_dir}/model.safetensors")
+    assert any(k.startswith("model.mtp_layers.0.") for k in stored)
+    assert set(exported) == set(stored)
+    for name, tensor in stored.items():
+        assert torch.equal(exported[name], tensor), name
+    # the rollout's stream: the causal LM's tensors only
+    assert synced == sorted(k for k in stored if not k.startswith("model.mtp_layers."))
+
+
+def _frozen_and_plain(rank, model_dir, data):
+    return (_update(rank, model_dir, data, enable=True, enable_train=False),
+            _update(rank, model_dir, data))
+
+
+def test_enable_train_false_leaves_mtp_layers_and_the_update(mimo_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    data = _data(mimo_dir)
+    [(frozen, plain)] = run_ranks(_frozen_and_plain, 1, tmp_path, args=(mimo_dir, data))
+    stored = load_file(f"{mimo_dir}/model.safetensors")
+    mtp = [k for k in stored if k.startswith("model.mtp_layers.")]
+    for name in mtp:  # weight decay is on (ACTOR): a frozen layer, not a zero gradient, keeps them
+        assert torch.equal(frozen["weights"][name], stored[name]), name
+    assert not any(k.startswith("mtp_losses/") for k in frozen["metrics"])
+    assert set(plain["weights"]) == set(stored) - set(mtp)  # built without the MTP layers
+    moved = max((plain["weights"][k] - stored[k]).abs().max().item() for k in plain["weights"])
+    assert moved > 1e-4
+    for name, tensor in plain["weights"].items():
+        assert torch.equal(frozen["weights"][name], tensor), name
+    assert frozen["metrics"]["actor/pg_loss"] == plain["metrics"]["actor/pg_loss"]
+
+
+def _gradients(rank, model_dir, data):
+    runs = {}
+    for label, factor, detach in (("a", 0.1, True), ("b", 0.2, True), ("zero", 0.0, True), ("attached", 0.1, False)):
+        runs[label] = _update(rank, model_dir, data, grads=True, enable=True, enable_train=True,
+                              mtp_loss_scaling_factor=factor, detach_encoder=detach)["grads"]
+    return runs
+
+
+@pytest.mark.numerics
+def test_scaling_factor_scales_mtp_gradients_and_detach_encoder(mimo_dir, tmp_path):
+    data = _data(mimo_dir)
+    [runs] = run_ranks(_gradients, 1, tmp_path, args=(mimo_dir, data))
+    a, b, zero, attached = runs["a"], runs["b"], runs["zero"], runs["attached"]
+    mtp = [k for k in a if k.startswith("mtp.")]
+    decoder = [k for k in a if not k.startswith("mtp.")]
+    assert mtp and decoder
+    for name in mtp:  # linear in the factor: the MTP layers learn from the MTP loss only
+        assert zero[name].abs().max() == 0, name
+        torch.testing.assert_close(b[name], 2 * a[name], atol=1e-7, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert max(a[n].abs().max().item() for n in mtp) > 1e-4
+    # detach_encoder: the decoder's and the embedding's gradients are the policy loss's alone; the output layer
+    # never takes the MTP loss's (verl detaches it)
+    for name in decoder:
+        assert torch.equal(a[name], zero[name]), name
+    differs = [n for n in decoder if not torch.equal(attached[n], zero[n])]
+    assert any("embedding" in n for n in differs) and any("decoder.layers" in n for n in differs)
+    assert not any("output_layer" in n for n in differs)
+
+
+def _resume(rank, model_dir, data, root):
+    from rlfoundry.workers.actor import ActorBatchSizes, DataParallelPPOActor
+
+    mtp = dict(enable=True, enable_train=True, mtp_loss_scaling_factor=0.5)
+    cfg, engine = _engine(model_dir, **mtp)
+    actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(len(data), 2))
+    actor.update_policy(data)
+    engine.save_checkpoint(f"{root}/ckpt", extra={})
+    straight = actor.update_policy(data)
+    cfg, again = _engine(model_dir, **mtp)
+    again.load_checkpoint(f"{root}/ckpt")
+    resumed = DataParallelPPOActor(cfg, again, ActorBatchSizes(len(data), 2)).update_policy(data)
+    return (straight, dict(engine.iter_hf_weights(mtp=True))), (resumed, dict(again.iter_hf_weights(mtp=True)))
+
+
+def test_checkpoint_resume_is_bit_for_bit(mimo_dir, tmp_path):
+    data = _data(mimo_dir)
+    [((m1, w1), (m2, w2))] = run_ranks(_resume, 1, tmp_path, args=(mimo_dir, data, str(tmp_path)))
+    assert m1["mtp_losses/mtp_1_loss"] == m2["mtp_losses/mtp_1_loss"]
+    assert m1["actor/pg_loss"] == m2["actor/pg_loss"]
+    assert set(w1) == set(w2) and any(k.startswith("model.mtp_layers.") for k in w1)
+    for name, tensor in w1.items():
+        assert torch.equal(w2[name], tensor), name
+
+
+def _layout(rank, model_dir, data, tp, pp, cp, sp=False):
+    return _update(rank, model_dir, data, tp=tp, pp=pp, cp=cp, sp=sp, enable=True, enable_train=True, mtp_loss_scaling_factor=0.3)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("tp, pp, cp, sp", [(2, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)])
+def test_model_parallel_equals_one_rank(mimo_dir, tmp_path, tp, pp, cp, sp):
+    """TP=2 (the MTP block's linears and the vocabulary split), PP=2 (the block on the last stage with its
+    own copy of the first stage's embedding, their gradients summed) and CP=2 (each rank two chunks of every
+    row, the block's inputs rolled across the ranks) equal one rank; TP=2 with sequence parallelism too (the
+    block's norms on 1/TP of the positions, their gradients summed over the ranks)."""
+    data = _data(mimo_dir)
+    [one] = run_ranks(_layout, 1, tmp_path, args=(mimo_dir, data, 1, 1, 1))
+    two = run_ranks(_layout, 2, tmp_path, tp=tp, pp=pp, cp=cp, args=(mimo_dir, data, tp, pp, cp, sp))
+    for r in two:
+        for key in ("mtp_losses/mtp_1_loss", "actor/pg_loss", "actor/grad_norm"):
+            assert r["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-6), key
+        for name, tensor in one["weights"].items():
+            torch.testing.assert_close(r["weights"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_start_up_checks(mimo_dir, tiny_model_dir):
+    """enable on the Megatron engine with a MiMo: accepted (enable_train without enable_rollout); a model without
+    MTP layers, pipeline parallelism, or the FSDP engine: errors naming the fix."""
+    import warnings
+
+    from rlfoundry.trainer.config import ConfigError, load_config
+
+    def load(*keys):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load_config(["actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.ref.strategy=megatron",
+                                "critic.strategy=megatron", *keys])
+
+    def error(*keys):
+        with pytest.raises(ConfigError) as e:
+            load(*keys)
+        return str(e.value)
+
+    on = ("actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable_train=true")
+    cfg = load(f"actor_rollout_ref.model.path={mimo_dir}", *on)
+    assert cfg.actor_rollout_ref.model.mtp.enable_train
+    assert "no MTP layers" in error(f"actor_rollout_ref.model.path={tiny_model_dir}", *on)
+    assert "strategy=megatron" in error(f"actor_rollout_ref.model.path={mimo_dir}", *on,
+                                        "actor_rollout_ref.actor.strategy=fsdp")
