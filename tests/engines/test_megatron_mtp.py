@@ -9,7 +9,9 @@ MiMo (a Qwen2 model plus one MTP layer, rlfoundry/models/mimo.py), CPU processes
   without them; mtp_loss_scaling_factor scales the MTP layers' gradients; detach_encoder keeps the MTP loss
   out of the decoder's gradients (and without it, it is in them);
 - a checkpoint saved after one update and resumed gives the second update bit for bit, MTP layers included;
-- TP=2 gives TP=1's MTP loss and update.
+- TP=2 (sequence parallelism on and off), PP=2 and CP=2 give one rank's MTP loss and update;
+- through the hybrid worker (verl's keys, HF rollout): the MTP metric is logged and the rollout's sync takes
+  the updated causal LM without the MTP tensors.
 """
 
 from __future__ import annotations
@@ -280,3 +282,41 @@ def test_start_up_checks(mimo_dir, tiny_model_dir):
     assert "no MTP layers" in error(f"actor_rollout_ref.model.path={tiny_model_dir}", *on)
     assert "strategy=megatron" in error(f"actor_rollout_ref.model.path={mimo_dir}", *on,
                                         "actor_rollout_ref.actor.strategy=fsdp")
+
+
+def _hybrid_worker(rank, model_dir):
+    """verl's keys through the hybrid worker: the HF rollout samples from the MiMo (its causal LM without the
+    MTP layers), the Megatron actor trains with the MTP loss, and the sync after the update (which refuses a
+    tensor the rollout's model has no place for) leaves the MTP tensors out."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from rlfoundry.workers.actor_rollout_ref import ActorRolloutRefWorker
+    from tests.workers import make_prompts, worker_config
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # the process group exists already (run_ranks)
+    os.environ.setdefault("MASTER_PORT", "0")
+    config = worker_config(model_dir, ["actor.strategy=megatron", "actor.megatron.dtype=float32",
+                                       "model.mtp.enable=true", "model.mtp.enable_train=true",
+                                       "model.mtp.detach_encoder=true"])
+    worker = ActorRolloutRefWorker(config, "actor_rollout")
+    worker.init_model()
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), ["1+2=", "3+4=", "5+6=", "7+8="])
+    data = worker.generate_sequences(prompts)
+    data.meta_info = {"temperature": 1.0}
+    data = data.union(worker.compute_log_prob(data))
+    mask = data.batch["response_mask"]
+    data.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    metrics = worker.update_actor(data).meta_info["metrics"]
+    again = worker.generate_sequences(prompts)  # after the sync
+    rollout = dict(worker.rollout.module.named_parameters())
+    actor = dict(worker.engine.iter_hf_weights())
+    return {"metrics": metrics, "responses": again.batch["responses"].shape,
+            "same": all(torch.equal(rollout[k], v) for k, v in actor.items()), "names": (sorted(rollout), sorted(actor))}
+
+
+def test_hybrid_worker_trains_mtp_and_syncs_the_rollout(mimo_dir, tmp_path):
+    [r] = run_ranks(_hybrid_worker, 1, tmp_path, args=(mimo_dir,))
+    assert "mtp_losses/mtp_1_loss" in r["metrics"] and r["metrics"]["mtp_losses/mtp_1_loss"][0] > 0
+    assert r["names"][0] == r["names"][1] and r["same"]  # the rollout holds the updated causal LM, nothing else
