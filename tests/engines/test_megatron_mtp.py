@@ -238,20 +238,31 @@ def test_checkpoint_resume_is_bit_for_bit(mimo_dir, tmp_path):
 
 
 def _layout(rank, model_dir, data, tp, pp, cp, sp=False):
-    return _update(rank, model_dir, data, tp=tp, pp=pp, cp=cp, sp=sp, enable=True, enable_train=True, mtp_loss_scaling_factor=0.3)
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    mine = data.chunk(dp)[ps.get_data_parallel_rank()]  # what the worker's dispatch hands this data-parallel rank
+    out = _update(rank, model_dir, mine, tp=tp, pp=pp, cp=cp, sp=sp, enable=True, enable_train=True,
+                  mtp_loss_scaling_factor=0.3)
+    return {**out, "dp": dp}
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("tp, pp, cp, sp", [(2, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)])
-def test_model_parallel_equals_one_rank(mimo_dir, tmp_path, tp, pp, cp, sp):
+@pytest.mark.parametrize("tp, pp, cp, sp, world", [
+    (2, 1, 1, False, 2), (2, 1, 1, True, 2), (1, 2, 1, False, 2), (1, 1, 2, False, 2), (1, 1, 1, False, 2),
+    pytest.param(2, 2, 1, True, 4, marks=pytest.mark.heavy), pytest.param(1, 2, 2, False, 4, marks=pytest.mark.heavy),
+])
+def test_model_parallel_equals_one_rank(mimo_dir, tmp_path, tp, pp, cp, sp, world):
     """TP=2 (the MTP block's linears and the vocabulary split), PP=2 (the block on the last stage with its
     own copy of the first stage's embedding, their gradients summed) and CP=2 (each rank two chunks of every
     row, the block's inputs rolled across the ranks) equal one rank; TP=2 with sequence parallelism too (the
-    block's norms on 1/TP of the positions, their gradients summed over the ranks)."""
+    block's norms on 1/TP of the positions, their gradients summed over the ranks); DP=2: each rank half the
+    rows, the MTP loss normalised by the whole mini-batch's tokens (heavy: TP×PP and PP×CP on 4 ranks)."""
     data = _data(mimo_dir)
     [one] = run_ranks(_layout, 1, tmp_path, args=(mimo_dir, data, 1, 1, 1))
-    two = run_ranks(_layout, 2, tmp_path, tp=tp, pp=pp, cp=cp, args=(mimo_dir, data, tp, pp, cp, sp))
-    for r in two:
+    ranks = run_ranks(_layout, world, tmp_path, tp=tp, pp=pp, cp=cp, args=(mimo_dir, data, tp, pp, cp, sp))
+    assert ranks[0]["dp"] == world // (tp * pp * cp)
+    for r in ranks:
         for key in ("mtp_losses/mtp_1_loss", "actor/pg_loss", "actor/grad_norm"):
             assert r["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-6), key
         for name, tensor in one["weights"].items():
