@@ -8,7 +8,8 @@ MiMo (a Qwen2 model plus one MTP layer, rlfoundry/models/mimo.py), CPU processes
 - enable_train=false leaves the MTP layers as loaded and the rest of the update equal to a model built
   without them; mtp_loss_scaling_factor scales the MTP layers' gradients; detach_encoder keeps the MTP loss
   out of the decoder's gradients (and without it, it is in them);
-- a checkpoint saved after one update and resumed gives the second update bit for bit, MTP layers included;
+- a checkpoint saved after one update and resumed gives the second update bit for bit, MTP layers included,
+  and its offline export (``rlfoundry export``) writes them;
 - TP=2 (sequence parallelism on and off), PP=2 and CP=2 give one rank's MTP loss and update;
 - through the hybrid worker (verl's keys, HF rollout): the MTP metric is logged and the rollout's sync takes
   the updated causal LM without the MTP tensors.
@@ -220,16 +221,28 @@ def _resume(rank, model_dir, data, root):
     actor = DataParallelPPOActor(cfg, engine, ActorBatchSizes(len(data), 2))
     actor.update_policy(data)
     engine.save_checkpoint(f"{root}/ckpt", extra={})
+    saved = {k: v.clone() for k, v in engine.iter_hf_weights(mtp=True)}
     straight = actor.update_policy(data)
     cfg, again = _engine(model_dir, **mtp)
     again.load_checkpoint(f"{root}/ckpt")
     resumed = DataParallelPPOActor(cfg, again, ActorBatchSizes(len(data), 2)).update_policy(data)
-    return (straight, dict(engine.iter_hf_weights(mtp=True))), (resumed, dict(again.iter_hf_weights(mtp=True)))
+    from rlfoundry.engines.megatron.export import export_megatron_checkpoint
+
+    export_megatron_checkpoint(f"{root}/ckpt", f"{root}/exported")  # `rlfoundry export`: the MTP layers too
+    return (straight, dict(engine.iter_hf_weights(mtp=True))), (resumed, dict(again.iter_hf_weights(mtp=True))), saved
 
 
 def test_checkpoint_resume_is_bit_for_bit(mimo_dir, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
     data = _data(mimo_dir)
-    [((m1, w1), (m2, w2))] = run_ranks(_resume, 1, tmp_path, args=(mimo_dir, data, str(tmp_path)))
+    [((m1, w1), (m2, w2), saved)] = run_ranks(_resume, 1, tmp_path, args=(mimo_dir, data, str(tmp_path)))
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert set(exported) == set(saved)
+    assert all(torch.equal(exported[k], v) for k, v in saved.items())
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert m1["mtp_losses/mtp_1_loss"] == m2["mtp_losses/mtp_1_loss"]
     assert m1["actor/pg_loss"] == m2["actor/pg_loss"]
     assert set(w1) == set(w2) and any(k.startswith("model.mtp_layers.") for k in w1)
@@ -293,6 +306,7 @@ def test_start_up_checks(mimo_dir, tiny_model_dir):
     assert "no MTP layers" in error(f"actor_rollout_ref.model.path={tiny_model_dir}", *on)
     assert "strategy=megatron" in error(f"actor_rollout_ref.model.path={mimo_dir}", *on,
                                         "actor_rollout_ref.actor.strategy=fsdp")
+    assert "LoRA" in error(f"actor_rollout_ref.model.path={mimo_dir}", *on, "actor_rollout_ref.model.lora_rank=4")
 
 
 def _hybrid_worker(rank, model_dir):

@@ -26,6 +26,10 @@ the update does not depend on how the mini-batch is cut into micro-batches; verl
 token means. They agree when the micro-batches hold as many MTP tokens each. Metrics: verl's
 ``mtp_losses/mtp_{k}_loss`` (CE_k, unscaled).
 
+Layouts: tensor (with sequence parallelism), pipeline (the block on the last stage, which keeps
+megatron-core's copy of the embedding), context (the block's inputs rolled across the CP ranks by
+megatron-core, its log-probs gathered into whole rows as the policy's) and data parallelism.
+
 Which positions count for block k (1-based): position t with token t+k+1 a response token
 (``response_mask``) and t itself a real token (so a prompt shorter than k+1 tokens does not feed a
 padded position's hidden state to it).
@@ -44,7 +48,9 @@ from torch import nn
 __all__ = ["MTP_FAMILIES", "MtpTraining", "hf_mtp_layers", "is_mtp_weight", "layout_problems", "mtp_bridge", "targets",
            "without_mtp"]
 
-MTP_FAMILIES = ("mimo",)  # mbridge families whose MTP layers build on megatron-core's local layers here
+# mbridge families whose MTP block this module builds and names (tested on megatron-core's local layers; the
+# TransformerEngine spec, a GPU's, goes the same way and is not run here)
+MTP_FAMILIES = ("mimo",)
 _HF_MTP_PREFIX = "model.mtp_layers."  # MiMo's names (mbridge/models/mimo.py)
 
 

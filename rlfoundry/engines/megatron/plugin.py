@@ -121,6 +121,10 @@ def _check_mtp(cfg: Any) -> list[str]:
     from rlfoundry.engines.megatron import mtp
 
     key = "actor_rollout_ref.model"
+    if int(pick(cfg, f"{key}.lora_rank", 0) or 0) > 0:
+        return [f"{key}.mtp.enable=true with {key}.lora_rank > 0 on the Megatron engine: MTP layers beside LoRA "
+                "adapters are not built (which of them would train, and the adapters' export, are undecided); "
+                "set mtp.enable=false or lora_rank=0."]
     try:
         from rlfoundry.models import mimo  # noqa: F401  (model_type "mimo" for AutoConfig)
 
