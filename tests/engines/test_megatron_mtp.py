@@ -12,7 +12,9 @@ MiMo (a Qwen2 model plus one MTP layer, rlfoundry/models/mimo.py), CPU processes
   and its offline export (``rlfoundry export``) writes them;
 - TP=2 (sequence parallelism on and off), PP=2 and CP=2 give one rank's MTP loss and update;
 - through the hybrid worker (verl's keys, HF rollout): the MTP metric is logged and the rollout's sync takes
-  the updated causal LM without the MTP tensors.
+  the updated causal LM without the MTP tensors;
+- SFT on the Megatron engine (engine=megatron, model.mtp.*) trains them too, or with enable_train=false leaves
+  them and its steps as without them.
 """
 
 from __future__ import annotations
@@ -345,3 +347,57 @@ def test_hybrid_worker_trains_mtp_and_syncs_the_rollout(mimo_dir, tmp_path):
     [r] = run_ranks(_hybrid_worker, 1, tmp_path, args=(mimo_dir,))
     assert "mtp_losses/mtp_1_loss" in r["metrics"] and r["metrics"]["mtp_losses/mtp_1_loss"][0] > 0
     assert r["names"][0] == r["names"][1] and r["same"]  # the rollout holds the updated causal LM, nothing else
+
+
+def _sft_rank(rank: int, runs: list[list[str]], out: str) -> None:
+    """One process: the SFT trainer over each of ``runs``; each run's step metrics and final weights saved."""
+    import os
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from rlfoundry.trainer.sft_trainer import SFTTrainer, load_sft_config
+
+    torch.set_num_threads(1)
+    results = []
+    for overrides in runs:
+        trainer = SFTTrainer(load_sft_config(overrides))
+        steps, log = [], trainer.train_step
+        trainer.train_step = lambda batch, log=log, steps=steps: steps.append(log(batch)) or steps[-1]
+        try:
+            trainer._train_loop()
+            results.append({"steps": steps, "weights": {k: v.clone() for k, v in trainer.engine.iter_hf_weights(mtp=True)}})
+        finally:
+            trainer._finish(0.0)
+    torch.save(results, out)
+    sys.stdout.flush()
+    for child in mp.active_children():
+        child.terminate()
+    os._exit(0)
+
+
+def test_sft_on_megatron_trains_the_mtp_layers(mimo_dir, tmp_path):
+    """verl's SFT line (engine=megatron, model.mtp.*): the MTP loss logged each step and the MTP layers
+    trained; with enable_train=false they stay as loaded and the SFT update equals the model's without them."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    from tests.trainer.test_sft import _overrides
+
+    base = ["engine=megatron", "optim=megatron", "optim.eps=1e-4", "model.cpu_kernels=off",
+            "trainer.total_training_steps=2", "optim.weight_decay=0.01"]
+    runs = [_overrides(mimo_dir, tmp_path / name, *base, *extra) for name, extra in (
+        ("trained", ["model.mtp.enable=true", "model.mtp.enable_train=true", "model.mtp.mtp_loss_scaling_factor=0.5"]),
+        ("frozen", ["model.mtp.enable=true"]), ("plain", []))]
+    out = str(tmp_path / "sft.pt")
+    mp.spawn(_sft_rank, args=(runs, out), nprocs=1, join=True)
+    trained, frozen, plain = torch.load(out, weights_only=False)
+    stored = load_file(f"{mimo_dir}/model.safetensors")
+    mtp = [k for k in stored if k.startswith("model.mtp_layers.")]
+    assert [s["mtp_losses/mtp_1_loss"] > 0 for s in trained["steps"]] == [True, True]
+    assert all(not torch.equal(trained["weights"][k], stored[k]) for k in mtp if "norm" not in k)
+    assert all(torch.equal(frozen["weights"][k], stored[k]) for k in mtp)
+    assert not any(k.startswith("mtp_losses/") for k in frozen["steps"][0])
+    assert [s["train/loss"] for s in frozen["steps"]] == [s["train/loss"] for s in plain["steps"]]
+    for name, tensor in plain["weights"].items():
+        assert torch.equal(frozen["weights"][name], tensor), name

@@ -129,6 +129,13 @@ class MegatronEngine(TrainingEngine):
                                        on_cpu=self.device.type != "cuda", trains=config.trainable)
         if problems:
             raise ValueError(" ".join(problems))
+        if config.mtp_built:  # the plug-in said so at start-up for the PPO actor; SFT and direct use meet it here
+            from rlfoundry.engines.megatron.mtp import layout_problems
+
+            problems = layout_problems("actor_rollout_ref.model" if role == "actor" else "model", config.mtp,
+                                       self.bridge.hf_config, m)
+            if problems:
+                raise ValueError(" ".join(problems))
         chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
         self.sequence_parallel = bool(chunks[0].config.sequence_parallel)  # rows padded for it (forward.py)
         if m.use_dist_checkpointing:  # verl's: the weights from a megatron-core dist checkpoint, not model.path's
