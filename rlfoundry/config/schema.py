@@ -514,8 +514,11 @@ class VerlLoraConfig(Node):
 
 @dataclass
 class MtpConfig(Node):
-    """verl's multi-token prediction (``model.mtp``): not built here; any switch on is a start-up error
-    (trainer/config.py ``_check_unbuilt_model_features``), the sizes are read only with it."""
+    """verl's multi-token prediction (``model.mtp``): the model's MTP layers built (``enable``) and trained
+    beside the policy (``enable_train``, the loss scaled by ``mtp_loss_scaling_factor``; ``detach_encoder``)
+    on the Megatron engine (engines/megatron/mtp.py); ``enable_rollout`` (speculative decoding, the
+    ``speculative_*`` / ``method`` / ``num_speculative_tokens`` keys) is a start-up error (trainer/config.py
+    ``_check_mtp``)."""
 
     enable: bool = False
     enable_train: bool = False

@@ -121,7 +121,7 @@ class SFTModelConfig:
     # rlfoundry: the CPU speed-ups (rlfoundry/cpu); auto: on when training on the CPU
     cpu_kernels: str = _choice("auto", "off")
     fsdp_config: SFTFSDPConfig = _sub(SFTFSDPConfig)
-    mtp: MtpConfig = _sub(MtpConfig)  # verl's multi-token prediction: not built (any switch on is a start-up error)
+    mtp: MtpConfig = _sub(MtpConfig)  # verl's multi-token prediction: engine=megatron trains the MTP layers (mtp.py)
 
 
 @dataclass

@@ -516,8 +516,25 @@ def _check_unsupported(cfg: PPOConfig) -> list[str]:
             + _check_routing_replay(cfg) + _check_unbuilt_model_features(cfg))
 
 
+def _check_mtp(cfg: PPOConfig) -> list[str]:
+    """verl's multi-token prediction (``model.mtp``): trained on the Megatron engine (engines/megatron/mtp.py,
+    whose plug-in checks the model and the layout); no rollout here drafts with the MTP layers."""
+    mtp, errors = cfg.actor_rollout_ref.model.mtp, []
+    if mtp.enable_rollout:
+        errors.append("actor_rollout_ref.model.mtp.enable_rollout=true: speculative decoding with the MTP layers as the "
+                      "draft (verl's SGLang/vLLM speculative_* keys) is not built: the rollout engines here (HF, vLLM, "
+                      "SGLang on CPU) sample without a draft. Set it false; mtp.enable / enable_train still train the "
+                      "MTP layers beside the policy (strategy=megatron).")
+    strategy = cfg.actor_rollout_ref.actor.strategy
+    if mtp.enable and strategy != "megatron":
+        errors.append(f"actor_rollout_ref.model.mtp.enable=true with actor.strategy={strategy}: multi-token prediction "
+                      "(the model's MTP layers, trained beside the policy) is built on the Megatron engine; set "
+                      "actor_rollout_ref.actor.strategy=megatron, or mtp.enable=false.")
+    return errors
+
+
 def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
-    """verl features with keys here but no implementation: multi-token prediction, a quantised rollout, an
+    """verl features with keys here but no implementation: a quantised rollout, an
     attention kernel other than SDPA (Megatron-FSDP: the Megatron plug-in's check)."""
     arr, errors = cfg.actor_rollout_ref, []
     for name in ("quantization", "quantization_config_file"):
@@ -525,12 +542,7 @@ def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
             errors.append(f"actor_rollout_ref.rollout.{name}={getattr(arr.rollout, name)}: a quantised rollout (verl's "
                           "fp8 / torchao weights in the engine, synced from the trainer's) is not built; the rollout runs "
                           "in rollout.dtype. Remove the key.")
-    mtp = arr.model.mtp
-    on = [k for k in ("enable", "enable_train", "enable_rollout") if getattr(mtp, k)]
-    if on:
-        errors.append(f"actor_rollout_ref.model.mtp.{on[0]}=true: multi-token prediction (verl's MTP layers, trained "
-                      "beside the policy or used as the rollout's speculative draft) is not built in rlfoundry; set "
-                      "actor_rollout_ref.model.mtp.enable=false (the model then trains and samples without them).")
+    errors += _check_mtp(cfg)
     for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
         attention = (model.override_config or {}).get("attn_implementation")
         if attention is not None and attention not in SDPA_STANDS_IN_FOR:

@@ -205,10 +205,15 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if cfg.model.partial_pretrain is None:
         errors.append("model.partial_pretrain is required: a local Hugging Face model directory "
                       "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
-    mtp_on = [k for k in ("enable", "enable_train", "enable_rollout") if cfg.model.mtp[k]]
-    if mtp_on:
-        errors.append(f"model.mtp.{mtp_on[0]}=true: multi-token prediction (verl's MTP layers trained beside the model) "
-                      "is not built in rlfoundry; set model.mtp.enable=false.")
+    mtp = cfg.model.mtp
+    if mtp.enable_rollout:
+        errors.append("model.mtp.enable_rollout=true: speculative decoding with the MTP layers is not built (and SFT "
+                      "samples nothing); set it false.")
+    elif (mtp.enable or mtp.enable_train) and cfg.model.strategy != "megatron":
+        on = "enable" if mtp.enable else "enable_train"
+        errors.append(f"model.mtp.{on}=true: multi-token prediction (verl's MTP layers trained beside the model) is "
+                      "built on the Megatron engine (engine=megatron, engines/megatron/mtp.py), not the FSDP one; set "
+                      "engine=megatron or model.mtp.enable=false.")
     if cfg.model.lora_rank and importlib.util.find_spec("peft") is None:
         from rlfoundry.models.lora import PEFT_INSTALL
 
@@ -540,8 +545,9 @@ class SFTTrainer:
                      "does there; bf16 is the GPU precision")
             megatron = dataclasses.replace(megatron, dtype="float32")
         path = str(resolve_model_path(self.config.model.partial_pretrain))
-        return MegatronEngine(MegatronEngineConfig(path, megatron, self._optim(), self.config.optim.clip_grad),
-                              self.device, role=ROLE)
+        # model.mtp: the model's MTP layers, their loss on the response tokens beside the SFT loss (mtp.py)
+        return MegatronEngine(MegatronEngineConfig(path, megatron, self._optim(), self.config.optim.clip_grad,
+                                                   mtp=self.config.model.mtp), self.device, role=ROLE)
 
     def _build_tracking(self) -> Any:
         if self.rank != 0:
@@ -578,7 +584,7 @@ class SFTTrainer:
         lr = self.engine.step_lr_scheduler()  # the lr this step used
         (tokens,) = self._all_reduce(float(batch["response_mask"].sum()) / self._copies)  # ranks holding each row
         return {"train/loss": out["train/loss"][0], "train/lr": lr, "train/grad_norm": out[f"{ROLE}/grad_norm"][0],
-                "train/response_tokens": tokens}
+                "train/response_tokens": tokens, **{k: v[0] for k, v in out.items() if k.startswith("mtp_losses/")}}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:

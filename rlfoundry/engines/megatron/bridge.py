@@ -73,11 +73,15 @@ def initialize_parallel(tp: int, pp: int, vpp: int | None = None, cp: int = 1, s
 
 
 def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_config: dict[str, Any] | None = None,
-                 use_te: bool | None = None, value_model: bool = False) -> Any:
+                 use_te: bool | None = None, value_model: bool = False, mtp: bool = False) -> Any:
     """The mbridge bridge of the checkpoint's model family, for this process's parallel layout
-    (``value_model``: the backbone for a :class:`ValueHead`, its input embedding never tied to a head)."""
+    (``value_model``: the backbone for a :class:`ValueHead`, its input embedding never tied to a head;
+    ``mtp``: with the checkpoint's multi-token-prediction layers, ``mtp.py``; without, they are not built)."""
     from mbridge import AutoBridge
     from transformers import AutoConfig
+
+    from rlfoundry.engines.megatron import mtp as mtp_layers
+    from rlfoundry.models import mimo  # noqa: F401  (model_type "mimo" for AutoConfig)
 
     hf_config = AutoConfig.from_pretrained(model_path)
     if value_model:
@@ -98,6 +102,8 @@ def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_confi
         cls = _local_spec_bridge(cls)
         if moe.is_moe(hf_config):  # experts as megatron-core's SequentialMLP, not mbridge's grouped names
             cls = moe.sequential_experts_bridge(cls)
+    if mtp:
+        cls = mtp_layers.mtp_bridge(cls, use_te)
     if moe.is_moe(hf_config):  # expert_tensor_parallel_size < TP (moe.py)
         cls = moe.expert_tensor_parallel_bridge(cls)
     bridge = cls(hf_config, dtype=dtype)
@@ -107,6 +113,8 @@ def build_bridge(model_path: str, dtype: torch.dtype, override_transformer_confi
     if not use_te:
         extra.update(_UNFUSED)
     overrides = dict(override_transformer_config or {})
+    if not mtp and mtp_layers.hf_mtp_layers(hf_config):  # verl's check_mtp_config: not built unless mtp.enable
+        overrides["mtp_num_layers"] = None
     if moe.is_moe(hf_config):  # the grouped-GEMM experts need TransformerEngine's (or CUDA) kernels
         overrides = moe.moe_overrides(hf_config, overrides, grouped_gemm=use_te)
     bridge.set_extra_args(**{**extra, **overrides})

@@ -88,6 +88,7 @@ class MegatronEngineConfig:
     use_fused_kernels: bool = False  # verl's model.use_fused_kernels: log-probs inside the output layer (fused_head.py)
     fused_kernel_options: dict | None = None
     lora: Any = None  # models.lora.LoraSpec: adapters on the frozen model (lora.py)
+    mtp: Any = None  # verl's model.mtp (the actor's): the model's multi-token-prediction layers (mtp.py)
 
     @property
     def value_model(self) -> bool:
@@ -96,6 +97,14 @@ class MegatronEngineConfig:
     @property
     def trainable(self) -> bool:
         return self.optim is not None
+
+    @property
+    def mtp_built(self) -> bool:
+        return bool(self.mtp is not None and self.mtp.enable)
+
+    @property
+    def mtp_trained(self) -> bool:
+        return self.mtp_built and bool(self.mtp.enable_train) and self.trainable
 
 
 class MegatronEngine(TrainingEngine):
@@ -115,11 +124,18 @@ class MegatronEngine(TrainingEngine):
         if config.model_kind not in ("causal_lm", "token_classification"):
             raise ValueError(f"{role}: the Megatron engine builds causal LMs and value models, not {config.model_kind!r}")
         self.bridge = mb.build_bridge(config.path, torch_dtype(m.dtype), self._transformer_overrides(),
-                                      use_te=self._lora_layers(), value_model=config.value_model)
+                                      use_te=self._lora_layers(), value_model=config.value_model, mtp=config.mtp_built)
         problems = moe.layout_problems(f"{_ROLE_KEYS.get(role, role)}.megatron", self.bridge.hf_config, m,
                                        on_cpu=self.device.type != "cuda", trains=config.trainable)
         if problems:
             raise ValueError(" ".join(problems))
+        if config.mtp_built:  # the plug-in said so at start-up for the PPO actor; SFT and direct use meet it here
+            from rlfoundry.engines.megatron.mtp import layout_problems
+
+            problems = layout_problems("actor_rollout_ref.model" if role == "actor" else "model", config.mtp,
+                                       self.bridge.hf_config, m)
+            if problems:
+                raise ValueError(" ".join(problems))
         chunks = mb.build_model(self.bridge, self.device, value_head=config.value_model)
         self.sequence_parallel = bool(chunks[0].config.sequence_parallel)  # rows padded for it (forward.py)
         if m.use_dist_checkpointing:  # verl's: the weights from a megatron-core dist checkpoint, not model.path's
@@ -129,6 +145,7 @@ class MegatronEngine(TrainingEngine):
             mb.load_hf_weights(self.bridge, chunks, config.path)
         # a frozen engine with adapters: the offline export of a LoRA checkpoint (export.py)
         self.lora = self._attach_lora(chunks) if config.lora is not None else None
+        self._mtp = self._attach_mtp(chunks) if config.mtp_built else None
         self.optimizer = self.lr_scheduler = None
         if config.trainable:
             chunks, self.optimizer = self._wrap_for_training(chunks)
@@ -139,6 +156,9 @@ class MegatronEngine(TrainingEngine):
         self.chunks = chunks
         self._routing = self._routing_replay(chunks)
         fused = fused_kernels_wanted(config.use_fused_kernels, config.fused_kernel_options, config.model_kind)
+        if fused and self._mtp is not None:  # verl turns them off with MTP too: the MTP loss needs the plain head
+            say_once(f"{role}: use_fused_kernels is off with model.mtp.enable (the MTP loss runs the plain output layer)")
+            fused = False
         layer = output_layer(chunks[-1]) if fused else None
         self._fused = MegatronFusedHead(layer) if layer is not None else None  # None: not the last stage
         self._offload = off.StorageOffload(self.device)
@@ -182,6 +202,17 @@ class MegatronEngine(TrainingEngine):
         if spec.adapter_path:
             adapters.load_peft(ml.read_peft_adapter(spec.adapter_path))
         return adapters
+
+    def _attach_mtp(self, chunks: list[nn.Module]) -> Any:
+        """The MTP block's loss on the last stage (``mtp.py``); without ``enable_train`` its layers frozen."""
+        from rlfoundry.engines.megatron.mtp import MtpTraining
+
+        mtp = self.config.mtp
+        owner = [c for c in chunks if getattr(c, "mtp_process", False)]
+        if not self.config.mtp_trained:
+            for chunk in owner:  # no gradient, so no weight decay either: they stay as loaded
+                chunk.mtp.requires_grad_(False)
+        return MtpTraining(owner, mtp.mtp_loss_scaling_factor, mtp.detach_encoder) if owner else None
 
     def _transformer_overrides(self) -> dict[str, Any]:
         m = self.config.megatron
@@ -341,18 +372,26 @@ class MegatronEngine(TrainingEngine):
         info = global_batch_info(mini.batch[plan.mask_key], self.dp_size, self.dp_group)
         micros, _ = plain_micro_batches(mini, self._per_rank_budget(plan.micro), None)
         stats = MiniBatchStats()
+        mtp = self._mtp if self.config.mtp_trained and self._mtp is not None else None
+        if mtp is not None:
+            mtp.begin(dict(mini.batch.items()), plan.mask_key, self.dp_size, self.dp_group)
+            around = _with_mtp(around, mtp)
 
         def loss(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor]):
             out: LossOutput = loss_fn(outputs, micro, info)
             stats.add(out, micro[plan.mask_key].sum())  # a 0-d tensor: read once with the metrics, not per micro-batch
-            return out.loss, {}
+            extra = mtp.take() if mtp is not None else None  # the MTP block's loss of this micro-batch's forward
+            return (out.loss if extra is None else out.loss + extra), {}
 
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         run_schedule(self.chunks, [dict(m.batch.items()) for m in micros], outputs_fn, loss, around=around)
         self._routing.check_recomputed()
-        metrics = mb.from_last_stage(stats.reduce(self.dp_size, self.dp_group) if self._last_stage() else None)
+        reduced = stats.reduce(self.dp_size, self.dp_group) if self._last_stage() else None
+        if reduced is not None and mtp is not None:
+            reduced |= mtp.metrics(self.dp_group)
+        metrics = mb.from_last_stage(reduced)
         metrics[f"{self.role}/grad_norm"] = self._optimizer_step()
         return metrics
 
@@ -417,13 +456,19 @@ class MegatronEngine(TrainingEngine):
     def _bare_chunks_of(chunks: list[nn.Module]) -> list[nn.Module]:
         return [getattr(c, "module", c) for c in chunks]
 
-    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(self, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The HF tensors; the MTP layers' only with ``mtp`` (what the rollout's sync takes leaves them
+        out: no rollout here drafts with them, and a causal LM class has no place for them)."""
+        from rlfoundry.engines.megatron.mtp import is_mtp_weight
+
         with self.resident("params") as restored:
             # a tensor that is a parameter's own storage (no gather needed: TP-replicated norms, or
             # any at TP=1) is copied when the parameters go back to the host afterwards, so what the
             # caller keeps stays readable; otherwise it is the live parameter (base.py's contract)
             own = off.storage_ids(off.param_tensors(self.chunks)) if "params" in restored else set()
             for name, tensor in self._hf_stream():
+                if not mtp and is_mtp_weight(name):
+                    continue
                 if tensor.untyped_storage()._cdata in own:
                     tensor = tensor.detach().clone()
                 yield name, tensor
@@ -689,7 +734,11 @@ class MegatronEngine(TrainingEngine):
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         if not self.config.value_model:
-            return AutoConfig.from_pretrained(self.config.path)
+            from rlfoundry.engines.megatron.mtp import without_mtp
+            from rlfoundry.models import mimo  # noqa: F401  (model_type "mimo")
+
+            config = AutoConfig.from_pretrained(self.config.path)
+            return config if self.config.mtp_built else without_mtp(config)  # the MTP layers written only if built
         config = AutoConfig.from_pretrained(self.config.path, num_labels=1)
         config.architectures = [AutoModelForTokenClassification._model_mapping[type(config)].__name__]
         config.tie_word_embeddings = False
@@ -705,7 +754,7 @@ class MegatronEngine(TrainingEngine):
 
         writer = not dist.is_initialized() or dist.get_rank() == 0
         weights = {}
-        for name, tensor in self.iter_hf_weights():  # every rank takes part; only the writer keeps a copy
+        for name, tensor in self.iter_hf_weights(mtp=True):  # every rank takes part; only the writer keeps a copy
             if writer:
                 weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
         if writer:
@@ -729,6 +778,15 @@ def _fused_outputs(spec: LogProbs, cp_local: bool, columns: torch.Tensor, micro:
     padding = micro["attention_mask"][:, -responses.shape[1]:] == 0
     return {key: response_positions(columns[..., COLUMNS.index(key)], micro, cp_local).masked_fill(padding, 0.0)
             for key in COLUMNS if wanted[key]}
+
+
+def _with_mtp(around: Any, mtp: Any):
+    """``around`` (the engine's per-micro-batch context) with the micro-batch handed to the MTP loss too."""
+    @contextlib.contextmanager
+    def both(micro: dict[str, torch.Tensor]) -> Iterator[None]:
+        with (around(micro) if around is not None else contextlib.nullcontext()), mtp.micro_batch(micro):
+            yield
+    return both
 
 
 def _clip_grad_norm(optimizer: Any, clip: float) -> float:

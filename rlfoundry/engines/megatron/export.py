@@ -44,20 +44,26 @@ def export_megatron_checkpoint(local_path: str | os.PathLike, out_path: str | os
     LoRA actor's or critic's (its marker records the adapter) merged, or with ``adapter_only`` its peft adapter directory."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from rlfoundry.config.schema import MegatronConfig
+    from rlfoundry.config.schema import MegatronConfig, MtpConfig
     from rlfoundry import checkpoint as ckpt
     from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
 
     path = Path(local_path)
     meta = ckpt.read_component_marker(path)
     hf_dir = path / ckpt.HF_CONFIG_DIR
-    arch = (AutoConfig.from_pretrained(hf_dir).architectures or ["ForCausalLM"])[0]
+    from rlfoundry.engines.megatron.mtp import hf_mtp_layers
+    from rlfoundry.models import mimo  # noqa: F401  (model_type "mimo" for AutoConfig)
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    arch = (hf_config.architectures or ["ForCausalLM"])[0]
     kind = "token_classification" if arch.endswith("ForTokenClassification") else "causal_lm"
     # the dtype it trained in: the exported tensors are those the model held
     megatron = MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               use_distributed_optimizer=False, dtype=meta.get("dtype", "float32"))
     config = MegatronEngineConfig(str(hf_dir), megatron, optim=None, model_kind=kind, load_hf_weights=False,
-                                  lora=_lora_spec(meta.get("lora")))
+                                  lora=_lora_spec(meta.get("lora")),
+                                  # the config an engine writes counts MTP layers only where it built them (mtp.py)
+                                  mtp=MtpConfig(enable=True) if hf_mtp_layers(hf_config) else None)
     with _single_process_group():
         engine = MegatronEngine(config, "cpu", role=path.name)
         engine.load_checkpoint(str(path))

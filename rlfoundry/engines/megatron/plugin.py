@@ -37,7 +37,9 @@ class MegatronPlugin(EnginePlugin):
                                       model_kind=request.model_kind,
                                       use_fused_kernels=bool(getattr(request.model, "use_fused_kernels", False)),
                                       fused_kernel_options=dict(getattr(request.model, "fused_kernel_options", None) or {}),
-                                      lora=request.lora)
+                                      lora=request.lora,
+                                      # the actor's MTP layers (mtp.py); the reference and the critic build without
+                                      mtp=getattr(request.model, "mtp", None) if role == "actor" else None)
         return MegatronEngine(config, device, role=role)
 
     def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
@@ -106,10 +108,32 @@ class MegatronPlugin(EnginePlugin):
         policy = any(k.startswith("actor_rollout_ref.") for k in roles)
         if "actor_rollout_ref.actor" in roles and pick(cfg, "actor_rollout_ref.actor.router_replay.mode", "disabled") != "disabled":
             errors += moe.replay_problems("actor_rollout_ref.actor.megatron", pick(cfg, "actor_rollout_ref.actor.megatron"))
+        if "actor_rollout_ref.actor" in roles and pick(cfg, "actor_rollout_ref.model.mtp.enable", False):
+            errors += _check_mtp(cfg)
         if policy and pick(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
             errors += check_fused_kernels(pick(cfg, "actor_rollout_ref.model.fused_kernel_options", None),
                                           "actor_rollout_ref.model")
         return errors
+
+
+def _check_mtp(cfg: Any) -> list[str]:
+    """model.mtp.enable: a model with MTP layers this engine builds, in a layout it trains them in (mtp.py)."""
+    from rlfoundry.engines.megatron import mtp
+
+    key = "actor_rollout_ref.model"
+    if int(pick(cfg, f"{key}.lora_rank", 0) or 0) > 0:
+        return [f"{key}.mtp.enable=true with {key}.lora_rank > 0 on the Megatron engine: MTP layers beside LoRA "
+                "adapters are not built (which of them would train, and the adapters' export, are undecided); "
+                "set mtp.enable=false or lora_rank=0."]
+    try:
+        from rlfoundry.models import mimo  # noqa: F401  (model_type "mimo" for AutoConfig)
+
+        hf_config = _local_hf_config(pick(cfg, f"{key}.path"))
+    except (OSError, ValueError):  # the model's own checks say what is wrong with the path
+        return []
+    if hf_config is None:
+        return []
+    return mtp.layout_problems(key, pick(cfg, f"{key}.mtp"), hf_config, pick(cfg, "actor_rollout_ref.actor.megatron"))
 
 
 def _optimizer_offload_problems(key: str, overrides: dict, role: Any = None) -> list[str]:
