@@ -189,15 +189,12 @@ def test_a_grpo_step_with_model_engine_veomni_runs_on_the_fsdp_engine_with_the_m
 
 def test_expert_parallel_layouts_that_cannot_run_are_start_up_errors(tiny_moe_dir):
     """The FSDP plug-in's layout checks at load (the engine checks the built model again): the ranks, the
-    model's 8 experts (its config.json), Ulysses and LoRA, each named with the key."""
+    model's 8 experts (its config.json) and LoRA, each named with the key."""
     model = f"actor_rollout_ref.model.path={tiny_moe_dir}"
     key = f"{ACTOR}.fsdp_config.expert_parallel_size"
     assert "does not divide the 2 ranks" in _error(model, "trainer.n_gpus_per_node=2", f"{key}=4")
     assert "does not divide the model's 8 experts" in _error(model, "trainer.n_gpus_per_node=3",
                                                              f"{ACTOR}.veomni.expert_parallel_size=3",
                                                              "model_engine=veomni")
-    message = _error(model, "trainer.n_gpus_per_node=2", f"{key}=2", f"{ACTOR}.ulysses_sequence_parallel_size=2",
-                     "actor_rollout_ref.model.use_remove_padding=true")
-    assert f"{key}=2" in message and "ulysses_sequence_parallel_size" in message
     assert "LoRA" in _error(model, "trainer.n_gpus_per_node=2", f"{key}=2", "actor_rollout_ref.model.lora_rank=8")
     _load(model, "trainer.n_gpus_per_node=4", *BATCH, f"{key}=2")  # a layout it takes

@@ -30,12 +30,13 @@ from tests.workers import first_step_gradients
 KEYS = ("sft/loss", "moe/aux_loss", "moe/z_loss", "sft/grad_norm")
 
 
-def _engine(model_dir, override=None, fsdp: FSDPConfig | None = None) -> FSDPEngine:
+def _engine(model_dir, override=None, fsdp: FSDPConfig | None = None, **fields) -> FSDPEngine:
     """test_fsdp_moe's engine with Adam's eps at 1e-6: at the default 1e-8 an expert weight whose gradient is
     ~5e-9 (a token's faint share) moves by lr · g / (|g| + eps), which fp32 rounding of g in another sum order
     shifts by 5e-5; the weights after a step are then compared to 1e-5 like the gradients."""
     config = FSDPEngineConfig(path=str(model_dir), fsdp=fsdp or FSDPConfig(), grad_clip=1e9, cpu_kernels="off",
-                              optim=OptimConfig(lr=1e-2, weight_decay=0.0, eps=1e-6), override_config=dict(override or {}))
+                              optim=OptimConfig(lr=1e-2, weight_decay=0.0, eps=1e-6), override_config=dict(override or {}),
+                              **fields)
     return FSDPEngine.build(config, "cpu", role="sft")
 
 
@@ -176,8 +177,6 @@ def test_layouts_expert_parallelism_cannot_take_are_start_up_errors(process_grou
         ep.check_expert_parallel(3, module, world=3)
     with pytest.raises(ValueError, match="does not divide the 2 ranks"):
         ep.check_expert_parallel(4, module, world=2)
-    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size"):
-        ep.check_expert_parallel(2, module, world=2, ulysses=2)
     with pytest.raises(ValueError, match="LoRA"):
         ep.check_expert_parallel(2, module, world=2, lora=True)
     with pytest.raises(ValueError, match="fsdp_size=1"):
@@ -226,3 +225,36 @@ def test_expert_parallel_log_probs_replay_the_batch_routing(process_group, tiny_
         joined = torch.cat([g[key] for g in got])
         torch.testing.assert_close(joined, single[key], atol=1e-5, rtol=0, msg=key)
     assert float((single["log_probs"] - unreplayed["log_probs"])[mask].abs().max()) > 1e-3  # the replay was used
+
+
+# ---- with Ulysses sequence parallelism ----------------------------------------------------------------------
+
+def _ulysses_rank_main(rank: int, store: str, out: str, model_dir, data) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    engine = _engine(model_dir, fsdp=FSDPConfig(expert_parallel_size=2), use_remove_padding=True,
+                     ulysses_sequence_parallel_size=2)
+    rows, _ = engine.model_parallel_rows(data.chunk(2)[rank])
+    metrics = _train(engine, rows)
+    torch.save((metrics, first_step_gradients(engine.optimizer, engine.module)), f"{out}.{rank}")
+    dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
+@pytest.mark.numerics
+def test_expert_parallel_with_ulysses_takes_the_update_of_one_rank(process_group, tiny_moe_dir, tmp_path):
+    """EP=2 and Ulysses SP=2 on two ranks: each rank dispatches the tokens of its slice of the packed sequence;
+    the loss, grad norm and gradients equal one rank's packed update (1e-5)."""
+    data = _batch()
+    rank_server.run(_ulysses_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "sp.pt"), tiny_moe_dir, data),
+                    nprocs=2)
+    single = _engine(tiny_moe_dir, fsdp=FSDPConfig(single_rank="fsdp"), use_remove_padding=True)
+    metrics = _train(single, data, 2)
+    grads = first_step_gradients(single.optimizer, single.module)
+    for got_metrics, got_grads in (torch.load(f"{tmp_path / 'sp.pt'}.{r}") for r in (0, 1)):
+        for key in ("sft/loss", "sft/grad_norm"):
+            assert got_metrics[key] == pytest.approx(metrics[key], abs=1e-5), key
+        for name, grad in grads.items():
+            torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=0, msg=name)

@@ -476,8 +476,7 @@ def _shard_experts(cfg: FSDPEngineConfig, module: nn.Module, device: torch.devic
     """Expert parallelism (``fsdp_config.expert_parallel_size``): start-up errors for a layout it cannot take,
     then each rank keeps its experts and dispatches tokens to the others' (``expert_parallel.py``)."""
     size = cfg.fsdp.expert_parallel_size
-    ep.check_expert_parallel(size, module, ulysses=cfg.ulysses_sequence_parallel_size,
-                             lora=cfg.lora is not None and cfg.trainable, fsdp_size=cfg.fsdp.fsdp_size)
+    ep.check_expert_parallel(size, module, lora=cfg.lora is not None and cfg.trainable, fsdp_size=cfg.fsdp.fsdp_size)
     sharded = ep.ExpertParallel.shard(module, size, device)
     say_once(f"expert parallelism {size}: each rank holds {sharded.experts[0].num_experts} experts of each of "
              f"{len(sharded.experts)} routed layers; tokens reach them by all-to-all")

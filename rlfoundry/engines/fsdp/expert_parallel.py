@@ -18,6 +18,10 @@ The grad norm takes each mesh's parameters apart (``utils.clip_grad_norm_tensor_
 do not stack. Checkpoints (torch.distributed.checkpoint) and the HF weight stream (``full_tensor``) read the
 DTensors' global shape, so a checkpoint or an export is the same with and without EP.
 
+Ulysses. Outside attention each rank of a sequence-parallel group computes its own slice of the packed
+sequence, so it dispatches its own tokens as any rank does; its loss gradients are scaled so that all W
+ranks' contributions sum to W × the gradient, as without SP (``ulysses.py``): the divide factor stays W.
+
 Rollout. The HF rollout decodes rank by rank, each rank a different number of tokens, so no collective can
 run inside a decode step: while the parameters are gathered for it (``utils.unsharded``) every rank holds
 its layers' full experts and runs them itself (``full_experts``).
@@ -43,7 +47,7 @@ __all__ = ["ExpertParallel", "check_expert_parallel", "EP_ATTR"]
 EP_ATTR = "_rlf_expert_parallel"
 
 
-def check_expert_parallel(size: int, module: nn.Module | None = None, *, world: int | None = None, ulysses: int = 1,
+def check_expert_parallel(size: int, module: nn.Module | None = None, *, world: int | None = None,
                           lora: bool = False, fsdp_size: int = -1, num_experts: int | None = None,
                           key: str = "fsdp_config.expert_parallel_size") -> None:
     """Start-up errors, naming the fix, for a layout expert parallelism cannot take (``module``: the model,
@@ -56,9 +60,6 @@ def check_expert_parallel(size: int, module: nn.Module | None = None, *, world: 
     problems = []
     if world % size:
         problems.append(f"it does not divide the {world} ranks of the worker group (use a divisor of {world})")
-    if ulysses > 1:
-        problems.append("with ulysses_sequence_parallel_size > 1 is not built (the ranks of an SP group would "
-                        "dispatch slices of one sequence); use one of the two")
     if lora:
         problems.append("with LoRA (model.lora_rank > 0) is not built (peft's adapters do not wrap the fused "
                         "expert weights' DTensor shards); train the full model or set expert_parallel_size=1")

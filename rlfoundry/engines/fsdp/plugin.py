@@ -79,7 +79,6 @@ def _check_experts(cfg: Any, key: str, world_size: int) -> list[str]:
     try:
         check_expert_parallel(size, world=world_size, num_experts=_config_value(pick(cfg, f"{model}.path", None),
                                                                               EXPERT_COUNT_KEYS),
-                              ulysses=int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1),
                               lora=int(pick(cfg, f"{model}.lora_rank", 0) or 0) > 0 and key != "actor_rollout_ref.ref",
                               fsdp_size=int(pick(cfg, f"{fsdp}.fsdp_size", -1)), key=f"{fsdp}.expert_parallel_size")
     except ValueError as e:
