@@ -227,14 +227,13 @@ def test_expert_parallel_log_probs_replay_the_batch_routing(process_group, tiny_
     assert float((single["log_probs"] - unreplayed["log_probs"])[mask].abs().max()) > 1e-3  # the replay was used
 
 
-# ---- with Ulysses sequence parallelism ----------------------------------------------------------------------
+# ---- one update against one rank's: with Ulysses, and the other MoE families -------------------------------
 
-def _ulysses_rank_main(rank: int, store: str, out: str, model_dir, data) -> None:
+def _update_rank_main(rank: int, store: str, out: str, model_dir, data, override, fields) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    engine = _engine(model_dir, fsdp=FSDPConfig(expert_parallel_size=2), use_remove_padding=True,
-                     ulysses_sequence_parallel_size=2)
-    rows, _ = engine.model_parallel_rows(data.chunk(2)[rank])
+    engine = _engine(model_dir, override, fsdp=FSDPConfig(expert_parallel_size=2), **fields)
+    rows, _ = engine.model_parallel_rows(data.chunk(2)[rank])  # under Ulysses the SP group pools its rows
     metrics = _train(engine, rows)
     torch.save((metrics, first_step_gradients(engine.optimizer, engine.module)), f"{out}.{rank}")
     dist.destroy_process_group()
@@ -243,18 +242,38 @@ def _ulysses_rank_main(rank: int, store: str, out: str, model_dir, data) -> None
     os._exit(0)
 
 
-@pytest.mark.numerics
-def test_expert_parallel_with_ulysses_takes_the_update_of_one_rank(process_group, tiny_moe_dir, tmp_path):
-    """EP=2 and Ulysses SP=2 on two ranks: each rank dispatches the tokens of its slice of the packed sequence;
-    the loss, grad norm and gradients equal one rank's packed update (1e-5)."""
+def _check_update_against_one_rank(tmp_path, model_dir, keys: tuple[str, ...], override=None, **fields) -> None:
+    """EP=2 over two ranks (each half the rows) against one rank wrapped in FSDP2 with the same ``fields``:
+    the metrics ``keys`` and every gradient within 1e-5."""
     data = _batch()
-    rank_server.run(_ulysses_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "sp.pt"), tiny_moe_dir, data),
-                    nprocs=2)
-    single = _engine(tiny_moe_dir, fsdp=FSDPConfig(single_rank="fsdp"), use_remove_padding=True)
+    rank_server.run(_update_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "u.pt"), model_dir, data,
+                                             override, fields), nprocs=2)
+    plain = {k: v for k, v in fields.items() if k != "ulysses_sequence_parallel_size"}
+    single = _engine(model_dir, override, fsdp=FSDPConfig(single_rank="fsdp"), **plain)
     metrics = _train(single, data, 2)
     grads = first_step_gradients(single.optimizer, single.module)
-    for got_metrics, got_grads in (torch.load(f"{tmp_path / 'sp.pt'}.{r}") for r in (0, 1)):
-        for key in ("sft/loss", "sft/grad_norm"):
+    for got_metrics, got_grads in (torch.load(f"{tmp_path / 'u.pt'}.{r}") for r in (0, 1)):
+        for key in keys:
             assert got_metrics[key] == pytest.approx(metrics[key], abs=1e-5), key
         for name, grad in grads.items():
             torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.numerics
+def test_expert_parallel_with_ulysses_takes_the_update_of_one_rank(process_group, tiny_moe_dir, tmp_path):
+    """EP=2 and Ulysses SP=2 on two ranks: each rank dispatches the tokens of its slice of the packed sequence;
+    the loss, grad norm and gradients equal one rank's packed update (1e-5). No router losses: under Ulysses
+    they are a start-up error with or without EP."""
+    _check_update_against_one_rank(tmp_path, tiny_moe_dir, ("sft/loss", "sft/grad_norm"), use_remove_padding=True,
+                                   ulysses_sequence_parallel_size=2)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_expert_parallel_other_families_take_the_update_of_one_rank(process_group, tmp_path_factory, tmp_path, arch):
+    """Qwen2-MoE (a gated shared expert, outside the dispatch), DeepSeek-V3 (a dense first layer, grouped
+    routing) and GPT-OSS (biased experts: the biases shard by expert too) under EP=2, with gradient
+    checkpointing (the backward recomputes each layer's forward, its two all-to-alls included): one rank's
+    losses, grad norm and gradients (1e-5)."""
+    model_dir = save_tiny_model(tmp_path_factory.mktemp(f"ep-{arch}"), arch=arch)
+    _check_update_against_one_rank(tmp_path, model_dir, KEYS, LOSSES_ON, gradient_checkpointing=True)
