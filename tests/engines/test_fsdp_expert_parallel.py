@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
+from transformers import AutoModelForCausalLM
 
 from rlfoundry.config.schema import FSDPConfig, OptimConfig
 from rlfoundry.engines.base import LogProbs, MicroBatching, UpdatePlan
@@ -20,21 +21,22 @@ from rlfoundry.engines.fsdp import expert_parallel as ep
 from rlfoundry.engines.fsdp import utils as fu
 from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
 from rlfoundry.models.tiny import save_tiny_model
+from rlfoundry.workers.rollout.hf_rollout import HFRollout
 from rlfoundry.workers.weight_sync import checkpoint_named
 from tests import rank_server
 from tests.engines.test_fsdp_moe import LOSSES_ON, _batch, _nll
-from tests.engines.test_fsdp_routing_replay import rollout_batch  # noqa: F401 - fixture
+from tests.engines.test_fsdp_routing_replay import EOS_THIRD, TEXTS, rollout_batch  # noqa: F401 - fixture
 from tests.engines.test_fsdp_utils import process_group  # noqa: F401 - fixture
-from tests.workers import first_step_gradients
+from tests.workers import first_step_gradients, make_prompts, worker_config
 
 KEYS = ("sft/loss", "moe/aux_loss", "moe/z_loss", "sft/grad_norm")
 
 
-def _engine(model_dir, override=None, fsdp: FSDPConfig | None = None, **fields) -> FSDPEngine:
+def _engine(model_dir, override=None, fsdp: FSDPConfig | None = None, grad_clip: float = 1e9, **fields) -> FSDPEngine:
     """test_fsdp_moe's engine with Adam's eps at 1e-6: at the default 1e-8 an expert weight whose gradient is
     ~5e-9 (a token's faint share) moves by lr · g / (|g| + eps), which fp32 rounding of g in another sum order
     shifts by 5e-5; the weights after a step are then compared to 1e-5 like the gradients."""
-    config = FSDPEngineConfig(path=str(model_dir), fsdp=fsdp or FSDPConfig(), grad_clip=1e9, cpu_kernels="off",
+    config = FSDPEngineConfig(path=str(model_dir), fsdp=fsdp or FSDPConfig(), grad_clip=grad_clip, cpu_kernels="off",
                               optim=OptimConfig(lr=1e-2, weight_decay=0.0, eps=1e-6), override_config=dict(override or {}),
                               **fields)
     return FSDPEngine.build(config, "cpu", role="sft")
@@ -118,7 +120,9 @@ def _check_against_one_rank(ranks: list[dict], single: dict, tmp_path, world: in
     for f in sorted((tmp_path / "hf").glob("*.safetensors")):
         exported.update(load_file(str(f)))
     for r, got in enumerate(ranks):
-        for key in KEYS:
+        moe = [k for k in single["metrics"] if k.startswith("moe/layer")]  # router metrics: the update's forward's
+        assert moe
+        for key in (*KEYS, *moe):
             assert got["metrics"][key] == pytest.approx(single["metrics"][key], abs=1e-5), (r, key)
             assert got["second"][key] == pytest.approx(single["second"][key], abs=1e-5), (r, key)
         # the next step after a resume is the uninterrupted one, bit for bit
@@ -190,13 +194,22 @@ def test_layouts_expert_parallelism_cannot_take_are_start_up_errors(process_grou
         _engine(tiny_moe_dir, fsdp=FSDPConfig(expert_parallel_size=2))
 
 
-# ---- routing replay (R3) under expert parallelism -----------------------------------------------------------
+# ---- routing replay (R3) and the HF rollout under expert parallelism ------------------------------------------
 
-def _replay_rank_main(rank: int, store: str, out: str, model_dir, perturbed) -> None:
+def _greedy(module, rollout_cfg, ids: tuple[int, int], prompts) -> torch.Tensor:
+    """The HF rollout's greedy responses from ``module`` (the EP engine's own, or a plain one)."""
+    engine = HFRollout(module, rollout_cfg, *ids, static_decode=False)
+    prompts.meta_info.update(do_sample=False, eos_token_id=EOS_THIRD)
+    return engine.generate_sequences(prompts).batch["responses"]
+
+
+def _replay_rank_main(rank: int, store: str, out: str, model_dir, perturbed, rollout) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     engine = _engine(model_dir, fsdp=FSDPConfig(expert_parallel_size=2))
-    torch.save(_log_probs(engine, perturbed.chunk(2)[rank]), f"{out}.{rank}")
+    # each rank samples other prompts, ending at other lengths: no collective may run inside a decode step
+    responses = _greedy(engine.rollout_module(), rollout["cfg"], rollout["ids"], rollout["prompts"][rank])
+    torch.save((_log_probs(engine, perturbed.chunk(2)[rank]), responses), f"{out}.{rank}")
     dist.destroy_process_group()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -209,13 +222,24 @@ def _log_probs(engine, data) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.numerics
-def test_expert_parallel_log_probs_replay_the_batch_routing(process_group, tiny_moe_dir, rollout_batch, tmp_path):
+def test_expert_parallel_log_probs_replay_the_batch_routing_and_the_rollout_decodes(process_group, tiny_moe_dir,
+                                                                                   rollout_batch, tokenizer, tmp_path):
     """R3 with EP=2: the routers' replay hooks act before the dispatch, so each rank's log-probs on a batch whose
-    recorded routing was moved equal one rank's replayed ones (1e-5), and the routing-change counts are the same."""
+    recorded routing was moved equal one rank's replayed ones (1e-5), and the routing-change counts are the same.
+    The HF rollout on the EP engine's module, each rank its own prompts (1 and 3) ending at other lengths,
+    samples greedily what the plain model samples."""
     _, perturbed = rollout_batch
-    rank_server.run(_replay_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "lp.pt"), tiny_moe_dir, perturbed),
-                    nprocs=2)
-    got = [torch.load(f"{tmp_path / 'lp.pt'}.{r}") for r in (0, 1)]
+    cfg = worker_config(tiny_moe_dir, ["rollout.response_length=10"])["rollout"]
+    ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    prompts = [make_prompts(tokenizer, TEXTS[:1]), make_prompts(tokenizer, TEXTS[1:])]
+    rollout = {"cfg": cfg, "ids": ids, "prompts": prompts}
+    rank_server.run(_replay_rank_main, args=(str(tmp_path / "store"), str(tmp_path / "lp.pt"), tiny_moe_dir, perturbed,
+                                             rollout), nprocs=2)
+    loaded = [torch.load(f"{tmp_path / 'lp.pt'}.{r}", weights_only=False) for r in (0, 1)]
+    got = [lp for lp, _ in loaded]
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    for (_, responses), rank_prompts in zip(loaded, prompts):
+        assert torch.equal(responses, _greedy(model, cfg, ids, rank_prompts))
     single = _log_probs(_engine(tiny_moe_dir, fsdp=FSDPConfig(single_rank="fsdp")), perturbed)
     plain = _engine(tiny_moe_dir, fsdp=FSDPConfig(single_rank="fsdp"))
     unreplayed = plain.infer_batch(perturbed.select(batch_keys=["input_ids", "attention_mask", "position_ids",
@@ -274,6 +298,7 @@ def test_expert_parallel_other_families_take_the_update_of_one_rank(process_grou
     """Qwen2-MoE (a gated shared expert, outside the dispatch), DeepSeek-V3 (a dense first layer, grouped
     routing) and GPT-OSS (biased experts: the biases shard by expert too) under EP=2, with gradient
     checkpointing (the backward recomputes each layer's forward, its two all-to-alls included): one rank's
-    losses, grad norm and gradients (1e-5)."""
+    losses, grad norm and gradients (1e-5), the gradients clipped to norm 0.05 (far below the norm): the experts'
+    and the dense parameters' norms, on two meshes, make one norm and one clipping factor."""
     model_dir = save_tiny_model(tmp_path_factory.mktemp(f"ep-{arch}"), arch=arch)
-    _check_update_against_one_rank(tmp_path, model_dir, KEYS, LOSSES_ON, gradient_checkpointing=True)
+    _check_update_against_one_rank(tmp_path, model_dir, KEYS, LOSSES_ON, gradient_checkpointing=True, grad_clip=0.05)
