@@ -36,7 +36,8 @@ def _engine(model_dir, override=None, fsdp: FSDPConfig | None = None, grad_clip:
     """test_fsdp_moe's engine with Adam's eps at 1e-6: at the default 1e-8 an expert weight whose gradient is
     ~5e-9 (a token's faint share) moves by lr · g / (|g| + eps), which fp32 rounding of g in another sum order
     shifts by 5e-5; the weights after a step are then compared to 1e-5 like the gradients."""
-    config = FSDPEngineConfig(path=str(model_dir), fsdp=fsdp or FSDPConfig(), grad_clip=grad_clip, cpu_kernels="off",
+    fields = {"cpu_kernels": "off", **fields}
+    config = FSDPEngineConfig(path=str(model_dir), fsdp=fsdp or FSDPConfig(), grad_clip=grad_clip,
                               optim=OptimConfig(lr=1e-2, weight_decay=0.0, eps=1e-6), override_config=dict(override or {}),
                               **fields)
     return FSDPEngine.build(config, "cpu", role="sft")
@@ -302,3 +303,10 @@ def test_expert_parallel_other_families_take_the_update_of_one_rank(process_grou
     and the dense parameters' norms, on two meshes, make one norm and one clipping factor."""
     model_dir = save_tiny_model(tmp_path_factory.mktemp(f"ep-{arch}"), arch=arch)
     _check_update_against_one_rank(tmp_path, model_dir, KEYS, LOSSES_ON, gradient_checkpointing=True, grad_clip=0.05)
+
+
+@pytest.mark.numerics
+def test_expert_parallel_with_the_cpu_kernels_takes_the_update_of_one_rank(process_group, tiny_moe_dir, tmp_path):
+    """The CPU's default path (model.cpu_kernels=auto: oneDNN linears around the experts): EP=2 takes one rank's
+    update (1e-5)."""
+    _check_update_against_one_rank(tmp_path, tiny_moe_dir, KEYS, LOSSES_ON, cpu_kernels="auto")

@@ -61,8 +61,9 @@ def check_expert_parallel(size: int, module: nn.Module | None = None, *, world: 
     if world % size:
         problems.append(f"it does not divide the {world} ranks of the worker group (use a divisor of {world})")
     if lora:
-        problems.append("with LoRA (model.lora_rank > 0) is not built (peft's adapters do not wrap the fused "
-                        "expert weights' DTensor shards); train the full model or set expert_parallel_size=1")
+        problems.append("with LoRA (model.lora_rank > 0) is not built (the adapter-only checkpoints and the merged "
+                        "export are not built for experts on an expert mesh); train the full model or set "
+                        "expert_parallel_size=1")
     if fsdp_size not in (-1, world) and fsdp_size < world:
         problems.append(f"with fsdp_config.fsdp_size={fsdp_size} (hybrid sharding) is not built; use "
                         "fsdp_size=-1")
