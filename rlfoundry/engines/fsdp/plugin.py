@@ -38,7 +38,8 @@ class FSDPPlugin(EnginePlugin):
         return max(1, world_size // max(1, int(sequence_parallel or 1)))
 
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
-        errors = [e for key in roles for e in _check_ulysses(cfg, key, world_size) + _check_experts(cfg, key, world_size)]
+        errors = [e for key in roles
+                  for e in _check_ulysses(cfg, key, world_size) + _check_experts(cfg, key, world_size)]
         if int(pick(cfg, "reward_model.ulysses_sequence_parallel_size", 1) or 1) > 1:
             errors.append("reward_model.ulysses_sequence_parallel_size > 1: sequence parallelism for the reward "
                           "model is not built (actor, reference and critic have it); set it to 1.")
