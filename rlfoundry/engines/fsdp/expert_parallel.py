@@ -176,10 +176,3 @@ def _local_copy(experts: nn.Module) -> nn.Module:
     twin._is_expert_parallel = False
     return twin
 
-
-def of(module: nn.Module) -> ExpertParallel | None:
-    """The module's ExpertParallel (None without EP); a LoRA/peft wrapper is looked through."""
-    ep = getattr(module, EP_ATTR, None)
-    if ep is None and hasattr(module, "get_base_model"):
-        ep = getattr(module.get_base_model(), EP_ATTR, None)
-    return ep
