@@ -282,7 +282,9 @@ def unsharded(module: nn.Module) -> Iterator[nn.Module]:
     Autoregressive decoding calls forward once per token; letting FSDP2 all-gather and free every
     layer on every call would dominate small-model generation. Inside this block every unit is
     unsharded and told not to reshard after forward; on exit the previous behaviour is restored and
-    the memory freed. A module without FSDP is yielded unchanged.
+    the memory freed. A module without FSDP is yielded unchanged. Under expert parallelism every rank
+    also holds each layer's full experts for the block and runs them itself (``expert_parallel.full_experts``:
+    ranks decoding different prompts run no collective inside a forward).
     """
     units = fsdp_modules(module)
     previous = [_reshard_after_forward(u) for u in units]
