@@ -248,6 +248,9 @@ class FSDPConfig(Node):
     offload_policy: bool = False
     reshard_after_forward: bool = True
     fsdp_size: int = -1
+    # rlfoundry (verl's <role>.veomni.expert_parallel_size lands here): each routed layer's experts sharded by
+    # expert over groups of this many ranks, tokens sent to them by all-to-all (engines/fsdp/expert_parallel.py)
+    expert_parallel_size: int = 1
     forward_prefetch: bool = False
     model_dtype: str = "fp32"
     mixed_precision: Dict[str, Any] = _dict()

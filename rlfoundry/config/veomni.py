@@ -31,11 +31,14 @@ ROLES = {"actor_rollout_ref.actor": "actor_rollout_ref.actor.fsdp_config",
 _ACTOR, _REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 
 # veomni key -> the fsdp_config key that is the same setting (VeOmni passes enable_full_shard to FSDP2 as
-# reshard_after_forward and enable_fsdp_offload as its CPUOffloadPolicy, the FSDP engine's offload_policy).
-# Not forward_prefetch: VeOmni's FSDP2 path sets prefetching by hand only with expert parallelism or
-# modules kept out of mixed precision, neither built here; otherwise FSDP2 prefetches as it does here.
+# reshard_after_forward and enable_fsdp_offload as its CPUOffloadPolicy, the FSDP engine's offload_policy;
+# expert_parallel_size shards the experts by expert over that many ranks, as the FSDP engine's key of the
+# name does: engines/fsdp/expert_parallel.py). Not forward_prefetch: VeOmni's FSDP2 path sets prefetching by
+# hand only with expert parallelism (its expert units next to their layers') or modules kept out of mixed
+# precision; FSDP2 prefetches on its own here, under expert parallelism too.
 FSDP_KEYS = {"param_offload": "param_offload", "optimizer_offload": "optimizer_offload",
-             "enable_full_shard": "reshard_after_forward", "enable_fsdp_offload": "offload_policy"}
+             "enable_full_shard": "reshard_after_forward", "enable_fsdp_offload": "offload_policy",
+             "expert_parallel_size": "expert_parallel_size"}
 
 # the reference's keys verl's ref/veomni_ref.yaml takes from the actor's
 REF_FOLLOWS = ("seed", "fsdp_size", "ulysses_parallel_size", "expert_parallel_size", "param_offload",
@@ -47,9 +50,6 @@ _LIGER = "Liger's RMSNorm, SwiGLU and RoPE kernels are one switch here, actor_ro
 _FLA = "flash-linear-attention's kernels (Qwen3.5's linear attention) are not built; the model's own code runs"
 # veomni key -> (the values built, what runs here / what to use instead)
 VEOMNI_BUILT: dict[str, tuple[tuple, str]] = {
-    "expert_parallel_size": ((1,), "expert parallelism on the FSDP2 engine is not built (docs/moe.md: the experts "
-                                   "shard by expert at rest); it is the Megatron engine's, "
-                                   "megatron.expert_model_parallel_size with strategy=megatron"),
     # exact attention all: VeOmni's FlashAttention-2 (verl swaps flash_attention_2 for its with-SP variant)
     # and PyTorch's SDPA, which is the FSDP engine's attention, as for verl's FSDP engine's flash_attention_2
     "attn_implementation": (("flash_attention_2", "veomni_flash_attention_2_with_sp", "sdpa"),

@@ -71,8 +71,9 @@ class Plan:
 # ───────────────────────────────────── config → layouts ─────────────────────────────────────
 
 
-def _parallel(policy: Any, ranks: int, model: ModelShape) -> mem.Parallel:
-    """The role's layout over its pool's ranks, as its engine builds it."""
+def _parallel(policy: Any, ranks: int, model: ModelShape, fsdp: Any = None) -> mem.Parallel:
+    """The role's layout over its pool's ranks, as its engine builds it (``fsdp``: its FSDP config, for the
+    FSDP engine's expert parallelism)."""
     if policy.strategy == "megatron":
         meg = policy.megatron
         tp, pp, cp = int(meg.tensor_model_parallel_size), int(meg.pipeline_model_parallel_size), int(meg.context_parallel_size)
@@ -81,7 +82,8 @@ def _parallel(policy: Any, ranks: int, model: ModelShape) -> mem.Parallel:
         return mem.Parallel(dp=max(1, ranks // (tp * pp * cp)), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
                             vpp=int(meg.virtual_pipeline_model_parallel_size or 1))
     sp = int(policy.ulysses_sequence_parallel_size or 1)
-    return mem.Parallel(dp=max(1, ranks // sp), sp=sp)
+    ep = int(getattr(fsdp, "expert_parallel_size", 1) or 1) if model.is_moe else 1
+    return mem.Parallel(dp=max(1, ranks // sp), sp=sp, ep=ep)
 
 
 def _dtypes(policy: Any, fsdp: Any, device: str) -> tuple[int, int]:
@@ -102,7 +104,7 @@ def _tokens(dynamic: bool, budget: int, micro: int | None, seq_len: int, sp: int
 
 def _role(name: str, policy: Any, fsdp: Any, model_cfg: Any, model: ModelShape, ranks: int, device: str,
           trainable: bool, tokens: int, value_head: bool = False) -> mem.RoleSpec:
-    par = _parallel(policy, ranks, model)
+    par = _parallel(policy, ranks, model, fsdp)
     storage, compute = _dtypes(policy, fsdp, device)
     offload = policy.megatron if policy.strategy == "megatron" else fsdp
     lone = par.dp * par.sp == 1 and fsdp.single_rank == "auto" and not (fsdp.param_offload and device == "cuda")

@@ -40,7 +40,7 @@ class Parallel:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # Megatron context parallel
-    ep: int = 1  # expert parallel (Megatron)
+    ep: int = 1  # expert parallel (Megatron; FSDP: fsdp_config.expert_parallel_size)
     etp: int = 1  # expert tensor parallel
     sp: int = 1  # Ulysses sequence parallel (FSDP)
     vpp: int = 1
@@ -167,13 +167,15 @@ def weight_states(m: ModelShape, spec: RoleSpec) -> dict[str, float]:
 def gathered_bytes(m: ModelShape, spec: RoleSpec) -> float:
     """FSDP2's unsharded working set in the compute dtype: the root unit (embeddings, LM head, final
     norm stay gathered through the forward) plus two decoder layers (the current one and the
-    prefetched next), and in backward their unsharded gradients (none for LoRA's frozen base). Nothing
+    prefetched next), and in backward their unsharded gradients (none for LoRA's frozen base). Under the
+    FSDP engine's expert parallelism a layer gathers 1/ep of its routed experts (a rank's own). Nothing
     for an unwrapped lone rank or for Megatron (it never gathers)."""
     if spec.strategy == "megatron" or not spec.wrapped:
         return 0.0
     total, _ = param_counts(m)
     root = m.vocab * m.hidden * (1 if m.tied else 2)
-    layer = (total - root) / m.layers
+    experts = expert_params(m)
+    layer = (total - root - experts + experts / spec.par.ep) / m.layers
     per_gather = (root + 2 * layer) * spec.compute_bytes
     return per_gather * (2 if spec.trainable and not spec.lora_rank else 1)
 

@@ -96,7 +96,7 @@ def test_two_spellings_of_one_setting_must_agree():
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("expert_parallel_size", "8"), ("attn_implementation", "eager"), ("attn_implementation", "flash_attention_3"),
+    ("attn_implementation", "eager"), ("attn_implementation", "flash_attention_3"),
     ("moe_implementation", "eager"), ("cross_entropy_loss_implementation", "npu"),
     ("rms_norm_implementation", "liger_kernel"), ("chunk_gated_delta_rule_implementation", "fla"),
     ("dsa_indexer_implementation", "tilelang"), ("dsa_attention_implementation", "tilelang"),
@@ -111,8 +111,24 @@ def test_what_is_not_built_is_a_start_up_error_naming_it(key, value):
 
 
 def test_the_references_inherited_unbuilt_value_is_named_for_it_too():
-    message = _error("model_engine=veomni", f"{ACTOR}.veomni.expert_parallel_size=2")
-    assert f"{ACTOR}.veomni.expert_parallel_size=2" in message and f"{REF}.veomni.expert_parallel_size=2" in message
+    message = _error("model_engine=veomni", f"{ACTOR}.veomni.attn_implementation=eager")
+    assert f"{ACTOR}.veomni.attn_implementation=eager" in message and f"{REF}.veomni.attn_implementation=eager" in message
+
+
+# eight ranks: a mini-batch the default micro-batch of 32 rows divides on each
+BATCH = ("data.train_batch_size=32", f"{ACTOR}.ppo_mini_batch_size=32")
+
+
+def test_expert_parallel_size_is_the_fsdp_engines_and_the_reference_takes_the_actors():
+    r = _resolved("model_engine=veomni", "trainer.n_gpus_per_node=8", *BATCH, f"{ACTOR}.veomni.expert_parallel_size=8")
+    assert r.actor_rollout_ref.actor.fsdp_config.expert_parallel_size == 8
+    assert r.actor_rollout_ref.ref.fsdp_config.expert_parallel_size == 8
+    own = _resolved("model_engine=veomni", "trainer.n_gpus_per_node=8", *BATCH, f"{ACTOR}.veomni.expert_parallel_size=8",
+                    f"{REF}.veomni.expert_parallel_size=4")
+    assert own.actor_rollout_ref.ref.fsdp_config.expert_parallel_size == 4
+    message = _error("model_engine=veomni", f"{ACTOR}.veomni.expert_parallel_size=8",
+                     f"{ACTOR}.fsdp_config.expert_parallel_size=4")
+    assert "were given different values" in message
 
 
 @pytest.mark.parametrize(("key", "value"), [
@@ -169,3 +185,16 @@ def test_a_grpo_step_with_model_engine_veomni_runs_on_the_fsdp_engine_with_the_m
     assert actor.config.fsdp.reshard_after_forward is False
     assert ref.config.fsdp.reshard_after_forward is True  # enable_full_shard is not among the keys the ref follows
     assert "actor/pg_loss" in run.step(1) and "actor/kl_loss" in run.step(1)  # the update and the reference ran
+
+
+def test_expert_parallel_layouts_that_cannot_run_are_start_up_errors(tiny_moe_dir):
+    """The FSDP plug-in's layout checks at load (the engine checks the built model again): the ranks, the
+    model's 8 experts (its config.json) and LoRA, each named with the key."""
+    model = f"actor_rollout_ref.model.path={tiny_moe_dir}"
+    key = f"{ACTOR}.fsdp_config.expert_parallel_size"
+    assert "does not divide the 2 ranks" in _error(model, "trainer.n_gpus_per_node=2", f"{key}=4")
+    assert "does not divide the model's 8 experts" in _error(model, "trainer.n_gpus_per_node=3",
+                                                             f"{ACTOR}.veomni.expert_parallel_size=3",
+                                                             "model_engine=veomni")
+    assert "LoRA" in _error(model, "trainer.n_gpus_per_node=2", f"{key}=2", "actor_rollout_ref.model.lora_rank=8")
+    _load(model, "trainer.n_gpus_per_node=4", *BATCH, f"{key}=2")  # a layout it takes

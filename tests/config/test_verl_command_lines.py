@@ -5,7 +5,7 @@ commit, the module, the arguments as the script ran them with its own defaults, 
 name and August's ``model_engine=megatron``), LoRA, multi-turn tools with an interaction, a classifier
 reward model, a vision-language model, Ulysses, DAPO, GSPO, GDPO, rollout correction, one-step-off (and its
 delta weight sync) and fully-async (the retool line's tool agent loop with partial rollout too), both SFT entry
-points (FSDP and Megatron), and August's ``model_engine=veomni``.
+points (FSDP and Megatron), and August's ``model_engine=veomni`` (with its expert parallelism).
 
 Each runs as ``python -m rlfoundry.X ARGS --cfg job`` through ``scripts/verl_compat_check.py``'s
 in-process check (the module's own ``__main__``, from the script's directory), so a line that a change
@@ -143,6 +143,11 @@ EXPECT = {
         "actor_rollout_ref.actor.strategy": "fsdp", "actor_rollout_ref.actor.fsdp_config.param_offload": True,
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
         "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": True,
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
+    # its expert parallelism with Ulysses, the FSDP engine's (engines/fsdp/expert_parallel.py); the reference follows
+    "examples/grpo_trainer/run_qwen3_5-122b-a10b_veomni.sh": {
+        "actor_rollout_ref.actor.fsdp_config.expert_parallel_size": 8,
+        "actor_rollout_ref.ref.fsdp_config.expert_parallel_size": 8,
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
     "examples/sft/gsm8k/run_qwen_megatron_fsdp.sh": {"model.strategy": "megatron", "engine.tensor_model_parallel_size": 4,
                                                      "optim.lr_scheduler": "cosine", "optim.warmup_steps_ratio": 0.2},

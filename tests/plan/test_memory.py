@@ -84,6 +84,17 @@ def test_expert_parallel_divides_the_experts_only():
     assert one - ep8 == pytest.approx(experts * 7 / 8)
 
 
+def test_fsdp_expert_parallelism_gathers_a_ranks_own_experts_and_stores_the_same_share():
+    """FSDP2 with expert_parallel_size=8 over 8 ranks: every parameter still stored 1/8 per rank, but a layer's
+    gather holds 1/8 of its routed experts (two layers gathered, forward and backward: 2 × 2 × bytes)."""
+    m = shape_from_config(QWEN3_30B_A3B)
+    plain, ep8 = _spec(par=mem.Parallel(dp=8)), _spec(par=mem.Parallel(dp=8, ep=8))
+    assert mem.params_on_rank(m, ep8) == mem.params_on_rank(m, plain)
+    experts = 48 * 128 * 3 * 2048 * 768
+    saved = mem.gathered_bytes(m, plain) - mem.gathered_bytes(m, ep8)
+    assert saved == pytest.approx(2 * 2 * 2 * experts * 7 / 8 / 48)
+
+
 def test_lora_trains_adapters_only():
     m = shape_from_config(QWEN25_7B)
     s = mem.weight_states(m, _spec(lora_rank=8))

@@ -54,6 +54,7 @@ from rlfoundry.engines.base import (
     Values,
     say_once,
 )
+from rlfoundry.engines.fsdp import expert_parallel as ep
 from rlfoundry.engines.fsdp import ulysses
 from rlfoundry.engines.fsdp.compile import CompiledLayers, compile_problems, is_vision_model
 from rlfoundry.engines.fsdp import utils as fu
@@ -471,6 +472,16 @@ def _cpu_kernels_on(cfg: FSDPEngineConfig, device: torch.device) -> bool:
     return cpu_kernels.enabled(cfg.cpu_kernels, device) and not cfg.use_torch_compile and not cfg.exact
 
 
+def _shard_experts(cfg: FSDPEngineConfig, module: nn.Module, device: torch.device) -> None:
+    """Expert parallelism (``fsdp_config.expert_parallel_size``): start-up errors for a layout it cannot take,
+    then each rank keeps its experts and dispatches tokens to the others' (``expert_parallel.py``)."""
+    size = cfg.fsdp.expert_parallel_size
+    ep.check_expert_parallel(size, module, lora=cfg.lora is not None and cfg.trainable, fsdp_size=cfg.fsdp.fsdp_size)
+    sharded = ep.ExpertParallel.shard(module, size, device)
+    say_once(f"expert parallelism {size}: each rank holds {sharded.experts[0].num_experts} experts of each of "
+             f"{len(sharded.experts)} routed layers; tokens reach them by all-to-all")
+
+
 def _check_compile(cfg: FSDPEngineConfig, module: nn.Module, device: torch.device) -> None:
     problems = compile_problems(ulysses=cfg.ulysses_sequence_parallel_size, vision=is_vision_model(module))
     if problems:
@@ -509,6 +520,8 @@ def _build_module(cfg: FSDPEngineConfig, device: torch.device, prepare: Callable
         say_once(apply_exact(module.get_base_model() if hasattr(module, "get_base_model") else module))
     if cfg.use_torch_compile:
         _check_compile(cfg, module, device)
+    if fsdp.expert_parallel_size > 1:
+        _shard_experts(cfg, module, device)
     fast = _cpu_kernels_on(cfg, device)
     if fast:
         say_once(cpu_kernels.apply_cpu_kernels(module, device))

@@ -38,7 +38,8 @@ class FSDPPlugin(EnginePlugin):
         return max(1, world_size // max(1, int(sequence_parallel or 1)))
 
     def check(self, cfg: Any, roles: list[str], world_size: int) -> list[str]:
-        errors = [e for key in roles for e in _check_ulysses(cfg, key, world_size)]
+        errors = [e for key in roles
+                  for e in _check_ulysses(cfg, key, world_size) + _check_experts(cfg, key, world_size)]
         if int(pick(cfg, "reward_model.ulysses_sequence_parallel_size", 1) or 1) > 1:
             errors.append("reward_model.ulysses_sequence_parallel_size > 1: sequence parallelism for the reward "
                           "model is not built (actor, reference and critic have it); set it to 1.")
@@ -66,6 +67,30 @@ def _check_ulysses(cfg: Any, key: str, world_size: int) -> list[str]:
     return errors
 
 
+def _check_experts(cfg: Any, key: str, world_size: int) -> list[str]:
+    """``<role>.fsdp_config.expert_parallel_size``: the layout checks of ``expert_parallel.check_expert_parallel``
+    (the experts' count read from the model's config.json where there is one; the engine checks the model again)."""
+    from rlfoundry.engines.fsdp.expert_parallel import check_expert_parallel
+
+    model = "critic.model" if key == "critic" else "actor_rollout_ref.model"
+    fsdp = f"{model}.fsdp_config" if key == "critic" else f"{key}.fsdp_config"
+    size = int(pick(cfg, f"{fsdp}.expert_parallel_size", 1) or 1)
+    if size == 1:
+        return []
+    try:
+        check_expert_parallel(size, world=world_size, num_experts=_config_value(pick(cfg, f"{model}.path", None),
+                                                                              EXPERT_COUNT_KEYS),
+                              lora=int(pick(cfg, f"{model}.lora_rank", 0) or 0) > 0 and key != "actor_rollout_ref.ref",
+                              fsdp_size=int(pick(cfg, f"{fsdp}.fsdp_size", -1)), key=f"{fsdp}.expert_parallel_size")
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+# the routed experts per layer in transformers' MoE configs (Qwen2/3-MoE, DeepSeek-V3, Mixtral/GPT-OSS)
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
 def _check_fused_kernels(cfg: Any, roles: list[str]) -> list[str]:
     """``actor_rollout_ref.model.use_fused_kernels``: a backend it has."""
     model = "actor_rollout_ref.model"
@@ -77,10 +102,16 @@ def _check_fused_kernels(cfg: Any, roles: list[str]) -> list[str]:
 def _attention_heads(path: Any) -> int | None:
     """``num_attention_heads`` from a local HF directory's config.json (None where there is none to read:
     the engine checks again when it builds the model)."""
+    return _config_value(path, ("num_attention_heads",))
+
+
+def _config_value(path: Any, keys: tuple[str, ...]) -> int | None:
+    """The first of ``keys`` in a local HF directory's config.json (None where there is none to read)."""
     config = Path(str(path)).expanduser() / "config.json" if path else None
     if config is None or not config.is_file():
         return None
-    return json.loads(config.read_text()).get("num_attention_heads")
+    values = json.loads(config.read_text())
+    return next((values[k] for k in keys if values.get(k) is not None), None)
 
 
 PLUGIN = FSDPPlugin()

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rlfoundry.config.schema import LR_SCHEDULES, OptimConfig
+from rlfoundry.engines.fsdp.expert_parallel import EP_ATTR
 from rlfoundry.models.hf import resolve_dtype
 
 __all__ = [
@@ -246,6 +247,9 @@ def apply_fsdp2(
     if layer_units is None or layer_classes:
         layer_units = on_gpu or mesh.size(-1) > 1 or bool(layer_classes)  # the last mesh dim is the one that shards
     units = get_decoder_layers(module, layer_classes) if layer_units else []
+    experts = getattr(module, EP_ATTR, None)
+    if experts is not None:  # expert parallelism: the experts first, as units of their own on the efsdp mesh
+        experts.fully_shard_experts(**{k: v for k, v in kwargs.items() if k != "mesh"})
     for layer in units:
         fully_shard(layer, **kwargs)
         layer._rlf_reshard_after_forward = bool(reshard_after_forward)
@@ -278,7 +282,9 @@ def unsharded(module: nn.Module) -> Iterator[nn.Module]:
     Autoregressive decoding calls forward once per token; letting FSDP2 all-gather and free every
     layer on every call would dominate small-model generation. Inside this block every unit is
     unsharded and told not to reshard after forward; on exit the previous behaviour is restored and
-    the memory freed. A module without FSDP is yielded unchanged.
+    the memory freed. A module without FSDP is yielded unchanged. Under expert parallelism every rank
+    also holds each layer's full experts for the block and runs them itself (``expert_parallel.full_experts``:
+    ranks decoding different prompts run no collective inside a forward).
     """
     units = fsdp_modules(module)
     previous = [_reshard_after_forward(u) for u in units]
@@ -289,7 +295,9 @@ def unsharded(module: nn.Module) -> Iterator[nn.Module]:
         for h in handles:
             if h is not None:
                 h.wait()
-        yield module
+        experts = getattr(module, EP_ATTR, None)
+        with experts.full_experts() if experts is not None else contextlib.nullcontext():
+            yield module
     finally:
         for u, prev in zip(units, previous):
             u.set_reshard_after_forward(prev, recurse=False)
@@ -482,14 +490,36 @@ def clip_grad_norm_(parameters: Any, max_norm: float | None) -> float:
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
+    total = _total_grad_norm(params)
     norm = float(total)
     if max_norm is not None and max_norm > 0 and math.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+        _clip_grads(params, max_norm, total)
     return norm
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by their DTensor mesh (plain tensors together): with expert parallelism the experts
+    live on another mesh than the rest, and DTensors on two meshes cannot meet in one op."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
+def _total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``params``' gradients as a plain 0-d tensor: each mesh's norm reduced over its
+    ranks, then the meshes' norms combined."""
+    norms = []
+    for group in _by_mesh(params):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, error_if_nonfinite=False,
+                                             foreach=None)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def _clip_grads(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    for group in _by_mesh(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
 
 
 def clip_grad_norm_tensor_(parameters: Any, max_norm: float | None) -> torch.Tensor:
@@ -501,12 +531,9 @@ def clip_grad_norm_tensor_(parameters: Any, max_norm: float | None) -> torch.Ten
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, error_if_nonfinite=False,
-                                          foreach=None)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
+    total = _total_grad_norm(params)
     if max_norm is not None and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+        _clip_grads(params, max_norm, total)
     return total
 
 
