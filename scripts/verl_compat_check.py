@@ -126,7 +126,9 @@ def shim_python(argv: Sequence[str], launcher: str = "python", world_size: int |
         code = argv[i + 1] if i + 1 < len(argv) else ""
         if "device_count" in code:
             print(FAKE_GPUS)
-        return 0
+        # the faked node is an NVIDIA one (nvidia-smi lists H100s): probes for Ascend's torch_npu
+        # (`python3 -c 'import torch_npu'`, 23 of verl's August scripts) fail as they would there
+        return 1 if "torch_npu" in code else 0
     module = argv[i + 1] if argv[i] == "-m" and i + 1 < len(argv) else _module_of_path(argv[i])
     rest = argv[i + 2:] if argv[i] == "-m" else argv[i + 1:]
     if module and ENTRY.match(module):

@@ -48,8 +48,9 @@ CPU_KERNELS = ("auto", "off")  # model.cpu_kernels; rlfoundry/cpu
 LORA_SYNCS = ("adapter", "merged")  # rollout.lora_sync; models/lora.py
 START_METHODS = ("auto", "fork", "spawn")  # trainer.process_start_method; single_controller/process.py
 WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto); single_controller/factory.py
-# the training engines a role's strategy can name; verl's veomni is the FSDP2 engine here (config/veomni.py)
-STRATEGIES = (*TRAINING_ENGINES, "veomni")
+# the training engines a role's strategy can name; verl's veomni and fsdp_turbo are the FSDP2 engine here
+# (config/veomni.py, config/fsdp_turbo.py)
+STRATEGIES = (*TRAINING_ENGINES, "veomni", "fsdp_turbo")
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 from rlfoundry.utils.profile_tools import TORCH_PROFILER_TOOLS  # noqa: E402  (global_profiler.tool values the trace serves)
 TOOL_CALL_FORMATS = ("hermes", "qwen", "gpt-oss", "qwen3_coder")  # multi_turn.format; tools/parser.py (tested equal)
@@ -269,8 +270,8 @@ class FSDPConfig(Node):
     # bf16 over fp32 weights (then under torch.autocast), is not wrapped (FSDP2 would only copy and cast
     # every weight and gradient; engines/fsdp/utils.py fsdp_does_nothing); fsdp = wrap anyway
     single_rank: str = one_of(("auto", "fsdp"), "auto")
-    # verl (Aug 2026): the settings of its ``strategy=fsdp_turbo`` engine (Huawei's fsdp_turbo package), which is
-    # not built here: that strategy is a start-up error naming it (trainer/config.py UNBUILT_STRATEGIES)
+    # verl (Aug 2026): the settings of its ``strategy=fsdp_turbo`` engine (Huawei's fsdp_turbo package), put onto
+    # the FSDP engine's keys by config/fsdp_turbo.py
     turbo_config: Dict[str, Any] = _dict()
 
 

@@ -40,6 +40,7 @@ from rlfoundry.config.distillation import distillation_errors
 from rlfoundry.config.schema import DISTILLATION_TOPK_MODES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
+from rlfoundry.config.fsdp_turbo import adopt_fsdp_turbo
 from rlfoundry.config.veomni import adopt_veomni
 from rlfoundry.config.verl_compat import (
     CHECKPOINT_ROLES,
@@ -213,7 +214,7 @@ def load_config(
     overlay = _find_config_file(config_name, config_path) if config_name else None
     engine, overrides = _split_engine(overrides)
     cfg, user_keys = load_typed_config(PPOConfig, overrides, overlay, config_path=config_path, engine=engine)
-    adopt_verl_spellings(cfg, user_keys + adopt_veomni(cfg, user_keys))
+    adopt_verl_spellings(cfg, user_keys + adopt_veomni(cfg, user_keys) + adopt_fsdp_turbo(cfg, user_keys))
     adopt_classifier_reward_model(cfg)
     prefer_user_deprecated_keys(cfg, user_keys)
     _adopt_async_keys(cfg, user_keys)
@@ -344,21 +345,8 @@ def need_reference_policy(cfg: DictConfig) -> bool:
     return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
 
 
-# verl strategies whose engine is not built here: what the message says instead of "not one of"
-UNBUILT_STRATEGIES = {
-    "fsdp_turbo": "verl's FSDP-Turbo engine (Huawei's fsdp_turbo package: its own sharding, expert and Ulysses plans "
-                  "from fsdp_config.turbo_config) is not built here; strategy=fsdp trains on the FSDP2 engine "
-                  "(its Ulysses and offload keys are fsdp_config's and the role's own).",
-}
-
-
 def _check_choices(cfg: DictConfig) -> list[str]:
-    errors = []
-    for error in typed.choice_errors(cfg, keys_of(PPOConfig)):
-        key, _, rest = error.partition("=")
-        value = rest.split(" is not one of", 1)[0].strip("'")
-        unbuilt = UNBUILT_STRATEGIES.get(value) if key.endswith(".strategy") else None
-        errors.append(f"{key}={value}: {unbuilt}" if unbuilt else error)
+    errors = typed.choice_errors(cfg, keys_of(PPOConfig))
     for name in loggers(cfg):
         if name not in SUPPORTED_LOGGERS + IGNORED_LOGGERS:
             errors.append(f"trainer.logger entry {name!r} is not one of {list(SUPPORTED_LOGGERS)}.")

@@ -443,18 +443,6 @@ def test_august_trainer_v1_and_distillation():
     _load("distillation.enabled=false", "distillation.distillation_loss.loss_mode=k1")
 
 
-def test_verls_fsdp_turbo_engine_is_a_start_up_error_naming_it():
-    """verl's Qwen3.5 FSDP-Turbo examples: the turbo_config keys are accepted, the engine is named as not built
-    (not "unknown key" nor "not one of")."""
-    text = _error("actor_rollout_ref.actor.strategy=fsdp_turbo", "actor_rollout_ref.ref.strategy=fsdp_turbo",
-                  "actor_rollout_ref.actor.fsdp_config.turbo_config.distributed.fully_shard_parallel_size=16",
-                  "+actor_rollout_ref.actor.fsdp_config.turbo_config.memory.recompute=True")
-    assert "actor_rollout_ref.actor.strategy=fsdp_turbo: verl's FSDP-Turbo engine" in text
-    assert "actor_rollout_ref.ref.strategy=fsdp_turbo: verl's FSDP-Turbo engine" in text
-    assert "not one of" not in text and "Unknown config key" not in text
-    assert "is not one of" in _error("actor_rollout_ref.actor.strategy=fsdp_tubro")  # a typo stays a typo
-
-
 # ───────────────────────────── loggers ─────────────────────────────
 
 

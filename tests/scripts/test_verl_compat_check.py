@@ -15,17 +15,18 @@ from tests.scripts import load_compat_harness
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "verl_compat_check.py"
 
 SCRIPTS = {
-    # ${VAR:-x} defaults, $1 unset, a GPU count from nvidia-smi, a download and rm/mkdir that must stay
+    # ${VAR:-x} defaults, $1 unset, a GPU count from nvidia-smi, an NPU probe (the node is NVIDIA's), a download and rm/mkdir that must stay
     # in the sandbox; hybrid_engine is a verl key accepted with no effect
     "examples/grpo/run_defaults.sh": """#!/usr/bin/env bash
 set -xeuo pipefail
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 BATCH=${1:-32}
 NGPUS=$(nvidia-smi -L | wc -l)
+DEVICE=${DEVICE:-$(python3 -c 'import torch_npu' 2>/dev/null && echo npu || echo gpu)}
 huggingface-cli download "$MODEL"
 rm -rf "$HOME/ckpts" && mkdir -p logs
 python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo data.train_batch_size=$BATCH \\
-    actor_rollout_ref.model.path=$MODEL trainer.experiment_name=grpo_${NGPUS}gpus actor_rollout_ref.hybrid_engine=True "$@" \\
+    actor_rollout_ref.model.path=$MODEL trainer.experiment_name=grpo_${NGPUS}${DEVICE}s actor_rollout_ref.hybrid_engine=True "$@" \\
     2>&1 | tee logs/run.log
 """,
     # backslash continuations through `ray job submit -- ...`, a config path under the script's tree
@@ -86,7 +87,7 @@ def test_captured_command_lines_carry_the_scripts_defaults(report):
                          "recipe/bad/run_unknown.sh", "examples/data/prepare.sh"}
     assert rows["examples/grpo/run_defaults.sh"]["argv"] == [
         "algorithm.adv_estimator=grpo", "data.train_batch_size=32",
-        "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "trainer.experiment_name=grpo_8gpus",
+        "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "trainer.experiment_name=grpo_8gpus",  # 8 GPUs, not NPUs
         "actor_rollout_ref.hybrid_engine=True"]
     multiline = rows["examples/ppo/run_multiline.sh"]
     assert multiline["argv"] == ["--config-path={tree}/examples/ppo/config", "--config-name=my_ppo",
