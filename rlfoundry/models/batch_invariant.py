@@ -145,6 +145,11 @@ def _summed_rows(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat([row_sum(rows[i: i + step, None, :] * w) for i in range(0, rows.shape[0], step)])
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on ``tensors`` (else the ops' forwards run without a node)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 class _RowProducts(torch.autograd.Function):
     """rows (M, K) @ w (N, K)^T in fp32 with each row's bits independent of M and of the other rows
     (``_gemm_rows`` on a CPU with MKL, else ``_summed_rows``). Only the forward's bits are exact mode's business:
@@ -152,7 +157,8 @@ class _RowProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows, w)
+        if ctx is not None:  # None: called without autograd (``exact_linear`` under no_grad)
+            ctx.save_for_backward(rows, w)
         if not rows.shape[0]:
             return rows.new_zeros((0, w.shape[0]))
         cpu_mkl = rows.device.type == "cpu" and _SET_MKL_THREADS is not None  # what the tests hold
@@ -169,7 +175,8 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Inputs and weights are first rounded to that dtype (what autocast does before its matmul)."""
     dtype = _compute_dtype(x, weight)
     with torch.autocast(x.device.type, enabled=False):
-        out = _RowProducts.apply(x.reshape(-1, x.shape[-1]).to(dtype).float(), weight.to(dtype).float())
+        rows, w = x.reshape(-1, x.shape[-1]).to(dtype).float(), weight.to(dtype).float()
+        out = _RowProducts.apply(rows, w) if _needs_grad(rows, w) else _RowProducts.forward(None, rows, w)
         if bias is not None:
             out = out + bias.to(dtype).float()
         return out.to(dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -408,7 +415,12 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     d = query.shape[-1]
     scaling = d ** -0.5 if scaling is None else scaling
     with torch.autocast(query.device.type, enabled=False):
-        out = _ExactAttention.apply(query.float(), key.float(), value.float(), attention_mask, scaling)
+        q, k, v = query.float(), key.float(), value.float()
+        if _needs_grad(q, k, v):
+            out = _ExactAttention.apply(q, k, v, attention_mask, scaling)
+        else:  # the rollout's decode and the scoring forwards: no autograd node to build
+            b, _, tq, _ = q.shape
+            out = _exact_forward(q, k, v, _cached_layout(attention_mask, b, tq, k.shape[2], q.device), scaling)
     return out.to(query.dtype), None
 
 
