@@ -10,8 +10,14 @@ hits both sides of a pair alike; reported: the median over pairs of exact / plai
 Phases: a scoring forward of ``rows`` × ``tokens`` tokens (what ``compute_log_prob`` runs), the same forward
 with its backward (the update), and a decode of ``rows`` rows from a ``tokens / 2``-token prompt for
 ``tokens / 2`` steps over a dynamic KV cache (the HF rollout's loop without sampling). ``--profile``
-prints torch.profiler's top ops of one exact forward and one exact decode. Writes
-``benchmarks/results/<name>.json``.
+prints torch.profiler's top ops of one exact forward and one exact decode.
+
+``--steps N``: the whole default job's GRPO step instead (the schema's defaults: the arithmetic policy, 16
+prompts × 8 samples, 16 response tokens), one real trainer per variant in this process
+(``trainer.worker_backend=local``): normal (the default: the CPU kernels on), plain (``model.cpu_kernels=off``,
+the path exact mode replaces) and exact (``rollout.exact_log_probs=true``), one step of each in turn (the
+order rotating) for 2 untimed rounds and N timed ones; reported: each round's exact / normal and exact /
+plain ratios of ``timing_s/step`` and its phases, their medians. Writes ``benchmarks/results/<name>.json``.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from pathlib import Path
 
 import torch
 
+import rlfoundry
 from benchmarks.common import save_results
 
-POLICY = Path(__file__).resolve().parent.parent / "rlfoundry" / "assets" / "arithmetic-policy"
+POLICY = Path(rlfoundry.__file__).resolve().parent / "assets" / "arithmetic-policy"
 
 
 def _models():
@@ -80,6 +87,52 @@ def _profile(exact, ids, prompt, steps) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
 
 
+VARIANTS = {"normal": [], "plain": ["actor_rollout_ref.model.cpu_kernels=off"],
+            "exact": ["actor_rollout_ref.rollout.exact_log_probs=true"]}
+PHASES = ("step", "gen", "old_log_prob", "update_actor")
+
+
+def _job_steps(rounds: int, work: Path) -> dict:
+    from rlfoundry.trainer.config import load_config
+    from rlfoundry.trainer.main_ppo import build_trainer
+
+    base = [f"trainer.total_training_steps={rounds + 2}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", "trainer.logger=file", "trainer.worker_backend=local"]
+    trainers = {v: build_trainer(load_config(base + [f"trainer.default_local_dir={work / v}"] + extra))
+                for v, extra in VARIANTS.items()}
+    timed = []
+    try:
+        for r in range(rounds + 2):
+            row = {}
+            names = list(trainers)
+            for v in names[r % 3:] + names[: r % 3]:  # who goes first rotates
+                t = trainers[v]
+                t.state.global_steps += 1
+                metrics = t.train_step()
+                row[v] = {p: float(metrics.get(f"timing_s/{p}", 0.0)) for p in PHASES}
+                row[v]["rollout_probs_diff_max"] = float(metrics.get("training/rollout_probs_diff_max", float("nan")))
+            if r >= 2:
+                timed.append(row)
+                print(f"round {len(timed)}: " + ", ".join(f"{v} {x['step']:.3f} s" for v, x in row.items()), flush=True)
+    finally:
+        for t in trainers.values():
+            t.source.close()
+    out = {"rounds": timed, "ratios": {}}
+    for base_v in ("normal", "plain"):
+        out["ratios"][f"exact/{base_v}"] = {
+            p: {"median": statistics.median(row["exact"][p] / row[base_v][p] for row in timed),
+                "min": min(row["exact"][p] / row[base_v][p] for row in timed),
+                "max": max(row["exact"][p] / row[base_v][p] for row in timed)} for p in PHASES}
+    out["median_s"] = {v: {p: statistics.median(row[v][p] for row in timed) for p in PHASES} for v in VARIANTS}
+    for v, m in out["median_s"].items():
+        print(f"{v:7s} " + "  ".join(f"{p} {m[p]:.3f} s" for p in PHASES))
+    for name, r in out["ratios"].items():
+        print(f"{name:13s} " + "  ".join(f"{p} {r[p]['median']:.2f}x ({r[p]['min']:.2f}-{r[p]['max']:.2f})"
+                                          for p in PHASES))
+    print("exact rollout_probs_diff_max over the rounds:", max(row["exact"]["rollout_probs_diff_max"] for row in timed))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
@@ -87,9 +140,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--steps", type=int, default=0, help="timed rounds of the whole default job's step (0: the phases)")
     p.add_argument("--name", default="exact_mode")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.steps:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = _job_steps(a.steps, Path(tmp))
+        load = os.getloadavg()
+        print(f"threads {a.threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+        save_results(a.name, {"threads": a.threads, "steps": a.steps, "load_average": load, **out})
+        return
     plain, exact = _models()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 200, (a.rows, a.tokens), generator=g)
