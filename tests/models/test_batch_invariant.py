@@ -304,3 +304,13 @@ def test_a_querys_attention_is_the_same_in_any_batch_mask_and_cache_split(heads,
     got, _ = exact_attention(None, pq, pk, pv, shared[None, None])
     assert torch.equal(got[0, :prompt], alone[0, :prompt])
     assert torch.equal(got[0, prompt + 6:], alone[0, prompt:])
+
+
+def test_without_mkl_the_attention_keeps_its_invariance(monkeypatch):
+    """The path of a torch without MKL (and of CUDA tensors): the attention's products as ``row_sum``s of
+    broadcast products, with the same batch, mask and cache-split invariance."""
+    import rlfoundry.models.batch_invariant as bi
+
+    monkeypatch.setattr(bi, "_SET_MKL_THREADS", None)
+    test_a_querys_attention_is_the_same_in_any_batch_mask_and_cache_split(4, 2, 8, monkeypatch)
+    test_attention_matches_sdpa_and_a_query_is_the_same_under_padding_decode_and_packing()
