@@ -22,7 +22,10 @@ rotary (a product of length 1) give each element the same bits wherever it sits.
   position order from the sequence's first key, in blocks of ``KEY_BLOCK`` slots combined one after
   another (a max over all valid scores first: a max is exact in any order). Blocks past the query hold
   exp(-inf) = 0 and add exact zeros, so a decode step over a cache of t + 1 keys and the full forward
-  over T keys give the query the same bits;
+  over T keys give the query the same bits. The products are GEMM calls of two fixed shapes, as the
+  linear's: (``QUERY_BLOCK``, d) x (d, ``KEY_BLOCK``) for the scores, (``QUERY_BLOCK``, ``KEY_BLOCK``) x
+  (``KEY_BLOCK``, d) for a block's values, the queries that share a slot list (a sequence's causal
+  positions) stacked as the rows of one problem (``_layout``, ``_attend``);
 - RMSNorm's mean and the log-softmax over the vocabulary are ``row_sum`` over a fixed length;
 - in bf16 each op computes in fp32 and rounds its output once; under autocast (the trainer's plain
   one-rank module over fp32 weights) the ops round weights and outputs to the autocast dtype, as the
@@ -51,6 +54,7 @@ __all__ = ["ATTENTION", "KEY", "KEY_BLOCK", "apply_exact", "exact_attention", "e
 KEY = "actor_rollout_ref.rollout.exact_log_probs"
 ATTENTION = "rlfoundry_exact"  # the attention implementation's name (config._attn_implementation)
 KEY_BLOCK = 16  # key slots per attention block
+QUERY_BLOCK = 8  # query rows per GEMM call of the exact attention
 _EXACT_ATTR = "_rlf_exact"
 # elements of one chunk's broadcast product (linear: rows x N x K, attention: queries x keys x head dim)
 _CHUNK_ELEMENTS = 1 << 20
@@ -144,6 +148,11 @@ def _summed_rows(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat([row_sum(rows[i: i + step, None, :] * w) for i in range(0, rows.shape[0], step)])
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on ``tensors`` (else the ops' forwards run without a node)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 class _RowProducts(torch.autograd.Function):
     """rows (M, K) @ w (N, K)^T in fp32 with each row's bits independent of M and of the other rows
     (``_gemm_rows`` on a CPU with MKL, else ``_summed_rows``). Only the forward's bits are exact mode's business:
@@ -151,7 +160,8 @@ class _RowProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows, w)
+        if ctx is not None:  # None: called without autograd (``exact_linear`` under no_grad)
+            ctx.save_for_backward(rows, w)
         if not rows.shape[0]:
             return rows.new_zeros((0, w.shape[0]))
         cpu_mkl = rows.device.type == "cpu" and _SET_MKL_THREADS is not None  # what the tests hold
@@ -168,7 +178,8 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Inputs and weights are first rounded to that dtype (what autocast does before its matmul)."""
     dtype = _compute_dtype(x, weight)
     with torch.autocast(x.device.type, enabled=False):
-        out = _RowProducts.apply(x.reshape(-1, x.shape[-1]).to(dtype).float(), weight.to(dtype).float())
+        rows, w = x.reshape(-1, x.shape[-1]).to(dtype).float(), weight.to(dtype).float()
+        out = _RowProducts.apply(rows, w) if _needs_grad(rows, w) else _RowProducts.forward(None, rows, w)
         if bias is not None:
             out = out + bias.to(dtype).float()
         return out.to(dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -207,66 +218,194 @@ def _valid_keys(mask: torch.Tensor | None, tq: int, tk: int, device: torch.devic
     return mask
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention of queries q (b, h, c, d) over keys/values (b, h, tk, d) with ``valid`` (b', 1, c, tk),
-    fp32, keys taken per query in position order and summed in blocks of ``KEY_BLOCK``."""
-    b, h, c, d = q.shape
-    tk = k.shape[2]
-    blocks = -(-tk // KEY_BLOCK)
-    slots = blocks * KEY_BLOCK
-    scores = row_sum(q.unsqueeze(3) * k.unsqueeze(2)) * scaling  # (b, h, c, tk)
-    valid = valid.expand(b, 1, c, tk)
-    # each query's valid keys first, in position order (a stable sort on the "invalid" flag); the slots
-    # past tk that fill the last block read key 0, weighted by exp(-inf) = 0
-    order = F.pad(torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices, (0, slots - tk))
-    count = valid.sum(-1, keepdim=True)  # (b, 1, c, 1)
-    slot_valid = torch.arange(slots, device=q.device) < count
-    scores = scores.gather(-1, order.expand(b, h, c, slots)).masked_fill(~slot_valid, float("-inf"))
-    peak = scores.amax(-1, keepdim=True).masked_fill(count == 0, 0.0)
-    p = torch.exp(scores - peak).view(b, h, c, blocks, KEY_BLOCK)  # exact zeros at invalid slots
-    # values gathered straight into (b, h, c, d, slots): slots innermost, as row_sum wants them
-    values_t = v.transpose(-1, -2).unsqueeze(2).expand(b, h, c, d, tk).gather(
-        -1, order.unsqueeze(3).expand(b, h, c, d, slots)).view(b, h, c, d, blocks, KEY_BLOCK)
-    block_mass = row_sum(p)  # (b, h, c, blocks)
-    block_out = row_sum(p.unsqueeze(3) * values_t)  # (b, h, c, d, blocks)
-    mass, out = block_mass[..., 0], block_out[..., 0]
-    for i in range(1, blocks):  # a fixed sequential order; blocks past the query add exact zeros
-        mass, out = mass + block_mass[..., i], out + block_out[..., i]
-    # a query with no key (a padding position) gets 0; its mass is set to 1 first, so that no 0/0 sends NaN
-    # gradients back through the masked value
-    mass = mass.masked_fill(count.squeeze(-1) == 0, 1.0)
-    return (out / mass.unsqueeze(-1)).masked_fill(count == 0, 0.0)
+def _layout(valid: torch.Tensor) -> types.SimpleNamespace:
+    """Where each query of an attention call goes. ``valid`` (b, tq, tk) bool.
+
+    A query takes its valid keys in position order (a stable sort of the "invalid" flag): its slot list.
+    Queries whose lists are prefixes of one list share it: a query joins the group of the one before it
+    when its list begins with all of that one's and is no shorter (the next causal position of the same
+    sequence; a padding query with no key joins any). The group's last query holds the list of all of
+    them. Returned: ``rows`` (G,) each group's batch row, ``order`` (G, S) its key positions (S: the longest
+    list rounded up to ``KEY_BLOCK``), ``count`` (G,) how many of them are real; ``group``, ``local``
+    (b, tq): each query's group and place in it; ``keys`` (b, tq): its number of keys; ``largest``: the
+    largest group."""
+    b, tq, tk = valid.shape
+    count = valid.sum(-1)  # (b, tq)
+    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices  # (b, tq, tk)
+    slot = torch.arange(tk, device=valid.device)
+    same = (order[:, 1:] == order[:, :-1]) | (slot >= count[:, :-1, None])
+    starts = torch.ones(b, tq, dtype=torch.bool, device=valid.device)
+    starts[:, 1:] = ~(same.all(-1) & (count[:, 1:] >= count[:, :-1]))
+    starts = starts.reshape(-1)
+    group = starts.cumsum(0) - 1  # a row's first query starts a group: no group spans two rows
+    first = starts.nonzero().squeeze(1)
+    sizes = torch.bincount(group, minlength=first.numel())
+    last = first + sizes - 1
+    rep_count = count.reshape(-1)[last]
+    slots = max(1, -(-int(rep_count.max()) // KEY_BLOCK)) * KEY_BLOCK
+    rep = order.reshape(b * tq, tk)[last]
+    rep = F.pad(rep, (0, slots - tk))[:, :slots] if slots > tk else rep[:, :slots]
+    local = torch.arange(b * tq, device=valid.device) - first[group]
+    return types.SimpleNamespace(rows=last // tq, order=rep, count=rep_count, group=group.view(b, tq),
+                                 local=local.view(b, tq), keys=count, largest=int(sizes.max()), placements={})
+
+
+_LAST_LAYOUT: tuple = ()  # (mask, its version, b, tq, tk, layout): the layers of one forward share a mask
+
+
+def _cached_layout(mask: torch.Tensor | None, b: int, tq: int, tk: int, device: torch.device) -> types.SimpleNamespace:
+    """``_layout`` of an attention call's mask, computed once for all the layers of a forward (transformers
+    hands every layer the same mask object; the entry holds it, so its id cannot be reused)."""
+    global _LAST_LAYOUT
+    version = mask._version if mask is not None else None
+    last = _LAST_LAYOUT  # one read: another thread may replace it
+    if last and last[0] is mask and last[1:5] == (version, b, tq, tk) and last[5].rows.device == device:
+        return last[5]
+    layout = _layout(_valid_keys(mask, tq, tk, device).expand(b, 1, tq, tk)[:, 0])
+    _LAST_LAYOUT = (mask, version, b, tq, tk, layout)
+    return layout
+
+
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` with zero columns appended to ``width`` in its last dimension (zero products change no sum)."""
+    return F.pad(t, (0, width - t.shape[-1])) if width > t.shape[-1] else t
+
+
+def _block_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(n, QUERY_BLOCK, K) @ (n, K, N) in fp32, one MKL call shape for the whole batch, one MKL thread (the
+    exact linear's recipe: a row's bits then follow its own data, its slot and neighbours aside;
+    tests/models/test_batch_invariant.py holds it for these shapes). Without MKL (or on CUDA) each output
+    is a length-K ``row_sum``."""
+    if a.device.type != "cpu" or _SET_MKL_THREADS is None:
+        return row_sum(a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3))
+    with _one_mkl_thread():
+        return torch.bmm(a, b)
+
+
+def _attend(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Attention of n independent problems, fp32: query rows q (n, qb, QUERY_BLOCK, w), already scaled,
+    over keys k_t (n, kb, w, KEY_BLOCK) and values v (n, kb, KEY_BLOCK, w) in slot order; ``bias``
+    (n, qb, kb, QUERY_BLOCK, KEY_BLOCK) 0 at the slots a row attends, -inf past them. -> (n, qb,
+    QUERY_BLOCK, w); a row with no key gets 0.
+
+    Every sum has a shape that the batch, the padding and the cache cannot change: a score is an element
+    of one (QUERY_BLOCK, w) x (w, KEY_BLOCK) GEMM call; a block's probability mass is a length-KEY_BLOCK
+    ``row_sum`` and its values one (QUERY_BLOCK, KEY_BLOCK) x (KEY_BLOCK, w) call's; the blocks then add
+    up one after another in slot order, after one max over the row's scores (exact in any order). Slots
+    past a row's keys hold exp(-inf) = 0 and add exact zeros: a longer list (the trainer's row, the cache's
+    extra slots) gives a row the bits of its own keys alone."""
+    n, qb, _, w = q.shape
+    kb = k_t.shape[1]
+    step = max(1, _CHUNK_ELEMENTS // max(1, n * QUERY_BLOCK * kb * KEY_BLOCK))  # query blocks per chunk
+    outs = []
+    for j in range(0, qb, step):
+        m = min(step, qb - j)
+        scores = _block_products(q[:, j: j + m, None].expand(n, m, kb, QUERY_BLOCK, w).reshape(-1, QUERY_BLOCK, w),
+                                 k_t[:, None].expand(n, m, kb, w, KEY_BLOCK).reshape(-1, w, KEY_BLOCK))
+        scores = scores.view(n, m, kb, QUERY_BLOCK, KEY_BLOCK).add_(bias[:, j: j + m])
+        peak = scores.amax(dim=(2, 4), keepdim=True)
+        empty = peak == float("-inf")  # a row with no key (a padding query)
+        p = scores.sub_(peak.masked_fill(empty, 0.0)).exp_()  # exact zeros at the slots past the row's keys
+        block_mass = row_sum(p)  # (n, m, kb, QUERY_BLOCK)
+        block_out = _block_products(p.view(-1, QUERY_BLOCK, KEY_BLOCK),
+                                    v[:, None].expand(n, m, kb, KEY_BLOCK, w).reshape(-1, KEY_BLOCK, w))
+        block_out = block_out.view(n, m, kb, QUERY_BLOCK, w)
+        mass, out = block_mass[:, :, 0], block_out[:, :, 0]
+        for i in range(1, kb):  # a fixed sequential order; blocks past a row add exact zeros
+            mass, out = mass + block_mass[:, :, i], out + block_out[:, :, i]
+        # a row with no key gets 0; its mass is set to 1 first, so that no 0/0 is formed
+        empty = empty.view(n, m, QUERY_BLOCK)
+        outs.append((out / mass.masked_fill(empty, 1.0).unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0))
+    return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
+
+
+def _placement(layout: types.SimpleNamespace, h: int, h_kv: int, tk: int) -> types.SimpleNamespace:
+    """Where the queries, keys and values of a call with ``h`` heads, ``h_kv`` KV heads and ``tk`` keys go
+    in ``_attend``'s problems (one per group of ``layout`` and KV head; its rows the group's queries of the
+    heads that share the KV head, query-major, zero rows up to a multiple of ``QUERY_BLOCK``; its keys the
+    group's slot list), computed once per layout and kept in it: every layer of a forward has the same."""
+    key = (h, h_kv, tk)
+    cached = layout.placements.get(key)
+    if cached is not None:
+        return cached
+    b, tq = layout.group.shape
+    groups, slots = layout.order.shape
+    per = h // h_kv
+    rows = -(-layout.largest * per // QUERY_BLOCK) * QUERY_BLOCK
+    dev = layout.order.device
+    flat = lambda g, kv, r: (g * h_kv + kv) * rows + r  # noqa: E731 - a problem row's flat index
+    kv = torch.arange(h_kv, device=dev).view(1, 1, h_kv, 1)
+    a = torch.arange(per, device=dev).view(1, 1, 1, per)
+    g, local = layout.group.view(b, tq, 1, 1), layout.local.view(b, tq, 1, 1)
+    out_rows = flat(g, kv, local * per + a)  # (b, tq, h_kv, per): where (row, query, head) lands
+    rows_keys = layout.keys.new_zeros(groups * h_kv * rows)
+    rows_keys[out_rows.reshape(-1)] = layout.keys.view(b, tq, 1).expand(b, tq, h).reshape(-1)
+    slot = torch.arange(slots, device=dev)
+    bias = torch.zeros(groups * h_kv, rows // QUERY_BLOCK, QUERY_BLOCK, slots // KEY_BLOCK, KEY_BLOCK, device=dev)
+    past = slot.view(1, 1, 1, -1, KEY_BLOCK) >= rows_keys.view(groups * h_kv, -1, QUERY_BLOCK, 1, 1)
+    bias = bias.masked_fill_(past, float("-inf")).transpose(2, 3).contiguous()
+    # each (group, KV head, slot)'s key in the (b * h_kv * tk) rows of a key tensor; slots past the group's keys
+    # read its row's first key (weighted by exp(-inf) = 0)
+    order = layout.order.masked_fill(slot >= layout.count[:, None], 0)
+    keys = ((layout.rows.view(-1, 1, 1) * h_kv + torch.arange(h_kv, device=dev).view(1, -1, 1)) * tk
+            + order.view(groups, 1, slots)).reshape(-1)
+    placed = types.SimpleNamespace(rows=rows, problems=groups * h_kv, bias=bias, keys=keys,
+                                   queries=out_rows.permute(0, 2, 3, 1).reshape(-1),  # in q's (b, h, tq) order
+                                   out=out_rows.reshape(-1))  # in the output's (b, tq, h) order
+    layout.placements[key] = placed
+    return placed
+
+
+def _exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: types.SimpleNamespace,
+                   scaling: float) -> torch.Tensor:
+    """q (b, h, tq, d), k/v (b, h_kv, tk, d) fp32 -> (b, tq, h, d) by ``_attend`` over ``_placement``'s
+    problems; the head dimension padded with zeros to a multiple of ``GEMM_PAD`` (zero products change no
+    sum), the queries scaled before the products."""
+    b, h, tq, d = q.shape
+    h_kv, tk = k.shape[1], k.shape[2]
+    place = _placement(layout, h, h_kv, tk)
+    w = -(-d // GEMM_PAD) * GEMM_PAD
+    n, qb, kb = place.problems, place.rows // QUERY_BLOCK, layout.order.shape[1] // KEY_BLOCK
+    queries = _padded(q.new_zeros(n * place.rows, d).index_copy_(0, place.queries, q.reshape(-1, d) * scaling), w)
+    k_t = _padded(k.reshape(-1, d).index_select(0, place.keys), w).view(n, kb, KEY_BLOCK, w).transpose(-1, -2)
+    values = _padded(v.reshape(-1, d).index_select(0, place.keys), w).view(n, kb, KEY_BLOCK, w)
+    out = _attend(queries.view(n, qb, QUERY_BLOCK, w), k_t, values, place.bias)
+    return out.reshape(-1, w).index_select(0, place.out)[:, :d].reshape(b, tq, h, d)
 
 
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                      scaling: float) -> torch.Tensor:
-    """The same function as ``_attend`` by a plain masked softmax (any reduction order): its backward."""
+    """The same function as ``_attend`` by a plain masked softmax (any reduction order): its backward.
+    q (b, h, tq, d), k/v (b, h, tk, d), valid (b, 1, tq, tk) -> (b, h, tq, d)."""
     scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~valid, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: 0, as ``_attend``
     return probs @ v
 
 
 class _ExactAttention(torch.autograd.Function):
-    """``_attend`` over query chunks in the forward; the backward is the gradient of the same function
-    computed plainly (``_plain_attention``, recomputed): exactness is the forward's property alone."""
+    """``_exact_forward`` in the forward; the backward is the gradient of the same function computed
+    plainly (``_plain_attention``, recomputed): exactness is the forward's property alone."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 scaling: float) -> torch.Tensor:
-        ctx.save_for_backward(q, k, v, valid)
-        ctx.scaling = scaling
         b, h, tq, d = q.shape
-        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * k.shape[2] * d))
-        return torch.cat([_attend(q[:, :, i: i + step], k, v, valid[:, :, i: i + step], scaling)
-                          for i in range(0, tq, step)], dim=2)
+        tk = k.shape[2]
+        ctx.save_for_backward(q, k, v)
+        ctx.mask, ctx.scaling = mask, scaling
+        return _exact_forward(q, k, v, _cached_layout(mask, b, tq, tk, q.device), scaling)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, valid = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
+        b, h, tq, _ = q.shape
+        valid = _valid_keys(ctx.mask, tq, k.shape[2], q.device).expand(b, 1, tq, k.shape[2])
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = _plain_attention(*inputs, valid, ctx.scaling)
-            grads = torch.autograd.grad(out, inputs, grad)
+            per = h // k.shape[1]
+            out = _plain_attention(inputs[0], inputs[1].repeat_interleave(per, 1), inputs[2].repeat_interleave(per, 1),
+                                   valid, ctx.scaling)
+            grads = torch.autograd.grad(out.transpose(1, 2), inputs, grad)
         return (*grads, None, None)
 
 
@@ -276,16 +415,16 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     """A transformers attention function (``AttentionInterface``): query (b, h, tq, d), key/value
     (b, h_kv, tk, d) -> (b, tq, h, d) in the query's dtype. No dropout (exact mode scores, it does not
     regularise), no sliding window, no sinks: ``apply_exact`` refuses models that have them."""
-    b, h, tq, d = query.shape
-    tk, groups = key.shape[2], h // key.shape[1]
+    d = query.shape[-1]
     scaling = d ** -0.5 if scaling is None else scaling
     with torch.autocast(query.device.type, enabled=False):
-        q = query.float()
-        k = key.float().repeat_interleave(groups, dim=1)
-        v = value.float().repeat_interleave(groups, dim=1)
-        valid = _valid_keys(attention_mask, tq, tk, query.device).expand(b, 1, tq, tk)
-        out = _ExactAttention.apply(q, k, v, valid, scaling)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        q, k, v = query.float(), key.float(), value.float()
+        if _needs_grad(q, k, v):
+            out = _ExactAttention.apply(q, k, v, attention_mask, scaling)
+        else:  # the rollout's decode and the scoring forwards: no autograd node to build
+            b, _, tq, _ = q.shape
+            out = _exact_forward(q, k, v, _cached_layout(attention_mask, b, tq, k.shape[2], q.device), scaling)
+    return out.to(query.dtype), None
 
 
 def _register_attention() -> None:

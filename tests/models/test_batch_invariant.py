@@ -216,3 +216,101 @@ def test_the_backward_is_the_gradient_of_the_same_function(tiny_model_dir):
         assert torch.isfinite(got).all(), name
         # fp32 re-association over the longest sums (vocabulary 260 + 42 tokens): ~2e-5 normwise
         assert float((got - want).norm() / want.norm()) < 2e-5, name
+
+
+@pytest.mark.parametrize("width", [16, 32, 64, 128])
+def test_an_attention_blocks_rows_have_the_same_bits_at_any_slot_beside_any_rows(width):
+    """The exact attention's two GEMM calls, (QUERY_BLOCK, w) x (w, KEY_BLOCK) for the scores and
+    (QUERY_BLOCK, KEY_BLOCK) x (KEY_BLOCK, w) for a block's values: a row's bits at every slot of the block,
+    beside random rows, in a batch of 1 to 50 calls, equal its bits alone at slot 0 (the decode's place)."""
+    from rlfoundry.models.batch_invariant import KEY_BLOCK, QUERY_BLOCK, _block_products
+
+    g = _gen(width)
+    for inner, outer in ((width, KEY_BLOCK), (KEY_BLOCK, width)):
+        rows = torch.randn(4, inner, generator=g)
+        right = torch.randn(outer, inner, generator=g).t()  # (inner, outer), as the callers pass a transposed view
+        alone = []
+        for r in rows:
+            single = torch.zeros(1, QUERY_BLOCK, inner)
+            single[0, 0] = r
+            alone.append(_block_products(single, right.unsqueeze(0).contiguous())[0, 0])
+        alone = torch.stack(alone)
+        assert torch.allclose(alone, rows @ right, rtol=1e-4, atol=1e-4)
+        for calls in (1, 3, 50):
+            left = torch.randn(calls, QUERY_BLOCK, inner, generator=g)
+            which = torch.randint(calls, (QUERY_BLOCK,), generator=g)
+            for slot in range(QUERY_BLOCK):
+                left[which[slot], slot] = rows[slot % 4]
+            rights = torch.randn(calls, inner, outer, generator=g)
+            rights[which] = right
+            out = _block_products(left, rights)
+            for slot in range(QUERY_BLOCK):
+                assert torch.equal(out[which[slot], slot], alone[slot % 4]), (inner, outer, calls, slot)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 8), (14, 2, 64), (3, 3, 48)])
+def test_a_querys_attention_is_the_same_in_any_batch_mask_and_cache_split(heads, kv_heads, d, monkeypatch):
+    """One sequence's queries, computed causally alone, keep their bits: beside other rows with other
+    left padding; decoded one query at a time over caches of every length, with cache slots past the
+    keys (a static cache's tail); after a prompt shared with another response, whose keys the mask skips
+    (the shared-prompt forward: the keys of a query not contiguous); in chunks (a small chunk budget); with
+    GQA groups (7 heads a KV head) that do not divide the query block, and head widths padded to 16."""
+    import rlfoundry.models.batch_invariant as bi
+
+    g = _gen(heads * d)
+    t, prompt = 37, 12
+    q = torch.randn(1, heads, t, d, generator=g)
+    k, v = (torch.randn(1, kv_heads, t, d, generator=g) for _ in range(2))
+    alone, _ = exact_attention(None, q, k, v, None)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kv_heads, 1),
+                                         v.repeat_interleave(heads // kv_heads, 1), is_causal=True)
+    assert torch.allclose(alone, ref.transpose(1, 2), atol=1e-5)
+
+    def padded(x, left, total):
+        return torch.cat([torch.randn(1, x.shape[1], left, d, generator=g), x,
+                          torch.randn(1, x.shape[1], total - left - x.shape[2], d, generator=g)], 2)
+
+    # a batch of 3 rows, the sequence in the middle with 5 slots of left padding, the others other lengths
+    pads, total = (0, 5, 20), t + 20
+    qs, ks, vs = [], [], []
+    for i, p in enumerate(pads):
+        length = total - p
+        src = (q, k, v) if i == 1 else [torch.randn(1, x.shape[1], length, d, generator=g) for x in (q, k, v)]
+        for into, x in zip((qs, ks, vs), src):
+            into.append(padded(x[:, :, :length], p, total))
+    keep = torch.stack([torch.arange(total) >= p for p in pads])  # (3, total)
+    mask = (keep[:, None, None, :] & torch.ones(total, total, dtype=torch.bool).tril())  # (3, 1, total, total)
+    mask[1, :, :, :] &= (torch.arange(total) < 5 + t)[None, None, :]
+    for chunk in (1 << 20, 300):
+        monkeypatch.setattr(bi, "_CHUNK_ELEMENTS", chunk)
+        batch, _ = exact_attention(None, torch.cat(qs), torch.cat(ks), torch.cat(vs), mask)
+        assert torch.equal(batch[1, 5: 5 + t], alone[0]), chunk
+    # decode: query i over a cache holding 3 slots of left padding, keys 0..i, then 0 to 9 unfilled slots
+    for i in range(t):
+        for tail in (0, 9):
+            cache = padded(k[:, :, : i + 1], 3, 3 + i + 1 + tail), padded(v[:, :, : i + 1], 3, 3 + i + 1 + tail)
+            step_mask = torch.zeros(1, 1, 1, 3 + i + 1 + tail, dtype=torch.bool)
+            step_mask[..., 3: 3 + i + 1] = True
+            got, _ = exact_attention(None, q[:, :, i: i + 1], *cache, step_mask)
+            assert torch.equal(got[0, 0], alone[0, i]), (i, tail)
+    # the shared-prompt forward: the prompt, another response of 6 tokens, then this sequence's response;
+    # the response's queries attend the prompt and their own keys only
+    other = [torch.randn(1, x.shape[1], 6, d, generator=g) for x in (q, k, v)]
+    pq, pk, pv = (torch.cat([x[:, :, :prompt], o, x[:, :, prompt:]], 2) for x, o in zip((q, k, v), other))
+    n = t + 6
+    segment = torch.cat([torch.zeros(prompt), torch.ones(6), torch.full((t - prompt,), 2)])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    shared = causal & ((segment[:, None] == segment[None, :]) | (segment[None, :] == 0))
+    got, _ = exact_attention(None, pq, pk, pv, shared[None, None])
+    assert torch.equal(got[0, :prompt], alone[0, :prompt])
+    assert torch.equal(got[0, prompt + 6:], alone[0, prompt:])
+
+
+def test_without_mkl_the_attention_keeps_its_invariance(monkeypatch):
+    """The path of a torch without MKL (and of CUDA tensors): the attention's products as ``row_sum``s of
+    broadcast products, with the same batch, mask and cache-split invariance."""
+    import rlfoundry.models.batch_invariant as bi
+
+    monkeypatch.setattr(bi, "_SET_MKL_THREADS", None)
+    test_a_querys_attention_is_the_same_in_any_batch_mask_and_cache_split(4, 2, 8, monkeypatch)
+    test_attention_matches_sdpa_and_a_query_is_the_same_under_padding_decode_and_packing()

@@ -1,0 +1,187 @@
+"""Exact mode's cost per phase: the arithmetic policy with plain HF ops against its exact copy, side by side.
+
+    python -m benchmarks.exact_mode [--threads 1 --pairs 9 --rows 128 --tokens 32 --profile]
+
+Two copies of the benchmark policy (``rlfoundry/assets/arithmetic-policy``: 4 layers, hidden 128, 4 heads,
+2 KV heads, vocabulary 260) in one process, one plain (``sdpa``, ``nn.Linear``), one converted by
+``models.batch_invariant.apply_exact``; per pair, the plain and the exact copy run the same phase one right
+after the other (which goes first alternates), so a load that swings over minutes (the shared 2-core VM)
+hits both sides of a pair alike; reported: the median over pairs of exact / plain, with the range.
+Phases: a scoring forward of ``rows`` × ``tokens`` tokens (what ``compute_log_prob`` runs), the same forward
+with its backward (the update), and a decode of ``rows`` rows from a ``tokens / 2``-token prompt for
+``tokens / 2`` steps over a dynamic KV cache (the HF rollout's loop without sampling). ``--profile``
+prints torch.profiler's top ops of one exact forward and one exact decode.
+
+``--steps N``: the whole default job's GRPO step instead (the schema's defaults: the arithmetic policy, 16
+prompts × 8 samples, 16 response tokens), one real trainer per variant in this process
+(``trainer.worker_backend=local``): normal (the default: the CPU kernels on), plain (``model.cpu_kernels=off``,
+the path exact mode replaces) and exact (``rollout.exact_log_probs=true``), one step of each in turn (the
+order rotating) for 2 untimed rounds and N timed ones; reported: each round's exact / normal and exact /
+plain ratios of ``timing_s/step`` and its phases, their medians. Writes ``benchmarks/results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import rlfoundry
+from benchmarks.common import save_results
+
+POLICY = Path(rlfoundry.__file__).resolve().parent / "assets" / "arithmetic-policy"
+
+
+def _models():
+    from transformers import AutoModelForCausalLM
+
+    from rlfoundry.models.batch_invariant import apply_exact
+
+    plain = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32, attn_implementation="sdpa")
+    exact = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32)
+    apply_exact(exact)
+    return plain.eval(), exact.eval()
+
+
+def _forward(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _update(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+
+
+def _decode(model, ids, steps):
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        for t in range(ids.shape[1], ids.shape[1] + steps):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True,
+                           position_ids=torch.full_like(token, t)).logits[:, -1]
+    return logits
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _profile(exact, ids, prompt, steps) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in (("forward", lambda: _forward(exact, ids)), ("decode", lambda: _decode(exact, prompt, steps))):
+        fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        print(f"--- exact {name}, {torch.get_num_threads()} thread(s)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
+VARIANTS = {"normal": [], "plain": ["actor_rollout_ref.model.cpu_kernels=off"],
+            "exact": ["actor_rollout_ref.rollout.exact_log_probs=true"]}
+PHASES = ("step", "gen", "old_log_prob", "update_actor")
+
+
+def _job_steps(rounds: int, work: Path) -> dict:
+    from rlfoundry.trainer.config import load_config
+    from rlfoundry.trainer.main_ppo import build_trainer
+
+    base = [f"trainer.total_training_steps={rounds + 2}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", "trainer.logger=file", "trainer.worker_backend=local"]
+    trainers = {v: build_trainer(load_config(base + [f"trainer.default_local_dir={work / v}"] + extra))
+                for v, extra in VARIANTS.items()}
+    timed = []
+    try:
+        for r in range(rounds + 2):
+            row = {}
+            names = list(trainers)
+            for v in names[r % 3:] + names[: r % 3]:  # who goes first rotates
+                t = trainers[v]
+                t.state.global_steps += 1
+                metrics = t.train_step()
+                row[v] = {p: float(metrics.get(f"timing_s/{p}", 0.0)) for p in PHASES}
+                row[v]["rollout_probs_diff_max"] = float(metrics.get("training/rollout_probs_diff_max", float("nan")))
+            if r >= 2:
+                timed.append(row)
+                print(f"round {len(timed)}: " + ", ".join(f"{v} {x['step']:.3f} s" for v, x in row.items()), flush=True)
+    finally:
+        for t in trainers.values():
+            t.source.close()
+    out = {"rounds": timed, "ratios": {}}
+    for base_v in ("normal", "plain"):
+        out["ratios"][f"exact/{base_v}"] = {
+            p: {"median": statistics.median(row["exact"][p] / row[base_v][p] for row in timed),
+                "min": min(row["exact"][p] / row[base_v][p] for row in timed),
+                "max": max(row["exact"][p] / row[base_v][p] for row in timed)} for p in PHASES}
+    out["median_s"] = {v: {p: statistics.median(row[v][p] for row in timed) for p in PHASES} for v in VARIANTS}
+    for v, m in out["median_s"].items():
+        print(f"{v:7s} " + "  ".join(f"{p} {m[p]:.3f} s" for p in PHASES))
+    for name, r in out["ratios"].items():
+        print(f"{name:13s} " + "  ".join(f"{p} {r[p]['median']:.2f}x ({r[p]['min']:.2f}-{r[p]['max']:.2f})"
+                                          for p in PHASES))
+    print("exact rollout_probs_diff_max over the rounds:", max(row["exact"]["rollout_probs_diff_max"] for row in timed))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pairs", type=int, default=9)
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--steps", type=int, default=0, help="timed rounds of the whole default job's step (0: the phases)")
+    p.add_argument("--name", default="exact_mode")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.steps:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = _job_steps(a.steps, Path(tmp))
+        load = os.getloadavg()
+        print(f"threads {a.threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+        save_results(a.name, {"threads": a.threads, "steps": a.steps, "load_average": load, **out})
+        return
+    plain, exact = _models()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 200, (a.rows, a.tokens), generator=g)
+    prompt, steps = ids[:, : a.tokens // 2], a.tokens - a.tokens // 2
+    if a.profile:
+        _profile(exact, ids, prompt, steps)
+    phases = {"forward": lambda m: _forward(m, ids), "forward+backward": lambda m: _update(m, ids),
+              "decode": lambda m: _decode(m, prompt, steps)}
+    for fn in phases.values():  # warm-up, both sides
+        fn(plain), fn(exact)
+    rows = {}
+    for name, fn in phases.items():
+        ratios, times = [], {"plain": [], "exact": []}
+        for i in range(a.pairs):
+            order = (("plain", plain), ("exact", exact)) if i % 2 == 0 else (("exact", exact), ("plain", plain))
+            pair = {side: _timed(lambda: fn(model)) for side, model in order}
+            for side in pair:
+                times[side].append(pair[side])
+            ratios.append(pair["exact"] / pair["plain"])
+        rows[name] = {"plain_s": statistics.median(times["plain"]), "exact_s": statistics.median(times["exact"]),
+                      "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        r = rows[name]
+        print(f"{name:17s} plain {r['plain_s'] * 1e3:8.1f} ms  exact {r['exact_s'] * 1e3:8.1f} ms  "
+              f"exact/plain median {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, {a.pairs} pairs)")
+    load = os.getloadavg()
+    print(f"threads {a.threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    save_results(a.name, {"threads": a.threads, "pairs": a.pairs, "rows": a.rows, "tokens": a.tokens,
+                          "load_average": load, "phases": rows})
+
+
+if __name__ == "__main__":
+    main()
