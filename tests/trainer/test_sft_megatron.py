@@ -192,7 +192,7 @@ def test_verls_megatron_keys_reach_the_engine_config():
 
 
 @pytest.mark.parametrize(("keys", "named"), [
-    (("engine.use_megatron_fsdp=true",), "engine.use_megatron_fsdp=true: Megatron-FSDP"),
+    (("engine.use_megatron_fsdp=true", "engine.grad_offload=true"), "engine.use_megatron_fsdp=true with engine.grad_offload"),
     (("engine.use_mbridge=false",), "engine.use_mbridge=False"),
     (("engine.context_parallel_size=0",), "engine.context_parallel_size=0"),
     (("engine.router_replay.mode=R3",), "engine.router_replay.mode=R3"),
