@@ -425,6 +425,9 @@ def test_august_mtp_and_megatron_fsdp_beside_offload_are_start_up_errors_naming_
     _load(fsdp[0], fsdp[1].format("false"))
     _load(fsdp[0], fsdp[1].format("true"))  # built (tests/engines/test_megatron_fsdp.py); not beside offload
     assert "Megatron-FSDP" in _error(fsdp[0], fsdp[1].format("true"), "actor_rollout_ref.actor.megatron.param_offload=true")
+    assert "no pipeline stages" in _error(*fsdp[:1], fsdp[1].format("true"), *(
+        f"actor_rollout_ref.{r}.megatron.pipeline_model_parallel_size=2" for r in ("actor", "ref")),
+        "trainer.n_gpus_per_node=2")
     assert "a quantised rollout" in _error("+actor_rollout_ref.rollout.quantization=fp8")
 
 

@@ -46,18 +46,25 @@ def available() -> bool:
 
 
 def problems(key: str, m: Any) -> list[str]:
-    """Start-up errors for ``{key}.megatron.use_megatron_fsdp=true``: a megatron-core without it, or the
-    offload keys beside it (not built)."""
+    """Start-up errors for ``{key}.megatron.use_megatron_fsdp=true``: a megatron-core without it, pipeline
+    stages (megatron-core's mesh has none), or the offload keys beside it (not built)."""
     if not getattr(m, "use_megatron_fsdp", False):
         return []
     name = f"{key}.megatron.use_megatron_fsdp=true"
     if not available():
         return [f"{name}: this megatron-core has no Megatron-FSDP (megatron.core.distributed.fsdp, 0.14 and later)."]
+    errors = []
+    if m.pipeline_model_parallel_size > 1:
+        # megatron-core 0.16's adapter lays its device mesh over every rank of the world as data × context ×
+        # tensor (mcore_fsdp_adapter._get_dp_tp_mesh): with pipeline stages the shapes disagree and it raises
+        errors.append(f"{name} with {key}.megatron.pipeline_model_parallel_size={m.pipeline_model_parallel_size}: "
+                      "megatron-core's Megatron-FSDP lays its device mesh over data × context × tensor ranks only "
+                      "(no pipeline stages); set pipeline_model_parallel_size=1 or use_megatron_fsdp=false.")
     offloads = [f"{key}.megatron.{k}" for k in _OFFLOAD if getattr(m, k, False)]
     if offloads:
-        return [f"{name} with {', '.join(offloads)}: offloading Megatron-FSDP's sharded buffers is not built "
-                "(the offload here releases megatron-core DDP's); set them to false."]
-    return []
+        errors.append(f"{name} with {', '.join(offloads)}: offloading Megatron-FSDP's sharded buffers is not built "
+                      "(the offload here releases megatron-core DDP's); set them to false.")
+    return errors
 
 
 def combination_problems(key: str, lora: bool, cpu_optimizer: bool) -> list[str]:
