@@ -428,6 +428,7 @@ def test_august_mtp_and_megatron_fsdp_beside_offload_are_start_up_errors_naming_
     assert "no pipeline stages" in _error(*fsdp[:1], fsdp[1].format("true"), *(
         f"actor_rollout_ref.{r}.megatron.pipeline_model_parallel_size=2" for r in ("actor", "ref")),
         "trainer.n_gpus_per_node=2")
+    assert "compute_prox_log_prob" in _error(*fsdp[:1], fsdp[1].format("true"), "+async_training.trigger_parameter_sync_step=2")
     assert "a quantised rollout" in _error("+actor_rollout_ref.rollout.quantization=fp8")
 
 

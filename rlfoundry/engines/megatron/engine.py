@@ -272,7 +272,11 @@ class MegatronEngine(TrainingEngine):
 
     def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every model chunk's (virtual pipeline stages), not only ``module``'s; tensor-parallel shards are
-        plain tensors here."""
+        plain tensors here. Not under Megatron-FSDP (its weights live in sharded buffers, gathered copies
+        beside them: the plug-in refuses what would call this, the fully-async proximal log-probs)."""
+        if self._megatron_fsdp:
+            raise NotImplementedError(f"{self.role}: a copy of the trainable parameters under Megatron-FSDP "
+                                      "(use_megatron_fsdp=true) is not built")
         for i, chunk in enumerate(self.chunks):
             for name, param in chunk.named_parameters():
                 if param.requires_grad:

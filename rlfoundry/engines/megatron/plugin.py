@@ -102,6 +102,12 @@ class MegatronPlugin(EnginePlugin):
                 lora = key != "actor_rollout_ref.ref" and int(pick(cfg, f"{owner}.model.lora_rank", 0) or 0) > 0
                 cpu_optimizer = bool(pick(cfg, f"{key}.optim.override_optimizer_config.optimizer_cpu_offload", False))
                 errors += megatron_fsdp.combination_problems(key, lora, cpu_optimizer)
+                sync = int(pick(cfg, "async_training.trigger_parameter_sync_step", 1) or 1)
+                if key == "actor_rollout_ref.actor" and sync > 1:
+                    errors.append(f"{key}.megatron.use_megatron_fsdp=true with async_training.trigger_parameter_sync_step"
+                                  f"={sync}: the proximal log-probs' copy of the sync period's first weights "
+                                  "(compute_prox_log_prob) is not built over Megatron-FSDP's shards; set "
+                                  "use_megatron_fsdp=false or trigger_parameter_sync_step=1.")
             if int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1) > 1:
                 errors.append(f"{key}.ulysses_sequence_parallel_size > 1: Ulysses is the FSDP engine's sequence "
                               "parallelism; with strategy=megatron set it to 1 and split sequences with "
