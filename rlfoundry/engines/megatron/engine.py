@@ -4,7 +4,8 @@
 Building: megatron-core's parallel groups over the default process group → the model's chunks from
 the HF checkpoint (``bridge.py``) → for a trainable model, megatron-core's DDP (gradient buffers,
 data-parallel reduction) and its optimiser (Adam, gradient clipping, optionally the distributed
-optimiser that shards its state over the data-parallel ranks) + the LR schedule the FSDP engine uses.
+optimiser that shards its state over the data-parallel ranks), or with ``use_megatron_fsdp`` megatron-core's
+Megatron-FSDP sharding the parameters and gradients too (``megatron_fsdp.py``), + the LR schedule the FSDP engine uses.
 Updates: the same mini-batch loop and global-batch normalisation as FSDP (``engines/loop.py``);
 each mini-batch's micro-batches go through megatron-core's pipeline schedule (``forward.py``) and
 one optimiser step follows (skipped when the gradient norm is not finite).
