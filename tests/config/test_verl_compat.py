@@ -416,14 +416,19 @@ def test_override_attention_runs_as_sdpa_or_is_refused(tiny_model_dir):
         load_hf_model(tiny_model_dir, override_config={"attn_implementation": "eager"})
 
 
-def test_august_mtp_and_megatron_fsdp_are_start_up_errors_naming_the_feature():
+def test_august_mtp_and_megatron_fsdp_beside_offload_are_start_up_errors_naming_the_feature():
     _load("actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2")
     # MTP trains on the Megatron engine (tests/engines/test_megatron_mtp.py); FSDP names the engine to use
     assert "strategy=megatron" in _error("actor_rollout_ref.model.mtp.enable=true")
     assert "speculative decoding" in _error("actor_rollout_ref.model.mtp.enable_rollout=true")
     fsdp = ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.use_megatron_fsdp={}")
     _load(fsdp[0], fsdp[1].format("false"))
-    assert "Megatron-FSDP" in _error(fsdp[0], fsdp[1].format("true"))
+    _load(fsdp[0], fsdp[1].format("true"))  # built (tests/engines/test_megatron_fsdp.py); not beside offload
+    assert "Megatron-FSDP" in _error(fsdp[0], fsdp[1].format("true"), "actor_rollout_ref.actor.megatron.param_offload=true")
+    assert "no pipeline stages" in _error(*fsdp[:1], fsdp[1].format("true"), *(
+        f"actor_rollout_ref.{r}.megatron.pipeline_model_parallel_size=2" for r in ("actor", "ref")),
+        "trainer.n_gpus_per_node=2")
+    assert "compute_prox_log_prob" in _error(*fsdp[:1], fsdp[1].format("true"), "+async_training.trigger_parameter_sync_step=2")
     assert "a quantised rollout" in _error("+actor_rollout_ref.rollout.quantization=fp8")
 
 

@@ -75,6 +75,21 @@ def test_the_calls_the_shims_stand_in_for_still_name_cuda():
     assert post_init.index('is_te_min_version("2.1.0")') < post_init.index("if self.optimizer_cpu_offload:")
 
 
+def test_the_calls_the_megatron_fsdp_stand_ins_replace_still_name_cuda():
+    """Megatron-FSDP (use_megatron_fsdp): streams, "cuda:N" device names, "cuda" device meshes, a .cuda()
+    in its DTensor check, and the PREMUL_SUM reduction the engine turns off on the CPU."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, param_and_grad_buffer, uneven_dtensor
+
+    assert "torch.cuda.Stream()" in inspect.getsource(megatron_fsdp.MegatronFSDP._init_fsdp_param_and_grad_buffer)
+    assert 'torch.device(f"cuda:{torch.cuda.current_device()}")' in inspect.getsource(megatron_fsdp.MegatronFSDP.__init__)
+    buffers = inspect.getsource(param_and_grad_buffer)
+    assert "torch.cuda.stream(" in buffers and "torch.cuda.current_stream()" in buffers and ".record_event()" in buffers
+    assert "_make_nccl_premul_sum" in inspect.getsource(param_and_grad_buffer.gradient_reduce_preprocessing)
+    assert 'device_type="cuda"' in inspect.getsource(mcore_fsdp_adapter.FullyShardedDataParallel._init_dist_index)
+    assert ").cuda()" in inspect.getsource(inspect.unwrap(uneven_dtensor.validate_uneven_dtensor))
+
+
 def test_tensor_cuda_keeps_a_cpu_tensor_in_place_only_while_the_wrapped_call_runs():
     from rlfoundry.engines.megatron.cpu_compat import _with_cuda_as_cpu
 

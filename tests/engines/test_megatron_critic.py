@@ -60,7 +60,8 @@ def _fsdp_critic(rank: int, model_dir: str, data):
     return critic.compute_values(data), metrics, dict(engine.iter_hf_weights())
 
 
-def _megatron_critic(rank: int, model_dir: str, data, tp: int, pp: int, distributed_optimizer: bool, out: str):
+def _megatron_critic(rank: int, model_dir: str, data, tp: int, pp: int, distributed_optimizer: bool, out: str,
+                     megatron_fsdp: bool = False):
     from megatron.core import parallel_state as ps
 
     from rlfoundry.config.schema import MegatronConfig
@@ -69,7 +70,7 @@ def _megatron_critic(rank: int, model_dir: str, data, tp: int, pp: int, distribu
 
     cfg = _critic_config()
     megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dtype="float32",
-                              use_distributed_optimizer=distributed_optimizer)
+                              use_distributed_optimizer=distributed_optimizer, use_megatron_fsdp=megatron_fsdp)
     engine = MegatronEngine(MegatronEngineConfig(model_dir, megatron, cfg.optim, cfg.grad_clip,
                                                  model_kind="token_classification"), "cpu", role="critic")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -82,11 +83,12 @@ def _megatron_critic(rank: int, model_dir: str, data, tp: int, pp: int, distribu
             "metrics": metrics, "weights": dict(engine.iter_hf_weights())}
 
 
-@pytest.mark.parametrize("tp, pp, world, distributed_optimizer", [
-    (2, 1, 2, False), (1, 2, 2, False), (1, 1, 2, True),
+@pytest.mark.parametrize("tp, pp, world, distributed_optimizer, megatron_fsdp", [
+    (2, 1, 2, False, False), (1, 2, 2, False, False), (1, 1, 2, True, False),
+    (1, 1, 2, True, True),  # Megatron-FSDP (engines/megatron/megatron_fsdp.py): the value head sharded too
 ])
-def test_critic_update_equals_fsdp(tiny_model_dir, tmp_path, tp, pp, world, distributed_optimizer):
-    _check_critic_equals_fsdp(str(tiny_model_dir), tmp_path, tp, pp, world, distributed_optimizer)
+def test_critic_update_equals_fsdp(tiny_model_dir, tmp_path, tp, pp, world, distributed_optimizer, megatron_fsdp):
+    _check_critic_equals_fsdp(str(tiny_model_dir), tmp_path, tp, pp, world, distributed_optimizer, megatron_fsdp)
 
 
 def test_critic_from_a_tied_checkpoint_at_pp2_equals_fsdp(tmp_path):
@@ -99,7 +101,7 @@ def test_critic_from_a_tied_checkpoint_at_pp2_equals_fsdp(tmp_path):
 
 
 def _check_critic_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world: int,
-                              distributed_optimizer: bool) -> None:
+                              distributed_optimizer: bool, megatron_fsdp: bool = False) -> None:
     data = _value_batch()
     dp = world // (tp * pp)
     order = torch.arange(ROWS).view(dp, ROWS // MINI, MINI // dp).transpose(0, 1).reshape(-1)
@@ -107,7 +109,7 @@ def _check_critic_equals_fsdp(model_dir: str, tmp_path, tp: int, pp: int, world:
     ref_values = ref_values[torch.argsort(order)]
     export = tmp_path / "hf"
     results = run_ranks(_megatron_critic, world, tmp_path, tp=tp, pp=pp,
-                        args=(model_dir, data, tp, pp, distributed_optimizer, str(export)))
+                        args=(model_dir, data, tp, pp, distributed_optimizer, str(export), megatron_fsdp))
     assert results[0]["dp"] == dp
     assert ref_values.abs().max() > 1e-3  # the update moved the values: equality is not vacuous
     assert ref_metrics["critic/vf_clipfrac"][0] > 0  # the clipped branch is exercised

@@ -109,15 +109,17 @@ def _initial(run: dict) -> dict[str, torch.Tensor]:
 def test_two_rank_megatron_sft_takes_the_fsdp_steps(tiny_model_dir, tmp_path, fsdp_run):
     """Two ranks, two runs in the same processes: TP=2 (one model copy over both ranks, both reading the same
     rows; PP=2 passes too, ~75 s here), then DP=2 (each rank half of every batch, the distributed optimiser
-    sharding Adam's state): the two steps' losses, the validation loss and the weights after them equal the
+    sharding Adam's state), then DP=2 under Megatron-FSDP: the two steps' losses, the validation loss and the weights after them equal the
     1-rank FSDP2 engine's."""
     runs = [_overrides(tiny_model_dir, tmp_path / name, *STEPS, *MEGATRON, *layout, "engine.dtype=float32",
                        "trainer.n_gpus_per_node=2")
             for name, layout in (("tp2", ["engine.tensor_model_parallel_size=2"]),
-                                 ("dp2", ["data.micro_batch_size_per_gpu=8"]))]
-    tp2, dp2 = _spawn(2, runs, tmp_path)
-    assert (tp2["dp"], dp2["dp"]) == (1, 2)
-    for run in (tp2, dp2):
+                                 ("dp2", ["data.micro_batch_size_per_gpu=8"]),
+                                 # Megatron-FSDP: parameters, gradients and Adam's state sharded over the two
+                                 ("dp2fsdp", ["data.micro_batch_size_per_gpu=8", "engine.use_megatron_fsdp=true"]))]
+    tp2, dp2, dp2fsdp = _spawn(2, runs, tmp_path)
+    assert (tp2["dp"], dp2["dp"], dp2fsdp["dp"]) == (1, 2, 2)
+    for run in (tp2, dp2, dp2fsdp):
         _assert_same_steps(run | {"model_dir": tiny_model_dir}, fsdp_run)
 
 
@@ -192,7 +194,7 @@ def test_verls_megatron_keys_reach_the_engine_config():
 
 
 @pytest.mark.parametrize(("keys", "named"), [
-    (("engine.use_megatron_fsdp=true",), "engine.use_megatron_fsdp=true: Megatron-FSDP"),
+    (("engine.use_megatron_fsdp=true", "engine.grad_offload=true"), "engine.use_megatron_fsdp=true with engine.grad_offload"),
     (("engine.use_mbridge=false",), "engine.use_mbridge=False"),
     (("engine.context_parallel_size=0",), "engine.context_parallel_size=0"),
     (("engine.router_replay.mode=R3",), "engine.router_replay.mode=R3"),

@@ -62,6 +62,21 @@ process without CUDA (a GPU process runs megatron-core untouched) and is idempot
   ``optimizer_offload_fraction``, the host copies of the parameters and their gradients, the
   sub-optimisers, the copy back after each host step and the state dict (the bytes move between two
   buffers in host memory instead of between the GPU and the host).
+- Megatron-FSDP (``use_megatron_fsdp``; ``megatron.core.distributed.fsdp``: the adapter
+  ``mcore_fsdp_adapter`` and its ``megatron_fsdp`` package) takes streams from ``torch.cuda`` (two side
+  streams when built, ``torch.cuda.stream(...)`` around its reduce-scatters and all-gathers,
+  ``current_stream().wait_stream``, ``record_event()`` and the event's ``wait()``), names its device
+  ``cuda:{current_device()}`` and allocates its gather buffers on ``current_device()``, lays its
+  DTensors on a ``DeviceMesh`` of type "cuda", and ``validate_uneven_dtensor`` moves its boundary
+  checks to CUDA with ``.cuda()``. Its modules get a ``torch`` (``_fsdp_torch``) whose ``cuda`` hands out
+  host streams (``_HostStream``: gloo's collectives return when done, so there is nothing to wait
+  for), whose ``device("cuda…")`` is the CPU and whose ``current_device()`` is 0 (only formatted into
+  that name); the adapter's ``DeviceMesh.from_group`` builds CPU meshes (``_CpuMesh``: the same
+  groups, gloo's); ``validate_uneven_dtensor`` runs with ``.cuda()`` of a CPU tensor the tensor itself.
+  Its collectives (``reduce_scatter_tensor``, ``all_gather_into_tensor``, both under
+  ``_coalescing_manager`` without a device: issued as one coalesced call, which gloo runs) are gloo's
+  own; ``ReduceOp.PREMUL_SUM`` (``gradient_reduce_div_fusion``) is NCCL's only, so the engine turns
+  that fusion off on the CPU (the gradients are scaled, then summed: the same products).
 """
 
 from __future__ import annotations
@@ -129,6 +144,7 @@ def install() -> bool:
 
     mappings._gather_along_first_dim = _gather_uneven(mappings._gather_along_first_dim)
     _install_hybrid_optimizer(cpu_torch)
+    _install_megatron_fsdp(cpu_torch)
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     _installed = True
@@ -174,6 +190,66 @@ def _install_hybrid_optimizer(cpu_torch: types.ModuleType) -> None:
     hybrid_optimizer.torch = host_torch
     cls = hybrid_optimizer.HybridDeviceOptimizer
     cls._get_sub_optimizer_param_groups = _device_params_read_as_cuda(cls._get_sub_optimizer_param_groups)
+
+
+_FSDP_MODULES = tuple(f"megatron.core.distributed.fsdp.src.megatron_fsdp.{name}" for name in
+                      ("megatron_fsdp", "param_and_grad_buffer", "mixed_precision", "uneven_dtensor", "utils"))
+_FSDP_ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+
+
+def _install_megatron_fsdp(cpu_torch: types.ModuleType) -> None:
+    try:
+        adapter = importlib.import_module(_FSDP_ADAPTER)
+        modules = [importlib.import_module(name) for name in _FSDP_MODULES]
+    except ImportError:  # a megatron-core without Megatron-FSDP: the engine refuses use_megatron_fsdp
+        return
+    fsdp_torch = _fsdp_torch(cpu_torch)
+    for module in (*modules, adapter):
+        module.torch = fsdp_torch
+    adapter.DeviceMesh = _CpuMesh
+    uneven, buffers = modules[3], modules[1]
+    # param_and_grad_buffer holds its own reference (imported by name)
+    uneven.validate_uneven_dtensor = buffers.validate_uneven_dtensor = _with_cuda_as_cpu(uneven.validate_uneven_dtensor)
+
+
+def _fsdp_torch(cpu_torch: types.ModuleType) -> types.ModuleType:
+    """Megatron-FSDP's ``torch``: the CPU one, with host streams, "cuda" devices on the CPU and device 0."""
+    proxy = types.ModuleType("torch")
+    proxy.__dict__.update(vars(cpu_torch))
+    proxy.device = _cuda_device_on_cpu
+    proxy.cuda = _FsdpCuda()
+    return proxy
+
+
+def _cuda_device_on_cpu(*args: Any, **kwargs: Any) -> torch.device:
+    if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+        return torch.device("cpu")
+    return torch.device(*args, **kwargs)
+
+
+class _FsdpCuda:
+    """``torch.cuda`` as Megatron-FSDP's modules see it on the CPU: host streams, nothing to wait for or
+    free, device 0 (only formatted into the "cuda:N" name ``_cuda_device_on_cpu`` maps to the CPU);
+    anything else is torch.cuda's own (its random-state helpers are megatron-core's tracker's, shimmed above)."""
+
+    Stream = staticmethod(lambda *args, **kwargs: _HostStream())
+    current_stream = staticmethod(lambda device=None: _HostStream())
+    stream = staticmethod(lambda stream=None: contextlib.nullcontext())
+    synchronize = empty_cache = staticmethod(lambda *args, **kwargs: None)
+    current_device = staticmethod(lambda: 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _CpuMesh:
+    """``DeviceMesh`` for the adapter: ``from_group`` over the same (gloo) groups, as a CPU mesh."""
+
+    @staticmethod
+    def from_group(*args: Any, device_type: str = "cuda", **kwargs: Any) -> Any:
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(*args, device_type="cpu", **kwargs)
 
 
 class _HostEvent:

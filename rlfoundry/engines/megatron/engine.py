@@ -4,7 +4,8 @@
 Building: megatron-core's parallel groups over the default process group → the model's chunks from
 the HF checkpoint (``bridge.py``) → for a trainable model, megatron-core's DDP (gradient buffers,
 data-parallel reduction) and its optimiser (Adam, gradient clipping, optionally the distributed
-optimiser that shards its state over the data-parallel ranks) + the LR schedule the FSDP engine uses.
+optimiser that shards its state over the data-parallel ranks), or with ``use_megatron_fsdp`` megatron-core's
+Megatron-FSDP sharding the parameters and gradients too (``megatron_fsdp.py``), + the LR schedule the FSDP engine uses.
 Updates: the same mini-batch loop and global-batch normalisation as FSDP (``engines/loop.py``);
 each mini-batch's micro-batches go through megatron-core's pipeline schedule (``forward.py``) and
 one optimiser step follows (skipped when the gradient norm is not finite).
@@ -46,6 +47,7 @@ from rlfoundry.engines.fsdp.fused_head import fused_kernels_wanted
 from rlfoundry.engines.fsdp.utils import build_lr_scheduler
 from rlfoundry.engines.loop import MiniBatchStats, global_batch_info, run_update
 from rlfoundry.engines.megatron import bridge as mb
+from rlfoundry.engines.megatron import megatron_fsdp as mfsdp
 from rlfoundry.engines.megatron import moe
 from rlfoundry.engines.megatron import offload as off
 from rlfoundry.engines.megatron.dist_weights import load_dist_weights, model_sharded_state, save_dist_weights
@@ -63,6 +65,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "float32": torch.float32, "fp32": torch.float32}
 
 
+# a Megatron-FSDP checkpoint's optimiser: one file per rank (megatron_fsdp.optimizer_shards)
+_FSDP_OPTIM = "megatron_fsdp_optim"
 # a role's config subtree, for errors that name its keys
 _ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
 
@@ -147,6 +151,17 @@ class MegatronEngine(TrainingEngine):
         self.lora = self._attach_lora(chunks) if config.lora is not None else None
         self._mtp = self._attach_mtp(chunks) if config.mtp_built else None
         self.optimizer = self.lr_scheduler = None
+        # Megatron-FSDP wraps a trained model only (a frozen one keeps whole weights on every rank)
+        self._megatron_fsdp = bool(m.use_megatron_fsdp and config.trainable)
+        if self._megatron_fsdp:
+            problems = mfsdp.problems(_ROLE_KEYS.get(role, role), m) + mfsdp.combination_problems(
+                _ROLE_KEYS.get(role, role), self.lora is not None,
+                bool((config.optim.override_optimizer_config or {}).get("optimizer_cpu_offload")))
+            if self._mtp is not None:
+                problems.append(f"{_ROLE_KEYS.get(role, role)}.megatron.use_megatron_fsdp=true with model.mtp.enable: "
+                                "MTP layers under Megatron-FSDP are not built; set use_megatron_fsdp=false.")
+            if problems:
+                raise ValueError(" ".join(problems))
         if config.trainable:
             chunks, self.optimizer = self._wrap_for_training(chunks)
             self.lr_scheduler = _lr_schedule(self.optimizer, config.optim)
@@ -229,14 +244,18 @@ class MegatronEngine(TrainingEngine):
         m, o = self.config.megatron, self.config.optim
         config = chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=m.use_distributed_optimizer)
-        wrapped = [DistributedDataParallel(config, ddp, chunk) for chunk in chunks]
+        if m.use_megatron_fsdp:  # megatron_fsdp.py: parameters, gradients and optimiser state sharded
+            wrapped = [mfsdp.wrap(config, chunk, self.device) for chunk in chunks]
+        else:
+            ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=m.use_distributed_optimizer)
+            wrapped = [DistributedDataParallel(config, ddp, chunk) for chunk in chunks]
         dtype = torch_dtype(m.dtype)
         optim = OptimizerConfig(
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
             adam_eps=o.eps, clip_grad=float(self.config.grad_clip or 0.0),
-            use_distributed_optimizer=m.use_distributed_optimizer,
+            # Megatron-FSDP's optimiser is the distributed one over its shards (verl sets it so too)
+            use_distributed_optimizer=m.use_distributed_optimizer or m.use_megatron_fsdp,
             bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, params_dtype=dtype,
             # verl's optim.override_optimizer_config: more OptimizerConfig fields, checked at start-up
             # (trainer/config.py _check_optimizer_overrides: none that an rlfoundry key sets; plugin.py: the
@@ -254,7 +273,11 @@ class MegatronEngine(TrainingEngine):
 
     def trainable_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every model chunk's (virtual pipeline stages), not only ``module``'s; tensor-parallel shards are
-        plain tensors here."""
+        plain tensors here. Not under Megatron-FSDP (its weights live in sharded buffers, gathered copies
+        beside them: the plug-in refuses what would call this, the fully-async proximal log-probs)."""
+        if self._megatron_fsdp:
+            raise NotImplementedError(f"{self.role}: a copy of the trainable parameters under Megatron-FSDP "
+                                      "(use_megatron_fsdp=true) is not built")
         for i, chunk in enumerate(self.chunks):
             for name, param in chunk.named_parameters():
                 if param.requires_grad:
@@ -454,18 +477,20 @@ class MegatronEngine(TrainingEngine):
 
     @staticmethod
     def _bare_chunks_of(chunks: list[nn.Module]) -> list[nn.Module]:
-        return [getattr(c, "module", c) for c in chunks]
+        return [mfsdp.inner_module(c) for c in chunks]
 
     def iter_hf_weights(self, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The HF tensors; the MTP layers' only with ``mtp`` (what the rollout's sync takes leaves them
         out: no rollout here drafts with them, and a causal LM class has no place for them)."""
         from rlfoundry.engines.megatron.mtp import is_mtp_weight
 
-        with self.resident("params") as restored:
+        with self.resident("params") as restored, mfsdp.full_parameters(self.chunks):
             # a tensor that is a parameter's own storage (no gather needed: TP-replicated norms, or
             # any at TP=1) is copied when the parameters go back to the host afterwards, so what the
-            # caller keeps stays readable; otherwise it is the live parameter (base.py's contract)
+            # caller keeps stays readable; otherwise it is the live parameter (base.py's contract).
+            # Megatron-FSDP's gathered parameters are views into buckets freed afterwards: copied too
             own = off.storage_ids(off.param_tensors(self.chunks)) if "params" in restored else set()
+            own |= off.storage_ids(mfsdp.gathered_storages(self.chunks))
             for name, tensor in self._hf_stream():
                 if not mtp and is_mtp_weight(name):
                     continue
@@ -640,7 +665,14 @@ class MegatronEngine(TrainingEngine):
 
         def write_shards(staging):
             (staging / "mcore").mkdir(exist_ok=True)
-            dist_checkpointing.save(self._sharded_state(optimizer=want.optimizer), str(staging / "mcore"))
+            if self._megatron_fsdp:  # the whole weights (any layout reads them), the optimiser rank by rank
+                with mfsdp.full_parameters(self.chunks):
+                    dist_checkpointing.save(self._sharded_state(optimizer=False), str(staging / "mcore"))
+                if self.optimizer is not None and want.optimizer:
+                    (staging / _FSDP_OPTIM).mkdir(exist_ok=True)
+                    torch.save(mfsdp.optimizer_shards(self.optimizer), staging / _FSDP_OPTIM / f"rank{dist.get_rank()}.pt")
+            else:
+                dist_checkpointing.save(self._sharded_state(optimizer=want.optimizer), str(staging / "mcore"))
             if want.hf_model:
                 self.save_hf_model(str(staging / ckpt.HF_CONFIG_DIR), tokenizer)
 
@@ -652,7 +684,8 @@ class MegatronEngine(TrainingEngine):
         meta = {**self._layout(), "dtype": self.config.megatron.dtype,
                 "has_optimizer": self.optimizer is not None and want.optimizer, "has_rng": want.extra,
                 "has_hf_model": want.hf_model,
-                "lora": self.lora.peft_config() if self.lora is not None else None}
+                "lora": self.lora.peft_config() if self.lora is not None else None,
+                "megatron_fsdp": self._megatron_fsdp, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
         with self.resident("params", "optimizer"):
             ckpt.save_role(path, write_shards, write_config, self.lr_scheduler if want.extra else None,
                            {**extra, "engine": self.counters()}, meta=meta, rng_state=self._rng_state, rng=want.extra)
@@ -684,6 +717,8 @@ class MegatronEngine(TrainingEngine):
             if optimizer is not None and not same:
                 raise ValueError(f"{root}: saved with {({k: saved.get(k) for k in self._layout()})}, resumed with "
                                  f"{self._layout()}; resuming training needs the same layout (the model alone reshards)")
+            if self._megatron_fsdp or meta.get("megatron_fsdp"):
+                return self._load_fsdp_shards(root, meta, optimizer, same)
             if optimizer is not None:
                 self._init_optimizer_state()
             state = self._sharded_state(is_loading=True, optimizer=optimizer is not None)
@@ -702,6 +737,21 @@ class MegatronEngine(TrainingEngine):
                                    load_rng=want.extra, set_rng=self._set_rng_state)
         self.load_counters(extra.get("engine", {}))
         return extra
+
+    def _load_fsdp_shards(self, root: Any, meta: dict[str, Any], optimizer: Any, same: bool) -> None:
+        """A Megatron-FSDP checkpoint into a Megatron-FSDP engine of the same layout and world: each rank's
+        optimiser parameters and Adam state (``_FSDP_OPTIM``), from which the sharded weights are installed.
+        The weights alone (into another layout, or without Megatron-FSDP either side) are not built."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if not (self._megatron_fsdp and meta.get("megatron_fsdp") and optimizer is not None and same
+                and meta.get("world_size") == world and meta.get("has_optimizer")):
+            raise ValueError(f"{root}: loading a checkpoint with use_megatron_fsdp (saved: "
+                             f"{bool(meta.get('megatron_fsdp'))}, {meta.get('world_size')} ranks; now: {self._megatron_fsdp}, "
+                             f"{world} ranks) is built for resuming training with Megatron-FSDP in the same layout, "
+                             "optimizer included; the weights alone, or into another layout, are not built: start from "
+                             "the checkpoint's huggingface/ export (checkpoint.save_contents with 'hf_model') instead")
+        saved = torch.load(root / _FSDP_OPTIM / f"rank{dist.get_rank()}.pt", weights_only=False)
+        mfsdp.load_optimizer_shards(optimizer, self.chunks, saved)
 
     def save_dist_weights(self, path: str) -> None:
         """The model alone as a dist checkpoint in verl's layout (what ``use_dist_checkpointing`` loads):

@@ -15,7 +15,7 @@ from rlfoundry.config.schema import MEGATRON_INSTALL, model_parallel_size
 from rlfoundry.config.typed import pick
 from rlfoundry.engines.base import EnginePlugin, EngineRequest, TrainingEngine
 from rlfoundry.engines.fsdp.fused_head import check_fused_kernels
-from rlfoundry.engines.megatron import moe
+from rlfoundry.engines.megatron import megatron_fsdp, moe
 
 __all__ = ["PLUGIN"]
 
@@ -97,6 +97,17 @@ class MegatronPlugin(EnginePlugin):
                               f"({sizes[roles[0]]}).")
         for key in roles:
             errors += _check_role(key, pick(cfg, f"{key}.megatron"), world_size, _model_path(cfg, key))
+            if pick(cfg, f"{key}.megatron.use_megatron_fsdp", False):
+                owner = "actor_rollout_ref" if key.startswith("actor_rollout_ref.") else key
+                lora = key != "actor_rollout_ref.ref" and int(pick(cfg, f"{owner}.model.lora_rank", 0) or 0) > 0
+                cpu_optimizer = bool(pick(cfg, f"{key}.optim.override_optimizer_config.optimizer_cpu_offload", False))
+                errors += megatron_fsdp.combination_problems(key, lora, cpu_optimizer)
+                sync = int(pick(cfg, "async_training.trigger_parameter_sync_step", 1) or 1)
+                if key == "actor_rollout_ref.actor" and sync > 1:
+                    errors.append(f"{key}.megatron.use_megatron_fsdp=true with async_training.trigger_parameter_sync_step"
+                                  f"={sync}: the proximal log-probs' copy of the sync period's first weights "
+                                  "(compute_prox_log_prob) is not built over Megatron-FSDP's shards; set "
+                                  "use_megatron_fsdp=false or trigger_parameter_sync_step=1.")
             if int(pick(cfg, f"{key}.ulysses_sequence_parallel_size", 1) or 1) > 1:
                 errors.append(f"{key}.ulysses_sequence_parallel_size > 1: Ulysses is the FSDP engine's sequence "
                               "parallelism; with strategy=megatron set it to 1 and split sequences with "
@@ -216,10 +227,7 @@ def _check_role(key: str, m: Any, world_size: int, model_path: Any = None) -> li
     if not m.use_mbridge:
         errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
                       "set it to True (the default).")
-    if getattr(m, "use_megatron_fsdp", False):
-        errors.append(f"{key}.megatron.use_megatron_fsdp=true: Megatron-FSDP (parameters sharded over the data-parallel "
-                      f"ranks) is not built; the Megatron engine here shards the optimizer state "
-                      f"({key}.megatron.use_distributed_optimizer). Set {key}.megatron.use_megatron_fsdp=false.")
+    errors += megatron_fsdp.problems(key, m)  # offload beside it (LoRA and the CPU optimiser: check())
     errors += _check_dist_checkpoint(key, m)
     return errors + _check_experts(key, m, world_size, model_path)
 
