@@ -423,12 +423,16 @@ def test_august_mtp_and_megatron_fsdp_beside_offload_are_start_up_errors_naming_
     assert "speculative decoding" in _error("actor_rollout_ref.model.mtp.enable_rollout=true")
     fsdp = ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.use_megatron_fsdp={}")
     _load(fsdp[0], fsdp[1].format("false"))
-    _load(fsdp[0], fsdp[1].format("true"))  # built (tests/engines/test_megatron_fsdp.py); not beside offload
-    assert "Megatron-FSDP" in _error(fsdp[0], fsdp[1].format("true"), "actor_rollout_ref.actor.megatron.param_offload=true")
+    two = "trainer.n_gpus_per_node=2"
+    _load(fsdp[0], fsdp[1].format("true"), two)  # built (tests/engines/test_megatron_fsdp.py); not beside offload
+    assert "not built over one" in _error(fsdp[0], fsdp[1].format("true"))  # one data-parallel rank
+    assert "Megatron-FSDP" in _error(fsdp[0], fsdp[1].format("true"), two,
+                                     "actor_rollout_ref.actor.megatron.param_offload=true")
     assert "no pipeline stages" in _error(*fsdp[:1], fsdp[1].format("true"), *(
         f"actor_rollout_ref.{r}.megatron.pipeline_model_parallel_size=2" for r in ("actor", "ref")),
         "trainer.n_gpus_per_node=2")
-    assert "compute_prox_log_prob" in _error(*fsdp[:1], fsdp[1].format("true"), "+async_training.trigger_parameter_sync_step=2")
+    assert "compute_prox_log_prob" in _error(*fsdp[:1], fsdp[1].format("true"), two,
+                                             "+async_training.trigger_parameter_sync_step=2")
     assert "a quantised rollout" in _error("+actor_rollout_ref.rollout.quantization=fp8")
 
 

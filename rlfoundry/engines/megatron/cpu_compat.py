@@ -207,6 +207,8 @@ def _install_megatron_fsdp(cpu_torch: types.ModuleType) -> None:
     for module in (*modules, adapter):
         module.torch = fsdp_torch
     adapter.DeviceMesh = _CpuMesh
+    if not isinstance(adapter.TELinear, type):  # without TransformerEngine megatron-core's stand-in is a MagicMock,
+        adapter.TELinear = _NoTELinear          # which isinstance() refuses (TP > 1 stopped at wrapping)
     uneven, buffers = modules[3], modules[1]
     # param_and_grad_buffer holds its own reference (imported by name)
     uneven.validate_uneven_dtensor = buffers.validate_uneven_dtensor = _with_cuda_as_cpu(uneven.validate_uneven_dtensor)
@@ -237,9 +239,18 @@ class _FsdpCuda:
     stream = staticmethod(lambda stream=None: contextlib.nullcontext())
     synchronize = empty_cache = staticmethod(lambda *args, **kwargs: None)
     current_device = staticmethod(lambda: 0)
+    # TP > 1: the adapter broadcasts rank 0's random states over the TP group; the CPU generator's travels in
+    # the same dict (torch_rng_state), and there is no CUDA generator to carry
+    get_rng_state = staticmethod(lambda device="cuda": torch.empty(0, dtype=torch.uint8))
+    set_rng_state = staticmethod(lambda state, device="cuda": None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
+
+
+class _NoTELinear:
+    """TransformerEngine's ``TELinear`` where TE is not installed: no module is one (the local layers' TP
+    parameters carry megatron-core's own ``tensor_model_parallel`` marks)."""
 
 
 class _CpuMesh:

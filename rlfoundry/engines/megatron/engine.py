@@ -154,7 +154,8 @@ class MegatronEngine(TrainingEngine):
         # Megatron-FSDP wraps a trained model only (a frozen one keeps whole weights on every rank)
         self._megatron_fsdp = bool(m.use_megatron_fsdp and config.trainable)
         if self._megatron_fsdp:
-            problems = mfsdp.problems(_ROLE_KEYS.get(role, role), m) + mfsdp.combination_problems(
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            problems = mfsdp.problems(_ROLE_KEYS.get(role, role), m, world) + mfsdp.combination_problems(
                 _ROLE_KEYS.get(role, role), self.lora is not None,
                 bool((config.optim.override_optimizer_config or {}).get("optimizer_cpu_offload")))
             if self._mtp is not None:

@@ -227,7 +227,7 @@ def _check_role(key: str, m: Any, world_size: int, model_path: Any = None) -> li
     if not m.use_mbridge:
         errors.append(f"{key}.megatron.use_mbridge=False: mbridge is the only HF <-> Megatron converter here; "
                       "set it to True (the default).")
-    errors += megatron_fsdp.problems(key, m)  # offload beside it (LoRA and the CPU optimiser: check())
+    errors += megatron_fsdp.problems(key, m, world_size)  # offload beside it (LoRA and the CPU optimiser: check())
     errors += _check_dist_checkpoint(key, m)
     return errors + _check_experts(key, m, world_size, model_path)
 
