@@ -340,7 +340,7 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("engine=automodel", "automodel engine"), ("optim=automodel", "automodel optim"),
+    ("engine=veomni", "veomni engine"), ("optim=veomni", "veomni optim"),  # engine=automodel: test_automodel_keys.py
     ("model.strategy=veomni", "model.strategy"),  # engine=megatron: tests/trainer/test_sft_megatron.py
     ("model.use_liger=true", "- model.use_liger=true"),  # CPU here: Liger's kernels need CUDA
     ("model.mtp.enable_train=true", "model.mtp.enable_train=true: multi-token prediction"),
@@ -534,3 +534,37 @@ def test_turn_tokens_that_differ_from_the_whole_texts_are_an_error_unless_ignore
     assert kept["input_ids"].tolist() == [v["hel"], v["lo"], v["world"]]  # verl's choice: the turn-by-turn tokens
     assert kept["loss_mask"].tolist() == [0, 1, 1]
     assert load_sft_config(["model.path=/m", "data.ignore_input_ids_mismatch=true"]).data.ignore_input_ids_mismatch
+
+
+# ───────────────────────────── verl's engine=automodel (config/automodel.py) ─────────────────────────────
+
+def _three_steps(model_dir, run_dir, *engine: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Three steps on one fixed batch: their losses, their lrs and the weights after them."""
+    base = [o for o in _overrides(model_dir, run_dir) if not o.startswith("optim.")]
+    trainer = SFTTrainer(load_sft_config([*base, "trainer.total_training_steps=3", *engine]))
+    try:
+        batch = _fixed_batch(trainer)
+        metrics = [trainer.train_step(batch) for _ in range(3)]
+        weights = {n: _full(p) for n, p in trainer.engine.module.named_parameters()}
+    finally:
+        trainer._finish(0.0)
+    return [m["train/loss"] for m in metrics], [m["train/lr"] for m in metrics], weights
+
+
+def test_automodel_engine_steps_are_the_fsdp_engines(tiny_model_dir, tmp_path):
+    """verl's engine=automodel optim=automodel trains the FSDP engine's steps bit for bit: AutoModel's schedule
+    (Megatron's: warm-up from lr x init_lr_ratio, then a half cosine to lr x min_lr_ratio at the last step) is the
+    SFT schedule with lr_warmup_init = lr x init_lr_ratio; its accepted kernel choices change no number."""
+    automodel = _three_steps(tiny_model_dir, tmp_path / "a", "engine=automodel", "engine.distributed_strategy=fsdp2",
+                             "engine.tp_size=1", "engine.ep_size=1", "engine.backend_config.linear=te",
+                             "engine.attn_implementation=flash_attention_2", "optim=automodel", "optim.lr=1e-3",
+                             "optim.lr_warmup_steps=1", "optim.init_lr_ratio=0.5", "optim.min_lr_ratio=0.1",
+                             "optim.lr_scheduler_type=cosine", "optim.betas=[0.9,0.95]")
+    fsdp = _three_steps(tiny_model_dir, tmp_path / "f", "engine=fsdp", "optim=fsdp", "optim.lr=1e-3",
+                        "optim.lr_warmup_steps=1", "optim.warmup_steps_ratio=0", "optim.lr_warmup_init=5e-4",
+                        "optim.min_lr_ratio=0.1", "optim.lr_scheduler=cosine", "optim.betas=[0.9,0.95]")
+    assert automodel[1] == pytest.approx([5e-4, 1e-3, 1e-4 + 0.5 * (1 + math.cos(math.pi / 2)) * 9e-4], rel=1e-12)
+    assert automodel[0] == fsdp[0] and automodel[1] == fsdp[1]
+    assert automodel[2].keys() == fsdp[2].keys()
+    for name, weight in automodel[2].items():
+        assert torch.equal(weight, fsdp[2][name]), name
