@@ -568,3 +568,42 @@ def test_automodel_engine_steps_are_the_fsdp_engines(tiny_model_dir, tmp_path):
     assert automodel[2].keys() == fsdp[2].keys()
     for name, weight in automodel[2].items():
         assert torch.equal(weight, fsdp[2][name]), name
+
+
+def _expert_parallel_rank(rank: int, model_dir, run_dir, port: int, out) -> None:
+    """One of two ranks of verl's engine=automodel engine.ep_size=2: the SFT trainer under torchrun's variables."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    base = [o for o in _overrides(model_dir, run_dir) if not o.startswith("optim.")]
+    trainer = SFTTrainer(load_sft_config([*base, "data.micro_batch_size_per_gpu=8", "engine=automodel",
+                                          "engine.ep_size=2", "optim.lr=1e-3", "optim.betas=[0.9,0.95]",
+                                          "trainer.n_gpus_per_node=2"]))
+    try:
+        trainer.train_step(_fixed_batch(trainer))
+        grads = first_step_gradients(trainer.engine.optimizer, trainer.engine.module)  # collective: every rank
+        if rank == 0:
+            from rlfoundry.engines.fsdp.expert_parallel import EP_ATTR
+
+            torch.save({"grads": grads, "ep": getattr(trainer.engine.module, EP_ATTR).size}, out)
+    finally:
+        trainer._finish(0.0)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_automodel_ep_size_is_the_fsdp_engines_expert_parallelism(tiny_moe_dir, tmp_path):
+    """engine.ep_size=2 on two gloo ranks shards the experts by expert (the FSDP engine's expert_parallel_size)
+    and takes the step one rank takes on the whole batch: the gradients within float32 re-association."""
+    from tests import rank_server
+
+    from rlfoundry.single_controller.base.worker import find_free_port
+
+    out = tmp_path / "ep2.pt"
+    rank_server.run(_expert_parallel_rank, args=(tiny_moe_dir, tmp_path / "ep2", find_free_port(), out), nprocs=2)
+    two = torch.load(out)
+    assert two["ep"] == 2
+    _, grads, bound = _one_step_grads(tiny_moe_dir, tmp_path / "ep1", "optim.betas=[0.9,0.95]")
+    assert_same_gradients(two["grads"], grads, bound, "automodel ep_size=2")
