@@ -98,13 +98,19 @@ class SFTFSDPConfig:
     offload_params: bool = False  # GPU only
     reshard_after_forward: bool = True
     fsdp_size: int = -1  # ranks that shard the model (-1: all); groups of them replicate it (hybrid sharding)
+    # rlfoundry: the FSDP engine's keys of the RL roles' fsdp_config (verl's engine=automodel sets them, with
+    # engine.optimizer_offload / engine.ep_size): AdamW's moments in host memory between steps (GPU only), and
+    # each routed layer's experts sharded by expert over groups of this many ranks (engines/fsdp/expert_parallel.py)
+    optimizer_offload: bool = False
+    expert_parallel_size: int = 1
 
 
 @dataclass
 class SFTModelConfig:
     partial_pretrain: Optional[str] = None  # local HF directory (or rlfoundry://NAME for a packaged model)
     path: Optional[str] = None  # verl's newer spelling of partial_pretrain
-    # verl's FSDP versions (both the FSDP2 engine here) or the Megatron engine (verl's engine=megatron sets it)
+    # verl's FSDP versions (both the FSDP2 engine here) or the Megatron engine (verl's engine=megatron sets it;
+    # engine=automodel is the FSDP2 engine, config/automodel.py)
     strategy: str = _choice("fsdp2", "fsdp", "megatron")
     use_remove_padding: Optional[bool] = None  # verl's newer spelling of the top-level use_remove_padding
     use_liger: bool = False  # Liger's Triton kernels patched in (CUDA and liger-kernel; models/liger.py)

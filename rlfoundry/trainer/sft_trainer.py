@@ -61,18 +61,23 @@ _FSDP_DEFAULTS = SFTFSDPConfig()
 
 # =========================================================================== configuration
 
-# verl's August engine group (engine=...): fsdp and dp are the FSDP2 engine here, megatron the Megatron engine
-SFT_ENGINES = ("fsdp", "dp", "megatron")
+# verl's August engine group (engine=...): fsdp and dp are the FSDP2 engine here, megatron the Megatron engine;
+# automodel (NeMo AutoModel, FSDP2 too) is the FSDP2 engine with its keys translated (config/automodel.py)
+SFT_ENGINES = ("fsdp", "dp", "megatron", "automodel")
 
 
 def load_sft_config(overrides: Sequence[str] = (), config_name: str | None = None,
                     config_path: str | None = None) -> DictConfig:
     """Typed defaults <- overlay ``config_name`` (its ``defaults:`` composed) <- ``key=value`` overrides
     (the PPO config's loader), verl's spellings adopted, validated, read-only."""
-    overrides = _engine_choice(overrides)
+    overrides, automodel = _engine_choice(overrides)
     cfg, user_keys = load_typed_config(SFTConfig, overrides, _sft_overlay(config_name, config_path),
                                        config_path=config_path)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if automodel is not None:  # verl's automodel engine: its keys onto the FSDP2 engine's (config/automodel.py)
+        from rlfoundry.config.automodel import adopt_automodel
+
+        user_keys = list(user_keys) + adopt_automodel(cfg, automodel, user_keys, world_size)
     _adopt_verl_spellings(cfg, user_keys, world_size)
     OmegaConf.resolve(cfg)
     validate_sft_config(cfg, world_size=world_size)
@@ -92,28 +97,33 @@ def _sft_overlay(name: str | None, config_path: str | None) -> Path | None:
 SFT_GROUPS = {"engine": SFT_ENGINES, "optim": SFT_ENGINES, "model": ("hf_model",)}
 
 
-def _engine_choice(overrides: Sequence[str]) -> list[str]:
-    """verl's ``engine=fsdp|megatron`` / ``optim=…`` / ``model=hf_model`` group choices: ``engine=megatron``
-    becomes ``model.strategy=megatron`` (the FSDP engine otherwise); ``optim`` names the optimiser keys'
-    layout, which both engines read, and must be the engine's; another choice is an error naming it."""
+def _engine_choice(overrides: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """verl's ``engine=fsdp|megatron|automodel`` / ``optim=…`` / ``model=hf_model`` group choices:
+    ``engine=megatron`` becomes ``model.strategy=megatron`` (the FSDP engine otherwise); ``optim`` names the
+    optimiser keys' layout, which both engines read, and must be the engine's; another choice is an error naming
+    it. Returns the overrides and, for ``engine=automodel``, its ``engine.*`` / ``optim.*`` overrides apart (its
+    groups' keys, translated after loading: config/automodel.py), else None."""
     rest, chosen = [], {}
     for text in overrides:
         key, sep, value = text.partition("=")
         group = key.lstrip("+")
         if sep and group in SFT_GROUPS:
             if value.strip() not in SFT_GROUPS[group]:
-                raise ConfigError(f"{group}={value}: rlfoundry sft trains on the FSDP2 engine (engine=fsdp) or the "
-                                  f"Megatron engine (engine=megatron) with an HF model (model=hf_model); verl's "
-                                  f"{value} {group} is not built here.")
+                raise ConfigError(f"{group}={value}: rlfoundry sft trains on the FSDP2 engine (engine=fsdp, or verl's "
+                                  f"engine=automodel on it) or the Megatron engine (engine=megatron) with an HF model "
+                                  f"(model=hf_model); verl's {value} {group} is not built here.")
             if group != "model":
-                chosen[group] = "megatron" if value.strip() == "megatron" else "fsdp"
+                chosen[group] = value.strip() if value.strip() in ("megatron", "automodel") else "fsdp"
             continue
         rest.append(text)
     engine = chosen.get("engine", "fsdp")  # verl's default group
     if chosen.get("optim", engine) != engine:
         raise ConfigError(f"optim={chosen['optim']} with engine={engine}: the optimiser's keys are the engine's; "
                           f"give engine={chosen['optim']} (or optim={engine}).")
-    return rest + (["model.strategy=megatron"] if engine == "megatron" else [])
+    if engine == "automodel":
+        mine = [t for t in rest if t.lstrip("+").split("=", 1)[0].split(".", 1)[0] in ("engine", "optim")]
+        return [t for t in rest if t not in mine], mine
+    return rest + (["model.strategy=megatron"] if engine == "megatron" else []), None
 
 
 def _adopt_verl_spellings(cfg: DictConfig, user_keys: Sequence[str], world_size: int) -> None:
@@ -258,8 +268,26 @@ def _engine_errors(cfg: DictConfig, world_size: int) -> list[str]:
     if cfg.model.strategy != "megatron":
         megatron_keys = _megatron_keys_set(cfg.engine)
         return [f"engine.{key}={value}: a Megatron engine key, and this run trains on the FSDP2 engine; add "
-                "engine=megatron optim=megatron, or remove it." for key, value in megatron_keys.items()]
+                "engine=megatron optim=megatron, or remove it." for key, value in megatron_keys.items()] \
+            + _expert_parallel_errors(cfg, world_size)
     return _megatron_errors(cfg, world_size) + _fsdp_keys_on_megatron(cfg)
+
+
+def _expert_parallel_errors(cfg: DictConfig, world_size: int) -> list[str]:
+    """``model.fsdp_config.expert_parallel_size`` (verl's engine.ep_size on the automodel engine): the RL roles'
+    layout checks (ranks, the model's experts from its config.json, LoRA, hybrid sharding); the engine checks the
+    model itself again."""
+    from rlfoundry.engines.fsdp.expert_parallel import check_expert_parallel
+    from rlfoundry.engines.fsdp.plugin import EXPERT_COUNT_KEYS, _config_value
+
+    m = cfg.model
+    try:
+        check_expert_parallel(int(m.fsdp_config.expert_parallel_size), world=world_size,
+                              num_experts=_config_value(m.partial_pretrain, EXPERT_COUNT_KEYS), lora=m.lora_rank > 0,
+                              fsdp_size=int(m.fsdp_config.fsdp_size), key="model.fsdp_config.expert_parallel_size")
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def _megatron_keys_set(engine: DictConfig) -> dict[str, Any]:
@@ -523,7 +551,8 @@ class SFTTrainer:
         config = FSDPEngineConfig(
             path=str(m.partial_pretrain), optim=optim, grad_clip=o.clip_grad, cpu_kernels=m.cpu_kernels,
             fsdp=FSDPConfig(model_dtype=fsdp.model_dtype, mixed_precision=mixed, param_offload=fsdp.offload_params,
-                            reshard_after_forward=fsdp.reshard_after_forward, fsdp_size=int(fsdp.fsdp_size)),
+                            optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward,
+                            fsdp_size=int(fsdp.fsdp_size), expert_parallel_size=int(fsdp.expert_parallel_size)),
             trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
             gradient_checkpointing=m.enable_gradient_checkpointing, use_remove_padding=self.config.use_remove_padding,
             use_liger=m.use_liger,

@@ -340,7 +340,7 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("engine=automodel", "automodel engine"), ("optim=automodel", "automodel optim"),
+    ("engine=veomni", "veomni engine"), ("optim=veomni", "veomni optim"),  # engine=automodel: test_automodel_keys.py
     ("model.strategy=veomni", "model.strategy"),  # engine=megatron: tests/trainer/test_sft_megatron.py
     ("model.use_liger=true", "- model.use_liger=true"),  # CPU here: Liger's kernels need CUDA
     ("model.mtp.enable_train=true", "model.mtp.enable_train=true: multi-token prediction"),
@@ -534,3 +534,76 @@ def test_turn_tokens_that_differ_from_the_whole_texts_are_an_error_unless_ignore
     assert kept["input_ids"].tolist() == [v["hel"], v["lo"], v["world"]]  # verl's choice: the turn-by-turn tokens
     assert kept["loss_mask"].tolist() == [0, 1, 1]
     assert load_sft_config(["model.path=/m", "data.ignore_input_ids_mismatch=true"]).data.ignore_input_ids_mismatch
+
+
+# ───────────────────────────── verl's engine=automodel (config/automodel.py) ─────────────────────────────
+
+def _three_steps(model_dir, run_dir, *engine: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Three steps on one fixed batch: their losses, their lrs and the weights after them."""
+    base = [o for o in _overrides(model_dir, run_dir) if not o.startswith("optim.")]
+    trainer = SFTTrainer(load_sft_config([*base, "trainer.total_training_steps=3", *engine]))
+    try:
+        batch = _fixed_batch(trainer)
+        metrics = [trainer.train_step(batch) for _ in range(3)]
+        weights = {n: _full(p) for n, p in trainer.engine.module.named_parameters()}
+    finally:
+        trainer._finish(0.0)
+    return [m["train/loss"] for m in metrics], [m["train/lr"] for m in metrics], weights
+
+
+def test_automodel_engine_steps_are_the_fsdp_engines(tiny_model_dir, tmp_path):
+    """verl's engine=automodel optim=automodel trains the FSDP engine's steps bit for bit: AutoModel's schedule
+    (Megatron's: warm-up from lr x init_lr_ratio, then a half cosine to lr x min_lr_ratio at the last step) is the
+    SFT schedule with lr_warmup_init = lr x init_lr_ratio; its accepted kernel choices change no number."""
+    automodel = _three_steps(tiny_model_dir, tmp_path / "a", "engine=automodel", "engine.distributed_strategy=fsdp2",
+                             "engine.tp_size=1", "engine.ep_size=1", "engine.backend_config.linear=te",
+                             "engine.attn_implementation=flash_attention_2", "optim=automodel", "optim.lr=1e-3",
+                             "optim.lr_warmup_steps=1", "optim.init_lr_ratio=0.5", "optim.min_lr_ratio=0.1",
+                             "optim.lr_scheduler_type=cosine", "optim.betas=[0.9,0.95]")
+    fsdp = _three_steps(tiny_model_dir, tmp_path / "f", "engine=fsdp", "optim=fsdp", "optim.lr=1e-3",
+                        "optim.lr_warmup_steps=1", "optim.warmup_steps_ratio=0", "optim.lr_warmup_init=5e-4",
+                        "optim.min_lr_ratio=0.1", "optim.lr_scheduler=cosine", "optim.betas=[0.9,0.95]")
+    assert automodel[1] == pytest.approx([5e-4, 1e-3, 1e-4 + 0.5 * (1 + math.cos(math.pi / 2)) * 9e-4], rel=1e-12)
+    assert automodel[0] == fsdp[0] and automodel[1] == fsdp[1]
+    assert automodel[2].keys() == fsdp[2].keys()
+    for name, weight in automodel[2].items():
+        assert torch.equal(weight, fsdp[2][name]), name
+
+
+def _expert_parallel_rank(rank: int, model_dir, run_dir, port: int, out) -> None:
+    """One of two ranks of verl's engine=automodel engine.ep_size=2: the SFT trainer under torchrun's variables."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    base = [o for o in _overrides(model_dir, run_dir) if not o.startswith("optim.")]
+    trainer = SFTTrainer(load_sft_config([*base, "data.micro_batch_size_per_gpu=8", "engine=automodel",
+                                          "engine.ep_size=2", "optim.lr=1e-3", "optim.betas=[0.9,0.95]",
+                                          "trainer.n_gpus_per_node=2"]))
+    try:
+        trainer.train_step(_fixed_batch(trainer))
+        grads = first_step_gradients(trainer.engine.optimizer, trainer.engine.module)  # collective: every rank
+        if rank == 0:
+            from rlfoundry.engines.fsdp.expert_parallel import EP_ATTR
+
+            torch.save({"grads": grads, "ep": getattr(trainer.engine.module, EP_ATTR).size}, out)
+    finally:
+        trainer._finish(0.0)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_automodel_ep_size_is_the_fsdp_engines_expert_parallelism(tiny_moe_dir, tmp_path):
+    """engine.ep_size=2 on two gloo ranks shards the experts by expert (the FSDP engine's expert_parallel_size)
+    and takes the step one rank takes on the whole batch: the gradients within float32 re-association."""
+    from tests import rank_server
+
+    from rlfoundry.single_controller.base.worker import find_free_port
+
+    out = tmp_path / "ep2.pt"
+    rank_server.run(_expert_parallel_rank, args=(tiny_moe_dir, tmp_path / "ep2", find_free_port(), out), nprocs=2)
+    two = torch.load(out)
+    assert two["ep"] == 2
+    _, grads, bound = _one_step_grads(tiny_moe_dir, tmp_path / "ep1", "optim.betas=[0.9,0.95]")
+    assert_same_gradients(two["grads"], grads, bound, "automodel ep_size=2")

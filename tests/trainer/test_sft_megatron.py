@@ -226,5 +226,5 @@ def test_megatron_keys_on_the_fsdp_engine_and_mismatched_groups_are_errors():
         _load("engine.tensor_model_parallel_size=2")
     with pytest.raises(ConfigError, match="optim=megatron with engine=fsdp"):
         _load("optim=megatron")
-    with pytest.raises(ConfigError, match="verl's automodel engine is not built"):
-        _load("engine=automodel")
+    with pytest.raises(ConfigError, match="verl's veomni engine is not built"):
+        _load("engine=veomni")  # engine=automodel is the FSDP2 engine (tests/config/test_automodel_keys.py)
