@@ -81,6 +81,12 @@ class SFTDataConfig:
     # same loss), right and left_right pad (verl's names); null: use_remove_padding decides
     pad_mode: Optional[str] = field(default=None, metadata={"choices": (None, "no_padding", "right", "left_right")})  # verl's DatasetPadMode
     shuffle: bool = True
+    # verl's: at most this many rows of data.train_files / val_files (-1: all), drawn as the RL data draws them
+    # (data/rl_dataset.py max_samples_drawn) with data.seed; null: trainer.seed (verl's SFT dataset draws
+    # unseeded then, which a resumed run could not repeat)
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    seed: Optional[int] = None
     synthetic: SFTSyntheticConfig = _sub(SFTSyntheticConfig)  # rlfoundry
     # verl's conversation rows, every assistant turn trained (data/sft_dataset.py): data.multiturn.enable=true,
     # or the newer trainer's data.messages_key (its rows are always conversations) with data.tools_key

@@ -431,15 +431,22 @@ def sample_rows(where: list, messages: list, max_samples: int, config: Any) -> t
     the length filter — without replacement by ``numpy.random.default_rng(data.seed)`` when
     ``data.shuffle``, else the first ones (verl's RLHFDataset draws the same way; -1 or more than
     the file holds: every row)."""
-    total = len(where)
-    if max_samples is None or max_samples <= 0 or max_samples >= total:
+    picked = max_samples_drawn(len(where), max_samples, config.shuffle, config.seed)
+    if picked is None:
         return where, messages
-    if config.shuffle:
-        picked = np.random.default_rng(config.seed).choice(total, size=max_samples, replace=False)
-    else:
-        picked = np.arange(max_samples)
-    logger.info("data: %d of %d rows drawn (max_samples)", max_samples, total)
     return [where[i] for i in picked], [messages[i] for i in picked]
+
+
+def max_samples_drawn(total: int, max_samples: int | None, shuffle: bool, seed: int | None) -> np.ndarray | None:
+    """The rows verl's ``*_max_samples`` keeps of ``total`` (RL and SFT datasets draw alike): ``max_samples``
+    without replacement by ``numpy.random.default_rng(seed)`` when ``shuffle``, else the first ones; None
+    (every row) for -1 or at least ``total``."""
+    if max_samples is None or max_samples <= 0 or max_samples >= total:
+        return None
+    logger.info("data: %d of %d rows drawn (max_samples)", max_samples, total)
+    if shuffle:
+        return np.random.default_rng(seed).choice(total, size=max_samples, replace=False)
+    return np.arange(max_samples)
 
 
 def create_rl_dataset(data_files: Any, data_config: Any, tokenizer: Any, processor: Any = None,

@@ -43,6 +43,7 @@ from rlfoundry import checkpoint as ckpt
 from rlfoundry.algos import core_algos
 from rlfoundry.config.schema import MegatronConfig, model_parallel_size
 from rlfoundry.config.sft_schema import SFTConfig, SFTFSDPConfig, choice_errors
+from rlfoundry.data.rl_dataset import max_samples_drawn
 from rlfoundry.data.sft_dataset import Pair, SFTDataError, SFTDataset, collate_sft, load_pairs, synthetic_pairs
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan, say_once
 from rlfoundry.protocol import DataProto
@@ -474,10 +475,17 @@ class SFTTrainer:
         if data.train_files is None:
             train, val = synthetic_pairs(data.synthetic)
         else:
-            train, val = load_pairs(data.train_files, data), []
+            train, val = self._at_most(load_pairs(data.train_files, data), data.train_max_samples), []
         if data.val_files is not None:
-            val = load_pairs(data.val_files, data)
+            val = self._at_most(load_pairs(data.val_files, data), data.val_max_samples)
         return train, val
+
+    def _at_most(self, pairs: list[Pair], max_samples: int) -> list[Pair]:
+        """verl's ``data.train_max_samples`` / ``val_max_samples`` over a file's rows."""
+        data = self.config.data
+        seed = data.seed if data.seed is not None else self.config.trainer.seed
+        picked = max_samples_drawn(len(pairs), max_samples, data.shuffle, seed)
+        return pairs if picked is None else [pairs[i] for i in picked]
 
     def _build_loaders(self) -> tuple[DataLoader, DataLoader | None]:
         data = self.config.data

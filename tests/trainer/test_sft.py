@@ -607,3 +607,29 @@ def test_automodel_ep_size_is_the_fsdp_engines_expert_parallelism(tiny_moe_dir, 
     assert two["ep"] == 2
     _, grads, bound = _one_step_grads(tiny_moe_dir, tmp_path / "ep1", "optim.betas=[0.9,0.95]")
     assert_same_gradients(two["grads"], grads, bound, "automodel ep_size=2")
+
+
+def test_max_samples_keep_the_rows_verl_draws(tiny_model_dir, tmp_path):
+    """verl's ``data.train_max_samples`` / ``val_max_samples`` (its Qwen3-30B automodel SFT line): with shuffle, the
+    rows ``numpy.random.default_rng(seed).choice`` draws without replacement, as verl's SFT dataset draws them
+    (data.seed, else trainer.seed here: the same rows after a resume); without shuffle the first ones; -1 all."""
+    import numpy as np
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{i}+0=", "a": str(i)}) + "\n" for i in range(20)))
+
+    def responses(*extra):
+        trainer = SFTTrainer(load_sft_config(_overrides(tiny_model_dir, tmp_path / "run", f"data.train_files={data}",
+                                                        f"data.val_files={data}", "data.prompt_key=q",
+                                                        "data.response_key=a", "data.train_batch_size=2",
+                                                        "data.micro_batch_size_per_gpu=2", *extra)))
+        train, val = trainer._pairs()
+        return [int(r) for _, r in train], [int(r) for _, r in val]
+
+    train, val = responses("data.train_max_samples=5", "data.val_max_samples=3", "data.seed=7", "trainer.seed=1")
+    assert train == list(np.random.default_rng(7).choice(20, size=5, replace=False))
+    assert val == list(np.random.default_rng(7).choice(20, size=3, replace=False))
+    train, _ = responses("data.train_max_samples=4", "trainer.seed=3")  # data.seed null: trainer.seed's draw
+    assert train == list(np.random.default_rng(3).choice(20, size=4, replace=False)) and len(set(train)) == 4
+    train, val = responses("data.train_max_samples=4", "data.shuffle=false")
+    assert (train, val) == ([0, 1, 2, 3], list(range(20)))
