@@ -290,21 +290,25 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return F.embedding(index, t)
 
 
-def _pairs(place: types.SimpleNamespace, j: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pairs(place: types.SimpleNamespace, j: int, m: int) -> types.SimpleNamespace:
     """The (problem, query block, key block) pairs of query blocks j .. j + m - 1 that hold a key for some row
-    of the query block (``place.need``: a causal query block stops at its last row's key block), as flat
-    indices into (n, m, kb), into the query blocks (n * qb) and into the key blocks (n * kb); computed once
-    per placement and chunk, shared by every layer of a forward."""
+    of the query block (``place.need``: a causal query block stops at its last row's key block), key block by
+    key block: ``flat`` indices into (n, m, kb), ``rows`` into (n, m) (the query block of the chunk),
+    ``queries`` into the query blocks (n * qb), ``keys`` into the key blocks (n * kb), and ``bounds`` each key
+    block's slice of them; computed once per placement and chunk, shared by every layer of a forward."""
     cached = place.pairs.get((j, m))
     if cached is not None:
         return cached
     n, qb = place.need.shape
     kb = place.bias.shape[2]
     used = torch.arange(kb, device=place.need.device) < place.need[:, j: j + m, None]  # (n, m, kb)
-    flat = used.reshape(-1).nonzero().squeeze(1)
-    problem, block = flat // (m * kb), flat % kb
-    queries = problem * qb + j + (flat // kb) % m
-    place.pairs[(j, m)] = out = (flat, queries, problem * kb + block)
+    index = used.permute(2, 0, 1).reshape(-1).nonzero().squeeze(1)  # key block major
+    block, rows = index // (n * m), index % (n * m)
+    problem = rows // m
+    ends = torch.bincount(block, minlength=kb).cumsum(0).tolist()
+    place.pairs[(j, m)] = out = types.SimpleNamespace(
+        flat=rows * kb + block, rows=rows, queries=problem * qb + j + rows % m, keys=problem * kb + block,
+        bounds=list(zip([0] + ends[:-1], ends)))
     return out
 
 
@@ -320,9 +324,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: types.Simp
     up one after another in slot order, after one max over the row's scores (exact in any order). Slots
     past a row's keys hold exp(-inf) = 0 and add exact zeros: a longer list (the trainer's row, the cache's
     extra slots) gives a row the bits of its own keys alone. Only the (query block, key block) pairs of
-    ``_pairs`` are computed (a causal forward's upper triangle is not: about half its products); the others'
-    mass and values are the exact zeros their products would give, so a row's sum is the one it was with
-    every pair computed, and the one a decode step (whose slots end at its own block) gives it."""
+    ``_pairs`` are computed (a causal forward's upper triangle is not: about half its products); the others
+    would add exact zeros and add nothing, so a row's sum is the one it was with every pair computed (an
+    addition of +0 changes no value; only a sum of -0 would keep its sign), and the one a decode step, whose
+    slots end at its own block and which never adds those zeros, gives it."""
     n, qb, _, w = q.shape
     kb = k.shape[1]
     step = max(1, _CHUNK_ELEMENTS // max(1, n * QUERY_BLOCK * kb * KEY_BLOCK))  # query blocks per chunk
@@ -332,9 +337,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: types.Simp
     outs = []
     for j in range(0, qb, step):
         m = min(step, qb - j)
-        flat, queries, keys = _pairs(place, j, m)
-        dense = flat.numel() == n * m * kb  # every pair: nothing to put back in place
-        if dense and m == 1:  # a decode step's one query block: its pairs are views, no copies
+        pairs = _pairs(place, j, m)
+        flat, queries, keys = pairs.flat, pairs.queries, pairs.keys
+        # a chunk of one query block with every pair (a decode step's): the pairs are views in (n, 1, kb) order,
+        # no copies; else gathered key block by key block (``_pairs``' order) and put back by index
+        dense = m == 1 and flat.numel() == n * kb
+        if dense:
             left = q[:, j: j + 1].expand(n, kb, QUERY_BLOCK, w).reshape(-1, QUERY_BLOCK, w)
             right, values = k.view(-1, KEY_BLOCK, w).transpose(1, 2), v.view(-1, KEY_BLOCK, w)
             chunk_bias = place.bias[:, j].reshape(-1, QUERY_BLOCK, KEY_BLOCK)
@@ -354,13 +362,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: types.Simp
             row_peak = _rows(row_peak, flat)
         p = scores.sub_(row_peak.unsqueeze(-1)).exp_()  # exact zeros at the slots past the row's keys
         block_mass, block_out = row_sum(p), _block_products(p, values)
-        if not dense:  # the pairs left out: the exact zeros their products would give
-            block_mass = scores.new_zeros(n * m * kb, QUERY_BLOCK).index_copy_(0, flat, block_mass)
-            block_out = scores.new_zeros(n * m * kb, QUERY_BLOCK * w).index_copy_(0, flat, block_out.view(-1, QUERY_BLOCK * w))
-        block_mass, block_out = block_mass.view(n, m, kb, QUERY_BLOCK), block_out.view(n, m, kb, QUERY_BLOCK, w)
-        mass, out = block_mass[:, :, 0], block_out[:, :, 0]
-        for i in range(1, kb):  # a fixed sequential order; blocks past a row add exact zeros
-            mass, out = mass + block_mass[:, :, i], out + block_out[:, :, i]
+        if dense:
+            block_mass, block_out = block_mass.view(n, m, kb, QUERY_BLOCK), block_out.view(n, m, kb, QUERY_BLOCK, w)
+            mass, out = block_mass[:, :, 0], block_out[:, :, 0]
+            for i in range(1, kb):  # a fixed sequential order; blocks past a row add exact zeros
+                mass, out = mass + block_mass[:, :, i], out + block_out[:, :, i]
+        else:  # the same order, key block by key block, over the query blocks that have the pair (a pair left
+            # out would add an exact zero); each query block once a call: index_add_ is then that one addition
+            block_out = block_out.view(-1, QUERY_BLOCK * w)
+            mass, out = scores.new_zeros(n * m, QUERY_BLOCK), scores.new_zeros(n * m, QUERY_BLOCK * w)
+            for i, (start, end) in enumerate(pairs.bounds):
+                rows = pairs.rows[start:end]
+                add = torch.Tensor.index_copy_ if i == 0 else torch.Tensor.index_add_
+                add(mass, 0, rows, block_mass[start:end])
+                add(out, 0, rows, block_out[start:end])
+            mass, out = mass.view(n, m, QUERY_BLOCK), out.view(n, m, QUERY_BLOCK, w)
         # a row with no key gets 0; its mass is set to 1 first, so that no 0/0 is formed
         empty = place.empty[:, j: j + m]  # a row with no key (a padding query, a padding row)
         outs.append((out / mass.masked_fill(empty, 1.0).unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0))
