@@ -22,7 +22,8 @@ rotary (a product of length 1) give each element the same bits wherever it sits.
   position order from the sequence's first key, in blocks of ``KEY_BLOCK`` slots combined one after
   another (a max over all valid scores first: a max is exact in any order). Blocks past the query hold
   exp(-inf) = 0 and add exact zeros, so a decode step over a cache of t + 1 keys and the full forward
-  over T keys give the query the same bits. The products are GEMM calls of two fixed shapes, as the
+  over T keys give the query the same bits; a key block past every row of a query block is not computed at
+  all (``_pairs``: a causal forward's upper triangle). The products are GEMM calls of two fixed shapes, as the
   linear's: (``QUERY_BLOCK``, d) x (d, ``KEY_BLOCK``) for the scores, (``QUERY_BLOCK``, ``KEY_BLOCK``) x
   (``KEY_BLOCK``, d) for a block's values, the queries that share a slot list (a sequence's causal
   positions) stacked as the rows of one problem (``_layout``, ``_attend``);
