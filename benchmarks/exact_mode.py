@@ -10,7 +10,10 @@ hits both sides of a pair alike; reported: the median over pairs of exact / plai
 Phases: a scoring forward of ``rows`` × ``tokens`` tokens (what ``compute_log_prob`` runs), the same forward
 with its backward (the update), and a decode of ``rows`` rows from a ``tokens / 2``-token prompt for
 ``tokens / 2`` steps over a dynamic KV cache (the HF rollout's loop without sampling). ``--profile``
-prints torch.profiler's top ops of one exact forward and one exact decode.
+prints torch.profiler's top ops of one exact forward and one exact decode. ``--before REV``: a third copy
+converted by ``models/batch_invariant.py`` as it was at git revision REV (loaded beside the current one, its
+attention registered under another name), so that a change's before and after run in the same pairs (who
+goes first rotating over the three); reported as well: after / before, and whether both give the same bits.
 
 ``--steps N``: the whole default job's GRPO step instead (the schema's defaults: the arithmetic policy, 16
 prompts × 8 samples, 16 response tokens), one real trainer per variant in this process
@@ -45,6 +48,29 @@ def _models():
     exact = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32)
     apply_exact(exact)
     return plain.eval(), exact.eval()
+
+
+def _model_before(rev: str):
+    """The policy converted by ``models/batch_invariant.py`` at git revision ``rev``, loaded as a module of
+    its own (its attention registered as ``rlfoundry_exact_before``)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(rlfoundry.__file__).resolve().parent.parent
+    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:rlfoundry/models/batch_invariant.py"],
+                            check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "batch_invariant_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("batch_invariant_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.ATTENTION = "rlfoundry_exact_before"
+    model = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32)
+    module.apply_exact(model)
+    return model.eval()
 
 
 def _forward(model, ids):
@@ -142,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--steps", type=int, default=0, help="timed rounds of the whole default job's step (0: the phases)")
     p.add_argument("--name", default="exact_mode")
+    p.add_argument("--before", default="", help="git revision whose exact kernels run as a third side (phases only)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.steps:
@@ -154,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         save_results(a.name, {"threads": a.threads, "steps": a.steps, "load_average": load, **out})
         return
     plain, exact = _models()
+    sides = {"plain": plain, "exact": exact}
+    if a.before:
+        sides["before"] = _model_before(a.before)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 200, (a.rows, a.tokens), generator=g)
     prompt, steps = ids[:, : a.tokens // 2], a.tokens - a.tokens // 2
@@ -161,26 +191,39 @@ def main(argv: list[str] | None = None) -> None:
         _profile(exact, ids, prompt, steps)
     phases = {"forward": lambda m: _forward(m, ids), "forward+backward": lambda m: _update(m, ids),
               "decode": lambda m: _decode(m, prompt, steps)}
-    for fn in phases.values():  # warm-up, both sides
-        fn(plain), fn(exact)
+    for fn in phases.values():  # warm-up, every side
+        for model in sides.values():
+            fn(model)
+    if a.before:
+        same = {name: torch.equal(fn(exact), fn(sides["before"])) for name, fn in phases.items() if name != "forward+backward"}
+        print("same bits as --before:", same)
     rows = {}
     for name, fn in phases.items():
-        ratios, times = [], {"plain": [], "exact": []}
+        ratios, after_before, times = [], [], {side: [] for side in sides}
         for i in range(a.pairs):
-            order = (("plain", plain), ("exact", exact)) if i % 2 == 0 else (("exact", exact), ("plain", plain))
-            pair = {side: _timed(lambda: fn(model)) for side, model in order}
+            names = list(sides)[i % len(sides):] + list(sides)[: i % len(sides)]  # who goes first rotates
+            pair = {side: _timed(lambda: fn(sides[side])) for side in names}
             for side in pair:
                 times[side].append(pair[side])
             ratios.append(pair["exact"] / pair["plain"])
+            if a.before:
+                after_before.append(pair["exact"] / pair["before"])
         rows[name] = {"plain_s": statistics.median(times["plain"]), "exact_s": statistics.median(times["exact"]),
                       "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
         r = rows[name]
-        print(f"{name:17s} plain {r['plain_s'] * 1e3:8.1f} ms  exact {r['exact_s'] * 1e3:8.1f} ms  "
-              f"exact/plain median {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, {a.pairs} pairs)")
+        line = (f"{name:17s} plain {r['plain_s'] * 1e3:8.1f} ms  exact {r['exact_s'] * 1e3:8.1f} ms  "
+                f"exact/plain median {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}, {a.pairs} pairs)")
+        if a.before:
+            before = [t / p for t, p in zip(times["before"], times["plain"])]
+            r.update(before_s=statistics.median(times["before"]), before_ratio_median=statistics.median(before),
+                     after_before_median=statistics.median(after_before))
+            line += (f"  before/plain {r['before_ratio_median']:.2f}x  after/before {r['after_before_median']:.2f}x "
+                     f"({min(after_before):.2f}-{max(after_before):.2f})")
+        print(line)
     load = os.getloadavg()
     print(f"threads {a.threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     save_results(a.name, {"threads": a.threads, "pairs": a.pairs, "rows": a.rows, "tokens": a.tokens,
-                          "load_average": load, "phases": rows})
+                          "before": a.before, "load_average": load, "phases": rows})
 
 
 if __name__ == "__main__":

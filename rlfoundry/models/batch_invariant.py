@@ -22,7 +22,8 @@ rotary (a product of length 1) give each element the same bits wherever it sits.
   position order from the sequence's first key, in blocks of ``KEY_BLOCK`` slots combined one after
   another (a max over all valid scores first: a max is exact in any order). Blocks past the query hold
   exp(-inf) = 0 and add exact zeros, so a decode step over a cache of t + 1 keys and the full forward
-  over T keys give the query the same bits. The products are GEMM calls of two fixed shapes, as the
+  over T keys give the query the same bits; a key block past every row of a query block is not computed at
+  all (``_pairs``: a causal forward's upper triangle). The products are GEMM calls of two fixed shapes, as the
   linear's: (``QUERY_BLOCK``, d) x (d, ``KEY_BLOCK``) for the scores, (``QUERY_BLOCK``, ``KEY_BLOCK``) x
   (``KEY_BLOCK``, d) for a block's values, the queries that share a slot list (a sequence's causal
   positions) stacked as the rows of one problem (``_layout``, ``_attend``);
@@ -274,18 +275,48 @@ def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
 def _block_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(n, QUERY_BLOCK, K) @ (n, K, N) in fp32, one MKL call shape for the whole batch, one MKL thread (the
     exact linear's recipe: a row's bits then follow its own data, its slot and neighbours aside;
-    tests/models/test_batch_invariant.py holds it for these shapes). Without MKL (or on CUDA) each output
-    is a length-K ``row_sum``."""
+    tests/models/test_batch_invariant.py holds it for these shapes). ``b`` may be a transposed view (the score
+    call's keys as gathered, (KEY_BLOCK, w) per block): MKL reads it through its transpose flag, which saves a
+    transposing copy and gives the bits of the contiguous copy (held by the same test). Without MKL (or on
+    CUDA) each output is a length-K ``row_sum``."""
     if a.device.type != "cpu" or _SET_MKL_THREADS is None:
         return row_sum(a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3))
     with _one_mkl_thread():
         return torch.bmm(a, b)
 
 
-def _attend(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)`` for a 2-D ``t``: the rows copied whole (a gather is exact), by the
+    embedding lookup, which copies a row about three times faster than ``index_select`` on this CPU."""
+    return F.embedding(index, t)
+
+
+def _pairs(place: types.SimpleNamespace, j: int, m: int) -> types.SimpleNamespace:
+    """The (problem, query block, key block) pairs of query blocks j .. j + m - 1 that hold a key for some row
+    of the query block (``place.need``: a causal query block stops at its last row's key block), key block by
+    key block: ``flat`` indices into (n, m, kb), ``rows`` into (n, m) (the query block of the chunk),
+    ``queries`` into the query blocks (n * qb), ``keys`` into the key blocks (n * kb), and ``bounds`` each key
+    block's slice of them; computed once per placement and chunk, shared by every layer of a forward."""
+    cached = place.pairs.get((j, m))
+    if cached is not None:
+        return cached
+    n, qb = place.need.shape
+    kb = place.bias.shape[2]
+    used = torch.arange(kb, device=place.need.device) < place.need[:, j: j + m, None]  # (n, m, kb)
+    index = used.permute(2, 0, 1).reshape(-1).nonzero().squeeze(1)  # key block major
+    block, rows = index // (n * m), index % (n * m)
+    problem = rows // m
+    ends = torch.bincount(block, minlength=kb).cumsum(0).tolist()
+    place.pairs[(j, m)] = out = types.SimpleNamespace(
+        flat=rows * kb + block, rows=rows, queries=problem * qb + j + rows % m, keys=problem * kb + block,
+        bounds=list(zip([0] + ends[:-1], ends)))
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: types.SimpleNamespace) -> torch.Tensor:
     """Attention of n independent problems, fp32: query rows q (n, qb, QUERY_BLOCK, w), already scaled,
-    over keys k_t (n, kb, w, KEY_BLOCK) and values v (n, kb, KEY_BLOCK, w) in slot order; ``bias``
-    (n, qb, kb, QUERY_BLOCK, KEY_BLOCK) 0 at the slots a row attends, -inf past them. -> (n, qb,
+    over keys k and values v (n, kb, KEY_BLOCK, w) in slot order, both contiguous;
+    ``place.bias`` (n, qb, kb, QUERY_BLOCK, KEY_BLOCK) 0 at the slots a row attends, -inf past them. -> (n, qb,
     QUERY_BLOCK, w); a row with no key gets 0.
 
     Every sum has a shape that the batch, the padding and the cache cannot change: a score is an element
@@ -293,28 +324,62 @@ def _attend(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     ``row_sum`` and its values one (QUERY_BLOCK, KEY_BLOCK) x (KEY_BLOCK, w) call's; the blocks then add
     up one after another in slot order, after one max over the row's scores (exact in any order). Slots
     past a row's keys hold exp(-inf) = 0 and add exact zeros: a longer list (the trainer's row, the cache's
-    extra slots) gives a row the bits of its own keys alone."""
+    extra slots) gives a row the bits of its own keys alone. Only the (query block, key block) pairs of
+    ``_pairs`` are computed (a causal forward's upper triangle is not: about half its products); the others
+    would add exact zeros and add nothing, so a row's sum is the one it was with every pair computed (an
+    addition of +0 changes no value; only a sum of -0 would keep its sign), and the one a decode step, whose
+    slots end at its own block and which never adds those zeros, gives it."""
     n, qb, _, w = q.shape
-    kb = k_t.shape[1]
+    kb = k.shape[1]
     step = max(1, _CHUNK_ELEMENTS // max(1, n * QUERY_BLOCK * kb * KEY_BLOCK))  # query blocks per chunk
+    # blocks as the rows of 2-D views: a 2-D row is copied whole (several times faster than a 3-D index_select)
+    q_blocks, k_blocks, v_blocks = q.reshape(n * qb, -1), k.view(n * kb, -1), v.view(n * kb, -1)
+    bias = place.bias.view(n * qb * kb, -1)
     outs = []
     for j in range(0, qb, step):
         m = min(step, qb - j)
-        scores = _block_products(q[:, j: j + m, None].expand(n, m, kb, QUERY_BLOCK, w).reshape(-1, QUERY_BLOCK, w),
-                                 k_t[:, None].expand(n, m, kb, w, KEY_BLOCK).reshape(-1, w, KEY_BLOCK))
-        scores = scores.view(n, m, kb, QUERY_BLOCK, KEY_BLOCK).add_(bias[:, j: j + m])
-        peak = scores.amax(dim=(2, 4), keepdim=True)
-        empty = peak == float("-inf")  # a row with no key (a padding query)
-        p = scores.sub_(peak.masked_fill(empty, 0.0)).exp_()  # exact zeros at the slots past the row's keys
-        block_mass = row_sum(p)  # (n, m, kb, QUERY_BLOCK)
-        block_out = _block_products(p.view(-1, QUERY_BLOCK, KEY_BLOCK),
-                                    v[:, None].expand(n, m, kb, KEY_BLOCK, w).reshape(-1, KEY_BLOCK, w))
-        block_out = block_out.view(n, m, kb, QUERY_BLOCK, w)
-        mass, out = block_mass[:, :, 0], block_out[:, :, 0]
-        for i in range(1, kb):  # a fixed sequential order; blocks past a row add exact zeros
-            mass, out = mass + block_mass[:, :, i], out + block_out[:, :, i]
+        pairs = _pairs(place, j, m)
+        flat, queries, keys = pairs.flat, pairs.queries, pairs.keys
+        # a chunk of one query block with every pair (a decode step's): the pairs are views in (n, 1, kb) order,
+        # no copies; else gathered key block by key block (``_pairs``' order) and put back by index
+        dense = m == 1 and flat.numel() == n * kb
+        if dense:
+            left = q[:, j: j + 1].expand(n, kb, QUERY_BLOCK, w).reshape(-1, QUERY_BLOCK, w)
+            right, values = k.view(-1, KEY_BLOCK, w).transpose(1, 2), v.view(-1, KEY_BLOCK, w)
+            chunk_bias = place.bias[:, j].reshape(-1, QUERY_BLOCK, KEY_BLOCK)
+        else:
+            left = _rows(q_blocks, queries).view(-1, QUERY_BLOCK, w)
+            right = _rows(k_blocks, keys).view(-1, KEY_BLOCK, w).transpose(1, 2)
+            values = _rows(v_blocks, keys).view(-1, KEY_BLOCK, w)
+            chunk_bias = _rows(bias, queries * kb + keys % kb).view(-1, QUERY_BLOCK, KEY_BLOCK)
+        scores = _block_products(left, right).add_(chunk_bias)  # (pairs, QUERY_BLOCK, KEY_BLOCK)
+        # one max per row over its pairs' scores (the pairs left out hold -inf only)
+        peak = scores.amax(-1)
+        if not dense:
+            peak = scores.new_full((n * m * kb, QUERY_BLOCK), float("-inf")).index_copy_(0, flat, peak)
+        peak = peak.view(n, m, kb, QUERY_BLOCK).amax(2)
+        row_peak = peak.unsqueeze(2).expand(n, m, kb, QUERY_BLOCK).reshape(-1, QUERY_BLOCK)
+        if not dense:
+            row_peak = _rows(row_peak, flat)
+        p = scores.sub_(row_peak.unsqueeze(-1)).exp_()  # exact zeros at the slots past the row's keys
+        block_mass, block_out = row_sum(p), _block_products(p, values)
+        if dense:
+            block_mass, block_out = block_mass.view(n, m, kb, QUERY_BLOCK), block_out.view(n, m, kb, QUERY_BLOCK, w)
+            mass, out = block_mass[:, :, 0], block_out[:, :, 0]
+            for i in range(1, kb):  # a fixed sequential order; blocks past a row add exact zeros
+                mass, out = mass + block_mass[:, :, i], out + block_out[:, :, i]
+        else:  # the same order, key block by key block, over the query blocks that have the pair (a pair left
+            # out would add an exact zero); each query block once a call: index_add_ is then that one addition
+            block_out = block_out.view(-1, QUERY_BLOCK * w)
+            mass, out = scores.new_zeros(n * m, QUERY_BLOCK), scores.new_zeros(n * m, QUERY_BLOCK * w)
+            for i, (start, end) in enumerate(pairs.bounds):
+                rows = pairs.rows[start:end]
+                add = torch.Tensor.index_copy_ if i == 0 else torch.Tensor.index_add_
+                add(mass, 0, rows, block_mass[start:end])
+                add(out, 0, rows, block_out[start:end])
+            mass, out = mass.view(n, m, QUERY_BLOCK), out.view(n, m, QUERY_BLOCK, w)
         # a row with no key gets 0; its mass is set to 1 first, so that no 0/0 is formed
-        empty = empty.view(n, m, QUERY_BLOCK)
+        empty = place.empty[:, j: j + m]  # a row with no key (a padding query, a padding row)
         outs.append((out / mass.masked_fill(empty, 1.0).unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0))
     return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
@@ -342,14 +407,20 @@ def _placement(layout: types.SimpleNamespace, h: int, h_kv: int, tk: int) -> typ
     rows_keys[out_rows.reshape(-1)] = layout.keys.view(b, tq, 1).expand(b, tq, h).reshape(-1)
     slot = torch.arange(slots, device=dev)
     bias = torch.zeros(groups * h_kv, rows // QUERY_BLOCK, QUERY_BLOCK, slots // KEY_BLOCK, KEY_BLOCK, device=dev)
-    past = slot.view(1, 1, 1, -1, KEY_BLOCK) >= rows_keys.view(groups * h_kv, -1, QUERY_BLOCK, 1, 1)
+    # a row with no key (a padding row of a problem, a padding query) attends every slot: its output is set to 0
+    # after, and its scores then stay finite (exp of -inf takes a slow path: 2.5x a finite score's on this CPU)
+    row_keys = rows_keys.view(groups * h_kv, -1, QUERY_BLOCK, 1, 1)
+    past = (slot.view(1, 1, 1, -1, KEY_BLOCK) >= row_keys) & (row_keys > 0)
     bias = bias.masked_fill_(past, float("-inf")).transpose(2, 3).contiguous()
+    # key blocks each query block needs: up to its row with the most keys (none for a block of padding rows)
+    need = -(-rows_keys.view(groups * h_kv, -1, QUERY_BLOCK).amax(-1) // KEY_BLOCK)
     # each (group, KV head, slot)'s key in the (b * h_kv * tk) rows of a key tensor; slots past the group's keys
     # read its row's first key (weighted by exp(-inf) = 0)
     order = layout.order.masked_fill(slot >= layout.count[:, None], 0)
     keys = ((layout.rows.view(-1, 1, 1) * h_kv + torch.arange(h_kv, device=dev).view(1, -1, 1)) * tk
             + order.view(groups, 1, slots)).reshape(-1)
-    placed = types.SimpleNamespace(rows=rows, problems=groups * h_kv, bias=bias, keys=keys,
+    placed = types.SimpleNamespace(rows=rows, problems=groups * h_kv, bias=bias, keys=keys, need=need, pairs={},
+                                   empty=(rows_keys == 0).view(groups * h_kv, -1, QUERY_BLOCK),
                                    queries=out_rows.permute(0, 2, 3, 1).reshape(-1),  # in q's (b, h, tq) order
                                    out=out_rows.reshape(-1))  # in the output's (b, tq, h) order
     layout.placements[key] = placed
@@ -367,10 +438,10 @@ def _exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ty
     w = -(-d // GEMM_PAD) * GEMM_PAD
     n, qb, kb = place.problems, place.rows // QUERY_BLOCK, layout.order.shape[1] // KEY_BLOCK
     queries = _padded(q.new_zeros(n * place.rows, d).index_copy_(0, place.queries, q.reshape(-1, d) * scaling), w)
-    k_t = _padded(k.reshape(-1, d).index_select(0, place.keys), w).view(n, kb, KEY_BLOCK, w).transpose(-1, -2)
-    values = _padded(v.reshape(-1, d).index_select(0, place.keys), w).view(n, kb, KEY_BLOCK, w)
-    out = _attend(queries.view(n, qb, QUERY_BLOCK, w), k_t, values, place.bias)
-    return out.reshape(-1, w).index_select(0, place.out)[:, :d].reshape(b, tq, h, d)
+    keys = _padded(_rows(k.reshape(-1, d), place.keys), w).view(n, kb, KEY_BLOCK, w)
+    values = _padded(_rows(v.reshape(-1, d), place.keys), w).view(n, kb, KEY_BLOCK, w)
+    out = _attend(queries.view(n, qb, QUERY_BLOCK, w), keys, values, place)
+    return _rows(out.reshape(-1, w), place.out)[:, :d].reshape(b, tq, h, d)
 
 
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,

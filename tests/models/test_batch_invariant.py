@@ -246,6 +246,9 @@ def test_an_attention_blocks_rows_have_the_same_bits_at_any_slot_beside_any_rows
             out = _block_products(left, rights)
             for slot in range(QUERY_BLOCK):
                 assert torch.equal(out[which[slot], slot], alone[slot % 4]), (inner, outer, calls, slot)
+            # the score call's keys come as a transposed view of the gathered (KEY_BLOCK, w) blocks: the same bits
+            transposed = _block_products(left, rights.transpose(1, 2).contiguous().transpose(1, 2))
+            assert torch.equal(transposed, out), (inner, outer, calls)
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 8), (14, 2, 64), (3, 3, 48)])
@@ -314,3 +317,52 @@ def test_without_mkl_the_attention_keeps_its_invariance(monkeypatch):
     monkeypatch.setattr(bi, "_SET_MKL_THREADS", None)
     test_a_querys_attention_is_the_same_in_any_batch_mask_and_cache_split(4, 2, 8, monkeypatch)
     test_attention_matches_sdpa_and_a_query_is_the_same_under_padding_decode_and_packing()
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 300])
+def test_skipping_the_key_blocks_past_a_query_block_keeps_every_rows_bits(chunk, monkeypatch):
+    """The attention computes only the (query block, key block) pairs that hold a key of some row of the
+    query block (``_pairs``): every row's output has the bits it has with every pair computed (the pairs
+    left out give exact zeros), over rows of other lengths and left padding, padding queries (output 0),
+    the shared-prompt mask, a decode step, in chunks."""
+    import rlfoundry.models.batch_invariant as bi
+
+    monkeypatch.setattr(bi, "_CHUNK_ELEMENTS", chunk)
+    g = _gen(chunk % 997)
+    heads, kv_heads, d, total = 4, 2, 24, 70
+    pads = (0, 9, 33, 69)
+    q = torch.randn(len(pads), heads, total, d, generator=g)
+    k, v = (torch.randn(len(pads), kv_heads, total, d, generator=g) for _ in range(2))
+    keep = torch.stack([torch.arange(total) >= p for p in pads])
+    causal = keep[:, None, None, :] & torch.ones(total, total, dtype=torch.bool).tril()
+    segment = torch.cat([torch.zeros(20), torch.ones(18), torch.full((total - 38,), 2)])
+    shared = torch.ones(total, total, dtype=torch.bool).tril() & (
+        (segment[:, None] == segment[None, :]) | (segment[None, :] == 0))
+    masks = {"causal, left padding": causal, "shared prompt": shared[None, None].expand(len(pads), 1, total, total),
+             "decode step": causal[:, :, -1:]}
+    real_pairs = bi._pairs
+
+    def every_pair(place, j, m):  # the reference: every key block for every query block
+        need = place.need
+        place.need = torch.full_like(need, place.bias.shape[2])
+        try:
+            place.pairs.clear()
+            return real_pairs(place, j, m)
+        finally:
+            place.need = need
+            place.pairs.clear()
+
+    for name, mask in masks.items():
+        query = q[:, :, -mask.shape[2]:]
+        bi._LAST_LAYOUT = ()
+        got, _ = exact_attention(None, query, k, v, mask)
+        monkeypatch.setattr(bi, "_pairs", every_pair)
+        bi._LAST_LAYOUT = ()
+        want, _ = exact_attention(None, query, k, v, mask)
+        monkeypatch.setattr(bi, "_pairs", real_pairs)
+        assert torch.equal(got, want), name
+        # bitwise, sign of zero included
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
+        no_key = ~mask[:, 0].any(-1)  # (b, tq): padding queries
+        assert no_key.any() or name != "causal, left padding"
+        assert torch.equal(got[no_key], torch.zeros_like(got[no_key])), name
