@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlfoundry.config.typed import ConfigError, to_typed
+from rlfoundry.config.schema import DTYPE_SPELLINGS
+from rlfoundry.config.typed import ConfigError, dtype_problems, to_typed
 from rlfoundry.config.verl_compat import NoEffectKeyWarning, _plain, _set_by_user
 
 __all__ = ["AutomodelEngine", "AutomodelOptim", "adopt_automodel"]
@@ -188,8 +189,8 @@ OPTIM_NO_EFFECT: dict[str, str] = {
 }
 
 
-def adopt_automodel(cfg: DictConfig, overrides: Sequence[str], user_keys: Sequence[str], world_size: int) -> list[str]:
-    """verl's ``engine.*`` / ``optim.*`` overrides under ``engine=automodel optim=automodel`` put onto the SFT
+def adopt_automodel(cfg: DictConfig, overrides: Sequence[Any], user_keys: Sequence[str], world_size: int) -> list[str]:
+    """verl's ``engine.*`` / ``optim.*`` overrides (parsed) under ``engine=automodel optim=automodel`` put onto the SFT
     keys of the FSDP2 engine (``ConfigError`` for a value not built and for two spellings that disagree).
     Returns the SFT keys it set, to be treated as the user's."""
     given = _given(overrides)
@@ -218,13 +219,12 @@ def adopt_automodel(cfg: DictConfig, overrides: Sequence[str], user_keys: Sequen
     return set_keys
 
 
-def _given(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """The overrides by group, dotted key -> typed value, read as the loader reads any override (Hydra's syntax;
-    verl's ``+engine.x`` adds a key its group lacks: the same key here)."""
-    from rlfoundry.trainer.config import parse_overrides  # the loader's parser (imports this package)
-
+def _given(overrides: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """The overrides by group, dotted key -> typed value, parsed by the loader as it parses any override (Hydra's
+    syntax, trainer/config.py ``parse_overrides``; verl's ``+engine.x`` adds a key its group lacks: the same key
+    here)."""
     out: dict[str, dict[str, Any]] = {"engine": {}, "optim": {}}
-    for ov in parse_overrides(overrides):
+    for ov in overrides:
         group, _, key = ov.key.partition(".")
         if ov.kind not in ("set", "add", "force_add"):
             raise ConfigError(f"{ov.text}: verl's automodel keys are set, not deleted")
@@ -244,14 +244,11 @@ def _engine_problems(e: AutomodelEngine, world_size: int) -> list[str]:
     if e.dp_replicate_size < 1 or world_size % e.dp_replicate_size:
         problems.append(f"engine.dp_replicate_size={e.dp_replicate_size} (the replicas must divide the {world_size} "
                         "ranks: each shards the model over world / dp_replicate_size ranks)")
-    from rlfoundry.models.hf import resolve_dtype  # torch: imported only for a run on the automodel engine
-
     for name in ("model_dtype", "mp_param_dtype", "mp_reduce_dtype", "mp_output_dtype"):
-        try:
-            resolve_dtype(getattr(e, name))
-        except ValueError as err:
-            problems.append(f"engine.{name}: {err}")
-    if resolve_dtype(e.mp_output_dtype) != resolve_dtype(e.mp_param_dtype):
+        problems += dtype_problems(f"engine.{name}", getattr(e, name))
+    if problems:
+        return problems
+    if DTYPE_SPELLINGS[str(e.mp_output_dtype).lower()] != DTYPE_SPELLINGS[str(e.mp_param_dtype).lower()]:
         problems.append(f"engine.mp_output_dtype={e.mp_output_dtype} (an FSDP unit's outputs are in its compute "
                         f"dtype, engine.mp_param_dtype={e.mp_param_dtype}; casting them apart is not built)")
     return problems

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rlfoundry.config.typed import ConfigError
+from rlfoundry.config.typed import ConfigError, dtype_problems
 from rlfoundry.config.veomni import ROLES, _same, _translate
 from rlfoundry.config.verl_compat import NoEffectKeyWarning, _plain, _set_by_user
 
@@ -115,13 +115,8 @@ def _refuse(role: str, turbo: dict[str, Any], world: int) -> None:
     if ep == 1 and efsdp != 1:
         problems.append(f"turbo_config.distributed.expert_fully_shard_parallel_size={efsdp} (without expert "
                         "parallelism the experts shard with the other weights; set it to 1)")
-    from rlfoundry.models.hf import resolve_dtype  # torch: imported only for a role on fsdp_turbo
-
     for name in ("param_dtype", "reduce_dtype"):
-        try:
-            resolve_dtype(turbo[f"distributed.fsdp_plan.{name}"])
-        except ValueError as e:
-            problems.append(f"turbo_config.distributed.fsdp_plan.{name}: {e}")
+        problems += dtype_problems(f"turbo_config.distributed.fsdp_plan.{name}", turbo[f"distributed.fsdp_plan.{name}"])
     if turbo["distributed.fsdp_plan.output_dtype"] != turbo["distributed.fsdp_plan.param_dtype"]:
         problems.append(f"turbo_config.distributed.fsdp_plan.output_dtype={turbo['distributed.fsdp_plan.output_dtype']} "
                         "(a unit's outputs are in its compute dtype, param_dtype; casting them apart is not built)")

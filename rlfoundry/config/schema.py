@@ -51,6 +51,10 @@ WORKER_BACKENDS = ("local", "process", "ray")  # trainer.worker_backend (+ auto)
 # the training engines a role's strategy can name; verl's veomni and fsdp_turbo are the FSDP2 engine here
 # (config/veomni.py, config/fsdp_turbo.py)
 STRATEGIES = (*TRAINING_ENGINES, "veomni", "fsdp_turbo")
+# verl's dtype spellings -> torch's names (models/hf.py resolve_dtype maps them to torch dtypes; the config layer
+# checks them without torch)
+DTYPE_SPELLINGS = {"fp32": "float32", "float32": "float32", "float": "float32", "bf16": "bfloat16",
+                   "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16"}
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 from rlfoundry.utils.profile_tools import TORCH_PROFILER_TOOLS  # noqa: E402  (global_profiler.tool values the trace serves)
 TOOL_CALL_FORMATS = ("hermes", "qwen", "gpt-oss", "qwen3_coder")  # multi_turn.format; tools/parser.py (tested equal)

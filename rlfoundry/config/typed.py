@@ -197,6 +197,15 @@ def choice_errors(cfg: Any, keys: Mapping[str, KeyInfo], prefix: str = "") -> li
 # ───────────────────────────────────── setting keys ─────────────────────────────────────
 
 
+def dtype_problems(key: str, value: Any) -> list[str]:
+    """``key: unknown dtype …`` for a value that is none of verl's dtype spellings (schema.DTYPE_SPELLINGS)."""
+    from rlfoundry.config.schema import DTYPE_SPELLINGS  # the schema imports this module
+
+    if str(value).lower() in DTYPE_SPELLINGS:
+        return []
+    return [f"{key}: unknown dtype {value!r}; use one of {sorted(DTYPE_SPELLINGS)}"]
+
+
 def _replaced(key: str, value: Any, text: str) -> None:
     """An old key a newer one replaced: a warning when the new default gives what it asked for, else an error."""
     old = REPLACED_KEYS[key]

@@ -16,14 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlfoundry.config.schema import DTYPE_SPELLINGS
+
 __all__ = ["check_model_dir", "generation_eos_ids", "import_model_code", "kv_cache_kwargs", "load_hf_model",
            "resolve_dtype", "resolve_model_path"]
 
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
+_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_SPELLINGS.items()}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:

@@ -47,7 +47,7 @@ from rlfoundry.data.rl_dataset import max_samples_drawn
 from rlfoundry.data.sft_dataset import Pair, SFTDataError, SFTDataset, collate_sft, load_pairs, synthetic_pairs
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan, say_once
 from rlfoundry.protocol import DataProto
-from rlfoundry.trainer.config import ConfigError, load_typed_config
+from rlfoundry.trainer.config import ConfigError, load_typed_config, parse_overrides
 from rlfoundry.utils.errors import EXIT_RUN_ABORTED, CheckpointCorruptError
 from rlfoundry.utils.fs import fsync_dir
 from rlfoundry.utils.tracking import SUPPORTED_BACKENDS, missing_packages
@@ -78,7 +78,7 @@ def load_sft_config(overrides: Sequence[str] = (), config_name: str | None = Non
     if automodel is not None:  # verl's automodel engine: its keys onto the FSDP2 engine's (config/automodel.py)
         from rlfoundry.config.automodel import adopt_automodel
 
-        user_keys = list(user_keys) + adopt_automodel(cfg, automodel, user_keys, world_size)
+        user_keys = list(user_keys) + adopt_automodel(cfg, parse_overrides(automodel), user_keys, world_size)
     _adopt_verl_spellings(cfg, user_keys, world_size)
     OmegaConf.resolve(cfg)
     validate_sft_config(cfg, world_size=world_size)

@@ -67,12 +67,13 @@ def test_choice_lists_are_those_the_code_implements():
     assert set(schema.ROLLOUT_NAMES) == {"hf", "vllm", "sglang"}  # every engine with an adapter
     choices = {k: info.choices for k, info in schema_keys().items() if info.choices}
     assert choices["critic.optim.warmup_style"] == ("constant", "cosine")
-    # megatron: engines/megatron (the critic's value head on the last pipeline stage); veomni: verl's VeOmni
-    # engine, which the config layer turns into the FSDP engine key by key (config/veomni.py)
+    # megatron: engines/megatron (the critic's value head on the last pipeline stage); veomni and fsdp_turbo: verl's
+    # VeOmni and FSDP-Turbo engines, which the config layer turns into the FSDP engine key by key (config/veomni.py,
+    # config/fsdp_turbo.py)
     assert choices["actor_rollout_ref.ref.strategy"] == choices["critic.strategy"] == ("fsdp", "fsdp2", "megatron",
-                                                                                      "veomni")
+                                                                                      "veomni", "fsdp_turbo")
     from rlfoundry.config.training_engines import TRAINING_ENGINES
-    assert "veomni" not in TRAINING_ENGINES  # no engine of that name: the strategy never reaches the workers
+    assert not {"veomni", "fsdp_turbo"} & set(TRAINING_ENGINES)  # no such engines: the strategies never reach workers
 
 
 def test_defaults_are_the_demo_run():

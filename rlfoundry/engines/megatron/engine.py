@@ -751,7 +751,7 @@ class MegatronEngine(TrainingEngine):
                              f"{world} ranks) is built for resuming training with Megatron-FSDP in the same layout, "
                              "optimizer included; the weights alone, or into another layout, are not built: start from "
                              "the checkpoint's huggingface/ export (checkpoint.save_contents with 'hf_model') instead")
-        saved = torch.load(root / _FSDP_OPTIM / f"rank{dist.get_rank()}.pt", weights_only=False)
+        saved = torch.load(root / _FSDP_OPTIM / f"rank{dist.get_rank()}.pt", weights_only=True)
         mfsdp.load_optimizer_shards(optimizer, self.chunks, saved)
 
     def save_dist_weights(self, path: str) -> None:
