@@ -246,6 +246,28 @@ class OptimConfig(Node):
 
 
 @dataclass
+class QatConfig(Node):
+    """verl's quantisation-aware training (``fsdp_config.qat`` / ``megatron.qat`` / ``actor.qat``: NVIDIA
+    ModelOpt's NVFP4 fake quantisation in training, the rollout's weights quantised on sync). Not built:
+    ``enable=true`` is a start-up error (trainer/config.py ``_check_unbuilt_model_features``)."""
+
+    enable: bool = False
+    mode: str = "w4a16"
+    group_size: int = 16
+    ignore_patterns: List[str] = field(default_factory=lambda: ["lm_head", "embed_tokens", "re:.*mlp.gate$"])
+    activation_observer: Optional[str] = "static_minmax"
+    quantization_config_path: Optional[str] = None
+
+
+def qat_problems(places: Dict[str, Any]) -> list[str]:
+    """The start-up error of each ``{key: qat section}`` whose QAT is enabled (RL roles and SFT's engine)."""
+    return [f"{key}.qat.enable=true: quantisation-aware training (verl's NVFP4 {qat.mode} fake quantisation through "
+            "NVIDIA ModelOpt, the rollout's weights quantised on each sync) is not built; the model trains and "
+            "samples in its own dtype. Set it false (or remove the qat keys)."
+            for key, qat in places.items() if qat.enable]
+
+
+@dataclass
 class FSDPConfig(Node):
     wrap_policy: Dict[str, Any] = _dict(min_num_params=0)
     param_offload: bool = False
@@ -277,6 +299,7 @@ class FSDPConfig(Node):
     # verl (Aug 2026): the settings of its ``strategy=fsdp_turbo`` engine (Huawei's fsdp_turbo package), put onto
     # the FSDP engine's keys by config/fsdp_turbo.py
     turbo_config: Dict[str, Any] = _dict()
+    qat: QatConfig = _sub(QatConfig)  # verl (Aug 2026): quantisation-aware training, not built
 
 
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # actor.router_replay.mode; models/routing_replay.py
@@ -387,6 +410,7 @@ class MegatronConfig(Node):
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: Optional[str] = None
     dist_checkpointing_prefix: str = ""
+    qat: QatConfig = _sub(QatConfig)  # verl (Aug 2026): quantisation-aware training, not built
 
 
 def model_parallel_size(megatron: Any) -> int:
@@ -620,6 +644,7 @@ class ActorConfig(Node):
     veomni: VeOmniConfig = _sub(VeOmniConfig)  # verl's veomni engine keys (config/veomni.py puts them on the FSDP keys)
     pad_to_length: bool = False  # verl's veomni actor's spelling of veomni.pad_to_length (not built: an error)
     profiler: ProfilerConfig = _sub(ProfilerConfig)
+    qat: QatConfig = _sub(QatConfig)  # verl (Aug 2026): quantisation-aware training, not built
 
     def check(self) -> list[str]:
         key = "actor_rollout_ref.actor.ppo_epochs"

@@ -37,7 +37,7 @@ from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
 from rlfoundry.config.distillation import distillation_errors
-from rlfoundry.config.schema import DISTILLATION_TOPK_MODES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
+from rlfoundry.config.schema import DISTILLATION_TOPK_MODES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze, qat_problems
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
 from rlfoundry.config.fsdp_turbo import adopt_fsdp_turbo
@@ -521,6 +521,18 @@ def _check_mtp(cfg: PPOConfig) -> list[str]:
     return errors
 
 
+def _check_qat(cfg: PPOConfig) -> list[str]:
+    """verl's quantisation-aware training (``qat.enable`` under a role's engine keys or the actor): not built."""
+    arr = cfg.actor_rollout_ref
+    return qat_problems({"actor_rollout_ref.actor": arr.actor.qat,
+                         "actor_rollout_ref.actor.fsdp_config": arr.actor.fsdp_config.qat,
+                         "actor_rollout_ref.actor.megatron": arr.actor.megatron.qat,
+                         "actor_rollout_ref.ref.fsdp_config": arr.ref.fsdp_config.qat,
+                         "actor_rollout_ref.ref.megatron": arr.ref.megatron.qat,
+                         "critic.model.fsdp_config": cfg.critic.model.fsdp_config.qat,
+                         "critic.megatron": cfg.critic.megatron.qat})
+
+
 def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
     """verl features with keys here but no implementation: a quantised rollout, an
     attention kernel other than SDPA (Megatron-FSDP: the Megatron plug-in's check)."""
@@ -530,7 +542,7 @@ def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:
             errors.append(f"actor_rollout_ref.rollout.{name}={getattr(arr.rollout, name)}: a quantised rollout (verl's "
                           "fp8 / torchao weights in the engine, synced from the trainer's) is not built; the rollout runs "
                           "in rollout.dtype. Remove the key.")
-    errors += _check_mtp(cfg)
+    errors += _check_mtp(cfg) + _check_qat(cfg)
     for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
         attention = (model.override_config or {}).get("attn_implementation")
         if attention is not None and attention not in SDPA_STANDS_IN_FOR:

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from rlfoundry import checkpoint as ckpt
 from rlfoundry.algos import core_algos
-from rlfoundry.config.schema import MegatronConfig, model_parallel_size
+from rlfoundry.config.schema import MegatronConfig, model_parallel_size, qat_problems
 from rlfoundry.config.sft_schema import SFTConfig, SFTFSDPConfig, choice_errors
 from rlfoundry.data.rl_dataset import max_samples_drawn
 from rlfoundry.data.sft_dataset import Pair, SFTDataError, SFTDataset, collate_sft, load_pairs, synthetic_pairs
@@ -266,6 +266,10 @@ def _sequence_split(cfg: DictConfig) -> tuple[int, str]:
 
 
 def _engine_errors(cfg: DictConfig, world_size: int) -> list[str]:
+    return qat_problems({"engine": cfg.engine.qat}) + _layout_errors(cfg, world_size)
+
+
+def _layout_errors(cfg: DictConfig, world_size: int) -> list[str]:
     if cfg.model.strategy != "megatron":
         megatron_keys = _megatron_keys_set(cfg.engine)
         return [f"engine.{key}={value}: a Megatron engine key, and this run trains on the FSDP2 engine; add "
@@ -295,7 +299,8 @@ def _megatron_keys_set(engine: DictConfig) -> dict[str, Any]:
     """The engine group's Megatron keys whose values are not the defaults."""
     defaults = OmegaConf.to_container(OmegaConf.structured(MegatronConfig))
     mine = OmegaConf.to_container(engine, resolve=True)
-    return {key: mine[key] for key, value in defaults.items() if mine[key] != value}
+    # qat: both of verl's SFT engines have it (_engine_errors checks it)
+    return {key: mine[key] for key, value in defaults.items() if key != "qat" and mine[key] != value}
 
 
 def _megatron_errors(cfg: DictConfig, world_size: int) -> list[str]:

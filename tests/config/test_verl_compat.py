@@ -436,6 +436,17 @@ def test_august_mtp_and_megatron_fsdp_beside_offload_are_start_up_errors_naming_
     assert "a quantised rollout" in _error("+actor_rollout_ref.rollout.quantization=fp8")
 
 
+def test_verls_qat_keys_load_and_enabling_qat_names_it_per_place():
+    """verl (Aug 2026)'s quantisation-aware training keys, as recipe/qat/config/dapo_qat_trainer.yaml sets them."""
+    patterns = "'actor_rollout_ref.actor.fsdp_config.qat.ignore_patterns=[\"lm_head\", \"re:.*mlp.gate$\"]'"
+    cfg = _load("actor_rollout_ref.actor.fsdp_config.qat.mode=w4a16", patterns.strip("'"))
+    assert cfg.actor_rollout_ref.actor.fsdp_config.qat.ignore_patterns == ["lm_head", "re:.*mlp.gate$"]
+    for place in ("actor_rollout_ref.actor", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.megatron",
+                  "critic.model.fsdp_config", "critic.megatron"):
+        message = _error(f"{place}.qat.enable=true")
+        assert f"{place}.qat.enable=true: quantisation-aware training" in message and "not built" in message
+
+
 def test_moe_tensor_parallel_size_keeps_verls_trtllm_rule():
     key = "actor_rollout_ref.rollout.moe_tensor_parallel_size"
     assert _load(f"{key}=1").actor_rollout_ref.rollout.moe_tensor_parallel_size == 1

@@ -228,3 +228,12 @@ def test_megatron_keys_on_the_fsdp_engine_and_mismatched_groups_are_errors():
         _load("optim=megatron")
     with pytest.raises(ConfigError, match="verl's veomni engine is not built"):
         _load("engine=veomni")  # engine=automodel is the FSDP2 engine (tests/config/test_automodel_keys.py)
+
+
+@pytest.mark.parametrize("engine", [(), ("engine=megatron", "optim=megatron")], ids=["fsdp", "megatron"])
+def test_sft_qat_is_an_error_naming_it_on_both_engines(engine):
+    """verl's engine.qat (both of its SFT engines have it): off loads on either engine, on is not built."""
+    _load(*engine, "engine.qat.enable=false", "engine.qat.group_size=32")
+    with pytest.raises(ConfigError, match=r"engine\.qat\.enable=true: quantisation-aware training") as e:
+        _load(*engine, "engine.qat.enable=true")
+    assert "Megatron engine key" not in str(e.value)
