@@ -38,8 +38,8 @@ from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
 from rlfoundry.config.distillation import distillation_errors
 from rlfoundry.config.roles import adv_estimator, need_reference_policy, use_critic
-from rlfoundry.config.schema import DISTILLATION_TOPK_MODES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
-from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
+from rlfoundry.config.schema import DISTILLATION_TOPK_MODES, STRATEGIES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze
+from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin, training_engine
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
 from rlfoundry.config.fsdp_turbo import adopt_fsdp_turbo
 from rlfoundry.config.veomni import adopt_veomni
@@ -196,11 +196,10 @@ def _check_engine_choice(cfg: DictConfig, engine: str | None) -> None:
     """``model_engine=dp`` with a config that puts the actor on Megatron (or the reverse) would run on an
     engine the command line did not ask for: say which key decides."""
     strategy = OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy")
-    if engine is None or strategy is None:
+    if engine is None or strategy not in STRATEGIES:  # an unknown strategy: the choice checks name it
         return
-    wanted = "fsdp" if engine in ("dp", "veomni") else engine  # verl's dp and veomni engines: the FSDP one here
-    strategy = "fsdp" if strategy == "veomni" else strategy
-    if strategy not in TRAINING_ENGINES or wanted not in TRAINING_ENGINES:  # named by the choice checks
+    wanted, strategy = training_engine(engine), training_engine(strategy)
+    if strategy not in TRAINING_ENGINES or wanted not in TRAINING_ENGINES:  # fsdp_turbo: not compared
         return
     if engine_plugin(strategy).name != engine_plugin(wanted).name:
         raise ConfigError(f"model_engine={engine} but actor_rollout_ref.actor.strategy={strategy} (set by the config "
