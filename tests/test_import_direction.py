@@ -26,8 +26,11 @@ LAYERS = {
     "recipe": 4,  # verl's recipe entry modules (recipe.dapo.main_dapo), as experimental
     "__main__": 4, "__init__": 4,
     "scripts": 4,  # command-line tools (python -m rlfoundry.scripts.<name>), as cli
-    "plan": 4,  # the planner reads the trainer's config composition; the trainer runs its start-up check
+    "plan": 1,  # a function of the resolved config and a config.json; the trainer runs it as its start-up check
 }
+# A package's command line that composes the trainer's config (``rlfoundry plan`` takes train's arguments): an
+# entry point, as cli, above the package it fronts.
+COMMAND_LINES = {"rlfoundry.plan.__main__"}
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
 WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model",
                        # partial rollout's multi-turn runs the agent loops in the driver, where a sync may come
@@ -70,6 +73,8 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> int:
+    if module in COMMAND_LINES:
+        return LAYERS["cli"]
     top = module.split(".")[1] if "." in module else "__init__"
     return LAYERS[top]
 

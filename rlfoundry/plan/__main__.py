@@ -14,8 +14,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rlfoundry.plan.hardware import PRESETS, resolve_hardware
+from rlfoundry.plan.hardware import PRESETS, Hardware, resolve_hardware
+
+if TYPE_CHECKING:
+    from rlfoundry.plan.build import Plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,8 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def plan_args(overrides: list[str], hw: Hardware, config_name: str | None = None, config_path: str | None = None,
+              mfu: float | None = None) -> Plan:
+    """Compose and validate the run's config exactly as ``main_ppo`` does, then plan it. Composing is the
+    trainer's (``trainer/config.py``), so it happens here in the command line, not in the planner the trainer
+    itself imports for its start-up check."""
+    from rlfoundry.plan.build import plan_config
+    from rlfoundry.trainer.config import load_config, resolve_config
+
+    cfg = load_config(overrides, config_name=config_name, config_path=config_path)
+    return plan_config(resolve_config(cfg, steps_per_epoch=1, cuda_available=hw.device == "cuda"), hw, mfu=mfu)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    from rlfoundry.plan.build import plan_args
     from rlfoundry.plan.model import PlanInputError
     from rlfoundry.plan.report import find_fixes, render, to_json
     from rlfoundry.trainer.config import ConfigError, load_config

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfoundry.config.roles import need_reference_policy, use_critic
 from rlfoundry.plan import memory as mem
 from rlfoundry.plan.hardware import GIB, Hardware
 from rlfoundry.plan.model import ModelShape, load_shape, param_counts
@@ -143,8 +144,6 @@ class Roles:
 
 def roles_of(cfg: Any, model: ModelShape, hw: Hardware) -> Roles:
     """Every role's layout from the resolved config."""
-    from rlfoundry.trainer.config import need_reference_policy, use_critic
-
     arr, data, device = cfg.actor_rollout_ref, cfg.data, hw.device
     seq = int(data.max_prompt_length) + int(data.max_response_length)
     trainer_ranks = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
@@ -321,12 +320,3 @@ def rollout_problems(model: ModelShape, r: mem.RolloutSpec, hw: Hardware) -> lis
             "raise actor_rollout_ref.rollout.gpu_memory_utilization, or generate with rollout.name=hf (on the actor's "
             f"own sharded weights); the hybrid {r.name} engine runs tensor_parallel_size=1 here, each GPU holding the "
             "whole model (rollout tensor parallelism is not built)"]
-
-
-def plan_args(overrides: list[str], hw: Hardware, config_name: str | None = None, config_path: str | None = None,
-              mfu: float | None = None) -> Plan:
-    """Compose and validate the run's config exactly as ``main_ppo`` does, then plan it."""
-    from rlfoundry.trainer.config import load_config, resolve_config
-
-    cfg = load_config(overrides, config_name=config_name, config_path=config_path)
-    return plan_config(resolve_config(cfg, steps_per_epoch=1, cuda_available=hw.device == "cuda"), hw, mfu=mfu)

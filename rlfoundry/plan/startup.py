@@ -1,13 +1,8 @@
-"""The trainer's start-up check (``trainer.plan_check``, on by default): plan the run against the
-devices this process sees, before any weight file is opened, and stop a run that cannot fit.
-
-It reads only the model's ``config.json``: a directory holding a 72B model's config alone is refused
-here, with the per-rank breakdown, rather than later for lacking weights.
-"""
+"""The planner's half of the trainer's start-up check (``trainer.plan_check``, ``trainer/plan_check.py``):
+the hardware this process sees, and the message of a run that does not fit it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from rlfoundry.plan.hardware import PRESETS, Hardware, cpu_hardware, host_available_bytes
@@ -27,13 +22,6 @@ def visible_hardware(device: str) -> Hardware:
     return dataclasses.replace(PRESETS["h100-80g"], name=torch.cuda.get_device_name(0), memory_bytes=int(smallest))
 
 
-def _has_config(path: str | None) -> bool:
-    from rlfoundry.trainer.config import resolve_asset_path
-
-    resolved = resolve_asset_path(path) if path else None
-    return bool(resolved) and (Path(resolved).expanduser() / "config.json").is_file()
-
-
 def refusal(plan: Any) -> str:
     """The message of a run that does not fit: the verdict (rank, phase, by how much), the breakdown,
     and what to change."""
@@ -50,27 +38,3 @@ def refusal(plan: Any) -> str:
                  "with the same arguments re-plans each change (docs/plan.md). To start anyway: trainer.plan_check=false.")
     return "\n".join(lines)
 
-
-def check_plan_fits(cfg: Any) -> None:
-    """Raise ``ConfigError`` when the run's per-rank peak exceeds the visible device memory. Skipped with
-    ``trainer.plan_check=false``, or where a model directory has no config.json (the path check
-    reports that)."""
-    from rlfoundry.config.typed import ConfigError
-    from rlfoundry.plan.build import plan_config
-    from rlfoundry.plan.model import PlanInputError
-    from rlfoundry.trainer.config import resolve_config, use_critic
-
-    if not cfg.trainer.plan_check or not _has_config(cfg.actor_rollout_ref.model.path):
-        return
-    if use_critic(cfg) and cfg.critic.model.path and not _has_config(cfg.critic.model.path):
-        return
-    import torch
-
-    cuda = torch.cuda.is_available()
-    resolved = resolve_config(cfg, steps_per_epoch=1, cuda_available=cuda)
-    try:
-        plan = plan_config(resolved, visible_hardware(resolved.trainer.device))
-    except PlanInputError:
-        return  # a config.json the planner cannot read: the model loader's own errors say more
-    if not plan.fits:
-        raise ConfigError(refusal(plan))

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -40,7 +39,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional
 from pydantic import BaseModel, ValidationError
 
 from rlfoundry.sandbox.namespace import WORKDIR, Job
-from rlfoundry.sandbox.runner import (SandboxLimits, SandboxResult, SandboxUnavailable, out_of_memory, run_job,
+from rlfoundry.sandbox.runner import (SandboxLimits, SandboxResult, SandboxUnavailable, exit_status, run_job,
                                       run_python)
 from rlfoundry.utils.http import send_json
 
@@ -119,13 +118,7 @@ def _infer_status(run_status: str | None, code: int | None, stderr: str) -> str:
     """The local sandbox's status from SandboxFusion's fields, by the rules ``runner`` applies."""
     if run_status == "TimeLimitExceeded":
         return "timeout"
-    if code == -signal.SIGXFSZ:
-        return "output_limit"
-    if code == 0:
-        return "ok"
-    if out_of_memory(stderr):
-        return "memory"
-    return "killed" if code is not None and (code < 0 or code > 128) else "error"
+    return exit_status(code, stderr, shell_signals=True)
 
 
 # ---- the server -------------------------------------------------------------------------------

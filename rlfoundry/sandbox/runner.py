@@ -42,7 +42,7 @@ from rlfoundry.sandbox import cgroup as cgroup_
 from rlfoundry.sandbox import namespace, policy
 
 __all__ = ["ALLOW_UNISOLATED_ENV", "ISOLATION_ENV", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
-           "caps_in_force", "mode", "out_of_memory", "run_job", "run_python"]
+           "caps_in_force", "exit_status", "mode", "out_of_memory", "run_job", "run_python"]
 
 logger = logging.getLogger(__name__)
 ALLOW_UNISOLATED_ENV = "RLFOUNDRY_SANDBOX_ALLOW_UNISOLATED"
@@ -314,10 +314,18 @@ def out_of_memory(stderr: str) -> bool:
 def _status(code: int | None, timed_out: bool, stderr: str) -> str:
     if timed_out or code == -signal.SIGXCPU:
         return "timeout"
+    return exit_status(code, stderr)
+
+
+def exit_status(code: int | None, stderr: str, shell_signals: bool = False) -> str:
+    """The status of a program that was not timed out, from its exit code and stderr (the rules the local
+    and the SandboxFusion sandbox share). ``shell_signals``: an exit code over 128 is a death by signal too
+    (a shell reports signal N as 128 + N)."""
     if code == -signal.SIGXFSZ:
         return "output_limit"
     if code == 0:
         return "ok"
     if out_of_memory(stderr):
         return "memory"
-    return "killed" if code is not None and code < 0 else "error"
+    killed = code is not None and (code < 0 or (shell_signals and code > 128))
+    return "killed" if killed else "error"

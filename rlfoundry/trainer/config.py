@@ -37,8 +37,10 @@ from rlfoundry.config import typed
 from rlfoundry.config.batch import BatchSizeError, per_gpu, role_batch
 from rlfoundry.config.compose import Layer, compose, engine_layers, find_config
 from rlfoundry.config.distillation import distillation_errors
-from rlfoundry.config.schema import DISTILLATION_TOPK_MODES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze, qat_problems
-from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
+from rlfoundry.config.roles import adv_estimator, need_reference_policy, use_critic
+from rlfoundry.config.schema import (DISTILLATION_TOPK_MODES, STRATEGIES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze,
+                                     qat_problems)
+from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin, training_engine
 from rlfoundry.config.typed import ConfigError, KeyInfo, ReplacedKeyWarning, apply_setting, keys_of, pick
 from rlfoundry.config.fsdp_turbo import adopt_fsdp_turbo
 from rlfoundry.config.veomni import adopt_veomni
@@ -195,13 +197,12 @@ def _check_engine_choice(cfg: DictConfig, engine: str | None) -> None:
     """``model_engine=dp`` with a config that puts the actor on Megatron (or the reverse) would run on an
     engine the command line did not ask for: say which key decides."""
     strategy = OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy")
-    if engine is None or strategy is None:
+    if engine is None or strategy not in STRATEGIES:  # an unknown strategy: the choice checks name it
         return
-    wanted = "fsdp" if engine in ("dp", "veomni") else engine  # verl's dp and veomni engines: the FSDP one here
-    strategy = "fsdp" if strategy == "veomni" else strategy
-    if strategy not in TRAINING_ENGINES or wanted not in TRAINING_ENGINES:  # named by the choice checks
+    wanted, runs_on = training_engine(engine), training_engine(strategy)
+    if runs_on not in TRAINING_ENGINES or wanted not in TRAINING_ENGINES:
         return
-    if engine_plugin(strategy).name != engine_plugin(wanted).name:
+    if engine_plugin(runs_on).name != engine_plugin(wanted).name:
         raise ConfigError(f"model_engine={engine} but actor_rollout_ref.actor.strategy={strategy} (set by the config "
                           "or an override): drop one of them, or make them agree.")
 
@@ -324,25 +325,6 @@ def _fill_fully_async_batch(cfg: DictConfig) -> None:
     if cfg.async_training.mode == "fully_async" and cfg.data.train_batch_size == 0:
         cfg.data.train_batch_size = int(cfg.async_training.require_batches) * int(
             cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
-
-
-def adv_estimator(cfg: DictConfig) -> str:
-    """``algorithm.adv_estimator``; null means gae when a critic model is given (verl's PPO), else grpo."""
-    est = cfg.algorithm.adv_estimator
-    if est is not None:
-        return str(est)
-    return "gae" if cfg.critic.model.path is not None or cfg.critic.enable else "grpo"
-
-
-def use_critic(cfg: DictConfig) -> bool:
-    """The critic runs when ``critic.enable`` says so, or (enable null) exactly for gae."""
-    enable = cfg.critic.enable
-    return bool(enable) if enable is not None else adv_estimator(cfg) == "gae"
-
-
-def need_reference_policy(cfg: DictConfig) -> bool:
-    """A frozen reference model is needed for a KL term: in the reward or in the actor loss."""
-    return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
 
 
 def _check_choices(cfg: DictConfig) -> list[str]:

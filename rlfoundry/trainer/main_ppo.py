@@ -434,7 +434,7 @@ def build_trainer(cfg: DictConfig):
 
     from rlfoundry.rewards import load_reward_manager
 
-    from rlfoundry.plan.startup import check_plan_fits
+    from rlfoundry.trainer.plan_check import check_plan_fits
 
     check_plan_fits(cfg)  # from config.json alone, before the weights are looked for (trainer.plan_check)
     check_startup_paths(cfg)

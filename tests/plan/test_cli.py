@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlfoundry.cli import main as cli
 from rlfoundry.plan.model import load_shape, param_counts
-from rlfoundry.plan.startup import _has_config
+from rlfoundry.trainer.plan_check import has_model_config
 from rlfoundry.trainer.config import CONFIG_DIR, resolve_asset_path
 from tests.config.test_verl_command_lines import LINES as VERL_LINES
 from tests.config.test_verl_command_lines import TREE_FILES
@@ -132,7 +132,7 @@ def test_every_packaged_config_is_planned(capsys, qwen7b, name):
     for ``rlfoundry train``, their overlays compose onto the PPO defaults). A config whose model
     directory is not on this machine is planned with Qwen2.5-7B's config.json in its place."""
     path = _model_of(name)
-    usable = path is None or _has_config(path)
+    usable = path is None or has_model_config(path)
     code, out = _plan_json(capsys, "--config-name", name, "--no-fixes",
                            *([] if usable else [f"actor_rollout_ref.model.path={qwen7b}"]))
     _assert_answered(code, out)

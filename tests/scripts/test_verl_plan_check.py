@@ -72,10 +72,10 @@ def test_plans_validated_lines_and_records_the_trainers_refusals(check, tmp_path
 
 def test_a_planner_that_raises_is_a_crash(check, tmp_path, monkeypatch):
     """A traceback, or a refusal the trainer does not make, is a crash; the pass goes on and exits 1."""
-    from rlfoundry.plan import build
+    import rlfoundry.plan.__main__ as plan_cli
     from rlfoundry.plan.model import PlanInputError
 
-    real = build.plan_args
+    real = plan_cli.plan_args
 
     def broken(overrides, *args, **kwargs):
         if "trainer.experiment_name=divide" in overrides:
@@ -84,7 +84,7 @@ def test_a_planner_that_raises_is_a_crash(check, tmp_path, monkeypatch):
             raise PlanInputError("the planner alone refuses this")
         return real(overrides, *args, **kwargs)
 
-    monkeypatch.setattr(build, "plan_args", broken)
+    monkeypatch.setattr(plan_cli, "plan_args", broken)
     rows = [_row("examples/grpo_trainer/run_qwen2-7b.sh", f"trainer.experiment_name={name}")
             for name in ("divide", "refuse", "fine")]
     code, out = _run(check, tmp_path, rows)

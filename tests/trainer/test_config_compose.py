@@ -145,6 +145,10 @@ def test_engines_not_built_and_contradictions_are_errors():
         load_config(["model_engine=torchtitan"])
     with pytest.raises(ConfigError, match="model_engine=dp but actor_rollout_ref.actor.strategy=megatron"):
         load_config(["model_engine=dp"], config_name="ppo_megatron_trainer")
+    # fsdp_turbo runs on the FSDP2 engine (config/fsdp_turbo.py): with model_engine=megatron a contradiction too
+    with pytest.raises(ConfigError, match="model_engine=megatron but actor_rollout_ref.actor.strategy=fsdp_turbo"):
+        load_config(["model_engine=megatron", "actor_rollout_ref.actor.strategy=fsdp_turbo"])
+    assert _strategies(load_config(["model_engine=dp", "actor_rollout_ref.actor.strategy=fsdp_turbo"]))[0] == "fsdp"
 
 
 # ───────────────────────────── verl's config names ─────────────────────────────

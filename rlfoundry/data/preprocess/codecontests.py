@@ -17,8 +17,7 @@ from pathlib import Path
 
 from rlfoundry.data.preprocess.common import (
     PreprocessError,
-    load_hub_dataset,
-    read_split_records,
+    input_records,
     require_keys,
     verl_row,
     write_splits,
@@ -63,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
-    records = read_split_records(Path(args.input), args.split) if args.input else load_hub_dataset(HUB_NAME)
+    records = input_records(args, HUB_NAME)
     kept: dict[str, list[dict]] = {}
     for split, rows in records.items():
         made = [make_row(r, split, i, args.tests) for i, r in enumerate(rows)]

@@ -92,6 +92,16 @@ def load_hub_dataset(name: str, config_name: str | None = None) -> dict[str, lis
     return {split: list(ds) for split, ds in loaded.items()}
 
 
+def input_records(args: Any, hub_name: str, hub_config: str | None = None,
+                  hub_splits: tuple[str, ...] | None = None) -> dict[str, list[dict]]:
+    """``{split: rows}`` of ``--input`` (a file is the split ``--split`` names), else of the hub data set
+    ``hub_name`` (only ``hub_splits`` of it, when given)."""
+    if args.input:
+        return read_split_records(Path(args.input), args.split)
+    loaded = load_hub_dataset(hub_name, hub_config)
+    return loaded if hub_splits is None else {s: rows for s, rows in loaded.items() if s in hub_splits}
+
+
 def write_splits(
     records: dict[str, list[dict]], output: Path, make_row: Callable[[dict, str, int], dict]
 ) -> dict[str, Path]:

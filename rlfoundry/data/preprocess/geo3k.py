@@ -40,8 +40,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
-    if args.input:
-        records = common.read_split_records(Path(args.input), args.split)
-    else:
-        records = {s: rows for s, rows in common.load_hub_dataset(DATA_SOURCE).items() if s in ("train", "test")}
+    records = common.input_records(args, DATA_SOURCE, hub_splits=("train", "test"))
     return common.write_splits(records, Path(args.output), make_row)

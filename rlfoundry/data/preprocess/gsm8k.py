@@ -18,8 +18,7 @@ from pathlib import Path
 
 from rlfoundry.data.preprocess.common import (
     PreprocessError,
-    load_hub_dataset,
-    read_split_records,
+    input_records,
     require_keys,
     verl_row,
     write_splits,
@@ -72,9 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
-    if args.input:
-        records = read_split_records(Path(args.input), args.split)
-    else:
-        records = load_hub_dataset(DATA_SOURCE, "main")
+    records = input_records(args, DATA_SOURCE, "main")
     multiturn = getattr(args, "multiturn", "none")
     return write_splits(records, Path(args.output), lambda r, split, i: make_row(r, split, i, multiturn))

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from rlfoundry.data.preprocess.common import (
     PreprocessError,
-    load_hub_dataset,
-    read_split_records,
+    input_records,
     require_keys,
     verl_row,
     write_splits,
@@ -59,8 +58,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
-    if args.input:
-        records = read_split_records(Path(args.input), args.split)
-    else:
-        records = load_hub_dataset(args.data_source)
+    records = input_records(args, args.data_source)
     return write_splits(records, Path(args.output), make_row_fn(args.data_source))
