@@ -26,6 +26,7 @@ LAYERS = {
     "recipe": 4,  # verl's recipe entry modules (recipe.dapo.main_dapo), as experimental
     "__main__": 4, "__init__": 4,
     "scripts": 4,  # command-line tools (python -m rlfoundry.scripts.<name>), as cli
+    "model_merger": 4,  # verl's model merger command line, on the exporters (as cli's export)
     "plan": 4,  # the planner reads the trainer's config composition; the trainer runs its start-up check
 }
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
