@@ -112,7 +112,10 @@ def start_rollout(worker_config: dict[str, Any], device: str, ranks: int, name_k
     if ranks == 1:
         group = LocalWorkerGroup(cls, name_prefix="generation").spawn(roles.keys())["rollout"]
     else:
-        group = ProcessWorkerGroup(cls, ranks, name_prefix="generation",
+        import torch.distributed as dist
+
+        # rank 0 in this process unless it already belongs to a group (a caller's in-process run)
+        group = ProcessWorkerGroup(cls, ranks, name_prefix="generation", host_rank_zero=not dist.is_initialized(),
                                    threads=threads_per_rank(ranks)).spawn(roles.keys())["rollout"]
     group.init_model()
     return group

@@ -130,6 +130,10 @@ def test_main_generation_keeps_the_rows_and_adds_n_responses_greedy_twice_the_sa
     assert len(responses) == 4 and all(len(r) == 2 and r[0] == r[1] for r in responses)  # greedy: both the same
     again = _generate(tiny_model_dir, gsm8k4, tmp_path / "b.parquet", "rollout.do_sample=false")
     assert again.column("responses").to_pylist() == responses
+    # two ranks: batches of 3 padded to 4 and 1 to 2, the padding dropped again; the same responses, same rows
+    ranks = _generate(tiny_model_dir, gsm8k4, tmp_path / "r.parquet", "rollout.do_sample=false",
+                      "trainer.n_gpus_per_node=2")
+    assert ranks.column("responses").to_pylist() == responses
     # August's server entry point: the same prompts through the trainer's keys give the same greedy responses
     assert main_generation_server.main([
         f"data.train_files={gsm8k4}", f"+data.output_path={tmp_path / 'c.parquet'}", "data.max_prompt_length=1024",
