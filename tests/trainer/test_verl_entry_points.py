@@ -30,12 +30,13 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory) -> Path:
-    """One GRPO step at a large lr, checkpointed: a real trainer's global_step_1/actor."""
+def trained(tiny_model_dir, tiny_critic_dir, tmp_path_factory) -> Path:
+    """One PPO step (GAE, a critic) at a large lr, checkpointed: a real trainer's global_step_1/{actor,critic}."""
     run_dir = tmp_path_factory.mktemp("merger_run")
     reward = E.write_reward_file(tmp_path_factory.mktemp("reward"))
     E.train(E.tiny_overrides(tiny_model_dir, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=1",
-                             f"custom_reward_function.path={reward}", "actor_rollout_ref.actor.optim.lr=1e-2"))
+                             f"custom_reward_function.path={reward}", "actor_rollout_ref.actor.optim.lr=1e-2",
+                             f"critic.model.path={tiny_critic_dir}", "critic.ppo_mini_batch_size=2"))
     return run_dir
 
 
@@ -65,6 +66,38 @@ def test_merge_equals_rlfoundry_export_and_test_names_a_changed_tensor(trained, 
     assert merger([*test, str(tmp_path / "bad")]) == 1
     err = capsys.readouterr().err
     assert "model.norm.weight: values differ" in err and err.count("values differ") == 1
+
+
+def test_a_critic_merges_as_a_value_model(trained, tiny_critic_dir, tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    critic = str(trained / "global_step_1" / "critic")
+    assert merger(["merge", "--backend", "fsdp", "--is-value-model", "--local_dir", critic,
+                   "--target_dir", str(tmp_path / "v")]) == 0
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "v")
+    assert model.config.num_labels == 1 and model.score.weight.shape[0] == 1
+    # the trained value head, not the starting one
+    assert not torch.equal(_weights(tmp_path / "v")["score.weight"], _weights(tiny_critic_dir)["score.weight"])
+    assert merger(["test", "--backend", "fsdp", "--is-value-model", "--local_dir", critic,
+                   "--test_hf_dir", str(tmp_path / "v")]) == 0
+
+
+def test_a_lora_actor_merges_with_its_adapter_where_verl_puts_it(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    reward = E.write_reward_file(tmp_path)
+    E.train(E.tiny_overrides(tiny_model_dir, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=1",
+                             f"custom_reward_function.path={reward}", "actor_rollout_ref.actor.optim.lr=1e-2",
+                             "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                             "actor_rollout_ref.model.target_modules=all-linear"))
+    actor = str(run_dir / "global_step_1" / "actor")
+    out = tmp_path / "hf"  # verl's run_grpo_lora_with_merge.sh line: the adapter in <target_dir>/lora_adapter
+    assert merger(["merge", "--backend", "fsdp", "--local_dir", actor, "--target_dir", str(out)]) == 0
+    adapter = load_file(out / "lora_adapter" / "adapter_model.safetensors")
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    merged, base = _weights(out), _weights(tiny_model_dir)
+    assert merged.keys() == base.keys()  # a plain model: the adapter folded in, no lora tensors
+    assert any(not torch.equal(merged[k], base[k]) for k in merged if "proj" in k)
+    assert merger(["test", "--backend", "fsdp", "--local_dir", actor, "--test_hf_dir", str(out)]) == 0
 
 
 def test_merger_flags_that_do_not_fit_the_checkpoint_are_errors_naming_them(trained, tmp_path, capsys):
