@@ -100,6 +100,28 @@ def test_a_lora_actor_merges_with_its_adapter_where_verl_puts_it(tiny_model_dir,
     assert merger(["test", "--backend", "fsdp", "--local_dir", actor, "--test_hf_dir", str(out)]) == 0
 
 
+def test_a_megatron_checkpoint_merges_with_backend_megatron_only(tiny_model_dir, tmp_path, capsys):
+    pytest.importorskip("megatron.core")
+    from rlfoundry.cli import export
+
+    run_dir = tmp_path / "run"
+    reward = E.write_reward_file(tmp_path)
+    E.train(E.tiny_overrides(tiny_model_dir, run_dir, "trainer.save_freq=1", "trainer.total_training_steps=1",
+                             f"custom_reward_function.path={reward}"), config_name="ppo_megatron_trainer")
+    actor = str(run_dir / "global_step_1" / "actor")
+    assert merger(["merge", "--backend", "fsdp", "--local_dir", actor, "--target_dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--backend fsdp" in err and "saved by the megatron engine" in err and "give --backend megatron" in err
+    # verl's Megatron line (its module docstring): --tie-word-embedding with a tied model
+    tied = json.loads((tmp_path / "run" / "global_step_1" / "actor" / "huggingface" / "config.json").read_text())
+    flags = ["--tie-word-embedding"] if tied.get("tie_word_embeddings") else []
+    assert merger(["merge", "--backend", "megatron", *flags, "--local_dir", actor,
+                   "--target_dir", str(tmp_path / "m")]) == 0
+    export(run_dir, tmp_path / "e")
+    merged, exported = _weights(tmp_path / "m"), _weights(tmp_path / "e")
+    assert merged.keys() == exported.keys() and all(torch.equal(merged[k], exported[k]) for k in merged)
+
+
 def test_merger_flags_that_do_not_fit_the_checkpoint_are_errors_naming_them(trained, tmp_path, capsys):
     actor = str(trained / "global_step_1" / "actor")
     cases = [
