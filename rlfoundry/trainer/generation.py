@@ -101,7 +101,7 @@ def start_rollout(worker_config: dict[str, Any], device: str, ranks: int, name_k
 
     problem = engine_problem(str(worker_config["rollout"]["name"]))
     if problem:
-        raise ConfigError(f"{name_key}: {problem}")
+        raise ConfigError(problem.replace("actor_rollout_ref.rollout.name", name_key))  # the key as this module spells it
     from rlfoundry.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
     from rlfoundry.single_controller.base.worker import WorkerRuntime
     from rlfoundry.single_controller.process import ProcessWorkerGroup, threads_per_rank

@@ -255,6 +255,11 @@ def test_main_eval_calls_a_custom_function_as_verl_does(tmp_path, capsys):
     assert metrics["pass@2/openai/gsm8k"] == pytest.approx(2 / 3)
     assert main_eval.main([f"data.path={data}", "data.response_key=answers"]) == 2
     assert "data.response_key" in capsys.readouterr().err
+    # a data source without a built-in scorer and no custom function: named, with the fix
+    pq.write_table(pq.read_table(data).set_column(0, "data_source", pa.array(["my/set"] * 4)), tmp_path / "mine.parquet")
+    assert main_eval.main([f"data.path={tmp_path / 'mine.parquet'}"]) == 2
+    err = capsys.readouterr().err
+    assert "my/set" in err and "custom_reward_function.path" in err and "Traceback" not in err
 
 
 # ───────────────────────────────── verl's command lines, --cfg job ─────────────────────────────────
