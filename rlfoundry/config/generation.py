@@ -73,7 +73,19 @@ class EvaluationDataConfig(Node):
 
 
 @dataclass
+class EvaluationScoringConfig(Node):
+    """rlfoundry: how main_eval scores (the trainer's rule-reward pool, rewards/pool.py): a response whose scorer
+    raises, passes ``timeout_s`` or kills its process scores ``failure_score``, counted and named, and the
+    evaluation goes on. ``num_workers`` null: min(4, CPUs) scorer processes; 0: in the driver, no time limit."""
+
+    num_workers: Optional[int] = None
+    timeout_s: float = 30.0
+    failure_score: float = 0.0
+
+
+@dataclass
 class EvaluationConfig(Node):
     data: EvaluationDataConfig = _sub(EvaluationDataConfig)
+    scoring: EvaluationScoringConfig = _sub(EvaluationScoringConfig)
     custom_reward_function: CustomRewardFunctionConfig = _sub(CustomRewardFunctionConfig)
     ray_kwargs: Dict[str, Any] = _dict(ray_init={"num_cpus": None}, timeline_json_file=None)  # no Ray here

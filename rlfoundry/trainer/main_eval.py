@@ -18,6 +18,7 @@ Printed, per data source (verl's metric name first):
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections import defaultdict
@@ -65,25 +66,15 @@ def _columns(cfg: DictConfig) -> tuple[Path, dict[str, list]]:
     return path, {key: table.column(column).to_pylist() for key, column in keys.items()}
 
 
-def _score(fn: Callable, source: str, response: str, ground_truth: Any, where: str) -> float:
-    from rlfoundry.rewards import UnknownDataSourceError
-
-    try:
-        out = fn(source, response, ground_truth)
-    except UnknownDataSourceError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's scorer: say where it failed
-        raise ConfigError(f"{where}: the reward function raised {type(e).__name__}: {e}") from e
+def _positional(fn: Callable, data_source: str, response: str, ground_truth: Any) -> float:
+    """One response's score, ``fn`` called as verl's main_eval calls it (positionally); a dict gives its score.
+    Module-level, so that a partial of it pickles into the scorer processes."""
+    out = fn(data_source, response, ground_truth)
     return float(out["score"] if isinstance(out, dict) else out)
 
 
-def score_rows(cfg: DictConfig) -> dict[str, list[list[float]]]:
-    """Each data source's rows, each row its responses' scores."""
-    fn = _reward_fn(cfg)
-    path, cols = _columns(cfg)
-    by_source: dict[str, list[list[float]]] = defaultdict(list)
-    rows = zip(cols["data.response_key"], cols["data.data_source_key"], cols["data.reward_model_key"])
-    for i, (responses, source, reward_data) in enumerate(rows):
+def _check_rows(cfg: DictConfig, path: Path, cols: dict[str, list]) -> None:
+    for i, (responses, reward_data) in enumerate(zip(cols["data.response_key"], cols["data.reward_model_key"])):
         where = f"{path}, row {i}"
         if not isinstance(responses, list):
             raise ConfigError(f"{where}: column {cfg.data.response_key!r} (data.response_key) holds "
@@ -91,9 +82,55 @@ def score_rows(cfg: DictConfig) -> dict[str, list[list[float]]]:
         if not isinstance(reward_data, dict) or "ground_truth" not in reward_data:
             raise ConfigError(f"{where}: column {cfg.data.reward_model_key!r} (data.reward_model_key) has no "
                               "'ground_truth': it must be {'ground_truth': ...}, as the prompt data sets carry it.")
-        by_source[str(source)].append([_score(fn, str(source), str(r), reward_data["ground_truth"], where)
-                                       for r in responses])
+
+
+def score_rows(cfg: DictConfig) -> dict[str, list[list[float]]]:
+    """Each data source's rows, each row its responses' scores. Scored in the trainer's scorer pool: a
+    response whose scorer fails (raises, hangs past scoring.timeout_s, kills its process) scores
+    scoring.failure_score and is reported on stderr; the others are unaffected."""
+    from rlfoundry.rewards import default_compute_score
+    from rlfoundry.rewards.default import check_data_sources
+    from rlfoundry.rewards.pool import LazyScoringPool
+    from rlfoundry.rewards.rule import RuleOptions
+
+    fn = _reward_fn(cfg)
+    path, cols = _columns(cfg)
+    _check_rows(cfg, path, cols)
+    sources = [str(s) for s in cols["data.data_source_key"]]
+    if fn is default_compute_score:  # before any scoring: a source without a scorer is the user's to fix
+        check_data_sources(set(sources))
+    calls, where = [], []
+    for i, (responses, source, reward_data) in enumerate(
+            zip(cols["data.response_key"], sources, cols["data.reward_model_key"])):
+        for j, response in enumerate(responses):
+            calls.append({"data_source": source, "response": str(response), "ground_truth": reward_data["ground_truth"]})
+            where.append((i, j))
+    sc = cfg.scoring
+    options = RuleOptions(timeout_s=sc.timeout_s, failure_score=sc.failure_score, num_workers=sc.num_workers)
+    with LazyScoringPool(functools.partial(_positional, fn), options.workers, options.timeout_s) as pool:
+        outcomes = pool.map(calls)
+    _report_failures(path, calls, where, outcomes)
+    scores: dict[int, list[float]] = defaultdict(list)
+    for (i, _), outcome in zip(where, outcomes):
+        scores[i].append(float(options.failure_score) if outcome.error else float(outcome.value))
+    by_source: dict[str, list[list[float]]] = defaultdict(list)
+    for i, source in enumerate(sources):
+        by_source[source].append(scores.get(i, []))
     return by_source
+
+
+def _report_failures(path: Path, calls: list[dict], where: list[tuple[int, int]], outcomes: list) -> None:
+    failed = [(w, c, o) for w, c, o in zip(where, calls, outcomes) if o.error]
+    if not failed:
+        return
+    kinds = defaultdict(int)
+    for _, _, o in failed:
+        kinds[o.error] += 1
+    (row, k), call, first = failed[0]
+    detail = (first.detail or "").strip().splitlines()[-1:] or [""]
+    print(f"main_eval: {len(failed)} of {len(calls)} responses could not be scored ({dict(kinds)}) and score "
+          f"scoring.failure_score; the first: {path}, row {row}, response {k} ({call['data_source']}): "
+          f"{first.error} {detail[0]}", file=sys.stderr, flush=True)
 
 
 def metrics(by_source: dict[str, list[list[float]]]) -> dict[str, float]:

@@ -262,6 +262,27 @@ def test_main_eval_calls_a_custom_function_as_verl_does(tmp_path, capsys):
     assert "my/set" in err and "custom_reward_function.path" in err and "Traceback" not in err
 
 
+def test_main_eval_a_scorer_that_hangs_or_raises_costs_its_response_only(tmp_path, capsys):
+    """A response whose scorer hangs past scoring.timeout_s or raises scores scoring.failure_score, is counted
+    and named on stderr; every other response keeps its score and the evaluation ends normally."""
+    data = _eval_parquet(tmp_path / "gen.parquet")
+    fn = tmp_path / "score.py"
+    fn.write_text("import time\n"
+                  "def flaky(source, response, truth):\n"
+                  "    if response == '#### 17':\n        time.sleep(600)\n"
+                  "    if response == 'no answer':\n        raise ValueError('cannot parse')\n"
+                  "    return 1.0\n")
+    assert main_eval.main([f"data.path={data}", f"custom_reward_function.path={fn}", "custom_reward_function.name=flaky",
+                           "scoring.timeout_s=3", "scoring.num_workers=2"]) == 0
+    captured = capsys.readouterr()
+    metrics = eval(captured.out.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    # gsm8k rows: (1, timeout 0), (1, raised 0), (1, 1) -> 0.5, 0.5, 1: mean 2/3; MATH: both 1
+    assert metrics["test_score/openai/gsm8k"] == pytest.approx(2 / 3)
+    assert metrics["test_score/lighteval/MATH"] == 1.0
+    assert "2 of 8 responses could not be scored" in captured.err
+    assert "'timeout': 1" in captured.err and "'exception': 1" in captured.err and "row 0, response 1" in captured.err
+
+
 # ───────────────────────────────── verl's command lines, --cfg job ─────────────────────────────────
 
 # examples/generation/run_deepseek7b_mutli_node.sh, run_deepseek_v2_lite_math.sh and
