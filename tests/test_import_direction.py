@@ -26,6 +26,7 @@ LAYERS = {
     "recipe": 4,  # verl's recipe entry modules (recipe.dapo.main_dapo), as experimental
     "__main__": 4, "__init__": 4,
     "scripts": 4,  # command-line tools (python -m rlfoundry.scripts.<name>), as cli
+    "model_merger": 4,  # verl's model merger command line, on the exporters (as cli's export)
     "plan": 1,  # a function of the resolved config and a config.json; the trainer runs it as its start-up check
 }
 # A package's command line that composes the trainer's config (``rlfoundry plan`` takes train's arguments): an
