@@ -18,8 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
-__all__ = ["MTP_LAYER_PREFIX", "MimoConfig", "MimoForCausalLM", "MtpDraft", "MtpLayer", "draft_problem", "load_mtp_draft",
-           "register"]
+__all__ = ["MTP_LAYER_PREFIX", "MimoConfig", "MimoForCausalLM", "MtpDraft", "MtpLayer", "add_mtp_layers", "draft_problem",
+           "load_mtp_draft", "register", "save_tiny_mimo"]
 
 MTP_LAYER_PREFIX = "model.mtp_layers."  # mbridge's MiMo names (mbridge/models/mimo.py)
 
@@ -145,19 +145,23 @@ def load_mtp_draft(path, config: Qwen2Config, dtype: torch.dtype, device: torch.
 
 
 def save_tiny_mimo(out_dir, mtp_layers: int = 1, seed: int = 0, **kwargs):
-    """A tiny MiMo directory (tests, CPU runs): ``models.tiny``'s Qwen2 model and tokenizer, its config
-    turned into MiMo's, plus ``mtp_layers`` MTP layers of random weights in MiMo's names (norm weights
-    near, not at, 1, so that a norm used in the wrong place shows). ``kwargs``: ``save_tiny_model``'s."""
+    """A tiny MiMo directory (tests, CPU runs): ``models.tiny``'s Qwen2 model and tokenizer made a MiMo by
+    :func:`add_mtp_layers`. ``kwargs``: ``save_tiny_model``'s."""
+    from rlfoundry.models.tiny import save_tiny_model
+
+    return add_mtp_layers(save_tiny_model(out_dir, **kwargs), mtp_layers, seed)
+
+
+def add_mtp_layers(model_dir, mtp_layers: int = 1, seed: int = 0):
+    """Turn the Qwen2 directory ``model_dir`` (one safetensors file) into a MiMo, in place: its config MiMo's,
+    plus ``mtp_layers`` MTP layers of random weights in MiMo's names (norm weights near, not at, 1, so that a
+    norm used in the wrong place shows)."""
     import json
     from pathlib import Path
 
-    import torch
     from safetensors.torch import load_file, save_file
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-    from rlfoundry.models.tiny import save_tiny_model
-
-    out = Path(save_tiny_model(out_dir, **kwargs))
+    out = Path(model_dir)
     config = json.loads((out / "config.json").read_text())
     config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=mtp_layers)
     (out / "config.json").write_text(json.dumps(config, indent=2))

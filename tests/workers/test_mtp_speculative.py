@@ -102,6 +102,43 @@ def test_single_row_batches_match_the_batched_call(mimo_dirs, prompts):
         assert torch.equal(alone.batch["responses"][0], both.batch["responses"][i])
 
 
+def test_top_logprobs_are_the_plain_loops(mimo_dirs, prompts):
+    """``top_logprobs=k`` (the OpenAI endpoint): each emitted token's k most likely tokens and log-probs, as the
+    plain loop gives them (greedy: the same tokens)."""
+    plain, spec = _engines(mimo_dirs["good"], 3)
+    ref = plain.generate_sequences(_meta(prompts, do_sample=False, top_logprobs=3))
+    out = spec.generate_sequences(_meta(prompts, do_sample=False, top_logprobs=3))
+    assert torch.equal(out.batch["rollout_top_ids"], ref.batch["rollout_top_ids"])
+    torch.testing.assert_close(out.batch["rollout_top_logprobs"], ref.batch["rollout_top_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_a_multi_turn_tool_conversation_is_the_plain_engines(tmp_path, tokenizer):
+    """``rollout.multi_turn.enable`` (agent loops over the engine): the taught tool policy made a MiMo (a random
+    MTP layer) runs the same conversation greedily with the draft as ``test_agent_loop``'s does without it."""
+    from rlfoundry.models.mimo import add_mtp_layers
+    from tests.workers.test_agent_loop import QUESTION, TOOLS, _loop, _prompts, tool_policy
+
+    policy = add_mtp_layers(tool_policy(tmp_path / "policy"))
+    outs = []
+    for extra in ([], ["model.mtp.enable_rollout=true", "model.mtp.num_speculative_tokens=2"]):
+        group = local_worker(worker_config(policy, [
+            "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={TOOLS}",
+            "rollout.response_length=200", "rollout.val_kwargs.n=1", *extra]), role="actor_rollout")
+        speculator, calls = group.worker.rollout.speculator, []
+        if speculator is not None:  # count the turns the draft decoded
+            decode = speculator.decode
+            speculator.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+        _, kwargs = _loop(tokenizer, {})
+        data = _prompts(tokenizer, kwargs, [QUESTION])
+        data.meta_info["validate"] = True  # greedy
+        outs.append(group.generate_sequences(data))
+    assert len(calls) >= 2  # each assistant turn
+    assert outs[0].non_tensor_batch["num_turns"][0] == 3  # the tool was called and answered
+    assert torch.equal(outs[1].batch["responses"], outs[0].batch["responses"])
+    assert torch.equal(outs[1].batch["response_mask"], outs[0].batch["response_mask"])
+    torch.testing.assert_close(outs[1].batch["rollout_log_probs"], outs[0].batch["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
 def test_sampled_log_probs_are_the_actors(mimo_dirs, prompts):
     """The rollout's log-probs of its sampled tokens equal the actor's ``compute_log_prob`` (fp32 tolerance,
     as for the plain loop: tests/workers/test_rollout_hf.py)."""
