@@ -332,6 +332,9 @@ class DataProto:
                                                       layers,     ``enable_rollout_routing_replay``
                                                       top_k)      (R3), or actor (R2); -1: no record
                                                                   (docs/moe.md#routing-replay)
+    ``mtp_draft_tokens`` / ``mtp_accepted_tokens``    (B,)        HF rollout with ``mtp.enable_rollout``:
+                                                                  tokens the MTP draft proposed / the
+                                                                  target accepted (docs/rollout.md)
     ``old_log_probs`` / ``ref_log_prob``              (B, Tr)     actor / ref
     ``teacher_logprobs``                              (B, Tr)     teachers (on-policy distillation,
                                                                   docs/distillation.md; temperature 1)

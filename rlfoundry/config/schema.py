@@ -548,9 +548,10 @@ class VerlLoraConfig(Node):
 class MtpConfig(Node):
     """verl's multi-token prediction (``model.mtp``): the model's MTP layers built (``enable``) and trained
     beside the policy (``enable_train``, the loss scaled by ``mtp_loss_scaling_factor``; ``detach_encoder``)
-    on the Megatron engine (engines/megatron/mtp.py); ``enable_rollout`` (speculative decoding, the
-    ``speculative_*`` / ``method`` / ``num_speculative_tokens`` keys) is a start-up error (trainer/config.py
-    ``_check_mtp``)."""
+    on the Megatron engine (engines/megatron/mtp.py); ``enable_rollout``: the HF rollout's speculative decoding
+    with the MTP layers as the draft (workers/rollout/mtp_speculative.py), ``num_speculative_tokens`` drafts a
+    round, ``method`` must be ``mtp``; the ``speculative_*`` keys are SGLang's (read by nobody here, as by verl's
+    vLLM rollout); what it is not combined with: trainer/config.py ``_mtp_rollout_problems``."""
 
     enable: bool = False
     enable_train: bool = False

@@ -289,6 +289,9 @@ class EnginePlugin(abc.ABC):
     name: str
     supports_lora: bool = False
     supports_routing_replay: bool = False  # MoE routing replay (R3/R2) in its log-prob and update forwards
+    # multi-token prediction (``model.mtp.enable``): builds the model's MTP layers, trains them beside the policy
+    # and streams them with ``iter_hf_weights(mtp=True)``
+    supports_mtp: bool = False
     # exact mode (rollout.exact_log_probs): its forward runs models/batch_invariant.py's kernels
     supports_exact_log_probs: bool = False
     # the role's key naming the dtype the engine computes in, for engines with their own (None: FSDP2's

@@ -487,16 +487,14 @@ def _check_unsupported(cfg: PPOConfig) -> list[str]:
 
 
 def _check_mtp(cfg: PPOConfig) -> list[str]:
-    """verl's multi-token prediction (``model.mtp``): trained on the Megatron engine (engines/megatron/mtp.py,
-    whose plug-in checks the model and the layout); no rollout here drafts with the MTP layers."""
+    """verl's multi-token prediction (``model.mtp``): trained by the engines whose plug-in says so (Megatron:
+    engines/megatron/mtp.py, whose plug-in checks the model and the layout); drafted with by the rollout
+    engines whose entry says so (HF: workers/rollout/mtp_speculative.py)."""
     mtp, errors = cfg.actor_rollout_ref.model.mtp, []
     if mtp.enable_rollout:
-        errors.append("actor_rollout_ref.model.mtp.enable_rollout=true: speculative decoding with the MTP layers as the "
-                      "draft (verl's SGLang/vLLM speculative_* keys) is not built: the rollout engines here (HF, vLLM, "
-                      "SGLang on CPU) sample without a draft. Set it false; mtp.enable / enable_train still train the "
-                      "MTP layers beside the policy (strategy=megatron).")
+        errors += _mtp_rollout_problems(cfg)
     strategy = cfg.actor_rollout_ref.actor.strategy
-    if mtp.enable and strategy != "megatron":
+    if mtp.enable and not engine_plugin(strategy).supports_mtp:
         errors.append(f"actor_rollout_ref.model.mtp.enable=true with actor.strategy={strategy}: multi-token prediction "
                       "(the model's MTP layers, trained beside the policy) is built on the Megatron engine; set "
                       "actor_rollout_ref.actor.strategy=megatron, or mtp.enable=false.")
@@ -513,6 +511,42 @@ def _check_qat(cfg: PPOConfig) -> list[str]:
                          "actor_rollout_ref.ref.megatron": arr.ref.megatron.qat,
                          "critic.model.fsdp_config": cfg.critic.model.fsdp_config.qat,
                          "critic.megatron": cfg.critic.megatron.qat})
+
+
+def _mtp_rollout_problems(cfg: PPOConfig) -> list[str]:
+    """``mtp.enable_rollout``: the HF engine drafts ``num_speculative_tokens`` tokens a round with the MTP layers
+    (verl's vLLM keys; the SGLang ones are SGLang's server arguments, which verl's vLLM rollout ignores too); what
+    that loop is not combined with."""
+    from rlfoundry.config.rollout_engines import mtp_draft_problem
+
+    arr, key = cfg.actor_rollout_ref, "actor_rollout_ref.model.mtp.enable_rollout=true"
+    mtp, rollout = arr.model.mtp, arr.rollout
+    problem = mtp_draft_problem(rollout.name)
+    if problem is not None:
+        return [problem]
+    from rlfoundry.models.hf import resolve_model_path
+    from rlfoundry.models.mimo import draft_problem
+
+    errors = []
+    try:
+        model = draft_problem(resolve_model_path(arr.model.path))
+    except (OSError, ValueError):  # the model's own checks say what is wrong with the path
+        model = None
+    if model is not None:
+        errors.append(f"{key} with actor_rollout_ref.model.path={arr.model.path}: {model}; use a MiMo model or "
+                      "enable_rollout=false.")
+    if mtp.method != "mtp":
+        errors.append(f"{key} with mtp.method={mtp.method!r}: the HF rollout drafts with the MTP layers only (method=mtp).")
+    if int(mtp.num_speculative_tokens) < 1:
+        errors.append(f"{key} with mtp.num_speculative_tokens={mtp.num_speculative_tokens}: draft at least 1 token.")
+    not_combined = {
+        "rollout.exact_log_probs=true": rollout.exact_log_probs,
+        "rollout.use_torch_compile=true (the static-shape, CUDA-graph decode)": rollout.use_torch_compile is True,
+        "rollout.enable_rollout_routing_replay=true": rollout.enable_rollout_routing_replay,
+    }
+    errors += [f"{key} with {what}: the speculative loop runs on the dynamic KV cache and is not built with it; "
+               f"turn one off." for what, on in not_combined.items() if on]
+    return errors
 
 
 def _check_unbuilt_model_features(cfg: PPOConfig) -> list[str]:

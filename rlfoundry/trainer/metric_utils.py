@@ -99,7 +99,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     Reads ``token_level_scores``, ``token_level_rewards``, ``advantages``, ``returns`` (B, Tr),
     ``values`` (B, Tr, only when ``use_critic``), ``responses`` (B, Tr), ``attention_mask``
     (B, Tp+Tr) and ``response_mask`` (B, Tr, optional). Scores/rewards are per sequence (sum over
-    tokens); advantages/returns/values are per valid response token.
+    tokens); advantages/returns/values are per valid response token. With the rollout's MTP draft,
+    ``mtp_draft_tokens`` / ``mtp_accepted_tokens`` (B,) give ``rollout/mtp_accept_rate`` (accepted / drafted).
     """
     tensors = batch.batch
     prompt_mask, response_mask = _masks(batch)
@@ -117,6 +118,9 @@ def compute_data_metrics(batch: DataProto, use_critic: bool = True) -> dict[str,
     # the prompt budget, not the batch's width: the trainer trims prompt padding to the longest prompt
     max_prompt = int(batch.meta_info.get("max_prompt_length", prompt_mask.shape[-1]))
     metrics |= _length_metrics("prompt_length", prompt_len, max_prompt)
+    if "mtp_draft_tokens" in tensors.keys():  # the HF rollout's MTP draft (workers/rollout/mtp_speculative.py)
+        drafted = float(tensors["mtp_draft_tokens"].sum())
+        metrics["rollout/mtp_accept_rate"] = float(tensors["mtp_accepted_tokens"].sum()) / max(drafted, 1.0)
     return metrics | multi_turn_metrics(batch.non_tensor_batch)
 
 

@@ -43,6 +43,7 @@ from rlfoundry import checkpoint as ckpt
 from rlfoundry.algos import core_algos
 from rlfoundry.config.schema import MegatronConfig, model_parallel_size, qat_problems
 from rlfoundry.config.sft_schema import SFTConfig, SFTFSDPConfig, choice_errors
+from rlfoundry.config.training_engines import engine_plugin
 from rlfoundry.data.rl_dataset import max_samples_drawn
 from rlfoundry.data.sft_dataset import Pair, SFTDataError, SFTDataset, collate_sft, load_pairs, synthetic_pairs
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan, say_once
@@ -218,9 +219,9 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
                       "(make a tiny one with `python -m rlfoundry.models.tiny --out DIR`)")
     mtp = cfg.model.mtp
     if mtp.enable_rollout:
-        errors.append("model.mtp.enable_rollout=true: speculative decoding with the MTP layers is not built (and SFT "
-                      "samples nothing); set it false.")
-    elif (mtp.enable or mtp.enable_train) and cfg.model.strategy != "megatron":
+        errors.append("model.mtp.enable_rollout=true: SFT samples nothing, so there is no rollout to draft for (the "
+                      "PPO trainer's HF rollout drafts with the MTP layers); set it false.")
+    elif (mtp.enable or mtp.enable_train) and not engine_plugin(cfg.model.strategy).supports_mtp:
         on = "enable" if mtp.enable else "enable_train"
         errors.append(f"model.mtp.{on}=true: multi-token prediction (verl's MTP layers trained beside the model) is "
                       "built on the Megatron engine (engine=megatron, engines/megatron/mtp.py), not the FSDP one; set "

@@ -158,8 +158,22 @@ class ActorRolloutRefWorker(Worker):
         elif module is None:
             extra = {"model_path": resolve_model_path(self.config.model.path)}
             config = dataclasses.replace(config, load_format="auto")
+        mtp = self.config.model.mtp
+        if mtp.enable_rollout:  # the MTP layers draft (rollout.name=hf: trainer/config.py refuses the others)
+            extra |= {"mtp_draft_path": resolve_model_path(self.config.model.path),
+                      "speculative_tokens": int(mtp.num_speculative_tokens), "mtp_draft_synced": self._syncs_mtp()}
         return self._rollout_cls(module, config, pad_token_id=pad_id(self.tokenizer), eos_token_id=eos_ids,
                                  rank=self.rank, cpu_kernels=self._cpu_kernels(), **extra)
+
+    def _syncs_mtp(self) -> bool:
+        """The weight sync carries the MTP layers: the draft drafts with them and the trainer has them (``mtp.enable``:
+        an engine that trains them, whose ``iter_hf_weights(mtp=True)`` streams them)."""
+        mtp = self.config.model.mtp
+        return bool(mtp.enable_rollout and mtp.enable)
+
+    def _hf_weights(self):
+        """The trainer's tensors for the rollout, the MTP layers' too where the draft takes them."""
+        return self.engine.iter_hf_weights(mtp=True) if self._syncs_mtp() else self.engine.iter_hf_weights()
 
     def _adapter_for_rollout(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The adapter's peft config and tensors (peft's file names) for an engine's LoRA request. Collective."""
@@ -445,7 +459,7 @@ class ActorRolloutRefWorker(Worker):
             return
         # a LoRA adapter sync (vLLM, lora_sync=adapter) pulls the adapter alone, whichever engine trains
         if self.engine.rollout_module() is None and not self.rollout.pulls_adapter():
-            self._load_into_rollout(self.engine.iter_hf_weights(), self.param_version, "the hybrid rollout engine")
+            self._load_into_rollout(self._hf_weights(), self.param_version, "the hybrid rollout engine")
         else:
             self._pull_into_rollout()
             self.rollout_version = self.param_version
@@ -573,7 +587,7 @@ class ActorRolloutRefWorker(Worker):
     def send_weights(self) -> dict[str, float]:
         """The trainer's side of a sync: every rank gathers (FSDP2 full tensors are collective), rank 0 sends."""
         self._require(self.actor, "send_weights")
-        weights = self.engine.iter_hf_weights()
+        weights = self._hf_weights()
         if self._bridge is None:
             for _ in weights:  # the gather needs every rank
                 pass

@@ -420,7 +420,8 @@ def test_august_mtp_and_megatron_fsdp_beside_offload_are_start_up_errors_naming_
     _load("actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2")
     # MTP trains on the Megatron engine (tests/engines/test_megatron_mtp.py); FSDP names the engine to use
     assert "strategy=megatron" in _error("actor_rollout_ref.model.mtp.enable=true")
-    assert "speculative decoding" in _error("actor_rollout_ref.model.mtp.enable_rollout=true")
+    # the HF rollout drafts with a MiMo's MTP layers (tests/workers/test_mtp_speculative.py); this model has none
+    assert "built for MiMo's MTP layers" in _error("actor_rollout_ref.model.mtp.enable_rollout=true")
     fsdp = ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.use_megatron_fsdp={}")
     _load(fsdp[0], fsdp[1].format("false"))
     two = "trainer.n_gpus_per_node=2"

@@ -311,10 +311,11 @@ def test_start_up_checks(mimo_dir, tiny_model_dir):
     assert "LoRA" in error(f"actor_rollout_ref.model.path={mimo_dir}", *on, "actor_rollout_ref.model.lora_rank=4")
 
 
-def _hybrid_worker(rank, model_dir):
+def _hybrid_worker(rank, model_dir, draft=False):
     """verl's keys through the hybrid worker: the HF rollout samples from the MiMo (its causal LM without the
     MTP layers), the Megatron actor trains with the MTP loss, and the sync after the update (which refuses a
-    tensor the rollout's model has no place for) leaves the MTP tensors out."""
+    tensor the rollout's model has no place for) leaves the MTP tensors out; with ``draft``
+    (``mtp.enable_rollout``) the rollout drafts with the MTP layers and the sync carries them."""
     import os
 
     from transformers import AutoTokenizer
@@ -326,7 +327,9 @@ def _hybrid_worker(rank, model_dir):
     os.environ.setdefault("MASTER_PORT", "0")
     config = worker_config(model_dir, ["actor.strategy=megatron", "actor.megatron.dtype=float32",
                                        "model.mtp.enable=true", "model.mtp.enable_train=true",
-                                       "model.mtp.detach_encoder=true"])
+                                       "model.mtp.detach_encoder=true",
+                                       *(["model.mtp.enable_rollout=true", "rollout.checkpoint_engine.verify=true"]
+                                         if draft else [])])
     worker = ActorRolloutRefWorker(config, "actor_rollout")
     worker.init_model()
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), ["1+2=", "3+4=", "5+6=", "7+8="])
@@ -338,15 +341,30 @@ def _hybrid_worker(rank, model_dir):
     metrics = worker.update_actor(data).meta_info["metrics"]
     again = worker.generate_sequences(prompts)  # after the sync
     rollout = dict(worker.rollout.module.named_parameters())
-    actor = dict(worker.engine.iter_hf_weights())
-    return {"metrics": metrics, "responses": again.batch["responses"].shape,
-            "same": all(torch.equal(rollout[k], v) for k, v in actor.items()), "names": (sorted(rollout), sorted(actor))}
+    actor = dict(worker.engine.iter_hf_weights(mtp=draft))
+    if draft:  # the draft's tensors, in MiMo's names
+        rollout |= {worker.rollout.speculator.draft.hf_name(n): t
+                    for n, t in worker.rollout.speculator.draft.named_parameters()}
+    return {"metrics": metrics, "responses": again.batch["responses"].shape, "drafted": "mtp_draft_tokens" in again.batch.keys(),
+            "same": all(torch.equal(rollout[k], v) for k, v in actor.items()), "names": (sorted(rollout), sorted(actor)),
+            "mtp": {k: v.clone() for k, v in actor.items() if k.startswith("model.mtp_layers.")}}
 
 
 def test_hybrid_worker_trains_mtp_and_syncs_the_rollout(mimo_dir, tmp_path):
     [r] = run_ranks(_hybrid_worker, 1, tmp_path, args=(mimo_dir,))
     assert "mtp_losses/mtp_1_loss" in r["metrics"] and r["metrics"]["mtp_losses/mtp_1_loss"][0] > 0
     assert r["names"][0] == r["names"][1] and r["same"]  # the rollout holds the updated causal LM, nothing else
+
+
+def test_hybrid_worker_syncs_the_trained_mtp_layers_into_the_draft(mimo_dir, tmp_path):
+    """``mtp.enable_rollout`` beside MTP training: the rollout drafts with the MTP layers, and after the update
+    its draft holds the trained ones (the sync, verified by digests, carries them), not the checkpoint's."""
+    from safetensors.torch import load_file
+
+    [r] = run_ranks(_hybrid_worker, 1, tmp_path, args=(mimo_dir, True))
+    assert r["drafted"] and r["names"][0] == r["names"][1] and r["same"]
+    stored = load_file(f"{mimo_dir}/model.safetensors")
+    assert r["mtp"] and any(not torch.equal(t, stored[k]) for k, t in r["mtp"].items())  # trained, then synced
 
 
 def _sft_rank(rank: int, runs: list[list[str]], out: str) -> None:

@@ -344,6 +344,7 @@ def test_verls_unread_micro_batch_size_warns_and_changes_nothing():
     ("model.strategy=veomni", "model.strategy"),  # engine=megatron: tests/trainer/test_sft_megatron.py
     ("model.use_liger=true", "- model.use_liger=true"),  # CPU here: Liger's kernels need CUDA
     ("model.mtp.enable_train=true", "model.mtp.enable_train=true: multi-token prediction"),
+    ("model.mtp.enable_rollout=true", "model.mtp.enable_rollout=true: SFT samples nothing"),
 ])
 def test_what_sft_does_not_build_is_an_error_naming_it(override, named):
     with pytest.raises(ConfigError, match=named):

@@ -481,8 +481,8 @@ class MegatronEngine(TrainingEngine):
         return [mfsdp.inner_module(c) for c in chunks]
 
     def iter_hf_weights(self, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """The HF tensors; the MTP layers' only with ``mtp`` (what the rollout's sync takes leaves them
-        out: no rollout here drafts with them, and a causal LM class has no place for them)."""
+        """The HF tensors; the MTP layers' only with ``mtp`` (the rollout's sync asks for them only when its
+        HF engine drafts with them, ``mtp.enable_rollout``: a causal LM class has no place for them)."""
         from rlfoundry.engines.megatron.mtp import is_mtp_weight
 
         with self.resident("params") as restored, mfsdp.full_parameters(self.chunks):

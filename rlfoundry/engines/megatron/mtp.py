@@ -16,9 +16,9 @@ token t+k+1 through the shared output layer. verl trains them beside the policy:
   ``detach_encoder``: then the block sees the decoder's hidden states and the token embeddings
   detached, and only the MTP layers learn from it. Log-prob passes never run the block.
   Without ``enable_train`` the MTP layers are frozen (no gradient, no weight decay: they stay as loaded).
-- ``mtp.enable_rollout`` (speculative decoding with the MTP layers as the draft) is a start-up error:
-  no rollout engine here drafts with them. The rollout's weight sync leaves the MTP tensors out
-  (``engine.iter_hf_weights``); checkpoints and ``save_hf_model`` keep them.
+- ``mtp.enable_rollout``: the HF rollout drafts with the MTP layers (``workers/rollout/mtp_speculative.py``),
+  and the rollout's weight sync then carries them (``engine.iter_hf_weights(mtp=True)``, the worker's
+  ``_hf_weights``); without it the sync leaves them out. Checkpoints and ``save_hf_model`` keep them.
 
 Normalisation (where this differs from verl, on purpose): CE_k is a token mean over the whole
 mini-batch on every data-parallel rank, as the policy loss's ``token-mean`` (``engines/loop.py``), so

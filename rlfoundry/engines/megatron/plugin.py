@@ -27,6 +27,7 @@ class MegatronPlugin(EnginePlugin):
     name = "megatron"
     supports_lora = True  # the actor's and the critic's (lora.py; the critic's value head trains in full)
     supports_routing_replay = True  # megatron-core's RouterReplay (routing.py); what it cannot run with: check
+    supports_mtp = True  # mtp.py
     dtype_key = "megatron.dtype"
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:

@@ -37,6 +37,8 @@ from rlfoundry.engines.fsdp.utils import (
     refresh_decode_copy,
     unsharded,
 )
+from rlfoundry.workers.rollout.sampling import filter_logits, response_mask_from_lengths
+from rlfoundry.workers.rollout.sampling import sample_from_cdf as _sample_from_cdf
 from rlfoundry.workers.rollout.token_requests import as_id_list
 from rlfoundry.workers.rollout.static_decode import (
     KeyedDraws,
@@ -60,40 +62,6 @@ __all__ = ["HFRollout", "compute_device", "exact_sample_tokens", "sample_tokens"
 # still in it: dropping copies the whole cache, so on a GPU doing it for every single finished
 # row would cost more than decoding a few dead rows for a few steps.
 _COMPACT_FRACTION = 0.125
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus (top-p) set to -inf. (N, V) -> (N, V).
-
-    Nucleus keeps the smallest set of most likely tokens whose probability reaches ``top_p``
-    (Holtzman et al., 2020); the most likely token always survives.
-    """
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # mass strictly before each token; a token is dropped once that mass already reaches top_p
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def _sample_from_cdf(cdf: torch.Tensor, generator: torch.Generator | None,
-                     uniforms: torch.Tensor | None = None) -> torch.Tensor:
-    """One draw per row from (N, V) cumulative (unnormalised) probabilities with a single uniform per row
-    (``uniforms`` (N, 1) when given, else drawn here).
-
-    The first index whose cumulative mass exceeds u·total: exact inverse-CDF sampling, and on CPU
-    about 10× faster than ``torch.multinomial`` (which draws V exponentials per row).
-    ``right=True`` keeps zero-probability tokens unreachable even when u is exactly 0.
-    """
-    u = uniforms if uniforms is not None else torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device)
-    u = u.to(cdf.dtype)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return picked.squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def sample_tokens(
@@ -138,11 +106,6 @@ def exact_sample_tokens(
     function the trainer's forward scores the token with (same logits bits in, same reductions)."""
     tokens, _ = sample_tokens(logits, params, generator, uniforms)
     return tokens, exact_log_probs(logits, tokens, params.logprob_temperature)
-
-
-def response_mask_from_lengths(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """(N,) response lengths (EOS included) -> (N, width) int mask, 1 for the first ``length`` tokens."""
-    return (torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.long)
 
 
 def compute_device(module: nn.Module) -> torch.device:
@@ -309,6 +272,11 @@ class HFRollout(BaseRollout):
         static_decode: decode with static shapes (``static_decode.py``: static KV cache, bucketed
             batch, no per-token host sync). None: wherever ``rollout.use_torch_compile`` compiles it
             (its default, null, means on CUDA only); the CPU keeps the dynamic loop below.
+        mtp_draft_path: speculative decoding with the MTP layers of the MiMo checkpoint there as the draft
+            (``model.mtp.enable_rollout``; ``mtp_speculative.py``), ``speculative_tokens`` drafted a round
+            (``mtp.num_speculative_tokens``); it always takes the dynamic cache (never the static decode).
+            ``mtp_draft_synced``: the weight syncs carry the MTP tensors too (a trainer that trains them);
+            otherwise the draft keeps the checkpoint's.
 
     Prompts may arrive on any device: the engine works on its module's (``device``), and its output is there.
     """
@@ -325,6 +293,9 @@ class HFRollout(BaseRollout):
         rank: int = 0,
         cpu_kernels: bool = False,
         static_decode: bool | None = None,
+        mtp_draft_path: Any = None,
+        speculative_tokens: int = 0,
+        mtp_draft_synced: bool = False,
     ):
         self.actor_module: nn.Module | None = None
         dtype = plain_autocast_dtype(module)
@@ -345,6 +316,22 @@ class HFRollout(BaseRollout):
         self.seed = self.config.seed
         self.calls = 0  # generate_sequences calls so far; with the seed it fixes the next draws
         self.placeholder_ids = placeholder_ids(module)  # a vision-language policy never samples them
+        self.speculator, self.mtp_draft_synced = None, bool(mtp_draft_synced)
+        if mtp_draft_path is not None:
+            self.speculator = self._speculator(mtp_draft_path, speculative_tokens)
+
+    def _speculator(self, path: Any, k: int):
+        """The MTP draft (``models/mimo.py``) and its decode loop; what it cannot be combined with refused."""
+        from rlfoundry.models.mimo import load_mtp_draft
+        from rlfoundry.workers.rollout.mtp_speculative import MtpSpeculator
+
+        if self.exact:
+            raise ValueError("MTP speculative decoding with rollout.exact_log_probs is not built (the verify forward "
+                             "scores k+1 tokens at once, not the exact mode's one-token shapes)")
+        if self.config.enable_rollout_routing_replay:
+            raise ValueError("MTP speculative decoding with rollout.enable_rollout_routing_replay is not built")
+        dtype = self.module.get_input_embeddings().weight.dtype
+        return MtpSpeculator(self.module, load_mtp_draft(path, self.module.config, dtype, self.device), k, _new_kv_cache)
 
     @property
     def device(self) -> torch.device:
@@ -360,7 +347,7 @@ class HFRollout(BaseRollout):
             if self.actor_module is not None:
                 refresh_decode_copy(self.module, self.actor_module)
             return
-        params = dict(self.module.named_parameters())
+        params = dict(self._named_weights())
         missing = set(params)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -371,14 +358,21 @@ class HFRollout(BaseRollout):
         if missing:
             raise KeyError(f"sync_weights: no new value for {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
 
+    def _named_weights(self):
+        """The tensors a sync fills: the module's, and the MTP draft's (MiMo's names) when syncs carry them."""
+        yield from self.module.named_parameters()
+        if self.speculator is not None and self.mtp_draft_synced:
+            draft = self.speculator.draft
+            yield from ((draft.hf_name(n), p) for n, p in draft.named_parameters())
+
     def weight_dtypes(self) -> dict[str, torch.dtype]:
-        return {name: p.dtype for name, p in self.module.named_parameters()}
+        return {name: p.dtype for name, p in self._named_weights()}
 
     def weight_digests(self) -> dict[str, int]:
         """Of the module's own tensors: a copy the syncs fill (a sharded module is the actor's, never stale)."""
         from rlfoundry.workers.weight_sync import weight_digests
 
-        return weight_digests(self.module.named_parameters())
+        return weight_digests(self._named_weights())
 
     # ---- checkpointable state ------------------------------------------------------------
 
@@ -400,7 +394,12 @@ class HFRollout(BaseRollout):
         if params.greedy:
             return None
         seeds = [mixed_seed(self.seed, self.rank, KEYED_CALL, int(k), j) for k in keys for j in range(params.n)]
-        return KeyedDraws(seeds, params.response_length, device)
+        per_token = 1
+        if self.speculator is not None:
+            from rlfoundry.workers.rollout.mtp_speculative import draws_per_token
+
+            per_token = draws_per_token(self.speculator.k)
+        return KeyedDraws(seeds, params.response_length * per_token, device)
 
     def _next_generator(self, device: torch.device) -> torch.Generator:
         gen = torch.Generator(device=device)
@@ -430,6 +429,8 @@ class HFRollout(BaseRollout):
         With ``rollout.enable_rollout_routing_replay`` (an MoE policy) also ``routed_experts``
         (B·n, Tp+Tr, layers, top_k): the experts each prompt and response token was routed to,
         ``routing_replay.NO_EXPERT`` (-1) at padding and at each response's last token (never fed back).
+        With the MTP draft (``mtp_draft_path``) also ``mtp_draft_tokens`` / ``mtp_accepted_tokens`` (B·n,): the
+        tokens the draft proposed for the row and how many of them the target accepted.
         """
         params = resolve_sampling_params(self.config, prompts.meta_info)
         pad_id = int(prompts.meta_info.get("pad_token_id", self.pad_token_id))
@@ -453,16 +454,26 @@ class HFRollout(BaseRollout):
         tops = None if k <= 0 else (torch.zeros((total, width, k), dtype=torch.long, device=device),
                                     torch.zeros((total, width, k), dtype=torch.float32, device=device))
         routing = self._routing(total, input_ids.shape[1], params, lead, position_ids.dim() == 2 and tops is None)
+        counts = None
         try:
             with torch.no_grad(), _eval_mode(self.module), self._gathered(self.module):
-                responses, log_probs, lengths = self._decode(
-                    input_ids[:, lead:], attention_mask[:, lead:], position_ids[..., lead:], params, generator, pad_id,
-                    eos_ids, pixels, tops, routing,
-                )
+                if self.speculator is not None:
+                    if pixels:
+                        raise ValueError("MTP speculative decoding takes text prompts only")
+                    responses, log_probs, lengths, *counts = self.speculator.decode(
+                        self, input_ids[:, lead:], attention_mask[:, lead:], position_ids[..., lead:], params, generator,
+                        pad_id, eos_ids, tops)
+                else:
+                    responses, log_probs, lengths = self._decode(
+                        input_ids[:, lead:], attention_mask[:, lead:], position_ids[..., lead:], params, generator,
+                        pad_id, eos_ids, pixels, tops, routing,
+                    )
         finally:
             if routing is not None:
                 routing.abandon()
         out = self._assemble(prompts, params, responses, log_probs, lengths, position_ids)
+        if counts:  # per row: tokens the MTP draft proposed, and how many the target accepted
+            out.batch["mtp_draft_tokens"], out.batch["mtp_accepted_tokens"] = counts
         if routing is not None:
             out.batch["routed_experts"] = routing.finish(lengths)
         if tops is not None:
