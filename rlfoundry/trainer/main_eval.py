@@ -13,7 +13,8 @@ Printed, per data source (verl's metric name first):
 - ``pass@<n>/<data_source>``: the share of its rows with at least one response at full marks (score >= 1,
   what the built-in scorers give a right answer); n is the most responses a row has.
 
-``data.output_path`` (rlfoundry's) also writes them as JSON. A scorer returning a dict gives its ``score``.
+``data.output_path`` (rlfoundry's) also writes them as JSON. ``--cfg job`` prints the config a command line gives and exits
+(main_generation's ``entry_main``). A scorer returning a dict gives its ``score``.
 """
 
 from __future__ import annotations
