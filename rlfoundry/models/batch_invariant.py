@@ -23,7 +23,8 @@ rotary (a product of length 1) give each element the same bits wherever it sits.
   another (a max over all valid scores first: a max is exact in any order). Blocks past the query hold
   exp(-inf) = 0 and add exact zeros, so a decode step over a cache of t + 1 keys and the full forward
   over T keys give the query the same bits; a key block past every row of a query block is not computed at
-  all (``_pairs``: a causal forward's upper triangle). The products are GEMM calls of two fixed shapes, as the
+  all (``_pairs``: a causal forward's upper triangle; a problem of one query block, a decode step's, computes every
+  key block instead, one at a time: ``_attend_one_block``). The products are GEMM calls of two fixed shapes, as the
   linear's: (``QUERY_BLOCK``, d) x (d, ``KEY_BLOCK``) for the scores, (``QUERY_BLOCK``, ``KEY_BLOCK``) x
   (``KEY_BLOCK``, d) for a block's values, the queries that share a slot list (a sequence's causal
   positions) stacked as the rows of one problem (``_layout``, ``_attend``);
@@ -102,16 +103,12 @@ _SET_MKL_THREADS = _mkl_threads_local()
 
 
 @contextlib.contextmanager
-def _mkl_threads_for(calls: int):
-    """MKL, for the calling thread only (restored after), on as many of torch's threads as a batched call has
-    GEMM calls, one at least: never more threads than calls. A batched call of ``calls`` same-shape GEMMs on
-    ``calls`` threads or fewer gives each GEMM to one thread, which computes it as one thread alone does: the
-    bits of 1 to 4 threads are equal (tests/models/test_batch_invariant.py, the model's shapes, 1 to 33 calls).
-    A thread count above the calls makes MKL split a GEMM's N outputs among threads and compute a split's last
-    columns with another kernel: the column's bits then follow the thread count (measured in one block without
-    the padding: N = 24 or 33 with 3 threads, N = 100 with 4; with the padding none was seen, but that split
-    stays MKL's choice, so one GEMM always runs on one thread)."""
-    previous = _SET_MKL_THREADS(1)  # WIP: one thread
+def _one_mkl_thread():
+    """MKL on one thread for the calling thread only, restored after. With several threads MKL splits
+    the N outputs among them and computes a split's last columns with another kernel: the column's
+    bits then follow the thread count (measured in one block without the padding: N = 24 or 33 with 3
+    threads, N = 100 with 4; with the padding none was seen, but the split stays MKL's choice)."""
+    previous = _SET_MKL_THREADS(1)
     try:
         yield
     finally:
@@ -141,7 +138,7 @@ def _gemm_rows(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     blocks = -(-m // GEMM_ROWS)
     x = _aligned(rows, blocks * GEMM_ROWS - m, -k % GEMM_PAD)
     wt = _aligned(w, -n % GEMM_PAD, -k % GEMM_PAD).t()
-    with _mkl_threads_for(blocks):
+    with _one_mkl_thread():
         out = torch.bmm(x.view(blocks, GEMM_ROWS, x.shape[1]), wt.expand(blocks, *wt.shape))
     return out.reshape(blocks * GEMM_ROWS, -1)[:m, :n]
 
@@ -293,7 +290,7 @@ def _block_products(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None =
     if a.device.type != "cpu" or _SET_MKL_THREADS is None:
         products = row_sum(a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3))
         return products if out is None else out.copy_(products)
-    with _mkl_threads_for(a.shape[0]):
+    with _one_mkl_thread():
         return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
 
 
@@ -486,15 +483,11 @@ def _exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ty
 
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                      scaling: float) -> torch.Tensor:
-    """The same function as ``_attend`` by torch's fused attention (any reduction order): its backward.
-    q (b, h, tq, d), k/v (b, h_kv, tk, d), valid (b, 1, tq, tk) -> (b, h, tq, d). A query with no key gets 0, as
-    in ``_attend``: it attends every key instead (no 0/0 in the softmax, whose gradient would be NaN) and its
-    output is then set to 0, so its gradient is 0 (one fused op forward and backward: about a third of the
-    time of a masked softmax of broadcast scores at the default job's shapes)."""
-    has_key = valid.any(-1, keepdim=True)  # (b, 1, tq, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid | ~has_key, scale=scaling,
-                                         enable_gqa=k.shape[1] != q.shape[1])
-    return out.masked_fill(~has_key, 0.0)
+    """The same function as ``_attend`` by a plain masked softmax (any reduction order): its backward.
+    q (b, h, tq, d), k/v (b, h, tk, d), valid (b, 1, tq, tk) -> (b, h, tq, d)."""
+    scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: 0, as ``_attend``
+    return probs @ v
 
 
 class _ExactAttention(torch.autograd.Function):
@@ -513,11 +506,13 @@ class _ExactAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v = ctx.saved_tensors
-        b, _, tq, _ = q.shape
+        b, h, tq, _ = q.shape
         valid = _valid_keys(ctx.mask, tq, k.shape[2], q.device).expand(b, 1, tq, k.shape[2])
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = _plain_attention(*inputs, valid, ctx.scaling)
+            per = h // k.shape[1]
+            out = _plain_attention(inputs[0], inputs[1].repeat_interleave(per, 1), inputs[2].repeat_interleave(per, 1),
+                                   valid, ctx.scaling)
             grads = torch.autograd.grad(out.transpose(1, 2), inputs, grad)
         return (*grads, None, None)
 
