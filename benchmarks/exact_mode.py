@@ -20,7 +20,9 @@ prompts × 8 samples, 16 response tokens), one real trainer per variant in this 
 (``trainer.worker_backend=local``): normal (the default: the CPU kernels on), plain (``model.cpu_kernels=off``,
 the path exact mode replaces) and exact (``rollout.exact_log_probs=true``), one step of each in turn (the
 order rotating) for 2 untimed rounds and N timed ones; reported: each round's exact / normal and exact /
-plain ratios of ``timing_s/step`` and its phases, their medians. Writes ``benchmarks/results/<name>.json``.
+plain ratios of ``timing_s/step`` and its phases, their medians. With ``--before REV`` a fourth trainer, exact too,
+built first and its models converted again by REV's kernels (``_kernels_before``), joins the rotation: reported as
+well, before / normal and exact / before. Writes ``benchmarks/results/<name>.json``.
 """
 
 from __future__ import annotations
@@ -50,14 +52,12 @@ def _models():
     return plain.eval(), exact.eval()
 
 
-def _model_before(rev: str):
-    """The policy converted by ``models/batch_invariant.py`` at git revision ``rev``, loaded as a module of
-    its own (its attention registered as ``rlfoundry_exact_before``)."""
+def _kernels_before(rev: str):
+    """``models/batch_invariant.py`` at git revision ``rev``, loaded as a module of its own (its attention
+    registered as ``rlfoundry_exact_before`` once applied)."""
     import importlib.util
     import subprocess
     import tempfile
-
-    from transformers import AutoModelForCausalLM
 
     root = Path(rlfoundry.__file__).resolve().parent.parent
     source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:rlfoundry/models/batch_invariant.py"],
@@ -68,8 +68,15 @@ def _model_before(rev: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.ATTENTION = "rlfoundry_exact_before"
+    return module
+
+
+def _model_before(rev: str):
+    """The policy converted by ``models/batch_invariant.py`` at git revision ``rev`` (``_kernels_before``)."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32)
-    module.apply_exact(model)
+    _kernels_before(rev).apply_exact(model)
     return model.eval()
 
 
@@ -118,20 +125,33 @@ VARIANTS = {"normal": [], "plain": ["actor_rollout_ref.model.cpu_kernels=off"],
 PHASES = ("step", "gen", "old_log_prob", "update_actor")
 
 
-def _job_steps(rounds: int, work: Path) -> dict:
+def _job_steps(rounds: int, work: Path, before: str = "") -> dict:
+    import gc
+
+    from rlfoundry.models.batch_invariant import is_exact
     from rlfoundry.trainer.config import load_config
     from rlfoundry.trainer.main_ppo import build_trainer
 
     base = [f"trainer.total_training_steps={rounds + 2}", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.save_freq=-1", "trainer.logger=file", "trainer.worker_backend=local"]
-    trainers = {v: build_trainer(load_config(base + [f"trainer.default_local_dir={work / v}"] + extra))
-                for v, extra in VARIANTS.items()}
+    variants = dict(VARIANTS, before=VARIANTS["exact"]) if before else VARIANTS
+    trainers = {}
+    if before:  # built first, alone: every exact model in the process is its own, converted again by REV's kernels
+        trainers["before"] = build_trainer(load_config(base + [f"trainer.default_local_dir={work / 'before'}"]
+                                                       + variants["before"]))
+        kernels = _kernels_before(before)
+        models = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module) and getattr(m, "_rlf_exact", False)]
+        for model in models:
+            kernels.apply_exact(model)
+        print(f"before: {len(models)} exact model(s) converted by {before}'s kernels", flush=True)
+    trainers.update({v: build_trainer(load_config(base + [f"trainer.default_local_dir={work / v}"] + extra))
+                     for v, extra in VARIANTS.items()})
     timed = []
     try:
         for r in range(rounds + 2):
             row = {}
             names = list(trainers)
-            for v in names[r % 3:] + names[: r % 3]:  # who goes first rotates
+            for v in names[r % len(names):] + names[: r % len(names)]:  # who goes first rotates
                 t = trainers[v]
                 t.state.global_steps += 1
                 metrics = t.train_step()
@@ -144,18 +164,20 @@ def _job_steps(rounds: int, work: Path) -> dict:
         for t in trainers.values():
             t.source.close()
     out = {"rounds": timed, "ratios": {}}
-    for base_v in ("normal", "plain"):
-        out["ratios"][f"exact/{base_v}"] = {
-            p: {"median": statistics.median(row["exact"][p] / row[base_v][p] for row in timed),
-                "min": min(row["exact"][p] / row[base_v][p] for row in timed),
-                "max": max(row["exact"][p] / row[base_v][p] for row in timed)} for p in PHASES}
-    out["median_s"] = {v: {p: statistics.median(row[v][p] for row in timed) for p in PHASES} for v in VARIANTS}
+    pairs = [("exact", "normal"), ("exact", "plain")] + ([("before", "normal"), ("exact", "before")] if before else [])
+    for top, base_v in pairs:
+        out["ratios"][f"{top}/{base_v}"] = {
+            p: {"median": statistics.median(row[top][p] / row[base_v][p] for row in timed),
+                "min": min(row[top][p] / row[base_v][p] for row in timed),
+                "max": max(row[top][p] / row[base_v][p] for row in timed)} for p in PHASES}
+    out["median_s"] = {v: {p: statistics.median(row[v][p] for row in timed) for p in PHASES} for v in trainers}
     for v, m in out["median_s"].items():
         print(f"{v:7s} " + "  ".join(f"{p} {m[p]:.3f} s" for p in PHASES))
     for name, r in out["ratios"].items():
         print(f"{name:13s} " + "  ".join(f"{p} {r[p]['median']:.2f}x ({r[p]['min']:.2f}-{r[p]['max']:.2f})"
                                           for p in PHASES))
-    print("exact rollout_probs_diff_max over the rounds:", max(row["exact"]["rollout_probs_diff_max"] for row in timed))
+    for v in ("exact", "before") if before else ("exact",):
+        print(f"{v} rollout_probs_diff_max over the rounds:", max(row[v]["rollout_probs_diff_max"] for row in timed))
     return out
 
 
@@ -168,17 +190,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--steps", type=int, default=0, help="timed rounds of the whole default job's step (0: the phases)")
     p.add_argument("--name", default="exact_mode")
-    p.add_argument("--before", default="", help="git revision whose exact kernels run as a third side (phases only)")
+    p.add_argument("--before", default="", help="git revision whose exact kernels run as another side (with --steps: "
+                   "a second exact trainer whose models they convert again)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.steps:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            out = _job_steps(a.steps, Path(tmp))
+            out = _job_steps(a.steps, Path(tmp), a.before)
         load = os.getloadavg()
         print(f"threads {a.threads}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-        save_results(a.name, {"threads": a.threads, "steps": a.steps, "load_average": load, **out})
+        save_results(a.name, {"threads": a.threads, "steps": a.steps, "before": a.before, "load_average": load, **out})
         return
     plain, exact = _models()
     sides = {"plain": plain, "exact": exact}

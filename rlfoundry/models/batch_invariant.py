@@ -23,7 +23,8 @@ rotary (a product of length 1) give each element the same bits wherever it sits.
   another (a max over all valid scores first: a max is exact in any order). Blocks past the query hold
   exp(-inf) = 0 and add exact zeros, so a decode step over a cache of t + 1 keys and the full forward
   over T keys give the query the same bits; a key block past every row of a query block is not computed at
-  all (``_pairs``: a causal forward's upper triangle). The products are GEMM calls of two fixed shapes, as the
+  all (``_pairs``: a causal forward's upper triangle; a problem of one query block, a decode step's, computes every
+  key block instead, one at a time: ``_attend_one_block``). The products are GEMM calls of two fixed shapes, as the
   linear's: (``QUERY_BLOCK``, d) x (d, ``KEY_BLOCK``) for the scores, (``QUERY_BLOCK``, ``KEY_BLOCK``) x
   (``KEY_BLOCK``, d) for a block's values, the queries that share a slot list (a sequence's causal
   positions) stacked as the rows of one problem (``_layout``, ``_attend``);
@@ -177,6 +178,13 @@ class _RowProducts(torch.autograd.Function):
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with each output a length-K ``row_sum`` in fp32, rounded once to the compute dtype.
     Inputs and weights are first rounded to that dtype (what autocast does before its matmul)."""
+    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and _SET_MKL_THREADS is not None \
+            and (bias is None or bias.dtype == torch.float32) and not torch.is_autocast_enabled("cpu") \
+            and not _needs_grad(x, weight, *(() if bias is None else (bias,))) and x.numel():
+        # fp32 without autocast or autograd (the rollout's decode steps, the scoring forwards): the same GEMM calls and
+        # addition as below, without its conversions (no-ops in fp32), autocast region and autograd checks
+        out = _gemm_rows(x.reshape(-1, x.shape[-1]), weight)
+        return (out if bias is None else out + bias).reshape(*x.shape[:-1], weight.shape[0])
     dtype = _compute_dtype(x, weight)
     with torch.autocast(x.device.type, enabled=False):
         rows, w = x.reshape(-1, x.shape[-1]).to(dtype).float(), weight.to(dtype).float()
@@ -272,7 +280,7 @@ def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(t, (0, width - t.shape[-1])) if width > t.shape[-1] else t
 
 
-def _block_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _block_products(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(n, QUERY_BLOCK, K) @ (n, K, N) in fp32, one MKL call shape for the whole batch, one MKL thread (the
     exact linear's recipe: a row's bits then follow its own data, its slot and neighbours aside;
     tests/models/test_batch_invariant.py holds it for these shapes). ``b`` may be a transposed view (the score
@@ -280,9 +288,10 @@ def _block_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     transposing copy and gives the bits of the contiguous copy (held by the same test). Without MKL (or on
     CUDA) each output is a length-K ``row_sum``."""
     if a.device.type != "cpu" or _SET_MKL_THREADS is None:
-        return row_sum(a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3))
+        products = row_sum(a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3))
+        return products if out is None else out.copy_(products)
     with _one_mkl_thread():
-        return torch.bmm(a, b)
+        return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
 
 
 def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -330,6 +339,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: types.Simp
     addition of +0 changes no value; only a sum of -0 would keep its sign), and the one a decode step, whose
     slots end at its own block and which never adds those zeros, gives it."""
     n, qb, _, w = q.shape
+    if qb == 1:
+        return _attend_one_block(q, k, v, place)
     kb = k.shape[1]
     step = max(1, _CHUNK_ELEMENTS // max(1, n * QUERY_BLOCK * kb * KEY_BLOCK))  # query blocks per chunk
     # blocks as the rows of 2-D views: a 2-D row is copied whole (several times faster than a 3-D index_select)
@@ -384,6 +395,31 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: types.Simp
     return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
 
+def _attend_one_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: types.SimpleNamespace) -> torch.Tensor:
+    """``_attend`` for problems of one query block (a decode step's; rows of up to ``QUERY_BLOCK`` queries), with
+    the same bits: the same GEMM calls, row sums and additions in the same order, over every key block (a pair
+    ``_pairs`` leaves out adds exact zeros, as in ``_attend``), one key block at a time (no copies of the
+    queries or the pairs). The elementwise ops take only the ``place.real`` rows that hold a query (a decode
+    step's 2 of 8 with 2 heads a KV head); the GEMM calls take the zero rows too, whose products leave a row's
+    bits as they are."""
+    n, _, _, w = q.shape
+    kb, real = k.shape[1], place.real
+    left = q.view(n, QUERY_BLOCK, w)
+    products = q.new_empty(kb, n, QUERY_BLOCK, KEY_BLOCK)  # key block major: each block's call writes in place
+    for i in range(kb):
+        _block_products(left, k[:, i].transpose(1, 2), out=products[i])
+    scores = products[:, :, :real].add_(place.bias[:, 0, :, :real].transpose(0, 1))  # (kb, n, real, KEY_BLOCK)
+    peak = scores.amax(-1).amax(0)  # one max per row over all its scores
+    p = scores.sub_(peak.unsqueeze(-1)).exp_()  # exact zeros at the slots past the row's keys
+    block_mass = row_sum(p)  # (kb, n, real)
+    mass, out = block_mass[0], _block_products(products[0], v[:, 0])[:, :real]
+    for i in range(1, kb):  # a fixed sequential order; blocks past a row add exact zeros
+        mass, out = mass + block_mass[i], out + _block_products(products[i], v[:, i])[:, :real]
+    empty = place.empty[:, 0, :real]  # a row with no key (a padding query, a padding row) gets 0
+    out = (out / mass.masked_fill(empty, 1.0).unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0)
+    return (F.pad(out, (0, 0, 0, QUERY_BLOCK - real)) if real < QUERY_BLOCK else out).view(n, 1, QUERY_BLOCK, w)
+
+
 def _placement(layout: types.SimpleNamespace, h: int, h_kv: int, tk: int) -> types.SimpleNamespace:
     """Where the queries, keys and values of a call with ``h`` heads, ``h_kv`` KV heads and ``tk`` keys go
     in ``_attend``'s problems (one per group of ``layout`` and KV head; its rows the group's queries of the
@@ -420,6 +456,7 @@ def _placement(layout: types.SimpleNamespace, h: int, h_kv: int, tk: int) -> typ
     keys = ((layout.rows.view(-1, 1, 1) * h_kv + torch.arange(h_kv, device=dev).view(1, -1, 1)) * tk
             + order.view(groups, 1, slots)).reshape(-1)
     placed = types.SimpleNamespace(rows=rows, problems=groups * h_kv, bias=bias, keys=keys, need=need, pairs={},
+                                   real=min(rows, layout.largest * per),  # rows of a problem that hold a query
                                    empty=(rows_keys == 0).view(groups * h_kv, -1, QUERY_BLOCK),
                                    queries=out_rows.permute(0, 2, 3, 1).reshape(-1),  # in q's (b, h, tq) order
                                    out=out_rows.reshape(-1))  # in the output's (b, tq, h) order

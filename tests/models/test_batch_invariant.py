@@ -72,14 +72,14 @@ def test_a_linear_rows_bits_do_not_depend_on_its_slot_its_neighbours_or_the_row_
         assert torch.equal(exact_linear(x, w)[slot], alone[slot % 8]), slot
 
 
-@pytest.mark.parametrize("k,n", [(128, 24), (128, 33), (64, 40), (128, 100)])
+@pytest.mark.parametrize("k,n", [(128, 24), (128, 33), (64, 40), (128, 100), (128, 256), (256, 128), (896, 4864)])
 def test_a_linear_rows_bits_do_not_depend_on_the_thread_count(k, n):
     """The rollout and the trainer may run in processes with other thread counts. A plain MKL GEMM of these
     shapes gives the last columns other bits with 3 or 4 threads (it splits N among them in a single block); the exact
     linear pins MKL to one thread inside the op. The input an unaligned view, as an activation may be."""
     g = _gen(k + n)
     w = torch.randn(n, k, generator=g)
-    for m in (40, 192):  # one GEMM block (MKL splits N among threads), three (it splits the blocks)
+    for m in (40, 128, 192, 257, 512, 2112):  # 1, 2, 3, 5, 8, 33 GEMM blocks: fewer than the threads, as many, more
         x = torch.randn(m + 1, k, generator=g)[1:]  # storage offset: one element
         threads = torch.get_num_threads()
         try:
@@ -92,6 +92,27 @@ def test_a_linear_rows_bits_do_not_depend_on_the_thread_count(k, n):
         for out in outs[1:]:
             assert torch.equal(out, outs[0]), m
         assert torch.equal(outs[0][5:6], exact_linear(x[5:6].clone(), w))
+
+
+def test_an_attentions_bits_do_not_depend_on_the_thread_count():
+    """The attention's batched GEMM calls (one per query block and key block) on 1 to 4 threads: the same bits, for a
+    decode step (one query block a problem) and a forward over left-padded rows."""
+    g = _gen(77)
+    for b, tq, tk in ((128, 1, 40), (8, 37, 37)):
+        q = torch.randn(b, 4, tq, 32, generator=g)
+        k, v = (torch.randn(b, 2, tk, 32, generator=g) for _ in range(2))
+        keep = torch.arange(tk)[None] >= torch.randint(0, tk // 3, (b,), generator=g)[:, None]
+        mask = keep[:, None, None, :] & torch.ones(tk, tk, dtype=torch.bool).tril()[-tq:]
+        threads = torch.get_num_threads()
+        try:
+            outs = []
+            for count in (1, 2, 3, 4):
+                torch.set_num_threads(count)
+                outs.append(exact_attention(None, q, k, v, mask)[0])
+        finally:
+            torch.set_num_threads(threads)
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0]), (b, tq)
 
 
 def test_under_autocast_a_linear_rounds_as_a_bf16_copy_of_its_weights_computes():
