@@ -131,13 +131,17 @@ def _child(model_dir: str, run_dir: str, overrides: list[str], ranks: int) -> No
 
     from rlfoundry.trainer import main_ppo
 
-    peaks: dict[int, int] = {}  # in order of first sight
+    peaks: dict[int, int] = {os.getpid(): 0}  # in order of first sight
     done = threading.Event()
 
     def sample() -> None:
         while True:
-            for pid in [os.getpid(), *forked_children()]:
-                peaks[pid] = max(peaks.get(pid, 0), anon_bytes(pid))
+            # the children are looked for only until the ranks' forks are all seen (one rank: never): a
+            # look reads /proc for every thread of this process, 4x the sample itself, every 2 ms
+            if len(peaks) < ranks:
+                peaks.update((pid, 0) for pid in forked_children() if pid not in peaks)
+            for pid in list(peaks):
+                peaks[pid] = max(peaks[pid], anon_bytes(pid))
             if done.wait(0.002):
                 return
 

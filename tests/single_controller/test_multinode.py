@@ -53,6 +53,14 @@ class NodeWorker(Worker):
         return self.rank
 
 
+# Ray's GCS declares a node dead after `health_check_failure_threshold` missed checks, one every
+# `health_check_period_ms` (defaults 5 x 3 s: ~15 s in which the killed-node tests only wait). Checks every
+# 0.5 s, 3 missed (~1.5 s), still end in the same "node dead" event these tests wait for; the per-check
+# timeout keeps Ray's default (10 s), so a raylet slow to answer on a loaded machine is not declared dead.
+HEAD_NODE_ARGS = {"num_cpus": 1, "include_dashboard": False,
+                  "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}}
+
+
 def _forget_marker(address: str) -> None:
     # Cluster records itself as "the cluster `ray start` ran" (/tmp/ray/ray_current_cluster), so
     # another process on this shared machine calling init_ray() would join it; hide it at once.
@@ -66,7 +74,7 @@ def two_nodes():
     if ray.is_initialized():
         ray.shutdown()
     with _loopback_node():  # both simulated nodes on 127.0.0.1, like init_ray's local instance
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        cluster = Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS)
         _forget_marker(cluster.address)
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
@@ -122,7 +130,7 @@ def test_a_pool_over_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes)
         manager.create_resource_pool()
 
 
-DETECT_S = 60  # from the raylet's death to the error: Ray's health checks (~15 s by default) + our wait
+DETECT_S = 60  # from the raylet's death to the error: Ray's health checks (~1.5 s here, HEAD_NODE_ARGS) + our wait
 
 
 def test_a_killed_raylet_is_reported_naming_the_node_roles_and_rank(two_nodes):

@@ -148,6 +148,9 @@ def test_local_ray_has_no_dashboard_and_listens_on_loopback_only(ray_local, two_
     # Ray keeps a head process for internal modules, but with no web front end (and no HTTP port).
     assert all("--disable-frontend" in c for c in heads), heads
     assert ray._private.worker.global_worker.node.webui_url == ""
+    # no idle workers started for the driver: a rank's environment differs from the job's, so none would serve
+    idle = [" ".join(p.cmdline()) for p in tree if " ".join(p.cmdline()).startswith("ray::IDLE")]
+    assert not idle, idle
     # Ray's processes only: this pytest process may hold a one-rank gloo group of an earlier test
     # (tests/engines), and gloo's own listener is torch's, not the local Ray instance's; an earlier test's
     # child process (a worker of the process back end, a dist-checkpointing manager) is not Ray's either.

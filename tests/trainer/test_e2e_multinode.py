@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from rlfoundry.utils.errors import EXIT_RUN_ABORTED
-from tests.single_controller.test_multinode import _forget_marker
+from tests.single_controller.test_multinode import HEAD_NODE_ARGS, _forget_marker
 from tests.trainer import _e2e as E
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS = 4
-DETECT_S = 90  # from the killed raylet to the driver's exit: Ray's health checks (~15 s) + shutdown
+DETECT_S = 90  # from the killed raylet to the driver's exit: Ray's health checks (~1.5 s, HEAD_NODE_ARGS) + shutdown
 PLACED = re.compile(r"worker group '(\w+)' \(([^)]*)\): (.*)")
 
 
@@ -41,7 +41,7 @@ def cluster():
     if ray.is_initialized():
         ray.shutdown()
     with _loopback_node():
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        c = Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS)
         _forget_marker(c.address)
         c.add_node(num_cpus=1)
         c.wait_for_nodes()

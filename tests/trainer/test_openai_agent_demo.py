@@ -33,13 +33,14 @@ def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains_and_resu
     draws by trajectory and turn, so that does not change a token (before 2026-11-27 two endpoint runs on
     one seed differed from the first step). What ``test_e2e_learning``'s calculator demo learns in 20 steps
     (0.05 -> 0.73 greedy validation; through the endpoint 0.047 -> 0.70 when it was run for 20 steps, 195 s
-    of CI) is therefore this run's too. Saved at step 2 and resumed, it repeats its third step."""
+    of CI) is therefore this run's too. Resumed from its step-2 checkpoint, it repeats its third step."""
     common = [f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",
               "trainer.save_freq=-1", "trainer.logger=file", "reward_model.reward_kwargs.num_workers=0"]
     tool = E.train([f"trainer.default_local_dir={tmp_path / 'tool'}", *common], config_name="calculator_grpo")
-    endpoint = E.train([f"trainer.default_local_dir={tmp_path / 'endpoint'}", *common, f"trainer.rollout_data_dir="
-                        f"{tmp_path / 'dump'}", f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"],
-                       config_name="calculator_openai_agent")
+    # the endpoint run also saves at step 2 (save_freq=2): the resume below starts from it
+    endpoint = E.train([f"trainer.default_local_dir={tmp_path / 'endpoint'}", *common[:3], "trainer.save_freq=2",
+                        *common[4:], f"trainer.rollout_data_dir={tmp_path / 'dump'}",
+                        f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"], config_name="calculator_openai_agent")
     assert len(tool.batches) == len(endpoint.batches) == STEPS
     for step, (a, b) in enumerate(zip(tool.batches, endpoint.batches), start=1):
         for key in ("responses", "response_mask", "attention_mask"):
@@ -61,10 +62,11 @@ def test_the_endpoint_run_trains_exactly_what_the_tool_agent_run_trains_and_resu
             assert all(sum(t.response_mask[a:b]) == (b - a) * (r == "assistant") for r, a, b in t.turns)
             assert all(r["tool"] == "calculator" and r["text"] in t.text(tokenizer) for r in t.tool_results)
             assert t.stop_reason == "agent_done" and t.record["trajectory_id"]
-    # saved at step 2 and resumed, the endpoint run repeats its third step
-    split = [f"trainer.default_local_dir={tmp_path / 'split'}", *common[1:], f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"]
-    E.train(["trainer.total_training_steps=2", *split, "trainer.save_freq=2"], config_name="calculator_openai_agent")
-    resumed = E.train([f"trainer.total_training_steps={STEPS}", *split], config_name="calculator_openai_agent")
+    # resumed from the endpoint run's step-2 checkpoint (into a directory of its own), it repeats its third step;
+    # the step-2 state is that run's own, so no second run of steps 1-2 is needed to make it
+    resumed = E.train([f"trainer.default_local_dir={tmp_path / 'resumed'}", *common, "trainer.resume_mode=resume_path",
+                       f"trainer.resume_from_path={tmp_path / 'endpoint' / 'global_step_2'}",
+                       f"actor_rollout_ref.rollout.agent.openai.path={AGENT}"], config_name="calculator_openai_agent")
     assert len(resumed.batches) == 1
     for key in ("responses", "response_mask"):
         assert np.array_equal(np.asarray(resumed.batches[0][key]), np.asarray(endpoint.batches[-1][key])), key
