@@ -128,7 +128,6 @@ PHASES = ("step", "gen", "old_log_prob", "update_actor")
 def _job_steps(rounds: int, work: Path, before: str = "") -> dict:
     import gc
 
-    from rlfoundry.models.batch_invariant import is_exact
     from rlfoundry.trainer.config import load_config
     from rlfoundry.trainer.main_ppo import build_trainer
 
