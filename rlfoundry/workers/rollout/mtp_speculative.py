@@ -190,21 +190,7 @@ class MtpSpeculator:
                 tvalid, self._dvalid, self._rows = tvalid[keep], self._dvalid[keep], self._rows[keep]
                 token, next_pos, count = token[keep], next_pos[keep], count[keep]
                 feed = tuple(t[keep] for t in feed)
-            rows = torch.arange(len(self._rows), device=device)
-            # 1. draft k tokens
-            h, toks, pos, valid, last = feed
-            out = self._draft_call(parts, h, toks, pos, valid)[rows, last]
-            drafts, qs = [], []
-            for j in range(k):
-                d, q = self._propose(parts, out, params, generator, total)
-                drafts.append(d)
-                qs.append(q)
-                if j < k - 1:
-                    out = self._draft_call(parts, out.unsqueeze(1), d.unsqueeze(1), (pos[rows, last] + 1 + j).unsqueeze(1),
-                                           torch.ones(len(rows), 1, dtype=torch.bool, device=device))[:, 0]
-            if k > 1:  # fed the draft's own hidden states: not the pairs later rounds attend to
-                self._dvalid[:, self._dlen - (k - 1): self._dlen] = False
-            drafts = torch.stack(drafts, dim=1)  # (N, k)
+            drafts, qs = self._draft_round(parts, feed, params, generator, total)  # 1. draft k tokens
             # 2. verify with one target forward
             fed = torch.cat([token.unsqueeze(1), drafts], dim=1)
             tvalid[:, tlen: tlen + k + 1] = True
@@ -216,18 +202,8 @@ class MtpSpeculator:
             kept = steps <= a.unsqueeze(1)  # (N, k+1): d_1 … d_a and the last token
             tvalid[:, tlen: tlen + k + 1] = kept
             tlen += k + 1
-            scaled = logits / params.logprob_temperature
-            lp = scaled.gather(-1, emitted.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-            # write the row's new tokens up to its first EOS or the response length
-            cols = count.unsqueeze(1) + steps
             is_eos = torch.isin(emitted, eos) & kept
-            before_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) == 0
-            write = kept & before_eos & (cols < width)
-            out_rows = self._rows.unsqueeze(1).expand_as(cols)[write]
-            responses[out_rows, cols[write]] = emitted[write]
-            log_probs[out_rows, cols[write]] = lp[write]
-            if tops is not None:
-                self._top(tops, scaled, cols, write)
+            write = self._emit((responses, log_probs, tops), logits, emitted, kept, is_eos, count, params)
             drafted[self._rows] += k
             accepted[self._rows] += a
             count = count + write.sum(dim=1)
@@ -239,6 +215,40 @@ class MtpSpeculator:
         self._dcache = self._dvalid = None
         valid = response_mask_from_lengths(lengths, width).bool()
         return responses.masked_fill_(~valid, pad_id), log_probs.masked_fill_(~valid, 0.0), lengths, drafted, accepted
+
+    def _draft_round(self, parts, feed, params, generator, total: int):
+        """A round's k drafts (N, k) and their distributions q (k × (N, V)): MTP layer 0 on ``feed``'s pairs, then
+        on its own output and draft, as SGLang's and vLLM's single-layer MTP drafting do."""
+        h, toks, pos, valid, last = feed
+        rows = torch.arange(len(self._rows), device=h.device)
+        out = self._draft_call(parts, h, toks, pos, valid)[rows, last]
+        drafts, qs = [], []
+        for j in range(self.k):
+            d, q = self._propose(parts, out, params, generator, total)
+            drafts.append(d)
+            qs.append(q)
+            if j < self.k - 1:
+                out = self._draft_call(parts, out.unsqueeze(1), d.unsqueeze(1), (pos[rows, last] + 1 + j).unsqueeze(1),
+                                       torch.ones(len(rows), 1, dtype=torch.bool, device=h.device))[:, 0]
+        if self.k > 1:  # fed the draft's own hidden states: not the pairs later rounds attend to
+            self._dvalid[:, self._dlen - (self.k - 1): self._dlen] = False
+        return torch.stack(drafts, dim=1), qs
+
+    def _emit(self, outputs, logits, emitted, kept, is_eos, count, params) -> torch.Tensor:
+        """Write each row's kept tokens and their target log-probs into ``outputs`` (responses, log-probs, tops)
+        from column ``count`` up to its first EOS or the response length; returns the (N, k+1) mask written."""
+        responses, log_probs, tops = outputs
+        scaled = logits / params.logprob_temperature
+        lp = scaled.gather(-1, emitted.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+        cols = count.unsqueeze(1) + torch.arange(emitted.shape[1], device=emitted.device)
+        before_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) == 0
+        write = kept & before_eos & (cols < responses.shape[1])
+        out_rows = self._rows.unsqueeze(1).expand_as(cols)[write]
+        responses[out_rows, cols[write]] = emitted[write]
+        log_probs[out_rows, cols[write]] = lp[write]
+        if tops is not None:
+            self._top(tops, scaled, cols, write)
+        return write
 
     def _top(self, tops, scaled, cols, write) -> None:
         """Each written token's k most likely tokens and log-probs (``top_logprobs``), scaled (N, m, V)."""
