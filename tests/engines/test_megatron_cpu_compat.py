@@ -49,7 +49,7 @@ def test_the_calls_the_shims_stand_in_for_still_name_cuda():
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     assert "torch.cuda.Stream()" in inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
-    dtoh = inspect.getsource(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+    dtoh = inspect.getsource(inspect.unwrap(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize))
     assert "torch.cuda.stream(" in dtoh and "as_numpy=True" in dtoh
     # gloo: the dispatcher's gather of unequal parts over the expert tensor-parallel ranks (TP x EP)
     from megatron.core.tensor_parallel import mappings

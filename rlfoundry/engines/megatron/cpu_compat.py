@@ -178,7 +178,14 @@ def _install_moe_dispatcher() -> None:
 
     # not None: its __init__ then skips torch.cuda.Stream(); nothing on the CPU reads the stream
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no stream"
-    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dispatcher_splits_on_host
+    original = MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
+
+    # wraps: inspect.unwrap still reaches megatron-core's method (its source is checked by the tests)
+    @functools.wraps(original)
+    def on_host(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+        return _dispatcher_splits_on_host(self, point, tokens_per_expert)
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = on_host
 
 
 def _install_hybrid_optimizer(cpu_torch: types.ModuleType) -> None:
