@@ -29,7 +29,7 @@ capture is start-up cost this measurement is not about, and ``bench`` in scripts
 
 Printed per step: wall time (CUDA synchronised), tokens (the batch's valid prompt + response tokens,
 counted from its masks) and tokens/s, the update's and the step's model FLOP utilisation, and peak
-memory, each with the planner's prediction (``rlfoundry.plan.__main__.plan_args`` on the same overrides,
+memory, each with the planner's prediction (``rlfoundry.plan_cli.plan_args`` on the same overrides,
 in-process: ``rlfoundry plan --gpu <preset>``) and measured/predicted. Model FLOPs per token of a forward
 are ``benchmarks.realistic.model_costs``: 2 per weight of the layers' linears and the LM head (the
 embedding is a lookup; biases and norms left out), plus attention's 4·layers·hidden per context token at
@@ -182,7 +182,7 @@ def plan_hardware(device: str):
 
 def predict(cli: list[str], device: str) -> dict[str, Any]:
     """The planner on the same overrides: its worst phase's memory (and breakdown) and its phase times."""
-    from rlfoundry.plan.__main__ import plan_args
+    from rlfoundry.plan_cli import plan_args
 
     hw = plan_hardware(device)
     plan = plan_args(cli, hw)

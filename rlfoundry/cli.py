@@ -32,7 +32,7 @@ _SUBCOMMANDS = {
     "replay": "rlfoundry.trainer.replay",
     "sft": "rlfoundry.trainer.sft_trainer",
     "sandbox": "rlfoundry.sandbox.fusion",
-    "plan": "rlfoundry.plan.__main__",
+    "plan": "rlfoundry.plan_cli",
 }
 
 

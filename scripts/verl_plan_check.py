@@ -27,7 +27,6 @@ import datetime as dt
 import functools
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -134,7 +133,7 @@ def call(fn: Callable[[], int]) -> tuple[int | None, str, str, str]:
 
 def plan_line(row: dict[str, Any], tree: Path, dirs: dict[str, str], gpu: str, fixes: bool = False) -> dict[str, Any]:
     """One validated command line planned; its outcome with the verdict or the reason."""
-    from rlfoundry.plan.__main__ import main as plan_main
+    from rlfoundry.plan_cli import main as plan_main
 
     argv, models = with_models(row["argv"], dirs)  # the report's names ({tree}, not this run's copy)
     argv = [a.replace("{tree}", str(tree)) for a in argv]

@@ -28,10 +28,12 @@ LAYERS = {
     "scripts": 4,  # command-line tools (python -m rlfoundry.scripts.<name>), as cli
     "model_merger": 4,  # verl's model merger command line, on the exporters (as cli's export)
     "plan": 1,  # a function of the resolved config and a config.json; the trainer runs it as its start-up check
+    "plan_cli": 4,  # `rlfoundry plan`: composes the trainer's config from train's arguments, then plans it
 }
-# A package's command line that composes the trainer's config (``rlfoundry plan`` takes train's arguments): an
-# entry point, as cli, above the package it fronts.
-COMMAND_LINES = {"rlfoundry.plan.__main__"}
+# A low package's ``python -m`` module whose command line lives above it: ``rlfoundry plan`` takes train's
+# arguments, so its command line (plan_cli) composes the trainer's config and sits with cli. The entry point is
+# as cli and thin: it imports its command line and nothing else, and nothing imports it.
+THIN_ENTRY_POINTS = {"rlfoundry.plan.__main__": "rlfoundry.plan_cli"}
 # The worker classes the driver builds its groups from: its only way into rlfoundry.workers.
 WORKER_ENTRY_POINTS = {"rlfoundry.workers.actor_rollout_ref", "rlfoundry.workers.fsdp_workers", "rlfoundry.workers.critic", "rlfoundry.workers.reward_model",
                        # partial rollout's multi-turn runs the agent loops in the driver, where a sync may come
@@ -74,7 +76,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> int:
-    if module in COMMAND_LINES:
+    if module in THIN_ENTRY_POINTS:
         return LAYERS["cli"]
     top = module.split(".")[1] if "." in module else "__init__"
     return LAYERS[top]
@@ -94,6 +96,22 @@ def test_imports_only_go_down_the_layers():
 
 def _same_package(a: str, b: str) -> bool:
     return a.split(".")[:2] == b.split(".")[:2]
+
+
+def test_thin_entry_points_only_hand_over_to_their_command_line():
+    graph = _graph()
+    wrong = sorted(f"{m} imports {d}: a thin entry point imports its command line {cli} only"
+                   for m, cli in THIN_ENTRY_POINTS.items() for d in graph[m] if d != cli)
+    wrong += sorted(f"{m} imports the entry point {d}" for m, deps in graph.items() for d in deps if d in THIN_ENTRY_POINTS)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_planner_imports_nothing_of_the_trainer():
+    """The trainer runs the planner as its start-up check on the config it resolved; composing a config from a
+    command line is the trainer's, so it happens in the command line (plan_cli), never under rlfoundry.plan."""
+    wrong = sorted(f"{m} imports {d}" for m, deps in _graph().items() if m.split(".")[:2] == ["rlfoundry", "plan"]
+                   for d in deps if d.split(".")[:2] == ["rlfoundry", "trainer"])
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_ppo_driver_imports_no_worker_internals():

@@ -297,6 +297,11 @@ class EnginePlugin(abc.ABC):
     # the role's key naming the dtype the engine computes in, for engines with their own (None: FSDP2's
     # mixed-precision policy, bf16 on CUDA and fp32 on the CPU by default)
     dtype_key: str | None = None
+    # the role's subtree holding the engine's own parallel layout, which its ``check`` names (verl's SFT engine
+    # group is that subtree: trainer/sft_trainer.py); None: the role's common keys lay it out (Ulysses, fsdp_config)
+    layout_key: str | None = None
+    # image prompts and rows (a vision-language model.path): the SFT checks ask; the RL roles' ``check`` says itself
+    supports_vision_language: bool = False
 
     @abc.abstractmethod
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
@@ -324,6 +329,11 @@ class EnginePlugin(abc.ABC):
         """How many ranks split one sequence for the role subtree ``role`` (a dynamic batch's per-GPU token
         budget holds that many times the key's tokens), and the key that says so."""
         return int(role.ulysses_sequence_parallel_size or 1), "ulysses_sequence_parallel_size"
+
+    def model_copy(self, role: Any) -> tuple[int, str]:
+        """How many consecutive ranks hold one copy of the model for the role subtree ``role`` (they read the same
+        rows), and the keys that say so: here a Ulysses group (a size below 1 is returned for the caller to report)."""
+        return int(role.ulysses_sequence_parallel_size), "ulysses_sequence_parallel_size"
 
     def adopt(self, cfg: Any, roles: list[str], user_keys: list[str]) -> None:
         """Rewrite settings of the config keys ``roles`` that this engine runs otherwise than written but with

@@ -41,9 +41,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from rlfoundry import checkpoint as ckpt
 from rlfoundry.algos import core_algos
-from rlfoundry.config.schema import MegatronConfig, model_parallel_size, qat_problems
-from rlfoundry.config.sft_schema import SFTConfig, SFTFSDPConfig, choice_errors
-from rlfoundry.config.training_engines import engine_plugin
+from rlfoundry.config.schema import MegatronConfig, qat_problems
+from rlfoundry.config.sft_schema import SFTConfig, SFTFSDPConfig, SFTModelConfig, choice_errors
+from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin
 from rlfoundry.data.rl_dataset import max_samples_drawn
 from rlfoundry.data.sft_dataset import Pair, SFTDataError, SFTDataset, collate_sft, load_pairs, synthetic_pairs
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, UpdatePlan, say_once
@@ -182,12 +182,47 @@ def _adopt(cfg: DictConfig, user_keys: Sequence[str], verl_key: str, ours: str, 
     OmegaConf.update(cfg, ours, value)
 
 
+def _plugin(cfg: DictConfig) -> Any:
+    """The engine plug-in ``model.strategy`` names; the checks ask it, as the RL roles' do, so an engine is
+    checked by what it says it does, not by its name. An unregistered name (the choice check reports it) is
+    checked as the default engine."""
+    strategy = cfg.model.strategy
+    return engine_plugin(strategy if strategy in TRAINING_ENGINES else SFTModelConfig.strategy)
+
+
+def _as_role(cfg: DictConfig, plugin: Any) -> DictConfig:
+    """The SFT config as an RL role's subtree under ``ROLE``, for the plug-in's questions: verl's SFT engine
+    group is the plug-in's own layout subtree (``layout_key``; checkpoints without hf_model, which SFT adds)."""
+    contents = {w: None if cfg.checkpoint[w] is None else [x for x in cfg.checkpoint[w] if x != "hf_model"]
+                for w in ("save_contents", "load_contents")}
+    role = {"model": {"path": cfg.model.partial_pretrain}, "checkpoint": contents,
+            "ulysses_sequence_parallel_size": cfg.ulysses_sequence_parallel_size}
+    if plugin.layout_key:
+        engine = OmegaConf.to_container(cfg.engine, resolve=True)
+        role[plugin.layout_key] = {k: v for k, v in engine.items() if k in _MEGATRON_KEYS}
+    return OmegaConf.create({ROLE: role})
+
+
+def _sft_keys(text: str, plugin: Any) -> str:
+    """The plug-in's role keys in ``text`` as SFT spells them: its layout subtree is the ``engine`` group, the
+    role's other keys are top-level."""
+    if plugin.layout_key:
+        text = text.replace(f"{ROLE}.{plugin.layout_key}", "engine")
+    return text.replace(f"{ROLE}.", "")
+
+
+def _split(cfg: DictConfig, question: str) -> tuple[int, str]:
+    """The plug-in's answer to ``question`` (``model_copy`` or ``sequence_split``) for this config: a number of
+    ranks and the SFT keys that set it."""
+    plugin = _plugin(cfg)
+    ranks, key = getattr(plugin, question)(_as_role(cfg, plugin)[ROLE])
+    return int(ranks), _sft_keys(f"{ROLE}.{key}", plugin)
+
+
 def _model_copy(cfg: DictConfig) -> tuple[int, str]:
     """How many consecutive ranks hold the same rows (a Ulysses group, or one Megatron model copy) and the
     keys that say so."""
-    if cfg.model.strategy == "megatron":
-        return model_parallel_size(cfg.engine), "engine.tensor x pipeline x context_parallel_size"
-    return int(cfg.ulysses_sequence_parallel_size), "ulysses_sequence_parallel_size"
+    return _split(cfg, "model_copy")
 
 
 def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
@@ -198,8 +233,8 @@ def _batch_errors(cfg: DictConfig, world_size: int) -> list[str]:
     if batch <= 0 or micro <= 0 or share <= 0:
         return [f"data.train_batch_size ({batch}), data.micro_batch_size_per_gpu ({micro}) and "
                 f"{name} ({share}) must be positive"]
-    if world_size % share:  # (the Megatron engine's own check names its keys)
-        return [] if cfg.model.strategy == "megatron" else \
+    if world_size % share:  # (an engine with its own layout keys names them in its check: _layout_errors)
+        return [] if _plugin(cfg).layout_key else \
             [f"{name}={share} does not divide the {world_size} ranks; use a divisor of it"]
     dp = world_size // share
     if batch % dp:
@@ -221,7 +256,7 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if mtp.enable_rollout:
         errors.append("model.mtp.enable_rollout=true: SFT samples nothing, so there is no rollout to draft for (the "
                       "PPO trainer's HF rollout drafts with the MTP layers); set it false.")
-    elif (mtp.enable or mtp.enable_train) and not engine_plugin(cfg.model.strategy).supports_mtp:
+    elif (mtp.enable or mtp.enable_train) and not _plugin(cfg).supports_mtp:
         on = "enable" if mtp.enable else "enable_train"
         errors.append(f"model.mtp.{on}=true: multi-token prediction (verl's MTP layers trained beside the model) is "
                       "built on the Megatron engine (engine=megatron, engines/megatron/mtp.py), not the FSDP one; set "
@@ -253,7 +288,7 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
     if unknown:
         errors.append(f"trainer.logger entries {unknown} are not among {list(SUPPORTED_BACKENDS)}")
     errors += missing_packages([t.logger] if isinstance(t.logger, str) else list(t.logger or []))
-    errors += _checkpoint_contents_errors(cfg.checkpoint) + _optimizer_errors(cfg.optim, cfg.model.strategy)
+    errors += _checkpoint_contents_errors(cfg.checkpoint) + _optimizer_errors(cfg.optim, _plugin(cfg))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
     return errors
@@ -261,9 +296,7 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
 
 def _sequence_split(cfg: DictConfig) -> tuple[int, str]:
     """How many ranks split one sequence (a dynamic batch's per-GPU budget holds that many times its tokens)."""
-    if cfg.model.strategy == "megatron":
-        return int(cfg.engine.context_parallel_size), "engine.context_parallel_size"
-    return int(cfg.ulysses_sequence_parallel_size), "ulysses_sequence_parallel_size"
+    return _split(cfg, "sequence_split")
 
 
 def _engine_errors(cfg: DictConfig, world_size: int) -> list[str]:
@@ -271,12 +304,15 @@ def _engine_errors(cfg: DictConfig, world_size: int) -> list[str]:
 
 
 def _layout_errors(cfg: DictConfig, world_size: int) -> list[str]:
-    if cfg.model.strategy != "megatron":
+    """An engine with its own layout keys reads the engine group (its plug-in checks it); another reads the
+    FSDP keys, and the engine group's Megatron keys set on it are errors."""
+    plugin = _plugin(cfg)
+    if not plugin.layout_key:
         megatron_keys = _megatron_keys_set(cfg.engine)
         return [f"engine.{key}={value}: a Megatron engine key, and this run trains on the FSDP2 engine; add "
                 "engine=megatron optim=megatron, or remove it." for key, value in megatron_keys.items()] \
-            + _expert_parallel_errors(cfg, world_size)
-    return _megatron_errors(cfg, world_size) + _fsdp_keys_on_megatron(cfg)
+            + _expert_parallel_errors(cfg, world_size) + _vision_errors(cfg, plugin)
+    return _own_layout_errors(cfg, plugin, world_size) + _vision_errors(cfg, plugin) + _fsdp_keys_unread(cfg, plugin)
 
 
 def _expert_parallel_errors(cfg: DictConfig, world_size: int) -> list[str]:
@@ -304,34 +340,36 @@ def _megatron_keys_set(engine: DictConfig) -> dict[str, Any]:
     return {key: mine[key] for key, value in defaults.items() if key != "qat" and mine[key] != value}
 
 
-def _megatron_errors(cfg: DictConfig, world_size: int) -> list[str]:
-    """The Megatron engine's own start-up checks (its plug-in's, as for the RL roles) on the engine group,
-    their messages naming verl's SFT keys (engine.*), and what SFT does not run on it."""
-    from rlfoundry.engines.megatron.plugin import PLUGIN, _is_vision_language
-
-    e = cfg.engine
-    contents = {w: None if cfg.checkpoint[w] is None else [x for x in cfg.checkpoint[w] if x != "hf_model"]
-                for w in ("save_contents", "load_contents")}
-    megatron = {k: v for k, v in OmegaConf.to_container(e, resolve=True).items() if k in _MEGATRON_KEYS}
-    view = OmegaConf.create({"sft": {"megatron": megatron, "model": {"path": cfg.model.partial_pretrain},
-                                     "ulysses_sequence_parallel_size": cfg.ulysses_sequence_parallel_size,
-                                     "checkpoint": contents}})
-    errors = [p.replace("sft.megatron", "engine").replace("sft.", "") for p in PLUGIN.check(view, ["sft"], world_size)]
-    if e.router_replay.mode != "disabled":
-        errors.append(f"engine.router_replay.mode={e.router_replay.mode}: routing replay replays a rollout's experts; "
-                      "SFT has no rollout (the model routes by its own router). Set it to disabled.")
-    if _is_vision_language(cfg.model.partial_pretrain):
-        errors.append(f"model.partial_pretrain={cfg.model.partial_pretrain} is a vision-language model: the Megatron "
-                      "engine takes text models only (docs/vision.md); use engine=fsdp for image rows.")
+def _own_layout_errors(cfg: DictConfig, plugin: Any, world_size: int) -> list[str]:
+    """The engine's own start-up checks (its plug-in's, as for the RL roles) on the engine group, their
+    messages naming verl's SFT keys (engine.*), and what SFT does not run on it."""
+    errors = [_sft_keys(p, plugin) for p in plugin.check(_as_role(cfg, plugin), [ROLE], world_size)]
+    if cfg.engine.router_replay.mode != "disabled":
+        errors.append(f"engine.router_replay.mode={cfg.engine.router_replay.mode}: routing replay replays a rollout's "
+                      "experts; SFT has no rollout (the model routes by its own router). Set it to disabled.")
     return errors
 
 
-def _fsdp_keys_on_megatron(cfg: DictConfig) -> list[str]:
-    """Keys of the FSDP engine (or of the HF model it trains) that the Megatron engine does not read."""
-    m, errors = cfg.model, []
+def _vision_errors(cfg: DictConfig, plugin: Any) -> list[str]:
+    """A vision-language model on an engine that takes text models only."""
+    if plugin.supports_vision_language:
+        return []
+    from rlfoundry.engines.megatron.plugin import _is_vision_language
+
+    if not _is_vision_language(cfg.model.partial_pretrain):
+        return []
+    return [f"model.partial_pretrain={cfg.model.partial_pretrain} is a vision-language model: the "
+            f"{plugin.name.capitalize()} engine takes text models only (docs/vision.md); use engine=fsdp for image "
+            "rows."]
+
+
+def _fsdp_keys_unread(cfg: DictConfig, plugin: Any) -> list[str]:
+    """Keys of the FSDP engine (or of the HF model it trains) that an engine with its own layout keys does not
+    read."""
+    m, errors, engine = cfg.model, [], f"engine={plugin.name}"
     fsdp_set = {k: v for k, v in OmegaConf.to_container(m.fsdp_config).items()
                 if v != getattr(_FSDP_DEFAULTS, k)}
-    errors += [f"model.fsdp_config.{k}={v} (verl: engine.{k}): an FSDP engine key; with engine=megatron remove it "
+    errors += [f"model.fsdp_config.{k}={v} (verl: engine.{k}): an FSDP engine key; with {engine} remove it "
                "(the Megatron engine's are engine.*: dtype, param_offload, ...)." for k, v in fsdp_set.items()]
     unread = {"model.use_liger": m.use_liger, "model.lora_rank": m.lora_rank,
               "model.enable_gradient_checkpointing": m.enable_gradient_checkpointing,
@@ -341,7 +379,7 @@ def _fsdp_keys_on_megatron(cfg: DictConfig) -> list[str]:
                                                     "(megatron-core's recompute) instead",
              "model.override_config": "set engine.override_transformer_config (megatron-core's) instead",
              "model.use_liger": "Liger patches HF models; the Megatron engine runs megatron-core's layers"}
-    return errors + [f"{k}={v} with engine=megatron: {fixes[k]}." for k, v in unread.items() if v]
+    return errors + [f"{k}={v} with {engine}: {fixes[k]}." for k, v in unread.items() if v]
 
 
 def _checkpoint_contents_errors(checkpoint: DictConfig) -> list[str]:
@@ -359,13 +397,13 @@ def _checkpoint_contents_errors(checkpoint: DictConfig) -> list[str]:
     return errors
 
 
-def _optimizer_errors(optim: DictConfig, strategy: str) -> list[str]:
-    """verl's ``optim.override_optimizer_config``, checked as the RL roles' (AdamW arguments or megatron-core
-    OptimizerConfig fields; what an rlfoundry key sets, and CPU optimizer offload, are errors)."""
+def _optimizer_errors(optim: DictConfig, plugin: Any) -> list[str]:
+    """verl's ``optim.override_optimizer_config``, checked as the RL roles' (the fields the engine's plug-in
+    accepts: AdamW arguments or megatron-core OptimizerConfig fields; what an rlfoundry key sets, and CPU
+    optimizer offload, are errors). A plug-in is registered under its name, as the RL checks group engines."""
     from rlfoundry.trainer.config import _check_optimizer_overrides
 
-    engine = "megatron" if strategy == "megatron" else "fsdp"
-    return _check_optimizer_overrides("optim", dict(optim.override_optimizer_config or {}), engine)
+    return _check_optimizer_overrides("optim", dict(optim.override_optimizer_config or {}), plugin.name)
 
 
 def validate_sft_config(cfg: DictConfig, world_size: int = 1) -> None:

@@ -177,7 +177,7 @@ def measured_peaks(model_dir: Path, args: list[str], work: Path) -> list[int]:
 
 def planned_peak(model_dir: Path, args: list[str]) -> int:
     """The plan's worst rank, from the same arguments (``--config-name`` included)."""
-    from rlfoundry.plan.__main__ import plan_args
+    from rlfoundry.plan_cli import plan_args
     from rlfoundry.plan.hardware import cpu_hardware
 
     config_name = args[1] if args[:1] == ["--config-name"] else None

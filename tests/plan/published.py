@@ -33,7 +33,7 @@ MODELS = [
 
 
 def rows(work: Path, with_fixes: bool = True) -> list[str]:
-    from rlfoundry.plan.__main__ import plan_args
+    from rlfoundry.plan_cli import plan_args
     from rlfoundry.plan.hardware import GIB, resolve_hardware
     from rlfoundry.plan.report import find_fixes
     from rlfoundry.trainer.config import load_config

@@ -163,7 +163,7 @@ def test_verls_example_command_lines_are_planned(capsys, qwen7b, tmp_path, monke
     code = cli(["plan", "--json", "--no-fixes", "--entry", line["module"], *args])
     captured = capsys.readouterr()
     if code == 2:  # refused: the same message as the module's own check of these arguments
-        from rlfoundry.plan.__main__ import entry_of
+        from rlfoundry.plan_cli import entry_of
         from rlfoundry.trainer import main_ppo
 
         assert main_ppo.main([*args, "--cfg", "job"], entry=entry_of(line["module"])) == 2
@@ -224,7 +224,7 @@ def test_entry_reads_a_command_line_as_its_module_does(capsys, qwen7b):
     (``fully_async_main.verl_spellings``): verl's dapo_30b_a3b_base_math_fsdp.sh gives both, 25 syncs of 16
     steps. The module accepts the line; ``--entry`` plans it as the module reads it, where main_ppo's reading
     (trainer.test_freq=25 steps against 25 × 16 = 400) is a refusal."""
-    from rlfoundry.plan.__main__ import entry_of
+    from rlfoundry.plan_cli import entry_of
     from rlfoundry.trainer import main_ppo
 
     args = [f"actor_rollout_ref.model.path={qwen7b}", "trainer.n_gpus_per_node=4", "rollout.nnodes=1",

@@ -72,7 +72,7 @@ def test_plans_validated_lines_and_records_the_trainers_refusals(check, tmp_path
 
 def test_a_planner_that_raises_is_a_crash(check, tmp_path, monkeypatch):
     """A traceback, or a refusal the trainer does not make, is a crash; the pass goes on and exits 1."""
-    import rlfoundry.plan.__main__ as plan_cli
+    import rlfoundry.plan_cli as plan_cli
     from rlfoundry.plan.model import PlanInputError
 
     real = plan_cli.plan_args
@@ -91,7 +91,7 @@ def test_a_planner_that_raises_is_a_crash(check, tmp_path, monkeypatch):
     divide, refuse, fine = out["lines"]
     assert code == 1
     assert divide["outcome"] == "crashed" and divide["exit"] is None and "ZeroDivisionError" in divide["error"]
-    assert "(rlfoundry/plan/__main__.py:" in divide["error"]  # the innermost rlfoundry frame: where to look
+    assert "(rlfoundry/plan_cli.py:" in divide["error"]  # the innermost rlfoundry frame: where to look
     assert refuse["outcome"] == "crashed" and refuse["exit"] == 2 and "the trainer accepts the line" in refuse["error"]
     assert fine["outcome"] in ("fits", "does_not_fit")
 

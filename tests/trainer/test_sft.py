@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlfoundry.config.training_engines import TRAINING_ENGINES
 from rlfoundry.data.sft_dataset import SFTDataError, collate_sft, encode_pair, load_pairs
-from rlfoundry.engines.base import GlobalBatchInfo, LogProbs
+from rlfoundry.engines.base import EnginePlugin, GlobalBatchInfo, LogProbs
 from rlfoundry.engines.fsdp.forward import CausalLMForward
 from rlfoundry.models.tiny import build_tokenizer
 from rlfoundry.trainer.config import ConfigError
@@ -506,6 +507,56 @@ def test_ulysses_sft_config_rules(monkeypatch):
     load(*sp, "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=32", "data.max_length=64", world=2)
     with pytest.raises(ConfigError, match="max_token_len_per_gpu"):
         load("data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=32", "data.max_length=64")
+
+
+class _LayoutEngine(EnginePlugin):
+    """A third-party engine whose model copies span tensor x pipeline ranks, laid out in its own subtree (the
+    engine group's keys, under the Megatron engine's key names), which its check names."""
+
+    name = "layout_engine"
+    layout_key = "megatron"
+
+    def build(self, request, device, role):
+        raise AssertionError("the start-up checks build nothing")
+
+    def model_copy(self, role):
+        return role.megatron.tensor_model_parallel_size * role.megatron.pipeline_model_parallel_size, "megatron.tp x pp"
+
+    def check(self, cfg, roles, world_size):
+        copy = self.model_copy(cfg[roles[0]])[0]
+        if world_size % copy:
+            return [f"{roles[0]}.megatron: tp x pp = {copy} does not divide the {world_size} ranks"]
+        return []
+
+
+LAYOUT_ENGINE = _LayoutEngine()
+
+
+def test_sft_layout_checks_follow_the_engine_plugin_not_its_name(monkeypatch):
+    """The checks ask the registered plug-in what its layout is, as the RL roles' do: the FSDP2 engine's name
+    with this plug-in behind it gets model-parallel checks, the Megatron engine's name with the FSDP plug-in
+    behind it gets Ulysses groups."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    load = lambda *keys: load_sft_config(["model.path=/m", "data.train_batch_size=16", *keys])  # noqa: E731
+    monkeypatch.setitem(TRAINING_ENGINES, "fsdp2", f"{__name__}:LAYOUT_ENGINE")
+    # TP=2 x PP=2 of 8 ranks: 2 model copies read 16 / 2 = 8 rows each, micro-batches of 4 (by the name's
+    # rules: the engine.* keys an error, and 8 data-parallel ranks of 2 rows)
+    cfg = load("model.strategy=fsdp2", "engine.tensor_model_parallel_size=2", "engine.pipeline_model_parallel_size=2",
+               "data.micro_batch_size_per_gpu=4")
+    assert cfg.engine.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"16 / 2 = 8 sequences per rank, not divisible by data.micro_batch_size"):
+        load("engine.tensor_model_parallel_size=4", "data.micro_batch_size_per_gpu=3")
+    # a layout that does not divide the ranks: the plug-in's check says so, in the SFT config's keys
+    with pytest.raises(ConfigError, match=r"engine: tp x pp = 3 does not divide the 8 ranks") as e:
+        load("engine.tensor_model_parallel_size=3", "data.micro_batch_size_per_gpu=2")
+    assert "use a divisor" not in str(e.value)  # the Ulysses message is not given beside it
+    with pytest.raises(ConfigError, match="model.lora_rank=8 with engine=layout_engine"):  # FSDP keys it does not read
+        load("model.lora_rank=8", "data.micro_batch_size_per_gpu=2")
+    # the Megatron engine's name, the FSDP engine's plug-in: SP=2 groups make 8 / 2 = 4 data-parallel ranks of 4 rows
+    monkeypatch.setitem(TRAINING_ENGINES, "megatron", "rlfoundry.engines.fsdp.plugin:PLUGIN")
+    with pytest.raises(ConfigError, match=r"16 / 4 = 4 sequences per rank, not divisible by data.micro_batch_size"):
+        load("engine=megatron", "optim=megatron", "ulysses_sequence_parallel_size=2", "use_remove_padding=true",
+             "data.micro_batch_size_per_gpu=8")
 
 
 class _WordTokenizer:

@@ -22,6 +22,7 @@ class FSDPPlugin(EnginePlugin):
     supports_lora = True
     supports_routing_replay = True
     supports_exact_log_probs = True  # the engine installs models/batch_invariant.py (engine.py)
+    supports_vision_language = True  # models/vision.py: the tower and the merged image tokens
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
         from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig

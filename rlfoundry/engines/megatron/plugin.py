@@ -29,6 +29,7 @@ class MegatronPlugin(EnginePlugin):
     supports_routing_replay = True  # megatron-core's RouterReplay (routing.py); what it cannot run with: check
     supports_mtp = True  # mtp.py
     dtype_key = "megatron.dtype"
+    layout_key = "megatron"
 
     def build(self, request: EngineRequest, device: torch.device | str, role: str) -> TrainingEngine:
         from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
@@ -65,6 +66,9 @@ class MegatronPlugin(EnginePlugin):
 
     def sequence_split(self, role: Any) -> tuple[int, str]:
         return int(role.megatron.context_parallel_size), "megatron.context_parallel_size"  # CP splits sequences
+
+    def model_copy(self, role: Any) -> tuple[int, str]:
+        return model_parallel_size(role.megatron), "megatron.tensor x pipeline x context_parallel_size"
 
     def adopt(self, cfg: Any, roles: list[str], user_keys: list[str]) -> None:
         """A frozen reference runs in the actor's layout, as verl runs it (the first role to start sets
