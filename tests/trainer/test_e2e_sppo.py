@@ -23,15 +23,25 @@ def _load(*overrides: str):
         return load_config(ENTRY.overrides([*BATCH, *overrides]), config_name=ENTRY.config_name)
 
 
+def _megatron():
+    try:
+        import mbridge  # noqa: F401
+        import megatron.core  # noqa: F401
+    except ImportError:
+        return pytest.mark.skip(reason="megatron-core / mbridge not installed")
+    return []
+
+
 @pytest.mark.slow
-def test_the_actor_regresses_the_sequence_log_ratio_onto_the_soft_mean_centred_reward(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", pytest.param("megatron", marks=_megatron())])
+def test_the_actor_regresses_the_sequence_log_ratio_onto_the_soft_mean_centred_reward(tiny_model_dir, tmp_path, engine):
     # two different temperatures, so mixing them up (or dropping one) changes the numbers below
     beta, eta = 2.0, 0.5
     reward = E.write_reward_file(tmp_path)
     overrides = E.tiny_overrides(tiny_model_dir, tmp_path / "run", f"custom_reward_function.path={reward}",
                                  f"algorithm.sppo_eta={beta}", f"actor_rollout_ref.actor.sppo_eta={eta}",
-                                 "trainer.total_training_steps=1")
-    run = E.train(ENTRY.overrides(overrides), config_name=ENTRY.config_name)  # as main_sppo reads a command line
+                                 "trainer.total_training_steps=1", f"model_engine={'dp' if engine == 'fsdp' else engine}")
+    run = E.train(ENTRY.overrides(overrides), keep_trainer=True, config_name=ENTRY.config_name)  # as main_sppo reads a command line
     batch, record = run.batches[0], run.step(1)
     mask = batch["response_mask"].bool()
     scores = batch["token_level_scores"].sum(-1).double()
@@ -46,6 +56,7 @@ def test_the_actor_regresses_the_sequence_log_ratio_onto_the_soft_mean_centred_r
     assert record["actor/pg_loss"] == pytest.approx(float(((eta * centred) ** 2).mean()), rel=1e-3, abs=1e-5)
     assert record["actor/preference_mean"] == pytest.approx(float((eta * centred).mean()), abs=1e-3)
     assert "critic/vf_loss" not in record  # SPPO runs without a critic, as verl's recipe
+    assert run.trainer.config.actor_rollout_ref.actor.strategy == engine  # the engine that ran the loss
 
 
 def test_the_entry_config_is_verls_recipe():
