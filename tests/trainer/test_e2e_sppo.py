@@ -4,6 +4,7 @@ reports is SPPO's regression loss recomputed from that batch; and the recipe's k
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import pytest
@@ -24,12 +25,8 @@ def _load(*overrides: str):
 
 
 def _megatron():
-    try:
-        import mbridge  # noqa: F401
-        import megatron.core  # noqa: F401
-    except ImportError:
-        return pytest.mark.skip(reason="megatron-core / mbridge not installed")
-    return []
+    missing = [m for m in ("megatron", "mbridge") if importlib.util.find_spec(m) is None]
+    return pytest.mark.skip(reason=f"not installed: {missing}") if missing else []
 
 
 @pytest.mark.slow
