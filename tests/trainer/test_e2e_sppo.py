@@ -56,6 +56,26 @@ def test_the_actor_regresses_the_sequence_log_ratio_onto_the_soft_mean_centred_r
     assert run.trainer.config.actor_rollout_ref.actor.strategy == engine  # the engine that ran the loss
 
 
+@pytest.mark.slow
+def test_the_update_fits_the_log_ratios_to_the_targets(tiny_model_dir, tmp_path):
+    # two epochs over one mini-batch, no warm-up (the recipe's 15 steps start at lr 0): epoch 1 sees
+    # log r = 0, so its loss is L0 = mean (eta A)^2; the logged pg_loss is the mean of both epochs' losses,
+    # so epoch 2's is L1 = 2 pg_loss - L0. One Adam step must bring the log-ratios most of the way to their
+    # targets (measured: L1 ~ 0.1 L0 at lr 1e-4), and their mean follows the targets' mean
+    eta = 0.5
+    reward = E.write_reward_file(tmp_path)
+    overrides = E.tiny_overrides(tiny_model_dir, tmp_path / "run", f"custom_reward_function.path={reward}",
+                                 "algorithm.sppo_eta=2.0", f"actor_rollout_ref.actor.sppo_eta={eta}",
+                                 "trainer.total_training_steps=1", "actor_rollout_ref.actor.ppo_epochs=2",
+                                 "actor_rollout_ref.actor.optim.lr_warmup_steps=0", "actor_rollout_ref.actor.optim.lr=1e-4")
+    run = E.train(ENTRY.overrides(overrides), config_name=ENTRY.config_name)
+    scores, record = run.batches[0]["token_level_scores"].sum(-1).double(), run.step(1)
+    first = float(((eta * (scores - softmean(scores, 2.0))) ** 2).mean())
+    second = 2 * record["actor/pg_loss"] - first
+    assert 0 <= second < 0.5 * first
+    assert record["actor/log_ratio_mean"] * record["actor/preference_mean"] > 0  # epoch 2 moved towards the targets
+
+
 def test_the_entry_config_is_verls_recipe():
     cfg = _load()
     actor = cfg.actor_rollout_ref.actor
