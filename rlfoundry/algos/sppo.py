@@ -123,7 +123,8 @@ def compute_policy_loss_sppo(
         raise ValueError(f"policy loss 'sppo' is a mean over sequences (verl's recipe: loss_agg_mode=token-mean "
                          f"only), got loss_agg_mode={loss_agg_mode!r}")
     if rollout_is_weights is not None:
-        raise ValueError("policy loss 'sppo' takes no rollout importance weights (algorithm.rollout_correction.rollout_is)")
+        raise ValueError("policy loss 'sppo' takes no rollout importance weights "
+                         "(algorithm.rollout_correction.rollout_is)")
     eta = float(core_algos._cfg(config, "sppo_eta", 1.0))
     losses, log_ratios, targets = sppo_sequence_losses(
         old_log_prob, log_prob, sequence_values(advantages, response_mask), response_mask, eta)

@@ -37,8 +37,10 @@ def test_the_actor_regresses_the_sequence_log_ratio_onto_the_soft_mean_centred_r
     reward = E.write_reward_file(tmp_path)
     overrides = E.tiny_overrides(tiny_model_dir, tmp_path / "run", f"custom_reward_function.path={reward}",
                                  f"algorithm.sppo_eta={beta}", f"actor_rollout_ref.actor.sppo_eta={eta}",
-                                 "trainer.total_training_steps=1", f"model_engine={'dp' if engine == 'fsdp' else engine}")
-    run = E.train(ENTRY.overrides(overrides), keep_trainer=True, config_name=ENTRY.config_name)  # as main_sppo reads a command line
+                                 "trainer.total_training_steps=1",
+                                 f"model_engine={'dp' if engine == 'fsdp' else engine}")
+    # the overrides as main_sppo reads a command line
+    run = E.train(ENTRY.overrides(overrides), keep_trainer=True, config_name=ENTRY.config_name)
     batch, record = run.batches[0], run.step(1)
     mask = batch["response_mask"].bool()
     scores = batch["token_level_scores"].sum(-1).double()
@@ -67,7 +69,8 @@ def test_the_update_fits_the_log_ratios_to_the_targets(tiny_model_dir, tmp_path)
     overrides = E.tiny_overrides(tiny_model_dir, tmp_path / "run", f"custom_reward_function.path={reward}",
                                  "algorithm.sppo_eta=2.0", f"actor_rollout_ref.actor.sppo_eta={eta}",
                                  "trainer.total_training_steps=1", "actor_rollout_ref.actor.ppo_epochs=2",
-                                 "actor_rollout_ref.actor.optim.lr_warmup_steps=0", "actor_rollout_ref.actor.optim.lr=1e-4")
+                                 "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+                                 "actor_rollout_ref.actor.optim.lr=1e-4")
     run = E.train(ENTRY.overrides(overrides), config_name=ENTRY.config_name)
     scores, record = run.batches[0]["token_level_scores"].sum(-1).double(), run.step(1)
     first = float(((eta * (scores - softmean(scores, 2.0))) ** 2).mean())
