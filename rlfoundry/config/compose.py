@@ -164,15 +164,19 @@ def _load(path: Path) -> dict:
     return _without_verl_targets(raw)
 
 
+# verl recipes' config dataclasses whose fields the schema has (recipe/sppo/config.py: the actor plus sppo_eta)
+RECIPE_TARGETS = ("recipe.sppo.config.SPPOActorConfig",)
+
+
 def _without_verl_targets(node: Any) -> Any:
     """verl's config files name the dataclass each group instantiates into (``_target_:
-    verl.trainer.config.FilterGroupsConfig``); the typed schema here is that class, so those entries
-    go. A ``_target_`` naming anything else stays (and is refused as an unknown key where the schema
-    has none)."""
+    verl.trainer.config.FilterGroupsConfig``, or a recipe's in ``RECIPE_TARGETS``); the typed schema
+    here is that class, so those entries go. A ``_target_`` naming anything else stays (and is refused
+    as an unknown key where the schema has none)."""
     if not isinstance(node, dict):
         return node
     return {k: _without_verl_targets(v) for k, v in node.items()
-            if not (k == "_target_" and isinstance(v, str) and v.startswith("verl."))}
+            if not (k == "_target_" and isinstance(v, str) and (v.startswith("verl.") or v in RECIPE_TARGETS))}
 
 
 @dataclass

@@ -617,6 +617,7 @@ class ActorConfig(Node):
     # the log-prob pass also returns sum_pi_squared = sum_v pi_v^2 per token (B, Tr): what the optimal token
     # baselines read (trainer/config.py requires it for them, as verl's trainer does)
     calculate_sum_pi_squared: bool = False
+    sppo_eta: float = 1.0  # policy_loss.loss_mode=sppo (verl's SPPO recipe key): the scale of its regression target
     use_kl_loss: bool = False
     # each decoder layer's training forward compiled (engines/fsdp/compile.py; the reference follows).
     # verl: True. Off here: compiling costs ~25 s per graph on a small CPU run (two graphs), more than the
@@ -1147,6 +1148,9 @@ class AlgorithmConfig(Node):
     # adv_estimator=gdpo: the reward function's reward_extra_info keys normalised one by one, and their weights
     gdpo_reward_keys: Optional[List[str]] = None
     gdpo_reward_weights: Optional[List[float]] = None  # null: all 1
+    # adv_estimator=sppo (verl's SPPO recipe key): the temperature of the batch soft mean its rewards are
+    # centred by (algos/sppo.py); 0: the plain mean
+    sppo_eta: float = 1.0
 
     def check(self) -> list[str]:
         """Numbers in range and known levels: ``gamma``/``lam``, the adaptive KL controller, PF-PPO,

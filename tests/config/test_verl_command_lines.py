@@ -3,7 +3,7 @@ set taken from verl's example and recipe scripts (``verl_command_lines.json``: t
 commit, the module, the arguments as the script ran them with its own defaults, ``$HOME`` written
 ``{home}``), one per kind of run — dense FSDP GRPO and PPO with a critic, Megatron (January's config
 name and August's ``model_engine=megatron``), LoRA, multi-turn tools with an interaction, a classifier
-reward model, a vision-language model, Ulysses, DAPO, GSPO, GDPO, rollout correction, one-step-off (and its
+reward model, a vision-language model, Ulysses, DAPO, SPPO, GSPO, GDPO, rollout correction, one-step-off (and its
 delta weight sync) and fully-async (the retool line's tool agent loop with partial rollout too), both SFT entry
 points (FSDP and Megatron), and August's ``model_engine=veomni`` (with its expert parallelism).
 
@@ -151,6 +151,12 @@ EXPECT = {
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2},
     "examples/sft/gsm8k/run_qwen_megatron_fsdp.sh": {"model.strategy": "megatron", "engine.tensor_model_parallel_size": 4,
                                                      "optim.lr_scheduler": "cosine", "optim.warmup_steps_ratio": 0.2},
+    # verl's SPPO recipe (recipe submodule e7f88957): both halves, the recipe's warm-up over the script's ratio
+    "recipe/sppo/run_qwen2.5-7b_rm.sh": {"algorithm.adv_estimator": "sppo",
+                                         "actor_rollout_ref.actor.policy_loss.loss_mode": "sppo",
+                                         "actor_rollout_ref.actor.sppo_eta": 1.0, "algorithm.sppo_eta": 1.0,
+                                         "actor_rollout_ref.actor.optim.lr_warmup_steps": 15,
+                                         "actor_rollout_ref.rollout.n": 1},
 }
 
 

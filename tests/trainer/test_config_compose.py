@@ -288,7 +288,7 @@ def test_the_entry_modules_import_no_torch():
 
     code = ("import sys, rlfoundry.experimental.one_step_off_policy.main_ppo, "
             "rlfoundry.experimental.fully_async_policy.fully_async_main, rlfoundry.recipe.dapo.main_dapo, "
-            "rlfoundry.recipe.entropy.main_entropy; "
+            "rlfoundry.recipe.entropy.main_entropy, rlfoundry.recipe.sppo.main_sppo; "
             "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
             "sys.exit(f'imported at module level: {heavy}' if heavy else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=E.subprocess_env(),
