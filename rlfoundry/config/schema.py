@@ -618,6 +618,7 @@ class ActorConfig(Node):
     # baselines read (trainer/config.py requires it for them, as verl's trainer does)
     calculate_sum_pi_squared: bool = False
     use_kl_loss: bool = False
+    proj_layer: int = 3  # policy_loss.loss_mode=flowrl: layers of the log Z head (verl's recipe reads actor.proj_layer)
     # each decoder layer's training forward compiled (engines/fsdp/compile.py; the reference follows).
     # verl: True. Off here: compiling costs ~25 s per graph on a small CPU run (two graphs), more than the
     # update time it saves there; on GPUs it pays back within a run

@@ -41,6 +41,7 @@ __all__ = [
     "default_device",
     "hf_parameter_name",
     "iter_full_parameters",
+    "TRAINER_ONLY_ATTR",
     "fsdp_does_nothing",
     "compute_dtype",
     "plain_autocast_dtype",
@@ -568,6 +569,9 @@ def load_optimizer(optimizer: torch.optim.Optimizer) -> None:
 # --------------------------------------------------------------------------- full weights, HF names
 
 # Wrapper modules that prefix parameter names without being part of the HF checkpoint layout.
+# A model attribute naming its submodules that train with it but are no part of the HF model (FlowRL's log Z
+# head): checkpointed with the module, never streamed to a rollout engine (iter_full_parameters)
+TRAINER_ONLY_ATTR = "_rlf_trainer_only"
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -586,9 +590,10 @@ def iter_full_parameters(module: nn.Module, trainable_only: bool = False) -> Ite
     ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same
     order (``named_parameters`` order is the same on every rank).
     """
+    skip = tuple(f"{name}." for name in getattr(module, TRAINER_ONLY_ATTR, ()))
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if trainable_only and not param.requires_grad:
+            if (trainable_only and not param.requires_grad) or hf_parameter_name(name).startswith(skip):
                 continue
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             yield hf_parameter_name(name), full.detach()
