@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from rlfoundry.algos.flowrl import ProjZHead, prompt_mean_hidden
-from rlfoundry.engines.fsdp.utils import TRAINER_ONLY_ATTR, compute_precision
+from rlfoundry.engines.fsdp.utils import compute_precision
+from rlfoundry.models.hf import TRAINER_ONLY_ATTR
 
 __all__ = ["HEAD", "add_log_z_head", "prompt_log_z"]
 

@@ -58,6 +58,11 @@ def test_the_actor_reports_flowrls_loss_and_the_head_trains_outside_the_rollout(
     head = [p for n, p in engine.module.named_parameters() if n.startswith("proj_z.")]
     optimised = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
     assert head and all(id(p) in optimised for p in head)  # trained by the actor's optimiser
+    from safetensors import safe_open
+
+    exported = engine.save_hf_model(str(tmp_path / "hf"))  # an HF directory vLLM can load: no head in it
+    keys = [k for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()]
+    assert exported and "model.embed_tokens.weight" in keys and not any(k.startswith("proj_z.") for k in keys)
 
 
 def test_resume_reproduces_the_next_steps_loss(tiny_model_dir, tmp_path):

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from rlfoundry.config.schema import LR_SCHEDULES, OptimConfig
 from rlfoundry.engines.fsdp.expert_parallel import EP_ATTR
-from rlfoundry.models.hf import resolve_dtype
+from rlfoundry.models.hf import resolve_dtype, trainer_only_prefixes
 
 __all__ = [
     "apply_fsdp2",
@@ -41,7 +41,6 @@ __all__ = [
     "default_device",
     "hf_parameter_name",
     "iter_full_parameters",
-    "TRAINER_ONLY_ATTR",
     "fsdp_does_nothing",
     "compute_dtype",
     "plain_autocast_dtype",
@@ -569,9 +568,6 @@ def load_optimizer(optimizer: torch.optim.Optimizer) -> None:
 # --------------------------------------------------------------------------- full weights, HF names
 
 # Wrapper modules that prefix parameter names without being part of the HF checkpoint layout.
-# A model attribute naming its submodules that train with it but are no part of the HF model (FlowRL's log Z
-# head): checkpointed with the module, never streamed to a rollout engine (iter_full_parameters)
-TRAINER_ONLY_ATTR = "_rlf_trainer_only"
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -590,7 +586,7 @@ def iter_full_parameters(module: nn.Module, trainable_only: bool = False) -> Ite
     ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same
     order (``named_parameters`` order is the same on every rank).
     """
-    skip = tuple(f"{name}." for name in getattr(module, TRAINER_ONLY_ATTR, ()))
+    skip = trainer_only_prefixes(module)  # FlowRL's log Z head: not the rollout's
     with torch.no_grad():
         for name, param in module.named_parameters():
             if (trainable_only and not param.requires_grad) or hf_parameter_name(name).startswith(skip):
