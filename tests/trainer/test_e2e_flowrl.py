@@ -46,8 +46,9 @@ def _recomputed_step1_loss(model_dir, batch) -> float:
 
 def test_the_actor_reports_flowrls_loss_and_the_head_trains_outside_the_rollout(tiny_model_dir, tmp_path):
     reward = E.write_reward_file(tmp_path)
+    # wrapped in FSDP2 on the one rank, as on several: the head, called outside the model's forward, is a unit
     run = _run(tiny_model_dir, tmp_path / "run", HEAD_1, f"custom_reward_function.path={reward}",
-               "trainer.total_training_steps=1", keep=True)
+               "trainer.total_training_steps=1", "actor_rollout_ref.actor.fsdp_config.single_rank=fsdp", keep=True)
     step = run.step(1)
     assert step["actor/pg_loss"] == pytest.approx(_recomputed_step1_loss(tiny_model_dir, run.batches[0]), rel=1e-4)
     assert step["actor/importance_weight"] == 1.0  # on-policy: verl's actor takes the forward's own log-probs

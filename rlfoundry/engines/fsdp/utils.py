@@ -250,7 +250,9 @@ def apply_fsdp2(
     experts = getattr(module, EP_ATTR, None)
     if experts is not None:  # expert parallelism: the experts first, as units of their own on the efsdp mesh
         experts.fully_shard_experts(**{k: v for k, v in kwargs.items() if k != "mesh"})
-    for layer in units:
+    # a trainer-only head (FlowRL's log Z) runs outside the model's forward: a unit of its own gathers itself
+    heads = [module.get_submodule(p.rstrip(".")) for p in trainer_only_prefixes(module)]
+    for layer in [*units, *heads]:
         fully_shard(layer, **kwargs)
         layer._rlf_reshard_after_forward = bool(reshard_after_forward)
     if forward_prefetch:
