@@ -7,15 +7,18 @@ FSDP engine's packed or padded forwards; elsewhere the run stops at start-up wit
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
+from rlfoundry.config.schema import ActorConfig
 from rlfoundry.config.training_engines import training_engine
 from rlfoundry.config.verl_compat import NoEffectKeyWarning
 
 __all__ = ["flowrl_errors", "flowrl_warnings"]
 
 _ACTOR = "actor_rollout_ref.actor"
+_HEAD_LAYERS = next(f.default for f in dataclasses.fields(ActorConfig) if f.name == "proj_layer")  # the schema's
 
 
 def _on(cfg: Any) -> bool:
@@ -46,10 +49,14 @@ def flowrl_errors(cfg: Any) -> list[str]:
 
 
 def flowrl_warnings(cfg: Any) -> None:
-    """verl's FlowRL actor drops the entropy bonus and the KL loss: a coefficient set for them does nothing."""
-    if not _on(cfg):
-        return
+    """verl's FlowRL actor drops the entropy bonus and the KL loss: a coefficient set for them does nothing; nor
+    does ``proj_layer`` under another loss (only verl's FlowRL worker reads it)."""
     actor = cfg.actor_rollout_ref.actor
+    if not _on(cfg):
+        if actor.proj_layer != _HEAD_LAYERS:
+            warnings.warn(f"{_ACTOR}.proj_layer={actor.proj_layer} has no effect: only "
+                          f"{_ACTOR}.policy_loss.loss_mode=flowrl has a log Z head.", NoEffectKeyWarning, stacklevel=2)
+        return
     unused = [f"{_ACTOR}.{k}={getattr(actor, k)}" for k in ("entropy_coeff", "kl_loss_coef") if getattr(actor, k) != 0]
     if unused:
         warnings.warn(f"{', '.join(unused)} has no effect with policy_loss.loss_mode=flowrl: FlowRL's loss replaces "

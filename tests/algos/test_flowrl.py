@@ -111,6 +111,8 @@ def test_packaged_config_and_its_start_up_errors_name_the_key():
                     config_name="flowrl_trainer")
     with pytest.warns(NoEffectKeyWarning, match="kl_loss_coef=0.001 has no effect"):
         load_config(["actor_rollout_ref.actor.kl_loss_coef=0.001"], config_name="flowrl_trainer")
+    with pytest.warns(NoEffectKeyWarning, match="proj_layer=2 has no effect"):
+        load_config(["actor_rollout_ref.actor.proj_layer=2"])  # plain PPO: no head to shape
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoEffectKeyWarning)
         load_config(["actor_rollout_ref.actor.policy_loss.loss_mode=flowrl", "actor_rollout_ref.actor.use_kl_loss=true",
