@@ -105,6 +105,9 @@ def compute_policy_loss_flowrl(old_log_prob: torch.Tensor, log_prob: torch.Tenso
         "actor/ppo_kl": F_.masked_mean(old_log_prob - log_prob.detach(), response_mask),
         "actor/ref_kl": F_.masked_mean(ref_log_prob - log_prob.detach(), response_mask),
         "actor/log_reward": F_.masked_mean(advantages, response_mask),
+        "actor/log_prob": F_.masked_mean(log_prob.detach(), response_mask),
+        "actor/old_log_prob": F_.masked_mean(old_log_prob, response_mask),
+        "actor/ref_log_prob": F_.masked_mean(ref_log_prob, response_mask),
     }
     return loss, metrics
 
