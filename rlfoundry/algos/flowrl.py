@@ -26,11 +26,13 @@ from torch import nn
 from rlfoundry.algos import core_algos
 from rlfoundry.utils import torch_functional as F_
 
-__all__ = ["FLOWRL_BETA", "FLOWRL_WEIGHT_CAP", "ProjZHead", "compute_policy_loss_flowrl", "flowrl_residual",
+__all__ = ["FLOWRL_BETA", "FLOWRL_WEIGHT_CAP", "SEQUENCE_METRICS", "ProjZHead", "compute_policy_loss_flowrl", "flowrl_residual",
            "flowrl_seq_losses", "prompt_mean_hidden"]
 
 FLOWRL_BETA = 15.0  # verl's flowrl_beta_coef, fixed in its actor ("as per paper")
 FLOWRL_WEIGHT_CAP = 10.0  # verl's clamp of the sequence importance weight (upper bound only)
+# per-sequence metrics, scaled like the loss (summed over micro-batches they give the mini-batch's mean)
+SEQUENCE_METRICS = ("actor/log_z", "actor/importance_weight")
 
 
 class ProjZHead(nn.Module):
@@ -97,11 +99,11 @@ def compute_policy_loss_flowrl(old_log_prob: torch.Tensor, log_prob: torch.Tenso
     seq_losses, weight = flowrl_seq_losses(log_z, log_prob, old_log_prob, ref_log_prob, advantages, response_mask)
     has_tokens = (response_mask.sum(-1) > 0).to(seq_losses.dtype)
     dp_size, sequences = _sequence_count(config, has_tokens)
-    loss = (seq_losses * has_tokens).sum() * dp_size / sequences
-    rows = has_tokens.sum().clamp(min=1)
-    metrics = {
-        "actor/log_z": (log_z.detach() * has_tokens).sum() / rows,
-        "actor/importance_weight": (weight * has_tokens).sum() / rows,
+    seq_mean = lambda x: (x * has_tokens).sum() * dp_size / sequences  # noqa: E731  the mini-batch's, as the loss
+    loss = seq_mean(seq_losses)
+    metrics = {  # SEQUENCE_METRICS are this micro-batch's share of the mini-batch mean, as the loss
+        "actor/log_z": seq_mean(log_z.detach()),
+        "actor/importance_weight": seq_mean(weight),
         "actor/ppo_kl": F_.masked_mean(old_log_prob - log_prob.detach(), response_mask),
         "actor/ref_kl": F_.masked_mean(ref_log_prob - log_prob.detach(), response_mask),
         "actor/log_reward": F_.masked_mean(advantages, response_mask),

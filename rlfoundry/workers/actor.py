@@ -212,7 +212,9 @@ class DataParallelPPOActor:
             old, log_prob, batch["advantages"], batch["response_mask"],
             config=core_algos.with_global_batch_info(self.config, info), ref_log_prob=batch["ref_log_prob"], log_z=log_z)
         # verl's recipe logs the loss as actor/final_loss; actor/pg_loss is every loss's name here
-        return LossOutput(loss, {"actor/pg_loss": loss.detach(), "actor/final_loss": loss.detach()}, ratios)
+        summed = {"actor/pg_loss": loss.detach(), "actor/final_loss": loss.detach()}
+        summed |= {k: ratios.pop(k) for k in flowrl.SEQUENCE_METRICS}
+        return LossOutput(loss, summed, ratios)
 
     def _head_dropout_seed(self) -> int:
         """A seed per (base seed, update call, rank, micro-batch of the call): the update counter is checkpointed,
