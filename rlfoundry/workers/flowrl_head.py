@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from rlfoundry.algos.flowrl import ProjZHead, prompt_mean_hidden
+from rlfoundry.config.typed import ConfigError
 from rlfoundry.engines.fsdp.utils import compute_precision
 from rlfoundry.models.hf import TRAINER_ONLY_ATTR
+from rlfoundry.models.vision import is_vision_language
 
 __all__ = ["HEAD", "add_log_z_head", "prompt_log_z"]
 
@@ -26,6 +28,9 @@ def add_log_z_head(num_layers: int) -> Any:
     """The engine's ``prepare`` hook: attach a fresh ``ProjZHead`` of ``num_layers`` layers (``actor.proj_layer``)."""
 
     def prepare(module: nn.Module) -> None:
+        if is_vision_language(module.config):  # image rows' prompts (pixels, 3-D positions): not what it reads
+            raise ConfigError("actor_rollout_ref.actor.policy_loss.loss_mode=flowrl with a vision-language model is not "
+                              "built (the log Z head reads text prompts); use a text model or another loss_mode.")
         dtype = next(module.parameters()).dtype
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_HEAD_SEED)

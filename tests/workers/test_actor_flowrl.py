@@ -1,6 +1,6 @@
 """The actor's FlowRL update (``policy_loss.loss_mode=flowrl``): the same step whatever the micro-batch size
-(the log Z head and the policy alike), the rollout's old log-probs weighing an off-policy step, and a batch the
-head's forward cannot read refused with the key."""
+(the log Z head and the policy alike), the old log-probs weighing an off-policy step only, and a policy the head
+cannot read refused with the key."""
 
 from __future__ import annotations
 
@@ -58,3 +58,10 @@ def test_on_policy_step_takes_its_own_log_probs_as_old(tiny_model_dir, batch):
     moved, _ = _update(tiny_model_dir, shifted, ["actor.ppo_mini_batch_size=4"])
     assert plain["actor/importance_weight"] == moved["actor/importance_weight"] == [1.0]
     assert plain["actor/pg_loss"] == pytest.approx(moved["actor/pg_loss"], rel=1e-6)
+
+
+def test_a_vision_language_policy_is_refused_naming_the_key(tiny_vlm_dir):
+    from rlfoundry.config.typed import ConfigError
+
+    with pytest.raises(ConfigError, match=r"policy_loss\.loss_mode=flowrl with a vision-language model"):
+        local_worker(worker_config(tiny_vlm_dir, FLOWRL), role="actor")
