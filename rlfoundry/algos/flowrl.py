@@ -26,8 +26,8 @@ from torch import nn
 from rlfoundry.algos import core_algos
 from rlfoundry.utils import torch_functional as F_
 
-__all__ = ["FLOWRL_BETA", "FLOWRL_WEIGHT_CAP", "SEQUENCE_METRICS", "ProjZHead", "compute_policy_loss_flowrl", "flowrl_residual",
-           "flowrl_seq_losses", "prompt_mean_hidden"]
+__all__ = ["FLOWRL_BETA", "FLOWRL_WEIGHT_CAP", "SEQUENCE_METRICS", "ProjZHead", "compute_policy_loss_flowrl",
+           "flowrl_residual", "flowrl_seq_losses", "prompt_mean_hidden"]
 
 FLOWRL_BETA = 15.0  # verl's flowrl_beta_coef, fixed in its actor ("as per paper")
 FLOWRL_WEIGHT_CAP = 10.0  # verl's clamp of the sequence importance weight (upper bound only)
@@ -84,7 +84,8 @@ def flowrl_seq_losses(log_z, log_prob, old_log_prob, ref_log_prob, advantages, r
 @core_algos.register_policy_loss("flowrl")
 def compute_policy_loss_flowrl(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                                response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
-                               rollout_is_weights: torch.Tensor | None = None, *, ref_log_prob: torch.Tensor | None = None,
+                               rollout_is_weights: torch.Tensor | None = None, *,
+                               ref_log_prob: torch.Tensor | None = None,
                                log_z: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """FlowRL's loss (module doc) over a micro-batch; ``log_z`` (B,), gradients through it and ``log_prob``.
 

@@ -210,7 +210,8 @@ class DataParallelPPOActor:
         log_z = prompt_log_z(self.module, batch, self._head_dropout_seed())
         loss, ratios = flowrl.compute_policy_loss_flowrl(
             old, log_prob, batch["advantages"], batch["response_mask"],
-            config=core_algos.with_global_batch_info(self.config, info), ref_log_prob=batch["ref_log_prob"], log_z=log_z)
+            config=core_algos.with_global_batch_info(self.config, info), ref_log_prob=batch["ref_log_prob"],
+            log_z=log_z)
         # verl's recipe logs the loss as actor/final_loss; actor/pg_loss is every loss's name here
         summed = {"actor/pg_loss": loss.detach(), "actor/final_loss": loss.detach()}
         summed |= {k: ratios.pop(k) for k in flowrl.SEQUENCE_METRICS}

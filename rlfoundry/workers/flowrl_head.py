@@ -29,8 +29,8 @@ def add_log_z_head(num_layers: int) -> Any:
 
     def prepare(module: nn.Module) -> None:
         if is_vision_language(module.config):  # image rows' prompts (pixels, 3-D positions): not what it reads
-            raise ConfigError("actor_rollout_ref.actor.policy_loss.loss_mode=flowrl with a vision-language model is not "
-                              "built (the log Z head reads text prompts); use a text model or another loss_mode.")
+            raise ConfigError("actor_rollout_ref.actor.policy_loss.loss_mode=flowrl with a vision-language model is "
+                              "not built (the log Z head reads text prompts); use a text model or another loss_mode.")
         dtype = next(module.parameters()).dtype
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_HEAD_SEED)

@@ -85,7 +85,8 @@ def test_prompt_mean_leaves_out_the_prompts_last_column_as_verl_slices():
 
 
 def test_head_layout_is_verls():
-    assert [type(m).__name__ for m in ProjZHead(8, 3).net] == ["Linear", "GELU", "LayerNorm", "Dropout"] * 2 + ["Linear"]
+    block = ["Linear", "GELU", "LayerNorm", "Dropout"]
+    assert [type(m).__name__ for m in ProjZHead(8, 3).net] == block * 2 + ["Linear"]
     assert [type(m).__name__ for m in ProjZHead(8, 1).net] == ["Linear"]
     assert core_algos.get_policy_loss_fn("flowrl") is compute_policy_loss_flowrl  # registered with rlfoundry.algos
 
@@ -100,7 +101,8 @@ def test_packaged_config_and_its_start_up_errors_name_the_key():
 
     cfg = load_config([], config_name="flowrl_trainer")
     actor = cfg.actor_rollout_ref.actor
-    assert (actor.policy_loss.loss_mode, actor.use_kl_loss, actor.kl_loss_coef, actor.proj_layer) == ("flowrl", True, 0.0, 3)
+    got = (actor.policy_loss.loss_mode, actor.use_kl_loss, actor.kl_loss_coef, actor.proj_layer)
+    assert got == ("flowrl", True, 0.0, 3)
     assert cfg.reward_model.reward_manager == "dapo" and cfg.trainer.project_name == "verl-flowrl"
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.use_kl_loss=true"):
         load_config(["actor_rollout_ref.actor.use_kl_loss=false"], config_name="flowrl_trainer")
