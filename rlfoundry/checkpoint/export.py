@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from rlfoundry.checkpoint import collective
 from rlfoundry.checkpoint.layout import HF_CONFIG_DIR, read_component_marker, staging_dir, verify_files
 from rlfoundry.checkpoint.state import fix_architectures, load_checkpoint
+from rlfoundry.models.hf import trainer_only_prefixes
 from rlfoundry.utils.fs import fsync_dir, rename_then_delete
 
 __all__ = ["ENGINE_EXPORTERS", "engine_exporter", "export_hf_from_checkpoint", "publish_hf_dir", "save_hf_model"]
@@ -48,6 +49,8 @@ def save_hf_model(
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_sd = get_model_state_dict(model, options=options)
+    skip = trainer_only_prefixes(model)  # FlowRL's log Z head: no part of the HF model
+    full_sd = {k: v for k, v in full_sd.items() if not (skip and k.startswith(skip))}
     return publish_hf_dir(path, lambda out: model.save_pretrained(out, state_dict=full_sd), tokenizer, model,
                           process_group)
 

@@ -619,6 +619,7 @@ class ActorConfig(Node):
     calculate_sum_pi_squared: bool = False
     sppo_eta: float = 1.0  # policy_loss.loss_mode=sppo (verl's SPPO recipe key): the scale of its regression target
     use_kl_loss: bool = False
+    proj_layer: int = 3  # policy_loss.loss_mode=flowrl: layers of the log Z head (verl's recipe reads actor.proj_layer)
     # each decoder layer's training forward compiled (engines/fsdp/compile.py; the reference follows).
     # verl: True. Off here: compiling costs ~25 s per graph on a small CPU run (two graphs), more than the
     # update time it saves there; on GPUs it pays back within a run

@@ -18,8 +18,17 @@ from torch import nn
 
 from rlfoundry.config.schema import DTYPE_SPELLINGS
 
-__all__ = ["check_model_dir", "generation_eos_ids", "import_model_code", "kv_cache_kwargs", "load_hf_model",
-           "resolve_dtype", "resolve_model_path"]
+__all__ = ["TRAINER_ONLY_ATTR", "check_model_dir", "generation_eos_ids", "import_model_code", "kv_cache_kwargs",
+           "load_hf_model", "resolve_dtype", "resolve_model_path", "trainer_only_prefixes"]
+
+# A model attribute naming its submodules that train with it but are no part of the HF model (FlowRL's log Z
+# head): checkpointed with the module, never streamed to a rollout engine nor written to an HF export
+TRAINER_ONLY_ATTR = "_rlf_trainer_only"
+
+
+def trainer_only_prefixes(module: Any) -> tuple[str, ...]:
+    """The parameter-name prefixes (``"proj_z."``) of ``module``'s trainer-only submodules."""
+    return tuple(f"{name}." for name in getattr(module, TRAINER_ONLY_ATTR, ()))
 
 _DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_SPELLINGS.items()}
 

@@ -13,15 +13,18 @@ the same, to float rounding, whatever the micro-batch size and however many rank
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
-from rlfoundry.algos import core_algos, distillation
+from rlfoundry.algos import core_algos, distillation, flowrl  # flowrl: registers loss_mode=flowrl
 from rlfoundry.config.schema import DISTILLATION_TOPK_MODES
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, ROUTED_EXPERTS
 from rlfoundry.protocol import DataProto
+from rlfoundry.workers.flowrl_head import prompt_log_z
 from rlfoundry.workers.utils.plan import ppo_update_plan
 
 __all__ = ["DataParallelPPOActor", "ActorBatchSizes", "ROUTING_OUTPUTS"]
@@ -74,6 +77,7 @@ class DataParallelPPOActor:
         self.sizes = sizes or ActorBatchSizes()
         self.seed = seed
         self.distillation_loss = distillation_loss
+        self._head_draws = (-1, 0)  # FlowRL: (update call, log Z draws in it), _head_dropout_seed
 
     @property
     def module(self) -> torch.nn.Module:
@@ -157,11 +161,15 @@ class DataParallelPPOActor:
     def _topk_distillation(self) -> bool:
         return self.distillation_loss is not None and self.distillation_loss.loss_mode in DISTILLATION_TOPK_MODES
 
-    def policy_loss(self, outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo) -> LossOutput:
+    def policy_loss(self, outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo,
+                    on_policy: bool = False) -> LossOutput:
         """PPO's clipped surrogate (``policy_loss.loss_mode``), minus the entropy bonus, plus the KL
         loss against the reference (``use_kl_loss``), for one micro-batch. Metrics: ``actor/pg_loss``,
-        ``actor/entropy``, ``actor/kl_loss`` (summed) and the loss function's ratios (weighted)."""
+        ``actor/entropy``, ``actor/kl_loss`` (summed) and the loss function's ratios (weighted).
+        ``loss_mode=flowrl`` is FlowRL's loss alone (``_flowrl_loss``)."""
         cfg = self.config
+        if cfg.policy_loss.loss_mode == "flowrl":
+            return self._flowrl_loss(outputs, batch, info, on_policy)
         mask, log_prob, entropy = batch["response_mask"], outputs["log_probs"], outputs.get("entropy")
         mode, scale = cfg.loss_agg_mode, cfg.loss_scale_factor
         info = GlobalBatchInfo(info, **({"loss_scale_factor": scale} if scale is not None else {}))
@@ -191,6 +199,32 @@ class DataParallelPPOActor:
         if self.distillation_loss is not None:
             loss = self._add_distillation(loss, outputs, batch, info, (losses, ratios, maxima))
         return LossOutput(loss, losses, ratios, maxima)
+
+    def _flowrl_loss(self, outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo,
+                     on_policy: bool) -> LossOutput:
+        """FlowRL's flow-balance loss (``algos/flowrl.py``), with log Z from the policy's ``proj_z`` head on the
+        prompt. As verl's actor: where the update is on-policy (one mini-batch, one epoch) the old log-probs
+        are the forward's own, detached (importance weight exactly 1); no entropy bonus, no KL loss."""
+        log_prob = outputs["log_probs"]
+        old = log_prob.detach() if on_policy else batch["old_log_probs"]
+        log_z = prompt_log_z(self.module, batch, self._head_dropout_seed())
+        loss, ratios = flowrl.compute_policy_loss_flowrl(
+            old, log_prob, batch["advantages"], batch["response_mask"],
+            config=core_algos.with_global_batch_info(self.config, info), ref_log_prob=batch["ref_log_prob"],
+            log_z=log_z)
+        # verl's recipe logs the loss as actor/final_loss; actor/pg_loss is every loss's name here
+        summed = {"actor/pg_loss": loss.detach(), "actor/final_loss": loss.detach()}
+        summed |= {k: ratios.pop(k) for k in flowrl.SEQUENCE_METRICS}
+        return LossOutput(loss, summed, ratios)
+
+    def _head_dropout_seed(self) -> int:
+        """A seed per (base seed, update call, rank, micro-batch of the call): the update counter is checkpointed,
+        so the head's dropout masks repeat on resume (the process-wide generator is also drawn by the driver)."""
+        calls = self.engine.update_calls
+        count = self._head_draws[1] + 1 if self._head_draws[0] == calls else 0
+        self._head_draws = (calls, count)
+        rank, _ = self.engine.data_parallel_rank()
+        return int(np.random.SeedSequence([self.seed, calls, rank, count]).generate_state(1)[0])
 
     def _add_distillation(self, task_loss: torch.Tensor, outputs: dict[str, torch.Tensor], batch: Any,
                           info: GlobalBatchInfo, metrics: tuple[dict, dict, dict]) -> torch.Tensor:
@@ -238,4 +272,7 @@ class DataParallelPPOActor:
             self.config, self.sizes, self.seed,
             "(ppo_mini_batch_size × rollout.n / dp size); make train_batch_size a multiple of ppo_mini_batch_size",
         )
-        return self.engine.train_batch(data.select(batch_keys=self._select_keys(data)), output, self.policy_loss, plan)
+        # verl's FlowRL actor: one mini-batch and one epoch make the update on-policy (_flowrl_loss)
+        on_policy = plan.epochs == 1 and plan.mini_batch_size in (0, len(data))
+        return self.engine.train_batch(data.select(batch_keys=self._select_keys(data)), output,
+                                       partial(self.policy_loss, on_policy=on_policy), plan)

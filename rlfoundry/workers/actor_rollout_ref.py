@@ -69,6 +69,7 @@ from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.engines.base import EngineRequest, TrainingEngine
 from rlfoundry.engines.snapshot import WeightSnapshot
 from rlfoundry.workers.actor import ROUTING_OUTPUTS, ActorBatchSizes, DataParallelPPOActor
+from rlfoundry.workers.flowrl_head import add_log_z_head
 from rlfoundry.workers.rollout import BaseRollout, get_rollout_class
 from rlfoundry.workers.rollout.base import ENGINE_ONLY
 from rlfoundry.workers.utils.device import on_device
@@ -141,6 +142,8 @@ class ActorRolloutRefWorker(Worker):
             lora=self.lora if trainable else None,
             ulysses_sequence_parallel_size=policy.ulysses_sequence_parallel_size,
             use_torch_compile=policy.use_torch_compile, exact=self.config.rollout.exact_log_probs,
+            # FlowRL trains a log Z head with the policy (workers/flowrl_head.py)
+            prepare=add_log_z_head(actor.proj_layer) if trainable and actor.policy_loss.loss_mode == "flowrl" else None,
         )
         return engine_plugin(policy.strategy).build(request, self.device, role)
 

@@ -161,13 +161,14 @@ def test_engines_not_built_and_contradictions_are_errors():
     ("fully_async_dapo_trainer", "fsdp", "fully_async"), ("dapo_trainer", "fsdp", "sync"),
     ("dapo_megatron_trainer", "megatron", "sync"), ("gsm8k_multiturn_grpo", "fsdp", "sync"),
     ("gsm8k_multiturn_megatron_grpo", "megatron", "sync"), ("entropy_trainer", "fsdp", "sync"),
+    ("flowrl_trainer", "fsdp", "sync"),
 ])
 def test_verls_config_names_are_packaged(name, strategy, mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = load_config(ASYNC if mode != "sync" else [], config_name=f"{name}.yaml", config_path="config")
     assert (cfg.actor_rollout_ref.actor.strategy, cfg.async_training.mode) == (strategy, mode)
-    if "dapo" in name or name == "entropy_trainer":
+    if "dapo" in name or name in ("entropy_trainer", "flowrl_trainer"):
         assert cfg.reward_model.reward_manager == "dapo"
 
 
@@ -254,12 +255,13 @@ def test_the_recipe_entries_run_their_recipes_configs(capsys):
 
     from rlfoundry.recipe.dapo.main_dapo import ENTRY as DAPO
     from rlfoundry.recipe.entropy.main_entropy import ENTRY as ENTROPY
+    from rlfoundry.recipe.flowrl.main_flowrl import ENTRY as FLOWRL
     from rlfoundry.trainer.main_ppo import run
 
     for entry, argv, project, strategy in ((DAPO, [], "verl-dapo", "fsdp"),
                                            (DAPO, ["--config-name", "dapo_megatron_trainer.yaml"], "verl-dapo", "megatron"),
                                            (ENTROPY, ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov"],
-                                            "verl-entropy", "fsdp")):
+                                            "verl-entropy", "fsdp"), (FLOWRL, [], "verl-flowrl", "fsdp")):
         assert run([*argv, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "--cfg", "job"],
                    entry) == {}
         printed = OmegaConf.create(capsys.readouterr().out)
@@ -288,7 +290,8 @@ def test_the_entry_modules_import_no_torch():
 
     code = ("import sys, rlfoundry.experimental.one_step_off_policy.main_ppo, "
             "rlfoundry.experimental.fully_async_policy.fully_async_main, rlfoundry.recipe.dapo.main_dapo, "
-            "rlfoundry.recipe.entropy.main_entropy, rlfoundry.recipe.sppo.main_sppo; "
+            "rlfoundry.recipe.entropy.main_entropy, rlfoundry.recipe.sppo.main_sppo, "
+            "rlfoundry.recipe.flowrl.main_flowrl; "
             "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
             "sys.exit(f'imported at module level: {heavy}' if heavy else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=E.subprocess_env(),

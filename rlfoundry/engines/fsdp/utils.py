@@ -24,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from rlfoundry.config.schema import LR_SCHEDULES, OptimConfig
 from rlfoundry.engines.fsdp.expert_parallel import EP_ATTR
-from rlfoundry.models.hf import resolve_dtype
+from rlfoundry.models.hf import resolve_dtype, trainer_only_prefixes
 
 __all__ = [
     "apply_fsdp2",
@@ -250,7 +250,9 @@ def apply_fsdp2(
     experts = getattr(module, EP_ATTR, None)
     if experts is not None:  # expert parallelism: the experts first, as units of their own on the efsdp mesh
         experts.fully_shard_experts(**{k: v for k, v in kwargs.items() if k != "mesh"})
-    for layer in units:
+    # a trainer-only head (FlowRL's log Z) runs outside the model's forward: a unit of its own gathers itself
+    heads = [module.get_submodule(p.rstrip(".")) for p in trainer_only_prefixes(module)]
+    for layer in [*units, *heads]:
         fully_shard(layer, **kwargs)
         layer._rlf_reshard_after_forward = bool(reshard_after_forward)
     if forward_prefetch:
@@ -586,9 +588,10 @@ def iter_full_parameters(module: nn.Module, trainable_only: bool = False) -> Ite
     ``full_tensor()`` is a collective: every rank must run this generator to the end, in the same
     order (``named_parameters`` order is the same on every rank).
     """
+    skip = trainer_only_prefixes(module)  # FlowRL's log Z head: not the rollout's
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if trainable_only and not param.requires_grad:
+            if (trainable_only and not param.requires_grad) or hf_parameter_name(name).startswith(skip):
                 continue
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             yield hf_parameter_name(name), full.detach()
