@@ -164,6 +164,10 @@ def _load(path: Path) -> dict:
     return _without_verl_targets(raw)
 
 
+# recipes' own config classes whose keys the schema holds: the GVPO recipe's actor config (actor.gvpo_beta)
+_RECIPE_TARGETS = ("recipe.gvpo.gvpo_actor_config.",)
+
+
 def _without_verl_targets(node: Any) -> Any:
     """verl's config files name the dataclass each group instantiates into (``_target_:
     verl.trainer.config.FilterGroupsConfig``); the typed schema here is that class, so those entries
@@ -172,7 +176,7 @@ def _without_verl_targets(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     return {k: _without_verl_targets(v) for k, v in node.items()
-            if not (k == "_target_" and isinstance(v, str) and v.startswith("verl."))}
+            if not (k == "_target_" and isinstance(v, str) and v.startswith(("verl.", *_RECIPE_TARGETS)))}
 
 
 @dataclass

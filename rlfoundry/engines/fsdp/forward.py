@@ -349,7 +349,7 @@ class CausalLMForward:
         """
         group = self.group_if_dist()
         summary = row_summary(data.batch)  # the plan's one read of the device
-        if self.use_remove_padding:
+        if self.use_remove_padding or micro.in_order:
             return summarised_micro_batches(data, summary, micro, group)
         if micro.max_token_len is not None:
             parts = length_sorted_micro_batches(list(summary.lengths), summary.prompt_width, micro.max_token_len, group)
