@@ -96,6 +96,19 @@ def test_the_loss_is_registered_and_refuses_missing_group_ids_and_is_weights():
         compute_policy_loss_gvpo(OLD, LOG_PROB, ADV, MASK, config=CFG, rollout_is_weights=MASK, index=INDEX)
 
 
+def test_the_loss_is_registered_by_importing_verls_core_algos_path_alone():
+    # what a worker of plain main_ppo imports: nothing names algos.gvpo, yet loss_mode=gvpo resolves
+    import subprocess
+    import sys
+
+    from tests.trainer._e2e import subprocess_env
+
+    code = ("import sys; from rlfoundry.trainer.ppo import core_algos as c; "
+            "sys.exit(0 if c.get_policy_loss_fn('gvpo').__module__ == 'rlfoundry.algos.gvpo' else 1)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_whole_group_problem():
     assert whole_group_problem([0, 0, 1, 1, 2, 2], [6, 2]) is None
     assert "cut groups of 2" in whole_group_problem([0, 0, 1, 1, 2, 2], [6, 3])
