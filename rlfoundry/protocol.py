@@ -355,6 +355,9 @@ class DataProto:
     ``raw_prompt``
     non-tensor ``uid``                                (B,)        trainer (one id per prompt; its
                                                                   repeats share it)
+    ``uid_tensor``                                    (B,)        trainer with loss_mode=gvpo: the
+                                                                  group's number (rows ordered by
+                                                                  group, ``order_groups``)
     ================================================  ==========  ====================================
 
     Differences from verl, on purpose: ``save_to_disk`` writes one safetensors file (non-tensor

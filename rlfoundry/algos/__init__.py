@@ -3,8 +3,12 @@
 Also importable under verl's path, ``rlfoundry.trainer.ppo.core_algos``.
 """
 
+import importlib
+
 from rlfoundry.algos.core_algos import *  # noqa: F403
 from rlfoundry.algos.core_algos import __all__  # noqa: F401
-# the recipes' algorithms register themselves wherever the algorithms load (also under plain main_ppo):
-# adv_estimator / loss_mode "sppo", loss_mode "flowrl"
-from rlfoundry.algos import flowrl, sppo  # noqa: E402,F401
+
+# algorithms in their own modules register under the registries above wherever the algorithms load (plain
+# main_ppo too): SPPO's estimator and loss (sppo), FlowRL's loss (flowrl), GVPO's loss (gvpo)
+for _name in ("flowrl", "gvpo", "sppo"):
+    importlib.import_module(f"rlfoundry.algos.{_name}")

@@ -164,8 +164,9 @@ def _load(path: Path) -> dict:
     return _without_verl_targets(raw)
 
 
-# verl recipes' config dataclasses whose fields the schema has (recipe/sppo/config.py: the actor plus sppo_eta)
-RECIPE_TARGETS = ("recipe.sppo.config.SPPOActorConfig",)
+# verl recipes' config dataclasses whose fields the schema has: SPPO's actor (sppo_eta; recipe/sppo/config.py),
+# GVPO's actor config module (actor.gvpo_beta)
+RECIPE_TARGETS = ("recipe.sppo.config.SPPOActorConfig", "recipe.gvpo.gvpo_actor_config.")
 
 
 def _without_verl_targets(node: Any) -> Any:
@@ -176,7 +177,7 @@ def _without_verl_targets(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     return {k: _without_verl_targets(v) for k, v in node.items()
-            if not (k == "_target_" and isinstance(v, str) and (v.startswith("verl.") or v in RECIPE_TARGETS))}
+            if not (k == "_target_" and isinstance(v, str) and v.startswith(("verl.", *RECIPE_TARGETS)))}
 
 
 @dataclass

@@ -614,6 +614,7 @@ class ActorConfig(Node):
     entropy_coeff: float = 0.0
     tau_pos: float = 1.0  # policy_loss.loss_mode=sapo: gate temperature where A > 0
     tau_neg: float = 1.05  # ... and where A <= 0
+    gvpo_beta: float = 0.1  # policy_loss.loss_mode=gvpo: beta, the KL weight of its implicit reward (verl's recipe)
     # the log-prob pass also returns sum_pi_squared = sum_v pi_v^2 per token (B, Tr): what the optimal token
     # baselines read (trainer/config.py requires it for them, as verl's trainer does)
     calculate_sum_pi_squared: bool = False

@@ -88,6 +88,9 @@ class MicroBatching:
 
     size: int | None = None  # rows per micro-batch; None: the whole batch at once
     max_token_len: int | None = None  # token budget per micro-batch (verl's use_dynamic_bsz); wins over size
+    # rows in their given order, cut every ``size`` rows: a loss over groups of consecutive rows (GVPO) sees
+    # whole groups (no longest-first reordering)
+    in_order: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ the same, to float rounding, whatever the micro-batch size and however many rank
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -19,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfoundry.algos import core_algos, distillation, flowrl  # flowrl: registers loss_mode=flowrl
+from rlfoundry.algos import core_algos, distillation, flowrl, gvpo
 from rlfoundry.config.schema import DISTILLATION_TOPK_MODES
-from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine
+from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine, UpdatePlan
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, ROUTED_EXPERTS
 from rlfoundry.protocol import DataProto
 from rlfoundry.workers.flowrl_head import prompt_log_z
@@ -151,11 +152,19 @@ class DataParallelPPOActor:
                 "advantages"]
         if self.config.use_kl_loss:
             keys.append("ref_log_prob")
+        if self._grouped_loss:
+            keys.append(gvpo.GROUP_KEY)
         if data.batch is not None and "rollout_is_weights" in data.batch.keys():
             keys.append("rollout_is_weights")
         if self.distillation_loss is not None:
             keys.extend(TEACHER_TOPK_KEYS if self._topk_distillation else ["teacher_logprobs"])
         return keys
+
+    @property
+    def _grouped_loss(self) -> bool:
+        """Whether the policy loss reads whole prompt groups (GVPO: ``algos/gvpo.py``)."""
+        policy_loss = getattr(self.config, "policy_loss", None)
+        return getattr(policy_loss, "loss_mode", None) == "gvpo"
 
     @property
     def _topk_distillation(self) -> bool:
@@ -175,10 +184,11 @@ class DataParallelPPOActor:
         info = GlobalBatchInfo(info, **({"loss_scale_factor": scale} if scale is not None else {}))
         loss_fn = core_algos.get_policy_loss_fn(cfg.policy_loss.loss_mode)
         weights = batch["rollout_is_weights"] if "rollout_is_weights" in batch.keys() else None
+        groups = {"index": batch[gvpo.GROUP_KEY]} if self._grouped_loss else {}
         pg_loss, ratios = loss_fn(
             old_log_prob=batch["old_log_probs"], log_prob=log_prob, advantages=batch["advantages"],
             response_mask=mask, loss_agg_mode=mode,
-            config=core_algos.with_global_batch_info(cfg, info), rollout_is_weights=weights,
+            config=core_algos.with_global_batch_info(cfg, info), rollout_is_weights=weights, **groups,
         )
         agg = {k: v for k, v in info.items() if k != "dp_size"}
         # metrics stay 0-d tensors: the engine reads a mini-batch's metrics to the host once, together
@@ -250,6 +260,19 @@ class DataParallelPPOActor:
             return {}
         return {"topk": self.distillation_loss.topk, "log_probs_at": "teacher_ids"}
 
+    def _whole_group_plan(self, data: DataProto, plan: UpdatePlan) -> UpdatePlan:
+        """``plan`` cutting micro-batches in row order, after checking that this rank's rows hold whole
+        groups that its mini- and micro-batches keep whole (the config checks make it so: config/gvpo.py)."""
+        if gvpo.GROUP_KEY not in data.batch.keys():
+            raise KeyError(f"policy_loss.loss_mode=gvpo: the batch has no {gvpo.GROUP_KEY!r} (the trainer's group "
+                           "numbers, written when it orders the rows after generation)")
+        cuts = [plan.mini_batch_size or len(data), plan.micro.size or len(data)]
+        problem = gvpo.whole_group_problem(data.batch[gvpo.GROUP_KEY].tolist(), cuts)  # one read per update
+        if problem:
+            raise ValueError(f"policy_loss.loss_mode=gvpo needs whole groups in every micro-batch: {problem}; make "
+                             "actor.ppo_mini_batch_size and ppo_micro_batch_size_per_gpu multiples of rollout.n per rank")
+        return dataclasses.replace(plan, micro=dataclasses.replace(plan.micro, in_order=True))
+
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """Run ``ppo_epochs`` passes of mini-batch PPO steps over ``data``; metrics per mini-batch.
 
@@ -272,6 +295,8 @@ class DataParallelPPOActor:
             self.config, self.sizes, self.seed,
             "(ppo_mini_batch_size × rollout.n / dp size); make train_batch_size a multiple of ppo_mini_batch_size",
         )
+        if self._grouped_loss:
+            plan = self._whole_group_plan(data, plan)
         # verl's FlowRL actor: one mini-batch and one epoch make the update on-policy (_flowrl_loss)
         on_policy = plan.epochs == 1 and plan.mini_batch_size in (0, len(data))
         return self.engine.train_batch(data.select(batch_keys=self._select_keys(data)), output,

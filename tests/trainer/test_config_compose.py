@@ -162,6 +162,7 @@ def test_engines_not_built_and_contradictions_are_errors():
     ("dapo_megatron_trainer", "megatron", "sync"), ("gsm8k_multiturn_grpo", "fsdp", "sync"),
     ("gsm8k_multiturn_megatron_grpo", "megatron", "sync"), ("entropy_trainer", "fsdp", "sync"),
     ("flowrl_trainer", "fsdp", "sync"),
+    ("gvpo_trainer", "fsdp", "sync"),
 ])
 def test_verls_config_names_are_packaged(name, strategy, mode):
     with warnings.catch_warnings():
@@ -267,6 +268,12 @@ def test_the_recipe_entries_run_their_recipes_configs(capsys):
         printed = OmegaConf.create(capsys.readouterr().out)
         assert printed.reward_model.reward_manager == "dapo" and printed.algorithm.filter_groups.enable
         assert (printed.trainer.project_name, printed.actor_rollout_ref.actor.strategy) == (project, strategy)
+    from rlfoundry.recipe.gvpo.gvpo_main_ppo import ENTRY as GVPO
+
+    assert run(["actor_rollout_ref.actor.policy_loss.loss_mode=gvpo", "actor_rollout_ref.actor.gvpo_beta=0.2",
+                "--cfg", "job"], GVPO) == {}
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert (printed.trainer.project_name, printed.actor_rollout_ref.actor.gvpo_beta) == ("gvpo", 0.2)
 
 
 # ───────────────────────────── one real step ─────────────────────────────
@@ -291,7 +298,7 @@ def test_the_entry_modules_import_no_torch():
     code = ("import sys, rlfoundry.experimental.one_step_off_policy.main_ppo, "
             "rlfoundry.experimental.fully_async_policy.fully_async_main, rlfoundry.recipe.dapo.main_dapo, "
             "rlfoundry.recipe.entropy.main_entropy, rlfoundry.recipe.sppo.main_sppo, "
-            "rlfoundry.recipe.flowrl.main_flowrl; "
+            "rlfoundry.recipe.flowrl.main_flowrl, rlfoundry.recipe.gvpo.gvpo_main_ppo; "
             "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
             "sys.exit(f'imported at module level: {heavy}' if heavy else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=E.subprocess_env(),

@@ -345,11 +345,11 @@ class CausalLMForward:
         (``length_sorted_micro_batches``); fixed-size micro-batches take the rows longest response
         first when that computes fewer tokens than the given order (which keeps a prompt's n
         samples together for the shared-prompt forward). Packed forwards compute no padding: rows
-        keep their order, budgets count real tokens.
+        keep their order, budgets count real tokens. ``micro.in_order``: fixed sizes in row order, padded too.
         """
         group = self.group_if_dist()
         summary = row_summary(data.batch)  # the plan's one read of the device
-        if self.use_remove_padding:
+        if self.use_remove_padding or micro.in_order:
             return summarised_micro_batches(data, summary, micro, group)
         if micro.max_token_len is not None:
             parts = length_sorted_micro_batches(list(summary.lengths), summary.prompt_width, micro.max_token_len, group)

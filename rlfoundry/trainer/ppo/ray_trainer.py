@@ -49,7 +49,8 @@ from rlfoundry.utils.trajectories import generation_records, write_generations
 from rlfoundry.utils.torch_functional import masked_mean
 from rlfoundry.trainer.ppo.sources import DynamicSamplingSource, SampleSource, SyncSource
 
-__all__ = ["PPOTrainer", "RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalty", "balance_batch", "compute_advantage"]
+__all__ = ["PPOTrainer", "RayPPOTrainer", "WorkerGroupFactory", "apply_kl_penalty", "balance_batch", "compute_advantage",
+           "order_groups"]
 
 # (role name → worker class with init args) → (role name → worker group view); see main_ppo.
 WorkerGroupFactory = Callable[[dict[str, ClassWithInitArgs]], dict[str, WorkerGroup]]
@@ -160,6 +161,30 @@ def balance_batch(data: DataProto, world_size: int) -> tuple[DataProto, dict[str
     data.reorder(torch.tensor(order))
     sums = [sum(seqlens[i] for i in part) for part in parts]
     return data, {"training/seqlen_max_rank_tokens": float(max(sums)), "training/seqlen_min_rank_tokens": float(min(sums))}
+
+
+def order_groups(data: DataProto, world_size: int, balance: bool = True) -> tuple[DataProto, dict[str, float]]:
+    """Rows reordered so each prompt's group (``uid``) is in consecutive rows and each rank's contiguous
+    chunk holds whole groups, numbered in ``uid_tensor`` (B,) int64: what GVPO's loss reads
+    (``algos/gvpo.py``), as verl's recipe reorders its batch. With ``balance``, ``balance_batch`` by group:
+    Karmarkar–Karp over the groups' token counts into ``world_size`` equal shares (when they divide)."""
+    from rlfoundry.algos.gvpo import GROUP_KEY
+    from rlfoundry.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+    members: dict[Any, list[int]] = {}
+    for i, uid in enumerate(data.non_tensor_batch["uid"]):
+        members.setdefault(uid, []).append(i)
+    groups, stats = list(members.values()), {}
+    if balance and world_size > 1 and len(groups) % world_size == 0:
+        seqlens = data.batch["attention_mask"].sum(-1).tolist()
+        tokens = [sum(seqlens[i] for i in g) for g in groups]
+        parts = get_seqlen_balanced_partitions(tokens, k_partitions=world_size, equal_size=True)
+        groups = [groups[j] for part in parts for j in part]
+        sums = [sum(tokens[j] for j in part) for part in parts]
+        stats = {"training/seqlen_max_rank_tokens": float(max(sums)), "training/seqlen_min_rank_tokens": float(min(sums))}
+    data.reorder(torch.tensor([i for g in groups for i in g]))
+    data.batch[GROUP_KEY] = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([len(g) for g in groups]))
+    return data, stats
 
 
 def _generative_reward_model(config: PPOConfig, tokenizer: Any, judge_wg: WorkerGroup) -> Any:
@@ -598,7 +623,9 @@ class PPOTrainer:
     def finish_generation(self, batch: DataProto) -> DataProto:
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
-        if self.config.trainer.balance_batch:
+        if self.config.actor_rollout_ref.actor.policy_loss.loss_mode == "gvpo":  # groups whole per micro-batch
+            batch, _ = order_groups(batch, self.world_size, self.config.trainer.balance_batch)
+        elif self.config.trainer.balance_batch:
             batch, _ = balance_batch(batch, self.world_size)
         return batch
 
