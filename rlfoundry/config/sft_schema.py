@@ -115,9 +115,10 @@ class SFTFSDPConfig:
 class SFTModelConfig:
     partial_pretrain: Optional[str] = None  # local HF directory (or rlfoundry://NAME for a packaged model)
     path: Optional[str] = None  # verl's newer spelling of partial_pretrain
+    # the training engine (config/training_engines.py, whose table is the list of choices, checked by the trainer):
     # verl's FSDP versions (both the FSDP2 engine here) or the Megatron engine (verl's engine=megatron sets it;
-    # engine=automodel is the FSDP2 engine, config/automodel.py)
-    strategy: str = _choice("fsdp2", "fsdp", "megatron")
+    # engine=automodel is the FSDP2 engine, config/automodel.py), or an engine registered there
+    strategy: str = "fsdp2"
     use_remove_padding: Optional[bool] = None  # verl's newer spelling of the top-level use_remove_padding
     use_liger: bool = False  # Liger's Triton kernels patched in (CUDA and liger-kernel; models/liger.py)
     trust_remote_code: bool = False

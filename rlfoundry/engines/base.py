@@ -316,6 +316,18 @@ class EnginePlugin(abc.ABC):
         ``ulysses_sequence_parallel_size``, for engines that split sequences)."""
         return world_size
 
+    def data_parallel_rank(self, role: Any, rank: int, world_size: int) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size) for the role subtree ``role``, before its engine
+        is built (which rows a data loader gives this rank): here the consecutive ranks holding one model copy
+        (``model_copy``) read the same rows. An engine whose own process groups order the ranks sets them up here."""
+        copy = max(1, self.model_copy(role)[0])
+        return rank // copy, world_size // copy
+
+    def teardown(self) -> None:
+        """Undo what this engine's ``build`` (or ``data_parallel_rank``) set up for the whole process (its own
+        process groups), before the caller destroys the default group: a later run in the process lays its ranks
+        out afresh. Nothing here."""
+
     def optimizer_fields(self) -> tuple[set[str], str]:
         """What verl's ``optim.override_optimizer_config`` may set on this engine's optimizer, and what those
         names are (for the error about the others)."""

@@ -2,7 +2,8 @@
 ``fsdp_sft_trainer`` keys; typed defaults in ``rlfoundry/config/sft_schema.py``).
 
 SFT is a role on the training engine, like the PPO actor: it brings a loss (``sft_loss``) and the
-engine (``engines/fsdp``; ``engines/megatron`` with verl's ``engine=megatron optim=megatron``) runs the
+engine (``engines/fsdp``; ``engines/megatron`` with verl's ``engine=megatron optim=megatron``; any engine
+registered in ``config/training_engines.py``, built by its plug-in as the RL roles' are) runs the
 micro-batches, the global-batch normalisation, clipping, the optimiser step, checkpoints and HF export.
 The pairs (``data/sft_dataset.py``) are chat-templated prompts and responses with EOS appended, each
 batch laid out as verl's RL batch (left-padded prompt | right-padded response, ``response_mask`` over
@@ -31,6 +32,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -257,10 +259,10 @@ def _setting_errors(cfg: DictConfig) -> list[str]:
         errors.append("model.mtp.enable_rollout=true: SFT samples nothing, so there is no rollout to draft for (the "
                       "PPO trainer's HF rollout drafts with the MTP layers); set it false.")
     elif (mtp.enable or mtp.enable_train) and not _plugin(cfg).supports_mtp:
-        on = "enable" if mtp.enable else "enable_train"
+        on, strategy = "enable" if mtp.enable else "enable_train", cfg.model.strategy
         errors.append(f"model.mtp.{on}=true: multi-token prediction (verl's MTP layers trained beside the model) is "
-                      "built on the Megatron engine (engine=megatron, engines/megatron/mtp.py), not the FSDP one; set "
-                      "engine=megatron or model.mtp.enable=false.")
+                      f"not built on the {strategy} engine (model.strategy={strategy}; its plug-in has no "
+                      "supports_mtp); set engine=megatron (engines/megatron/mtp.py builds it) or model.mtp.enable=false.")
     if cfg.model.lora_rank and importlib.util.find_spec("peft") is None:
         from rlfoundry.models.lora import PEFT_INSTALL
 
@@ -300,7 +302,35 @@ def _sequence_split(cfg: DictConfig) -> tuple[int, str]:
 
 
 def _engine_errors(cfg: DictConfig, world_size: int) -> list[str]:
-    return qat_problems({"engine": cfg.engine.qat}) + _layout_errors(cfg, world_size)
+    return (_strategy_errors(cfg) + qat_problems({"engine": cfg.engine.qat}) + _layout_errors(cfg, world_size)
+            + _capability_errors(cfg, _plugin(cfg)))
+
+
+def _strategy_errors(cfg: DictConfig) -> list[str]:
+    """``model.strategy`` names a registered engine (the table is the list, so an engine registered there is one)."""
+    if cfg.model.strategy in TRAINING_ENGINES:
+        return []
+    return [f"model.strategy={cfg.model.strategy!r} must be one of {sorted(TRAINING_ENGINES)} (the training engines "
+            "registered in rlfoundry/config/training_engines.py)"]
+
+
+# the layout subtrees an SFT config carries to an engine (EngineRequest.megatron: the engine group, engine.*)
+_SFT_LAYOUTS = (None, "megatron")
+
+
+def _capability_errors(cfg: DictConfig, plugin: Any) -> list[str]:
+    """What SFT needs of an engine that its plug-in does not say it has: a layout subtree SFT's config can fill,
+    and LoRA where SFT hands it the LoRA keys (an engine with its own layout: ``_fsdp_keys_unread``)."""
+    strategy, errors = cfg.model.strategy, []
+    if plugin.layout_key not in _SFT_LAYOUTS:
+        errors.append(f"model.strategy={strategy}: its engine is laid out by a '{plugin.layout_key}' subtree, and an "
+                      "SFT config carries the engine group (engine.*) as a 'megatron' subtree only (or the FSDP keys, "
+                      "model.fsdp_config, to an engine without one); register its plug-in with layout_key='megatron' "
+                      "or None, or train with engine=fsdp.")
+    if cfg.model.lora_rank and not plugin.layout_key and not plugin.supports_lora:
+        errors.append(f"model.lora_rank={cfg.model.lora_rank} with model.strategy={strategy}: its engine builds no "
+                      "LoRA adapters (its plug-in has no supports_lora); use engine=fsdp, or lora_rank=0.")
+    return errors
 
 
 def _layout_errors(cfg: DictConfig, world_size: int) -> list[str]:
@@ -309,8 +339,9 @@ def _layout_errors(cfg: DictConfig, world_size: int) -> list[str]:
     plugin = _plugin(cfg)
     if not plugin.layout_key:
         megatron_keys = _megatron_keys_set(cfg.engine)
-        return [f"engine.{key}={value}: a Megatron engine key, and this run trains on the FSDP2 engine; add "
-                "engine=megatron optim=megatron, or remove it." for key, value in megatron_keys.items()] \
+        return [f"engine.{key}={value}: a Megatron engine key, and this run's engine (model.strategy="
+                f"{cfg.model.strategy}) reads none of the engine group's; add engine=megatron optim=megatron, or "
+                "remove it." for key, value in megatron_keys.items()] \
             + _expert_parallel_errors(cfg, world_size) + _vision_errors(cfg, plugin)
     return _own_layout_errors(cfg, plugin, world_size) + _vision_errors(cfg, plugin) + _fsdp_keys_unread(cfg, plugin)
 
@@ -370,15 +401,17 @@ def _fsdp_keys_unread(cfg: DictConfig, plugin: Any) -> list[str]:
     fsdp_set = {k: v for k, v in OmegaConf.to_container(m.fsdp_config).items()
                 if v != getattr(_FSDP_DEFAULTS, k)}
     errors += [f"model.fsdp_config.{k}={v} (verl: engine.{k}): an FSDP engine key; with {engine} remove it "
-               "(the Megatron engine's are engine.*: dtype, param_offload, ...)." for k, v in fsdp_set.items()]
+               f"(the {plugin.name} engine's are the engine group's, engine.*: dtype, param_offload, ...)."
+               for k, v in fsdp_set.items()]
     unread = {"model.use_liger": m.use_liger, "model.lora_rank": m.lora_rank,
               "model.enable_gradient_checkpointing": m.enable_gradient_checkpointing,
               "model.override_config": dict(m.override_config)}
-    fixes = {"model.lora_rank": "LoRA SFT on the Megatron engine is not built; use engine=fsdp",
+    fixes = {"model.lora_rank": f"LoRA SFT on the {plugin.name} engine is not built; use engine=fsdp",
              "model.enable_gradient_checkpointing": "set engine.override_transformer_config.recompute_granularity "
-                                                    "(megatron-core's recompute) instead",
-             "model.override_config": "set engine.override_transformer_config (megatron-core's) instead",
-             "model.use_liger": "Liger patches HF models; the Megatron engine runs megatron-core's layers"}
+                                                    "(the engine group's recompute) instead",
+             "model.override_config": "set engine.override_transformer_config (the engine group's model settings) "
+                                      "instead",
+             "model.use_liger": f"Liger patches HF models, which the {plugin.name} engine does not train"}
     return errors + [f"{k}={v} with {engine}: {fixes[k]}." for k, v in unread.items() if v]
 
 
@@ -450,7 +483,8 @@ def _seed_everything(seed: int) -> None:
 
 
 class SFTTrainer:
-    """Builds data, engine (FSDP2 or Megatron) and tracker from a validated config; ``fit()`` trains."""
+    """Builds data, engine (by the plug-in ``model.strategy`` names: FSDP2, Megatron or a registered one) and
+    tracker from a validated config; ``fit()`` trains."""
 
     def __init__(self, config: DictConfig) -> None:
         self.config = config
@@ -463,10 +497,7 @@ class SFTTrainer:
             raise
 
     def _leave_groups(self) -> None:
-        if self.config.model.strategy == "megatron" and importlib.util.find_spec("megatron") is not None:
-            from megatron.core import parallel_state as ps
-
-            ps.destroy_model_parallel()  # its groups are the process group's: a later run builds its own
+        _plugin(self.config).teardown()  # the engine's own groups (megatron-core's): a later run builds its own
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -553,20 +584,12 @@ class SFTTrainer:
                                         sampler=val_sampler, collate_fn=collate)
 
     def _data_parallel(self) -> tuple[int, int]:
-        """How many data-parallel ranks read the data, and which one this rank is: the ranks of one Ulysses
-        group (consecutive ranks, engines/fsdp/ulysses.py) or of one Megatron model copy read the same rows."""
-        if self.config.model.strategy != "megatron":
-            sp = int(self.config.ulysses_sequence_parallel_size)
-            return self.world_size // sp, self.rank // sp
-        from megatron.core import parallel_state as ps
-
-        from rlfoundry.engines.megatron.bridge import initialize_parallel
-
-        e = self.config.engine  # megatron-core's groups now (the engine joins them): its rank order is its own
-        initialize_parallel(e.tensor_model_parallel_size, e.pipeline_model_parallel_size,
-                            e.virtual_pipeline_model_parallel_size, e.context_parallel_size, seed=e.seed,
-                            ep=e.expert_model_parallel_size, etp=e.expert_tensor_parallel_size)
-        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        """How many data-parallel ranks read the data, and which one this rank is, as the engine's plug-in lays them
+        out before its engine is built: the ranks of one Ulysses group (consecutive ranks, engines/fsdp/ulysses.py)
+        or of one Megatron model copy (megatron-core's groups, joined now) read the same rows."""
+        plugin = _plugin(self.config)
+        dp_rank, dp = plugin.data_parallel_rank(_as_role(self.config, plugin)[ROLE], self.rank, self.world_size)
+        return dp, dp_rank
 
     def _total_steps(self) -> int:
         per_epoch = len(self.train_loader)
@@ -586,49 +609,57 @@ class SFTTrainer:
                            total_training_steps=self.total_steps)
 
     def _build_engine(self) -> Any:
-        if self.config.model.strategy == "megatron":
-            return self._build_megatron_engine()
-        from rlfoundry.config.schema import FSDPConfig
-        from rlfoundry.engines.fsdp.engine import FSDPEngine, FSDPEngineConfig
+        """The engine ``model.strategy`` names, built by its plug-in from the SFT role's request, as the RL roles'
+        engines are (``EnginePlugin.build``)."""
         from rlfoundry import cpu as cpu_kernels
-        from rlfoundry.models.lora import LoraSpec
 
-        m, fsdp, o = self.config.model, self.config.model.fsdp_config, self.config.optim
-        if cpu_kernels.enabled(m.cpu_kernels, self.device):
+        if cpu_kernels.enabled(self.config.model.cpu_kernels, self.device):
             from rlfoundry.cpu.malloc import tune_malloc
 
             tune_malloc()  # one of the CPU speed-ups: glibc keeps freed activation memory
-        optim = self._optim()
-        mixed = {"param_dtype": fsdp.param_dtype, "reduce_dtype": fsdp.reduce_dtype}
-        config = FSDPEngineConfig(
-            path=str(m.partial_pretrain), optim=optim, grad_clip=o.clip_grad, cpu_kernels=m.cpu_kernels,
-            fsdp=FSDPConfig(model_dtype=fsdp.model_dtype, mixed_precision=mixed, param_offload=fsdp.offload_params,
-                            optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward,
-                            fsdp_size=int(fsdp.fsdp_size), expert_parallel_size=int(fsdp.expert_parallel_size)),
-            trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config),
-            gradient_checkpointing=m.enable_gradient_checkpointing, use_remove_padding=self.config.use_remove_padding,
-            use_liger=m.use_liger,
-            lora=LoraSpec.of(m), ulysses_sequence_parallel_size=int(self.config.ulysses_sequence_parallel_size),
-        )
-        return FSDPEngine.build(config, self.device, role=ROLE)
+        plugin = _plugin(self.config)
+        return plugin.build(self._engine_request(plugin), self.device, ROLE)
 
-    def _build_megatron_engine(self) -> Any:
-        """verl's engine=megatron: the RL roles' Megatron engine, its ``megatron`` keys from the engine group."""
-        from rlfoundry.config.typed import to_typed
-        from rlfoundry.engines.megatron.engine import MegatronEngine, MegatronEngineConfig
+    def _engine_request(self, plugin: Any) -> Any:
+        """verl's SFT keys under the RL roles' names: the model keys an engine reads of a role's ``model``, the
+        FSDP keys as its ``fsdp_config`` and, for an engine laid out by a subtree of its own (``layout_key``), the
+        engine group as its ``megatron`` subtree."""
+        from rlfoundry.config.schema import FSDPConfig
+        from rlfoundry.engines.base import EngineRequest
         from rlfoundry.models.hf import resolve_model_path
+        from rlfoundry.models.lora import LoraSpec
+
+        m, fsdp = self.config.model, self.config.model.fsdp_config
+        # model.mtp: the model's MTP layers, their loss on the response tokens beside the SFT loss (an engine that
+        # builds them: supports_mtp, checked at start-up)
+        model = SimpleNamespace(path=str(resolve_model_path(m.partial_pretrain)), cpu_kernels=m.cpu_kernels,
+                                trust_remote_code=m.trust_remote_code, use_remove_padding=self.config.use_remove_padding,
+                                use_liger=m.use_liger, mtp=m.mtp)
+        mixed = {"param_dtype": fsdp.param_dtype, "reduce_dtype": fsdp.reduce_dtype}
+        fsdp_config = FSDPConfig(model_dtype=fsdp.model_dtype, mixed_precision=mixed, param_offload=fsdp.offload_params,
+                                 optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward,
+                                 fsdp_size=int(fsdp.fsdp_size), expert_parallel_size=int(fsdp.expert_parallel_size))
+        return EngineRequest(model=model, fsdp=fsdp_config, megatron=self._layout(plugin), optim=self._optim(),
+                             grad_clip=self.config.optim.clip_grad, override_config=dict(m.override_config),
+                             gradient_checkpointing=m.enable_gradient_checkpointing, lora=LoraSpec.of(m),
+                             ulysses_sequence_parallel_size=int(self.config.ulysses_sequence_parallel_size))
+
+    def _layout(self, plugin: Any) -> MegatronConfig | None:
+        """The engine group as the typed layout subtree of an engine that has one (None: the engine reads the FSDP
+        keys). Its compute dtype on the CPU is float32, as for the RL roles (trainer/config.py
+        _resolve_megatron_dtypes): the CPU run is the exact reference."""
+        if not plugin.layout_key:
+            return None
+        from rlfoundry.config.typed import to_typed
 
         engine = OmegaConf.to_container(self.config.engine, resolve=True)
-        megatron = to_typed(MegatronConfig, {k: v for k, v in engine.items() if k in _MEGATRON_KEYS}, name="engine")
-        if torch.device(self.device).type == "cpu" and megatron.dtype not in ("float32", "fp32"):
-            # as for the RL roles (trainer/config.py _resolve_megatron_dtypes): the CPU run is the exact reference
-            say_once(f"engine.dtype=float32 (asked: {megatron.dtype}): the CPU trains in float32, as the FSDP engine "
-                     "does there; bf16 is the GPU precision")
-            megatron = dataclasses.replace(megatron, dtype="float32")
-        path = str(resolve_model_path(self.config.model.partial_pretrain))
-        # model.mtp: the model's MTP layers, their loss on the response tokens beside the SFT loss (mtp.py)
-        return MegatronEngine(MegatronEngineConfig(path, megatron, self._optim(), self.config.optim.clip_grad,
-                                                   mtp=self.config.model.mtp), self.device, role=ROLE)
+        layout = to_typed(MegatronConfig, {k: v for k, v in engine.items() if k in _MEGATRON_KEYS}, name="engine")
+        if plugin.dtype_key and torch.device(self.device).type == "cpu" and layout.dtype not in ("float32", "fp32"):
+            key = _sft_keys(f"{ROLE}.{plugin.dtype_key}", plugin)
+            say_once(f"{key}=float32 (asked: {layout.dtype}): the CPU trains in float32, as the FSDP engine does "
+                     "there; bf16 is the GPU precision")
+            layout = dataclasses.replace(layout, dtype="float32")
+        return layout
 
     def _build_tracking(self) -> Any:
         if self.rank != 0:

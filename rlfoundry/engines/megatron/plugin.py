@@ -19,6 +19,8 @@ from rlfoundry.engines.megatron import megatron_fsdp, moe
 
 __all__ = ["PLUGIN"]
 
+# the roles whose engine builds the model's MTP layers (model.mtp): the PPO actor and SFT's model
+_MTP_ROLES = ("actor", "sft")
 _LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
            "context_parallel_size")
 
@@ -40,9 +42,30 @@ class MegatronPlugin(EnginePlugin):
                                       use_fused_kernels=bool(getattr(request.model, "use_fused_kernels", False)),
                                       fused_kernel_options=dict(getattr(request.model, "fused_kernel_options", None) or {}),
                                       lora=request.lora,
-                                      # the actor's MTP layers (mtp.py); the reference and the critic build without
-                                      mtp=getattr(request.model, "mtp", None) if role == "actor" else None)
+                                      # the actor's and SFT's MTP layers (mtp.py); the reference and the critic
+                                      # build without
+                                      mtp=getattr(request.model, "mtp", None) if role in _MTP_ROLES else None)
         return MegatronEngine(config, device, role=role)
+
+    def data_parallel_rank(self, role: Any, rank: int, world_size: int) -> tuple[int, int]:
+        """megatron-core's groups, joined now (``build`` finds them set up): its rank order is its own."""
+        from megatron.core import parallel_state as ps
+
+        from rlfoundry.engines.megatron.bridge import initialize_parallel
+
+        m = role.megatron
+        initialize_parallel(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                            m.virtual_pipeline_model_parallel_size, m.context_parallel_size, seed=m.seed,
+                            ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def teardown(self) -> None:
+        """megatron-core's groups are subgroups of the default process group: destroyed with it, a later run
+        builds its own."""
+        if importlib.util.find_spec("megatron") is not None:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
 
     def data_parallel_size(self, world_size: int, megatron: Any, sequence_parallel: int = 1) -> int:
         return max(1, world_size // model_parallel_size(megatron))
