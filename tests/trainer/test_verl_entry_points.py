@@ -283,6 +283,41 @@ def test_main_eval_a_scorer_that_hangs_or_raises_costs_its_response_only(tmp_pat
     assert "'timeout': 1" in captured.err and "'exception': 1" in captured.err and "row 0, response 1" in captured.err
 
 
+def test_the_r1_recipes_eval_entry_runs_its_script_line_with_its_task_dispatching_scorer(tmp_path, monkeypatch, capsys):
+    """recipe/r1/run_r1_distill_qwen.sh's main_eval line: the recipe's reward_score.py dispatches by data
+    source to ``recipe.r1.tasks.*``, a package of the checkout the script runs in (here a stand-in
+    written for the test, with GPQA's "Answer: X" rule), imported from the working directory."""
+    from rlfoundry.recipe.r1 import main_eval as r1_eval
+
+    tasks = tmp_path / "recipe" / "r1" / "tasks"
+    tasks.mkdir(parents=True)
+    for pkg in (tmp_path / "recipe", tmp_path / "recipe" / "r1", tasks):
+        (pkg / "__init__.py").write_text("")
+    (tasks / "gpqa.py").write_text(
+        "import re\n\ndef compute_score(solution_str, ground_truth):\n"
+        "    m = re.search(r'(?i)Answer[ \\t]*:[ \\t]*\\$?([A-D])\\$?', solution_str)\n"
+        "    return 1.0 if m and m.group(1) == ground_truth else 0.0\n")
+    (tmp_path / "recipe" / "r1" / "reward_score.py").write_text(
+        "def reward_func(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if data_source == 'Idavidrein/gpqa':\n"
+        "        from recipe.r1.tasks import gpqa\n"
+        "        return gpqa.compute_score(solution_str, ground_truth)\n"
+        "    raise NotImplementedError(data_source)\n")
+    pq.write_table(pa.table({
+        "data_source": ["Idavidrein/gpqa"] * 3, "prompt": [[{"role": "user", "content": "q"}]] * 3,
+        "reward_model": [{"style": "rule", "ground_truth": t} for t in ("A", "C", "B")],
+        "responses": [["Answer: A", "Answer: B"], ["answer: C", "Answer: C"], ["no idea", "Answer: D"]]}),
+        tmp_path / "test-output-8.parquet")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # python -m puts the working directory first, as here
+    line = ("data.path=test-output-8.parquet data.prompt_key=prompt data.response_key=responses "
+            "custom_reward_function.path=recipe/r1/reward_score.py custom_reward_function.name=reward_func")
+    assert r1_eval.main(line.split()) == 0
+    metrics = eval(capsys.readouterr().out.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    # rows: (1 + 0) / 2, (1 + 1) / 2, (0 + 0) / 2 -> 0.5, 1, 0: mean 0.5; two rows of three have a full mark
+    assert metrics == {"test_score/Idavidrein/gpqa": 0.5, "pass@2/Idavidrein/gpqa": pytest.approx(2 / 3)}
+
+
 # ───────────────────────────────── verl's command lines, --cfg job ─────────────────────────────────
 
 # examples/generation/run_deepseek7b_mutli_node.sh, run_deepseek_v2_lite_math.sh and
