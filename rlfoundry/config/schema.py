@@ -179,6 +179,8 @@ class DataConfig(Node):
     reward_fn_key: str = "data_source"
     max_prompt_length: int = 64  # verl: 512
     max_response_length: int = 16  # verl: 512
+    # a DAPO recipe script adds it (+data.min_response_length); nothing in verl reads it (verl_compat.NO_EFFECT_KEYS)
+    min_response_length: Optional[int] = None
     train_batch_size: int = 16  # verl: 1024
     # fully async (async_training.mode=fully_async): prompts per rollouter engine call; null: train_batch_size
     gen_batch_size: Optional[int] = None

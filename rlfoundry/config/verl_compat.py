@@ -110,6 +110,8 @@ NO_EFFECT_KEYS: tuple[str, ...] = (
     "actor_rollout_ref.rollout.over_sample_rate",
     # verl's sapo scripts (August) add these; its sapo loss reads actor.tau_pos / actor.tau_neg instead
     "actor_rollout_ref.actor.policy_loss.tau_pos", "actor_rollout_ref.actor.policy_loss.tau_neg",
+    # a DAPO recipe script (run_dapo_qwen2.5_32b_fsdp2_4k_npu.sh) adds it with "+"; no verl or recipe code reads it
+    "data.min_response_length",
     "trainer.use_v1",  # verl's newer trainer implementation (its trainer_mode=sync); one trainer here
     "*.fsdp_config.use_orig_params",  # FSDP1's flag: FSDP2 always keeps the original parameters
     "*.fsdp_config.strategy",  # fsdp or fsdp2 (checked): one FSDP2 engine

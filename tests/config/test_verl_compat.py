@@ -330,6 +330,8 @@ def test_rollout_replica_layout_runs_one_engine_per_rank_and_over_sampling_has_n
     assert _resolved("+actor_rollout_ref.actor.policy_loss.tau_pos=2.0").actor_rollout_ref.actor.tau_pos == 1.0
     # verl declares over_sample_rate and reads it nowhere: accepted, with the no-effect warning
     assert f"{key}.over_sample_rate" in _no_effect_warning(f"{key}.over_sample_rate=0.1")
+    # a DAPO recipe script adds data.min_response_length, which nothing in verl reads
+    assert "data.min_response_length" in _no_effect_warning("+data.min_response_length=4096")
     _load(f"{key}.data_parallel_size=1", f"{key}.expert_parallel_size=1", f"{key}.over_sample_rate=0")
 
 
