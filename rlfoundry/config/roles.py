@@ -9,10 +9,13 @@ __all__ = ["adv_estimator", "need_reference_policy", "use_critic"]
 
 
 def adv_estimator(cfg: Any) -> str:
-    """``algorithm.adv_estimator``; null means gae when a critic model is given (verl's PPO), else grpo."""
+    """``algorithm.adv_estimator``; null means gae when a critic model is given (verl's PPO), spin with
+    SPIN's loss (verl's recipe sets null: its trainer pairs the samples itself), else grpo."""
     est = cfg.algorithm.adv_estimator
     if est is not None:
         return str(est)
+    if cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "spin":
+        return "spin"
     return "gae" if cfg.critic.model.path is not None or cfg.critic.enable else "grpo"
 
 
@@ -23,5 +26,6 @@ def use_critic(cfg: Any) -> bool:
 
 
 def need_reference_policy(cfg: Any) -> bool:
-    """A frozen reference model is needed for a KL term: in the reward or in the actor loss."""
-    return bool(cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss)
+    """A reference model is needed for a KL term (in the reward or in the actor loss) and by SPIN's DPO loss."""
+    actor = cfg.actor_rollout_ref.actor
+    return bool(cfg.algorithm.use_kl_in_reward or actor.use_kl_loss or actor.policy_loss.loss_mode == "spin")

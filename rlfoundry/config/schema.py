@@ -617,6 +617,7 @@ class ActorConfig(Node):
     tau_pos: float = 1.0  # policy_loss.loss_mode=sapo: gate temperature where A > 0
     tau_neg: float = 1.05  # ... and where A <= 0
     gvpo_beta: float = 0.1  # policy_loss.loss_mode=gvpo: beta, the KL weight of its implicit reward (verl's recipe)
+    dpo_beta: float = 0.1  # policy_loss.loss_mode=spin (verl's SPIN recipe key): beta of its DPO loss (algos/spin.py)
     # the log-prob pass also returns sum_pi_squared = sum_v pi_v^2 per token (B, Tr): what the optimal token
     # baselines read (trainer/config.py requires it for them, as verl's trainer does)
     calculate_sum_pi_squared: bool = False
@@ -1155,6 +1156,9 @@ class AlgorithmConfig(Node):
     # adv_estimator=sppo (verl's SPPO recipe key): the temperature of the batch soft mean its rewards are
     # centred by (algos/sppo.py); 0: the plain mean
     sppo_eta: float = 1.0
+    # policy_loss.loss_mode=spin (verl's SPIN recipe reads them here): its DPO loss form and label smoothing
+    dpo_loss_type: str = one_of(("sigmoid", "ipo"), "sigmoid")
+    dpo_label_smoothing: float = 0.0
 
     def check(self) -> list[str]:
         """Numbers in range and known levels: ``gamma``/``lam``, the adaptive KL controller, PF-PPO,
@@ -1268,6 +1272,7 @@ class TrainerConfig(Node):
     experiment_name: str = "arithmetic-grpo"  # verl: gsm8k
     logger: Any = _list("console", "file")  # a name or a list of names. verl: [console, wandb]
     log_val_generations: int = 0
+    log_freq: int = 1  # log the step's metrics every this many steps (verl's SPIN recipe key; its trainer reads it)
     val_generations_to_log_to_wandb: int = 0  # verl <= 0.2 name of log_val_generations
     rollout_data_dir: Optional[str] = None
     validation_data_dir: Optional[str] = None
@@ -1281,6 +1286,9 @@ class TrainerConfig(Node):
     val_only: bool = False
     test_freq: int = 10  # verl: -1
     critic_warmup: int = 0
+    # policy_loss.loss_mode=spin (verl's SPIN recipe key): copy the actor into the reference every this many
+    # steps (verl: before the step's ref log-probs when step % freq == 0); <= 0: the reference stays fixed
+    ref_update_freq: int = -1
     default_hdfs_dir: Optional[str] = None
     del_local_ckpt_after_load: bool = False
     # relative interpolations (verl writes ${trainer.project_name}): also resolve in a TrainerConfig alone
@@ -1324,6 +1332,8 @@ class TrainerConfig(Node):
             errors.append(f"trainer.total_epochs={self.total_epochs} must be positive.")
         if self.total_training_steps is not None and self.total_training_steps <= 0:
             errors.append(f"trainer.total_training_steps={self.total_training_steps} must be positive (or null).")
+        if self.log_freq < 1:
+            errors.append(f"trainer.log_freq={self.log_freq} must be >= 1 (log every this many steps).")
         if self.log_val_generations < 0:
             errors.append(f"trainer.log_val_generations={self.log_val_generations} must be >= 0 (the number of "
                           "validation samples to log; 0: none).")

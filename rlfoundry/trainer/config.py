@@ -41,6 +41,7 @@ from rlfoundry.config.sppo import sppo_errors
 from rlfoundry.config.flowrl import flowrl_errors, flowrl_warnings
 from rlfoundry.config.gvpo import gvpo_errors
 from rlfoundry.config.roles import adv_estimator, need_reference_policy, use_critic
+from rlfoundry.config.spin import spin_errors
 from rlfoundry.config.schema import (DISTILLATION_TOPK_MODES, STRATEGIES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze,
                                      qat_problems)
 from rlfoundry.config.training_engines import TRAINING_ENGINES, engine_plugin, training_engine
@@ -1026,7 +1027,7 @@ def validate_config(cfg: DictConfig | PPOConfig) -> None:
                + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
                + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg) + _check_optimizers(typed_cfg)
                + _check_exact_mode(typed_cfg) + flowrl_errors(typed_cfg)
-               + gvpo_errors(typed_cfg))
+               + gvpo_errors(typed_cfg) + spin_errors(typed_cfg))
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))

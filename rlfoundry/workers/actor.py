@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfoundry.algos import core_algos, distillation, flowrl, gvpo
+from rlfoundry.algos import core_algos, distillation, flowrl, gvpo, spin
 from rlfoundry.config.schema import DISTILLATION_TOPK_MODES
 from rlfoundry.engines.base import GlobalBatchInfo, LogProbs, LossOutput, MicroBatching, TrainingEngine, UpdatePlan
 from rlfoundry.engines.fsdp.forward import MODEL_INPUTS, ROUTED_EXPERTS
@@ -79,6 +79,7 @@ class DataParallelPPOActor:
         self.seed = seed
         self.distillation_loss = distillation_loss
         self._head_draws = (-1, 0)  # FlowRL: (update call, log Z draws in it), _head_dropout_seed
+        self._dpo_options: dict[str, Any] = {}  # SPIN: the update batch's algorithm keys (_spin_loss)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -150,7 +151,7 @@ class DataParallelPPOActor:
     def _select_keys(self, data: DataProto) -> list[str]:
         keys = [*self._forward_keys(data, self._router_replay_mode() != "disabled"), "response_mask", "old_log_probs",
                 "advantages"]
-        if self.config.use_kl_loss:
+        if self.config.use_kl_loss or self._loss_mode == "spin":
             keys.append("ref_log_prob")
         if self._grouped_loss:
             keys.append(gvpo.GROUP_KEY)
@@ -161,10 +162,14 @@ class DataParallelPPOActor:
         return keys
 
     @property
+    def _loss_mode(self) -> str | None:
+        return getattr(getattr(self.config, "policy_loss", None), "loss_mode", None)
+
+    @property
     def _grouped_loss(self) -> bool:
-        """Whether the policy loss reads whole prompt groups (GVPO: ``algos/gvpo.py``)."""
-        policy_loss = getattr(self.config, "policy_loss", None)
-        return getattr(policy_loss, "loss_mode", None) == "gvpo"
+        """Whether the policy loss reads whole prompt groups (GVPO: ``algos/gvpo.py``; SPIN's pairs:
+        ``algos/spin.py``)."""
+        return self._loss_mode in ("gvpo", "spin")
 
     @property
     def _topk_distillation(self) -> bool:
@@ -179,6 +184,8 @@ class DataParallelPPOActor:
         cfg = self.config
         if cfg.policy_loss.loss_mode == "flowrl":
             return self._flowrl_loss(outputs, batch, info, on_policy)
+        if cfg.policy_loss.loss_mode == "spin":
+            return self._spin_loss(outputs, batch, info)
         mask, log_prob, entropy = batch["response_mask"], outputs["log_probs"], outputs.get("entropy")
         mode, scale = cfg.loss_agg_mode, cfg.loss_scale_factor
         info = GlobalBatchInfo(info, **({"loss_scale_factor": scale} if scale is not None else {}))
@@ -227,6 +234,17 @@ class DataParallelPPOActor:
         summed |= {k: ratios.pop(k) for k in flowrl.SEQUENCE_METRICS}
         return LossOutput(loss, summed, ratios)
 
+    def _spin_loss(self, outputs: dict[str, torch.Tensor], batch: Any, info: GlobalBatchInfo) -> LossOutput:
+        """SPIN's DPO loss alone (``algos/spin.py``): no entropy bonus, no KL loss (verl's recipe actor has
+        neither). beta is ``actor.dpo_beta``; the loss form and label smoothing come in the batch's
+        ``meta_info`` from ``algorithm`` (as verl hands them over), kept by ``update_policy``."""
+        options = {"dpo_beta": self.config.dpo_beta, **self._dpo_options}
+        loss, metrics = spin.compute_policy_loss_spin(
+            batch["old_log_probs"], outputs["log_probs"], batch["advantages"], batch["response_mask"],
+            config=core_algos.with_global_batch_info(options, info), ref_log_prob=batch["ref_log_prob"],
+            index=batch[gvpo.GROUP_KEY])
+        return LossOutput(loss, {"actor/pg_loss": loss.detach(), **metrics}, {})
+
     def _head_dropout_seed(self) -> int:
         """A seed per (base seed, update call, rank, micro-batch of the call): the update counter is checkpointed,
         so the head's dropout masks repeat on resume (the process-wide generator is also drawn by the driver)."""
@@ -264,13 +282,14 @@ class DataParallelPPOActor:
         """``plan`` cutting micro-batches in row order, after checking that this rank's rows hold whole
         groups that its mini- and micro-batches keep whole (the config checks make it so: config/gvpo.py)."""
         if gvpo.GROUP_KEY not in data.batch.keys():
-            raise KeyError(f"policy_loss.loss_mode=gvpo: the batch has no {gvpo.GROUP_KEY!r} (the trainer's group "
-                           "numbers, written when it orders the rows after generation)")
+            raise KeyError(f"policy_loss.loss_mode={self._loss_mode}: the batch has no {gvpo.GROUP_KEY!r} (the "
+                           "trainer's group numbers, written when it orders the rows after generation)")
         cuts = [plan.mini_batch_size or len(data), plan.micro.size or len(data)]
         problem = gvpo.whole_group_problem(data.batch[gvpo.GROUP_KEY].tolist(), cuts)  # one read per update
         if problem:
-            raise ValueError(f"policy_loss.loss_mode=gvpo needs whole groups in every micro-batch: {problem}; make "
-                             "actor.ppo_mini_batch_size and ppo_micro_batch_size_per_gpu multiples of rollout.n per rank")
+            raise ValueError(f"policy_loss.loss_mode={self._loss_mode} needs whole groups in every micro-batch: "
+                             f"{problem}; make actor.ppo_mini_batch_size and ppo_micro_batch_size_per_gpu multiples "
+                             "of rollout.n per rank")
         return dataclasses.replace(plan, micro=dataclasses.replace(plan.micro, in_order=True))
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
@@ -297,6 +316,8 @@ class DataParallelPPOActor:
         )
         if self._grouped_loss:
             plan = self._whole_group_plan(data, plan)
+        dpo_keys = ("dpo_loss_type", "dpo_label_smoothing")
+        self._dpo_options = {k: data.meta_info[k] for k in dpo_keys if k in data.meta_info}
         # verl's FlowRL actor: one mini-batch and one epoch make the update on-policy (_flowrl_loss)
         on_policy = plan.epochs == 1 and plan.mini_batch_size in (0, len(data))
         return self.engine.train_batch(data.select(batch_keys=self._select_keys(data)), output,

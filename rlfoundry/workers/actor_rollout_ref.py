@@ -21,6 +21,7 @@ Driver-facing methods (dispatch mode in brackets):
 | ``compute_log_prob_fp32`` [DP_COMPUTE_PROTO] | a few sequences | ``fp32_log_probs`` (B, Tr): ``old_log_probs`` recomputed in fp32 (the mismatch audit's precision test) |
 | ``compute_ref_log_prob`` [DP_COMPUTE_PROTO] | sequences | ``ref_log_prob`` (B, Tr) |
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
+| ``refresh_ref_from_actor`` [ONE_TO_ALL] | — | — (the reference takes the actor's weights: SPIN's ``trainer.ref_update_freq``) |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
 | ``open_weight_bridge`` [RANK_ZERO], ``connect_weight_bridge`` [ONE_TO_ALL] | — / host, port, rollout ranks | (host, port) / — |
 | ``send_weights`` (trainer) / ``receive_weights`` (rollout pool) [ONE_TO_ALL] | — | transfer sizes / param_version |
@@ -422,6 +423,22 @@ class ActorRolloutRefWorker(Worker):
             tensors |= {"ref_topk_log_probs": out["topk_log_probs"][mine], "ref_topk_ids": out["topk_ids"][mine]}
         return DataProto.from_dict(tensors=tensors).to("cpu")
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def refresh_ref_from_actor(self) -> None:
+        """Copy the actor's weights into the reference (SPIN, verl's ``trainer.ref_update_freq``): each rank
+        its own shard, the two engines being built alike from one model; the rollout is untouched."""
+        self._require(self.ref_policy, "refresh_ref_from_actor")
+        self._require(self.optimizer, "refresh_ref_from_actor")
+        if self._ref_in_actor:
+            raise RuntimeError("a LoRA run's reference is the actor's base model: it cannot take the actor's weights")
+        ref = dict(_plain_names(self.ref_policy.engine.module))
+        with torch.no_grad(), self.engine.weights_resident(), self.ref_policy.engine.weights_resident():
+            actor = dict(_plain_names(self.engine.module))
+            if actor.keys() != ref.keys():
+                raise RuntimeError(f"actor and reference differ in parameters: {sorted(actor.keys() ^ ref.keys())[:4]}")
+            for name, param in actor.items():
+                _local(ref[name]).copy_(_local(param))
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """One training step's PPO update; then the lr schedule steps and the rollout is told.
@@ -667,3 +684,14 @@ class ActorRolloutRefWorker(Worker):
         LoRA policy merged); ``adapter_only``: the peft adapter directory (``PeftModel.from_pretrained``)."""
         self._require(self.actor, "save_hf_model")
         self.engine.save_hf_model(path, self.tokenizer, adapter_only=adapter_only)
+
+
+def _plain_names(module: torch.nn.Module):
+    """(name, parameter) without the wrappers' prefixes (activation checkpointing, torch.compile)."""
+    for name, param in module.named_parameters():
+        yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), param
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (D)Tensor, sharing its storage."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -163,6 +163,7 @@ def test_engines_not_built_and_contradictions_are_errors():
     ("gsm8k_multiturn_megatron_grpo", "megatron", "sync"), ("entropy_trainer", "fsdp", "sync"),
     ("flowrl_trainer", "fsdp", "sync"),
     ("gvpo_trainer", "fsdp", "sync"),
+    ("spin_trainer", "fsdp", "sync"),
 ])
 def test_verls_config_names_are_packaged(name, strategy, mode):
     with warnings.catch_warnings():

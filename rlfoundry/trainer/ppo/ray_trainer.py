@@ -504,7 +504,8 @@ class PPOTrainer:
                 with profiler.step(step):
                     metrics = self.train_step()
                 metrics |= {"training/global_step": step, "training/epoch": (step - 1) // self.source.steps_per_epoch()}
-                self.tracker.log(metrics, step=step)  # before the checkpoint: see trainer/reliability.py
+                if step % self.config.trainer.log_freq == 0:  # verl's SPIN trainer's key; 1 by default
+                    self.tracker.log(metrics, step=step)  # before the checkpoint: see trainer/reliability.py
                 nan_guard.check(metrics, step)
                 log_extra(self.tracker, self._maybe_validate_and_save(step), step)
         except BaseException:
@@ -623,7 +624,8 @@ class PPOTrainer:
     def finish_generation(self, batch: DataProto) -> DataProto:
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
         batch.meta_info["max_prompt_length"] = int(self.config.data.max_prompt_length)
-        if self.config.actor_rollout_ref.actor.policy_loss.loss_mode == "gvpo":  # groups whole per micro-batch
+        # GVPO's groups, SPIN's pairs: whole per micro-batch
+        if self.config.actor_rollout_ref.actor.policy_loss.loss_mode in ("gvpo", "spin"):
             batch, _ = order_groups(batch, self.world_size, self.config.trainer.balance_batch)
         elif self.config.trainer.balance_batch:
             batch, _ = balance_batch(batch, self.world_size)
@@ -835,11 +837,20 @@ class PPOTrainer:
         return batch
 
     def _ref_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
-        """``ref_log_prob`` under the frozen reference, only when a KL term needs it."""
+        """``ref_log_prob`` under the reference, only when a KL term or SPIN's loss needs it. SPIN (verl's
+        recipe) first copies the actor into the reference every ``trainer.ref_update_freq`` steps, so its
+        DPO step is measured against the policy of that step's start."""
         if not self.use_reference_policy:
             return batch
+        freq = self.config.trainer.ref_update_freq
         with marked_timer("ref", timing):
+            if self._spin and freq > 0 and self.state.global_steps % freq == 0:
+                self.actor_rollout_wg.refresh_ref_from_actor()
             return batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+
+    @property
+    def _spin(self) -> bool:
+        return self.config.actor_rollout_ref.actor.policy_loss.loss_mode == "spin"
 
     def _teacher_log_prob(self, batch: DataProto, timing: dict) -> DataProto:
         """``teacher_logprobs`` (B, Tr), or (B, Tr, k) with ``teacher_ids`` for a top-k loss: each row scored
@@ -888,6 +899,9 @@ class PPOTrainer:
         """The PPO update; skipped during the critic warm-up (the critic learns values first)."""
         if self.state.global_steps <= self.config.trainer.critic_warmup:
             return {}
+        if self._spin:  # verl's SPIN trainer hands its algorithm keys to the actor in meta_info
+            alg = self.config.algorithm
+            batch.meta_info |= {"dpo_loss_type": alg.dpo_loss_type, "dpo_label_smoothing": alg.dpo_label_smoothing}
         with marked_timer("update_actor", timing):
             out = self.actor_rollout_wg.update_actor(batch)
         return reduce_metrics(out.meta_info["metrics"])
