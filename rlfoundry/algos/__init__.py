@@ -9,6 +9,7 @@ from rlfoundry.algos.core_algos import *  # noqa: F403
 from rlfoundry.algos.core_algos import __all__  # noqa: F401
 
 # algorithms in their own modules register under the registries above wherever the algorithms load (plain
-# main_ppo too): SPPO's estimator and loss (sppo), FlowRL's loss (flowrl), GVPO's loss (gvpo)
-for _name in ("flowrl", "gvpo", "sppo"):
+# main_ppo too): SPPO's estimator and loss (sppo), FlowRL's loss (flowrl), GVPO's loss (gvpo),
+# SPO's estimator (spo)
+for _name in ("flowrl", "gvpo", "spo", "sppo"):
     importlib.import_module(f"rlfoundry.algos.{_name}")
