@@ -50,6 +50,7 @@ def test_advantages_use_the_tracker_that_learned_earlier_steps(tiny_model_dir, t
         for k, ri in zip(keys, r.tolist()):  # rho = 0.5: alpha' = alpha / 2 + r, beta' = beta / 2 + 1 - r
             alpha[k], beta[k] = 0.5 * alpha.get(k, 0.5) + ri, 0.5 * beta.get(k, 0.5) + 1 - ri
         assert run.step(step)["spo/p_hats"] == pytest.approx(float(p_hat.mean()), abs=1e-6)
+        assert run.step(step)["spo/rho"] == 0.5
     assert revisits > 0  # some baseline came from an earlier step: the comparison is not 0.5 == 0.5
     assert run.step(1)["training/epoch"] == 0 and run.step(2)["training/epoch"] == 1  # 8 prompts per loader batch
 
@@ -74,4 +75,5 @@ def test_a_resumed_run_trains_the_next_step_like_the_uninterrupted_one(tiny_mode
         assert (want["reward_baselines"] != 0.5).any()
     # the KL-adaptive rho was measured on revisited prompts (D > 0 somewhere) and lies in [0.875, 0.96]
     assert any(full.step(s)["spo/D"] > 0 for s in (2, 3, 4))
-    assert all(0.875 <= full.step(s)["spo/rho"] <= 0.96 for s in (1, 2, 3, 4))
+    assert all(0.875 <= full.step(s)["spo/rho_clipped"] <= 0.96 for s in (1, 2, 3, 4))
+    assert full.step(1)["spo/rho"] == 1.0  # all first visits: D = 0, rho = 1 before its clip to 0.96

@@ -130,9 +130,13 @@ class SPOSource(SyncSource):
         batch.batch["reward_baselines"] = self.tracker.baselines(keys)
         self._batch = batch
         ab = torch.tensor([self.tracker.prior(k) for k in keys]).reshape(-1, 2)
+        p_hat, r = batch.batch["reward_baselines"], batch.batch["token_level_scores"].sum(-1).float()
+        adv = spo.spo_advantages(r, p_hat)  # what the `spo` estimator will give each row, for verl's metrics
+        quantiles = torch.quantile(adv, torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9]))
         return batch, metrics | {"spo/alpha": float(ab[:, 0].mean()), "spo/beta": float(ab[:, 1].mean()),
-                                 "spo/Neff": float(ab.sum(-1).mean()),
-                                 "spo/p_hats": float(batch.batch["reward_baselines"].mean())}
+                                 "spo/Neff": float(ab.sum(-1).mean()), "spo/p_hats": float(p_hat.mean()),
+                                 "spo/adv_before_norm": float((r - p_hat).mean())} | {
+            f"spo/adv_after_norm/p{q}": float(v) for q, v in zip((10, 30, 50, 70, 90), quantiles)}
 
     def _draw(self, batch_dict: dict) -> dict:
         """``data.train_batch_size`` of the loader's prompts, by priority; drawn from a generator seeded by
@@ -153,12 +157,14 @@ class SPOSource(SyncSource):
         keys = prompt_keys(batch)
         rewards = batch.batch["token_level_scores"].sum(-1).float()
         if self.cfg.rho.type == "constant":
-            rho, metrics = torch.full((len(keys),), float(self.cfg.rho.value)), {"spo/D": 0.0}
+            rho = torch.full((len(keys),), float(self.cfg.rho.value))
+            metrics = {"spo/D": 0.0, "spo/rho": float(self.cfg.rho.value)}
         else:
             rho, metrics = self._kl_rho(batch, keys)
         self.tracker.update(keys, rewards, rho)
         visits = np.array([self.tracker.visits[k] for k in keys])
-        return metrics | {"spo/rho": float(rho.mean()), "spo/reward": float(rewards.mean()),
+        return metrics | {"spo/reward": float(rewards.mean()),
+                          "spo/cur_sampled_number/min": float(visits.min()),
                           "spo/cur_sampled_number/mean": float(visits.mean()),
                           "spo/cur_sampled_number/max": float(visits.max())}
 
@@ -182,7 +188,10 @@ class SPOSource(SyncSource):
         for i, key in enumerate(keys):
             self.tracker.rows[key] = rows[i]
             self.tracker.log_probs[key] = now_new[i:i + 1, :rows[i]["responses"].shape[-1]].clone()
-        return rho, {"spo/D": float(d.mean()), "spo/first_sampled_ratio": 1.0 - float(np.mean(seen))}
+        unclipped = torch.pow(2.0, -d / spo.D_HALF)  # verl logs rho before and after the clip
+        return rho, {"spo/D": float(d.mean()), "spo/first_sampled_ratio": 1.0 - float(np.mean(seen)),
+                     "spo/rho": float(unclipped.mean()), "spo/rho_clipped": float(rho.mean()),
+                     "spo/rho_clip_ratio": float((rho != unclipped).float().mean())}
 
     @staticmethod
     def _padded(log_probs: torch.Tensor, width: int) -> torch.Tensor:
