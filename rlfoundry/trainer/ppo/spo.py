@@ -24,6 +24,7 @@ import torch
 
 from rlfoundry.algos import spo
 from rlfoundry.protocol import DataProto
+from rlfoundry.trainer.metric_utils import marked_timer
 from rlfoundry.trainer.ppo.sources import SyncSource
 from rlfoundry.utils.tokenizer import pad_id
 
@@ -160,7 +161,8 @@ class SPOSource(SyncSource):
             rho = torch.full((len(keys),), float(self.cfg.rho.value))
             metrics = {"spo/D": 0.0, "spo/rho": float(self.cfg.rho.value)}
         else:
-            rho, metrics = self._kl_rho(batch, keys)
+            with marked_timer("spo_rho", timing):
+                rho, metrics = self._kl_rho(batch, keys)
         self.tracker.update(keys, rewards, rho)
         visits = np.array([self.tracker.visits[k] for k in keys])
         return metrics | {"spo/reward": float(rewards.mean()),
