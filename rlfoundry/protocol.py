@@ -348,7 +348,7 @@ class DataProto:
                                                                   token baselines read it)
     ``values``                                        (B, Tr)     critic
     ``token_level_scores`` / ``token_level_rewards``  (B, Tr)     reward / KL penalty
-    ``reward_baselines``                              (B,)        ReMax (greedy-rollout reward)
+    ``reward_baselines``                              (B,)        ReMax (greedy-rollout reward); SPO (tracker mean)
     ``advantages``, ``returns``                       (B, Tr)     advantage estimator
     non-tensor ``data_source``, ``reward_model``      (B,)        dataset
     (``{"ground_truth": ...}``), ``extra_info``,

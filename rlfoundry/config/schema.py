@@ -1261,6 +1261,25 @@ class AlgorithmConfig(Node):
 
 
 @dataclass
+class SPORhoConfig(Node):
+    """verl's SPO recipe ``trainer.spo.rho``: how fast a prompt's tracker forgets (``algos/spo.py``)."""
+
+    type: str = one_of(("kl", "constant"), "kl")  # kl: from the policy's move since the prompt's last visit
+    value: float = 0.875  # type=constant: the factor
+    clip_lower: float = 0.875  # type=kl: rho's floor; also sets the offline prior's weight 1 / (1 - clip_lower)
+
+
+@dataclass
+class SPOConfig(Node):
+    """verl's SPO recipe ``trainer.spo`` (Single-stream Policy Optimization, ``trainer/ppo/spo.py``)."""
+
+    enable: bool = False
+    offline_values: Optional[str] = None  # JSON {prompt text: [scores]}; null: every prompt starts at Beta(.5, .5)
+    offline_N: int = 8  # offline scores kept per prompt (0: ignore them)
+    rho: SPORhoConfig = _sub(SPORhoConfig)
+
+
+@dataclass
 class TrainerConfig(Node):
     balance_batch: bool = True
     total_epochs: int = 1  # verl: 30
@@ -1321,6 +1340,8 @@ class TrainerConfig(Node):
     # rlfoundry: before any weight file is opened, the planner's per-rank peak (rlfoundry/plan, docs/plan.md)
     # against the visible device's memory (the host's on a CPU); a run that cannot fit stops with the breakdown
     plan_check: bool = True
+    spo: SPOConfig = _sub(SPOConfig)  # verl's SPO recipe (spo_trainer)
+    debug: bool = False  # verl's SPO recipe: Ray's legacy debugger (RAY_DEBUG=legacy) in the workers
 
     def check(self) -> list[str]:
         """Positive numbers, output directories that are directories, what resume and the back end need."""

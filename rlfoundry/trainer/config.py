@@ -40,6 +40,7 @@ from rlfoundry.config.distillation import distillation_errors
 from rlfoundry.config.sppo import sppo_errors
 from rlfoundry.config.flowrl import flowrl_errors, flowrl_warnings
 from rlfoundry.config.gvpo import gvpo_errors
+from rlfoundry.config.spo import spo_errors
 from rlfoundry.config.roles import adv_estimator, need_reference_policy, use_critic
 from rlfoundry.config.spin import spin_errors
 from rlfoundry.config.schema import (DISTILLATION_TOPK_MODES, STRATEGIES, SUM_PI_SQUARED_ESTIMATORS, PPOConfig, freeze,
@@ -943,7 +944,8 @@ def _warn_prox_without_effect(cfg: DictConfig) -> None:
 
 def _soft_warnings(cfg: DictConfig) -> None:
     est, n = adv_estimator(cfg), cfg.actor_rollout_ref.rollout.n
-    if est in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo") and n < 2:
+    spo = cfg.trainer.spo.enable  # SPO's tracker replaces the estimator (one sample per prompt is its point)
+    if est in ("grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline", "opo") and n < 2 and not spo:
         warnings.warn(f"algorithm.adv_estimator={est} compares the {n} sample(s) of each prompt: with "
                       f"actor_rollout_ref.rollout.n={n} every advantage is zero. Use rollout.n >= 2.", stacklevel=3)
     if cfg.algorithm.use_pf_ppo and est != "gae":
@@ -1027,7 +1029,7 @@ def validate_config(cfg: DictConfig | PPOConfig) -> None:
                + _check_rollout_correction(typed_cfg) + _check_async(typed_cfg) + _check_reward_function(typed_cfg)
                + _check_checkpoint_contents(typed_cfg) + _check_liger(typed_cfg) + _check_optimizers(typed_cfg)
                + _check_exact_mode(typed_cfg) + flowrl_errors(typed_cfg)
-               + gvpo_errors(typed_cfg) + spin_errors(typed_cfg))
+               + gvpo_errors(typed_cfg) + spin_errors(typed_cfg) + spo_errors(typed_cfg))
     if errors:
         bullet = "\n  - "
         raise ConfigError(f"{len(errors)} config problem(s):{bullet}" + bullet.join(errors))

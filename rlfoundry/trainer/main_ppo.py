@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlfoundry.trainer.config import (
     ConfigError,
@@ -199,9 +199,9 @@ def rollout_data_config(cfg: DictConfig) -> DictConfig:
     configured tools (``apply_chat_template_kwargs.tools``) and keep their messages (``return_raw_chat``),
     which a generative reward model also reads."""
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
-    if not multi_turn.enable and not cfg.reward.reward_model.enable:
+    spo = bool(OmegaConf.select(cfg, "trainer.spo.enable", default=False))  # SPO keys prompts by their messages
+    if not multi_turn.enable and not cfg.reward.reward_model.enable and not spo:
         return cfg.data
-    from omegaconf import OmegaConf
 
     from rlfoundry.tools.registry import initialize_tools_from_config
 
@@ -321,6 +321,8 @@ def ray_init_args(cfg: DictConfig) -> dict[str, Any]:
     runtime_env = {k: v for k, v in dict(ray_init.get("runtime_env") or {}).items() if v is not None}
     if runtime_env.get("env_vars"):  # Ray takes strings only (a command line's TRANSFER_QUEUE_ENABLE=1 is an int)
         runtime_env["env_vars"] = {str(k): str(v) for k, v in dict(runtime_env["env_vars"]).items()}
+    if cfg.trainer.get("debug"):  # verl's SPO recipe: trainer.debug turns on Ray's legacy debugger
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), "RAY_DEBUG": "legacy"}
     return {"address": ray_init.get("address"), "num_cpus": ray_init.get("num_cpus"),
             "num_gpus": ray_init.get("num_gpus"), "runtime_env": runtime_env or None}
 
@@ -446,6 +448,9 @@ def build_trainer(cfg: DictConfig):
     train_files = cfg.data.train_files if cfg.data.train_files is not None else syn_train
     val_files = cfg.data.val_files if cfg.data.val_files is not None else syn_val
     train, val_loader = build_dataloaders(cfg, tokenizer, train_files, val_files, load_model_processor(cfg))
+    if OmegaConf.select(cfg, "trainer.spo.enable", default=False) and cfg.data.gen_batch_size:
+        # verl's SPO: the loader hands data.gen_batch_size prompts, of which a step draws train_batch_size
+        train = train_loader(train.dataset, cfg.data, int(cfg.data.gen_batch_size))
     check_sandbox(cfg, [loader.dataset for loader in (train, val_loader) if loader is not None])
     resolved = resolve_config(cfg, steps_per_epoch=len(train), cuda_available=torch.cuda.is_available(),
                               train_files=syn_train, val_files=syn_val, run_dir=str(run_dir))

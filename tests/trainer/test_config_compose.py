@@ -164,6 +164,7 @@ def test_engines_not_built_and_contradictions_are_errors():
     ("flowrl_trainer", "fsdp", "sync"),
     ("gvpo_trainer", "fsdp", "sync"),
     ("spin_trainer", "fsdp", "sync"),
+    ("spo_trainer", "fsdp", "sync"),
 ])
 def test_verls_config_names_are_packaged(name, strategy, mode):
     with warnings.catch_warnings():
@@ -275,6 +276,14 @@ def test_the_recipe_entries_run_their_recipes_configs(capsys):
                 "--cfg", "job"], GVPO) == {}
     printed = OmegaConf.create(capsys.readouterr().out)
     assert (printed.trainer.project_name, printed.actor_rollout_ref.actor.gvpo_beta) == ("gvpo", 0.2)
+    from rlfoundry.recipe.spo.spo_main_ppo import ENTRY as SPO
+
+    # verl's SPO script's keys (METHOD=SPO): typed with verl's defaults for those it leaves
+    assert run(["trainer.spo.enable=True", "trainer.spo.rho.type=constant", "+data.gen_batch_size=8",
+                "trainer.debug=False", "--cfg", "job"], SPO) == {}
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert (printed.trainer.project_name, printed.trainer.spo.enable, printed.trainer.spo.rho.type) == ("spo", True, "constant")
+    assert (printed.trainer.spo.offline_N, printed.trainer.spo.rho.clip_lower, printed.data.gen_batch_size) == (8, 0.875, 8)
 
 
 # ───────────────────────────── one real step ─────────────────────────────
@@ -299,7 +308,7 @@ def test_the_entry_modules_import_no_torch():
     code = ("import sys, rlfoundry.experimental.one_step_off_policy.main_ppo, "
             "rlfoundry.experimental.fully_async_policy.fully_async_main, rlfoundry.recipe.dapo.main_dapo, "
             "rlfoundry.recipe.entropy.main_entropy, rlfoundry.recipe.sppo.main_sppo, "
-            "rlfoundry.recipe.flowrl.main_flowrl, rlfoundry.recipe.gvpo.gvpo_main_ppo; "
+            "rlfoundry.recipe.flowrl.main_flowrl, rlfoundry.recipe.gvpo.gvpo_main_ppo, rlfoundry.recipe.spo.spo_main_ppo; "
             "heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; "
             "sys.exit(f'imported at module level: {heavy}' if heavy else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=E.subprocess_env(),

@@ -344,6 +344,10 @@ def make_source(trainer: PPOTrainer) -> SampleSource:
         from rlfoundry.trainer.ppo.fully_async import FullyAsyncSource
 
         return FullyAsyncSource(trainer)
+    if trainer.config.trainer.spo.enable:  # verl's SPO recipe: prioritised prompts, per-prompt baselines
+        from rlfoundry.trainer.ppo.spo import SPOSource
+
+        return SPOSource(trainer)
     if trainer.config.algorithm.filter_groups.enable:
         return DynamicSamplingSource(trainer)
     return SyncSource(trainer)
@@ -876,8 +880,10 @@ class PPOTrainer:
                 batch, metrics = apply_kl_penalty(batch, self.kl_ctrl, kl_penalty=alg.kl_penalty)
             else:
                 batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+            # SPO's tracker baselines (trainer/ppo/spo.py) replace the estimator, as in verl's recipe
+            estimator = "spo" if self.config.trainer.spo.enable else alg.adv_estimator
             batch = compute_advantage(
-                batch, alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
+                batch, estimator, gamma=alg.gamma, lam=alg.lam,
                 num_repeat=int(self.config.actor_rollout_ref.rollout.n),
                 norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg, generator=self._step_generator(),
             )
