@@ -57,7 +57,10 @@ def _z(batch, policy: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def test_the_actor_reports_the_dpo_loss_of_its_pairs_and_the_reference_is_refreshed_on_schedule(tiny_model_dir,
                                                                                                 tmp_path):
     # wrapped in FSDP2 on the one rank, as on several: the refresh copies DTensor shards
-    run = _run(tiny_model_dir, tmp_path / "run", E.write_reward_file(tmp_path), "trainer.ref_update_freq=2", *FSDP)
+    run = _run(tiny_model_dir, tmp_path / "run", E.write_reward_file(tmp_path), "trainer.ref_update_freq=2", *FSDP,
+               "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1")
+    # only step 2 saved the reference (refreshed at 2, not at 3); pruning step 2's actor took it along
+    assert [_components(tmp_path / "run" / f"global_step_{s}") for s in (1, 2, 3)] == [[], [], ["actor"]]
     mask = [b["response_mask"].bool() for b in run.batches]
     same = [torch.allclose(b["ref_log_prob"][m], b["old_log_probs"][m], atol=1e-5) for b, m in zip(run.batches, mask)]
     # step 1: nothing trained yet; step 2: refreshed (2 % 2 == 0) to the policy of that step; step 3: not refreshed

@@ -45,6 +45,7 @@ from rlfoundry.trainer.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
+from rlfoundry.utils.fs import rename_then_delete
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.trajectories import generation_records, write_generations
 from rlfoundry.utils.torch_functional import masked_mean
@@ -991,8 +992,11 @@ class PPOTrainer:
         ckpt.save_trainer_state(step_dir / TRAINER_STATE_FILE, self._trainer_state())
         ckpt.write_latest_checkpointed_iteration(self._ckpt_root(), step)
         self.state.last_ckpt = str(step_dir)
-        for role in ("actor", REF_DIR):  # the reference's weights are kept as long as the actor's
-            ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_actor_ckpt_to_keep, component=role)
+        for actor_dir in ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_actor_ckpt_to_keep,
+                                                     component="actor"):
+            ref_dir = Path(actor_dir).parent / REF_DIR  # SPIN's reference is of no use without its actor
+            if ref_dir.is_dir():
+                rename_then_delete(ref_dir, fault_point="save.pruning")
         if self.use_critic:
             ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_critic_ckpt_to_keep, component="critic")
 
