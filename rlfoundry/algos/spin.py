@@ -16,6 +16,11 @@ R the reference's sequence log-prob over the response mask m, beta = ``actor.dpo
     ipo:     l = (z - 1 / (2 beta))^2                                     (algorithm.dpo_loss_type)
 
 and the mini-batch loss is the mean of l over pairs, as verl's (micro-batch means / micro-batch count).
+
+Reference schedule: step s starts by copying the actor into the reference when ``ref_update_freq`` f > 0
+divides s (``refreshes_reference``). A checkpoint after step s holds the reference's weights only when a
+resume could not rebuild it otherwise (``reference_to_checkpoint``): once refreshed it is no longer the
+model path's, unless step s + 1 refreshes it first anyway — so never with f = 1 or f = -1 (fixed).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from rlfoundry.algos.core_algos import _agg_kwargs, _cfg, agg_loss, register_adv
 from rlfoundry.utils import torch_functional as F_
 
 __all__ = ["DPO_LOSS_TYPES", "PAIR_METRICS", "compute_policy_loss_spin", "compute_spin_preference",
-           "dpo_losses", "spin_pair_terms"]
+           "dpo_losses", "reference_to_checkpoint", "refreshes_reference", "spin_pair_terms"]
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")  # verl's compute_online_dpo_loss knows these two
 # per-pair metrics with verl's names, reported as mini-batch means (summed shares, like the loss)
@@ -49,6 +54,18 @@ def dpo_losses(logits: torch.Tensor, beta: float, label_smoothing: float = 0.0,
     if loss_type == "ipo":  # Azar et al. 2023: regress z onto 1 / (2 beta) instead of pushing it to infinity
         return (logits - 1 / (2 * beta)).square()
     raise ValueError(f"algorithm.dpo_loss_type={loss_type!r}: choose one of {list(DPO_LOSS_TYPES)}")
+
+
+def refreshes_reference(step: int, freq: int) -> bool:
+    """Whether training step ``step`` (1-based) starts by copying the actor into the reference
+    (``trainer.ref_update_freq`` = ``freq``; -1: never, the reference stays the initial model)."""
+    return freq > 0 and step % freq == 0
+
+
+def reference_to_checkpoint(step: int, freq: int) -> bool:
+    """Whether a checkpoint taken after step ``step`` must hold the reference's weights for an exact
+    resume: it was refreshed at least once (step >= freq) and step + 1 does not refresh it first."""
+    return freq > 0 and step >= freq and not refreshes_reference(step + 1, freq)
 
 
 @register_adv_est("spin")

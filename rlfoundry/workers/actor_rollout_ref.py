@@ -23,6 +23,7 @@ Driver-facing methods (dispatch mode in brackets):
 | ``update_actor`` [DP_COMPUTE_PROTO] | batch with advantages | ``meta_info["metrics"]`` |
 | ``refresh_ref_from_actor`` [ONE_TO_ALL] | — | — (the reference takes the actor's weights: SPIN's ``trainer.ref_update_freq``) |
 | ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf_model`` [ONE_TO_ALL] | paths | — |
+| ``save_ref_checkpoint`` / ``load_ref_checkpoint`` [ONE_TO_ALL] | a path | — (the reference's weights: SPIN's resume) |
 | ``open_weight_bridge`` [RANK_ZERO], ``connect_weight_bridge`` [ONE_TO_ALL] | — / host, port, rollout ranks | (host, port) / — |
 | ``send_weights`` (trainer) / ``receive_weights`` (rollout pool) [ONE_TO_ALL] | — | transfer sizes / param_version |
 | ``rollout_sampling_state`` [RANK_ZERO] / ``load_rollout_sampling_state`` [ONE_TO_ALL] (rollout pool) | — / state | the engine's sampling position / — |
@@ -677,6 +678,21 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.load_state_dict(extra["rollout"])
         self._refresh_rollout()  # the rollout's copy (or vLLM's) follows the loaded weights
         return extra
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_ref_checkpoint(self, local_path: str) -> None:
+        """The reference's weights alone (its model shards, each rank its own; no optimiser, schedule or
+        RNG: it does not train) as a role directory at ``local_path``, staged and published like the
+        actor's: what SPIN's refreshed reference needs to resume (``trainer._save_checkpoint``)."""
+        self._require(self.ref_policy, "save_ref_checkpoint")
+        self.ref_policy.engine.save_checkpoint(local_path, {"role": "ref"}, tokenizer=self.tokenizer,
+                                               contents=["model"])
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_ref_checkpoint(self, local_path: str, verify: bool = True) -> None:
+        """Restore the reference's weights that ``save_ref_checkpoint`` wrote."""
+        self._require(self.ref_policy, "load_ref_checkpoint")
+        self.ref_policy.engine.load_checkpoint(local_path, verify=verify, contents=["model"])
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, adapter_only: bool = False) -> None:

@@ -1,5 +1,6 @@
 """SPIN (verl's recipe/spin, arXiv:2401.01335): the DPO loss and the pairing against hand-derived numbers, the
-loss's independence of micro-batching, its registration, and the start-up checks that name their keys."""
+loss's independence of micro-batching, its registration, the start-up checks that name their keys, the
+reference's refresh / checkpoint schedule, and the tie rule surviving the trainer's pair ordering."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from rlfoundry.algos import core_algos
-from rlfoundry.algos.spin import compute_policy_loss_spin, compute_spin_preference, dpo_losses
+from rlfoundry.algos.spin import (compute_policy_loss_spin, compute_spin_preference, dpo_losses,
+                                  reference_to_checkpoint, refreshes_reference)
 from rlfoundry.config.roles import adv_estimator, need_reference_policy
 from rlfoundry.config.typed import ConfigError
 from rlfoundry.recipe.spin.main_spin import ENTRY, spin_overrides
@@ -143,3 +145,40 @@ def test_the_pairing_without_the_dpo_loss_is_refused():
     with pytest.raises(ConfigError, match="adv_estimator=spin writes SPIN's pair labels.*loss_mode=spin"):
         load_config(["algorithm.adv_estimator=spin", "actor_rollout_ref.rollout.n=2",
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"])
+
+
+@pytest.mark.parametrize("freq, refreshed, saved", [
+    # steps 1..7; saved: the checkpoint after that step holds the reference (refreshed, and step + 1 does not)
+    (-1, [], []),
+    (1, [1, 2, 3, 4, 5, 6, 7], []),  # every step starts by refreshing: the saved one would never be read
+    (2, [2, 4, 6], [2, 4, 6]),  # after 3: step 4 refreshes; after 1: still the model path's
+    (3, [3, 6], [3, 4, 6, 7]),  # after 5: step 6 refreshes
+])
+def test_the_reference_is_refreshed_and_checkpointed_only_when_a_resume_needs_it(freq, refreshed, saved):
+    steps = range(1, 8)
+    assert [s for s in steps if refreshes_reference(s, freq)] == refreshed
+    assert [s for s in steps if reference_to_checkpoint(s, freq)] == saved
+
+
+def test_the_trainers_pair_ordering_keeps_generation_order_so_a_tie_goes_to_the_first_sample():
+    """``order_groups`` (the trainer's SPIN row order) with balancing over 2 ranks moves whole pairs;
+    each pair's rows stay in generation order, so with tied scores the first generated sample wins."""
+    from rlfoundry.protocol import DataProto
+    from rlfoundry.trainer.ppo.ray_trainer import order_groups
+
+    # 4 prompts x 2 samples, generated interleaved (prompt-major, sample index 0 then 1); lengths make
+    # Karmarkar-Karp pair prompts 0+3 and 1+2, so the balanced order is not the generation order
+    uid = np.array(["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p3"], dtype=object)
+    lengths = [9, 8, 6, 6, 5, 5, 2, 3]
+    attention = torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])
+    sample = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])
+    data = DataProto.from_dict(tensors={"attention_mask": attention, "sample": sample},
+                               non_tensors={"uid": uid})
+    data, stats = order_groups(data, world_size=2, balance=True)
+    assert stats["training/seqlen_max_rank_tokens"] == stats["training/seqlen_min_rank_tokens"] == 22  # 17 + 5, 12 + 10
+    assert list(data.non_tensor_batch["uid"]) != list(uid)  # the balancer did move pairs
+    assert data.batch["sample"].tolist() == [0, 1] * 4
+    mask = torch.ones(8, 3)
+    label, _ = compute_spin_preference(torch.zeros(8, 3), mask, data.non_tensor_batch["uid"])
+    chosen = data.batch["sample"][label[:, 0] > 0]
+    assert chosen.tolist() == [0, 0, 0, 0]

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,10 @@ def _snapshot(batch) -> dict[str, Any]:
     return out
 
 
-def train(overrides: list[str], keep_trainer: bool = False, config_name: str | None = None) -> Run:
-    """Build the trainer from ``overrides`` (as on the command line), record each step's batch, fit."""
+def train(overrides: list[str], keep_trainer: bool = False, config_name: str | None = None,
+          prepare: Callable[[Any], None] | None = None) -> Run:
+    """Build the trainer from ``overrides`` (as on the command line), record each step's batch, fit.
+    ``prepare(trainer)`` runs before ``fit`` (e.g. to record what a worker group returns)."""
     from rlfoundry.trainer.config import load_config
     from rlfoundry.trainer.main_ppo import build_trainer
 
@@ -101,6 +104,8 @@ def train(overrides: list[str], keep_trainer: bool = False, config_name: str | N
         return update_actor(batch, timing)
 
     trainer._update_actor = recording_update_actor
+    if prepare is not None:
+        prepare(trainer)
     summary = trainer.fit()
     run_dir = Path(trainer.config.trainer.run_dir)
     return Run(summary, read_records(run_dir), batches, trainer if keep_trainer else None)

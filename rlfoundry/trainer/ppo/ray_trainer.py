@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from rlfoundry.config.schema import SUM_PI_SQUARED_ESTIMATORS, PPOConfig, starts_from_dist_checkpoint
 from rlfoundry.algos import core_algos, rollout_corr
+from rlfoundry.algos.spin import reference_to_checkpoint, refreshes_reference
 from rlfoundry.trainer.ppo import mismatch
 from rlfoundry.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from rlfoundry.trainer.ppo.teachers import teacher_log_probs, teacher_roles, teacher_topk
@@ -44,6 +45,7 @@ from rlfoundry.trainer.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
+from rlfoundry.utils.fs import rename_then_delete
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.trajectories import generation_records, write_generations
 from rlfoundry.utils.torch_functional import masked_mean
@@ -57,6 +59,7 @@ WorkerGroupFactory = Callable[[dict[str, ClassWithInitArgs]], dict[str, WorkerGr
 logger = logging.getLogger(__name__)
 MISMATCH_LOG_EVERY = 10  # steps between two mismatch diagnoses naming the same cause (a changed cause: at once)
 TRAINER_STATE_FILE = "data.pt"  # the name verl uses for the trainer/loader state
+REF_DIR = "ref"  # SPIN's refreshed reference: model shards only, beside actor/ (docs/checkpoints.md)
 
 
 # ───────────────────────────────────── pure phase functions ─────────────────────────────────────
@@ -846,9 +849,8 @@ class PPOTrainer:
         DPO step is measured against the policy of that step's start."""
         if not self.use_reference_policy:
             return batch
-        freq = self.config.trainer.ref_update_freq
         with marked_timer("ref", timing):
-            if self._spin and freq > 0 and self.state.global_steps % freq == 0:
+            if self._spin and refreshes_reference(self.state.global_steps, self.config.trainer.ref_update_freq):
                 self.actor_rollout_wg.refresh_ref_from_actor()
             return batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
 
@@ -983,12 +985,18 @@ class PPOTrainer:
         step, trainer = self.state.global_steps, self.config.trainer
         step_dir = self._ckpt_root() / f"global_step_{step}"
         self.actor_rollout_wg.save_checkpoint(str(step_dir / "actor"), global_step=step)
+        if self._spin and reference_to_checkpoint(step, trainer.ref_update_freq):
+            self.actor_rollout_wg.save_ref_checkpoint(str(step_dir / REF_DIR))  # refreshed: not the model path's
         if self.use_critic:
             self.critic_wg.save_checkpoint(str(step_dir / "critic"), global_step=step)
         ckpt.save_trainer_state(step_dir / TRAINER_STATE_FILE, self._trainer_state())
         ckpt.write_latest_checkpointed_iteration(self._ckpt_root(), step)
         self.state.last_ckpt = str(step_dir)
-        ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_actor_ckpt_to_keep, component="actor")
+        for actor_dir in ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_actor_ckpt_to_keep,
+                                                     component="actor"):
+            ref_dir = Path(actor_dir).parent / REF_DIR  # SPIN's reference is of no use without its actor
+            if ref_dir.is_dir():
+                rename_then_delete(ref_dir, fault_point="save.pruning")
         if self.use_critic:
             ckpt.remove_old_checkpoints(self._ckpt_root(), trainer.max_critic_ckpt_to_keep, component="critic")
 
@@ -1036,12 +1044,23 @@ class PPOTrainer:
             self.critic_wg.load_checkpoint(str(Path(path) / "critic"), verify=False)
         state = ckpt.load_trainer_state(Path(path) / TRAINER_STATE_FILE)
         self.state.global_steps = int(state["global_step"])
+        self._load_reference(Path(path))
         self.train_dataloader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self.state.first_val = dict(state.get("first_val", {}))
         self.state.resumed_from = path
         print(f"[rlfoundry] resumed from {path} (global step {self.state.global_steps})", flush=True)
         self.source.on_resume(state)
+
+    def _load_reference(self, step_dir: Path) -> None:
+        """SPIN's refreshed reference, where the checkpoint holds it (``algos/spin.reference_to_checkpoint``);
+        otherwise the reference stays the one built from the model path, which is then the right one."""
+        if self._spin and (step_dir / REF_DIR).is_dir():
+            self.actor_rollout_wg.load_ref_checkpoint(str(step_dir / REF_DIR), verify=False)
+        elif self._spin and reference_to_checkpoint(self.state.global_steps, self.config.trainer.ref_update_freq):
+            logger.warning("%s has no %s/ (saved before SPIN checkpointed its reference, or with another "
+                           "trainer.ref_update_freq): the reference restarts from the model until its next refresh, "
+                           "so the next steps' DPO losses differ from an uninterrupted run's", step_dir, REF_DIR)
 
     # ---- tracking and summary ------------------------------------------------------------------
 
