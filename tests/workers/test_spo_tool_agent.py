@@ -114,6 +114,7 @@ def test_code_runs_in_the_sandbox_and_its_output_is_appended_masked(tokenizer):
     torch.testing.assert_close(torch.tensor(lp), torch.tensor(expected[2]))
     extras = out.non_tensor_batch
     assert (extras["num_turns"][0], extras["tool_calls"][0], extras["stop_reason"][0]) == (4, 1, "no_call")  # verl counts the prompt as a turn
+    assert extras["last_turn_start"][0] == 0  # the reward reads the whole response, code and output included
     assert extras["turns"][0] == [["assistant", 0, len(turn1)],
                                   ["tool", len(turn1), len(ids) - len(tokenizer.encode(final, add_special_tokens=False))],
                                   ["assistant", len(ids) - len(tokenizer.encode(final, add_special_tokens=False)), len(ids)]]

@@ -102,7 +102,9 @@ class SPOToolAgentLoop(AgentLoopBase):
             num_turns=assistant + user + 1, cut_by_length=stop == "length",
             extra_fields={"tool_calls": calls,
                           "tool_errors": {f"{TOOL_NAME}/error": errors} if errors else {},
-                          "stop_reason": stop, "turns": turns})
+                          "stop_reason": stop, "turns": turns,
+                          # one assistant message: rule rewards read all of it, as verl's reward sees it
+                          "last_turn_start": 0})
 
     def _limit(self, length: int, assistant: int, user: int) -> str | None:
         """Why the trajectory ends after an assistant turn, by verl's checks in verl's order."""
