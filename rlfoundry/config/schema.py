@@ -58,6 +58,7 @@ DTYPE_SPELLINGS = {"fp32": "float32", "float32": "float32", "float": "float32", 
 MEGATRON_INSTALL = "pip install 'rlfoundry[megatron]'  (megatron-core, mbridge, einops)"
 from rlfoundry.utils.profile_tools import TORCH_PROFILER_TOOLS  # noqa: E402  (global_profiler.tool values the trace serves)
 TOOL_CALL_FORMATS = ("hermes", "qwen", "gpt-oss", "qwen3_coder")  # multi_turn.format; tools/parser.py (tested equal)
+SPO_FORMAT = "spo"  # multi_turn.format of verl's SPO scripts: code in <code> tags, for the spo_tool_agent loop only
 LR_SCHEDULES = ("constant", "cosine")  # optim.lr_scheduler_type / warmup_style; engines/fsdp/utils.py
 # algos/core_algos.py (AGG_LOSS_MODES, kl_penalty) implements these; tests/trainer/test_config.py checks they agree
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -705,7 +706,8 @@ class MultiTurnConfig(Node):
     interaction_config_path: Optional[str] = None
     use_inference_chat_template: bool = False  # the engine sees the chat re-rendered each turn; the row keeps its tokens
     tokenization_sanity_check_mode: str = one_of(("strict", "ignore_strippable", "disable"), "strict")
-    format: str = one_of(TOOL_CALL_FORMATS, "hermes")  # the tool-call parser (tools/parser.py)
+    # the tool-call parser (tools/parser.py), or spo: spo_tool_agent's <code> blocks (config/spo.py)
+    format: str = one_of(TOOL_CALL_FORMATS + (SPO_FORMAT,), "hermes")
     tool_timeout_s: float = 30.0  # rlfoundry: a call that takes longer answers with an error
     # verl's: how many conversations a custom agent loop simulates per sample (recipe/collabllm reads it as
     # config.num_repeat_rollouts); the loops rlfoundry ships do not use it, a registered loop reads it here

@@ -117,8 +117,21 @@ def test_start_up_errors_name_the_key(tmp_path):
     from rlfoundry.config.typed import ConfigError
     from rlfoundry.trainer.config import load_config
 
-    with pytest.raises(ConfigError, match=r"default_agent_loop=spo_tool_agent .*not ported"):
-        load_config(["actor_rollout_ref.rollout.agent.default_agent_loop=spo_tool_agent"])
+    # format=spo is spo_tool_agent's: another loop would parse tool-call markup the model never writes
+    with pytest.raises(ConfigError, match=r"multi_turn.format=spo with actor_rollout_ref.rollout.agent."
+                                          r"default_agent_loop=tool_agent: only the spo_tool_agent loop reads"):
+        load_config(["actor_rollout_ref.rollout.multi_turn.format=spo",
+                     "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
+    for loop in ("spo_tool_agent", "null"):
+        load_config(["actor_rollout_ref.rollout.multi_turn.format=spo",
+                     f"actor_rollout_ref.rollout.agent.default_agent_loop={loop}"])
+    # a vision-language model: rho=kl would recompute log-probs without the images; constant is fine
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {"depth": 1}}')
+    with pytest.raises(ConfigError, match=r"trainer.spo.rho.type=kl with a vision-language model"):
+        load_config(["trainer.spo.enable=true", f"actor_rollout_ref.model.path={vlm}"])
+    load_config(["trainer.spo.enable=true", f"actor_rollout_ref.model.path={vlm}", "trainer.spo.rho.type=constant"])
     with pytest.raises(ConfigError, match=r"trainer.spo.offline_values=.*nowhere.json is not a file"):
         load_config(["trainer.spo.enable=true", f"trainer.spo.offline_values={tmp_path / 'nowhere.json'}"])
     with pytest.raises(ConfigError, match=r"trainer.spo.rho.clip_lower=1.0 must be in \[0, 1\)"):

@@ -21,13 +21,13 @@ from rlfoundry.trainer.config import ConfigError, load_config
 
 def test_the_config_accepts_exactly_the_registered_formats_with_no_warning():
     assert TOOL_CALL_FORMATS == schema.TOOL_CALL_FORMATS == ("hermes", "qwen", "gpt-oss", "qwen3_coder")
-    for name in TOOL_CALL_FORMATS:
+    for name in TOOL_CALL_FORMATS + ("spo",):  # spo: verl's SPO loop's <code> blocks (test_spo_tool_agent.py)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "accepted with no effect" warning: the key takes effect
             cfg = load_config([f"actor_rollout_ref.rollout.multi_turn.format={name}"])
         assert cfg.actor_rollout_ref.rollout.multi_turn.format == name
     with pytest.raises(ConfigError, match=r"multi_turn.format='glm' is not one of \['hermes', 'qwen', 'gpt-oss', "
-                                          r"'qwen3_coder'\]"):
+                                          r"'qwen3_coder', 'spo'\]"):
         load_config(["actor_rollout_ref.rollout.multi_turn.format=glm"])
     with pytest.raises(ValueError, match="known: \\['hermes', 'qwen', 'gpt-oss', 'qwen3_coder'\\]"):
         parse_tool_calls("llama3", "text")

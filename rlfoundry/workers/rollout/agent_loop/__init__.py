@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfoundry.config.schema import SPO_FORMAT
 from rlfoundry.protocol import DataProto
 from rlfoundry.utils.tokenizer import pad_id
 from rlfoundry.utils.trajectories import format_trajectory
@@ -81,6 +82,9 @@ def build_agent_loop(engine: Any, tokenizer: Any, rollout: Any) -> AgentLoop | N
                      chat_template_kwargs=kwargs, agent=rollout.agent, interactions=interactions,
                      prompt_tools_known=bool(multi_turn.tool_config_path))
     resolve_agent_loops({loop.default_loop}, loop.loop_config_path)
+    if loop.default_loop == "spo_tool_agent" and "code_interpreter" not in loop.tools:
+        raise AgentLoopError("the spo_tool_agent loop runs code with a tool named 'code_interpreter'; "
+                             f"actor_rollout_ref.rollout.multi_turn.tool_config_path lists {sorted(loop.tools)}")
     return loop
 
 
@@ -108,7 +112,9 @@ class AgentLoop:
         self.response_length = int(response_length)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # as the data set rendered the prompts
         self.interactions = dict(interactions or {})
-        self.default_loop = getattr(agent, "default_agent_loop", None) or "tool_agent"
+        # format=spo is verl's SPO scripts' way of naming their loop (config/spo.py)
+        implied = "spo_tool_agent" if getattr(config, "format", None) == SPO_FORMAT else "tool_agent"
+        self.default_loop = getattr(agent, "default_agent_loop", None) or implied
         self.loop_config_path = getattr(agent, "agent_loop_config_path", None)
         self.max_wait_s = float(getattr(agent, "max_wait_s", 1.0))
         self.agent = agent

@@ -28,7 +28,11 @@ __all__ = ["AgentLoopBase", "AgentLoopError", "AgentLoopOutput", "register", "re
 _REGISTRY: dict[str, type] = {}
 _BUILT_IN = {"single_turn_agent": "rlfoundry.workers.rollout.agent_loop.single_turn.SingleTurnAgentLoop",
              "tool_agent": "rlfoundry.workers.rollout.agent_loop.tool_agent.ToolAgentLoop",
-             "openai_agent": "rlfoundry.workers.rollout.agent_loop.openai_agent.OpenAIAgentLoop"}
+             "openai_agent": "rlfoundry.workers.rollout.agent_loop.openai_agent.OpenAIAgentLoop",
+             "spo_tool_agent": "rlfoundry.workers.rollout.agent_loop.spo_tool_agent.SPOToolAgentLoop"}
+# verl recipes' loop classes that rlfoundry ports, as their agent_loop_config_path files name them (the
+# originals import verl's agent-loop machinery, which is not here)
+_VERL_TARGETS = {"recipe.spo.agent_loop.spo_tool_agent_loop.SPOToolAgentLoop": _BUILT_IN["spo_tool_agent"]}
 
 
 class AgentLoopError(ValueError):
@@ -85,7 +89,7 @@ def register(name: str):
 
 
 def _import(target: str, where: str) -> type:
-    module_name, _, attr = target.rpartition(".")
+    module_name, _, attr = _VERL_TARGETS.get(target, target).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as e:

@@ -184,6 +184,9 @@ class ToolAgentLoop(AgentLoopBase):
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        if self.config.format not in FORMATS:  # format=spo: a row that names this loop in an SPO run
+            raise AgentLoopError(f"rollout.multi_turn.format={self.config.format} is read by the spo_tool_agent loop "
+                                 "only (code in <code> tags, no tool-call markup); this row's agent_name is tool_agent")
         if self.config.use_inference_chat_template and not row.get("raw_prompt"):
             raise AgentLoopError("rollout.multi_turn.use_inference_chat_template=true renders each turn from the "
                                  "chat's messages, but this row has no raw_prompt: set data.return_raw_chat=True")
