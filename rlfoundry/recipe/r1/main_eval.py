@@ -8,6 +8,7 @@ its responses, per data source the mean of those (``test_score/<data_source>``).
 under this module's name. The recipe's script passes its ``recipe/r1/reward_score.py`` as
 ``custom_reward_function.path`` with ``.name=reward_func``: a verl checkout's file, whose ``import verl…``
 lines run on rlfoundry (docs/verl_keys.md, "verl imports in your code").
+``--cfg job`` prints the config a command line gives and exits.
 """
 
 import sys
