@@ -230,7 +230,7 @@ def test_rows_choose_their_loop_by_name_and_custom_loops_load_from_a_config_file
 
     prompts.non_tensor_batch["agent_name"] = np.array(["nobody", None], dtype=object)
     with pytest.raises(AgentLoopError, match=r"agent loop 'nobody'.*known: \['openai_agent', 'self_check', 'single_turn_agent', "
-                                             r"'tool_agent'\]"):
+                                             r"'spo_tool_agent', 'tool_agent'\]"):
         loop.generate_sequences(prompts)
 
 
