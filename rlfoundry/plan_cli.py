@@ -7,7 +7,7 @@ of another entry module (``python -m MODULE``: its default config, pipeline and 
 ranks. Exit status: 0 fits, 1 does not fit, 2 a bad config.
 """
 # Here, beside cli, not in rlfoundry/plan: composing the config is the trainer's, and the trainer imports the
-# planner for its start-up check; ``python -m rlfoundry.plan`` is a thin entry into this module.
+# planner for its start-up check; ``python -m rlfoundry.plan`` runs this module (runpy, no import edge).
 
 from __future__ import annotations
 
